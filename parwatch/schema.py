@@ -1,0 +1,114 @@
+"""The wire contract between collectors, the sidecar and offline tools (version 1).
+
+Everything that crosses a process boundary is described here once: the step
+summary a collector produces per rank and step, the ingest request body, the
+directive the sidecar hands back, and the JSONL files a run directory holds.
+
+StepSummary (a dict; JSON object), one per rank and step:
+
+    v                         1
+    run_id                    str
+    rank, stage, tp_rank, dp_rank         int
+    tp, pp, dp, microbatches, chunks      int (chunks = v, model chunks per stage)
+    schedule                  "gpipe" | "1f1b" | "interleaved"
+    step                      int, the optimizer step this summary describes (1-based)
+    time                      float, unix seconds when the step ended on this rank
+    step_seconds              float, boundary-to-boundary period on this rank
+    compute_seconds           float, forward + backward spans
+    other_seconds             float, optimizer + DP gradient sync
+    idle_seconds              float, step - compute - other
+    bubble_ratio              float, idle / (step - other)
+    bubble_theoretical_ratio  float, (p-1)/(m+p-1) or (p-1)/(v*m+p-1)
+    loss                      float | null (NaN/inf encoded as the strings "nan", "inf", "-inf")
+    tokens                    int, tokens the whole run consumed in this step (all DP replicas)
+    memory_max_allocated_bytes  int | null
+    collectives               list of {op, group, count, seconds, bytes, buckets, algbw, busbw}
+                              buckets: cumulative counts for COLLECTIVE_BUCKETS (le), + "+Inf" = count
+    gpu                       null | {index, utilization_ratio, memory_used_bytes, memory_total_bytes,
+                                      power_watts, sm_clock_hertz, temperature_celsius, throttle_reasons}
+    nvml_up                   0 | 1
+    overhead_seconds          float, time the collector itself spent on the training thread this step
+    dropped_total             int, summaries this rank's shipper dropped so far
+    checkpoints               list[int], steps with a complete checkpoint (rank 0; [] elsewhere)
+    applied                   list of {id, step}: directives this rank applied since its last summary
+    paused                    bool
+    global                    rank 0 only, the fast-path view of the step before (one step of lag):
+                              {step, loss, pipeline_skew_ratio,
+                               stages: [{stage, compute_seconds, idle_seconds, other_seconds,
+                                         step_seconds, bubble_ratio}]}
+
+Ingest request (POST /v1/ingest):  {"version": 1, "summaries": [StepSummary, ...],
+                                    "acks": [{"rank", "id", "step"}, ...] (optional)}
+    "acks" lets a rank report an applied directive at once, without waiting for its next
+    step summary (a paused run produces none). Summaries may be empty (a poll for a directive).
+Ingest response: {"accepted": n, "directive": Directive | null}
+
+Directive: {"id": int > 0, "action": "pause" | "resume" | "rollback",
+            "to_step": int | null (rollback: checkpoint step to load),
+            "skip_batches": int >= 0 (rollback: data batches to skip after loading),
+            "reason": str}
+
+Run directory files: summaries.jsonl (StepSummary per line), spans.jsonl (SpanRecord per
+line, for the steps the collector samples), decisions.jsonl (sidecar decision records).
+
+SpanRecord: {run_id, rank, stage, step, kind, start_s, end_s, attrs}
+    start_s/end_s: seconds since the run's time origin (the first step boundary), so spans
+    from different ranks on one host line up.
+"""
+
+from __future__ import annotations
+
+import math
+
+SCHEMA_VERSION = 1
+
+# Histogram upper bounds (seconds) for collective latency: 10 us .. 10 s, denser
+# near the 1-50 ms range where TP all-reduces and p2p live and alert thresholds sit.
+COLLECTIVE_BUCKETS = (
+    1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)
+
+# Step duration histogram bounds (seconds).
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+DIRECTIVE_ACTIONS = ("pause", "resume", "rollback")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def bubble_theoretical_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:
+    """The schedule's bubble share of a step: (p-1)/(v*m+p-1); v=1 for GPipe and 1F1B."""
+    return (pp - 1) / (chunks * microbatches + pp - 1)
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor for an op over n ranks."""
+    if n <= 1:
+        return 1.0 if op in ("send", "recv", "broadcast") else 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def encode_float(x: float | None):
+    """JSON has no NaN/inf: encode them as strings, keep finite floats as numbers."""
+    if x is None:
+        return None
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def decode_float(x) -> float | None:
+    if x is None:
+        return None
+    if isinstance(x, str):
+        if x in ("nan", "inf", "-inf"):
+            return float(x)
+        raise ValueError(f"not a number: {x!r} (expected a number, 'nan', 'inf' or '-inf')")
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"not a number: {x!r}")
+    return float(x)

@@ -1,0 +1,45 @@
+"""Test tiers (markers, see pyproject.toml):
+
+- unit (no marker): single process, no sockets beyond loopback, seconds in total.
+- dist: spawns real gloo ranks on this machine. World sizes stay at 2-4 (2 cores) and
+  every spawn has a hard timeout (tests/distutil.py), so a deadlock fails the test
+  instead of hanging CI.
+- integration: starts real servers and tools: the sidecar under uvicorn, Prometheus,
+  Alertmanager, promtool, helm. Each skips with the reason when its tool is absent
+  (.ci/run installs them all).
+- gpu: needs CUDA and NCCL; skipped without a GPU.
+
+Run one tier: `pytest -m dist`; everything: `pytest` (the README's command).
+"""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def hook_registry():
+    """The process-wide trainer hook registry, emptied before and after the test."""
+    from trainer.hooks import registry
+
+    registry.clear()
+    yield registry
+    registry.clear()

@@ -1,0 +1,78 @@
+"""Run a function on N real gloo ranks, each in its own process, under a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, queue, args):
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; return results by rank.
+
+    fn must be importable (module level). Raises AssertionError naming the failing rank
+    with its traceback, or TimeoutError (after killing every rank) past `timeout` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    try:
+        import queue as queue_mod
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    raise AssertionError(f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]

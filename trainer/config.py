@@ -1,0 +1,150 @@
+"""The trainer's configuration: one dataclass, fed by the command line, the tests and run_info."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field
+
+from trainer.errors import ConfigError
+from trainer.faults import parse_fault
+from trainer.synthetic import parse_synthetic
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass
+class TrainConfig:
+    nproc: int = 0
+    """Ranks to spawn on this machine; 0 means: take the world from torchrun's env (or run alone)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    schedule: str = "1f1b"
+    """gpipe, 1f1b or interleaved."""
+    chunks: int = 1
+    """Model chunks per stage (v); >= 2 only with --schedule interleaved."""
+    microbatches: int = 4
+    """Microbatches per step per DP replica (m)."""
+    micro_batch_size: int = 2
+    """Sequences per microbatch (b)."""
+    steps: int = 20
+    """Optimizer steps to complete."""
+    seed: int = 0
+    """Seeds weights and data; same seed, same losses on any layout."""
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    vocab: int = 64
+    seq_len: int = 32
+    lr: float = 3e-3
+    optimizer: str = "adamw"
+    """adamw or sgd."""
+    dtype: str = "float32"
+    """float32 or float64 (float64 for exactness checks)."""
+    partition: str = "uniform"
+    """uniform (blocks per stage) or parameters (balanced parameter counts)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go; empty means none."""
+    checkpoint_every: int = 0
+    """Save every N steps; 0 means never."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints to keep; 0 keeps all."""
+    inject: list = field(default_factory=list)
+    """Fault specs (see trainer.faults)."""
+    synthetic_compute: str = ""
+    """fwd_ms=N,bwd_ms=N: replace layer math with sleeps; empty means real compute."""
+    summary_json: str = ""
+    """Rank 0 writes the run summary here; empty means don't."""
+    backend: str = "auto"
+    """gloo, nccl, or auto (nccl when CUDA is available)."""
+    timeout_s: float = 300.0
+    """Collective timeout: a dead peer fails the run after this long instead of hanging it."""
+    pause_poll_s: float = 0.5
+    """While paused, ranks exchange a heartbeat collective this often."""
+    run_id: str = ""
+    """Names the run in metrics and logs; empty means generated."""
+    parwatch: str = "off"
+    """on: attach parwatch's collector (this rank's spans -> sidecar); off: nothing registered."""
+    parwatch_endpoint: str = ""
+    """Sidecar control/ingest URL, e.g. http://127.0.0.1:9401."""
+    parwatch_token_file: str = ""
+    parwatch_log: str = ""
+    """Collector JSONL output directory (summaries.jsonl, spans.jsonl); empty means none."""
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ConfigError naming the setting and the fix; the world check needs world_size."""
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule={self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        for name in ("tp", "pp", "dp", "micro_batch_size", "steps", "layers", "hidden", "heads", "vocab", "seq_len", "chunks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+        if self.microbatches < 1:
+            raise ConfigError(f"--microbatches={self.microbatches} must be at least 1; a pipeline needs work to fill it")
+        if self.heads % self.tp:
+            ok = [t for t in range(1, self.heads + 1) if self.heads % t == 0]
+            raise ConfigError(f"--heads={self.heads} is not divisible by --tp={self.tp}; choose tp in {ok} or change --heads")
+        if self.hidden % self.heads:
+            raise ConfigError(f"--hidden={self.hidden} is not divisible by --heads={self.heads}; choose a multiple of {self.heads}")
+        if self.vocab % self.tp:
+            raise ConfigError(f"--vocab={self.vocab} is not divisible by --tp={self.tp}; choose a multiple of {self.tp}")
+        if self.layers < self.pp * self.chunks:
+            raise ConfigError(
+                f"--layers={self.layers} is fewer than pp*chunks={self.pp * self.chunks} pipeline chunks; "
+                f"raise --layers to {self.pp * self.chunks} or lower --pp"
+            )
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"--optimizer={self.optimizer!r}; choose adamw or sgd")
+        if self.dtype not in ("float32", "float64"):
+            raise ConfigError(f"--dtype={self.dtype!r}; choose float32 or float64")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+        if self.parwatch not in ("on", "off"):
+            raise ConfigError(f"--parwatch={self.parwatch!r}; choose on or off")
+        for spec in self.inject:
+            parse_fault(spec)
+        parse_synthetic(self.synthetic_compute)
+        from trainer.schedules import build_schedule  # its argument checks name the fix
+
+        build_schedule(self.schedule, 0, self.pp, self.microbatches, self.chunks)
+        if world_size is not None:
+            from trainer.parallel_dims import ParallelDims
+
+            ParallelDims(self.tp, self.pp, self.dp, world_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch_size * self.seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="Reference TP+PP trainer (gloo on CPU, NCCL on GPU).",
+        epilog="example: python -m trainer --nproc 4 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 20",
+    )
+    defaults = TrainConfig()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "inject":
+            p.add_argument(flag, action="append", default=[], metavar="SPEC", help="fault to inject (repeatable)")
+        elif isinstance(value, bool):
+            p.add_argument(flag, action="store_true")
+        else:
+            kwargs = {"type": type(value), "default": value}
+            if name == "schedule":
+                kwargs["choices"] = SCHEDULES
+            if name == "parwatch":
+                kwargs["choices"] = ("on", "off")
+            p.add_argument(flag, **kwargs)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    ns = build_parser().parse_args(argv)
+    return TrainConfig(**vars(ns))

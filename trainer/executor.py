@@ -1,0 +1,121 @@
+"""Runs one step of a pipeline schedule (a list of trainer.schedules.Instr) on this rank.
+
+Each instruction is announced as a hook span. Sends are posted with isend and
+completed at the end of the step; receives block. Messages carry a tag naming
+(kind, destination virtual stage, microbatch) so gloo matches them exactly;
+the schedules also keep every pair's send and receive order identical, so a
+transport without tags (NCCL) matches them too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trainer import hooks
+from trainer.comm import Comm
+from trainer.data import global_index, microbatch
+from trainer.faults import Faults
+from trainer.schedules import Instr, message_of, peer_stage
+
+
+@dataclass(frozen=True)
+class StepShape:
+    microbatches: int
+    micro_batch_size: int
+    seq_len: int
+    hidden: int
+    vocab: int
+    seed: int
+    dtype: torch.dtype
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list, instrs: list[Instr], comm: Comm, shape: StepShape, faults: Faults,
+                 registry: hooks.HookRegistry = hooks.registry):
+        self.chunks = chunks
+        self.instrs = instrs
+        self.comm = comm
+        self.shape = shape
+        self.faults = faults
+        self.registry = registry
+        g = comm.groups
+        self.stage, self.p, self.v = g.stage, g.dims.pp, len(chunks)
+        self.pp_ranks = g.pp_ranks
+        self.dp_rank = g.coords.dp_rank
+        self.last_vstage = self.p * self.v - 1
+
+    # ------------------------------------------------------------------ helpers
+    def _vstage(self, chunk: int) -> int:
+        return chunk * self.p + self.stage
+
+    def _tag(self, instr: Instr) -> int:
+        msg = message_of(instr, self.stage, self.p)
+        return (msg.dst_vstage * self.shape.microbatches + msg.microbatch) * 2 + (msg.kind == "grad")
+
+    def _peer(self, instr: Instr) -> int:
+        return self.pp_ranks[peer_stage(instr, self.stage, self.p)]
+
+    def _data(self, step_data: int, mb: int):
+        s = self.shape
+        return microbatch(s.seed, step_data, global_index(self.dp_rank, s.microbatches, mb),
+                          s.micro_batch_size, s.seq_len, s.vocab)
+
+    # --------------------------------------------------------------------- step
+    def run(self, step: int, data_step: int) -> list[float]:
+        """Execute the schedule once; returns the microbatch losses on the last stage, else []."""
+        s, reg = self.shape, self.registry
+        act_shape = (s.micro_batch_size, s.seq_len, s.hidden)
+        inputs: dict = {}
+        outputs: dict = {}
+        grads: dict = {}
+        losses: list[float] = []
+        poison = self.stage == (self.last_vstage % self.p) and self.faults.nan_now(step)
+        straggle_s = self.faults.straggler_ms(step) / 1000.0
+        for instr in self.instrs:
+            key = (instr.microbatch, instr.chunk)
+            vstage = self._vstage(instr.chunk)
+            attrs = dict(stage=self.stage, microbatch=instr.microbatch, chunk=instr.chunk)
+            op = instr.op
+            if op == "recv_act":
+                buf = torch.empty(act_shape, dtype=s.dtype)
+                self.comm.recv(buf, self._peer(instr), self._tag(instr), what="activation", **attrs)
+                inputs[key] = buf.requires_grad_()
+            elif op == "recv_grad":
+                buf = torch.empty(act_shape, dtype=s.dtype)
+                self.comm.recv(buf, self._peer(instr), self._tag(instr), what="grad", **attrs)
+                grads[key] = buf
+            elif op == "forward":
+                with reg.span(hooks.FORWARD, **attrs):
+                    chunk = self.chunks[instr.chunk]
+                    if vstage == 0 or vstage == self.last_vstage:
+                        ids, targets = self._data(data_step, instr.microbatch)
+                    x = ids if vstage == 0 else inputs[key]
+                    out = chunk(x)
+                    if vstage == self.last_vstage:
+                        loss = chunk.loss(out, targets)
+                        if poison:
+                            loss = loss * math.nan
+                        losses.append(loss.item())
+                        out = loss / s.microbatches
+                    if straggle_s and instr.chunk == 0:
+                        time.sleep(straggle_s)
+                outputs[key] = out
+            elif op == "send_act":
+                self.comm.isend(outputs[key].detach(), self._peer(instr), self._tag(instr), what="activation", **attrs)
+            elif op == "backward":
+                with reg.span(hooks.BACKWARD, **attrs):
+                    out = outputs.pop(key)
+                    if vstage == self.last_vstage:
+                        torch.autograd.backward(out)
+                    else:
+                        torch.autograd.backward(out, grads.pop(key))
+            elif op == "send_grad":
+                x = inputs.pop(key)
+                self.comm.isend(x.grad, self._peer(instr), self._tag(instr), what="grad", **attrs)
+            self.comm.poll_sends()
+        self.comm.complete_sends()
+        return losses

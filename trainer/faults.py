@@ -1,0 +1,85 @@
+"""Fault injection: `--inject KIND:key=value,...`, repeatable.
+
+    straggler:stage=1,ms=30[,from_step=3]   extra time per microbatch forward on that stage
+    nan:step=5                              the loss of that step becomes NaN (once per process:
+                                            a transient fault; a rollback that replays step 5 is clean)
+    slow-collective:group=tp,ms=5           extra latency on every collective of that group
+    crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.errors import ConfigError
+
+_SPECS = {
+    "straggler": {"stage": int, "ms": float, "from_step": int},
+    "nan": {"step": int},
+    "slow-collective": {"group": str, "ms": float},
+    "crash": {"rank": int, "step": int},
+}
+_REQUIRED = {"straggler": {"stage", "ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"}}
+_EXAMPLE = "straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    params: dict = field(default_factory=dict)
+
+
+def parse_fault(spec: str) -> Fault:
+    kind, _, rest = spec.partition(":")
+    if kind not in _SPECS:
+        raise ConfigError(f"--inject {spec!r}: unknown fault {kind!r}; use one of: {_EXAMPLE}")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in _SPECS[kind]:
+            raise ConfigError(
+                f"--inject {spec!r}: {kind} takes {', '.join(k + '=' for k in _SPECS[kind])} (got {item!r}); e.g. {_EXAMPLE}"
+            )
+        try:
+            params[key] = _SPECS[kind][key](value)
+        except ValueError:
+            raise ConfigError(f"--inject {spec!r}: {key}={value!r} is not a {_SPECS[kind][key].__name__}") from None
+    missing = _REQUIRED[kind] - params.keys()
+    if missing:
+        raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}; e.g. {_EXAMPLE}")
+    if kind == "slow-collective" and params["group"] not in ("tp", "pp", "dp"):
+        raise ConfigError(f"--inject {spec!r}: group must be tp, pp or dp")
+    return Fault(kind, params)
+
+
+class Faults:
+    """The faults in force for one rank, asked at the points where they act."""
+
+    def __init__(self, faults: list[Fault], rank: int, stage: int):
+        self.faults = faults
+        self.rank, self.stage = rank, stage
+        self._nan_done: set[int] = set()
+
+    def straggler_ms(self, step: int) -> float:
+        return sum(
+            f.params["ms"]
+            for f in self.faults
+            if f.kind == "straggler" and f.params["stage"] == self.stage and step >= f.params.get("from_step", 1)
+        )
+
+    def nan_now(self, step: int) -> bool:
+        for f in self.faults:
+            if f.kind == "nan" and f.params["step"] == step and step not in self._nan_done:
+                self._nan_done.add(step)
+                return True
+        return False
+
+    def crash_now(self, step: int) -> bool:
+        return any(f.kind == "crash" and f.params["rank"] == self.rank and f.params["step"] == step for f in self.faults)
+
+    def slow_collectives(self) -> dict:
+        out: dict = {}
+        for f in self.faults:
+            if f.kind == "slow-collective":
+                out[f.params["group"]] = out.get(f.params["group"], 0.0) + f.params["ms"]
+        return out

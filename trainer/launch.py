@@ -1,0 +1,131 @@
+"""Start the trainer: under torchrun (env:// rendezvous) or alone with --nproc N.
+
+With --nproc the launcher spawns its ranks itself, watches them, and if one
+dies (an injected crash, an error) stops the others at once instead of
+letting them wait on a collective until the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import time
+
+from trainer.config import TrainConfig
+from trainer.errors import TrainerError
+
+log = logging.getLogger("trainer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0) -> dict:
+    """Body of one rank: init the process group, attach observers, train, clean up."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import hooks
+    from trainer.train import Trainer, new_run_id, write_summary
+
+    torch.set_num_threads(int(os.environ.get("TRAINER_THREADS", "1")))
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    observer = None
+    try:
+        if not cfg.run_id:
+            cfg.run_id = os.environ.get("PARWATCH_RUN_ID") or new_run_id()
+        if cfg.parwatch == "on":
+            # The one place the trainer touches parwatch, and only when asked to.
+            from parwatch.collector.attach import attach_from_config
+
+            observer = attach_from_config(cfg, rank, world_size, local_rank, backend)
+        summary = Trainer(cfg, rank, world_size).run()
+        if rank == 0 and cfg.summary_json:
+            write_summary(cfg.summary_json, summary)
+        return summary
+    finally:
+        if observer is not None:
+            observer.close()
+        hooks.registry.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    _setup_logging(rank)
+    try:
+        run_rank(cfg, rank, world_size, local_rank=rank)
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        os._exit(2)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=os.environ.get("TRAINER_LOG", "WARNING"),
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def spawn(cfg: TrainConfig) -> int:
+    """Run cfg.nproc ranks on this machine; returns the exit code (0 when every rank succeeded)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg)) for r in range(cfg.nproc)]
+    for p in procs:
+        p.start()
+    code = 0
+    try:
+        while any(p.is_alive() for p in procs):
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                code = failed[0].exitcode
+                print(f"error: rank {procs.index(failed[0])} exited with code {code}; stopping the other ranks",
+                      file=sys.stderr)
+                break
+            time.sleep(0.1)
+        else:
+            code = next((p.exitcode for p in procs if p.exitcode), 0)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import parse_args
+
+    try:
+        cfg = parse_args(argv)
+        world = cfg.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+        cfg.validate(world)
+        if cfg.nproc:
+            return spawn(cfg)
+        rank = int(os.environ.get("RANK", "0"))
+        if "MASTER_ADDR" not in os.environ:  # alone, without torchrun
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        _setup_logging(rank)
+        run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
+        return 0
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

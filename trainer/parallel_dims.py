@@ -1,0 +1,111 @@
+"""The parallel layout (tp, pp, dp) as one object, checked when it is built.
+
+Rank order: TP ranks are adjacent (they share an NVLink node), PP stages
+next, DP outermost:  rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int
+    """Tensor-parallel degree: ranks that split each layer's matrices."""
+    pp: int
+    """Pipeline-parallel degree: number of stages."""
+    dp: int
+    """Data-parallel degree: model replicas that average gradients."""
+    world_size: int
+    """Number of processes; must equal tp * pp * dp."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        product = self.tp * self.pp * self.dp
+        if product != self.world_size:
+            if self.world_size % (self.tp * self.dp) == 0:
+                fix = f"use --pp {self.world_size // (self.tp * self.dp)} or --nproc {product}"
+            else:
+                fix = f"use --nproc {product}"
+            raise ConfigError(
+                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {product} does not equal the world size "
+                f"{self.world_size}; {fix}"
+            )
+
+    def coords(self, rank: int) -> "RankCoords":
+        tp_rank = rank % self.tp
+        pp_rank = (rank // self.tp) % self.pp
+        dp_rank = rank // (self.tp * self.pp)
+        return RankCoords(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        return dp_rank * self.pp * self.tp + pp_rank * self.tp + tp_rank
+
+    def tp_group_ranks(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, p, d) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)
+        ]
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
+        ]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        return [
+            [self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
+        ]
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+
+@dataclass
+class ProcessGroups:
+    """The process groups this rank belongs to, named by role."""
+
+    dims: ParallelDims
+    coords: RankCoords
+    tp: object = None
+    pp: object = None
+    dp: object = None
+    pp_ranks: list = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
+    tp_ranks: list = field(default_factory=list)
+    dp_ranks: list = field(default_factory=list)
+
+    @property
+    def stage(self) -> int:
+        return self.coords.pp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp_rank == self.dims.pp - 1
+
+
+def build_groups(dims: ParallelDims, rank: int) -> ProcessGroups:
+    """Create every TP, PP and DP group (all ranks must call this, in the same order)."""
+    import torch.distributed as dist
+
+    groups = ProcessGroups(dims=dims, coords=dims.coords(rank))
+    for role, layouts in (("tp", dims.tp_group_ranks()), ("pp", dims.pp_group_ranks()), ("dp", dims.dp_group_ranks())):
+        for ranks in layouts:
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                setattr(groups, role, group)
+                setattr(groups, f"{role}_ranks", ranks)
+    return groups

@@ -1,0 +1,277 @@
+"""Pipeline schedules as data, and a discrete-event simulator that checks them.
+
+A schedule is, per stage, the list of `Instr` the executor runs in order. Builders
+choose the order of forwards and backwards; each compute then gets its recv right
+before it and its send right after it (posted with isend, never waited on). With
+these orders every (src rank -> dst rank) pair sends its messages in the order the
+receiver receives them (tests check it), so the lists run on a transport without
+tags: NCCL p2p is FIFO per pair.
+
+p=2, m=4, forward 1 unit, backward 2 units, as `simulate` lays them out. Digit n =
+forward of microbatch n, letter pair = its backward (aa = mb 0), . = idle:
+
+  GPipe: all forwards, then all backwards in forward order (as Megatron and
+  torch.distributed.pipelining do). Bubble (p-1)/(m+p-1) = 1/5 on every stage;
+  every stage holds all m microbatches' activations.
+    stage 0 |0123...aabbccdd|
+    stage 1 |.0123aabbccdd..|
+
+  1F1B (PipeDream-Flush, Megatron's non-interleaved schedule): stage s runs
+  min(p-s-1, m) warmup forwards, then one forward and one backward in turn, then the
+  remaining backwards. Same bubble, but stage s holds at most min(m, p-s).
+    stage 0 |01..aa2bb3cc.dd|
+    stage 1 |.0aa1bb2cc3dd..|
+
+  Interleaved 1F1B (Megatron's forward_backward_pipelining_with_interleaving): each
+  rank holds v chunks; virtual stage = chunk*p + stage, and after the last rank comes
+  rank 0's next chunk. Microbatches go through in groups of p per chunk, warmup is
+  2(p-s-1) + (v-1)p. A chunk's work takes 1/v as long, so the bubble shrinks to
+  (p-1)/(v*m+p-1) = 1/9. Needs p >= 2 and m % p == 0. v=2, one column = half a unit,
+  0-3/aa-dd = chunk 0 and 4-7/ee-hh = chunk 1 of microbatches 0-3:
+    stage 0 |01452.ee3ff6aa7bb.gg.hhccdd|
+    stage 1 |.014ee5ff2aa3bb6gg7hhccdd..|
+
+Blocking sends. The executor posts sends with isend. With rendezvous sends instead
+(a send returns once the receiver has posted the matching recv;
+`simulate(..., blocking_sends=True)`) GPipe still finishes, but 1F1B deadlocks once
+p >= 2 and m >= 2, and so does interleaved: in steady state stage s sends an
+activation and then waits for a gradient, while stage s+1 sends that gradient and
+then waits for the next activation, so both sit in their send. Megatron posts such
+pairs together (send_forward_recv_backward via batch_isend_irecv); an executor on
+blocking sends would have to do the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from trainer.errors import ConfigError, TrainerError
+
+COMPUTE_OPS = ("forward", "backward")
+RECV_OPS = ("recv_act", "recv_grad")
+SEND_OPS = ("send_act", "send_grad")
+OPS = frozenset(COMPUTE_OPS + RECV_OPS + SEND_OPS)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(ConfigError, ValueError):
+    """A schedule setting that cannot work (also a ValueError for plain callers)."""
+
+
+class DeadlockError(TrainerError):
+    """The simulation stopped with unfinished stages; `stuck` maps stage -> next Instr."""
+
+    def __init__(self, message: str, stuck: dict[int, "Instr"]):
+        super().__init__(message)
+        self.stuck = stuck
+
+
+@dataclass(frozen=True)
+class Instr:
+    op: str
+    """One of recv_act, forward, send_act, recv_grad, backward, send_grad."""
+    microbatch: int
+    """Microbatch index, 0..m-1."""
+    chunk: int = 0
+    """Model chunk on this rank (0..v-1); virtual stage = chunk * p + stage."""
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"Instr op={self.op!r} is not one of {sorted(OPS)}")
+
+    def __str__(self) -> str:
+        return f"{self.op}(mb={self.microbatch}, chunk={self.chunk})"
+
+
+class Message(NamedTuple):
+    """One p2p message, named the same way by its sender and its receiver."""
+
+    kind: str  # "act" or "grad"
+    microbatch: int
+    src_vstage: int
+    dst_vstage: int
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
+    return chunk * num_stages + stage
+
+
+def message_of(instr: Instr, stage: int, num_stages: int) -> Message:
+    """The message a send/recv instruction on `stage` moves; its ranks are vstage % p."""
+    vs = virtual_stage(stage, instr.chunk, num_stages)
+    kind = "act" if instr.op.endswith("_act") else "grad"
+    step = {"send_act": 1, "recv_act": -1, "send_grad": -1, "recv_grad": 1}[instr.op]
+    src, dst = (vs, vs + step) if instr.op in SEND_OPS else (vs + step, vs)
+    return Message(kind, instr.microbatch, src, dst)
+
+
+def peer_stage(instr: Instr, stage: int, num_stages: int) -> int:
+    """The rank (pipeline stage) a send goes to or a recv comes from."""
+    msg = message_of(instr, stage, num_stages)
+    return (msg.dst_vstage if instr.op in SEND_OPS else msg.src_vstage) % num_stages
+
+
+def peak_inflight(instrs: list[Instr]) -> int:
+    """Most (microbatch, chunk) pairs whose forward has run and backward not yet."""
+    live: set[tuple[int, int]] = set()
+    peak = 0
+    for ins in instrs:
+        if ins.op == "forward":
+            live.add((ins.microbatch, ins.chunk))
+            peak = max(peak, len(live))
+        elif ins.op == "backward":
+            live.discard((ins.microbatch, ins.chunk))
+    return peak
+
+
+def build_schedule(name: str, stage: int, num_stages: int, microbatches: int, chunks: int = 1) -> list[Instr]:
+    """The instruction list stage `stage` runs for one step of schedule `name`."""
+    _check_args(name, stage, num_stages, microbatches, chunks)
+    order = _compute_order(name, stage, num_stages, microbatches, chunks)
+    return _with_p2p(order, stage, num_stages, chunks)
+
+
+def build_all(name: str, num_stages: int, microbatches: int, chunks: int = 1) -> list[list[Instr]]:
+    """Every stage's list (what `simulate` takes)."""
+    return [build_schedule(name, s, num_stages, microbatches, chunks) for s in range(num_stages)]
+
+
+def _check_args(name: str, stage: int, p: int, m: int, v: int) -> None:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"schedule={name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    for setting, value in (("num_stages", p), ("microbatches", m), ("chunks", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{setting}={value!r} must be a positive integer")
+    if not isinstance(stage, int) or not 0 <= stage < p:
+        raise ScheduleError(f"stage={stage!r} is out of range for num_stages={p}; use 0..{p - 1}")
+    if name != "interleaved" and v != 1:
+        raise ScheduleError(f"chunks={v} needs schedule='interleaved'; use chunks=1 with {name!r}")
+    if name == "interleaved":
+        if v < 2:
+            raise ScheduleError(f"chunks={v}: interleaved needs chunks >= 2 (chunks=1 is plain '1f1b')")
+        if p < 2:
+            raise ScheduleError("num_stages=1: interleaved needs num_stages >= 2; use '1f1b' on one stage")
+        if m % p:
+            choices = sorted({m + p - m % p, max(p, m - m % p)})
+            raise ScheduleError(
+                f"microbatches={m} is not a multiple of num_stages={p} (interleaved needs it, as in "
+                f"Megatron); use microbatches={' or '.join(map(str, choices))}"
+            )
+
+
+def _compute_order(name: str, s: int, p: int, m: int, v: int) -> list[Instr]:
+    """The forwards and backwards of stage s, in the order it runs them."""
+    if name == "gpipe":  # backward in forward order, as Megatron and torch.distributed.pipelining do
+        return [Instr("forward", i) for i in range(m)] + [Instr("backward", i) for i in range(m)]
+    if name == "1f1b":
+        fwd = [Instr("forward", i) for i in range(m)]
+        bwd = [Instr("backward", i) for i in range(m)]
+        warmup = min(p - s - 1, m)
+    else:  # interleaved: Megatron's warmup count and virtual-microbatch -> (mb, chunk) map
+
+        def unit(op: str, k: int) -> Instr:
+            chunk = (k % (p * v)) // p
+            mb = (k // (p * v)) * p + k % p
+            return Instr(op, mb, chunk if op == "forward" else v - 1 - chunk)
+
+        fwd = [unit("forward", k) for k in range(m * v)]
+        bwd = [unit("backward", k) for k in range(m * v)]
+        warmup = min(2 * (p - s - 1) + (v - 1) * p, m * v)
+    steady = [ins for pair in zip(fwd[warmup:], bwd) for ins in pair]
+    return fwd[:warmup] + steady + bwd[len(fwd) - warmup :]
+
+
+def _with_p2p(order: list[Instr], s: int, p: int, v: int) -> list[Instr]:
+    """Each compute with its recv right before it and its send right after it."""
+    out: list[Instr] = []
+    for ins in order:
+        vs = virtual_stage(s, ins.chunk, p)
+        first, last = vs == 0, vs == p * v - 1
+        if ins.op == "forward":
+            recv, send = (None if first else "recv_act"), (None if last else "send_act")
+        else:
+            recv, send = (None if last else "recv_grad"), (None if first else "send_grad")
+        if recv:
+            out.append(Instr(recv, ins.microbatch, ins.chunk))
+        out.append(ins)
+        if send:
+            out.append(Instr(send, ins.microbatch, ins.chunk))
+    return out
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    """Time until the last stage finishes (the step period: a pipeline flushes every step)."""
+    busy: list[float]
+    """Per stage: forward + backward time."""
+    idle: list[float] = field(default_factory=list)
+    """Per stage: makespan - busy (waiting on neighbours and for the flush)."""
+    bubble: list[float] = field(default_factory=list)
+    """Per stage: idle / makespan."""
+    spans: list[list[tuple[float, float, Instr]]] = field(default_factory=list)
+    """Per stage: (start, end, instr) of every compute instruction."""
+
+
+def simulate(
+    schedules: list[list[Instr]],
+    fwd: float = 1.0,
+    bwd: float = 2.0,
+    p2p: float = 0.0,
+    blocking_sends: bool = False,
+) -> SimResult:
+    """Run all stages' lists on an ideal machine; raise DeadlockError if they cannot finish.
+
+    Compute takes fwd/bwd. A send is posted and the stage goes on (or, with
+    blocking_sends, waits until the receiver has posted the matching recv); a message
+    arrives p2p after it leaves; a recv blocks until its message (matched by name,
+    not by order) has arrived.
+    """
+    p = len(schedules)
+    clock = [0.0] * p
+    pc = [0] * p
+    busy = [0.0] * p
+    spans: list[list[tuple[float, float, Instr]]] = [[] for _ in range(p)]
+    arrival: dict[Message, float] = {}  # message -> time it is at the receiver
+    posted: dict[Message, float] = {}  # blocking mode: message -> time its recv was posted
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(p):
+            while pc[s] < len(schedules[s]):
+                ins = schedules[s][pc[s]]
+                if ins.op in COMPUTE_OPS:
+                    cost = fwd if ins.op == "forward" else bwd
+                    spans[s].append((clock[s], clock[s] + cost, ins))
+                    clock[s] += cost
+                    busy[s] += cost
+                else:
+                    msg = message_of(ins, s, p)
+                    if ins.op in SEND_OPS and not blocking_sends:
+                        arrival[msg] = clock[s] + p2p
+                    elif ins.op in SEND_OPS:  # rendezvous: leaves once the recv is posted
+                        if msg not in posted:
+                            break
+                        arrival[msg] = max(clock[s], posted[msg]) + p2p
+                        clock[s] = arrival[msg]
+                    else:
+                        posted.setdefault(msg, clock[s])
+                        if msg not in arrival:
+                            break
+                        clock[s] = max(clock[s], arrival[msg])
+                pc[s] += 1
+                progressed = True
+    stuck = {s: schedules[s][pc[s]] for s in range(p) if pc[s] < len(schedules[s])}
+    if stuck:
+        where = "; ".join(f"stage {s} waits at {ins}" for s, ins in stuck.items())
+        raise DeadlockError(
+            f"schedule deadlocks: {where}. Each of these waits on a message its peer only sends "
+            f"after one of these waits (or never); reorder so a stage's sends come before the recv "
+            f"that depends on them.",
+            stuck,
+        )
+    makespan = max(clock, default=0.0)
+    idle = [makespan - b for b in busy]
+    bubble = [i / makespan if makespan else 0.0 for i in idle]
+    return SimResult(makespan, busy, idle, bubble, spans)

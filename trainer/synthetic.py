@@ -1,0 +1,96 @@
+"""Synthetic compute: each chunk's layer math replaced by a sleep of fixed length.
+
+The schedule, the point-to-point transfers and the TP all-reduces (2 forward
+and 2 backward per layer, of b*s*h elements) all still happen; only the
+arithmetic is replaced, and the sleep runs to a deadline that includes the
+TP collectives, so a chunk's forward takes exactly fwd_ms whatever the
+machine's load. Timing checks of the bubble are then exact on a busy machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.comm import Comm
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SyntheticCompute:
+    fwd_ms: float
+    """Forward time per microbatch per stage."""
+    bwd_ms: float
+    """Backward time per microbatch per stage."""
+
+
+def parse_synthetic(spec: str | None) -> SyntheticCompute | None:
+    if not spec:
+        return None
+    values = {}
+    for item in spec.split(","):
+        key, eq, value = item.partition("=")
+        if key not in ("fwd_ms", "bwd_ms") or not eq:
+            raise ConfigError(f"--synthetic-compute {spec!r}: expected fwd_ms=N,bwd_ms=N (e.g. fwd_ms=10,bwd_ms=20)")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--synthetic-compute {spec!r}: {key}={value!r} is not a number") from None
+    if set(values) != {"fwd_ms", "bwd_ms"} or min(values.values()) < 0:
+        raise ConfigError(f"--synthetic-compute {spec!r}: give both fwd_ms and bwd_ms, >= 0 (e.g. fwd_ms=10,bwd_ms=20)")
+    return SyntheticCompute(**values)
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def _tp_traffic(comm: Comm, layers: int, like: torch.Tensor) -> None:
+    for _ in range(2 * layers):
+        comm.all_reduce(torch.zeros_like(like), "tp")
+
+
+class _TimedIdentity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, chunk):
+        deadline = time.perf_counter() + chunk.fwd_s
+        _tp_traffic(chunk.comm, chunk.layers, x)
+        ctx.chunk = chunk
+        ctx.save_for_backward(x, weight)
+        _sleep_until(deadline)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunk = ctx.chunk
+        deadline = time.perf_counter() + chunk.bwd_s
+        x, weight = ctx.saved_tensors
+        _tp_traffic(chunk.comm, chunk.layers, grad)
+        _sleep_until(deadline)
+        return grad * weight, (grad * x).sum().reshape(weight.shape), None
+
+
+class SyntheticChunk(nn.Module):
+    """Stands in for a Chunk: same inputs and outputs, timed sleeps instead of math."""
+
+    def __init__(self, layers: int, hidden: int, vocab: int, comm: Comm, fwd_s: float, bwd_s: float,
+                 first: bool, last: bool, dtype: torch.dtype):
+        super().__init__()
+        self.layers, self.hidden, self.vocab, self.comm = layers, hidden, vocab, comm
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+        self.first, self.has_head = first, last
+        self.weight = nn.Parameter(torch.ones(1, dtype=dtype))
+        self.dtype = dtype
+
+    def forward(self, x):
+        if self.first:
+            x = (x.to(self.dtype) / self.vocab).unsqueeze(-1).expand(*x.shape, self.hidden).contiguous()
+        return _TimedIdentity.apply(x, self.weight, self)
+
+    def loss(self, output, targets):
+        return output.pow(2).mean()

@@ -1,0 +1,267 @@
+"""The training loop of one rank: build the layout and model, run steps, meet at boundaries.
+
+At every step boundary all ranks join one small collective (trainer.boundary):
+it carries the loss from the last stage, the observers' slots, and rank 0's
+directive, so pause, resume and rollback happen on every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from trainer import boundary as bnd
+from trainer import checkpoint as ckpt
+from trainer import hooks
+from trainer.comm import Comm
+from trainer.config import TrainConfig
+from trainer.executor import PipelineExecutor, StepShape
+from trainer.faults import Faults, parse_fault
+from trainer.model import Chunk, GPTConfig, build_pieces
+from trainer.parallel_dims import ParallelDims, build_groups
+from trainer.partition import partition, piece_param_counts
+from trainer.schedules import build_schedule
+from trainer.synthetic import SyntheticChunk, parse_synthetic
+
+log = logging.getLogger("trainer")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, registry: hooks.HookRegistry = hooks.registry):
+        cfg.validate(world_size)
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.registry = registry
+        self.dims = ParallelDims(cfg.tp, cfg.pp, cfg.dp, world_size)
+        self.groups = build_groups(self.dims, rank)
+        self.faults = Faults([parse_fault(s) for s in cfg.inject], rank, self.groups.stage)
+        self.comm = Comm(self.groups, slow_ms=self.faults.slow_collectives(), registry=registry)
+        self.dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+        self.chunks = self._build_chunks()
+        params = [p for c in self.chunks for p in c.parameters()]
+        if cfg.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=cfg.lr)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        instrs = build_schedule(cfg.schedule, self.groups.stage, cfg.pp, cfg.microbatches, cfg.chunks)
+        shape = StepShape(cfg.microbatches, cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.vocab, cfg.seed, self.dtype)
+        self.executor = PipelineExecutor(self.chunks, instrs, self.comm, shape, self.faults, registry)
+        self.step = 0
+        self.data_offset = 0  # batches skipped by rollbacks so far: data step = step + offset
+        self.losses: dict[int, float] = {}  # step -> loss of the trajectory that survives rollbacks
+        self.loss_history: list[tuple[int, float]] = []  # every step executed, rolled back or not
+        self.step_seconds: dict[int, float] = {}
+        self.applied: list[dict] = []
+        self._last_directive_id = 0
+        self._last_boundary_t = None
+
+    # ------------------------------------------------------------------ model
+    def _build_chunks(self) -> list:
+        cfg, g = self.cfg, self.groups
+        parts = cfg.pp * cfg.chunks
+        counts = piece_param_counts(cfg.layers, cfg.hidden, cfg.vocab, cfg.seq_len)
+        ranges = partition(cfg.layers, parts, cfg.partition, counts)
+        synthetic = parse_synthetic(cfg.synthetic_compute)
+        gpt = GPTConfig(cfg.layers, cfg.hidden, cfg.heads, cfg.vocab, cfg.seq_len, cfg.seed, self.dtype)
+        chunks = []
+        for c in range(cfg.chunks):
+            vstage = c * cfg.pp + g.stage
+            pieces = ranges[vstage]
+            if synthetic:
+                blocks = sum(1 for i in pieces if 1 <= i <= cfg.layers)
+                chunks.append(SyntheticChunk(
+                    blocks, cfg.hidden, cfg.vocab, self.comm, synthetic.fwd_ms / 1000 / cfg.chunks,
+                    synthetic.bwd_ms / 1000 / cfg.chunks, vstage == 0, vstage == parts - 1, self.dtype))
+            else:
+                chunks.append(Chunk(build_pieces(gpt, self.comm, pieces)))
+        return chunks
+
+    # --------------------------------------------------------------- boundary
+    def boundary(self, kind: str, loss: float | None = None):
+        """The step-boundary collective; returns (mean loss, directive or None)."""
+        reg, width_obs = self.registry, self.registry.boundary_slots
+        width = bnd.TRAINER_SLOTS + width_obs
+        start = reg.mark()
+        row = [0.0] * width
+        directive = reg.pending_directive() if self.rank == 0 and kind != "start" else None
+        reporting = self.groups.is_last_stage and self.groups.coords.tp_rank == 0
+        bnd.pack_row(row, loss if reporting else None, directive)
+        if width_obs:
+            obs_row = row[bnd.TRAINER_SLOTS:]
+            reg.fill_boundary(self.step, obs_row)
+            row[bnd.TRAINER_SLOTS:] = obs_row
+        vec = torch.zeros(self.world * width, dtype=torch.float64, device=self._device)
+        vec[self.rank * width:(self.rank + 1) * width] = torch.tensor(row, dtype=torch.float64)
+        with reg.span(hooks.COLLECTIVE, op="all_reduce", group="world", bytes=vec.numel() * 8, group_size=self.world):
+            dist.all_reduce(vec)
+        rows = vec.view(self.world, width).tolist()  # host read: the one sync a step has anyway
+        end = reg.mark()
+        mean_loss, directive = bnd.unpack([r[: bnd.TRAINER_SLOTS] for r in rows])
+        if reg.active:
+            info = hooks.BoundaryInfo(self.step, kind, [r[: bnd.TRAINER_SLOTS] for r in rows], mean_loss, directive, start, end)
+            reg.emit_boundary(info, [r[bnd.TRAINER_SLOTS:] for r in rows])
+        return mean_loss, directive
+
+    @property
+    def _device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    # -------------------------------------------------------------- one step
+    def train_step(self) -> float | None:
+        step = self.step + 1
+        if self.faults.crash_now(step):
+            log.error("rank %d: injected crash at step %d", self.rank, step)
+            os._exit(17)
+        for opt_group in self.optimizer.param_groups:
+            for p in opt_group["params"]:
+                p.grad = None
+        losses = self.executor.run(step, step + self.data_offset)
+        self._dp_sync()
+        with self.registry.span(hooks.OPTIMIZER, stage=self.groups.stage):
+            self.optimizer.step()
+        self.step = step
+        return sum(losses) / len(losses) if losses else None
+
+    def _dp_sync(self) -> None:
+        if self.dims.dp == 1:
+            return
+        with self.registry.span(hooks.DP_SYNC, stage=self.groups.stage):
+            grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.comm.all_reduce(flat, "dp")
+            flat /= self.dims.dp  # SUM then divide: gloo has no ReduceOp.AVG
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        cfg = self.cfg
+        state = {
+            "model": [c.state_dict() for c in self.chunks],
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        meta = {"step": self.step, "data_offset": self.data_offset,
+                "parallel": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "chunks": cfg.chunks}, "config": cfg.to_dict()}
+        ckpt.save_checkpoint(cfg.checkpoint_dir, self.step, self.rank, self.world, state, meta, dist.barrier,
+                             keep_last=cfg.keep_checkpoints)
+        self.registry.emit_event("checkpoint_saved", step=self.step, checkpoints=ckpt.list_checkpoints(cfg.checkpoint_dir))
+
+    def load_checkpoint(self, step: int) -> None:
+        state, manifest = ckpt.load_checkpoint(self.cfg.checkpoint_dir, step, self.rank, self.world)
+        for chunk, sd in zip(self.chunks, state["model"]):
+            chunk.load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.step = manifest["meta"]["step"]
+        self.data_offset = manifest["meta"]["data_offset"]
+
+    # ------------------------------------------------------------- directives
+    def _apply(self, directive) -> None:
+        if directive is None or directive.id <= self._last_directive_id:
+            return
+        self._last_directive_id = directive.id
+        if directive.action == "pause":
+            self._ack(directive)
+            self._pause()
+        elif directive.action == "rollback":
+            self._rollback(directive)
+        else:  # resume while running: nothing to do, but say it was seen
+            self._ack(directive)
+
+    def _ack(self, directive, **extra) -> None:
+        record = {"id": directive.id, "action": directive.action, "step": self.step, **extra}
+        self.applied.append(record)
+        self.registry.emit_event("directive_applied", **record)
+
+    def _pause(self) -> None:
+        self.registry.emit_event("paused", step=self.step)
+        log.warning("rank %d: paused at step %d", self.rank, self.step)
+        while True:
+            time.sleep(self.cfg.pause_poll_s)
+            _, directive = self.boundary("heartbeat")
+            if directive is None or directive.id <= self._last_directive_id:
+                continue
+            self._last_directive_id = directive.id
+            if directive.action == "rollback":
+                self._rollback(directive)
+                return
+            self._ack(directive)
+            if directive.action == "resume":
+                break
+        self.boundary("resume")
+
+    def _rollback(self, directive) -> None:
+        from_step = self.step
+        target = directive.to_step
+        if target is None:
+            target = ckpt.latest_checkpoint(self.cfg.checkpoint_dir, before=from_step + 1) if self.cfg.checkpoint_dir else None
+        if target is None or not self.cfg.checkpoint_dir:
+            log.error("rank %d: rollback requested at step %d but no checkpoint exists; continuing", self.rank, from_step)
+            self._ack(directive, failed="no checkpoint")
+            return
+        self.load_checkpoint(target)
+        self.data_offset += directive.skip_batches
+        for s in [s for s in self.losses if s > target]:
+            del self.losses[s]
+        self._ack(directive, from_step=from_step, to_step=target, skip_batches=directive.skip_batches)
+        self.registry.emit_event("rollback", from_step=from_step, to_step=target, skip_batches=directive.skip_batches)
+        self.boundary("resume")
+
+    # -------------------------------------------------------------------- run
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.registry.emit_event("run_start", config=cfg.to_dict(), rank=self.rank)
+        self.boundary("start")
+        self._last_boundary_t = time.perf_counter()
+        while self.step < cfg.steps:
+            loss = self.train_step()
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+            mean_loss, directive = self.boundary("step", loss)
+            now = time.perf_counter()
+            self.step_seconds[self.step] = now - self._last_boundary_t
+            self.losses[self.step] = mean_loss
+            self.loss_history.append((self.step, mean_loss))
+            self._apply(directive)
+            self._last_boundary_t = time.perf_counter()
+        summary = self.summary()
+        self.registry.emit_event("run_end", steps_completed=self.step, summary=summary)
+        return summary
+
+    def summary(self) -> dict:
+        steps = sorted(self.losses)
+        return {
+            "config": self.cfg.to_dict(),
+            "world_size": self.world,
+            "steps_completed": self.step,
+            "losses": [_json_float(self.losses[s]) for s in steps],
+            "step_seconds": [self.step_seconds.get(s) for s in steps],
+            "loss_history": [[s, _json_float(l)] for s, l in self.loss_history],
+            "directives_applied": self.applied,
+            "tokens_per_step": self.cfg.tokens_per_step,
+        }
+
+
+def _json_float(x: float):
+    return x if x == x and abs(x) != float("inf") else str(x)
+
+
+def write_summary(path: str, summary: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(tmp, path)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
