@@ -1,0 +1,74 @@
+"""`parwatch dashboards`: write the Grafana dashboard to a file, or push it to a Grafana."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import click
+
+from parwatch import dashboards as dash
+
+TOKEN_ENV = "GRAFANA_TOKEN"
+
+
+@click.group(epilog="""\b
+Examples:
+  parwatch dashboards export -o dashboards/parwatch.json
+  GRAFANA_TOKEN=glsa_... parwatch dashboards push --url http://grafana:3000
+""")
+def dashboards():
+    """The Grafana dashboard (Prometheus datasource chosen by a dashboard variable)."""
+
+
+@dashboards.command()
+@click.option("-o", "--output", default="-", show_default=True, help="File to write; '-' is stdout.")
+@click.option("--price-per-gpu-hour", type=float, default=dash.DEFAULT_PRICE_PER_GPU_HOUR, show_default=True,
+              help="Default of the dashboard's price variable (idle-cost panels).")
+def export(output, price_per_gpu_hour):
+    """Write the dashboard JSON (what Grafana's file or sidecar provisioning loads)."""
+    text = dash.dashboard_json(dash.build_dashboard(price_per_gpu_hour))
+    if output == "-":
+        sys.stdout.write(text)
+        return
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(text)
+    click.echo(f"wrote {output}", err=True)
+
+
+def _token(token_file: str | None, url: str) -> str | None:
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as err:
+            raise click.BadParameter(f"cannot read it ({err.strerror})", param_hint="--token-file") from err
+        if not token:
+            raise click.BadParameter(f"{token_file} is empty; write the Grafana service-account token into it",
+                                     param_hint="--token-file")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    if urlparse(url).password:
+        return None  # basic auth from the URL
+    raise click.UsageError(f"no Grafana credentials: pass --token-file FILE, set {TOKEN_ENV}, "
+                           "or put user:password@ in --url")
+
+
+@dashboards.command()
+@click.option("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
+@click.option("--token-file", type=click.Path(dir_okay=False), help=f"File holding a Grafana token (else ${TOKEN_ENV}).")
+@click.option("--folder-uid", default=dash.DEFAULT_FOLDER_UID, show_default=True, help="Folder to put it in (created if missing).")
+@click.option("--folder-title", default="parwatch", show_default=True, help="Title when the folder is created.")
+@click.option("--price-per-gpu-hour", type=float, default=dash.DEFAULT_PRICE_PER_GPU_HOUR, show_default=True)
+@click.pass_context
+def push(ctx, url, token_file, folder_uid, folder_title, price_per_gpu_hour):
+    """Create or overwrite the dashboard through Grafana's HTTP API."""
+    # Tests inject a fake GrafanaApi factory through ctx.obj; Grafana cannot run on CI machines.
+    connect = (ctx.obj or {}).get("grafana_connect", dash.connect)
+    api = connect(url, _token(token_file, url))
+    answer = dash.push_dashboard(api, dash.build_dashboard(price_per_gpu_hour), folder_uid, folder_title)
+    where = answer.get("url", "") if isinstance(answer, dict) else ""
+    click.echo(f"pushed dashboard {dash.DASHBOARD_UID} to folder {folder_uid} {where}".rstrip())

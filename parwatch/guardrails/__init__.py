@@ -1,0 +1,18 @@
+"""Guardrails: rules over the run's metrics that decide, record and (when enforcing) act.
+
+rules.py      the Rule/RuleSet model and its invariants; rulefile.py reads YAML rules files
+checks.py     one object per check kind (threshold, finite, spike, regression) + the
+              ok/pending/firing state machine of one rule
+engine.py     GuardrailEngine: observations in, decision records and directives out
+directives.py directives handed to the trainer until every rank has applied them
+decisions.py  the append-only decision log and the atomically replaced state file
+alerts.py     the same rules as Prometheus alert rules
+"""
+
+from parwatch.guardrails.engine import GuardrailEngine, Observation
+from parwatch.guardrails.rules import (
+    KNOWN_METRICS, Rule, RuleProblem, RuleSet, RulesError, default_rules, load_rules, parse_rules,
+)
+
+__all__ = ["GuardrailEngine", "Observation", "KNOWN_METRICS", "Rule", "RuleProblem", "RuleSet", "RulesError",
+           "default_rules", "load_rules", "parse_rules"]

@@ -1,0 +1,268 @@
+"""One small object per check kind, and the per-rule state machine that composes them.
+
+A check turns one observation of a metric ({series key: value}) into a Reading: the
+value it judged, whether that fails, and the line it was compared against. spike and
+regression keep a rolling window of earlier values for their baseline. RuleMonitor adds
+the time dimension, like Prometheus' `for:`: ok -> pending (failing, not yet for_steps
+consecutive evaluations / for_seconds) -> firing, and back to ok on a passing reading.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule
+
+NO_DATA = "no-data"
+MAX_WINDOW_VALUES = 200
+"""Values of one failing run kept as evidence (the newest ones)."""
+MAX_SERIES_PER_RULE = 1024
+"""Bound on per-series baselines a regression keeps (labels are bounded; this guards a bug)."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    value: float
+    """The judged value: the reduced value (regression: the reduced ratio to baseline)."""
+    failing: bool
+    series: str | None
+    """Which series key gave the value (None for mean)."""
+    threshold: float | None
+    """What the value was compared against (None when not judged)."""
+    baseline: float | None
+    """spike/regression: the median the factor multiplies."""
+    text: str
+    """One line for a person: what was seen."""
+
+
+def reduce_series(values: dict[str, float], how: str) -> tuple[float, str | None]:
+    """(value, key) over the non-NaN series; (nan, None) when there is none."""
+    usable = {k: v for k, v in values.items() if not math.isnan(v)}
+    if not usable:
+        return math.nan, None
+    if how == "mean":
+        return sum(usable.values()) / len(usable), None
+    pick = max if how == "max" else min
+    key = pick(sorted(usable), key=lambda k: usable[k])
+    return usable[key], key
+
+
+def _label(metric: str, key: str | None) -> str:
+    return f"{metric}{{{key}}}" if key else metric
+
+
+class ThresholdCheck:
+    def __init__(self, rule: Rule):
+        self.rule = rule
+
+    def read(self, values: dict[str, float]) -> Reading | None:
+        value, key = reduce_series(values, self.rule.reduce)
+        if math.isnan(value):
+            return None
+        above = self.rule.above is not None
+        line = self.rule.above if above else self.rule.below
+        failing = value > line if above else value < line
+        word = ("" if failing else "not ") + ("above" if above else "below")
+        text = f"{self.rule.reduce} {_label(self.rule.metric, key)} = {value:.4g}, {word} {line:g}"
+        return Reading(value, failing, key, line, None, text)
+
+    def history(self) -> dict:
+        return {}
+
+    def restore(self, saved: dict) -> None:
+        pass
+
+
+class FiniteCheck(ThresholdCheck):
+    def read(self, values: dict[str, float]) -> Reading | None:
+        bad = sorted((k, v) for k, v in values.items() if not math.isfinite(v))
+        if bad:
+            key, value = bad[0]
+            return Reading(value, True, key, None, None, f"{_label(self.rule.metric, key)} is {value}")
+        value, key = reduce_series(values, "max")
+        return Reading(value, False, key, None, None, f"{_label(self.rule.metric, key)} = {value:.4g} (finite)")
+
+
+class SpikeCheck(ThresholdCheck):
+    """Reduced value > factor x the median of the previous window_steps reduced values."""
+
+    def __init__(self, rule: Rule):
+        super().__init__(rule)
+        self.values: deque[float] = deque(maxlen=rule.window_steps)
+
+    def read(self, values: dict[str, float]) -> Reading | None:
+        value, key = reduce_series(values, self.rule.reduce)
+        if not math.isfinite(value):
+            return None  # not part of any baseline; the finite check is the one that judges it
+        baseline = _baseline(self.values, self.rule.window_steps)
+        self.values.append(value)
+        label = _label(self.rule.metric, key)
+        if baseline is None:
+            return Reading(value, False, key, None, None, f"{label} = {value:.4g} (building baseline)")
+        line = self.rule.factor * baseline
+        failing = value > line
+        text = f"{label} = {value:.4g}, {value / baseline:.3g}x its median {baseline:.4g} (factor {self.rule.factor:g})"
+        return Reading(value, failing, key, line, baseline, text)
+
+    def history(self) -> dict:
+        return {"values": list(self.values)}
+
+    def restore(self, saved: dict) -> None:
+        self.values.extend(float(v) for v in saved.get("values", ()))
+
+
+class RegressionCheck(ThresholdCheck):
+    """Per series: value / median of that series' previous window_steps values; reduce the ratios."""
+
+    def __init__(self, rule: Rule):
+        super().__init__(rule)
+        self.values: dict[str, deque[float]] = {}
+
+    def read(self, values: dict[str, float]) -> Reading | None:
+        ratios, baselines = {}, {}
+        for key, value in sorted(values.items()):
+            if not math.isfinite(value):
+                continue
+            past = self.values.get(key)
+            if past is None:
+                if len(self.values) >= MAX_SERIES_PER_RULE:
+                    continue
+                past = self.values[key] = deque(maxlen=self.rule.window_steps)
+            baseline = _baseline(past, self.rule.window_steps)
+            past.append(value)
+            if baseline is not None:
+                ratios[key], baselines[key] = value / baseline, baseline
+        if not ratios:
+            return None
+        ratio, key = reduce_series(ratios, self.rule.reduce)
+        baseline = baselines.get(key)
+        failing = ratio > self.rule.factor
+        text = f"{self.rule.reduce} {_label(self.rule.metric, key)} at {ratio:.3g}x its median" + (
+            f" {baseline:.4g}" if baseline is not None else "") + f" (factor {self.rule.factor:g})"
+        return Reading(ratio, failing, key, self.rule.factor, baseline, text)
+
+    def history(self) -> dict:
+        return {"values": {k: list(v) for k, v in self.values.items()}}
+
+    def restore(self, saved: dict) -> None:
+        for key, past in saved.get("values", {}).items():
+            self.values[key] = deque((float(v) for v in past), maxlen=self.rule.window_steps)
+
+
+def _baseline(past: deque, window_steps: int) -> float | None:
+    """Median of earlier values once there are enough; None while too few or not positive."""
+    if len(past) < min(MIN_BASELINE_VALUES, window_steps):
+        return None
+    median = statistics.median(past)
+    return median if median > 0 else None
+
+
+CHECK_KINDS = {"threshold": ThresholdCheck, "finite": FiniteCheck, "spike": SpikeCheck,
+               "regression": RegressionCheck}
+
+
+def make_check(rule: Rule):
+    return CHECK_KINDS[rule.check](rule)
+
+
+class RuleMonitor:
+    """One rule's state: ok, pending or firing, with the evidence of the current failing run."""
+
+    SAVED = ("state", "reason", "failing_steps", "since_step", "since_time", "last_value", "last_series",
+             "threshold", "baseline", "last_seen_time", "window_values", "acted_tick", "acted_step")
+
+    def __init__(self, rule: Rule):
+        self.rule = rule
+        self.check = make_check(rule)
+        self.state, self.reason = "ok", "no failing evaluation"
+        self.failing_steps = 0
+        self.since_step: int | None = None
+        self.since_time: float | None = None
+        self.last_value: float | None = None
+        self.last_series: str | None = None
+        self.threshold: float | None = None
+        self.baseline: float | None = None
+        self.last_seen_time: float | None = None
+        self.window_values: list[float] = []
+        self.acted_tick: int | None = None
+        self.acted_step: int | None = None
+
+    def observe(self, step: int, now: float, values: dict[str, float]) -> bool:
+        """Judge one observation; True when it makes the rule enter firing (time to act)."""
+        self.last_seen_time = now
+        if self.reason == NO_DATA:
+            self._clear("ok", "data is back")
+        reading = self.check.read(values)
+        if reading is not None:
+            self.last_value, self.last_series = reading.value, reading.series
+            self.threshold, self.baseline = reading.threshold, reading.baseline
+        if reading is None or not reading.failing:
+            self._clear("ok", reading.text if reading else "not judged yet (no usable value or baseline)")
+            return False
+        if self.failing_steps == 0:
+            self.since_step, self.since_time, self.window_values = step, now, []
+        self.failing_steps += 1
+        self.window_values = (self.window_values + [reading.value])[-MAX_WINDOW_VALUES:]
+        self.reason = reading.text
+        return self._advance(now)
+
+    def tick(self, now: float) -> bool:
+        """Time passed without a reading: a pending for_seconds rule may now fire."""
+        return self.state == "pending" and self._advance(now)
+
+    def no_data(self, now: float, reference: float | None) -> bool:
+        """True when the metric's absence (since `reference`) just became a finding."""
+        limit = self.rule.no_data_seconds
+        if limit is None or reference is None or self.state == "firing" or now - reference < limit:
+            return False
+        self._clear("firing", NO_DATA)
+        return True
+
+    def evidence(self, step: int | None) -> dict:
+        """What a decision record shows: the failing run's values, the line they crossed, the window."""
+        rule = self.rule
+        evidence = {"metric": rule.metric, "check": rule.check, "series": self.last_series,
+                    "reduce": rule.reduce, "values": list(self.window_values), "for_steps": rule.for_steps,
+                    "window": [self.since_step, step]}
+        if rule.for_seconds is not None:
+            evidence["for_seconds"] = rule.for_seconds
+        if rule.check == "threshold":
+            evidence["threshold"] = rule.above if rule.above is not None else rule.below
+            evidence["comparison"] = "above" if rule.above is not None else "below"
+        elif rule.check in ("spike", "regression"):
+            evidence.update(factor=rule.factor, baseline=self.baseline, window_steps=rule.window_steps)
+            if rule.check == "regression":
+                evidence["values_are"] = "ratios of each series to its own baseline median"
+        return evidence
+
+    def _advance(self, now: float) -> bool:
+        if self.state == "firing":
+            return False
+        rule = self.rule
+        enough_steps = self.failing_steps >= rule.for_steps
+        long_enough = rule.for_seconds is None or now - self.since_time >= rule.for_seconds
+        if enough_steps and long_enough:
+            self.state = "firing"
+            return True
+        self.state = "pending"
+        return False
+
+    def _clear(self, state: str, reason: str) -> None:
+        self.state, self.reason = state, reason
+        self.failing_steps, self.since_step, self.since_time, self.window_values = 0, None, None, []
+
+    def to_dict(self) -> dict:
+        return {"metric": self.rule.metric, "check": self.rule.check, "window_steps": self.rule.window_steps,
+                "history": self.check.history(), **{k: getattr(self, k) for k in self.SAVED}}
+
+    def restore(self, saved: dict) -> None:
+        """Continue from a saved state; the baseline only if it was built for the same check."""
+        for key in self.SAVED:
+            if key in saved:
+                setattr(self, key, saved[key])
+        same = all(saved.get(k) == getattr(self.rule, k) for k in ("metric", "check", "window_steps"))
+        if same:
+            self.check.restore(saved.get("history", {}))

@@ -1,0 +1,128 @@
+"""What the guardrail engine keeps on disk: the decision log and its own state.
+
+decisions.jsonl is append-only: one JSON object per line, flushed and fsync'd on every
+append, so a decision survives a sidecar crash the moment it was made. state.json is
+replaced atomically (temp file, fsync, rename, fsync of the directory), so a restart sees
+either the old state or the new one, never half of each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import deque
+from pathlib import Path
+
+from parwatch.schema import encode_float
+
+log = logging.getLogger(__name__)
+RECENT_RECORDS = 1000
+"""Records held in memory for decisions(limit); older ones stay in the file."""
+
+
+def json_safe(value):
+    """A copy with NaN/inf as the schema's strings ("nan", "inf", "-inf"): the log is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some file systems do not open directories; the rename itself is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DecisionLog:
+    def __init__(self, path: str | Path, recent: int = RECENT_RECORDS):
+        self.path = Path(path)
+        self.recent: deque[dict] = deque(maxlen=recent)
+        self._load_tail()
+
+    def _load_tail(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            # Read backwards in chunks until enough whole lines are in hand.
+            chunk, data = 1 << 16, b""
+            while size > 0 and data.count(b"\n") <= self.recent.maxlen:
+                start = max(0, size - chunk)
+                f.seek(start)
+                data = f.read(size - start) + data
+                size = start
+        lines = data.split(b"\n")
+        if size > 0:
+            lines = lines[1:]  # the first piece may be the tail of a line before the chunk
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                self.recent.append(json.loads(raw))
+            except ValueError:
+                log.warning("skipping an unreadable line in %s (a write cut short by a crash?)", self.path)
+
+    def append(self, record: dict) -> dict:
+        """Write one record durably; returns the JSON-safe record as written."""
+        record = json_safe(record)
+        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        with open(self.path, "a+b") as f:
+            # A crash mid-write can leave a line without its newline; never glue onto it.
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write(line.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        self.recent.append(record)
+        return record
+
+    def records(self, limit: int = 100) -> list[dict]:
+        """The newest `limit` records, newest last."""
+        if limit <= 0:
+            return []
+        return list(self.recent)[-limit:]
+
+    def max_value(self, key: str) -> int:
+        """Largest integer `key` among the records in memory (ids only grow, so the newest hold it)."""
+        values = [r.get(key) for r in self.recent]
+        return max((v for v in values if isinstance(v, int)), default=0)
+
+
+def write_state(path: str | Path, state: dict) -> None:
+    """Replace `path` with `state` as JSON, atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_state(path: str | Path) -> dict | None:
+    """The saved state, or None when there is none or it cannot be read (then start afresh)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable guardrail state %s (%s); starting from a clean state", path, e)
+        return None
+    return state if isinstance(state, dict) else None

@@ -1,0 +1,351 @@
+"""The guardrail engine: rules over observations, decisions, and the directives they become.
+
+The sidecar feeds one Observation per training step (evaluate) and calls check_no_data
+every second; operators and Alertmanager go through request(). Every decision is a
+record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enforcing,
+also becomes a directive the trainer fetches (pending_directive) until every rank has
+applied it (acknowledge). All state lives in STATE_DIR/state.json, so a restarted
+sidecar continues where it stopped. Methods are thread-safe (one lock).
+
+Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
+step numbers, because step numbers repeat after a rollback and a loop must still count.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from parwatch.guardrails.checks import NO_DATA, RuleMonitor
+from parwatch.guardrails.decisions import DecisionLog, read_state, write_state
+from parwatch.guardrails.directives import Directives
+from parwatch.guardrails.rules import RuleSet
+from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
+
+REQUEST_SOURCES = ("operator", "alertmanager")
+MAX_CHECKPOINTS = 1000
+"""Known checkpoint steps kept (the newest)."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    step: int
+    time: float
+    series: dict[str, dict[str, float]]
+    """metric -> {series key -> value}, e.g. {"bubble_excess_ratio": {"stage=0": 0.01, "stage=1": 0.2}}."""
+    checkpoints: tuple[int, ...] = ()
+    """Steps with a complete checkpoint, as the trainer reported."""
+
+
+class GuardrailEngine:
+    def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time):
+        self._lock = threading.RLock()
+        self._rules = rules
+        self._now = now
+        self._dir = Path(state_dir)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._log = DecisionLog(self._dir / "decisions.jsonl")
+        self._state_path = self._dir / "state.json"
+        self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
+        self._directives = Directives()
+        self._paused = False
+        self._next_decision_id = 1
+        self._checkpoints: set[int] = set()
+        self._rollback_ticks: list[int] = []
+        self._tick = 0
+        self._last_step: int | None = None
+        self._first_seen_time: float | None = None
+        self._resumed_time: float | None = None
+        self._saved_text = ""
+        self._load()
+
+    # -- observations ---------------------------------------------------------------------------------
+
+    def evaluate(self, obs: Observation) -> list[dict]:
+        """Judge every rule on one step's observation; returns the decision records made.
+
+        Call once per step. A second observation of the step just evaluated (a retry, or a
+        second rank's ingest) only refreshes last-seen times and checkpoints.
+        """
+        with self._lock:
+            now = self._now()
+            if self._first_seen_time is None:
+                self._first_seen_time = now
+            self._checkpoints.update(int(c) for c in obs.checkpoints)
+            if obs.step == self._last_step:
+                for monitor in self._monitors.values():
+                    if _numbers(obs.series.get(monitor.rule.metric)):
+                        monitor.last_seen_time = now
+                self._save()
+                return []
+            self._last_step = obs.step
+            self._tick += 1
+            records = []
+            for monitor in self._monitors.values():
+                values = _numbers(obs.series.get(monitor.rule.metric))
+                if values:
+                    if monitor.observe(obs.step, now, values):
+                        records += self._act(monitor, obs.step, now)
+                else:
+                    records += self._judge_time(monitor, now)
+            self._save()
+            return records
+
+    def check_no_data(self) -> list[dict]:
+        """Time-driven judging between observations: for_seconds elapsing and metrics gone quiet.
+
+        Silence is not a finding before the first observation (no run yet) or while paused.
+        """
+        with self._lock:
+            now = self._now()
+            records = []
+            for monitor in self._monitors.values():
+                records += self._judge_time(monitor, now)
+            if records:
+                self._save()
+            return records
+
+    def _judge_time(self, monitor: RuleMonitor, now: float) -> list[dict]:
+        if monitor.tick(now):
+            return self._act(monitor, self._last_step, now)
+        # A paused run reports nothing on purpose: silence is a finding only while it runs.
+        reference = max((t for t in (monitor.last_seen_time or self._first_seen_time, self._resumed_time)
+                         if t is not None), default=None)
+        if not self._paused and monitor.no_data(now, reference):
+            rule = monitor.rule
+            seen = monitor.last_seen_time
+            reason = (f"no data for metric {rule.metric} for {rule.no_data_seconds:g} s "
+                      + ("(never reported)" if seen is None else f"(last reported at {seen:.0f})"))
+            evidence = {"metric": rule.metric, "last_seen_time": seen, "no_data_seconds": rule.no_data_seconds}
+            return [self._decide(rule.name, "alert", "rule", "", reason, evidence, self._last_step, now,
+                                 extra={"finding": NO_DATA})]
+        return []
+
+    # -- acting ---------------------------------------------------------------------------------------
+
+    def _act(self, monitor: RuleMonitor, step: int | None, now: float) -> list[dict]:
+        rule = monitor.rule
+        evidence = monitor.evidence(step)
+        action, reason, escalated = rule.action, f"{rule.name}: {monitor.reason}", False
+        checkpoint, skip = None, 0
+        if monitor.acted_tick is not None and self._tick - monitor.acted_tick < rule.cooldown_steps:
+            if rule.action != "rollback":
+                monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
+                return []
+            # Failing again so soon means the rollback did not cure it: stop instead of looping.
+            action, escalated = "pause", True
+            reason += (f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
+                       f"{monitor.acted_step}: pausing instead of rolling back again")
+        elif rule.action == "rollback":
+            first = monitor.since_step if monitor.since_step is not None else step
+            action, checkpoint, skip, note = self._plan_rollback(first, step, rule.skip_batches)
+            escalated = action != "rollback"
+            reason += note
+        monitor.acted_tick, monitor.acted_step = self._tick, step
+        return [self._decide(rule.name, action, "rule", "", reason, evidence, step, now, checkpoint=checkpoint,
+                             skip_batches=skip, escalated=escalated)]
+
+    def _plan_rollback(self, first_failing: int, step: int, skip_setting) -> tuple[str, int | None, int, str]:
+        """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help."""
+        checkpoint = max((c for c in self._checkpoints if c < first_failing), default=None)
+        if checkpoint is None:
+            return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
+        too_many = self._too_many_rollbacks()
+        if too_many:
+            return "pause", None, 0, too_many
+        self._rollback_ticks.append(self._tick)
+        skip = step - checkpoint if skip_setting == "window" else int(skip_setting)
+        return "rollback", checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
+
+    def _too_many_rollbacks(self) -> str:
+        """A note when another automatic rollback would exceed max_rollbacks in the window, else ""."""
+        window, limit = self._rules.rollback_window_steps, self._rules.max_rollbacks
+        self._rollback_ticks = [t for t in self._rollback_ticks if self._tick - t < window]
+        if len(self._rollback_ticks) < limit:
+            return ""
+        return (f"; escalated to pause: {len(self._rollback_ticks)} rollbacks within the last {window} steps "
+                f"(max_rollbacks={limit})")
+
+    def _decide(self, rule, action, source, requested_by, reason, evidence, step, now, checkpoint=None,
+                skip_batches=0, escalated=False, suppress=False, extra=None) -> dict:
+        """Write one decision record; when enforcing, a directive action also becomes a directive."""
+        enforced = bool(self._rules.enforce) and not suppress
+        directive_id = None
+        if enforced and action in DIRECTIVE_ACTIONS:
+            directive_id = self._directives.add(action, checkpoint, skip_batches, reason)
+        record = {"type": "decision", "id": self._next_decision_id, "time": now, "step": step, "rule": rule,
+                  "action": action, "source": source, "requested_by": requested_by, "enforced": enforced,
+                  "reason": reason, "evidence": evidence, "checkpoint": checkpoint, "skip_batches": skip_batches,
+                  "directive_id": directive_id, "escalated": escalated, **(extra or {})}
+        self._next_decision_id += 1
+        return self._log.append(record)
+
+    # -- requests and directives ----------------------------------------------------------------------
+
+    def request(self, action: str, source: str, reason: str = "", to_step: int | None = None,
+                skip_batches: int = 0, requested_by: str = "", rule: str | None = None) -> dict:
+        """An operator's or Alertmanager's pause/resume/rollback; returns the decision record.
+
+        A rollback without to_step goes to the newest known checkpoint. Alertmanager rollbacks
+        count towards max_rollbacks like the rules' own. `rule`: the parwatch rule an alert
+        mirrors (its `rule` label); if that rule already acted within its cooldown, the request
+        is recorded but not enforced, so one failure does not get acted on twice.
+        """
+        _validate_request(action, source, to_step, skip_batches)
+        with self._lock:
+            now, step = self._now(), self._last_step
+            reason, note, escalated = reason or f"{action} requested by {source}", "", False
+            if action == "rollback":
+                to_step = self._resolve_checkpoint(to_step)
+            mirrored = self._monitors.get(rule) if rule else None
+            suppress = (source == "alertmanager" and mirrored is not None and mirrored.acted_tick is not None
+                        and self._tick - mirrored.acted_tick < mirrored.rule.cooldown_steps)
+            if suppress:
+                note = f" (not enforced: rule {rule} already acted at step {mirrored.acted_step})"
+            elif action == "rollback" and source == "alertmanager" and (too_many := self._too_many_rollbacks()):
+                action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
+            elif action == "rollback":
+                self._rollback_ticks.append(self._tick)
+            evidence = {"to_step": to_step, "skip_batches": skip_batches}
+            record = self._decide(None, action, source, requested_by, reason + note, evidence, step, now,
+                                  checkpoint=to_step, skip_batches=skip_batches, escalated=escalated,
+                                  suppress=suppress, extra={"alert_rule": rule} if rule else None)
+            self._save()
+            return record
+
+    def _resolve_checkpoint(self, to_step: int | None) -> int:
+        known = sorted(self._checkpoints)
+        if to_step is None:
+            if not known:
+                raise ValueError("no checkpoint is known yet, so there is nothing to roll back to; "
+                                 "pass to_step with a checkpoint step")
+            return known[-1]
+        if known and to_step not in self._checkpoints:
+            raise ValueError(f"to_step {to_step} is not a known checkpoint; the newest known are {known[-10:]}")
+        return to_step
+
+    def pending_directive(self) -> dict | None:
+        """The oldest directive not yet applied by every rank; None if none or not enforcing."""
+        with self._lock:
+            if not self._rules.enforce:
+                return None
+            return self._directives.oldest()
+
+    def acknowledge(self, directive_id: int, rank: int, step: int, world_size: int) -> None:
+        """Rank `rank` applied the directive at `step`; once all ranks did, record it as applied."""
+        with self._lock:
+            done = self._directives.acknowledge(directive_id, rank, step, world_size)
+            if done is None:
+                self._save()
+                return
+            if done["action"] == "pause":
+                self._paused = True
+            elif done["action"] == "resume":
+                self._paused, self._resumed_time = False, self._now()
+            elif done["action"] == "rollback":
+                # The trainer now replays from the checkpoint: later checkpoints belong to the
+                # abandoned timeline, and the next step number may be one just evaluated.
+                if done["to_step"] is not None:
+                    self._checkpoints = {c for c in self._checkpoints if c <= done["to_step"]}
+                self._last_step = None
+            ranks = sorted(int(r) for r in done["acks"])
+            self._log.append({"type": "applied", "directive_id": done["id"], "action": done["action"],
+                              "step": max(done["acks"].values()), "time": self._now(), "ranks": ranks})
+            self._save()
+
+    # -- rules, state and views -----------------------------------------------------------------------
+
+    def reload(self, rules: RuleSet) -> None:
+        """Swap in new rules; a rule whose name survives keeps its state (and baseline, if still valid)."""
+        with self._lock:
+            monitors = {}
+            for rule in rules.rules:
+                monitors[rule.name] = RuleMonitor(rule)
+                old = self._monitors.get(rule.name)
+                if old is not None:
+                    monitors[rule.name].restore(old.to_dict())
+            self._rules, self._monitors = rules, monitors
+            self._save()
+
+    @property
+    def rules(self) -> RuleSet:
+        return self._rules
+
+    @property
+    def paused(self) -> bool:
+        with self._lock:
+            return self._paused
+
+    def states(self) -> dict[str, dict]:
+        """name -> the rule's state (NaN/inf values as the schema's strings, so it is JSON-safe)."""
+        with self._lock:
+            return {name: {"state": m.state, "reason": m.reason, "failing_steps": m.failing_steps,
+                           "since_step": m.since_step, "last_value": encode_float(m.last_value),
+                           "threshold": encode_float(m.threshold), "last_seen_time": m.last_seen_time,
+                           "metric": m.rule.metric, "action": m.rule.action, "series": m.last_series}
+                    for name, m in self._monitors.items()}
+
+    def decisions(self, limit: int = 100) -> list[dict]:
+        """The newest `limit` records of the decision log (decisions and applied), newest last."""
+        with self._lock:
+            return self._log.records(limit)
+
+    def _state(self) -> dict:
+        return {"version": 1, "paused": self._paused, "next_decision_id": self._next_decision_id,
+                "directives": self._directives.to_dict(), "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
+                "rollback_ticks": self._rollback_ticks, "tick": self._tick, "last_step": self._last_step,
+                "first_seen_time": self._first_seen_time, "resumed_time": self._resumed_time,
+                "rules": {name: m.to_dict() for name, m in self._monitors.items()}}
+
+    def _save(self) -> None:
+        state = self._state()
+        text = repr(state)
+        if text != self._saved_text:  # most check_no_data calls change nothing
+            write_state(self._state_path, state)
+            self._saved_text = text
+
+    def _load(self) -> None:
+        saved = read_state(self._state_path) or {}
+        self._paused = bool(saved.get("paused", False))
+        # Ids never repeat, even if state.json was lost while the log survived.
+        self._next_decision_id = max(int(saved.get("next_decision_id", 1)), self._log.max_value("id") + 1)
+        self._directives.restore(saved.get("directives", {}), self._log.max_value("directive_id") + 1)
+        self._checkpoints = {int(c) for c in saved.get("checkpoints", [])}
+        self._rollback_ticks = [int(t) for t in saved.get("rollback_ticks", [])]
+        self._tick = int(saved.get("tick", 0))
+        self._last_step = saved.get("last_step")
+        self._first_seen_time = saved.get("first_seen_time")
+        self._resumed_time = saved.get("resumed_time")
+        for name, monitor_state in saved.get("rules", {}).items():
+            if name in self._monitors:
+                self._monitors[name].restore(monitor_state)
+        self._saved_text = repr(self._state())
+
+
+def _numbers(values) -> dict[str, float]:
+    """The usable series of one metric: numbers, or the schema's "nan"/"inf"/"-inf"; None and junk dropped."""
+    out = {}
+    for key, value in (values or {}).items():
+        try:
+            number = decode_float(float(value) if isinstance(value, bool) else value)
+        except ValueError:
+            continue
+        if number is not None:
+            out[str(key)] = number
+    return out
+
+
+def _validate_request(action, source, to_step, skip_batches) -> None:
+    if action not in DIRECTIVE_ACTIONS:
+        raise ValueError(f"action {action!r} is not one of {', '.join(DIRECTIVE_ACTIONS)}")
+    if source not in REQUEST_SOURCES:
+        raise ValueError(f"source {source!r} is not one of {', '.join(REQUEST_SOURCES)}")
+    if isinstance(skip_batches, bool) or not isinstance(skip_batches, int) or skip_batches < 0:
+        raise ValueError(f"skip_batches must be an integer >= 0, got {skip_batches!r}")
+    if to_step is not None and (isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0):
+        raise ValueError(f"to_step must be a checkpoint step (an integer >= 0) or None, got {to_step!r}")
+    if action != "rollback" and (to_step is not None or skip_batches):
+        raise ValueError(f"to_step and skip_batches apply to rollback only, not to {action}")

@@ -1,0 +1,197 @@
+"""Numbers the report shows: bubble per stage, idle cost, collective latency from buckets."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from parwatch.schema import COLLECTIVE_BUCKETS, bubble_theoretical_ratio
+
+
+def parse_buckets(raw, bounds=COLLECTIVE_BUCKETS) -> list[float] | None:
+    """Cumulative counts aligned with `bounds`, from a list (len n, or n+1 with +Inf last)
+    or a dict keyed by the bound ("0.001", "+Inf"); None if absent or unreadable."""
+    if isinstance(raw, list) and len(raw) in (len(bounds), len(bounds) + 1):
+        vals = raw[: len(bounds)]
+    elif isinstance(raw, dict) and raw:
+        try:
+            by_le = {float(k): v for k, v in raw.items() if k not in ("+Inf", "inf")}
+        except ValueError:
+            return None
+        vals = [by_le.get(b) for b in bounds]
+    else:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+        return None
+    return [float(v) for v in vals]
+
+
+def quantile_from_buckets(q: float, cumulative: list, count: float, bounds=COLLECTIVE_BUCKETS) -> float | None:
+    """Prometheus histogram_quantile: linear interpolation inside the bucket holding rank q*count.
+    A rank beyond the last finite bound answers that bound (the estimate cannot see further)."""
+    if count <= 0:
+        return None
+    rank = q * count
+    lower_bound, lower_count = 0.0, 0.0
+    for le, cum in zip(bounds, cumulative):
+        if cum >= rank:
+            width = cum - lower_count
+            frac = (rank - lower_count) / width if width > 0 else 1.0
+            return lower_bound + (le - lower_bound) * frac
+        lower_bound, lower_count = le, cum
+    return bounds[-1]
+
+
+@dataclass
+class CollectiveStats:
+    op: str
+    group: str
+    count: float = 0.0
+    seconds: float = 0.0
+    bytes: float = 0.0
+    buckets: list | None = None
+    """Summed cumulative bucket counts; None once any entry came without buckets."""
+    busbw_seconds: float = 0.0
+    """Sum of busbw * seconds, so busbw() is the time-weighted mean (total bytes x factor / time)."""
+    _bucketless: bool = field(default=False, repr=False)
+
+    def add(self, entry: dict) -> None:
+        count, seconds = _num(entry.get("count")), _num(entry.get("seconds"))
+        self.count += count
+        self.seconds += seconds
+        self.bytes += _num(entry.get("bytes"))
+        self.busbw_seconds += _num(entry.get("busbw")) * seconds
+        b = parse_buckets(entry.get("buckets"))
+        if b is None:
+            self._bucketless = self._bucketless or count > 0  # one bucketless entry spoils the sum
+        else:
+            self.buckets = b if self.buckets is None else [x + y for x, y in zip(self.buckets, b)]
+
+    @property
+    def has_buckets(self) -> bool:
+        return self.buckets is not None and not self._bucketless
+
+    def mean(self) -> float | None:
+        return self.seconds / self.count if self.count else None
+
+    def quantile(self, q: float) -> float | None:
+        return quantile_from_buckets(q, self.buckets, self.count) if self.has_buckets else None
+
+    def busbw(self) -> float | None:
+        return self.busbw_seconds / self.seconds if self.seconds > 0 else None
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else 0.0
+
+
+def collective_totals(summaries: list) -> list[CollectiveStats]:
+    """Per (op, group) over every rank and step, sorted by total time (largest first)."""
+    acc: dict[tuple, CollectiveStats] = {}
+    for s in summaries:
+        for e in s["collectives"]:
+            key = (str(e.get("op", "?")), str(e.get("group", "?")))
+            acc.setdefault(key, CollectiveStats(*key)).add(e)
+    return sorted(acc.values(), key=lambda c: -c.seconds)
+
+
+def collective_series(summaries: list) -> tuple[dict, bool]:
+    """{(op, group): [(step, seconds)]} and whether the values are p99 from buckets (True)
+    or the mean seconds per op (False: some entries carried no buckets)."""
+    per_step: dict[tuple, dict[int, CollectiveStats]] = defaultdict(dict)
+    for s in summaries:
+        for e in s["collectives"]:
+            key = (str(e.get("op", "?")), str(e.get("group", "?")))
+            per_step[key].setdefault(s["step"], CollectiveStats(*key)).add(e)
+    use_p99 = all(c.has_buckets for steps in per_step.values() for c in steps.values())
+    series = {}
+    for key, steps in sorted(per_step.items()):
+        pts = [(step, c.quantile(0.99) if use_p99 else c.mean()) for step, c in sorted(steps.items())]
+        series[key] = [(step, v) for step, v in pts if v is not None]
+    return series, use_p99
+
+
+def per_stage_series(summaries: list, key: str) -> dict[int, list]:
+    """{stage: [(step, mean over the stage's ranks of key)]} for finite values."""
+    acc: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for s in summaries:
+        v = s.get(key)
+        if isinstance(v, float) and math.isfinite(v):
+            acc[s["stage"]][s["step"]].append(v)
+    return {stage: [(step, sum(v) / len(v)) for step, v in sorted(steps.items())]
+            for stage, steps in sorted(acc.items())}
+
+
+@dataclass
+class StageBubble:
+    stage: int
+    measured: float | None
+    theoretical: float | None
+    steps: int
+    """Steps averaged (the first step is left out when later ones exist: it carries warm-up)."""
+
+    @property
+    def excess(self) -> float | None:
+        if self.measured is None or self.theoretical is None:
+            return None
+        return self.measured - self.theoretical
+
+
+def bubble_table(summaries: list, stages: list) -> list[StageBubble]:
+    measured = per_stage_series(summaries, "bubble_ratio")
+    theory = per_stage_series(summaries, "bubble_theoretical_ratio")
+    rows = []
+    for stage in stages:
+        pts = measured.get(stage, [])
+        if len(pts) > 1:
+            pts = [p for p in pts if p[0] != min(step for step, _ in pts)]
+        th = theory.get(stage, [])
+        rows.append(StageBubble(stage, sum(v for _, v in pts) / len(pts) if pts else None,
+                                th[-1][1] if th else None, len(pts)))
+    return rows
+
+
+@dataclass
+class CostEstimate:
+    price_per_gpu_hour: float
+    idle_gpu_hours: float
+    """Sum over ranks and steps of idle_seconds, in hours."""
+    excess_idle_gpu_hours: float
+    """Idle beyond what the schedule's formula explains: the part better balance or p2p would recover."""
+    bubble_now: float
+    """Theoretical bubble share at the run's m: (p-1)/(v*m+p-1)."""
+    bubble_doubled: float
+    """Theoretical bubble share at 2m microbatches."""
+    recoverable_gpu_hours: float
+    """Schedule idle that 2m microbatches of half the size (same work, same compute) would remove."""
+
+    @property
+    def idle_cost(self) -> float:
+        return self.idle_gpu_hours * self.price_per_gpu_hour
+
+    @property
+    def excess_cost(self) -> float:
+        return self.excess_idle_gpu_hours * self.price_per_gpu_hour
+
+    @property
+    def recoverable_cost(self) -> float:
+        return self.recoverable_gpu_hours * self.price_per_gpu_hour
+
+
+def cost_estimate(summaries: list, pp: int, microbatches: int, chunks: int, price: float) -> CostEstimate:
+    """With compute C per rank and step fixed, schedule idle is C*f/(1-f) for bubble share f:
+    C*(p-1)/(v*m). Doubling m halves it; that difference is what the report calls recoverable."""
+    now = bubble_theoretical_ratio(pp, microbatches, chunks)
+    doubled = bubble_theoretical_ratio(pp, 2 * microbatches, chunks)
+    idle = excess = recoverable = 0.0
+    for s in summaries:
+        i, c = s.get("idle_seconds"), s.get("compute_seconds")
+        if isinstance(i, float) and math.isfinite(i):
+            idle += max(i, 0.0)
+        if isinstance(c, float) and math.isfinite(c):
+            sched_now, sched_doubled = c * now / (1 - now), c * doubled / (1 - doubled)
+            recoverable += sched_now - sched_doubled
+            if isinstance(i, float) and math.isfinite(i):
+                excess += max(i - sched_now, 0.0)
+    return CostEstimate(price, idle / 3600, excess / 3600, now, doubled, recoverable / 3600)

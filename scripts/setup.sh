@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install what parwatch needs on a fresh machine.
+#   scripts/setup.sh          the package (torch CPU build first where there is no GPU)
+#   scripts/setup.sh test     + test extras, Prometheus, promtool, Alertmanager, helm
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install --quiet torch
+  else
+    # A CPU build that is already on disk here; an open `torch` requirement would pull
+    # a multi-GB CUDA build.
+    "$PY" -m pip install --quiet torch==2.13.0
+  fi
+fi
+
+if [ "${1:-}" = "test" ]; then
+  "$PY" -m pip install --quiet -e '.[test]'
+  if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus-alertmanager >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null
+  fi
+  bash scripts/install_helm.sh .tools/bin
+else
+  "$PY" -m pip install --quiet -e .
+fi

@@ -1,0 +1,407 @@
+"""The Helm chart (helm/parwatch): lint, render, validate every manifest, and hold it to its promises.
+
+Built-in kinds are validated offline with kubernetes-validate (strict schemas of Kubernetes 1.30,
+the first minor after native sidecars went default-on). The custom resources it has no schemas for
+(PodMonitor, PrometheusRule, TrainingRuntime, TrainJob) are checked structurally here, and the pod
+and job templates embedded in the TrainingRuntime are validated as a Pod and a Job.
+
+helm is found at $PARWATCH_HELM, .tools/bin/helm (scripts/install_helm.sh .tools/bin) or PATH;
+tests that need it skip without it. The chart-copy checks run everywhere.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "parwatch"
+K8S_VERSION = "1.30.0"
+NAMESPACE = "ml"
+RELEASE = "run1"
+CONFIGS = {
+    "default": [],
+    "all-features": [CHART / "ci" / "all-features-values.yaml"],
+    "trainjob": [CHART / "ci" / "trainjob-values.yaml"],
+}
+CRD_GROUPS = ("monitoring.coreos.com/", "trainer.kubeflow.org/")
+STANDARD_LABELS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                   "app.kubernetes.io/component", "app.kubernetes.io/managed-by", "helm.sh/chart"}
+SELECTOR = {"app.kubernetes.io/name": "parwatch", "app.kubernetes.io/instance": RELEASE}
+
+
+def find_helm() -> str | None:
+    for candidate in (os.environ.get("PARWATCH_HELM"), str(ROOT / ".tools" / "bin" / "helm"), shutil.which("helm")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def helm():
+    path = find_helm()
+    if path is None:
+        pytest.skip("helm not found: run scripts/install_helm.sh .tools/bin, or set PARWATCH_HELM")
+    return path
+
+
+def run_helm(helm, *args):
+    return subprocess.run([helm, *map(str, args)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def values_args(files=(), sets=()):
+    args = []
+    for f in files:
+        args += ["-f", f]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def render(helm, files=(), sets=()):
+    proc = run_helm(helm, "template", RELEASE, CHART, "--namespace", NAMESPACE, *values_args(files, sets))
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered(helm):
+    return {name: render(helm, files) for name, files in CONFIGS.items()}
+
+
+def of_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_specs(docs):
+    """(where, pod template) of every workload: the Job's, and the TrainingRuntime's."""
+    out = [("Job", j["spec"]["template"]) for j in of_kind(docs, "Job")]
+    for rt in of_kind(docs, "TrainingRuntime"):
+        for rj in rt["spec"]["template"]["spec"]["replicatedJobs"]:
+            out.append((f"TrainingRuntime/{rj['name']}", rj["template"]["spec"]["template"]))
+    assert out, "no workload rendered"
+    return out
+
+
+def container(pod, name, init=False):
+    (c,) = [c for c in pod["spec"]["initContainers" if init else "containers"] if c["name"] == name]
+    return c
+
+
+# --- the copies the chart carries ---------------------------------------------------------------
+
+
+def test_chart_rules_are_the_packaged_default_rules():
+    assert (CHART / "files" / "default_rules.yaml").read_bytes() == (
+        ROOT / "parwatch" / "sidecar" / "default_rules.yaml"
+    ).read_bytes(), "copy parwatch/sidecar/default_rules.yaml to helm/parwatch/files/default_rules.yaml"
+
+
+def test_chart_dashboard_is_the_exported_dashboard():
+    assert (CHART / "files" / "parwatch.json").read_bytes() == (ROOT / "dashboards" / "parwatch.json").read_bytes(), (
+        "copy dashboards/parwatch.json to helm/parwatch/files/parwatch.json"
+    )
+
+
+def test_chart_alerts_are_the_rendered_alerts():
+    source = ROOT / "dashboards" / "alerts.yaml"
+    if not source.exists():
+        pytest.skip("dashboards/alerts.yaml not rendered yet (parwatch rules render-alerts)")
+    assert (CHART / "files" / "alerts.yaml").read_bytes() == source.read_bytes(), (
+        "copy dashboards/alerts.yaml to helm/parwatch/files/alerts.yaml"
+    )
+
+
+def test_values_schema_closes_every_object():
+    def walk(node, path):
+        if isinstance(node, dict):
+            if "properties" in node:
+                assert node.get("additionalProperties") is False, f"{path} accepts unknown keys"
+            for key, sub in node.items():
+                walk(sub, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{path}[{i}]")
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    walk(schema, "$")
+    # every top-level key of values.yaml is described by the schema
+    assert set(yaml.safe_load((CHART / "values.yaml").read_text())) <= set(schema["properties"])
+
+
+# --- lint and render ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_lint_strict(helm, config):
+    proc = run_helm(helm, "lint", "--strict", CHART, *values_args(CONFIGS[config]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_builtin_manifests_validate_strict(rendered, config):
+    docs = rendered[config]
+    checked = 0
+    for doc in docs:
+        if doc["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 2
+
+
+def test_trainingruntime_templates_validate_as_job_and_pod(rendered):
+    (rt,) = of_kind(rendered["trainjob"], "TrainingRuntime")
+    for rj in rt["spec"]["template"]["spec"]["replicatedJobs"]:
+        job_spec = rj["template"]["spec"]
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"]},
+               "spec": {**job_spec, "template": job_spec["template"]}}
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": job_spec["template"]["metadata"],
+               "spec": {**job_spec["template"]["spec"], "restartPolicy": "Never"}}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_default_render_has_only_the_core_objects(rendered):
+    assert sorted(d["kind"] for d in rendered["default"]) == ["ConfigMap", "Job", "Service"]
+    kinds = {d["kind"] for d in rendered["all-features"]}
+    assert {"Job", "Service", "PodMonitor", "PrometheusRule"} <= kinds
+    assert "Secret" not in kinds  # all-features uses an existing Secret
+    assert {d["kind"] for d in rendered["trainjob"]} >= {"TrainJob", "TrainingRuntime", "Secret"}
+    assert not of_kind(rendered["trainjob"], "Job") and not of_kind(rendered["trainjob"], "Service")
+
+
+# --- labels -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_standard_labels_and_name_instance_selectors(rendered, config):
+    docs = rendered[config]
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert STANDARD_LABELS <= set(labels), f"{doc['kind']} lacks {STANDARD_LABELS - set(labels)}"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert {k: labels[k] for k in SELECTOR} == SELECTOR
+    for svc in of_kind(docs, "Service"):
+        assert svc["spec"]["selector"] == SELECTOR
+    for pm in of_kind(docs, "PodMonitor"):
+        assert pm["spec"]["selector"] == {"matchLabels": SELECTOR}
+    for where, pod in pod_specs(docs):
+        assert SELECTOR.items() <= pod["metadata"]["labels"].items(), where
+        assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "training"
+
+
+def test_common_and_additional_labels_apply(rendered):
+    docs = rendered["all-features"]
+    assert all(d["metadata"]["labels"]["team"] == "ml-platform" for d in docs)
+    for kind in ("PodMonitor", "PrometheusRule"):
+        (obj,) = of_kind(docs, kind)
+        assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+# --- the sidecar --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_sidecar_is_a_restricted_native_sidecar(rendered, config):
+    for where, pod in pod_specs(rendered[config]):
+        sc = container(pod, "parwatch-sidecar", init=True)
+        assert sc["restartPolicy"] == "Always", where
+        ctx = sc["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["readOnlyRootFilesystem"] is True
+        assert ctx["capabilities"]["drop"] == ["ALL"] and "add" not in ctx["capabilities"]
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+        # The state directory is the only writable path.
+        writable = [m for m in sc["volumeMounts"] if not m.get("readOnly")]
+        assert [m["name"] for m in writable] == ["parwatch-state"], where
+        state_dir = writable[0]["mountPath"]
+        assert f"--state-dir={state_dir}" in sc["args"]
+        (state,) = [v for v in pod["spec"]["volumes"] if v["name"] == "parwatch-state"]
+        assert set(state) & {"emptyDir", "persistentVolumeClaim"}
+        # Named metrics port and /healthz probes on it.
+        assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in sc["ports"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert sc[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+        assert "--metrics-listen=0.0.0.0:9400" in sc["args"]
+
+
+def test_control_stays_on_loopback_without_a_token(rendered):
+    for where, pod in pod_specs(rendered["default"]):
+        sc = container(pod, "parwatch-sidecar", init=True)
+        assert "--control-listen=127.0.0.1:9401" in sc["args"]
+        assert not any(a.startswith("--token-file") for a in sc["args"])
+        assert [p["name"] for p in sc["ports"]] == ["metrics"]
+        trainer = pod["spec"]["containers"][0]
+        assert trainer["args"][-2:] == ["--parwatch=on", "--parwatch-endpoint=http://127.0.0.1:9401"]
+        assert {"name": "PARWATCH_ENDPOINT", "value": "http://127.0.0.1:9401"} in trainer["env"]
+        assert not any(a.startswith("--parwatch-token-file") for a in trainer["args"])
+
+
+def test_own_trainer_gets_the_endpoint_by_environment_only(helm):
+    docs = render(helm, sets=["training.parwatchArgs=false", "training.module=mytrain.main"])
+    (job,) = of_kind(docs, "Job")
+    trainer = container(job["spec"]["template"], "trainer")
+    assert trainer["args"][-2:] == ["-m", "mytrain.main"]
+    assert {"name": "PARWATCH_ENDPOINT", "value": "http://127.0.0.1:9401"} in trainer["env"]
+
+
+@pytest.mark.parametrize("config", ["all-features", "trainjob"])
+def test_exposed_control_uses_the_token_secret(rendered, config):
+    docs = rendered[config]
+    for where, pod in pod_specs(docs):
+        sc = container(pod, "parwatch-sidecar", init=True)
+        assert "--control-listen=0.0.0.0:9401" in sc["args"]
+        token_file = next(a.split("=", 1)[1] for a in sc["args"] if a.startswith("--token-file="))
+        trainer = pod["spec"]["containers"][0]
+        assert f"--parwatch-token-file={token_file}" in trainer["args"]
+        assert {"name": "PARWATCH_TOKEN_FILE", "value": token_file} in trainer["env"]
+        (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "parwatch-token"]
+        secret_name = vol["secret"]["secretName"]
+        if config == "trainjob":
+            (secret,) = of_kind(docs, "Secret")
+            assert secret["metadata"]["name"] == secret_name and set(secret["data"]) == {"token"}
+        else:
+            assert secret_name == "parwatch-control-token"
+
+
+def test_exposing_control_without_a_token_is_refused(helm):
+    proc = run_helm(helm, "template", RELEASE, CHART, "--set", "sidecar.exposeControl=true")
+    assert proc.returncode != 0
+    assert "sidecar.token.existingSecret" in proc.stderr
+
+
+def test_rules_configmap_defaults_to_the_packaged_rules_and_accepts_a_file(helm, rendered, tmp_path):
+    (cm,) = [c for c in of_kind(rendered["default"], "ConfigMap") if c["metadata"]["name"].endswith("-rules")]
+    packaged = (ROOT / "parwatch" / "sidecar" / "default_rules.yaml").read_text()
+    assert yaml.safe_load(cm["data"]["rules.yaml"]) == yaml.safe_load(packaged)
+    custom = tmp_path / "rules.yaml"
+    custom.write_text("version: 1\nrules:\n  - {name: stage-skew, metric: pipeline_skew_ratio, above: 1.5, action: alert}\n")
+    proc = run_helm(helm, "template", RELEASE, CHART, "--set-file", f"sidecar.rules.content={custom}")
+    assert proc.returncode == 0, proc.stderr
+    (cm,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "ConfigMap"]
+    assert yaml.safe_load(cm["data"]["rules.yaml"]) == yaml.safe_load(custom.read_text())
+
+
+# --- the schema catches typos -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting,complaint", [
+    ("sidecar.metricPort=9400", "metricPort"),  # misspelt sidecar.metricsPort
+    ("monitoring.podMonitor.enable=true", "enable"),
+    ("workload.kind=PyTorchJob", "kind"),
+    ("training.nnodes=0", "nnodes"),
+])
+def test_schema_rejects_bad_values(helm, setting, complaint):
+    for command in (["template", RELEASE], ["lint", "--strict"]):
+        proc = run_helm(helm, *command, CHART, "--set", setting)
+        assert proc.returncode != 0, f"helm {command[0]} accepted {setting}"
+        assert complaint in proc.stdout + proc.stderr
+
+
+# --- the Indexed Job ----------------------------------------------------------------------------
+
+
+def test_indexed_job_runs_torchrun_with_rendezvous_on_pod_zero(rendered):
+    docs = rendered["all-features"]
+    (job,) = of_kind(docs, "Job")
+    (svc,) = of_kind(docs, "Service")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 4
+    assert spec["backoffLimit"] == 0
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["subdomain"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    trainer = container(spec["template"], "trainer")
+    assert trainer["command"] == ["torchrun"]
+    args = trainer["args"]
+    assert "--nnodes=4" in args and "--nproc-per-node=8" in args
+    assert "--node-rank=$(JOB_COMPLETION_INDEX)" in args
+    master = f"{job['metadata']['name']}-0.{svc['metadata']['name']}.{NAMESPACE}.svc"
+    assert f"--master-addr={master}" in args and "--master-port=29500" in args
+    user_args = yaml.safe_load(CONFIGS["all-features"][0].read_text())["training"]["args"]
+    m = args.index("-m")
+    assert args[m + 1:m + 2 + len(user_args)] == ["trainer", *user_args]
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in trainer["ports"]
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} >= {"rendezvous", "metrics", "control"}
+
+
+# --- custom resources, checked structurally -----------------------------------------------------
+
+
+def test_podmonitor_scrapes_the_sidecars_metrics_port(rendered):
+    docs = rendered["all-features"]
+    (pm,) = of_kind(docs, "PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == "15s" and endpoint["scrapeTimeout"] == "10s"
+    # The port it names exists on the pods it selects.
+    for _, pod in pod_specs(docs):
+        assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        assert "metrics" in [p["name"] for p in container(pod, "parwatch-sidecar", init=True)["ports"]]
+
+
+def test_prometheusrule_carries_exactly_the_rendered_alert_groups(rendered, tmp_path):
+    (rule,) = of_kind(rendered["all-features"], "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    expected = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"]
+    assert rule["spec"]["groups"] == expected
+    for group in rule["spec"]["groups"]:
+        assert group["name"] and group["rules"]
+        for r in group["rules"]:
+            assert (r.get("alert") or r.get("record")) and r["expr"]
+    promtool = shutil.which("promtool")
+    if promtool:  # the operator hands spec.groups to Prometheus as a rules file
+        path = tmp_path / "rules.yaml"
+        path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_trainjob_references_its_runtime(rendered):
+    docs = rendered["trainjob"]
+    (tj,) = of_kind(docs, "TrainJob")
+    (rt,) = of_kind(docs, "TrainingRuntime")
+    for obj in (tj, rt):
+        assert obj["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert tj["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
+                                        "name": rt["metadata"]["name"]}
+    assert tj["spec"]["trainer"]["numNodes"] == rt["spec"]["mlPolicy"]["numNodes"] == 2
+    assert tj["spec"]["trainer"]["numProcPerNode"] == 4 and tj["spec"]["suspend"] is True
+    assert tj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "user-queue"
+    assert rt["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "torch"
+    assert "torch" in rt["spec"]["mlPolicy"]
+    (rj,) = rt["spec"]["template"]["spec"]["replicatedJobs"]
+    assert rj["name"] == "node"
+    assert rj["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    node = container(rj["template"]["spec"]["template"], "node")  # the Torch plugin targets this name
+    assert node["command"] == ["torchrun"] and node["args"][:2] == ["-m", "trainer"]
+
+
+def test_grafana_dashboard_configmap(rendered):
+    (cm,) = [c for c in of_kind(rendered["all-features"], "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "parwatch"}
+    assert json.loads(cm["data"]["parwatch.json"]) == json.loads((ROOT / "dashboards" / "parwatch.json").read_text())
+
+
+def test_image_overrides_apply_per_container(helm):
+    docs = render(helm, sets=["image.tag=1.2.3", "sidecar.image.repository=registry.local/parwatch-sidecar"])
+    (job,) = of_kind(docs, "Job")
+    pod = job["spec"]["template"]
+    assert container(pod, "parwatch-sidecar", init=True)["image"] == "registry.local/parwatch-sidecar:1.2.3"
+    assert container(pod, "trainer")["image"] == "ghcr.io/parwatch/parwatch:1.2.3"
