@@ -95,6 +95,13 @@ class TrainConfig:
                 f"--layers={self.layers} is fewer than pp*chunks={self.pp * self.chunks} pipeline chunks; "
                 f"raise --layers to {self.pp * self.chunks} or lower --pp"
             )
+        if self.partition not in ("uniform", "parameters"):
+            raise ConfigError(f"--partition={self.partition!r} is unknown; choose 'uniform' or 'parameters'")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--backend={self.backend!r} is unknown; choose auto, gloo or nccl")
+        for name, zero in (("checkpoint_every", "never saves"), ("keep_checkpoints", "keeps all")):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0 (0 {zero})")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"--optimizer={self.optimizer!r}; choose adamw or sgd")
         if self.dtype not in ("float32", "float64"):

@@ -19,6 +19,8 @@ from trainer.errors import TrainerError
 
 log = logging.getLogger("trainer")
 
+_PEER_LOST = 3  # a rank's exit code when a collective failed because a peer went away
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -72,6 +74,9 @@ def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)
         os._exit(2)
+    except RuntimeError as e:  # a peer died: the launcher names the rank that failed first
+        print(f"rank {rank}: stopped: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        os._exit(_PEER_LOST)
 
 
 def _setup_logging(rank: int) -> None:
@@ -88,18 +93,26 @@ def spawn(cfg: TrainConfig) -> int:
     procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg)) for r in range(cfg.nproc)]
     for p in procs:
         p.start()
+    from multiprocessing.connection import wait
+
     code = 0
     try:
-        while any(p.is_alive() for p in procs):
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
+        alive = {p.sentinel: r for r, p in enumerate(procs)}
+        while alive:
+            # Wake on the first exit, so the rank that failed first is the one named
+            # (its peers die a moment later with "connection closed").
+            failed = []
+            for sentinel in wait(list(alive)):
+                rank = alive.pop(sentinel)
+                procs[rank].join()
+                if procs[rank].exitcode != 0:
+                    failed.append(rank)
             if failed:
-                code = failed[0].exitcode
-                print(f"error: rank {procs.index(failed[0])} exited with code {code}; stopping the other ranks",
-                      file=sys.stderr)
+                # Exit code 3 is a rank that only lost a peer: name the cause, not the echo.
+                rank = min(failed, key=lambda r: (procs[r].exitcode == _PEER_LOST, r))
+                code = procs[rank].exitcode or 1
+                print(f"error: rank {rank} exited with code {code}; stopping the other ranks", file=sys.stderr)
                 break
-            time.sleep(0.1)
-        else:
-            code = next((p.exitcode for p in procs if p.exitcode), 0)
     finally:
         for p in procs:
             if p.is_alive():
