@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         world = cfg.nproc or int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate(world)
+        if not cfg.run_id:  # one id for every rank: torchrun's rendezvous id, else a new one
+            cfg.run_id = os.environ.get("PARWATCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+            if not cfg.run_id or cfg.run_id == "none":
+                from trainer.train import new_run_id
+
+                cfg.run_id = new_run_id()
         if cfg.nproc:
             return spawn(cfg)
         rank = int(os.environ.get("RANK", "0"))

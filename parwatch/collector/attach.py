@@ -1,0 +1,74 @@
+"""Putting a Collector on the trainer's hook registry, by hand or from the trainer's config."""
+
+from __future__ import annotations
+
+import os
+
+from parwatch.collector.collector import Collector
+from parwatch.collector.context import RunContext
+from trainer.hooks import HookRegistry, PerfCounterClock
+from trainer.hooks import registry as default_registry
+
+
+def attach(collector: Collector, registry: HookRegistry | None = None) -> Collector:
+    """Register the collector on the trainer's hook registry and install its clock."""
+    registry = default_registry if registry is None else registry
+    registry.register(collector)
+    registry.clock = collector.clock
+    collector._registry = registry
+    return collector
+
+
+def detach(collector: Collector) -> None:
+    """Undo `attach`: unregister, and give the registry back a host clock if it had ours."""
+    registry = collector._registry
+    if registry is None:
+        return
+    if collector in registry.observers:
+        registry.unregister(collector)
+    if registry.clock is collector.clock:
+        registry.clock = PerfCounterClock()
+    collector._registry = None
+
+
+def read_token(path: str) -> str | None:
+    """The bearer token from `path` (--parwatch-token-file), else $PARWATCH_TOKEN, else None."""
+    if path:
+        from trainer.errors import ConfigError
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--parwatch-token-file={path}: cannot read it ({exc.strerror}); "
+                              "point it at a readable file holding the sidecar's token") from None
+        if not token:
+            raise ConfigError(f"--parwatch-token-file={path} is empty; write the sidecar's token into it")
+        return token
+    return os.environ.get("PARWATCH_TOKEN") or None
+
+
+def attach_from_config(cfg, rank: int, world_size: int, local_rank: int, backend: str) -> Collector:
+    """The bundled trainer's way in: a Collector for this rank from its TrainConfig, attached.
+
+    cfg.parwatch_endpoint: sidecar URL ("" ships nothing); cfg.parwatch_log: run directory for
+    summaries.jsonl and spans.jsonl, shared by the ranks ("" writes none). NVML and the CUDA
+    clock are used only when the backend is NCCL (this rank then owns GPU `local_rank`).
+    """
+    ctx = RunContext.for_rank(
+        cfg.run_id, rank, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, schedule=cfg.schedule,
+        microbatches=cfg.microbatches, chunks=cfg.chunks, tokens_per_step=cfg.tokens_per_step,
+        local_gpu=local_rank if backend == "nccl" else None,
+    )
+    if ctx.world_size != world_size:
+        from trainer.errors import ConfigError
+
+        raise ConfigError(f"tp*pp*dp = {ctx.world_size} but the world has {world_size} ranks; fix --tp/--pp/--dp")
+    log_dir = cfg.parwatch_log
+    return attach(Collector(
+        ctx,
+        endpoint=cfg.parwatch_endpoint or None,
+        token=read_token(cfg.parwatch_token_file),
+        log_path=os.path.join(log_dir, "summaries.jsonl") if log_dir else None,
+        spans_path=os.path.join(log_dir, "spans.jsonl") if log_dir else None,
+    ))

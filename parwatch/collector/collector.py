@@ -1,0 +1,330 @@
+"""The Collector: a trainer.hooks.Observer that turns one rank's spans into step summaries.
+
+Everything here runs on the training thread and stays cheap: spans are folded
+into running sums as they arrive (on CUDA, where marks are events, they are
+kept until the step boundary and resolved there, after the trainer's boundary
+collective has drained the stream); a summary is built once per step and
+handed to the shipper's bounded queue. The collector never blocks, never
+issues a collective and never synchronises a device.
+
+Step n's period on this rank runs from the end of the previous boundary of
+kind start/step/resume to the end of boundary n. "heartbeat" boundaries (the
+run is paused) and "resume" boundaries produce no summary; a resume (after a
+pause or a rollback) starts a new period.
+
+A step whose boundary carries a directive keeps its summary until the trainer
+reports the directive applied, and reports it in that summary's `applied`: the
+sidecar hands out its next directive (the resume of a pause) only once every
+rank has acknowledged the previous one, and a paused run sends no summaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from parwatch.collector import global_view as gv
+from parwatch.collector.context import RunContext
+from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
+from parwatch.collector.nvml import NvmlSampler
+from parwatch.collector.run_totals import RunTotals
+from parwatch.collector.shipper import Shipper
+from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
+from parwatch.collector.wire import DirectiveInbox, build_summary
+from trainer.hooks import BoundaryInfo, Observer, Span
+
+log = logging.getLogger("parwatch.collector")
+_now_ns = time.perf_counter_ns
+
+KEEP_CHECKPOINTS = 20
+MAX_APPLIED = 100  # directives applied between two summaries (a long pause sees a handful)
+
+
+@dataclass(frozen=True)
+class SpanSampling:
+    """Which steps keep their full span list (spans.jsonl): the first steps, then every n-th."""
+
+    first: int = 5
+    """Steps 1..first are sampled; 0 samples none of the early steps."""
+    every: int = 50
+    """Every step divisible by this is sampled too; 0 means never after the first ones."""
+
+    def __call__(self, step: int) -> bool:
+        return 1 <= step <= self.first or (self.every > 0 and step > 0 and step % self.every == 0)
+
+
+class Collector(Observer):
+    """One rank's observer. Use `attach(Collector(ctx, ...))`, and `close()` at the end."""
+
+    boundary_slots = gv.BOUNDARY_SLOTS
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        *,
+        endpoint: str | None = None,
+        token: str | None = None,
+        log_path: str | None = None,
+        spans_path: str | None = None,
+        nvml=None,
+        span_sample_steps=SpanSampling(),
+        queue_size: int = 1024,
+        http=None,
+        clock=None,
+        time_fn=time.time,
+        memory_fn=None,
+        nvml_interval_s: float = 0.25,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.ctx = ctx
+        self.clock = clock if clock is not None else default_clock(ctx)
+        self._deferred = bool(getattr(self.clock, "resolves_at_boundary", False))
+        self._sample = span_sample_steps or (lambda step: False)
+        self._time_fn = time_fn
+        self._memory_fn = memory_fn or (peak_memory_bytes if ctx.local_gpu is not None else (lambda: None))
+        self._host = gv.host_key(ctx.hostname)
+        self.nvml = NvmlSampler(ctx.local_gpu, nvml=nvml, interval_s=nvml_interval_s).start()
+        self.directives = DirectiveInbox()
+        self.shipper = Shipper(
+            endpoint=endpoint, token=token, log_path=log_path, spans_path=spans_path, queue_size=queue_size,
+            http=http, on_directive=self.directives.put,
+            poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
+        ).start()
+        self._stats = StepStats()
+        self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
+        """Whole-run figures (rank 0) added to the trainer's summary at run_end."""
+        self._pending: list[Span] = []  # deferred clocks only: this period's spans, resolved at the boundary
+        self._records: list | None = None  # span records of a sampled step; None when not sampling
+        self._step = 0  # the step the current period belongs to
+        self._origin_mark = None  # end of the boundary that opened the current period
+        self._time_origin_s: float | None = None  # host seconds all ranks of this host count spans from
+        self._previous: StepBreakdown | None = None
+        self._previous_step = -1
+        self._previous_loss: float | None = None
+        self._applied: list[dict] = []
+        self._checkpoints: list[int] = []
+        self._paused = False
+        self._overhead_ns = 0
+        self._held: dict | None = None  # a summary waiting for its directive's directive_applied event
+        self._registry = None
+        self.summaries = 0
+        """Summaries produced so far."""
+        self.last_summary: dict | None = None
+        """The most recent summary (for displays and tests); do not mutate it."""
+        self.unresolved_spans = 0
+        """Deferred spans whose marks could not be resolved (dropped from the statistics)."""
+        self.errors = 0
+        """Spans or boundaries the collector could not handle (logged once, never raised)."""
+
+    # --- hooks, training thread -------------------------------------------------------------
+    def on_span(self, span: Span) -> None:
+        t0 = _now_ns()
+        if self._held is not None:
+            self._ship_held()
+        if self._deferred:
+            self._pending.append(span)
+        else:
+            try:
+                self._stats.add(span.kind, self.clock.seconds(span.start, span.end), span.attrs)
+                if self._records is not None:
+                    self._records.append(self._record(span, self._host_seconds(span.start),
+                                                      self._host_seconds(span.end)))
+            except Exception as exc:  # a malformed span must not stop training
+                self._count_error("span", exc)
+        self._overhead_ns += _now_ns() - t0
+
+    def fill_boundary(self, step: int, slots: list) -> None:
+        t0 = _now_ns()
+        if self._held is not None:
+            self._ship_held()
+        valid = self._previous is not None and self._previous_step == step - 1
+        origin = self._host_now() if self._time_origin_s is None else None
+        gv.fill_slots(slots, previous=self._previous if valid else None, previous_step=self._previous_step,
+                      stage=self.ctx.stage, host=self._host, origin_candidate=origin)
+        self._overhead_ns += _now_ns() - t0
+
+    def pending_directive(self):
+        return self.directives.take() if self.ctx.rank == 0 else None
+
+    def on_boundary(self, info: BoundaryInfo, slot_rows: list) -> None:
+        try:
+            self._on_boundary(info, slot_rows)
+        except Exception as exc:  # lose a step's numbers, never the run
+            self._count_error("boundary", exc)
+
+    def _on_boundary(self, info: BoundaryInfo, slot_rows: list) -> None:
+        t0 = _now_ns()
+        if self._held is not None:
+            self._ship_held()
+        end = info.end if info.end is not None else self.clock.mark()
+        done = self._resolve_pending(end) if self._deferred else []  # marks to recycle
+        if self._time_origin_s is None:
+            origin = gv.shared_origin(slot_rows, self._host)
+            self._time_origin_s = origin if origin is not None else self._host_seconds(end)
+        kind = info.kind
+        if kind == "heartbeat":  # paused: nothing is accounted until the resume
+            self._begin_period(None, info.step, sample=False)
+            done += (info.start, end)
+        else:
+            if kind == "step" and self._origin_mark is not None:
+                self._finish_step(info, end, slot_rows, t0)
+                t0 = _now_ns()
+            if kind != "step":  # start, resume (or a kind this collector does not know): a new origin
+                self._previous = None
+                self._paused = False
+            done += (info.start, self._origin_mark)
+            self._begin_period(end, info.step + 1, sample=True)
+        if done:
+            self._release(done)  # never the new origin: the trainer may reuse a span's mark as info.end
+        self._overhead_ns += _now_ns() - t0
+
+    def on_event(self, name: str, attrs: dict) -> None:
+        t0 = _now_ns()
+        try:
+            self._on_event(name, attrs)
+        except Exception as exc:
+            self._count_error(f"event {name!r}", exc)
+        self._overhead_ns += _now_ns() - t0
+
+    def _on_event(self, name: str, attrs: dict) -> None:
+        if name == "directive_applied":
+            applied = {"id": int(attrs["id"]), "step": int(attrs["step"])}
+            if self._held is not None:  # applied at the boundary of the held step: report it there
+                self._held["applied"].append(applied)
+                self._ship_held()
+            elif len(self._applied) < MAX_APPLIED:
+                self._applied.append(applied)
+        elif name == "checkpoint_saved" and self.ctx.rank == 0:
+            # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.
+            listed = attrs.get("checkpoints")
+            steps = [int(s) for s in listed] if listed is not None else self._checkpoints + [int(attrs["step"])]
+            self._checkpoints = sorted(set(steps))[-KEEP_CHECKPOINTS:]
+        elif name == "paused":
+            self._paused = True
+        elif name == "run_end" and self.ctx.rank == 0 and isinstance(attrs.get("summary"), dict):
+            attrs["summary"].update(self.totals.as_dict())
+        elif name == "rollback":
+            self._previous = None
+
+    # --- internals ----------------------------------------------------------------------------
+    def _count_error(self, where: str, exc: Exception) -> None:
+        if not self.errors:
+            log.warning("parwatch: collector %s error (%s: %s); counting further ones silently",
+                        where, type(exc).__name__, exc)
+        self.errors += 1
+
+    def _finish_step(self, info: BoundaryInfo, end, slot_rows: list, t0: int) -> None:
+        try:
+            step_seconds = self.clock.seconds(self._origin_mark, end)
+        except Exception as exc:  # an unresolvable mark: lose this step, not the run
+            log.warning("parwatch: step %s not measured (%s)", info.step, exc)
+            return
+        stats = self._stats
+        result = breakdown(step_seconds, stats.compute_seconds, stats.other_seconds)
+        summary = self._summary(info, result, stats, slot_rows)
+        summary["overhead_seconds"] = (self._overhead_ns + _now_ns() - t0) * 1e-9
+        self._overhead_ns = 0
+        if info.directive is not None:
+            # The trainer applies it right after this boundary: hold the summary until its
+            # directive_applied event, so the acknowledgement reaches the sidecar now. While
+            # paused no summaries flow, and the sidecar hands out the resume only after it saw
+            # the pause applied by every rank.
+            self._held = summary
+        else:
+            self.shipper.put_summary(summary)
+        if self._records:
+            origin = self._time_origin_s
+            for record in self._records:
+                record["start_s"] -= origin
+                record["end_s"] -= origin
+            self.shipper.put_spans(self._records)
+        self.last_summary = summary
+        self.summaries += 1
+        self._previous, self._previous_step, self._previous_loss = result, info.step, info.loss
+
+    def _ship_held(self) -> None:
+        """Ship the summary held for a directive (applied, or not applied after all)."""
+        summary, self._held = self._held, None
+        self.shipper.put_summary(summary)
+
+    def _summary(self, info: BoundaryInfo, result: StepBreakdown, stats: StepStats, slot_rows: list) -> dict:
+        ctx = self.ctx
+        applied, self._applied = self._applied, []
+        global_view = None
+        collectives = stats.collectives()
+        if ctx.rank == 0:
+            loss = self._previous_loss if self._previous_step == info.step - 1 else None
+            global_view = gv.build_global_view(slot_rows, ctx.stage_of, info.step - 1, loss)
+            self.totals.add_global(global_view)
+            self.totals.add_collectives(collectives)
+        pausing = info.directive is not None and getattr(info.directive, "action", None) == "pause"
+        return build_summary(
+            ctx, step=info.step, time=self._time_fn(), result=result, loss=info.loss,
+            collectives=collectives, memory_max_allocated_bytes=self._memory_fn(), gpu=self.nvml.take(),
+            nvml_up=self.nvml.up, dropped_total=self.shipper.dropped,
+            checkpoints=list(self._checkpoints) if ctx.rank == 0 else [], applied=applied,
+            paused=self._paused or pausing, global_view=global_view,
+        )
+
+    def _begin_period(self, origin_mark, step: int, *, sample: bool) -> None:
+        if origin_mark is not None:
+            self._origin_mark = origin_mark
+            self._step = step
+        self._stats.reset()
+        self._records = [] if sample and self._sample(step) else None
+
+    def _resolve_pending(self, ref) -> list:
+        """Deferred clocks: fold this period's spans now that their events have completed.
+
+        Returns the marks that can be recycled once the boundary is handled."""
+        clock, stats, records = self.clock, self._stats, self._records
+        pending, self._pending = self._pending, []
+        ref_host = self._host_seconds(ref) if records is not None else 0.0
+        for span in pending:
+            try:
+                seconds = clock.seconds(span.start, span.end)
+                if records is not None:
+                    start_s = ref_host - clock.seconds(span.start, ref)
+                    records.append(self._record(span, start_s, start_s + seconds))
+            except Exception:
+                self.unresolved_spans += 1
+                continue
+            stats.add(span.kind, seconds, span.attrs)
+        return [mark for span in pending for mark in (span.start, span.end)]
+
+    def _release(self, marks) -> None:
+        release = getattr(self.clock, "release", None)
+        if release is not None:
+            origin = self._origin_mark
+            release([m for m in marks if m is not None and m is not origin])
+
+    def _record(self, span: Span, start_s: float, end_s: float) -> dict:
+        ctx = self.ctx
+        return {"run_id": ctx.run_id, "rank": ctx.rank, "stage": ctx.stage, "step": self._step,
+                "kind": span.kind, "start_s": start_s, "end_s": end_s, "attrs": dict(span.attrs)}
+
+    def _host_seconds(self, mark) -> float:
+        host_seconds = getattr(self.clock, "host_seconds", None)
+        return host_seconds(mark) if host_seconds is not None else mark * 1e-9  # perf_counter_ns marks
+
+    def _host_now(self) -> float:
+        mark = self.clock.mark()
+        seconds = self._host_seconds(mark)
+        self._release([mark])
+        return seconds
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    @property
+    def dropped_total(self) -> int:
+        return self.shipper.dropped
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Detach from the hook registry, stop NVML, flush the queue (best effort) and stop the shipper."""
+        from parwatch.collector.attach import detach  # attach imports this module
+
+        detach(self)
+        if self._held is not None:
+            self._ship_held()
+        self.nvml.close(min(timeout, 1.0))
+        self.shipper.close(timeout)

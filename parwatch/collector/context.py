@@ -1,0 +1,121 @@
+"""Who this rank is in the run: the facts every step summary repeats.
+
+One frozen object per rank, built once by the trainer (or by any other trainer
+that uses the collector), so the collector never has to ask torch.distributed.
+Rank order follows trainer.parallel_dims: TP ranks adjacent, then PP stages,
+then DP outermost (rank = dp_rank * pp * tp + stage * tp + tp_rank).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from parwatch.schema import SCHEDULES, bubble_theoretical_ratio
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_id: str
+    """The run's id: the same on every rank; metadata, never a metric label."""
+    rank: int
+    """This process's global rank, 0 .. world_size-1."""
+    world_size: int
+    """Number of ranks in the run; must equal tp * pp * dp."""
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline-parallel degree (number of stages)."""
+    dp: int
+    """Data-parallel degree (model replicas)."""
+    tp_rank: int
+    """This rank's index in its TP group: rank % tp."""
+    dp_rank: int
+    """This rank's DP replica: rank // (tp * pp)."""
+    stage: int
+    """This rank's pipeline stage: (rank // tp) % pp."""
+    schedule: str
+    """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
+    microbatches: int
+    """Microbatches per step (m)."""
+    chunks: int = 1
+    """Model chunks per stage (v); 1 unless the schedule is interleaved."""
+    tokens_per_step: int = 0
+    """Tokens the whole run (all DP replicas) consumes per optimizer step; 0 if unknown."""
+    local_gpu: int | None = None
+    """CUDA device index this rank uses, or None on CPU (no NVML, no CUDA clock)."""
+    hostname: str = field(default_factory=socket.gethostname)
+    """Host this rank runs on: ranks of one host share a span time origin."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "dp", "microbatches", "chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunContext.{name}={value!r} must be a positive integer")
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"RunContext: tp*pp*dp = {self.tp}*{self.pp}*{self.dp} does not equal "
+                f"world_size={self.world_size}; pass the layout the trainer was started with"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RunContext.rank={self.rank} must be in 0..{self.world_size - 1}")
+        expected = (self.rank % self.tp, self.stage_of(self.rank), self.rank // (self.tp * self.pp))
+        if (self.tp_rank, self.stage, self.dp_rank) != expected:
+            raise ValueError(
+                f"RunContext: rank {self.rank} has (tp_rank, stage, dp_rank) = {expected} in a "
+                f"tp={self.tp} pp={self.pp} layout, not {(self.tp_rank, self.stage, self.dp_rank)}; "
+                "build it with RunContext.for_rank()"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RunContext.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise ValueError(
+                f"RunContext.chunks={self.chunks} needs schedule='interleaved' (got {self.schedule!r}); "
+                "use chunks=1 for gpipe and 1f1b"
+            )
+        if self.tokens_per_step < 0:
+            raise ValueError(f"RunContext.tokens_per_step={self.tokens_per_step} must be >= 0")
+
+    @classmethod
+    def for_rank(
+        cls,
+        run_id: str,
+        rank: int,
+        *,
+        tp: int,
+        pp: int,
+        dp: int,
+        schedule: str,
+        microbatches: int,
+        chunks: int = 1,
+        tokens_per_step: int = 0,
+        local_gpu: int | None = None,
+        hostname: str | None = None,
+    ) -> "RunContext":
+        """Derive tp_rank, stage and dp_rank from the rank and the layout."""
+        return cls(
+            run_id=run_id,
+            rank=rank,
+            world_size=tp * pp * dp,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            tp_rank=rank % tp,
+            dp_rank=rank // (tp * pp),
+            stage=(rank // tp) % pp,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            tokens_per_step=tokens_per_step,
+            local_gpu=local_gpu,
+            hostname=hostname if hostname is not None else socket.gethostname(),
+        )
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage of any rank of the run."""
+        return (rank // self.tp) % self.pp
+
+    @property
+    def bubble_theoretical_ratio(self) -> float:
+        """(p-1)/(v*m+p-1): the bubble share the schedule itself implies."""
+        return bubble_theoretical_ratio(self.pp, self.microbatches, self.chunks)

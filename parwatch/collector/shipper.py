@@ -1,0 +1,258 @@
+"""The shipper: everything slow happens here, on one daemon thread.
+
+The training thread only appends to a bounded queue (`put_summary`,
+`put_spans`): when the queue is full the oldest item is dropped and counted,
+so training never waits. The thread writes summaries.jsonl and spans.jsonl,
+POSTs summaries to the sidecar's /v1/ingest, and hands the directive of each
+response to `on_directive`.
+
+When the sidecar is away, summaries are dropped and counted (the JSONL file
+still gets them) and attempts back off exponentially up to `max_backoff_s`;
+the first success resets the backoff, so the shipper reconnects by itself.
+Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
+for `poll_interval_s`: while the run is paused no summaries flow, and the
+resume directive must still arrive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+
+from parwatch.schema import SCHEMA_VERSION
+
+log = logging.getLogger("parwatch.collector")
+
+SUMMARY, SPANS = "summary", "spans"
+
+
+def _finite(value):
+    """Replace NaN/inf anywhere in a JSON-able value by the schema's strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(value) -> str:
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float the producer did not encode
+        return json.dumps(_finite(value), allow_nan=False, separators=(",", ":"))
+
+
+class Shipper:
+    """Bounded queue + one thread: JSONL files and POST /v1/ingest."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: str | None = None,
+        token: str | None = None,
+        log_path: str | None = None,
+        spans_path: str | None = None,
+        queue_size: int = 1024,
+        http=None,
+        on_directive=None,
+        poll_interval_s: float | None = None,
+        batch_size: int = 64,
+        connect_timeout_s: float = 0.5,
+        timeout_s: float = 2.0,
+        max_backoff_s: float = 5.0,
+        time_fn=time.monotonic,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue_size={queue_size} must be at least 1")
+        self.url = endpoint.rstrip("/") + "/v1/ingest" if endpoint else None
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._paths = {SUMMARY: log_path, SPANS: spans_path}
+        self._files: dict = {}
+        self._queue_size = queue_size
+        self._queue: deque = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._http = http
+        self._own_http = http is None
+        self._on_directive = on_directive
+        self.poll_interval_s = poll_interval_s
+        self._batch_size = batch_size
+        self._timeouts = (connect_timeout_s, timeout_s)
+        self._max_backoff_s = max_backoff_s
+        self._time = time_fn
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._last_post = -math.inf
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+        """Summaries that never reached the sidecar: queue overflow, sidecar away or refusing."""
+        self.dropped_span_batches = 0
+        """Sampled steps' span lists lost to queue overflow."""
+        self.sent = 0
+        """Summaries the sidecar accepted."""
+        self.posts = 0
+        """Successful POSTs, polls included."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url or self._paths[SUMMARY] or self._paths[SPANS])
+
+    def start(self) -> "Shipper":
+        if self.enabled and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="parwatch-shipper", daemon=True)
+            self._thread.start()
+        return self
+
+    # Training thread: never blocks beyond one uncontended lock.
+    def put_summary(self, summary: dict) -> None:
+        self._put((SUMMARY, summary))
+
+    def put_spans(self, records: list) -> None:
+        if self._paths[SPANS]:
+            self._put((SPANS, records))
+
+    def _put(self, item) -> None:
+        if self._thread is None or self._stopping:
+            return
+        with self._lock:
+            if len(self._queue) >= self._queue_size:
+                kind, _ = self._queue.popleft()
+                if kind == SUMMARY:
+                    self.dropped += 1
+                else:
+                    self.dropped_span_batches += 1
+            self._queue.append(item)
+        self._wake.set()
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # Shipper thread.
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.wait(self.poll_interval_s or 0.5)
+                self._wake.clear()
+                stopping = self._stopping
+                self._drain()
+                if self._poll_due():
+                    self._post([])
+                if stopping:
+                    self._drain()
+                    break
+        finally:
+            self._cleanup()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                items = list(self._queue)
+                self._queue.clear()
+            if not items:
+                return
+            # Encode each summary once: the same text goes to the file and into the POST body.
+            summaries = [dumps(payload) for kind, payload in items if kind == SUMMARY]
+            self._write(SUMMARY, summaries)
+            if self._paths[SPANS]:
+                self._write(SPANS, [dumps(r) for kind, payload in items if kind == SPANS for r in payload])
+            if self.url:
+                for i in range(0, len(summaries), self._batch_size):
+                    self._post(summaries[i : i + self._batch_size])
+
+    def _write(self, kind: str, lines: list) -> None:
+        path = self._paths[kind]
+        if not path or not lines:
+            return
+        try:
+            fd = self._files.get(kind)
+            if fd is None:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                fd = self._files[kind] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # One write() per batch on an O_APPEND descriptor: the ranks of a run share one file
+            # and whole lines never interleave.
+            data = ("\n".join(lines) + "\n").encode()
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as exc:
+            log.warning("parwatch: cannot write %s (%s); %s writing stops for this rank", path, exc, kind)
+            self._paths[kind] = None
+
+    def _poll_due(self) -> bool:
+        if not self.url or self.poll_interval_s is None:
+            return False
+        now = self._time()
+        return now - self._last_post >= self.poll_interval_s and now >= self._retry_at
+
+    def _client(self):
+        if self._http is None:
+            import httpx
+
+            connect, total = self._timeouts
+            # trust_env=False: the sidecar is on this host or pod network; an HTTP(S)_PROXY meant
+            # for the internet must not capture it.
+            self._http = httpx.Client(timeout=httpx.Timeout(total, connect=connect), trust_env=False)
+        return self._http
+
+    def _post(self, summaries: list) -> None:
+        """POST summaries (already JSON text) as one ingest body."""
+        now = self._time()
+        if now < self._retry_at:  # sidecar away: do not wait for it
+            with self._lock:
+                self.dropped += len(summaries)
+            return
+        body = f'{{"version":{SCHEMA_VERSION},"summaries":[{",".join(summaries)}]}}'.encode()
+        try:
+            response = self._client().post(self.url, content=body, headers=self._headers)
+            if response.status_code >= 400:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            reply = response.json()
+        except Exception as exc:
+            with self._lock:
+                self.dropped += len(summaries)
+            if self._backoff == 0.0:
+                log.warning("parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back",
+                            self.url, exc)
+            self._backoff = min(self._max_backoff_s, self._backoff * 2 if self._backoff else 0.25)
+            self._retry_at = self._time() + self._backoff
+            return
+        if self._backoff:
+            log.warning("parwatch: sidecar at %s reachable again", self.url)
+        self._backoff = self._retry_at = 0.0
+        self._last_post = self._time()
+        self.sent += len(summaries)
+        self.posts += 1
+        directive = reply.get("directive") if isinstance(reply, dict) else None
+        if directive is not None and self._on_directive is not None:
+            try:
+                self._on_directive(directive)
+            except Exception as exc:
+                log.warning("parwatch: ignoring directive %r (%s)", directive, exc)
+
+    def _cleanup(self) -> None:
+        for fd in self._files.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self._own_http and self._http is not None:
+            try:
+                self._http.close()
+            except Exception:
+                pass
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write and send what is queued (best effort within `timeout`), then stop the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

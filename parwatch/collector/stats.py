@@ -1,0 +1,137 @@
+"""Per-step aggregation on one rank: time categories and collective statistics.
+
+Spans are folded into running sums as they are resolved, so a step costs a few
+floats and one small record per (op, group) pair, however many spans it has.
+
+Categories follow DESIGN.md: compute = forward + backward spans (TP collectives
+nested inside them count here too); other = optimizer + dp_sync spans; idle is
+what remains of the step period. Collective spans (and the DP all-reduces
+nested in dp_sync) never add to a time category, so nothing is counted twice;
+they feed the latency statistics only.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
+from trainer.hooks import COLLECTIVE, COMPUTE_KINDS, OTHER_KINDS, RECV, SEND
+
+P2P_KINDS = frozenset({SEND, RECV})
+# The ops DESIGN.md names; the sidecar refuses a summary with any other, so others are skipped.
+COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"})
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """One step period on one rank, split as DESIGN.md defines it."""
+
+    step_seconds: float
+    compute_seconds: float
+    other_seconds: float
+    idle_seconds: float
+    bubble_ratio: float
+
+
+def bubble_ratio(idle_seconds: float, step_seconds: float, other_seconds: float) -> float:
+    """idle / (step - other); 0 when the pipeline part of the step is empty."""
+    denominator = step_seconds - other_seconds
+    return idle_seconds / denominator if denominator > 0 else 0.0
+
+
+def breakdown(step_seconds: float, compute_seconds: float, other_seconds: float) -> StepBreakdown:
+    # Idle cannot be negative; it only would if spans leaked in from outside the period.
+    idle = max(0.0, step_seconds - compute_seconds - other_seconds)
+    return StepBreakdown(
+        step_seconds=step_seconds,
+        compute_seconds=compute_seconds,
+        other_seconds=other_seconds,
+        idle_seconds=idle,
+        bubble_ratio=bubble_ratio(idle, step_seconds, other_seconds),
+    )
+
+
+class OpStats:
+    """Latency statistics of one (op, group) pair within one step."""
+
+    __slots__ = ("op", "group", "group_size", "count", "seconds", "bytes", "bucket_hits")
+
+    def __init__(self, op: str, group: str, group_size: int) -> None:
+        self.op = op
+        self.group = group
+        self.group_size = group_size
+        self.count = 0
+        self.seconds = 0.0
+        self.bytes = 0
+        # Non-cumulative hits per bucket; the extra last slot is the +Inf overflow.
+        self.bucket_hits = [0] * (len(COLLECTIVE_BUCKETS) + 1)
+
+    def add(self, seconds: float, nbytes: int) -> None:
+        self.count += 1
+        self.seconds += seconds
+        self.bytes += nbytes
+        # Prometheus `le` semantics: a value equal to a bound falls in that bucket.
+        self.bucket_hits[bisect_left(COLLECTIVE_BUCKETS, seconds)] += 1
+
+    def to_dict(self) -> dict:
+        cumulative, running = [], 0
+        for hits in self.bucket_hits:
+            running += hits
+            cumulative.append(running)
+        algbw = self.bytes / self.seconds if self.seconds > 0 else 0.0
+        return {
+            "op": self.op,
+            "group": self.group,
+            "count": self.count,
+            "seconds": self.seconds,
+            "bytes": self.bytes,
+            "buckets": cumulative,
+            "algbw": algbw,
+            "busbw": algbw * busbw_factor(self.op, self.group_size),
+        }
+
+
+class StepStats:
+    """Running sums for the current step period of one rank."""
+
+    __slots__ = ("compute_seconds", "other_seconds", "ops", "skipped_ops")
+
+    def __init__(self) -> None:
+        self.compute_seconds = 0.0
+        self.other_seconds = 0.0
+        self.ops: dict[tuple[str, str], OpStats] = {}
+        self.skipped_ops = 0
+        """Collective spans with an op outside COLLECTIVE_OPS (whole run, not reset per step)."""
+
+    def reset(self) -> None:
+        self.compute_seconds = 0.0
+        self.other_seconds = 0.0
+        self.ops = {}
+
+    def add(self, kind: str, seconds: float, attrs: dict) -> None:
+        if kind in COMPUTE_KINDS:
+            self.compute_seconds += seconds
+        elif kind in OTHER_KINDS:
+            self.other_seconds += seconds
+        elif kind == COLLECTIVE:
+            self._add_op(attrs.get("op", "unknown"), attrs.get("group", "unknown"), attrs.get("group_size", 1),
+                         seconds, attrs.get("bytes", 0))
+        elif kind in P2P_KINDS:
+            self._add_op(attrs.get("op", kind), attrs.get("group", "pp"), attrs.get("group_size", 2),
+                         seconds, attrs.get("bytes", 0))
+        # Other kinds (e.g. "boundary") are neither compute nor other: they are idle time.
+
+    def _add_op(self, op: str, group: str, group_size: int, seconds: float, nbytes: int) -> None:
+        if op not in COLLECTIVE_OPS:
+            self.skipped_ops += 1
+            return
+        key = (op, group)
+        stats = self.ops.get(key)
+        if stats is None:
+            stats = self.ops[key] = OpStats(op, group, int(group_size))
+        stats.add(seconds, int(nbytes))
+
+    def collectives(self) -> list[dict]:
+        """The schema's `collectives` list, ordered by (group, op) so diffs stay readable."""
+        return [self.ops[key].to_dict() for key in sorted(self.ops, key=lambda k: (k[1], k[0]))]

@@ -1,0 +1,118 @@
+"""A produced summary holds every StepSummary field of parwatch/schema.py, with the contract's types."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import parwatch.schema as schema
+from test_collector_nvml import FakeNvml, sample
+from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
+
+NUMBER = (int, float)
+LOSS_STRINGS = ("nan", "inf", "-inf")
+
+
+def is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_float(x):
+    return isinstance(x, float)
+
+
+def is_loss(x):
+    return x is None or x in LOSS_STRINGS or (isinstance(x, NUMBER) and not isinstance(x, bool))
+
+
+COLLECTIVE_KEYS = {"op", "group", "count", "seconds", "bytes", "buckets", "algbw", "busbw"}
+GPU_KEYS = {"index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts",
+            "sm_clock_hertz", "temperature_celsius", "throttle_reasons"}
+STAGE_KEYS = {"stage", "compute_seconds", "idle_seconds", "other_seconds", "step_seconds", "bubble_ratio"}
+
+
+def valid_collective(c):
+    return (set(c) == COLLECTIVE_KEYS and isinstance(c["op"], str) and isinstance(c["group"], str)
+            and is_int(c["count"]) and is_float(c["seconds"]) and is_int(c["bytes"])
+            and len(c["buckets"]) == len(schema.COLLECTIVE_BUCKETS) + 1 and c["buckets"][-1] == c["count"]
+            and all(is_int(b) for b in c["buckets"]) and is_float(c["algbw"]) and is_float(c["busbw"]))
+
+
+def valid_gpu(g):
+    return g is None or (set(g) == GPU_KEYS and is_int(g["index"]))
+
+
+def valid_global(g):
+    return g is None or (
+        set(g) == {"step", "loss", "pipeline_skew_ratio", "stages"} and is_int(g["step"]) and is_loss(g["loss"])
+        and is_float(g["pipeline_skew_ratio"])
+        and all(set(s) == STAGE_KEYS and is_int(s["stage"]) for s in g["stages"])
+    )
+
+
+FIELD_CHECKS = {
+    "v": lambda x: x == schema.SCHEMA_VERSION,
+    "run_id": lambda x: isinstance(x, str),
+    **{k: is_int for k in ("rank", "stage", "tp_rank", "dp_rank", "tp", "pp", "dp", "microbatches", "chunks",
+                            "step", "tokens", "dropped_total")},
+    "schedule": lambda x: x in schema.SCHEDULES,
+    **{k: is_float for k in ("time", "step_seconds", "compute_seconds", "other_seconds", "idle_seconds",
+                              "bubble_ratio", "bubble_theoretical_ratio", "overhead_seconds")},
+    "loss": is_loss,
+    "memory_max_allocated_bytes": lambda x: x is None or is_int(x),
+    "collectives": lambda x: isinstance(x, list) and all(valid_collective(c) for c in x),
+    "gpu": valid_gpu,
+    "nvml_up": lambda x: x in (0, 1) and is_int(x),
+    "checkpoints": lambda x: isinstance(x, list) and all(is_int(s) for s in x),
+    "applied": lambda x: isinstance(x, list) and all(set(a) == {"id", "step"} and is_int(a["id"]) for a in x),
+    "paused": lambda x: isinstance(x, bool),
+    "global": valid_global,
+}
+
+
+def schema_fields() -> set[str]:
+    """The StepSummary field names as parwatch/schema.py's docstring lists them."""
+    text = schema.__doc__.split("StepSummary", 1)[1].split("Ingest request", 1)[0]
+    fields = set()
+    for line in text.splitlines():
+        match = re.match(r"^    (\w+(?:, \w+)*)\s{2,}", line)
+        if match:
+            fields.update(name.strip() for name in match.group(1).split(","))
+    return fields
+
+
+def produced_summaries(tmp_path):
+    fake = FakeNvml([sample(60, 2**30, 150_000, 1500, 60, 0)] * 1000)
+    run = SimRun([SimRank(ctx_for(r, local_gpu=r), nvml=fake, memory_fn=lambda: 4096,
+                          log_path=str(tmp_path / f"summaries-{r}.jsonl")) for r in range(2)])
+    for rank in run.ranks:
+        rank.collector.nvml.sample_once()  # a sample now, not at the sampling thread's whim
+    run.boundary(0, "start", 0.0, 0.1)
+    for rank in run.ranks:
+        rank.registry.emit_event("checkpoint_saved", step=0)
+        rank.registry.emit_event("directive_applied", id=1, action="resume", step=0)
+    run_steps(run, 3, 0.1, tp_allreduce=0.001, dp_sync=0.002, loss=lambda step: float("inf") if step == 3 else 1.0)
+    for rank in run.ranks:
+        rank.collector.close(timeout=30)
+    return run
+
+
+def test_the_field_table_covers_the_schema_exactly():
+    assert set(FIELD_CHECKS) == schema_fields()
+
+
+def test_every_summary_has_every_field_with_its_type(tmp_path):
+    run = produced_summaries(tmp_path)
+    for r, rank in enumerate(run.ranks):
+        lines = (tmp_path / f"summaries-{r}.jsonl").read_text().splitlines()
+        assert len(lines) == 3
+        for line in lines:
+            summary = json.loads(line)
+            assert set(summary) == schema_fields()
+            bad = [k for k, check in FIELD_CHECKS.items() if not check(summary[k])]
+            assert not bad, f"rank {r} step {summary['step']}: wrong type for {bad}: {[summary[k] for k in bad]}"
+        last = json.loads(lines[-1])
+        assert last["loss"] == "inf" and last["gpu"] is not None and last["nvml_up"] == 1
+        assert json.loads(lines[0])["applied"] == [{"id": 1, "step": 0}]
+    rank0_last = json.loads((tmp_path / "summaries-0.jsonl").read_text().splitlines()[-1])
+    assert rank0_last["global"] is not None and rank0_last["checkpoints"] == [0]
