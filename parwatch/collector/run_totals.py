@@ -3,20 +3,28 @@
 Built from the fast-path global views (every stage, one step of lag) and this
 rank's own collective statistics. The first measured step is left out of the
 means: it carries one-off warm-up (allocator, first gloo connections).
+Running sums keep memory flat however long the run; only the last
+PER_STEP_KEPT per-step bubble values are kept for the summary.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from parwatch.schema import bubble_theoretical_ratio
+
+
+PER_STEP_KEPT = 1000
+_KEYS = ("bubble_ratio", "compute_seconds", "idle_seconds", "other_seconds", "step_seconds")
 
 
 class RunTotals:
     def __init__(self, pp: int, microbatches: int, chunks: int):
         self.theory = bubble_theoretical_ratio(pp, microbatches, chunks)
-        self._stage_steps: dict[int, list[dict]] = defaultdict(list)
-        self._skew: list[float] = []
+        self._sums: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(_KEYS))
+        self._counts: dict[int, int] = defaultdict(int)
+        self._per_step: dict[int, deque] = defaultdict(lambda: deque(maxlen=PER_STEP_KEPT))
+        self._skew_sum, self._skew_n = 0.0, 0
         self._ops: dict[tuple, dict] = {}
         self._seen_first = False
 
@@ -27,8 +35,13 @@ class RunTotals:
             self._seen_first = True
             return
         for s in view["stages"]:
-            self._stage_steps[s["stage"]].append(s)
-        self._skew.append(view["pipeline_skew_ratio"])
+            sums = self._sums[s["stage"]]
+            for i, key in enumerate(_KEYS):
+                sums[i] += s[key]
+            self._counts[s["stage"]] += 1
+            self._per_step[s["stage"]].append(s["bubble_ratio"])
+        self._skew_sum += view["pipeline_skew_ratio"]
+        self._skew_n += 1
 
     def add_collectives(self, entries: list[dict]) -> None:
         for e in entries:
@@ -41,20 +54,11 @@ class RunTotals:
 
     def as_dict(self) -> dict:
         stages = []
-        for stage, steps in sorted(self._stage_steps.items()):
-            n = len(steps)
-            mean = lambda key: sum(s[key] for s in steps) / n  # noqa: E731
-            stages.append({
-                "stage": stage,
-                "bubble_ratio": mean("bubble_ratio"),
-                "bubble_theoretical_ratio": self.theory,
-                "compute_seconds": mean("compute_seconds"),
-                "idle_seconds": mean("idle_seconds"),
-                "other_seconds": mean("other_seconds"),
-                "step_seconds": mean("step_seconds"),
-                "bubble_ratio_per_step": [s["bubble_ratio"] for s in steps],
-                "steps_measured": n,
-            })
+        for stage, sums in sorted(self._sums.items()):
+            n = self._counts[stage]
+            means = {key: sums[i] / n for i, key in enumerate(_KEYS)}
+            stages.append({"stage": stage, **means, "bubble_theoretical_ratio": self.theory,
+                           "bubble_ratio_per_step": list(self._per_step[stage]), "steps_measured": n})
         collectives = []
         for (op, group), acc in sorted(self._ops.items()):
             seconds = acc["seconds"]
@@ -66,7 +70,7 @@ class RunTotals:
             })
         return {
             "stages": stages,
-            "pipeline_skew_ratio": sum(self._skew) / len(self._skew) if self._skew else None,
+            "pipeline_skew_ratio": self._skew_sum / self._skew_n if self._skew_n else None,
             "collectives_rank0": collectives,
         }
 
