@@ -1,0 +1,311 @@
+"""Load benchmark: one `parwatch sidecar` fed by many simulated ranks.
+
+Each simulated rank posts its own step summary once per second, individually, as a
+per-rank collector does (ranks spread evenly over the second, over a pool of keep-alive
+connections). Measured: ingest latency (client-observed, p50/p99), /metrics scrape time
+with all ranks present, the sidecar's RSS, and GuardrailEngine.evaluate time with 20
+rules on an Observation of the same size.
+
+    python benchmarks/sidecar_load.py --ranks 1024 --duration 20 --out benchmarks/results/sidecar_load.json
+
+Goals: p99 ingest <= 10 ms, scrape <= 250 ms, RSS <= 300 MB, evaluate (20 rules) <= 1 ms.
+The load generator runs on the same machine as the sidecar, so both share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
+from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
+from parwatch.sidecar import synthetic as syn  # noqa: E402
+from parwatch.sidecar.models import StepSummary  # noqa: E402
+from parwatch.sidecar.observations import build_observation  # noqa: E402
+from parwatch.sidecar.process import running_sidecar  # noqa: E402
+from parwatch.sidecar.store import Store  # noqa: E402
+
+GOALS = {"ingest_p99_ms": 10.0, "scrape_ms": 250.0, "rss_mb": 300.0, "evaluate_ms": 1.0}
+
+
+def layout(ranks: int) -> tuple[int, int, int]:
+    tp = 8 if ranks % 8 == 0 else 1
+    pp = 4 if ranks % (tp * 4) == 0 else 1
+    return tp, pp, ranks // (tp * pp)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; a few lines of asyncio keep the client's own CPU use small."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes) -> int:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        await self.reader.readexactly(length)
+        return int(status_line.split()[1])
+
+
+async def drive(control_url: str, metrics_url: str, ranks: int, duration: float, connections: int,
+                scrape_every: float, pid: int) -> dict:
+    host, port = control_url.removeprefix("http://").split(":")
+    pool: asyncio.Queue = asyncio.Queue()
+    for _ in range(connections):
+        pool.put_nowait(Connection(host, int(port)))
+    tp, pp, dp = layout(ranks)
+    stages = [syn.stage_view(s, 1.0, 0.7) for s in range(pp)]
+    latencies, queued, errors, rss = [], [], [], []
+    sent_at: list[float] = []
+    start = time.monotonic() + 0.5
+
+    async def rank_loop(rank: int):
+        offset = rank / ranks  # ranks spread over each second
+        step = 1
+        while True:
+            due = start + (step - 1) + offset
+            if due - start >= duration:
+                return
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            s = syn.summary(rank, step, tp=tp, pp=pp, dp=dp, time=time.time(), step_seconds=1.0,
+                            checkpoints=[1] if step > 1 else [], global_stages=stages if rank == 0 else None)
+            body = json.dumps({"version": 1, "summaries": [s]}).encode()
+            waited = time.monotonic()
+            conn = await pool.get()
+            t0 = time.monotonic()
+            queued.append(t0 - waited)
+            try:
+                status = await conn.post("/v1/ingest", body)
+                if status != 200:
+                    errors.append(status)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as err:
+                errors.append(repr(err))
+                conn = Connection(host, int(port))
+            latencies.append(time.monotonic() - t0)
+            sent_at.append(t0)
+            pool.put_nowait(conn)
+            step += 1
+
+    async def rss_sampler():
+        while time.monotonic() - start < duration:
+            rss.append(rss_mb(pid))
+            await asyncio.sleep(1.0)
+
+    # Scrapes come from another process, as Prometheus' would: reading 2 MB in this event loop
+    # would delay the simulated ranks and inflate the latencies they observe.
+    results = multiprocessing.get_context("fork").Queue()
+    scraper = multiprocessing.get_context("fork").Process(
+        target=scrape_loop, args=(metrics_url, start, duration, scrape_every, results), daemon=True)
+    scraper.start()
+    await asyncio.gather(*(rank_loop(r) for r in range(ranks)), rss_sampler())
+    scrapes = results.get(timeout=120)
+    scraper.join(10)
+    return {"latencies": latencies, "sent_at": sent_at, "queued": queued, "errors": errors, "scrapes": scrapes,
+            "rss": rss, "elapsed": time.monotonic() - start}
+
+
+def scrape_loop(metrics_url: str, start: float, duration: float, every: float, results) -> None:
+    """[(began, seconds)] of GET /metrics every `every` s (monotonic clock, shared by processes)."""
+    out = []
+    with httpx.Client(timeout=30) as client:
+        t = start + every
+        while t - start < duration:
+            time.sleep(max(0.0, t - time.monotonic()))
+            t0 = time.monotonic()
+            assert client.get(f"{metrics_url}/metrics").status_code == 200
+            out.append((t0, time.monotonic() - t0))
+            t += every
+    results.put(out)
+
+
+def overlap_split(latencies, sent_at, scrapes) -> dict:
+    """Ingest p99 for posts sent while a scrape was running, and for the others."""
+    during, other = [], []
+    for lat, t in zip(latencies, sent_at):
+        busy = any(began <= t + lat and t <= began + took for began, took in scrapes)
+        (during if busy else other).append(lat)
+    return {"ingest_ms_p99_outside_scrapes": percentile(other, 99) * 1e3,
+            "ingest_ms_p99_during_scrapes": percentile(during, 99) * 1e3,
+            "posts_during_scrapes_share": len(during) / max(len(latencies), 1)}
+
+
+def idle_scrapes(metrics_url: str, n: int = 5) -> tuple[list[float], int, int]:
+    times, size, series = [], 0, 0
+    with httpx.Client(timeout=30) as client:
+        for _ in range(n):
+            t0 = time.monotonic()
+            r = client.get(f"{metrics_url}/metrics")
+            times.append(time.monotonic() - t0)
+            size = len(r.content)
+            series = sum(1 for line in r.text.splitlines() if line and not line.startswith("#"))
+    return times, size, series
+
+
+def twenty_rules() -> RuleSet:
+    metrics = ["loss", "bubble_excess_ratio", "bubble_ratio", "pipeline_skew_ratio", "step_seconds",
+               "gpu_utilization_ratio", "rank_up", "collective_seconds_mean"]
+    rules = [Rule(name="nan-loss", metric="loss", check="finite", action="alert"),
+             Rule(name="loss-spike", metric="loss", check="spike", factor=3.0, window_steps=50, action="alert"),
+             Rule(name="coll-regression", metric="collective_seconds_mean", check="regression", factor=2.0,
+                  window_steps=50, action="alert")]
+    i = 0
+    while len(rules) < 20:
+        metric = metrics[i % len(metrics)]
+        below = metric in ("gpu_utilization_ratio", "rank_up")
+        rules.append(Rule(name=f"rule-{i}", metric=metric, reduce="min" if below else "max",
+                          below=0.01 if below else None, above=None if below else 1e9,
+                          for_steps=5, cooldown_steps=5, action="alert"))
+        i += 1
+    return RuleSet(rules=tuple(rules))
+
+
+def evaluate_timing(ranks: int, steps: int = 200) -> dict:
+    """evaluate() on Observations built by the sidecar's own code from `ranks` ranks' summaries."""
+    tp, pp, dp = layout(ranks)
+    store = Store(grace_seconds=30)
+    stages = [syn.stage_view(s, 1.0, 0.7) for s in range(pp)]
+    for r in range(ranks):
+        s = syn.summary(r, 1, tp=tp, pp=pp, dp=dp, global_stages=stages if r == 0 else None)
+        store.add(StepSummary.model_validate(s))
+    base = build_observation(store)
+    out = {}
+    with tempfile.TemporaryDirectory() as state:
+        engine = GuardrailEngine(twenty_rules(), state)
+        times = []
+        for step in range(1, steps + 1):
+            obs = type(base)(step=step, time=base.time + step, series=base.series, checkpoints=base.checkpoints)
+            t0 = time.perf_counter()
+            engine.evaluate(obs)
+            times.append(time.perf_counter() - t0)
+        out["evaluate_ms_p50"] = percentile(times, 50) * 1e3
+        out["evaluate_ms_p99"] = percentile(times, 99) * 1e3
+        t0 = time.perf_counter()
+        for _ in range(50):
+            build_observation(store)
+        out["build_observation_ms"] = (time.perf_counter() - t0) / 50 * 1e3
+    out["observation_series"] = sum(len(v) for v in base.series.values())
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load")
+    p.add_argument("--connections", type=int, default=64, help="keep-alive connections the ranks share")
+    p.add_argument("--scrape-every", type=float, default=5.0, help="seconds between /metrics scrapes under load")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/sidecar_load.json"))
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with running_sidecar(Path(tmp) / "state", "--log-level", "warning") as sp:
+            rss_start = rss_mb(sp.pid)
+            cpu_start, client_start = cpu_seconds(sp.pid), time.process_time()
+            load = asyncio.run(drive(sp.control_url, sp.metrics_url, args.ranks, args.duration, args.connections,
+                                     args.scrape_every, sp.pid))
+            cpu_load, client_cpu = cpu_seconds(sp.pid) - cpu_start, time.process_time() - client_start
+            idle, size, series = idle_scrapes(sp.metrics_url)
+            rss_end = rss_mb(sp.pid)
+    lat = load["latencies"]
+    result = {
+        "ranks": args.ranks, "layout_tp_pp_dp": layout(args.ranks), "duration_s": args.duration,
+        "connections": args.connections, "posts": len(lat), "posts_per_s": len(lat) / load["elapsed"],
+        "errors": len(load["errors"]), "error_samples": [str(e) for e in load["errors"][:5]],
+        "ingest_ms_p50": percentile(lat, 50) * 1e3, "ingest_ms_p99": percentile(lat, 99) * 1e3,
+        "ingest_ms_max": max(lat) * 1e3 if lat else float("nan"),
+        "client_queue_ms_p99": percentile(load["queued"], 99) * 1e3,
+        "sidecar_cpu_share": cpu_load / load["elapsed"], "sidecar_cpu_ms_per_post": cpu_load / max(len(lat), 1) * 1e3,
+        "client_cpu_share": client_cpu / load["elapsed"],
+        "scrape_ms_under_load_p50": percentile([d for _, d in load["scrapes"]], 50) * 1e3,
+        "scrape_ms_under_load_max": max((d for _, d in load["scrapes"]), default=float("nan")) * 1e3,
+        **overlap_split(lat, load["sent_at"], load["scrapes"]),
+        "scrape_ms_idle_p50": percentile(idle, 50) * 1e3, "scrape_bytes": size, "scrape_samples": series,
+        "rss_mb_start": rss_start, "rss_mb_peak": max(load["rss"] + [rss_end]), "rss_mb_end": rss_end,
+        **evaluate_timing(args.ranks),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
+    }
+    result["goals"] = {
+        "ingest_p99_ms": [GOALS["ingest_p99_ms"], result["ingest_ms_p99"] <= GOALS["ingest_p99_ms"]],
+        "scrape_ms": [GOALS["scrape_ms"], result["scrape_ms_idle_p50"] <= GOALS["scrape_ms"]],
+        "rss_mb": [GOALS["rss_mb"], result["rss_mb_peak"] <= GOALS["rss_mb"]],
+        "evaluate_ms": [GOALS["evaluate_ms"], result["evaluate_ms_p50"] <= GOALS["evaluate_ms"]],
+    }
+    rows = [
+        ("ingest latency p50 / p99 / max (ms)",
+         f"{result['ingest_ms_p50']:.2f} / {result['ingest_ms_p99']:.2f} / {result['ingest_ms_max']:.1f}", "p99 <= 10"),
+        ("ingest p99 outside / during scrapes (ms)",
+         f"{result['ingest_ms_p99_outside_scrapes']:.2f} / {result['ingest_ms_p99_during_scrapes']:.1f} "
+         f"({result['posts_during_scrapes_share']:.0%} of posts)", ""),
+        ("posts, posts/s, errors", f"{result['posts']}, {result['posts_per_s']:.0f}, {result['errors']}", ""),
+        ("CPU: sidecar ms/post, sidecar / client cores",
+         f"{result['sidecar_cpu_ms_per_post']:.2f}, {result['sidecar_cpu_share']:.2f} / "
+         f"{result['client_cpu_share']:.2f}", ""),
+        ("scrape idle p50 / under load p50, max (ms)",
+         f"{result['scrape_ms_idle_p50']:.0f} / {result['scrape_ms_under_load_p50']:.0f}, "
+         f"{result['scrape_ms_under_load_max']:.0f}", "<= 250"),
+        ("scrape size (samples, bytes)", f"{series}, {size}", ""),
+        ("sidecar RSS start / peak (MB)", f"{result['rss_mb_start']:.0f} / {result['rss_mb_peak']:.0f}", "<= 300"),
+        ("evaluate, 20 rules, p50 / p99 (ms)",
+         f"{result['evaluate_ms_p50']:.3f} / {result['evaluate_ms_p99']:.3f}", "<= 1"),
+        ("build_observation (ms)", f"{result['build_observation_ms']:.2f}", ""),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"sidecar load: {args.ranks} ranks x 1 post/s for {args.duration:g} s, "
+          f"{args.connections} connections, load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for name, value, goal in rows:
+        print(f"  {name:<{width}}  {value:<28} {goal}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
