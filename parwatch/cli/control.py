@@ -1,0 +1,113 @@
+"""Operator commands against a running sidecar: status, pause, resume, rollback, decisions."""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+
+import click
+
+from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError, token_from
+
+CTX = {"help_option_names": ["-h", "--help"]}
+
+
+def _connection(f):
+    @click.option("--endpoint", envvar="PARWATCH_ENDPOINT", default=DEFAULT_ENDPOINT, show_default=True,
+                  help="The sidecar's control listener (env PARWATCH_ENDPOINT).")
+    @click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+                  help="File with the bearer token (else env PARWATCH_TOKEN).")
+    @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON answer.")
+    @functools.wraps(f)
+    def wrapper(endpoint, token_file, as_json, **kw):
+        try:
+            with SidecarClient(endpoint, token_from(token_file)) as client:
+                out = f(client, **kw)
+        except SidecarError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(json.dumps(out, indent=2) if as_json else _human(out))
+
+    return wrapper
+
+
+def _human(out) -> str:
+    if isinstance(out, dict) and "ranks" in out:
+        return _status_text(out)
+    if isinstance(out, list):
+        return "\n".join(_decision_line(d) for d in out) or "no decisions yet"
+    return _decision_line(out)
+
+
+def _decision_line(d: dict) -> str:
+    keys = ("time", "step", "rule", "action", "source", "reason", "to_step", "skip_batches", "directive_id")
+    return "  ".join(f"{k}={d[k]}" for k in keys if d.get(k) not in (None, "")) or json.dumps(d)
+
+
+def _status_text(s: dict) -> str:
+    run = s.get("run") or {}
+    lines = [
+        f"run {run.get('run_id', '?')}  schedule={run.get('schedule', '?')} tp={run.get('tp', '?')} "
+        f"pp={run.get('pp', '?')} dp={run.get('dp', '?')}  step={s.get('last_step')}  paused={s.get('paused')}",
+    ]
+    ranks = s.get("ranks", {})
+    down = [r for r, v in ranks.items() if not v.get("up")]
+    lines.append(f"ranks: {len(ranks)} reporting" + (f", down: {', '.join(down)}" if down else ""))
+    for name, st in sorted((s.get("rules") or {}).items()):
+        lines.append(f"  rule {name}: {st.get('state')}")
+    if s.get("pending_directive"):
+        lines.append(f"pending directive: {json.dumps(s['pending_directive'])}")
+    for d in s.get("last_decisions") or []:
+        lines.append("  " + _decision_line(d))
+    return "\n".join(lines)
+
+
+def _who() -> str:
+    try:
+        return f"operator:{getpass.getuser()}"
+    except Exception:  # no user name in some containers
+        return "operator"
+
+
+@click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch status --endpoint http://127.0.0.1:9401")
+@_connection
+def status(client):
+    """Run, ranks (up/down), rule states, pending directive and recent decisions."""
+    return client.status()
+
+
+@click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch pause --reason 'inspect the loss spike'")
+@click.option("--reason", default="", help="Recorded with the decision.")
+@_connection
+def pause(client, reason):
+    """Pause training at the next step boundary (every rank, same step)."""
+    return client.control("pause", reason=reason, requested_by=_who())
+
+
+@click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch resume --reason 'fixed the data shard'")
+@click.option("--reason", default="", help="Recorded with the decision.")
+@_connection
+def resume(client, reason):
+    """Resume a paused run."""
+    return client.control("resume", reason=reason, requested_by=_who())
+
+
+@click.command(context_settings=CTX,
+               epilog="\b\nExamples:\n  parwatch rollback\n  parwatch rollback --to-step 1200 --skip-batches 50")
+@click.option("--to-step", type=click.IntRange(min=0), default=None,
+              help="Checkpoint step to load (default: the newest good one).")
+@click.option("--skip-batches", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Data batches to skip after loading.")
+@click.option("--reason", default="", help="Recorded with the decision.")
+@_connection
+def rollback(client, to_step, skip_batches, reason):
+    """Roll every rank back to a checkpoint at the next step boundary."""
+    return client.control("rollback", reason=reason, to_step=to_step, skip_batches=skip_batches, requested_by=_who())
+
+
+@click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch decisions --limit 20 --json")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@_connection
+def decisions(client, limit):
+    """Recent guardrail decisions, newest last."""
+    return client.decisions(limit)

@@ -1,0 +1,80 @@
+"""`parwatch sidecar`: run the metrics + control listeners next to a training run."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from parwatch.sidecar.config import (
+    DEFAULT_CONTROL_LISTEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_METRICS_LISTEN,
+    ConfigError,
+    SidecarConfig,
+    parse_listen,
+    read_token,
+)
+
+EPILOG = """\b
+Examples:
+  parwatch sidecar
+  parwatch sidecar --rules rules.yaml --state-dir /var/lib/parwatch
+  parwatch sidecar --metrics-listen 0.0.0.0:9400 --control-listen 0.0.0.0:9401 --token-file /run/secrets/parwatch
+  PARWATCH_TOKEN=s3cret parwatch sidecar --control-listen 10.0.0.5:9401 --rank-grace-seconds 60
+\b
+Signals: SIGHUP reloads --rules (an invalid file keeps the old rules and is logged);
+SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --state-dir.
+"""
+
+
+@click.command(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--rules", "rules", type=click.Path(dir_okay=False), default=None,
+              help="Guardrail rules YAML (default: the packaged rules). e.g. --rules rules.yaml")
+@click.option("--state-dir", default="./parwatch-state", show_default=True, type=click.Path(file_okay=False),
+              help="Engine state and decisions.jsonl; the only place the sidecar writes. "
+                   "e.g. --state-dir /var/lib/parwatch")
+@click.option("--metrics-listen", default=DEFAULT_METRICS_LISTEN, show_default=True, metavar="HOST:PORT",
+              help="HOST:PORT for the read-only GET /metrics and /healthz. e.g. --metrics-listen 0.0.0.0:9400")
+@click.option("--control-listen", default=DEFAULT_CONTROL_LISTEN, show_default=True, metavar="HOST:PORT",
+              help="HOST:PORT for ingest, control, alerts and status; non-loopback needs a token. "
+                   "e.g. --control-listen 127.0.0.1:9401")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="File holding the bearer token the control listener requires (else env PARWATCH_TOKEN). "
+                   "e.g. --token-file /run/secrets/parwatch-token")
+@click.option("--rank-grace-seconds", type=float, default=30.0, show_default=True, metavar="SECONDS",
+              help="A rank silent this long gets parwatch_rank_up 0; its other series vanish after twice this. "
+                   "e.g. --rank-grace-seconds 60")
+@click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True, metavar="BYTES",
+              help="Larger request bodies are refused with 413. e.g. --max-body-bytes 1048576")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="Log verbosity on stderr. e.g. --log-level debug")
+def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_grace_seconds, max_body_bytes,
+            log_level):
+    """Export Prometheus metrics for a run's ranks, evaluate guardrails, hand directives back."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from parwatch.guardrails.rules import RulesError
+    from parwatch.sidecar.server import StartupError, serve
+    from parwatch.sidecar.service import build_sidecar
+
+    try:
+        config = SidecarConfig(
+            rules_path=Path(rules) if rules else None,
+            state_dir=Path(state_dir),
+            metrics_listen=parse_listen(metrics_listen, "--metrics-listen"),
+            control_listen=parse_listen(control_listen, "--control-listen"),
+            token=read_token(token_file),
+            rank_grace_seconds=rank_grace_seconds,
+            max_body_bytes=max_body_bytes,
+        )
+        built = build_sidecar(config)
+        serve(built)
+    except (ConfigError, StartupError) as err:
+        raise click.ClickException(str(err)) from None
+    except RulesError as err:
+        raise click.ClickException(f"--rules: invalid rules file:\n{err}") from None
+    except OSError as err:
+        raise click.ClickException(f"--state-dir {state_dir}: {err.strerror or err}") from None

@@ -1,0 +1,85 @@
+"""Alertmanager webhook -> guardrail requests, at most once per firing alert.
+
+Alertmanager re-sends a firing alert every repeat_interval and after its own restarts;
+the fingerprint set (kept in the state directory, so a sidecar restart does not act
+twice either) makes each firing alert act once. A resolved notification clears it, so
+the same alert firing again later acts again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from parwatch.sidecar.models import Alert, AlertmanagerPayload
+
+log = logging.getLogger(__name__)
+
+ALERT_ACTIONS = ("pause", "rollback")
+ACTION_LABEL = "parwatch_action"
+
+
+def fingerprint(alert: Alert) -> str:
+    if alert.fingerprint:
+        return alert.fingerprint
+    # Alertmanager always sends one; hash the labels for senders that do not.
+    return hashlib.sha256(json.dumps(alert.labels, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class AlertDedupe:
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.acted: set[str] = set()
+        if path is not None and path.exists():
+            try:
+                self.acted = set(json.loads(path.read_text()))
+            except (OSError, ValueError) as err:
+                log.warning("ignoring unreadable %s (%s): alerts may act once more", path, err)
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted(self.acted)))
+        os.replace(tmp, self.path)
+
+    def handle(self, payload: AlertmanagerPayload, request) -> list[dict]:
+        """Call request(action, reason=, rule=, requested_by=[, skip_batches=]) once for each new firing
+        alert that asks for pause or rollback; return the decisions made."""
+        decisions, changed = [], False
+        for alert in payload.alerts:
+            fp = fingerprint(alert)
+            if alert.status == "resolved":
+                if fp in self.acted:
+                    self.acted.discard(fp)
+                    changed = True
+                continue
+            action = alert.labels.get(ACTION_LABEL)
+            if action not in ALERT_ACTIONS or fp in self.acted:
+                continue
+            name = alert.labels.get("alertname", "alert")
+            summary = alert.annotations.get("summary") or payload.commonAnnotations.get("summary", "")
+            reason = f"{name}: {summary}" if summary else name
+            kw = {"reason": reason, "rule": alert.labels.get("rule"),
+                  "requested_by": f"alertmanager:{payload.receiver}" if payload.receiver else "alertmanager"}
+            if action == "rollback":
+                skip = alert.labels.get("parwatch_skip_batches", "0")
+                kw["skip_batches"] = int(skip) if skip.isdigit() else 0
+            try:
+                decision = request(action, **kw)
+            except ValueError as err:
+                if action != "rollback":
+                    log.warning("alert %s (%s) refused by the engine: %s", name, fp, err)
+                    continue
+                # No checkpoint to go back to: stopping is the safe half of what the alert asked for.
+                kw.update(reason=f"{reason} (rollback impossible: {err}; pausing instead)", skip_batches=0)
+                decision = request("pause", **kw)
+            self.acted.add(fp)
+            changed = True
+            decisions.append(decision)
+        if changed:
+            self._save()
+        return decisions

@@ -1,0 +1,99 @@
+"""Settings of one sidecar process, and the checks that relate them.
+
+The same dataclass feeds `parwatch sidecar`, the app factory and the tests.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_METRICS_LISTEN = "0.0.0.0:9400"
+DEFAULT_CONTROL_LISTEN = "127.0.0.1:9401"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+TOKEN_ENV = "PARWATCH_TOKEN"
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names the setting (flag) and the fix."""
+
+
+@dataclass(frozen=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    rules_path: Path | None = None
+    """Guardrail rules file (YAML); None means the packaged default rules."""
+    state_dir: Path = Path("parwatch-state")
+    """Where the engine keeps its state and decisions.jsonl: the only place the sidecar writes."""
+    metrics_listen: Listen = Listen("0.0.0.0", 9400)
+    """Read-only listener: GET /metrics and /healthz. May face the pod network."""
+    control_listen: Listen = Listen("127.0.0.1", 9401)
+    """Listener that changes a run (ingest, control, alerts). Loopback unless a token is set."""
+    token: str | None = None
+    """Bearer token the control listener requires; None means no token (loopback only)."""
+    rank_grace_seconds: float = 30.0
+    """A rank silent this long is reported down (parwatch_rank_up 0); its other series vanish after 2x."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Request bodies larger than this are refused with 413."""
+    no_data_interval_seconds: float = 1.0
+    """How often the engine is asked whether any rule's metric has gone silent."""
+
+    def __post_init__(self):
+        if self.rank_grace_seconds <= 0:
+            raise ConfigError(
+                f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs"
+            )
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be >= 1024 (got {self.max_body_bytes}); the default is 8 MiB")
+        if self.metrics_listen == self.control_listen:
+            raise ConfigError(
+                f"--metrics-listen and --control-listen are both {self.control_listen}; give them different ports"
+            )
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("the token is empty; put a non-empty secret in --token-file or PARWATCH_TOKEN")
+        if not self.token and not is_loopback(self.control_listen.host):
+            raise ConfigError(
+                f"--control-listen {self.control_listen} is not a loopback address and no token is set; "
+                f"set --token-file FILE or {TOKEN_ENV}, or listen on 127.0.0.1"
+            )
+
+
+def parse_listen(value: str, flag: str) -> Listen:
+    """'HOST:PORT' (or '[v6]:PORT') -> Listen; errors name the flag."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{flag} {value!r} is not HOST:PORT; e.g. {flag} 127.0.0.1:9401")
+    return Listen(host, int(port))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def read_token(token_file: str | os.PathLike | None, environ=os.environ) -> str | None:
+    """The token from --token-file (stripped) or else PARWATCH_TOKEN; None when neither is set."""
+    if token_file is not None:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"--token-file {token_file}: cannot read it ({err.strerror})") from err
+        if not token:
+            raise ConfigError(f"--token-file {token_file} is empty; write the secret into it")
+        return token
+    return environ.get(TOKEN_ENV) or None

@@ -1,0 +1,259 @@
+"""The /metrics collector: fresh metric families from the store and engine on every scrape.
+
+A custom collector on a private registry (no global state, no multiprocess mode), so the
+series of a rank that went away disappear by themselves once the store stops listing it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.samples import Sample
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from parwatch import __version__
+from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.sidecar.store import Store
+
+GUARDRAIL_STATE_CODES = {"ok": 0, "pending": 1, "firing": 2}
+_STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]
+_COLLECTIVE_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
+
+GPU_GAUGES = (  # (summary field, metric suffix, help)
+    ("utilization_ratio", "utilization_ratio", "GPU busy share over the step (NVML)"),
+    ("memory_used_bytes", "memory_used_bytes", "GPU memory in use (NVML)"),
+    ("power_watts", "power_watts", "GPU power draw (NVML)"),
+    ("sm_clock_hertz", "sm_clock_hertz", "GPU SM clock (NVML)"),
+    ("temperature_celsius", "temperature_celsius", "GPU temperature (NVML)"),
+)
+
+
+@dataclass
+class SidecarCounters:
+    """Counters the sidecar itself keeps (they restart at zero with the process)."""
+
+    actions: Counter = field(default_factory=Counter)
+    """(rule, action) -> guardrail decisions that acted (or would have, in dry run)."""
+    rules_reload_failures: int = 0
+    """SIGHUP reloads refused because the new rules file was invalid."""
+
+
+def _g(name, doc, labels=()):
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _c(name, doc, labels=()):
+    return CounterMetricFamily(name, doc, labels=list(labels))
+
+
+class SidecarCollector(Collector):
+    """Reads only whole, immutable values from the store (see store.py), so a scrape may be
+    interleaved with ingests."""
+
+    def __init__(self, store: Store, engine, counters: SidecarCounters):
+        self.store = store
+        self.engine = engine
+        self.counters = counters
+
+    def collect(self):
+        yield from self._run_families()
+        yield from self._rank_families()
+        yield from self._collective_families()
+        yield from self._guardrail_families()
+
+    def _run_families(self):
+        st = self.store
+        info = InfoMetricFamily(
+            "parwatch_run", "The run this sidecar watches",
+            labels=["run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"],
+        )
+        head = st.run_summary()
+        if head is not None:
+            info.add_metric(
+                [head.run_id, head.schedule, *(str(n) for n in (head.tp, head.pp, head.dp, head.microbatches)),
+                 __version__],
+                {},
+            )
+        yield info
+        step = _g("parwatch_train_step", "Newest optimizer step any rank reported")
+        last_step = st.last_step
+        if last_step is not None:
+            step.add_metric([], last_step)
+        yield step
+        loss = _g("parwatch_loss", "Training loss of the newest step (mean over DP replicas; NaN when non-finite)")
+        value = _latest_loss(st)
+        if value is not None:
+            loss.add_metric([], value)
+        yield loss
+        tokens = _c("parwatch_tokens", "Tokens the run consumed (all DP replicas); rate() is tokens/s")
+        if head is not None:
+            tokens.add_metric([], st.tokens_total)
+        yield tokens
+        skew = _g("parwatch_pipeline_skew_ratio", "Max over stages of compute seconds / mean over stages")
+        view = st.global_view
+        if view is not None and view.pipeline_skew_ratio is not None:
+            skew.add_metric([], view.pipeline_skew_ratio)
+        yield skew
+        ckpt = _g("parwatch_checkpoint_last_good_step", "Newest step with a complete checkpoint (rank 0)")
+        checkpoints = st.checkpoints
+        if checkpoints:
+            ckpt.add_metric([], max(checkpoints))
+        yield ckpt
+
+    def _rank_families(self):
+        """Per-rank families, their samples generated lazily: an encoder that pauses between
+        samples (exposition.encode_async) never holds the event loop for a whole family."""
+        st = self.store
+        up = _g("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", ["rank"])
+        for rank, is_up in st.liveness().items():
+            up.add_metric([str(rank)], 1.0 if is_up else 0.0)
+        yield up
+        records = st.visible()
+        for name, typ, doc, labels_of, value_of in PER_RANK:
+            yield _lazy(name, doc, typ, _rank_samples(name + _SUFFIX[typ], records, labels_of, value_of))
+        yield _lazy("parwatch_step_duration_seconds", "Step period, boundary to boundary", "histogram",
+                    _step_histograms(records))
+        for field_name, suffix, doc in GPU_GAUGES:
+            name = f"parwatch_gpu_{suffix}"
+            yield _lazy(name, doc, "gauge", _gpu_samples(name, records, field_name))
+        theory = _g("parwatch_stage_bubble_theoretical_ratio", "The schedule's bubble, (p-1)/(v*m+p-1)", ["stage"])
+        by_stage = {rec.summary.stage: rec.summary.bubble_theoretical_ratio for rec in records}
+        for stage, ratio in sorted(by_stage.items()):
+            theory.add_metric([str(stage)], ratio)
+        yield theory
+
+    def _collective_families(self):
+        og = ["op", "group"]
+        hist = HistogramMetricFamily(
+            "parwatch_collective_duration_seconds", "Collective latency, summed over this sidecar's ranks", labels=og
+        )
+        nbytes = _c("parwatch_collective_bytes", "Bytes moved by collectives", og)
+        busbw = _g("parwatch_collective_busbw_bytes_per_second",
+                   "Bus bandwidth (nccl-tests), mean over ranks' newest step", og)
+        for (op, group), tot in sorted(list(self.store.collectives.items())):
+            hist.add_metric([op, group], [*zip(_COLLECTIVE_LE, tot.buckets), ("+Inf", tot.count)], tot.seconds)
+            nbytes.add_metric([op, group], tot.bytes)
+        sums: dict[tuple[str, str], list] = {}
+        for rec in self.store.visible():
+            if self.store.is_up(rec):
+                for c in rec.summary.collectives:
+                    acc = sums.setdefault((c.op, c.group), [0.0, 0])
+                    acc[0] += c.busbw
+                    acc[1] += 1
+        for (op, group), (total, n) in sorted(sums.items()):
+            busbw.add_metric([op, group], total / n)
+        yield from (hist, nbytes, busbw)
+
+    def _guardrail_families(self):
+        state = _g("parwatch_guardrail_state", "Guardrail rule state: 0 ok, 1 pending, 2 firing", ["rule"])
+        for name, info in sorted(self.engine.states().items()):
+            state.add_metric([name], GUARDRAIL_STATE_CODES.get(info.get("state"), 0))
+        yield state
+        actions = _c("parwatch_guardrail_actions", "Guardrail decisions that acted", ["rule", "action"])
+        for (rule, action), n in sorted(dict(self.counters.actions).items()):
+            actions.add_metric([rule, action], n)
+        yield actions
+        paused = _g("parwatch_run_paused", "1 while the run is paused by a directive")
+        paused.add_metric([], 1.0 if self.engine.paused else 0.0)
+        yield paused
+        failures = _c("parwatch_sidecar_rules_reload_failures", "Rules reloads refused because the file was invalid")
+        failures.add_metric([], self.counters.rules_reload_failures)
+        yield failures
+
+
+_SUFFIX = {"gauge": "", "counter": "_total"}
+
+
+def _rank_labels(rec) -> dict:
+    return {"rank": str(rec.summary.rank)}
+
+
+def _rank_stage_labels(rec) -> dict:
+    return {"rank": str(rec.summary.rank), "stage": str(rec.summary.stage)}
+
+
+def _overhead_ratio(rec):
+    s = rec.summary
+    return s.overhead_seconds / s.step_seconds if s.step_seconds > 0 else 0.0
+
+
+# (family name, type, help, labels, value of a rank record or None to leave the rank out)
+PER_RANK = (
+    ("parwatch_model_flops_utilization_ratio", "gauge", "Model FLOPs utilisation (device peak known or configured)",
+     _rank_labels, lambda rec: rec.summary.model_flops_utilization_ratio),
+    ("parwatch_torch_memory_max_allocated_bytes", "gauge", "Peak torch allocated memory in the step",
+     _rank_stage_labels, lambda rec: rec.summary.memory_max_allocated_bytes),
+    ("parwatch_stage_compute_seconds", "counter", "Forward + backward seconds",
+     _rank_stage_labels, lambda rec: rec.totals.compute_total),
+    ("parwatch_stage_idle_seconds", "counter", "Seconds waiting on neighbours and the flush (bubble)",
+     _rank_stage_labels, lambda rec: rec.totals.idle_total),
+    ("parwatch_stage_bubble_ratio", "gauge", "idle / (step - other) in the newest step",
+     _rank_stage_labels, lambda rec: rec.summary.bubble_ratio),
+    ("parwatch_nvml_up", "gauge", "1 when NVML answered for this rank", _rank_labels, lambda rec: rec.summary.nvml_up),
+    ("parwatch_collector_overhead_ratio", "gauge", "Share of the step the collector spent on the training thread",
+     _rank_labels, _overhead_ratio),
+    ("parwatch_collector_dropped_summaries", "counter", "Summaries the rank's shipper dropped",
+     _rank_labels, lambda rec: rec.summary.dropped_total),
+)
+
+
+def _lazy(name: str, doc: str, typ: str, samples) -> Metric:
+    family = Metric(name, doc, typ)
+    family.samples = samples  # a generator: encoders iterate it once
+    return family
+
+
+def _rank_samples(sample_name, records, labels_of, value_of):
+    for rec in records:
+        value = value_of(rec)
+        if value is not None:
+            yield Sample(sample_name, labels_of(rec), value)
+
+
+def _gpu_samples(sample_name, records, field_name):
+    for rec in records:
+        gpu = rec.summary.gpu
+        if gpu is not None and getattr(gpu, field_name) is not None:
+            yield Sample(sample_name, {"rank": str(rec.summary.rank), "gpu": str(gpu.index)}, getattr(gpu, field_name))
+
+
+def _step_histograms(records):
+    name = "parwatch_step_duration_seconds"
+    for rec in records:
+        t = rec.totals  # one immutable value: buckets and count always agree
+        labels = _rank_stage_labels(rec)
+        for le, n in zip(_STEP_LE, t.step_buckets):
+            yield Sample(name + "_bucket", {**labels, "le": le}, n)
+        yield Sample(name + "_bucket", {**labels, "le": "+Inf"}, t.step_count)
+        yield Sample(name + "_count", labels, t.step_count)
+        yield Sample(name + "_sum", labels, t.step_sum)
+
+
+def _latest_loss(store: Store) -> float | None:
+    view = store.global_view
+    if view is not None and view.loss is not None:
+        return view.loss
+    # No fast path yet: the newest loss any rank reported (last stage, tp_rank 0).
+    newest = None
+    for rec in list(store.ranks.values()):
+        s = rec.summary
+        if s.loss is not None and (newest is None or s.step > newest.step):
+            newest = s
+    return None if newest is None else newest.loss
+
+
+def make_registry(store: Store, engine, counters: SidecarCounters) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SidecarCollector(store, engine, counters))
+    return registry
+
+
+__all__ = ["SidecarCollector", "SidecarCounters", "make_registry", "GUARDRAIL_STATE_CODES"]

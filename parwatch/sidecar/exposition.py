@@ -1,0 +1,113 @@
+"""Fast text encoders for the sidecar's own metric families.
+
+prometheus_client's encoders escape every sample name character by character (the
+OpenMetrics one most of all); with 1024 ranks that alone costs several hundred ms per
+scrape. Our metric and label names are fixed legacy-valid identifiers, so escaping is
+needed only for label values and help text. These encoders write exactly what
+prometheus_client writes for such families (a unit test holds them to that), and
+`choose` falls back to the library for any format or escaping they do not cover.
+
+encode_async produces the same bytes but hands the event loop back every few ms, so a
+scrape of a thousand ranks does not stall ingest (a worker thread would, through the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from prometheus_client import exposition
+from prometheus_client.openmetrics import exposition as om_exposition
+
+TEXT_CONTENT_TYPE = exposition.CONTENT_TYPE_PLAIN_0_0_4
+OPENMETRICS_CONTENT_TYPES = (
+    om_exposition.CONTENT_TYPE_LATEST,
+    om_exposition.CONTENT_TYPE_LATEST + "; escaping=" + om_exposition.UNDERSCORES,
+)
+_TEXT_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "info": "gauge"}
+_TEXT_SUFFIX = {"counter": "_total", "info": "_info"}
+
+
+def _value(v) -> str:
+    """prometheus_client.utils.floatToGoString, with the common cases first."""
+    d = float(v)
+    if d != d:
+        return "NaN"
+    if d == math.inf:
+        return "+Inf"
+    if d == -math.inf:
+        return "-Inf"
+    s = repr(d)
+    dot = s.find(".")
+    if d > 0 and dot > 6:  # Go switches to exponents sooner than Python
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return s
+
+
+def _label_value(v: str) -> str:
+    if "\\" in v or "\n" in v or '"' in v:
+        return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return v
+
+
+def _line(s) -> str:
+    if s.labels:
+        labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in sorted(s.labels.items()))
+        return f"{s.name}{{{labels}}} {_value(s.value)}\n"
+    return f"{s.name} {_value(s.value)}\n"
+
+
+def _text_header(metric) -> str:
+    name = metric.name + _TEXT_SUFFIX.get(metric.type, "")
+    doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} {_TEXT_TYPES[metric.type]}\n"
+
+
+def _openmetrics_header(metric) -> str:
+    doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    unit = f"# UNIT {metric.name} {metric.unit}\n" if metric.unit else ""
+    return f"# HELP {metric.name} {doc}\n# TYPE {metric.name} {metric.type}\n{unit}"
+
+
+def _pieces(registry, openmetrics: bool):
+    header = _openmetrics_header if openmetrics else _text_header
+    for metric in registry.collect():
+        yield header(metric)
+        for s in metric.samples:
+            yield _line(s)
+    if openmetrics:
+        yield "# EOF\n"
+
+
+def encode_text(registry) -> bytes:
+    """Prometheus text format 0.0.4."""
+    return "".join(_pieces(registry, False)).encode("utf-8")
+
+
+def encode_openmetrics(registry) -> bytes:
+    """OpenMetrics 1.0.0 text."""
+    return "".join(_pieces(registry, True)).encode("utf-8")
+
+
+async def encode_async(registry, encoder, slice_seconds: float = 0.001) -> bytes:
+    """What `encoder` (encode_text or encode_openmetrics) writes, yielding to the loop every slice."""
+    out: list[str] = []
+    deadline = time.perf_counter() + slice_seconds
+    for i, piece in enumerate(_pieces(registry, encoder is encode_openmetrics)):
+        out.append(piece)
+        if not i & 63 and time.perf_counter() > deadline:
+            await asyncio.sleep(0)
+            deadline = time.perf_counter() + slice_seconds
+    return "".join(out).encode("utf-8")
+
+
+def choose(accept_header: str):
+    """(encoder, content_type) for an Accept header, as prometheus_client's choose_encoder decides."""
+    encoder, content_type = exposition.choose_encoder(accept_header)
+    if content_type == TEXT_CONTENT_TYPE:
+        return encode_text, content_type
+    if content_type in OPENMETRICS_CONTENT_TYPES:
+        return encode_openmetrics, content_type
+    return encoder, content_type  # another version or escaping: the library's encoder

@@ -1,0 +1,59 @@
+"""Turn what the store holds into the guardrail engine's Observation for one global step.
+
+Rank 0's summary carries the fast-path view of the whole pipeline (loss, every stage's
+bubble, skew); per-rank series (liveness, collective latency, GPU utilisation) come from
+the latest summary of every rank that is still reporting.
+"""
+
+from __future__ import annotations
+
+from parwatch.guardrails.engine import Observation
+from parwatch.sidecar.store import Store
+
+
+def build_observation(store: Store) -> Observation | None:
+    """The Observation for the newest global step, or None before rank 0 sent one."""
+    view = store.global_view
+    rank0 = store.ranks.get(0)
+    if view is None or rank0 is None:
+        return None
+    series: dict[str, dict[str, float]] = {}
+    if view.loss is not None:
+        series["loss"] = {"": view.loss}
+    theoretical = rank0.summary.bubble_theoretical_ratio
+    if view.stages:
+        series["bubble_ratio"] = {f"stage={st.stage}": st.bubble_ratio for st in view.stages}
+        series["bubble_excess_ratio"] = {f"stage={st.stage}": st.bubble_ratio - theoretical for st in view.stages}
+        series["step_seconds"] = {"": max(st.step_seconds for st in view.stages)}
+    else:
+        series["step_seconds"] = {"": rank0.summary.step_seconds}
+    if view.pipeline_skew_ratio is not None:
+        series["pipeline_skew_ratio"] = {"": view.pipeline_skew_ratio}
+    series.update(_per_rank_series(store))
+    return Observation(step=view.step, time=store.clock(), series=series, checkpoints=store.checkpoints)
+
+
+def _per_rank_series(store: Store) -> dict[str, dict[str, float]]:
+    rank_up: dict[str, float] = {}
+    collective_mean: dict[str, float] = {}
+    gpu_util: dict[str, float] = {}
+    for rank, rec in sorted(store.ranks.items()):
+        up = store.is_up(rec)
+        rank_up[f"rank={rank}"] = 1.0 if up else 0.0
+        if not up:
+            continue  # a silent rank's last numbers are stale evidence
+        s = rec.summary
+        for c in s.collectives:
+            if c.count:
+                key = f"op={c.op},group={c.group}"
+                mean = c.seconds / c.count
+                if mean > collective_mean.get(key, -1.0):  # worst rank: the straggler is the finding
+                    collective_mean[key] = mean
+        if s.gpu is not None and s.gpu.utilization_ratio is not None:
+            gpu_util[f"rank={rank},gpu={s.gpu.index}"] = s.gpu.utilization_ratio
+    out = {"rank_up": rank_up}
+    if collective_mean:
+        out["collective_seconds_mean"] = collective_mean
+    if gpu_util:
+        out["gpu_utilization_ratio"] = gpu_util
+    return out

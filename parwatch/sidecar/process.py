@@ -1,0 +1,97 @@
+"""Start `parwatch sidecar` as a child process and wait until it answers (tests, benchmarks, demo).
+
+The context manager always stops the child (SIGTERM, then SIGKILL), even when the body fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SidecarProcess:
+    proc: subprocess.Popen
+    metrics_url: str
+    control_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def sidecar_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "parwatch.cli.main", "sidecar", *args]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited with {proc.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"sidecar did not answer {url} within {timeout:g} s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    return proc.returncode
+
+
+@contextlib.contextmanager
+def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, timeout: float = 60.0, env=None):
+    """Yield a SidecarProcess on free loopback ports; its stderr goes to state_dir/../sidecar-<port>.log."""
+    metrics, control = free_port(), free_port()
+    state_dir = Path(state_dir)
+    state_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = state_dir.parent / f"sidecar-{control}.log"
+    args = ["--state-dir", str(state_dir), "--metrics-listen", f"127.0.0.1:{metrics}",
+            "--control-listen", f"127.0.0.1:{control}", *extra]
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
+    if token is not None:
+        child_env["PARWATCH_TOKEN"] = token
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env)
+    try:
+        sp = SidecarProcess(proc, f"http://127.0.0.1:{metrics}", f"http://127.0.0.1:{control}", log_path)
+        try:
+            wait_healthy(f"{sp.control_url}/healthz", proc, timeout)
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(f"{err}\n--- sidecar log ---\n{sp.log()}") from None
+        yield sp
+    finally:
+        stop(proc)

@@ -1,0 +1,132 @@
+"""POST /v1/ingest: schema validation (400 naming the field), body cap (413), bearer token (401)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from parwatch.sidecar import synthetic as syn
+from parwatch.sidecar.app import create_control_app
+from parwatch.sidecar.config import Listen, SidecarConfig
+from parwatch.sidecar.service import build_sidecar
+
+TOKEN = "s3cret-token"
+
+
+def make_client(tmp_path, **config) -> TestClient:
+    sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state", **config))
+    return TestClient(create_control_app(sidecar))
+
+
+@pytest.fixture
+def client(tmp_path):
+    return make_client(tmp_path)
+
+
+def body(*summaries) -> dict:
+    return {"version": 1, "summaries": list(summaries)}
+
+
+def test_valid_summaries_are_accepted_without_a_directive(client):
+    r = client.post("/v1/ingest", json=body(syn.summary(0, 1), syn.summary(1, 1)))
+    assert r.status_code == 200
+    assert r.json() == {"accepted": 2, "directive": None}
+    ranks = client.get("/v1/status").json()["ranks"]
+    assert ranks["0"]["last_step"] == 1 and ranks["1"]["up"] is True
+
+
+@pytest.mark.parametrize("loss", ["nan", "inf", "-inf", None, 3.5])
+def test_loss_may_be_a_number_null_or_a_nonfinite_string(client, loss):
+    s = syn.summary(1, 1)
+    s["loss"] = loss
+    assert client.post("/v1/ingest", json=body(s)).status_code == 200
+
+
+def _broken(change):
+    s = syn.summary(1, 1, tp=1, pp=2)
+    change(s)
+    return body(s)
+
+
+@pytest.mark.parametrize(
+    "payload, expected",
+    [
+        (_broken(lambda s: s.pop("step")), "summaries.0.step: Field required"),
+        (_broken(lambda s: s.update(step="seven")), "summaries.0.step: Input should be a valid integer"),
+        (_broken(lambda s: s.update(loss="banana")), "summaries.0.loss"),
+        (_broken(lambda s: s.update(schedule="zigzag")), "summaries.0.schedule"),
+        (_broken(lambda s: s.update(rank=5)), "rank 5 is outside the world of tp*pp*dp = 2 ranks"),
+        (_broken(lambda s: s.update(stage=3)), "stage 3 is outside pp = 2"),
+        (_broken(lambda s: s.update(step_seconds=-1.0)), "summaries.0.step_seconds"),
+        (_broken(lambda s: s["collectives"][0].update(op="all_to_all")), "summaries.0.collectives.0.op"),
+        (_broken(lambda s: s["collectives"][0].update(buckets=[1, 2])),
+         "summaries.0.collectives.0: Value error, buckets has 2"),
+        (_broken(lambda s: s["gpu"].update(utilization_ratio=1.5)), "summaries.0.gpu.utilization_ratio"),
+        (_broken(lambda s: s["applied"].append({"id": 0, "step": 1})), "summaries.0.applied.0.id"),
+        (_broken(lambda s: s.update({"global": {"step": 1, "loss": "nope"}})), "summaries.0.global.loss"),
+        ({"version": 2, "summaries": []}, "version: Input should be 1"),
+        ({"version": 1, "summaries": "all of them"}, "summaries: Input should be a valid list"),
+        ({"summaries": []}, "version: Field required"),
+    ],
+)
+def test_invalid_bodies_get_400_naming_the_field(client, payload, expected):
+    r = client.post("/v1/ingest", json=payload)
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["detail"]
+
+
+def test_malformed_json_is_a_400_with_the_reason(client):
+    r = client.post("/v1/ingest", content=b'{"version": 1, "summaries": [',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "not valid JSON" in r.json()["detail"]
+
+
+def test_bodies_over_the_cap_get_413(tmp_path):
+    client = make_client(tmp_path, max_body_bytes=4096)
+    big = body(*[syn.summary(0, step) for step in range(1, 20)])
+    assert len(json.dumps(big)) > 4096
+    r = client.post("/v1/ingest", json=big)
+    assert r.status_code == 413
+    assert "--max-body-bytes" in r.json()["detail"]
+    # A chunked body (no Content-Length) is counted as it arrives.
+    r = client.post("/v1/ingest", content=iter([json.dumps(big).encode()[i:i + 1000] for i in range(0, 20000, 1000)]),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.post("/v1/ingest", json=body(syn.summary(0, 1))).status_code == 200
+
+
+def test_token_is_required_when_configured(tmp_path):
+    client = make_client(tmp_path, token=TOKEN, control_listen=Listen("0.0.0.0", 9401))
+    ok = body(syn.summary(0, 1))
+    r = client.post("/v1/ingest", json=ok)
+    assert r.status_code == 401 and "missing Authorization" in r.json()["detail"]
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    r = client.post("/v1/ingest", json=ok, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["detail"] == "wrong bearer token"
+    r = client.post("/v1/ingest", json=ok, headers={"Authorization": f"Basic {TOKEN}"})
+    assert r.status_code == 401 and "Bearer <token>" in r.json()["detail"]
+    for path in ("/v1/status", "/v1/decisions"):
+        assert client.get(path).status_code == 401
+    assert client.post("/v1/control", json={"action": "pause"}).status_code == 401
+    assert client.post("/v1/alerts", json={"version": "4", "status": "firing", "alerts": []}).status_code == 401
+    assert client.get("/healthz").status_code == 200
+    r = client.post("/v1/ingest", json=ok, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json()["accepted"] == 1
+
+
+def test_loopback_without_token_is_open(client):
+    assert client.post("/v1/ingest", json=body(syn.summary(0, 1))).status_code == 200
+    assert client.get("/v1/status").status_code == 200
+
+
+def test_openapi_documents_ingest_and_control(client):
+    doc = client.get("/openapi.json").json()
+    ingest = doc["paths"]["/v1/ingest"]["post"]
+    control = doc["paths"]["/v1/control"]["post"]
+    assert "requestBody" in ingest and "requestBody" in control
+    schemas = doc["components"]["schemas"]
+    assert {"IngestBody", "StepSummary", "ControlRequest", "Directive"} <= set(schemas)
+    assert "global" in schemas["StepSummary"]["properties"]

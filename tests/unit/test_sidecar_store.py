@@ -1,0 +1,104 @@
+"""Store (latest + window per rank, counters, run changes) and the Observation built from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from parwatch.sidecar import synthetic as syn
+from parwatch.sidecar.models import StepSummary
+from parwatch.sidecar.observations import build_observation
+from parwatch.sidecar.store import Store
+
+
+class Clock:
+    def __init__(self, t=500.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def S(rank, step, **kw) -> StepSummary:
+    kw.setdefault("time", float(step))
+    return StepSummary.model_validate(syn.summary(rank, step, **kw))
+
+
+def test_latest_is_the_newest_by_time_and_the_window_is_bounded():
+    store = Store(window=3, clock=Clock())
+    for step in (1, 2, 4):
+        store.add(S(0, step))
+    store.add(S(0, 3, time=3.0))  # arrives late
+    assert store.ranks[0].summary.step == 4
+    assert [e.step for e in store.recent(0)] == [2, 4, 3]
+    assert store.last_step == 4
+
+
+def test_a_rollback_moves_the_latest_step_back():
+    store = Store(clock=Clock())
+    store.add(S(0, 10, time=10.0))
+    store.add(S(0, 6, time=11.0))  # replayed from checkpoint 5
+    assert store.ranks[0].summary.step == 6 and store.ranks[0].totals.step_count == 2
+
+
+def test_a_new_run_id_starts_over():
+    store = Store(clock=Clock())
+    store.add(S(0, 5))
+    store.add(S(1, 5))
+    store.add(S(0, 1, run_id="second"))
+    assert store.run_id == "second" and list(store.ranks) == [0] and store.tokens_total == 4096
+
+
+def test_tokens_count_once_per_step_from_the_lowest_rank():
+    store = Store(clock=Clock())
+    for step in (1, 2):
+        for rank in (3, 1, 2):
+            store.add(S(rank, step, tp=2, pp=2))
+    # rank 3 came first and counted step 1; from then on rank 1 (the lowest) counts.
+    assert store.tokens_total == 2 * 4096
+
+
+def test_liveness_uses_the_injected_clock():
+    clock = Clock()
+    store = Store(grace_seconds=5, clock=clock)
+    store.add(S(0, 1))
+    clock.t += 3
+    store.add(S(1, 1))
+    clock.t += 3
+    assert store.liveness() == {0: False, 1: True}
+    assert [r.summary.rank for r in store.visible()] == [0, 1]
+    clock.t += 5  # rank 0 silent 11 s > 2 x 5
+    assert [r.summary.rank for r in store.visible()] == [1]
+    assert store.liveness() == {0: False, 1: False}
+
+
+def test_observation_carries_the_global_view_and_per_rank_series():
+    clock = Clock()
+    store = Store(grace_seconds=5, clock=clock)
+    stages = [syn.stage_view(0, 1.0, 0.5), syn.stage_view(1, 1.0, 0.7)]
+    slow = syn.summary(2, 8, tp=2, pp=2)
+    slow["collectives"][0]["seconds"] *= 3  # rank 2's all-reduces take 3x as long
+    slow["gpu"]["utilization_ratio"] = 0.3
+    store.add(StepSummary.model_validate(slow))
+    store.add(S(1, 8, tp=2, pp=2))
+    clock.t += 10  # rank 1 goes silent
+    store.add(S(0, 9, tp=2, pp=2, global_stages=stages, global_loss=1.5, checkpoints=[4, 8]))
+    store.add(StepSummary.model_validate(slow))
+    obs = build_observation(store)
+    assert obs.step == 8 and obs.time == clock.t and obs.checkpoints == (4, 8)
+    assert obs.series["loss"] == {"": 1.5}
+    theory = 1 / 5  # (p-1)/(m+p-1), p=2, m=4
+    assert obs.series["bubble_ratio"] == {"stage=0": pytest.approx(0.48 / 0.98), "stage=1": pytest.approx(0.28 / 0.98)}
+    assert obs.series["bubble_excess_ratio"]["stage=0"] == pytest.approx(0.48 / 0.98 - theory)
+    assert obs.series["pipeline_skew_ratio"] == {"": pytest.approx(0.7 / 0.6)}
+    assert obs.series["step_seconds"] == {"": 1.0}
+    assert obs.series["rank_up"] == {"rank=0": 1.0, "rank=1": 0.0, "rank=2": 1.0}
+    assert obs.series["collective_seconds_mean"]["op=all_reduce,group=tp"] == pytest.approx(0.006)  # the worst rank
+    assert obs.series["gpu_utilization_ratio"] == {"rank=0,gpu=0": 0.9, "rank=2,gpu=2": 0.3}  # not the silent rank
+
+
+def test_no_observation_before_rank_0_sends_the_global_view():
+    store = Store(clock=Clock())
+    store.add(S(1, 1))
+    assert build_observation(store) is None
+    store.add(S(0, 1))
+    assert build_observation(store) is None
