@@ -39,7 +39,8 @@ class PerfCounterClock:
 
 
 # Span kinds. Compute kinds count as compute; OTHER_KINDS as "other" (optimizer,
-# data-parallel gradient sync); everything else is communication or waiting.
+# data-parallel gradient sync, checkpoint saves: work that is not the pipeline's
+# and must not read as bubble); everything else is communication or waiting.
 FORWARD = "forward"
 BACKWARD = "backward"
 SEND = "send"
@@ -47,9 +48,10 @@ RECV = "recv"
 COLLECTIVE = "collective"
 OPTIMIZER = "optimizer"
 DP_SYNC = "dp_sync"
+CHECKPOINT = "checkpoint"
 BOUNDARY = "boundary"
 COMPUTE_KINDS = frozenset({FORWARD, BACKWARD})
-OTHER_KINDS = frozenset({OPTIMIZER, DP_SYNC})
+OTHER_KINDS = frozenset({OPTIMIZER, DP_SYNC, CHECKPOINT})
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Span:
                op ("send" | "recv"), group "pp", bytes, group_size 2.
                A send span runs from posting the isend to its completion.
     collective: op, group ("tp" | "pp" | "dp" | "world"), bytes, group_size
-    optimizer, dp_sync: stage
+    optimizer, dp_sync, checkpoint: stage
     """
 
     kind: str

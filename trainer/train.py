@@ -151,8 +151,9 @@ class Trainer:
         }
         meta = {"step": self.step, "data_offset": self.data_offset,
                 "parallel": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "chunks": cfg.chunks}, "config": cfg.to_dict()}
-        ckpt.save_checkpoint(cfg.checkpoint_dir, self.step, self.rank, self.world, state, meta, dist.barrier,
-                             keep_last=cfg.keep_checkpoints)
+        with self.registry.span(hooks.CHECKPOINT, stage=self.groups.stage, step=self.step):
+            ckpt.save_checkpoint(cfg.checkpoint_dir, self.step, self.rank, self.world, state, meta, dist.barrier,
+                                 keep_last=cfg.keep_checkpoints)
         self.registry.emit_event("checkpoint_saved", step=self.step, checkpoints=ckpt.list_checkpoints(cfg.checkpoint_dir))
 
     def load_checkpoint(self, step: int) -> None:

@@ -26,11 +26,11 @@ LABELS = {
     "forward": "forward",
     "backward": "backward",
     "comm": "waiting on recv / collective (bubble)",
-    "other": "optimizer / DP sync",
+    "other": "optimizer / DP sync / checkpoint",
     "idle": "idle, flush wait (bubble)",
 }
 _CATEGORY = {"forward": "forward", "backward": "backward", "recv": "comm", "collective": "comm",
-             "optimizer": "other", "dp_sync": "other"}
+             "optimizer": "other", "dp_sync": "other", "checkpoint": "other"}
 _DRAW_ORDER = ("comm", "other", "forward", "backward")  # later ones on top: nested TP collectives hide
 _DPI = 100
 _MARGIN_PX = {"left": 120, "right": 170, "top": 66, "bottom": 96}

@@ -20,7 +20,7 @@ LANES = {
     "steps": (0, "steps"),
     "compute": (1, "compute (forward/backward)"),
     "comm": (2, "communication (recv, collectives)"),
-    "other": (3, "other (optimizer, DP sync)"),
+    "other": (3, "other (optimizer, DP sync, checkpoint)"),
     "tp": (4, "tp collectives"),
     "send": (5, "p2p sends in flight"),
 }
@@ -34,7 +34,7 @@ def lane_of(span: dict) -> str:
     kind, attrs = span["kind"], span["attrs"]
     if kind in ("forward", "backward"):
         return "compute"
-    if kind in ("optimizer", "dp_sync"):
+    if kind in ("optimizer", "dp_sync", "checkpoint"):
         return "other"
     if kind == "send":
         return "send"
