@@ -109,7 +109,7 @@ def test_trace_names_every_rank_with_its_stage(run_1f1b):
     for rank, i in run.rank_info().items():
         assert f"rank {rank} · stage {i['stage']}" in names[rank]
     threads = {e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-    assert {"compute (forward/backward)", "tp collectives", "other (optimizer, DP sync)"} <= threads
+    assert {"compute (forward/backward)", "tp collectives", "other (optimizer, DP sync, checkpoint)"} <= threads
 
 
 def test_timeline_png_has_the_requested_size_and_colours(run_1f1b, tmp_path):
