@@ -31,6 +31,7 @@ class StepShape:
     vocab: int
     seed: int
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
 
 
 class PipelineExecutor:
@@ -61,18 +62,22 @@ class PipelineExecutor:
 
     def _data(self, step_data: int, mb: int):
         s = self.shape
-        return microbatch(s.seed, step_data, global_index(self.dp_rank, s.microbatches, mb),
-                          s.micro_batch_size, s.seq_len, s.vocab)
+        ids, targets = microbatch(s.seed, step_data, global_index(self.dp_rank, s.microbatches, mb),
+                                  s.micro_batch_size, s.seq_len, s.vocab)
+        return ids.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
 
     # --------------------------------------------------------------------- step
-    def run(self, step: int, data_step: int) -> list[float]:
-        """Execute the schedule once; returns the microbatch losses on the last stage, else []."""
+    def run(self, step: int, data_step: int) -> float | None:
+        """Execute the schedule once; returns the mean microbatch loss on the last stage, else None.
+
+        Losses stay on the device until the step is done: one host read per step, not one per
+        microbatch (which would synchronise the GPU inside the schedule and distort its timing)."""
         s, reg = self.shape, self.registry
         act_shape = (s.micro_batch_size, s.seq_len, s.hidden)
         inputs: dict = {}
         outputs: dict = {}
         grads: dict = {}
-        losses: list[float] = []
+        losses: list = []
         poison = self.stage == (self.last_vstage % self.p) and self.faults.nan_now(step)
         straggle_s = self.faults.straggler_ms(step) / 1000.0
         for instr in self.instrs:
@@ -81,11 +86,11 @@ class PipelineExecutor:
             attrs = dict(stage=self.stage, microbatch=instr.microbatch, chunk=instr.chunk)
             op = instr.op
             if op == "recv_act":
-                buf = torch.empty(act_shape, dtype=s.dtype)
+                buf = torch.empty(act_shape, dtype=s.dtype, device=s.device)
                 self.comm.recv(buf, self._peer(instr), self._tag(instr), what="activation", **attrs)
                 inputs[key] = buf.requires_grad_()
             elif op == "recv_grad":
-                buf = torch.empty(act_shape, dtype=s.dtype)
+                buf = torch.empty(act_shape, dtype=s.dtype, device=s.device)
                 self.comm.recv(buf, self._peer(instr), self._tag(instr), what="grad", **attrs)
                 grads[key] = buf
             elif op == "forward":
@@ -99,7 +104,7 @@ class PipelineExecutor:
                         loss = chunk.loss(out, targets)
                         if poison:
                             loss = loss * math.nan
-                        losses.append(loss.item())
+                        losses.append(loss.detach())
                         out = loss / s.microbatches
                     if straggle_s and instr.chunk == 0:
                         time.sleep(straggle_s)
@@ -118,4 +123,4 @@ class PipelineExecutor:
                 self.comm.isend(x.grad, self._peer(instr), self._tag(instr), what="grad", **attrs)
             self.comm.poll_sends()
         self.comm.complete_sends()
-        return losses
+        return torch.stack(losses).mean().item() if losses else None

@@ -43,14 +43,16 @@ class Trainer:
         self.faults = Faults([parse_fault(s) for s in cfg.inject], rank, self.groups.stage)
         self.comm = Comm(self.groups, slow_ms=self.faults.slow_collectives(), registry=registry)
         self.dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-        self.chunks = self._build_chunks()
+        self.device = self._device
+        self.chunks = [c.to(self.device) for c in self._build_chunks()]
         params = [p for c in self.chunks for p in c.parameters()]
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=cfg.lr)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         instrs = build_schedule(cfg.schedule, self.groups.stage, cfg.pp, cfg.microbatches, cfg.chunks)
-        shape = StepShape(cfg.microbatches, cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.vocab, cfg.seed, self.dtype)
+        shape = StepShape(cfg.microbatches, cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.vocab, cfg.seed,
+                          self.dtype, self.device)
         self.executor = PipelineExecutor(self.chunks, instrs, self.comm, shape, self.faults, registry)
         self.step = 0
         self.data_offset = 0  # batches skipped by rollbacks so far: data step = step + offset
@@ -96,7 +98,7 @@ class Trainer:
             obs_row = row[bnd.TRAINER_SLOTS:]
             reg.fill_boundary(self.step, obs_row)
             row[bnd.TRAINER_SLOTS:] = obs_row
-        vec = torch.zeros(self.world * width, dtype=torch.float64, device=self._device)
+        vec = torch.zeros(self.world * width, dtype=torch.float64, device=self.device)
         vec[self.rank * width:(self.rank + 1) * width] = torch.tensor(row, dtype=torch.float64)
         with reg.span(hooks.COLLECTIVE, op="all_reduce", group="world", bytes=vec.numel() * 8, group_size=self.world):
             dist.all_reduce(vec)
@@ -121,12 +123,12 @@ class Trainer:
         for opt_group in self.optimizer.param_groups:
             for p in opt_group["params"]:
                 p.grad = None
-        losses = self.executor.run(step, step + self.data_offset)
+        loss = self.executor.run(step, step + self.data_offset)
         self._dp_sync()
         with self.registry.span(hooks.OPTIMIZER, stage=self.groups.stage):
             self.optimizer.step()
         self.step = step
-        return sum(losses) / len(losses) if losses else None
+        return loss
 
     def _dp_sync(self) -> None:
         if self.dims.dp == 1:
