@@ -1,0 +1,133 @@
+"""One short call on a GPU machine: NCCL, CUDA-event timing and real NVML, with the usual tables.
+
+    python benchmarks/gpu_check.py [--out DIR]     # on the device machine: --out "$OUT"
+
+What it exercises:
+1. NVML through parwatch's sampler (utilisation, memory, power, SM clock, temperature).
+2. The CUDA-event clock: a timed matmul read from events after the device finished,
+   against the host clock around a synchronize.
+3. The trainer over NCCL with the collector attached, as large a TP x PP layout as
+   the GPUs allow (4+: TP2xPP2, 2-3: PP2, 1: one rank; NCCL refuses two ranks on one
+   device), real compute: bubble per stage against theory, collectives, NVML per step.
+4. Collector overhead: the same run with the collector off and on, alternated.
+Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
+anywhere; the tables then say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine, print_table, run_trainer  # noqa: E402
+
+
+def nvml_check() -> dict:
+    from parwatch.collector.nvml import NvmlSampler
+
+    sampler = NvmlSampler(0, interval_s=0.1)
+    sampler.open()
+    if not sampler.up:
+        print("NVML: not available on this machine (nvml_up 0)")
+        return {"nvml_up": 0}
+    sample = sampler.sample_once()
+    sampler.close()
+    print_table(["NVML field", "value"], [[k, v] for k, v in sample.items()])
+    return {"nvml_up": 1, "sample": sample}
+
+
+def cuda_clock_check() -> dict:
+    import torch
+
+    from parwatch.collector.cuda_clock import CudaClock
+
+    clock = CudaClock(0)
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start = clock.mark()
+    for _ in range(20):
+        a = a @ a
+        a = a / a.norm()
+    end = clock.mark()
+    torch.cuda.synchronize()
+    host = time.perf_counter() - t0
+    events = clock.seconds(start, end)
+    print_table(["timer", "seconds"], [["CUDA events (20 matmuls 4096^2)", events], ["host around synchronize", host]])
+    return {"cuda_event_seconds": events, "host_seconds": host}
+
+
+def layout(ngpus: int) -> list[str]:
+    if ngpus >= 4:
+        return ["--nproc", "4", "--tp", "2", "--pp", "2"]
+    if ngpus >= 2:
+        return ["--nproc", "2", "--pp", "2"]
+    return ["--nproc", "1"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ngpus = torch.cuda.device_count() if cuda else 0
+    result: dict = {"machine": machine(), "cuda": cuda, "gpus": ngpus}
+    print(f"CUDA: {cuda}, GPUs: {ngpus}, NCCL: {torch.cuda.nccl.version() if cuda else None}")
+    result["nvml"] = nvml_check()
+    if cuda:
+        result["cuda_clock"] = cuda_clock_check()
+    model = ["--layers", "8", "--hidden", "1024" if cuda else "64", "--heads", "16" if cuda else "4",
+             "--seq-len", "512" if cuda else "32", "--micro-batch-size", "4", "--vocab", "8192" if cuda else "64",
+             "--microbatches", "8", "--schedule", "1f1b", "--steps", str(a.steps)]
+    args = layout(ngpus) + model + ["--backend", "nccl" if cuda else "gloo"]
+    times = {"off": [], "on": []}
+    summary_on = None
+    for r in range(a.rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            with tempfile.TemporaryDirectory() as log_dir:
+                s = run_trainer(args + ["--parwatch", mode, "--parwatch-log", log_dir], timeout=300)
+                times[mode] += s["step_seconds"][3:]
+                if mode == "on":
+                    summary_on = s
+                    lines = (Path(log_dir) / "summaries.jsonl").read_text().splitlines()
+                    result["last_summaries"] = [json.loads(x) for x in lines[-len(s["stages"]) * 2:]]
+    print("\nbubble per stage (collector on, real compute)")
+    print_table(["stage", "measured", "theory", "compute s", "idle s"],
+                [[st["stage"], st["bubble_ratio"], st["bubble_theoretical_ratio"], st["compute_seconds"],
+                  st["idle_seconds"]] for st in summary_on["stages"]])
+    print("\ncollectives seen by rank 0")
+    print_table(["op", "group", "count", "mean s", "busbw B/s"],
+                [[c["op"], c["group"], c["count"], c["mean_seconds"], c["busbw_bytes_per_second"]]
+                 for c in summary_on["collectives_rank0"]])
+    gpu = [x.get("gpu") for x in result["last_summaries"] if x.get("gpu")]
+    if gpu:
+        print("\nNVML per step (last summaries)")
+        print_table(["rank gpu", "util", "mem used B", "power W", "SM Hz", "temp C"],
+                    [[g.get("index"), g.get("utilization_ratio"), g.get("memory_used_bytes"), g.get("power_watts"),
+                      g.get("sm_clock_hertz"), g.get("temperature_celsius")] for g in gpu])
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    print(f"\ncollector overhead: median step off {off:.4f} s, on {on:.4f} s, ratio {on / off:.4f}")
+    result.update(stages=summary_on["stages"], collectives=summary_on["collectives_rank0"],
+                  overhead={"median_off_s": off, "median_on_s": on, "ratio": on / off})
+    out = Path(a.out) / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
