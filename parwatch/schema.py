@@ -37,10 +37,10 @@ StepSummary (a dict; JSON object), one per rank and step:
                                stages: [{stage, compute_seconds, idle_seconds, other_seconds,
                                          step_seconds, bubble_ratio}]}
 
-Ingest request (POST /v1/ingest):  {"version": 1, "summaries": [StepSummary, ...],
-                                    "acks": [{"rank", "id", "step"}, ...] (optional)}
-    "acks" lets a rank report an applied directive at once, without waiting for its next
-    step summary (a paused run produces none). Summaries may be empty (a poll for a directive).
+Ingest request (POST /v1/ingest):  {"version": 1, "summaries": [StepSummary, ...]}
+    Summaries may be empty (rank 0 polling for a directive while the run is paused). A
+    summary whose step boundary carried a directive is sent once the rank applied it, with
+    the acknowledgement in its "applied" list (see docs/architecture.md).
 Ingest response: {"accepted": n, "directive": Directive | null}
 
 Directive: {"id": int > 0, "action": "pause" | "resume" | "rollback",
