@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -158,6 +159,15 @@ class Trainer:
                                  keep_last=cfg.keep_checkpoints)
         self.registry.emit_event("checkpoint_saved", step=self.step, checkpoints=ckpt.list_checkpoints(cfg.checkpoint_dir))
 
+    def _checkpoint_if_finite(self, loss: float) -> None:
+        """Save after the boundary, when every rank knows the step's loss: a NaN/inf step's weights
+        are poisoned, and saving them would only push good checkpoints out of the kept set."""
+        if math.isfinite(loss):
+            self.save_checkpoint()
+        else:
+            log.warning("rank %d: step %d loss is %s; checkpoint skipped", self.rank, self.step, loss)
+            self.registry.emit_event("checkpoint_skipped", step=self.step, reason=f"loss {loss}")
+
     def load_checkpoint(self, step: int) -> None:
         state, manifest = ckpt.load_checkpoint(self.cfg.checkpoint_dir, step, self.rank, self.world)
         for chunk, sd in zip(self.chunks, state["model"]):
@@ -208,6 +218,11 @@ class Trainer:
         target = directive.to_step
         if target is None:
             target = ckpt.latest_checkpoint(self.cfg.checkpoint_dir, before=from_step + 1) if self.cfg.checkpoint_dir else None
+        elif self.cfg.checkpoint_dir and target not in ckpt.list_checkpoints(self.cfg.checkpoint_dir):
+            # Pruned since the sidecar chose it: the newest older one is still before the failure.
+            older = ckpt.latest_checkpoint(self.cfg.checkpoint_dir, before=target)
+            log.warning("rank %d: checkpoint %d is gone; rolling back to %s instead", self.rank, target, older)
+            target = older
         if target is None or not self.cfg.checkpoint_dir:
             log.error("rank %d: rollback requested at step %d but no checkpoint exists; continuing", self.rank, from_step)
             self._ack(directive, failed="no checkpoint")
@@ -228,14 +243,15 @@ class Trainer:
         self._last_boundary_t = time.perf_counter()
         while self.step < cfg.steps:
             loss = self.train_step()
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
             mean_loss, directive = self.boundary("step", loss)
             now = time.perf_counter()
             self.step_seconds[self.step] = now - self._last_boundary_t
             self.losses[self.step] = mean_loss
             self.loss_history.append((self.step, mean_loss))
+            trained = self.step
             self._apply(directive)
+            if self.step == trained and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self._checkpoint_if_finite(mean_loss)
             self._last_boundary_t = time.perf_counter()
         summary = self.summary()
         self.registry.emit_event("run_end", steps_completed=self.step, summary=summary)

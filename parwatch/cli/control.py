@@ -25,10 +25,20 @@ def _connection(f):
             with SidecarClient(endpoint, token_from(token_file)) as client:
                 out = f(client, **kw)
         except SidecarError as err:
-            raise click.ClickException(str(err)) from None
+            raise click.ClickException(_with_fix(err, endpoint)) from None
         click.echo(json.dumps(out, indent=2) if as_json else _human(out))
 
     return wrapper
+
+
+def _with_fix(err: SidecarError, endpoint: str) -> str:
+    """The client's message, plus what to change on this command line."""
+    if err.status is None:  # not an HTTP answer: the connection itself failed
+        return (f"cannot reach the sidecar at {endpoint} ({err.__cause__ or err}); start `parwatch sidecar` there, "
+                "or point --endpoint (env PARWATCH_ENDPOINT) at its --control-listen address")
+    if err.status == 401:
+        return f"{err}; pass the sidecar's token with --token-file FILE or the PARWATCH_TOKEN environment variable"
+    return str(err)
 
 
 def _human(out) -> str:

@@ -23,7 +23,7 @@ def dashboards():
     """The Grafana dashboard (Prometheus datasource chosen by a dashboard variable)."""
 
 
-@dashboards.command()
+@dashboards.command(epilog="\b\nExample:\n  parwatch dashboards export -o dashboards/parwatch.json")
 @click.option("-o", "--output", default="-", show_default=True, help="File to write; '-' is stdout.")
 @click.option("--price-per-gpu-hour", type=float, default=dash.DEFAULT_PRICE_PER_GPU_HOUR, show_default=True,
               help="Default of the dashboard's price variable (idle-cost panels).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -9,6 +10,13 @@ from pathlib import Path
 import click
 
 from parwatch.demo.scenario import SCENARIOS, DemoConfig
+
+
+def _interrupt_on(signum, frame):
+    # SIGTERM (timeout, CI cancelling a job, kill) and SIGHUP (terminal closed) must run the
+    # runner's cleanup as Ctrl-C does: the default action would end this process at once and
+    # leave the sidecar and the trainer, which run in their own sessions, behind.
+    raise KeyboardInterrupt(signum)
 
 
 @click.command(epilog="""\b
@@ -39,10 +47,15 @@ def demo(steps, run_dir, scenario, microbatches, schedule, price_per_gpu_hour):
     cfg = DemoConfig(steps=steps, scenario=scenario, microbatches=microbatches, schedule=schedule,
                      price_per_gpu_hour=price_per_gpu_hour)
     path = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) != signal.SIG_IGN:  # nohup's choice stands
+            signal.signal(sig, _interrupt_on)
     try:
         run_demo(cfg, path, console, interactive=console.is_terminal)
-    except KeyboardInterrupt:
-        console.print(f"interrupted: every process the demo started is stopped; what was recorded is in {path}")
-        sys.exit(130)
+    except KeyboardInterrupt as stop:
+        signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else signal.SIGINT
+        console.print(f"interrupted: every process the demo started is stopped; what was recorded is in {path}",
+                      highlight=False)
+        sys.exit(128 + signum)
     except (DemoFailed, RuntimeError) as err:
         raise click.ClickException(str(err)) from None

@@ -75,6 +75,7 @@ def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_g
     except (ConfigError, StartupError) as err:
         raise click.ClickException(str(err)) from None
     except RulesError as err:
-        raise click.ClickException(f"--rules: invalid rules file:\n{err}") from None
+        problems = "; ".join(str(p) for p in getattr(err, "problems", [])) or str(err)
+        raise click.ClickException(f"invalid --rules file: {problems}") from None
     except OSError as err:
         raise click.ClickException(f"--state-dir {state_dir}: {err.strerror or err}") from None

@@ -6,6 +6,21 @@ import sys
 
 import click
 
+HELP_HEADER = """\
+Usage: parwatch train [TRAINER OPTIONS]
+
+  Run the reference TP+PP trainer with parwatch's collector attached
+  (--parwatch on is implied). Every option of `python -m trainer` is accepted.
+
+Example:
+  parwatch train --nproc 4 --tp 2 --pp 2 --microbatches 8 --steps 100 \\
+      --parwatch-endpoint http://127.0.0.1:9401 --parwatch-log runs/r1
+  parwatch train --nproc 4 --tp 2 --pp 2 --steps 40 --checkpoint-dir ckpt --checkpoint-every 5 \\
+      --inject nan:step=21   # a NaN loss the sidecar's nonfinite-loss rule rolls back
+
+The trainer's options follow.
+"""
+
 
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
@@ -23,9 +38,13 @@ def train(ctx):
       parwatch train --nproc 4 --tp 2 --pp 2 --microbatches 8 --steps 100 \\
           --parwatch-endpoint http://127.0.0.1:9401 --parwatch-log runs/r1
     """
+    args = list(ctx.args)
+    if "-h" in args or "--help" in args:
+        # The trainer's argparse prints its own usage and exits 0; say first how this
+        # wrapper differs from `python -m trainer`, with an example.
+        click.echo(HELP_HEADER)
     from trainer.launch import main
 
-    args = list(ctx.args)
     if "--parwatch" not in args:
         args = ["--parwatch", "on", *args]
     sys.exit(main(args))

@@ -44,8 +44,11 @@ class SummaryTail:
                 self.theory[stage] = rec.get("bubble_theoretical_ratio")
             if rec.get("rank") == 0:
                 self.step = rec.get("step", self.step)
+                # Rank 0's own loss belongs to this step; the fast-path view lags one step.
                 g = rec.get("global") or {}
-                if "loss" in g:
+                if rec.get("loss") is not None:
+                    self.loss = rec["loss"]
+                elif "loss" in g:
                     self.loss = g["loss"]
         return self.step != before
 

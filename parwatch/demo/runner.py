@@ -14,13 +14,21 @@ from pathlib import Path
 
 from parwatch.client import SidecarClient, SidecarError
 from parwatch.demo.live import LiveView, SummaryTail
-from parwatch.demo.processes import Child, free_port, python_module, wait_healthy
+from parwatch.demo.processes import Child, free_port, python_module, stop_all, wait_healthy
 from parwatch.demo.scenario import DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
 
 
 class DemoFailed(RuntimeError):
     pass
+
+
+def pause_hint(status: dict, control: str) -> str:
+    """What to do when a guardrail (or an operator) paused the run: the demo would wait forever."""
+    why = next((d.get("reason") for d in reversed(status.get("last_decisions") or [])
+                if d.get("action") == "pause"), None)
+    return (f"the run is paused{f' ({why})' if why else ''}: `parwatch resume --endpoint {control}` "
+            "continues it; Ctrl-C stops the demo")
 
 
 def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict:
@@ -47,6 +55,7 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
                       f"{cfg.steps} steps, scenario {cfg.scenario}; logs in {run_dir}", highlight=False)
         tail = SummaryTail(run_dir / "summaries.jsonl")
         status = None
+        paused_hint_shown = False
         with SidecarClient(control, timeout=2.0) as client, LiveView(console, interactive, cfg.steps) as view:
             while trainer.poll() is None:
                 advanced = tail.poll()
@@ -55,6 +64,9 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
                 except SidecarError:
                     pass
                 view.update(tail, status, advanced)
+                if status and status.get("paused") and not paused_hint_shown:
+                    console.print(pause_hint(status, control), highlight=False)
+                paused_hint_shown = bool(status and status.get("paused"))
                 time.sleep(0.5)
             tail.poll()
             view.update(tail, status, True)
@@ -64,8 +76,9 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
         # Give the collectors' last summaries a moment to land before the sidecar stops.
         time.sleep(1.0)
     finally:
-        for child in reversed(children):
-            child.stop()
+        # The children run in their own sessions (a terminal's Ctrl-C reaches only this
+        # process), so this is what stops them on success, failure and interrupt alike.
+        stop_all(list(reversed(children)))
     summary = build_summary(run_dir, cfg.pp, cfg.microbatches, 1, cfg.price_per_gpu_hour)
     (run_dir / "demo-summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print_summary(console, summary)

@@ -10,25 +10,50 @@ SCENARIOS = ("none", "straggler", "nan")
 @dataclass(frozen=True)
 class DemoConfig:
     steps: int = 40
-    """Optimizer steps the trainer must complete."""
+    """Optimizer steps the trainer must complete (at least 2)."""
     scenario: str = "none"
     """none, straggler (stage 1 slows from mid-run: the skew alert fires) or nan (the loss
     turns NaN mid-run: the sidecar rolls back to a checkpoint and the run completes)."""
     tp: int = 2
+    """Tensor-parallel ranks per stage."""
     pp: int = 2
+    """Pipeline stages; the trainer runs tp * pp ranks."""
     microbatches: int = 4
+    """Microbatches per step (m in the bubble formula (p-1)/(m+p-1))."""
     schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b."""
     checkpoint_every: int = 5
-    straggler_ms: float = 40.0
-    """Extra milliseconds per microbatch forward on stage 1 in the straggler scenario."""
+    """Steps between checkpoints. The nan scenario shortens it when needed so that a
+    checkpoint exists before the NaN step (the rollback's target)."""
+    straggler_ms: float = 80.0
+    """Extra milliseconds per microbatch forward on stage 1 in the straggler scenario: enough
+    to push the skew well past the default rule's 1.25 even on a loaded 2-core machine."""
     price_per_gpu_hour: float = 2.0
+    """USD per accelerator-hour, to price the idle time in the summary."""
+
+    @property
+    def fault_step(self) -> int:
+        """The step from which the straggler slows stage 1 (mid-run, never the first step)."""
+        return max(2, self.steps // 2)
+
+    @property
+    def nan_step(self) -> int:
+        """The step whose loss turns NaN: just past mid-run, always within 2..steps."""
+        return self.steps // 2 + 1
+
+    def checkpoint_interval(self) -> int:
+        """checkpoint_every, shortened in the nan scenario so a checkpoint lands before nan_step:
+        a checkpoint taken at or after the NaN holds poisoned weights, and without an earlier one
+        the sidecar can only pause the run (and the demo would wait forever)."""
+        if self.scenario == "nan":
+            return max(1, min(self.checkpoint_every, self.nan_step - 1))
+        return self.checkpoint_every
 
     def inject_args(self) -> list[str]:
-        mid = max(2, self.steps // 2)
         if self.scenario == "straggler":
-            return ["--inject", f"straggler:stage=1,ms={self.straggler_ms:g},from_step={mid}"]
+            return ["--inject", f"straggler:stage=1,ms={self.straggler_ms:g},from_step={self.fault_step}"]
         if self.scenario == "nan":
-            return ["--inject", f"nan:step={mid + 1}"]
+            return ["--inject", f"nan:step={self.nan_step}"]
         return []
 
     def trainer_args(self) -> list[str]:
@@ -36,5 +61,5 @@ class DemoConfig:
             "--nproc", str(self.tp * self.pp), "--tp", str(self.tp), "--pp", str(self.pp),
             "--schedule", self.schedule, "--microbatches", str(self.microbatches), "--steps", str(self.steps),
             "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "64", "--seq-len", "32",
-            "--checkpoint-every", str(self.checkpoint_every), *self.inject_args(),
+            "--checkpoint-every", str(self.checkpoint_interval()), *self.inject_args(),
         ]

@@ -142,6 +142,12 @@ class Store:
                 self.global_view = s.global_
                 self.global_time = s.time
 
+    def touch_all(self) -> None:
+        """Every known rank of the run was alive just now (see Sidecar.ingest)."""
+        now = self.clock()
+        for rec in self.ranks.values():
+            rec.seen = now
+
     # -- reading --------------------------------------------------------------------------
     def age(self, rec: RankRecord) -> float:
         return max(self.clock() - rec.seen, 0.0)

@@ -87,7 +87,8 @@ def test_invalid_rules_file_lists_the_problems(tmp_path):
     rules.write_text("version: 1\nrules:\n  - name: a\n    metric: loss\n    check: finite\n    action: explode\n")
     result = run_cli("--rules", str(rules), "--state-dir", str(tmp_path / "s"))
     assert result.exit_code != 0
-    assert "--rules: invalid rules file" in result.output and "rules.yaml:6" in result.output
+    assert "invalid --rules file" in result.output and "rules.yaml:6" in result.output
+    assert len(result.output.strip().splitlines()) == 1  # one line naming file:line, field and fix
 
 
 def test_bad_listen_value_is_one_line(tmp_path):

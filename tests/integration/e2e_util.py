@@ -1,0 +1,179 @@
+"""Shared pieces of the end-to-end tests: the real trainer (`python -m trainer --nproc N`) in its
+own process group, talking to a real `parwatch sidecar` (parwatch.sidecar.process.running_sidecar).
+
+Every wait has a deadline and every trainer is killed (its whole process group) when a test
+leaves, so a hang fails the test instead of holding the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER_TIMEOUT_S = 180.0
+"""Hard limit on one trainer run (the launcher, its ranks and their collectives)."""
+WAIT_S = 60.0
+"""Generous default for waiting on a state change: other helpers load this 2-core machine."""
+
+SMALL_MODEL = ("--layers", "2", "--hidden", "32", "--seq-len", "16")
+"""A real-compute model small enough for steps of a few tens of milliseconds on one core."""
+
+
+def synthetic(fwd_ms: float, bwd_ms: float) -> tuple[str, ...]:
+    """Timed sleeps instead of layer math: step times that do not depend on the machine's load."""
+    return ("--synthetic-compute", f"fwd_ms={fwd_ms:g},bwd_ms={bwd_ms:g}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line of `path` ([] when it does not exist yet; a half-written last line is skipped)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def decision_records(state_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(Path(state_dir) / "decisions.jsonl") if r.get("type") == "decision"]
+
+
+def applied_records(state_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(Path(state_dir) / "decisions.jsonl") if r.get("type") == "applied"]
+
+
+def wait_until(predicate, what: str, timeout: float = WAIT_S, interval: float = 0.1):
+    """Poll predicate() until it returns something truthy (returned); AssertionError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def is_finite_loss(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass
+class TrainerRun:
+    """One `python -m trainer` launcher process and the files of its run."""
+
+    proc: subprocess.Popen
+    run_dir: Path
+    steps: int
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "log"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "ckpt"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.run_dir / "summary.json"
+
+    def output(self) -> str:
+        path = self.run_dir / "trainer.out"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def summaries(self, rank: int | None = None) -> list[dict]:
+        """Step summaries the collectors wrote (--parwatch-log), of one rank or all."""
+        rows = read_jsonl(self.log_dir / "summaries.jsonl")
+        return [r for r in rows if rank is None or r["rank"] == rank]
+
+    def wait(self, timeout: float = TRAINER_TIMEOUT_S) -> dict:
+        """Wait for the launcher to exit 0 and return rank 0's summary.json."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            raise AssertionError(f"trainer did not finish in {timeout:g} s\n{self.output()}") from None
+        assert code == 0, f"trainer exited with {code}\n{self.output()}"
+        return json.loads(self.summary_path.read_text())
+
+
+def trainer_command(endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2,
+                    checkpoint_every: int = 0) -> list[str]:
+    run_dir = Path(run_dir)
+    cmd = [sys.executable, "-m", "trainer", "--nproc", str(nproc), "--steps", str(steps),
+           "--parwatch", "on", "--parwatch-log", str(run_dir / "log"), "--summary-json", str(run_dir / "summary.json")]
+    if endpoint:
+        cmd += ["--parwatch-endpoint", endpoint]
+    if checkpoint_every:
+        cmd += ["--checkpoint-dir", str(run_dir / "ckpt"), "--checkpoint-every", str(checkpoint_every)]
+    return cmd + list(extra)
+
+
+@contextlib.contextmanager
+def running_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2,
+                    checkpoint_every: int = 0):
+    """Start the trainer in its own process group; yield a TrainerRun; kill the group on the way out."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = trainer_command(endpoint, run_dir, steps, *extra, nproc=nproc, checkpoint_every=checkpoint_every)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with open(run_dir / "trainer.out", "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield TrainerRun(proc, run_dir, steps)
+    finally:
+        kill_group(proc)
+
+
+def run_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str, **kw) -> tuple[TrainerRun, dict]:
+    """Run the trainer to completion; (the run, rank 0's summary.json)."""
+    with running_trainer(endpoint, run_dir, steps, *extra, **kw) as run:
+        return run, run.wait()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Stop the launcher and its rank processes (the group it leads), if still there."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    elif proc.returncode != 0:  # the launcher failed; ranks it left behind still carry its group id
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+class Control:
+    """The sidecar's control listener, with the token the test holds (None: no token)."""
+
+    def __init__(self, url: str, token: str | None = None):
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def status(self) -> dict:
+        r = httpx.get(f"{self.url}/v1/status", headers=self.headers, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def metric_value(metrics_url: str, name: str) -> float | None:
+    """The value of an unlabelled series on /metrics (None when absent)."""
+    text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None

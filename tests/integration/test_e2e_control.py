@@ -1,0 +1,144 @@
+"""Operator control end to end: pause, resume and rollback of a real trainer run (2 ranks, PP2)
+through a real `parwatch sidecar`'s control API, by the `parwatch` CLI and by SidecarClient.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from parwatch.client import SidecarClient, SidecarError
+from parwatch.sidecar.process import running_sidecar
+from tests.integration.e2e_util import (
+    ROOT,
+    SMALL_MODEL,
+    Control,
+    applied_records,
+    decision_records,
+    is_finite_loss,
+    metric_value,
+    running_trainer,
+    synthetic,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+TOKEN = "e2e-control-token"
+HOLD_S = 2.5  # how long the test watches a paused run for steps that should not happen
+
+
+def parwatch_cli(*args: str) -> dict:
+    """Run `parwatch ARGS --json` as a subprocess; its JSON answer."""
+    done = subprocess.run([sys.executable, "-m", "parwatch.cli.main", *args, "--json"], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def held_steps(run, directive_id: int) -> dict[int, tuple[int, int]]:
+    """rank -> (step of the boundary where it applied the directive, step it reported applying it at)."""
+    out = {}
+    for rank in (0, 1):
+        for s in run.summaries(rank):
+            for a in s["applied"]:
+                if a["id"] == directive_id:
+                    out[rank] = (s["step"], a["step"])
+    return out
+
+
+def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    state = tmp_path / "state"
+    steps = 60
+    with running_sidecar(state, "--token-file", str(token_file)) as sp, \
+            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
+                            "--parwatch-token-file", str(token_file)) as run:
+        control = Control(sp.control_url, TOKEN)
+        wait_until(lambda: (control.status()["last_step"] or 0) >= 3, "the run's first steps at the sidecar")
+
+        # A wrong token, or none, is refused and changes nothing.
+        for token in ("wrong-token", None):
+            with SidecarClient(sp.control_url, token) as intruder, pytest.raises(SidecarError) as refused:
+                intruder.control("pause", reason="not allowed")
+            assert refused.value.status == 401
+        status = control.status()
+        assert status["pending_directive"] is None and status["paused"] is False
+        assert decision_records(state) == []
+
+        cli = ("--endpoint", sp.control_url, "--token-file", str(token_file))
+        asked = time.monotonic()
+        decision = parwatch_cli("pause", "--reason", "e2e: inspect", *cli)
+        assert decision["action"] == "pause" and decision["source"] == "operator" and decision["directive_id"]
+        wait_until(lambda: control.status()["paused"], "every rank to acknowledge the pause")
+        latency_s = time.monotonic() - asked
+
+        (applied,) = [a for a in applied_records(state) if a["directive_id"] == decision["directive_id"]]
+        paused_at = applied["step"]
+        assert applied["ranks"] == [0, 1]
+        assert held_steps(run, decision["directive_id"]) == {0: (paused_at, paused_at), 1: (paused_at, paused_at)}
+
+        # Held: for HOLD_S no rank reports a step, the sidecar and /metrics say paused.
+        def progress():
+            return {rank: r["last_step"] for rank, r in control.status()["ranks"].items()}, len(run.summaries())
+
+        before = progress()
+        time.sleep(HOLD_S)
+        assert progress() == before == ({"0": paused_at, "1": paused_at}, before[1])
+        status = control.status()
+        assert status["paused"] is True and run.proc.poll() is None
+        assert metric_value(sp.metrics_url, "parwatch_run_paused") == 1
+        assert metric_value(sp.metrics_url, "parwatch_train_step") == paused_at
+        print(f"\npause: decided on the sidecar's view of step {decision['step']}, every rank held at "
+              f"step {paused_at}; {applied['time'] - decision['time']:.2f} s from the decision to every rank's "
+              f"acknowledgement, {latency_s:.2f} s from starting the CLI")
+
+        resumed = parwatch_cli("resume", "--reason", "e2e: go on", *cli)
+        summary = run.wait()
+        assert resumed["action"] == "resume" and resumed["directive_id"] > decision["directive_id"]
+
+    assert [(a["action"], a["step"]) for a in summary["directives_applied"]] == [("pause", paused_at),
+                                                                              ("resume", paused_at)]
+    assert summary["steps_completed"] == steps
+    assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"])
+    assert [s for s, _ in summary["loss_history"]] == list(range(1, steps + 1))  # continued from the pause
+    (applied_resume,) = [a for a in applied_records(state) if a["directive_id"] == resumed["directive_id"]]
+    assert applied_resume["ranks"] == [0, 1] and applied_resume["step"] == paused_at
+    assert [(d["action"], d["source"]) for d in decision_records(state)] == [("pause", "operator"),
+                                                                             ("resume", "operator")]
+
+
+def test_operator_rollback_to_step_loads_that_checkpoint_on_every_rank(tmp_path):
+    state, steps, target = tmp_path / "state", 50, 4
+    with running_sidecar(state) as sp, \
+            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
+                            "--keep-checkpoints", "0", checkpoint_every=2) as run:
+        control = Control(sp.control_url)
+        wait_until(lambda: (control.status()["last_step"] or 0) >= 8, "step 8 at the sidecar (checkpoints 2..8)")
+        with SidecarClient(sp.control_url) as client:
+            decision = client.control("rollback", reason="e2e: back to 4", to_step=target, requested_by="e2e")
+        assert decision["checkpoint"] == target and decision["skip_batches"] == 0 and decision["directive_id"]
+        summary = run.wait()
+
+    (trainer_applied,) = summary["directives_applied"]
+    came_from = trainer_applied["from_step"]
+    assert trainer_applied["action"] == "rollback" and trainer_applied["to_step"] == target and came_from > 8
+    (applied,) = [a for a in applied_records(state) if a["directive_id"] == decision["directive_id"]]
+    assert applied["ranks"] == [0, 1] and applied["step"] == target
+    # Both ranks applied it at the boundary of the same step, and loaded the same checkpoint.
+    assert held_steps(run, decision["directive_id"]) == {0: (came_from, target), 1: (came_from, target)}
+
+    history = summary["loss_history"]
+    assert [s for s, _ in history] == list(range(1, came_from + 1)) + list(range(target + 1, steps + 1))
+    # The replay from checkpoint 4 (same batches: skip 0) repeats the first pass's losses exactly,
+    # which it can only do if every stage's weights and optimizer state are those of step 4.
+    first, replay = dict(history[:came_from]), dict(history[came_from:])
+    assert [replay[s] for s in range(target + 1, came_from + 1)] == [first[s] for s in range(target + 1, came_from + 1)]
+    assert summary["steps_completed"] == steps
+    assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"])
+    print(f"\noperator rollback to {target} applied at the boundary of step {came_from}")

@@ -1,0 +1,48 @@
+"""A long operator pause must not read as dead ranks: rank 0's polls vouch for the run."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from parwatch.sidecar import synthetic as syn
+from parwatch.sidecar.app import create_control_app
+from parwatch.sidecar.config import SidecarConfig
+from parwatch.sidecar.service import build_sidecar
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _ingest(client, summaries):
+    r = client.post("/v1/ingest", json={"version": 1, "summaries": summaries})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_polls_while_paused_keep_every_rank_up_but_not_while_running(tmp_path):
+    clock = Clock()
+    sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path, rank_grace_seconds=30.0), clock=clock)
+    client = TestClient(create_control_app(sidecar))
+    _ingest(client, [syn.summary(0, 1), syn.summary(1, 1)])
+    client.post("/v1/control", json={"action": "pause"})
+    directive = _ingest(client, [syn.summary(0, 2), syn.summary(1, 2)])["directive"]
+    applied = [{"id": directive["id"], "step": 3}]
+    _ingest(client, [syn.summary(0, 3, applied=applied), syn.summary(1, 3, applied=applied)])
+    assert sidecar.engine.paused
+    for _ in range(10):  # five minutes of pause, rank 0 polling
+        clock.t += 30.0
+        _ingest(client, [])
+    assert sidecar.store.liveness() == {0: True, 1: True}
+    client.post("/v1/control", json={"action": "resume"})
+    resume = _ingest(client, [])["directive"]
+    applied = [{"id": resume["id"], "step": 3}]
+    _ingest(client, [syn.summary(0, 4, applied=applied), syn.summary(1, 4, applied=applied)])
+    assert not sidecar.engine.paused
+    clock.t += 31.0
+    _ingest(client, [])  # running again: an empty poll proves nothing about the other ranks
+    assert sidecar.store.liveness() == {0: False, 1: False}
