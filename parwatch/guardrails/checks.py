@@ -5,12 +5,17 @@ value it judged, whether that fails, and the line it was compared against. spike
 regression keep a rolling window of earlier values for their baseline. RuleMonitor adds
 the time dimension, like Prometheus' `for:`: ok -> pending (failing, not yet for_steps
 consecutive evaluations / for_seconds) -> firing, and back to ok on a passing reading.
+
+Cost per step matters (the sidecar evaluates on its event loop, with series per rank):
+a Series memoises its reductions for the rules that share a metric, reductions run in C
+built-ins (sum/max/min/count) rather than sorting keys, and baselines keep their window
+sorted so a median is a lookup, not a sort.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -39,15 +44,61 @@ class Reading:
 
 
 def reduce_series(values: dict[str, float], how: str) -> tuple[float, str | None]:
-    """(value, key) over the non-NaN series; (nan, None) when there is none."""
-    usable = {k: v for k, v in values.items() if not math.isnan(v)}
-    if not usable:
+    """(value, key) over the non-NaN series; (nan, None) when there is none.
+
+    max/min: among equal values, the smallest key wins (the first in sorted order).
+    """
+    if not values:
         return math.nan, None
+    total = sum(values.values())
+    if math.isnan(total):  # a NaN among them (or inf and -inf): drop the NaNs
+        values = {k: v for k, v in values.items() if not math.isnan(v)}
+        if not values:
+            return math.nan, None
+        total = sum(values.values())
     if how == "mean":
-        return sum(usable.values()) / len(usable), None
-    pick = max if how == "max" else min
-    key = pick(sorted(usable), key=lambda k: usable[k])
-    return usable[key], key
+        return total / len(values), None
+    numbers = list(values.values())
+    best = max(numbers) if how == "max" else min(numbers)
+    ties = numbers.count(best)
+    if ties == 1:
+        key = list(values)[numbers.index(best)]
+    elif ties == len(numbers):  # all equal, e.g. every rank up
+        key = min(values)
+    else:
+        key = min(k for k, v in values.items() if v == best)
+    return values[key], key
+
+
+class Series:
+    """One metric's usable values in one observation; reductions are shared by the rules reading it."""
+
+    __slots__ = ("_all_finite", "_reduced", "values")
+
+    def __init__(self, values: dict[str, float]):
+        self.values = values
+        self._reduced: dict[str, tuple[float, str | None]] = {}
+        self._all_finite: bool | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def reduce(self, how: str) -> tuple[float, str | None]:
+        out = self._reduced.get(how)
+        if out is None:
+            out = self._reduced[how] = reduce_series(self.values, how)
+        return out
+
+    def all_finite(self) -> bool:
+        if self._all_finite is None:
+            # A finite sum proves every term finite; otherwise look value by value.
+            self._all_finite = math.isfinite(sum(self.values.values())) or all(
+                math.isfinite(v) for v in self.values.values())
+        return self._all_finite
+
+
+def as_series(values) -> Series:
+    return values if isinstance(values, Series) else Series(values)
 
 
 def _label(metric: str, key: str | None) -> str:
@@ -58,8 +109,8 @@ class ThresholdCheck:
     def __init__(self, rule: Rule):
         self.rule = rule
 
-    def read(self, values: dict[str, float]) -> Reading | None:
-        value, key = reduce_series(values, self.rule.reduce)
+    def read(self, series: Series) -> Reading | None:
+        value, key = series.reduce(self.rule.reduce)
         if math.isnan(value):
             return None
         above = self.rule.above is not None
@@ -77,12 +128,11 @@ class ThresholdCheck:
 
 
 class FiniteCheck(ThresholdCheck):
-    def read(self, values: dict[str, float]) -> Reading | None:
-        bad = sorted((k, v) for k, v in values.items() if not math.isfinite(v))
-        if bad:
-            key, value = bad[0]
+    def read(self, series: Series) -> Reading | None:
+        if not series.all_finite():
+            key, value = min((k, v) for k, v in series.values.items() if not math.isfinite(v))
             return Reading(value, True, key, None, None, f"{_label(self.rule.metric, key)} is {value}")
-        value, key = reduce_series(values, "max")
+        value, key = series.reduce("max")
         return Reading(value, False, key, None, None, f"{_label(self.rule.metric, key)} = {value:.4g} (finite)")
 
 
@@ -91,10 +141,10 @@ class SpikeCheck(ThresholdCheck):
 
     def __init__(self, rule: Rule):
         super().__init__(rule)
-        self.values: deque[float] = deque(maxlen=rule.window_steps)
+        self.values = RollingWindow(rule.window_steps)
 
-    def read(self, values: dict[str, float]) -> Reading | None:
-        value, key = reduce_series(values, self.rule.reduce)
+    def read(self, series: Series) -> Reading | None:
+        value, key = series.reduce(self.rule.reduce)
         if not math.isfinite(value):
             return None  # not part of any baseline; the finite check is the one that judges it
         baseline = _baseline(self.values, self.rule.window_steps)
@@ -108,10 +158,10 @@ class SpikeCheck(ThresholdCheck):
         return Reading(value, failing, key, line, baseline, text)
 
     def history(self) -> dict:
-        return {"values": list(self.values)}
+        return {"values": self.values.to_list()}
 
     def restore(self, saved: dict) -> None:
-        self.values.extend(float(v) for v in saved.get("values", ()))
+        self.values.extend(saved.get("values", ()))
 
 
 class RegressionCheck(ThresholdCheck):
@@ -119,18 +169,18 @@ class RegressionCheck(ThresholdCheck):
 
     def __init__(self, rule: Rule):
         super().__init__(rule)
-        self.values: dict[str, deque[float]] = {}
+        self.values: dict[str, RollingWindow] = {}
 
-    def read(self, values: dict[str, float]) -> Reading | None:
+    def read(self, series: Series) -> Reading | None:
         ratios, baselines = {}, {}
-        for key, value in sorted(values.items()):
+        for key, value in sorted(series.values.items()):
             if not math.isfinite(value):
                 continue
             past = self.values.get(key)
             if past is None:
                 if len(self.values) >= MAX_SERIES_PER_RULE:
                     continue
-                past = self.values[key] = deque(maxlen=self.rule.window_steps)
+                past = self.values[key] = RollingWindow(self.rule.window_steps)
             baseline = _baseline(past, self.rule.window_steps)
             past.append(value)
             if baseline is not None:
@@ -145,18 +195,53 @@ class RegressionCheck(ThresholdCheck):
         return Reading(ratio, failing, key, self.rule.factor, baseline, text)
 
     def history(self) -> dict:
-        return {"values": {k: list(v) for k, v in self.values.items()}}
+        return {"values": {k: v.to_list() for k, v in self.values.items()}}
 
     def restore(self, saved: dict) -> None:
         for key, past in saved.get("values", {}).items():
-            self.values[key] = deque((float(v) for v in past), maxlen=self.rule.window_steps)
+            self.values[key] = RollingWindow(self.rule.window_steps)
+            self.values[key].extend(past)
 
 
-def _baseline(past: deque, window_steps: int) -> float | None:
+class RollingWindow:
+    """The newest `size` finite values, in arrival order and sorted (so the median is a lookup)."""
+
+    __slots__ = ("arrived", "ordered")
+
+    def __init__(self, size: int):
+        self.arrived: deque[float] = deque(maxlen=size)
+        self.ordered: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.arrived)
+
+    def append(self, value: float) -> None:
+        if len(self.arrived) == self.arrived.maxlen:
+            del self.ordered[bisect_left(self.ordered, self.arrived[0])]
+        self.arrived.append(value)
+        insort(self.ordered, value)
+
+    def extend(self, values) -> None:
+        for v in values:
+            v = float(v)
+            if math.isfinite(v):  # only finite values are ever appended; NaN would break the order
+                self.append(v)
+
+    def median(self) -> float:
+        """As statistics.median: the middle value, or the mean of the two middle ones."""
+        ordered, n = self.ordered, len(self.ordered)
+        mid = n // 2
+        return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+    def to_list(self) -> list[float]:
+        return list(self.arrived)
+
+
+def _baseline(past: RollingWindow, window_steps: int) -> float | None:
     """Median of earlier values once there are enough; None while too few or not positive."""
     if len(past) < min(MIN_BASELINE_VALUES, window_steps):
         return None
-    median = statistics.median(past)
+    median = past.median()
     return median if median > 0 else None
 
 
@@ -190,12 +275,12 @@ class RuleMonitor:
         self.acted_tick: int | None = None
         self.acted_step: int | None = None
 
-    def observe(self, step: int, now: float, values: dict[str, float]) -> bool:
+    def observe(self, step: int, now: float, values: dict[str, float] | Series) -> bool:
         """Judge one observation; True when it makes the rule enter firing (time to act)."""
         self.last_seen_time = now
         if self.reason == NO_DATA:
             self._clear("ok", "data is back")
-        reading = self.check.read(values)
+        reading = self.check.read(as_series(values))
         if reading is not None:
             self.last_value, self.last_series = reading.value, reading.series
             self.threshold, self.baseline = reading.threshold, reading.baseline
@@ -205,7 +290,9 @@ class RuleMonitor:
         if self.failing_steps == 0:
             self.since_step, self.since_time, self.window_values = step, now, []
         self.failing_steps += 1
-        self.window_values = (self.window_values + [reading.value])[-MAX_WINDOW_VALUES:]
+        self.window_values.append(reading.value)
+        if len(self.window_values) > MAX_WINDOW_VALUES:
+            del self.window_values[0]
         self.reason = reading.text
         return self._advance(now)
 

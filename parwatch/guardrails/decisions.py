@@ -2,8 +2,10 @@
 
 decisions.jsonl is append-only: one JSON object per line, flushed and fsync'd on every
 append, so a decision survives a sidecar crash the moment it was made. state.json is
-replaced atomically (temp file, fsync, rename, fsync of the directory), so a restart sees
-either the old state or the new one, never half of each.
+replaced atomically (temp file, fsync, rename), so a restart sees either the old state or
+the new one, never half of each. The directory is fsync'd too when the caller needs the
+rename itself to survive a power loss (sync_dir); without it a power loss may bring back
+the previous, equally complete, file. (The engine decides which writes need what.)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import os
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 from parwatch.schema import encode_float
 
@@ -102,16 +105,19 @@ class DecisionLog:
         return max((v for v in values if isinstance(v, int)), default=0)
 
 
-def write_state(path: str | Path, state: dict) -> None:
-    """Replace `path` with `state` as JSON, atomically."""
+def write_state(path: str | Path, state: dict, sync_dir: bool = True) -> None:
+    """Replace `path` with `state` as JSON, atomically; sync_dir: also make the rename durable."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f, sort_keys=True)
+    # json.dumps runs the C encoder; json.dump would take the pure-Python one.
+    data = json.dumps(state, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
 
 
 def read_state(path: str | Path) -> dict | None:
@@ -126,3 +132,47 @@ def read_state(path: str | Path) -> dict | None:
         log.warning("ignoring unreadable guardrail state %s (%s); starting from a clean state", path, e)
         return None
     return state if isinstance(state, dict) else None
+
+
+class StateFile:
+    """state.json as the engine keeps it: durable changes written at once, counter-only ones deferred.
+
+    `snapshot` returns the state to write. write_now() writes before it returns (the file
+    fsync'd; the directory too unless sync_dir=False). mark_dirty() only notes a
+    counter-only change; flush_if_due() writes it once `after` seconds (by `now`) passed
+    since the last write (the file fsync'd; the rename becomes durable with the next
+    directory fsync); flush() writes it at once, directory included.
+    """
+
+    def __init__(self, path: str | Path, snapshot: Callable[[], dict], now: Callable[[], float]):
+        self.path = Path(path)
+        self._snapshot, self._now = snapshot, now
+        self.dirty = False
+        self.dir_synced = True
+        self.written_at = now()
+
+    def read(self) -> dict | None:
+        return read_state(self.path)
+
+    def write_now(self, sync_dir: bool = True) -> None:
+        self._write(sync_dir)
+
+    def mark_dirty(self) -> None:
+        self.dirty = True
+
+    def flush_if_due(self, after: float) -> None:
+        # A clock that went back (NTP) counts as due: never defer for longer than asked.
+        if self.dirty and not 0 <= self._now() - self.written_at < after:
+            self._write(sync_dir=False)
+
+    def flush(self) -> None:
+        """Everything on disk, the last rename included."""
+        if self.dirty:
+            self._write(sync_dir=True)
+        elif not self.dir_synced:
+            _fsync_dir(self.path.parent)
+            self.dir_synced = True
+
+    def _write(self, sync_dir: bool) -> None:
+        write_state(self.path, self._snapshot(), sync_dir)
+        self.dirty, self.dir_synced, self.written_at = False, sync_dir, self._now()

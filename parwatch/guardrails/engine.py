@@ -4,11 +4,35 @@ The sidecar feeds one Observation per training step (evaluate) and calls check_n
 every second; operators and Alertmanager go through request(). Every decision is a
 record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enforcing,
 also becomes a directive the trainer fetches (pending_directive) until every rank has
-applied it (acknowledge). All state lives in STATE_DIR/state.json, so a restarted
-sidecar continues where it stopped. Methods are thread-safe (one lock).
+applied it (acknowledge). The rest of the state lives in STATE_DIR/state.json, so a
+restarted sidecar continues where it stopped. Methods are thread-safe (one lock).
 
 Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
 step numbers, because step numbers repeat after a rollback and a loop must still count.
+
+Durability: what survives a crash of the sidecar process (and, where said, of the machine).
+- Decisions and "applied" records: appended to decisions.jsonl and fsync'd before the call
+  that made them returns.
+- In state.json before the call returns (temp file fsync'd and renamed over it, then the
+  directory fsync'd, so a power loss keeps them too): directives issued and every rank's
+  acknowledgement, the paused flag, the bookkeeping of each decision (the acting rule's
+  cooldown, rollbacks counted towards max_rollbacks, next ids), reloaded rules.
+- In state.json before the call returns, without the directory fsync: a rule's state
+  change (ok / pending / firing) and the trainer's checkpoint list changing. A process
+  crash keeps them; a power loss may bring back the previous complete state.json (file
+  systems commit a rename within seconds; ext4 every 5 s).
+- Counters, deferred: a pending rule's failing_steps and failing values, spike/regression
+  baseline windows, last values and reasons, last-seen times, the executed-step count and
+  the last step. Every write above includes them; otherwise check_no_data() writes them
+  once counter_flush_seconds (1 s) passed since the last write, evaluate() only when
+  nothing wrote them for EVALUATE_FLUSH_FACTOR times that (an engine driven without
+  check_no_data), and flush()/close() at once. A crash loses at most those seconds of
+  counters: a pending rule resumes from its count at the last write (so it may fire up to
+  ~1 s of steps later), a baseline misses those values, a silent metric's no_data_seconds
+  may run out ~1 s earlier, cooldown and rollback windows may count those steps again
+  (lasting longer, never shorter), and a step evaluated in them may be evaluated again.
+Writing state.json on every evaluation (json encoding, two fsyncs) would cost more than
+all 20 rules' judging, on the sidecar's event loop.
 """
 
 from __future__ import annotations
@@ -19,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from parwatch.guardrails.checks import NO_DATA, RuleMonitor
-from parwatch.guardrails.decisions import DecisionLog, read_state, write_state
+from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
+from parwatch.guardrails.decisions import DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
@@ -28,6 +52,8 @@ from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
 REQUEST_SOURCES = ("operator", "alertmanager")
 MAX_CHECKPOINTS = 1000
 """Known checkpoint steps kept (the newest)."""
+EVALUATE_FLUSH_FACTOR = 5
+"""evaluate() writes deferred counters only if none were written for this many counter_flush_seconds."""
 
 
 @dataclass(frozen=True)
@@ -41,15 +67,23 @@ class Observation:
 
 
 class GuardrailEngine:
-    def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time):
+    def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time,
+                 counter_flush_seconds: float = 1.0):
+        """counter_flush_seconds: how stale counter-only state on disk may get (see Durability);
+        0 writes it at every evaluation."""
+        if not counter_flush_seconds >= 0:
+            raise ValueError(f"counter_flush_seconds must be >= 0 (0 writes them at every evaluation), "
+                             f"got {counter_flush_seconds!r}")
         self._lock = threading.RLock()
         self._rules = rules
         self._now = now
+        self._flush_seconds = counter_flush_seconds
         self._dir = Path(state_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._log = DecisionLog(self._dir / "decisions.jsonl")
-        self._state_path = self._dir / "state.json"
+        self._state_file = StateFile(self._dir / "state.json", self._state, now)
         self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
+        self._metrics = {r.metric for r in rules.rules}
         self._directives = Directives()
         self._paused = False
         self._next_decision_id = 1
@@ -59,7 +93,6 @@ class GuardrailEngine:
         self._last_step: int | None = None
         self._first_seen_time: float | None = None
         self._resumed_time: float | None = None
-        self._saved_text = ""
         self._load()
 
     # -- observations ---------------------------------------------------------------------------------
@@ -72,26 +105,36 @@ class GuardrailEngine:
         """
         with self._lock:
             now = self._now()
+            durable = False
             if self._first_seen_time is None:
-                self._first_seen_time = now
-            self._checkpoints.update(int(c) for c in obs.checkpoints)
+                self._first_seen_time, durable = now, True
+            if obs.checkpoints:
+                # The trainer lists the checkpoints complete on disk now; pruned ones (keep_checkpoints)
+                # are gone, and a rollback to one would fail on every rank.
+                checkpoints = set(map(int, obs.checkpoints))
+                if checkpoints != self._checkpoints:
+                    self._checkpoints, durable = checkpoints, True
+            # Each metric's values are checked and reduced once, however many rules read them.
+            usable = {metric: Series(_numbers(obs.series.get(metric))) for metric in self._metrics}
             if obs.step == self._last_step:
                 for monitor in self._monitors.values():
-                    if _numbers(obs.series.get(monitor.rule.metric)):
+                    if usable[monitor.rule.metric]:
                         monitor.last_seen_time = now
-                self._save()
+                self._changed(durable)
                 return []
             self._last_step = obs.step
             self._tick += 1
+            states = self._rule_states()
             records = []
             for monitor in self._monitors.values():
-                values = _numbers(obs.series.get(monitor.rule.metric))
+                values = usable[monitor.rule.metric]
                 if values:
                     if monitor.observe(obs.step, now, values):
                         records += self._act(monitor, obs.step, now)
                 else:
                     records += self._judge_time(monitor, now)
-            self._save()
+            # A decision's bookkeeping must survive a power loss; a rule's state, a process crash.
+            self._changed(durable or bool(records) or self._rule_states() != states, sync_dir=bool(records))
             return records
 
     def check_no_data(self) -> list[dict]:
@@ -101,12 +144,35 @@ class GuardrailEngine:
         """
         with self._lock:
             now = self._now()
+            states = self._rule_states()
             records = []
             for monitor in self._monitors.values():
                 records += self._judge_time(monitor, now)
-            if records:
-                self._save()
+            if records or self._rule_states() != states:
+                self._state_file.write_now(sync_dir=bool(records))
+            else:  # the sidecar calls this every second: the place for deferred counters
+                self._state_file.flush_if_due(self._flush_seconds)
             return records
+
+    def flush(self) -> None:
+        """Write deferred counter-only state now (see Durability in the module docstring)."""
+        with self._lock:
+            self._state_file.flush()
+
+    def close(self) -> None:
+        """Flush before shutdown. The engine holds no open files, so it stays usable."""
+        self.flush()
+
+    def _rule_states(self) -> list[str]:
+        return [m.state for m in self._monitors.values()]
+
+    def _changed(self, durable: bool, sync_dir: bool = False) -> None:
+        """After an evaluation: durable changes go to disk now, counter-only ones when due."""
+        if durable:
+            self._state_file.write_now(sync_dir)
+        else:
+            self._state_file.mark_dirty()
+            self._state_file.flush_if_due(EVALUATE_FLUSH_FACTOR * self._flush_seconds)
 
     def _judge_time(self, monitor: RuleMonitor, now: float) -> list[dict]:
         if monitor.tick(now):
@@ -213,7 +279,7 @@ class GuardrailEngine:
             record = self._decide(None, action, source, requested_by, reason + note, evidence, step, now,
                                   checkpoint=to_step, skip_batches=skip_batches, escalated=escalated,
                                   suppress=suppress, extra={"alert_rule": rule} if rule else None)
-            self._save()
+            self._state_file.write_now()
             return record
 
     def _resolve_checkpoint(self, to_step: int | None) -> int:
@@ -237,9 +303,13 @@ class GuardrailEngine:
     def acknowledge(self, directive_id: int, rank: int, step: int, world_size: int) -> None:
         """Rank `rank` applied the directive at `step`; once all ranks did, record it as applied."""
         with self._lock:
+            target = next((d for d in self._directives.outstanding if d["id"] == directive_id), None)
+            before = None if target is None else target["acks"].get(str(rank))
             done = self._directives.acknowledge(directive_id, rank, step, world_size)
             if done is None:
-                self._save()
+                # One rank's ack is durable: ranks report an application once, never again.
+                if target is not None and target["acks"].get(str(rank)) != before:
+                    self._state_file.write_now()
                 return
             if done["action"] == "pause":
                 self._paused = True
@@ -254,7 +324,7 @@ class GuardrailEngine:
             ranks = sorted(int(r) for r in done["acks"])
             self._log.append({"type": "applied", "directive_id": done["id"], "action": done["action"],
                               "step": max(done["acks"].values()), "time": self._now(), "ranks": ranks})
-            self._save()
+            self._state_file.write_now()
 
     # -- rules, state and views -----------------------------------------------------------------------
 
@@ -268,7 +338,8 @@ class GuardrailEngine:
                 if old is not None:
                     monitors[rule.name].restore(old.to_dict())
             self._rules, self._monitors = rules, monitors
-            self._save()
+            self._metrics = {r.metric for r in rules.rules}
+            self._state_file.write_now()
 
     @property
     def rules(self) -> RuleSet:
@@ -300,15 +371,8 @@ class GuardrailEngine:
                 "first_seen_time": self._first_seen_time, "resumed_time": self._resumed_time,
                 "rules": {name: m.to_dict() for name, m in self._monitors.items()}}
 
-    def _save(self) -> None:
-        state = self._state()
-        text = repr(state)
-        if text != self._saved_text:  # most check_no_data calls change nothing
-            write_state(self._state_path, state)
-            self._saved_text = text
-
     def _load(self) -> None:
-        saved = read_state(self._state_path) or {}
+        saved = self._state_file.read() or {}
         self._paused = bool(saved.get("paused", False))
         # Ids never repeat, even if state.json was lost while the log survived.
         self._next_decision_id = max(int(saved.get("next_decision_id", 1)), self._log.max_value("id") + 1)
@@ -322,11 +386,18 @@ class GuardrailEngine:
         for name, monitor_state in saved.get("rules", {}).items():
             if name in self._monitors:
                 self._monitors[name].restore(monitor_state)
-        self._saved_text = repr(self._state())
 
 
 def _numbers(values) -> dict[str, float]:
-    """The usable series of one metric: numbers, or the schema's "nan"/"inf"/"-inf"; None and junk dropped."""
+    """The usable series of one metric: numbers, or the schema's "nan"/"inf"/"-inf"; None and junk dropped.
+
+    The common case (str keys, float values, as the sidecar builds them) is returned as is:
+    nothing downstream keeps or changes the dict.
+    """
+    if not values:
+        return {}
+    if type(values) is dict and set(map(type, values.values())) == {float} and set(map(type, values)) == {str}:
+        return values
     out = {}
     for key, value in (values or {}).items():
         try:

@@ -109,6 +109,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             yield
         finally:
             task.cancel()
+            sidecar.engine.close()  # persist the last second of rule counters on a clean stop
 
     auth = [Depends(bearer_dependency(sidecar.config.token))]
     app = FastAPI(

@@ -1,0 +1,252 @@
+"""What the guardrail engine puts on disk, and when (the Durability contract in engine.py).
+
+A "crash" here is an engine dropped without close(): a new engine on the same state dir
+must see everything the contract calls durable. The fast reducers and rolling medians the
+engine uses per step are checked against their plain definitions at the end.
+"""
+
+import math
+import os
+import random
+import stat
+import statistics
+
+import pytest
+
+from parwatch.guardrails.checks import RollingWindow, Series
+from parwatch.guardrails.engine import GuardrailEngine, Observation
+from parwatch.guardrails.rules import Rule, RuleSet
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+class Fsyncs:
+    """os.fsync, counting which files and directories were synced (by inode)."""
+
+    def __init__(self, monkeypatch):
+        self.synced: list[tuple[int, bool]] = []
+        real = os.fsync
+
+        def fsync(fd):
+            st = os.fstat(fd)
+            self.synced.append((st.st_ino, stat.S_ISDIR(st.st_mode)))
+            return real(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+
+    def of(self, path) -> int:
+        ino = os.stat(path).st_ino
+        return sum(1 for i, _ in self.synced if i == ino)
+
+    def dirs(self) -> int:
+        return sum(1 for _, is_dir in self.synced if is_dir)
+
+
+def skew_rule(**kw):
+    return Rule(**{"name": "skew", "metric": "pipeline_skew_ratio", "above": 1.25, "for_steps": 5,
+                   "cooldown_steps": 10, "action": "alert", **kw})
+
+
+def nan_rule(**kw):
+    return Rule(**{"name": "nan", "metric": "loss", "check": "finite", "action": "rollback", "cooldown_steps": 1, **kw})
+
+
+def spike_rule():
+    return Rule(name="spike", metric="loss", check="spike", factor=3.0, window_steps=10, action="alert")
+
+
+class Run:
+    """An engine fed one step at a time; the clock stands still unless a test moves it."""
+
+    def __init__(self, state_dir, *rules, clock=None):
+        self.dir, self.rules = state_dir, RuleSet(rules=rules)
+        self.clock = clock or Clock()
+        self.engine = GuardrailEngine(self.rules, state_dir, now=self.clock)
+        self.step = 0
+
+    def feed(self, checkpoints=(), **series):
+        self.step += 1
+        obs = Observation(self.step, self.clock.t, {m: {"": v} for m, v in series.items()}, tuple(checkpoints))
+        return self.engine.evaluate(obs)
+
+    def restarted(self) -> GuardrailEngine:
+        """A new engine on the same state dir, as after a crash (the old one is not closed)."""
+        return GuardrailEngine(self.rules, self.dir, now=self.clock)
+
+
+def test_a_state_transition_is_on_disk_at_once(tmp_path):
+    run = Run(tmp_path, skew_rule())
+    run.feed(pipeline_skew_ratio=1.0)
+    run.feed(pipeline_skew_ratio=1.5)  # ok -> pending
+    st = run.restarted().states()["skew"]
+    assert (st["state"], st["failing_steps"], st["since_step"]) == ("pending", 1, 2)
+    for _ in range(4):
+        run.feed(pipeline_skew_ratio=1.5)  # the 5th failing step: firing, and an alert decision
+    again = run.restarted()
+    assert again.states()["skew"]["state"] == "firing"
+    assert [d["rule"] for d in again.decisions()] == ["skew"]
+
+
+def test_counters_are_deferred_until_due_or_flushed(tmp_path):
+    run = Run(tmp_path, skew_rule(), spike_rule())
+    run.feed(pipeline_skew_ratio=1.5, loss=2.0)  # pending: written with its count of 1
+    run.feed(pipeline_skew_ratio=1.5, loss=2.0)
+    run.feed(pipeline_skew_ratio=1.5, loss=2.0)
+    stale = run.restarted().states()["skew"]
+    assert (stale["state"], stale["failing_steps"]) == ("pending", 1)  # the clock has not moved: deferred
+    run.engine.flush()
+    assert run.restarted().states()["skew"]["failing_steps"] == 3
+
+    run.feed(pipeline_skew_ratio=1.5, loss=2.0)
+    run.engine.close()
+    again = run.restarted()
+    assert again.states()["skew"]["failing_steps"] == 4
+    # The spike baseline (counters) came along: 4 values saved + 1 more make a baseline to judge by.
+    assert again.evaluate(Observation(5, run.clock.t, {"loss": {"": 2.0}})) == []
+    (spike,) = again.evaluate(Observation(6, run.clock.t, {"loss": {"": 7.0}}))
+    assert spike["rule"] == "spike" and spike["evidence"]["baseline"] == 2.0
+
+
+def test_check_no_data_writes_counters_once_a_second(tmp_path):
+    run = Run(tmp_path, skew_rule())
+    run.feed(pipeline_skew_ratio=1.5)
+    run.feed(pipeline_skew_ratio=1.5)
+    run.clock.t += 0.5
+    run.engine.check_no_data()
+    assert run.restarted().states()["skew"]["failing_steps"] == 1  # not due yet
+    run.clock.t += 0.5
+    run.engine.check_no_data()
+    assert run.restarted().states()["skew"]["failing_steps"] == 2
+
+
+def test_evaluate_writes_counters_itself_when_nothing_else_does(tmp_path):
+    run = Run(tmp_path, skew_rule(for_steps=100, cooldown_steps=100))
+    run.feed(pipeline_skew_ratio=1.5)
+    for _ in range(3):
+        run.clock.t += 1.0  # without check_no_data, evaluate waits 5 x counter_flush_seconds
+        run.feed(pipeline_skew_ratio=1.5)
+    assert run.restarted().states()["skew"]["failing_steps"] == 1
+    run.clock.t += 2.0
+    run.feed(pipeline_skew_ratio=1.5)
+    assert run.restarted().states()["skew"]["failing_steps"] == 5
+
+
+def test_counter_flush_seconds_zero_writes_every_evaluation(tmp_path):
+    engine = GuardrailEngine(RuleSet(rules=(skew_rule(),)), tmp_path, now=Clock(), counter_flush_seconds=0)
+    for step in (1, 2, 3):
+        engine.evaluate(Observation(step, 0.0, {"pipeline_skew_ratio": {"": 1.5}}))
+    assert GuardrailEngine(engine.rules, tmp_path).states()["skew"]["failing_steps"] == 3
+    with pytest.raises(ValueError, match="counter_flush_seconds"):
+        GuardrailEngine(engine.rules, tmp_path, counter_flush_seconds=-1)
+
+
+def test_every_record_is_fsynced_on_append(tmp_path, monkeypatch):
+    fsyncs = Fsyncs(monkeypatch)
+    run = Run(tmp_path, nan_rule())
+    run.feed(loss=1.0, checkpoints=(0,))
+    log = tmp_path / "decisions.jsonl"
+    (record,) = run.feed(loss=math.nan, checkpoints=(0,))  # a rule's rollback
+    assert fsyncs.of(log) == 1
+    run.engine.request("pause", "operator")
+    assert fsyncs.of(log) == 2
+    run.engine.acknowledge(record["directive_id"], rank=0, step=2, world_size=1)  # an "applied" record
+    assert fsyncs.of(log) == 3
+    assert len(log.read_text().splitlines()) == 3
+
+
+def test_what_each_write_syncs(tmp_path, monkeypatch):
+    run = Run(tmp_path, skew_rule(), nan_rule())
+    run.feed(pipeline_skew_ratio=1.0, loss=1.0, checkpoints=(0,))
+    fsyncs = Fsyncs(monkeypatch)
+    run.feed(pipeline_skew_ratio=1.0, loss=1.0, checkpoints=(0,))
+    assert fsyncs.synced == []  # counters only: nothing written
+    run.feed(pipeline_skew_ratio=1.5, loss=1.0, checkpoints=(0,))  # a state change: the file, not the directory
+    assert fsyncs.of(tmp_path / "state.json") == 1 and fsyncs.dirs() == 0
+    run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))  # a directive: must survive a power loss
+    assert fsyncs.dirs() == 1
+    run.engine.close()  # the state-change rename gets its directory fsync on close
+    assert fsyncs.dirs() == 1  # ... already had it here, with the directive's write
+    run.feed(pipeline_skew_ratio=1.0, loss=1.0, checkpoints=(0,))  # back to ok: file only
+    run.engine.close()
+    assert fsyncs.dirs() == 2
+
+
+def test_restart_after_a_crash_keeps_states_and_directives(tmp_path):
+    run = Run(tmp_path, skew_rule(), nan_rule())
+    run.feed(pipeline_skew_ratio=1.5, loss=1.0, checkpoints=(0,))
+    (rollback,) = run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))
+    pause = run.engine.request("pause", "operator")
+    run.engine.acknowledge(pause["directive_id"], rank=0, step=2, world_size=2)  # one of two ranks
+    run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))  # counters only: lost in the crash
+
+    again = run.restarted()  # no close(): a crash
+    states = again.states()
+    assert (states["skew"]["state"], states["skew"]["failing_steps"]) == ("pending", 2)
+    assert states["nan"]["state"] == "firing"
+    assert again.pending_directive()["id"] == rollback["directive_id"]
+    for rank in (0, 1):
+        again.acknowledge(rollback["directive_id"], rank=rank, step=2, world_size=2)
+    assert again.pending_directive()["id"] == pause["directive_id"]
+    again.acknowledge(pause["directive_id"], rank=1, step=2, world_size=2)  # rank 0's ack survived
+    assert again.paused and again.pending_directive() is None
+    assert again.request("resume", "operator")["id"] == 3  # ids continue
+
+
+def test_a_repeated_ack_writes_nothing(tmp_path, monkeypatch):
+    run = Run(tmp_path, skew_rule())
+    run.feed(pipeline_skew_ratio=1.0)
+    pause = run.engine.request("pause", "operator")["directive_id"]
+    run.engine.acknowledge(pause, rank=0, step=1, world_size=2)
+    fsyncs = Fsyncs(monkeypatch)
+    run.engine.acknowledge(pause, rank=0, step=1, world_size=2)
+    run.engine.acknowledge(pause + 7, rank=0, step=1, world_size=2)  # unknown id
+    assert fsyncs.synced == []
+
+
+# -- the per-step fast paths agree with the plain definitions -----------------------------------------
+
+def plain_reduce(values, how):
+    usable = {k: v for k, v in values.items() if not math.isnan(v)}
+    if not usable:
+        return math.nan, None
+    if how == "mean":
+        return sum(usable.values()) / len(usable), None
+    pick = max if how == "max" else min
+    key = pick(sorted(usable), key=lambda k: usable[k])
+    return usable[key], key
+
+
+def same(a, b):
+    return (math.isnan(a[0]) and math.isnan(b[0]) or a[0] == b[0]) and a[1] == b[1]
+
+
+@pytest.mark.parametrize("how", ["max", "min", "mean"])
+def test_series_reduce_matches_the_plain_definition(how):
+    rng = random.Random(7)
+    pool = [0.0, 1.0, 1.0, 0.5, -0.0, math.nan, math.inf, -math.inf, 2.5]
+    for _ in range(2000):
+        n = rng.randrange(0, 7)
+        values = {f"rank={rng.randrange(20)}": rng.choice(pool + [rng.random()]) for _ in range(n)}
+        assert same(Series(values).reduce(how), plain_reduce(values, how)), values
+    every_rank_up = {f"rank={r}": 1.0 for r in range(1024)}
+    assert Series(every_rank_up).reduce("min") == (1.0, "rank=0")
+
+
+def test_rolling_window_median_matches_statistics_median():
+    rng = random.Random(3)
+    window = RollingWindow(7)
+    recent = []
+    for _ in range(500):
+        value = rng.choice([rng.random(), 1.0, 2.0])
+        window.append(value)
+        recent = (recent + [value])[-7:]
+        assert window.median() == statistics.median(recent) and window.to_list() == recent
+    restored = RollingWindow(3)
+    restored.extend(["1.5", 2, float("nan"), 4.0, 8.0])  # as read back from state.json; NaN never enters
+    assert restored.to_list() == [2.0, 4.0, 8.0] and restored.median() == 4.0
