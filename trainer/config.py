@@ -35,11 +35,17 @@ class TrainConfig:
     seed: int = 0
     """Seeds weights and data; same seed, same losses on any layout."""
     layers: int = 4
+    """Transformer blocks (at least pp * chunks)."""
     hidden: int = 64
+    """Model width; divisible by --heads."""
     heads: int = 4
+    """Attention heads; divisible by --tp."""
     vocab: int = 64
+    """Vocabulary size; divisible by --tp."""
     seq_len: int = 32
+    """Tokens per sequence."""
     lr: float = 3e-3
+    """Learning rate."""
     optimizer: str = "adamw"
     """adamw or sgd."""
     dtype: str = "float32"
@@ -71,6 +77,7 @@ class TrainConfig:
     parwatch_endpoint: str = ""
     """Sidecar control/ingest URL, e.g. http://127.0.0.1:9401."""
     parwatch_token_file: str = ""
+    """File holding the sidecar's bearer token (else $PARWATCH_TOKEN)."""
     parwatch_log: str = ""
     """Collector JSONL output directory (summaries.jsonl, spans.jsonl); empty means none."""
 
@@ -129,21 +136,44 @@ class TrainConfig:
         return asdict(self)
 
 
+def field_docs() -> dict[str, str]:
+    """The one-line docstring under each TrainConfig field, for --help."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line naming the flag, like every other configuration error."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see python -m trainer --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="python -m trainer",
         description="Reference TP+PP trainer (gloo on CPU, NCCL on GPU).",
         epilog="example: python -m trainer --nproc 4 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 20",
     )
     defaults = TrainConfig()
+    docs = field_docs()
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if name == "inject":
-            p.add_argument(flag, action="append", default=[], metavar="SPEC", help="fault to inject (repeatable)")
+            p.add_argument(flag, action="append", default=[], metavar="SPEC",
+                           help="fault to inject, repeatable: straggler:stage=1,ms=30,from_step=3 | nan:step=5 | "
+                                "slow-collective:group=tp,ms=5 | crash:rank=2,step=7")
         elif isinstance(value, bool):
-            p.add_argument(flag, action="store_true")
+            p.add_argument(flag, action="store_true", help=docs.get(name))
         else:
-            kwargs = {"type": type(value), "default": value}
+            kwargs = {"type": type(value), "default": value, "help": f"{docs.get(name, '')} (default: %(default)s)"}
             if name == "schedule":
                 kwargs["choices"] = SCHEDULES
             if name == "parwatch":
