@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -89,3 +90,25 @@ def wait_healthy(url: str, child: Child, timeout_s: float = 60.0) -> None:
         wait_for_url(url, child.proc, timeout_s)
     except (RuntimeError, TimeoutError) as err:
         raise RuntimeError(f"the {child.name}: {err}:\n{child.tail()}") from None
+
+
+def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
+    """Stop every child's process group: SIGTERM, then SIGKILL what is left after grace_s.
+
+    All groups are signalled first so their shutdowns overlap. A second Ctrl-C (or SIGTERM)
+    while waiting cuts the grace period short but still kills and reaps everything, because
+    the children run in their own sessions: nothing else would stop them."""
+    for child in children:
+        child.signal_group(signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(child.group_alive() for child in children):
+            time.sleep(0.05)
+    finally:
+        for child in children:
+            child.signal_group(signal.SIGKILL)
+            try:
+                child.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:  # unkillable (D state): nothing more we can do
+                pass
+            child._log.close()
