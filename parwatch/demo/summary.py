@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price:
         "decisions": [d for d in run.decisions],
         "cost": {**asdict(cost), "idle_cost": cost.idle_cost, "recoverable_cost": cost.recoverable_cost},
         "steps_completed": trainer_summary.get("steps_completed"),
+        "world_size": trainer_summary.get("world_size"),
         "losses": trainer_summary.get("losses", []),
     }
 
@@ -54,6 +56,10 @@ def print_summary(console, summary: dict) -> None:
         t.add_row(str(s["stage"]), "-" if m is None else f"{m:.3f}", f"{th:.3f}",
                   "-" if m is None else f"{m - th:+.3f}")
     console.print(t)
+    ranks, cores = summary.get("world_size"), os.cpu_count() or 1
+    if ranks and cores < ranks:
+        console.print(f"note: {ranks} ranks share {cores} CPU cores here, so ranks wait for the CPU as well as for "
+                      "their neighbours; that shows as excess bubble, truthfully.", highlight=False)
     t = Table(title="Collectives (all ranks, all steps)")
     for col in ("op", "group", "count", "p50 ms", "p99 ms", "mean ms", "busbw MB/s"):
         t.add_column(col, justify="right")
@@ -62,6 +68,8 @@ def print_summary(console, summary: dict) -> None:
         t.add_row(c["op"], c["group"], str(c["count"]), _ms(c["p50_seconds"]), _ms(c["p99_seconds"]),
                   _ms(c["mean_seconds"]), "-" if not bw else f"{bw / 1e6:.1f}")
     console.print(t)
+    console.print("send spans run from posting the isend to its completion, so they include the receiver's "
+                  "readiness; recv is the p2p latency to read.", highlight=False)
     decisions = [d for d in summary["decisions"] if d.get("type", "decision") == "decision"]
     if decisions:
         t = Table(title="Guardrail decisions")
