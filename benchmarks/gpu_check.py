@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--peak-flops", type=float, default=None,
+                    help="device peak FLOP/s at fp32 for MFU (default: known for H100/H200, else none)")
     a = ap.parse_args()
     import torch
 
@@ -93,6 +95,12 @@ def main() -> int:
              "--seq-len", "512" if cuda else "32", "--micro-batch-size", "4", "--vocab", "8192" if cuda else "64",
              "--microbatches", "8", "--schedule", "1f1b", "--steps", str(a.steps)]
     args = layout(ngpus) + model + ["--backend", "nccl" if cuda else "gloo"]
+    peak = a.peak_flops
+    if peak is None and cuda and any(n in torch.cuda.get_device_name(0) for n in ("H100", "H200")):
+        peak = 6.7e13  # fp32 (non-tensor-core) dense peak of an SXM H100/H200; the trainer runs fp32
+    if peak:
+        args += ["--parwatch-peak-flops", str(peak)]
+    result["peak_flops"] = peak
     times = {"off": [], "on": []}
     summary_on = None
     for r in range(a.rounds):
@@ -112,6 +120,9 @@ def main() -> int:
     print_table(["op", "group", "count", "mean s", "busbw B/s"],
                 [[c["op"], c["group"], c["count"], c["mean_seconds"], c["busbw_bytes_per_second"]]
                  for c in summary_on["collectives_rank0"]])
+    mfu = [x.get("model_flops_utilization_ratio") for x in result["last_summaries"]]
+    if any(m is not None for m in mfu):
+        print(f"\nMFU per rank (last summaries, peak {peak:g} FLOP/s): {mfu}")
     gpu = [x.get("gpu") for x in result["last_summaries"] if x.get("gpu")]
     if gpu:
         print("\nNVML per step (last summaries)")

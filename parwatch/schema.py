@@ -22,6 +22,8 @@ StepSummary (a dict; JSON object), one per rank and step:
     loss                      float | null (NaN/inf encoded as the strings "nan", "inf", "-inf")
     tokens                    int, tokens the whole run consumed in this step (all DP replicas)
     memory_max_allocated_bytes  int | null
+    model_flops_utilization_ratio  float, optional: only when the device's peak FLOP/s is configured
+                              (--parwatch-peak-flops); model FLOPs of the step / (step_seconds * peak)
     collectives               list of {op, group, count, seconds, bytes, buckets, algbw, busbw}
                               buckets: cumulative counts for COLLECTIVE_BUCKETS (le), + "+Inf" = count
     gpu                       null | {index, utilization_ratio, memory_used_bytes, memory_total_bytes,

@@ -78,6 +78,8 @@ class TrainConfig:
     """Sidecar control/ingest URL, e.g. http://127.0.0.1:9401."""
     parwatch_token_file: str = ""
     """File holding the sidecar's bearer token (else $PARWATCH_TOKEN)."""
+    parwatch_peak_flops: float = 0.0
+    """Accelerator peak FLOP/s at the run's dtype, for MFU; 0 means unknown (no MFU reported)."""
     parwatch_log: str = ""
     """Collector JSONL output directory (summaries.jsonl, spans.jsonl); empty means none."""
 
@@ -115,6 +117,8 @@ class TrainConfig:
             raise ConfigError(f"--dtype={self.dtype!r}; choose float32 or float64")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+        if self.parwatch_peak_flops < 0:
+            raise ConfigError(f"--parwatch-peak-flops={self.parwatch_peak_flops} must be >= 0 (0: unknown, no MFU)")
         if self.parwatch not in ("on", "off"):
             raise ConfigError(f"--parwatch={self.parwatch!r}; choose on or off")
         for spec in self.inject:

@@ -25,6 +25,7 @@ from trainer.comm import Comm
 from trainer.config import TrainConfig
 from trainer.executor import PipelineExecutor, StepShape
 from trainer.faults import Faults, parse_fault
+from trainer.flops import model_flops_per_step
 from trainer.model import Chunk, GPTConfig, build_pieces
 from trainer.parallel_dims import ParallelDims, build_groups
 from trainer.partition import partition, piece_param_counts
@@ -55,6 +56,7 @@ class Trainer:
         shape = StepShape(cfg.microbatches, cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.vocab, cfg.seed,
                           self.dtype, self.device)
         self.executor = PipelineExecutor(self.chunks, instrs, self.comm, shape, self.faults, registry)
+        self.model_flops_per_step = self._model_flops()
         self.step = 0
         self.data_offset = 0  # batches skipped by rollbacks so far: data step = step + offset
         self.losses: dict[int, float] = {}  # step -> loss of the trajectory that survives rollbacks
@@ -84,6 +86,17 @@ class Trainer:
             else:
                 chunks.append(Chunk(build_pieces(gpt, self.comm, pieces)))
         return chunks
+
+    def _model_flops(self) -> int | None:
+        """This rank's model FLOPs per step; None under synthetic compute (there is no math)."""
+        cfg = self.cfg
+        if cfg.synthetic_compute:
+            return None
+        from trainer.model import Block
+
+        layers_local = sum(1 for c in self.chunks for m in c.modules() if isinstance(m, Block))
+        return model_flops_per_step(self.chunks, layers_local, cfg.hidden, cfg.tp, cfg.seq_len,
+                                    cfg.microbatches * cfg.micro_batch_size * cfg.seq_len)
 
     # --------------------------------------------------------------- boundary
     def boundary(self, kind: str, loss: float | None = None):
@@ -238,7 +251,8 @@ class Trainer:
     # -------------------------------------------------------------------- run
     def run(self) -> dict:
         cfg = self.cfg
-        self.registry.emit_event("run_start", config=cfg.to_dict(), rank=self.rank)
+        self.registry.emit_event("run_start", config=cfg.to_dict(), rank=self.rank,
+                                 model_flops_per_step=self.model_flops_per_step)
         self.boundary("start")
         self._last_boundary_t = time.perf_counter()
         while self.step < cfg.steps:

@@ -71,4 +71,5 @@ def attach_from_config(cfg, rank: int, world_size: int, local_rank: int, backend
         token=read_token(cfg.parwatch_token_file),
         log_path=os.path.join(log_dir, "summaries.jsonl") if log_dir else None,
         spans_path=os.path.join(log_dir, "spans.jsonl") if log_dir else None,
+        peak_flops=getattr(cfg, "parwatch_peak_flops", 0.0) or None,
     ))

@@ -76,6 +76,7 @@ class Collector(Observer):
         memory_fn=None,
         nvml_interval_s: float = 0.25,
         poll_interval_s: float = 0.5,
+        peak_flops: float | None = None,
     ) -> None:
         self.ctx = ctx
         self.clock = clock if clock is not None else default_clock(ctx)
@@ -91,6 +92,9 @@ class Collector(Observer):
             http=http, on_directive=self.directives.put,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
         ).start()
+        self.peak_flops = peak_flops or None
+        """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
+        self._model_flops: float | None = None  # this rank's model FLOPs per step (run_start event)
         self._stats = StepStats()
         self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
         """Whole-run figures (rank 0) added to the trainer's summary at run_end."""
@@ -188,7 +192,9 @@ class Collector(Observer):
         self._overhead_ns += _now_ns() - t0
 
     def _on_event(self, name: str, attrs: dict) -> None:
-        if name == "directive_applied":
+        if name == "run_start":
+            self._model_flops = attrs.get("model_flops_per_step")
+        elif name == "directive_applied":
             applied = {"id": int(attrs["id"]), "step": int(attrs["step"])}
             if self._held is not None:  # applied at the boundary of the held step: report it there
                 self._held["applied"].append(applied)
@@ -223,6 +229,8 @@ class Collector(Observer):
         stats = self._stats
         result = breakdown(step_seconds, stats.compute_seconds, stats.other_seconds)
         summary = self._summary(info, result, stats, slot_rows)
+        if self._model_flops and self.peak_flops and step_seconds > 0:
+            summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
         summary["overhead_seconds"] = (self._overhead_ns + _now_ns() - t0) * 1e-9
         self._overhead_ns = 0
         if info.directive is not None:

@@ -67,16 +67,18 @@ FIELD_CHECKS = {
     "applied": lambda x: isinstance(x, list) and all(set(a) == {"id", "step"} and is_int(a["id"]) for a in x),
     "paused": lambda x: isinstance(x, bool),
     "global": valid_global,
+    "model_flops_utilization_ratio": is_float,
 }
 
 
-def schema_fields() -> set[str]:
-    """The StepSummary field names as parwatch/schema.py's docstring lists them."""
+def schema_fields(optional: bool = False) -> set[str]:
+    """The StepSummary field names as parwatch/schema.py's docstring lists them: the required
+    ones, or (optional=True) those whose description starts with "optional"."""
     text = schema.__doc__.split("StepSummary", 1)[1].split("Ingest request", 1)[0]
     fields = set()
     for line in text.splitlines():
-        match = re.match(r"^    (\w+(?:, \w+)*)\s{2,}", line)
-        if match:
+        match = re.match(r"^    (\w+(?:, \w+)*)\s{2,}(.*)", line)
+        if match and match.group(2).startswith("float, optional") == optional:
             fields.update(name.strip() for name in match.group(1).split(","))
     return fields
 
@@ -98,7 +100,8 @@ def produced_summaries(tmp_path):
 
 
 def test_the_field_table_covers_the_schema_exactly():
-    assert set(FIELD_CHECKS) == schema_fields()
+    assert set(FIELD_CHECKS) == schema_fields() | schema_fields(optional=True)
+    assert schema_fields(optional=True) == {"model_flops_utilization_ratio"}
 
 
 def test_every_summary_has_every_field_with_its_type(tmp_path):
@@ -108,8 +111,8 @@ def test_every_summary_has_every_field_with_its_type(tmp_path):
         assert len(lines) == 3
         for line in lines:
             summary = json.loads(line)
-            assert set(summary) == schema_fields()
-            bad = [k for k, check in FIELD_CHECKS.items() if not check(summary[k])]
+            assert schema_fields() <= set(summary) <= schema_fields() | schema_fields(optional=True)
+            bad = [k for k, check in FIELD_CHECKS.items() if k in summary and not check(summary[k])]
             assert not bad, f"rank {r} step {summary['step']}: wrong type for {bad}: {[summary[k] for k in bad]}"
         last = json.loads(lines[-1])
         assert last["loss"] == "inf" and last["gpu"] is not None and last["nvml_up"] == 1
