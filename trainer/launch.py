@@ -47,7 +47,10 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0) 
     observer = None
     try:
         if not cfg.run_id:
-            cfg.run_id = os.environ.get("PARWATCH_RUN_ID") or new_run_id()
+            # Under torchrun's static rendezvous every rank would invent its own id: take rank 0's.
+            chosen = [os.environ.get("PARWATCH_RUN_ID") or new_run_id()]
+            dist.broadcast_object_list(chosen, src=0)
+            cfg.run_id = chosen[0]
         if cfg.parwatch == "on":
             # The one place the trainer touches parwatch, and only when asked to.
             from parwatch.collector.attach import attach_from_config
@@ -131,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         world = cfg.nproc or int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate(world)
-        if not cfg.run_id:  # one id for every rank: torchrun's rendezvous id, else a new one
-            cfg.run_id = os.environ.get("PARWATCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-            if not cfg.run_id or cfg.run_id == "none":
-                from trainer.train import new_run_id
+        if not cfg.run_id:  # one id for every rank: an id from the environment, else ...
+            env_id = os.environ.get("PARWATCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+            if env_id and env_id != "none":
+                cfg.run_id = env_id
+            elif cfg.nproc:  # ... one made here for the ranks spawned below; under torchrun
+                from trainer.train import new_run_id  # rank 0's, broadcast in run_rank
 
                 cfg.run_id = new_run_id()
         if cfg.nproc:

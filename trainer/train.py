@@ -105,7 +105,8 @@ class Trainer:
         width = bnd.TRAINER_SLOTS + width_obs
         start = reg.mark()
         row = [0.0] * width
-        directive = reg.pending_directive() if self.rank == 0 and kind != "start" else None
+        # Directives ride only on step and heartbeat boundaries, whose callers act on them.
+        directive = reg.pending_directive() if self.rank == 0 and kind in ("step", "heartbeat") else None
         reporting = self.groups.is_last_stage and self.groups.coords.tp_rank == 0
         bnd.pack_row(row, loss if reporting else None, directive)
         if width_obs:

@@ -168,6 +168,7 @@ class Collector(Observer):
             self._time_origin_s = origin if origin is not None else self._host_seconds(end)
         kind = info.kind
         if kind == "heartbeat":  # paused: nothing is accounted until the resume
+            self.shipper.heartbeat_seen = True  # every rank joined it: the next poll vouches for them
             self._begin_period(None, info.step, sample=False)
             done += (info.start, end)
         else:
@@ -271,7 +272,9 @@ class Collector(Observer):
             ctx, step=info.step, time=self._time_fn(), result=result, loss=info.loss,
             collectives=collectives, memory_max_allocated_bytes=self._memory_fn(), gpu=self.nvml.take(),
             nvml_up=self.nvml.up, dropped_total=self.shipper.dropped,
-            checkpoints=list(self._checkpoints) if ctx.rank == 0 else [], applied=applied,
+            # Only this timeline's: after a rollback, checkpoints past the current step on disk
+            # belong to the abandoned one and must not be rollback targets.
+            checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [], applied=applied,
             paused=self._paused or pausing, global_view=global_view,
         )
 

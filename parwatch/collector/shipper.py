@@ -79,6 +79,9 @@ class Shipper:
         self._files: dict = {}
         self._queue_size = queue_size
         self._queue: deque = deque()
+        self._must_deliver: deque = deque(maxlen=256)  # encoded summaries carrying acknowledgements
+        self.heartbeat_seen = False
+        """Set by the collector on a completed heartbeat boundary; the next post says "alive"."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -130,8 +133,10 @@ class Shipper:
             return
         with self._lock:
             if len(self._queue) >= self._queue_size:
-                kind, _ = self._queue.popleft()
-                if kind == SUMMARY:
+                kind, payload = self._queue.popleft()
+                if kind == SUMMARY and payload.get("applied"):
+                    self._must_deliver.append(dumps(payload))  # an acknowledgement is never dropped
+                elif kind == SUMMARY:
                     self.dropped += 1
                 else:
                     self.dropped_span_batches += 1
@@ -141,6 +146,10 @@ class Shipper:
     def queued(self) -> int:
         return len(self._queue)
 
+    def undelivered_acks(self) -> int:
+        """Summaries carrying acknowledgements the sidecar has not accepted yet."""
+        return len(self._must_deliver)
+
     # Shipper thread.
     def _run(self) -> None:
         try:
@@ -149,6 +158,7 @@ class Shipper:
                 self._wake.clear()
                 stopping = self._stopping
                 self._drain()
+                self._deliver_acks()
                 if self._poll_due():
                     self._post([])
                 if stopping:
@@ -167,6 +177,15 @@ class Shipper:
             # Encode each summary once: the same text goes to the file and into the POST body.
             summaries = [dumps(payload) for kind, payload in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
+            # Summaries acknowledging a directive must reach the sidecar: it hands out no other
+            # directive until every rank acknowledged, so one lost ack would hold the run (a
+            # paused run sends no more summaries to carry it). They are retried until accepted.
+            acks = {i for i, (kind, payload) in enumerate(x for x in items if x[0] == SUMMARY)
+                    if payload.get("applied")}
+            if acks and self.url:
+                with self._lock:
+                    self._must_deliver.extend(summaries[i] for i in sorted(acks))
+                summaries = [text for i, text in enumerate(summaries) if i not in acks]
             if self._paths[SPANS]:
                 self._write(SPANS, [dumps(r) for kind, payload in items if kind == SPANS for r in payload])
             if self.url:
@@ -207,28 +226,49 @@ class Shipper:
             self._http = httpx.Client(timeout=httpx.Timeout(total, connect=connect), trust_env=False)
         return self._http
 
-    def _post(self, summaries: list) -> None:
-        """POST summaries (already JSON text) as one ingest body."""
+    def _deliver_acks(self) -> None:
+        with self._lock:
+            pending = list(self._must_deliver)
+        if pending and self.url and self._post(pending, keep=True):
+            with self._lock:
+                for _ in pending:
+                    self._must_deliver.popleft()
+
+    def _post(self, summaries: list, keep: bool = False) -> bool:
+        """POST summaries (already JSON text) as one ingest body; True when the sidecar took them.
+
+        keep: the caller retries them later, so a failure is not counted as dropped."""
         now = self._time()
         if now < self._retry_at:  # sidecar away: do not wait for it
-            with self._lock:
-                self.dropped += len(summaries)
-            return
-        body = f'{{"version":{SCHEMA_VERSION},"summaries":[{",".join(summaries)}]}}'.encode()
+            if not keep:
+                with self._lock:
+                    self.dropped += len(summaries)
+            return False
+        alive, self.heartbeat_seen = self.heartbeat_seen, False
+        tail = ',"alive":true}' if alive else "}"
+        body = (f'{{"version":{SCHEMA_VERSION},"summaries":[{",".join(summaries)}]' + tail).encode()
         try:
             response = self._client().post(self.url, content=body, headers=self._headers)
+            if keep and 400 <= response.status_code < 500:
+                # Refused as invalid: retrying the same bytes cannot succeed; say so and move on.
+                log.warning("parwatch: sidecar refused acknowledgements (HTTP %s: %s)", response.status_code,
+                            response.text[:200])
+                with self._lock:
+                    self.dropped += len(summaries)
+                return True
             if response.status_code >= 400:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
             reply = response.json()
         except Exception as exc:
-            with self._lock:
-                self.dropped += len(summaries)
+            if not keep:
+                with self._lock:
+                    self.dropped += len(summaries)
             if self._backoff == 0.0:
                 log.warning("parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back",
                             self.url, exc)
             self._backoff = min(self._max_backoff_s, self._backoff * 2 if self._backoff else 0.25)
             self._retry_at = self._time() + self._backoff
-            return
+            return False
         if self._backoff:
             log.warning("parwatch: sidecar at %s reachable again", self.url)
         self._backoff = self._retry_at = 0.0
@@ -241,6 +281,7 @@ class Shipper:
                 self._on_directive(directive)
             except Exception as exc:
                 log.warning("parwatch: ignoring directive %r (%s)", directive, exc)
+        return True
 
     def _cleanup(self) -> None:
         for fd in self._files.values():

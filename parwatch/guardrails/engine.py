@@ -238,6 +238,11 @@ class GuardrailEngine:
     def _decide(self, rule, action, source, requested_by, reason, evidence, step, now, checkpoint=None,
                 skip_batches=0, escalated=False, suppress=False, extra=None) -> dict:
         """Write one decision record; when enforcing, a directive action also becomes a directive."""
+        if action == "pause" and not suppress and (
+                self._paused or any(d["action"] == "pause" for d in self._directives.outstanding)):
+            # A paused run only acknowledges what it applies inside its heartbeat loop through a
+            # rollback; a second pause would queue ahead of the resume and hold the run for good.
+            suppress, reason = True, reason + " (not enforced: the run is already paused or a pause is pending)"
         enforced = bool(self._rules.enforce) and not suppress
         directive_id = None
         if enforced and action in DIRECTIVE_ACTIONS:
@@ -316,6 +321,8 @@ class GuardrailEngine:
             elif done["action"] == "resume":
                 self._paused, self._resumed_time = False, self._now()
             elif done["action"] == "rollback":
+                # A rollback applied during a pause ends it: the trainer trains on after loading.
+                self._paused, self._resumed_time = False, self._now()
                 # The trainer now replays from the checkpoint: later checkpoints belong to the
                 # abandoned timeline, and the next step number may be one just evaluated.
                 if done["to_step"] is not None:

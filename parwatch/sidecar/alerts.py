@@ -67,7 +67,7 @@ class AlertDedupe:
                   "requested_by": f"alertmanager:{payload.receiver}" if payload.receiver else "alertmanager"}
             if action == "rollback":
                 skip = alert.labels.get("parwatch_skip_batches", "0")
-                kw["skip_batches"] = int(skip) if skip.isdigit() else 0
+                kw["skip_batches"] = int(skip) if skip.isascii() and skip.isdigit() and len(skip) <= 9 else 0
             try:
                 decision = request(action, **kw)
             except ValueError as err:

@@ -135,6 +135,8 @@ class StepSummary(_Model):
 class IngestBody(_Model):
     version: Literal[SCHEMA_VERSION]
     summaries: list[StepSummary] = Field(max_length=10_000)
+    alive: bool = False
+    """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 
 
 class Directive(_Model):

@@ -40,10 +40,10 @@ class Sidecar:
 
     # -- writes -----------------------------------------------------------------------------
     def ingest(self, body: IngestBody) -> dict:
-        if not body.summaries and self.engine.paused:
-            # A paused run sends no summaries; rank 0 polls instead. It can only poll while
-            # every rank keeps answering the heartbeat collective, so the poll vouches for
-            # all of them: without this a long operator pause would read as dead ranks.
+        if body.alive and self.engine.paused:
+            # A paused run sends no summaries; rank 0 polls instead, and says "alive" only when a
+            # heartbeat collective (which every rank must join) completed since its last post.
+            # Without this a long operator pause would read as dead ranks.
             self.store.touch_all()
         for s in body.summaries:
             if not self.store.add(s):

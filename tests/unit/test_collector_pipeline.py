@@ -177,10 +177,19 @@ def test_checkpoints_are_reported_by_rank_0_newest_20():
     run = started()
     for step in range(1, 26):
         for rank in run.ranks:
-            rank.registry.emit_event("checkpoint_saved", step=step * 10)
-    run_steps(run, 1, 0.1)
-    assert run.ranks[0].collector.last_summary["checkpoints"] == [step * 10 for step in range(6, 26)]
+            rank.registry.emit_event("checkpoint_saved", step=step)
+    run_steps(run, 25, 0.1)
+    assert run.ranks[0].collector.last_summary["checkpoints"] == list(range(6, 26))
     assert run.ranks[1].collector.last_summary["checkpoints"] == []
+
+
+def test_checkpoints_past_the_current_step_are_not_reported():
+    """After a rollback the disk still holds the abandoned timeline's newer checkpoints."""
+    run = started()
+    for rank in run.ranks:
+        rank.registry.emit_event("checkpoint_saved", step=1, checkpoints=[1, 8, 12])
+    run_steps(run, 2, 0.1)
+    assert run.ranks[0].collector.last_summary["checkpoints"] == [1]
 
 
 def test_pending_directive_is_returned_once_per_id_and_only_on_rank_0():

@@ -1,4 +1,5 @@
-"""A long operator pause must not read as dead ranks: rank 0's polls vouch for the run."""
+"""A long operator pause must not read as dead ranks: rank 0's polls vouch for the run, but only
+when a heartbeat collective (which every rank joins) completed since its last post."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ class Clock:
         return self.t
 
 
-def _ingest(client, summaries):
-    r = client.post("/v1/ingest", json={"version": 1, "summaries": summaries})
+def _ingest(client, summaries, alive=False):
+    body = {"version": 1, "summaries": summaries}
+    if alive:
+        body["alive"] = True
+    r = client.post("/v1/ingest", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -34,15 +38,19 @@ def test_polls_while_paused_keep_every_rank_up_but_not_while_running(tmp_path):
     applied = [{"id": directive["id"], "step": 3}]
     _ingest(client, [syn.summary(0, 3, applied=applied), syn.summary(1, 3, applied=applied)])
     assert sidecar.engine.paused
-    for _ in range(10):  # five minutes of pause, rank 0 polling
+    for _ in range(10):  # five minutes of pause, rank 0 polling after heartbeats
         clock.t += 30.0
-        _ingest(client, [])
+        _ingest(client, [], alive=True)
     assert sidecar.store.liveness() == {0: True, 1: True}
+    clock.t += 31.0
+    _ingest(client, [])  # a poll without a heartbeat behind it: the ranks may be stuck
+    assert sidecar.store.liveness() == {0: False, 1: False}
+    _ingest(client, [], alive=True)
     client.post("/v1/control", json={"action": "resume"})
     resume = _ingest(client, [])["directive"]
     applied = [{"id": resume["id"], "step": 3}]
     _ingest(client, [syn.summary(0, 4, applied=applied), syn.summary(1, 4, applied=applied)])
     assert not sidecar.engine.paused
     clock.t += 31.0
-    _ingest(client, [])  # running again: an empty poll proves nothing about the other ranks
+    _ingest(client, [], alive=True)  # running again: only summaries count
     assert sidecar.store.liveness() == {0: False, 1: False}

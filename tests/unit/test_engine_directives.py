@@ -1,0 +1,50 @@
+"""Directive bookkeeping that a paused run depends on (found in review, kept by these tests)."""
+
+from __future__ import annotations
+
+from parwatch.guardrails.engine import GuardrailEngine, Observation
+from parwatch.guardrails.rules import parse_rules
+
+RULES = "version: 1\nrules:\n  - name: skew\n    metric: pipeline_skew_ratio\n    above: 2.0\n    action: alert\n"
+
+
+def _engine(tmp_path):
+    engine = GuardrailEngine(parse_rules(RULES), tmp_path, now=lambda: 1000.0)
+    engine.evaluate(Observation(step=1, time=1000.0, series={"pipeline_skew_ratio": {"": 1.0}}, checkpoints=(0,)))
+    return engine
+
+
+def _apply(engine, world=2, step=5):
+    d = engine.pending_directive()
+    for rank in range(world):
+        engine.acknowledge(d["id"], rank, step, world)
+    return d
+
+
+def test_a_second_pause_while_paused_is_recorded_but_not_queued_ahead_of_resume(tmp_path):
+    engine = _engine(tmp_path)
+    engine.request("pause", "operator")
+    _apply(engine)
+    assert engine.paused
+    second = engine.request("pause", "alertmanager")
+    assert second["enforced"] is False and second["directive_id"] is None
+    engine.request("resume", "operator")
+    assert engine.pending_directive()["action"] == "resume"  # nothing queued ahead of it
+    _apply(engine)
+    assert not engine.paused
+
+
+def test_a_pause_requested_while_one_is_pending_is_not_queued_twice(tmp_path):
+    engine = _engine(tmp_path)
+    first = engine.request("pause", "operator")
+    second = engine.request("pause", "operator")
+    assert first["enforced"] and not second["enforced"]
+
+
+def test_a_rollback_applied_during_a_pause_ends_the_pause(tmp_path):
+    engine = _engine(tmp_path)
+    engine.request("pause", "operator")
+    _apply(engine)
+    engine.request("rollback", "operator", to_step=0)
+    _apply(engine)
+    assert not engine.paused
