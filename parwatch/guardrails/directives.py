@@ -9,10 +9,13 @@ from __future__ import annotations
 
 
 class Directives:
-    def __init__(self):
+    def __init__(self, first_id: int = 1):
         self.outstanding: list[dict] = []
         """Not yet applied by every rank, oldest first; each also holds acks {rank: step}."""
-        self.next_id = 1
+        self.next_id = first_id
+        """Ids only grow: the trainer ignores an id at or below the last it applied. A sidecar
+        that lost its state dir starts from the clock (milliseconds), so its first directive
+        is still newer than anything the running trainer saw; float64-exact in the boundary slot."""
 
     def add(self, action: str, to_step: int | None, skip_batches: int, reason: str) -> int:
         directive = {"id": self.next_id, "action": action, "to_step": to_step,
@@ -47,5 +50,5 @@ class Directives:
 
     def restore(self, saved: dict, min_next_id: int = 1) -> None:
         self.outstanding = [dict(d, acks=dict(d.get("acks", {}))) for d in saved.get("outstanding", [])]
-        self.next_id = max(int(saved.get("next_id", 1)), min_next_id,
+        self.next_id = max(int(saved.get("next_id", self.next_id)), min_next_id,
                            1 + max((d["id"] for d in self.outstanding), default=0))

@@ -84,7 +84,7 @@ class GuardrailEngine:
         self._state_file = StateFile(self._dir / "state.json", self._state, now)
         self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
         self._metrics = {r.metric for r in rules.rules}
-        self._directives = Directives()
+        self._directives = Directives(first_id=max(1, int(now() * 1000)))
         self._paused = False
         self._next_decision_id = 1
         self._checkpoints: set[int] = set()

@@ -48,3 +48,12 @@ def test_a_rollback_applied_during_a_pause_ends_the_pause(tmp_path):
     engine.request("rollback", "operator", to_step=0)
     _apply(engine)
     assert not engine.paused
+
+
+def test_a_sidecar_that_lost_its_state_still_issues_ids_newer_than_the_trainer_saw(tmp_path):
+    old = GuardrailEngine(parse_rules(RULES), tmp_path / "old", now=lambda: 1000.0)
+    seen = old.request("pause", "operator")["directive_id"]
+    fresh = GuardrailEngine(parse_rules(RULES), tmp_path / "new", now=lambda: 1001.0)
+    assert fresh.request("pause", "operator")["directive_id"] > seen
+    again = GuardrailEngine(parse_rules(RULES), tmp_path / "old", now=lambda: 5.0)  # restart, state kept
+    assert again.request("resume", "operator")["directive_id"] == seen + 1
