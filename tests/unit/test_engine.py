@@ -339,11 +339,12 @@ def test_restart_continues_from_persisted_state(tmp_path):
 def test_ids_continue_from_the_log_if_state_is_lost(tmp_path):
     run = Run(ruleset(skew_rule()), tmp_path)
     run.feed(pipeline_skew_ratio=1.0)
-    run.engine.request("pause", "operator")
+    first = run.engine.request("pause", "operator")
     (tmp_path / "state.json").unlink()
     again = Run(ruleset(skew_rule()), tmp_path)
     record = again.engine.request("pause", "operator")
-    assert (record["id"], record["directive_id"]) == (2, 2)
+    # decision ids continue from the log; directive ids only ever grow (clock-seeded when fresh)
+    assert record["id"] == 2 and record["directive_id"] > first["directive_id"]
 
 
 def test_reload_keeps_states_of_surviving_rules(tmp_path):
