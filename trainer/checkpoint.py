@@ -129,8 +129,8 @@ def save_checkpoint(root: str | Path, step: int, rank: int, world_size: int, sta
     """Save this rank's shard; rank 0 then writes the manifest and prunes old checkpoints.
 
     Every rank must call it with the same step, world_size and keep_last. `barrier` is
-    called twice (after the shards, after the manifest), so no rank returns before the
-    step is complete. keep_last=0 keeps every checkpoint. Returns the step directory.
+    called three times (after rank 0 drops a stale manifest, after the shards, after the
+    manifest), so no rank returns before the step is complete. keep_last=0 keeps every checkpoint. Returns the step directory.
     """
     if not 0 <= rank < world_size:
         raise CheckpointError(f"save_checkpoint: rank={rank} is outside world_size={world_size}")
@@ -140,6 +140,10 @@ def save_checkpoint(root: str | Path, step: int, rank: int, world_size: int, sta
     directory.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         _remove_stale_manifest(directory)
+    # Saving a step again (after a rollback): no rank may replace its shard while the old
+    # manifest still vouches for the old one, or a crash in between leaves a listed
+    # checkpoint that fails its own sha256 check.
+    barrier()
 
     writer_box = {}
 
