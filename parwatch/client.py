@@ -5,7 +5,6 @@ The httpx session is injectable, so tests can hand in FastAPI's TestClient.
 
 from __future__ import annotations
 
-import os
 
 import httpx
 
@@ -72,11 +71,3 @@ class SidecarClient:
 
     def alerts(self, payload: dict) -> dict:
         return self._call("POST", "/v1/alerts", json=payload)
-
-
-def token_from(token_file: str | None, environ=os.environ) -> str | None:
-    """--token-file wins over PARWATCH_TOKEN."""
-    if token_file:
-        with open(token_file, encoding="utf-8") as f:
-            return f.read().strip() or None
-    return environ.get("PARWATCH_TOKEN") or None

@@ -8,7 +8,8 @@ import json
 
 import click
 
-from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError, token_from
+from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
+from parwatch.sidecar.config import ConfigError, read_token
 
 CTX = {"help_option_names": ["-h", "--help"]}
 
@@ -22,8 +23,10 @@ def _connection(f):
     @functools.wraps(f)
     def wrapper(endpoint, token_file, as_json, **kw):
         try:
-            with SidecarClient(endpoint, token_from(token_file)) as client:
+            with SidecarClient(endpoint, read_token(token_file)) as client:
                 out = f(client, **kw)
+        except ConfigError as err:
+            raise click.ClickException(str(err)) from None
         except SidecarError as err:
             raise click.ClickException(_with_fix(err, endpoint)) from None
         click.echo(json.dumps(out, indent=2) if as_json else _human(out))

@@ -32,20 +32,15 @@ def detach(collector: Collector) -> None:
 
 
 def read_token(path: str) -> str | None:
-    """The bearer token from `path` (--parwatch-token-file), else $PARWATCH_TOKEN, else None."""
-    if path:
-        from trainer.errors import ConfigError
+    """--parwatch-token-file, else $PARWATCH_TOKEN, else None; a bad file is a trainer ConfigError."""
+    from parwatch.sidecar.config import ConfigError as TokenError
+    from parwatch.sidecar.config import read_token as read
+    from trainer.errors import ConfigError
 
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"--parwatch-token-file={path}: cannot read it ({exc.strerror}); "
-                              "point it at a readable file holding the sidecar's token") from None
-        if not token:
-            raise ConfigError(f"--parwatch-token-file={path} is empty; write the sidecar's token into it")
-        return token
-    return os.environ.get("PARWATCH_TOKEN") or None
+    try:
+        return read(path, flag="--parwatch-token-file")
+    except TokenError as err:
+        raise ConfigError(str(err)) from None
 
 
 def attach_from_config(cfg, rank: int, world_size: int, local_rank: int, backend: str) -> Collector:

@@ -86,14 +86,18 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
-def read_token(token_file: str | os.PathLike | None, environ=os.environ) -> str | None:
-    """The token from --token-file (stripped) or else PARWATCH_TOKEN; None when neither is set."""
-    if token_file is not None:
+def read_token(token_file: str | os.PathLike | None, environ=os.environ, flag: str = "--token-file") -> str | None:
+    """The token from the file (stripped) or else PARWATCH_TOKEN; None when neither is set.
+
+    The one token reader of the sidecar, the CLI clients and the collector; `flag` names
+    the caller's option in the error."""
+    if token_file:
         try:
             token = Path(token_file).read_text().strip()
         except OSError as err:
-            raise ConfigError(f"--token-file {token_file}: cannot read it ({err.strerror})") from err
+            raise ConfigError(f"{flag} {token_file}: cannot read it ({err.strerror}); "
+                              "point it at a readable file holding the sidecar's token") from err
         if not token:
-            raise ConfigError(f"--token-file {token_file} is empty; write the secret into it")
+            raise ConfigError(f"{flag} {token_file} is empty; write the sidecar's token into it")
         return token
     return environ.get(TOKEN_ENV) or None
