@@ -39,7 +39,11 @@ class Comm:
     slow_ms: dict = field(default_factory=dict)
     """Injected extra latency per collective, by group role ("tp", "pp", "dp")."""
     registry: hooks.HookRegistry = hooks.registry
+    faults: object = None
+    """trainer.faults.Faults whose hang points sit here (set by the executor), or None."""
     _pending: list = field(default_factory=list)
+    _seq: dict = field(default_factory=dict)
+    """Collectives entered so far, by group role: the `seq` attr that lines up a group's ranks."""
 
     # ---------------------------------------------------------------- groups
     def size(self, role: str) -> int:
@@ -61,8 +65,12 @@ class Comm:
         n = self.size(role)
         if n == 1:
             return tensor
+        if self.faults is not None and role == "tp":
+            self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
+        self._seq[role] = seq = self._seq.get(role, 0) + 1
         with self.registry.span(
-            hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n
+            hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
+            seq=seq,
         ):
             self._delay(role)
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group(role))
@@ -72,6 +80,9 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, **attrs) -> None:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
+        if self.faults is not None and self.faults.hang_due("send"):
+            with self.registry.span(hooks.SEND, peer=dst, op="send", group="pp", **attrs):
+                self.faults.hang_if("send")  # the rank reads as stuck in a send to dst
         active = self.registry.active
         start = self.registry.mark() if active else None
         self._delay("pp")

@@ -48,6 +48,8 @@ class PipelineExecutor:
         self.pp_ranks = g.pp_ranks
         self.dp_rank = g.coords.dp_rank
         self.last_vstage = self.p * self.v - 1
+        if comm.faults is None:
+            comm.faults = faults  # its hang points (before a TP all-reduce, before a p2p send)
 
     # ------------------------------------------------------------------ helpers
     def _vstage(self, chunk: int) -> int:
@@ -80,6 +82,7 @@ class PipelineExecutor:
         losses: list = []
         poison = self.stage == (self.last_vstage % self.p) and self.faults.nan_now(step)
         straggle_s = self.faults.straggler_ms(step) / 1000.0
+        self.faults.begin_step(step)
         for instr in self.instrs:
             key = (instr.microbatch, instr.chunk)
             vstage = self._vstage(instr.chunk)
@@ -95,6 +98,7 @@ class PipelineExecutor:
                 grads[key] = buf
             elif op == "forward":
                 with reg.span(hooks.FORWARD, **attrs):
+                    self.faults.hang_if("compute")
                     chunk = self.chunks[instr.chunk]
                     if vstage == 0 or vstage == self.last_vstage:
                         ids, targets = self._data(data_step, instr.microbatch)

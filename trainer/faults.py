@@ -5,10 +5,15 @@
                                             a transient fault; a rollback that replays step 5 is clean)
     slow-collective:group=tp,ms=5           extra latency on every collective of that group
     crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
+    hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, process alive:
+                                            where=compute inside its first forward, where=collective
+                                            before its first TP all-reduce (needs tp >= 2), where=send
+                                            before its first p2p send (needs pp >= 2)
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError
@@ -18,9 +23,14 @@ _SPECS = {
     "nan": {"step": int},
     "slow-collective": {"group": str, "ms": float},
     "crash": {"rank": int, "step": int},
+    "hang": {"rank": int, "step": int, "where": str},
 }
-_REQUIRED = {"straggler": {"stage", "ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"}}
-_EXAMPLE = "straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
+_REQUIRED = {"straggler": {"stage", "ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
+             "hang": {"rank", "step"}}
+_EXAMPLE = ("straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
+            " | hang:rank=1,step=5,where=collective")
+HANG_PLACES = ("compute", "collective", "send")
+"""Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,11 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}; e.g. {_EXAMPLE}")
     if kind == "slow-collective" and params["group"] not in ("tp", "pp", "dp"):
         raise ConfigError(f"--inject {spec!r}: group must be tp, pp or dp")
+    if kind == "hang":
+        params.setdefault("where", "compute")
+        if params["where"] not in HANG_PLACES:
+            raise ConfigError(f"--inject {spec!r}: where={params['where']!r} is not one of "
+                              f"{', '.join(HANG_PLACES)}; e.g. hang:rank=1,step=5,where=send")
     return Fault(kind, params)
 
 
@@ -59,6 +74,8 @@ class Faults:
         self.faults = faults
         self.rank, self.stage = rank, stage
         self._nan_done: set[int] = set()
+        self._hangs = {f.params["step"]: f.params["where"] for f in faults if f.kind == "hang" and f.params["rank"] == rank}
+        self._step = 0  # the step being executed (begin_step), for the hang points in trainer.comm
 
     def straggler_ms(self, step: int) -> float:
         return sum(
@@ -83,3 +100,18 @@ class Faults:
             if f.kind == "slow-collective":
                 out[f.params["group"]] = out.get(f.params["group"], 0.0) + f.params["ms"]
         return out
+
+    # -- hang faults: the rank blocks for good, its process (and its threads) alive -------------
+    def begin_step(self, step: int) -> None:
+        self._step = step
+
+    def hang_due(self, where: str) -> bool:
+        return bool(self._hangs) and self._hangs.get(self._step) == where
+
+    def hang_if(self, where: str) -> None:
+        """Block forever if a hang is injected here (`where` in HANG_PLACES) at the current step."""
+        if self.hang_due(where):
+            import logging
+
+            logging.getLogger("trainer").error("rank %d: injected hang (%s) at step %d", self.rank, where, self._step)
+            threading.Event().wait()  # releases the GIL: the collector's threads keep reporting

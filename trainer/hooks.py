@@ -126,19 +126,22 @@ _NULL_SPAN = _NullSpan()
 
 
 class _LiveSpan:
-    __slots__ = ("_reg", "_span")
+    __slots__ = ("_reg", "_span", "_outer")
 
     def __init__(self, reg: "HookRegistry", kind: str, attrs: dict):
         self._reg = reg
         self._span = Span(kind, None, None, attrs)
+        self._outer = reg.current  # spans nest (a TP all-reduce inside a forward): restored on exit
 
     def __enter__(self):
         self._span.start = self._reg.clock.mark()
+        self._reg.current = self._span
         return self._span
 
     def __exit__(self, *exc):
         span = self._span
         span.end = self._reg.clock.mark()
+        self._reg.current = self._outer
         for obs in self._reg.observers:
             obs.on_span(span)
         return False
@@ -149,6 +152,9 @@ class HookRegistry:
         self.observers: list[Observer] = []
         self.clock: Clock = PerfCounterClock()
         self.active = False
+        self.current: Span | None = None
+        """The innermost open span of the training thread, or None: one attribute store per span
+        entry and exit, read by the collector's activity thread (a hang names what was open)."""
 
     def register(self, observer: Observer) -> None:
         self.observers.append(observer)
@@ -162,6 +168,7 @@ class HookRegistry:
         self.observers.clear()
         self.clock = PerfCounterClock()
         self.active = False
+        self.current = None
 
     def span(self, kind: str, **attrs):
         if not self.active:

@@ -21,10 +21,12 @@ rank has acknowledged the previous one, and a paused run sends no summaries.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 from parwatch.collector import global_view as gv
+from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
 from parwatch.collector.nvml import NvmlSampler
@@ -32,6 +34,7 @@ from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary
+from trainer import hooks as _hooks
 from trainer.hooks import BoundaryInfo, Observer, Span
 
 log = logging.getLogger("parwatch.collector")
@@ -92,6 +95,11 @@ class Collector(Observer):
             http=http, on_directive=self.directives.put,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
         ).start()
+        self.activity = ActivityReporter(
+            ctx, _hooks.registry, endpoint, token, time_fn=time_fn, summary_fn=lambda: self.last_summary,
+            stacks_path=os.path.join(os.path.dirname(log_path), f"stacks-rank{ctx.rank}.txt") if log_path else None,
+        ).start()
+        """Live activity for hang detection (its own thread; attach() points it at the registry)."""
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
         self._model_flops: float | None = None  # this rank's model FLOPs per step (run_start event)
@@ -335,6 +343,7 @@ class Collector(Observer):
         from parwatch.collector.attach import detach  # attach imports this module
 
         detach(self)
+        self.activity.close(min(timeout, 1.0))
         if self._held is not None:
             self._ship_held()
         self.nvml.close(min(timeout, 1.0))
