@@ -25,6 +25,8 @@ from prometheus_client.registry import Collector
 
 RANK_STATES = {"running": 0, "hung": 1, "gone": 2}
 """parwatch_rank_state values."""
+STARTUP_FACTOR = 6.0
+"""Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
 MAX_WAITING_LISTED = 64
 """evidence.waiting lists at most this many ranks (waiting_count has them all)."""
 
@@ -200,6 +202,10 @@ class Progress:
         return statistics.median(self._seconds) if self._seconds else None
 
     def bound(self) -> float:
+        """max(step_factor x median step, min_seconds); before the first step completes, STARTUP_FACTOR x
+        min_seconds: start-up (imports, process groups, a checkpoint load) is slow and has no median yet."""
+        if self.step < 1:
+            return STARTUP_FACTOR * self.settings.min_seconds
         median = self.median_step_seconds()
         return max(self.settings.step_factor * median if median else 0.0, self.settings.min_seconds)
 
@@ -229,6 +235,15 @@ def _describe(c: dict) -> str:
         what += f" peer={c['peer']}"
     return (f"rank {c['rank']} (stage {c['stage']}, tp_rank {c['tp_rank']}, dp_rank {c['dp_rank']}, "
             f"host {c['host']}, pid {c['pid']}) in {what}")
+
+
+def _missing_text(missing: dict | None) -> str:
+    if not missing:
+        return ""
+    if missing["kind"] == "collective":
+        seq = f" #{missing['seq']}" if missing["seq"] is not None else ""
+        return f"; it has not joined {missing['op']} group={missing['group']}{seq}"
+    return f"; rank {missing['by']} waits in a recv from it"
 
 
 class HangMonitor:
@@ -284,16 +299,14 @@ class HangMonitor:
             if found is not None:
                 rank = found["culprit"]
                 a = rows.get(rank)
-                for w in found["waiting"]:
-                    states[w] = RANK_STATES["running"] if states.get(w) != RANK_STATES["gone"] else states[w]
                 if a is None or a.state != "gone":
                     states[rank] = RANK_STATES["hung"]
                 if self.hang is None and (a is None or a.state not in ("gone", "done")):
                     culprit = culprit_record(a, rank)
                     waiting = found["waiting"]
                     reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); "
-                              f"{_describe(culprit)} since {culprit['since']}; "
-                              f"{len(waiting)} ranks wait for it")
+                              f"{_describe(culprit)} since {culprit['since']}"
+                              + _missing_text(found["missing"]) + f"; {len(waiting)} ranks wait for it")
                     evidence = {"culprit": culprit, "waiting": waiting[:MAX_WAITING_LISTED],
                                 "waiting_count": len(waiting), "missing": found["missing"],
                                 "method": found["method"], "stalled_seconds": round(stalled, 3),
