@@ -294,7 +294,8 @@ class HangMonitor:
             self._gone_reported.update(a.rank for a in gone)
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
-        if not paused and stalled >= bound and self.layout is not None and rows:
+        crashed = any(a.state == "gone" for a in rows.values())  # a stall after a crash is the crash's
+        if not paused and not crashed and stalled >= bound and self.layout is not None and rows:
             found = find_culprit(rows, self.layout)
             if found is not None:
                 rank = found["culprit"]
