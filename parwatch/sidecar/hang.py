@@ -109,7 +109,7 @@ class HangSettings:
 
 def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
     """The node `a` waits for: ("rank", peer) in a recv, ("group", key) in a collective; None if it waits for nobody."""
-    if a.state != "running" or a.kind is None:
+    if a.state not in ("running", "gone") or a.kind is None:  # a gone rank's last wait still tells who went first
         return None
     if a.kind == "recv" and a.peer is not None:
         return ("rank", int(a.peer))
@@ -282,8 +282,15 @@ class HangMonitor:
                   for r, a in rows.items() if a.state != "done"}
         gone = sorted((a for a in rows.values() if a.state == "gone" and a.rank not in self._gone_reported),
                       key=lambda a: (a.time, a.rank))
-        if gone:  # a crash: the process ended. The first to go is the likely cause of the rest.
+        if gone:  # a crash: the process ended. The one the others last waited for went first.
             first = gone[0]
+            if len(gone) > 1 and self.layout is not None:
+                found = find_culprit(rows, self.layout)
+                named = rows.get(found["culprit"]) if found else None
+                if named is not None and named in gone:
+                    first = named
+                    gone.remove(named)
+                    gone.insert(0, named)
             culprit = culprit_record(first, first.rank)
             others = [a.rank for a in gone[1:]]
             reason = f"rank-gone: {_describe(culprit)} ended (its process is gone), last step {first.step}"

@@ -204,3 +204,15 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
     assert culprit["rank"] == hung and culprit["kind"] == "backward" and culprit["host"] == f"n{hung // per_node}"
     assert record["evidence"]["waiting_count"] == lay.world - 1
     assert (culprit["stage"], culprit["tp_rank"], culprit["dp_rank"]) == ((hung // 8) % 16, hung % 8, hung // 128)
+
+
+def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=3), lay, clock.t)
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", time=9.0),
+            1: act(1, lay, "backward", step=3, state="gone", time=5.0)}
+    rows[0], rows[1] = rows[0]._replace(time=1.0), rows[1]._replace(time=2.0)  # sampling order says nothing
+    [record] = monitor.check(rows)
+    assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
+    assert record["evidence"]["gone"] == [1, 0]
