@@ -147,8 +147,7 @@ class ActivityReporter:
         if self.stacks_path and self._stacks_file is None:
             self._register_stack_dump()
         if self.url and self._thread is None:
-            if self._http is None:
-                import httpx  # noqa: F401  (import now, not on the thread mid-step: see shipper.start)
+            self._client()  # build the HTTP client (and its TLS context) now, at attach time, not mid-run
             self._thread = threading.Thread(target=self._run, name="parwatch-activity", daemon=True)
             self._thread.start()
         return self
