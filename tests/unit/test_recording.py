@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from parwatch import catalog
 from parwatch import recording as rec
 from parwatch.cli.dashboards import dashboards as dashboards_cli
-from parwatch.collector.global_view import build_global_view
-from parwatch.collector.stats import bubble_ratio
+from parwatch.collector import global_view as gv
+from parwatch.collector.stats import breakdown
 from parwatch.guardrails.alerts import render_alert_rules
 from parwatch.guardrails.rules import REDUCES, Rule, RuleSet, default_rules
 
@@ -106,32 +106,23 @@ def test_cli_writes_the_rules_and_names_a_bad_window(tmp_path):
 # --- one bubble per stage ---------------------------------------------------------------------------
 
 
-def _row(step, step_s, compute, other):
-    """A boundary row as collector.global_view reads it (its slot layout)."""
-    from parwatch.collector import global_view as gv
-
-    row = [0.0] * (max(gv.VALID, gv.STEP, gv.STEP_SECONDS, gv.COMPUTE, gv.OTHER, gv.IDLE) + 1)
-    row[gv.VALID], row[gv.STEP] = 1.0, float(step)
-    row[gv.STEP_SECONDS], row[gv.COMPUTE], row[gv.OTHER] = step_s, compute, other
-    row[gv.IDLE] = step_s - compute - other
-    return row
-
-
 def test_recorded_stage_bubble_is_the_mean_the_guardrail_judges():
-    """tp=2, pp=2: the guardrail's stage bubble (global view) equals the mean of the per-rank
-    bubbles the exporter writes, which is what stage:parwatch_stage_bubble_ratio:avg records.
-    A stage's ranks share the step period (the boundary collective ends it on all of them) and
-    their other seconds (optimizer, DP sync), so the mean of ratios is the ratio of means."""
-    rows = [_row(7, 1.0, 0.5, 0.1), _row(7, 1.0, 0.7, 0.1),   # stage 0: tp ranks 0, 1
-            _row(7, 1.0, 0.8, 0.1), _row(7, 1.0, 0.6, 0.1)]   # stage 1: tp ranks 2, 3
-    stage_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
-    view = build_global_view(rows, stage_of, step=7, loss=1.0)
-    from parwatch.collector import global_view as gv
-
+    """tp=2, pp=2: the guardrail's stage bubble (rank 0's global view, from the summed boundary
+    vector) equals the mean of the per-rank bubbles the exporter writes, which is what
+    stage:parwatch_stage_bubble_ratio:avg records. A stage's ranks share the step period (the
+    boundary collective ends it on all of them) and their other seconds (optimizer, DP sync), so
+    the mean of their ratios is the ratio of their mean idle and busy times."""
+    ranks = {0: (0, breakdown(1.0, 0.5, 0.1)), 1: (0, breakdown(1.0, 0.7, 0.1)),   # stage 0: tp ranks 0, 1
+             2: (1, breakdown(1.0, 0.8, 0.1)), 3: (1, breakdown(1.0, 0.6, 0.1))}   # stage 1: tp ranks 2, 3
+    summed = [0.0] * gv.slots_for(2)
+    for rank, (stage, b) in ranks.items():  # what the SUM all-reduce of every rank's slots gives
+        slots = [0.0] * gv.slots_for(2)
+        gv.fill_slots(slots, rank=rank, stage=stage, previous=b, previous_step=6)
+        summed = [x + y for x, y in zip(summed, slots)]
+    view = gv.build_global_view(summed, pp=2, loss=1.0)
     for stage in (0, 1):
-        per_rank = [bubble_ratio(r[gv.IDLE], r[gv.STEP_SECONDS], r[gv.OTHER]) for i, r in enumerate(rows)
-                    if stage_of(i) == stage]
+        exported = [b.bubble_ratio for s, b in ranks.values() if s == stage]  # parwatch_stage_bubble_ratio per rank
         judged = next(s["bubble_ratio"] for s in view["stages"] if s["stage"] == stage)
-        assert sum(per_rank) / len(per_rank) == pytest.approx(judged, abs=1e-12)
+        assert sum(exported) / len(exported) == pytest.approx(judged, abs=1e-12)
     # And not the max over the stage's ranks, which the dashboard drew before.
-    assert max(bubble_ratio(r[gv.IDLE], 1.0, 0.1) for r in rows[:2]) > view["stages"][0]["bubble_ratio"]
+    assert max(ranks[0][1].bubble_ratio, ranks[1][1].bubble_ratio) > view["stages"][0]["bubble_ratio"]
