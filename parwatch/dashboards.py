@@ -144,8 +144,6 @@ def _layout(panels: list[dict]) -> list[dict]:
 RANGE = "$__range"  # Grafana substitutes these; tests put concrete values in their place.
 RANGE_S = "$__range_s"
 PRICE = "$price_per_gpu_hour"
-IDLE = rec.rate_name("job", "parwatch_stage_idle_seconds_total")
-COMPUTE = rec.rate_name("job", "parwatch_stage_compute_seconds_total")
 OG_LEGEND = "{{op}} {{group}}"
 
 
@@ -158,18 +156,25 @@ def _job_ops(name: str, ops, unit_legend: str = "") -> list[tuple[str, str]]:
     return [(rec.job(name, op), f"{op}{unit_legend}") for op in ops]
 
 
-def panels(rules_path: Path = DEFAULT_RULES) -> list[dict]:
-    """Every panel, in reading order, before layout."""
+def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> list[dict]:
+    """Every panel, in reading order, before layout; recorded rates over `window` (as recorded)."""
     excess = rule_threshold("bubble-excess", "above", rules_path)
     skew = rule_threshold("stage-skew", "above", rules_path)
     util = rule_threshold("gpu-underutilized", "below", rules_path)
     labels = rec.RUN_INFO_LABELS
-    step_buckets, coll_buckets = rec.STAGE_STEP_BUCKETS, rec.COLLECTIVE_BUCKETS
+    step_buckets = rec.bucket_rate_name("stage", "parwatch_step_duration_seconds", window)
+    coll_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds", window)
+    transfer_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_transfer_seconds", window)
+
+    def rate(level, counter):
+        return rec.rate_name(level, counter, window)
+
+    idle, compute = rate("job", "parwatch_stage_idle_seconds_total"), rate("job", "parwatch_stage_compute_seconds_total")
     return [
         # Run at a glance.
         stat("Step", [(rec.job("parwatch_train_step", "max"), "step")]),
         stat("Loss", [(rec.job("parwatch_loss", "max"), "loss")], decimals=4),
-        stat("Tokens / s", [(rec.rate_name("job", "parwatch_tokens_total"), "tokens/s")], unit="short",
+        stat("Tokens / s", [(rate("job", "parwatch_tokens_total"), "tokens/s")], unit="short",
              desc="max over sidecars, not sum: every sidecar exports the whole run's token count"),
         stat("Ranks up", [(rec.job("parwatch_rank_up", "sum"), "up"), (rec.job("parwatch_rank_up", "count"), "ranks")]),
         stat("Run", [(rec.job("parwatch_run_paused", "max"), "paused")],
@@ -184,7 +189,7 @@ def panels(rules_path: Path = DEFAULT_RULES) -> list[dict]:
         # Training progress.
         timeseries("Loss and step", [(rec.job("parwatch_loss", "max"), "loss"), (rec.job("parwatch_train_step", "max"), "step")],
                    overrides=[_right_axis("step")]),
-        timeseries("Tokens per second", [(rec.rate_name("job", "parwatch_tokens_total"), "tokens/s")], unit="short"),
+        timeseries("Tokens per second", [(rate("job", "parwatch_tokens_total"), "tokens/s")], unit="short"),
         timeseries("Step duration per stage (p50, p99)",
                    [(f"histogram_quantile(0.5, {step_buckets})", "stage {{stage}} p50"),
                     (f"histogram_quantile(0.99, {step_buckets})", "stage {{stage}} p99"),
@@ -207,35 +212,35 @@ def panels(rules_path: Path = DEFAULT_RULES) -> list[dict]:
         timeseries("Pipeline skew", [(rec.job("parwatch_pipeline_skew_ratio", "max"), "skew")], limit=skew,
                    desc="max over stages of compute seconds / mean; the line is the stage-skew guardrail"),
         timeseries("Stage compute vs idle (seconds per second)",
-                   [(rec.rate_name("stage", "parwatch_stage_compute_seconds_total"), "stage {{stage}} compute"),
-                    (rec.rate_name("stage", "parwatch_stage_idle_seconds_total"), "stage {{stage}} idle")],
+                   [(rate("stage", "parwatch_stage_compute_seconds_total"), "stage {{stage}} compute"),
+                    (rate("stage", "parwatch_stage_idle_seconds_total"), "stage {{stage}} idle")],
                    desc="summed over the stage's ranks: 1 means one rank busy (or idle) all the time"),
         # Cost of idling.
-        stat("Idle GPU-hours (time range)", [(f"{_avg_range(IDLE)} * {RANGE_S} / 3600", "GPU-hours")], w=6, decimals=2),
-        stat("Idle cost (time range)", [(f"{_avg_range(IDLE)} * {RANGE_S} / 3600 * {PRICE}", "cost")], w=6, decimals=2,
+        stat("Idle GPU-hours (time range)", [(f"{_avg_range(idle)} * {RANGE_S} / 3600", "GPU-hours")], w=6, decimals=2),
+        stat("Idle cost (time range)", [(f"{_avg_range(idle)} * {RANGE_S} / 3600 * {PRICE}", "cost")], w=6, decimals=2,
              desc="idle GPU-hours x the price-per-GPU-hour variable"),
-        stat("GPUs idle on average", [(_avg_range(IDLE), "GPUs")], w=6, decimals=2),
-        stat("Idle share of compute + idle", [(f"{_avg_range(IDLE)} / ({_avg_range(IDLE)} + {_avg_range(COMPUTE)})", "idle")],
+        stat("GPUs idle on average", [(_avg_range(idle), "GPUs")], w=6, decimals=2),
+        stat("Idle share of compute + idle", [(f"{_avg_range(idle)} / ({_avg_range(idle)} + {_avg_range(compute)})", "idle")],
              unit="percentunit", w=6),
-        timeseries("Idle cost rate (per hour)", [(f"{IDLE} * {PRICE}", "cost / hour")], w=24, h=6,
+        timeseries("Idle cost rate (per hour)", [(f"{idle} * {PRICE}", "cost / hour")], w=24, h=6,
                    desc="GPUs idle right now x the price per GPU-hour"),
         # Collectives.
         heatmap("Collective latency", f"sum by (le) ({coll_buckets})"),
         timeseries("Collective p99 per op and group", [(f"histogram_quantile(0.99, {coll_buckets})", OG_LEGEND)], unit="s"),
         timeseries("Collective transfer p99 (arrival wait removed)",
-                   [(f"histogram_quantile(0.99, {rec.TRANSFER_BUCKETS})", OG_LEGEND)], unit="s",
+                   [(f"histogram_quantile(0.99, {transfer_buckets})", OG_LEGEND)], unit="s",
                    desc="what the link costs once the last rank has arrived; the rest is waiting on a straggler"),
         timeseries("Collective wait (seconds per second)",
-                   [(rec.rate_name("op_group", "parwatch_collective_wait_seconds_total"), OG_LEGEND)], unit="s",
+                   [(rate("op_group", "parwatch_collective_wait_seconds_total"), OG_LEGEND)], unit="s",
                    desc="time ranks spent in collectives waiting for the last rank to arrive"),
         timeseries("Bus bandwidth per op and group", [("op_group:parwatch_collective_busbw_bytes_per_second:avg", OG_LEGEND)],
                    unit="Bps"),
-        timeseries("Collective bytes per second", [(rec.rate_name("op_group", "parwatch_collective_bytes_total"), OG_LEGEND)],
+        timeseries("Collective bytes per second", [(rate("op_group", "parwatch_collective_bytes_total"), OG_LEGEND)],
                    unit="Bps"),
         # Stragglers and hangs.
         timeseries(f"Stragglers (top {rec.TOP_K} ranks, seconds others waited per second)",
-                   [(rec.STRAGGLERS_TOP, "rank {{rank}}"),
-                    (rec.rate_name("job", "parwatch_rank_straggler_seconds_total"), "all ranks")], unit="s"),
+                   [(rec.stragglers_top(window), "rank {{rank}}"),
+                    (rate("job", "parwatch_rank_straggler_seconds_total"), "all ranks")], unit="s"),
         timeseries("Ranks not running (1 hung, 2 gone)", [(rec.RANKS_NOT_RUNNING, "rank {{rank}}")],
                    desc="only ranks that are not running have a series here"),
         # GPUs.
@@ -260,15 +265,17 @@ def panels(rules_path: Path = DEFAULT_RULES) -> list[dict]:
         timeseries("Collector overhead", _job_ops("parwatch_collector_overhead_ratio", ("max", "avg"), " over ranks"),
                    unit="percentunit", w=8, desc="share of the step the collector spent on the training thread"),
         timeseries("Dropped summaries per second",
-                   [(rec.rate_name("job", "parwatch_collector_dropped_summaries_total"), "all ranks")], w=16, h=6,
+                   [(rate("job", "parwatch_collector_dropped_summaries_total"), "all ranks")], w=16, h=6,
                    desc="non-zero while a sidecar is away: the collector drops instead of blocking training"),
         stat("Rules reloads refused", [(rec.job("parwatch_sidecar_rules_reload_failures", "sum"), "refused")], w=8, h=6,
              limit=1, desc="SIGHUP reloads refused because the new rules file was invalid (the old rules stay)"),
     ]
 
 
-def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rules_path: Path = DEFAULT_RULES) -> dict:
-    """The dashboard model (Grafana schemaVersion 39), ready for file provisioning or the HTTP API."""
+def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rules_path: Path = DEFAULT_RULES,
+                    rate_window: str = rec.RATE_WINDOW) -> dict:
+    """The dashboard model (Grafana schemaVersion 39), ready for file provisioning or the HTTP API.
+    rate_window must be the one the recording rules were rendered with."""
     price = f"{price_per_gpu_hour:g}"
     return {
         "id": None,
@@ -292,7 +299,7 @@ def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rule
              "current": {"text": price, "value": price}, "hide": 0, "options": [{"selected": True, "text": price, "value": price}],
              "description": "what one accelerator costs per hour; the idle-cost panels multiply by it"},
         ]},
-        "panels": _layout(panels(rules_path)),
+        "panels": _layout(panels(rules_path, rate_window)),
     }
 
 

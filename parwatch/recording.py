@@ -62,10 +62,21 @@ def rate_name(level: str, counter: str, window: str = RATE_WINDOW) -> str:
 
 
 def mean_name(level: str, histogram: str, window: str = RATE_WINDOW) -> str:
+    """stage + parwatch_step_duration_seconds -> stage:parwatch_step_duration_seconds:mean1m."""
     return f"{level}:{histogram}:mean{window}"
 
 
+def bucket_rate_name(level: str, histogram: str, window: str = RATE_WINDOW) -> str:
+    """Bucket rates kept by `le` (and the level's labels), for histogram_quantile and heatmaps."""
+    return f"{level}:{histogram}_bucket:rate{window}"
+
+
+def stragglers_top(window: str = RATE_WINDOW) -> str:
+    return f"rank:parwatch_rank_straggler_seconds:rate{window}_top{TOP_K}"
+
+
 # Names the dashboard and the alerts refer to (one definition; the rules below produce them).
+# Names with a rate window in them come from the functions above, given the same window.
 STAGE_BUBBLE = "stage:parwatch_stage_bubble_ratio:avg"
 STAGE_BUBBLE_THEORY = "stage:parwatch_stage_bubble_theoretical_ratio:max"
 STAGE_BUBBLE_EXCESS = "stage:parwatch_stage_bubble_excess_ratio:avg"
@@ -74,13 +85,9 @@ STAGE_BUBBLE_CAUSES = {cause: f"stage:parwatch_stage_bubble_{cause}_ratio:max"
 STAGE_MEMORY = "stage:parwatch_torch_memory_max_allocated_bytes:max"
 JOB_STEP_P99 = f"job:parwatch_step_duration_seconds:p99_{QUANTILE_WINDOW}"
 JOB_STEP_P50 = f"job:parwatch_step_duration_seconds:p50_{QUANTILE_WINDOW}"
-STAGE_STEP_BUCKETS = f"stage:parwatch_step_duration_seconds_bucket:rate{RATE_WINDOW}"
-COLLECTIVE_BUCKETS = f"op_group:parwatch_collective_duration_seconds_bucket:rate{RATE_WINDOW}"
-TRANSFER_BUCKETS = f"op_group:parwatch_collective_transfer_seconds_bucket:rate{RATE_WINDOW}"
 RUN_INFO = "job:parwatch_run_info:max"
 RUN_INFO_LABELS = metric("parwatch_run_info").labels
 RANKS_NOT_RUNNING = "rank:parwatch_rank_state:not_running"
-STRAGGLERS_TOP = f"rank:parwatch_rank_straggler_seconds:rate{RATE_WINDOW}_top{TOP_K}"
 GPU_UTIL_BOTTOM = f"rank_gpu:parwatch_gpu_utilization_ratio:bottom{TOP_K}"
 
 
@@ -89,7 +96,7 @@ def job(name: str, op: str) -> str:
     return f"job:{name}:{op}"
 
 
-def _window(window: str) -> str:
+def checked_window(window: str) -> str:
     if not _WINDOW_RE.match(window):
         raise ValueError(f"rate window {window!r} is not a Prometheus duration such as 1m or 30s")
     return window
@@ -97,7 +104,7 @@ def _window(window: str) -> str:
 
 def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     """Every recording rule, with rates and means over `window` (alerts rendered with the same window)."""
-    w = _window(window)
+    w = checked_window(window)
     out: list[Recording] = []
 
     def add(record, expr):
@@ -125,14 +132,14 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         add(rate_name("job", counter, w), f"sum(rate({counter}[{w}]))")
     add(STAGE_MEMORY, f"max by (stage) ({_m('parwatch_torch_memory_max_allocated_bytes')})")
     step = _m("parwatch_step_duration_seconds")
-    add(f"stage:{step}_bucket:rate{w}", f"sum by (stage, le) (rate({step}_bucket[{w}]))")
+    add(bucket_rate_name("stage", step, w), f"sum by (stage, le) (rate({step}_bucket[{w}]))")
     add(mean_name("stage", step, w), f"sum by (stage) (rate({step}_sum[{w}])) / sum by (stage) (rate({step}_count[{w}]))")
     for q, record in ((0.5, JOB_STEP_P50), (0.99, JOB_STEP_P99)):
         add(record, f"histogram_quantile({q}, sum by (le) (rate({step}_bucket[{QUANTILE_WINDOW}])))")
 
     # Collectives, per op and group.
     for hist in ("parwatch_collective_duration_seconds", "parwatch_collective_transfer_seconds"):
-        add(f"op_group:{hist}_bucket:rate{w}", f"sum by (op, group, le) (rate({_m(hist)}_bucket[{w}]))")
+        add(bucket_rate_name("op_group", hist, w), f"sum by (op, group, le) (rate({_m(hist)}_bucket[{w}]))")
         add(mean_name("op_group", hist, w),
             f"sum by (op, group) (rate({hist}_sum[{w}])) / sum by (op, group) (rate({hist}_count[{w}]))")
     for counter in ("parwatch_collective_wait_seconds_total", "parwatch_collective_bytes_total"):
@@ -155,7 +162,7 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     add(RANKS_NOT_RUNNING, f"{state} > 0")
     straggler = _m("parwatch_rank_straggler_seconds_total")
     add(rate_name("job", straggler, w), f"sum(rate({straggler}[{w}]))")
-    add(STRAGGLERS_TOP, f"topk({TOP_K}, rate({straggler}[{RATE_WINDOW}]))")
+    add(stragglers_top(w), f"topk({TOP_K}, rate({straggler}[{w}]))")
     add(GPU_UTIL_BOTTOM, f"bottomk({TOP_K}, parwatch_gpu_utilization_ratio)")
     dropped = _m("parwatch_collector_dropped_summaries_total")
     add(rate_name("job", dropped, w), f"sum(rate({dropped}[{w}]))")

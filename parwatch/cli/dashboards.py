@@ -29,9 +29,15 @@ def dashboards():
 @click.option("-o", "--output", default="-", show_default=True, help="File to write; '-' is stdout.")
 @click.option("--price-per-gpu-hour", type=float, default=dash.DEFAULT_PRICE_PER_GPU_HOUR, show_default=True,
               help="Default of the dashboard's price variable (idle-cost panels).")
-def export(output, price_per_gpu_hour):
+@click.option("--rate-window", default=recording.RATE_WINDOW, show_default=True,
+              help="The window the recording rules were rendered with (the panels read their names).")
+def export(output, price_per_gpu_hour, rate_window):
     """Write the dashboard JSON (what Grafana's file or sidecar provisioning loads)."""
-    text = dash.dashboard_json(dash.build_dashboard(price_per_gpu_hour))
+    try:
+        board = dash.build_dashboard(price_per_gpu_hour, rate_window=recording.checked_window(rate_window))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--rate-window") from err
+    text = dash.dashboard_json(board)
     if output == "-":
         sys.stdout.write(text)
         return

@@ -96,6 +96,19 @@ def test_every_query_reads_only_recorded_series(board):
         assert "parwatch_" not in RECORDED.sub("", expr), f"reads a raw series instead of a recorded one: {expr}"
 
 
+def test_a_dashboard_for_another_rate_window_reads_that_windows_recordings():
+    board = dash.build_dashboard(rate_window="2m")
+    recorded = rec.recorded_names("2m")
+    names = {name for expr in exprs(board) for name in RECORDED.findall(expr)}
+    assert names <= recorded, names - recorded
+    assert any(name.endswith("rate2m") for name in names)
+
+
+def test_cli_export_names_a_bad_rate_window():
+    result = CliRunner().invoke(dashboards_cli, ["export", "--rate-window", "a minute"])
+    assert result.exit_code == 2 and "--rate-window" in result.output
+
+
 def test_every_catalogue_metric_reaches_a_panel(board):
     """Through the recording rules the dashboard reads: a metric no panel shows is a metric nobody sees."""
     used = {name for expr in exprs(board) for name in RECORDED.findall(expr)}
@@ -129,8 +142,9 @@ def test_histograms_are_read_from_buckets(board):
         assert t["format"] == "heatmap" and "parwatch_collective_duration_seconds_bucket" in t["expr"]
         assert "by (le)" in t["expr"] and p["options"]["calculate"] is False
     quantiles = [e for e in exprs(board) if "histogram_quantile(0.99" in e]
-    assert f"histogram_quantile(0.99, {rec.COLLECTIVE_BUCKETS})" in quantiles
-    assert "sum by (op, group, le)" in {r.record: r.expr for r in rec.recordings()}[rec.COLLECTIVE_BUCKETS]
+    buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds")
+    assert f"histogram_quantile(0.99, {buckets})" in quantiles
+    assert "sum by (op, group, le)" in {r.record: r.expr for r in rec.recordings()}[buckets]
 
 
 def _panel(board, title):
