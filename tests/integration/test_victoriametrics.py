@@ -113,7 +113,8 @@ def query(vm: str, promql: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vm(tmp_path_factory):
+def path(tmp_path_factory):
+    """(VictoriaMetrics URL, the sidecar's metrics URL) once recorded series are in VictoriaMetrics."""
     tmp = tmp_path_factory.mktemp("vm")
     vm_port, agent_port, vmalert_port = free_port(), free_port(), free_port()
     vm_url = f"http://127.0.0.1:{vm_port}"
@@ -157,7 +158,7 @@ def vm(tmp_path_factory):
                 f"no recorded series in VictoriaMetrics after {START_TIMEOUT_S} s\n--- vmalert ---\n"
                 f"{vmalert_log.read_text()[-2000:]}\n--- agent ---\n{agent_log.read_text()[-2000:]}")
             time.sleep(0.5)
-        yield vm_url
+        yield vm_url, sidecar.metrics_url
 
 
 def concrete(expr: str) -> str:
@@ -174,6 +175,11 @@ def sources(expr: str) -> set[str]:
     """Catalogue metrics behind an expression over recorded series."""
     return {catalog.metric(n).name for name in RECORDED.findall(expr)
             for n in re.findall(r"\bparwatch_[a-z0-9_]+", RECORDINGS[name])}
+
+
+@pytest.fixture(scope="module")
+def vm(path) -> str:
+    return path[0]
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +236,15 @@ def test_only_the_collectors_newer_metrics_are_excused_from_data(exported):
     assert {m.name for m in catalog.METRICS} - exported <= newer
     held = [expr for _, _, expr in PANEL_QUERIES if sources(expr) <= exported]
     assert len(held) >= 0.75 * len(PANEL_QUERIES)
+
+
+def test_the_real_sidecar_stays_within_the_series_budget_per_rank(path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    per_rank: dict[str, int] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{path[1]}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if "rank" in s.labels:
+                per_rank[s.labels["rank"]] = per_rank.get(s.labels["rank"], 0) + 1
+    assert sorted(per_rank) == [str(r) for r in range(TP * PP)]
+    assert max(per_rank.values()) <= catalog.SERIES_BUDGET_PER_RANK, per_rank
