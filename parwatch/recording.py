@@ -88,6 +88,7 @@ JOB_STEP_P50 = f"job:parwatch_step_duration_seconds:p50_{QUANTILE_WINDOW}"
 RUN_INFO = "job:parwatch_run_info:max"
 RUN_INFO_LABELS = metric("parwatch_run_info").labels
 RANKS_NOT_RUNNING = "rank:parwatch_rank_state:not_running"
+RANKS_DOWN = "rank:parwatch_rank_up:down"
 GPU_UTIL_BOTTOM = f"rank_gpu:parwatch_gpu_utilization_ratio:bottom{TOP_K}"
 
 
@@ -156,6 +157,8 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
                       ("parwatch_collector_overhead_ratio", ("max", "avg"))):
         for op in ops:
             add(job(name, op), f"{op}({_m(name)})")
+    # Short lists of the ranks that are wrong (a healthy run records none): which rank, not just how many.
+    add(RANKS_DOWN, "parwatch_rank_up == 0")
     state = _m("parwatch_rank_state")
     for word, code in (("hung", 1), ("gone", 2)):
         add(job(f"parwatch_rank_state_{word}", "count"), f"sum({state} == bool {code})")

@@ -104,6 +104,8 @@ class RealisticRun(Collector):
             return float(int(t * 2) // (10 if "checkpoint" in name else 1))
         if name in ("parwatch_guardrail_state", "parwatch_rank_state"):
             return float(i % 3)  # ok/pending/firing; running/hung/gone
+        if name == "parwatch_rank_up":
+            return 0.0 if i == 2 else 1.0  # the rank that is hung has stopped reporting
         if name.endswith("_ratio"):
             return {"parwatch_pipeline_skew_ratio": 1.1, "parwatch_stage_bubble_theoretical_ratio": 0.2}.get(name, 0.2 + 0.01 * i)
         return {"parwatch_loss": 2.3, "parwatch_run_paused": 0.0, "parwatch_hang_detected": 1.0, "parwatch_nvml_up": 1.0, "parwatch_rank_up": 1.0,
