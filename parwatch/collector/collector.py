@@ -82,9 +82,6 @@ class Collector(Observer):
         self._sample = span_sample_steps or (lambda step: False)
         self._time_fn = time_fn
         self._memory_fn = memory_fn or (peak_memory_bytes if ctx.local_gpu is not None else (lambda: None))
-        # Wall clock minus this host's monotonic clock: span records are placed on rank 0's
-        # wall-clock origin, so ranks of every host line up (as far as their clocks agree).
-        self._wall_offset = time_fn() - time.perf_counter()
         self.nvml = NvmlSampler(ctx.local_gpu, nvml=nvml, interval_s=nvml_interval_s).start()
         self.directives = DirectiveInbox()
         self.shipper = Shipper(
@@ -95,6 +92,11 @@ class Collector(Observer):
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
         self._model_flops: float | None = None  # this rank's model FLOPs per step (run_start event)
+        # Wall clock minus this clock's host seconds: span records are placed on rank 0's
+        # wall-clock origin, so ranks of every host line up (as far as their clocks agree).
+        mark = self.clock.mark()
+        self._wall_offset = time_fn() - self._host_seconds(mark)
+        self._release_marks([mark])
         self._stats = StepStats()
         self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
         """Whole-run figures (rank 0) added to the trainer's summary at run_end."""
@@ -291,6 +293,11 @@ class Collector(Observer):
                 continue
             stats.add(span.kind, seconds, span.attrs)
         return [mark for span in pending for mark in (span.start, span.end)]
+
+    def _release_marks(self, marks) -> None:
+        release = getattr(self.clock, "release", None)
+        if release is not None:
+            release(marks)
 
     def _release(self, marks) -> None:
         release = getattr(self.clock, "release", None)

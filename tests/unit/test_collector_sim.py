@@ -63,7 +63,7 @@ class SimRun:
         self.world = len(ranks)
 
     def boundary(self, step: int, kind: str, enter: dict | float, exit_t: float, loss: float = 2.5,
-                 on_collective=None, share_marks: bool = False):
+                 on_collective=None, share_marks: bool = False, report: OutcomeReport | None = None):
         """One boundary: each rank enters at enter[rank] (or `enter`), all leave at exit_t.
 
         share_marks: info.start/end are the collective span's own marks (a trainer may do that).
@@ -91,7 +91,7 @@ class SimRun:
             on_collective()
         for r, rank in enumerate(self.ranks):
             info = BoundaryInfo(step=step, kind=kind, loss=loss, directive=directive,
-                                report=OutcomeReport(0, {}, {}, None, self.world), start=marks[r][0],
+                                report=report or OutcomeReport(0, {}, {}, None, self.world), start=marks[r][0],
                                 end=marks[r][1], world_size=self.world)
             rank.registry.emit_boundary(info, list(summed))
         return directive
