@@ -14,6 +14,7 @@ are numbered per Grafana version.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -26,6 +27,10 @@ DEFAULT_FOLDER_UID = "parwatch"
 DEFAULT_PRICE_PER_GPU_HOUR = 2.5
 DEFAULT_RULES = Path(__file__).parent / "sidecar" / "default_rules.yaml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RECORDED_NAME = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
+RUN_FILTER = f'{{{rec.RUN_LABEL}=~"$job"}}'
+"""Recorded series keep the scrape job (one per run); the job variable picks the run."""
+RUN_VARIABLE_QUERY = f"label_values({rec.job('parwatch_train_step', 'max')}, {rec.RUN_LABEL})"
 GRID_WIDTH = 24
 
 
@@ -41,10 +46,16 @@ def rule_threshold(rule: str, key: str, rules_path: Path = DEFAULT_RULES) -> flo
 # --- panel builders ------------------------------------------------------------------------------
 
 
+def for_run(expr: str) -> str:
+    """Every recorded series in expr restricted to the run chosen in the dashboard's job variable."""
+    return RECORDED_NAME.sub(lambda m: m.group(0) + RUN_FILTER, expr)
+
+
 def _targets(exprs) -> list[dict]:
     """[(expr, legend), ...] -> Prometheus targets A, B, ... that all use the datasource variable."""
     return [
-        {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True}
+        {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": for_run(expr), "legendFormat": legend,
+         "range": True}
         for i, (expr, legend) in enumerate(exprs)
     ]
 
@@ -296,6 +307,10 @@ def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rule
         "templating": {"list": [
             {"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
+            {"type": "query", "name": "job", "label": "Run (scrape job)", "datasource": DATASOURCE,
+             "query": RUN_VARIABLE_QUERY, "definition": RUN_VARIABLE_QUERY, "refresh": 2, "sort": 1,
+             "includeAll": False, "multi": False, "current": {}, "hide": 0, "regex": "", "options": [],
+             "description": "one Helm release (one run) per job; every panel reads this run's recorded series"},
             {"type": "textbox", "name": "price_per_gpu_hour", "label": "Price per GPU-hour", "query": price,
              "current": {"text": price, "value": price}, "hide": 0, "options": [{"selected": True, "text": price, "value": price}],
              "description": "what one accelerator costs per hour; the idle-cost panels multiply by it"},

@@ -76,19 +76,20 @@ def alert_expression(rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS,
         return None
     reduce = PROMQL_REDUCE[rule.reduce]
     series = pick(reduce, rate_window)
+    per_run = rec.by()  # one alert per run (scrape job), never one reduced over every run
     if rule.check == "finite":
         series = FINITE_SERIES.get(rule.metric, series)
         return f"({series}) != ({series}) or abs({series}) == +Inf"
     if rule.check == "threshold":
         op, line = (">", rule.above) if rule.above is not None else ("<", rule.below)
-        return f"{reduce}({series}) {op} {line:g}"
+        return f"{reduce} {per_run} ({series}) {op} {line:g}"
     window = format_duration(rule.window_steps * step_seconds)
     step = format_duration(step_seconds)
     if rule.check == "spike":
-        current = f"{reduce}({series})"
+        current = f"{reduce} {per_run} ({series})"
         return f"{current} > {rule.factor:g} * quantile_over_time(0.5, ({current})[{window}:{step}] offset {step})"
     # regression: each series against its own median, then reduce the ratios
-    return (f"{reduce}(({series}) / quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})) "
+    return (f"{reduce} {per_run} (({series}) / quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})) "
             f"> {rule.factor:g}")
 
 

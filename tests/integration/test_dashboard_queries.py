@@ -32,7 +32,7 @@ from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 pytestmark = pytest.mark.integration
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-SUBSTITUTIONS = {"$__range_s": "300", "$__range": "5m", "$price_per_gpu_hour": "2.5"}
+SUBSTITUTIONS = {"$__range_s": "300", "$__range": "5m", "$price_per_gpu_hour": "2.5", "$job": "parwatch"}
 RECORDING_RULES = Path(__file__).resolve().parents[2] / "dashboards" / "recording_rules.yaml"
 START_TIMEOUT_S = 60
 
@@ -205,3 +205,9 @@ def test_panel_query_runs_and_returns_data(prometheus, title, ref, expr):
     ranged = api(prometheus, "query_range", query=promql, start=now - 30, end=now, step=1)
     assert ranged["status"] == "success", f"{title}: {ranged.get('error')}"
     assert ranged["data"]["result"], f"{title} ({ref}) range query returned no data"
+
+
+def test_run_variable_lists_the_scrape_job(prometheus):
+    """The dashboard's job variable (label_values of a recorded series) finds the run."""
+    values = api(prometheus, "label/job/values", **{"match[]": "job:parwatch_train_step:max"})
+    assert values["status"] == "success" and values["data"] == [SUBSTITUTIONS["$job"]]

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDING_RULES = ROOT / "dashboards" / "recording_rules.yaml"
 ALERTS = ROOT / "dashboards" / "alerts.yaml"
 BINARIES = {name: shutil.which(name) for name in ("prometheus", "victoria-metrics", "vmalert")}
-SUBSTITUTIONS = {"$__range_s": "300", "$__range": "5m", "$price_per_gpu_hour": "2.5"}
+SUBSTITUTIONS = {"$__range_s": "300", "$__range": "5m", "$price_per_gpu_hour": "2.5", "$job": "parwatch"}
 START_TIMEOUT_S = 60
 TP, PP = 2, 2
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.3)]
@@ -215,6 +215,12 @@ def test_alert_expression_is_answered_by_victoriametrics(vm, exported, alert):
     for name in RECORDED.findall(alert["expr"]):
         if sources(name) <= exported:
             assert query(vm, name)["data"]["result"], f"{alert['alert']} reads {name}, which has no data"
+
+
+def test_run_variable_lists_the_scrape_job(vm):
+    """The dashboard's job variable (label_values of a recorded series) finds the run."""
+    r = httpx.get(f"{vm}/api/v1/label/job/values", params={"match[]": "job:parwatch_train_step:max"}, timeout=30)
+    assert r.json()["data"] == [SUBSTITUTIONS["$job"]]
 
 
 def test_the_recorded_stage_bubble_is_the_mean_over_the_stages_ranks(vm):

@@ -23,7 +23,7 @@ from parwatch.cli.dashboards import dashboards as dashboards_cli
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_FILE = ROOT / "dashboards" / "parwatch.json"
 PANEL_TYPES = {"timeseries", "stat", "bargauge", "heatmap"}
-GRAFANA_VARIABLES = {"$__range", "$__range_s", "$price_per_gpu_hour"}
+GRAFANA_VARIABLES = {"$__range", "$__range_s", "$price_per_gpu_hour", "$job"}
 RECORDED = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
 
 
@@ -109,6 +109,17 @@ def test_cli_export_names_a_bad_rate_window():
     assert result.exit_code == 2 and "--rate-window" in result.output
 
 
+def test_every_recorded_series_is_read_for_the_chosen_run(board):
+    """Recorded series keep the scrape job (one per run): each panel reads the run in $job only."""
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    job = variables["job"]
+    assert job["type"] == "query" and job["query"] == f"label_values({rec.job('parwatch_train_step', 'max')}, job)"
+    assert job["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and job["multi"] is False
+    for expr in exprs(board):
+        for m in RECORDED.finditer(expr):
+            assert expr[m.end():].startswith('{job=~"$job"}'), expr
+
+
 def test_every_catalogue_metric_reaches_a_panel(board):
     """Through the recording rules the dashboard reads: a metric no panel shows is a metric nobody sees."""
     used = {name for expr in exprs(board) for name in RECORDED.findall(expr)}
@@ -122,8 +133,8 @@ def test_every_catalogue_metric_reaches_a_panel(board):
 def test_bubble_panels_and_alerts_read_the_stage_mean(board):
     """One bubble per stage: the panel draws and the alert judges the same recorded series."""
     excess = _panel(board, "Bubble excess (measured - theoretical)")
-    assert [t["expr"] for t in excess["targets"]] == [rec.STAGE_BUBBLE_EXCESS]
-    assert _panel(board, "Bubble ratio per stage vs theoretical")["targets"][0]["expr"] == rec.STAGE_BUBBLE
+    assert [t["expr"] for t in excess["targets"]] == [dash.for_run(rec.STAGE_BUBBLE_EXCESS)]
+    assert _panel(board, "Bubble ratio per stage vs theoretical")["targets"][0]["expr"] == dash.for_run(rec.STAGE_BUBBLE)
     alerts = yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"][0]["rules"]
     (alert,) = [a for a in alerts if a["labels"]["rule"] == "bubble-excess"]
     assert rec.STAGE_BUBBLE_EXCESS in alert["expr"]
@@ -143,8 +154,8 @@ def test_histograms_are_read_from_buckets(board):
         assert "by (le)" in t["expr"] and p["options"]["calculate"] is False
     quantiles = [e for e in exprs(board) if "histogram_quantile(0.99" in e]
     buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds")
-    assert f"histogram_quantile(0.99, {buckets})" in quantiles
-    assert "sum by (op, group, le)" in {r.record: r.expr for r in rec.recordings()}[buckets]
+    assert f"histogram_quantile(0.99, {dash.for_run(buckets)})" in quantiles
+    assert "sum by (job, op, group, le)" in {r.record: r.expr for r in rec.recordings()}[buckets]
 
 
 def _panel(board, title):

@@ -90,7 +90,7 @@ def test_every_alert_reads_recorded_series_that_exist(reduce):
 def test_default_alerts_render_from_the_recorded_stage_bubble():
     doc = render_alert_rules(default_rules())
     (excess,) = [a for a in doc["groups"][0]["rules"] if a["labels"]["rule"] == "bubble-excess"]
-    assert excess["expr"] == f"max({rec.STAGE_BUBBLE_EXCESS}) > 0.1"
+    assert excess["expr"] == f"max by (job) ({rec.STAGE_BUBBLE_EXCESS}) > 0.1"
 
 
 def test_cli_writes_the_rules_and_names_a_bad_window(tmp_path):

@@ -298,7 +298,7 @@ def test_render_maps_rules_to_promql_with_severity_and_for():
     skew, nan = doc["groups"][0]["rules"]
     assert skew["alert"] == "ParwatchSkew"
     # Alerts read recorded series (parwatch/recording.py), never per-rank ones.
-    assert skew["expr"] == "max(job:parwatch_pipeline_skew_ratio:max) > 1.5"
+    assert skew["expr"] == "max by (job) (job:parwatch_pipeline_skew_ratio:max) > 1.5"
     assert skew["for"] == "20s"
     assert skew["labels"] == {"severity": "warning", "parwatch_action": "alert", "rule": "skew"}
     assert skew["annotations"]["runbook_url"] == "https://x/runbook.md#skew"
