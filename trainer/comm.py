@@ -42,8 +42,6 @@ class Comm:
     faults: object = None
     """trainer.faults.Faults whose hang points sit here (set by the executor), or None."""
     _pending: list = field(default_factory=list)
-    _seq: dict = field(default_factory=dict)
-    """Collectives entered so far, by group role: the `seq` attr that lines up a group's ranks."""
 
     # ---------------------------------------------------------------- groups
     def size(self, role: str) -> int:
@@ -67,10 +65,8 @@ class Comm:
             return tensor
         if self.faults is not None and role == "tp":
             self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
-        self._seq[role] = seq = self._seq.get(role, 0) + 1
         with self.registry.span(
-            hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
-            seq=seq,
+            hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n
         ):
             self._delay(role)
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group(role))

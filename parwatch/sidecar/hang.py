@@ -113,7 +113,7 @@ def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
         return None
     if a.kind == "recv" and a.peer is not None:
         return ("rank", int(a.peer))
-    if a.kind == "collective" and a.group:
+    if a.kind in ("collective", "boundary") and a.group:  # the boundary: an all-reduce over the world
         key = (a.group, layout.instance(a.group, a), a.op,
                a.seq if a.seq is not None else ("step", a.step))  # no seq (the boundary): line up by step
         arrived.setdefault(key, set()).add(a.rank)
