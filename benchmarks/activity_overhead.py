@@ -30,6 +30,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
     from parwatch.collector.attach import attach
     from parwatch.collector.collector import Collector
     from parwatch.collector.context import RunContext
+    from parwatch.contract import BoundaryKind
     from trainer import hooks
     from trainer.config import TrainConfig
     from trainer.train import Trainer
@@ -40,7 +41,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
     ctx = RunContext.for_rank("bench", rank, tp=1, pp=2, dp=1, schedule=cfg.schedule, microbatches=4)
     collector = attach(Collector(ctx))  # no endpoint: its own activity thread stays off
     times = {"on": [], "off": []}
-    trainer.boundary("start")
+    trainer.boundary(BoundaryKind.START)
     for block in range(blocks):
         mode = "on" if block % 2 == 0 else "off"
         reporter = None
@@ -50,7 +51,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
         for _ in range(steps):
             t0 = time.perf_counter()
             loss = trainer.train_step()
-            trainer.boundary("step", loss)
+            trainer.boundary(BoundaryKind.STEP, loss)
             times[mode].append(time.perf_counter() - t0)
         if reporter is not None:
             reporter.close()

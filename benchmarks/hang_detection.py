@@ -172,6 +172,38 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
             "leader_rss_bytes": int(max(rss) * 1024 * 1024) if rss else None}
 
 
+def handler_timing(ranks: int, rounds: int = 3) -> dict:
+    """The leader's own cost per digest (JSON parse + ActivityHub.digest), in process: no HTTP, no client."""
+    from parwatch.sidecar.activity_api import ActivityHub
+    from parwatch.sidecar.config import SidecarConfig
+    from parwatch.sidecar.service import build_sidecar
+
+    lay = _layout(ranks)
+    with tempfile.TemporaryDirectory(prefix="parwatch-hang-hub-") as tmp:
+        hub = ActivityHub(build_sidecar(SidecarConfig(state_dir=Path(tmp) / "state")))
+        times, check = [], []
+        for step in range(1, rounds + 1):
+            now = time.time()
+            for node in range(ranks // PER_NODE):
+                rows = [_row(r, lay, step, "forward", since=now, now=now)
+                        for r in range(node * PER_NODE, (node + 1) * PER_NODE)]
+                body = json.dumps({"version": 1, "node": f"node{node}", "run_id": "sim", "time": now,
+                                   "layout": [lay.tp, lay.pp, lay.dp], "rows": rows}).encode()
+                t0 = time.perf_counter()
+                hub.digest(json.loads(body))
+                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            asyncio.run(hub.tick())  # the once-a-second tick of a healthy run: no rank gone, no stall
+            check.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        found = hub.monitor.check(hub.rows())  # the full analysis over every rank, as on a stall
+        analysis = time.perf_counter() - t0
+    return {"leader_digest_handler_seconds_p50": percentile(times, 50),
+            "leader_digest_handler_seconds_p99": percentile(times, 99),
+            "leader_tick_seconds_max": max(check), "leader_hang_analysis_seconds": analysis,
+            "analysis_findings": len(found)}
+
+
 def simulation(ranks: int, warmup: float, connections: int) -> dict:
     if ranks % PER_NODE:
         raise SystemExit(f"--ranks {ranks} must be a multiple of {PER_NODE} (ranks per node)")
@@ -189,7 +221,11 @@ def main(argv=None) -> int:
     ap.add_argument("--connections", type=int, default=64, help="simulation: keep-alive connections to the leader")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    result = simulation(args.ranks, args.warmup, args.connections) if args.ranks else real_runs(args.runs)
+    if args.ranks:
+        result = simulation(args.ranks, args.warmup, args.connections)
+        result.update(handler_timing(args.ranks))
+    else:
+        result = real_runs(args.runs)
     if args.ranks:
         for key, value in result.items():
             print(f"{key:<28} {value}")

@@ -89,7 +89,7 @@ class ActivityHub:
     def status(self) -> dict:
         m = self.monitor
         counts: dict[str, int] = {}
-        for value in m.states.values():
+        for value in m.rank_states(self.rows()).values():
             name = {0: "running", 1: "hung", 2: "gone"}[value]
             counts[name] = counts.get(name, 0) + 1
         return {"leader": self.is_leader, "node": self.node, "leader_url": self.leader_url,
@@ -110,7 +110,15 @@ class ActivityHub:
         if not self.is_leader:
             await self._forward()
             return []
-        records = self.monitor.check(self.rows(), paused=self.sidecar.engine.paused)
+        local = self.book.rows()  # this node's ranks: a handful, pids checked
+        gone = bool(self.view.gone - self.monitor.gone_reported) or any(
+            a.state == "gone" and r not in self.monitor.gone_reported for r, a in local.items())
+        paused = self.sidecar.engine.paused
+        if not self.monitor.due(paused, gone):
+            return []
+        rows = self.view.rows()
+        rows.update(local)
+        records = self.monitor.check(rows, paused=paused)
         for record in records:
             if record.get("rule") == "hang":
                 self._act_on_hang(record)
@@ -188,7 +196,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         sidecar.registry.unregister(previous.metrics)
     hub = ActivityHub(sidecar)
     sidecar.activity = hub
-    hub.metrics = HangMetrics(lambda: hub.monitor if hub.is_leader else None)
+    hub.metrics = HangMetrics(lambda: (hub.monitor, hub.rows()) if hub.is_leader else None)
     sidecar.registry.register(hub.metrics)
 
     @contextlib.asynccontextmanager

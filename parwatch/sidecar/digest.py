@@ -126,6 +126,9 @@ class LeaderView:
         self.layout: Layout | None = None
         self.nodes: dict[str, tuple[float, list]] = {}
         """node -> (leader clock at arrival, rows as sent)."""
+        self.gone: set[int] = set()
+        """Ranks the latest digests report gone: kept on ingest so the leader's once-a-second check
+        need not look at every rank while none is."""
 
     def ingest(self, body: dict) -> tuple[str, list]:
         """Store one digest; (node, its rows as Activity). BadActivity names a malformed field."""
@@ -142,10 +145,16 @@ class LeaderView:
                               f"{len(ACTIVITY_ROW)} fields {', '.join(ACTIVITY_ROW)} ({err})") from None
         run_id = body.get("run_id")
         if run_id != self.run_id:
-            self.nodes = {}
+            self.nodes, self.gone = {}, set()
             self.run_id = run_id
         self.layout = Layout(tp, pp, dp)
         self.nodes[node] = (self.clock(), rows)
+        gone = self.gone
+        for a in rows:
+            if a.state == "gone":
+                gone.add(a.rank)
+            elif a.rank in gone:
+                gone.discard(a.rank)
         return node, rows
 
     def rows(self) -> dict[int, Activity]:

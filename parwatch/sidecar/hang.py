@@ -260,9 +260,8 @@ class HangMonitor:
         self.layout: Layout | None = None
         self.hang: dict | None = None
         """The current hang episode's decision record (None while the run progresses)."""
-        self.states: dict[int, int] = {}
-        """rank -> RANK_STATES value, for parwatch_rank_state."""
-        self._gone_reported: set[int] = set()
+        self.gone_reported: set[int] = set()
+        """Ranks a rank-gone decision already named."""
         self.findings: list[dict] = []
         """Decision records made (newest last; also in the engine's log)."""
 
@@ -274,13 +273,24 @@ class HangMonitor:
             if self.hang is not None and a.step > self.hang["step_at"]:
                 self.hang = None  # boundaries again: the episode is over
 
+    def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
+        """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
+        culprit = self.hang["evidence"]["culprit"]["rank"] if self.hang is not None else None
+        return {r: RANK_STATES["gone"] if a.state == "gone" else
+                RANK_STATES["hung"] if a.state == "silent" or r == culprit else RANK_STATES["running"]
+                for r, a in rows.items() if a.state != "done"}
+
+    def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
+        """Whether check() has anything to judge: a rank reported gone, or a stall past the bound
+        not yet recorded. The leader builds the whole picture (every rank) only then."""
+        if gone_hint:
+            return True
+        return not paused and self.hang is None and self.progress.stalled_for(self.clock()) >= self.progress.bound()
+
     def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
         now = self.clock()
         records = []
-        states = {r: RANK_STATES["gone"] if a.state == "gone" else
-                  RANK_STATES["hung"] if a.state == "silent" else RANK_STATES["running"]
-                  for r, a in rows.items() if a.state != "done"}
-        gone = sorted((a for a in rows.values() if a.state == "gone" and a.rank not in self._gone_reported),
+        gone = sorted((a for a in rows.values() if a.state == "gone" and a.rank not in self.gone_reported),
                       key=lambda a: (a.time, a.rank))
         if gone:  # a crash: the process ended. The one the others last waited for went first.
             first = gone[0]
@@ -298,7 +308,7 @@ class HangMonitor:
                 reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
             records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others},
                                         first.step))
-            self._gone_reported.update(a.rank for a in gone)
+            self.gone_reported.update(a.rank for a in gone)
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
         crashed = any(a.state == "gone" for a in rows.values())  # a stall after a crash is the crash's
@@ -307,8 +317,6 @@ class HangMonitor:
             if found is not None:
                 rank = found["culprit"]
                 a = rows.get(rank)
-                if a is None or a.state != "gone":
-                    states[rank] = RANK_STATES["hung"]
                 if self.hang is None and (a is None or a.state not in ("gone", "done")):
                     culprit = culprit_record(a, rank)
                     waiting = found["waiting"]
@@ -325,7 +333,6 @@ class HangMonitor:
                     record["step_at"] = self.progress.step
                     self.hang = record
                     records.append(record)
-        self.states = states
         return records
 
     def _record(self, rule: str, reason: str, evidence: dict, step: int | None) -> dict:
@@ -344,19 +351,20 @@ class HangMetrics(Collector):
 
     Registered on the sidecar's registry by parwatch.sidecar.activity_api.install."""
 
-    def __init__(self, monitor_fn):
-        self._monitor_fn = monitor_fn  # the HangMonitor, or None on a sidecar that is not the leader
+    def __init__(self, source_fn):
+        self._source_fn = source_fn  # () -> (HangMonitor, rows) at the leader, None elsewhere
 
     def collect(self):
-        monitor = self._monitor_fn()
-        if monitor is None:
+        source = self._source_fn()
+        if source is None:
             return
+        monitor, rows = source
         detected = GaugeMetricFamily("parwatch_hang_detected",
                                      "1 while the leader sees a hang (no step boundary past the bound)")
         detected.add_metric([], 1.0 if monitor.hang_detected else 0.0)
         yield detected
         states = GaugeMetricFamily("parwatch_rank_state", "Rank state from live activity: 0 running, 1 hung, 2 gone",
                                    labels=["rank"])
-        for rank, value in sorted(monitor.states.items()):
+        for rank, value in sorted(monitor.rank_states(rows).items()):
             states.add_metric([str(rank)], float(value))
         yield states

@@ -127,7 +127,7 @@ def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
     assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
     assert record["evidence"]["culprit"]["kind"] == "forward" and record["evidence"]["waiting"] == [0]
     assert set(record["evidence"]["culprit"]) >= {"rank", "stage", "host", "kind", "op", "since"}
-    assert monitor.states == {0: 0, 1: 1} and monitor.hang_detected
+    assert monitor.rank_states(rows) == {0: 0, 1: 1} and monitor.hang_detected
     clock.t += 5
     assert monitor.check(rows) == []  # the same episode: recorded once
     monitor.observe(act(0, lay, "forward", step=6), lay, clock.t)
@@ -142,7 +142,7 @@ def test_crash_is_told_from_a_hang():
     [record] = monitor.check(rows)  # at once: no need to wait for the hang bound
     assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
     assert record["evidence"]["culprit"]["state"] == "gone"
-    assert monitor.states[1] == 2
+    assert monitor.rank_states(rows)[1] == 2
     clock.t += 100
     assert [r["rule"] for r in monitor.check(rows)] == []  # neither again, nor a hang of a gone rank
 
