@@ -24,6 +24,7 @@ import socket
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from parwatch.catalog import RANK_STATES
 from parwatch.collector.activity import HANG_EXIT_CODE
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report
@@ -31,6 +32,7 @@ from parwatch.sidecar.hang import HangMetrics, HangMonitor, HangSettings
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
+_STATE_NAMES = {v: k for k, v in RANK_STATES.items()}
 
 
 class ActivityHub:
@@ -90,7 +92,7 @@ class ActivityHub:
         m = self.monitor
         counts: dict[str, int] = {}
         for value in m.rank_states(self.rows()).values():
-            name = {0: "running", 1: "hung", 2: "gone"}[value]
+            name = _STATE_NAMES[value]
             counts[name] = counts.get(name, 0) + 1
         return {"leader": self.is_leader, "node": self.node, "leader_url": self.leader_url,
                 "hang": m.hang, "rank_states": counts, "bound_seconds": m.progress.bound(),

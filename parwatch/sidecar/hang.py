@@ -23,10 +23,12 @@ from typing import Mapping, NamedTuple
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-RANK_STATES = {"running": 0, "hung": 1, "gone": 2}
-"""parwatch_rank_state values."""
+from parwatch.catalog import RANK_STATES, metric
+
 STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
+CLOCK_SKEW_SECONDS = 1.0
+"""Ranks' wall clocks and the leader's may disagree by this much (NTP keeps them far closer)."""
 MAX_WAITING_LISTED = 64
 """evidence.waiting lists at most this many ranks (waiting_count has them all)."""
 
@@ -312,6 +314,15 @@ class HangMonitor:
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
         crashed = any(a.state == "gone" for a in rows.values())  # a stall after a crash is the crash's
+        # Judge a picture taken after the stall began: a rank's activity sampled before the last step
+        # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
+        # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
+        stale = 0
+        if self.progress.time is not None and stalled >= bound:
+            fresh_after = self.progress.time - CLOCK_SKEW_SECONDS
+            stale = sum(1 for a in rows.values() if a.state == "running" and a.time < fresh_after)
+        if stale and stalled < 2 * bound:
+            return records
         if not paused and not crashed and stalled >= bound and self.layout is not None and rows:
             found = find_culprit(rows, self.layout)
             if found is not None:
@@ -328,7 +339,7 @@ class HangMonitor:
                                 "method": found["method"], "stalled_seconds": round(stalled, 3),
                                 "bound_seconds": round(bound, 3),
                                 "median_step_seconds": self.progress.median_step_seconds(),
-                                "last_step": self.progress.step}
+                                "last_step": self.progress.step, "stale_ranks": stale}
                     record = self._record("hang", reason, evidence, self.progress.step)
                     record["step_at"] = self.progress.step
                     self.hang = record
@@ -359,12 +370,11 @@ class HangMetrics(Collector):
         if source is None:
             return
         monitor, rows = source
-        detected = GaugeMetricFamily("parwatch_hang_detected",
-                                     "1 while the leader sees a hang (no step boundary past the bound)")
+        detected = GaugeMetricFamily("parwatch_hang_detected", metric("parwatch_hang_detected").help)
         detected.add_metric([], 1.0 if monitor.hang_detected else 0.0)
         yield detected
-        states = GaugeMetricFamily("parwatch_rank_state", "Rank state from live activity: 0 running, 1 hung, 2 gone",
-                                   labels=["rank"])
+        spec = metric("parwatch_rank_state")
+        states = GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
         for rank, value in sorted(monitor.rank_states(rows).items()):
             states.add_metric([str(rank)], float(value))
         yield states

@@ -60,16 +60,16 @@ def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
         lclock.t += 1
         nclock.t += 1
         leader.post("/v1/activity", json=report(0, step=step, kind="recv", peer=1, op="recv", group="pp",
-                                                host="leader-host"))
-        node.post("/v1/activity", json=report(1, step=step, kind="forward"))
+                                                host="leader-host", time=lclock.t))
+        node.post("/v1/activity", json=report(1, step=step, kind="forward", time=nclock.t))
         asyncio.run(hub_node.tick())
     assert lsc.activity.is_leader and not hub_node.is_leader
     for _ in range(12):
         lclock.t += 1
         nclock.t += 1
-        node.post("/v1/activity", json=report(1, step=3, kind="forward"))
+        node.post("/v1/activity", json=report(1, step=3, kind="forward", time=nclock.t))
         leader.post("/v1/activity", json=report(0, step=3, kind="recv", peer=1, op="recv", group="pp",
-                                                host="leader-host"))
+                                                host="leader-host", time=lclock.t))
         asyncio.run(hub_node.tick())
         asyncio.run(lsc.activity.tick())
     status = leader.get("/v1/hang").json()

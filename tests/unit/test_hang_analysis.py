@@ -8,7 +8,7 @@ from parwatch.sidecar.hang import Activity, HangMonitor, HangSettings, Layout, P
 
 
 def act(rank, layout, kind=None, op=None, group=None, peer=None, seq=None, step=4, state="running", since=100.0,
-        host="h0", time=0.0):
+        host="h0", time=1e10):
     tp, pp = layout.tp, layout.pp
     return Activity(rank, state, kind, op, group, peer, seq, since, step, 0.1, 1000 + rank, host,
                     (rank // tp) % pp, rank % tp, rank // (tp * pp), time)
@@ -216,3 +216,18 @@ def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
     [record] = monitor.check(rows)
     assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
     assert record["evidence"]["gone"] == [1, 0]
+
+
+def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 6):
+        clock.t += 1.0
+        monitor.observe(act(0, lay, "forward", step=step), lay, clock.t)
+    # rank 0's latest sample predates the last boundary the leader saw: a late digest
+    rows = {0: act(0, lay, "forward", step=4, time=clock.t - 3), 1: act(1, lay, "backward", step=5, time=clock.t + 1)}
+    clock.t += 11
+    assert monitor.check(rows) == []
+    clock.t += 10
+    [record] = monitor.check(rows)
+    assert record["evidence"]["stale_ranks"] == 1
