@@ -123,7 +123,7 @@ def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
     return None
 
 
-def find_culprit(rows: Mapping[int, Activity], layout: Layout) -> dict | None:
+def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: float | None = None) -> dict | None:
     """The rank the others wait for, with who waits; None when no rank is known.
 
     Returns {"culprit": rank, "waiting": [ranks...] (transitive), "missing": what it has not joined
@@ -167,7 +167,9 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout) -> dict | None:
             frontier = nxt
         a = rows.get(sink)
         since = a.since if a is not None and a.since is not None else float("inf")
-        score = (len(reached), -since, -sink)
+        # A sink whose activity predates the stall (fresh_after) may just be a late report: prefer fresh ones.
+        fresh = a is not None and (fresh_after is None or a.time >= fresh_after)
+        score = (fresh, len(reached), -since, -sink)
         if best is None or score > best[0]:
             best = (score, sink, reached)
     _, culprit, reached = best
@@ -317,14 +319,14 @@ class HangMonitor:
         # Judge a picture taken after the stall began: a rank's activity sampled before the last step
         # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
         # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
-        stale = 0
+        stale, fresh_after = 0, None
         if self.progress.time is not None and stalled >= bound:
             fresh_after = self.progress.time - CLOCK_SKEW_SECONDS
             stale = sum(1 for a in rows.values() if a.state == "running" and a.time < fresh_after)
         if stale and stalled < 2 * bound:
             return records
         if not paused and not crashed and stalled >= bound and self.layout is not None and rows:
-            found = find_culprit(rows, self.layout)
+            found = find_culprit(rows, self.layout, fresh_after)
             if found is not None:
                 rank = found["culprit"]
                 a = rows.get(rank)

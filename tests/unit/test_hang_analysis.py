@@ -231,3 +231,12 @@ def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
     clock.t += 10
     [record] = monitor.check(rows)
     assert record["evidence"]["stale_ranks"] == 1
+
+
+def test_between_equal_sinks_the_one_reporting_after_the_stall_is_named():
+    lay = Layout(1, 1, 3)
+    rows = {0: act(0, lay, "forward", since=10.0, time=50.0),  # a late report from before the stall
+            1: act(1, lay, "backward", since=60.0, time=95.0),
+            2: act(2, lay, "boundary", "all_reduce", "world", time=95.0)}
+    assert find_culprit(rows, lay)["culprit"] == 0  # without timing, the oldest span wins the tie
+    assert find_culprit(rows, lay, fresh_after=90.0)["culprit"] == 1
