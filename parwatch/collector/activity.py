@@ -64,7 +64,8 @@ class ActivityReporter:
         self._retry_at = 0.0
         self._max_backoff_s = max_backoff_s
         self.stacks_path = stacks_path
-        """faulthandler writes every thread's stack here on SIGUSR1 (the sidecar sends it on a hang)."""
+        """faulthandler writes every thread's stack here on SIGUSR1 (the sidecar sends it on a hang); None:
+        to stderr (registered whenever the reporter posts, so the signal never kills the rank)."""
         self._stacks_file = None
         self._on_abort = on_abort
         self.sent = 0
@@ -144,7 +145,8 @@ class ActivityReporter:
                 log.warning("parwatch: activity sample failed (%s)", exc)
 
     def start(self) -> "ActivityReporter":
-        if self.stacks_path and self._stacks_file is None:
+        if self._stacks_file is None and (self.stacks_path or self.url):
+            # Always when reporting: the sidecar may send SIGUSR1 for a dump, which must never kill the rank.
             self._register_stack_dump()
         if self.url and self._thread is None:
             self._client()  # build the HTTP client (and its TLS context) now, at attach time, not mid-run
@@ -157,8 +159,13 @@ class ActivityReporter:
         import signal
 
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.stacks_path)), exist_ok=True)
-            self._stacks_file = open(self.stacks_path, "a")  # open for the process's life: the handler writes to its fd
+            if self.stacks_path:
+                os.makedirs(os.path.dirname(os.path.abspath(self.stacks_path)), exist_ok=True)
+                self._stacks_file = open(self.stacks_path, "a")  # open for the process's life: the handler writes its fd
+            else:
+                import sys
+
+                self._stacks_file = sys.stderr  # no run directory: the rank's log gets the stacks
             faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
         except (OSError, AttributeError, ValueError) as exc:  # no SIGUSR1 (Windows), unwritable dir
             log.warning("parwatch: no stack dumps on SIGUSR1 (%s)", exc)

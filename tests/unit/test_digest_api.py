@@ -135,3 +135,52 @@ def test_crash_then_rank_missing_fires_sixty_seconds_after_the_pid_ended(tmp_pat
 def test_leader_url_must_be_http():
     with pytest.raises(ConfigError, match="--leader-url"):
         SidecarConfig(leader_url="leader:9401")
+
+
+def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
+    """--hang-dump-stacks: the culprit's sidecar sends SIGUSR1 (faulthandler writes its stacks);
+    --hang-abort: activity replies tell every rank to exit with HANG_EXIT_CODE."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from parwatch.collector.activity import HANG_EXIT_CODE
+
+    stacks = tmp_path / "stacks-rank1.txt"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import faulthandler, signal, sys, time\n"
+        f"f = open({str(stacks)!r}, 'a')\n"
+        "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "print('ready', flush=True)\n"
+        "def stuck_in_forward():\n    time.sleep(120)\n"
+        "stuck_in_forward()\n")], stdout=subprocess.PIPE)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # rank 0: never signalled
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        client, sidecar, clock = _client(tmp_path, "s", hang_dump_stacks=True, hang_abort=True)
+        host, hub = socket.gethostname(), sidecar.activity
+        for step in (1, 2, 3):
+            clock.t += 1
+            client.post("/v1/activity", json=report(0, step=step, kind="recv", op="recv", group="pp", peer=1,
+                                                    host=host, pid=bystander.pid, time=clock.t))
+            client.post("/v1/activity", json=report(1, step=step, kind="forward", host=host, pid=child.pid,
+                                                    time=clock.t))
+        for _ in range(12):
+            clock.t += 1
+            client.post("/v1/activity", json=report(0, step=3, kind="recv", op="recv", group="pp", peer=1,
+                                                    host=host, pid=bystander.pid, time=clock.t))
+            client.post("/v1/activity", json=report(1, step=3, kind="forward", host=host, pid=child.pid,
+                                                    time=clock.t))
+            asyncio.run(hub.tick())
+        assert hub.monitor.hang_detected
+        deadline = time.monotonic() + 10
+        while "stuck_in_forward" not in (stacks.read_text() if stacks.exists() else ""):
+            assert time.monotonic() < deadline, "no stack dump from the culprit"
+            time.sleep(0.05)
+        reply = client.post("/v1/activity", json=report(0, step=3, host=host, pid=bystander.pid, time=clock.t)).json()
+        assert reply == {"ok": True, "abort": HANG_EXIT_CODE}
+    finally:
+        for p in (child, bystander):
+            p.kill()
+            p.wait()
