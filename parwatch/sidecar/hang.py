@@ -192,13 +192,17 @@ class Progress:
         self.settings = settings
         self.step = -1
         self.time: float | None = None
+        self.sampled: float | None = None
+        """The ranks' wall clock when the newest step was first seen: reports older than this predate the stall."""
         self._seconds: deque = deque(maxlen=window)
 
-    def observe(self, step: int, step_seconds: float | None, now: float) -> None:
+    def observe(self, step: int, step_seconds: float | None, now: float, sampled: float | None = None) -> None:
+        """now: the leader's clock at arrival; sampled: the rank's wall clock when it sampled the step."""
         if self.time is None:
             self.time = now  # the clock starts at the first report: startup counts towards the bound
         if step > self.step:
             self.step, self.time = step, now
+            self.sampled = sampled if sampled is not None else now
             if step_seconds is not None and step_seconds > 0:
                 self._seconds.append(float(step_seconds))
 
@@ -273,7 +277,7 @@ class HangMonitor:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout
         if a.state == "running":
-            self.progress.observe(a.step, a.step_seconds, now)
+            self.progress.observe(a.step, a.step_seconds, now, a.time)
             if self.hang is not None and a.step > self.hang["step_at"]:
                 self.hang = None  # boundaries again: the episode is over
 
@@ -320,8 +324,8 @@ class HangMonitor:
         # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
         # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
         stale, fresh_after = 0, None
-        if self.progress.time is not None and stalled >= bound:
-            fresh_after = self.progress.time - CLOCK_SKEW_SECONDS
+        if self.progress.sampled is not None and stalled >= bound:
+            fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
             stale = sum(1 for a in rows.values() if a.state == "running" and a.time < fresh_after)
         if stale and stalled < 2 * bound:
             return records

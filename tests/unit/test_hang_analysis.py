@@ -223,8 +223,8 @@ def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
     lay = Layout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
-        monitor.observe(act(0, lay, "forward", step=step), lay, clock.t)
-    # rank 0's latest sample predates the last boundary the leader saw: a late digest
+        monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
+    # rank 0's latest sample predates the last boundary: a late digest
     rows = {0: act(0, lay, "forward", step=4, time=clock.t - 3), 1: act(1, lay, "backward", step=5, time=clock.t + 1)}
     clock.t += 11
     assert monitor.check(rows) == []
