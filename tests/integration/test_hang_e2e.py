@@ -59,7 +59,7 @@ def test_crash_is_told_from_a_hang(tmp_path):
     with running_sidecar(tmp_path / "state") as sidecar:
         # Stage 1 slow: rank 0 spends its time waiting on rank 1, as a real pipeline's idle stage does.
         with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), "--pp", "2",
-                             "--inject", "straggler:stage=1,ms=100", "--inject", "crash:rank=1,step=5") as run:
+                             "--inject", "straggler:stage=1,ms=300", "--inject", "crash:rank=1,step=4") as run:
             [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1],
                                   "a rank-gone finding", timeout=120)
             crashed_at = time.time()
