@@ -13,7 +13,8 @@ and V layouts (stages r and 2p-1-r on rank r) need no extra argument.
 
 Actions may be this module's `Action`, torch's `_Action` (duck-typed: stage_index,
 computation_type, microbatch_index, sub_actions), a `(stage, type, microbatch)` tuple or a
-string such as "2F0". torch's OVERLAP_F_B runs its sub-actions back to back; `None` (an
+string such as "2F0". torch's OVERLAP_F_B runs its sub-actions back to back, and what they
+produce reaches other ranks when the whole block ends (torch posts the sends after it); `None` (an
 idle slot in torch's IR) and non-compute actions (SEND_*, RECV_*, REDUCE_GRAD, UNSHARD,
 RESHARD) are dropped: communication is modelled by `p2p_s`, idle by the replay.
 
@@ -65,19 +66,21 @@ class SimResult:
 # --------------------------------------------------------------------------- input
 def normalize(order: Mapping) -> dict[int, list[Action]]:
     """`{rank: [Action, ...]}` from any accepted form (see the module docstring)."""
+    return {rank: [a for group in groups for a in group] for rank, groups in _groups(order).items()}
+
+
+def _groups(order: Mapping) -> dict[int, list[list[Action]]]:
+    """Each rank's actions in blocks: one action, or an OVERLAP_F_B's sub-actions."""
     if not isinstance(order, Mapping) or not order:
         raise ValueError("pipeline order must be a non-empty {rank: [action, ...]} mapping")
-    result: dict[int, list[Action]] = {}
+    result: dict[int, list[list[Action]]] = {}
     for rank, actions in order.items():
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"pipeline order key {rank!r} must be a rank (an int >= 0)")
-        out: list[Action] = []
-        for raw in actions:
-            out.extend(_convert(raw, rank))
-        result[rank] = out
+        result[rank] = [group for raw in actions if (group := _convert(raw, rank))]
     seen: dict[Action, int] = {}
-    for rank, actions in result.items():
-        for action in actions:
+    for rank, groups in result.items():
+        for action in (a for g in groups for a in g):
             if action in seen:
                 raise ValueError(f"action {action} appears twice (ranks {seen[action]} and {rank})")
             seen[action] = rank
@@ -171,7 +174,8 @@ def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0) -> SimResul
     p2p_s: latency added to a dependency produced on another rank."""
     if p2p_s < 0:
         raise ValueError(f"p2p_s={p2p_s} must be >= 0")
-    ranks = normalize(order)
+    blocks = _groups(order)
+    ranks = {r: [a for g in groups for a in g] for r, groups in blocks.items()}
     rank_of = {a.stage: r for r, actions in ranks.items() for a in actions}
     n_stages = max(rank_of, default=-1) + 1
     missing = sorted(set(range(n_stages)) - set(rank_of))
@@ -181,33 +185,43 @@ def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0) -> SimResul
     present = {a for acts in ranks.values() for a in acts}
     duration = _duration_fn(durations)
     finish: dict[Action, tuple[float, float]] = {}
+    published: dict[Action, float] = {}  # when other ranks can use an action's output
     free = {r: 0.0 for r in ranks}
     cursor = {r: 0 for r in ranks}
-    remaining = sum(len(a) for a in ranks.values())
+    remaining = sum(len(group) for groups in blocks.values() for group in groups)
     while remaining:
         progressed = False
-        for rank, actions in ranks.items():
-            while cursor[rank] < len(actions):
-                action = actions[cursor[rank]]
-                deps = _dependencies(action, bwd_type, n_stages)
+        for rank, groups in blocks.items():
+            while cursor[rank] < len(groups):
+                group = groups[cursor[rank]]
+                deps = [d for action in group for d in _dependencies(action, bwd_type, n_stages) if d not in group]
                 absent = [d for d in deps if d not in present]
                 if absent:
+                    action = next(a for a in group if absent[0] in _dependencies(a, bwd_type, n_stages))
                     raise ValueError(f"rank {rank}: {action} depends on {absent[0]}, which no rank runs; "
                                      "the order is incomplete")
                 if any(d not in finish for d in deps):
                     break
-                ready = free[rank]
-                for dep in deps:
-                    latency = p2p_s if rank_of[dep.stage] != rank else 0.0
-                    ready = max(ready, finish[dep][1] + latency)
-                end = ready + duration(action)
-                finish[action] = (ready, end)
-                free[rank] = end
+                t = free[rank]
+                for action in group:
+                    ready = t
+                    for dep in _dependencies(action, bwd_type, n_stages):
+                        if dep in group:
+                            ready = max(ready, finish[dep][1])
+                        elif rank_of[dep.stage] != rank:
+                            ready = max(ready, published[dep] + p2p_s)
+                        else:
+                            ready = max(ready, finish[dep][1])
+                    t = ready + duration(action)
+                    finish[action] = (ready, t)
+                for action in group:
+                    published[action] = t
+                free[rank] = t
                 cursor[rank] += 1
-                remaining -= 1
+                remaining -= len(group)
                 progressed = True
         if not progressed:
-            blocked = [str(ranks[r][cursor[r]]) for r in ranks if cursor[r] < len(ranks[r])]
+            blocked = [str(blocks[r][cursor[r]][0]) for r in blocks if cursor[r] < len(blocks[r])]
             raise ValueError(f"the order deadlocks: every rank waits ({', '.join(blocked)} are next)")
     if not finish:
         return SimResult(0.0, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {})

@@ -1,38 +1,11 @@
-"""parwatch.pipeline_sim: the replay reproduces the closed forms on torch's own action lists.
-
-torch's schedules compute `pipeline_order` for every rank at construction time; the stages
-they are given only need their index, the stage count and the group's size and rank, so the
-orders are built here without a process group (`_fake_stage`).
-"""
+"""parwatch.pipeline_sim: the replay reproduces the closed forms on torch's own action lists."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
-import torch
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from parwatch import pipeline_sim as ps
-
-ALL_CLASSES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-               "DualPipeV")
-V_STYLE = ("ZBVZeroBubble", "DualPipeV")
-
-
-def _fake_stage(index: int, num_stages: int, p: int):
-    return types.SimpleNamespace(stage_index=index, num_stages=num_stages, group_size=p, group_rank=0,
-                                 submod=torch.nn.Linear(1, 1), is_first=index == 0,
-                                 is_last=index == num_stages - 1)
-
-
-def torch_order(name: str, p: int, m: int, v: int = 1) -> dict:
-    cls = torch_schedules.get_schedule_class(name)
-    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
-        return cls(_fake_stage(0, p, p), m, loss_fn=lambda out, target: out).pipeline_order
-    local = [0, 2 * p - 1] if name in V_STYLE else list(range(0, p * v, p))
-    stages = [_fake_stage(i, p * v, p) for i in local]
-    return cls(stages, m, loss_fn=lambda out, target: out).pipeline_order
+from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
 
 
 def test_every_schedule_class_is_covered():
@@ -84,17 +57,38 @@ def test_zero_bubble_h1_at_equal_times(p, m):
         assert zb.idle[rank] == pytest.approx(one_f_one_b.idle[rank] / 3)
 
 
-@pytest.mark.parametrize("name", V_STYLE)
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (2, 8)])
-def test_v_schedules_at_equal_times(name, p, m):
-    """ZBV and DualPipeV at F=I=W: no bubble in the steady state; what is left is the first
-    forward's walk down the ranks, (p-1)F, which does not grow with m."""
+def test_zbv_at_equal_times(p, m):
+    """ZBV at F=I=W: no bubble in the steady state; what is left is the first forward's walk
+    down the ranks, (p-1)F, which does not grow with m."""
     t = 0.02
-    result = ps.simulate(torch_order(name, p, m, 2), {"F": t, "I": t, "W": t, "B": 2 * t})
-    work = 2 * m * 3 * t  # two chunks, m microbatches, F + I + W each
+    result = ps.simulate(torch_order("ZBVZeroBubble", p, m, 2), {"F": t, "I": t, "W": t})
     for rank in range(p):
-        assert result.busy[rank] == pytest.approx(work)
+        assert result.busy[rank] == pytest.approx(2 * m * 3 * t)  # two chunks, m microbatches, F + I + W
         assert result.idle[rank] == pytest.approx((p - 1) * t)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (2, 8)])
+def test_dualpipev_matches_its_formula(p, m):
+    """DualPipeV: idle (S/2-1)(F&B + B - 3W) for S = 2p stages (ECOSYSTEM.md). The runtime posts
+    an OVERLAP_F_B block's sends after the whole block, and on one stream F&B = F + B."""
+    f = i = w = 0.02
+    b = i + w
+    result = ps.simulate(torch_order("DualPipeV", p, m, 2), {"F": f, "I": i, "W": w, "B": b})
+    for rank in range(p):
+        assert result.busy[rank] == pytest.approx(2 * m * (f + b))
+        assert result.idle[rank] == pytest.approx((2 * p / 2 - 1) * ((f + b) + b - 3 * w))
+
+
+def test_overlap_block_publishes_at_its_end():
+    # rank 0 runs 0F0 and 0F1 as one block: rank 1's 1F0 must wait for the block, not for 0F0.
+    class Overlap:  # duck-typed like torch's _Action
+        computation_type, stage_index, microbatch_index = "OVERLAP_F_B", -1, None
+        sub_actions = ("0F0", "0F1")
+
+    order = {0: [Overlap()], 1: ["1F0", "1F1"]}
+    result = ps.simulate(order, {"F": 1.0})
+    assert result.finish[ps.Action(1, "F", 0)] == (2.0, 3.0)
 
 
 def test_unequal_times_give_more_than_theory():
