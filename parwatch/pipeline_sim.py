@@ -308,6 +308,37 @@ def bubble_causes(
     return out
 
 
+def per_action_seconds(order: Mapping, stage_totals: Mapping[int, Mapping[str, float]]) -> dict[int, dict]:
+    """Per-action mean seconds from one step's per-stage totals, for `bubble_causes`.
+
+    stage_totals: `{rank: {"forward_seconds": s, "backward_seconds": s, "backward_weight_seconds": s,
+    "loss_seconds": s}}`: the collector's global-view stage entries fit as they are. backward
+    sums full backwards (B) and input backwards (I); a rank running both is split assuming
+    B = I + W. The loss, computed after the last stage's forwards, is folded into that rank's F."""
+    out: dict[int, dict] = {}
+    for rank, actions in normalize(order).items():
+        totals = stage_totals.get(rank)
+        if totals is None:
+            raise ValueError(f"stage_totals lacks stage {rank}; give every stage of the order")
+        count = {kind: sum(1 for a in actions if a.type == kind) for kind in COMPUTE_TYPES}
+        fwd = float(totals.get("forward_seconds", 0.0)) + float(totals.get("loss_seconds", 0.0))
+        bwd = float(totals.get("backward_seconds", 0.0))
+        wgt = float(totals.get("backward_weight_seconds", 0.0))
+        means: dict[str, float] = {}
+        if count[F]:
+            means[F] = fwd / count[F]
+        if count[W]:
+            means[W] = wgt / count[W]
+        if count[I]:  # bwd = nB * (I + W) + nI * I
+            means[I] = max(0.0, (bwd - count[B] * means[W]) / (count[B] + count[I]))
+            if count[B]:
+                means[B] = means[I] + means[W]
+        elif count[B]:
+            means[B] = bwd / count[B]
+        out[rank] = means
+    return out
+
+
 # ------------------------------------------------------------- executed orders
 def single_stage_order(schedule_name: str, p: int, m: int) -> dict[int, list[Action]]:
     """The order torch's one-stage-per-rank schedules execute (ScheduleGPipe, Schedule1F1B).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 
-from parwatch.integrations._contract import SpanKind, registry, wire_kind
+from parwatch.contract import SpanKind, registry
 
 TAG = "_parwatch_p2p"
 REQUIRED = ("_batch_p2p", "_wait_batch_p2p")
@@ -35,7 +35,7 @@ class P2PHookMissing(RuntimeError):
 class _Timed(list):
     """The works of one tagged batch, with when it was posted and what it carried."""
 
-    __slots__ = ("posted", "tags")
+    __slots__ = ("posted", "spans")
 
 
 def _batch_p2p(p2p_ops, desc=None):
@@ -48,7 +48,13 @@ def _batch_p2p(p2p_ops, desc=None):
     posted = registry.mark()
     timed = _Timed(original(p2p_ops, desc=desc))
     timed.posted = posted
-    timed.tags = [(tag, op.tensor.numel() * op.tensor.element_size()) for tag, op in tags]
+    timed.spans = []
+    for tag, op in tags:
+        attrs = dict(tag)
+        attrs["bytes"] = op.tensor.numel() * op.tensor.element_size()
+        kind = SpanKind.RECV if attrs["op"] == "recv" else SpanKind.SEND
+        attrs["seq"] = registry.next_seq(kind, attrs)  # numbered when posted: the program's order
+        timed.spans.append((kind, attrs))
     return timed
 
 
@@ -59,12 +65,9 @@ def _wait_batch_p2p(work):
     start = registry.mark()
     result = original(work)
     end = registry.mark()
-    for tag, nbytes in work.tags:
-        attrs = dict(tag)
-        attrs["bytes"] = nbytes
-        kind = SpanKind.RECV if attrs["op"] == "recv" else SpanKind.SEND
-        registry.emit_span(wire_kind(kind, attrs), start if kind is SpanKind.RECV else work.posted, end, **attrs)
-    work.tags = ()  # a second wait on the same batch reports nothing twice
+    for kind, attrs in work.spans:
+        registry.emit_span(kind, start if kind is SpanKind.RECV else work.posted, end, **attrs)
+    work.spans = ()  # a second wait on the same batch reports nothing twice
     return result
 
 

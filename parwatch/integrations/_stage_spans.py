@@ -8,7 +8,7 @@ wrappers only read arguments and time calls: numerics are unchanged.
 
 from __future__ import annotations
 
-from parwatch.integrations._contract import SpanKind, registry, wire_kind
+from parwatch.contract import SpanKind, registry
 from parwatch.integrations._p2p import TAG
 
 STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad",
@@ -41,8 +41,7 @@ _ABSENT = object()
 
 
 def _span(kind: SpanKind, base: dict, microbatch: int, **extra):
-    attrs = dict(base, microbatch=microbatch, **extra)
-    return registry.span(wire_kind(kind, attrs), **attrs)
+    return registry.span(kind, **base, microbatch=microbatch, **extra)
 
 
 def instrument_stage(stage, base: dict, patches: Patches, *, p2p: bool) -> None:
@@ -73,8 +72,7 @@ def instrument_stage(stage, base: dict, patches: Patches, *, p2p: bool) -> None:
         # Gradient scaling (and FSDP's post-backward) after the last backward: not bubble.
         if not registry.active:
             return reduce_grad(grad_scale_factor, *args, **kwargs)
-        attrs = dict(base, op="reduce_grad", scale=grad_scale_factor)
-        with registry.span(wire_kind(SpanKind.DP_SYNC, attrs), **attrs):
+        with registry.span(SpanKind.DP_SYNC, **base, op="reduce_grad", scale=grad_scale_factor):
             return reduce_grad(grad_scale_factor, *args, **kwargs)
 
     patches.set(stage, "forward_one_chunk", forward_one_chunk)

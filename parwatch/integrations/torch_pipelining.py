@@ -33,17 +33,7 @@ from typing import Callable
 
 from parwatch import pipeline_sim
 from parwatch.integrations import _p2p
-from parwatch.integrations._contract import (
-    Action,
-    BoundaryKind,
-    Event,
-    FailReason,
-    Outcome,
-    SpanKind,
-    StepBoundary,
-    registry,
-    wire_kind,
-)
+from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, registry
 from parwatch.integrations._stage_spans import SCHEDULE_METHODS, STAGE_METHODS, Patches, instrument_loss, \
     instrument_stage
 
@@ -200,18 +190,12 @@ class PipelineWatch:
         import torch.distributed as dist
 
         from parwatch.collector import RunContext
-        from parwatch.schema import SCHEDULES
 
         world = dist.get_world_size()
         if world != self.pp:
             raise IntegrationError(f"the world has {world} ranks but the pipeline group {self.pp}: build the "
                                    "RunContext yourself with your tp/pp/dp layout")
-        # TRANSITIONAL: today's RunContext knows gpipe/1f1b/interleaved only; until it takes every
-        # name in SCHEDULE_NAMES the closest one it knows is reported.
-        name = self.name
-        if name not in SCHEDULES:
-            name = "interleaved" if self.chunks > 1 else "1f1b"
-        return RunContext.for_rank(self.run_id, dist.get_rank(), tp=1, pp=self.pp, dp=1, schedule=name,
+        return RunContext.for_rank(self.run_id, dist.get_rank(), tp=1, pp=self.pp, dp=1, schedule=self.name,
                                    microbatches=self.microbatches, chunks=self.chunks, **extra)
 
     def action_order(self) -> dict:
@@ -231,8 +215,7 @@ class PipelineWatch:
 
     def optimizer_step(self, optimizer, *args, **kwargs):
         """`optimizer.step()` inside an optimizer span (other time, not bubble)."""
-        attrs = {"stage": self.pp_rank}
-        with registry.span(wire_kind(SpanKind.OPTIMIZER, attrs), **attrs):
+        with registry.span(SpanKind.OPTIMIZER, stage=self.pp_rank):
             return optimizer.step(*args, **kwargs)
 
     def step_done(self, loss: float | None = None) -> int:

@@ -83,11 +83,6 @@ def measured_bubble(run_dir: str, pick=min) -> dict[int, float]:
 
 def span_kind(span: dict) -> str | None:
     """F/B/I/W of a compute span (a loss span, or any other kind: None)."""
-    part = span["attrs"].get("part")  # pre-contract collectors get I/W/loss as backward/forward + part
-    if part == "loss" or span["kind"] == "loss":
-        return None
-    if part in ("input", "weight"):
-        return "I" if part == "input" else "W"
     return TYPES.get(span["kind"])
 
 
@@ -158,7 +153,7 @@ def test_spans_cover_every_action_of_the_schedule(grid, schedule):
     with open(os.path.join(out, schedule, "spans.jsonl")) as f:
         for line in f:
             span = json.loads(line)
-            kinds.add(span["attrs"].get("part") or span["kind"])
+            kinds.add(span["kind"])
             kind = span_kind(span)
             if kind is not None and span["step"] == 2:
                 a = span["attrs"]

@@ -13,14 +13,9 @@ import sys
 
 import pytest
 
-from parwatch.integrations._contract import LEGACY
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PRE_CONTRACT = pytest.mark.xfail(LEGACY, strict=True, reason="parwatch.contract is not merged into this branch "
-                                  "yet: the collector still imports trainer.hooks (issue 9 item 1)")
-MODULES = [pytest.param("parwatch.collector", marks=_PRE_CONTRACT),
-           pytest.param("parwatch.integrations.torch_pipelining", marks=_PRE_CONTRACT),
-           "parwatch.pipeline_sim"]
+MODULES = ("parwatch.collector", "parwatch.integrations.torch_pipelining", "parwatch.pipeline_sim",
+           "parwatch.contract")
 
 
 @pytest.mark.parametrize("module", MODULES)

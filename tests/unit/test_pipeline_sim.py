@@ -204,3 +204,24 @@ def test_bubble_causes_bad_input():
         ps.bubble_causes(order, {0: {"F": 1, "B": 1}}, {0: 0.1})
     with pytest.raises(ValueError, match=r"stages \[5\] the order does not run"):
         ps.bubble_causes(order, {0: {"F": 1, "B": 1}, 1: {"F": 1, "B": 1}}, {5: 0.1})
+
+
+def test_per_action_seconds_from_global_view_totals():
+    order = torch_order("DualPipeV", 2, 4, 2)  # a rank runs F, B, I and W
+    acts = ps.normalize(order)
+    f, i, w = 0.02, 0.015, 0.01
+    totals = {}
+    for rank, actions in acts.items():
+        n = {k: sum(1 for a in actions if a.type == k) for k in "FBIW"}
+        totals[rank] = {"forward_seconds": n["F"] * f - 0.001, "loss_seconds": 0.001 if rank == 0 else 0.0,
+                        "backward_seconds": n["B"] * (i + w) + n["I"] * i, "backward_weight_seconds": n["W"] * w,
+                        "stage": rank, "bubble_ratio": 0.1}
+    means = ps.per_action_seconds(order, totals)
+    for rank in acts:
+        assert means[rank]["I"] == pytest.approx(i) and means[rank]["W"] == pytest.approx(w)
+        assert means[rank]["B"] == pytest.approx(i + w)
+    assert means[1]["F"] == pytest.approx(f - 0.001 / sum(1 for a in acts[1] if a.type == "F"))
+    causes = ps.bubble_causes(order, means, {r: t["bubble_ratio"] for r, t in totals.items()})
+    assert set(causes) == {0, 1}
+    with pytest.raises(ValueError, match="lacks stage 1"):
+        ps.per_action_seconds(order, {0: totals[0]})
