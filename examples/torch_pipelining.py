@@ -178,7 +178,10 @@ def main(argv=None) -> int:
 
 
 def train(args) -> dict:
-    """One run on this rank (the process group is up); returns {"losses": {step: loss}} (last stage)."""
+    """One run on this rank (the process group is up).
+
+    Returns {"losses": {step: loss} of the surviving timeline, "history": [(step, loss)] of every
+    step run (both on the rank holding the last stage only), "applied": the directives handled}."""
     rank, pp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     schedule, modules, optimizer = build(args, rank, pp)
@@ -214,22 +217,27 @@ def train(args) -> dict:
         ))
     if args.checkpoint_dir:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
-    losses: dict[int, float] = {}
+    losses: dict[int, float] = {}  # step -> loss of the surviving timeline
+    history: list = []  # (step, loss) of every step run, rolled back or not
     step = watch.start() if watch else 0  # parwatch
     while step < args.steps:
+        trained = step + 1
         optimizer.zero_grad()
-        x, y = batch(args, step + 1)
+        x, y = batch(args, trained)
         mb_losses: list = []
         schedule.step(x, target=y, losses=mb_losses)
+        if mb_losses:
+            losses[trained] = float(torch.stack([t.detach() for t in mb_losses]).mean())
+            history.append((trained, losses[trained]))
         if watch:
             watch.optimizer_step(optimizer)  # parwatch (optimizer.step() in a span)
             step = watch.step_done()  # parwatch: the step boundary; may pause or roll back
         else:
             optimizer.step()
-            step += 1
-        if mb_losses:
-            losses[step] = float(torch.stack([t.detach() for t in mb_losses]).mean())
-        if args.checkpoint_dir:
+            step = trained
+        if step != trained:  # rolled back: the steps after the loaded one are gone
+            losses = {s: v for s, v in losses.items() if s <= step}
+        elif args.checkpoint_dir:
             save(step)
             if watch:
                 watch.checkpoint_saved(step)  # parwatch
@@ -239,7 +247,8 @@ def train(args) -> dict:
     if args.losses_out and holds_last:
         with open(args.losses_out, "w") as f:
             json.dump({str(s): repr(v) for s, v in sorted(losses.items())}, f)
-    return {"losses": losses if holds_last else {}, "rank": rank}
+    return {"losses": losses if holds_last else {}, "history": history if holds_last else [], "rank": rank,
+            "applied": watch.applied if watch else []}
 
 
 def _run_id(args) -> str:

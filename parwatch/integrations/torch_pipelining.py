@@ -151,7 +151,7 @@ class PipelineWatch:
         self.timeline = 0
         """Rollbacks applied so far in this run."""
         self.applied: list[dict] = []
-        """Directives this rank handled: {id, action, step, outcome, ...}."""
+        """Directives this rank handled: {id, action, step, outcome, ...} (a resume ending a pause: no id)."""
         self.attach()
 
     # ------------------------------------------------------------------ instrumentation
@@ -260,9 +260,11 @@ class PipelineWatch:
             self._report(directive, Outcome.APPLIED)
             registry.emit_event(Event.PAUSED, step=self.step)
             log.warning("rank %d: paused at step %d", self.pp_rank, self.step)
-            rollback = self.boundary.hold(self.step, self.pause_poll_s)
+            rollback = self.boundary.hold(self.step, self.pause_poll_s)  # reports the resume itself
             if rollback is not None:
                 self._rollback(rollback)
+            else:
+                self.applied.append({"action": Action.RESUME.value, "step": self.step, "outcome": "applied"})
         elif directive.action == Action.ROLLBACK:
             self._rollback(directive)
         else:  # resume while running: seen, nothing to do

@@ -199,3 +199,75 @@ def test_a_delayed_send_shows_as_wait(grid):
     for rank in range(P):
         assert abs(causes[rank].imbalance) < 0.02, causes
         assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
+
+
+# -------------------------------------------------------------------------------- directives
+class Director:
+    """A stand-in leader on the contract's Observer methods: pause after step 2, resume after two
+    heartbeats, roll back to step 2 after step 4 (the sidecar does this over HTTP)."""
+
+    boundary_slots = 0
+
+    def __init__(self, rank: int, run_id: str) -> None:
+        from parwatch.contract import Action, Directive
+
+        self.rank, self.queue, self.seen, self.heartbeats = rank, [], [], 0
+        self.plan = {("step", 2): Directive(1, Action.PAUSE, run_id),
+                     ("heartbeat", 2): Directive(2, Action.RESUME, run_id),
+                     ("step", 4): Directive(3, Action.ROLLBACK, run_id, to_step=2)}
+
+    def on_span(self, span) -> None:
+        pass
+
+    def fill_boundary(self, step, slots) -> None:
+        pass
+
+    def pending_directive(self):
+        return self.queue.pop(0) if self.rank == 0 and self.queue else None
+
+    def on_boundary(self, info, slots) -> None:
+        kind = str(info.kind)
+        self.seen.append((kind, info.step))
+        self.heartbeats += kind == "heartbeat"
+        key = (kind, self.heartbeats if kind == "heartbeat" else info.step)
+        if key in self.plan:
+            self.queue.append(self.plan.pop(key))
+
+    def on_event(self, name, attrs) -> None:
+        pass
+
+
+def directives_body(rank: int, world_size: int, out_dir: str) -> dict:
+    from parwatch.contract import registry
+
+    example = _example()
+    director = Director(rank, "directives")
+    registry.register(director)
+    args = example.parse_args(run_argv("1f1b", "--checkpoint-dir", os.path.join(out_dir, "ckpt"), "--run-id",
+                                       "directives", "--parwatch-log", os.path.join(out_dir, "log"), ms="1,2",
+                                       steps=6))
+    result = example.train(args)
+    registry.unregister(director)
+    return {"seen": director.seen, "applied": result["applied"], "history": result["history"],
+            "losses": result["losses"]}
+
+
+def test_pause_resume_and_rollback_reach_every_rank(tmp_path):
+    ranks = run_ranks(directives_body, P, str(tmp_path), timeout=120)
+    seen = ranks[0]["seen"]
+    assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
+    # pause delivered at step 3's boundary; heartbeats repeat step 3; resume; rollback at step 5's
+    kinds = [k for k, _ in seen]
+    assert kinds[:4] == ["start", "step", "step", "step"]
+    assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
+    for r in ranks:
+        assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
+            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+        assert r["applied"][2]["step"] == 2  # the loaded step
+    last = next(r for r in ranks if r["history"])
+    steps = [s for s, _ in last["history"]]
+    assert steps == [1, 2, 3, 4, 5, 3, 4, 5, 6]  # step 5 rolled back to 2, then 3.. again
+    replayed = dict(last["history"][5:])
+    first = dict(last["history"][:5])
+    assert all(replayed[s] == first[s] for s in (3, 4, 5))  # same batches, restored state: same losses
+    assert sorted(last["losses"]) == [1, 2, 3, 4, 5, 6]
