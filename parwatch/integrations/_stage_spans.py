@@ -114,7 +114,9 @@ def instrument_loss(schedule, stage_attrs: dict, patches: Patches, sink: list) -
         else:
             result = compute(stage, output, target_mbs, mb_index, *args, **kwargs)
         if len(schedule._internal_losses) > before:
-            sink.append(schedule._internal_losses[-1])
+            if mb_index == 0:  # a new step: whatever step_done did not take is stale
+                sink.clear()
+            sink.append(schedule._internal_losses[-1].detach())  # the value only, not the graph
         return result
 
     patches.set(schedule, "_maybe_compute_loss", _maybe_compute_loss)
