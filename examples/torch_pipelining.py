@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=4, help="m, microbatches per step")
     ap.add_argument("--chunks", type=int, default=None,
                     help="v, stages per rank (gpipe/1f1b: 1; zbv/dualpipev: 2; interleaved: default 2)")
-    ap.add_argument("--synthetic-ms", default="40,80", help="F,B: forward and backward ms per microbatch per virtual stage")
+    ap.add_argument("--synthetic-ms", default="40,80",
+                    help="F,B: forward and backward ms per microbatch per virtual stage")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--microbatch-size", type=int, default=2)
@@ -192,7 +193,8 @@ def train(args) -> dict:
         torch.save({"model": [m.state_dict() for m in modules], "optimizer": optimizer.state_dict()}, path)
 
     def load_checkpoint(step):  # parwatch: rollback directives call this on every rank
-        steps = sorted(int(f.split("-")[0][4:]) for f in os.listdir(args.checkpoint_dir) if f.endswith(f"rank{rank}.pt"))
+        steps = sorted(int(f.split("-")[0][4:]) for f in os.listdir(args.checkpoint_dir)
+                       if f.endswith(f"-rank{rank}.pt"))
         target = step if step in steps else max([s for s in steps if step is None or s < step], default=None)
         if target is None:
             raise FileNotFoundError(f"no checkpoint at or before step {step} in {args.checkpoint_dir}")

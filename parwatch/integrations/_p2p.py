@@ -84,7 +84,7 @@ def install() -> None:
 
                 raise P2PHookMissing(
                     f"torch {torch.__version__}: torch.distributed.pipelining.schedules has no "
-                    f"{', '.join(missing)}; parwatch's send/recv spans hook them (present in torch 2.4-2.13). "
+                    f"{', '.join(missing)}; parwatch's send/recv spans hook them (present in torch 2.13). "
                     "Watch with p2p=False to go without send/recv spans, or pin a torch that has them."
                 )
             for name, wrapper in (("_batch_p2p", _batch_p2p), ("_wait_batch_p2p", _wait_batch_p2p)):

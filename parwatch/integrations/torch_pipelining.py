@@ -116,7 +116,8 @@ class PipelineWatch:
         import torch.distributed as dist
 
         if not run_id:
-            raise IntegrationError("PipelineWatch: run_id must be the run's id (the same non-empty string on every rank)")
+            raise IntegrationError("PipelineWatch: run_id must be the run's id "
+                                   "(the same non-empty string on every rank)")
         self.schedule = schedule
         self.run_id = run_id
         self.name = schedule_name(schedule)
@@ -124,8 +125,9 @@ class PipelineWatch:
         for stage in self.stages:
             missing = [m for m in STAGE_METHODS if not callable(getattr(stage, m, None))]
             if missing:
-                raise IntegrationError(f"stage {stage.stage_index} ({type(stage).__name__}) lacks {', '.join(missing)}: "
-                                       "this torch's PipelineStage differs from the 2.4-2.13 API parwatch wraps")
+                raise IntegrationError(f"stage {stage.stage_index} ({type(stage).__name__}) lacks "
+                                       f"{', '.join(missing)}: this torch's PipelineStage differs from "
+                                       "the torch 2.13 API parwatch wraps")
         missing = [m for m in SCHEDULE_METHODS if not callable(getattr(schedule, m, None))]
         if missing:
             raise IntegrationError(f"{type(schedule).__name__} lacks {', '.join(missing)}: cannot time the loss "
