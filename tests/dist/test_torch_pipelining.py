@@ -51,14 +51,27 @@ def _example():
 
 
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
-    """Every rank: each named run of the example in turn; returns {name: losses} (last stage's)."""
+    """Every rank: each named run of the example in turn; returns {name: losses} (last stage's).
+
+    The run named "directives" also gets a Director on the registry (see below) and returns
+    what it saw besides the losses."""
+    from parwatch.contract import registry
+
     example = _example()
     results = {}
     for name, argv in runs.items():
         log_dir = os.path.join(out_dir, name)
         args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
                                                                 ["--parwatch-log", log_dir]))
-        results[name] = {str(s): repr(v) for s, v in example.train(args)["losses"].items()}
+        director = Director(rank, name) if name == "directives" else None
+        if director:
+            registry.register(director)
+        result = example.train(args)
+        results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
+        if director:
+            registry.unregister(director)
+            results[name] = {"seen": director.seen, "applied": result["applied"], "history": result["history"],
+                             "losses": result["losses"]}
     return results
 
 
@@ -120,6 +133,7 @@ def grid(tmp_path_factory):
         runs[f"{s}-fast-off"] = run_argv(s, "--no-parwatch", ms="1,2", steps=3)
     runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
     runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
+    runs["directives"] = run_argv("1f1b", "--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6)
     losses = run_ranks(runs_body, P, runs, out, timeout=280)
     return out, losses
 
@@ -237,23 +251,9 @@ class Director:
         pass
 
 
-def directives_body(rank: int, world_size: int, out_dir: str) -> dict:
-    from parwatch.contract import registry
-
-    example = _example()
-    director = Director(rank, "directives")
-    registry.register(director)
-    args = example.parse_args(run_argv("1f1b", "--checkpoint-dir", os.path.join(out_dir, "ckpt"), "--run-id",
-                                       "directives", "--parwatch-log", os.path.join(out_dir, "log"), ms="1,2",
-                                       steps=6))
-    result = example.train(args)
-    registry.unregister(director)
-    return {"seen": director.seen, "applied": result["applied"], "history": result["history"],
-            "losses": result["losses"]}
-
-
-def test_pause_resume_and_rollback_reach_every_rank(tmp_path):
-    ranks = run_ranks(directives_body, P, str(tmp_path), timeout=120)
+def test_pause_resume_and_rollback_reach_every_rank(grid):
+    _, results = grid
+    ranks = [r["directives"] for r in results]
     seen = ranks[0]["seen"]
     assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
     # pause delivered at step 3's boundary; heartbeats repeat step 3; resume; rollback at step 5's
