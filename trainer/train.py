@@ -30,7 +30,7 @@ from trainer.flops import model_flops_per_step
 from trainer.model import Chunk, GPTConfig, build_pieces
 from trainer.parallel_dims import ParallelDims, build_groups
 from trainer.partition import partition, piece_param_counts
-from trainer.schedules import build_schedule
+from trainer.schedules import build_schedule, pipeline_order
 from trainer.synthetic import SyntheticChunk, parse_synthetic
 
 log = logging.getLogger("trainer")
@@ -249,7 +249,8 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         self.registry.emit_event(Event.RUN_START, config=cfg.to_dict(), rank=self.rank,
-                                 model_flops_per_step=self.model_flops_per_step)
+                                 model_flops_per_step=self.model_flops_per_step,
+                                 pipeline_order=pipeline_order(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
         self.boundary(BoundaryKind.START)
         self._last_boundary_t = time.perf_counter()
         while self.step < cfg.steps:

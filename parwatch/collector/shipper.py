@@ -161,7 +161,10 @@ class Shipper:
     def _run(self) -> None:
         try:
             while True:
-                self._wake.wait(self.poll_interval_s or 0.5)
+                wait = self.poll_interval_s or 0.5
+                if self._outcomes:  # an outcome waits for nothing but the backoff
+                    wait = min(wait, max(0.05, self._retry_at - self._time()))
+                self._wake.wait(wait)
                 self._wake.clear()
                 stopping = self._stopping
                 self._drain()

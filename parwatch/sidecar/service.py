@@ -115,7 +115,7 @@ class Sidecar:
 
     def _count(self, decisions) -> None:
         for d in decisions or ():
-            if d and d.get("action"):
+            if d and d.get("type", "decision") == "decision" and d.get("action"):  # not outcome records
                 self.counters.actions[(str(d.get("rule") or d.get("source") or "operator"), str(d["action"]))] += 1
 
     # -- reads ------------------------------------------------------------------------------
