@@ -32,11 +32,16 @@ import logging
 from typing import Callable
 
 from parwatch import pipeline_sim
+from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, registry
 from parwatch.integrations import _p2p
 from parwatch.integrations._p2p import P2PHookMissing  # noqa: F401  (part of this module's API)
-from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, registry
-from parwatch.integrations._stage_spans import SCHEDULE_METHODS, STAGE_METHODS, Patches, instrument_loss, \
-    instrument_stage
+from parwatch.integrations._stage_spans import (
+    SCHEDULE_METHODS,
+    STAGE_METHODS,
+    Patches,
+    instrument_loss,
+    instrument_stage,
+)
 
 log = logging.getLogger("parwatch.integrations.torch_pipelining")
 
