@@ -207,7 +207,7 @@ class Trainer:
     def _pause(self) -> None:
         self.registry.emit_event(Event.PAUSED, step=self.step)
         log.warning("rank %d: paused at step %d", self.rank, self.step)
-        rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s)
+        rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s, report=self._report)
         if rollback is not None:
             self._rollback(rollback)
 
