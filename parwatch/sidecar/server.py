@@ -18,7 +18,7 @@ import socket
 import uvicorn
 
 from parwatch.sidecar.app import create_control_app, create_metrics_app
-from parwatch.sidecar.config import Listen
+from parwatch.sidecar.config import TOKEN_ENV, Listen
 from parwatch.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,9 @@ def serve(sidecar: Sidecar) -> None:
     servers = [_uvicorn(create_metrics_app(sidecar), "off"), _uvicorn(create_control_app(sidecar), "on")]
     log.info(
         "parwatch sidecar: metrics http://%s/metrics, control http://%s (token %s), rules %s, state %s",
-        cfg.metrics_listen, cfg.control_listen, "required" if cfg.token else "not set (loopback)",
+        cfg.metrics_listen, cfg.control_listen,
+        f"required, in {cfg.token_file}: give it to trainers with --parwatch-token-file, to the CLI with --token-file"
+        if cfg.token_file else f"required, from {TOKEN_ENV}",
         cfg.rules_path or "packaged defaults", cfg.state_dir,
     )
     tune_gc()
