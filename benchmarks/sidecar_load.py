@@ -72,15 +72,15 @@ def rss_mb(pid: int) -> float:
 class Connection:
     """One keep-alive HTTP/1.1 connection; a few lines of asyncio keep the client's own CPU use small."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, token: str = ""):
+        self.host, self.port, self.token = host, port, token
         self.reader = self.writer = None
 
     async def post(self, path: str, body: bytes) -> int:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+                f"Authorization: Bearer {self.token}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
         length = 0
@@ -96,11 +96,11 @@ class Connection:
 
 
 async def drive(control_url: str, metrics_url: str, ranks: int, duration: float, connections: int,
-                scrape_every: float, pid: int) -> dict:
+                scrape_every: float, pid: int, token: str = "") -> dict:
     host, port = control_url.removeprefix("http://").split(":")
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
-        pool.put_nowait(Connection(host, int(port)))
+        pool.put_nowait(Connection(host, int(port), token))
     tp, pp, dp = layout(ranks)
     stages = [syn.stage_view(s, 1.0, 0.7) for s in range(pp)]
     latencies, queued, errors, rss = [], [], [], []
@@ -128,7 +128,7 @@ async def drive(control_url: str, metrics_url: str, ranks: int, duration: float,
                     errors.append(status)
             except (OSError, asyncio.IncompleteReadError, ValueError) as err:
                 errors.append(repr(err))
-                conn = Connection(host, int(port))
+                conn = Connection(host, int(port), token)
             latencies.append(time.monotonic() - t0)
             sent_at.append(t0)
             pool.put_nowait(conn)

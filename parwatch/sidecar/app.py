@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from parwatch import __version__
 from parwatch.schema import SCHEMA_VERSION
@@ -105,7 +106,7 @@ async def _validate_ingest(raw: bytes) -> IngestBody:
 
     Raises RequestValidationError (-> 422 naming the field) for the first problems found."""
     try:
-        data = json.loads(raw)
+        data = from_json(raw)  # pydantic-core's parser: several times faster than json.loads
     except (ValueError, RecursionError) as err:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                        "ctx": {"error": str(err)[:200]}}]) from None

@@ -11,6 +11,8 @@ values or log text are short and printable. Stored data therefore can never make
 from __future__ import annotations
 
 import math
+import operator
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -41,9 +43,12 @@ def _finite_loss(x):
     return decode_float(x)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def _printable(x: str) -> str:
     """Label values and log text: no control characters, valid UTF-8 (no lone surrogates)."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in x):
+    if _CONTROL.search(x):
         raise ValueError("must not contain control characters")
     try:
         x.encode("utf-8")
@@ -85,7 +90,8 @@ class Collective(_Model):
         if self.buckets:
             if len(self.buckets) not in (n, n + 1):
                 raise ValueError(f"buckets has {len(self.buckets)} counts; expected {n} (one per le bound) or {n + 1}")
-            if any(b > a for a, b in zip(self.buckets[1:], self.buckets)) or self.buckets[-1] > self.count:
+            # map() keeps the per-collective check in C: it runs for every collective of every post.
+            if not all(map(operator.le, self.buckets, self.buckets[1:])) or self.buckets[-1] > self.count:
                 raise ValueError("buckets must be cumulative (non-decreasing) and end at most at count")
         return self
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -116,6 +117,8 @@ class RankRecord:
 
 
 _NO_COLLECTIVES = CollectiveTotals()
+_STEP_INCREMENTS = [(0,) * i + (1,) * (len(STEP_BUCKETS) - i) for i in range(len(STEP_BUCKETS) + 1)]
+"""A step of duration in bucket i adds one to every cumulative (le) bucket from i on."""
 
 
 class Store:
@@ -212,9 +215,9 @@ class Store:
             rec.summary = s
         rec.counted.add(key)
         rec.seen = now
-        rec.window.append(
-            WindowEntry(s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio)
-        )
+        # A plain tuple of numbers, not a WindowEntry: the garbage collector stops tracking those,
+        # so 32 entries x 1024 ranks add nothing to a full collection's pause (recent() names them).
+        rec.window.append((s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio))
         self._accumulate(rec, s)
         return True
 
@@ -222,7 +225,7 @@ class Store:
         t = rec.totals
         first = bisect.bisect_left(STEP_BUCKETS, s.step_seconds)  # le semantics: x <= bound
         rec.totals = RankTotals(
-            tuple(n + 1 if i >= first else n for i, n in enumerate(t.step_buckets)),
+            tuple(map(operator.add, t.step_buckets, _STEP_INCREMENTS[first])),  # map(): no Python loop per post
             t.step_count + 1,
             t.step_sum + s.step_seconds,
             t.compute_total + s.compute_seconds,
@@ -235,7 +238,7 @@ class Store:
             rec.tokens_from = (0, 0)  # from now on every new key counts, replays after a rollback too
         for c in s.collectives:
             tot = self.collectives.get((c.op, c.group), _NO_COLLECTIVES)
-            buckets = tuple(a + b for a, b in zip(tot.buckets, c.buckets)) if c.buckets else tot.buckets
+            buckets = tuple(map(operator.add, tot.buckets, c.buckets)) if c.buckets else tot.buckets
             self.collectives[(c.op, c.group)] = CollectiveTotals(
                 buckets, tot.count + c.count, tot.seconds + c.seconds, tot.bytes + c.bytes)
         if s.rank == 0:
@@ -278,4 +281,4 @@ class Store:
 
     def recent(self, rank: int) -> list[WindowEntry]:
         rec = self.ranks.get(rank)
-        return list(rec.window) if rec else []
+        return [WindowEntry._make(e) for e in rec.window] if rec else []
