@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -95,7 +95,7 @@ class _IngestHead(BaseModel):
 
     version: Literal[SCHEMA_VERSION]
     summaries: list[Any] = Field(max_length=MAX_SUMMARIES)
-    alive: bool = False
+    alive: Annotated[bool, Field(strict=True)] = False
 
 
 _SUMMARY = TypeAdapter(StepSummary)

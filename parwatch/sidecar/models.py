@@ -57,15 +57,24 @@ def _printable(x: str) -> str:
     return x
 
 
+def _not_bool(x):
+    """JSON true/false is not a number here (pydantic's lax mode would read it as 1/0)."""
+    if isinstance(x, bool):
+        raise ValueError("Input should be a valid integer, not a boolean")
+    return x
+
+
 WireFloat = Annotated[float | None, BeforeValidator(_finite_loss)]
 Finite = Annotated[float, Field(ge=-MAX_RATIO, le=MAX_RATIO, allow_inf_nan=False)]
 Ratio = Finite
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 SignedSeconds = Annotated[float, Field(ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
 NonNegFinite = Annotated[float, Field(ge=0, le=MAX_COUNT, allow_inf_nan=False)]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Index = Annotated[int, Field(ge=0, lt=MAX_PARALLEL)]
-Parallel = Annotated[int, Field(ge=1, le=MAX_PARALLEL)]
+Count = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_COUNT)]
+Index = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, lt=MAX_PARALLEL)]
+Parallel = Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_PARALLEL)]
+Flag = Annotated[bool, Field(strict=True)]
+"""true or false only (not 0/1 or "yes")."""
 Text = Annotated[str, AfterValidator(_printable)]
 
 
@@ -97,7 +106,7 @@ class Collective(_Model):
 
 
 class Gpu(_Model):
-    index: Annotated[int, Field(ge=0, le=1024)]
+    index: Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=1024)]
     utilization_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
     memory_used_bytes: Count | None = None
     memory_total_bytes: Count | None = None
@@ -108,7 +117,7 @@ class Gpu(_Model):
 
 
 class Applied(_Model):
-    id: Annotated[int, Field(gt=0, le=MAX_COUNT)]
+    id: Annotated[int, BeforeValidator(_not_bool), Field(gt=0, le=MAX_COUNT)]
     step: Count
 
 
@@ -139,7 +148,7 @@ class StepSummary(_Model):
     pp: Parallel
     dp: Parallel
     microbatches: Parallel
-    chunks: Annotated[int, Field(ge=1, le=1024)] = 1
+    chunks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=1024)] = 1
     schedule: Literal[SCHEDULES]
     step: Count
     timeline: Count = 0
@@ -157,12 +166,12 @@ class StepSummary(_Model):
     memory_max_allocated_bytes: Count | None = None
     collectives: list[Collective] = Field(default_factory=list, max_length=256)
     gpu: Gpu | None = None
-    nvml_up: Literal[0, 1] = 0
+    nvml_up: Annotated[Literal[0, 1], BeforeValidator(_not_bool)] = 0
     overhead_seconds: Seconds = 0.0
     dropped_total: Count = 0
     checkpoints: list[Count] = Field(default_factory=list, max_length=MAX_CHECKPOINTS)
     applied: list[Applied] = Field(default_factory=list, max_length=1000)
-    paused: bool = False
+    paused: Flag = False
     global_: GlobalView | None = Field(default=None, alias="global")
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
     model_flops_utilization_ratio: Annotated[float, Field(ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None = None
@@ -198,7 +207,7 @@ class StepSummary(_Model):
 class IngestBody(_Model):
     version: Literal[SCHEMA_VERSION]
     summaries: list[StepSummary] = Field(max_length=10_000)
-    alive: bool = False
+    alive: Flag = False
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 
 
