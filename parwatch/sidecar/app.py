@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -31,9 +31,11 @@ from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.exposition import choose, encode_async, encode_openmetrics, encode_text
 from parwatch.sidecar.models import (
     AlertmanagerPayload,
+    CancelRequest,
     ControlRequest,
     IngestBody,
     IngestResponse,
+    OutcomeRecord,
     Problem,
     StepSummary,
 )
@@ -95,6 +97,7 @@ class _IngestHead(BaseModel):
 
     version: Literal[SCHEMA_VERSION]
     summaries: list[Any] = Field(max_length=MAX_SUMMARIES)
+    outcomes: list[OutcomeRecord] = IngestBody.model_fields["outcomes"]
     alive: Annotated[bool, Field(strict=True)] = False
 
 
@@ -128,7 +131,8 @@ async def _validate_ingest(raw: bytes) -> IngestBody:
             deadline = time.perf_counter() + SLICE_SECONDS
     if errors:
         raise RequestValidationError(errors)
-    return IngestBody.model_construct(version=head.version, summaries=summaries, alive=head.alive)
+    return IngestBody.model_construct(version=head.version, summaries=summaries, outcomes=head.outcomes,
+                                      alive=head.alive)
 
 
 def _located(err: ValidationError, prefix: tuple) -> list[dict]:
@@ -227,6 +231,18 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             raise HTTPException(400, str(err)) from err
         await sidecar.persist()
         return JSONResponse(jsonable(decision))
+
+    @app.post("/v1/directives/{directive_id}/cancel", dependencies=auth,
+              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
+                         404: {**_PROBLEM, "description": "no outstanding directive with that id"}})
+    async def cancel(directive_id: Annotated[int, Path(ge=1, lt=2**53)], body: CancelRequest):
+        """Withdraw a directive the run has not handled yet; returns the cancel record."""
+        try:
+            record = sidecar.cancel(directive_id, body.requested_by or "operator")
+        except ValueError as err:
+            raise HTTPException(404, str(err)) from err
+        await sidecar.persist()
+        return JSONResponse(jsonable(record))
 
     @app.post("/v1/alerts", dependencies=auth, responses={**_AUTH, **_TOO_LARGE, **_INVALID})
     async def alerts(body: AlertmanagerPayload) -> dict[str, int]:

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from parwatch.guardrails.engine import MAX_CHECKPOINTS
-from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEDULES, SCHEMA_VERSION, decode_float
+from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEMA_VERSION, decode_float
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 COLLECTIVE_GROUPS = ("tp", "pp", "dp", "world", "ep", "cp")
@@ -116,9 +116,24 @@ class Gpu(_Model):
     throttle_reasons: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # NVML's bit mask
 
 
-class Applied(_Model):
-    id: Annotated[int, BeforeValidator(_not_bool), Field(gt=0, le=MAX_COUNT)]
-    step: Count
+MaxStep = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, lt=2**53)]
+RunId = Annotated[Text, Field(min_length=1, max_length=200)]
+OUTCOMES = ("applied", "substituted", "failed", "ignored", "mixed")
+SmallCount = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=2**31)]
+
+
+class OutcomeRecord(_Model):
+    """Rank 0's report of what every rank did with one directive (counted in the boundary vector)."""
+
+    directive_id: Annotated[int, BeforeValidator(_not_bool), Field(gt=0, lt=2**53)]
+    run_id: RunId
+    outcome: Literal[OUTCOMES]
+    step: MaxStep
+    loaded_step: MaxStep | None = None
+    counts: dict[Literal[OUTCOMES], SmallCount] = Field(default_factory=dict)
+    reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], SmallCount] = \
+        Field(default_factory=dict, max_length=16)
+    ranks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=2**31)]
 
 
 class GlobalStage(_Model):
@@ -139,7 +154,7 @@ class GlobalView(_Model):
 
 class StepSummary(_Model):
     v: Literal[SCHEMA_VERSION]
-    run_id: Annotated[Text, Field(min_length=1, max_length=200)]
+    run_id: RunId
     rank: Index
     stage: Index
     tp_rank: Index = 0
@@ -149,10 +164,10 @@ class StepSummary(_Model):
     dp: Parallel
     microbatches: Parallel
     chunks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=1024)] = 1
-    schedule: Literal[SCHEDULES]
+    schedule: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
     step: Count
-    timeline: Count = 0
-    """Rollbacks applied so far in this run: (run_id, rank, timeline, step) identifies a summary.
+    timeline: SmallCount = 0
+    """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary.
     Collectors older than the field send none (0)."""
     time: Annotated[float, Field(ge=0, le=MAX_TIME, allow_inf_nan=False)]
     step_seconds: Seconds
@@ -170,7 +185,6 @@ class StepSummary(_Model):
     overhead_seconds: Seconds = 0.0
     dropped_total: Count = 0
     checkpoints: list[Count] = Field(default_factory=list, max_length=MAX_CHECKPOINTS)
-    applied: list[Applied] = Field(default_factory=list, max_length=1000)
     paused: Flag = False
     global_: GlobalView | None = Field(default=None, alias="global")
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
@@ -207,6 +221,8 @@ class StepSummary(_Model):
 class IngestBody(_Model):
     version: Literal[SCHEMA_VERSION]
     summaries: list[StepSummary] = Field(max_length=10_000)
+    outcomes: list[OutcomeRecord] = Field(default_factory=list, max_length=64)
+    """Rank 0: directive outcome records, resent until a post carrying them is accepted."""
     alive: Flag = False
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 
@@ -220,6 +236,7 @@ class Problem(BaseModel):
 class Directive(_Model):
     id: int
     action: Literal[DIRECTIVE_ACTIONS]
+    run_id: str
     to_step: int | None = None
     skip_batches: int = 0
     reason: str = ""
@@ -236,6 +253,11 @@ class ControlRequest(_Model):
     to_step: Count | None = None
     skip_batches: Count = 0
     reason: Annotated[str, Field(max_length=2000)] = ""
+    requested_by: Annotated[str, Field(max_length=200)] = ""
+
+
+class CancelRequest(_Model):
+    model_config = ConfigDict(extra="forbid", frozen=True)
     requested_by: Annotated[str, Field(max_length=200)] = ""
 
 
