@@ -272,7 +272,8 @@ class Store:
 
     @property
     def last_step(self) -> int | None:
-        return max((rec.summary.step for rec in list(self.ranks.values())), default=None)
+        newest = max((rec.summary.key for rec in list(self.ranks.values())), default=None)
+        return None if newest is None else newest[1]  # the newest timeline's step, after a rollback too
 
     def run_summary(self) -> StepSummary | None:
         """The lowest rank's latest summary: the source of run metadata."""
