@@ -47,6 +47,7 @@ class Sidecar:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.alerts = AlertDedupe(state_dir / "alerts_acted.json")
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last_write: asyncio.Future | None = None
 
     # -- disk -------------------------------------------------------------------------------
     def defer_writes(self) -> None:
@@ -55,12 +56,19 @@ class Sidecar:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parwatch-writer")
 
     async def persist(self) -> None:
-        """Everything the engine decided so far is on disk (fsync'd) when this returns."""
+        """Everything the engine decided so far is on disk (fsync'd) when this returns, including
+        batches another request handed to the writer before us (the writer is one FIFO thread, so
+        waiting for the newest submitted write waits for all)."""
         while self._writer is not None:
             batch = self.engine.take_writes()
-            if not batch:
+            if batch:
+                self._last_write = asyncio.get_running_loop().run_in_executor(self._writer, batch.write)
+            elif self._last_write is None or self._last_write.done():
+                last, self._last_write = self._last_write, None
+                if last is not None:
+                    last.result()  # a failed write is not durable: the request that waited on it says so
                 return
-            await asyncio.get_running_loop().run_in_executor(self._writer, batch.write)
+            await asyncio.shield(self._last_write)  # a client hanging up must not cancel a write
 
     def close(self) -> None:
         """Last writes, on the caller's thread (shutdown)."""
