@@ -163,3 +163,41 @@ def test_openapi_documents_ingest_and_control(client):
     schemas = doc["components"]["schemas"]
     assert {"IngestBody", "StepSummary", "ControlRequest", "Directive"} <= set(schemas)
     assert "global" in schemas["StepSummary"]["properties"]
+
+
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "summaries": []}', ' { "summaries" : [ 1 , {"a": [2, 3]} , "x" ] , "version":1 } ',
+    '{"summaries": [], "summaries": [1]}', '{}', '[1, 2]', '3', '{"a": NaN, "summaries": [Infinity]}',
+    '{"summaries": {"not": "a list"}}', '{"s\\u00e9": "\\ud83d\\ude00"}',
+])
+def test_the_sliced_parser_reads_what_json_reads(text):
+    import asyncio
+
+    from parwatch.sidecar.app import parse_ingest_json
+
+    padded = text if not text.lstrip().startswith("{") else text.rstrip()[:-1] + \
+        (', ' if text.strip() != "{}" else "") + '"pad": "' + "x" * 70_000 + '"}'
+    for raw in (text, padded):  # small bodies go to pydantic-core in one call, large ones are sliced
+        got = asyncio.run(parse_ingest_json(raw.encode()))
+        assert json.dumps(got) == json.dumps(json.loads(raw))
+
+
+@pytest.mark.parametrize("text", ['{"summaries": [1,]}', '{"summaries": [1 2]}', '{"a": 1,}', '{"a" 1}',
+                                  '{"summaries": [1]} x', '{"summaries": [', '{1: 2}', '{"a": 1', ''])
+def test_the_sliced_parser_refuses_what_json_refuses(client, text):
+    padded = '{"pad": "' + "x" * 70_000 + '", ' + text[1:] if text.startswith("{") else text
+    for raw in (text, padded):
+        r = client.post("/v1/ingest", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "not valid JSON" in r.json()["detail"], r.text[:300]
+
+
+def test_a_large_body_is_parsed_in_slices_as_json_would(monkeypatch):
+    import asyncio
+
+    from parwatch.sidecar import app
+
+    body = {"version": 1, "alive": False, "summaries": [syn.summary(r % 2, r) for r in range(1, 200)]}
+    raw = json.dumps(body).encode()
+    assert len(raw) > app.SMALL_BODY
+    monkeypatch.setattr(app, "SLICE_SECONDS", 0.0)  # yield after every element
+    assert asyncio.run(app.parse_ingest_json(raw)) == json.loads(raw)
