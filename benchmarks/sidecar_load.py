@@ -327,7 +327,8 @@ def main(argv=None) -> int:
           f"{args.runs} runs (run 1 | run 2 | ...), {os.cpu_count()} CPUs")
     for name, value, goal in rows:
         print(f"  {name:<{width}}  {value:<{vwidth}}  {goal}")
-    print("  goals met in every run: " + ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items()))
+    met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items())
+    print(f"  goals met in every run: {met}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

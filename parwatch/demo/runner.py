@@ -61,7 +61,8 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
         tail = SummaryTail(run_dir / "summaries.jsonl")
         status = None
         paused_hint_shown = False
-        with SidecarClient(control, read_token(token_file), timeout=2.0) as client, LiveView(console, interactive, cfg.steps) as view:
+        with SidecarClient(control, read_token(token_file), timeout=2.0) as client, \
+                LiveView(console, interactive, cfg.steps) as view:
             while trainer.poll() is None:
                 advanced = tail.poll()
                 try:

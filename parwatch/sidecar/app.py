@@ -274,7 +274,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     ingest_body = {"required": True,
                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBody"}}}}
 
-    @app.post("/v1/ingest", dependencies=auth, response_model=IngestResponse, openapi_extra={"requestBody": ingest_body},
+    @app.post("/v1/ingest", dependencies=auth, response_model=IngestResponse,
+              openapi_extra={"requestBody": ingest_body},
               responses={**_AUTH, **_TOO_LARGE, **_INVALID,
                          409: {**_PROBLEM, "description": "the summary does not fit the run's world (tp, pp, dp)"},
                          429: {**_PROBLEM, "description": "more ranks or run ids than --max-ranks / --max-runs"}})

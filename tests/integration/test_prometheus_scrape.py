@@ -42,7 +42,8 @@ def sidecar(tmp_path):
     with running_sidecar(tmp_path / "state") as sp:
         for step in (1, 2, 3):
             post_step(sp, step)
-        httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause"}, headers=sp.headers)  # an action counter too
+        # an action counter too
+        httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause"}, headers=sp.headers)
         yield sp
 
 

@@ -70,7 +70,8 @@ class Clock:
 def env(tmp_path):
     clock = Clock()
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state", rank_grace_seconds=GRACE), clock=clock)
-    return sidecar, TestClient(create_control_app(sidecar), headers={"Authorization": f"Bearer {sidecar.config.token}"}), TestClient(create_metrics_app(sidecar)), clock
+    auth = {"Authorization": f"Bearer {sidecar.config.token}"}
+    return sidecar, TestClient(create_control_app(sidecar), headers=auth), TestClient(create_metrics_app(sidecar)), clock
 
 
 def post(control, *summaries):

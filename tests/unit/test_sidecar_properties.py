@@ -61,7 +61,8 @@ def summary(draw, run_id, world):
     rank = draw(st.integers(0, tp * pp * dp - 1))
     s = {"v": 1, "run_id": run_id, "rank": rank, "stage": (rank // tp) % pp, "tp_rank": rank % tp,
          "dp_rank": rank // (tp * pp), "tp": tp, "pp": pp, "dp": dp, "microbatches": draw(st.integers(1, 64)),
-         "schedule": draw(st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb-h1"])), "step": draw(counts), "timeline": draw(st.integers(0, 3)),
+         "schedule": draw(st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb-h1"])), "step": draw(counts),
+         "timeline": draw(st.integers(0, 3)),
          "time": draw(st.floats(0, MAX_TIME)), "step_seconds": draw(seconds), "compute_seconds": draw(seconds),
          "other_seconds": draw(seconds), "idle_seconds": draw(signed), "bubble_ratio": draw(ratios),
          "bubble_theoretical_ratio": draw(ratios), "loss": draw(losses), "tokens": draw(counts),
