@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import getpass
 import json
+from pathlib import Path
 
 import click
 
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
-from pathlib import Path
-
 from parwatch.sidecar.config import TOKEN_FILE_NAME, ConfigError, read_token
 
 DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
