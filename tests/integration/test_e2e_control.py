@@ -55,6 +55,7 @@ def held_steps(run, directive_id: int) -> dict[int, tuple[int, int]]:
 def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)  # the sidecar refuses a token file others can read
     state = tmp_path / "state"
     steps = 60
     with running_sidecar(state, "--token-file", str(token_file)) as sp, \
