@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from parwatch.collector import global_view as gv
 from parwatch.collector.context import RunContext
+from parwatch.collector.causes import CauseSplitter
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
 from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
@@ -33,6 +34,7 @@ from parwatch.collector.shipper import Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, Observer, Span
+from parwatch.schema import CLOSED_FORM_SCHEDULES
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
@@ -84,10 +86,14 @@ class Collector(Observer):
         self._memory_fn = memory_fn or (peak_memory_bytes if ctx.local_gpu is not None else (lambda: None))
         self.nvml = NvmlSampler(ctx.local_gpu, nvml=nvml, interval_s=nvml_interval_s).start()
         self.directives = DirectiveInbox()
+        self.causes = CauseSplitter()
+        """Rank 0: splits each global view's bubble into schedule, imbalance and wait (shipper thread)."""
+        self._theory = ctx.bubble_theoretical_ratio
         self.shipper = Shipper(
             endpoint=endpoint, token=token, log_path=log_path, spans_path=spans_path, queue_size=queue_size,
             http=http, on_directive=self.directives.put,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
+            prepare=self.causes.add_causes if ctx.rank == 0 else None,
         ).start()
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
@@ -195,6 +201,9 @@ class Collector(Observer):
     def _on_event(self, name: str, attrs: dict) -> None:
         if name == Event.RUN_START:
             self._model_flops = attrs.get("model_flops_per_step")
+            simulated = self.causes.set_order(attrs.get("pipeline_order"))
+            if simulated is not None and self.ctx.schedule not in CLOSED_FORM_SCHEDULES:
+                self._theory = simulated  # zero-bubble and V schedules: the replay at equal action times
         elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_CORRUPT) and self.ctx.rank == 0:
             # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.
             listed = attrs.get("checkpoints")
@@ -266,6 +275,7 @@ class Collector(Observer):
             # belong to the abandoned one and must not be rollback targets.
             checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [],
             paused=self._paused or pausing, global_view=global_view, timeline=self.timeline,
+            bubble_theoretical_ratio=self._theory,
         )
 
     def _begin_period(self, origin_mark, step: int, *, sample: bool) -> None:
