@@ -8,8 +8,10 @@ rules on an Observation of the same size.
 
     python benchmarks/sidecar_load.py --ranks 1024 --duration 20 --out benchmarks/results/sidecar_load.json
 
-Goals: p99 ingest <= 10 ms, scrape <= 250 ms, RSS <= 300 MB, evaluate (20 rules) <= 1 ms.
-The load generator runs on the same machine as the sidecar, so both share its cores.
+Goals: p99 ingest <= 10 ms, scrape <= 250 ms (under load and idle), RSS <= 300 MB, evaluate
+(20 rules) <= 1 ms, in every one of --runs runs (3 by default; all are printed side by side).
+The load generator runs on the same machine as the sidecar, so both share its cores: run it on
+an otherwise idle machine (the table prints the load average after each run).
 """
 
 from __future__ import annotations
@@ -72,15 +74,15 @@ def rss_mb(pid: int) -> float:
 class Connection:
     """One keep-alive HTTP/1.1 connection; a few lines of asyncio keep the client's own CPU use small."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, token: str = ""):
+        self.host, self.port, self.token = host, port, token
         self.reader = self.writer = None
 
     async def post(self, path: str, body: bytes) -> int:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+                f"Authorization: Bearer {self.token}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
         length = 0
@@ -96,11 +98,11 @@ class Connection:
 
 
 async def drive(control_url: str, metrics_url: str, ranks: int, duration: float, connections: int,
-                scrape_every: float, pid: int) -> dict:
+                scrape_every: float, pid: int, token: str = "") -> dict:
     host, port = control_url.removeprefix("http://").split(":")
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
-        pool.put_nowait(Connection(host, int(port)))
+        pool.put_nowait(Connection(host, int(port), token))
     tp, pp, dp = layout(ranks)
     stages = [syn.stage_view(s, 1.0, 0.7) for s in range(pp)]
     latencies, queued, errors, rss = [], [], [], []
@@ -128,7 +130,7 @@ async def drive(control_url: str, metrics_url: str, ranks: int, duration: float,
                     errors.append(status)
             except (OSError, asyncio.IncompleteReadError, ValueError) as err:
                 errors.append(repr(err))
-                conn = Connection(host, int(port))
+                conn = Connection(host, int(port), token)
             latencies.append(time.monotonic() - t0)
             sent_at.append(t0)
             pool.put_nowait(conn)
@@ -235,28 +237,20 @@ def evaluate_timing(ranks: int, steps: int = 200) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of load")
-    p.add_argument("--connections", type=int, default=64, help="keep-alive connections the ranks share")
-    p.add_argument("--scrape-every", type=float, default=5.0, help="seconds between /metrics scrapes under load")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/sidecar_load.json"))
-    args = p.parse_args(argv)
-
+def one_run(args) -> dict:
+    """One fresh sidecar under the load: ingest latency, scrapes under load and idle, CPU, RSS."""
     with tempfile.TemporaryDirectory() as tmp:
         with running_sidecar(Path(tmp) / "state", "--log-level", "warning") as sp:
             rss_start = rss_mb(sp.pid)
             cpu_start, client_start = cpu_seconds(sp.pid), time.process_time()
             load = asyncio.run(drive(sp.control_url, sp.metrics_url, args.ranks, args.duration, args.connections,
-                                     args.scrape_every, sp.pid))
+                                     args.scrape_every, sp.pid, sp.token))
             cpu_load, client_cpu = cpu_seconds(sp.pid) - cpu_start, time.process_time() - client_start
             idle, size, series = idle_scrapes(sp.metrics_url)
             rss_end = rss_mb(sp.pid)
     lat = load["latencies"]
-    result = {
-        "ranks": args.ranks, "layout_tp_pp_dp": layout(args.ranks), "duration_s": args.duration,
-        "connections": args.connections, "posts": len(lat), "posts_per_s": len(lat) / load["elapsed"],
+    return {
+        "posts": len(lat), "posts_per_s": len(lat) / load["elapsed"],
         "errors": len(load["errors"]), "error_samples": [str(e) for e in load["errors"][:5]],
         "ingest_ms_p50": percentile(lat, 50) * 1e3, "ingest_ms_p99": percentile(lat, 99) * 1e3,
         "ingest_ms_max": max(lat) * 1e3 if lat else float("nan"),
@@ -268,32 +262,59 @@ def main(argv=None) -> int:
         **overlap_split(lat, load["sent_at"], load["scrapes"]),
         "scrape_ms_idle_p50": percentile(idle, 50) * 1e3, "scrape_bytes": size, "scrape_samples": series,
         "rss_mb_start": rss_start, "rss_mb_peak": max(load["rss"] + [rss_end]), "rss_mb_end": rss_end,
+        "load_avg_after": os.getloadavg()[0],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load")
+    p.add_argument("--connections", type=int, default=64, help="keep-alive connections the ranks share")
+    p.add_argument("--scrape-every", type=float, default=5.0, help="seconds between /metrics scrapes under load")
+    p.add_argument("--runs", type=int, default=3, help="independent runs, each on a fresh sidecar (all printed)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/sidecar_load.json"))
+    args = p.parse_args(argv)
+
+    runs = []
+    for i in range(args.runs):
+        runs.append(one_run(args))
+        print(f"run {i + 1}/{args.runs}: ingest p99 {runs[-1]['ingest_ms_p99']:.1f} ms, "
+              f"scrape under load {runs[-1]['scrape_ms_under_load_p50']:.0f} ms", flush=True)
+    worst = {k: max(r[k] for r in runs) for k in ("ingest_ms_p99", "scrape_ms_under_load_p50", "scrape_ms_idle_p50",
+                                                    "rss_mb_peak")}
+    result = {
+        "ranks": args.ranks, "layout_tp_pp_dp": layout(args.ranks), "duration_s": args.duration,
+        "connections": args.connections, "runs": runs, "worst_of_runs": worst,
         **evaluate_timing(args.ranks),
         **{f"{k}_8_ranks": v for k, v in evaluate_timing(8).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
     }
+    # Goals hold only if every run meets them (issue 12: "3 runs of 3").
     result["goals"] = {
-        "ingest_p99_ms": [GOALS["ingest_p99_ms"], result["ingest_ms_p99"] <= GOALS["ingest_p99_ms"]],
-        "scrape_ms": [GOALS["scrape_ms"], result["scrape_ms_idle_p50"] <= GOALS["scrape_ms"]],
-        "rss_mb": [GOALS["rss_mb"], result["rss_mb_peak"] <= GOALS["rss_mb"]],
+        "ingest_p99_ms": [GOALS["ingest_p99_ms"], worst["ingest_ms_p99"] <= GOALS["ingest_p99_ms"]],
+        "scrape_ms_under_load": [GOALS["scrape_ms"], worst["scrape_ms_under_load_p50"] <= GOALS["scrape_ms"]],
+        "scrape_ms_idle": [GOALS["scrape_ms"], worst["scrape_ms_idle_p50"] <= GOALS["scrape_ms"]],
+        "rss_mb": [GOALS["rss_mb"], worst["rss_mb_peak"] <= GOALS["rss_mb"]],
         "evaluate_ms": [GOALS["evaluate_ms"], result["evaluate_ms_p50"] <= GOALS["evaluate_ms"]],
         "evaluate_ms_8_ranks": [GOALS["evaluate_ms"], result["evaluate_ms_p50_8_ranks"] <= GOALS["evaluate_ms"]],
     }
+
+    def each(fmt, *keys):
+        return " | ".join(fmt.format(*(r[k] for k in keys)) for r in runs)
+
     rows = [
-        ("ingest latency p50 / p99 / max (ms)",
-         f"{result['ingest_ms_p50']:.2f} / {result['ingest_ms_p99']:.2f} / {result['ingest_ms_max']:.1f}", "p99 <= 10"),
+        ("ingest p50 / p99 (ms)", each("{:.2f} / {:.2f}", "ingest_ms_p50", "ingest_ms_p99"), "p99 <= 10"),
         ("ingest p99 outside / during scrapes (ms)",
-         f"{result['ingest_ms_p99_outside_scrapes']:.2f} / {result['ingest_ms_p99_during_scrapes']:.1f} "
-         f"({result['posts_during_scrapes_share']:.0%} of posts)", ""),
-        ("posts, posts/s, errors", f"{result['posts']}, {result['posts_per_s']:.0f}, {result['errors']}", ""),
-        ("CPU: sidecar ms/post, sidecar / client cores",
-         f"{result['sidecar_cpu_ms_per_post']:.2f}, {result['sidecar_cpu_share']:.2f} / "
-         f"{result['client_cpu_share']:.2f}", ""),
-        ("scrape idle p50 / under load p50, max (ms)",
-         f"{result['scrape_ms_idle_p50']:.0f} / {result['scrape_ms_under_load_p50']:.0f}, "
-         f"{result['scrape_ms_under_load_max']:.0f}", "<= 250"),
-        ("scrape size (samples, bytes)", f"{series}, {size}", ""),
-        ("sidecar RSS start / peak (MB)", f"{result['rss_mb_start']:.0f} / {result['rss_mb_peak']:.0f}", "<= 300"),
+         each("{:.2f} / {:.1f}", "ingest_ms_p99_outside_scrapes", "ingest_ms_p99_during_scrapes"), ""),
+        ("scrape under load p50 / max (ms)", each("{:.0f} / {:.0f}", "scrape_ms_under_load_p50",
+                                                   "scrape_ms_under_load_max"), "<= 250"),
+        ("scrape idle p50 (ms)", each("{:.0f}", "scrape_ms_idle_p50"), "<= 250"),
+        ("sidecar RSS start / peak (MB)", each("{:.0f} / {:.0f}", "rss_mb_start", "rss_mb_peak"), "<= 300"),
+        ("sidecar CPU ms/post, cores", each("{:.2f}, {:.2f}", "sidecar_cpu_ms_per_post", "sidecar_cpu_share"), ""),
+        ("posts/s, errors", each("{:.0f}, {}", "posts_per_s", "errors"), ""),
+        ("load average after the run", each("{:.1f}", "load_avg_after"), "idle machine"),
+        ("scrape size (samples, bytes)", f"{runs[-1]['scrape_samples']}, {runs[-1]['scrape_bytes']}", ""),
         ("evaluate, 20 rules, p50 / p99 (ms)",
          f"{result['evaluate_ms_p50']:.3f} / {result['evaluate_ms_p99']:.3f}", "<= 1"),
         ("evaluate, 20 rules, 8 ranks (one node) p50 (ms)", f"{result['evaluate_ms_p50_8_ranks']:.3f}", "<= 1"),
@@ -301,10 +322,13 @@ def main(argv=None) -> int:
          f"{result['build_observation_ms']:.2f} / {result['build_observation_ms_8_ranks']:.3f}", ""),
     ]
     width = max(len(r[0]) for r in rows)
-    print(f"sidecar load: {args.ranks} ranks x 1 post/s for {args.duration:g} s, "
-          f"{args.connections} connections, load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    vwidth = max(len(r[1]) for r in rows)
+    print(f"sidecar load: {args.ranks} ranks x 1 post/s for {args.duration:g} s, {args.connections} connections, "
+          f"{args.runs} runs (run 1 | run 2 | ...), {os.cpu_count()} CPUs")
     for name, value, goal in rows:
-        print(f"  {name:<{width}}  {value:<28} {goal}")
+        print(f"  {name:<{width}}  {value:<{vwidth}}  {goal}")
+    met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items())
+    print(f"  goals met in every run: {met}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

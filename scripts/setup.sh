@@ -28,6 +28,11 @@ if [ "${1:-}" = "test" ]; then
       victoria-metrics >/dev/null
   fi
   bash scripts/install_helm.sh .tools/bin
+  # Schemathesis (tests/integration/test_schemathesis.py) in a venv of its own: its pins clash with ours.
+  if [ ! -x .tools/schemathesis/bin/python ] || ! .tools/schemathesis/bin/python -c "import schemathesis" 2>/dev/null; then
+    "$PY" -m venv .tools/schemathesis
+    .tools/schemathesis/bin/python -m pip install --quiet "schemathesis==4.32.5"
+  fi
 else
   "$PY" -m pip install --quiet -e .
 fi

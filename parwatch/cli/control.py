@@ -5,11 +5,15 @@ from __future__ import annotations
 import functools
 import getpass
 import json
+from pathlib import Path
 
 import click
 
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
-from parwatch.sidecar.config import ConfigError, read_token
+from parwatch.sidecar.config import TOKEN_FILE_NAME, ConfigError, read_token
+
+DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
+"""The token a `parwatch sidecar` started here with its default --state-dir generated."""
 
 CTX = {"help_option_names": ["-h", "--help"]}
 
@@ -18,12 +22,16 @@ def _connection(f):
     @click.option("--endpoint", envvar="PARWATCH_ENDPOINT", default=DEFAULT_ENDPOINT, show_default=True,
                   help="The sidecar's control listener (env PARWATCH_ENDPOINT).")
     @click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
-                  help="File with the bearer token (else env PARWATCH_TOKEN).")
+                  help=f"File with the bearer token (else env PARWATCH_TOKEN, else ./{DEFAULT_TOKEN_FILE} "
+                       "if there: what `parwatch sidecar` generates in its default --state-dir).")
     @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON answer.")
     @functools.wraps(f)
     def wrapper(endpoint, token_file, as_json, **kw):
         try:
-            with SidecarClient(endpoint, read_token(token_file)) as client:
+            token = read_token(token_file)
+            if token is None and DEFAULT_TOKEN_FILE.is_file():
+                token = read_token(DEFAULT_TOKEN_FILE)
+            with SidecarClient(endpoint, token) as client:
                 out = f(client, **kw)
         except ConfigError as err:
             raise click.ClickException(str(err)) from None
@@ -40,7 +48,8 @@ def _with_fix(err: SidecarError, endpoint: str) -> str:
         return (f"cannot reach the sidecar at {endpoint} ({err.__cause__ or err}); start `parwatch sidecar` there, "
                 "or point --endpoint (env PARWATCH_ENDPOINT) at its --control-listen address")
     if err.status == 401:
-        return f"{err}; pass the sidecar's token with --token-file FILE or the PARWATCH_TOKEN environment variable"
+        return (f"{err}; pass the sidecar's token with --token-file FILE or the PARWATCH_TOKEN environment variable "
+                "(a sidecar started without --token-file wrote one to STATE_DIR/token)")
     return str(err)
 
 

@@ -11,12 +11,32 @@ import click
 from parwatch.sidecar.config import (
     DEFAULT_CONTROL_LISTEN,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_RANKS,
+    DEFAULT_MAX_RUNS,
     DEFAULT_METRICS_LISTEN,
     ConfigError,
     SidecarConfig,
     parse_listen,
     read_token,
 )
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROL.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029)})  # line separators to some log readers
+_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def escape_controls(text: str) -> str:
+    """Control characters as visible escapes: a run id (or any client text) cannot forge log lines."""
+    return text.translate(_CONTROL)
+
+
+class EscapingFormatter(logging.Formatter):
+    """One record, one line: the message's control characters are escaped (tracebacks keep theirs)."""
+
+    def formatMessage(self, record):
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
 
 EPILOG = """\b
 Examples:
@@ -42,13 +62,19 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
               help="HOST:PORT for ingest, control, alerts and status; non-loopback needs a token. "
                    "e.g. --control-listen 127.0.0.1:9401")
 @click.option("--token-file", type=click.Path(dir_okay=False), default=None,
-              help="File holding the bearer token the control listener requires (else env PARWATCH_TOKEN). "
+              help="File (mode 0600) holding the bearer token ingest, control, alerts, status and decisions "
+                   "require (else env PARWATCH_TOKEN; else STATE_DIR/token, generated on first start). "
                    "e.g. --token-file /run/secrets/parwatch-token")
 @click.option("--rank-grace-seconds", type=float, default=30.0, show_default=True, metavar="SECONDS",
               help="A rank silent this long gets parwatch_rank_up 0; its other series vanish after twice this. "
                    "e.g. --rank-grace-seconds 60")
 @click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True, metavar="BYTES",
               help="Larger request bodies are refused with 413. e.g. --max-body-bytes 1048576")
+@click.option("--max-ranks", type=click.IntRange(min=1), default=DEFAULT_MAX_RANKS, show_default=True,
+              metavar="N", help="Ranks of the run this sidecar serves; summaries from more are refused (429). "
+                                "e.g. --max-ranks 64")
+@click.option("--max-runs", type=click.IntRange(min=1), default=DEFAULT_MAX_RUNS, show_default=True, metavar="N",
+              help="Run ids accepted within twice --rank-grace-seconds; more are refused (429). e.g. --max-runs 2")
 @click.option("--leader-url", default=None, metavar="URL",
               help="The run's leader sidecar (control listener) to forward this node's digest to; omit on the "
                    "leader and on single-node runs. e.g. --leader-url http://parwatch-leader.ns.svc:9401")
@@ -63,10 +89,12 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Log verbosity on stderr. e.g. --log-level debug")
 def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_grace_seconds, max_body_bytes,
-            leader_url, hang_min_seconds, hang_step_factor, hang_dump_stacks, hang_abort, log_level):
+            max_ranks, max_runs, leader_url, hang_min_seconds, hang_step_factor, hang_dump_stacks, hang_abort,
+            log_level):
     """Export Prometheus metrics for a run's ranks, evaluate guardrails, hand directives back."""
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=log_level.upper(), handlers=[handler])
     from parwatch.guardrails.rules import RulesError
     from parwatch.sidecar.server import StartupError, serve
     from parwatch.sidecar.service import build_sidecar
@@ -77,7 +105,8 @@ def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_g
             state_dir=Path(state_dir),
             metrics_listen=parse_listen(metrics_listen, "--metrics-listen"),
             control_listen=parse_listen(control_listen, "--control-listen"),
-            token=read_token(token_file),
+            token=read_token(token_file, private=True),
+            token_file=Path(token_file) if token_file else None,
             rank_grace_seconds=rank_grace_seconds,
             max_body_bytes=max_body_bytes,
             leader_url=leader_url,
@@ -85,6 +114,8 @@ def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_g
             hang_step_factor=hang_step_factor,
             hang_dump_stacks=hang_dump_stacks,
             hang_abort=hang_abort,
+            max_ranks=max_ranks,
+            max_runs=max_runs,
         )
         built = build_sidecar(config)
         serve(built)

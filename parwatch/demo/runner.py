@@ -17,6 +17,7 @@ from parwatch.demo.live import LiveView, SummaryTail
 from parwatch.demo.processes import Child, python_module, stop_all, wait_healthy
 from parwatch.demo.scenario import DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
+from parwatch.sidecar.config import TOKEN_FILE_NAME, read_token
 from parwatch.sidecar.process import free_port
 
 
@@ -24,11 +25,12 @@ class DemoFailed(RuntimeError):
     pass
 
 
-def pause_hint(status: dict, control: str) -> str:
+def pause_hint(status: dict, control: str, token_file: Path | None = None) -> str:
     """What to do when a guardrail (or an operator) paused the run: the demo would wait forever."""
     why = next((d.get("reason") for d in reversed(status.get("last_decisions") or [])
                 if d.get("action") == "pause"), None)
-    return (f"the run is paused{f' ({why})' if why else ''}: `parwatch resume --endpoint {control}` "
+    auth = f" --token-file {token_file}" if token_file else ""
+    return (f"the run is paused{f' ({why})' if why else ''}: `parwatch resume --endpoint {control}{auth}` "
             "continues it; Ctrl-C stops the demo")
 
 
@@ -44,10 +46,12 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
         ), run_dir / "sidecar.log")
         children.append(sidecar)
         wait_healthy(f"{control}/healthz", sidecar)
+        token_file = run_dir / TOKEN_FILE_NAME  # the sidecar's generated token (its state dir is the run dir)
         console.print(f"sidecar: metrics http://127.0.0.1:{metrics_port}/metrics   control {control}  "
-                      f"(status: parwatch status --endpoint {control})", highlight=False)
+                      f"(status: parwatch status --endpoint {control} --token-file {token_file})", highlight=False)
         trainer = Child("trainer", python_module(
             "trainer", *cfg.trainer_args(), "--parwatch", "on", "--parwatch-endpoint", control,
+            "--parwatch-token-file", str(token_file),
             "--parwatch-log", str(run_dir), "--checkpoint-dir", str(run_dir / "checkpoints"),
             "--summary-json", str(run_dir / "summary.json"), "--run-id", f"demo-{int(time.time())}",
         ), run_dir / "trainer.log")
@@ -57,7 +61,8 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
         tail = SummaryTail(run_dir / "summaries.jsonl")
         status = None
         paused_hint_shown = False
-        with SidecarClient(control, timeout=2.0) as client, LiveView(console, interactive, cfg.steps) as view:
+        with SidecarClient(control, read_token(token_file), timeout=2.0) as client, \
+                LiveView(console, interactive, cfg.steps) as view:
             while trainer.poll() is None:
                 advanced = tail.poll()
                 try:
@@ -66,7 +71,7 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
                     pass
                 view.update(tail, status, advanced)
                 if status and status.get("paused") and not paused_hint_shown:
-                    console.print(pause_hint(status, control), highlight=False)
+                    console.print(pause_hint(status, control, token_file), highlight=False)
                 paused_hint_shown = bool(status and status.get("paused"))
                 time.sleep(0.5)
             tail.poll()

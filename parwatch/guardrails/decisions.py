@@ -6,6 +6,11 @@ replaced atomically (temp file, fsync, rename), so a restart sees either the old
 the new one, never half of each. The directory is fsync'd too when the caller needs the
 rename itself to survive a power loss (sync_dir); without it a power loss may bring back
 the previous, equally complete, file. (The engine decides which writes need what.)
+
+Deferred mode (the sidecar's): appends and state writes are only noted, and take()
+hands back one batch -- the log lines and the state encoded at that moment -- for a
+writer thread to put on disk (Batch.write) before the sidecar answers the request that
+made them. A burst of decisions costs one fsync, and none of it runs on the event loop.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class DecisionLog:
     def __init__(self, path: str | Path, recent: int = RECENT_RECORDS):
         self.path = Path(path)
         self.recent: deque[dict] = deque(maxlen=recent)
+        self.deferred = False
+        """True: append() only queues the line; take_lines() hands them to the writer."""
+        self._queued: list[bytes] = []
         self._load_tail()
 
     def _load_tail(self) -> None:
@@ -80,18 +88,18 @@ class DecisionLog:
     def append(self, record: dict) -> dict:
         """Write one record durably; returns the JSON-safe record as written."""
         record = json_safe(record)
-        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
-        with open(self.path, "a+b") as f:
-            # A crash mid-write can leave a line without its newline; never glue onto it.
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
-            f.write(line.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+        line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+        if self.deferred:
+            self._queued.append(line)
+        else:
+            append_lines(self.path, [line])
         self.recent.append(record)
         return record
+
+    def take_lines(self) -> list[bytes]:
+        """The queued lines (deferred mode), oldest first; the queue starts empty again."""
+        lines, self._queued = self._queued, []
+        return lines
 
     def records(self, limit: int = 100) -> list[dict]:
         """The newest `limit` records, newest last."""
@@ -105,12 +113,30 @@ class DecisionLog:
         return max((v for v in values if isinstance(v, int)), default=0)
 
 
-def write_state(path: str | Path, state: dict, sync_dir: bool = True) -> None:
-    """Replace `path` with `state` as JSON, atomically; sync_dir: also make the rename durable."""
+def append_lines(path: Path, lines: list[bytes]) -> None:
+    """Append whole lines and fsync them."""
+    with open(path, "a+b") as f:
+        # A crash mid-write can leave a line without its newline; never glue onto it.
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(b"".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def encode_state(state: dict) -> bytes:
+    # json.dumps runs the C encoder; json.dump would take the pure-Python one.
+    return json.dumps(state, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def write_state(path: str | Path, state: dict | bytes, sync_dir: bool = True) -> None:
+    """Replace `path` with `state` (a dict, or its encode_state bytes) atomically; sync_dir: also
+    make the rename durable."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    # json.dumps runs the C encoder; json.dump would take the pure-Python one.
-    data = json.dumps(state, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    data = state if isinstance(state, bytes) else encode_state(state)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -150,6 +176,9 @@ class StateFile:
         self.dirty = False
         self.dir_synced = True
         self.written_at = now()
+        self.deferred = False
+        """True: writes are only noted; take() encodes the state for the writer thread."""
+        self._owed: bool | None = None  # deferred: None, or whether the owed write syncs the directory
 
     def read(self) -> dict | None:
         return read_state(self.path)
@@ -170,9 +199,48 @@ class StateFile:
         if self.dirty:
             self._write(sync_dir=True)
         elif not self.dir_synced:
-            _fsync_dir(self.path.parent)
+            if self.deferred:
+                self._owed = True  # the writer rewrites the state and syncs the directory
+            else:
+                _fsync_dir(self.path.parent)
             self.dir_synced = True
 
     def _write(self, sync_dir: bool) -> None:
-        write_state(self.path, self._snapshot(), sync_dir)
+        if self.deferred:
+            self._owed = bool(self._owed) or sync_dir
+        else:
+            write_state(self.path, self._snapshot(), sync_dir)
         self.dirty, self.dir_synced, self.written_at = False, sync_dir, self._now()
+
+    def take(self) -> tuple[bytes, bool] | None:
+        """Deferred mode: (the state encoded now, sync_dir) if a write is owed, else None."""
+        if self._owed is None:
+            return None
+        owed, self._owed = self._owed, None
+        return encode_state(self._snapshot()), owed
+
+
+class Batch:
+    """Writes owed by one burst of engine work: decision lines, then the state that follows them."""
+
+    def __init__(self, log_path: Path, lines: list[bytes], state_path: Path, state: tuple[bytes, bool] | None,
+                 then: Callable[[], None] | None = None, earlier: list["Batch"] | None = None):
+        self.log_path, self.lines, self.state_path, self.state = log_path, lines, state_path, state
+        self.then = then
+        """A file operation that must follow these writes (archiving a run's files)."""
+        self.earlier = earlier or []
+        """Batches taken before this one that must be written first."""
+
+    def __bool__(self) -> bool:
+        return bool(self.lines) or self.state is not None or self.then is not None or bool(self.earlier)
+
+    def write(self) -> None:
+        """Put the batch on disk (any thread; one batch at a time, in the order taken)."""
+        for batch in self.earlier:
+            batch.write()
+        if self.lines:
+            append_lines(self.log_path, self.lines)
+        if self.state is not None:
+            write_state(self.state_path, *self.state)
+        if self.then is not None:
+            self.then()

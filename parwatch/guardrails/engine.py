@@ -36,6 +36,11 @@ Durability: what survives a crash of the sidecar process (and, where said, of th
   (lasting longer, never shorter), and a step evaluated in them may be evaluated again.
 Writing state.json on every evaluation (json encoding, two fsyncs) would cost more than
 all 20 rules' judging, on the sidecar's event loop.
+
+Deferred writes (defer_writes(), the sidecar's mode): "before the call returns" above
+becomes "before take_writes()'s batch is written", which the sidecar does in a writer
+thread before it answers the request (so before it hands out any directive the request
+made). A burst of evaluations (one post of many summaries) then costs one write.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
-from parwatch.guardrails.decisions import DecisionLog, StateFile
+from parwatch.guardrails.decisions import Batch, DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
@@ -101,8 +106,12 @@ class GuardrailEngine:
         self._last_step: int | None = None
         self._first_seen_time: float | None = None
         self._resumed_time: float | None = None
+        self._rearmed: dict[str, int] = {}
+        """rule -> id of the operator resume that re-armed it (firing -> pending, see request())."""
         self._run_id: str | None = None
         self._archived_runs: list[str] = []
+        self._queued_batches: list[Batch] = []
+        """Deferred mode: writes of an archived run, with the move of its files, for take_writes()."""
         self._load()
 
     # -- observations ---------------------------------------------------------------------------------
@@ -141,6 +150,8 @@ class GuardrailEngine:
                 if values:
                     if monitor.observe(obs.step, now, values):
                         records += self._act(monitor, obs.step, now)
+                    elif monitor.state == "ok":
+                        self._rearmed.pop(monitor.rule.name, None)
                 else:
                     records += self._judge_time(monitor, now)
             # A decision's bookkeeping must survive a power loss; a rule's state, a process crash.
@@ -172,6 +183,21 @@ class GuardrailEngine:
     def close(self) -> None:
         """Flush before shutdown. The engine holds no open files, so it stays usable."""
         self.flush()
+        batch = self.take_writes()
+        if batch:
+            batch.write()
+
+    def defer_writes(self) -> None:
+        """From now on, collect disk writes for take_writes() instead of writing them (see Deferred writes)."""
+        with self._lock:
+            self._log.deferred = self._state_file.deferred = True
+
+    def take_writes(self) -> Batch:
+        """The writes owed so far (deferred mode), as one batch to write in order; empty when none."""
+        with self._lock:
+            earlier, self._queued_batches = self._queued_batches, []
+            return Batch(self._log.path, self._log.take_lines(), self._state_file.path, self._state_file.take(),
+                         earlier=earlier)
 
     def _rule_states(self) -> list[str]:
         return [m.state for m in self._monitors.values()]
@@ -207,9 +233,12 @@ class GuardrailEngine:
         evidence = monitor.evidence(step)
         action, reason, escalated = rule.action, f"{rule.name}: {monitor.reason}", False
         checkpoint, skip = None, 0
+        rearmed_by = self._rearmed.get(rule.name)
         if monitor.acted_tick is not None and self._tick - monitor.acted_tick < rule.cooldown_steps:
             if rule.action != "rollback":
                 monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
+                if rearmed_by is not None:
+                    monitor.state = "pending"  # still armed: act once the cooldown is over
                 return []
             # Failing again so soon means the rollback did not cure it: stop instead of looping.
             action, escalated = "pause", True
@@ -221,8 +250,13 @@ class GuardrailEngine:
             escalated = action != "rollback"
             reason += note
         monitor.acted_tick, monitor.acted_step = self._tick, step
+        extra = None
+        if rearmed_by is not None:
+            del self._rearmed[rule.name]
+            reason += f" (re-armed by the operator resume, decision {rearmed_by}: still failing)"
+            extra = {"rearmed": True, "rearmed_by": rearmed_by}
         return [self._decide(rule.name, action, "rule", "", reason, evidence, step, now, checkpoint=checkpoint,
-                             skip_batches=skip, escalated=escalated)]
+                             skip_batches=skip, escalated=escalated, extra=extra)]
 
     def _plan_rollback(self, first_failing: int, step: int, skip_setting) -> tuple[str, int | None, int, str]:
         """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help."""
@@ -329,9 +363,22 @@ class GuardrailEngine:
             elif action == "rollback":
                 self._rollback_ticks.append(self._tick)
             evidence = {"to_step": to_step, "skip_batches": skip_batches}
+            extra = {"alert_rule": rule} if rule else {}
+            if action == "resume":
+                # A rule that paused the run and still fails must be able to act again after the
+                # operator resumes (otherwise it stays "firing" and silent): firing -> pending, so
+                # its next failing step fires it again, within its cooldown.
+                rearm = sorted(name for name, m in self._monitors.items()
+                               if m.state == "firing" and m.reason != NO_DATA)
+                for name in rearm:
+                    self._monitors[name].state = "pending"
+                    self._rearmed[name] = self._next_decision_id
+                if rearm:
+                    extra["rearmed_rules"] = rearm
+                    note += f" (re-armed still-firing rules: {', '.join(rearm)})"
             record = self._decide(None, action, source, requested_by, reason + note, evidence, step, now,
                                   checkpoint=to_step, skip_batches=skip_batches, escalated=escalated,
-                                  suppress=suppress, extra={"alert_rule": rule} if rule else None)
+                                  suppress=suppress, extra=extra or None)
             self._state_file.write_now()
             return record
 
@@ -450,17 +497,30 @@ class GuardrailEngine:
 
     def _archive(self, run_id: str) -> None:
         target = self._dir / "runs" / _safe_name(run_id)
-        target.mkdir(parents=True, exist_ok=True)
-        for name in ("decisions.jsonl", "state.json"):
-            path = self._dir / name
-            if path.exists():
-                os.replace(path, target / name)
+
+        def move():
+            target.mkdir(parents=True, exist_ok=True)
+            for name in ("decisions.jsonl", "state.json"):
+                path = self._dir / name
+                if path.exists():
+                    os.replace(path, target / name)
+
+        deferred = self._log.deferred
+        if deferred:
+            # The old run's owed writes, then the move, in order on the writer thread.
+            self._state_file.write_now(sync_dir=True)
+            self._queued_batches.append(Batch(self._log.path, self._log.take_lines(), self._state_file.path,
+                                              self._state_file.take(), then=move))
+        else:
+            move()
         keep_ids = (self._next_decision_id, self._directives.next_id)
         archived = self._archived_runs[-99:] + [run_id]
         rules = self._rules
         self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
-        self._log = DecisionLog(self._dir / "decisions.jsonl")
+        self._log = DecisionLog(self._dir / "decisions.jsonl") if not deferred else self._log
+        self._log.recent.clear()
         self._directives = Directives(first_id=keep_ids[1])
+        self._rearmed = {}
         self._next_decision_id = keep_ids[0]
         self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
         self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
@@ -512,7 +572,7 @@ class GuardrailEngine:
                 "directives": self._directives.to_dict(), "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
                 "rollback_ticks": self._rollback_ticks, "tick": self._tick, "last_step": self._last_step,
                 "first_seen_time": self._first_seen_time, "resumed_time": self._resumed_time,
-                "rules": {name: m.to_dict() for name, m in self._monitors.items()}}
+                "rearmed": self._rearmed, "rules": {name: m.to_dict() for name, m in self._monitors.items()}}
 
     def _load(self) -> None:
         saved = self._state_file.read() or {}
@@ -528,6 +588,7 @@ class GuardrailEngine:
         self._last_step = saved.get("last_step")
         self._first_seen_time = saved.get("first_seen_time")
         self._resumed_time = saved.get("resumed_time")
+        self._rearmed = {str(k): int(v) for k, v in (saved.get("rearmed") or {}).items()}
         for name, monitor_state in saved.get("rules", {}).items():
             if name in self._monitors:
                 self._monitors[name].restore(monitor_state)

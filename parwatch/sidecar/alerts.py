@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 ALERT_ACTIONS = ("pause", "rollback")
 ACTION_LABEL = "parwatch_action"
+MAX_ACTED = 10_000
+"""Firing alerts remembered as acted on; the oldest are forgotten beyond this (bounded memory and file)."""
 
 
 def fingerprint(alert: Alert) -> str:
@@ -32,10 +34,10 @@ def fingerprint(alert: Alert) -> str:
 class AlertDedupe:
     def __init__(self, path: Path | None):
         self.path = path
-        self.acted: set[str] = set()
+        self.acted: dict[str, None] = {}  # insertion-ordered: the oldest go first when over MAX_ACTED
         if path is not None and path.exists():
             try:
-                self.acted = set(json.loads(path.read_text()))
+                self.acted = dict.fromkeys(json.loads(path.read_text())[-MAX_ACTED:])
             except (OSError, ValueError) as err:
                 log.warning("ignoring unreadable %s (%s): alerts may act once more", path, err)
 
@@ -43,7 +45,7 @@ class AlertDedupe:
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(self.acted)))
+        tmp.write_text(json.dumps(list(self.acted)))
         os.replace(tmp, self.path)
 
     def handle(self, payload: AlertmanagerPayload, request) -> list[dict]:
@@ -54,7 +56,7 @@ class AlertDedupe:
             fp = fingerprint(alert)
             if alert.status == "resolved":
                 if fp in self.acted:
-                    self.acted.discard(fp)
+                    del self.acted[fp]
                     changed = True
                 continue
             action = alert.labels.get(ACTION_LABEL)
@@ -77,7 +79,9 @@ class AlertDedupe:
                 # No checkpoint to go back to: stopping is the safe half of what the alert asked for.
                 kw.update(reason=f"{reason} (rollback impossible: {err}; pausing instead)", skip_batches=0)
                 decision = request("pause", **kw)
-            self.acted.add(fp)
+            self.acted[fp] = None
+            while len(self.acted) > MAX_ACTED:
+                del self.acted[next(iter(self.acted))]
             changed = True
             decisions.append(decision)
         if changed:

@@ -1,7 +1,12 @@
 """HTTP faces of the sidecar: the read-only metrics app and the control app.
 
-The control app turns every bad request into a 4xx whose reason names the field; the
-metrics app serves only /metrics and /healthz.
+The control app turns every bad request into a 4xx whose reason names the field (422
+for a body or query that fails validation), and its OpenAPI document lists exactly the
+answers it gives; the metrics app serves only /metrics and /healthz.
+
+/v1/ingest parses and validates its body itself, a slice of summaries at a time, handing
+the event loop back between slices: a post of 10,000 summaries must not stall /healthz,
+/metrics or the other ranks' posts.
 """
 
 from __future__ import annotations
@@ -10,19 +15,34 @@ import asyncio
 import contextlib
 import json
 import logging
-
-from typing import Annotated
+import re
+import time
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from parwatch import __version__
+from parwatch.schema import SCHEMA_VERSION
 from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.exposition import choose, encode_async, encode_openmetrics, encode_text
-from parwatch.sidecar.models import AlertmanagerPayload, CancelRequest, ControlRequest, IngestBody, IngestResponse
+from parwatch.sidecar.models import (
+    AlertmanagerPayload,
+    CancelRequest,
+    ControlRequest,
+    IngestBody,
+    IngestResponse,
+    OutcomeRecord,
+    Problem,
+    StepSummary,
+)
 from parwatch.sidecar.service import Sidecar, jsonable
+from parwatch.sidecar.store import Refused
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +89,123 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": payload})
 
 
+MAX_SUMMARIES = IngestBody.model_fields["summaries"].metadata[0].max_length
+SLICE_SECONDS = 0.005
+"""Longest stretch a request holds the event loop while validating or storing summaries."""
+
+
+class _IngestHead(BaseModel):
+    """IngestBody with its summaries still raw: validated a slice at a time (_validate_ingest)."""
+
+    version: Literal[SCHEMA_VERSION]
+    summaries: list[Any] = Field(max_length=MAX_SUMMARIES)
+    outcomes: list[OutcomeRecord] = IngestBody.model_fields["outcomes"]
+    alive: Annotated[bool, Field(strict=True)] = False
+
+
+_SUMMARY = TypeAdapter(StepSummary)
+
+
+_DECODER = json.JSONDecoder()
+SMALL_BODY = 64 * 1024
+"""Bodies up to this size (a rank's usual post) are parsed in one call."""
+_BLANK = re.compile(r"[ \t\n\r]*")
+
+
+async def parse_ingest_json(raw: bytes) -> Any:
+    """json.loads(raw), except that a top-level object's "summaries" array is decoded one element
+    at a time, handing the loop back every SLICE_SECONDS: parsing an 8 MB body in one call held
+    the event loop for 40-150 ms. ValueError (or RecursionError) for invalid JSON."""
+    if len(raw) <= SMALL_BODY:
+        return from_json(raw)  # one call, a fraction of a millisecond: pydantic-core's fast parser
+    text = raw.decode("utf-8")
+    end = len(text)
+
+    def blank(i: int) -> int:
+        return _BLANK.match(text, i).end()
+
+    def expect(i: int, chars: str) -> tuple[str, int]:
+        if i >= end or text[i] not in chars:
+            raise ValueError(f"expected one of {chars!r} at char {i}")
+        return text[i], blank(i + 1)
+
+    i = blank(0)
+    if i >= end or text[i] != "{":
+        return json.loads(text)  # not an object: whatever it is, the validator names the problem
+    out: dict = {}
+    _, i = expect(i, "{")
+    if text.startswith("}", i):
+        i = blank(i + 1)
+    else:
+        deadline = time.perf_counter() + SLICE_SECONDS
+        while True:
+            key, i = _DECODER.raw_decode(text, i)
+            if not isinstance(key, str):
+                raise ValueError(f"object keys must be strings (char {i})")
+            _, i = expect(blank(i), ":")
+            if key == "summaries" and text.startswith("[", i):
+                items: list = []
+                _, i = expect(i, "[")
+                if text.startswith("]", i):
+                    i = blank(i + 1)
+                else:
+                    while True:
+                        item, i = _DECODER.raw_decode(text, i)
+                        items.append(item)
+                        sep, i = expect(blank(i), ",]")
+                        if time.perf_counter() > deadline:
+                            await asyncio.sleep(0)
+                            deadline = time.perf_counter() + SLICE_SECONDS
+                        if sep == "]":
+                            break
+                value = items
+            else:
+                value, i = _DECODER.raw_decode(text, i)
+                i = blank(i)
+            out[key] = value
+            sep, i = expect(i, ",}")
+            if sep == "}":
+                break
+    if i != end:
+        raise ValueError(f"extra data at char {i}")
+    return out
+
+
+async def _validate_ingest(raw: bytes) -> IngestBody:
+    """IngestBody from raw JSON, as FastAPI would validate it, but yielding between slices.
+
+    Raises RequestValidationError (-> 422 naming the field) for the first problems found."""
+    try:
+        data = await parse_ingest_json(raw)
+    except (ValueError, RecursionError) as err:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "ctx": {"error": str(err)[:200]}}]) from None
+    try:
+        head = _IngestHead.model_validate(data)
+    except ValidationError as err:
+        raise RequestValidationError(_located(err, ("body",))) from None
+    summaries, errors = [], []
+    deadline = time.perf_counter() + SLICE_SECONDS
+    for i, item in enumerate(head.summaries):
+        try:
+            summaries.append(_SUMMARY.validate_python(item))
+        except ValidationError as err:
+            errors += _located(err, ("body", "summaries", i))
+            if len(errors) >= 5:
+                break
+        if time.perf_counter() > deadline:
+            await asyncio.sleep(0)
+            deadline = time.perf_counter() + SLICE_SECONDS
+    if errors:
+        raise RequestValidationError(errors)
+    return IngestBody.model_construct(version=head.version, summaries=summaries, outcomes=head.outcomes,
+                                      alive=head.alive)
+
+
+def _located(err: ValidationError, prefix: tuple) -> list[dict]:
+    return [{**e, "loc": (*prefix, *e.get("loc", ()))} for e in err.errors(include_url=False)]
+
+
 def _reason(exc: RequestValidationError) -> str:
     problems = []
     for err in exc.errors()[:5]:
@@ -78,7 +215,13 @@ def _reason(exc: RequestValidationError) -> str:
             continue
         field = ".".join(loc) or "body"
         problems.append(f"{field}: {err.get('msg')}")
-    return "; ".join(problems)
+    return "; ".join(problems)[:4000]
+
+
+_PROBLEM = {"model": Problem}
+_AUTH = {401: {**_PROBLEM, "description": "missing or wrong bearer token"}}
+_INVALID = {422: {**_PROBLEM, "description": "invalid body or query; detail names the field"}}
+_TOO_LARGE = {413: {**_PROBLEM, "description": "body over --max-body-bytes"}}
 
 
 def _healthz(app: FastAPI) -> None:
@@ -107,12 +250,13 @@ def create_metrics_app(sidecar: Sidecar) -> FastAPI:
 def create_control_app(sidecar: Sidecar) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        sidecar.defer_writes()  # from here on, disk writes happen in the writer thread
         task = asyncio.create_task(_no_data_ticker(sidecar))
         try:
             yield
         finally:
             task.cancel()
-            sidecar.engine.close()  # persist the last second of rule counters on a clean stop
+            sidecar.close()  # persist the last second of rule counters on a clean stop
 
     auth = [Depends(bearer_dependency(sidecar.config.token))]
     app = FastAPI(
@@ -125,47 +269,83 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     _healthz(app)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(request, exc):
-        return JSONResponse({"detail": _reason(exc)}, status_code=400)
+    async def invalid(request, exc):
+        return JSONResponse({"detail": _reason(exc)}, status_code=422)
+
+    ingest_body = {"required": True,
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBody"}}}}
 
     @app.post("/v1/ingest", dependencies=auth, response_model=IngestResponse,
-              responses={400: {"description": "invalid body; detail names the field"}, 401: {}, 413: {}})
-    async def ingest(body: IngestBody):
+              openapi_extra={"requestBody": ingest_body},
+              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
+                         409: {**_PROBLEM, "description": "the summary does not fit the run's world (tp, pp, dp)"},
+                         429: {**_PROBLEM, "description": "more ranks or run ids than --max-ranks / --max-runs"}})
+    async def ingest(request: Request):
         """Store step summaries; answer with the directive rank 0 should apply, if any."""
-        return JSONResponse(sidecar.ingest(body))
+        body = await _validate_ingest(await request.body())
+        try:
+            return JSONResponse(await sidecar.ingest_async(body, SLICE_SECONDS))
+        except Refused as err:
+            return JSONResponse({"detail": str(err)}, status_code=err.status)
 
-    @app.post("/v1/control", dependencies=auth, responses={400: {}, 401: {}})
+    @app.post("/v1/control", dependencies=auth,
+              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
+                         400: {**_PROBLEM, "description": "the engine refused it (e.g. no such checkpoint)"}})
     async def control(body: ControlRequest):
         """Operator pause / resume / rollback; returns the decision record."""
         try:
-            return JSONResponse(jsonable(sidecar.control(body)))
+            decision = sidecar.control(body)
         except ValueError as err:
             raise HTTPException(400, str(err)) from err
+        await sidecar.persist()
+        return JSONResponse(jsonable(decision))
 
     @app.post("/v1/directives/{directive_id}/cancel", dependencies=auth,
-              responses={401: {}, 404: {"description": "no outstanding directive with that id"}})
+              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
+                         404: {**_PROBLEM, "description": "no outstanding directive with that id"}})
     async def cancel(directive_id: Annotated[int, Path(ge=1, lt=2**53)], body: CancelRequest):
         """Withdraw a directive the run has not handled yet; returns the cancel record."""
         try:
-            return JSONResponse(jsonable(sidecar.cancel(directive_id, body.requested_by or "operator")))
+            record = sidecar.cancel(directive_id, body.requested_by or "operator")
         except ValueError as err:
             raise HTTPException(404, str(err)) from err
+        await sidecar.persist()
+        return JSONResponse(jsonable(record))
 
-    @app.post("/v1/alerts", dependencies=auth, responses={400: {}, 401: {}})
-    async def alerts(body: AlertmanagerPayload):
+    @app.post("/v1/alerts", dependencies=auth, responses={**_AUTH, **_TOO_LARGE, **_INVALID})
+    async def alerts(body: AlertmanagerPayload) -> dict[str, int]:
         """Alertmanager webhook (payload version 4): firing alerts labelled parwatch_action act once."""
-        return {"acted": len(sidecar.alert_webhook(body))}
+        acted = len(sidecar.alert_webhook(body))
+        await sidecar.persist()
+        return {"acted": acted}
 
-    @app.get("/v1/status", dependencies=auth)
+    @app.get("/v1/status", dependencies=auth, responses=_AUTH)
     async def status():
         return JSONResponse(sidecar.status())
 
     activity_api.install(app, sidecar)  # /v1/activity, /v1/digest, /v1/hang and the hang loop
 
-    @app.get("/v1/decisions", dependencies=auth)
+    @app.get("/v1/decisions", dependencies=auth, responses={**_AUTH, **_INVALID})
     async def decisions(limit: int = Query(50, ge=1, le=10_000)):
         return JSONResponse(sidecar.decisions(limit))
 
+    def openapi():
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            # /v1/ingest reads its body itself (_validate_ingest): describe it as IngestBody.
+            schema = IngestBody.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = doc.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schema.pop("$defs", {}))
+            components["IngestBody"] = schema
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for operations in doc["paths"].values():
+                for op in operations.values():
+                    if "401" in op.get("responses", {}):
+                        op["security"] = [{"bearer": []}]
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -174,5 +354,6 @@ async def _no_data_ticker(sidecar: Sidecar) -> None:
         await asyncio.sleep(sidecar.config.no_data_interval_seconds)
         try:
             sidecar.tick()
+            await sidecar.persist()
         except Exception:  # a bug in one check must not stop the next ones
             log.exception("no-data check failed")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,10 @@ DEFAULT_METRICS_LISTEN = "0.0.0.0:9400"
 DEFAULT_CONTROL_LISTEN = "127.0.0.1:9401"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 TOKEN_ENV = "PARWATCH_TOKEN"
+TOKEN_FILE_NAME = "token"
+"""Without --token-file the sidecar writes a random token to STATE_DIR/token (mode 0600)."""
+DEFAULT_MAX_RANKS = 4096
+DEFAULT_MAX_RUNS = 4
 
 
 class ConfigError(ValueError):
@@ -40,7 +46,13 @@ class SidecarConfig:
     control_listen: Listen = Listen("127.0.0.1", 9401)
     """Listener that changes a run (ingest, control, alerts). Loopback unless a token is set."""
     token: str | None = None
-    """Bearer token the control listener requires; None means no token (loopback only)."""
+    """Bearer token the control listener requires; None: build_sidecar generates one in the state dir."""
+    token_file: Path | None = None
+    """Where the token came from (the generated STATE_DIR/token, or --token-file); for the log."""
+    max_ranks: int = DEFAULT_MAX_RANKS
+    """Ranks of the run this sidecar serves; more are refused (429)."""
+    max_runs: int = DEFAULT_MAX_RUNS
+    """Distinct run ids within 2x the grace period; more are refused (429)."""
     rank_grace_seconds: float = 30.0
     """A rank silent this long is reported down (parwatch_rank_up 0); its other series vanish after 2x."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -75,6 +87,8 @@ class SidecarConfig:
             raise ConfigError(
                 f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs"
             )
+        if self.max_ranks < 1 or self.max_runs < 1:
+            raise ConfigError(f"--max-ranks and --max-runs must be >= 1 (got {self.max_ranks}, {self.max_runs})")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be >= 1024 (got {self.max_body_bytes}); the default is 8 MiB")
         if self.metrics_listen == self.control_listen:
@@ -108,12 +122,42 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
-def read_token(token_file: str | os.PathLike | None, environ=os.environ, flag: str = "--token-file") -> str | None:
+def check_private(path: str | os.PathLike, flag: str = "--token-file") -> None:
+    """ConfigError unless the token file is readable by its owner only (a shared secret must not be)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror})") from err
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{flag} {path} is readable by group or others (mode {stat.filemode(mode)}); "
+                          f"fix: chmod 600 {path}")
+
+
+def ensure_token(state_dir: str | os.PathLike) -> tuple[str, Path, bool]:
+    """(token, path, created): STATE_DIR/token, created with a random token (mode 0600) if absent.
+
+    A restarted sidecar reuses the file, so trainers and operators holding it stay authorised."""
+    path = Path(state_dir) / TOKEN_FILE_NAME
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token(path, environ={}, private=True), path, False
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return read_token(path, environ={}), path, True
+
+
+def read_token(token_file: str | os.PathLike | None, environ=os.environ, flag: str = "--token-file",
+               private: bool = False) -> str | None:
     """The token from the file (stripped) or else PARWATCH_TOKEN; None when neither is set.
 
     The one token reader of the sidecar, the CLI clients and the collector; `flag` names
-    the caller's option in the error."""
+    the caller's option in the error. private: refuse a file readable by group or others
+    (the sidecar's own token file)."""
     if token_file:
+        if private:
+            check_private(token_file, flag)
         try:
             token = Path(token_file).read_text().strip()
         except OSError as err:

@@ -245,7 +245,7 @@ def _latest_loss(store: Store) -> float | None:
     newest = None
     for rec in list(store.ranks.values()):
         s = rec.summary
-        if s.loss is not None and (newest is None or s.step > newest.step):
+        if s.loss is not None and (newest is None or s.key > newest.key):
             newest = s
     return None if newest is None else newest.loss
 

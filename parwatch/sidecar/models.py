@@ -1,26 +1,81 @@
 """Pydantic models mirroring parwatch/schema.py: what the control listener accepts.
 
-Validation errors become 400s whose reason names the field (see app.py), so every
-constraint here says what was expected.
+Validation errors become 422s whose reason names the field (see app.py), so every
+constraint here says what was expected. Every number is bounded by what its metric can
+hold: counts are exported as float64 samples, so they stay float-exact (<= 2**53, well
+inside int64); seconds and ratios are finite and bounded; strings that become label
+values or log text are short and printable. Stored data therefore can never make a
+/metrics scrape fail (tests/unit/test_sidecar_properties.py).
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from parwatch.guardrails.engine import MAX_CHECKPOINTS
 from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEMA_VERSION, decode_float
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+COLLECTIVE_GROUPS = ("tp", "pp", "dp", "world", "ep", "cp")
+"""Process groups a collective may name (the `group` label): a closed list bounds the series."""
 
-# Loss may be a number, null, or one of the strings "nan", "inf", "-inf".
-WireFloat = Annotated[float | None, BeforeValidator(decode_float)]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-NonNegFinite = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Count = Annotated[int, Field(ge=0)]
-Label = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+MAX_COUNT = 2**53
+"""Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
+MAX_SECONDS = 1e9
+"""Largest duration accepted (about 31 years): finite, and a sum of many stays finite."""
+MAX_TIME = 1e11
+"""Largest unix time accepted (year 5138)."""
+MAX_RATIO = 1e6
+MAX_PARALLEL = 1 << 20
+"""Largest tp, pp, dp (and their product, the world) a summary may claim."""
+
+
+def _finite_loss(x):
+    """Loss may be a number, null, or one of the strings "nan", "inf", "-inf"; an integer too large
+    for a float is refused rather than overflowing."""
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_COUNT:
+        raise ValueError(f"{str(x)[:20]}... is too large; send the loss as a float (or 'inf')")
+    return decode_float(x)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _printable(x: str) -> str:
+    """Label values and log text: no control characters, valid UTF-8 (no lone surrogates)."""
+    if _CONTROL.search(x):
+        raise ValueError("must not contain control characters")
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid UTF-8 (no lone surrogates)") from None
+    return x
+
+
+def _not_bool(x):
+    """JSON true/false is not a number here (pydantic's lax mode would read it as 1/0)."""
+    if isinstance(x, bool):
+        raise ValueError("Input should be a valid integer, not a boolean")
+    return x
+
+
+WireFloat = Annotated[float | None, BeforeValidator(_finite_loss)]
+Finite = Annotated[float, Field(ge=-MAX_RATIO, le=MAX_RATIO, allow_inf_nan=False)]
+Ratio = Finite
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+SignedSeconds = Annotated[float, Field(ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
+NonNegFinite = Annotated[float, Field(ge=0, le=MAX_COUNT, allow_inf_nan=False)]
+Count = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_COUNT)]
+Index = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, lt=MAX_PARALLEL)]
+Parallel = Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_PARALLEL)]
+Flag = Annotated[bool, Field(strict=True)]
+"""true or false only (not 0/1 or "yes")."""
+Text = Annotated[str, AfterValidator(_printable)]
 
 
 class _Model(BaseModel):
@@ -30,11 +85,11 @@ class _Model(BaseModel):
 
 class Collective(_Model):
     op: Literal[COLLECTIVE_OPS]
-    group: Label
+    group: Literal[COLLECTIVE_GROUPS]
     count: Count
-    seconds: NonNegFinite
+    seconds: Seconds
     bytes: Count = 0
-    buckets: list[Count] = Field(default_factory=list)
+    buckets: list[Count] = Field(default_factory=list, max_length=len(COLLECTIVE_BUCKETS) + 1)
     algbw: NonNegFinite = 0.0
     busbw: NonNegFinite = 0.0
 
@@ -44,106 +99,122 @@ class Collective(_Model):
         if self.buckets:
             if len(self.buckets) not in (n, n + 1):
                 raise ValueError(f"buckets has {len(self.buckets)} counts; expected {n} (one per le bound) or {n + 1}")
-            if any(b > a for a, b in zip(self.buckets[1:], self.buckets)) or self.buckets[-1] > self.count:
+            # map() keeps the per-collective check in C: it runs for every collective of every post.
+            if not all(map(operator.le, self.buckets, self.buckets[1:])) or self.buckets[-1] > self.count:
                 raise ValueError("buckets must be cumulative (non-decreasing) and end at most at count")
         return self
 
 
 class Gpu(_Model):
-    index: Count
+    index: Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=1024)]
     utilization_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
     memory_used_bytes: Count | None = None
     memory_total_bytes: Count | None = None
-    power_watts: NonNegFinite | None = None
-    sm_clock_hertz: NonNegFinite | None = None
-    temperature_celsius: Finite | None = None
-    throttle_reasons: int | list | None = None
+    power_watts: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | None = None
+    sm_clock_hertz: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] | None = None
+    temperature_celsius: Annotated[float, Field(ge=-300, le=1e4, allow_inf_nan=False)] | None = None
+    throttle_reasons: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # NVML's bit mask
 
 
-MaxStep = Annotated[int, Field(ge=0, lt=2**53)]
-RunId = Annotated[str, Field(min_length=1, max_length=200)]
+MaxStep = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, lt=2**53)]
+RunId = Annotated[Text, Field(min_length=1, max_length=200)]
 OUTCOMES = ("applied", "substituted", "failed", "ignored", "mixed")
+SmallCount = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=2**31)]
 
 
 class OutcomeRecord(_Model):
     """Rank 0's report of what every rank did with one directive (counted in the boundary vector)."""
 
-    directive_id: Annotated[int, Field(gt=0, lt=2**53)]
+    directive_id: Annotated[int, BeforeValidator(_not_bool), Field(gt=0, lt=2**53)]
     run_id: RunId
     outcome: Literal[OUTCOMES]
     step: MaxStep
     loaded_step: MaxStep | None = None
-    counts: dict[Literal[OUTCOMES], Annotated[int, Field(ge=0, le=2**31)]] = Field(default_factory=dict)
-    reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], Annotated[int, Field(ge=0, le=2**31)]] = \
+    counts: dict[Literal[OUTCOMES], SmallCount] = Field(default_factory=dict)
+    reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], SmallCount] = \
         Field(default_factory=dict, max_length=16)
-    ranks: Annotated[int, Field(ge=1, le=2**31)]
+    ranks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=2**31)]
 
 
 class GlobalStage(_Model):
-    stage: Count
-    compute_seconds: NonNegFinite
-    idle_seconds: Finite
-    other_seconds: NonNegFinite = 0.0
-    step_seconds: NonNegFinite
-    bubble_ratio: Finite
+    stage: Index
+    compute_seconds: Seconds
+    idle_seconds: SignedSeconds
+    other_seconds: Seconds = 0.0
+    step_seconds: Seconds
+    bubble_ratio: Ratio
 
 
 class GlobalView(_Model):
     step: Count
     loss: WireFloat = None
-    pipeline_skew_ratio: Finite | None = None
-    stages: list[GlobalStage] = Field(default_factory=list)
+    pipeline_skew_ratio: Ratio | None = None
+    stages: list[GlobalStage] = Field(default_factory=list, max_length=4096)
 
 
 class StepSummary(_Model):
     v: Literal[SCHEMA_VERSION]
-    run_id: Annotated[str, Field(min_length=1, max_length=200)]
-    rank: Count
-    stage: Count
-    tp_rank: Count = 0
-    dp_rank: Count = 0
-    tp: Annotated[int, Field(ge=1)]
-    pp: Annotated[int, Field(ge=1)]
-    dp: Annotated[int, Field(ge=1)]
-    microbatches: Annotated[int, Field(ge=1)]
-    chunks: Annotated[int, Field(ge=1)] = 1
+    run_id: RunId
+    rank: Index
+    stage: Index
+    tp_rank: Index = 0
+    dp_rank: Index = 0
+    tp: Parallel
+    pp: Parallel
+    dp: Parallel
+    microbatches: Parallel
+    chunks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=1024)] = 1
     schedule: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
     step: Count
-    timeline: Annotated[int, Field(ge=0, le=2**31)] = 0
-    """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary."""
-    time: Finite
-    step_seconds: NonNegFinite
-    compute_seconds: NonNegFinite
-    other_seconds: NonNegFinite = 0.0
-    idle_seconds: Finite
-    bubble_ratio: Finite
-    bubble_theoretical_ratio: Finite
+    timeline: SmallCount = 0
+    """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary.
+    Collectors older than the field send none (0)."""
+    time: Annotated[float, Field(ge=0, le=MAX_TIME, allow_inf_nan=False)]
+    step_seconds: Seconds
+    compute_seconds: Seconds
+    other_seconds: Seconds = 0.0
+    idle_seconds: SignedSeconds
+    bubble_ratio: Ratio
+    bubble_theoretical_ratio: Ratio
     loss: WireFloat = None
     tokens: Count = 0
     memory_max_allocated_bytes: Count | None = None
     collectives: list[Collective] = Field(default_factory=list, max_length=256)
     gpu: Gpu | None = None
-    nvml_up: Literal[0, 1] = 0
-    overhead_seconds: NonNegFinite = 0.0
+    nvml_up: Annotated[Literal[0, 1], BeforeValidator(_not_bool)] = 0
+    overhead_seconds: Seconds = 0.0
     dropped_total: Count = 0
-    checkpoints: list[Count] = Field(default_factory=list, max_length=100_000)
-    paused: bool = False
+    checkpoints: list[Count] = Field(default_factory=list, max_length=MAX_CHECKPOINTS)
+    paused: Flag = False
     global_: GlobalView | None = Field(default=None, alias="global")
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
-    model_flops_utilization_ratio: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    model_flops_utilization_ratio: Annotated[float, Field(ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None = None
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def world(self) -> tuple[int, int, int]:
+        return self.tp, self.pp, self.dp
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(timeline, step): a rank's summaries in training order, whatever their `time` says."""
+        return self.timeline, self.step
+
     @model_validator(mode="after")
     def _layout_fits(self):
+        if self.world_size > MAX_PARALLEL:
+            raise ValueError(f"tp*pp*dp = {self.world_size} ranks is over the {MAX_PARALLEL} a sidecar accepts")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside the world of tp*pp*dp = {self.world_size} ranks")
         if self.stage >= self.pp:
             raise ValueError(f"stage {self.stage} is outside pp = {self.pp} stages")
         if self.tp_rank >= self.tp or self.dp_rank >= self.dp:
             raise ValueError(f"tp_rank {self.tp_rank} / dp_rank {self.dp_rank} outside tp={self.tp}, dp={self.dp}")
+        if self.global_ is not None and any(st.stage >= self.pp for st in self.global_.stages):
+            raise ValueError(f"global.stages names a stage outside pp = {self.pp} stages")
         return self
 
 
@@ -152,8 +223,14 @@ class IngestBody(_Model):
     summaries: list[StepSummary] = Field(max_length=10_000)
     outcomes: list[OutcomeRecord] = Field(default_factory=list, max_length=64)
     """Rank 0: directive outcome records, resent until a post carrying them is accepted."""
-    alive: bool = False
+    alive: Flag = False
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
+
+
+class Problem(BaseModel):
+    """Every 4xx answer: `detail` names the field (or header, or limit) and the fix."""
+
+    detail: str
 
 
 class Directive(_Model):
@@ -173,7 +250,7 @@ class IngestResponse(BaseModel):
 class ControlRequest(_Model):
     model_config = ConfigDict(extra="forbid", frozen=True)
     action: Literal[DIRECTIVE_ACTIONS]
-    to_step: Annotated[int, Field(ge=0)] | None = None
+    to_step: Count | None = None
     skip_batches: Count = 0
     reason: Annotated[str, Field(max_length=2000)] = ""
     requested_by: Annotated[str, Field(max_length=200)] = ""
@@ -191,7 +268,7 @@ class Alert(_Model):
     startsAt: str = ""
     endsAt: str = ""
     generatorURL: str = ""
-    fingerprint: str = ""
+    fingerprint: Annotated[str, Field(max_length=128)] = ""
 
 
 class AlertmanagerPayload(_Model):

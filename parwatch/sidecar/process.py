@@ -33,6 +33,14 @@ class SidecarProcess:
     metrics_url: str
     control_url: str
     log_path: Path
+    token: str = ""
+    """The bearer token the control listener requires (the one given, or the one it generated)."""
+    token_file: Path | None = None
+    """A file holding `token` (mode 0600): hand it to trainers (--parwatch-token-file) and the CLI."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -73,7 +81,10 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 
 @contextlib.contextmanager
 def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, timeout: float = 60.0, env=None):
-    """Yield a SidecarProcess on free loopback ports; its stderr goes to state_dir/../sidecar-<port>.log."""
+    """Yield a SidecarProcess on free loopback ports; its stderr goes to state_dir/../sidecar-<port>.log.
+
+    token None (and no --token-file in extra): the sidecar generates STATE_DIR/token, as it does by
+    default; either way the SidecarProcess carries the token and a file holding it."""
     metrics, control = free_port(), free_port()
     state_dir = Path(state_dir)
     state_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +95,8 @@ def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, time
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
     if token is not None:
         child_env["PARWATCH_TOKEN"] = token
+    else:
+        child_env.pop("PARWATCH_TOKEN", None)  # the sidecar's default: its own generated token
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env)
     try:
@@ -92,6 +105,14 @@ def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, time
             wait_healthy(f"{sp.control_url}/healthz", proc, timeout)
         except (RuntimeError, TimeoutError) as err:
             raise RuntimeError(f"{err}\n--- sidecar log ---\n{sp.log()}") from None
+        sp.token_file = Path(extra[extra.index("--token-file") + 1]) if "--token-file" in extra else None
+        if token is not None:
+            sp.token_file = state_dir.parent / f"token-{control}"
+            fd = os.open(sp.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+        sp.token_file = sp.token_file or state_dir / "token"
+        sp.token = sp.token_file.read_text().strip()
         yield sp
     finally:
         stop(proc)

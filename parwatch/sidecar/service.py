@@ -3,10 +3,18 @@
 app.py maps requests onto these methods. They run on one event loop (or one test
 thread), so writes never race; a /metrics scrape interleaved with them reads only
 immutable values (store.py).
+
+The event loop never waits for a disk or a long post: the engine defers its writes and
+`persist()` puts them on disk in one writer thread (fsync'd before the request that made
+a decision is answered, so before any directive it made is handed out), and
+`ingest_async` hands the loop back every few ms while it works through a large post.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import math
 import time
@@ -17,7 +25,7 @@ from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
 from parwatch.schema import encode_float
 from parwatch.sidecar.alerts import AlertDedupe
-from parwatch.sidecar.config import SidecarConfig
+from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.sidecar.observations import build_observation
@@ -31,15 +39,68 @@ class Sidecar:
         self.config = config
         self.engine = engine
         self.clock = clock
-        self.store = Store(config.rank_grace_seconds, clock=clock)
+        self.store = Store(config.rank_grace_seconds, clock=clock, max_ranks=config.max_ranks,
+                           max_runs=config.max_runs)
         self.counters = SidecarCounters()
         self.registry = make_registry(self.store, engine, self.counters)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.alerts = AlertDedupe(state_dir / "alerts_acted.json")
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last_write: asyncio.Future | None = None
+
+    # -- disk -------------------------------------------------------------------------------
+    def defer_writes(self) -> None:
+        """Serve mode: engine writes go to one writer thread (persist()) instead of the caller's."""
+        self.engine.defer_writes()
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parwatch-writer")
+
+    async def persist(self) -> None:
+        """Everything the engine decided so far is on disk (fsync'd) when this returns, including
+        batches another request handed to the writer before us (the writer is one FIFO thread, so
+        waiting for the newest submitted write waits for all)."""
+        while self._writer is not None:
+            batch = self.engine.take_writes()
+            if batch:
+                self._last_write = asyncio.get_running_loop().run_in_executor(self._writer, batch.write)
+            elif self._last_write is None or self._last_write.done():
+                last, self._last_write = self._last_write, None
+                if last is not None:
+                    last.result()  # a failed write is not durable: the request that waited on it says so
+                return
+            await asyncio.shield(self._last_write)  # a client hanging up must not cancel a write
+
+    def close(self) -> None:
+        """Last writes, on the caller's thread (shutdown)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self.engine.close()
 
     # -- writes -----------------------------------------------------------------------------
     def ingest(self, body: IngestBody) -> dict:
+        """Store a post's summaries and evaluate; Refused (with the HTTP status) when the store
+        will not hold them. The answer's directive is read after the work (see ingest_async)."""
+        for _ in self._ingest_steps(body):
+            pass
+        return self.ingest_reply(body)
+
+    async def ingest_async(self, body: IngestBody, slice_seconds: float = 0.005) -> dict:
+        """ingest(), handing the event loop back every `slice_seconds`, then persisting what the
+        engine decided before the answer (with any directive) goes out."""
+        deadline = time.perf_counter() + slice_seconds
+        for _ in self._ingest_steps(body):
+            if time.perf_counter() > deadline:
+                await asyncio.sleep(0)
+                deadline = time.perf_counter() + slice_seconds
+        await self.persist()
+        return self.ingest_reply(body)
+
+    def ingest_reply(self, body: IngestBody) -> dict:
+        return {"accepted": len(body.summaries), "directive": self.engine.pending_directive()}
+
+    def _ingest_steps(self, body: IngestBody):
+        """The work of one post, one summary per step of the generator."""
+        self.store.admit(body.summaries)
         if body.alive and self.engine.paused:
             # A paused run sends no summaries; rank 0 polls instead, and says "alive" only when a
             # heartbeat collective (which every rank must join) completed since its last post.
@@ -52,6 +113,9 @@ class Sidecar:
                 log.warning("outcome of directive %d for run %s, not the current run: ignored", outcome.directive_id,
                             _printable(outcome.run_id))
         for s in body.summaries:
+            yield
+            if s.run_id != self.store.run_id:
+                self.store.admit([s])  # another post switched runs while this one waited
             if s.rank == 0 and s.run_id != self.engine.run_id:
                 try:
                     self.engine.begin_run(s.run_id)  # a new run: a clean engine (the old one archived)
@@ -66,7 +130,6 @@ class Sidecar:
                 obs = build_observation(self.store)
                 if obs is not None:
                     self._count(self.engine.evaluate(obs))
-        return {"accepted": len(body.summaries), "directive": self.engine.pending_directive()}
 
     def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:
         """Withdraw an outstanding directive; ValueError when there is none with that id."""
@@ -165,8 +228,14 @@ def jsonable(obj):
 
 
 def build_sidecar(config: SidecarConfig, clock: Callable[[], float] = time.time) -> Sidecar:
-    """Load the rules (RulesError names every problem) and start the engine on the state dir."""
+    """Load the rules (RulesError names every problem) and start the engine on the state dir.
+
+    Writes are authenticated by default: without a token the sidecar uses STATE_DIR/token,
+    creating it (random, mode 0600) on first start (ConfigError if it is readable by others)."""
     rules = load_rules(config.rules_path) if config.rules_path is not None else default_rules()
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    if config.token is None:
+        token, path, _ = ensure_token(config.state_dir)  # server.serve logs where it is
+        config = dataclasses.replace(config, token=token, token_file=path)
     engine = GuardrailEngine(rules, Path(config.state_dir), now=clock)
     return Sidecar(config, engine, clock=clock)

@@ -9,18 +9,30 @@ the loop back every few ms (exposition.encode_async), so ingests land between it
 Every value a reader needs is an immutable object that a write replaces in one assignment,
 so a scrape never sees half an update (a histogram's buckets always agree with its count);
 that also makes reading from another thread safe.
+
+Order and identity come from the trainer's own counters, never from the client's clock:
+(timeline, step) orders a rank's summaries (timeline counts the rollbacks applied, so a
+replayed step is newer than the abandoned one), and (run_id, rank, timeline, step) is
+counted at most once, whatever order retries arrive in. A summary's `time` is only
+reported, so a wrong clock cannot hide newer steps from the engine or freeze the view.
+
+Bounded: one run at a time, its world (tp, pp, dp) fixed at first contact, at most
+`max_ranks` ranks, collectives keyed by a closed list of ops and groups, and a bounded
+set of counted keys per rank (admit() refuses the rest before anything is stored).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.models import GlobalView, StepSummary
 
 log = logging.getLogger(__name__)
@@ -56,63 +68,156 @@ class RankTotals(NamedTuple):
     idle_total: float = 0.0
 
 
+MAX_KEYS_PER_RANK = 128
+"""Counted (timeline, step) keys remembered per rank; a summary older than all of them is taken
+as already counted (shippers post in order, so only a retry comes that late; refusing it
+never counts anything twice)."""
+
+
+class Refused(ValueError):
+    """A summary the store will not hold; `status` is the HTTP answer, the message names the field."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Counted:
+    """The (timeline, step) keys of one rank already counted: the newest few (insertion order),
+    and a floor at or below which every key counts as seen."""
+
+    __slots__ = ("keys", "floor")
+
+    def __init__(self):
+        self.keys: dict[tuple[int, int], None] = {}
+        self.floor: tuple[int, int] | None = None
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys or (self.floor is not None and key <= self.floor)
+
+    def add(self, key) -> None:
+        self.keys[key] = None
+        if len(self.keys) > MAX_KEYS_PER_RANK:
+            old = next(iter(self.keys))
+            del self.keys[old]
+            self.floor = old if self.floor is None else max(self.floor, old)
+
+
 @dataclass
 class RankRecord:
     summary: StepSummary
-    """The newest summary (by its end time) from this rank."""
+    """The newest summary by (timeline, step) from this rank."""
     seen: float
     """Sidecar clock when this rank last posted."""
     window: deque
     totals: RankTotals = RankTotals()
-    tokens_from: int = 0
-    """Count this rank's tokens from this step on (a lower rank taking over mid-step)."""
+    tokens_from: tuple[int, int] = (0, 0)
+    """Count this rank's tokens from this (timeline, step) on (a lower rank taking over mid-run)."""
+    counted: Counted = None
 
 
 _NO_COLLECTIVES = CollectiveTotals()
+_STEP_INCREMENTS = [(0,) * i + (1,) * (len(STEP_BUCKETS) - i) for i in range(len(STEP_BUCKETS) + 1)]
+"""A step of duration in bucket i adds one to every cumulative (le) bucket from i on."""
 
 
 class Store:
-    def __init__(self, grace_seconds: float = 30.0, window: int = 32, clock: Callable[[], float] = time.time):
+    def __init__(self, grace_seconds: float = 30.0, window: int = 32, clock: Callable[[], float] = time.time,
+                 max_ranks: int = DEFAULT_MAX_RANKS, max_runs: int = DEFAULT_MAX_RUNS):
         self.grace_seconds = grace_seconds
         self.window = window
         self.clock = clock
+        self.max_ranks = max_ranks
+        self.max_runs = max_runs
+        self.runs: dict[str, float] = {}
+        """Run ids seen lately -> sidecar clock of their last post (bounds run-id churn)."""
         self._reset(run_id=None)
 
     def _reset(self, run_id: str | None) -> None:
         self.run_id = run_id
+        self.world: tuple[int, int, int] | None = None
+        """The run's (tp, pp, dp), fixed by its first summary."""
         self.ranks: dict[int, RankRecord] = {}
         self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
         self.tokens_total = 0
         self.global_view: GlobalView | None = None
-        self.global_time = float("-inf")
+        self.global_key: tuple[int, int] = (-1, -1)
         self.checkpoints: tuple[int, ...] = ()
+        self._checkpoints_key: tuple[int, int] = (-1, -1)
         self._token_rank: int | None = None  # the lowest rank seen: the one whose tokens count
-        self._token_step = -1  # the step whose tokens were counted last
+        self._token_key = (-1, -1)  # the (timeline, step) whose tokens were counted last
+
+    # -- admission ------------------------------------------------------------------------
+    def admit(self, summaries, field: str = "summaries") -> None:
+        """Raise Refused (naming the field) unless every summary fits the run's world and the limits.
+
+        Checks the whole post before any of it is stored, so a refused post changes nothing."""
+        run_id, world = self.run_id, self.world
+        new_ranks: set[int] = set()
+        for i, s in enumerate(summaries):
+            where = f"{field}.{i}"
+            if s.run_id != run_id:
+                if i > 0:
+                    raise Refused(422, f"{where}.run_id: one post carries one run's summaries "
+                                       f"({s.run_id!r} after {run_id!r}); post each run separately")
+                self._admit_run(s.run_id, where)
+                run_id, world, new_ranks = s.run_id, None, set()
+            if world is None:
+                world = s.world
+            elif s.world != world:
+                raise Refused(409, f"{where}: run {run_id!r} has tp={world[0]}, pp={world[1]}, dp={world[2]} "
+                                   f"(fixed by its first summary), this summary says tp={s.tp}, pp={s.pp}, "
+                                   f"dp={s.dp}; a new layout needs a new run id")
+            if run_id == self.run_id and s.rank in self.ranks:
+                continue
+            new_ranks.add(s.rank)
+            known = len(self.ranks) if run_id == self.run_id else 0
+            if known + len(new_ranks) > self.max_ranks:
+                raise Refused(429, f"{where}.rank: this sidecar already serves {known} ranks of run {run_id!r}; "
+                                   f"more than --max-ranks {self.max_ranks} are refused (one sidecar per node)")
+
+    def _admit_run(self, run_id: str, where: str) -> None:
+        now = self.clock()
+        for old, seen in list(self.runs.items()):
+            if now - seen > 2 * self.grace_seconds:
+                del self.runs[old]
+        if run_id not in self.runs and len(self.runs) >= self.max_runs:
+            raise Refused(429, f"{where}.run_id: {len(self.runs)} run ids posted here within the last "
+                               f"{2 * self.grace_seconds:g} s; more than --max-runs {self.max_runs} are refused "
+                               f"(one sidecar watches one run)")
 
     # -- writing --------------------------------------------------------------------------
     def add(self, s: StepSummary) -> bool:
-        """Store one summary; False when it repeats one already stored (a shipper's retry)."""
+        """Store one summary; False when (run, rank, timeline, step) was already counted (a retry).
+
+        Call admit() first: add() trusts the world and the limits."""
+        now = self.clock()
         if s.run_id != self.run_id:
             if self.run_id is not None:
-                log.warning("run %s replaced by run %s: per-rank state starts again", self.run_id, s.run_id)
+                log.warning("run %r replaced by run %r: per-rank state starts again", self.run_id, s.run_id)
             self._reset(s.run_id)
-        now = self.clock()
+        self.runs[s.run_id] = now
+        if self.world is None:
+            self.world = s.world
+        key = s.key
         rec = self.ranks.get(s.rank)
         if rec is None:
-            rec = self.ranks[s.rank] = RankRecord(summary=s, seen=now, window=deque(maxlen=self.window))
+            rec = self.ranks[s.rank] = RankRecord(summary=s, seen=now, window=deque(maxlen=self.window),
+                                                  counted=Counted())
             if self._token_rank is None or s.rank < self._token_rank:
                 # A lower rank takes over counting tokens after the last step already counted.
-                rec.tokens_from = self._token_step + 1
+                rec.tokens_from = (self._token_key[0], self._token_key[1] + 1)
                 self._token_rank = s.rank
-        elif rec.summary.step == s.step and rec.summary.time == s.time:
+        elif key in rec.counted:
             rec.seen = now
             return False
-        elif s.time >= rec.summary.time:
+        elif key > rec.summary.key:
             rec.summary = s
+        rec.counted.add(key)
         rec.seen = now
-        rec.window.append(
-            WindowEntry(s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio)
-        )
+        # A plain tuple of numbers, not a WindowEntry: the garbage collector stops tracking those,
+        # so 32 entries x 1024 ranks add nothing to a full collection's pause (recent() names them).
+        rec.window.append((s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio))
         self._accumulate(rec, s)
         return True
 
@@ -120,27 +225,28 @@ class Store:
         t = rec.totals
         first = bisect.bisect_left(STEP_BUCKETS, s.step_seconds)  # le semantics: x <= bound
         rec.totals = RankTotals(
-            tuple(n + 1 if i >= first else n for i, n in enumerate(t.step_buckets)),
+            tuple(map(operator.add, t.step_buckets, _STEP_INCREMENTS[first])),  # map(): no Python loop per post
             t.step_count + 1,
             t.step_sum + s.step_seconds,
             t.compute_total + s.compute_seconds,
             t.idle_total + max(s.idle_seconds, 0.0),  # rounding can make idle a hair negative
         )
         # Every rank reports the run's tokens for the step: count them from one rank only.
-        if s.rank == self._token_rank and s.step >= rec.tokens_from:
+        if s.rank == self._token_rank and s.key >= rec.tokens_from:
             self.tokens_total += s.tokens
-            self._token_step = s.step
-            rec.tokens_from = 0  # from now on every step counts, replays after a rollback too
+            self._token_key = max(self._token_key, s.key)
+            rec.tokens_from = (0, 0)  # from now on every new key counts, replays after a rollback too
         for c in s.collectives:
             tot = self.collectives.get((c.op, c.group), _NO_COLLECTIVES)
-            buckets = tuple(a + b for a, b in zip(tot.buckets, c.buckets)) if c.buckets else tot.buckets
+            buckets = tuple(map(operator.add, tot.buckets, c.buckets)) if c.buckets else tot.buckets
             self.collectives[(c.op, c.group)] = CollectiveTotals(
                 buckets, tot.count + c.count, tot.seconds + c.seconds, tot.bytes + c.bytes)
         if s.rank == 0:
-            self.checkpoints = tuple(s.checkpoints)
-            if s.global_ is not None and s.time >= self.global_time:  # a late post is not the newest view
-                self.global_view = s.global_
-                self.global_time = s.time
+            if s.key >= self._checkpoints_key:  # a late post does not bring back an older list
+                self.checkpoints, self._checkpoints_key = tuple(s.checkpoints), s.key
+            view_key = (s.timeline, s.global_.step) if s.global_ is not None else None
+            if view_key is not None and view_key > self.global_key:  # a late post is not the newest view
+                self.global_view, self.global_key = s.global_, view_key
 
     def touch_all(self) -> None:
         """Every known rank of the run was alive just now (see Sidecar.ingest)."""
@@ -166,7 +272,8 @@ class Store:
 
     @property
     def last_step(self) -> int | None:
-        return max((rec.summary.step for rec in list(self.ranks.values())), default=None)
+        newest = max((rec.summary.key for rec in list(self.ranks.values())), default=None)
+        return None if newest is None else newest[1]  # the newest timeline's step, after a rollback too
 
     def run_summary(self) -> StepSummary | None:
         """The lowest rank's latest summary: the source of run metadata."""
@@ -175,4 +282,4 @@ class Store:
 
     def recent(self, rank: int) -> list[WindowEntry]:
         rec = self.ranks.get(rank)
-        return list(rec.window) if rec else []
+        return [WindowEntry._make(e) for e in rec.window] if rec else []

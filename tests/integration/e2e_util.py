@@ -111,6 +111,11 @@ class TrainerRun:
         return json.loads(self.summary_path.read_text())
 
 
+def token_args(sidecar) -> tuple[str, ...]:
+    """The trainer flag that hands it the sidecar's token (sidecars authenticate writes by default)."""
+    return ("--parwatch-token-file", str(sidecar.token_file))
+
+
 def trainer_command(endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2,
                     checkpoint_every: int = 0) -> list[str]:
     run_dir = Path(run_dir)

@@ -23,6 +23,7 @@ from tests.integration.e2e_util import (
     metric_value,
     running_trainer,
     synthetic,
+    token_args,
     wait_until,
 )
 
@@ -48,6 +49,7 @@ def every_rank(applied: dict, ranks: int = 2) -> bool:
 def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)  # the sidecar refuses a token file others can read
     state = tmp_path / "state"
     steps = 60
     with running_sidecar(state, "--token-file", str(token_file)) as sp, \
@@ -110,10 +112,10 @@ def test_operator_rollback_to_step_loads_that_checkpoint_on_every_rank(tmp_path)
     state, steps, target = tmp_path / "state", 50, 4
     with running_sidecar(state) as sp, \
             running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
-                            "--keep-checkpoints", "0", checkpoint_every=2) as run:
-        control = Control(sp.control_url)
+                            "--keep-checkpoints", "0", *token_args(sp), checkpoint_every=2) as run:
+        control = Control(sp.control_url, sp.token)
         wait_until(lambda: (control.status()["last_step"] or 0) >= 8, "step 8 at the sidecar (checkpoints 2..8)")
-        with SidecarClient(sp.control_url) as client:
+        with SidecarClient(sp.control_url, sp.token) as client:
             decision = client.control("rollback", reason="e2e: back to 4", to_step=target, requested_by="e2e")
         assert decision["checkpoint"] == target and decision["skip_batches"] == 0 and decision["directive_id"]
         summary = run.wait()

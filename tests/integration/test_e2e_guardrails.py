@@ -23,6 +23,7 @@ from tests.integration.e2e_util import (
     is_finite_loss,
     run_trainer,
     synthetic,
+    token_args,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -38,7 +39,7 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
     nan_step, steps, every = 6, 14, 2
     # keep every checkpoint: the default (3) with --checkpoint-every 2 would prune the target 4 at
     # step 10, and the rollback's travel time in steps depends on this machine's load.
-    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2",
+    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
                                "--inject", f"nan:step={nan_step}", "--keep-checkpoints", "0",
                                checkpoint_every=every)
 
@@ -93,7 +94,7 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
 def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path):
     start, steps = 5, 9
     # Stage 1 computes 4 x (10 + 30 + 20) ms against stage 0's 4 x (10 + 20): skew 240/180 = 1.33.
-    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2",
+    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
                                *synthetic(10, 20), "--inject", f"straggler:stage=1,ms=30,from_step={start}")
     assert summary["steps_completed"] == steps
 
@@ -114,7 +115,8 @@ def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path)
     evidence = decision["evidence"]
     assert evidence["window"] == [start, start + 1] and evidence["threshold"] == 1.25
     assert evidence["values"] == pytest.approx([skew[start], skew[start + 1]])
-    state = httpx.get(f"{sidecar.control_url}/v1/status", timeout=10).json()["rules"]["stage-skew"]
+    status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
+    state = status["rules"]["stage-skew"]
     assert state["state"] == "firing"
     print(f"\nstraggler from step {start}: skew {skew}; stage-skew fired on the view of step {decision['step']}")
 
@@ -129,11 +131,11 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     on single steps, never 20 in a row).
     """
     steps = 200
-    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2",
+    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
                                "--microbatches", "4", *synthetic(5, 10))
     assert summary["steps_completed"] == steps
 
-    status = httpx.get(f"{sidecar.control_url}/v1/status", timeout=10).json()
+    status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
     excess = [max(st["bubble_ratio"] for st in s["global"]["stages"]) - s["bubble_theoretical_ratio"]
               for s in run.summaries(0) if s.get("global")]
     skew = [s["global"]["pipeline_skew_ratio"] for s in run.summaries(0) if s.get("global")]

@@ -18,6 +18,7 @@ from tests.integration.e2e_util import (
     is_finite_loss,
     running_trainer,
     synthetic,
+    token_args,
     wait_until,
 )
 
@@ -77,7 +78,7 @@ def test_prometheus_scrapes_the_sidecar_during_a_real_run(tmp_path):
     steps = 60
     with running_sidecar(tmp_path / "state") as sp, \
             prometheus(tmp_path, sp.metrics_url.removeprefix("http://")) as prom, \
-            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--tp", "2", "--pp", "2",
+            running_trainer(sp.control_url, tmp_path / "run", steps, *token_args(sp), *SMALL_MODEL, "--tp", "2", "--pp", "2",
                             *synthetic(5, 10), nproc=4) as run:
         during = []  # Prometheus' answers while the trainer was still running
         while run.proc.poll() is None:

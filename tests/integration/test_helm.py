@@ -9,6 +9,7 @@ helm is found at $PARWATCH_HELM, .tools/bin/helm (scripts/install_helm.sh .tools
 tests that need it skip without it. The chart-copy checks run everywhere.
 """
 
+import base64
 import json
 import os
 import shutil
@@ -176,7 +177,7 @@ def test_trainingruntime_templates_validate_as_job_and_pod(rendered):
 
 
 def test_default_render_has_only_the_core_objects(rendered):
-    assert sorted(d["kind"] for d in rendered["default"]) == ["ConfigMap", "Job", "Service"]
+    assert sorted(d["kind"] for d in rendered["default"]) == ["ConfigMap", "Job", "Secret", "Service"]  # + the token
     kinds = {d["kind"] for d in rendered["all-features"]}
     assert {"Job", "Service", "PodMonitor", "PrometheusRule"} <= kinds
     assert "Secret" not in kinds  # all-features uses an existing Secret
@@ -240,16 +241,27 @@ def test_sidecar_is_a_restricted_native_sidecar(rendered, config):
         assert "--metrics-listen=0.0.0.0:9400" in sc["args"]
 
 
-def test_control_stays_on_loopback_without_a_token(rendered):
-    for where, pod in pod_specs(rendered["default"]):
+def token_env(sidecar: dict) -> dict:
+    (env,) = [e for e in sidecar["env"] if e["name"] == "PARWATCH_TOKEN"]
+    return env["valueFrom"]["secretKeyRef"]
+
+
+def test_control_stays_on_loopback_behind_a_generated_token(rendered):
+    """Issue 11: writes are authenticated by default; the chart generates the token Secret."""
+    docs = rendered["default"]
+    (secret,) = of_kind(docs, "Secret")
+    assert set(secret["data"]) == {"token"} and len(base64.b64decode(secret["data"]["token"])) == 48
+    for where, pod in pod_specs(docs):
         sc = container(pod, "parwatch-sidecar", init=True)
         assert "--control-listen=127.0.0.1:9401" in sc["args"]
+        # By environment: the sidecar refuses group-readable token files, and fsGroup makes mounted ones so.
         assert not any(a.startswith("--token-file") for a in sc["args"])
+        assert token_env(sc) == {"name": secret["metadata"]["name"], "key": "token"}
         assert [p["name"] for p in sc["ports"]] == ["metrics"]
         trainer = pod["spec"]["containers"][0]
-        assert trainer["args"][-2:] == ["--parwatch=on", "--parwatch-endpoint=http://127.0.0.1:9401"]
+        assert trainer["args"][-3:-1] == ["--parwatch=on", "--parwatch-endpoint=http://127.0.0.1:9401"]
+        assert trainer["args"][-1].startswith("--parwatch-token-file=")
         assert {"name": "PARWATCH_ENDPOINT", "value": "http://127.0.0.1:9401"} in trainer["env"]
-        assert not any(a.startswith("--parwatch-token-file") for a in trainer["args"])
 
 
 def test_own_trainer_gets_the_endpoint_by_environment_only(helm):
@@ -266,12 +278,13 @@ def test_exposed_control_uses_the_token_secret(rendered, config):
     for where, pod in pod_specs(docs):
         sc = container(pod, "parwatch-sidecar", init=True)
         assert "--control-listen=0.0.0.0:9401" in sc["args"]
-        token_file = next(a.split("=", 1)[1] for a in sc["args"] if a.startswith("--token-file="))
+        token_file = "/var/run/secrets/parwatch/token"
         trainer = pod["spec"]["containers"][0]
         assert f"--parwatch-token-file={token_file}" in trainer["args"]
         assert {"name": "PARWATCH_TOKEN_FILE", "value": token_file} in trainer["env"]
         (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "parwatch-token"]
         secret_name = vol["secret"]["secretName"]
+        assert token_env(sc)["name"] == secret_name
         if config == "trainjob":
             (secret,) = of_kind(docs, "Secret")
             assert secret["metadata"]["name"] == secret_name and set(secret["data"]) == {"token"}
@@ -279,10 +292,11 @@ def test_exposed_control_uses_the_token_secret(rendered, config):
             assert secret_name == "parwatch-control-token"
 
 
-def test_exposing_control_without_a_token_is_refused(helm):
-    proc = run_helm(helm, "template", RELEASE, CHART, "--set", "sidecar.exposeControl=true")
-    assert proc.returncode != 0
-    assert "sidecar.token.existingSecret" in proc.stderr
+def test_exposing_control_without_a_token_of_yours_uses_the_generated_one(helm):
+    docs = render(helm, sets=["sidecar.exposeControl=true"])
+    (secret,) = of_kind(docs, "Secret")
+    for where, pod in pod_specs(docs):
+        assert token_env(container(pod, "parwatch-sidecar", init=True))["name"] == secret["metadata"]["name"]
 
 
 def test_rules_configmap_defaults_to_the_packaged_rules_and_accepts_a_file(helm, rendered, tmp_path):

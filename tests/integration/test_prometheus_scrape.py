@@ -26,13 +26,14 @@ def needs(binary):
                               reason=f"{binary} is not installed (Debian package prometheus)")
 
 
-def post_step(control_url: str, step: int) -> None:
+def post_step(sp, step: int) -> None:
     """One step of a 2-stage run: both ranks, rank 0 with the fast-path global view; stage 1
     computes half as long as the schedule allows, so its bubble is 0.6 against 0.2 in theory."""
     summaries = [syn.summary(r, step, time=time.time(), checkpoints=[1] if step > 1 else [],
                              compute_scale=0.5 if r == 1 else 1.0,
                              global_stages=STAGES if r == 0 else None) for r in (0, 1)]
-    r = httpx.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, timeout=10)
+    r = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers,
+                   timeout=10)
     assert r.status_code == 200, r.text
 
 
@@ -40,8 +41,9 @@ def post_step(control_url: str, step: int) -> None:
 def sidecar(tmp_path):
     with running_sidecar(tmp_path / "state") as sp:
         for step in (1, 2, 3):
-            post_step(sp.control_url, step)
-        httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause"})  # an action counter too
+            post_step(sp, step)
+        # an action counter too
+        httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause"}, headers=sp.headers)
         yield sp
 
 
@@ -98,7 +100,7 @@ def test_prometheus_scrapes_and_answers_queries(sidecar, tmp_path):
     def keep_posting():  # the run goes on while Prometheus scrapes
         step = 4
         while not done.is_set():
-            post_step(sidecar.control_url, step)
+            post_step(sidecar, step)
             step += 1
             done.wait(0.25)
 

@@ -93,7 +93,7 @@ def test_sighup_reloads_rules_and_keeps_them_when_invalid(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES_A)
     with running_sidecar(tmp_path / "state", "--rules", str(rules)) as sp:
-        status = lambda: httpx.get(f"{sp.control_url}/v1/status").json()  # noqa: E731
+        status = lambda: httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()  # noqa: E731
         assert set(status()["rules"]) == {"skew"}
         rules.write_text(RULES_B.replace("finite", "finit"))
         sp.proc.send_signal(signal.SIGHUP)
@@ -110,16 +110,18 @@ def test_sighup_reloads_rules_and_keeps_them_when_invalid(tmp_path):
 def test_decisions_and_pending_directive_survive_a_restart(tmp_path):
     state = tmp_path / "state"
     with running_sidecar(state) as sp:
-        post_steps(sp.control_url, [1, 2])
-        r = httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause", "reason": "before restart"})
+        post_steps(sp.control_url, [1, 2], sp.token)
+        r = httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause", "reason": "before restart"},
+                       headers=sp.headers)
         directive_id = r.json()["directive_id"]
     with running_sidecar(state) as sp:
-        status = httpx.get(f"{sp.control_url}/v1/status").json()
+        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()
         assert status["pending_directive"]["id"] == directive_id
         assert status["last_decisions"][-1]["reason"] == "before restart"
         assert status["ranks"] == {}  # the store starts empty; the engine's state does not
         summaries = [syn.summary(r, 3) for r in (0, 1)]
         reply = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries,
-                                                                "outcomes": [syn.outcome(directive_id, step=3)]}).json()
+                                                                "outcomes": [syn.outcome(directive_id, step=3)]},
+                           headers=sp.headers).json()
         assert reply["directive"] is None
-        assert httpx.get(f"{sp.control_url}/v1/status").json()["paused"] is True
+        assert httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()["paused"] is True

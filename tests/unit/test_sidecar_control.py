@@ -16,7 +16,7 @@ STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
 
 def make(tmp_path):
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state"))
-    return sidecar, TestClient(create_control_app(sidecar))
+    return sidecar, TestClient(create_control_app(sidecar), headers={"Authorization": f"Bearer {sidecar.config.token}"})
 
 
 @pytest.fixture
@@ -107,16 +107,18 @@ def test_rollback_needs_a_known_checkpoint(setup):
         "skip_batches": 3, "reason": ""}
 
 
-@pytest.mark.parametrize("payload, expected", [
-    ({"action": "explode"}, "action: Input should be 'pause', 'resume' or 'rollback'"),
-    ({"action": "pause", "to_step": 3}, "to_step and skip_batches apply to rollback only"),
-    ({"action": "rollback", "skip_batches": -1}, "skip_batches: Input should be greater than or equal to 0"),
-    ({"action": "pause", "colour": "red"}, "colour: Extra inputs are not permitted"),
+@pytest.mark.parametrize("payload, status, expected", [
+    ({"action": "explode"}, 422, "action: Input should be 'pause', 'resume' or 'rollback'"),
+    ({"action": "pause", "to_step": 3}, 400, "to_step and skip_batches apply to rollback only"),
+    ({"action": "rollback", "skip_batches": -1}, 422, "skip_batches: Input should be greater than or equal to 0"),
+    ({"action": "pause", "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
+    ({"action": "rollback", "to_step": 10**400}, 422, "to_step: Input should be less than or equal to"),
 ])
-def test_bad_control_requests_get_400(setup, payload, expected):
+def test_bad_control_requests_get_422_or_the_engines_400(setup, payload, status, expected):
+    """422: the body fails validation (as the OpenAPI document says); 400: the engine refuses it."""
     _, client = setup
     r = client.post("/v1/control", json=payload)
-    assert r.status_code == 400
+    assert r.status_code == status
     assert expected in r.json()["detail"]
 
 
@@ -207,12 +209,12 @@ def test_alert_rollback_goes_to_the_newest_checkpoint(setup):
     assert directive["action"] == "rollback" and directive["to_step"] == 1 and directive["skip_batches"] == 4
 
 
-def test_bad_alert_payloads_get_400(setup):
+def test_bad_alert_payloads_get_422(setup):
     _, client = setup
     r = client.post("/v1/alerts", json={"version": "3", "status": "firing", "alerts": []})
-    assert r.status_code == 400 and r.json()["detail"].startswith("version")
+    assert r.status_code == 422 and r.json()["detail"].startswith("version")
     r = client.post("/v1/alerts", json=webhook({"status": "burning"}))
-    assert r.status_code == 400 and "alerts.0.status" in r.json()["detail"]
+    assert r.status_code == 422 and "alerts.0.status" in r.json()["detail"]
 
 
 def test_status_and_decisions_shape(setup):
@@ -225,4 +227,4 @@ def test_status_and_decisions_shape(setup):
     assert set(status["rules"]) >= {"nonfinite-loss", "bubble-excess", "rank-missing"}
     assert status["last_decisions"][-1]["action"] == "pause"
     assert len(client.get("/v1/decisions", params={"limit": 1}).json()) == 1
-    assert client.get("/v1/decisions", params={"limit": 0}).status_code == 400
+    assert client.get("/v1/decisions", params={"limit": 0}).status_code == 422

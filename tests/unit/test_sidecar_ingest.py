@@ -1,4 +1,4 @@
-"""POST /v1/ingest: schema validation (400 naming the field), body cap (413), bearer token (401)."""
+"""POST /v1/ingest: schema validation (422 naming the field), body cap (413), bearer token (401)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from fastapi.testclient import TestClient
 
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
-from parwatch.sidecar.config import Listen, SidecarConfig
+from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
 from parwatch.sidecar.service import build_sidecar
 
 TOKEN = "s3cret-token"
 
 
-def make_client(tmp_path, **config) -> TestClient:
+def make_client(tmp_path, auth: bool = True, **config) -> TestClient:
+    """A client of the control app; auth: it sends the sidecar's token on every request."""
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state", **config))
-    return TestClient(create_control_app(sidecar))
+    headers = {"Authorization": f"Bearer {sidecar.config.token}"} if auth else {}
+    return TestClient(create_control_app(sidecar), headers=headers)
 
 
 @pytest.fixture
@@ -72,18 +74,31 @@ def _broken(change):
         ({"version": 2, "summaries": []}, "version: Input should be 1"),
         ({"version": 1, "summaries": "all of them"}, "summaries: Input should be a valid list"),
         ({"summaries": []}, "version: Field required"),
+        # Numbers beyond what the metric can hold (issue 11): 422 naming the field, never stored.
+        (_broken(lambda s: s.update(tokens=10**400)), "summaries.0.tokens: Input should be less than or equal"),
+        (_broken(lambda s: s.update(step=2**53 + 1)), "summaries.0.step"),
+        (_broken(lambda s: s.update(dropped_total=2**63)), "summaries.0.dropped_total"),
+        (_broken(lambda s: s.update(memory_max_allocated_bytes=10**30)), "summaries.0.memory_max_allocated_bytes"),
+        (_broken(lambda s: s.update(checkpoints=[10**400])), "summaries.0.checkpoints.0"),
+        (_broken(lambda s: s.update(step_seconds=1e300)), "summaries.0.step_seconds"),
+        (_broken(lambda s: s.update(loss=10**400)), "summaries.0.loss"),
+        (_broken(lambda s: s.update(time=1e300)), "summaries.0.time"),
+        (_broken(lambda s: s.update(run_id="run\nINFO forged line")), "summaries.0.run_id: Value error, must not "
+                                                                      "contain control characters"),
+        (_broken(lambda s: s["collectives"][0].update(group="g123")), "summaries.0.collectives.0.group"),
+        (_broken(lambda s: s.update(tp=1 << 20, dp=1 << 20)), "over the 1048576 a sidecar accepts"),
     ],
 )
-def test_invalid_bodies_get_400_naming_the_field(client, payload, expected):
+def test_invalid_bodies_get_422_naming_the_field(client, payload, expected):
     r = client.post("/v1/ingest", json=payload)
-    assert r.status_code == 400, r.text
+    assert r.status_code == 422, r.text
     assert expected in r.json()["detail"]
 
 
-def test_malformed_json_is_a_400_with_the_reason(client):
+def test_malformed_json_is_a_422_with_the_reason(client):
     r = client.post("/v1/ingest", content=b'{"version": 1, "summaries": [',
                     headers={"content-type": "application/json"})
-    assert r.status_code == 400
+    assert r.status_code == 422
     assert "not valid JSON" in r.json()["detail"]
 
 
@@ -102,7 +117,7 @@ def test_bodies_over_the_cap_get_413(tmp_path):
 
 
 def test_token_is_required_when_configured(tmp_path):
-    client = make_client(tmp_path, token=TOKEN, control_listen=Listen("0.0.0.0", 9401))
+    client = make_client(tmp_path, auth=False, token=TOKEN, control_listen=Listen("0.0.0.0", 9401))
     ok = body(syn.summary(0, 1))
     r = client.post("/v1/ingest", json=ok)
     assert r.status_code == 401 and "missing Authorization" in r.json()["detail"]
@@ -120,9 +135,24 @@ def test_token_is_required_when_configured(tmp_path):
     assert r.status_code == 200 and r.json()["accepted"] == 1
 
 
-def test_loopback_without_token_is_open(client):
-    assert client.post("/v1/ingest", json=body(syn.summary(0, 1))).status_code == 200
-    assert client.get("/v1/status").status_code == 200
+def test_without_a_token_the_sidecar_makes_one_and_requires_it(tmp_path):
+    client = make_client(tmp_path, auth=False)  # loopback, no --token-file: authenticated all the same
+    token_file = tmp_path / "state" / "token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert client.post("/v1/ingest", json=body(syn.summary(0, 1))).status_code == 401
+    auth = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+    assert client.post("/v1/ingest", json=body(syn.summary(0, 1)), headers=auth).status_code == 200
+    # A restart keeps the token the trainers already hold.
+    assert make_client(tmp_path).headers["Authorization"] == auth["Authorization"]
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    token_file = tmp_path / "state" / "token"
+    token_file.parent.mkdir()
+    token_file.write_text("abc\n")
+    token_file.chmod(0o644)
+    with pytest.raises(ConfigError, match=f"readable by group or others.*fix: chmod 600 {token_file}"):
+        make_client(tmp_path)
 
 
 def test_openapi_documents_ingest_and_control(client):
@@ -133,3 +163,41 @@ def test_openapi_documents_ingest_and_control(client):
     schemas = doc["components"]["schemas"]
     assert {"IngestBody", "StepSummary", "ControlRequest", "Directive"} <= set(schemas)
     assert "global" in schemas["StepSummary"]["properties"]
+
+
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "summaries": []}', ' { "summaries" : [ 1 , {"a": [2, 3]} , "x" ] , "version":1 } ',
+    '{"summaries": [], "summaries": [1]}', '{}', '[1, 2]', '3', '{"a": NaN, "summaries": [Infinity]}',
+    '{"summaries": {"not": "a list"}}', '{"s\\u00e9": "\\ud83d\\ude00"}',
+])
+def test_the_sliced_parser_reads_what_json_reads(text):
+    import asyncio
+
+    from parwatch.sidecar.app import parse_ingest_json
+
+    padded = text if not text.lstrip().startswith("{") else text.rstrip()[:-1] + \
+        (', ' if text.strip() != "{}" else "") + '"pad": "' + "x" * 70_000 + '"}'
+    for raw in (text, padded):  # small bodies go to pydantic-core in one call, large ones are sliced
+        got = asyncio.run(parse_ingest_json(raw.encode()))
+        assert json.dumps(got) == json.dumps(json.loads(raw))
+
+
+@pytest.mark.parametrize("text", ['{"summaries": [1,]}', '{"summaries": [1 2]}', '{"a": 1,}', '{"a" 1}',
+                                  '{"summaries": [1]} x', '{"summaries": [', '{1: 2}', '{"a": 1', ''])
+def test_the_sliced_parser_refuses_what_json_refuses(client, text):
+    padded = '{"pad": "' + "x" * 70_000 + '", ' + text[1:] if text.startswith("{") else text
+    for raw in (text, padded):
+        r = client.post("/v1/ingest", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "not valid JSON" in r.json()["detail"], r.text[:300]
+
+
+def test_a_large_body_is_parsed_in_slices_as_json_would(monkeypatch):
+    import asyncio
+
+    from parwatch.sidecar import app
+
+    body = {"version": 1, "alive": False, "summaries": [syn.summary(r % 2, r) for r in range(1, 200)]}
+    raw = json.dumps(body).encode()
+    assert len(raw) > app.SMALL_BODY
+    monkeypatch.setattr(app, "SLICE_SECONDS", 0.0)  # yield after every element
+    assert asyncio.run(app.parse_ingest_json(raw)) == json.loads(raw)

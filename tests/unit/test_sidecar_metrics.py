@@ -70,7 +70,8 @@ class Clock:
 def env(tmp_path):
     clock = Clock()
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state", rank_grace_seconds=GRACE), clock=clock)
-    return sidecar, TestClient(create_control_app(sidecar)), TestClient(create_metrics_app(sidecar)), clock
+    auth = {"Authorization": f"Bearer {sidecar.config.token}"}
+    return sidecar, TestClient(create_control_app(sidecar), headers=auth), TestClient(create_metrics_app(sidecar)), clock
 
 
 def post(control, *summaries):
@@ -244,7 +245,8 @@ def test_metrics_app_serves_nothing_else(env):
 
 def test_fast_encoders_write_what_prometheus_client_writes(env):
     sidecar, control, _, _ = env
-    awkward = [syn.summary(r, 1, tp=2, pp=2, run_id='run "7"\\x\nz', global_stages=STAGES if r == 0 else None)
+    # Quotes, backslashes and non-ASCII need escaping or encoding (control characters are refused at ingest).
+    awkward = [syn.summary(r, 1, tp=2, pp=2, run_id='run "7"\\x\u00e9z', global_stages=STAGES if r == 0 else None)
                for r in range(4)]
     awkward[1]["loss"] = "nan"
     post(control, *awkward)

@@ -31,7 +31,7 @@ def _ingest(client, summaries, alive=False):
 def test_polls_while_paused_keep_every_rank_up_but_not_while_running(tmp_path):
     clock = Clock()
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path, rank_grace_seconds=30.0), clock=clock)
-    client = TestClient(create_control_app(sidecar))
+    client = TestClient(create_control_app(sidecar), headers={"Authorization": f"Bearer {sidecar.config.token}"})
     _ingest(client, [syn.summary(0, 1), syn.summary(1, 1)])
     client.post("/v1/control", json={"action": "pause"})
     directive = _ingest(client, [syn.summary(0, 2), syn.summary(1, 2)])["directive"]

@@ -23,7 +23,7 @@ def S(rank, step, **kw) -> StepSummary:
     return StepSummary.model_validate(syn.summary(rank, step, **kw))
 
 
-def test_latest_is_the_newest_by_time_and_the_window_is_bounded():
+def test_latest_is_the_newest_by_step_and_the_window_is_bounded():
     store = Store(window=3, clock=Clock())
     for step in (1, 2, 4):
         store.add(S(0, step))
@@ -33,11 +33,64 @@ def test_latest_is_the_newest_by_time_and_the_window_is_bounded():
     assert store.last_step == 4
 
 
+def TL(rank, step, timeline, **kw) -> StepSummary:
+    return StepSummary.model_validate({**syn.summary(rank, step, **kw), "timeline": timeline})
+
+
 def test_a_rollback_moves_the_latest_step_back():
     store = Store(clock=Clock())
     store.add(S(0, 10, time=10.0))
-    store.add(S(0, 6, time=11.0))  # replayed from checkpoint 5
+    store.add(TL(0, 6, 1, time=11.0))  # replayed from checkpoint 5: the next timeline
     assert store.ranks[0].summary.step == 6 and store.ranks[0].totals.step_count == 2
+    assert store.tokens_total == 2 * 4096  # a replayed step consumes its tokens again
+
+
+def test_order_and_identity_ignore_the_clients_clock():
+    """(timeline, step) orders and identifies; `time` from the future or the past changes nothing."""
+    store = Store(clock=Clock())
+    stages = [syn.stage_view(0, 1.0, 0.5), syn.stage_view(1, 1.0, 0.7)]
+    store.add(S(0, 5, time=1e10, global_stages=stages))  # a clock far in the future
+    store.add(S(0, 6, time=1.0, global_stages=stages))  # then a sane one
+    assert store.ranks[0].summary.step == 6 and store.global_view.step == 5  # the view of step 5 (step-1)
+    # Retries in any order, with any time, are never counted again.
+    for step, t in ((5, 3.0), (6, 99.0), (5, 1e10), (4, 0.0), (4, 7.0)):
+        store.add(S(0, step, time=t))
+    assert store.ranks[0].totals.step_count == 3 and store.tokens_total == 3 * 4096
+    assert store.ranks[0].summary.step == 6 and store.global_view.step == 5
+
+
+def test_retries_older_than_the_remembered_keys_are_not_counted():
+    from parwatch.sidecar.store import MAX_KEYS_PER_RANK
+
+    store = Store(clock=Clock())
+    for step in range(1, MAX_KEYS_PER_RANK + 10):
+        store.add(S(0, step))
+    counted = store.ranks[0].totals.step_count
+    assert not store.add(S(0, 1)) and not store.add(S(0, MAX_KEYS_PER_RANK + 5))
+    assert store.ranks[0].totals.step_count == counted
+
+
+def test_the_world_is_fixed_at_first_contact_and_ranks_runs_are_bounded():
+    from parwatch.sidecar.store import Refused
+
+    clock = Clock()
+    store = Store(clock=clock, max_ranks=3, max_runs=2, grace_seconds=5)
+    store.admit([S(0, 1, tp=2, pp=2)])
+    store.add(S(0, 1, tp=2, pp=2))
+    with pytest.raises(Refused, match="fixed by its first summary") as refused:
+        store.admit([S(1, 1, tp=8, pp=64, dp=64)])
+    assert refused.value.status == 409
+    with pytest.raises(Refused, match="--max-ranks 3") as refused:
+        store.admit([S(r, 1, tp=2, pp=2) for r in (1, 2, 3)])
+    assert refused.value.status == 429 and list(store.ranks) == [0]  # nothing of the post was stored
+    with pytest.raises(Refused, match="one post carries one run"):
+        store.admit([S(1, 1, tp=2, pp=2), S(1, 1, tp=2, pp=2, run_id="other")])
+    store.admit([S(0, 1, run_id="second")])
+    store.add(S(0, 1, run_id="second"))
+    with pytest.raises(Refused, match="--max-runs 2"):
+        store.admit([S(0, 1, run_id="third")])
+    clock.t += 11  # both earlier runs silent for 2 x grace
+    store.admit([S(0, 1, run_id="third")])
 
 
 def test_a_new_run_id_starts_over():

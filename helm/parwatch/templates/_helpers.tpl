@@ -54,9 +54,9 @@ app.kubernetes.io/managed-by: {{ $ctx.Release.Service }}
 
 {{/* Control token ---------------------------------------------------------------------------- */}}
 
-{{- define "parwatch.tokenEnabled" -}}
-{{- if or .Values.sidecar.token.existingSecret .Values.sidecar.token.value }}true{{ end }}
-{{- end }}
+{{- /* Writes are always authenticated: without existingSecret or value the chart generates the
+token Secret (secret-token.yaml). Kept as a helper so the templates read as before. */}}
+{{- define "parwatch.tokenEnabled" -}}true{{- end }}
 
 {{- define "parwatch.tokenSecretName" -}}
 {{- default (printf "%s-token" (include "parwatch.fullname" .)) .Values.sidecar.token.existingSecret }}
@@ -75,9 +75,6 @@ http://127.0.0.1:{{ .Values.sidecar.controlPort }}
 {{/* Settings that relate to each other, checked once with messages that name the fix. */}}
 {{- define "parwatch.validate" -}}
 {{- $s := .Values.sidecar }}
-{{- if and $s.exposeControl (not (include "parwatch.tokenEnabled" .)) }}
-{{- fail "sidecar.exposeControl=true puts ingest/control/alerts on the pod network and needs a token: set sidecar.token.existingSecret (a Secret with key 'token') or sidecar.token.value" }}
-{{- end }}
 {{- if and $s.token.existingSecret $s.token.value }}
 {{- fail "set one of sidecar.token.existingSecret and sidecar.token.value, not both" }}
 {{- end }}

@@ -18,9 +18,6 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
     - --state-dir={{ $s.stateDir.mountPath }}
     - --metrics-listen=0.0.0.0:{{ $s.metricsPort }}
     - --control-listen={{ ternary "0.0.0.0" "127.0.0.1" $s.exposeControl }}:{{ $s.controlPort }}
-    {{- if include "parwatch.tokenEnabled" $ }}
-    - --token-file={{ include "parwatch.tokenDir" $ }}/token
-    {{- end }}
     {{- range $s.extraArgs }}
     - {{ . | quote }}
     {{- end }}
@@ -32,6 +29,14 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
       value: {{ $s.stateDir.mountPath | quote }}
     - name: TMPDIR
       value: {{ $s.stateDir.mountPath | quote }}
+    # The control token by environment, not as a mounted file: the sidecar refuses a token file
+    # that group or others can read, and fsGroup makes mounted Secret files group-readable.
+    # `parwatch status` in this container reads it too.
+    - name: PARWATCH_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "parwatch.tokenSecretName" $ }}
+          key: {{ include "parwatch.tokenSecretKey" $ }}
     {{- with $s.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -77,11 +82,6 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
     - name: parwatch-rules
       mountPath: /etc/parwatch
       readOnly: true
-    {{- if include "parwatch.tokenEnabled" $ }}
-    - name: parwatch-token
-      mountPath: {{ include "parwatch.tokenDir" $ }}
-      readOnly: true
-    {{- end }}
 {{- end }}
 
 {{- define "parwatch.trainerContainer" -}}
@@ -191,7 +191,7 @@ volumes:
   - name: parwatch-token
     secret:
       secretName: {{ include "parwatch.tokenSecretName" $ }}
-      defaultMode: 0444  # both containers read it, whatever their uid; only this pod mounts it
+      defaultMode: 0444  # the trainer reads it, whatever its uid; only this pod mounts it
       items:
         - key: {{ include "parwatch.tokenSecretKey" $ }}
           path: token

@@ -1,0 +1,132 @@
+"""Property tests (issue 11): whatever the sidecar accepts, /metrics can still be served.
+
+Hypothesis draws summaries at the edges of what the models accept (counts up to 2**53, seconds
+up to 1e9, negative idle, NaN/inf losses, odd but printable run ids, retries and rollbacks in any
+order); every accepted post must leave both text encoders working, prometheus_client's parser
+reading the result, and `promtool check metrics` clean.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.sidecar.config import SidecarConfig
+from parwatch.sidecar.exposition import encode_openmetrics, encode_text
+from parwatch.sidecar.models import (
+    COLLECTIVE_GROUPS,
+    COLLECTIVE_OPS,
+    MAX_COUNT,
+    MAX_RATIO,
+    MAX_SECONDS,
+    MAX_TIME,
+    IngestBody,
+)
+from parwatch.sidecar.service import build_sidecar
+from parwatch.sidecar.store import Refused
+
+PROMTOOL = shutil.which("promtool")
+
+counts = st.one_of(st.sampled_from([0, 1, MAX_COUNT - 1, MAX_COUNT]), st.integers(0, MAX_COUNT))
+seconds = st.one_of(st.sampled_from([0.0, 5e-324, MAX_SECONDS]), st.floats(0, MAX_SECONDS))
+signed = st.floats(-MAX_SECONDS, MAX_SECONDS)
+ratios = st.floats(-MAX_RATIO, MAX_RATIO)
+losses = st.one_of(st.none(), st.sampled_from(["nan", "inf", "-inf"]), st.floats(allow_nan=True, allow_infinity=True))
+run_ids = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=40)
+
+
+@st.composite
+def collective(draw):
+    count = draw(counts)
+    buckets = sorted(draw(st.lists(st.integers(0, count), min_size=len(COLLECTIVE_BUCKETS),
+                                   max_size=len(COLLECTIVE_BUCKETS))))
+    return {"op": draw(st.sampled_from(COLLECTIVE_OPS)), "group": draw(st.sampled_from(COLLECTIVE_GROUPS)),
+            "count": count, "seconds": draw(seconds), "bytes": draw(counts),
+            "buckets": draw(st.sampled_from([buckets, []])), "algbw": draw(st.floats(0, MAX_COUNT)),
+            "busbw": draw(st.floats(0, MAX_COUNT))}
+
+
+@st.composite
+def summary(draw, run_id, world):
+    tp, pp, dp = world
+    rank = draw(st.integers(0, tp * pp * dp - 1))
+    s = {"v": 1, "run_id": run_id, "rank": rank, "stage": (rank // tp) % pp, "tp_rank": rank % tp,
+         "dp_rank": rank // (tp * pp), "tp": tp, "pp": pp, "dp": dp, "microbatches": draw(st.integers(1, 64)),
+         "schedule": draw(st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb-h1"])), "step": draw(counts),
+         "timeline": draw(st.integers(0, 3)),
+         "time": draw(st.floats(0, MAX_TIME)), "step_seconds": draw(seconds), "compute_seconds": draw(seconds),
+         "other_seconds": draw(seconds), "idle_seconds": draw(signed), "bubble_ratio": draw(ratios),
+         "bubble_theoretical_ratio": draw(ratios), "loss": draw(losses), "tokens": draw(counts),
+         "memory_max_allocated_bytes": draw(st.one_of(st.none(), counts)),
+         "collectives": draw(st.lists(collective(), max_size=3)), "dropped_total": draw(counts),
+         "overhead_seconds": draw(seconds), "nvml_up": draw(st.sampled_from([0, 1])),
+         "checkpoints": draw(st.lists(counts, max_size=3)),
+         "model_flops_utilization_ratio": draw(st.one_of(st.none(), st.floats(0, MAX_RATIO)))}
+    if draw(st.booleans()):
+        s["gpu"] = {"index": draw(st.integers(0, 1024)), "utilization_ratio": draw(st.floats(0, 1)),
+                    "memory_used_bytes": draw(counts), "power_watts": draw(st.floats(0, 1e6)),
+                    "sm_clock_hertz": draw(st.floats(0, 1e12)), "temperature_celsius": draw(st.floats(-300, 1e4))}
+    if rank == 0 and draw(st.booleans()):
+        s["global"] = {"step": draw(counts), "loss": draw(losses), "pipeline_skew_ratio": draw(st.none() | ratios),
+                       "stages": [{"stage": i, "compute_seconds": draw(seconds), "idle_seconds": draw(signed),
+                                   "step_seconds": draw(seconds), "bubble_ratio": draw(ratios)} for i in range(pp)]}
+    return s
+
+
+@st.composite
+def posts(draw):
+    world = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 2)))
+    ids = draw(st.lists(run_ids, min_size=1, max_size=2))
+    return [[draw(summary(draw(st.sampled_from(ids)), world))] * draw(st.integers(1, 2))  # retries too
+            for _ in range(draw(st.integers(1, 6)))]
+
+
+def _check_exposition(sidecar) -> str:
+    text = encode_text(sidecar.registry).decode()
+    families = list(text_string_to_metric_families(text))
+    assert families and all(math.isfinite(s.value) or s.name == "parwatch_loss" or "bubble" in s.name
+                            for f in families for s in f.samples if f.type in ("counter", "histogram"))
+    assert encode_openmetrics(sidecar.registry).endswith(b"# EOF\n")
+    return text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(posts())
+def test_any_accepted_input_leaves_metrics_readable(batches):
+    with tempfile.TemporaryDirectory() as state:
+        sidecar = build_sidecar(SidecarConfig(state_dir=state))
+        for summaries in batches:
+            try:
+                sidecar.ingest(IngestBody.model_validate({"version": 1, "summaries": summaries}))
+            except (ValidationError, Refused):
+                continue  # refused whole: nothing of it was stored
+        assert sidecar.store.ranks  # something was accepted and stored
+        text = _check_exposition(sidecar)
+        if PROMTOOL:
+            lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+                                  timeout=60)
+            assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@pytest.mark.parametrize("field, value", [("tokens", 10**400), ("step", 2**64), ("dropped_total", 2**63),
+                                          ("memory_max_allocated_bytes", 10**400), ("checkpoints", [10**400])])
+def test_numbers_beyond_a_metric_are_refused_not_stored(field, value, tmp_path):
+    """Issue 11: one such post used to be accepted and break every later scrape (500)."""
+    from parwatch.sidecar import synthetic as syn
+
+    sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path))
+    s = syn.summary(0, 1)
+    s[field] = value
+    with pytest.raises(ValidationError, match=field):
+        IngestBody.model_validate({"version": 1, "summaries": [s]})
+    sidecar.ingest(IngestBody.model_validate({"version": 1, "summaries": [syn.summary(0, 1)]}))
+    _check_exposition(sidecar)
