@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from parwatch.sidecar.process import running_sidecar
-from tests.integration.e2e_util import decision_records, running_trainer, synthetic, wait_until
+from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -35,12 +35,12 @@ def test_hang_is_named_within_the_bound(tmp_path, where):
     flags, rank, stage, kind = PLACES[where]
     nproc = 4 if "--tp" in flags else 2
     with running_sidecar(tmp_path / "state") as sidecar:
-        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), *flags,
+        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), *flags, *token_args(sidecar),
                              "--inject", f"hang:rank={rank},step={HANG_STEP},where={where}", nproc=nproc) as run:
             [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone"), "a hang finding",
                                   timeout=150)
             assert run.proc.poll() is None  # the ranks are alive and stuck, not gone
-            status = httpx.get(f"{sidecar.control_url}/v1/hang", timeout=10).json()
+            status = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
     assert record["rule"] == "hang", record
     evidence = record["evidence"]
     culprit = evidence["culprit"]
@@ -59,6 +59,7 @@ def test_crash_is_told_from_a_hang(tmp_path):
     with running_sidecar(tmp_path / "state") as sidecar:
         # Stage 1 slow: rank 0 spends its time waiting on rank 1, as a real pipeline's idle stage does.
         with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), "--pp", "2",
+                             *token_args(sidecar),
                              "--inject", "straggler:stage=1,ms=300", "--inject", "crash:rank=1,step=4") as run:
             [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1],
                                   "a rank-gone finding", timeout=120)
@@ -74,9 +75,10 @@ def test_crash_is_told_from_a_hang(tmp_path):
 
 def test_200_healthy_steps_make_no_hang_finding(tmp_path):
     with running_sidecar(tmp_path / "state") as sidecar:
-        with running_trainer(sidecar.control_url, tmp_path / "run", 200, *synthetic(1, 2), "--pp", "2") as run:
+        with running_trainer(sidecar.control_url, tmp_path / "run", 200, *synthetic(1, 2), "--pp", "2",
+                             *token_args(sidecar)) as run:
             run.wait()
         time.sleep(2.5)  # the leader's checks after the ranks said done
-        status = httpx.get(f"{sidecar.control_url}/v1/hang", timeout=10).json()
+        status = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
     assert _findings(tmp_path / "state", "hang", "rank-gone") == []
     assert status["last_step"] >= 150 and status["hang"] is None

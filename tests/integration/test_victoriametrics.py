@@ -49,17 +49,18 @@ if missing:
                 "victoria-metrics)", allow_module_level=True)
 
 
-def post_step(control_url: str, step: int) -> None:
+def post_step(control_url: str, step: int, headers: dict) -> None:
     summaries = [syn.summary(r, step, tp=TP, pp=PP, time=time.time(), checkpoints=[1] if step > 1 else [],
                              compute_scale=0.5 if r == 3 else 1.0, global_stages=STAGES if r == 0 else None)
                  for r in range(TP * PP)]
     summaries[0]["model_flops_utilization_ratio"] = 0.41
-    r = httpx.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, timeout=10)
+    r = httpx.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=headers,
+                   timeout=10)
     r.raise_for_status()
 
 
 @contextlib.contextmanager
-def feeding(control_url: str):
+def feeding(control_url: str, headers: dict):
     """A thread that posts one step every 0.5 s until the block ends."""
     done = threading.Event()
     errors: list[BaseException] = []
@@ -68,7 +69,7 @@ def feeding(control_url: str):
         step = 1
         while not done.is_set():
             try:
-                post_step(control_url, step)
+                post_step(control_url, step, headers)
             except Exception as err:  # noqa: BLE001  (reported by the fixture, not lost in a thread)
                 errors.append(err)
                 return
@@ -120,8 +121,9 @@ def path(tmp_path_factory):
     vm_url = f"http://127.0.0.1:{vm_port}"
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(running_sidecar(tmp / "state"))
-        errors = stack.enter_context(feeding(sidecar.control_url))
-        httpx.post(f"{sidecar.control_url}/v1/control", json={"action": "pause"}, timeout=10)  # an action counter
+        errors = stack.enter_context(feeding(sidecar.control_url, sidecar.headers))
+        httpx.post(f"{sidecar.control_url}/v1/control", json={"action": "pause"}, headers=sidecar.headers,
+                   timeout=10)  # an action counter
         # -search.latencyOffset=0s: answer with samples up to now (default: hide the newest 30 s).
         vm_log = tmp / "victoria-metrics.log"
         vm_proc = stack.enter_context(process(

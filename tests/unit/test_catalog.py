@@ -80,7 +80,9 @@ class Clock:
 def scrape(tmp_path, ranks: int, tp: int = 2, pp: int = 2, gpu: bool = True) -> str:
     """/metrics of a sidecar that took three steps of a tp x pp x dp run with `ranks` ranks."""
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / f"state-{ranks}-{gpu}"), clock=Clock())
-    control, metrics = TestClient(create_control_app(sidecar)), TestClient(create_metrics_app(sidecar))
+    auth = {"Authorization": f"Bearer {sidecar.config.token}"}
+    control = TestClient(create_control_app(sidecar), headers=auth)
+    metrics = TestClient(create_metrics_app(sidecar))
     for step in (1, 2, 3):
         summaries = [syn.summary(r, step, tp=tp, pp=pp, dp=ranks // (tp * pp), time=float(step), gpu=gpu,
                                  checkpoints=[1] if step > 1 else [], global_stages=STAGES if r == 0 else None)
