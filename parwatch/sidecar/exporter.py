@@ -20,7 +20,9 @@ from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from parwatch import __version__
+from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import Store
 
 GUARDRAIL_STATE_CODES = {"ok": 0, "pending": 1, "firing": 2}
@@ -102,6 +104,14 @@ class SidecarCollector(Collector):
         if view is not None and view.pipeline_skew_ratio is not None:
             skew.add_metric([], view.pipeline_skew_ratio)
         yield skew
+        for cause in BUBBLE_CAUSES:
+            name = f"parwatch_stage_bubble_{cause}_ratio"
+            family = _g(name, metric(name).help, ["stage"])
+            for stage in (view.stages if view is not None else ()):
+                value = getattr(stage, f"bubble_{cause}_ratio")
+                if value is not None:
+                    family.add_metric([str(stage.stage)], value)
+            yield family
         ckpt = _g("parwatch_checkpoint_last_good_step", "Newest step with a complete checkpoint (rank 0)")
         checkpoints = st.checkpoints
         if checkpoints:

@@ -143,6 +143,14 @@ class GlobalStage(_Model):
     other_seconds: Seconds = 0.0
     step_seconds: Seconds
     bubble_ratio: Ratio
+    # The bubble split into its causes (rank 0's collector, when the trainer announced its pipeline order).
+    bubble_schedule_ratio: Ratio | None = None
+    bubble_imbalance_ratio: Ratio | None = None
+    bubble_wait_ratio: Ratio | None = None
+
+
+BUBBLE_CAUSES = ("schedule", "imbalance", "wait")
+"""GlobalStage.bubble_<cause>_ratio, exported as parwatch_stage_bubble_<cause>_ratio."""
 
 
 class GlobalView(_Model):

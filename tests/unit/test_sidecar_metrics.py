@@ -295,3 +295,15 @@ def test_scrapes_from_another_thread_see_whole_updates(env):
     finally:
         thread.join(30)
     assert scrapes > 1
+
+
+def test_the_bubble_causes_of_rank_0s_view_are_exported_per_stage(env):
+    sidecar, control, metrics, _ = env
+    stages = [dict(st, bubble_schedule_ratio=0.2, bubble_imbalance_ratio=0.05 * i, bubble_wait_ratio=0.01)
+              for i, st in enumerate(STAGES)]
+    post(control, *[syn.summary(r, 2, tp=2, pp=2, global_stages=stages if r == 0 else None) for r in range(4)])
+    fams = families(metrics)
+    assert samples(fams["parwatch_stage_bubble_schedule_ratio"]) == {(("stage", "0"),): 0.2, (("stage", "1"),): 0.2}
+    assert samples(fams["parwatch_stage_bubble_imbalance_ratio"]) == {(("stage", "0"),): 0.0,
+                                                                      (("stage", "1"),): 0.05}
+    assert samples(fams["parwatch_stage_bubble_wait_ratio"])[(("stage", "1"),)] == 0.01
