@@ -50,6 +50,7 @@ OPTIMIZER = "optimizer"
 DP_SYNC = "dp_sync"
 CHECKPOINT = "checkpoint"
 BOUNDARY = "boundary"
+DATA = "data"  # the data fetch of a microbatch (its own span: slow input is not slow compute)
 COMPUTE_KINDS = frozenset({FORWARD, BACKWARD})
 OTHER_KINDS = frozenset({OPTIMIZER, DP_SYNC, CHECKPOINT})
 
@@ -62,8 +63,11 @@ class Span:
     send/recv: stage, microbatch, chunk, peer, what ("activation" | "grad"),
                op ("send" | "recv"), group "pp", bytes, group_size 2.
                A send span runs from posting the isend to its completion.
-    collective: op, group ("tp" | "pp" | "dp" | "world"), bytes, group_size
+    collective: op, group ("tp" | "pp" | "dp" | "world"), bytes, group_size, seq (the call's number
+               on its group), ranks (the group's global ranks, a tuple shared by its calls)
+    send/recv also carry seq: the call's number per direction and peer.
     optimizer, dp_sync, checkpoint: stage
+    data: stage, microbatch, chunk
     """
 
     kind: str
