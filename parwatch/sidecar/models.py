@@ -65,6 +65,21 @@ class Applied(_Model):
     step: Count
 
 
+InstanceRecord = tuple[Literal[COLLECTIVE_OPS], Label, Count, int, int, Count, Count]
+"""[op, group, seq, peer, start_us, dur_us, bytes] (parwatch/collector/instances.py)."""
+
+
+class Instances(_Model):
+    """One rank-step's collective/p2p instance records and data seconds (schema.py `instances`)."""
+
+    host: Annotated[str, Field(max_length=255)] = ""
+    data_seconds: NonNegFinite = 0.0
+    groups: dict[Label, Annotated[list[Count], Field(max_length=100_000)]] = Field(default_factory=dict,
+                                                                                   max_length=64)
+    records: list[InstanceRecord] = Field(default_factory=list, max_length=20_000)
+    capped: Count = 0
+
+
 class GlobalStage(_Model):
     stage: Count
     compute_seconds: NonNegFinite
@@ -114,6 +129,7 @@ class StepSummary(_Model):
     applied: list[Applied] = Field(default_factory=list, max_length=1000)
     paused: bool = False
     global_: GlobalView | None = Field(default=None, alias="global")
+    instances: Instances | None = None
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
     model_flops_utilization_ratio: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 

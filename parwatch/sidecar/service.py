@@ -22,6 +22,7 @@ from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
+from parwatch.sidecar.transfer import TransferTracker
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ class Sidecar:
         self.clock = clock
         self.store = Store(config.rank_grace_seconds, clock=clock)
         self.counters = SidecarCounters()
-        self.registry = make_registry(self.store, engine, self.counters)
+        self.transfer = TransferTracker()
+        self.registry = make_registry(self.store, engine, self.counters, self.transfer)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.alerts = AlertDedupe(state_dir / "alerts_acted.json")
@@ -48,6 +50,7 @@ class Sidecar:
         for s in body.summaries:
             if not self.store.add(s):
                 continue  # a retried post: already counted, acknowledged and evaluated
+            self.transfer.add(s)
             for applied in s.applied:
                 try:
                     self.engine.acknowledge(applied.id, s.rank, applied.step, s.world_size)
@@ -58,6 +61,7 @@ class Sidecar:
             if s.global_ is not None and self.store.global_view is s.global_:
                 obs = build_observation(self.store)
                 if obs is not None:
+                    obs.series.update(self.transfer.take_series())
                     self._count(self.engine.evaluate(obs))
         return {"accepted": len(body.summaries), "directive": self.engine.pending_directive()}
 
