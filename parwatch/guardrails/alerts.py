@@ -36,6 +36,9 @@ METRIC_EXPRESSIONS = {
     "pipeline_skew_ratio": "parwatch_pipeline_skew_ratio",
     "collective_seconds_mean": "sum by (op, group) (rate(parwatch_collective_duration_seconds_sum[{rate}])) "
                                "/ sum by (op, group) (rate(parwatch_collective_duration_seconds_count[{rate}]))",
+    "collective_transfer_seconds": "sum by (op, group) (rate(parwatch_collective_transfer_seconds_sum[{rate}])) "
+                                   "/ sum by (op, group) (rate(parwatch_collective_transfer_seconds_count[{rate}]))",
+    "straggler_ratio": "parwatch_straggler_ratio",
     "rank_up": "parwatch_rank_up",
     "gpu_utilization_ratio": "parwatch_gpu_utilization_ratio",
     "step_seconds": "rate(parwatch_step_duration_seconds_sum[{rate}]) "

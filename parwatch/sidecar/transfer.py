@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from parwatch.guardrails.attribution import Finding, PathFigures, RankFigures, Thresholds, attribute
+from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 
 HORIZON_STEPS = 8
@@ -103,6 +103,8 @@ class TransferView(NamedTuple):
     waits: tuple = ()
     unmatched: tuple = ()
     straggler: tuple = ()
+    causes: tuple = ()
+    """((cause, largest ratio among its findings; 0 when none)), once attribution has data."""
 
 
 class _OpTotals:
@@ -195,7 +197,7 @@ class TransferTracker:
                     busbw.append((key, moved / spent * busbw_factor(key[0], self.sizes.get(key, 2))))
             waits.append((key, tot.wait))
         self.view = TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
-                                 tuple(sorted(self.straggler.items())))
+                                 tuple(sorted(self.straggler.items())), self.view.causes)
 
     def _finish(self, e: Pending) -> Split:
         transfer, waits, last = split_instance({r: m.seconds for r, m in e.got.items()})
@@ -253,6 +255,8 @@ class TransferTracker:
         if self._ranks:
             findings = self.findings()
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
+            causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
+            self.view = self.view._replace(causes=causes)
         return out
 
     def findings(self) -> list[Finding]:
@@ -314,4 +318,9 @@ def transfer_families(tracker: TransferTracker):
         unmatched.add_metric([op, group, reason], n)
     for rank, seconds in view.straggler:
         straggler.add_metric([str(rank)], seconds)
-    yield from (hist, wait, busbw, unmatched, straggler)
+    causes = GaugeMetricFamily("parwatch_straggler_ratio",
+                               "Share of the step the costliest straggler of each cause adds over its peers "
+                               "(straggler attribution; 0: none found)", labels=["cause"])
+    for cause, ratio in view.causes:
+        causes.add_metric([cause], ratio)
+    yield from (hist, wait, busbw, unmatched, straggler, causes)
