@@ -12,7 +12,8 @@ again by a later one):
   slow-data         a rank's data-fetch spans are high against the other fetching ranks
   host-contention   every rank of one host computes slower than its peers elsewhere AND the
                     transfers within that host are slower than the same groups elsewhere
-  slow-compute      a stage's compute is high against the other stages
+  slow-compute      a stage's compute is high against the other stages, or some ranks' compute
+                    against the rest of their stage (its other DP replicas)
   slow-link         a p2p link's or a collective group's transfer is high against the other
                     links / groups of the same role, while its ranks' compute is normal
 A finding is kept when its excess is above both `min_seconds` per step and `rel` x the
@@ -150,6 +151,20 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
         found = _excess(value, [v for t, v in stage_compute.items() if t != s], th)
         if found and len(stage_compute) > 1:
             keep("slow-compute", {"stage": s, "ranks": sorted(members)}, *found, f"stage {s} compute", members)
+            continue
+        # Within the stage (its DP replicas): some of its ranks slower than the others.
+        slow = {}
+        for r in stages[s]:
+            if r.rank not in explained:
+                peers = [o.compute_seconds for o in stages[s] if o is not r]
+                hit = _excess(r.compute_seconds, peers, th) if len(peers) >= 2 else None
+                if hit:
+                    slow[r.rank] = hit
+        if slow:
+            excess = statistics.median(h[0] for h in slow.values())
+            base = statistics.median(h[1] for h in slow.values())
+            keep("slow-compute", {"stage": s, "ranks": sorted(slow)}, excess, base,
+                 f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute", set(slow))
 
     # 4. links and groups: against the other paths of the same role.
     for p in paths:
