@@ -16,8 +16,8 @@ again by a later one):
                     against the rest of their stage (its other DP replicas)
   slow-link         a p2p link's or a collective group's transfer is high against the other
                     links / groups of the same role, while its ranks' compute is normal
-A finding is kept when its excess is above both `min_seconds` per step and `rel` x the
-peers' median, and costs at least `min_ratio` of the step.
+A finding is kept when its excess is above both `min_seconds` per step and `rel` (compute) or
+`rel_small` (data, transfers) x the peers' median, and costs at least `min_ratio` of the step.
 """
 
 from __future__ import annotations
@@ -49,14 +49,25 @@ class PathFigures:
     ranks: tuple
     transfer_seconds: float
     """Transfer seconds per step (waiting excluded)."""
+    count: float = 1.0
+    """Instances per step (median): the noise floor scales with it."""
 
 
 @dataclass(frozen=True)
 class Thresholds:
     rel: float = 0.25
-    """Excess over the peers' median, relative to it (0.25: as the stage-skew rule's 1.25)."""
-    min_seconds: float = 0.002
-    """Excess per step below this is noise (timer and loopback jitter)."""
+    """Compute: excess over the peers' median, relative to it (0.25: as the stage-skew rule's 1.25)."""
+    rel_small: float = 0.5
+    """Data fetch and transfers: the same, for figures a few ms long that scheduling noise moves by
+    tens of percent (measured: TP groups' transfer per step 76 vs 95 ms, data fetch 3 vs 5 ms, in a
+    healthy run on an oversubscribed 2-core machine)."""
+    min_seconds: float = 0.005
+    """Excess per step below this is noise (timer, loopback and scheduling jitter)."""
+    min_seconds_per_transfer: float = 0.002
+    """Transfers: excess per instance below this is noise. 2 ms is above what a CPU run's scheduler
+    and Python's 5 ms GIL switch interval add to one send or all-reduce on a loaded machine (1.5 ms
+    seen); lower it on GPU clusters to catch small per-op regressions (the
+    collective-latency-regression rule judges each path against its own history meanwhile)."""
     min_ratio: float = 0.02
     """Findings costing less than this share of the step are dropped."""
 
@@ -83,11 +94,12 @@ class Finding:
         return ",".join(parts)
 
 
-def _excess(value: float, peers: list[float], th: Thresholds) -> tuple[float, float] | None:
-    """(excess, baseline) when value stands out from its peers, else None."""
+def _excess(value: float, peers: list[float], th: Thresholds, small: bool = False,
+            floor: float = 0.0) -> tuple[float, float] | None:
+    """(excess, baseline) when value stands out from its peers, else None (small: data/transfer)."""
     base = statistics.median(peers) if peers else 0.0
     excess = value - base
-    if excess > max(th.min_seconds, th.rel * base):
+    if excess > max(th.min_seconds, floor, (th.rel_small if small else th.rel) * base):
         return excess, base
     return None
 
@@ -112,7 +124,7 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     # 1. data: only ranks that fetch data are each other's peers.
     fetching = [r for r in ranks if r.data_seconds > 0]
     for r in fetching:
-        found = _excess(r.data_seconds, [o.data_seconds for o in fetching if o is not r], th)
+        found = _excess(r.data_seconds, [o.data_seconds for o in fetching if o is not r], th, small=True)
         if found:
             keep("slow-data", {"rank": r.rank, "stage": r.stage, "host": r.host}, *found,
                  f"rank {r.rank} (stage {r.stage}) data fetch", {r.rank})
@@ -131,7 +143,8 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
                 compute.append(_excess(r.compute_seconds, same_stage or [o.compute_seconds for o in others], th))
             inside = [p for p in paths if all(by_rank.get(x) and by_rank[x].host == host for x in p.ranks)]
             elsewhere = [p for p in paths if all(by_rank.get(x) and by_rank[x].host != host for x in p.ranks)]
-            transfer = [_excess(p.transfer_seconds, [q.transfer_seconds for q in elsewhere if q.group == p.group], th)
+            transfer = [_excess(p.transfer_seconds, [q.transfer_seconds for q in elsewhere if q.group == p.group], th,
+                                small=True, floor=th.min_seconds_per_transfer * p.count)
                         for p in inside if any(q.group == p.group for q in elsewhere)]
             if all(compute) and transfer and all(transfer):
                 excess = statistics.median(c[0] for c in compute)
@@ -173,7 +186,7 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
         peers = [q.transfer_seconds for q in paths if q is not p and q.group == p.group and q.kind == p.kind]
         if not peers:
             continue
-        found = _excess(p.transfer_seconds, peers, th)
+        found = _excess(p.transfer_seconds, peers, th, small=True, floor=th.min_seconds_per_transfer * p.count)
         if found:
             if p.kind == "link":
                 where, what = {"src": p.ranks[0], "dst": p.ranks[1], "group": p.group}, \

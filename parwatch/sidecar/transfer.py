@@ -142,8 +142,8 @@ class TransferTracker:
         self.sizes: dict[tuple[str, str], int] = {}
         self._fresh: dict[str, list] = {}  # path key -> transfers matched since the last observation
         self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step_seconds)
-        self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step)
-        self._path_step: dict[tuple, list] = {}  # path -> [step, sum] being accumulated
+        self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
+        self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
@@ -222,8 +222,9 @@ class TransferTracker:
         if acc is None or acc[0] != step:
             if acc is not None:
                 self._paths.setdefault(e.path, deque(maxlen=self.window_steps)).append(tuple(acc))
-            acc = self._path_step[e.path] = [step, 0.0]
+            acc = self._path_step[e.path] = [step, 0.0, 0]
         acc[1] += transfer
+        acc[2] += 1
         return split
 
     def _expire(self) -> int:
@@ -277,11 +278,11 @@ class TransferTracker:
         for path, rows in sorted(self._paths.items(), key=lambda kv: repr(kv[0])):
             if not rows:
                 continue
-            value = statistics.median(r[1] for r in rows)
+            value, count = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
             if path[0] == "link":
-                out.append(PathFigures("link", "pp", (path[1], path[2]), value))
+                out.append(PathFigures("link", "pp", (path[1], path[2]), value, count))
             else:
-                out.append(PathFigures("group", path[1], tuple(path[2]), value))
+                out.append(PathFigures("group", path[1], tuple(path[2]), value, count))
         return out
 
 
