@@ -42,6 +42,9 @@ MAX_PENDING = 50_000
 """Bound on incomplete instances held (the oldest go first, counted as unmatched)."""
 WINDOW_STEPS = 10
 """Steps of figures the attribution takes medians over."""
+MIN_WINDOW_STEPS = 5
+"""A rank or path is judged only once it has this many steps of figures (a median of one or two
+steps is one step's noise)."""
 BUSBW_INSTANCES = 256
 """Newest matched instances per (op, group) that busbw is computed over."""
 _LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
@@ -266,7 +269,7 @@ class TransferTracker:
     def rank_figures(self) -> list[RankFigures]:
         out = []
         for rank, rows in sorted(self._ranks.items()):
-            if not rows:
+            if len(rows) < min(MIN_WINDOW_STEPS, self.window_steps):
                 continue
             _, stage, host, *_ = rows[-1]
             out.append(RankFigures(rank, stage, host, statistics.median(r[3] for r in rows),
@@ -276,7 +279,7 @@ class TransferTracker:
     def path_figures(self) -> list[PathFigures]:
         out = []
         for path, rows in sorted(self._paths.items(), key=lambda kv: repr(kv[0])):
-            if not rows:
+            if len(rows) < min(MIN_WINDOW_STEPS, self.window_steps):
                 continue
             value, count = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
             if path[0] == "link":

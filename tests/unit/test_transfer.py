@@ -173,3 +173,20 @@ def test_instance_log_records_sampled_steps_within_the_budget():
 def test_instance_sampling_rejects_nonsense():
     with pytest.raises(ValueError, match="per_group"):
         InstanceSampling(per_group=0)
+
+
+def test_the_tracker_attributes_over_a_window_and_says_healthy_explicitly():
+    t = TransferTracker()
+    compute = {0: 0.30, 1: 0.30, 2: 0.45, 3: 0.45}  # stage 1 (ranks 2, 3) 50% slower
+
+    def step(n):
+        for rank in range(4):
+            t.add(summary(rank, n, [], {"tp": [rank - rank % 2, rank - rank % 2 + 1]}, compute=compute[rank]))
+        return t.take_series()["straggler_ratio"]
+
+    assert [step(n) for n in range(1, 5)] == [{"": 0.0}] * 4  # under 5 steps of figures: not judged
+    ratio = step(5)
+    assert list(ratio) == ["cause=slow-compute,stage=1,ranks=2+3"]
+    assert ratio["cause=slow-compute,stage=1,ranks=2+3"] == pytest.approx(0.15 / 0.5)
+    causes = dict(t.view.causes)
+    assert causes["slow-compute"] == pytest.approx(0.3) and causes["slow-link"] == 0.0
