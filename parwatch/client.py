@@ -66,6 +66,9 @@ class SidecarClient:
             body["requested_by"] = requested_by
         return self._call("POST", "/v1/control", json=body)
 
+    def cancel(self, directive_id: int, requested_by: str = "") -> dict:
+        return self._call("POST", f"/v1/directives/{int(directive_id)}/cancel", json={"requested_by": requested_by})
+
     def ingest(self, summaries: list[dict]) -> dict:
         return self._call("POST", "/v1/ingest", json={"version": 1, "summaries": summaries})
 

@@ -1,74 +1,37 @@
 """The Grafana dashboard: built in code, exported to dashboards/parwatch.json, pushed with grafana-client.
 
 The panels are data (title, kind, PromQL, unit, size) and a flow layout places them, so adding a
-panel is one line. Metric names come from METRICS, the catalogue of DESIGN.md; a unit test holds
-every query to it. Thresholds drawn on panels are read from the packaged default guardrails, so a
-line on the dashboard and the rule that acts on it never disagree.
+panel is one line. Every query reads recorded series (parwatch/recording.py, over the catalogue
+of parwatch/catalog.py), so a panel costs the same at 16 ranks as at 16,384; a unit test holds
+every query to that. Thresholds drawn on panels are read from the packaged default guardrails, so
+a line on the dashboard and the rule that acts on it never disagree.
+
+Built by hand rather than with grafana-foundation-sdk (tried: docs/deploy.md, "Dashboards as
+code"): four small panel builders carry what the SDK would, without a dependency whose releases
+are numbered per Grafana version.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
 from pathlib import Path
 
 import yaml
+
+from parwatch import recording as rec
+from parwatch.catalog import METRICS  # noqa: F401  (re-exported: the catalogue the panels cover)
 
 DASHBOARD_UID = "parwatch"
 DEFAULT_FOLDER_UID = "parwatch"
 DEFAULT_PRICE_PER_GPU_HOUR = 2.5
 DEFAULT_RULES = Path(__file__).parent / "sidecar" / "default_rules.yaml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RECORDED_NAME = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
+RUN_FILTER = f'{{{rec.RUN_LABEL}=~"$job"}}'
+"""Recorded series keep the scrape job (one per run); the job variable picks the run."""
+RUN_VARIABLE_QUERY = f"label_values({rec.job('parwatch_train_step', 'max')}, {rec.RUN_LABEL})"
 GRID_WIDTH = 24
-
-
-@dataclass(frozen=True)
-class Metric:
-    name: str
-    """Name as exposed: counters end in _total, info metrics in _info, histograms add _bucket/_sum/_count."""
-    kind: str
-    """gauge | counter | histogram | info."""
-    labels: tuple[str, ...] = ()
-    """Label names (bounded: never a step, microbatch or run id)."""
-
-    def series(self) -> tuple[str, ...]:
-        """The series names this metric exposes."""
-        if self.kind == "histogram":
-            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
-        return (self.name,)
-
-
-_RS, _RG, _OG = ("rank", "stage"), ("rank", "gpu"), ("op", "group")
-METRICS: tuple[Metric, ...] = (
-    Metric("parwatch_run_info", "info", ("run_id", "schedule", "tp", "pp", "dp", "microbatches", "version")),
-    Metric("parwatch_train_step", "gauge"),
-    Metric("parwatch_loss", "gauge"),
-    Metric("parwatch_tokens_total", "counter"),
-    Metric("parwatch_model_flops_utilization_ratio", "gauge", ("rank",)),
-    Metric("parwatch_torch_memory_max_allocated_bytes", "gauge", _RS),
-    Metric("parwatch_step_duration_seconds", "histogram", _RS),
-    Metric("parwatch_stage_compute_seconds_total", "counter", _RS),
-    Metric("parwatch_stage_idle_seconds_total", "counter", _RS),
-    Metric("parwatch_stage_bubble_ratio", "gauge", _RS),
-    Metric("parwatch_stage_bubble_theoretical_ratio", "gauge", ("stage",)),
-    Metric("parwatch_pipeline_skew_ratio", "gauge"),
-    Metric("parwatch_collective_duration_seconds", "histogram", _OG),
-    Metric("parwatch_collective_bytes_total", "counter", _OG),
-    Metric("parwatch_collective_busbw_bytes_per_second", "gauge", _OG),
-    Metric("parwatch_gpu_utilization_ratio", "gauge", _RG),
-    Metric("parwatch_gpu_memory_used_bytes", "gauge", _RG),
-    Metric("parwatch_gpu_power_watts", "gauge", _RG),
-    Metric("parwatch_gpu_sm_clock_hertz", "gauge", _RG),
-    Metric("parwatch_gpu_temperature_celsius", "gauge", _RG),
-    Metric("parwatch_nvml_up", "gauge", ("rank",)),
-    Metric("parwatch_rank_up", "gauge", ("rank",)),
-    Metric("parwatch_guardrail_state", "gauge", ("rule",)),
-    Metric("parwatch_guardrail_actions_total", "counter", ("rule", "action")),
-    Metric("parwatch_run_paused", "gauge"),
-    Metric("parwatch_checkpoint_last_good_step", "gauge"),
-    Metric("parwatch_collector_overhead_ratio", "gauge", ("rank",)),
-    Metric("parwatch_collector_dropped_summaries_total", "counter", ("rank",)),
-)
 
 
 def rule_threshold(rule: str, key: str, rules_path: Path = DEFAULT_RULES) -> float:
@@ -83,10 +46,16 @@ def rule_threshold(rule: str, key: str, rules_path: Path = DEFAULT_RULES) -> flo
 # --- panel builders ------------------------------------------------------------------------------
 
 
+def for_run(expr: str) -> str:
+    """Every recorded series in expr restricted to the run chosen in the dashboard's job variable."""
+    return RECORDED_NAME.sub(lambda m: m.group(0) + RUN_FILTER, expr)
+
+
 def _targets(exprs) -> list[dict]:
     """[(expr, legend), ...] -> Prometheus targets A, B, ... that all use the datasource variable."""
     return [
-        {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True}
+        {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": for_run(expr), "legendFormat": legend,
+         "range": True}
         for i, (expr, legend) in enumerate(exprs)
     ]
 
@@ -183,113 +152,152 @@ def _layout(panels: list[dict]) -> list[dict]:
 
 # --- the dashboard ---------------------------------------------------------------------------------
 
-RI = "$__rate_interval"  # Grafana substitutes these; tests put concrete durations in their place.
-RANGE = "$__range"
+RANGE = "$__range"  # Grafana substitutes these; tests put concrete values in their place.
+RANGE_S = "$__range_s"
 PRICE = "$price_per_gpu_hour"
-IDLE, COMPUTE = "parwatch_stage_idle_seconds_total", "parwatch_stage_compute_seconds_total"
+OG_LEGEND = "{{op}} {{group}}"
 
 
-def _collective_quantile(q: float) -> str:
-    return f"histogram_quantile({q}, sum by (le, op, group) (rate(parwatch_collective_duration_seconds_bucket[{RI}])))"
+def _avg_range(series: str) -> str:
+    """The mean of a recorded rate over the dashboard's time range."""
+    return f"avg_over_time({series}[{RANGE}])"
 
 
-def _step_quantile(q: float) -> str:
-    return f"histogram_quantile({q}, sum by (le, stage) (rate(parwatch_step_duration_seconds_bucket[{RI}])))"
+def _job_ops(name: str, ops, unit_legend: str = "") -> list[tuple[str, str]]:
+    return [(rec.job(name, op), f"{op}{unit_legend}") for op in ops]
 
 
-def panels(rules_path: Path = DEFAULT_RULES) -> list[dict]:
-    """Every panel, in reading order, before layout."""
+def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> list[dict]:
+    """Every panel, in reading order, before layout; recorded rates over `window` (as recorded)."""
     excess = rule_threshold("bubble-excess", "above", rules_path)
     skew = rule_threshold("stage-skew", "above", rules_path)
     util = rule_threshold("gpu-underutilized", "below", rules_path)
-    info = "parwatch_run_info"
-    run_labels = "run_id, schedule, tp, pp, dp, microbatches, version"
+    labels = rec.RUN_INFO_LABELS
+    step_buckets = rec.bucket_rate_name("stage", "parwatch_step_duration_seconds", window)
+    coll_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds", window)
+    transfer_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_transfer_seconds", window)
+
+    def rate(level, counter):
+        return rec.rate_name(level, counter, window)
+
+    idle, compute = rate("job", "parwatch_stage_idle_seconds_total"), rate("job", "parwatch_stage_compute_seconds_total")
     return [
         # Run at a glance.
-        stat("Step", [("max(parwatch_train_step)", "step")]),
-        stat("Loss", [("max(parwatch_loss)", "loss")], decimals=4),
-        stat("Tokens / s", [(f"max(rate(parwatch_tokens_total[{RI}]))", "tokens/s")], unit="short",
-             desc="max, not sum: every sidecar exports the whole run's token count"),
-        stat("Ranks up", [("sum(parwatch_rank_up)", "up"), ("count(parwatch_rank_up)", "ranks")]),
-        stat("Run", [("max(parwatch_run_paused)", "paused")],
+        stat("Step", [(rec.job("parwatch_train_step", "max"), "step")]),
+        stat("Loss", [(rec.job("parwatch_loss", "max"), "loss")], decimals=4),
+        stat("Tokens / s", [(rate("job", "parwatch_tokens_total"), "tokens/s")], unit="short",
+             desc="max over sidecars, not sum: every sidecar exports the whole run's token count"),
+        stat("Ranks up", [(rec.job("parwatch_rank_up", "sum"), "up"), (rec.job("parwatch_rank_up", "count"), "ranks")]),
+        stat("Run", [(rec.job("parwatch_run_paused", "max"), "paused")],
              mappings=[_value_map((0, "running", "green"), (1, "paused", "red"))]),
-        stat("Last good checkpoint", [("max(parwatch_checkpoint_last_good_step)", "step")]),
-        stat("Run info", [(f"max by ({run_labels}) ({info})",
-                           "{{run_id}}  {{schedule}}  tp={{tp}} pp={{pp}} dp={{dp}} m={{microbatches}}  v{{version}}")],
-             w=24, h=3, text_mode="name"),
+        stat("Last good checkpoint", [(rec.job("parwatch_checkpoint_last_good_step", "max"), "step")]),
+        stat("Run info", [(rec.RUN_INFO, "{{run_id}}  {{schedule}}  tp={{tp}} pp={{pp}} dp={{dp}} m={{microbatches}}  v{{version}}")],
+             w=12, h=4, text_mode="name"),
+        stat("Hang", [(rec.job("parwatch_hang_detected", "max"), "hang"),
+                      (rec.job("parwatch_rank_state_hung", "count"), "ranks hung"),
+                      (rec.job("parwatch_rank_state_gone", "count"), "ranks gone")], w=12, h=4, limit=1,
+             desc="a hang is named when a rank is stuck while the others wait on it"),
         # Training progress.
-        timeseries("Loss and step", [("max(parwatch_loss)", "loss"), ("max(parwatch_train_step)", "step")],
+        timeseries("Loss and step", [(rec.job("parwatch_loss", "max"), "loss"), (rec.job("parwatch_train_step", "max"), "step")],
                    overrides=[_right_axis("step")]),
-        timeseries("Tokens per second", [(f"max(rate(parwatch_tokens_total[{RI}]))", "tokens/s")], unit="short"),
+        timeseries("Tokens per second", [(rate("job", "parwatch_tokens_total"), "tokens/s")], unit="short"),
         timeseries("Step duration per stage (p50, p99)",
-                   [(_step_quantile(0.5), "stage {{stage}} p50"), (_step_quantile(0.99), "stage {{stage}} p99")], unit="s"),
-        timeseries("Model FLOPs utilisation", [("max by (rank) (parwatch_model_flops_utilization_ratio)", "rank {{rank}}")],
+                   [(f"histogram_quantile(0.5, {step_buckets})", "stage {{stage}} p50"),
+                    (f"histogram_quantile(0.99, {step_buckets})", "stage {{stage}} p99"),
+                    (rec.JOB_STEP_P99, f"run p99 ({rec.QUANTILE_WINDOW})")], unit="s"),
+        timeseries("Model FLOPs utilisation", _job_ops("parwatch_model_flops_utilization_ratio", ("min", "avg"), " over ranks"),
                    unit="percentunit"),
-        # Pipeline bubble.
+        # Pipeline bubble: one bubble per stage, the mean over its ranks, as the guardrails judge it.
         timeseries("Bubble ratio per stage vs theoretical",
-                   [("max by (stage) (parwatch_stage_bubble_ratio)", "stage {{stage}}"),
-                    ("max by (stage) (parwatch_stage_bubble_theoretical_ratio)", "stage {{stage}} theoretical")],
+                   [(rec.STAGE_BUBBLE, "stage {{stage}}"), (rec.STAGE_BUBBLE_THEORY, "stage {{stage}} theoretical")],
                    unit="percentunit", overrides=[_dashed("theoretical")],
-                   desc="measured idle / (step - other) against the schedule's (p-1)/(v*m+p-1)"),
-        timeseries("Bubble excess (measured - theoretical)",
-                   [("max by (stage) (parwatch_stage_bubble_ratio) - on (stage) "
-                     "max by (stage) (parwatch_stage_bubble_theoretical_ratio)", "stage {{stage}}")],
-                   unit="percentunit", limit=excess, desc="the part a user can fix; the line is the bubble-excess guardrail"),
-        timeseries("Pipeline skew", [("max(parwatch_pipeline_skew_ratio)", "skew")], limit=skew,
+                   desc="mean over the stage's ranks of idle / (step - other), against the schedule's (p-1)/(v*m+p-1)"),
+        timeseries("Bubble excess (measured - theoretical)", [(rec.STAGE_BUBBLE_EXCESS, "stage {{stage}}")],
+                   unit="percentunit", limit=excess,
+                   desc="the part a user can fix; the line is the bubble-excess guardrail, which judges this same series"),
+        timeseries("Bubble by cause per stage",
+                   [(series, f"stage {{{{stage}}}} {cause}") for cause, series in rec.STAGE_BUBBLE_CAUSES.items()],
+                   unit="percentunit",
+                   desc="schedule: the formula or simulation at uniform stage times; imbalance: this step's stage "
+                        "times simulated, minus schedule; wait: measured minus simulated (p2p, collectives, host)"),
+        timeseries("Pipeline skew", [(rec.job("parwatch_pipeline_skew_ratio", "max"), "skew")], limit=skew,
                    desc="max over stages of compute seconds / mean; the line is the stage-skew guardrail"),
         timeseries("Stage compute vs idle (seconds per second)",
-                   [(f"sum by (stage) (rate({COMPUTE}[{RI}]))", "stage {{stage}} compute"),
-                    (f"sum by (stage) (rate({IDLE}[{RI}]))", "stage {{stage}} idle")],
+                   [(rate("stage", "parwatch_stage_compute_seconds_total"), "stage {{stage}} compute"),
+                    (rate("stage", "parwatch_stage_idle_seconds_total"), "stage {{stage}} idle")],
                    desc="summed over the stage's ranks: 1 means one rank busy (or idle) all the time"),
         # Cost of idling.
-        stat("Idle GPU-hours (time range)", [(f"sum(increase({IDLE}[{RANGE}])) / 3600", "GPU-hours")], w=6, decimals=2),
-        stat("Idle cost (time range)", [(f"sum(increase({IDLE}[{RANGE}])) / 3600 * {PRICE}", "cost")], w=6, decimals=2,
+        stat("Idle GPU-hours (time range)", [(f"{_avg_range(idle)} * {RANGE_S} / 3600", "GPU-hours")], w=6, decimals=2),
+        stat("Idle cost (time range)", [(f"{_avg_range(idle)} * {RANGE_S} / 3600 * {PRICE}", "cost")], w=6, decimals=2,
              desc="idle GPU-hours x the price-per-GPU-hour variable"),
-        stat("GPUs idle on average", [(f"sum(rate({IDLE}[{RANGE}]))", "GPUs")], w=6, decimals=2),
-        stat("Idle share of compute + idle", [(f"sum(increase({IDLE}[{RANGE}])) / (sum(increase({IDLE}[{RANGE}])) + "
-                                               f"sum(increase({COMPUTE}[{RANGE}])))", "idle")],
+        stat("GPUs idle on average", [(_avg_range(idle), "GPUs")], w=6, decimals=2),
+        stat("Idle share of compute + idle", [(f"{_avg_range(idle)} / ({_avg_range(idle)} + {_avg_range(compute)})", "idle")],
              unit="percentunit", w=6),
-        timeseries("Idle cost rate (per hour)", [(f"sum(rate({IDLE}[{RI}])) * {PRICE}", "cost / hour")], w=24, h=6,
+        timeseries("Idle cost rate (per hour)", [(f"{idle} * {PRICE}", "cost / hour")], w=24, h=6,
                    desc="GPUs idle right now x the price per GPU-hour"),
         # Collectives.
-        heatmap("Collective latency", f"sum by (le) (rate(parwatch_collective_duration_seconds_bucket[{RI}]))"),
-        timeseries("Collective p99 per op and group", [(_collective_quantile(0.99), "{{op}} {{group}}")], unit="s"),
-        timeseries("Bus bandwidth per op and group",
-                   [("max by (op, group) (parwatch_collective_busbw_bytes_per_second)", "{{op}} {{group}}")], unit="Bps"),
-        timeseries("Collective bytes per second",
-                   [(f"sum by (op, group) (rate(parwatch_collective_bytes_total[{RI}]))", "{{op}} {{group}}")], unit="Bps"),
+        heatmap("Collective latency", f"sum by (le) ({coll_buckets})"),
+        timeseries("Collective p99 per op and group", [(f"histogram_quantile(0.99, {coll_buckets})", OG_LEGEND)], unit="s"),
+        timeseries("Collective transfer p99 (arrival wait removed)",
+                   [(f"histogram_quantile(0.99, {transfer_buckets})", OG_LEGEND)], unit="s",
+                   desc="what the link costs once the last rank has arrived; the rest is waiting on a straggler"),
+        timeseries("Collective wait (seconds per second)",
+                   [(rate("op_group", "parwatch_collective_wait_seconds_total"), OG_LEGEND)], unit="s",
+                   desc="time ranks spent in collectives waiting for the last rank to arrive"),
+        timeseries("Bus bandwidth per op and group", [("op_group:parwatch_collective_busbw_bytes_per_second:avg", OG_LEGEND)],
+                   unit="Bps"),
+        timeseries("Collective bytes per second", [(rate("op_group", "parwatch_collective_bytes_total"), OG_LEGEND)],
+                   unit="Bps"),
+        # Stragglers and hangs.
+        timeseries(f"Straggler effect (top {rec.TOP_K} ranks, seconds waited for later arrivals per second)",
+                   [(rec.stragglers_top(window), "rank {{rank}}"),
+                    (rate("job", "parwatch_rank_straggler_seconds_total"), "all ranks")], unit="s",
+                   desc="DeepSpeed's straggler effect: each rank's collective time beyond the instance's shortest; "
+                        "the rank the others wait for has the least"),
+        timeseries("Stragglers by cause (share of the step)", [(rec.STRAGGLER_CAUSES, "{{cause}}")],
+                   unit="percentunit", desc="straggler attribution: slow data, host contention, slow compute, "
+                                            "slow link; the decision's evidence names the rank, stage, host or link"),
+        timeseries("Collective instances not split (per second)",
+                   [(rate("op_group_reason", "parwatch_collective_unmatched_total"),
+                     "{{op}} {{group}} {{reason}}")],
+                   desc="remote: a member reports to another node's sidecar (cross-node p2p, DP); incomplete: a "
+                        "record was lost"),
+        timeseries("Ranks not running (1 hung, 2 gone)", [(rec.RANKS_NOT_RUNNING, "rank {{rank}}")],
+                   desc="only ranks that are not running have a series here"),
         # GPUs.
-        timeseries("GPU utilisation", [("max by (rank, gpu) (parwatch_gpu_utilization_ratio)", "rank {{rank}} gpu {{gpu}}")],
+        timeseries("GPU utilisation",
+                   [*_job_ops("parwatch_gpu_utilization_ratio", rec.GUARDRAIL_REDUCES, " over GPUs"),
+                    (rec.GPU_UTIL_BOTTOM, "rank {{rank}} gpu {{gpu}}")],
                    unit="percentunit", limit=util, good_below=False,
-                   desc="the line is the gpu-underutilized guardrail"),
-        timeseries("GPU power", [("max by (rank, gpu) (parwatch_gpu_power_watts)", "rank {{rank}} gpu {{gpu}}")], unit="watt"),
-        timeseries("GPU memory used", [("max by (rank, gpu) (parwatch_gpu_memory_used_bytes)", "rank {{rank}} gpu {{gpu}}")],
-                   unit="bytes"),
-        timeseries("Torch peak allocated memory",
-                   [("max by (rank, stage) (parwatch_torch_memory_max_allocated_bytes)", "rank {{rank}} stage {{stage}}")],
-                   unit="bytes", desc="per step; GPipe holds m microbatches' activations, 1F1B at most p-s"),
-        timeseries("GPU temperature", [("max by (rank, gpu) (parwatch_gpu_temperature_celsius)", "rank {{rank}} gpu {{gpu}}")],
-                   unit="celsius"),
-        timeseries("GPU SM clock", [("max by (rank, gpu) (parwatch_gpu_sm_clock_hertz)", "rank {{rank}} gpu {{gpu}}")],
-                   unit="hertz"),
-        # Guardrails and the collector's own health.
-        stat("Guardrail state", [("max by (rule) (parwatch_guardrail_state)", "{{rule}}")], w=12, h=6, limit=2,
+                   desc=f"run min / avg / max and the {rec.TOP_K} least used GPUs; the line is the gpu-underutilized guardrail"),
+        timeseries("GPU power", _job_ops("parwatch_gpu_power_watts", ("sum", "max")), unit="watt"),
+        timeseries("GPU memory used", _job_ops("parwatch_gpu_memory_used_bytes", ("max",)), unit="bytes"),
+        timeseries("Torch peak allocated memory", [(rec.STAGE_MEMORY, "stage {{stage}}")], unit="bytes",
+                   desc="max over the stage's ranks, per step; GPipe holds m microbatches' activations, 1F1B at most p-s"),
+        timeseries("GPU temperature", _job_ops("parwatch_gpu_temperature_celsius", ("max",)), unit="celsius"),
+        timeseries("GPU SM clock", _job_ops("parwatch_gpu_sm_clock_hertz", ("min",)), unit="hertz"),
+        # Guardrails and parwatch's own health.
+        stat("Guardrail state", [("rule:parwatch_guardrail_state:max", "{{rule}}")], w=12, h=6, limit=2,
              mappings=[_value_map((0, "ok", "green"), (1, "pending", "orange"), (2, "firing", "red"))]),
         bargauge("Guardrail actions (time range)",
-                 [(f"sum by (rule, action) (increase(parwatch_guardrail_actions_total[{RANGE}]))", "{{rule}} {{action}}")],
-                 h=6),
-        timeseries("Ranks up", [("min by (rank) (parwatch_rank_up)", "rank {{rank}}")], w=8),
-        timeseries("NVML up", [("min by (rank) (parwatch_nvml_up)", "rank {{rank}}")], w=8),
-        timeseries("Collector overhead", [("max by (rank) (parwatch_collector_overhead_ratio)", "rank {{rank}}")],
+                 [(f"increase(rule_action:parwatch_guardrail_actions:max[{RANGE}])", "{{rule}} {{action}}")], h=6),
+        timeseries("Ranks up", [*_job_ops("parwatch_rank_up", ("min", "sum")), (rec.RANKS_DOWN, "rank {{rank}} down")], w=8,
+                   desc="min and sum over ranks, and a series for each rank that stopped reporting"),
+        timeseries("NVML up", _job_ops("parwatch_nvml_up", ("min", "sum")), w=8),
+        timeseries("Collector overhead", _job_ops("parwatch_collector_overhead_ratio", ("max", "avg"), " over ranks"),
                    unit="percentunit", w=8, desc="share of the step the collector spent on the training thread"),
         timeseries("Dropped summaries per second",
-                   [(f"sum by (rank) (rate(parwatch_collector_dropped_summaries_total[{RI}]))", "rank {{rank}}")], w=24, h=6,
+                   [(rate("job", "parwatch_collector_dropped_summaries_total"), "all ranks")], w=16, h=6,
                    desc="non-zero while a sidecar is away: the collector drops instead of blocking training"),
+        stat("Rules reloads refused", [(rec.job("parwatch_sidecar_rules_reload_failures", "sum"), "refused")], w=8, h=6,
+             limit=1, desc="SIGHUP reloads refused because the new rules file was invalid (the old rules stay)"),
     ]
 
 
-def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rules_path: Path = DEFAULT_RULES) -> dict:
-    """The dashboard model (Grafana schemaVersion 39), ready for file provisioning or the HTTP API."""
+def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rules_path: Path = DEFAULT_RULES,
+                    rate_window: str = rec.RATE_WINDOW) -> dict:
+    """The dashboard model (Grafana schemaVersion 39), ready for file provisioning or the HTTP API.
+    rate_window must be the one the recording rules were rendered with."""
     price = f"{price_per_gpu_hour:g}"
     return {
         "id": None,
@@ -309,11 +317,15 @@ def build_dashboard(price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR, rule
         "templating": {"list": [
             {"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
+            {"type": "query", "name": "job", "label": "Run (scrape job)", "datasource": DATASOURCE,
+             "query": RUN_VARIABLE_QUERY, "definition": RUN_VARIABLE_QUERY, "refresh": 2, "sort": 1,
+             "includeAll": False, "multi": False, "current": {}, "hide": 0, "regex": "", "options": [],
+             "description": "one Helm release (one run) per job; every panel reads this run's recorded series"},
             {"type": "textbox", "name": "price_per_gpu_hour", "label": "Price per GPU-hour", "query": price,
              "current": {"text": price, "value": price}, "hide": 0, "options": [{"selected": True, "text": price, "value": price}],
              "description": "what one accelerator costs per hour; the idle-cost panels multiply by it"},
         ]},
-        "panels": _layout(panels(rules_path)),
+        "panels": _layout(panels(rules_path, rate_window)),
     }
 
 

@@ -10,8 +10,11 @@ StepSummary (a dict; JSON object), one per rank and step:
     run_id                    str
     rank, stage, tp_rank, dp_rank         int
     tp, pp, dp, microbatches, chunks      int (chunks = v, model chunks per stage)
-    schedule                  "gpipe" | "1f1b" | "interleaved"
+    schedule                  str, the schedule's name ("gpipe", "1f1b", "interleaved", or e.g. torch
+                              pipelining's "ZBVZeroBubble"): letters, digits, _ . - (at most 64)
     step                      int, the optimizer step this summary describes (1-based)
+    timeline                  int, rollbacks applied so far in this run: (run_id, rank, timeline, step)
+                              names one summary, so a replayed step is not a retry
     time                      float, unix seconds when the step ended on this rank
     step_seconds              float, boundary-to-boundary period on this rank
     compute_seconds           float, forward + backward spans
@@ -40,23 +43,29 @@ StepSummary (a dict; JSON object), one per rank and step:
     overhead_seconds          float, time the collector itself spent on the training thread this step
     dropped_total             int, summaries this rank's shipper dropped so far
     checkpoints               list[int], steps with a complete checkpoint (rank 0; [] elsewhere)
-    applied                   list of {id, step}: directives this rank applied since its last summary
     paused                    bool
     global                    rank 0 only, the fast-path view of the step before (one step of lag):
-                              {step, loss, pipeline_skew_ratio,
+                              {step, loss, pipeline_skew_ratio, slowest_stage,
                                stages: [{stage, compute_seconds, idle_seconds, other_seconds,
-                                         step_seconds, bubble_ratio}]}
+                                         step_seconds, bubble_ratio, forward_seconds, backward_seconds,
+                                         backward_weight_seconds, loss_seconds, ranks}]}
+                              (each stage's figures: the mean over its `ranks` reporting ranks)
 
-Ingest request (POST /v1/ingest):  {"version": 1, "summaries": [StepSummary, ...]}
-    Summaries may be empty (rank 0 polling for a directive while the run is paused). A
-    summary whose step boundary carried a directive is sent once the rank applied it, with
-    the acknowledgement in its "applied" list (see docs/architecture.md).
+Ingest request (POST /v1/ingest):
+    {"version": 1, "summaries": [StepSummary, ...], "outcomes": [OutcomeRecord, ...], "alive": bool}
+    Summaries may be empty (rank 0 polling for a directive while the run is paused). Outcomes
+    come from rank 0 alone and ride every post until one carrying them is accepted.
 Ingest response: {"accepted": n, "directive": Directive | null}
 
-Directive: {"id": int > 0, "action": "pause" | "resume" | "rollback",
-            "to_step": int | null (rollback: checkpoint step to load),
-            "skip_batches": int >= 0 (rollback: data batches to skip after loading),
-            "reason": str}
+Directive: {"id": int > 0, "action": "pause" | "resume" | "rollback", "run_id": str (the run it
+            belongs to; a trainer of another run ignores it), "to_step": int | null (rollback:
+            checkpoint step to load), "skip_batches": int >= 0 (rollback: data batches to skip
+            after loading), "reason": str}
+
+OutcomeRecord (what every rank did with one directive, counted in the step-boundary vector):
+    {"directive_id", "run_id", "outcome": "applied" | "substituted" (a rollback loaded an older
+     verified checkpoint than asked) | "failed" | "ignored" (another run's) | "mixed" (ranks differ),
+     "step", "loaded_step": int | null, "counts": {outcome: ranks}, "reasons": {reason: ranks}, "ranks"}
 
 Run directory files: summaries.jsonl (StepSummary per line), spans.jsonl (SpanRecord per
 line, for the steps the collector samples), decisions.jsonl (sidecar decision records).
@@ -81,8 +90,7 @@ COLLECTIVE_BUCKETS = (
 # Step duration histogram bounds (seconds).
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-DIRECTIVE_ACTIONS = ("pause", "resume", "rollback")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS  # noqa: E402  (one definition)
 
 
 def bubble_theoretical_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what parwatch needs on a fresh machine.
 #   scripts/setup.sh          the package (torch CPU build first where there is no GPU)
-#   scripts/setup.sh test     + test extras, Prometheus, promtool, Alertmanager, helm
+#   scripts/setup.sh test     + test extras, Prometheus, promtool, Alertmanager, VictoriaMetrics, vmalert, helm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,10 +18,14 @@ fi
 
 if [ "${1:-}" = "test" ]; then
   "$PY" -m pip install --quiet -e '.[test]'
-  if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus-alertmanager >/dev/null 2>&1; then
+  # victoria-metrics brings victoria-metrics and vmalert: the agent -> VictoriaMetrics path
+  # (tests/integration/test_victoriametrics.py). Its packaged service is not used.
+  if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus-alertmanager >/dev/null 2>&1 \
+     || ! command -v victoria-metrics >/dev/null 2>&1 || ! command -v vmalert >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus prometheus-alertmanager \
+      victoria-metrics >/dev/null
   fi
   bash scripts/install_helm.sh .tools/bin
 else

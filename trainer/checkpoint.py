@@ -268,12 +268,8 @@ def _layout_note(manifest: dict) -> str:
     return f" (it saved with {layout})" if layout else ""
 
 
-def load_checkpoint(root: str | Path, step: int, rank: int, world_size: int,
-                    map_location="cpu") -> tuple[dict, dict]:
-    """This rank's (state, manifest) for `step`, after checking the shard's size and sha256.
-
-    A world-size mismatch quotes manifest["meta"]["parallel"] when the saver put its layout there.
-    """
+def _verified_bytes(root: str | Path, step: int, rank: int, world_size: int) -> tuple[bytes, dict]:
+    """This rank's shard of `step` as bytes, with the manifest, after checking its size and sha256."""
     manifest = read_manifest(root, step)
     directory = step_dir(root, step)
     fix = f"delete {directory.name} or load another step"
@@ -298,11 +294,31 @@ def load_checkpoint(root: str | Path, step: int, rank: int, world_size: int,
     if digest != entry["sha256"]:
         raise CheckpointError(f"checkpoint shard {path}: sha256 mismatch (expected {entry['sha256'][:12]}.., "
                               f"got {digest[:12]}..): the file was altered or truncated; {fix}")
+    return data, manifest
+
+
+def verify_checkpoint(root: str | Path, step: int, rank: int, world_size: int) -> str | None:
+    """None when this rank's shard of `step` is intact (manifest, size, sha256); else what is wrong."""
+    try:
+        _verified_bytes(root, step, rank, world_size)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def load_checkpoint(root: str | Path, step: int, rank: int, world_size: int,
+                    map_location="cpu") -> tuple[dict, dict]:
+    """This rank's (state, manifest) for `step`, after checking the shard's size and sha256.
+
+    A world-size mismatch quotes manifest["meta"]["parallel"] when the saver put its layout there.
+    """
+    data, manifest = _verified_bytes(root, step, rank, world_size)
+    path = step_dir(root, step) / manifest["shards"][rank]["file"]
     try:
         # weights_only=False: the state holds optimizer and RNG objects, and the bytes match the
         # sha256 that this trainer recorded when it wrote them, so this is our own pickle.
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
     except Exception as e:
         raise CheckpointError(f"checkpoint shard {path}: unreadable by torch.load ({type(e).__name__}: {e}); "
-                              f"{fix}") from None
+                              f"delete {path.parent.name} or load another step") from None
     return state, manifest

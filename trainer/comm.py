@@ -4,12 +4,13 @@ Each call is announced as a hook span (op, group role, bytes, group size), so
 an observer sees every collective and point-to-point transfer without the
 trainer knowing it is watched. Injected collective slowness also lives here.
 
-Every span carries `seq`: the call's number on its group (collectives: per group
-role; p2p: per direction and peer, so the k-th send from A to B is the k-th
-receive at B from A), and collectives carry `ranks`, the group's global ranks.
-All members of a group make the same calls in the same order, so (group, seq)
-names one collective instance on every member: an observer can line the members'
-spans up and tell the last arrival's transfer from everyone else's waiting.
+Every span carries `seq` (the contract's registry numbers it: collectives per
+group role; p2p per direction and peer, so the k-th send from A to B is the k-th
+receive at B from A; a send takes its number when posted), and collectives carry
+`ranks`, the group's global ranks. All members of a group make the same calls in
+the same order, so (group, seq) names one collective instance on every member: an
+observer can line the members' spans up and tell the last arrival's transfer from
+everyone else's waiting.
 
 Sends are posted non-blocking (isend) and completed later: a blocking send
 would make the sender wait for a busy receiver, and the idle time that adds is
@@ -94,7 +95,6 @@ class Comm:
     link_delay_ms: dict = field(default_factory=dict)
     """Injected slow links: destination global rank -> extra ms inside each send to it."""
     _pending: list = field(default_factory=list)
-    _seq: dict = field(default_factory=dict)
     _ranks: dict = field(default_factory=dict)
     _lanes: dict = field(default_factory=dict)
 
@@ -115,11 +115,6 @@ class Comm:
             ranks = self._ranks[role] = tuple(listed) if listed else tuple(range(self.groups.dims.world_size))
         return ranks
 
-    def _next_seq(self, key) -> int:
-        n = self._seq.get(key, 0) + 1
-        self._seq[key] = n
-        return n
-
     def _delay(self, role: str) -> None:
         ms = self.slow_ms.get(role)
         if ms:
@@ -131,10 +126,9 @@ class Comm:
         n = self.size(role)
         if n == 1:
             return tensor
-        seq = self._next_seq(role)
         with self.registry.span(
             hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
-            seq=seq, ranks=self.group_ranks(role),
+            ranks=self.group_ranks(role),
         ):
             self._delay(role)
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group(role))
@@ -156,14 +150,14 @@ class Comm:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
         active = self.registry.active
-        seq = self._next_seq(("send", dst))
         start = self.registry.mark() if active else None
         posted_at = time.perf_counter()
         self._delay("pp")
         span_attrs = None
         if active:
             span_attrs = dict(attrs, peer=dst, op="send", group="pp", bytes=tensor.numel() * tensor.element_size(),
-                              group_size=2, seq=seq)
+                              group_size=2)
+            span_attrs["seq"] = self.registry.next_seq(hooks.SEND, span_attrs)  # numbered when posted
         lane = self._lane(dst)
         if lane is None:
             work = dist.isend(tensor, dst=dst, group=self.groups.pp, tag=tag)
@@ -176,10 +170,9 @@ class Comm:
         lane.put(p, tag, posted_at)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs) -> torch.Tensor:
-        seq = self._next_seq(("recv", src))
         with self.registry.span(
             hooks.RECV, peer=src, op="recv", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2,
-            seq=seq, **attrs
+            **attrs
         ):
             self._delay("pp")
             dist.recv(tensor, src=src, group=self.groups.pp, tag=tag)

@@ -7,9 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 from trainer.errors import ConfigError
 from trainer.faults import parse_fault
+from trainer.schedules import SCHEDULES
 from trainer.synthetic import parse_synthetic
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass
@@ -72,8 +71,9 @@ class TrainConfig:
     """While paused, ranks exchange a heartbeat collective this often."""
     run_id: str = ""
     """Names the run in metrics and logs; empty means generated."""
-    parwatch: str = "off"
-    """on: attach parwatch's collector (this rank's spans -> sidecar); off: nothing registered."""
+    parwatch: str = "auto"
+    """on: attach parwatch's collector (this rank's spans -> sidecar); off: nothing registered;
+    auto: on when --parwatch-endpoint or --parwatch-log is given, else off."""
     parwatch_endpoint: str = ""
     """Sidecar control/ingest URL, e.g. http://127.0.0.1:9401."""
     parwatch_token_file: str = ""
@@ -119,8 +119,12 @@ class TrainConfig:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
         if self.parwatch_peak_flops < 0:
             raise ConfigError(f"--parwatch-peak-flops={self.parwatch_peak_flops} must be >= 0 (0: unknown, no MFU)")
-        if self.parwatch not in ("on", "off"):
-            raise ConfigError(f"--parwatch={self.parwatch!r}; choose on or off")
+        if self.parwatch not in ("on", "off", "auto"):
+            raise ConfigError(f"--parwatch={self.parwatch!r}; choose on, off or auto")
+        if self.parwatch == "off" and (self.parwatch_endpoint or self.parwatch_log):
+            given = "--parwatch-endpoint" if self.parwatch_endpoint else "--parwatch-log"
+            raise ConfigError(f"{given} is given but --parwatch=off watches nothing; drop --parwatch off "
+                              f"(an endpoint or log implies on) or drop {given}")
         for spec in self.inject:
             parse_fault(spec)
         parse_synthetic(self.synthetic_compute)
@@ -131,6 +135,11 @@ class TrainConfig:
             from trainer.parallel_dims import ParallelDims
 
             ParallelDims(self.tp, self.pp, self.dp, world_size)
+
+    @property
+    def watched(self) -> bool:
+        """Whether parwatch's collector is attached (see --parwatch)."""
+        return self.parwatch == "on" or (self.parwatch == "auto" and bool(self.parwatch_endpoint or self.parwatch_log))
 
     @property
     def tokens_per_step(self) -> int:
@@ -181,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
             if name == "schedule":
                 kwargs["choices"] = SCHEDULES
             if name == "parwatch":
-                kwargs["choices"] = ("on", "off")
+                kwargs["choices"] = ("on", "off", "auto")
             p.add_argument(flag, **kwargs)
     return p
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 from trainer.config import TrainConfig
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 
 log = logging.getLogger("trainer")
 
@@ -51,11 +51,14 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0) 
             chosen = [os.environ.get("PARWATCH_RUN_ID") or new_run_id()]
             dist.broadcast_object_list(chosen, src=0)
             cfg.run_id = chosen[0]
-        if cfg.parwatch == "on":
+        if cfg.watched:
             # The one place the trainer touches parwatch, and only when asked to.
-            from parwatch.collector.attach import attach_from_config
+            from parwatch.collector.attach import AttachError, attach_from_config
 
-            observer = attach_from_config(cfg, rank, world_size, local_rank, backend)
+            try:
+                observer = attach_from_config(cfg, rank, world_size, local_rank, backend)
+            except AttachError as err:
+                raise ConfigError(str(err)) from None
         summary = Trainer(cfg, rank, world_size).run()
         if rank == 0 and cfg.summary_json:
             write_summary(cfg.summary_json, summary)

@@ -275,3 +275,14 @@ def simulate(
     idle = [makespan - b for b in busy]
     bubble = [i / makespan if makespan else 0.0 for i in idle]
     return SimResult(makespan, busy, idle, bubble, spans)
+
+
+def pipeline_order(name: str, num_stages: int, microbatches: int, chunks: int = 1) -> dict[int, list[str]]:
+    """Every stage's compute actions in parwatch.pipeline_sim's notation ("{vstage}{F|B}{mb}"):
+    what an observer replays to split the bubble into its causes."""
+    order = {}
+    for stage in range(num_stages):
+        order[stage] = [f"{i.chunk * num_stages + stage}{'F' if i.op == 'forward' else 'B'}{i.microbatch}"
+                        for i in build_schedule(name, stage, num_stages, microbatches, chunks)
+                        if i.op in ("forward", "backward")]
+    return order

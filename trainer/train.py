@@ -1,8 +1,9 @@
 """The training loop of one rank: build the layout and model, run steps, meet at boundaries.
 
-At every step boundary all ranks join one small collective (trainer.boundary):
-it carries the loss from the last stage, the observers' slots, and rank 0's
-directive, so pause, resume and rollback happen on every rank at the same step.
+At every step boundary all ranks join one small all-reduce (parwatch.contract's
+StepBoundary): it carries the loss from the last stage, the observers' slots, rank 0's
+directive and every rank's outcome of the last one, so pause, resume and rollback happen
+on every rank at the same step, and rank 0 learns what every rank did.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from trainer import boundary as bnd
+from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary
 from trainer import checkpoint as ckpt
 from trainer import hooks
 from trainer.comm import Comm
@@ -29,7 +30,7 @@ from trainer.flops import model_flops_per_step
 from trainer.model import Chunk, GPTConfig, build_pieces
 from trainer.parallel_dims import ParallelDims, build_groups
 from trainer.partition import partition, piece_param_counts
-from trainer.schedules import build_schedule
+from trainer.schedules import build_schedule, pipeline_order
 from trainer.synthetic import SyntheticChunk, parse_synthetic
 
 log = logging.getLogger("trainer")
@@ -64,7 +65,10 @@ class Trainer:
         self.loss_history: list[tuple[int, float]] = []  # every step executed, rolled back or not
         self.step_seconds: dict[int, float] = {}
         self.applied: list[dict] = []
-        self._last_directive_id = 0
+        self.bad_checkpoints: set[int] = set()  # failed verification on some rank: never loaded again
+        self.steps_boundary = StepBoundary(
+            rank, world_size, cfg.run_id or "unnamed-run", self._all_reduce_sum, registry=registry,
+            reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0)
         self._last_boundary_t = None
 
     # ------------------------------------------------------------------ model
@@ -100,31 +104,14 @@ class Trainer:
                                     cfg.microbatches * cfg.micro_batch_size * cfg.seq_len)
 
     # --------------------------------------------------------------- boundary
-    def boundary(self, kind: str, loss: float | None = None):
-        """The step-boundary collective; returns (mean loss, directive or None)."""
-        reg, width_obs = self.registry, self.registry.boundary_slots
-        width = bnd.TRAINER_SLOTS + width_obs
-        start = reg.mark()
-        row = [0.0] * width
-        # Directives ride only on step and heartbeat boundaries, whose callers act on them.
-        directive = reg.pending_directive() if self.rank == 0 and kind in ("step", "heartbeat") else None
-        reporting = self.groups.is_last_stage and self.groups.coords.tp_rank == 0
-        bnd.pack_row(row, loss if reporting else None, directive)
-        if width_obs:
-            obs_row = row[bnd.TRAINER_SLOTS:]
-            reg.fill_boundary(self.step, obs_row)
-            row[bnd.TRAINER_SLOTS:] = obs_row
-        vec = torch.zeros(self.world * width, dtype=torch.float64, device=self.device)
-        vec[self.rank * width:(self.rank + 1) * width] = torch.tensor(row, dtype=torch.float64)
-        with reg.span(hooks.COLLECTIVE, op="all_reduce", group="world", bytes=vec.numel() * 8, group_size=self.world):
-            dist.all_reduce(vec)
-        rows = vec.view(self.world, width).tolist()  # host read: the one sync a step has anyway
-        end = reg.mark()
-        mean_loss, directive = bnd.unpack([r[: bnd.TRAINER_SLOTS] for r in rows])
-        if reg.active:
-            info = hooks.BoundaryInfo(self.step, kind, [r[: bnd.TRAINER_SLOTS] for r in rows], mean_loss, directive, start, end)
-            reg.emit_boundary(info, [r[bnd.TRAINER_SLOTS:] for r in rows])
-        return mean_loss, directive
+    def _all_reduce_sum(self, values: list) -> list:
+        vec = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(vec)
+        return vec.tolist()  # host read: the one sync a step has anyway
+
+    def boundary(self, kind: BoundaryKind, loss: float | None = None):
+        """The step-boundary all-reduce; returns (mean loss, a directive to apply or None)."""
+        return self.steps_boundary.exchange(kind, self.step, loss)
 
     @property
     def _device(self):
@@ -141,7 +128,7 @@ class Trainer:
                 p.grad = None
         loss = self.executor.run(step, step + self.data_offset)
         self._dp_sync()
-        with self.registry.span(hooks.OPTIMIZER, stage=self.groups.stage):
+        with self.registry.span(SpanKind.OPTIMIZER, stage=self.groups.stage):
             self.optimizer.step()
         self.step = step
         return loss
@@ -149,7 +136,7 @@ class Trainer:
     def _dp_sync(self) -> None:
         if self.dims.dp == 1:
             return
-        with self.registry.span(hooks.DP_SYNC, stage=self.groups.stage):
+        with self.registry.span(SpanKind.DP_SYNC, stage=self.groups.stage):
             grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.comm.all_reduce(flat, "dp")
@@ -169,10 +156,11 @@ class Trainer:
         }
         meta = {"step": self.step, "data_offset": self.data_offset,
                 "parallel": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "chunks": cfg.chunks}, "config": cfg.to_dict()}
-        with self.registry.span(hooks.CHECKPOINT, stage=self.groups.stage, step=self.step):
+        with self.registry.span(SpanKind.CHECKPOINT, stage=self.groups.stage, step=self.step):
             ckpt.save_checkpoint(cfg.checkpoint_dir, self.step, self.rank, self.world, state, meta, dist.barrier,
                                  keep_last=cfg.keep_checkpoints)
-        self.registry.emit_event("checkpoint_saved", step=self.step, checkpoints=ckpt.list_checkpoints(cfg.checkpoint_dir))
+        self.bad_checkpoints.discard(self.step)  # written anew
+        self.registry.emit_event(Event.CHECKPOINT_SAVED, step=self.step, checkpoints=self._usable_checkpoints())
 
     def _checkpoint_if_finite(self, loss: float) -> None:
         """Save after the boundary, when every rank knows the step's loss: a NaN/inf step's weights
@@ -181,7 +169,7 @@ class Trainer:
             self.save_checkpoint()
         else:
             log.warning("rank %d: step %d loss is %s; checkpoint skipped", self.rank, self.step, loss)
-            self.registry.emit_event("checkpoint_skipped", step=self.step, reason=f"loss {loss}")
+            self.registry.emit_event(Event.CHECKPOINT_SKIPPED, step=self.step, reason=f"loss {loss}")
 
     def load_checkpoint(self, step: int) -> None:
         state, manifest = ckpt.load_checkpoint(self.cfg.checkpoint_dir, step, self.rank, self.world)
@@ -195,71 +183,80 @@ class Trainer:
 
     # ------------------------------------------------------------- directives
     def _apply(self, directive) -> None:
-        if directive is None or directive.id <= self._last_directive_id:
+        if directive is None:
             return
-        self._last_directive_id = directive.id
-        if directive.action == "pause":
-            self._ack(directive)
+        if directive.action == Action.PAUSE:
+            self._report(directive, Outcome.APPLIED)
             self._pause()
-        elif directive.action == "rollback":
+        elif directive.action == Action.ROLLBACK:
             self._rollback(directive)
         else:  # resume while running: nothing to do, but say it was seen
-            self._ack(directive)
+            self._report(directive, Outcome.APPLIED)
 
-    def _ack(self, directive, **extra) -> None:
-        record = {"id": directive.id, "action": directive.action, "step": self.step, **extra}
+    def _report(self, directive, outcome: Outcome, **extra) -> None:
+        record = {"id": directive.id, "action": directive.action.value, "step": self.step, "outcome": outcome.wire,
+                  **{k: (v.wire if isinstance(v, FailReason) else v) for k, v in extra.items()}}
         self.applied.append(record)
-        self.registry.emit_event("directive_applied", **record)
+        self.steps_boundary.report(directive, outcome, step=self.step, **extra)
 
     def _pause(self) -> None:
-        self.registry.emit_event("paused", step=self.step)
+        self.registry.emit_event(Event.PAUSED, step=self.step)
         log.warning("rank %d: paused at step %d", self.rank, self.step)
-        while True:
-            time.sleep(self.cfg.pause_poll_s)
-            _, directive = self.boundary("heartbeat")
-            if directive is None or directive.id <= self._last_directive_id:
-                continue
-            self._last_directive_id = directive.id
-            if directive.action == "rollback":
-                self._rollback(directive)
-                return
-            self._ack(directive)
-            if directive.action == "resume":
-                break
-        self.boundary("resume")
+        rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s)
+        if rollback is not None:
+            self._rollback(rollback)
+
+    def _usable_checkpoints(self) -> list[int]:
+        if not self.cfg.checkpoint_dir:
+            return []
+        return [s for s in ckpt.list_checkpoints(self.cfg.checkpoint_dir) if s not in self.bad_checkpoints]
 
     def _rollback(self, directive) -> None:
-        from_step = self.step
-        target = directive.to_step
-        if target is None:
-            target = ckpt.latest_checkpoint(self.cfg.checkpoint_dir, before=from_step + 1) if self.cfg.checkpoint_dir else None
-        elif self.cfg.checkpoint_dir and target not in ckpt.list_checkpoints(self.cfg.checkpoint_dir):
-            # Pruned since the sidecar chose it: the newest older one is still before the failure.
-            older = ckpt.latest_checkpoint(self.cfg.checkpoint_dir, before=target)
-            log.warning("rank %d: checkpoint %d is gone; rolling back to %s instead", self.rank, target, older)
-            target = older
-        if target is None or not self.cfg.checkpoint_dir:
-            log.error("rank %d: rollback requested at step %d but no checkpoint exists; continuing", self.rank, from_step)
-            self._ack(directive, failed="no checkpoint")
+        """Load the asked checkpoint, or, when it fails verification on any rank, the newest older one
+        that passes on every rank: all ranks decide together (one agreement per candidate)."""
+        from_step, asked = self.step, directive.to_step
+        limit = from_step if asked is None else asked
+        candidates = sorted((s for s in self._usable_checkpoints() if s <= limit), reverse=True)
+        loaded = None
+        for candidate in candidates:
+            problem = ckpt.verify_checkpoint(self.cfg.checkpoint_dir, candidate, self.rank, self.world)
+            if problem:
+                log.error("rank %d: checkpoint %d fails verification: %s", self.rank, candidate, problem)
+            if self.steps_boundary.agree(problem is None):
+                loaded = candidate
+                break
+            self.bad_checkpoints.add(candidate)
+            self.registry.emit_event(Event.CHECKPOINT_CORRUPT, step=candidate, rank=self.rank, error=problem or "",
+                                     checkpoints=self._usable_checkpoints())
+        if loaded is None:
+            reason = FailReason.CHECKPOINT_CORRUPT if candidates else FailReason.NO_CHECKPOINT
+            log.error("rank %d: rollback requested at step %d but no %s checkpoint exists; continuing",
+                      self.rank, from_step, "intact" if candidates else "complete")
+            self._report(directive, Outcome.FAILED, reason=reason)
             return
-        self.load_checkpoint(target)
+        self.load_checkpoint(loaded)
         self.data_offset += directive.skip_batches
-        for s in [s for s in self.losses if s > target]:
+        for s in [s for s in self.losses if s > loaded]:
             del self.losses[s]
-        self._ack(directive, from_step=from_step, to_step=target, skip_batches=directive.skip_batches)
-        self.registry.emit_event("rollback", from_step=from_step, to_step=target, skip_batches=directive.skip_batches)
-        self.boundary("resume")
+        outcome = Outcome.APPLIED if asked is None or loaded == asked else Outcome.SUBSTITUTED
+        if outcome == Outcome.SUBSTITUTED:
+            log.warning("rank %d: checkpoint %d unusable; rolled back to %d instead", self.rank, asked, loaded)
+        self._report(directive, outcome, loaded_step=loaded)
+        self.registry.emit_event(Event.ROLLBACK, from_step=from_step, to_step=loaded,
+                                 skip_batches=directive.skip_batches)
+        self.boundary(BoundaryKind.RESUME)
 
     # -------------------------------------------------------------------- run
     def run(self) -> dict:
         cfg = self.cfg
-        self.registry.emit_event("run_start", config=cfg.to_dict(), rank=self.rank,
-                                 model_flops_per_step=self.model_flops_per_step)
-        self.boundary("start")
+        self.registry.emit_event(Event.RUN_START, config=cfg.to_dict(), rank=self.rank,
+                                 model_flops_per_step=self.model_flops_per_step,
+                                 pipeline_order=pipeline_order(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
+        self.boundary(BoundaryKind.START)
         self._last_boundary_t = time.perf_counter()
         while self.step < cfg.steps:
             loss = self.train_step()
-            mean_loss, directive = self.boundary("step", loss)
+            mean_loss, directive = self.boundary(BoundaryKind.STEP, loss)
             now = time.perf_counter()
             self.step_seconds[self.step] = now - self._last_boundary_t
             self.losses[self.step] = mean_loss
@@ -270,7 +267,7 @@ class Trainer:
                 self._checkpoint_if_finite(mean_loss)
             self._last_boundary_t = time.perf_counter()
         summary = self.summary()
-        self.registry.emit_event("run_end", steps_completed=self.step, summary=summary)
+        self.registry.emit_event(Event.RUN_END, steps_completed=self.step, summary=summary)
         return summary
 
     def summary(self) -> dict:

@@ -1,4 +1,4 @@
-"""Operator commands against a running sidecar: status, pause, resume, rollback, decisions."""
+"""Operator commands against a running sidecar: status, pause, resume, rollback, cancel, decisions."""
 
 from __future__ import annotations
 
@@ -53,8 +53,12 @@ def _human(out) -> str:
 
 
 def _decision_line(d: dict) -> str:
-    keys = ("time", "step", "rule", "action", "source", "reason", "to_step", "skip_batches", "directive_id")
-    return "  ".join(f"{k}={d[k]}" for k in keys if d.get(k) not in (None, "")) or json.dumps(d)
+    if d.get("type") not in (None, "decision"):  # an outcome (applied, substituted, failed, ...) or a cancel
+        keys = ("time", "step", "type", "action", "directive_id", "requested_step", "loaded_step", "ranks",
+                "reasons", "requested_by", "note")
+    else:
+        keys = ("time", "step", "rule", "action", "source", "reason", "to_step", "skip_batches", "directive_id")
+    return "  ".join(f"{k}={d[k]}" for k in keys if d.get(k) not in (None, "", {})) or json.dumps(d)
 
 
 def _status_text(s: dict) -> str:
@@ -116,6 +120,14 @@ def resume(client, reason):
 def rollback(client, to_step, skip_batches, reason):
     """Roll every rank back to a checkpoint at the next step boundary."""
     return client.control("rollback", reason=reason, to_step=to_step, skip_batches=skip_batches, requested_by=_who())
+
+
+@click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch cancel 1764525600123")
+@click.argument("directive_id", type=click.IntRange(min=1))
+@_connection
+def cancel(client, directive_id):
+    """Withdraw a directive the run has not handled yet (its id: parwatch status)."""
+    return client.cancel(directive_id, requested_by=_who())
 
 
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch decisions --limit 20 --json")

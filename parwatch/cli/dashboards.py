@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 import click
 
 from parwatch import dashboards as dash
+from parwatch import recording
 
 TOKEN_ENV = "GRAFANA_TOKEN"
 
@@ -17,6 +18,7 @@ TOKEN_ENV = "GRAFANA_TOKEN"
 @click.group(epilog="""\b
 Examples:
   parwatch dashboards export -o dashboards/parwatch.json
+  parwatch dashboards recording-rules -o dashboards/recording_rules.yaml
   GRAFANA_TOKEN=glsa_... parwatch dashboards push --url http://grafana:3000
 """)
 def dashboards():
@@ -27,9 +29,38 @@ def dashboards():
 @click.option("-o", "--output", default="-", show_default=True, help="File to write; '-' is stdout.")
 @click.option("--price-per-gpu-hour", type=float, default=dash.DEFAULT_PRICE_PER_GPU_HOUR, show_default=True,
               help="Default of the dashboard's price variable (idle-cost panels).")
-def export(output, price_per_gpu_hour):
+@click.option("--rate-window", default=recording.RATE_WINDOW, show_default=True,
+              help="The window the recording rules were rendered with (the panels read their names).")
+def export(output, price_per_gpu_hour, rate_window):
     """Write the dashboard JSON (what Grafana's file or sidecar provisioning loads)."""
-    text = dash.dashboard_json(dash.build_dashboard(price_per_gpu_hour))
+    try:
+        board = dash.build_dashboard(price_per_gpu_hour, rate_window=recording.checked_window(rate_window))
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--rate-window") from err
+    text = dash.dashboard_json(board)
+    if output == "-":
+        sys.stdout.write(text)
+        return
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(text)
+    click.echo(f"wrote {output}", err=True)
+
+
+@dashboards.command("recording-rules", epilog="""\b
+Example:
+  parwatch dashboards recording-rules -o dashboards/recording_rules.yaml
+  parwatch rules render-alerts -o dashboards/alerts.yaml    # same --rate-window
+  promtool check rules dashboards/recording_rules.yaml dashboards/alerts.yaml
+""")
+@click.option("-o", "--output", default="-", show_default=True, help="File to write; '-' is stdout.")
+@click.option("--rate-window", default=recording.RATE_WINDOW, show_default=True,
+              help="Range of rate() in recorded rates and means; render the alerts with the same window.")
+def recording_rules(output, rate_window):
+    """Write the recording rules the dashboard and the alerts read (Prometheus or vmalert rules file)."""
+    try:
+        text = recording.render_recording_rules_yaml(rate_window)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--rate-window") from err
     if output == "-":
         sys.stdout.write(text)
         return

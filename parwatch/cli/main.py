@@ -22,6 +22,7 @@ COMMANDS = {
     "pause": "parwatch.cli.control:pause",
     "resume": "parwatch.cli.control:resume",
     "rollback": "parwatch.cli.control:rollback",
+    "cancel": "parwatch.cli.control:cancel",
     "decisions": "parwatch.cli.control:decisions",
     "report": "parwatch.cli.report:report",
     "dashboards": "parwatch.cli.dashboards:dashboards",

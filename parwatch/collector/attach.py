@@ -6,8 +6,12 @@ import os
 
 from parwatch.collector.collector import Collector
 from parwatch.collector.context import RunContext
-from trainer.hooks import HookRegistry, PerfCounterClock
-from trainer.hooks import registry as default_registry
+from parwatch.contract import HookRegistry, PerfCounterClock
+from parwatch.contract import registry as default_registry
+
+
+class AttachError(ValueError):
+    """A collector cannot be attached as configured; the message names the setting and the fix."""
 
 
 def attach(collector: Collector, registry: HookRegistry | None = None) -> Collector:
@@ -32,15 +36,14 @@ def detach(collector: Collector) -> None:
 
 
 def read_token(path: str) -> str | None:
-    """--parwatch-token-file, else $PARWATCH_TOKEN, else None; a bad file is a trainer ConfigError."""
+    """--parwatch-token-file, else $PARWATCH_TOKEN, else None; a bad file is an AttachError."""
     from parwatch.sidecar.config import ConfigError as TokenError
     from parwatch.sidecar.config import read_token as read
-    from trainer.errors import ConfigError
 
     try:
         return read(path, flag="--parwatch-token-file")
     except TokenError as err:
-        raise ConfigError(str(err)) from None
+        raise AttachError(str(err)) from None
 
 
 def attach_from_config(cfg, rank: int, world_size: int, local_rank: int, backend: str) -> Collector:
@@ -56,9 +59,7 @@ def attach_from_config(cfg, rank: int, world_size: int, local_rank: int, backend
         local_gpu=local_rank if backend == "nccl" else None,
     )
     if ctx.world_size != world_size:
-        from trainer.errors import ConfigError
-
-        raise ConfigError(f"tp*pp*dp = {ctx.world_size} but the world has {world_size} ranks; fix --tp/--pp/--dp")
+        raise AttachError(f"tp*pp*dp = {ctx.world_size} but the world has {world_size} ranks; fix --tp/--pp/--dp")
     log_dir = cfg.parwatch_log
     return attach(Collector(
         ctx,

@@ -12,10 +12,10 @@ kind start/step/resume to the end of boundary n. "heartbeat" boundaries (the
 run is paused) and "resume" boundaries produce no summary; a resume (after a
 pause or a rollback) starts a new period.
 
-A step whose boundary carries a directive keeps its summary until the trainer
-reports the directive applied, and reports it in that summary's `applied`: the
-sidecar hands out its next directive (the resume of a pause) only once every
-rank has acknowledged the previous one, and a paused run sends no summaries.
+Directive outcomes need no per-rank message: every rank's outcome of the last
+directive is counted in the boundary vector (parwatch.contract.boundary), so rank 0
+alone reports one outcome record per directive to its sidecar, once every rank has
+handled it. Summaries are never held back for that.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
-from parwatch.collector.wire import DirectiveInbox, build_summary
-from trainer.hooks import BoundaryInfo, Observer, Span
+from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
+from parwatch.contract import BoundaryInfo, BoundaryKind, Event, Observer, Span
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
 
 KEEP_CHECKPOINTS = 20
-MAX_APPLIED = 100  # directives applied between two summaries (a long pause sees a handful)
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,6 @@ class SpanSampling:
 
 class Collector(Observer):
     """One rank's observer. Use `attach(Collector(ctx, ...))`, and `close()` at the end."""
-
-    boundary_slots = gv.BOUNDARY_SLOTS
 
     def __init__(
         self,
@@ -80,12 +77,12 @@ class Collector(Observer):
         peak_flops: float | None = None,
     ) -> None:
         self.ctx = ctx
+        self.boundary_slots = gv.slots_for(ctx.pp)
         self.clock = clock if clock is not None else default_clock(ctx)
         self._deferred = bool(getattr(self.clock, "resolves_at_boundary", False))
         self._sample = span_sample_steps or (lambda step: False)
         self._time_fn = time_fn
         self._memory_fn = memory_fn or (peak_memory_bytes if ctx.local_gpu is not None else (lambda: None))
-        self._host = gv.host_key(ctx.hostname)
         self.nvml = NvmlSampler(ctx.local_gpu, nvml=nvml, interval_s=nvml_interval_s).start()
         self.directives = DirectiveInbox()
         self.shipper = Shipper(
@@ -96,6 +93,11 @@ class Collector(Observer):
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
         self._model_flops: float | None = None  # this rank's model FLOPs per step (run_start event)
+        # Wall clock minus this clock's host seconds: span records are placed on rank 0's
+        # wall-clock origin, so ranks of every host line up (as far as their clocks agree).
+        mark = self.clock.mark()
+        self._wall_offset = time_fn() - self._host_seconds(mark)
+        self._release_marks([mark])
         self._stats = StepStats()
         self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds,
                                      duration_of=self.clock.seconds)
@@ -106,15 +108,17 @@ class Collector(Observer):
         self._records: list | None = None  # span records of a sampled step; None when not sampling
         self._step = 0  # the step the current period belongs to
         self._origin_mark = None  # end of the boundary that opened the current period
-        self._time_origin_s: float | None = None  # host seconds all ranks of this host count spans from
+        self._time_origin_s: float | None = None  # the run's origin in this host's monotonic seconds
         self._previous: StepBreakdown | None = None
+        self._previous_by_kind: dict = {}
         self._previous_step = -1
         self._previous_loss: float | None = None
-        self._applied: list[dict] = []
+        self._reported_id = 0  # rank 0: the last directive whose outcome went to the sidecar
+        self.timeline = 0
+        """Rollbacks applied so far: (run_id, rank, timeline, step) names one summary."""
         self._checkpoints: list[int] = []
         self._paused = False
         self._overhead_ns = 0
-        self._held: dict | None = None  # a summary waiting for its directive's directive_applied event
         self._registry = None
         self.summaries = 0
         """Summaries produced so far."""
@@ -128,8 +132,6 @@ class Collector(Observer):
     # --- hooks, training thread -------------------------------------------------------------
     def on_span(self, span: Span) -> None:
         t0 = _now_ns()
-        if self._held is not None:
-            self._ship_held()
         if self._deferred:
             self._pending.append(span)
         else:
@@ -145,42 +147,40 @@ class Collector(Observer):
 
     def fill_boundary(self, step: int, slots: list) -> None:
         t0 = _now_ns()
-        if self._held is not None:
-            self._ship_held()
         valid = self._previous is not None and self._previous_step == step - 1
-        origin = self._host_now() if self._time_origin_s is None else None
-        gv.fill_slots(slots, previous=self._previous if valid else None, previous_step=self._previous_step,
-                      stage=self.ctx.stage, host=self._host, origin_candidate=origin)
+        origin = self._time_fn() if self._time_origin_s is None and self.ctx.rank == 0 else None
+        gv.fill_slots(slots, rank=self.ctx.rank, stage=self.ctx.stage, previous=self._previous if valid else None,
+                      previous_step=self._previous_step, by_kind=self._previous_by_kind, origin=origin)
         self._overhead_ns += _now_ns() - t0
 
     def pending_directive(self):
         return self.directives.take() if self.ctx.rank == 0 else None
 
-    def on_boundary(self, info: BoundaryInfo, slot_rows: list) -> None:
+    def on_boundary(self, info: BoundaryInfo, slots: list) -> None:
         try:
-            self._on_boundary(info, slot_rows)
+            self._on_boundary(info, slots)
         except Exception as exc:  # lose a step's numbers, never the run
             self._count_error("boundary", exc)
 
-    def _on_boundary(self, info: BoundaryInfo, slot_rows: list) -> None:
+    def _on_boundary(self, info: BoundaryInfo, slots: list) -> None:
         t0 = _now_ns()
-        if self._held is not None:
-            self._ship_held()
         end = info.end if info.end is not None else self.clock.mark()
         done = self._resolve_pending(end) if self._deferred else []  # marks to recycle
         if self._time_origin_s is None:
-            origin = gv.shared_origin(slot_rows, self._host)
-            self._time_origin_s = origin if origin is not None else self._host_seconds(end)
+            origin = gv.origin_of(slots)
+            self._time_origin_s = origin - self._wall_offset if origin is not None else self._host_seconds(end)
+        if self.ctx.rank == 0:
+            self._report_outcome(info)
         kind = info.kind
-        if kind == "heartbeat":  # paused: nothing is accounted until the resume
+        if kind == BoundaryKind.HEARTBEAT:  # paused: nothing is accounted until the resume
             self.shipper.heartbeat_seen = True  # every rank joined it: the next poll vouches for them
             self._begin_period(None, info.step, sample=False)
             done += (info.start, end)
         else:
-            if kind == "step" and self._origin_mark is not None:
-                self._finish_step(info, end, slot_rows, t0)
+            if kind == BoundaryKind.STEP and self._origin_mark is not None:
+                self._finish_step(info, end, slots, t0)
                 t0 = _now_ns()
-            if kind != "step":  # start, resume (or a kind this collector does not know): a new origin
+            if kind != BoundaryKind.STEP:  # start, resume (or a kind this collector does not know): a new origin
                 self._previous = None
                 self._paused = False
             done += (info.start, self._origin_mark)
@@ -198,26 +198,20 @@ class Collector(Observer):
         self._overhead_ns += _now_ns() - t0
 
     def _on_event(self, name: str, attrs: dict) -> None:
-        if name == "run_start":
+        if name == Event.RUN_START:
             self._model_flops = attrs.get("model_flops_per_step")
-        elif name == "directive_applied":
-            applied = {"id": int(attrs["id"]), "step": int(attrs["step"])}
-            if self._held is not None:  # applied at the boundary of the held step: report it there
-                self._held["applied"].append(applied)
-                self._ship_held()
-            elif len(self._applied) < MAX_APPLIED:
-                self._applied.append(applied)
-        elif name == "checkpoint_saved" and self.ctx.rank == 0:
+        elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_CORRUPT) and self.ctx.rank == 0:
             # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.
             listed = attrs.get("checkpoints")
             steps = [int(s) for s in listed] if listed is not None else self._checkpoints + [int(attrs["step"])]
             self._checkpoints = sorted(set(steps))[-KEEP_CHECKPOINTS:]
-        elif name == "paused":
+        elif name == Event.PAUSED:
             self._paused = True
-        elif name == "run_end" and self.ctx.rank == 0 and isinstance(attrs.get("summary"), dict):
+        elif name == Event.RUN_END and self.ctx.rank == 0 and isinstance(attrs.get("summary"), dict):
             attrs["summary"].update(self.totals.as_dict())
-        elif name == "rollback":
+        elif name == Event.ROLLBACK:
             self._previous = None
+            self.timeline += 1
 
     # --- internals ----------------------------------------------------------------------------
     def _count_error(self, where: str, exc: Exception) -> None:
@@ -226,7 +220,14 @@ class Collector(Observer):
                         where, type(exc).__name__, exc)
         self.errors += 1
 
-    def _finish_step(self, info: BoundaryInfo, end, slot_rows: list, t0: int) -> None:
+    def _report_outcome(self, info: BoundaryInfo) -> None:
+        """Rank 0: once every rank handled the last directive, one outcome record to the sidecar."""
+        report = info.report
+        if report.complete and report.directive_id > self._reported_id:
+            self._reported_id = report.directive_id
+            self.shipper.put_outcome(outcome_record(report, self.ctx.run_id, info.step))
+
+    def _finish_step(self, info: BoundaryInfo, end, slots: list, t0: int) -> None:
         try:
             step_seconds = self.clock.seconds(self._origin_mark, end)
         except Exception as exc:  # an unresolvable mark: lose this step, not the run
@@ -234,20 +235,13 @@ class Collector(Observer):
             return
         stats = self._stats
         result = breakdown(step_seconds, stats.compute_seconds, stats.other_seconds)
-        summary = self._summary(info, result, stats, slot_rows)
+        summary = self._summary(info, result, stats, slots)
         if self._model_flops and self.peak_flops and step_seconds > 0:
             summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
         summary["instances"] = self.instances.take()
         summary["overhead_seconds"] = (self._overhead_ns + _now_ns() - t0) * 1e-9
         self._overhead_ns = 0
-        if info.directive is not None:
-            # The trainer applies it right after this boundary: hold the summary until its
-            # directive_applied event, so the acknowledgement reaches the sidecar now. While
-            # paused no summaries flow, and the sidecar hands out the resume only after it saw
-            # the pause applied by every rank.
-            self._held = summary
-        else:
-            self.shipper.put_summary(summary)
+        self.shipper.put_summary(summary)
         if self._records:
             origin = self._time_origin_s
             for record in self._records:
@@ -257,20 +251,16 @@ class Collector(Observer):
         self.last_summary = summary
         self.summaries += 1
         self._previous, self._previous_step, self._previous_loss = result, info.step, info.loss
+        self._previous_by_kind = stats.by_kind
 
-    def _ship_held(self) -> None:
-        """Ship the summary held for a directive (applied, or not applied after all)."""
-        summary, self._held = self._held, None
-        self.shipper.put_summary(summary)
-
-    def _summary(self, info: BoundaryInfo, result: StepBreakdown, stats: StepStats, slot_rows: list) -> dict:
+    def _summary(self, info: BoundaryInfo, result: StepBreakdown, stats: StepStats, slots: list) -> dict:
         ctx = self.ctx
-        applied, self._applied = self._applied, []
         global_view = None
         collectives = stats.collectives()
         if ctx.rank == 0:
-            loss = self._previous_loss if self._previous_step == info.step - 1 else None
-            global_view = gv.build_global_view(slot_rows, ctx.stage_of, info.step - 1, loss)
+            global_view = gv.build_global_view(slots, ctx.pp, self._previous_loss)
+            if global_view is not None and global_view["step"] != self._previous_step:
+                global_view["loss"] = None  # the loss rank 0 holds is another step's
             self.totals.add_global(global_view)
             self.totals.add_collectives(collectives)
         pausing = info.directive is not None and getattr(info.directive, "action", None) == "pause"
@@ -280,8 +270,8 @@ class Collector(Observer):
             nvml_up=self.nvml.up, dropped_total=self.shipper.dropped,
             # Only this timeline's: after a rollback, checkpoints past the current step on disk
             # belong to the abandoned one and must not be rollback targets.
-            checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [], applied=applied,
-            paused=self._paused or pausing, global_view=global_view,
+            checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [],
+            paused=self._paused or pausing, global_view=global_view, timeline=self.timeline,
         )
 
     def _begin_period(self, origin_mark, step: int, *, sample: bool) -> None:
@@ -312,6 +302,11 @@ class Collector(Observer):
             self.instances.add(span)
         return [mark for span in pending for mark in (span.start, span.end)]
 
+    def _release_marks(self, marks) -> None:
+        release = getattr(self.clock, "release", None)
+        if release is not None:
+            release(marks)
+
     def _release(self, marks) -> None:
         release = getattr(self.clock, "release", None)
         if release is not None:
@@ -327,12 +322,6 @@ class Collector(Observer):
         host_seconds = getattr(self.clock, "host_seconds", None)
         return host_seconds(mark) if host_seconds is not None else mark * 1e-9  # perf_counter_ns marks
 
-    def _host_now(self) -> float:
-        mark = self.clock.mark()
-        seconds = self._host_seconds(mark)
-        self._release([mark])
-        return seconds
-
     # --- lifecycle ----------------------------------------------------------------------------
     @property
     def dropped_total(self) -> int:
@@ -343,7 +332,5 @@ class Collector(Observer):
         from parwatch.collector.attach import detach  # attach imports this module
 
         detach(self)
-        if self._held is not None:
-            self._ship_held()
         self.nvml.close(min(timeout, 1.0))
         self.shipper.close(timeout)

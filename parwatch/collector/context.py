@@ -2,8 +2,9 @@
 
 One frozen object per rank, built once by the trainer (or by any other trainer
 that uses the collector), so the collector never has to ask torch.distributed.
-Rank order follows trainer.parallel_dims: TP ranks adjacent, then PP stages,
-then DP outermost (rank = dp_rank * pp * tp + stage * tp + tp_rank).
+The coordinates are given, not derived: a trainer may order its mesh any way it
+likes. `for_rank` derives them for the common order (TP ranks adjacent, then PP
+stages, then DP outermost: rank = dp_rank * pp * tp + stage * tp + tp_rank).
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from parwatch.schema import SCHEDULES, bubble_theoretical_ratio
+import re
+
+from parwatch.schema import bubble_theoretical_ratio
+
+_SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,14 @@ class RunContext:
     dp: int
     """Data-parallel degree (model replicas)."""
     tp_rank: int
-    """This rank's index in its TP group: rank % tp."""
+    """This rank's index in its TP group (0..tp-1)."""
     dp_rank: int
-    """This rank's DP replica: rank // (tp * pp)."""
+    """This rank's DP replica (0..dp-1)."""
     stage: int
-    """This rank's pipeline stage: (rank // tp) % pp."""
+    """This rank's pipeline stage (0..pp-1); with several chunks per rank, the rank's position in the pipeline."""
     schedule: str
-    """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
+    """Pipeline schedule name: the reference trainer's gpipe / 1f1b / interleaved, or any other
+    (e.g. torch.distributed.pipelining's ZBVZeroBubble); a label, letters, digits, _ . -."""
     microbatches: int
     """Microbatches per step (m)."""
     chunks: int = 1
@@ -59,18 +65,16 @@ class RunContext:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"RunContext.rank={self.rank} must be in 0..{self.world_size - 1}")
-        expected = (self.rank % self.tp, self.stage_of(self.rank), self.rank // (self.tp * self.pp))
-        if (self.tp_rank, self.stage, self.dp_rank) != expected:
+        for name, size in (("tp_rank", "tp"), ("stage", "pp"), ("dp_rank", "dp")):
+            value, limit = getattr(self, name), getattr(self, size)
+            if not isinstance(value, int) or not 0 <= value < limit:
+                raise ValueError(f"RunContext.{name}={value!r} must be in 0..{limit - 1} ({size}={limit})")
+        if not isinstance(self.schedule, str) or not _SCHEDULE_NAME.match(self.schedule):
+            raise ValueError(f"RunContext.schedule={self.schedule!r} must be a schedule name of letters, digits, "
+                             "'_', '.', '-' (at most 64), e.g. 1f1b or ZBVZeroBubble")
+        if self.chunks > 1 and self.schedule in ("gpipe", "1f1b"):
             raise ValueError(
-                f"RunContext: rank {self.rank} has (tp_rank, stage, dp_rank) = {expected} in a "
-                f"tp={self.tp} pp={self.pp} layout, not {(self.tp_rank, self.stage, self.dp_rank)}; "
-                "build it with RunContext.for_rank()"
-            )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"RunContext.schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise ValueError(
-                f"RunContext.chunks={self.chunks} needs schedule='interleaved' (got {self.schedule!r}); "
+                f"RunContext.chunks={self.chunks} needs an interleaved schedule (got {self.schedule!r}); "
                 "use chunks=1 for gpipe and 1f1b"
             )
         if self.tokens_per_step < 0:
@@ -110,10 +114,6 @@ class RunContext:
             local_gpu=local_gpu,
             hostname=hostname if hostname is not None else socket.gethostname(),
         )
-
-    def stage_of(self, rank: int) -> int:
-        """The pipeline stage of any rank of the run."""
-        return (rank // self.tp) % self.pp
 
     @property
     def bubble_theoretical_ratio(self) -> float:

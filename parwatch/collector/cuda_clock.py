@@ -80,7 +80,7 @@ def default_clock(ctx):
 
         if torch.cuda.is_available():
             return CudaClock(ctx.local_gpu, torch)
-    from trainer.hooks import PerfCounterClock
+    from parwatch.contract import PerfCounterClock
 
     return PerfCounterClock()
 

@@ -1,112 +1,105 @@
-"""The fast path: a few floats per rank in the trainer's step-boundary collective.
+"""The fast path: this observer's part of the step-boundary vector, and rank 0's view of it.
 
-At boundary n every rank writes the breakdown of its PREVIOUS step (n-1): step
-n's own period is only known once boundary n has returned. Rank 0 reads every
-rank's row and builds the whole pipeline's view of step n-1, one step of lag,
-without a collective of its own.
+At boundary n every rank ADDS the breakdown of its PREVIOUS step (n-1) into the block of
+its own stage: step n's own period is only known once boundary n has returned. After the
+SUM all-reduce each stage's block holds the sums over its ranks (tp x dp of them) and
+their count, so rank 0 reads the whole pipeline's view of step n-1 with one step of lag,
+from pp blocks, whatever the world size: no per-rank rows, no O(world) work.
 
-The row also carries a host key and, at the start boundary, each rank's
-host-monotonic clock reading: ranks of one host then agree on one time origin
-for their span records (CLOCK_MONOTONIC is shared by the processes of a host).
+Slots: STEP (rank 0: the step described, +1; 0 means none), ORIGIN (rank 0, at the start
+boundary: its wall clock, the time origin of every rank's span records), then one block of
+STAGE_SLOTS per stage.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Callable, Sequence
+from typing import Sequence
 
 from parwatch.collector.stats import StepBreakdown, bubble_ratio
 from parwatch.schema import encode_float
 
-# Slot layout of this observer's part of a rank's boundary row.
-VALID, STEP, STAGE, STEP_SECONDS, COMPUTE, OTHER, IDLE, HOST_KEY, ORIGIN = range(9)
-BOUNDARY_SLOTS = 9
+STEP, ORIGIN = 0, 1
+HEADER = 2
+# One stage's block: ranks that reported, then sums over them.
+COUNT, STEP_SECONDS, COMPUTE, OTHER, IDLE, FORWARD, BACKWARD, BACKWARD_WEIGHT, LOSS = range(9)
+STAGE_SLOTS = 9
+PER_KIND = {"forward": FORWARD, "backward": BACKWARD, "backward_input": BACKWARD, "backward_weight": BACKWARD_WEIGHT,
+            "loss": LOSS}
+"""Compute span kinds -> the block slot that sums them (a split backward's input half counts as backward)."""
 
 
-def host_key(hostname: str) -> float:
-    """A 48-bit hash of the hostname: exact as a float64, so equal hosts compare equal."""
-    return float(int.from_bytes(hashlib.sha1(hostname.encode()).digest()[:6], "big"))
+def slots_for(pp: int) -> int:
+    """Width of this observer's part of the boundary vector: independent of tp and dp."""
+    return HEADER + pp * STAGE_SLOTS
 
 
-def fill_slots(
-    slots: list,
-    *,
-    previous: StepBreakdown | None,
-    previous_step: int,
-    stage: int,
-    host: float,
-    origin_candidate: float | None = None,
-) -> None:
-    """Write one rank's slots; `previous` None marks the row invalid (no finished step to report).
-
-    The host key goes out only with an origin candidate (first boundary): a nonzero key marks one.
-    """
-    slots[STAGE] = float(stage)
-    if origin_candidate is not None:
-        slots[HOST_KEY] = host
-        slots[ORIGIN] = origin_candidate
+def fill_slots(slots: list, *, rank: int, stage: int, previous: StepBreakdown | None, previous_step: int,
+               by_kind: dict | None = None, origin: float | None = None) -> None:
+    """Add this rank's figures of `previous_step` to its stage's block (nothing when previous is None)."""
+    if rank == 0:
+        if origin is not None:
+            slots[ORIGIN] = origin
+        if previous is not None:
+            slots[STEP] = float(previous_step + 1)
     if previous is None:
         return
-    slots[VALID] = 1.0
-    slots[STEP] = float(previous_step)
-    slots[STEP_SECONDS] = previous.step_seconds
-    slots[COMPUTE] = previous.compute_seconds
-    slots[OTHER] = previous.other_seconds
-    slots[IDLE] = previous.idle_seconds
+    base = HEADER + stage * STAGE_SLOTS
+    slots[base + COUNT] = 1.0
+    slots[base + STEP_SECONDS] = previous.step_seconds
+    slots[base + COMPUTE] = previous.compute_seconds
+    slots[base + OTHER] = previous.other_seconds
+    slots[base + IDLE] = previous.idle_seconds
+    for kind, seconds in (by_kind or {}).items():
+        slot = PER_KIND.get(kind)
+        if slot is not None:
+            slots[base + slot] += seconds
 
 
-def shared_origin(slot_rows: Sequence[Sequence[float]], host: float) -> float | None:
-    """The earliest origin candidate among the ranks of this host, or None if none was given."""
-    candidates = [row[ORIGIN] for row in slot_rows if row[HOST_KEY] == host]
-    return min(candidates) if candidates else None
+def origin_of(slots: Sequence[float]) -> float | None:
+    """Rank 0's wall-clock origin from a summed start boundary, or None if it sent none."""
+    return slots[ORIGIN] or None
 
 
-def build_global_view(
-    slot_rows: Sequence[Sequence[float]],
-    stage_of: Callable[[int], int],
-    step: int,
-    loss: float | None,
-) -> dict | None:
-    """The schema's `global` object for `step` from every rank's slots, or None when no row is valid.
+def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> dict | None:
+    """The schema's `global` object from the summed slots, or None when no stage reported.
 
-    A stage's numbers are the mean over its ranks (tp x dp); its bubble ratio is
-    computed from those means. Rows for another step (a rank that just resumed) are left out.
-    """
-    sums: dict[int, list[float]] = {}
-    for rank, row in enumerate(slot_rows):
-        if row[VALID] != 1.0 or int(row[STEP]) != step:
-            continue
-        acc = sums.setdefault(stage_of(rank), [0.0, 0.0, 0.0, 0.0, 0.0])
-        acc[0] += 1
-        acc[1] += row[STEP_SECONDS]
-        acc[2] += row[COMPUTE]
-        acc[3] += row[OTHER]
-        acc[4] += row[IDLE]
-    if not sums:
+    A stage's numbers are the mean over its reporting ranks; its bubble ratio is computed
+    from those means. Per-kind compute means (forward, backward, backward_weight, loss, per
+    rank and step) let the bubble be split into its causes (parwatch.pipeline_sim)."""
+    described = int(slots[STEP])
+    if described <= 0:
         return None
     stages = []
-    for stage in sorted(sums):
-        n, step_s, compute, other, idle = sums[stage]
-        step_s, compute, other, idle = step_s / n, compute / n, other / n, idle / n
-        stages.append(
-            {
-                "stage": stage,
-                "compute_seconds": compute,
-                "idle_seconds": idle,
-                "other_seconds": other,
-                "step_seconds": step_s,
-                "bubble_ratio": bubble_ratio(idle, step_s, other),
-            }
-        )
+    for stage in range(pp):
+        base = HEADER + stage * STAGE_SLOTS
+        n = slots[base + COUNT]
+        if n <= 0:
+            continue
+        step_s, compute, other, idle = (slots[base + i] / n for i in (STEP_SECONDS, COMPUTE, OTHER, IDLE))
+        stages.append({
+            "stage": stage,
+            "compute_seconds": compute,
+            "idle_seconds": idle,
+            "other_seconds": other,
+            "step_seconds": step_s,
+            "bubble_ratio": bubble_ratio(idle, step_s, other),
+            "forward_seconds": slots[base + FORWARD] / n,
+            "backward_seconds": slots[base + BACKWARD] / n,
+            "backward_weight_seconds": slots[base + BACKWARD_WEIGHT] / n,
+            "loss_seconds": slots[base + LOSS] / n,
+            "ranks": int(n),
+        })
+    if not stages:
+        return None
     computes = [s["compute_seconds"] for s in stages]
     mean = sum(computes) / len(computes)
     # No compute anywhere: every stage is equal, so there is no skew.
     skew = max(computes) / mean if mean > 0 else 1.0
-    if loss is not None and not isinstance(loss, float):
-        loss = float(loss)
+    slowest = max(stages, key=lambda s: s["compute_seconds"])["stage"]
     return {
-        "step": step,
-        "loss": None if loss is None else encode_float(loss),
+        "step": described - 1,
+        "loss": None if loss is None else encode_float(float(loss)),
         "pipeline_skew_ratio": skew,
+        "slowest_stage": slowest,
         "stages": stages,
     }

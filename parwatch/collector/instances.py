@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainer.hooks import BOUNDARY, COLLECTIVE, DATA, RECV, SEND
+from parwatch.contract import SpanKind
 
-RECORDED_KINDS = frozenset({COLLECTIVE, SEND, RECV})
+BOUNDARY, COLLECTIVE, DATA = SpanKind.BOUNDARY, SpanKind.COLLECTIVE, SpanKind.DATA
+RECORDED_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
 BOUNDARY_GROUPS = frozenset({"world"})
 """Collective groups that are the trainer's step boundary, never a transfer measurement."""
 RECORD_FIELDS = ("op", "group", "seq", "peer", "start_us", "dur_us", "bytes")

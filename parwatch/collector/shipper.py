@@ -11,7 +11,9 @@ still gets them) and attempts back off exponentially up to `max_backoff_s`;
 the first success resets the backoff, so the shipper reconnects by itself.
 Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
 for `poll_interval_s`: while the run is paused no summaries flow, and the
-resume directive must still arrive.
+resume directive must still arrive. Rank 0's directive outcome records ride every
+post until the sidecar has accepted one carrying them: they are few, and the leader
+hands out no other directive before it has the outcome of the last one.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class Shipper:
         self._files: dict = {}
         self._queue_size = queue_size
         self._queue: deque = deque()
-        self._must_deliver: deque = deque(maxlen=256)  # encoded summaries carrying acknowledgements
+        self._outcomes: deque = deque(maxlen=64)  # rank 0: encoded outcome records not yet accepted
         self.heartbeat_seen = False
         """Set by the collector on a completed heartbeat boundary; the next post says "alive"."""
         self._lock = threading.Lock()
@@ -134,32 +136,39 @@ class Shipper:
         with self._lock:
             if len(self._queue) >= self._queue_size:
                 kind, payload = self._queue.popleft()
-                if kind == SUMMARY and payload.get("applied"):
-                    self._must_deliver.append(dumps(payload))  # an acknowledgement is never dropped
-                elif kind == SUMMARY:
+                if kind == SUMMARY:
                     self.dropped += 1
                 else:
                     self.dropped_span_batches += 1
             self._queue.append(item)
         self._wake.set()
 
+    def put_outcome(self, record: dict) -> None:
+        """Rank 0: a directive's outcome record; sent with every post until one is accepted."""
+        if self.url:
+            with self._lock:
+                self._outcomes.append(dumps(record))
+            self._wake.set()
+
     def queued(self) -> int:
         return len(self._queue)
 
-    def undelivered_acks(self) -> int:
-        """Summaries carrying acknowledgements the sidecar has not accepted yet."""
-        return len(self._must_deliver)
+    def undelivered_outcomes(self) -> int:
+        """Outcome records the sidecar has not accepted yet."""
+        return len(self._outcomes)
 
     # Shipper thread.
     def _run(self) -> None:
         try:
             while True:
-                self._wake.wait(self.poll_interval_s or 0.5)
+                wait = self.poll_interval_s or 0.5
+                if self._outcomes:  # an outcome waits for nothing but the backoff
+                    wait = min(wait, max(0.05, self._retry_at - self._time()))
+                self._wake.wait(wait)
                 self._wake.clear()
                 stopping = self._stopping
                 self._drain()
-                self._deliver_acks()
-                if self._poll_due():
+                if self._poll_due() or (self._outcomes and self._time() >= self._retry_at):
                     self._post([])
                 if stopping:
                     self._drain()
@@ -177,15 +186,6 @@ class Shipper:
             # Encode each summary once: the same text goes to the file and into the POST body.
             summaries = [dumps(payload) for kind, payload in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
-            # Summaries acknowledging a directive must reach the sidecar: it hands out no other
-            # directive until every rank acknowledged, so one lost ack would hold the run (a
-            # paused run sends no more summaries to carry it). They are retried until accepted.
-            acks = {i for i, (kind, payload) in enumerate(x for x in items if x[0] == SUMMARY)
-                    if payload.get("applied")}
-            if acks and self.url:
-                with self._lock:
-                    self._must_deliver.extend(summaries[i] for i in sorted(acks))
-                summaries = [text for i, text in enumerate(summaries) if i not in acks]
             if self._paths[SPANS]:
                 self._write(SPANS, [dumps(r) for kind, payload in items if kind == SPANS for r in payload])
             if self.url:
@@ -226,43 +226,33 @@ class Shipper:
             self._http = httpx.Client(timeout=httpx.Timeout(total, connect=connect), trust_env=False)
         return self._http
 
-    def _deliver_acks(self) -> None:
-        with self._lock:
-            pending = list(self._must_deliver)
-        if pending and self.url and self._post(pending, keep=True):
-            with self._lock:
-                for _ in pending:
-                    self._must_deliver.popleft()
-
-    def _post(self, summaries: list, keep: bool = False) -> bool:
-        """POST summaries (already JSON text) as one ingest body; True when the sidecar took them.
-
-        keep: the caller retries them later, so a failure is not counted as dropped."""
+    def _post(self, summaries: list) -> bool:
+        """POST summaries (already JSON text), with any outcome records, as one ingest body;
+        True when the sidecar took them."""
         now = self._time()
         if now < self._retry_at:  # sidecar away: do not wait for it
-            if not keep:
-                with self._lock:
-                    self.dropped += len(summaries)
+            with self._lock:
+                self.dropped += len(summaries)
             return False
         alive, self.heartbeat_seen = self.heartbeat_seen, False
-        tail = ',"alive":true}' if alive else "}"
+        with self._lock:
+            outcomes = list(self._outcomes)
+        tail = (f',"outcomes":[{",".join(outcomes)}]' if outcomes else "") + (',"alive":true}' if alive else "}")
         body = (f'{{"version":{SCHEMA_VERSION},"summaries":[{",".join(summaries)}]' + tail).encode()
         try:
             response = self._client().post(self.url, content=body, headers=self._headers)
-            if keep and 400 <= response.status_code < 500:
-                # Refused as invalid: retrying the same bytes cannot succeed; say so and move on.
-                log.warning("parwatch: sidecar refused acknowledgements (HTTP %s: %s)", response.status_code,
+            if outcomes and 400 <= response.status_code < 500 and not summaries:
+                # Refused as invalid: retrying the same records cannot succeed; say so and move on.
+                log.warning("parwatch: sidecar refused outcome records (HTTP %s: %s)", response.status_code,
                             response.text[:200])
-                with self._lock:
-                    self.dropped += len(summaries)
-                return True
+                self._forget_outcomes(len(outcomes))
+                return False
             if response.status_code >= 400:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
             reply = response.json()
         except Exception as exc:
-            if not keep:
-                with self._lock:
-                    self.dropped += len(summaries)
+            with self._lock:
+                self.dropped += len(summaries)
             if self._backoff == 0.0:
                 log.warning("parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back",
                             self.url, exc)
@@ -275,13 +265,19 @@ class Shipper:
         self._last_post = self._time()
         self.sent += len(summaries)
         self.posts += 1
+        self._forget_outcomes(len(outcomes))
         directive = reply.get("directive") if isinstance(reply, dict) else None
-        if directive is not None and self._on_directive is not None:
+        if self._on_directive is not None:
             try:
                 self._on_directive(directive)
             except Exception as exc:
                 log.warning("parwatch: ignoring directive %r (%s)", directive, exc)
         return True
+
+    def _forget_outcomes(self, n: int) -> None:
+        with self._lock:
+            for _ in range(min(n, len(self._outcomes))):
+                self._outcomes.popleft()
 
     def _cleanup(self) -> None:
         for fd in self._files.values():

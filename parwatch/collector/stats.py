@@ -16,9 +16,9 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
-from trainer.hooks import COLLECTIVE, COMPUTE_KINDS, OTHER_KINDS, RECV, SEND
+from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
 
-P2P_KINDS = frozenset({SEND, RECV})
+P2P_KINDS = frozenset({SpanKind.SEND, SpanKind.RECV})
 # The ops DESIGN.md names; the sidecar refuses a summary with any other, so others are skipped.
 COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"})
 
@@ -95,11 +95,13 @@ class OpStats:
 class StepStats:
     """Running sums for the current step period of one rank."""
 
-    __slots__ = ("compute_seconds", "other_seconds", "ops", "skipped_ops")
+    __slots__ = ("compute_seconds", "other_seconds", "by_kind", "ops", "skipped_ops")
 
     def __init__(self) -> None:
         self.compute_seconds = 0.0
         self.other_seconds = 0.0
+        self.by_kind: dict[str, float] = {}
+        """Compute seconds per span kind (forward, backward, ...): the bubble's causes need them."""
         self.ops: dict[tuple[str, str], OpStats] = {}
         self.skipped_ops = 0
         """Collective spans with an op outside COLLECTIVE_OPS (whole run, not reset per step)."""
@@ -107,20 +109,23 @@ class StepStats:
     def reset(self) -> None:
         self.compute_seconds = 0.0
         self.other_seconds = 0.0
+        self.by_kind = {}
         self.ops = {}
 
     def add(self, kind: str, seconds: float, attrs: dict) -> None:
         if kind in COMPUTE_KINDS:
             self.compute_seconds += seconds
+            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
         elif kind in OTHER_KINDS:
             self.other_seconds += seconds
-        elif kind == COLLECTIVE:
+        elif kind == SpanKind.COLLECTIVE:
             self._add_op(attrs.get("op", "unknown"), attrs.get("group", "unknown"), attrs.get("group_size", 1),
                          seconds, attrs.get("bytes", 0))
         elif kind in P2P_KINDS:
             self._add_op(attrs.get("op", kind), attrs.get("group", "pp"), attrs.get("group_size", 2),
                          seconds, attrs.get("bytes", 0))
-        # Other kinds (e.g. "boundary") are neither compute nor other: they are idle time.
+        # Other kinds are neither compute nor other: they are idle time. The boundary all-reduce
+        # is mostly the wait for the pipeline's flush, not a transfer: it is no collective sample.
 
     def _add_op(self, op: str, group: str, group_size: int, seconds: float, nbytes: int) -> None:
         if op not in COLLECTIVE_OPS:

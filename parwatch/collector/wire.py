@@ -1,5 +1,5 @@
 """The wire objects the collector produces and consumes (parwatch/schema.py): the step
-summary it sends, and the sidecar's directive it receives."""
+summary and the directive outcome record it sends, and the sidecar's directive it receives."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from collections import deque
 
 from parwatch.collector.context import RunContext
 from parwatch.collector.stats import StepBreakdown
-from parwatch.schema import DIRECTIVE_ACTIONS, SCHEMA_VERSION, encode_float
-from trainer.boundary import Directive
+from parwatch.contract import Directive, OutcomeReport
+from parwatch.contract.directives import parse_directive
+from parwatch.schema import SCHEMA_VERSION, encode_float
 
 
 def build_summary(
@@ -24,10 +25,10 @@ def build_summary(
     nvml_up: bool,
     dropped_total: int,
     checkpoints: list,
-    applied: list,
     paused: bool,
     global_view: dict | None,
     overhead_seconds: float = 0.0,
+    timeline: int = 0,
 ) -> dict:
     """One StepSummary, keys in the schema's order. `global` is None except on rank 0."""
     return {
@@ -44,6 +45,7 @@ def build_summary(
         "chunks": ctx.chunks,
         "schedule": ctx.schedule,
         "step": step,
+        "timeline": timeline,
         "time": time,
         "step_seconds": result.step_seconds,
         "compute_seconds": result.compute_seconds,
@@ -60,47 +62,41 @@ def build_summary(
         "overhead_seconds": overhead_seconds,
         "dropped_total": dropped_total,
         "checkpoints": checkpoints,
-        "applied": applied,
         "paused": paused,
         "global": global_view,
     }
 
 
-def parse_directive(raw: dict) -> Directive:
-    """The sidecar's directive dict as a trainer Directive; ValueError names the bad field."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"directive must be an object, got {type(raw).__name__}")
-    did, action = raw.get("id"), raw.get("action")
-    to_step, skip = raw.get("to_step"), raw.get("skip_batches", 0)
-    if not _is_int(did) or did <= 0:
-        raise ValueError(f"directive id={did!r} must be an integer > 0")
-    if action not in DIRECTIVE_ACTIONS:
-        raise ValueError(f"directive action={action!r} must be one of {', '.join(DIRECTIVE_ACTIONS)}")
-    if to_step is not None and (not _is_int(to_step) or to_step < 0):
-        raise ValueError(f"directive to_step={to_step!r} must be null or an integer >= 0")
-    if not _is_int(skip) or skip < 0:
-        raise ValueError(f"directive skip_batches={skip!r} must be an integer >= 0")
-    return Directive(id=did, action=action, to_step=to_step, skip_batches=skip, reason=str(raw.get("reason", "")))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def outcome_record(report: OutcomeReport, run_id: str, step: int) -> dict:
+    """The ingest body's outcome record for a complete report (every rank handled the directive)."""
+    outcome = report.outcome
+    return {
+        "directive_id": report.directive_id,
+        "run_id": run_id,
+        "outcome": outcome.wire if outcome is not None else "mixed",
+        "step": step,
+        "loaded_step": report.loaded_step,
+        "counts": {o.wire: n for o, n in report.counts.items() if n},
+        "reasons": {r.wire: n for r, n in report.reasons.items()},
+        "ranks": report.ranks,
+    }
 
 
 class DirectiveInbox:
     """The sidecar's latest directive, written by the shipper thread and taken by the training thread.
 
-    The sidecar repeats a directive in every reply until it sees it applied; `take()` hands
-    each id over once. One attribute store per side: no lock is needed.
+    The sidecar repeats a directive in every reply until it has its outcome; `take()` hands
+    each id over once. A reply without one (the directive was cancelled) empties the inbox.
+    One attribute store per side: no lock is needed.
     """
 
     def __init__(self) -> None:
         self._latest: Directive | None = None
         self._taken: deque = deque(maxlen=256)  # ids already handed over (bounded)
 
-    def put(self, raw: dict) -> None:
-        """Shipper thread: validate and keep the reply's directive (ValueError if malformed)."""
-        self._latest = parse_directive(raw)
+    def put(self, raw: dict | None) -> None:
+        """Shipper thread: validate and keep the reply's directive, or None (ValueError if malformed)."""
+        self._latest = None if raw is None else parse_directive(raw)
 
     def take(self) -> Directive | None:
         directive = self._latest

@@ -3,19 +3,22 @@
 The sidecar feeds one Observation per training step (evaluate) and calls check_no_data
 every second; operators and Alertmanager go through request(). Every decision is a
 record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enforcing,
-also becomes a directive the trainer fetches (pending_directive) until every rank has
-applied it (acknowledge). The rest of the state lives in STATE_DIR/state.json, so a
-restarted sidecar continues where it stopped. Methods are thread-safe (one lock).
+also becomes a directive of the current run that rank 0 fetches (pending_directive) until
+the run reports its outcome (record_outcome: applied, substituted, failed or ignored, for
+every rank at once). The rest of the state lives in STATE_DIR/state.json, so a restarted
+sidecar continues where it stopped. A new run id starts a clean engine (begin_run): the
+previous run's state and decisions move to STATE_DIR/runs/RUN_ID/. Methods are
+thread-safe (one lock).
 
 Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
 step numbers, because step numbers repeat after a rollback and a loop must still count.
 
 Durability: what survives a crash of the sidecar process (and, where said, of the machine).
-- Decisions and "applied" records: appended to decisions.jsonl and fsync'd before the call
+- Decisions and outcome records: appended to decisions.jsonl and fsync'd before the call
   that made them returns.
 - In state.json before the call returns (temp file fsync'd and renamed over it, then the
   directory fsync'd, so a power loss keeps them too): directives issued and every rank's
-  acknowledgement, the paused flag, the bookkeeping of each decision (the acting rule's
+  outcome, the paused flag, the bookkeeping of each decision (the acting rule's
   cooldown, rollbacks counted towards max_rollbacks, next ids), reloaded rules.
 - In state.json before the call returns, without the directory fsync: a rule's state
   change (ok / pending / firing) and the trainer's checkpoint list changing. A process
@@ -37,6 +40,9 @@ all 20 rules' judging, on the sidecar's event loop.
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +54,8 @@ from parwatch.guardrails.decisions import DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
+
+log = logging.getLogger(__name__)
 
 REQUEST_SOURCES = ("operator", "alertmanager")
 MAX_CHECKPOINTS = 1000
@@ -93,6 +101,8 @@ class GuardrailEngine:
         self._last_step: int | None = None
         self._first_seen_time: float | None = None
         self._resumed_time: float | None = None
+        self._run_id: str | None = None
+        self._archived_runs: list[str] = []
         self._load()
 
     # -- observations ---------------------------------------------------------------------------------
@@ -237,16 +247,18 @@ class GuardrailEngine:
 
     def _decide(self, rule, action, source, requested_by, reason, evidence, step, now, checkpoint=None,
                 skip_batches=0, escalated=False, suppress=False, extra=None) -> dict:
+        # (A decision that becomes a directive belongs to the current run: see begin_run.)
         """Write one decision record; when enforcing, a directive action also becomes a directive."""
         if action == "pause" and not suppress and (
                 self._paused or any(d["action"] == "pause" for d in self._directives.outstanding)):
             # A paused run only acknowledges what it applies inside its heartbeat loop through a
             # rollback; a second pause would queue ahead of the resume and hold the run for good.
             suppress, reason = True, reason + " (not enforced: the run is already paused or a pause is pending)"
-        enforced = bool(self._rules.enforce) and not suppress
+        enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
         directive_id = None
         if enforced and action in DIRECTIVE_ACTIONS:
-            directive_id = self._directives.add(action, checkpoint, skip_batches, reason)
+            directive_id = self._directives.add(action, self._run_id, checkpoint, skip_batches, reason,
+                                                decision_id=self._next_decision_id)
         record = {"type": "decision", "id": self._next_decision_id, "time": now, "step": step, "rule": rule,
                   "action": action, "source": source, "requested_by": requested_by, "enforced": enforced,
                   "reason": reason, "evidence": evidence, "checkpoint": checkpoint, "skip_batches": skip_batches,
@@ -267,6 +279,9 @@ class GuardrailEngine:
         """
         _validate_request(action, source, to_step, skip_batches)
         with self._lock:
+            if self._run_id is None:
+                raise ValueError("no run has reported to this sidecar yet, so there is nothing to "
+                                 f"{action}; send the request once the run's rank 0 is shipping summaries here")
             now, step = self._now(), self._last_step
             reason, note, escalated = reason or f"{action} requested by {source}", "", False
             if action == "rollback":
@@ -289,49 +304,136 @@ class GuardrailEngine:
 
     def _resolve_checkpoint(self, to_step: int | None) -> int:
         known = sorted(self._checkpoints)
+        if not known:
+            raise ValueError("no checkpoint is known yet, so there is nothing to roll back to; "
+                             "wait for the run's first checkpoint (--checkpoint-every)")
         if to_step is None:
-            if not known:
-                raise ValueError("no checkpoint is known yet, so there is nothing to roll back to; "
-                                 "pass to_step with a checkpoint step")
             return known[-1]
-        if known and to_step not in self._checkpoints:
-            raise ValueError(f"to_step {to_step} is not a known checkpoint; the newest known are {known[-10:]}")
+        if to_step not in self._checkpoints:
+            raise ValueError(f"to_step {to_step} is not a known verified checkpoint; the newest known are "
+                             f"{known[-10:]}")
         return to_step
 
     def pending_directive(self) -> dict | None:
-        """The oldest directive not yet applied by every rank; None if none or not enforcing."""
+        """The current run's oldest directive without an outcome; None if none or not enforcing."""
         with self._lock:
             if not self._rules.enforce:
                 return None
-            return self._directives.oldest()
+            return self._directives.oldest(self._run_id)
 
-    def acknowledge(self, directive_id: int, rank: int, step: int, world_size: int) -> None:
-        """Rank `rank` applied the directive at `step`; once all ranks did, record it as applied."""
+    def record_outcome(self, outcome: dict) -> list[dict]:
+        """The run's outcome of a directive (every rank counted): write it down and act on it.
+
+        `outcome`: {directive_id, run_id, outcome: applied | substituted | failed | ignored | mixed,
+        step, loaded_step, counts, reasons, ranks}. A failed or mixed rollback escalates to a
+        pause and an alert instead of unpausing. Returns the records written (outcome first)."""
         with self._lock:
-            target = next((d for d in self._directives.outstanding if d["id"] == directive_id), None)
-            before = None if target is None else target["acks"].get(str(rank))
-            done = self._directives.acknowledge(directive_id, rank, step, world_size)
+            now, result = self._now(), str(outcome.get("outcome"))
+            did = int(outcome["directive_id"])
+            done = self._directives.remove(did)
             if done is None:
-                # One rank's ack is durable: ranks report an application once, never again.
-                if target is not None and target["acks"].get(str(rank)) != before:
-                    self._state_file.write_now()
-                return
-            if done["action"] == "pause":
-                self._paused = True
-            elif done["action"] == "resume":
-                self._paused, self._resumed_time = False, self._now()
-            elif done["action"] == "rollback":
-                # A rollback applied during a pause ends it: the trainer trains on after loading.
-                self._paused, self._resumed_time = False, self._now()
-                # The trainer now replays from the checkpoint: later checkpoints belong to the
-                # abandoned timeline, and the next step number may be one just evaluated.
-                if done["to_step"] is not None:
-                    self._checkpoints = {c for c in self._checkpoints if c <= done["to_step"]}
-                self._last_step = None
-            ranks = sorted(int(r) for r in done["acks"])
-            self._log.append({"type": "applied", "directive_id": done["id"], "action": done["action"],
-                              "step": max(done["acks"].values()), "time": self._now(), "ranks": ranks})
-            self._state_file.write_now()
+                log.warning("outcome %s of directive %d, which is not outstanding (cancelled, or reported "
+                            "twice): recorded, not acted on", result, did)
+                return [self._log.append(self._outcome_record(did, None, outcome, now))]
+            records = [self._log.append(self._outcome_record(did, done, outcome, now))]
+            action = done["action"]
+            if result in ("applied", "substituted"):
+                if action == "pause":
+                    self._paused = True
+                elif action in ("resume", "rollback"):
+                    # A rollback applied during a pause ends it: the trainer trains on after loading.
+                    self._paused, self._resumed_time = False, now
+                if action == "rollback":
+                    # The trainer now replays from the checkpoint it loaded: later checkpoints belong to
+                    # the abandoned timeline, and the next step number may be one just evaluated.
+                    loaded = outcome.get("loaded_step")
+                    if loaded is not None:
+                        self._checkpoints = {c for c in self._checkpoints if c <= int(loaded)}
+                    self._last_step = None
+            elif result in ("failed", "mixed") and action == "rollback":
+                why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
+                reason = (f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
+                          "so the run is paused for an operator")
+                evidence = {"directive_id": did, "outcome": result, "reasons": outcome.get("reasons") or {}}
+                records.append(self._decide(None, "pause", "engine", "", reason, evidence, self._last_step, now,
+                                            escalated=True, extra={"failed_directive_id": did}))
+                records.append(self._decide(None, "alert", "engine", "", reason, evidence, self._last_step, now,
+                                            escalated=True, extra={"failed_directive_id": did}))
+            self._state_file.write_now(sync_dir=True)
+            return records
+
+    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> dict:
+        ranks = int(outcome.get("ranks") or 0)
+        record = {"type": str(outcome.get("outcome")), "directive_id": did,
+                  "action": None if directive is None else directive["action"],
+                  "decision_id": None if directive is None else directive.get("decision_id"),
+                  "step": outcome.get("step"), "time": now, "ranks": f"0-{ranks - 1}" if ranks else "",
+                  "rank_count": ranks, "counts": outcome.get("counts") or {}}
+        if directive is not None and directive["action"] == "rollback":
+            record.update(requested_step=directive["to_step"], loaded_step=outcome.get("loaded_step"),
+                          substituted=outcome.get("outcome") == "substituted")
+        if outcome.get("reasons"):
+            record["reasons"] = outcome["reasons"]
+        if directive is None:
+            record["note"] = "not outstanding: cancelled, or reported twice"
+        return record
+
+    def cancel(self, directive_id: int, requested_by: str = "") -> dict:
+        """Withdraw a directive that has no outcome yet; ValueError if there is none with that id."""
+        with self._lock:
+            done = self._directives.remove(directive_id)
+            if done is None:
+                outstanding = [d["id"] for d in self._directives.outstanding]
+                raise ValueError(f"directive {directive_id} is not outstanding (outstanding: {outstanding or 'none'})"
+                                 "; it may already have been applied: see parwatch decisions")
+            record = self._log.append({"type": "cancelled", "directive_id": directive_id, "action": done["action"],
+                                       "decision_id": done.get("decision_id"), "time": self._now(),
+                                       "requested_by": requested_by, "step": self._last_step})
+            self._state_file.write_now(sync_dir=True)
+            return record
+
+    def begin_run(self, run_id: str) -> bool:
+        """The run whose rank 0 reports here is `run_id`; a new one starts a clean engine.
+
+        The previous run's state.json and decisions.jsonl move to STATE_DIR/runs/RUN_ID/; its
+        outstanding directives go with it (never handed to the new run). Returns True when the
+        run changed. A run already archived is not taken back (a late post of an old run)."""
+        with self._lock:
+            if run_id == self._run_id:
+                return False
+            if run_id in self._archived_runs:
+                raise ValueError(f"run {run_id!r} already ended here (its state is archived); "
+                                 "a trainer of that run must not report any more")
+            if self._run_id is not None:
+                self._archive(self._run_id)
+            self._run_id = run_id
+            self._state_file.write_now(sync_dir=True)
+            return True
+
+    @property
+    def run_id(self) -> str | None:
+        with self._lock:
+            return self._run_id
+
+    def _archive(self, run_id: str) -> None:
+        target = self._dir / "runs" / _safe_name(run_id)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("decisions.jsonl", "state.json"):
+            path = self._dir / name
+            if path.exists():
+                os.replace(path, target / name)
+        keep_ids = (self._next_decision_id, self._directives.next_id)
+        archived = self._archived_runs[-99:] + [run_id]
+        rules = self._rules
+        self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
+        self._log = DecisionLog(self._dir / "decisions.jsonl")
+        self._directives = Directives(first_id=keep_ids[1])
+        self._next_decision_id = keep_ids[0]
+        self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
+        self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
+        self._archived_runs = archived
+        log.warning("run %s ended here; its decisions and state are in %s", run_id.encode("unicode_escape").decode(),
+                    target)
 
     # -- rules, state and views -----------------------------------------------------------------------
 
@@ -372,7 +474,8 @@ class GuardrailEngine:
             return self._log.records(limit)
 
     def _state(self) -> dict:
-        return {"version": 1, "paused": self._paused, "next_decision_id": self._next_decision_id,
+        return {"version": 1, "run_id": self._run_id, "archived_runs": self._archived_runs,
+                "paused": self._paused, "next_decision_id": self._next_decision_id,
                 "directives": self._directives.to_dict(), "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
                 "rollback_ticks": self._rollback_ticks, "tick": self._tick, "last_step": self._last_step,
                 "first_seen_time": self._first_seen_time, "resumed_time": self._resumed_time,
@@ -380,6 +483,8 @@ class GuardrailEngine:
 
     def _load(self) -> None:
         saved = self._state_file.read() or {}
+        self._run_id = saved.get("run_id")
+        self._archived_runs = [str(r) for r in saved.get("archived_runs", [])]
         self._paused = bool(saved.get("paused", False))
         # Ids never repeat, even if state.json was lost while the log survived.
         self._next_decision_id = max(int(saved.get("next_decision_id", 1)), self._log.max_value("id") + 1)
@@ -393,6 +498,12 @@ class GuardrailEngine:
         for name, monitor_state in saved.get("rules", {}).items():
             if name in self._monitors:
                 self._monitors[name].restore(monitor_state)
+
+
+def _safe_name(run_id: str) -> str:
+    """A run id as a directory name: nothing that climbs out of runs/ or hides."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:120].lstrip(".")
+    return name or "_"
 
 
 def _numbers(values) -> dict[str, float]:

@@ -63,7 +63,8 @@ class RunData:
     decisions: list
     """Records with type 'decision'."""
     applied: list
-    """Records with type 'applied' (when every rank applied a directive)."""
+    """Outcome records (type applied, substituted, failed, ignored, mixed): what every rank did with a
+    directive, one record per directive."""
     issues: dict
     """File name -> FileIssues; missing files appear with skipped 0 and a reason."""
     config: RunConfig
@@ -155,9 +156,13 @@ def _span(rec: dict) -> dict:
     return {**rec, "start_s": start, "end_s": end, "attrs": attrs}
 
 
+OUTCOME_TYPES = ("applied", "substituted", "failed", "ignored", "mixed")
+RECORD_TYPES = ("decision", "cancelled", *OUTCOME_TYPES)
+
+
 def _decision(rec: dict) -> dict:
     kind = rec.get("type", "decision")
-    if kind not in ("decision", "applied"):
+    if kind not in RECORD_TYPES:
         raise BadRecord(f"unknown record type {kind!r}")
     if kind == "decision":
         _int(rec, "step")
@@ -210,7 +215,7 @@ def load_run(run_dir) -> RunData:
         summaries=summaries,
         spans=spans,
         decisions=[r for r in records if r["type"] == "decision"],
-        applied=[r for r in records if r["type"] == "applied"],
+        applied=[r for r in records if r["type"] in OUTCOME_TYPES],
         issues=issues,
         config=_config(summaries, spans),
     )

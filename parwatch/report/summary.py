@@ -100,14 +100,13 @@ def build_sections(run: RunData, images: dict, notes: list, price_per_gpu_hour: 
     dec_rows = []
     for d in run.decisions:
         a = applied.get(d.get("directive_id")) if d.get("directive_id") is not None else None
-        done = (f"step {a.get('step')} ({len(a.get('ranks') or [])} ranks)" if a else
-                ("not applied" if d.get("directive_id") is not None else "-"))
+        done = (_outcome_text(a) if a else ("not applied" if d.get("directive_id") is not None else "-"))
         dec_rows.append([str(d["step"]), _when(d.get("time")), str(d.get("rule", "?")), str(d.get("action", "?")),
                          str(d.get("source", "?")), "yes" if d.get("enforced", True) else "no (dry run)",
                          str(d.get("checkpoint") if d.get("checkpoint") is not None else "-"),
                          str(d.get("skip_batches", 0)), done, str(d.get("reason", ""))])
     out.append(Section("Guardrail decisions", headers=[
-        "step", "time", "rule", "action", "source", "enforced", "checkpoint", "skip batches", "applied",
+        "step", "time", "rule", "action", "source", "enforced", "checkpoint", "skip batches", "outcome",
         "reason"], rows=dec_rows, paragraphs=[] if dec_rows else ["No decisions recorded."]))
 
     pics = Section("Pictures", images=[images[k] for k in ("timeline", "bubble", "loss", "collectives")
@@ -165,3 +164,15 @@ def render_markdown(sections: list[Section], title: str) -> str:
         for name, caption, link in s.images:
             lines += [f"[![{caption}]({name})]({link or name})", "", f"*{caption}*", ""]
     return "\n".join(lines)
+
+
+def _outcome_text(record: dict) -> str:
+    """An outcome record in a few words: what happened, where, on how many ranks."""
+    kind = record.get("type", "?")
+    ranks = record.get("rank_count")
+    text = f"{kind} at step {record.get('step')}" + (f" ({ranks} ranks)" if ranks else "")
+    if kind == "substituted":
+        text += f": loaded {record.get('loaded_step')} instead of {record.get('requested_step')}"
+    elif record.get("reasons"):
+        text += ": " + ", ".join(f"{k} x{v}" for k, v in record["reasons"].items())
+    return text

@@ -11,14 +11,16 @@ import contextlib
 import json
 import logging
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from parwatch import __version__
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.exposition import choose, encode_async, encode_openmetrics, encode_text
-from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody, IngestResponse
+from parwatch.sidecar.models import AlertmanagerPayload, CancelRequest, ControlRequest, IngestBody, IngestResponse
 from parwatch.sidecar.service import Sidecar, jsonable
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,15 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             return JSONResponse(jsonable(sidecar.control(body)))
         except ValueError as err:
             raise HTTPException(400, str(err)) from err
+
+    @app.post("/v1/directives/{directive_id}/cancel", dependencies=auth,
+              responses={401: {}, 404: {"description": "no outstanding directive with that id"}})
+    async def cancel(directive_id: Annotated[int, Path(ge=1, lt=2**53)], body: CancelRequest):
+        """Withdraw a directive the run has not handled yet; returns the cancel record."""
+        try:
+            return JSONResponse(jsonable(sidecar.cancel(directive_id, body.requested_by or "operator")))
+        except ValueError as err:
+            raise HTTPException(404, str(err)) from err
 
     @app.post("/v1/alerts", dependencies=auth, responses={400: {}, 401: {}})
     async def alerts(body: AlertmanagerPayload):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEDULES, SCHEMA_VERSION, decode_float
+from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEMA_VERSION, decode_float
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
@@ -60,9 +60,23 @@ class Gpu(_Model):
     throttle_reasons: int | list | None = None
 
 
-class Applied(_Model):
-    id: Annotated[int, Field(gt=0)]
-    step: Count
+MaxStep = Annotated[int, Field(ge=0, lt=2**53)]
+RunId = Annotated[str, Field(min_length=1, max_length=200)]
+OUTCOMES = ("applied", "substituted", "failed", "ignored", "mixed")
+
+
+class OutcomeRecord(_Model):
+    """Rank 0's report of what every rank did with one directive (counted in the boundary vector)."""
+
+    directive_id: Annotated[int, Field(gt=0, lt=2**53)]
+    run_id: RunId
+    outcome: Literal[OUTCOMES]
+    step: MaxStep
+    loaded_step: MaxStep | None = None
+    counts: dict[Literal[OUTCOMES], Annotated[int, Field(ge=0, le=2**31)]] = Field(default_factory=dict)
+    reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], Annotated[int, Field(ge=0, le=2**31)]] = \
+        Field(default_factory=dict, max_length=16)
+    ranks: Annotated[int, Field(ge=1, le=2**31)]
 
 
 InstanceRecord = tuple[Literal[COLLECTIVE_OPS], Label, Count, int, int, Count, Count]
@@ -108,8 +122,10 @@ class StepSummary(_Model):
     dp: Annotated[int, Field(ge=1)]
     microbatches: Annotated[int, Field(ge=1)]
     chunks: Annotated[int, Field(ge=1)] = 1
-    schedule: Literal[SCHEDULES]
+    schedule: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
     step: Count
+    timeline: Annotated[int, Field(ge=0, le=2**31)] = 0
+    """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary."""
     time: Finite
     step_seconds: NonNegFinite
     compute_seconds: NonNegFinite
@@ -126,7 +142,6 @@ class StepSummary(_Model):
     overhead_seconds: NonNegFinite = 0.0
     dropped_total: Count = 0
     checkpoints: list[Count] = Field(default_factory=list, max_length=100_000)
-    applied: list[Applied] = Field(default_factory=list, max_length=1000)
     paused: bool = False
     global_: GlobalView | None = Field(default=None, alias="global")
     instances: Instances | None = None
@@ -151,6 +166,8 @@ class StepSummary(_Model):
 class IngestBody(_Model):
     version: Literal[SCHEMA_VERSION]
     summaries: list[StepSummary] = Field(max_length=10_000)
+    outcomes: list[OutcomeRecord] = Field(default_factory=list, max_length=64)
+    """Rank 0: directive outcome records, resent until a post carrying them is accepted."""
     alive: bool = False
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 
@@ -158,6 +175,7 @@ class IngestBody(_Model):
 class Directive(_Model):
     id: int
     action: Literal[DIRECTIVE_ACTIONS]
+    run_id: str
     to_step: int | None = None
     skip_batches: int = 0
     reason: str = ""
@@ -174,6 +192,11 @@ class ControlRequest(_Model):
     to_step: Annotated[int, Field(ge=0)] | None = None
     skip_batches: Count = 0
     reason: Annotated[str, Field(max_length=2000)] = ""
+    requested_by: Annotated[str, Field(max_length=200)] = ""
+
+
+class CancelRequest(_Model):
+    model_config = ConfigDict(extra="forbid", frozen=True)
     requested_by: Annotated[str, Field(max_length=200)] = ""
 
 

@@ -47,15 +47,22 @@ class Sidecar:
             # heartbeat collective (which every rank must join) completed since its last post.
             # Without this a long operator pause would read as dead ranks.
             self.store.touch_all()
+        for outcome in body.outcomes:
+            if outcome.run_id == self.engine.run_id:
+                self._count(self.engine.record_outcome(outcome.model_dump()))
+            else:
+                log.warning("outcome of directive %d for run %s, not the current run: ignored", outcome.directive_id,
+                            _printable(outcome.run_id))
         for s in body.summaries:
-            if not self.store.add(s):
-                continue  # a retried post: already counted, acknowledged and evaluated
-            self.transfer.add(s)
-            for applied in s.applied:
+            if s.rank == 0 and s.run_id != self.engine.run_id:
                 try:
-                    self.engine.acknowledge(applied.id, s.rank, applied.step, s.world_size)
-                except (KeyError, ValueError) as err:
-                    log.warning("rank %d acknowledged directive %d: %s", s.rank, applied.id, err)
+                    self.engine.begin_run(s.run_id)  # a new run: a clean engine (the old one archived)
+                except ValueError as err:
+                    log.warning("summary refused: %s", err)
+                    continue
+            if not self.store.add(s):
+                continue  # a retried post: already counted and evaluated
+            self.transfer.add(s)
             # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
             # global step (retries stopped above; the engine also ignores a repeated step).
             if s.global_ is not None and self.store.global_view is s.global_:
@@ -64,6 +71,10 @@ class Sidecar:
                     obs.series.update(self.transfer.take_series())
                     self._count(self.engine.evaluate(obs))
         return {"accepted": len(body.summaries), "directive": self.engine.pending_directive()}
+
+    def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:
+        """Withdraw an outstanding directive; ValueError when there is none with that id."""
+        return self.engine.cancel(directive_id, requested_by)
 
     def control(self, req: ControlRequest, requested_by: str = "operator") -> dict:
         """An operator's pause/resume/rollback; ValueError when the engine refuses it."""
@@ -108,7 +119,7 @@ class Sidecar:
 
     def _count(self, decisions) -> None:
         for d in decisions or ():
-            if d and d.get("action"):
+            if d and d.get("type", "decision") == "decision" and d.get("action"):  # not outcome records
                 self.counters.actions[(str(d.get("rule") or d.get("source") or "operator"), str(d["action"]))] += 1
 
     # -- reads ------------------------------------------------------------------------------
@@ -139,6 +150,11 @@ class Sidecar:
 
     def decisions(self, limit: int) -> list:
         return jsonable(self.engine.decisions(limit))
+
+
+def _printable(text: str) -> str:
+    """Control characters escaped: a client's string must not forge log lines."""
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def jsonable(obj):

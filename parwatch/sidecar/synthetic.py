@@ -20,7 +20,8 @@ def collective(op: str, group: str, count: int, seconds_each: float, nbytes_each
 def summary(rank: int, step: int, *, run_id: str = "synthetic", tp: int = 1, pp: int = 2, dp: int = 1,
             microbatches: int = 4, schedule: str = "1f1b", step_seconds: float = 0.5, other_seconds: float = 0.02,
             compute_scale: float = 1.0, loss: float | None = 2.0, time: float = 0.0, gpu: bool = True,
-            checkpoints=(), applied=(), global_stages: list | None = None, global_loss: float | None = None, instances: bool = True) -> dict:
+            checkpoints=(), global_stages: list | None = None, global_loss: float | None = None,
+            timeline: int = 0, instances: bool = True) -> dict:
     """One rank's summary; rank 0 carries `global` for step-1 when global_stages is given."""
     stage = (rank // tp) % pp
     tp_rank = rank % tp
@@ -31,7 +32,7 @@ def summary(rank: int, step: int, *, run_id: str = "synthetic", tp: int = 1, pp:
     s = {
         "v": SCHEMA_VERSION, "run_id": run_id, "rank": rank, "stage": stage, "tp_rank": tp_rank, "dp_rank": dp_rank,
         "tp": tp, "pp": pp, "dp": dp, "microbatches": microbatches, "chunks": 1, "schedule": schedule,
-        "step": step, "time": time, "step_seconds": step_seconds, "compute_seconds": compute,
+        "step": step, "timeline": timeline, "time": time, "step_seconds": step_seconds, "compute_seconds": compute,
         "other_seconds": other_seconds, "idle_seconds": idle, "bubble_ratio": idle / (step_seconds - other_seconds),
         "bubble_theoretical_ratio": theory,
         "loss": encode_float(loss) if stage == pp - 1 and tp_rank == 0 else None,
@@ -42,7 +43,7 @@ def summary(rank: int, step: int, *, run_id: str = "synthetic", tp: int = 1, pp:
                  "memory_total_bytes": 80 << 30, "power_watts": 300.0, "sm_clock_hertz": 1.4e9,
                  "temperature_celsius": 60.0, "throttle_reasons": 0} if gpu else None),
         "nvml_up": 1 if gpu else 0, "overhead_seconds": 0.001, "dropped_total": 0,
-        "checkpoints": list(checkpoints) if rank == 0 else [], "applied": [dict(a) for a in applied],
+        "checkpoints": list(checkpoints) if rank == 0 else [],
         "paused": False,
         "instances": _instances(rank, step, tp, pp, microbatches) if instances else None,
     }
@@ -81,3 +82,10 @@ def _skew(stages: list) -> float | None:
     computes = [s["compute_seconds"] for s in stages]
     mean = sum(computes) / len(computes)
     return max(computes) / mean if mean > 0 else None
+
+
+def outcome(directive_id: int, *, run_id: str = "synthetic", result: str = "applied", step: int = 1, ranks: int = 2,
+            loaded_step: int | None = None, reasons: dict | None = None) -> dict:
+    """Rank 0's outcome record of a directive that every one of `ranks` ranks handled alike."""
+    return {"directive_id": directive_id, "run_id": run_id, "outcome": result, "step": step,
+            "loaded_step": loaded_step, "counts": {result: ranks}, "reasons": reasons or {}, "ranks": ranks}

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from parwatch.catalog import metric
 from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 
@@ -289,29 +290,24 @@ class TransferTracker:
         return out
 
 
+def _family(cls, name: str):
+    """An empty family named, documented and labelled as the catalogue says."""
+    m = metric(name)
+    return cls(m.family, m.help, labels=list(m.labels))
+
+
 def transfer_families(tracker: TransferTracker):
     """The /metrics families of the wait/transfer split (the sidecar's exporter yields these).
 
     Reads only `tracker.view`, an immutable value replaced whole after each summary, so a scrape
     from another thread or interleaved with ingests never sees half an update (as store.py)."""
     view = tracker.view
-    og = ["op", "group"]
-    hist = HistogramMetricFamily("parwatch_collective_transfer_seconds",
-                                 "Collective and p2p transfer time, waiting excluded (the last arrival's "
-                                 "duration; instances matched on this sidecar)", labels=og)
-    wait = CounterMetricFamily("parwatch_collective_wait_seconds",
-                               "Seconds ranks spent waiting for the last member of a collective or p2p "
-                               "instance to arrive, summed over ranks", labels=og)
-    busbw = GaugeMetricFamily("parwatch_collective_busbw_bytes_per_second",
-                              "Bus bandwidth (nccl-tests) from transfer time only, over the newest "
-                              f"{BUSBW_INSTANCES} matched instances", labels=og)
-    unmatched = CounterMetricFamily("parwatch_collective_unmatched",
-                                    "Instances not split into wait and transfer: a member reports to another "
-                                    "sidecar (remote) or its summary was lost (incomplete)",
-                                    labels=["op", "group", "reason"])
-    straggler = CounterMetricFamily("parwatch_rank_straggler_seconds",
-                                    "Straggler effect (DeepSpeed): sum over matched instances of this rank's "
-                                    "duration minus the instance's shortest", labels=["rank"])
+    hist = _family(HistogramMetricFamily, "parwatch_collective_transfer_seconds")
+    wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
+    busbw = _family(GaugeMetricFamily, "parwatch_collective_busbw_bytes_per_second")
+    unmatched = _family(CounterMetricFamily, "parwatch_collective_unmatched_total")
+    straggler = _family(CounterMetricFamily, "parwatch_rank_straggler_seconds_total")
+    causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
         hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)
     for (op, group), value in view.busbw:
@@ -322,9 +318,6 @@ def transfer_families(tracker: TransferTracker):
         unmatched.add_metric([op, group, reason], n)
     for rank, seconds in view.straggler:
         straggler.add_metric([str(rank)], seconds)
-    causes = GaugeMetricFamily("parwatch_straggler_ratio",
-                               "Share of the step the costliest straggler of each cause adds over its peers "
-                               "(straggler attribution; 0: none found)", labels=["cause"])
     for cause, ratio in view.causes:
         causes.add_metric([cause], ratio)
     yield from (hist, wait, busbw, unmatched, straggler, causes)

@@ -19,7 +19,6 @@ import threading
 
 import pytest
 
-from parwatch.collector.global_view import BOUNDARY_SLOTS
 from parwatch.collector.shipper import Shipper
 from tests.dist.test_bubble_fidelity import read_run, train_runs
 from tests.dist.test_census import (
@@ -33,7 +32,6 @@ from tests.dist.test_census import (
     expected_tp,
 )
 from tests.distutil import free_port, run_ranks
-from trainer.boundary import TRAINER_SLOTS
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
 
@@ -115,12 +113,12 @@ def test_tp_all_reduces_counted_per_step_per_rank(runs):
     assert totals[("all_reduce", "tp")]["count"] == STEPS * per_step_tp
 
 
-def test_p2p_and_the_boundary_collective_per_step(runs):
+def test_p2p_per_step_and_the_boundary_is_no_collective_sample(runs):
     _, steps = read_run(runs["out"], "logged")
-    world_row_bytes = WORLD * 8 * (TRAINER_SLOTS + BOUNDARY_SLOTS)  # one float64 row per rank
     for (rank, step), ops in collectives_by_step(steps).items():
         stage = rank // 2
-        assert set(ops) == {("all_reduce", "tp"), ("all_reduce", "world"), ("send", "pp"), ("recv", "pp")}
+        # The boundary all-reduce is mostly the flush wait, not a transfer: it is not a latency sample.
+        assert set(ops) == {("all_reduce", "tp"), ("send", "pp"), ("recv", "pp")}
         want = expected_p2p(stage, step, 1)
         for op in ("send", "recv"):
             entry = ops[(op, "pp")]
@@ -128,10 +126,6 @@ def test_p2p_and_the_boundary_collective_per_step(runs):
             assert count == M  # one direction each way on a 2-stage pipeline: m per step
             assert (entry["count"], entry["bytes"]) == (count, count * ACT_BYTES), (rank, step, op)
             assert entry["busbw"] == pytest.approx(entry["algbw"], rel=1e-9)
-        world = ops[("all_reduce", "world")]
-        assert (world["count"], world["bytes"]) == (1, world_row_bytes), (rank, step)
-        assert world["algbw"] == pytest.approx(world["bytes"] / world["seconds"], rel=1e-9)
-        assert world["busbw"] == pytest.approx(world["algbw"] * 1.5, rel=1e-9)  # 2(n-1)/n with n=4
 
 
 def test_collector_changes_no_loss(runs):

@@ -1,6 +1,8 @@
 """The shipped Prometheus alert rules: rendered from the default guardrails, valid, and firing right.
 
-promtool checks the syntax and runs dashboards/alerts_test.yaml, where input series make
+promtool checks the syntax of the alerts and of the recording rules they read
+(dashboards/recording_rules.yaml), runs dashboards/recording_rules_test.yaml, and runs
+dashboards/alerts_test.yaml, where input series make
 bubble-excess, stage-skew, rank-missing (and the other defaults) fire and a healthy run fires
 nothing. The drift test needs no tool: the file must equal a fresh render, so a threshold
 tuned in default_rules.yaml cannot be forgotten in the alerts.
@@ -19,6 +21,8 @@ from parwatch.guardrails.rules import default_rules
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")
 ALERTS_TEST = os.path.join(ROOT, "dashboards", "alerts_test.yaml")
+RECORDING = os.path.join(ROOT, "dashboards", "recording_rules.yaml")
+RECORDING_TEST = os.path.join(ROOT, "dashboards", "recording_rules_test.yaml")
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
 
@@ -68,3 +72,22 @@ def test_promtool_test_rules_fire_and_stay_quiet():
     tested = {c["alertname"] for t in yaml.safe_load(open(ALERTS_TEST))["tests"] for c in t["alert_rule_test"]
               if c.get("exp_alerts")}
     assert {"ParwatchBubbleExcess", "ParwatchStageSkew", "ParwatchRankMissing"} <= tested
+
+
+@pytest.mark.integration
+@needs_promtool
+def test_promtool_check_recording_rules():
+    from parwatch.recording import recordings
+
+    result = subprocess.run([PROMTOOL, "check", "rules", RECORDING], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(recordings())} rules found" in result.stdout
+
+
+@pytest.mark.integration
+@needs_promtool
+def test_promtool_test_recording_rules():
+    result = subprocess.run([PROMTOOL, "test", "rules", os.path.basename(RECORDING_TEST)], capture_output=True,
+                            text=True, timeout=120, cwd=os.path.dirname(RECORDING_TEST))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout

@@ -1,10 +1,13 @@
 """Every dashboard query runs on a real Prometheus against every catalogue metric.
 
 A small HTTP server in the test exposes a realistic run (tp=2, pp=2: four ranks, two stages,
-every op/group, every default guardrail) built from parwatch.dashboards.METRICS with
+every op/group, every default guardrail) built from parwatch.catalog.METRICS with
 prometheus_client on a private registry; counters grow with wall time so rates are real.
-/usr/bin/prometheus scrapes it every second; once it holds three scrapes, each panel's PromQL
-(Grafana's $__ variables replaced by concrete durations) must succeed and return data.
+/usr/bin/prometheus scrapes it every second and evaluates dashboards/recording_rules.yaml (the
+panels read only recorded series); once it holds three evaluations, each panel's PromQL
+(Grafana's $__ variables replaced by concrete values) must succeed and return data.
+The same queries against VictoriaMetrics, fed by agent-mode Prometheus and vmalert:
+tests/integration/test_victoriametrics.py.
 """
 
 import json
@@ -23,12 +26,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from parwatch import dashboards as dash
+from parwatch.catalog import METRICS
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 
 pytestmark = pytest.mark.integration
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-SUBSTITUTIONS = {"$__rate_interval": "20s", "$__range": "5m", "$price_per_gpu_hour": "2.5"}
+SUBSTITUTIONS = {"$__range_s": "300", "$__range": "5m", "$price_per_gpu_hour": "2.5", "$job": "parwatch"}
+RECORDING_RULES = Path(__file__).resolve().parents[2] / "dashboards" / "recording_rules.yaml"
 START_TIMEOUT_S = 60
 
 RANKS = {0: 0, 1: 0, 2: 1, 3: 1}  # rank -> stage (tp=2, pp=2)
@@ -71,7 +76,7 @@ class RealisticRun(Collector):
 
     def collect(self):
         t = 10.0 + self.clock() - self.t0  # seconds into the run
-        for m in dash.METRICS:
+        for m in METRICS:
             sets = self.label_sets(m)
             names = list(m.labels)
             if m.kind == "info":
@@ -97,11 +102,13 @@ class RealisticRun(Collector):
     def gauge_value(name, t, i):
         if name in ("parwatch_train_step", "parwatch_checkpoint_last_good_step"):
             return float(int(t * 2) // (10 if "checkpoint" in name else 1))
-        if name == "parwatch_guardrail_state":
-            return float(i % 3)
+        if name in ("parwatch_guardrail_state", "parwatch_rank_state"):
+            return float(i % 3)  # ok/pending/firing; running/hung/gone
+        if name == "parwatch_rank_up":
+            return 0.0 if i == 2 else 1.0  # the rank that is hung has stopped reporting
         if name.endswith("_ratio"):
             return {"parwatch_pipeline_skew_ratio": 1.1, "parwatch_stage_bubble_theoretical_ratio": 0.2}.get(name, 0.2 + 0.01 * i)
-        return {"parwatch_loss": 2.3, "parwatch_run_paused": 0.0, "parwatch_nvml_up": 1.0, "parwatch_rank_up": 1.0,
+        return {"parwatch_loss": 2.3, "parwatch_run_paused": 0.0, "parwatch_hang_detected": 1.0, "parwatch_nvml_up": 1.0, "parwatch_rank_up": 1.0,
                 "parwatch_gpu_power_watts": 420.0, "parwatch_gpu_temperature_celsius": 61.0,
                 "parwatch_gpu_sm_clock_hertz": 1.98e9}.get(name, 4.0e10 + i)
 
@@ -126,7 +133,8 @@ def wait_for_scrapes(base, n, proc):
     while time.monotonic() < deadline:
         assert proc.poll() is None, "prometheus exited early"
         try:
-            res = api(base, "query", query="count_over_time(parwatch_train_step[1m])")
+            # Recorded rates need two scrapes, then n evaluations of the recording rules.
+            res = api(base, "query", query="count_over_time(job:parwatch_tokens:rate1m[1m])")
             if res["status"] == "success" and res["data"]["result"] and float(res["data"]["result"][0]["value"][1]) >= n:
                 return
         except OSError:
@@ -145,6 +153,7 @@ def prometheus(tmp_path_factory):
     target_port = free_port()
     server, thread = start_http_server(target_port, addr="127.0.0.1", registry=registry)
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(RECORDING_RULES)],
               "scrape_configs": [{"job_name": "parwatch", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -182,7 +191,7 @@ QUERIES = [(p["title"], t["refId"], t["expr"]) for p in dash.build_dashboard()["
 
 def test_exposition_carries_every_catalogue_metric(prometheus):
     names = set(api(prometheus, "label/__name__/values")["data"])
-    for m in dash.METRICS:
+    for m in METRICS:
         assert set(m.series()) <= names, f"{m.name} was not scraped"
 
 
@@ -196,3 +205,9 @@ def test_panel_query_runs_and_returns_data(prometheus, title, ref, expr):
     ranged = api(prometheus, "query_range", query=promql, start=now - 30, end=now, step=1)
     assert ranged["status"] == "success", f"{title}: {ranged.get('error')}"
     assert ranged["data"]["result"], f"{title} ({ref}) range query returned no data"
+
+
+def test_run_variable_lists_the_scrape_job(prometheus):
+    """The dashboard's job variable (label_values of a recorded series) finds the run."""
+    values = api(prometheus, "label/job/values", **{"match[]": "job:parwatch_train_step:max"})
+    assert values["status"] == "success" and values["data"] == [SUBSTITUTIONS["$job"]]

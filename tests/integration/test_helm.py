@@ -119,6 +119,12 @@ def test_chart_alerts_are_the_rendered_alerts():
     )
 
 
+def test_chart_recording_rules_are_the_rendered_recording_rules():
+    assert (CHART / "files" / "recording_rules.yaml").read_bytes() == (
+        ROOT / "dashboards" / "recording_rules.yaml").read_bytes(), (
+        "copy dashboards/recording_rules.yaml to helm/parwatch/files/recording_rules.yaml")
+
+
 def test_values_schema_closes_every_object():
     def walk(node, path):
         if isinstance(node, dict):
@@ -299,6 +305,8 @@ def test_rules_configmap_defaults_to_the_packaged_rules_and_accepts_a_file(helm,
     ("monitoring.podMonitor.enable=true", "enable"),
     ("workload.kind=PyTorchJob", "kind"),
     ("training.nnodes=0", "nnodes"),
+    ("monitoring.agentConfig.remoteWrite[0].url=victoria:8428", "url"),  # no scheme
+    ("monitoring.agentConfig.scrapeInterval=often", "scrapeInterval"),
 ])
 def test_schema_rejects_bad_values(helm, setting, complaint):
     for command in (["template", RELEASE], ["lint", "--strict"]):
@@ -357,7 +365,9 @@ def test_podmonitor_scrapes_the_sidecars_metrics_port(rendered):
 def test_prometheusrule_carries_exactly_the_rendered_alert_groups(rendered, tmp_path):
     (rule,) = of_kind(rendered["all-features"], "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
-    expected = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"]
+    # The alerts read recorded series: the recording group comes with them.
+    expected = (yaml.safe_load((CHART / "files" / "recording_rules.yaml").read_text())["groups"]
+                + yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"])
     assert rule["spec"]["groups"] == expected
     for group in rule["spec"]["groups"]:
         assert group["name"] and group["rules"]
@@ -369,6 +379,70 @@ def test_prometheusrule_carries_exactly_the_rendered_alert_groups(rendered, tmp_
         path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
         proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_prometheusrule_can_leave_recording_to_another_evaluator(helm):
+    docs = render(helm, sets=["monitoring.prometheusRule.enabled=true", "monitoring.prometheusRule.recordingRules=false"])
+    (rule,) = of_kind(docs, "PrometheusRule")
+    assert [g["name"] for g in rule["spec"]["groups"]] == ["parwatch-guardrails"]
+
+
+def _configmap(docs, suffix):
+    (cm,) = [c for c in of_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith(suffix)]
+    return cm
+
+
+def test_rule_files_configmap_passes_promtool_and_vmalert(rendered, tmp_path):
+    """The plain rule files an evaluator such as vmalert mounts: both files, valid for both tools."""
+    cm = _configmap(rendered["all-features"], "-rule-files")
+    assert set(cm["data"]) == {"recording_rules.yaml", "alerts.yaml"}
+    for key, text in cm["data"].items():
+        assert yaml.safe_load(text) == yaml.safe_load((CHART / "files" / key).read_text()), key
+        (tmp_path / key).write_text(text)
+    paths = [str(tmp_path / key) for key in sorted(cm["data"])]
+    promtool, vmalert = shutil.which("promtool"), shutil.which("vmalert")
+    if promtool:
+        proc = subprocess.run([promtool, "check", "rules", *paths], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    if vmalert:  # MetricsQL is PromQL's superset, but vmalert parses every expression itself
+        proc = subprocess.run([vmalert, "-dryRun", *(f"-rule={p}" for p in paths)], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_agent_config_scrapes_this_release_and_remote_writes(rendered, tmp_path):
+    """prometheus.yml for the user's agent-mode Prometheus. Debian's promtool is built without
+    Kubernetes discovery, so the discovery block is checked here and promtool checks the rest
+    with a static target in its place."""
+    docs = rendered["all-features"]
+    config = yaml.safe_load(_configmap(docs, "-prometheus-agent")["data"]["prometheus.yml"])
+    values = yaml.safe_load(CONFIGS["all-features"][0].read_text())["monitoring"]["agentConfig"]
+    assert config["remote_write"] == values["remoteWrite"]
+    assert config["global"]["scrape_interval"] == "10s" and config["global"]["external_labels"] == {"cluster": "train-a"}
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": [NAMESPACE]}}]
+    keep = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    selector = ";".join(SELECTOR[k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance"))
+    assert keep[0]["regex"] == selector and keep[0]["source_labels"] == [
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name", "__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    assert keep[1] == {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics", "action": "keep"}
+    # The port it keeps is the sidecar's, on the pods the selector picks.
+    for _, pod in pod_specs(docs):
+        assert "metrics" in [p["name"] for p in container(pod, "parwatch-sidecar", init=True)["ports"]]
+    promtool = shutil.which("promtool")
+    if promtool:
+        job = dict(job, static_configs=[{"targets": ["127.0.0.1:9400"]}])
+        del job["kubernetes_sd_configs"]
+        path = tmp_path / "prometheus.yml"
+        path.write_text(yaml.safe_dump(dict(config, scrape_configs=[job])))
+        proc = subprocess.run([promtool, "check", "config", "--agent", str(path)], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_agent_config_without_remote_write_is_refused(helm):
+    proc = run_helm(helm, "template", RELEASE, CHART, "--set", "monitoring.agentConfig.enabled=true")
+    assert proc.returncode != 0 and "monitoring.agentConfig.remoteWrite" in proc.stderr
 
 
 def test_trainjob_references_its_runtime(rendered):

@@ -118,7 +118,8 @@ def test_decisions_and_pending_directive_survive_a_restart(tmp_path):
         assert status["pending_directive"]["id"] == directive_id
         assert status["last_decisions"][-1]["reason"] == "before restart"
         assert status["ranks"] == {}  # the store starts empty; the engine's state does not
-        summaries = [syn.summary(r, 3, applied=[{"id": directive_id, "step": 3}]) for r in (0, 1)]
-        reply = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}).json()
+        summaries = [syn.summary(r, 3) for r in (0, 1)]
+        reply = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries,
+                                                                "outcomes": [syn.outcome(directive_id, step=3)]}).json()
         assert reply["directive"] is None
         assert httpx.get(f"{sp.control_url}/v1/status").json()["paused"] is True

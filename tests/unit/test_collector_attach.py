@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from parwatch.collector import attach_from_config
-from parwatch.collector.attach import read_token
+from parwatch.collector.attach import AttachError, read_token
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
 
 
 def test_builds_this_ranks_context_and_run_directory_files(hook_registry, tmp_path):
@@ -33,8 +32,8 @@ def test_token_file_is_read_and_a_bad_one_is_named(tmp_path, monkeypatch):
     assert read_token("") is None
     monkeypatch.setenv("PARWATCH_TOKEN", "from-env")
     assert read_token("") == "from-env"
-    with pytest.raises(ConfigError, match="--parwatch-token-file"):
+    with pytest.raises(AttachError, match="--parwatch-token-file"):
         read_token(str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("  \n")
-    with pytest.raises(ConfigError, match="empty"):
+    with pytest.raises(AttachError, match="empty"):
         read_token(str(tmp_path / "empty"))

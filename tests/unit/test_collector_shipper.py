@@ -78,7 +78,8 @@ def started(**kw):
 
 
 def test_summaries_reach_the_sidecar_with_the_token_and_its_directive_reaches_rank_0(sidecar):
-    sidecar.directive = {"id": 5, "action": "pause", "to_step": None, "skip_batches": 0, "reason": "operator"}
+    sidecar.directive = {"id": 5, "action": "pause", "run_id": "sim-run", "to_step": None, "skip_batches": 0,
+                         "reason": "operator"}
     run = started(endpoint=sidecar.url, token="s3cret")
     run_steps(run, 3, 0.1)
     wait_for(lambda: len(sidecar.ingested()) == 6, "6 summaries at the sidecar")
@@ -103,7 +104,8 @@ def test_rank_0_polls_with_empty_ingests_while_no_summaries_flow(sidecar):
     for i in range(3):
         run.boundary(0, "heartbeat", 1.0 + i, 1.5 + i)
     wait_for(lambda: any(body["summaries"] == [] for _, _, body in sidecar.requests), "an empty poll")
-    sidecar.directive = {"id": 8, "action": "resume", "to_step": None, "skip_batches": 0, "reason": ""}
+    sidecar.directive = {"id": 8, "action": "resume", "run_id": "sim-run", "to_step": None, "skip_batches": 0,
+                         "reason": ""}
     rank0 = run.ranks[0].collector
     wait_for(lambda: rank0.directives._latest is not None, "the resume directive")
     assert run.boundary(0, "resume", 5.0, 5.5).action == "resume"

@@ -1,9 +1,9 @@
 """A simulated trainer for the collector tests: fake clock, synthetic GPipe steps, the boundary protocol.
 
-It drives collectors exactly as trainer/executor.py does, through trainer.hooks:
-spans via `registry.span`, then per step `fill_boundary` on every rank,
-`pending_directive` on rank 0, the boundary collective as a "world" all_reduce
-span, and `emit_boundary`. Each simulated rank has its own HookRegistry and
+It drives collectors exactly as the contract's StepBoundary does: spans via
+`registry.span`, then per step `fill_boundary` on every rank, `pending_directive`
+on rank 0, the boundary all-reduce as a "boundary" span, the SUM of every rank's
+slots, and `emit_boundary`. Each simulated rank has its own HookRegistry and
 fake clock, so two ranks live in one process. The tests at the bottom check
 the synthetic schedule itself, so the other tests can rely on it.
 """
@@ -11,8 +11,7 @@ the synthetic schedule itself, so the other tests can rely on it.
 from __future__ import annotations
 
 from parwatch.collector import Collector, RunContext, attach
-from trainer.boundary import TRAINER_SLOTS
-from trainer.hooks import BoundaryInfo, HookRegistry, PerfCounterClock
+from parwatch.contract import HEADER_SLOTS, BoundaryInfo, HookRegistry, OutcomeReport, PerfCounterClock, SpanKind
 
 SEND_S = 0.0005  # an isend's span: posting to completion
 P2P_BYTES = 4096
@@ -64,7 +63,7 @@ class SimRun:
         self.world = len(ranks)
 
     def boundary(self, step: int, kind: str, enter: dict | float, exit_t: float, loss: float = 2.5,
-                 on_collective=None, share_marks: bool = False):
+                 on_collective=None, share_marks: bool = False, report: OutcomeReport | None = None):
         """One boundary: each rank enters at enter[rank] (or `enter`), all leave at exit_t.
 
         share_marks: info.start/end are the collective span's own marks (a trainer may do that).
@@ -78,21 +77,23 @@ class SimRun:
             rank.registry.fill_boundary(step, row)
             rows.append(row)
         directive = self.ranks[0].registry.pending_directive()
-        nbytes = 8 * (TRAINER_SLOTS + len(rows[0])) * self.world
+        summed = [sum(col) for col in zip(*rows)]
+        nbytes = 8 * (HEADER_SLOTS + len(summed))
         marks = []
         for r, rank in enumerate(self.ranks):
             rank.clock.at(enter[r])
             start = rank.registry.mark()
-            with rank.registry.span("collective", op="all_reduce", group="world", bytes=nbytes,
+            with rank.registry.span(SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=nbytes,
                                     group_size=self.world) as span:
                 rank.clock.at(exit_t)
             marks.append((span.start, span.end) if share_marks else (start, rank.registry.mark()))
         if on_collective is not None:
             on_collective()
         for r, rank in enumerate(self.ranks):
-            info = BoundaryInfo(step=step, kind=kind, rows=[], loss=loss, directive=directive,
-                                start=marks[r][0], end=marks[r][1])
-            rank.registry.emit_boundary(info, rows)
+            info = BoundaryInfo(step=step, kind=kind, loss=loss, directive=directive,
+                                report=report or OutcomeReport(0, {}, {}, None, self.world), start=marks[r][0],
+                                end=marks[r][1], world_size=self.world)
+            rank.registry.emit_boundary(info, list(summed))
         return directive
 
 

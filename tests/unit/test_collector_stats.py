@@ -81,54 +81,72 @@ def test_zero_duration_collective_reports_zero_bandwidth():
 
 
 # --- fast path ----------------------------------------------------------------------------------
-def row(step, stage, step_s, compute, other, idle, valid=True):
-    slots = [0.0] * gv.BOUNDARY_SLOTS
+def contribute(summed, *, rank, stage, step, step_s, compute, other, idle, valid=True, by_kind=None):
+    """Add one rank's slots into the summed vector, as the SUM all-reduce would."""
+    slots = [0.0] * len(summed)
     previous = breakdown(step_s, compute, other) if valid else None
-    gv.fill_slots(slots, previous=previous, previous_step=step, stage=stage, host=gv.host_key("h"))
-    assert not valid or slots[gv.IDLE] == pytest.approx(idle)
-    return slots
+    gv.fill_slots(slots, rank=rank, stage=stage, previous=previous, previous_step=step, by_kind=by_kind)
+    assert not valid or slots[gv.HEADER + stage * gv.STAGE_SLOTS + gv.IDLE] == pytest.approx(idle)
+    for i, v in enumerate(slots):
+        summed[i] += v
+
+
+def test_slots_do_not_grow_with_tp_or_dp():
+    assert gv.slots_for(4) == gv.HEADER + 4 * gv.STAGE_SLOTS
+    ctx_small = RunContext.for_rank("r", 0, tp=1, pp=4, dp=1, schedule="1f1b", microbatches=4)
+    ctx_big = RunContext.for_rank("r", 0, tp=8, pp=4, dp=512, schedule="1f1b", microbatches=4)
+    from parwatch.collector import Collector
+
+    assert Collector(ctx_small).boundary_slots == Collector(ctx_big).boundary_slots == gv.slots_for(4)
 
 
 def test_global_view_means_per_stage_and_skew_over_stages():
-    ctx = RunContext.for_rank("r", 0, tp=1, pp=2, dp=2, schedule="1f1b", microbatches=4)
-    rows = [
-        row(7, 0, 1.0, 0.1, 0.1, 0.8),  # rank 0: stage 0, replica 0
-        row(7, 1, 1.0, 0.4, 0.1, 0.5),  # rank 1: stage 1
-        row(7, 0, 1.0, 0.3, 0.1, 0.6),  # rank 2: stage 0, replica 1
-        row(7, 1, 1.0, 0.4, 0.1, 0.5),  # rank 3: stage 1
-    ]
-    g = gv.build_global_view(rows, ctx.stage_of, 7, 2.25)
+    summed = [0.0] * gv.slots_for(2)
+    contribute(summed, rank=0, stage=0, step=7, step_s=1.0, compute=0.1, other=0.1, idle=0.8,
+               by_kind={"forward": 0.04, "backward": 0.06})
+    contribute(summed, rank=1, stage=1, step=7, step_s=1.0, compute=0.4, other=0.1, idle=0.5)
+    contribute(summed, rank=2, stage=0, step=7, step_s=1.0, compute=0.3, other=0.1, idle=0.6,
+               by_kind={"forward": 0.1, "backward": 0.2})
+    contribute(summed, rank=3, stage=1, step=7, step_s=1.0, compute=0.4, other=0.1, idle=0.5)
+    g = gv.build_global_view(summed, 2, 2.25)
     assert g["step"] == 7 and g["loss"] == 2.25
     s0, s1 = g["stages"]
     assert (s0["stage"], s0["compute_seconds"], s0["idle_seconds"]) == (0, pytest.approx(0.2), pytest.approx(0.7))
-    assert s0["bubble_ratio"] == pytest.approx(0.7 / 0.9)
+    assert s0["bubble_ratio"] == pytest.approx(0.7 / 0.9) and s0["ranks"] == 2
+    assert (s0["forward_seconds"], s0["backward_seconds"]) == (pytest.approx(0.07), pytest.approx(0.13))
     assert s1["compute_seconds"] == pytest.approx(0.4)
-    assert g["pipeline_skew_ratio"] == pytest.approx(0.4 / 0.3)
+    assert g["pipeline_skew_ratio"] == pytest.approx(0.4 / 0.3) and g["slowest_stage"] == 1
 
 
-def test_global_view_leaves_out_invalid_rows_and_rows_of_another_step():
-    ctx = RunContext.for_rank("r", 0, tp=2, pp=2, dp=1, schedule="gpipe", microbatches=4)
-    rows = [row(3, 0, 1.0, 0.5, 0.0, 0.5), row(2, 0, 9.0, 9.0, 0.0, 0.0), row(3, 1, 1.0, 0.5, 0.0, 0.5),
-            row(3, 1, 0, 0, 0, 0, valid=False)]
-    g = gv.build_global_view(rows, ctx.stage_of, 3, float("nan"))
+def test_global_view_leaves_out_ranks_without_a_finished_step():
+    summed = [0.0] * gv.slots_for(2)
+    contribute(summed, rank=0, stage=0, step=3, step_s=1.0, compute=0.5, other=0.0, idle=0.5)
+    contribute(summed, rank=2, stage=1, step=3, step_s=1.0, compute=0.5, other=0.0, idle=0.5)
+    contribute(summed, rank=3, stage=1, step=3, step_s=0, compute=0, other=0, idle=0, valid=False)
+    g = gv.build_global_view(summed, 2, float("nan"))
     assert [s["compute_seconds"] for s in g["stages"]] == [0.5, 0.5]
+    assert [s["ranks"] for s in g["stages"]] == [1, 1]
     assert g["loss"] == "nan"
-    assert gv.build_global_view([row(3, 0, 0, 0, 0, 0, valid=False)], ctx.stage_of, 3, 1.0) is None
+    nothing = [0.0] * gv.slots_for(2)
+    contribute(nothing, rank=0, stage=0, step=3, step_s=0, compute=0, other=0, idle=0, valid=False)
+    assert gv.build_global_view(nothing, 2, 1.0) is None
 
 
 def test_no_compute_anywhere_is_no_skew():
-    ctx = RunContext.for_rank("r", 0, tp=1, pp=2, dp=1, schedule="gpipe", microbatches=4)
-    g = gv.build_global_view([row(1, 0, 1.0, 0, 0, 1.0), row(1, 1, 1.0, 0, 0, 1.0)], ctx.stage_of, 1, 1.0)
-    assert g["pipeline_skew_ratio"] == 1.0
+    summed = [0.0] * gv.slots_for(2)
+    contribute(summed, rank=0, stage=0, step=1, step_s=1.0, compute=0, other=0, idle=1.0)
+    contribute(summed, rank=1, stage=1, step=1, step_s=1.0, compute=0, other=0, idle=1.0)
+    assert gv.build_global_view(summed, 2, 1.0)["pipeline_skew_ratio"] == 1.0
 
 
-def test_shared_origin_is_the_earliest_candidate_of_this_host():
-    rows = [[0.0] * gv.BOUNDARY_SLOTS for _ in range(3)]
-    gv.fill_slots(rows[0], previous=None, previous_step=0, stage=0, host=gv.host_key("a"), origin_candidate=5.0)
-    gv.fill_slots(rows[1], previous=None, previous_step=0, stage=1, host=gv.host_key("a"), origin_candidate=4.5)
-    gv.fill_slots(rows[2], previous=None, previous_step=0, stage=0, host=gv.host_key("b"), origin_candidate=1.0)
-    assert gv.shared_origin(rows, gv.host_key("a")) == 4.5
-    assert gv.shared_origin(rows, gv.host_key("c")) is None
+def test_origin_is_rank_0s_wall_clock_only():
+    summed = [0.0] * gv.slots_for(2)
+    for rank, stage in ((0, 0), (1, 1), (2, 0)):
+        slots = [0.0] * len(summed)
+        gv.fill_slots(slots, rank=rank, stage=stage, previous=None, previous_step=0, origin=100.0 + rank)
+        summed = [a + b for a, b in zip(summed, slots)]
+    assert gv.origin_of(summed) == 100.0
+    assert gv.origin_of([0.0] * gv.slots_for(2)) is None
 
 
 # --- RunContext ---------------------------------------------------------------------------------
@@ -140,17 +158,23 @@ def test_run_context_derives_coordinates_like_parallel_dims():
         ctx = RunContext.for_rank("r", rank, tp=2, pp=3, dp=2, schedule="interleaved", microbatches=6, chunks=2)
         c = dims.coords(rank)
         assert (ctx.tp_rank, ctx.stage, ctx.dp_rank) == (c.tp_rank, c.pp_rank, c.dp_rank)
-        assert ctx.stage_of(rank) == c.pp_rank
     assert ctx.bubble_theoretical_ratio == pytest.approx(2 / 14)
 
 
 @pytest.mark.parametrize(
     "change, message",
-    [({"world_size": 5}, "world_size=5"), ({"stage": 1}, "for_rank"), ({"schedule": "zb"}, "schedule"),
-     ({"chunks": 2}, "interleaved"), ({"microbatches": 0}, "microbatches")],
+    [({"world_size": 5}, "world_size=5"), ({"stage": 2}, "stage=2"), ({"tp_rank": -1}, "tp_rank"),
+     ({"schedule": "zb v"}, "schedule"), ({"chunks": 2}, "interleaved"), ({"microbatches": 0}, "microbatches")],
 )
 def test_run_context_refuses_inconsistent_settings_naming_them(change, message):
     base = dict(run_id="r", rank=0, world_size=4, tp=2, pp=2, dp=1, tp_rank=0, dp_rank=0, stage=0,
                 schedule="gpipe", microbatches=4)
     with pytest.raises(ValueError, match=message):
         RunContext(**{**base, **change})
+
+
+def test_run_context_takes_any_mesh_order_and_schedule_name():
+    """Coordinates are given, not derived: e.g. a mesh with PP outermost and torch pipelining's names."""
+    ctx = RunContext(run_id="r", rank=1, world_size=4, tp=2, pp=2, dp=1, tp_rank=0, dp_rank=0, stage=1,
+                     schedule="ZBVZeroBubble", microbatches=4, chunks=2)
+    assert (ctx.stage, ctx.tp_rank) == (1, 0)

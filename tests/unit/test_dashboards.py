@@ -11,16 +11,20 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 from grafana_client.client import GrafanaClientError
 
+from parwatch import catalog
 from parwatch import dashboards as dash
+from parwatch import recording as rec
 from parwatch.cli.dashboards import dashboards as dashboards_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_FILE = ROOT / "dashboards" / "parwatch.json"
 PANEL_TYPES = {"timeseries", "stat", "bargauge", "heatmap"}
-GRAFANA_VARIABLES = {"$__rate_interval", "$__range", "$price_per_gpu_hour"}
+GRAFANA_VARIABLES = {"$__range", "$__range_s", "$price_per_gpu_hour", "$job"}
+RECORDED = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
 
 
 @pytest.fixture(scope="module")
@@ -83,24 +87,57 @@ def test_grid_positions_fit_and_do_not_overlap(board):
         taken |= cells
 
 
-def test_catalogue_names_follow_prometheus_conventions():
-    for m in dash.METRICS:
-        assert m.name.startswith("parwatch_")
-        assert m.name.endswith("_total") == (m.kind == "counter"), m.name
-        assert m.name.endswith("_info") == (m.kind == "info"), m.name
-        if m.name.endswith("_ratio") or m.kind == "histogram":
-            assert m.kind in {"gauge", "histogram"}, m.name
-        assert not {"step", "microbatch", "run_id"} & set(m.labels) or m.kind == "info", m.name
-
-
-def test_every_query_uses_catalogue_metrics_and_covers_all_of_them(board):
-    series = {s: m.name for m in dash.METRICS for s in m.series()}
-    used = set()
+def test_every_query_reads_only_recorded_series(board):
+    """A panel over per-rank series would read every rank's series at each refresh."""
+    recorded = rec.recorded_names()
     for expr in exprs(board):
-        for name in re.findall(r"\bparwatch_[a-z0-9_]+", expr):
-            assert name in series, f"{name} is not in the metric catalogue (parwatch.dashboards.METRICS): {expr}"
-            used.add(series[name])
-    assert used == {m.name for m in dash.METRICS}, "catalogue metrics without a panel"
+        for name in RECORDED.findall(expr):
+            assert name in recorded, f"{name} is not a recording rule (parwatch/recording.py): {expr}"
+        assert "parwatch_" not in RECORDED.sub("", expr), f"reads a raw series instead of a recorded one: {expr}"
+
+
+def test_a_dashboard_for_another_rate_window_reads_that_windows_recordings():
+    board = dash.build_dashboard(rate_window="2m")
+    recorded = rec.recorded_names("2m")
+    names = {name for expr in exprs(board) for name in RECORDED.findall(expr)}
+    assert names <= recorded, names - recorded
+    assert any(name.endswith("rate2m") for name in names)
+
+
+def test_cli_export_names_a_bad_rate_window():
+    result = CliRunner().invoke(dashboards_cli, ["export", "--rate-window", "a minute"])
+    assert result.exit_code == 2 and "--rate-window" in result.output
+
+
+def test_every_recorded_series_is_read_for_the_chosen_run(board):
+    """Recorded series keep the scrape job (one per run): each panel reads the run in $job only."""
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    job = variables["job"]
+    assert job["type"] == "query" and job["query"] == f"label_values({rec.job('parwatch_train_step', 'max')}, job)"
+    assert job["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and job["multi"] is False
+    for expr in exprs(board):
+        for m in RECORDED.finditer(expr):
+            assert expr[m.end():].startswith('{job=~"$job"}'), expr
+
+
+def test_every_catalogue_metric_reaches_a_panel(board):
+    """Through the recording rules the dashboard reads: a metric no panel shows is a metric nobody sees."""
+    used = {name for expr in exprs(board) for name in RECORDED.findall(expr)}
+    shown = set()
+    for r in rec.recordings():
+        if r.record in used:
+            shown |= {catalog.metric(n).name for n in re.findall(r"\bparwatch_[a-z0-9_]+", r.expr)}
+    assert {m.name for m in catalog.METRICS} - shown == set(), "catalogue metrics without a panel"
+
+
+def test_bubble_panels_and_alerts_read_the_stage_mean(board):
+    """One bubble per stage: the panel draws and the alert judges the same recorded series."""
+    excess = _panel(board, "Bubble excess (measured - theoretical)")
+    assert [t["expr"] for t in excess["targets"]] == [dash.for_run(rec.STAGE_BUBBLE_EXCESS)]
+    assert _panel(board, "Bubble ratio per stage vs theoretical")["targets"][0]["expr"] == dash.for_run(rec.STAGE_BUBBLE)
+    alerts = yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"][0]["rules"]
+    (alert,) = [a for a in alerts if a["labels"]["rule"] == "bubble-excess"]
+    assert rec.STAGE_BUBBLE_EXCESS in alert["expr"]
 
 
 def test_queries_only_use_known_variables(board):
@@ -116,7 +153,9 @@ def test_histograms_are_read_from_buckets(board):
         assert t["format"] == "heatmap" and "parwatch_collective_duration_seconds_bucket" in t["expr"]
         assert "by (le)" in t["expr"] and p["options"]["calculate"] is False
     quantiles = [e for e in exprs(board) if "histogram_quantile(0.99" in e]
-    assert any("by (le, op, group)" in e for e in quantiles)
+    buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds")
+    assert f"histogram_quantile(0.99, {dash.for_run(buckets)})" in quantiles
+    assert "sum by (job, op, group, le)" in {r.record: r.expr for r in rec.recordings()}[buckets]
 
 
 def _panel(board, title):

@@ -31,12 +31,22 @@ def nan_rule(**kw):
                    "skip_batches": "window", "cooldown_steps": 1, **kw})
 
 
+RUN_ID = "run-1"
+
+
+def outcome(engine, directive_id, result="applied", step=1, ranks=1, **extra):
+    """What rank 0 reports once every rank handled a directive (parwatch.contract's counts)."""
+    return engine.record_outcome({"directive_id": directive_id, "run_id": RUN_ID, "outcome": result, "step": step,
+                                  "counts": {result: ranks}, "ranks": ranks, **extra})
+
+
 class Run:
     """An engine fed one step at a time; the clock advances 1 s per step."""
 
     def __init__(self, rules, state_dir, clock=None):
         self.clock = clock or Clock()
         self.engine = GuardrailEngine(rules, state_dir, now=self.clock)
+        self.engine.begin_run(RUN_ID)
         self.step = 0
         self.checkpoints = ()
 
@@ -145,11 +155,11 @@ def test_no_data_is_not_a_finding_while_paused(tmp_path):
     run = Run(ruleset(skew_rule(no_data_seconds=100)), tmp_path)
     run.feed(pipeline_skew_ratio=1.0)
     pause = run.engine.request("pause", "operator")["directive_id"]
-    run.engine.acknowledge(pause, rank=0, step=1, world_size=1)
+    outcome(run.engine, pause, step=1)
     run.clock.t += 500
     assert run.engine.check_no_data() == []
     resume = run.engine.request("resume", "operator")["directive_id"]
-    run.engine.acknowledge(resume, rank=0, step=1, world_size=1)
+    outcome(run.engine, resume, step=1)
     run.clock.t += 50
     assert run.engine.check_no_data() == []  # the clock restarts at resume
     run.clock.t += 60
@@ -179,8 +189,8 @@ def test_rollback_goes_before_the_failing_window_and_skips_it(tmp_path):
     assert record["evidence"]["window"] == [5, 7]
     assert (record["action"], record["checkpoint"], record["skip_batches"]) == ("rollback", 4, 3)
     directive = run.engine.pending_directive()
-    assert directive == {"id": record["directive_id"], "action": "rollback", "to_step": 4, "skip_batches": 3,
-                         "reason": record["reason"]}
+    assert directive == {"id": record["directive_id"], "action": "rollback", "run_id": RUN_ID, "to_step": 4,
+                         "skip_batches": 3, "reason": record["reason"]}
 
 
 def test_fixed_skip_batches(tmp_path):
@@ -260,6 +270,8 @@ def test_operator_requests(tmp_path):
     run = Run(ruleset(skew_rule()), tmp_path)
     with pytest.raises(ValueError, match="no checkpoint"):
         run.engine.request("rollback", "operator")
+    with pytest.raises(ValueError, match="no checkpoint"):
+        run.engine.request("rollback", "operator", to_step=3)  # not known: not verified either
     run.checkpoints = (10, 20)
     run.feed(pipeline_skew_ratio=1.0)
     record = run.engine.request("rollback", "operator", reason="bad data", requested_by="alice")
@@ -282,25 +294,92 @@ def test_alertmanager_mirror_of_a_rule_that_acted_is_not_enforced_twice(tmp_path
     assert record["enforced"] is False and record["directive_id"] is None and record["alert_rule"] == "nan"
 
 
-def test_directive_applied_once_every_rank_acknowledged(tmp_path):
+def test_one_outcome_record_completes_a_directive_for_every_rank(tmp_path):
     run = Run(ruleset(skew_rule()), tmp_path)
     run.feed(pipeline_skew_ratio=1.0)
     pause = run.engine.request("pause", "operator")["directive_id"]
     resume = run.engine.request("resume", "operator")["directive_id"]
     assert run.engine.pending_directive()["id"] == pause  # oldest first
-    run.engine.acknowledge(pause, rank=0, step=2, world_size=2)
-    run.engine.acknowledge(pause, rank=0, step=2, world_size=2)  # a repeated ack counts once
-    assert run.engine.pending_directive()["id"] == pause and not run.engine.paused
-    run.engine.acknowledge(pause, rank=1, step=2, world_size=2)
+    assert not run.engine.paused
+    outcome(run.engine, pause, step=2, ranks=4)
     assert run.engine.paused and run.engine.pending_directive()["id"] == resume
     applied = run.engine.decisions(1)[0]
-    assert applied == {"type": "applied", "directive_id": pause, "action": "pause", "step": 2,
-                       "time": run.clock.t, "ranks": [0, 1]}
-    for rank in (0, 1):
-        run.engine.acknowledge(resume, rank=rank, step=3, world_size=2)
+    assert applied == {"type": "applied", "directive_id": pause, "action": "pause", "decision_id": 1, "step": 2,
+                       "time": run.clock.t, "ranks": "0-3", "rank_count": 4, "counts": {"applied": 4}}
+    outcome(run.engine, resume, step=3, ranks=4)
     assert not run.engine.paused and run.engine.pending_directive() is None
-    run.engine.acknowledge(resume, rank=0, step=3, world_size=2)  # late duplicate: ignored
-    assert [r["type"] for r in log_lines(tmp_path)] == ["decision", "decision", "applied", "applied"]
+    (late,) = outcome(run.engine, resume, step=3, ranks=4)  # reported twice: recorded, not acted on
+    assert late["note"].startswith("not outstanding") and not run.engine.paused
+    assert [r["type"] for r in log_lines(tmp_path)] == ["decision", "decision", "applied", "applied", "applied"]
+
+
+def test_a_substituted_rollback_records_the_step_loaded_and_forgets_later_checkpoints(tmp_path):
+    run = Run(ruleset(nan_rule()), tmp_path)
+    run.checkpoints = (4, 8)
+    for _ in range(9):
+        run.feed(loss=1.0)
+    (decision,) = run.feed(loss=math.nan)  # step 10
+    assert decision["checkpoint"] == 8
+    (record,) = outcome(run.engine, decision["directive_id"], "substituted", step=4, ranks=4, loaded_step=4)
+    assert (record["type"], record["requested_step"], record["loaded_step"], record["substituted"]) == (
+        "substituted", 8, 4, True)
+    assert run.engine.pending_directive() is None
+    with pytest.raises(ValueError, match="not a known verified checkpoint"):
+        run.engine.request("rollback", "operator", to_step=8)  # the abandoned timeline's
+
+
+def test_a_failed_rollback_pauses_and_alerts_instead_of_unpausing(tmp_path):
+    run = Run(ruleset(nan_rule()), tmp_path)
+    run.checkpoints = (4,)
+    for _ in range(5):
+        run.feed(loss=1.0)
+    (decision,) = run.feed(loss=math.nan)
+    assert decision["action"] == "rollback"
+    failed, pause, alert = outcome(run.engine, decision["directive_id"], "failed", step=2, ranks=4,
+                                   reasons={"checkpoint_corrupt": 4})
+    assert failed["type"] == "failed" and failed["reasons"] == {"checkpoint_corrupt": 4}
+    assert (pause["action"], pause["escalated"], pause["failed_directive_id"]) == ("pause", True,
+                                                                                   decision["directive_id"])
+    assert alert["action"] == "alert" and "checkpoint_corrupt on 4 ranks" in alert["reason"]
+    assert run.engine.pending_directive()["id"] == pause["directive_id"]
+    assert not run.engine.paused  # until the run reports the pause applied
+    outcome(run.engine, pause["directive_id"], step=2, ranks=4)
+    assert run.engine.paused
+
+
+def test_cancel_withdraws_an_outstanding_directive(tmp_path):
+    run = Run(ruleset(skew_rule()), tmp_path)
+    run.feed(pipeline_skew_ratio=1.0)
+    pause = run.engine.request("pause", "operator")["directive_id"]
+    record = run.engine.cancel(pause, requested_by="operator:alice")
+    assert (record["type"], record["directive_id"], record["action"]) == ("cancelled", pause, "pause")
+    assert run.engine.pending_directive() is None
+    with pytest.raises(ValueError, match="not outstanding"):
+        run.engine.cancel(pause)
+
+
+def test_a_new_run_starts_a_clean_engine_and_the_old_one_is_archived(tmp_path):
+    run = Run(ruleset(nan_rule()), tmp_path)
+    run.checkpoints = (0,)
+    run.feed(loss=math.nan)  # a rollback stays outstanding when the run ends
+    assert run.engine.pending_directive()["action"] == "rollback"
+    assert run.engine.begin_run("run-2") is True
+    assert run.engine.pending_directive() is None  # never handed to the next run
+    assert run.engine.states()["nan"]["state"] == "ok" and not (tmp_path / "decisions.jsonl").exists()
+    archived = [json.loads(line) for line in (tmp_path / "runs" / RUN_ID / "decisions.jsonl").read_text().splitlines()]
+    assert [r["action"] for r in archived] == ["rollback"]
+    with pytest.raises(ValueError, match="already ended"):
+        run.engine.begin_run(RUN_ID)  # a late post of the old run does not take it back
+    again = GuardrailEngine(ruleset(nan_rule()), tmp_path, now=run.clock)
+    assert again.run_id == "run-2" and again.pending_directive() is None
+
+
+def test_a_run_id_cannot_climb_out_of_the_archive(tmp_path):
+    run = Run(ruleset(nan_rule()), tmp_path / "state")
+    run.feed(loss=1.0)
+    run.engine.begin_run("../../etc")
+    run.engine.begin_run("run-3")
+    assert (tmp_path / "state" / "runs" / "run-1").is_dir() and (tmp_path / "state" / "runs" / "_.._etc").is_dir()
 
 
 def test_log_is_strict_json_with_nan_as_strings(tmp_path):
@@ -322,7 +401,7 @@ def test_restart_continues_from_persisted_state(tmp_path):
     run.feed(pipeline_skew_ratio=1.5, loss=math.nan)  # rollback directive, outstanding
     run.engine.request("pause", "operator")
     pause_id = run.engine.decisions(1)[0]["directive_id"]
-    run.engine.acknowledge(pause_id, rank=0, step=2, world_size=1)  # the rollback stays outstanding
+    outcome(run.engine, pause_id, step=2)  # the rollback stays outstanding
 
     again = Run(rules, tmp_path, clock)
     again.step, again.checkpoints = run.step, run.checkpoints

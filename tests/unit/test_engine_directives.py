@@ -10,14 +10,15 @@ RULES = "version: 1\nrules:\n  - name: skew\n    metric: pipeline_skew_ratio\n  
 
 def _engine(tmp_path):
     engine = GuardrailEngine(parse_rules(RULES), tmp_path, now=lambda: 1000.0)
+    engine.begin_run("r")
     engine.evaluate(Observation(step=1, time=1000.0, series={"pipeline_skew_ratio": {"": 1.0}}, checkpoints=(0,)))
     return engine
 
 
 def _apply(engine, world=2, step=5):
     d = engine.pending_directive()
-    for rank in range(world):
-        engine.acknowledge(d["id"], rank, step, world)
+    engine.record_outcome({"directive_id": d["id"], "run_id": "r", "outcome": "applied", "step": step,
+                           "loaded_step": d["to_step"], "counts": {"applied": world}, "ranks": world})
     return d
 
 
@@ -52,8 +53,10 @@ def test_a_rollback_applied_during_a_pause_ends_the_pause(tmp_path):
 
 def test_a_sidecar_that_lost_its_state_still_issues_ids_newer_than_the_trainer_saw(tmp_path):
     old = GuardrailEngine(parse_rules(RULES), tmp_path / "old", now=lambda: 1000.0)
+    old.begin_run("r")
     seen = old.request("pause", "operator")["directive_id"]
     fresh = GuardrailEngine(parse_rules(RULES), tmp_path / "new", now=lambda: 1001.0)
+    fresh.begin_run("r")
     assert fresh.request("pause", "operator")["directive_id"] > seen
     again = GuardrailEngine(parse_rules(RULES), tmp_path / "old", now=lambda: 5.0)  # restart, state kept
     assert again.request("resume", "operator")["directive_id"] == seen + 1

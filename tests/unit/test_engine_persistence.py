@@ -68,6 +68,7 @@ class Run:
         self.dir, self.rules = state_dir, RuleSet(rules=rules)
         self.clock = clock or Clock()
         self.engine = GuardrailEngine(self.rules, state_dir, now=self.clock)
+        self.engine.begin_run("r")
         self.step = 0
 
     def feed(self, checkpoints=(), **series):
@@ -147,15 +148,16 @@ def test_counter_flush_seconds_zero_writes_every_evaluation(tmp_path):
 
 
 def test_every_record_is_fsynced_on_append(tmp_path, monkeypatch):
-    fsyncs = Fsyncs(monkeypatch)
     run = Run(tmp_path, nan_rule())
     run.feed(loss=1.0, checkpoints=(0,))
+    # Counted from here: files are told apart by inode, and an earlier state.json's may be reused.
+    fsyncs = Fsyncs(monkeypatch)
     log = tmp_path / "decisions.jsonl"
     (record,) = run.feed(loss=math.nan, checkpoints=(0,))  # a rule's rollback
     assert fsyncs.of(log) == 1
     run.engine.request("pause", "operator")
     assert fsyncs.of(log) == 2
-    run.engine.acknowledge(record["directive_id"], rank=0, step=2, world_size=1)  # an "applied" record
+    applied(run.engine, record["directive_id"])  # an "applied" record
     assert fsyncs.of(log) == 3
     assert len(log.read_text().splitlines()) == 3
 
@@ -177,36 +179,40 @@ def test_what_each_write_syncs(tmp_path, monkeypatch):
     assert fsyncs.dirs() == 2
 
 
+def applied(engine, directive_id, step=2, ranks=2):
+    return engine.record_outcome({"directive_id": directive_id, "run_id": "r", "outcome": "applied", "step": step,
+                                  "counts": {"applied": ranks}, "ranks": ranks})
+
+
 def test_restart_after_a_crash_keeps_states_and_directives(tmp_path):
     run = Run(tmp_path, skew_rule(), nan_rule())
     run.feed(pipeline_skew_ratio=1.5, loss=1.0, checkpoints=(0,))
     (rollback,) = run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))
     pause = run.engine.request("pause", "operator")
-    run.engine.acknowledge(pause["directive_id"], rank=0, step=2, world_size=2)  # one of two ranks
     run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))  # counters only: lost in the crash
 
     again = run.restarted()  # no close(): a crash
     states = again.states()
     assert (states["skew"]["state"], states["skew"]["failing_steps"]) == ("pending", 2)
     assert states["nan"]["state"] == "firing"
+    assert again.run_id == "r"
     assert again.pending_directive()["id"] == rollback["directive_id"]
-    for rank in (0, 1):
-        again.acknowledge(rollback["directive_id"], rank=rank, step=2, world_size=2)
+    applied(again, rollback["directive_id"])
     assert again.pending_directive()["id"] == pause["directive_id"]
-    again.acknowledge(pause["directive_id"], rank=1, step=2, world_size=2)  # rank 0's ack survived
+    applied(again, pause["directive_id"])
     assert again.paused and again.pending_directive() is None
     assert again.request("resume", "operator")["id"] == 3  # ids continue
 
 
-def test_a_repeated_ack_writes_nothing(tmp_path, monkeypatch):
+def test_an_outcome_is_durable_before_the_call_returns(tmp_path, monkeypatch):
     run = Run(tmp_path, skew_rule())
     run.feed(pipeline_skew_ratio=1.0)
     pause = run.engine.request("pause", "operator")["directive_id"]
-    run.engine.acknowledge(pause, rank=0, step=1, world_size=2)
     fsyncs = Fsyncs(monkeypatch)
-    run.engine.acknowledge(pause, rank=0, step=1, world_size=2)
-    run.engine.acknowledge(pause + 7, rank=0, step=1, world_size=2)  # unknown id
-    assert fsyncs.synced == []
+    applied(run.engine, pause)
+    assert fsyncs.of(tmp_path / "decisions.jsonl") == 1 and fsyncs.of(tmp_path / "state.json") == 1
+    assert fsyncs.dirs() == 1
+    assert run.restarted().paused
 
 
 # -- the per-step fast paths agree with the plain definitions -----------------------------------------

@@ -3,6 +3,7 @@
 import pytest
 
 from trainer import hooks
+from parwatch.contract import OutcomeReport
 from trainer.hooks import BoundaryInfo, HookRegistry, Observer
 
 
@@ -111,13 +112,14 @@ def test_boundary_slots_are_filled_and_sliced_per_observer(reg):
     reg.fill_boundary(7, row)
     assert row == [1.0, 2.0, 3.0, 4.0, 5.0]
 
-    # Two ranks' observer rows, as the boundary collective returns them.
-    rows = [[1.0, 2.0, 3.0, 4.0, 5.0], [10.0, 20.0, 30.0, 40.0, 50.0]]
-    info = BoundaryInfo(step=7, kind="step", rows=[[0.0] * 6] * 2, loss=1.5, directive=None)
-    reg.emit_boundary(info, rows)
-    assert two.boundaries[0][1] == [[1.0, 2.0], [10.0, 20.0]]
-    assert none.boundaries[0][1] == [[], []]
-    assert three.boundaries[0][1] == [[3.0, 4.0, 5.0], [30.0, 40.0, 50.0]]
+    # The summed vector (every rank's part added up), as the boundary all-reduce returns it.
+    summed = [11.0, 22.0, 33.0, 44.0, 55.0]
+    info = BoundaryInfo(step=7, kind="step", loss=1.5, directive=None,
+                        report=OutcomeReport(0, {}, {}, None, 2), world_size=2)
+    reg.emit_boundary(info, summed)
+    assert two.boundaries[0][1] == [11.0, 22.0]
+    assert none.boundaries[0][1] == []
+    assert three.boundaries[0][1] == [33.0, 44.0, 55.0]
     assert all(obs.boundaries[0][0] is info for obs in (two, none, three))
 
 

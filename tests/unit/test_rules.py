@@ -297,12 +297,13 @@ def test_render_maps_rules_to_promql_with_severity_and_for():
     doc = alerts.render_alert_rules(rs, runbook_base="https://x/runbook.md", step_seconds=10)
     skew, nan = doc["groups"][0]["rules"]
     assert skew["alert"] == "ParwatchSkew"
-    assert skew["expr"] == "max(parwatch_pipeline_skew_ratio) > 1.5"
+    # Alerts read recorded series (parwatch/recording.py), never per-rank ones.
+    assert skew["expr"] == "max by (job) (job:parwatch_pipeline_skew_ratio:max) > 1.5"
     assert skew["for"] == "20s"
     assert skew["labels"] == {"severity": "warning", "parwatch_action": "alert", "rule": "skew"}
     assert skew["annotations"]["runbook_url"] == "https://x/runbook.md#skew"
     assert nan["labels"]["severity"] == "page" and "for" not in nan
-    assert "parwatch_loss != " in nan["expr"].replace(")", "") and "+Inf" in nan["expr"]
+    assert "job:parwatch_loss:sum != " in nan["expr"].replace(")", "") and "+Inf" in nan["expr"]
 
 
 def test_render_for_uses_the_longer_of_steps_and_seconds():

@@ -75,7 +75,7 @@ def test_rollback_and_resume_and_decisions(served):
 
 def test_refusals_and_bad_tokens_are_one_line_errors(served, tmp_path):
     result = cli(rollback, served, "--to-step", "99")
-    assert result.exit_code == 1 and "400" in result.output and "not a known checkpoint" in result.output
+    assert result.exit_code == 1 and "400" in result.output and "not a known verified checkpoint" in result.output
     wrong = tmp_path / "wrong"
     wrong.write_text("nope")
     result = CliRunner().invoke(status, ["--endpoint", served[0], "--token-file", str(wrong)])

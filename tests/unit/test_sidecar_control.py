@@ -1,5 +1,5 @@
 """Directives end to end through the real engine: operator control, guardrail decisions from
-ingested summaries, acknowledgements, and the Alertmanager webhook (dedupe, resolved)."""
+ingested summaries, outcome records, and the Alertmanager webhook (dedupe, resolved)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def setup(tmp_path):
     return make(tmp_path)
 
 
-def ingest_step(client, step, checkpoints=(), applied=(), global_loss=None) -> dict:
-    """Both ranks of a 2-stage run report `step`; rank 0 carries the global view of step-1."""
-    r = client.post("/v1/ingest", json={"version": 1, "summaries": [
-        syn.summary(0, step, checkpoints=checkpoints, applied=applied, global_stages=STAGES, global_loss=global_loss),
-        syn.summary(1, step, applied=applied),
+def ingest_step(client, step, checkpoints=(), outcomes=(), global_loss=None) -> dict:
+    """Both ranks of a 2-stage run report `step`; rank 0 carries the global view of step-1 and any outcomes."""
+    r = client.post("/v1/ingest", json={"version": 1, "outcomes": list(outcomes), "summaries": [
+        syn.summary(0, step, checkpoints=checkpoints, global_stages=STAGES, global_loss=global_loss),
+        syn.summary(1, step),
     ]})
     assert r.status_code == 200, r.text
     return r.json()
@@ -38,7 +38,7 @@ def decisions(client, limit=50):
     return [d for d in client.get("/v1/decisions", params={"limit": limit}).json() if d["type"] == "decision"]
 
 
-def test_operator_pause_reaches_the_next_ingest_and_ack_applies_it(setup):
+def test_operator_pause_reaches_the_next_ingest_and_its_outcome_applies_it(setup):
     sidecar, client = setup
     assert ingest_step(client, 1)["directive"] is None
     r = client.post("/v1/control", json={"action": "pause", "reason": "look at the loss"})
@@ -46,30 +46,52 @@ def test_operator_pause_reaches_the_next_ingest_and_ack_applies_it(setup):
     decision = r.json()
     assert decision["action"] == "pause" and decision["source"] == "operator" and decision["enforced"]
     directive = ingest_step(client, 2)["directive"]
-    assert directive == {"id": decision["directive_id"], "action": "pause", "to_step": None, "skip_batches": 0,
-                         "reason": "look at the loss"}
+    assert directive == {"id": decision["directive_id"], "action": "pause", "run_id": "synthetic", "to_step": None,
+                         "skip_batches": 0, "reason": "look at the loss"}
     assert client.get("/v1/status").json()["paused"] is False  # not applied yet
-    after = ingest_step(client, 3, applied=[{"id": directive["id"], "step": 3}])
+    after = ingest_step(client, 3, outcomes=[syn.outcome(directive["id"], step=2)])
     assert after["directive"] is None
     status = client.get("/v1/status").json()
     assert status["paused"] is True and status["pending_directive"] is None
     applied = [d for d in client.get("/v1/decisions").json() if d["type"] == "applied"]
-    assert applied[-1]["directive_id"] == directive["id"] and applied[-1]["ranks"] == [0, 1]
-    # resume then goes the same way
+    assert applied[-1]["directive_id"] == directive["id"] and applied[-1]["ranks"] == "0-1"
+    # resume then goes the same way, in a poll while paused (no summaries)
     client.post("/v1/control", json={"action": "resume"})
     resume = ingest_step(client, 4)["directive"]
     assert resume["action"] == "resume"
-    ingest_step(client, 5, applied=[{"id": resume["id"], "step": 5}])
+    r = client.post("/v1/ingest", json={"version": 1, "summaries": [], "outcomes": [syn.outcome(resume["id"])]})
+    assert r.status_code == 200 and r.json()["directive"] is None
     assert client.get("/v1/status").json()["paused"] is False
 
 
-def test_one_rank_acknowledging_is_not_enough(setup):
+def test_an_outcome_of_another_run_is_not_acted_on(setup):
     sidecar, client = setup
     ingest_step(client, 1)
     directive_id = client.post("/v1/control", json={"action": "pause"}).json()["directive_id"]
-    client.post("/v1/ingest", json={"version": 1, "summaries": [
-        syn.summary(0, 2, applied=[{"id": directive_id, "step": 2}])]})
+    ingest_step(client, 2, outcomes=[syn.outcome(directive_id, run_id="another-run")])
     assert client.get("/v1/status").json()["pending_directive"]["id"] == directive_id
+
+
+def test_cancel_withdraws_a_pending_directive(setup):
+    sidecar, client = setup
+    ingest_step(client, 1)
+    directive_id = client.post("/v1/control", json={"action": "pause"}).json()["directive_id"]
+    r = client.post(f"/v1/directives/{directive_id}/cancel", json={"requested_by": "operator:bob"})
+    assert r.status_code == 200 and r.json()["type"] == "cancelled"
+    assert ingest_step(client, 2)["directive"] is None
+    again = client.post(f"/v1/directives/{directive_id}/cancel", json={})
+    assert again.status_code == 404 and "not outstanding" in again.json()["detail"]
+
+
+def test_a_new_run_starts_with_nothing_pending(setup):
+    sidecar, client = setup
+    ingest_step(client, 1)
+    client.post("/v1/control", json={"action": "pause"})
+    r = client.post("/v1/ingest", json={"version": 1, "summaries": [
+        syn.summary(0, 1, run_id="next-run", global_stages=STAGES)]})
+    assert r.json()["directive"] is None
+    status = client.get("/v1/status").json()
+    assert status["pending_directive"] is None and status["run"]["run_id"] == "next-run"
 
 
 def test_rollback_needs_a_known_checkpoint(setup):
@@ -81,7 +103,8 @@ def test_rollback_needs_a_known_checkpoint(setup):
     r = client.post("/v1/control", json={"action": "rollback", "to_step": 1, "skip_batches": 3})
     assert r.status_code == 200
     assert ingest_step(client, 3)["directive"] | {"reason": ""} == {
-        "id": r.json()["directive_id"], "action": "rollback", "to_step": 1, "skip_batches": 3, "reason": ""}
+        "id": r.json()["directive_id"], "action": "rollback", "run_id": "synthetic", "to_step": 1,
+        "skip_batches": 3, "reason": ""}
 
 
 @pytest.mark.parametrize("payload, expected", [
@@ -160,6 +183,7 @@ def test_alerts_without_a_directive_action_are_ignored(setup):
 
 def test_alert_dedupe_survives_a_sidecar_restart(tmp_path):
     _, client = make(tmp_path)
+    ingest_step(client, 1)
     client.post("/v1/alerts", json=webhook(alert()))
     _, again = make(tmp_path)
     assert again.post("/v1/alerts", json=webhook(alert())).json() == {"acted": 0}

@@ -202,7 +202,9 @@ def test_guardrail_families_follow_the_engine(env, tmp_path):
     sidecar, control, metrics, _ = env
     run_steps(control, [1])
     directive_id = control.post("/v1/control", json={"action": "pause"}).json()["directive_id"]
-    post(control, *[syn.summary(r, 2, tp=2, pp=2, applied=[{"id": directive_id, "step": 2}]) for r in range(4)])
+    r = control.post("/v1/ingest", json={"version": 1, "summaries": [syn.summary(r, 2, tp=2, pp=2) for r in range(4)],
+                                         "outcomes": [syn.outcome(directive_id, step=2, ranks=4)]})
+    assert r.status_code == 200, r.text
     fams = families(metrics)
     assert samples(fams["parwatch_run_paused"]) == {(): 1}
     actions = samples(fams["parwatch_guardrail_actions_total"], "_total")

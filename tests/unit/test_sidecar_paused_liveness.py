@@ -35,8 +35,7 @@ def test_polls_while_paused_keep_every_rank_up_but_not_while_running(tmp_path):
     _ingest(client, [syn.summary(0, 1), syn.summary(1, 1)])
     client.post("/v1/control", json={"action": "pause"})
     directive = _ingest(client, [syn.summary(0, 2), syn.summary(1, 2)])["directive"]
-    applied = [{"id": directive["id"], "step": 3}]
-    _ingest(client, [syn.summary(0, 3, applied=applied), syn.summary(1, 3, applied=applied)])
+    client.post("/v1/ingest", json={"version": 1, "summaries": [], "outcomes": [syn.outcome(directive["id"], step=2)]})
     assert sidecar.engine.paused
     for _ in range(10):  # five minutes of pause, rank 0 polling after heartbeats
         clock.t += 30.0
@@ -48,8 +47,8 @@ def test_polls_while_paused_keep_every_rank_up_but_not_while_running(tmp_path):
     _ingest(client, [], alive=True)
     client.post("/v1/control", json={"action": "resume"})
     resume = _ingest(client, [])["directive"]
-    applied = [{"id": resume["id"], "step": 3}]
-    _ingest(client, [syn.summary(0, 4, applied=applied), syn.summary(1, 4, applied=applied)])
+    client.post("/v1/ingest", json={"version": 1, "summaries": [], "outcomes": [syn.outcome(resume["id"], step=3)]})
+    _ingest(client, [syn.summary(0, 4), syn.summary(1, 4)])
     assert not sidecar.engine.paused
     clock.t += 31.0
     _ingest(client, [], alive=True)  # running again: only summaries count

@@ -10,7 +10,7 @@ from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.transfer import TransferTracker, split_instance, transfer_families
-from trainer.hooks import Span
+from parwatch.contract import Span
 
 MS = 1e-3
 

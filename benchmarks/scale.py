@@ -1,0 +1,125 @@
+"""parwatch at scale, in simulation: rank 0's step-boundary work and payload at N ranks, and the leader.
+
+    python benchmarks/scale.py [--ranks 16384] [--tp 8] [--pp 16] [--steps 2000] [--out benchmarks/results/scale.json]
+
+Rank 0's boundary: every one of the N simulated ranks fills its part of the boundary vector once
+(parwatch.contract.StepBoundary + the real Collector), the parts are summed as the SUM all-reduce
+would, and rank 0 then runs --steps real boundaries whose all-reduce returns that sum at once. The
+time measured is rank 0's own Python work per boundary (packing, decoding, the collector's global
+view and summary), not the all-reduce's transfer. The payload per rank is the vector's width x 8 bytes:
+the same at every world size.
+
+The leader (digest ingest, RSS, time to name a hang among N ranks) comes from
+benchmarks/hang_detection.py when it is there.
+
+Goal: rank0_boundary_seconds_p50 <= 1 ms at 16,384 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import print_table, write_json  # noqa: E402
+
+from parwatch.collector import Collector, RunContext, attach  # noqa: E402
+from parwatch.contract import BoundaryKind, HookRegistry, SpanKind, StepBoundary  # noqa: E402
+
+
+def _rank(rank: int, a, registry: HookRegistry, reduce) -> tuple[StepBoundary, Collector]:
+    ctx = RunContext.for_rank("scale-run", rank, tp=a.tp, pp=a.pp, dp=a.ranks // (a.tp * a.pp), schedule="1f1b",
+                              microbatches=a.microbatches)
+    collector = attach(Collector(ctx, span_sample_steps=None), registry)
+    last = ctx.stage == a.pp - 1 and ctx.tp_rank == 0
+    return StepBoundary(rank, ctx.world_size, ctx.run_id, reduce, reports_loss=last, registry=registry), collector
+
+
+def _one_step(registry: HookRegistry, stage: int) -> None:
+    """A few spans, so the collector has a step to report."""
+    for mb in range(2):
+        with registry.span(SpanKind.FORWARD, stage=stage, microbatch=mb, chunk=0):
+            pass
+        with registry.span(SpanKind.BACKWARD, stage=stage, microbatch=mb, chunk=0):
+            pass
+
+
+def rank0_boundary(a) -> dict:
+    """Rank 0's boundary seconds per step and the bytes every rank contributes."""
+    world = a.ranks
+    # Every rank's contribution to one boundary (after a finished step), summed as the all-reduce does.
+    summed, width = None, None
+    for rank in range(world):
+        reg = HookRegistry()
+        parts = []
+
+        def capture(values, parts=parts):
+            parts.append(list(values))
+            return list(values)
+
+        boundary, collector = _rank(rank, a, reg, capture)
+        boundary.exchange(BoundaryKind.START, 0)
+        _one_step(reg, collector.ctx.stage)
+        boundary.exchange(BoundaryKind.STEP, 1, loss=2.0)
+        _one_step(reg, collector.ctx.stage)
+        boundary.exchange(BoundaryKind.STEP, 2, loss=2.0)  # reports step 1 into its stage's block
+        vec = parts[-1]
+        width = len(vec)
+        summed = vec if summed is None else [x + y for x, y in zip(summed, vec)]
+        collector.close(timeout=1)
+
+    reg = HookRegistry()
+    boundary, collector = _rank(0, a, reg, lambda values: summed)
+    boundary.exchange(BoundaryKind.START, 0)
+    times = []
+    for step in range(1, a.steps + 1):
+        _one_step(reg, 0)
+        t0 = time.perf_counter()
+        boundary.exchange(BoundaryKind.STEP, step, loss=2.0)
+        times.append(time.perf_counter() - t0)
+    g = collector.last_summary["global"]
+    assert g is not None and sum(s["ranks"] for s in g["stages"]) == world, "every rank must be in the view"
+    collector.close(timeout=1)
+    times.sort()
+    return {"rank0_boundary_seconds_p50": statistics.median(times),
+            "rank0_boundary_seconds_p99": times[int(0.99 * (len(times) - 1))],
+            "boundary_bytes_per_rank": width * 8, "boundary_floats": width}
+
+
+def leader(a) -> dict:
+    """The leader's digest ingest, RSS and time to name a hang (benchmarks/hang_detection.py)."""
+    try:
+        import hang_detection
+    except ImportError:
+        return {}
+    return hang_detection.leader_at_scale(a.ranks)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=16384)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--pp", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
+    a = p.parse_args()
+    if a.ranks % (a.tp * a.pp):
+        p.error(f"--ranks={a.ranks} must be a multiple of tp*pp={a.tp * a.pp}")
+    result = {"ranks": a.ranks, "tp": a.tp, "pp": a.pp, "dp": a.ranks // (a.tp * a.pp)}
+    result.update(rank0_boundary(a))
+    result.update(leader(a))
+    rows = [[k, f"{v * 1e3:.3f} ms" if k.endswith("_seconds_p50") or k.endswith("_seconds_p99") else v]
+            for k, v in result.items()]
+    print_table(["measure", "value"], rows)
+    write_json(a.out, {"results": result})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The metric catalogue: every series parwatch exports, defined once.
+
+The dashboard (parwatch/dashboards.py), the recording rules (parwatch/recording.py), the alert
+rules (parwatch/guardrails/alerts.py) and the tests read names, types and labels from here; the
+sidecar's exporter is held to it by tests/unit/test_catalog.py. Conventions (DESIGN.md): prefix
+`parwatch_`, base units, `_total` only on counters, ratios 0..1, `_info` for metadata, and bounded
+labels only (never a step, microbatch or run id, except in the info metric).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+
+KINDS = ("gauge", "counter", "histogram", "info")
+BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action",
+                            "reason", "cause"})
+"""reason: why a collective instance was not split (remote, incomplete); cause: a straggler's cause
+(parwatch.guardrails.attribution.CAUSES, four values)."""
+RANK_STATES = {"running": 0, "hung": 1, "gone": 2}
+"""parwatch_rank_state's value per state (one series per rank, the state as its value)."""
+GUARDRAIL_STATES = {"ok": 0, "pending": 1, "firing": 2}
+"""parwatch_guardrail_state's value per state."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    """Name as exposed: counters end in _total, info metrics in _info, histograms add _bucket/_sum/_count."""
+    kind: str
+    """gauge | counter | histogram | info."""
+    labels: tuple[str, ...] = ()
+    """Label names (bounded: never a step, microbatch or run id)."""
+    help: str = ""
+    """The HELP text: what one sample means."""
+    unit: str = ""
+    """Base unit of the value (seconds, bytes, ratio, ...); "" for counts and codes."""
+    buckets: tuple[float, ...] = ()
+    """Histogram bucket edges (le), without +Inf."""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"metric {self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if not self.name.startswith("parwatch_"):
+            raise ValueError(f"metric {self.name}: names start with 'parwatch_'")
+        if self.name.endswith("_total") != (self.kind == "counter"):
+            raise ValueError(f"metric {self.name}: '_total' is for counters and every counter ends in it")
+        if self.kind == "histogram" and not self.buckets:
+            raise ValueError(f"metric {self.name}: a histogram needs its bucket edges")
+
+    @property
+    def family(self) -> str:
+        """The name prometheus_client's metric families take (no _total, no _info)."""
+        for suffix in ("_total", "_info"):
+            if self.name.endswith(suffix):
+                return self.name[: -len(suffix)]
+        return self.name
+
+    def series(self) -> tuple[str, ...]:
+        """The sample names this metric exposes."""
+        if self.kind == "histogram":
+            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.name,)
+
+    def series_per_label_set(self) -> int:
+        """Series one label set costs: a histogram pays a bucket per edge, +Inf, _sum and _count."""
+        return len(self.buckets) + 3 if self.kind == "histogram" else 1
+
+
+_R, _RS, _RG, _OG, _S = ("rank",), ("rank", "stage"), ("rank", "gpu"), ("op", "group"), ("stage",)
+
+METRICS: tuple[Metric, ...] = (
+    # The run.
+    Metric("parwatch_run_info", "info", ("run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"),
+           "The run this sidecar watches"),
+    Metric("parwatch_train_step", "gauge", (), "Newest optimizer step any rank reported"),
+    Metric("parwatch_loss", "gauge", (), "Training loss of the newest step (NaN when non-finite)"),
+    Metric("parwatch_tokens_total", "counter", (), "Tokens the run consumed (all DP replicas); rate() is tokens/s"),
+    Metric("parwatch_model_flops_utilization_ratio", "gauge", _R, "Model FLOPs utilisation", "ratio"),
+    Metric("parwatch_torch_memory_max_allocated_bytes", "gauge", _RS, "Peak torch allocated memory in the step",
+           "bytes"),
+    Metric("parwatch_step_duration_seconds", "histogram", _RS, "Step period, boundary to boundary", "seconds",
+           tuple(STEP_BUCKETS)),
+    # The pipeline.
+    Metric("parwatch_stage_compute_seconds_total", "counter", _RS, "Forward + backward seconds", "seconds"),
+    Metric("parwatch_stage_idle_seconds_total", "counter", _RS, "Seconds waiting on neighbours and the flush",
+           "seconds"),
+    Metric("parwatch_stage_bubble_ratio", "gauge", _RS, "idle / (step - other) in the newest step", "ratio"),
+    Metric("parwatch_stage_bubble_theoretical_ratio", "gauge", _S, "The schedule's bubble, (p-1)/(v*m+p-1)", "ratio"),
+    Metric("parwatch_stage_bubble_schedule_ratio", "gauge", _S,
+           "Bubble the schedule causes at uniform stage times (formula or simulation)", "ratio"),
+    Metric("parwatch_stage_bubble_imbalance_ratio", "gauge", _S,
+           "Bubble from unequal stage times: simulated with this step's stage times, minus schedule", "ratio"),
+    Metric("parwatch_stage_bubble_wait_ratio", "gauge", _S,
+           "Bubble from waiting (p2p, collectives, host): measured minus simulated", "ratio"),
+    Metric("parwatch_pipeline_skew_ratio", "gauge", (), "Max over stages of compute seconds / mean over stages",
+           "ratio"),
+    # Collectives.
+    Metric("parwatch_collective_duration_seconds", "histogram", _OG, "Collective latency", "seconds",
+           tuple(COLLECTIVE_BUCKETS)),
+    Metric("parwatch_collective_transfer_seconds", "histogram", _OG,
+           "Collective transfer time with the wait for the last rank's arrival removed", "seconds",
+           tuple(COLLECTIVE_BUCKETS)),
+    Metric("parwatch_collective_wait_seconds_total", "counter", _OG,
+           "Seconds ranks waited in collectives for the last rank to arrive", "seconds"),
+    Metric("parwatch_collective_bytes_total", "counter", _OG, "Bytes moved by collectives", "bytes"),
+    Metric("parwatch_collective_busbw_bytes_per_second", "gauge", _OG,
+           "Bus bandwidth (nccl-tests definition) from transfer time only, waiting excluded", "bytes_per_second"),
+    Metric("parwatch_collective_unmatched_total", "counter", ("op", "group", "reason"),
+           "Collective/p2p instances not split into wait and transfer: a member reports to another sidecar "
+           "(remote) or its record was lost (incomplete)"),
+    Metric("parwatch_straggler_ratio", "gauge", ("cause",),
+           "Share of the step the costliest straggler of each cause adds over its peers (0: none)", "ratio"),
+    # GPUs.
+    Metric("parwatch_gpu_utilization_ratio", "gauge", _RG, "GPU busy share over the step (NVML)", "ratio"),
+    Metric("parwatch_gpu_memory_used_bytes", "gauge", _RG, "GPU memory in use (NVML)", "bytes"),
+    Metric("parwatch_gpu_power_watts", "gauge", _RG, "GPU power draw (NVML)", "watts"),
+    Metric("parwatch_gpu_sm_clock_hertz", "gauge", _RG, "GPU SM clock (NVML)", "hertz"),
+    Metric("parwatch_gpu_temperature_celsius", "gauge", _RG, "GPU temperature (NVML)", "celsius"),
+    Metric("parwatch_nvml_up", "gauge", _R, "1 when NVML answered for this rank"),
+    # Liveness and hangs.
+    Metric("parwatch_rank_up", "gauge", _R, "1 while a rank reports within the grace period, 0 after"),
+    Metric("parwatch_rank_state", "gauge", _R, "Rank state: 0 running, 1 hung, 2 gone"),
+    Metric("parwatch_hang_detected", "gauge", (), "1 while a hang is named (a rank stuck while others wait on it)"),
+    Metric("parwatch_rank_straggler_seconds_total", "counter", _R,
+           "Straggler effect (DeepSpeed): this rank's collective time beyond each instance's shortest, i.e. its "
+           "wait for later arrivals; the rank the others wait for has the least", "seconds"),
+    # Guardrails.
+    Metric("parwatch_guardrail_state", "gauge", ("rule",), "Guardrail rule state: 0 ok, 1 pending, 2 firing"),
+    Metric("parwatch_guardrail_actions_total", "counter", ("rule", "action"), "Guardrail decisions that acted"),
+    Metric("parwatch_run_paused", "gauge", (), "1 while the run is paused by a directive"),
+    Metric("parwatch_checkpoint_last_good_step", "gauge", (), "Newest step with a complete checkpoint"),
+    # parwatch's own health.
+    Metric("parwatch_collector_overhead_ratio", "gauge", _R, "Share of the step the collector spent on the training thread",
+           "ratio"),
+    Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
+    Metric("parwatch_sidecar_rules_reload_failures_total", "counter", (),
+           "Rules reloads refused because the file was invalid"),
+)
+
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+SERIES: dict[str, Metric] = {s: m for m in METRICS for s in m.series()}
+"""Sample name (including _bucket/_sum/_count) -> its metric."""
+
+SERIES_BUDGET_PER_RANK = 40
+"""Most series one rank may add to a sidecar's /metrics (with a GPU; docs/deploy.md, "Series budget").
+
+per_rank_series() is what the catalogue implies today (32 with a GPU, 27 without: the step histogram
+alone is 16); tests/unit/test_catalog.py counts a real /metrics against this number, so a new
+per-rank series is a decision, not an accident.
+"""
+
+
+def metric(name: str) -> Metric:
+    """The catalogue entry for a metric or sample name; KeyError naming the catalogue otherwise."""
+    found = BY_NAME.get(name) or SERIES.get(name)
+    if found is None:
+        raise KeyError(f"{name} is not in the metric catalogue (parwatch/catalog.py); add it there first")
+    return found
+
+
+def per_rank_series(gpu: bool = True) -> int:
+    """Series one rank adds: one label set of every metric labelled by rank (GPU ones only with a GPU)."""
+    return sum(m.series_per_label_set() for m in METRICS
+               if "rank" in m.labels and (gpu or "gpu" not in m.labels))

@@ -1,0 +1,107 @@
+"""Directives (what the leader sidecar asks of a run) and outcomes (what every rank did about one).
+
+One definition for every process: the trainer, the collector, the sidecar and the
+guardrail engine all import these enums; the boundary vector and the wire carry their
+codes and names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+
+class Action(str, Enum):
+    """What a directive asks. The value is the wire name; `code` the boundary slot value."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    ROLLBACK = "rollback"
+
+    @property
+    def code(self) -> int:
+        return _ACTION_CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> "Action | None":
+        return _CODE_ACTIONS.get(code)
+
+
+_ACTION_CODES = {Action.PAUSE: 1, Action.RESUME: 2, Action.ROLLBACK: 3}
+_CODE_ACTIONS = {v: k for k, v in _ACTION_CODES.items()}
+ACTIONS = tuple(a.value for a in Action)
+"""The wire names, in order: what APIs and rule files accept."""
+
+
+class Outcome(IntEnum):
+    """What one rank did with a directive; reported in the boundary vector as a count per outcome."""
+
+    APPLIED = 1
+    """Done as asked."""
+    FAILED = 2
+    """Not done; FailReason says why (the run goes on as it was)."""
+    SUBSTITUTED = 3
+    """A rollback that loaded another checkpoint than asked (the asked one failed verification)."""
+    IGNORED = 4
+    """Not for this run (another run id): never applied."""
+
+    @property
+    def wire(self) -> str:
+        return self.name.lower()
+
+
+class FailReason(IntEnum):
+    NO_CHECKPOINT = 1
+    """No complete checkpoint to roll back to (none saved, or no checkpoint dir)."""
+    CHECKPOINT_CORRUPT = 2
+    """Every candidate checkpoint failed its sha256 check on some rank."""
+    LOAD_ERROR = 3
+    """Loading a verified checkpoint raised (shape or layout mismatch, I/O error)."""
+    OTHER_RUN = 4
+    """The directive names another run id."""
+
+    @property
+    def wire(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Directive:
+    id: int
+    """Unique, increasing id the leader sidecar gives it; every rank reports its outcome under it."""
+    action: Action
+    run_id: str
+    """The run it belongs to: a trainer of another run ignores it (Outcome.IGNORED)."""
+    to_step: int | None = None
+    """Rollback: the checkpoint step to load; None means the newest verified one."""
+    skip_batches: int = 0
+    """Rollback: data batches to skip after loading (0 replays the same batches)."""
+    reason: str = ""
+
+
+MAX_STEP = 2**53
+"""Step numbers, checkpoint steps and skip counts travel as float64: exact up to here."""
+
+
+def parse_directive(raw: dict) -> Directive:
+    """A directive from its wire dict; ValueError names the bad field and what it must be."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"directive must be an object, got {type(raw).__name__}")
+    did, action, run_id = raw.get("id"), raw.get("action"), raw.get("run_id")
+    to_step, skip = raw.get("to_step"), raw.get("skip_batches", 0)
+    if not _is_int(did) or not 0 < did < MAX_STEP:
+        raise ValueError(f"directive id={did!r} must be an integer in 1..2**53-1")
+    if action not in ACTIONS:
+        raise ValueError(f"directive action={action!r} must be one of {', '.join(ACTIONS)}")
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"directive run_id={run_id!r} must be the run's id (a non-empty string)")
+    if to_step is not None and (not _is_int(to_step) or not 0 <= to_step < MAX_STEP):
+        raise ValueError(f"directive to_step={to_step!r} must be null or an integer in 0..2**53-1")
+    if not _is_int(skip) or not 0 <= skip < MAX_STEP:
+        raise ValueError(f"directive skip_batches={skip!r} must be an integer in 0..2**53-1")
+    return Directive(id=did, action=Action(action), run_id=run_id, to_step=to_step, skip_batches=skip,
+                     reason=str(raw.get("reason", "")))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,286 @@
+"""Spans and events: what a trainer announces, and the registry observers subscribe to.
+
+With no observer registered, `registry.span()` returns one shared no-op context
+manager and the `emit_*` methods return at the first `if`: no clock is read,
+nothing is allocated, so an unobserved trainer pays nothing.
+
+Timing marks come from the registry's clock. On CPU that is `time.perf_counter_ns`;
+an observer on GPU installs a clock whose marks are CUDA events, resolved after the
+step has finished on the device (no per-op synchronisation). Trainers never
+interpret marks themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+
+class SpanKind(str, Enum):
+    """What a span measures. A str Enum: `SpanKind.FORWARD == "forward"` and it hashes the same."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    """A full backward (input and weight gradients together)."""
+    BACKWARD_INPUT = "backward_input"
+    """Zero-bubble schedules: the input-gradient half (I)."""
+    BACKWARD_WEIGHT = "backward_weight"
+    """Zero-bubble schedules: the weight-gradient half (W)."""
+    LOSS = "loss"
+    """The loss computed outside the last stage's forward (torch pipelining)."""
+    SEND = "send"
+    RECV = "recv"
+    COLLECTIVE = "collective"
+    OPTIMIZER = "optimizer"
+    DP_SYNC = "dp_sync"
+    """Data-parallel gradient sync, and gradient scaling after the last backward."""
+    CHECKPOINT = "checkpoint"
+    DATA = "data"
+    """Fetching the next batch (data loading)."""
+    BOUNDARY = "boundary"
+    """The step-boundary all-reduce: mostly the wait for the pipeline's flush."""
+
+    def __str__(self) -> str:  # f-strings and logs show the plain name
+        return self.value
+
+
+COMPUTE_KINDS = frozenset({SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.BACKWARD_INPUT, SpanKind.BACKWARD_WEIGHT,
+                           SpanKind.LOSS})
+"""Count as compute (the pipeline's work)."""
+OTHER_KINDS = frozenset({SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOINT, SpanKind.DATA})
+"""Work that is not the pipeline's and must not read as bubble. Everything else is communication or waiting."""
+SEQUENCED_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
+"""Spans the registry numbers per group (collectives) or per peer (send, recv) in `attrs["seq"]`."""
+
+
+class Event(str, Enum):
+    """Rare events, with their attrs."""
+
+    RUN_START = "run_start"
+    """config (dict), rank, model_flops_per_step (int | None), pipeline_order (see parwatch.pipeline_sim)."""
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    """step; checkpoints: every complete, verified step on disk now."""
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    """step, reason (the loss was not finite)."""
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    """step, rank, error: a shard failed verification; checkpoints: the steps still usable."""
+    DIRECTIVE_APPLIED = "directive_applied"
+    """id, action, step, outcome (Outcome name), loaded_step, reason."""
+    PAUSED = "paused"
+    """step."""
+    ROLLBACK = "rollback"
+    """from_step, to_step, skip_batches: a new timeline begins."""
+    RUN_END = "run_end"
+    """steps_completed, summary (dict; observers may add to it)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class BoundaryKind(str, Enum):
+    START = "start"
+    """Before the first step (step 0)."""
+    STEP = "step"
+    """After a step; the step number is the step just finished."""
+    HEARTBEAT = "heartbeat"
+    """While paused: the step repeats, nothing is accounted."""
+    RESUME = "resume"
+    """After a pause or a rollback: a new period begins."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Clock(Protocol):
+    """Produces opaque timing marks; `seconds(start, end)` resolves a pair."""
+
+    def mark(self) -> Any: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+
+class PerfCounterClock:
+    """Host clock: marks are `perf_counter_ns` integers."""
+
+    def mark(self) -> int:
+        return time.perf_counter_ns()
+
+    def seconds(self, start: int, end: int) -> float:
+        return (end - start) * 1e-9
+
+
+@dataclass
+class Span:
+    """One timed interval. `attrs` holds what the kind needs:
+
+    forward, backward*, loss: stage, microbatch, chunk
+    send/recv: stage, microbatch, chunk, peer, what ("activation" | "grad"), op ("send" | "recv"),
+               group "pp", bytes, group_size 2, seq. A send runs from posting the isend to its completion.
+    collective: op, group ("tp" | "pp" | "dp" | "world" | ...), bytes, group_size, seq
+    optimizer, dp_sync, checkpoint, data: stage
+    """
+
+    kind: SpanKind
+    start: Any
+    end: Any = None
+    attrs: dict = field(default_factory=dict)
+    parent: "Span | None" = None
+    """The span that was open when this one began (a TP collective inside a forward)."""
+
+
+class Observer:
+    """Base observer: override what you need. All methods run on the training thread and must
+    be quick; heavy work belongs on the observer's own thread."""
+
+    boundary_slots: int = 0
+    """Floats this observer adds to the step-boundary vector (after the contract's header)."""
+
+    def on_span(self, span: Span) -> None:
+        pass
+
+    def fill_boundary(self, step: int, slots: list) -> None:
+        """Add this rank's contributions to this observer's `boundary_slots` floats (zero-filled).
+
+        The vector is SUM all-reduced over every rank: write a value only one rank writes
+        (rank 0), or add to a sum (a per-stage block, a count)."""
+
+    def pending_directive(self):
+        """Rank 0 only: a parwatch.contract.Directive to hand every rank, or None."""
+        return None
+
+    def on_boundary(self, info, slots: list) -> None:
+        """`info`: a parwatch.contract.BoundaryInfo; `slots`: this observer's floats, summed over ranks."""
+
+    def on_event(self, name: Event, attrs: dict) -> None:
+        """Rare events (see Event)."""
+
+
+class _NullSpan:
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_SPAN = _NullSpan()
+
+
+class _LiveSpan:
+    __slots__ = ("_reg", "_span")
+
+    def __init__(self, reg: "HookRegistry", kind: SpanKind, attrs: dict):
+        self._reg = reg
+        self._span = Span(kind, None, None, attrs)
+
+    def __enter__(self):
+        span, reg = self._span, self._reg
+        span.parent = reg.current
+        reg.current = span  # one store: what an activity reporter reads from its own thread
+        span.start = reg.clock.mark()
+        return span
+
+    def __exit__(self, *exc):
+        span, reg = self._span, self._reg
+        span.end = reg.clock.mark()
+        reg.current = span.parent
+        for obs in reg.observers:
+            obs.on_span(span)
+        return False
+
+
+class HookRegistry:
+    def __init__(self) -> None:
+        self.observers: list[Observer] = []
+        self.clock: Clock = PerfCounterClock()
+        self.active = False
+        self.current: Span | None = None
+        """The innermost open span of the training thread, or None (read by activity reporters)."""
+        self.sequence: dict = {}
+        """Per-group collective and per-peer send/recv counts: span attrs' `seq`."""
+
+    def register(self, observer: Observer) -> None:
+        self.observers.append(observer)
+        self.active = True
+
+    def unregister(self, observer: Observer) -> None:
+        self.observers.remove(observer)
+        self.active = bool(self.observers)
+        if not self.active:
+            self.current = None
+
+    def clear(self) -> None:
+        self.observers.clear()
+        self.clock = PerfCounterClock()
+        self.active = False
+        self.current = None
+        self.sequence.clear()
+
+    def next_seq(self, kind: SpanKind, attrs: dict) -> int:
+        """The next sequence number of this span's group (collectives) or peer (send, recv)."""
+        key = (kind, attrs.get("group")) if kind == SpanKind.COLLECTIVE else (kind, attrs.get("peer"))
+        seq = self.sequence.get(key, 0) + 1
+        self.sequence[key] = seq
+        return seq
+
+    def span(self, kind: SpanKind, **attrs):
+        if not self.active:
+            return _NULL_SPAN
+        if kind in SEQUENCED_KINDS and "seq" not in attrs:
+            attrs["seq"] = self.next_seq(kind, attrs)
+        return _LiveSpan(self, kind, attrs)
+
+    def mark(self):
+        return self.clock.mark() if self.active else None
+
+    def emit_span(self, kind: SpanKind, start, end, **attrs) -> None:
+        """Report a span timed elsewhere (an isend, from its post to its completion). Sends should
+        take `seq` from next_seq() when posted, so it follows the program's order."""
+        if not self.active:
+            return
+        if kind in SEQUENCED_KINDS and "seq" not in attrs:
+            attrs["seq"] = self.next_seq(kind, attrs)
+        span = Span(kind, start, end, attrs)
+        for obs in self.observers:
+            obs.on_span(span)
+
+    @property
+    def boundary_slots(self) -> int:
+        return sum(o.boundary_slots for o in self.observers)
+
+    def fill_boundary(self, step: int, part: list) -> None:
+        """`part`: the observers' slice of this rank's boundary vector, zero-filled."""
+        offset = 0
+        for obs in self.observers:
+            n = obs.boundary_slots
+            if n:
+                slots = [0.0] * n
+                obs.fill_boundary(step, slots)
+                part[offset:offset + n] = slots
+                offset += n
+
+    def pending_directive(self):
+        for obs in self.observers:
+            d = obs.pending_directive()
+            if d is not None:
+                return d
+        return None
+
+    def emit_boundary(self, info, part: list) -> None:
+        offset = 0
+        for obs in self.observers:
+            n = obs.boundary_slots
+            obs.on_boundary(info, part[offset:offset + n])
+            offset += n
+
+    def emit_event(self, name: Event, **attrs) -> None:
+        for obs in self.observers:
+            obs.on_event(name, attrs)
+
+
+registry = HookRegistry()
+"""One registry per process: a rank is one process."""

@@ -1,0 +1,226 @@
+"""Two "nodes" on loopback, one run, one decision (issue 8).
+
+Each node is its own `torchrun --nnodes 2 --node-rank K --nproc-per-node 2` (static rendezvous)
+whose ranks ship to that node's own sidecar, as the Helm chart deploys it. Node 0's sidecar
+receives rank 0's summaries, so it is the leader: it alone decides, and it learns every rank's
+outcome of a directive from rank 0 alone (counted in the step-boundary all-reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e_util import ROOT, kill_group, read_jsonl, synthetic, wait_until
+from parwatch.sidecar.process import free_port, sidecar_command, stop, wait_healthy
+
+pytestmark = pytest.mark.integration
+TOKEN = "multinode-test-token"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+PROMTOOL = shutil.which("promtool")
+RUN_TIMEOUT_S = 240
+
+
+class Node:
+    """One node's sidecar on fixed ports, so a restarted one is found at the same address."""
+
+    def __init__(self, base: Path, name: str):
+        self.state_dir = base / f"{name}-state"
+        self.metrics_port, self.control_port = free_port(), free_port()
+        self.log = base / f"{name}-sidecar.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def start(self) -> "Node":
+        env = dict(os.environ, PARWATCH_TOKEN=TOKEN)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(sidecar_command(
+                "--state-dir", str(self.state_dir), "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+                "--control-listen", f"127.0.0.1:{self.control_port}"), stdout=log, stderr=subprocess.STDOUT, env=env)
+        wait_healthy(f"{self.control_url}/healthz", self.proc, 60)
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def status(self) -> dict:
+        r = httpx.get(f"{self.control_url}/v1/status", headers=HEADERS, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def control(self, action: str, **body) -> dict:
+        r = httpx.post(f"{self.control_url}/v1/control", json={"action": action, **body}, headers=HEADERS, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def records(self, kind: str | None = None) -> list[dict]:
+        rows = read_jsonl(self.state_dir / "decisions.jsonl")
+        return [r for r in rows if kind is None or r.get("type") == kind]
+
+    def metrics(self) -> str:
+        r = httpx.get(f"{self.metrics_url}/metrics", timeout=10)
+        assert r.status_code == 200
+        return r.text
+
+
+@contextlib.contextmanager
+def two_nodes(base: Path):
+    nodes = [Node(base, "node0"), Node(base, "node1")]
+    try:
+        yield [n.start() for n in nodes]
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+@contextlib.contextmanager
+def torchrun_nodes(base: Path, nodes: list[Node], steps: int, *extra: str, run_id: str = ""):
+    """Both nodes' torchrun launchers (TP2 x PP2: node 0 holds stage 0, node 1 stage 1)."""
+    port = free_port()
+    procs = []
+    env = dict(os.environ, PARWATCH_TOKEN=TOKEN, TRAINER_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if run_id:
+        env["PARWATCH_RUN_ID"] = run_id
+    for k, node in enumerate(nodes):
+        cmd = [TORCHRUN, "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "trainer", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
+               "--steps", str(steps), *synthetic(10, 20), "--pause-poll-s", "0.2",
+               "--parwatch-endpoint", node.control_url, "--parwatch-log", str(base / f"log{k}"),
+               "--checkpoint-dir", str(base / "ckpt"), "--checkpoint-every", "4", "--timeout-s", "120",
+               "--summary-json", str(base / f"summary{k}.json"), *extra]
+        with open(base / f"node{k}-trainer.out", "wb") as out:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            kill_group(p)
+
+
+def finish(base: Path, procs) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for k, p in enumerate(procs):
+        try:
+            code = p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+            code = "timeout"
+        out = (base / f"node{k}-trainer.out").read_text(errors="replace")[-3000:]
+        assert code == 0, f"node {k} exited with {code}\n{out}"
+
+
+def promtool_clean(text: str) -> None:
+    if PROMTOOL is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 0 and not problems, problems
+
+
+def rank_series(text: str, name: str) -> set[str]:
+    return {line.split('rank="')[1].split('"')[0] for line in text.splitlines()
+            if line.startswith(name + "{") and 'rank="' in line}
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
+def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
+    with two_nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 44, "--inject", "nan:step=10") as procs:
+            # (a) the NaN at step 10 is rolled back on all four ranks, decided by the leader alone
+            applied = wait_until(lambda: leader.records("applied"), "the rollback's outcome at the leader", 150)
+            (decision,) = [r for r in leader.records("decision") if r["action"] == "rollback"]
+            assert decision["rule"] == "nonfinite-loss" and decision["checkpoint"] == 8
+            assert applied[0]["directive_id"] == decision["directive_id"]
+            assert (applied[0]["ranks"], applied[0]["rank_count"], applied[0]["loaded_step"]) == ("0-3", 4, 8)
+            assert leader.status()["pending_directive"] is None  # nothing outstanding
+            assert node1.records() == []  # the other node's sidecar decides nothing
+            promtool_clean(leader.metrics())
+            promtool_clean(node1.metrics())
+            assert rank_series(node1.metrics(), "parwatch_rank_up") == {"2", "3"}
+
+            # (b) an operator pause through the leader holds all four ranks; resume releases them
+            pause = leader.control("pause", reason="multinode test")
+            wait_until(lambda: leader.status()["paused"], "the pause applied on every rank", 60)
+            held = [r for r in leader.records("applied") if r["directive_id"] == pause["directive_id"]]
+            assert held and held[0]["rank_count"] == 4
+            step_paused = leader.status()["last_step"]
+            time.sleep(2.0)
+            for k in (0, 1):
+                steps = [s["step"] for s in read_jsonl(tmp_path / f"log{k}" / "summaries.jsonl")]
+                assert max(steps) <= step_paused + 1, f"node {k} trained on while paused"
+            leader.control("resume")
+            wait_until(lambda: not leader.status()["paused"], "the resume applied", 60)
+
+            # (c) node 1's sidecar killed mid-run: training goes on; restarted, its metrics come back
+            node1.kill()
+            before = max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl"))
+            wait_until(lambda: max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl")) >= before + 3,
+                       "training to go on without node 1's sidecar", 60)
+            node1.start()
+            wait_until(lambda: rank_series(node1.metrics(), "parwatch_rank_up") == {"2", "3"},
+                       "node 1's ranks on its restarted sidecar", 60)
+            promtool_clean(node1.metrics())
+            finish(tmp_path, procs)
+        promtool_clean(leader.metrics())
+        promtool_clean(node1.metrics())
+        assert leader.status()["pending_directive"] is None
+        assert node1.records() == []
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
+def test_a_corrupt_newest_checkpoint_is_skipped_and_a_second_run_starts_clean(tmp_path):
+    with two_nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 16, "--inject", "nan:step=11", run_id="run-one") as procs:
+            # (d) corrupt checkpoint 8 (one shard of node 1) once it is complete, before the NaN
+            manifest = tmp_path / "ckpt" / "step_00000008" / "manifest.json"
+            wait_until(manifest.exists, "checkpoint 8", 150, interval=0.02)
+            shard = tmp_path / "ckpt" / "step_00000008" / "rank_00003.pt"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            finish(tmp_path, procs)
+        (decision,) = [r for r in leader.records("decision") if r["action"] == "rollback"]
+        assert decision["checkpoint"] == 8
+        (outcome,) = [r for r in leader.records() if r.get("directive_id") == decision["directive_id"]
+                      and r["type"] != "decision"]
+        assert (outcome["type"], outcome["requested_step"], outcome["loaded_step"]) == ("substituted", 8, 4)
+        assert outcome["rank_count"] == 4
+        assert leader.status()["pending_directive"] is None
+
+        # (e) a second run on the same leader state dir starts with nothing pending, the first archived
+        leader.control("pause", reason="left over from run one")  # outstanding when run one is over
+        assert leader.status()["pending_directive"]["run_id"] == "run-one"
+        shutil.rmtree(tmp_path / "ckpt")
+        with torchrun_nodes(tmp_path, [leader, node1], 3, run_id="run-two") as procs:
+            finish(tmp_path, procs)
+        status = leader.status()
+        assert status["run"]["run_id"] == "run-two" and status["pending_directive"] is None
+        assert not status["paused"] and leader.records("decision") == []
+        archived = read_jsonl(leader.state_dir / "runs" / "run-one" / "decisions.jsonl")
+        assert {r["type"] for r in archived} >= {"decision", "substituted"}

@@ -1,0 +1,86 @@
+"""Rank 0's directive outcome records are never dropped: the leader hands out no other directive
+until it has the outcome of the last one, so one lost record would hold a paused run for good."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from parwatch.collector.shipper import Shipper
+
+
+class Reply:
+    def __init__(self, status=200):
+        self.status_code = status
+        self.text = ""
+
+    def json(self):
+        return {"accepted": 1, "directive": None}
+
+
+class FlakyPoster:
+    """Fails the first `failures` posts (a sidecar restarting), then accepts everything."""
+
+    def __init__(self, failures: int, status: int | None = None):
+        self.failures, self.status = failures, status
+        self.bodies: list[dict] = []
+
+    def post(self, url, content, headers):
+        if self.failures:
+            self.failures -= 1
+            if self.status is None:
+                raise ConnectionError("sidecar restarting")
+            return Reply(self.status)
+        self.bodies.append(json.loads(content))
+        return Reply()
+
+
+def _wait(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _summary(step):
+    return {"run_id": "r", "rank": 0, "step": step}
+
+
+OUTCOME = {"directive_id": 7, "run_id": "r", "outcome": "applied", "step": 3, "loaded_step": None,
+           "counts": {"applied": 4}, "reasons": {}, "ranks": 4}
+
+
+def test_an_outcome_that_fails_to_post_is_retried_until_accepted_even_with_no_summaries():
+    poster = FlakyPoster(failures=1)
+    shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
+    try:
+        shipper.put_outcome(OUTCOME)  # a paused run: no summaries flow to carry it
+        _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies))
+        assert shipper.undelivered_outcomes() == 0 and shipper.dropped == 0
+        shipper.put_summary(_summary(4))  # summaries flow after it, without the record
+        _wait(lambda: any(s["step"] == 4 for b in poster.bodies for s in b["summaries"]))
+        assert sum("outcomes" in b for b in poster.bodies) == 1
+    finally:
+        shipper.close()
+
+
+def test_an_outcome_rides_with_the_next_summaries():
+    poster = FlakyPoster(failures=0)
+    shipper = Shipper(endpoint="http://sidecar", http=poster)
+    shipper._thread = object()  # no thread: post by hand
+    shipper.put_outcome(OUTCOME)
+    assert shipper._post(['{"step":5}'])
+    assert poster.bodies == [{"version": 1, "summaries": [{"step": 5}], "outcomes": [OUTCOME]}]
+    assert shipper.undelivered_outcomes() == 0
+
+
+def test_outcomes_the_sidecar_refuses_as_invalid_are_given_up_not_retried_forever():
+    poster = FlakyPoster(failures=1, status=422)
+    shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
+    try:
+        shipper.put_outcome(OUTCOME)
+        _wait(lambda: shipper.undelivered_outcomes() == 0)
+        time.sleep(0.3)
+        assert poster.bodies == []  # refused once, never sent again
+    finally:
+        shipper.close()
