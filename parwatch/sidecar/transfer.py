@@ -43,6 +43,10 @@ MAX_PENDING = 50_000
 """Bound on incomplete instances held (the oldest go first, counted as unmatched)."""
 WINDOW_STEPS = 10
 """Steps of figures the attribution takes medians over."""
+WARMUP_STEPS = 5
+"""A run's first steps are not attributed: they pay one-time costs (allocator growth, the first
+autograd graph, lazy initialisation, connection setup) unevenly across stages (measured: the last
+stage 2x the first for steps 1-7 of a healthy synthetic run on a loaded machine)."""
 MIN_WINDOW_STEPS = 5
 """A rank or path is judged only once it has this many steps of figures (a median of one or two
 steps is one step's noise)."""
@@ -159,8 +163,9 @@ class TransferTracker:
         self.newest_step = max(self.newest_step, s.step)
         if inst is None:
             return []
-        window = self._ranks.setdefault(s.rank, deque(maxlen=self.window_steps))
-        window.append((s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds))
+        if s.step > WARMUP_STEPS:
+            window = self._ranks.setdefault(s.rank, deque(maxlen=self.window_steps))
+            window.append((s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds))
         done = []
         for op, group, seq, peer, _start_us, dur_us, nbytes in inst.records:
             if peer < 0:
@@ -222,6 +227,8 @@ class TransferTracker:
             self.straggler[rank] = self.straggler.get(rank, 0.0) + wait
         self._fresh.setdefault(path_key(e.path, e.op, e.group), []).append(transfer)
         step = e.first_step
+        if step <= WARMUP_STEPS:
+            return split
         acc = self._path_step.get(e.path)
         if acc is None or acc[0] != step:
             if acc is not None:
