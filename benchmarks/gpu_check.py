@@ -106,7 +106,9 @@ def main() -> int:
     for r in range(a.rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             with tempfile.TemporaryDirectory() as log_dir:
-                s = run_trainer(args + ["--parwatch", mode, "--parwatch-log", log_dir], timeout=300)
+                # --parwatch off with a log directory is a usage error: an endpoint or log implies on.
+                watch = ["--parwatch-log", log_dir] if mode == "on" else ["--parwatch", "off"]
+                s = run_trainer(args + watch, timeout=300)
                 times[mode] += s["step_seconds"][3:]
                 if mode == "on":
                     summary_on = s

@@ -21,7 +21,9 @@ StepSummary (a dict; JSON object), one per rank and step:
     other_seconds             float, optimizer + DP gradient sync
     idle_seconds              float, step - compute - other
     bubble_ratio              float, idle / (step - other)
-    bubble_theoretical_ratio  float, (p-1)/(m+p-1) or (p-1)/(v*m+p-1)
+    bubble_theoretical_ratio  float, (p-1)/(m+p-1) or (p-1)/(v*m+p-1); for schedules without a closed
+                              form (zero-bubble, V shapes) the replay of the schedule's own actions at
+                              equal action times (parwatch.pipeline_sim)
     loss                      float | null (NaN/inf encoded as the strings "nan", "inf", "-inf")
     tokens                    int, tokens the whole run consumed in this step (all DP replicas)
     memory_max_allocated_bytes  int | null
@@ -48,8 +50,10 @@ StepSummary (a dict; JSON object), one per rank and step:
                               {step, loss, pipeline_skew_ratio, slowest_stage,
                                stages: [{stage, compute_seconds, idle_seconds, other_seconds,
                                          step_seconds, bubble_ratio, forward_seconds, backward_seconds,
-                                         backward_weight_seconds, loss_seconds, ranks}]}
-                              (each stage's figures: the mean over its `ranks` reporting ranks)
+                                         backward_weight_seconds, loss_seconds, ranks,
+                                         bubble_schedule_ratio, bubble_imbalance_ratio, bubble_wait_ratio}]}
+                              (each stage's figures: the mean over its `ranks` reporting ranks; the
+                              three causes of its bubble when the trainer announced its pipeline order)
 
 Ingest request (POST /v1/ingest):
     {"version": 1, "summaries": [StepSummary, ...], "outcomes": [OutcomeRecord, ...], "alive": bool}
@@ -91,6 +95,10 @@ COLLECTIVE_BUCKETS = (
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS  # noqa: E402  (one definition)
+
+
+CLOSED_FORM_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved1f1b", "loopedbfs")
+"""Schedules whose bubble is (p-1)/(v*m+p-1); any other's theory is its replay at equal action times."""
 
 
 def bubble_theoretical_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:

@@ -94,6 +94,8 @@ class Comm:
     registry: hooks.HookRegistry = hooks.registry
     link_delay_ms: dict = field(default_factory=dict)
     """Injected slow links: destination global rank -> extra ms inside each send to it."""
+    faults: object = None
+    """trainer.faults.Faults whose hang points sit here (set by the executor), or None."""
     _pending: list = field(default_factory=list)
     _ranks: dict = field(default_factory=dict)
     _lanes: dict = field(default_factory=dict)
@@ -126,6 +128,8 @@ class Comm:
         n = self.size(role)
         if n == 1:
             return tensor
+        if self.faults is not None and role == "tp":
+            self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
         with self.registry.span(
             hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
             ranks=self.group_ranks(role),
@@ -149,6 +153,9 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, **attrs) -> None:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
+        if self.faults is not None and self.faults.hang_due("send"):
+            with self.registry.span(hooks.SEND, peer=dst, op="send", group="pp", **attrs):
+                self.faults.hang_if("send")  # the rank reads as stuck in a send to dst
         active = self.registry.active
         start = self.registry.mark() if active else None
         posted_at = time.perf_counter()

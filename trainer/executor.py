@@ -49,6 +49,8 @@ class PipelineExecutor:
         self.pp_ranks = g.pp_ranks
         self.dp_rank = g.coords.dp_rank
         self.last_vstage = self.p * self.v - 1
+        if comm.faults is None:
+            comm.faults = faults  # its hang points (before a TP all-reduce, before a p2p send)
 
     # ------------------------------------------------------------------ helpers
     def _vstage(self, chunk: int) -> int:
@@ -82,6 +84,7 @@ class PipelineExecutor:
         poison = self.stage == (self.last_vstage % self.p) and self.faults.nan_now(step)
         straggle_s = self.faults.straggler_ms(step) / 1000.0
         data_delay_s = self.faults.data_delay_ms() / 1000.0
+        self.faults.begin_step(step)
         for instr in self.instrs:
             key = (instr.microbatch, instr.chunk)
             vstage = self._vstage(instr.chunk)
@@ -103,6 +106,7 @@ class PipelineExecutor:
                         if data_delay_s:
                             time.sleep(data_delay_s)
                 with reg.span(hooks.FORWARD, **attrs):
+                    self.faults.hang_if("compute")
                     chunk = self.chunks[instr.chunk]
                     x = ids if vstage == 0 else inputs[key]
                     out = chunk(x)

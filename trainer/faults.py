@@ -10,10 +10,15 @@
                                             link would be; not a sleep before the post)
     slow-data:rank=0,ms=15                  every data fetch of rank 0 takes 15 ms longer (only the first
                                             and last pipeline stages fetch data)
+    hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, process alive:
+                                            where=compute inside its first forward, where=collective
+                                            before its first TP all-reduce (needs tp >= 2), where=send
+                                            before its first p2p send (needs pp >= 2)
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError
@@ -25,11 +30,14 @@ _SPECS = {
     "crash": {"rank": int, "step": int},
     "slow-link": {"src": int, "dst": int, "ms": float},
     "slow-data": {"rank": int, "ms": float},
+    "hang": {"rank": int, "step": int, "where": str},
 }
 _REQUIRED = {"straggler": {"stage", "ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
-             "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"}}
+             "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"}, "hang": {"rank", "step"}}
 _EXAMPLE = ("straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
-            " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15")
+            " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective")
+HANG_PLACES = ("compute", "collective", "send")
+"""Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ def parse_fault(spec: str) -> Fault:
     for key in ("ms", "src", "dst", "rank"):
         if kind in ("slow-link", "slow-data") and key in params and params[key] < 0:
             raise ConfigError(f"--inject {spec!r}: {key} must be >= 0")
+    if kind == "hang":
+        params.setdefault("where", "compute")
+        if params["where"] not in HANG_PLACES:
+            raise ConfigError(f"--inject {spec!r}: where={params['where']!r} is not one of "
+                              f"{', '.join(HANG_PLACES)}; e.g. hang:rank=1,step=5,where=send")
     return Fault(kind, params)
 
 
@@ -73,6 +86,8 @@ class Faults:
         self.faults = faults
         self.rank, self.stage = rank, stage
         self._nan_done: set[int] = set()
+        self._hangs = {f.params["step"]: f.params["where"] for f in faults if f.kind == "hang" and f.params["rank"] == rank}
+        self._step = 0  # the step being executed (begin_step), for the hang points in trainer.comm
 
     def straggler_ms(self, step: int) -> float:
         return sum(
@@ -110,3 +125,17 @@ class Faults:
     def data_delay_ms(self) -> float:
         """Extra ms inside every data fetch of this rank."""
         return sum(f.params["ms"] for f in self.faults if f.kind == "slow-data" and f.params["rank"] == self.rank)
+    # -- hang faults: the rank blocks for good, its process (and its threads) alive -------------
+    def begin_step(self, step: int) -> None:
+        self._step = step
+
+    def hang_due(self, where: str) -> bool:
+        return bool(self._hangs) and self._hangs.get(self._step) == where
+
+    def hang_if(self, where: str) -> None:
+        """Block forever if a hang is injected here (`where` in HANG_PLACES) at the current step."""
+        if self.hang_due(where):
+            import logging
+
+            logging.getLogger("trainer").error("rank %d: injected hang (%s) at step %d", self.rank, where, self._step)
+            threading.Event().wait()  # releases the GIL: the collector's threads keep reporting

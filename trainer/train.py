@@ -193,16 +193,22 @@ class Trainer:
         else:  # resume while running: nothing to do, but say it was seen
             self._report(directive, Outcome.APPLIED)
 
-    def _report(self, directive, outcome: Outcome, **extra) -> None:
+    def _report(self, directive, outcome: Outcome, *, loaded_step: int | None = None, reason: FailReason | None = None,
+                **noted) -> None:
+        """Tell every rank's boundary (and so rank 0) this rank's outcome; note it in the run summary."""
         record = {"id": directive.id, "action": directive.action.value, "step": self.step, "outcome": outcome.wire,
-                  **{k: (v.wire if isinstance(v, FailReason) else v) for k, v in extra.items()}}
+                  **noted}
+        if loaded_step is not None:
+            record["loaded_step"] = loaded_step
+        if reason is not None:
+            record["reason"] = reason.wire
         self.applied.append(record)
-        self.steps_boundary.report(directive, outcome, step=self.step, **extra)
+        self.steps_boundary.report(directive, outcome, step=self.step, loaded_step=loaded_step, reason=reason)
 
     def _pause(self) -> None:
         self.registry.emit_event(Event.PAUSED, step=self.step)
         log.warning("rank %d: paused at step %d", self.rank, self.step)
-        rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s)
+        rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s, report=self._report)
         if rollback is not None:
             self._rollback(rollback)
 
@@ -241,7 +247,8 @@ class Trainer:
         outcome = Outcome.APPLIED if asked is None or loaded == asked else Outcome.SUBSTITUTED
         if outcome == Outcome.SUBSTITUTED:
             log.warning("rank %d: checkpoint %d unusable; rolled back to %d instead", self.rank, asked, loaded)
-        self._report(directive, outcome, loaded_step=loaded)
+        self._report(directive, outcome, loaded_step=loaded, from_step=from_step, to_step=loaded,
+                     skip_batches=directive.skip_batches)
         self.registry.emit_event(Event.ROLLBACK, from_step=from_step, to_step=loaded,
                                  skip_batches=directive.skip_batches)
         self.boundary(BoundaryKind.RESUME)

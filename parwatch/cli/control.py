@@ -72,11 +72,28 @@ def _status_text(s: dict) -> str:
     lines.append(f"ranks: {len(ranks)} reporting" + (f", down: {', '.join(down)}" if down else ""))
     for name, st in sorted((s.get("rules") or {}).items()):
         lines.append(f"  rule {name}: {st.get('state')}")
+    lines.append(_hang_line(s.get("hang")))
     if s.get("pending_directive"):
         lines.append(f"pending directive: {json.dumps(s['pending_directive'])}")
     for d in s.get("last_decisions") or []:
         lines.append("  " + _decision_line(d))
     return "\n".join(lines)
+
+
+def _hang_line(h: dict | None) -> str:
+    """One line from GET /v1/hang (parwatch.sidecar.activity_api): the culprit of a hang, if any."""
+    if not h:
+        return "hang: no activity data (sidecar without /v1/hang)"
+    if not h.get("leader"):
+        return f"hang: judged by the leader sidecar ({h.get('leader_url') or 'not configured: --leader-url'})"
+    states = ", ".join(f"{n} {k}" for k, n in sorted((h.get("rank_states") or {}).items())) or "no ranks yet"
+    record = h.get("hang")
+    if not record:
+        return f"hang: none (ranks: {states}; bound {h.get('bound_seconds', 0):.0f} s)"
+    c = record["evidence"]["culprit"]
+    return (f"HANG: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in {c['kind'] or 'between spans'}"
+            f"{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
+            f"{record['evidence'].get('waiting_count', 0)} ranks wait for it (ranks: {states})")
 
 
 def _who() -> str:
@@ -89,8 +106,13 @@ def _who() -> str:
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch status --endpoint http://127.0.0.1:9401")
 @_connection
 def status(client):
-    """Run, ranks (up/down), rule states, pending directive and recent decisions."""
-    return client.status()
+    """Run, ranks (up/down), hang culprit, rule states, pending directive and recent decisions."""
+    out = client.status()
+    try:
+        out["hang"] = client._call("GET", "/v1/hang")
+    except SidecarError:  # an older sidecar: status without the hang line's data
+        out["hang"] = None
+    return out
 
 
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch pause --reason 'inspect the loss spike'")

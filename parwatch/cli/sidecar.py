@@ -49,10 +49,21 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
                    "e.g. --rank-grace-seconds 60")
 @click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True, metavar="BYTES",
               help="Larger request bodies are refused with 413. e.g. --max-body-bytes 1048576")
+@click.option("--leader-url", default=None, metavar="URL",
+              help="The run's leader sidecar (control listener) to forward this node's digest to; omit on the "
+                   "leader and on single-node runs. e.g. --leader-url http://parwatch-leader.ns.svc:9401")
+@click.option("--hang-min-seconds", type=float, default=10.0, show_default=True, metavar="SECONDS",
+              help="A hang needs at least this long without a step boundary. e.g. --hang-min-seconds 30")
+@click.option("--hang-step-factor", type=float, default=3.0, show_default=True, metavar="N",
+              help="... and at least N median step times. e.g. --hang-step-factor 5")
+@click.option("--hang-dump-stacks/--no-hang-dump-stacks", default=False, show_default=True,
+              help="On a hang, have the culprit write its Python stacks into the run directory (SIGUSR1).")
+@click.option("--hang-abort/--no-hang-abort", default=False, show_default=True,
+              help="On a hang, make every rank exit with code 75 so the launcher restarts from a checkpoint.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Log verbosity on stderr. e.g. --log-level debug")
 def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_grace_seconds, max_body_bytes,
-            log_level):
+            leader_url, hang_min_seconds, hang_step_factor, hang_dump_stacks, hang_abort, log_level):
     """Export Prometheus metrics for a run's ranks, evaluate guardrails, hand directives back."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -69,6 +80,11 @@ def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_g
             token=read_token(token_file),
             rank_grace_seconds=rank_grace_seconds,
             max_body_bytes=max_body_bytes,
+            leader_url=leader_url,
+            hang_min_seconds=hang_min_seconds,
+            hang_step_factor=hang_step_factor,
+            hang_dump_stacks=hang_dump_stacks,
+            hang_abort=hang_abort,
         )
         built = build_sidecar(config)
         serve(built)

@@ -20,6 +20,7 @@ def attach(collector: Collector, registry: HookRegistry | None = None) -> Collec
     registry.register(collector)
     registry.clock = collector.clock
     collector._registry = registry
+    collector.activity.registry = registry  # the activity thread reads registry.current
     return collector
 
 

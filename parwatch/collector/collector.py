@@ -21,11 +21,14 @@ handled it. Summaries are never held back for that.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 from parwatch.collector import global_view as gv
+from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
+from parwatch.collector.causes import CauseSplitter
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
 from parwatch.collector.instances import InstanceLog
 from parwatch.collector.nvml import NvmlSampler
@@ -34,6 +37,8 @@ from parwatch.collector.shipper import Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, Observer, Span
+from parwatch.contract import registry as default_registry
+from parwatch.schema import CLOSED_FORM_SCHEDULES
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
@@ -85,11 +90,20 @@ class Collector(Observer):
         self._memory_fn = memory_fn or (peak_memory_bytes if ctx.local_gpu is not None else (lambda: None))
         self.nvml = NvmlSampler(ctx.local_gpu, nvml=nvml, interval_s=nvml_interval_s).start()
         self.directives = DirectiveInbox()
+        self.causes = CauseSplitter()
+        """Rank 0: splits each global view's bubble into schedule, imbalance and wait (shipper thread)."""
+        self._theory = ctx.bubble_theoretical_ratio
         self.shipper = Shipper(
             endpoint=endpoint, token=token, log_path=log_path, spans_path=spans_path, queue_size=queue_size,
             http=http, on_directive=self.directives.put,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
+            prepare=self.causes.add_causes if ctx.rank == 0 else None,
         ).start()
+        self.activity = ActivityReporter(
+            ctx, default_registry, endpoint, token, time_fn=time_fn, summary_fn=lambda: self.last_summary,
+            stacks_path=os.path.join(os.path.dirname(log_path), f"stacks-rank{ctx.rank}.txt") if log_path else None,
+        ).start()
+        """Live activity for hang detection (its own thread; attach() points it at the registry)."""
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
         self._model_flops: float | None = None  # this rank's model FLOPs per step (run_start event)
@@ -200,6 +214,9 @@ class Collector(Observer):
     def _on_event(self, name: str, attrs: dict) -> None:
         if name == Event.RUN_START:
             self._model_flops = attrs.get("model_flops_per_step")
+            simulated = self.causes.set_order(attrs.get("pipeline_order"))
+            if simulated is not None and self.ctx.schedule not in CLOSED_FORM_SCHEDULES:
+                self._theory = simulated  # zero-bubble and V schedules: the replay at equal action times
         elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_CORRUPT) and self.ctx.rank == 0:
             # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.
             listed = attrs.get("checkpoints")
@@ -272,6 +289,7 @@ class Collector(Observer):
             # belong to the abandoned one and must not be rollback targets.
             checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [],
             paused=self._paused or pausing, global_view=global_view, timeline=self.timeline,
+            bubble_theoretical_ratio=self._theory,
         )
 
     def _begin_period(self, origin_mark, step: int, *, sample: bool) -> None:
@@ -332,5 +350,6 @@ class Collector(Observer):
         from parwatch.collector.attach import detach  # attach imports this module
 
         detach(self)
+        self.activity.close(min(timeout, 1.0))
         self.nvml.close(min(timeout, 1.0))
         self.shipper.close(timeout)

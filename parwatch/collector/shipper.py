@@ -65,6 +65,7 @@ class Shipper:
         http=None,
         on_directive=None,
         poll_interval_s: float | None = None,
+        prepare=None,
         batch_size: int = 64,
         connect_timeout_s: float = 0.5,
         timeout_s: float = 2.0,
@@ -91,6 +92,8 @@ class Shipper:
         self._own_http = http is None
         self._on_directive = on_directive
         self.poll_interval_s = poll_interval_s
+        self._prepare = prepare  # called on each summary on this thread, before it is written or sent
+        self.prepare_errors = 0
         self._batch_size = batch_size
         self._timeouts = (connect_timeout_s, timeout_s)
         self._max_backoff_s = max_backoff_s
@@ -183,6 +186,13 @@ class Shipper:
                 self._queue.clear()
             if not items:
                 return
+            if self._prepare is not None:
+                for kind, payload in items:
+                    if kind == SUMMARY:
+                        try:
+                            self._prepare(payload)
+                        except Exception:  # a summary without its extras beats no summary
+                            self.prepare_errors += 1
             # Encode each summary once: the same text goes to the file and into the POST body.
             summaries = [dumps(payload) for kind, payload in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)

@@ -29,6 +29,7 @@ def build_summary(
     global_view: dict | None,
     overhead_seconds: float = 0.0,
     timeline: int = 0,
+    bubble_theoretical_ratio: float | None = None,
 ) -> dict:
     """One StepSummary, keys in the schema's order. `global` is None except on rank 0."""
     return {
@@ -52,7 +53,8 @@ def build_summary(
         "other_seconds": result.other_seconds,
         "idle_seconds": result.idle_seconds,
         "bubble_ratio": result.bubble_ratio,
-        "bubble_theoretical_ratio": ctx.bubble_theoretical_ratio,
+        "bubble_theoretical_ratio": ctx.bubble_theoretical_ratio if bubble_theoretical_ratio is None
+        else bubble_theoretical_ratio,
         "loss": None if loss is None else encode_float(float(loss)),
         "tokens": ctx.tokens_per_step,
         "memory_max_allocated_bytes": memory_max_allocated_bytes,

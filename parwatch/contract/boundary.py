@@ -178,9 +178,13 @@ class StepBoundary:
                                  step=step, outcome=Outcome(outcome).wire, loaded_step=loaded_step,
                                  reason=None if reason is None else reason.wire)
 
-    def hold(self, step: int, poll_s: float, sleep: Callable[[float], None] = time.sleep) -> Directive | None:
+    def hold(self, step: int, poll_s: float, sleep: Callable[[float], None] = time.sleep,
+             report: Callable | None = None) -> Directive | None:
         """Paused: join heartbeat boundaries until a resume (reported, then a resume boundary;
-        returns None) or a rollback (returned unreported: the caller applies it)."""
+        returns None) or a rollback (returned unreported: the caller applies it).
+
+        `report(directive, outcome)`: the caller's own reporting, which must end in self.report
+        (a trainer that also notes what it applied); default: self.report."""
         while True:
             sleep(poll_s)
             _, directive = self.exchange(BoundaryKind.HEARTBEAT, step)
@@ -188,7 +192,11 @@ class StepBoundary:
                 continue
             if directive.action == Action.ROLLBACK:
                 return directive
-            self.report(directive, Outcome.APPLIED, step=step)  # a pause while paused changes nothing
+            # A pause while paused changes nothing; a resume ends the hold.
+            if report is not None:
+                report(directive, Outcome.APPLIED)
+            else:
+                self.report(directive, Outcome.APPLIED, step=step)
             if directive.action == Action.RESUME:
                 self.exchange(BoundaryKind.RESUME, step)
                 return None

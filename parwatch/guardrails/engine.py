@@ -266,6 +266,39 @@ class GuardrailEngine:
         self._next_decision_id += 1
         return self._log.append(record)
 
+    # -- findings from outside the step rules (the hang detector) -------------------------------------
+
+    def record_finding(self, rule: str, action: str, reason: str, evidence: dict, step: int | None) -> dict:
+        """Record a decision made outside the rules (e.g. rule "hang" from parwatch.sidecar.hang).
+
+        Only "alert" is accepted: such findings never steer the run through directives."""
+        if action != "alert":
+            raise ValueError(f"record_finding: action must be 'alert', got {action!r}")
+        with self._lock:
+            record = self._decide(rule, action, "rule", "", reason, evidence, step, self._now())
+            self._state_file.write_now(sync_dir=True)
+            return record
+
+    def observe_now(self, metric: str, values: dict[str, float]) -> list[dict]:
+        """Judge the rules on `metric` with values read now, between steps (liveness: rank_up).
+
+        When every rank stops, no step observation arrives to judge rank_up; the sidecar calls
+        this every second so a for_seconds rule on it still fires on time. Not while paused."""
+        with self._lock:
+            if self._paused or self._first_seen_time is None:
+                return []
+            now, records = self._now(), []
+            series = Series(_numbers(values))
+            for monitor in self._monitors.values():
+                if monitor.rule.metric == metric and series:
+                    if monitor.observe(self._last_step if self._last_step is not None else -1, now, series):
+                        records += self._act(monitor, self._last_step, now)
+            if records:
+                self._state_file.write_now(sync_dir=True)
+            else:
+                self._state_file.mark_dirty()
+            return records
+
     # -- requests and directives ----------------------------------------------------------------------
 
     def request(self, action: str, source: str, reason: str = "", to_step: int | None = None,

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from parwatch import __version__
+from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.exposition import choose, encode_async, encode_openmetrics, encode_text
 from parwatch.sidecar.models import AlertmanagerPayload, CancelRequest, ControlRequest, IngestBody, IngestResponse
@@ -158,6 +159,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     @app.get("/v1/status", dependencies=auth)
     async def status():
         return JSONResponse(sidecar.status())
+
+    activity_api.install(app, sidecar)  # /v1/activity, /v1/digest, /v1/hang and the hang loop
 
     @app.get("/v1/decisions", dependencies=auth)
     async def decisions(limit: int = Query(50, ge=1, le=10_000)):

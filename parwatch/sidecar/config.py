@@ -47,8 +47,30 @@ class SidecarConfig:
     """Request bodies larger than this are refused with 413."""
     no_data_interval_seconds: float = 1.0
     """How often the engine is asked whether any rule's metric has gone silent."""
+    leader_url: str | None = None
+    """The run's leader sidecar (control listener URL) this node forwards its digest to; None: this
+    sidecar is the leader or alone (it becomes leader on seeing rank 0)."""
+    hang_min_seconds: float = 10.0
+    """A hang needs at least this long without a step boundary (and hang_step_factor median steps)."""
+    hang_step_factor: float = 3.0
+    """A hang needs at least this many median step times without a step boundary."""
+    hang_dump_stacks: bool = False
+    """On a hang, signal the culprit (SIGUSR1) to write its Python stacks into the run directory."""
+    hang_abort: bool = False
+    """On a hang, make every rank exit with code 75 so the launcher or JobSet restarts from a checkpoint."""
+    activity_silent_seconds: float = 5.0
+    """A rank with no activity report for this long is silent (pid alive) or gone (pid ended)."""
 
     def __post_init__(self):
+        if self.leader_url is not None and not self.leader_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--leader-url {self.leader_url!r} must be an http(s) URL of the leader sidecar's "
+                              "control listener, e.g. --leader-url http://parwatch-leader.ns.svc:9401")
+        if not self.hang_min_seconds > 0 or not self.hang_step_factor >= 1:
+            raise ConfigError(f"--hang-min-seconds must be > 0 and --hang-step-factor >= 1 (got "
+                              f"{self.hang_min_seconds}, {self.hang_step_factor}); 10 and 3 suit most runs")
+        if not self.activity_silent_seconds >= 2:
+            raise ConfigError(f"--activity-silent-seconds must be >= 2 (got {self.activity_silent_seconds}): "
+                              "ranks report once a second")
         if self.rank_grace_seconds <= 0:
             raise ConfigError(
                 f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs"

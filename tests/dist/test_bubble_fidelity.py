@@ -72,10 +72,11 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     for name, settings in runs.items():
         run_dir = os.path.join(out_dir, name)
         os.makedirs(run_dir, exist_ok=True)
+        watched = settings.get("parwatch", "auto") != "off"
         cfg = TrainConfig(run_id=name, summary_json=os.path.join(run_dir, "summary.json"),
-                          parwatch_log=run_dir, **settings)
+                          parwatch_log=run_dir if watched else "", **settings)
         hooks.registry.clear()
-        observer = attach_from_config(cfg, rank, world_size, rank, "gloo") if cfg.parwatch == "on" else None
+        observer = attach_from_config(cfg, rank, world_size, rank, "gloo") if cfg.watched else None
         try:
             summary = Trainer(cfg, rank, world_size).run()
         finally:

@@ -57,15 +57,16 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
     assert decision["skip_batches"] == nan_step - decision["checkpoint"]  # skip_batches: window
 
     applied = [a for a in applied_records(tmp_path / "state") if a["directive_id"] == decision["directive_id"]]
-    assert len(applied) == 1 and applied[0]["ranks"] == [0, 1] and applied[0]["step"] == decision["checkpoint"]
+    assert len(applied) == 1 and applied[0]["ranks"] == "0-1" and applied[0]["step"] == decision["checkpoint"]
+    assert applied[0]["loaded_step"] == decision["checkpoint"] and applied[0]["counts"] == {"applied": 2}
 
-    # Every rank applied it at the same boundary: the summary held for it names the same step.
+    # Every rank applied it at the same boundary: each one's old timeline ends at the same step, and
+    # its new one (timeline 1) starts right after the checkpoint.
     at_boundary = {}
     for rank in (0, 1):
-        held = [s for s in run.summaries(rank) if any(a["id"] == decision["directive_id"] for a in s["applied"])]
-        assert len(held) == 1, f"rank {rank}: {held}"
-        assert held[0]["applied"] == [{"id": decision["directive_id"], "step": decision["checkpoint"]}]
-        at_boundary[rank] = held[0]["step"]
+        mine = run.summaries(rank)
+        at_boundary[rank] = max(s["step"] for s in mine if s["timeline"] == 0)
+        assert min(s["step"] for s in mine if s["timeline"] == 1) == decision["checkpoint"] + 1, f"rank {rank}"
     assert at_boundary[0] == at_boundary[1]
 
     (trainer_applied,) = summary["directives_applied"]

@@ -151,7 +151,7 @@ def rank_series(text: str, name: str) -> set[str]:
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
 def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
     with two_nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], 44, "--inject", "nan:step=10") as procs:
+        with torchrun_nodes(tmp_path, [leader, node1], 90, "--inject", "nan:step=10") as procs:
             # (a) the NaN at step 10 is rolled back on all four ranks, decided by the leader alone
             applied = wait_until(lambda: leader.records("applied"), "the rollback's outcome at the leader", 150)
             (decision,) = [r for r in leader.records("decision") if r["action"] == "rollback"]

@@ -1,0 +1,88 @@
+"""Overhead of live activity reporting on the training step: on/off alternating inside one process.
+
+One real trainer rank set (gloo, --nproc 2 via torch.multiprocessing in tests.distutil) runs blocks of
+steps with the activity thread running (posting to a real `parwatch sidecar`) and blocks without
+it, alternating, so machine load drifts hit both alike. Reports the ratio of median step times
+(goal: on/off <= 1.005). The collector stays attached in both (its own cost is measured by
+benchmarks/collector_overhead.py), so the registry.current stores happen in both, as they do in
+production; what differs is the activity thread sampling and posting once per --interval.
+
+    python benchmarks/activity_overhead.py --blocks 10 --steps 30 --out benchmarks/results/activity_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interval_s: float) -> dict:
+    import time
+
+    from parwatch.collector.activity import ActivityReporter
+    from parwatch.collector.attach import attach
+    from parwatch.collector.collector import Collector
+    from parwatch.collector.context import RunContext
+    from parwatch.contract import BoundaryKind
+    from trainer import hooks
+    from trainer.config import TrainConfig
+    from trainer.train import Trainer
+
+    cfg = TrainConfig(pp=2, microbatches=4, steps=1, layers=4, hidden=64, heads=4, vocab=128, seq_len=32,
+                      micro_batch_size=2)
+    trainer = Trainer(cfg, rank, world)
+    ctx = RunContext.for_rank("bench", rank, tp=1, pp=2, dp=1, schedule=cfg.schedule, microbatches=4)
+    collector = attach(Collector(ctx))  # no endpoint: its own activity thread stays off
+    times = {"on": [], "off": []}
+    trainer.boundary(BoundaryKind.START)
+    for block in range(blocks):
+        mode = "on" if block % 2 == 0 else "off"
+        reporter = None
+        if mode == "on":
+            reporter = ActivityReporter(ctx, hooks.registry, endpoint, interval_s=interval_s,
+                                        summary_fn=lambda: collector.last_summary).start()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = trainer.train_step()
+            trainer.boundary(BoundaryKind.STEP, loss)
+            times[mode].append(time.perf_counter() - t0)
+        if reporter is not None:
+            reporter.close()
+    collector.close()
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=10, help="alternating blocks (even: on, odd: off)")
+    ap.add_argument("--steps", type=int, default=30, help="steps per block")
+    ap.add_argument("--interval", type=float, default=1.0, help="activity report interval (s)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from parwatch.sidecar.process import running_sidecar
+    from tests.distutil import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="parwatch-activity-") as tmp:
+        with running_sidecar(Path(tmp) / "state") as sidecar:
+            results = run_ranks(_rank, 2, sidecar.control_url, args.blocks, args.steps, args.interval, timeout=900)
+    on = [t for r in results for t in r["on"][1:]]  # each block's first step pays thread start-up
+    off = [t for r in results for t in r["off"][1:]]
+    out = {"step_seconds_median_on": statistics.median(on), "step_seconds_median_off": statistics.median(off),
+           "ratio_on_off": statistics.median(on) / statistics.median(off), "steps_on": len(on), "steps_off": len(off),
+           "goal": "ratio <= 1.005"}
+    for k, v in out.items():
+        print(f"{k:<26} {v}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

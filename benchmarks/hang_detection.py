@@ -1,0 +1,240 @@
+"""Time to name a hang, two ways.
+
+Real runs (default): the real trainer (gloo ranks, collectors with their activity threads) against a
+real `parwatch sidecar`, a hang injected in compute, before a TP all-reduce and before a p2p send,
+--runs times each; prints per run the seconds from the moment the rank blocked to the leader's
+decision, and whether the culprit was named right (rank, stage, kind).
+
+    python benchmarks/hang_detection.py --runs 5 --out benchmarks/results/hang_detection.json
+
+Simulation (--ranks N): a real leader sidecar fed node digests (8 ranks per node, each node once a
+second: 2,048 digests/s at 16,384 ranks) over keep-alive connections. Steps advance for --warmup
+seconds, then one rank hangs in its backward while every other rank waits in the step-boundary
+all-reduce. Prints hang_named_seconds (last step boundary to the decision in GET /v1/hang), the
+digest ingest latency p50/p99 (client-observed) and the leader's RSS.
+
+    python benchmarks/hang_detection.py --ranks 16384 --out benchmarks/results/hang_scale.json
+
+Goals: named within the bound (max(3 x median step, 10 s)) plus ~2 s of reporting; ingest p99 <= 10 ms;
+leader RSS <= 250 MB. The load generator shares the machine's cores with the sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
+from parwatch.sidecar.hang import Activity, Layout  # noqa: E402
+from parwatch.sidecar.process import running_sidecar  # noqa: E402
+
+PLACES = {  # where -> (layout flags, nproc, hung rank, its stage, the kind it is in)
+    "compute": (("--pp", "2"), 2, 1, 1, "forward"),
+    "collective": (("--tp", "2", "--pp", "2"), 4, 3, 1, "forward"),
+    "send": (("--pp", "2"), 2, 1, 1, "send"),
+}
+PER_NODE = 8
+
+
+# ----------------------------------------------------------------------------- real runs
+
+def one_real_run(where: str, workdir: Path, timeout: float = 180.0) -> dict:
+    from tests.integration.e2e_util import decision_records, running_trainer, synthetic
+
+    flags, nproc, rank, stage, kind = PLACES[where]
+    state = workdir / "state"
+    with running_sidecar(state) as sidecar:
+        with running_trainer(sidecar.control_url, workdir / "run", 1000, *synthetic(2, 4), *flags,
+                             "--inject", f"hang:rank={rank},step=5,where={where}", nproc=nproc):
+            deadline = time.monotonic() + timeout
+            found = []
+            while not found and time.monotonic() < deadline:
+                found = [d for d in decision_records(state) if d["rule"] in ("hang", "rank-gone")]
+                time.sleep(0.2)
+    if not found:
+        return {"where": where, "named": False, "seconds": None, "error": "no finding within the timeout"}
+    d = found[0]
+    c = d["evidence"]["culprit"]
+    right = d["rule"] == "hang" and (c["rank"], c["stage"], c["kind"]) == (rank, stage, kind)
+    return {"where": where, "named": right, "seconds": round(d["time"] - c["since"], 3),
+            "bound_seconds": d["evidence"].get("bound_seconds"), "culprit": c, "reason": d["reason"]}
+
+
+def real_runs(runs: int) -> dict:
+    results = []
+    for where in PLACES:
+        for i in range(runs):
+            with tempfile.TemporaryDirectory(prefix="parwatch-hang-") as tmp:
+                r = one_real_run(where, Path(tmp))
+            results.append(r)
+            print(f"{where:<11} run {i + 1}: named={r['named']} time_to_name={r['seconds']} s "
+                  f"(bound {r.get('bound_seconds')} s)", flush=True)
+    by_place = {w: [r["seconds"] for r in results if r["where"] == w and r["seconds"] is not None] for w in PLACES}
+    return {"runs": results, "named_right": sum(r["named"] for r in results), "total": len(results),
+            "time_to_name_max_seconds": {w: max(v) if v else None for w, v in by_place.items()}}
+
+
+# ----------------------------------------------------------------------------- simulation
+
+def _layout(ranks: int) -> Layout:
+    tp = 8 if ranks % 8 == 0 else 1
+    pp = 16 if ranks % (tp * 16) == 0 else 1
+    return Layout(tp, pp, ranks // (tp * pp))
+
+
+def _row(rank: int, lay: Layout, step: int, kind: str, op=None, group=None, since=0.0, now=0.0) -> list:
+    tp, pp = lay.tp, lay.pp
+    return list(Activity(rank, "running", kind, op, group, None, None, since, step, 0.5, 100_000 + rank,
+                         f"node{rank // PER_NODE}", (rank // tp) % pp, rank % tp, rank // (tp * pp), now))
+
+
+async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connections: int, hung: int) -> dict:
+    lay = _layout(ranks)
+    nodes = ranks // PER_NODE
+    host, port = control_url.removeprefix("http://").split(":")
+    pool: asyncio.Queue = asyncio.Queue()
+    for _ in range(connections):
+        pool.put_nowait(Connection(host, int(port)))
+    latencies: list[float] = []
+    t0 = time.time()
+    hang_at = t0 + warmup
+    state = {"step": 0, "stop": False}
+
+    def body(node: int, now: float) -> bytes:
+        step, rows = state["step"], []
+        for r in range(node * PER_NODE, (node + 1) * PER_NODE):
+            if now < hang_at:
+                rows.append(_row(r, lay, step, "forward", since=now, now=now))
+            elif r == hung:
+                rows.append(_row(r, lay, step, "backward", since=hang_at, now=now))
+            else:
+                rows.append(_row(r, lay, step, "collective", "all_reduce", "world", since=hang_at, now=now))
+        return json.dumps({"version": 1, "node": f"node{node}", "run_id": "sim", "time": now,
+                           "layout": [lay.tp, lay.pp, lay.dp], "rows": rows}, separators=(",", ":")).encode()
+
+    async def node_loop(node: int):
+        await asyncio.sleep(node / nodes)  # spread the nodes over the second
+        while not state["stop"]:
+            started = time.perf_counter()
+            conn = await pool.get()
+            try:
+                status = await conn.post("/v1/digest", body(node, time.time()))
+            finally:
+                pool.put_nowait(conn)
+            if status != 200:
+                raise RuntimeError(f"digest refused: HTTP {status}")
+            latencies.append(time.perf_counter() - started)
+            await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - started)))
+
+    async def steps():
+        while time.time() < hang_at:
+            state["step"] += 1  # a step every 0.5 s until the hang
+            await asyncio.sleep(0.5)
+
+    rss = []
+
+    async def watch():
+        async with httpx.AsyncClient(timeout=30) as client:
+            while True:
+                await asyncio.sleep(0.25)
+                rss.append(rss_mb(pid))
+                if time.time() > hang_at:
+                    try:
+                        status = (await client.get(f"{control_url}/v1/hang")).json()
+                    except httpx.TimeoutException:  # an overloaded leader: the decision time is in the record
+                        continue
+                    if status.get("hang"):
+                        return status
+
+    tasks = [asyncio.create_task(node_loop(n)) for n in range(nodes)] + [asyncio.create_task(steps())]
+    status = await asyncio.wait_for(watch(), timeout=warmup + 120)
+    named_after = status["hang"]["time"] - hang_at
+    state["stop"] = True
+    await asyncio.sleep(1.5)
+    for t in tasks:
+        t.cancel()
+    culprit = status["hang"]["evidence"]["culprit"]
+    return {"ranks": ranks, "nodes": nodes, "digests_per_second": nodes,
+            "hang_named_seconds": round(named_after, 3), "culprit_rank": culprit["rank"],
+            "named_right": culprit["rank"] == hung, "bound_seconds": status["hang"]["evidence"]["bound_seconds"],
+            "leader_ingest_seconds_p50": percentile(latencies, 50),
+            "leader_ingest_seconds_p99": percentile(latencies, 99), "digests_sent": len(latencies),
+            "leader_rss_bytes": int(max(rss) * 1024 * 1024) if rss else None}
+
+
+def handler_timing(ranks: int, rounds: int = 3) -> dict:
+    """The leader's own cost per digest (JSON parse + ActivityHub.digest), in process: no HTTP, no client."""
+    from parwatch.sidecar.activity_api import ActivityHub
+    from parwatch.sidecar.config import SidecarConfig
+    from parwatch.sidecar.service import build_sidecar
+
+    lay = _layout(ranks)
+    with tempfile.TemporaryDirectory(prefix="parwatch-hang-hub-") as tmp:
+        hub = ActivityHub(build_sidecar(SidecarConfig(state_dir=Path(tmp) / "state")))
+        times, check = [], []
+        for step in range(1, rounds + 1):
+            now = time.time()
+            for node in range(ranks // PER_NODE):
+                rows = [_row(r, lay, step, "forward", since=now, now=now)
+                        for r in range(node * PER_NODE, (node + 1) * PER_NODE)]
+                body = json.dumps({"version": 1, "node": f"node{node}", "run_id": "sim", "time": now,
+                                   "layout": [lay.tp, lay.pp, lay.dp], "rows": rows}).encode()
+                t0 = time.perf_counter()
+                hub.digest(json.loads(body))
+                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            asyncio.run(hub.tick())  # the once-a-second tick of a healthy run: no rank gone, no stall
+            check.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        found = hub.monitor.check(hub.rows())  # the full analysis over every rank, as on a stall
+        analysis = time.perf_counter() - t0
+    return {"leader_digest_handler_seconds_p50": percentile(times, 50),
+            "leader_digest_handler_seconds_p99": percentile(times, 99),
+            "leader_tick_seconds_max": max(check), "leader_hang_analysis_seconds": analysis,
+            "analysis_findings": len(found)}
+
+
+def simulation(ranks: int, warmup: float, connections: int) -> dict:
+    if ranks % PER_NODE:
+        raise SystemExit(f"--ranks {ranks} must be a multiple of {PER_NODE} (ranks per node)")
+    with tempfile.TemporaryDirectory(prefix="parwatch-hang-sim-") as tmp:
+        with running_sidecar(Path(tmp) / "state") as sidecar:
+            return asyncio.run(simulate(sidecar.control_url, sidecar.pid, ranks, warmup, connections,
+                                        hung=ranks * 9 // 16 + 3))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5, help="real runs per place (compute, collective, send)")
+    ap.add_argument("--ranks", type=int, default=0, help="simulate this many ranks from node digests instead")
+    ap.add_argument("--warmup", type=float, default=12.0, help="simulation: seconds of healthy steps first")
+    ap.add_argument("--connections", type=int, default=64, help="simulation: keep-alive connections to the leader")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.ranks:
+        result = simulation(args.ranks, args.warmup, args.connections)
+        result.update(handler_timing(args.ranks))
+    else:
+        result = real_runs(args.runs)
+    if args.ranks:
+        for key, value in result.items():
+            print(f"{key:<28} {value}")
+    print(json.dumps(result, indent=1, default=str)[:4000] if args.out is None else "", end="")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

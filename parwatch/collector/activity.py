@@ -1,0 +1,189 @@
+"""Live activity: what this rank is doing right now, posted to its node's sidecar about once a second.
+
+A hang stops the training thread, and with it every step summary: whatever names the culprit
+must come from another thread. This reporter runs on its own daemon thread and reads the
+trainer's `registry.current` (the innermost open span, one attribute store per span on the
+training thread; nothing else is asked of it): kind, op, group, peer and the collective's
+per-group `seq`, since when (wall clock), plus pid, host, coordinates and the last completed
+step. The sidecar's hang detector lines these up across ranks (parwatch.sidecar.hang).
+
+Payload (POST /v1/activity, ~300 bytes): {"version": 1, "activity": ACTIVITY}; see
+`ACTIVITY_FIELDS`. On close a last report says `state: "done"`, so a rank that finished is not
+taken for one that crashed when its pid disappears.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+log = logging.getLogger("parwatch.collector")
+
+ACTIVITY_VERSION = 1
+HANG_EXIT_CODE = 75
+"""Exit status of a rank the leader aborted for a hang (EX_TEMPFAIL): restart from the last checkpoint."""
+ACTIVITY_FIELDS = ("run_id", "rank", "pid", "host", "stage", "tp_rank", "dp_rank", "tp", "pp", "dp", "state",
+                   "step", "step_seconds", "kind", "op", "group", "peer", "seq", "since", "time")
+"""kind/op/group/peer/seq: the open span (kind null: between spans); since: wall seconds it opened;
+step: the last completed step (-1 before the first); state: "running" or "done"; time: when sampled."""
+
+
+class ActivityReporter:
+    """One daemon thread per rank: sample `registry.current`, POST it to `endpoint`/v1/activity.
+
+    summary_fn: returns the collector's latest step summary (a dict with "step" and
+    "step_seconds") or None. time_fn: wall clock. http: an httpx.Client-like object (tests).
+    """
+
+    def __init__(self, ctx, registry, endpoint: str | None, token: str | None = None, interval_s: float = 1.0,
+                 http=None, time_fn=time.time, summary_fn=None, pid: int | None = None,
+                 perf_ns=time.perf_counter_ns, max_backoff_s: float = 5.0, stacks_path: str | None = None,
+                 on_abort=os._exit):
+        if not interval_s > 0:
+            raise ValueError(f"ActivityReporter interval_s={interval_s!r} must be > 0 (1.0 suits most runs)")
+        self.ctx = ctx
+        self.registry = registry
+        self.url = endpoint.rstrip("/") + "/v1/activity" if endpoint else None
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self.interval_s = interval_s
+        self._http, self._own_http = http, http is None
+        self._time = time_fn
+        self._perf_ns = perf_ns
+        self._summary_fn = summary_fn or (lambda: None)
+        self._pid = os.getpid() if pid is None else pid
+        self._seen_span = None  # the span object last sampled and the wall time it was first seen
+        self._seen_since = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._max_backoff_s = max_backoff_s
+        self.stacks_path = stacks_path
+        """faulthandler writes every thread's stack here on SIGUSR1 (the sidecar sends it on a hang); None:
+        to stderr (registered whenever the reporter posts, so the signal never kills the rank)."""
+        self._stacks_file = None
+        self._on_abort = on_abort
+        self.sent = 0
+        """Reports the sidecar accepted."""
+        self.failed = 0
+        """Reports lost (sidecar away or refusing)."""
+
+    # -- sampling (reporter thread) ---------------------------------------------------------
+    def snapshot(self, state: str = "running") -> dict:
+        """This rank's activity now: only reads; safe from any thread."""
+        ctx, now = self.ctx, self._time()
+        span = self.registry.current  # one read: the training thread may replace it right after
+        summary = self._summary_fn() or {}
+        record = {"run_id": ctx.run_id, "rank": ctx.rank, "pid": self._pid, "host": ctx.hostname,
+                  "stage": ctx.stage, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank,
+                  "tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "state": state,
+                  "step": int(summary.get("step", -1)), "step_seconds": summary.get("step_seconds"),
+                  "kind": None, "op": None, "group": None, "peer": None, "seq": None, "since": None, "time": now}
+        if span is not None:
+            attrs = span.attrs
+            record.update(kind=str(span.kind), op=attrs.get("op"), group=attrs.get("group"),
+                          peer=attrs.get("peer"), seq=attrs.get("seq"), since=self._since(span, now))
+        return record
+
+    def _since(self, span, now: float) -> float:
+        """Wall time the span opened: exact for host-clock marks (perf_counter_ns integers); for
+        other marks (CUDA events) the first time this thread saw the span (within interval_s)."""
+        start = span.start
+        if type(start) is int:
+            return now - (self._perf_ns() - start) * 1e-9
+        if span is not self._seen_span:
+            self._seen_span, self._seen_since = span, now
+        return self._seen_since
+
+    # -- shipping ---------------------------------------------------------------------------
+    def post(self, record: dict) -> bool:
+        if not self.url:
+            return False
+        now = time.monotonic()
+        if now < self._retry_at:
+            self.failed += 1
+            return False
+        body = json.dumps({"version": ACTIVITY_VERSION, "activity": record}, separators=(",", ":")).encode()
+        try:
+            response = self._client().post(self.url, content=body, headers=self._headers)
+            if response.status_code >= 400:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            reply = response.json()
+        except Exception as exc:
+            self.failed += 1
+            if self._backoff == 0.0:
+                log.warning("parwatch: activity reports to %s failing (%s); retrying with backoff", self.url, exc)
+            self._backoff = min(self._max_backoff_s, self._backoff * 2 if self._backoff else self.interval_s)
+            self._retry_at = time.monotonic() + self._backoff
+            return False
+        self._backoff = self._retry_at = 0.0
+        self.sent += 1
+        code = reply.get("abort") if isinstance(reply, dict) else None
+        if code:  # the leader found a hang and aborts the run: a restart from a checkpoint beats waiting
+            log.error("parwatch: the sidecar aborts this run for a hang; exiting with %s", code)
+            self._on_abort(int(code))
+        return True
+
+    def _client(self):
+        if self._http is None:
+            import httpx
+
+            # trust_env=False: the sidecar is on this node; a proxy for the internet must not capture it.
+            self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=0.5), trust_env=False)
+        return self._http
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.post(self.snapshot())
+            except Exception as exc:  # never let a bad sample end the thread
+                log.warning("parwatch: activity sample failed (%s)", exc)
+
+    def start(self) -> "ActivityReporter":
+        if self._stacks_file is None and (self.stacks_path or self.url):
+            # Always when reporting: the sidecar may send SIGUSR1 for a dump, which must never kill the rank.
+            self._register_stack_dump()
+        if self.url and self._thread is None:
+            self._client()  # build the HTTP client (and its TLS context) now, at attach time, not mid-run
+            self._thread = threading.Thread(target=self._run, name="parwatch-activity", daemon=True)
+            self._thread.start()
+        return self
+
+    def _register_stack_dump(self) -> None:
+        import faulthandler
+        import signal
+
+        try:
+            if self.stacks_path:
+                os.makedirs(os.path.dirname(os.path.abspath(self.stacks_path)), exist_ok=True)
+                self._stacks_file = open(self.stacks_path, "a")  # open for the process's life: the handler writes its fd
+            else:
+                import sys
+
+                self._stacks_file = sys.stderr  # no run directory: the rank's log gets the stacks
+            faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
+        except (OSError, AttributeError, ValueError) as exc:  # no SIGUSR1 (Windows), unwritable dir
+            log.warning("parwatch: no stack dumps on SIGUSR1 (%s)", exc)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the thread and say this rank is done (so its pid vanishing is not a crash)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        self._thread = None
+        self._retry_at = 0.0  # the last word is worth one try even after failures
+        try:
+            self.post(self.snapshot(state="done"))
+        except Exception:
+            pass
+        if self._own_http and self._http is not None:
+            try:
+                self._http.close()
+            except Exception:
+                pass

@@ -1,0 +1,59 @@
+"""The bubble split into its causes, for rank 0's global view (run on the shipper's thread).
+
+Per stage and step (parwatch.pipeline_sim.bubble_causes): `schedule` is the bubble the
+schedule itself implies with every stage at this step's mean per-action times, `imbalance`
+what this step's measured per-stage times add to it, `wait` the rest of the measured bubble
+(p2p, collectives, host). Replaying a schedule costs O(actions), so it never runs on the
+training thread: the shipper calls `add_causes` before it writes or sends a summary.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from parwatch.pipeline_sim import bubble_causes, normalize, per_action_seconds, simulate
+
+CAUSE_KEYS = {"schedule": "bubble_schedule_ratio", "imbalance": "bubble_imbalance_ratio", "wait": "bubble_wait_ratio"}
+
+
+class CauseSplitter:
+    """Holds the run's pipeline order (from the trainer's run_start event) and enriches summaries."""
+
+    def __init__(self) -> None:
+        self.order: dict | None = None
+        self.errors = 0
+        """Summaries whose causes could not be computed (a partial view, an order that does not replay)."""
+
+    def set_order(self, order: Mapping | None) -> float | None:
+        """Keep the order; returns its schedule bubble at equal action times (None if it does not replay).
+
+        That is the theoretical bubble of schedules without a closed form (zero-bubble, V shapes)."""
+        if not order:
+            return None
+        try:
+            order = {int(rank): list(actions) for rank, actions in order.items()}
+            ranks = normalize(order)
+            uniform = simulate(ranks, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}).bubble
+        except (ValueError, TypeError, KeyError):
+            self.errors += 1
+            return None
+        self.order = ranks
+        return sum(uniform.values()) / len(uniform) if uniform else None
+
+    def add_causes(self, summary: dict) -> None:
+        """Add bubble_{schedule,imbalance,wait}_ratio to every stage of a summary's global view."""
+        view = summary.get("global") if self.order is not None else None
+        if not view or not view.get("stages"):
+            return
+        stages = {s["stage"]: s for s in view["stages"]}
+        if set(stages) != set(self.order):
+            return  # a stage did not report this step: no replay of a partial pipeline
+        try:
+            causes = bubble_causes(self.order, per_action_seconds(self.order, stages),
+                                   {st: s["bubble_ratio"] for st, s in stages.items()})
+        except (ValueError, ZeroDivisionError):
+            self.errors += 1
+            return
+        for stage, cause in causes.items():
+            for name, key in CAUSE_KEYS.items():
+                stages[stage][key] = getattr(cause, name)

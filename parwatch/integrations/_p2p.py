@@ -1,0 +1,109 @@
+"""send/recv spans for torch pipelining: the one module-level hook the schedules share.
+
+torch batches a stage's point-to-point ops privately: every schedule posts them through
+`schedules._batch_p2p(ops)` and blocks in `schedules._wait_batch_p2p(works)` (both looked up
+as module globals at call time, so replacing them reaches every schedule class). The stage
+methods that build the ops (`get_fwd_send_ops` ...) are public; the integration tags the ops
+they return, and these two wrappers time only tagged batches:
+
+- recv: from entering the wait to its return (the time the rank could not compute);
+- send: from posting to the end of the first wait that finds it complete (an upper bound: a
+  send is only known complete when the schedule waits for it).
+
+Untagged batches (another schedule not being watched) pass straight through. Installed once
+per process however many schedules are watched (reference counted).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from parwatch.contract import SpanKind, registry
+
+TAG = "_parwatch_p2p"
+REQUIRED = ("_batch_p2p", "_wait_batch_p2p")
+
+_lock = threading.Lock()
+_users = 0
+_originals: dict = {}
+
+
+class P2PHookMissing(RuntimeError):
+    """The installed torch lacks the private functions the send/recv spans hook."""
+
+
+class _Timed(list):
+    """The works of one tagged batch, with when it was posted and what it carried."""
+
+    __slots__ = ("posted", "spans")
+
+
+def _batch_p2p(p2p_ops, desc=None):
+    original = _originals["_batch_p2p"]
+    if not registry.active:
+        return original(p2p_ops, desc=desc)
+    tags = [(tag, op) for op in p2p_ops if (tag := getattr(op, TAG, None)) is not None]
+    if not tags:
+        return original(p2p_ops, desc=desc)
+    posted = registry.mark()
+    timed = _Timed(original(p2p_ops, desc=desc))
+    timed.posted = posted
+    timed.spans = []
+    for tag, op in tags:
+        attrs = dict(tag)
+        attrs["bytes"] = op.tensor.numel() * op.tensor.element_size()
+        kind = SpanKind.RECV if attrs["op"] == "recv" else SpanKind.SEND
+        attrs["seq"] = registry.next_seq(kind, attrs)  # numbered when posted: the program's order
+        timed.spans.append((kind, attrs))
+    return timed
+
+
+def _wait_batch_p2p(work):
+    original = _originals["_wait_batch_p2p"]
+    if type(work) is not _Timed or not registry.active:
+        return original(work)
+    start = registry.mark()
+    result = original(work)
+    end = registry.mark()
+    for kind, attrs in work.spans:
+        registry.emit_span(kind, start if kind is SpanKind.RECV else work.posted, end, **attrs)
+    work.spans = ()  # a second wait on the same batch reports nothing twice
+    return result
+
+
+def install() -> None:
+    """Put the timing wrappers in torch's schedules module (first caller only)."""
+    global _users
+    from torch.distributed.pipelining import schedules
+
+    with _lock:
+        if _users == 0:
+            missing = [name for name in REQUIRED if not callable(getattr(schedules, name, None))]
+            if missing:
+                import torch
+
+                raise P2PHookMissing(
+                    f"torch {torch.__version__}: torch.distributed.pipelining.schedules has no "
+                    f"{', '.join(missing)}; parwatch's send/recv spans hook them (present in torch 2.13). "
+                    "Watch with p2p=False to go without send/recv spans, or pin a torch that has them."
+                )
+            for name, wrapper in (("_batch_p2p", _batch_p2p), ("_wait_batch_p2p", _wait_batch_p2p)):
+                _originals[name] = getattr(schedules, name)
+                setattr(schedules, name, wrapper)
+        _users += 1
+
+
+def uninstall() -> None:
+    """Undo `install` once every watcher has gone (leaves another library's later patch alone)."""
+    global _users
+    from torch.distributed.pipelining import schedules
+
+    with _lock:
+        if _users == 0:
+            return
+        _users -= 1
+        if _users == 0:
+            for name, wrapper in (("_batch_p2p", _batch_p2p), ("_wait_batch_p2p", _wait_batch_p2p)):
+                if getattr(schedules, name, None) is wrapper:
+                    setattr(schedules, name, _originals[name])
+            _originals.clear()

@@ -1,0 +1,315 @@
+"""Watch a `torch.distributed.pipelining` schedule with parwatch: a few lines of user code.
+
+    from parwatch.collector import Collector, attach
+    from parwatch.integrations.torch_pipelining import PipelineWatch
+
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
+    watch = PipelineWatch(schedule, run_id=run_id, load_checkpoint=my_load)  # spans + boundary
+    attach(Collector(watch.run_context(), log_path="run/summaries.jsonl"))
+    step = watch.start()
+    while step < steps:
+        optimizer.zero_grad()
+        schedule.step(x, target=y)                               # unchanged
+        watch.optimizer_step(optimizer)                          # optimizer.step() in a span
+        step = watch.step_done()                                 # boundary; may pause or roll back
+    watch.close()
+
+What it emits, per stage (this rank's pipeline position), chunk (index among this rank's
+stages) and microbatch: forward, backward (or backward_input and backward_weight where the
+schedule splits them), loss (torch computes it outside the stage's forward), send/recv (see
+`_p2p`), gradient reduction/scaling after the last backward (dp_sync: not bubble), the
+optimizer step, and one step-boundary all-reduce per step. Every schedule class of
+torch.distributed.pipelining is supported; see SCHEDULE_NAMES.
+
+Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
+boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None:
+the newest checkpoint) on every rank and continues from the step it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from parwatch import pipeline_sim
+from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, registry
+from parwatch.integrations import _p2p
+from parwatch.integrations._p2p import P2PHookMissing  # noqa: F401  (part of this module's API)
+from parwatch.integrations._stage_spans import (
+    SCHEDULE_METHODS,
+    STAGE_METHODS,
+    Patches,
+    instrument_loss,
+    instrument_stage,
+)
+
+log = logging.getLogger("parwatch.integrations.torch_pipelining")
+
+# torch class name -> parwatch's schedule name (the example's --schedule values).
+SCHEDULE_NAMES = {
+    "ScheduleGPipe": "gpipe",
+    "Schedule1F1B": "1f1b",
+    "ScheduleInterleaved1F1B": "interleaved1f1b",
+    "ScheduleLoopedBFS": "loopedbfs",
+    "ScheduleInterleavedZeroBubble": "interleavedzb",
+    "ScheduleZBVZeroBubble": "zbv",
+    "ScheduleDualPipeV": "dualpipev",
+}
+
+
+class IntegrationError(RuntimeError):
+    """The schedule cannot be watched as given; the message says what to change."""
+
+
+def schedule_name(schedule) -> str:
+    """parwatch's name for a torch schedule object (a subclass maps to its torch base class)."""
+    for cls in type(schedule).__mro__:
+        if cls.__name__ in SCHEDULE_NAMES:
+            return SCHEDULE_NAMES[cls.__name__]
+    raise IntegrationError(f"{type(schedule).__name__} is not one of torch's schedule classes "
+                           f"({', '.join(SCHEDULE_NAMES)}); parwatch cannot name its bubble theory")
+
+
+def stages_of(schedule) -> list:
+    """The schedule's stages on this rank, ordered by stage index."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [stage] if stage is not None else None
+    if not stages:
+        raise IntegrationError(f"{type(schedule).__name__} has neither _stages nor _stage: not a "
+                               "torch.distributed.pipelining schedule this integration knows")
+    return sorted(stages, key=lambda s: s.stage_index)
+
+
+def action_order(schedule) -> dict:
+    """`{rank: [pipeline_sim.Action, ...]}`: the compute actions every rank of this schedule runs.
+
+    Multi-stage schedules run their `pipeline_order`; the one-stage ones (GPipe, 1F1B) run
+    what their `_step_microbatches` codes, which `pipeline_sim.single_stage_order` mirrors."""
+    name = schedule_name(schedule)
+    if name in ("gpipe", "1f1b"):
+        stage = stages_of(schedule)[0]
+        return pipeline_sim.single_stage_order(name, stage.num_stages, schedule._n_microbatches)
+    return pipeline_sim.normalize(schedule.pipeline_order)
+
+
+class PipelineWatch:
+    """Instruments one schedule on this rank and drives its step boundary. See the module docstring.
+
+    schedule: a torch.distributed.pipelining schedule, built as usual (the process group is up).
+    run_id: the run's id, the same on every rank (directives name it).
+    load_checkpoint: `f(step or None) -> loaded step`, called on every rank for a rollback
+        directive (None asks for the newest checkpoint). It must load the same step on every
+        rank or raise on every rank; without it rollbacks are reported failed (no_checkpoint).
+    p2p: time send/recv (hooks torch's private `_batch_p2p`/`_wait_batch_p2p`).
+    pause_poll_s: seconds between heartbeat boundaries while paused.
+    boundary_group / device: where the boundary all-reduce runs (default: the world group, on
+        the first stage's device)."""
+
+    def __init__(
+        self,
+        schedule,
+        *,
+        run_id: str,
+        load_checkpoint: Callable[[int | None], int] | None = None,
+        p2p: bool = True,
+        pause_poll_s: float = 0.2,
+        boundary_group=None,
+        device=None,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not run_id:
+            raise IntegrationError("PipelineWatch: run_id must be the run's id "
+                                   "(the same non-empty string on every rank)")
+        self.schedule = schedule
+        self.run_id = run_id
+        self.name = schedule_name(schedule)
+        self.stages = stages_of(schedule)
+        for stage in self.stages:
+            missing = [m for m in STAGE_METHODS if not callable(getattr(stage, m, None))]
+            if missing:
+                raise IntegrationError(f"stage {stage.stage_index} ({type(stage).__name__}) lacks "
+                                       f"{', '.join(missing)}: this torch's PipelineStage differs from "
+                                       "the torch 2.13 API parwatch wraps")
+        missing = [m for m in SCHEDULE_METHODS if not callable(getattr(schedule, m, None))]
+        if missing:
+            raise IntegrationError(f"{type(schedule).__name__} lacks {', '.join(missing)}: cannot time the loss "
+                                   "on this torch version")
+        first = self.stages[0]
+        self.pp_rank = first.group_rank
+        self.pp = first.group_size
+        self.microbatches = schedule._n_microbatches
+        self.chunks = len(self.stages)
+        self.is_last = any(s.is_last for s in self.stages)
+        self.load_checkpoint = load_checkpoint
+        self.p2p = p2p
+        self.pause_poll_s = pause_poll_s
+        self._group = boundary_group
+        self._device = device if device is not None else getattr(first, "device", None)
+        self.boundary = StepBoundary(dist.get_rank(boundary_group), dist.get_world_size(boundary_group), run_id,
+                                     self._all_reduce_sum, reports_loss=self.is_last)
+        """The contract's step-boundary driver (one small SUM all-reduce per step)."""
+        self._patches = Patches()
+        self._losses: list = []
+        self.attached = False
+        self.step = 0
+        """The last optimizer step finished (the boundary's step number)."""
+        self.timeline = 0
+        """Rollbacks applied so far in this run."""
+        self.applied: list[dict] = []
+        """Directives this rank handled: {id, action, step, outcome, ...} (a resume ending a pause: no id)."""
+        self.attach()
+
+    # ------------------------------------------------------------------ instrumentation
+    def attach(self) -> "PipelineWatch":
+        """Instrument the schedule (the constructor does; after `detach`, again)."""
+        if self.attached:
+            return self
+        attrs = {}
+        for chunk, stage in enumerate(self.stages):
+            base = {"stage": self.pp_rank, "chunk": chunk, "vstage": stage.stage_index}
+            attrs[stage.stage_index] = base
+            instrument_stage(stage, base, self._patches, p2p=self.p2p)
+        instrument_loss(self.schedule, attrs, self._patches, self._losses)
+        if self.p2p:
+            try:
+                _p2p.install()
+            except Exception:
+                self._patches.undo()
+                raise
+        self.attached = True
+        return self
+
+    def detach(self) -> None:
+        """Take every wrapper off: the schedule runs exactly as torch ships it (boundaries still work)."""
+        if not self.attached:
+            return
+        self._patches.undo()
+        if self.p2p:
+            _p2p.uninstall()
+        self.attached = False
+
+    def run_context(self, **extra):
+        """A collector RunContext for this rank (pipeline-only worlds: tp = dp = 1).
+
+        `extra` goes to RunContext.for_rank (tokens_per_step, local_gpu, hostname)."""
+        import torch.distributed as dist
+
+        from parwatch.collector import RunContext
+
+        world = dist.get_world_size()
+        if world != self.pp:
+            raise IntegrationError(f"the world has {world} ranks but the pipeline group {self.pp}: build the "
+                                   "RunContext yourself with your tp/pp/dp layout")
+        return RunContext.for_rank(self.run_id, dist.get_rank(), tp=1, pp=self.pp, dp=1, schedule=self.name,
+                                   microbatches=self.microbatches, chunks=self.chunks, **extra)
+
+    def action_order(self) -> dict:
+        """Every rank's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""
+        return action_order(self.schedule)
+
+    # ------------------------------------------------------------------ the step loop
+    def start(self, step: int = 0) -> int:
+        """The run's first boundary, on every rank; `step`: where training resumes (0: fresh)."""
+        self.step = step
+        order = {rank: [str(a) for a in acts] for rank, acts in self.action_order().items()}
+        registry.emit_event(Event.RUN_START, rank=self.pp_rank, config={"schedule": self.name, "pp": self.pp,
+                            "microbatches": self.microbatches, "chunks": self.chunks},
+                            model_flops_per_step=None, pipeline_order=order)
+        self.boundary.exchange(BoundaryKind.START, self.step)
+        return self.step
+
+    def optimizer_step(self, optimizer, *args, **kwargs):
+        """`optimizer.step()` inside an optimizer span (other time, not bubble)."""
+        with registry.span(SpanKind.OPTIMIZER, stage=self.pp_rank):
+            return optimizer.step(*args, **kwargs)
+
+    def step_done(self, loss: float | None = None) -> int:
+        """Call after each optimizer step, on every rank: the step boundary, then any directive.
+
+        loss: this rank's loss for the step; default: the mean of the microbatch losses the
+        schedule computed here (last stage only). Returns the step training continues from:
+        the step just finished, or the loaded one after a rollback."""
+        self.step += 1
+        if loss is None and self._losses:
+            loss = _mean_loss(self._losses)
+        self._losses.clear()
+        _, directive = self.boundary.exchange(BoundaryKind.STEP, self.step, loss)
+        if directive is not None:
+            self._apply(directive)
+        return self.step
+
+    def checkpoint_saved(self, step: int, checkpoints: list[int] | None = None) -> None:
+        """Tell the collector a complete checkpoint of `step` exists (a rollback target);
+        `checkpoints`: every complete step on disk now, if known."""
+        attrs = {"step": step}
+        if checkpoints is not None:
+            attrs["checkpoints"] = list(checkpoints)
+        registry.emit_event(Event.CHECKPOINT_SAVED, **attrs)
+
+    def close(self, summary: dict | None = None) -> None:
+        """run_end (observers may add their run totals to `summary`), then detach."""
+        registry.emit_event(Event.RUN_END, steps_completed=self.step, summary={} if summary is None else summary)
+        self.detach()
+
+    # ------------------------------------------------------------------ directives
+    def _all_reduce_sum(self, values: list) -> list:
+        import torch
+        import torch.distributed as dist
+
+        vec = torch.tensor(values, dtype=torch.float64, device=self._device)
+        dist.all_reduce(vec, group=self._group)
+        return vec.tolist()
+
+    def _apply(self, directive) -> None:
+        if directive.action == Action.PAUSE:
+            self._report(directive, Outcome.APPLIED)
+            registry.emit_event(Event.PAUSED, step=self.step)
+            log.warning("rank %d: paused at step %d", self.pp_rank, self.step)
+            rollback = self.boundary.hold(self.step, self.pause_poll_s)  # reports the resume itself
+            if rollback is not None:
+                self._rollback(rollback)
+            else:
+                self.applied.append({"action": Action.RESUME.value, "step": self.step, "outcome": "applied"})
+        elif directive.action == Action.ROLLBACK:
+            self._rollback(directive)
+        else:  # resume while running: seen, nothing to do
+            self._report(directive, Outcome.APPLIED)
+
+    def _report(self, directive, outcome, **extra) -> None:
+        self.applied.append({"id": directive.id, "action": str(getattr(directive.action, "value", directive.action)),
+                             "step": self.step, "outcome": outcome.name.lower(),
+                             **{k: getattr(v, "name", v) for k, v in extra.items()}})
+        self.boundary.report(directive, outcome, step=self.step, **extra)
+
+    def _rollback(self, directive) -> None:
+        from_step, asked = self.step, directive.to_step
+        loaded, reason = None, FailReason.NO_CHECKPOINT
+        if self.load_checkpoint is not None:
+            try:
+                loaded = self.load_checkpoint(asked)
+            except FileNotFoundError as exc:
+                log.error("rank %d: rollback to %s: %s", self.pp_rank, asked, exc)
+            except Exception as exc:  # the user's loader failed: report it, keep training as we are
+                log.error("rank %d: load_checkpoint(%s) failed: %s", self.pp_rank, asked, exc)
+                reason = FailReason.LOAD_ERROR
+            if loaded is not None and (not isinstance(loaded, int) or loaded < 0):
+                log.error("rank %d: load_checkpoint returned %r, not a step", self.pp_rank, loaded)
+                loaded, reason = None, FailReason.LOAD_ERROR
+        if not self.boundary.agree(loaded is not None):
+            self._report(directive, Outcome.FAILED, reason=reason)
+            return
+        self.step = loaded
+        self.timeline += 1
+        outcome = Outcome.APPLIED if asked is None or loaded == asked else Outcome.SUBSTITUTED
+        self._report(directive, outcome, loaded_step=loaded)
+        registry.emit_event(Event.ROLLBACK, from_step=from_step, to_step=loaded, skip_batches=directive.skip_batches)
+        self.boundary.exchange(BoundaryKind.RESUME, self.step)
+
+
+def _mean_loss(losses: list) -> float:
+    import torch
+
+    return float(torch.stack([t.detach().reshape(()).to(torch.float64) for t in losses]).mean())

@@ -1,0 +1,372 @@
+"""Replay a pipeline schedule's action lists with given durations: makespan, busy, idle, bubble.
+
+Pure Python, no torch. A schedule is `{rank: [action, ...]}`: each rank runs its list in
+order, one action at a time, and an action starts once its dependencies have finished:
+
+    F(s, mb)    after F(s-1, mb)                       (s is the virtual stage)
+    B/I(s, mb)  after F(s, mb) and after B/I(s+1, mb)  (the gradient from the next stage)
+    W(s, mb)    after I(s, mb)
+
+A dependency produced on another rank also waits `p2p_s` (the send's latency). Which rank
+holds a virtual stage is read from the order itself, so interleaved (stage s on rank s % p)
+and V layouts (stages r and 2p-1-r on rank r) need no extra argument.
+
+Actions may be this module's `Action`, torch's `_Action` (duck-typed: stage_index,
+computation_type, microbatch_index, sub_actions), a `(stage, type, microbatch)` tuple or a
+string such as "2F0". torch's OVERLAP_F_B runs its sub-actions back to back, and what they
+produce reaches other ranks when the whole block ends (torch posts the sends after it); `None` (an
+idle slot in torch's IR) and non-compute actions (SEND_*, RECV_*, REDUCE_GRAD, UNSHARD,
+RESHARD) are dropped: communication is modelled by `p2p_s`, idle by the replay.
+
+    order = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
+    simulate(order, {"F": 0.04, "B": 0.08}).bubble    # {0: 0.333.., 1: 0.333..}
+
+`theory()` gives the closed forms; `bubble_causes()` splits a measured bubble into the part
+the schedule implies, the part stage imbalance adds, and the rest (waiting).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backward weight
+COMPUTE_TYPES = (F, B, I, W)
+_OVERLAP = "OVERLAP_F_B"
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Z_]+?)\s*(\d*)\s*$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action: `type` in F, B, I, W on virtual stage `stage` for `microbatch`."""
+
+    stage: int
+    type: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.type}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    """Seconds from the first action's start to the last action's end, over all ranks."""
+    busy: dict
+    """rank -> seconds spent in actions."""
+    idle: dict
+    """rank -> makespan - busy."""
+    bubble: dict
+    """rank -> idle / makespan (0 for an empty schedule)."""
+    finish: dict
+    """Action -> (start, end) seconds: the replayed timeline."""
+
+
+# --------------------------------------------------------------------------- input
+def normalize(order: Mapping) -> dict[int, list[Action]]:
+    """`{rank: [Action, ...]}` from any accepted form (see the module docstring)."""
+    return {rank: [a for group in groups for a in group] for rank, groups in _groups(order).items()}
+
+
+def _groups(order: Mapping) -> dict[int, list[list[Action]]]:
+    """Each rank's actions in blocks: one action, or an OVERLAP_F_B's sub-actions."""
+    if not isinstance(order, Mapping) or not order:
+        raise ValueError("pipeline order must be a non-empty {rank: [action, ...]} mapping")
+    result: dict[int, list[list[Action]]] = {}
+    for rank, actions in order.items():
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"pipeline order key {rank!r} must be a rank (an int >= 0)")
+        result[rank] = [group for raw in actions if (group := _convert(raw, rank))]
+    seen: dict[Action, int] = {}
+    for rank, groups in result.items():
+        for action in (a for g in groups for a in g):
+            if action in seen:
+                raise ValueError(f"action {action} appears twice (ranks {seen[action]} and {rank})")
+            seen[action] = rank
+    return result
+
+
+def _convert(raw, rank: int) -> list[Action]:
+    if raw is None:
+        return []
+    if isinstance(raw, Action):
+        parts = (raw.stage, raw.type, raw.microbatch)
+    elif isinstance(raw, str):
+        match = _ACTION_RE.match(raw)
+        if not match:
+            raise ValueError(f"rank {rank}: action string {raw!r} is not like '2F0' (stage, type, microbatch)")
+        stage, kind, mb = match.groups()
+        parts = (int(stage), kind, int(mb) if mb else None)
+    elif isinstance(raw, tuple) and len(raw) == 3 and not hasattr(raw, "computation_type"):
+        parts = raw
+    elif hasattr(raw, "computation_type"):  # torch's _Action
+        kind = _type_name(raw.computation_type)
+        if kind == _OVERLAP:
+            subs = getattr(raw, "sub_actions", None) or ()
+            return [a for sub in subs for a in _convert(sub, rank)]
+        parts = (raw.stage_index, kind, raw.microbatch_index)
+    else:
+        raise ValueError(f"rank {rank}: cannot read action {raw!r}; use Action(stage, type, microbatch)")
+    stage, kind, mb = parts
+    kind = _type_name(kind)
+    if kind not in COMPUTE_TYPES:
+        return []  # communication, resharding, grad reduction: not replayed
+    if not isinstance(stage, int) or stage < 0 or not isinstance(mb, int) or mb < 0:
+        raise ValueError(f"rank {rank}: action {raw!r} needs a stage and a microbatch (ints >= 0)")
+    return [Action(stage, kind, mb)]
+
+
+def _type_name(kind) -> str:
+    value = getattr(kind, "value", kind)  # torch's _ComputationType is a str Enum
+    return str(value)
+
+
+# ---------------------------------------------------------------------- durations
+def _duration_fn(durations: Mapping):
+    """Seconds of an action: durations[(stage, type)], else durations[type].
+
+    B defaults to I + W when both are known, so one table serves fused and split schedules."""
+    if not isinstance(durations, Mapping):
+        raise ValueError("durations must map a type ('F', 'B', 'I', 'W') or (stage, type) to seconds")
+    for key, value in durations.items():
+        kind = key[1] if isinstance(key, tuple) else key
+        if kind not in COMPUTE_TYPES or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"durations[{key!r}] = {value!r}: keys are F/B/I/W or (stage, F/B/I/W), "
+                             "values seconds >= 0")
+
+    def lookup(stage: int, kind: str) -> float | None:
+        value = durations.get((stage, kind))
+        return durations.get(kind) if value is None else value
+
+    def duration(action: Action) -> float:
+        value = lookup(action.stage, action.type)
+        if value is None and action.type == B:
+            i, w = lookup(action.stage, I), lookup(action.stage, W)
+            value = None if i is None or w is None else i + w
+        if value is None:
+            raise ValueError(f"no duration for {action.type} on stage {action.stage}; "
+                             f"give durations[{action.type!r}] or durations[({action.stage}, {action.type!r})]")
+        return float(value)
+
+    return duration
+
+
+# ---------------------------------------------------------------------- simulate
+def _dependencies(action: Action, stages: Mapping[tuple[int, int], str], n_stages: int) -> list[Action]:
+    """What must finish before `action`; `stages[(s, mb)]` is the backward type that stage uses (B or I)."""
+    s, mb = action.stage, action.microbatch
+    if action.type == F:
+        return [Action(s - 1, F, mb)] if s > 0 else []
+    if action.type in (B, I):
+        deps = [Action(s, F, mb)]
+        if s + 1 < n_stages:
+            deps.append(Action(s + 1, stages.get((s + 1, mb), B), mb))
+        return deps
+    return [Action(s, I, mb)]  # W
+
+
+def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0) -> SimResult:
+    """Replay `order` (see the module docstring) with `durations` in seconds.
+
+    durations: {"F": s, "B": s} for uniform stages, or {(stage, "F"): s, ...} per virtual stage
+    (a (stage, type) entry wins over a type entry); B defaults to I + W.
+    p2p_s: latency added to a dependency produced on another rank."""
+    if p2p_s < 0:
+        raise ValueError(f"p2p_s={p2p_s} must be >= 0")
+    blocks = _groups(order)
+    ranks = {r: [a for g in groups for a in g] for r, groups in blocks.items()}
+    rank_of = {a.stage: r for r, actions in ranks.items() for a in actions}
+    n_stages = max(rank_of, default=-1) + 1
+    missing = sorted(set(range(n_stages)) - set(rank_of))
+    if missing:
+        raise ValueError(f"virtual stages {missing} appear on no rank; the order covers 0..{n_stages - 1}")
+    bwd_type = {(a.stage, a.microbatch): a.type for acts in ranks.values() for a in acts if a.type in (B, I)}
+    present = {a for acts in ranks.values() for a in acts}
+    duration = _duration_fn(durations)
+    finish: dict[Action, tuple[float, float]] = {}
+    published: dict[Action, float] = {}  # when other ranks can use an action's output
+    free = {r: 0.0 for r in ranks}
+    cursor = {r: 0 for r in ranks}
+    remaining = sum(len(group) for groups in blocks.values() for group in groups)
+    while remaining:
+        progressed = False
+        for rank, groups in blocks.items():
+            while cursor[rank] < len(groups):
+                group = groups[cursor[rank]]
+                deps = [d for action in group for d in _dependencies(action, bwd_type, n_stages) if d not in group]
+                absent = [d for d in deps if d not in present]
+                if absent:
+                    action = next(a for a in group if absent[0] in _dependencies(a, bwd_type, n_stages))
+                    raise ValueError(f"rank {rank}: {action} depends on {absent[0]}, which no rank runs; "
+                                     "the order is incomplete")
+                if any(d not in finish for d in deps):
+                    break
+                t = free[rank]
+                for action in group:
+                    ready = t
+                    for dep in _dependencies(action, bwd_type, n_stages):
+                        if dep in group:
+                            ready = max(ready, finish[dep][1])
+                        elif rank_of[dep.stage] != rank:
+                            ready = max(ready, published[dep] + p2p_s)
+                        else:
+                            ready = max(ready, finish[dep][1])
+                    t = ready + duration(action)
+                    finish[action] = (ready, t)
+                for action in group:
+                    published[action] = t
+                free[rank] = t
+                cursor[rank] += 1
+                remaining -= len(group)
+                progressed = True
+        if not progressed:
+            blocked = [str(blocks[r][cursor[r]][0]) for r in blocks if cursor[r] < len(blocks[r])]
+            raise ValueError(f"the order deadlocks: every rank waits ({', '.join(blocked)} are next)")
+    if not finish:
+        return SimResult(0.0, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {})
+    t0 = min(s for s, _ in finish.values())
+    makespan = max(e for _, e in finish.values()) - t0
+    busy = {r: sum(finish[a][1] - finish[a][0] for a in acts) for r, acts in ranks.items()}
+    idle = {r: makespan - busy[r] for r in ranks}
+    bubble = {r: (idle[r] / makespan if makespan > 0 else 0.0) for r in ranks}
+    return SimResult(makespan, busy, idle, bubble, finish)
+
+
+# ----------------------------------------------------------------------- theory
+_CLOSED_FORMS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "interleaved1f1b": 2}
+
+
+def theory(schedule_name: str, p: int, m: int, v: int = 1) -> float:
+    """The closed-form bubble share of a step with uniform stages.
+
+    gpipe, 1f1b: (p-1)/(m+p-1); interleaved (or interleaved1f1b): (p-1)/(v*m+p-1). Other
+    schedules (zero bubble, looped BFS, DualPipeV) have no closed form at unequal F/I/W:
+    `simulate()` their action lists instead."""
+    name = schedule_name.lower().replace("schedule", "").replace("_", "").replace("-", "")
+    if name not in _CLOSED_FORMS:
+        raise ValueError(f"theory(): no closed form for schedule {schedule_name!r} (have gpipe, 1f1b, "
+                         "interleaved); simulate() its action lists instead")
+    for label, value in (("p", p), ("m", m), ("v", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"theory(): {label}={value!r} must be a positive integer")
+    if _CLOSED_FORMS[name] == 1 and v != 1:
+        raise ValueError(f"theory(): v={v} needs an interleaved schedule; {schedule_name} has v=1")
+    return (p - 1) / (v * m + p - 1)
+
+
+# ----------------------------------------------------------------- bubble causes
+@dataclass(frozen=True)
+class BubbleCauses:
+    """One stage's bubble share of a step, split three ways (they sum to the measured bubble)."""
+
+    schedule: float
+    """The bubble the schedule implies with every stage at the mean per-type time."""
+    imbalance: float
+    """Added by this step's unequal stage times: simulated at measured times, minus schedule."""
+    wait: float
+    """The rest: measured - schedule - imbalance (p2p, collectives, host). Negative if faster."""
+
+    def as_dict(self) -> dict:
+        return {"schedule": self.schedule, "imbalance": self.imbalance, "wait": self.wait}
+
+
+def bubble_causes(
+    order: Mapping,
+    per_stage_type_seconds: Mapping[int, Mapping[str, float]],
+    measured_bubble_per_stage: Mapping[int, float],
+    p2p_s: float = 0.0,
+) -> dict[int, BubbleCauses]:
+    """Split each stage's measured bubble ratio into schedule, imbalance and wait.
+
+    order: the schedule's `{rank: [action, ...]}` (rank = pipeline stage, as in the summaries).
+    per_stage_type_seconds: `{rank: {"F": s, "B": s}}` or with "I" and "W": the mean seconds of
+        ONE action of that type on that rank in this step (all its virtual stages alike).
+    measured_bubble_per_stage: `{rank: bubble_ratio}` as the collector measured it.
+    p2p_s: a point-to-point latency both simulations assume (0: none).
+    Returns `{rank: BubbleCauses}` for the ranks of `measured_bubble_per_stage`."""
+    ranks = normalize(order)
+    unknown = sorted(set(measured_bubble_per_stage) - set(ranks))
+    if unknown:
+        raise ValueError(f"measured_bubble_per_stage has stages {unknown} the order does not run")
+    lacking = sorted(set(ranks) - set(per_stage_type_seconds))
+    if lacking:
+        raise ValueError(f"per_stage_type_seconds lacks stages {lacking}; give each stage's F and B (or I, W)")
+    given = set(COMPUTE_TYPES)
+    for rank in ranks:
+        given &= set(per_stage_type_seconds[rank])
+    mean = {kind: sum(float(per_stage_type_seconds[r][kind]) for r in ranks) / len(ranks) for kind in given}
+    measured = {(a.stage, kind): float(per_stage_type_seconds[r][kind])
+                for r, acts in ranks.items() for a in acts for kind in given}
+    uniform = simulate(ranks, mean, p2p_s).bubble
+    actual = simulate(ranks, measured, p2p_s).bubble
+    out = {}
+    for rank, bubble in measured_bubble_per_stage.items():
+        schedule = uniform[rank]
+        imbalance = actual[rank] - schedule
+        out[rank] = BubbleCauses(schedule, imbalance, float(bubble) - schedule - imbalance)
+    return out
+
+
+def per_action_seconds(order: Mapping, stage_totals: Mapping[int, Mapping[str, float]]) -> dict[int, dict]:
+    """Per-action mean seconds from one step's per-stage totals, for `bubble_causes`.
+
+    stage_totals: `{rank: {"forward_seconds": s, "backward_seconds": s, "backward_weight_seconds": s,
+    "loss_seconds": s}}`: the collector's global-view stage entries fit as they are. backward
+    sums full backwards (B) and input backwards (I); a rank running both is split assuming
+    B = I + W. The loss, computed after the last stage's forwards, is folded into that rank's F."""
+    out: dict[int, dict] = {}
+    for rank, actions in normalize(order).items():
+        totals = stage_totals.get(rank)
+        if totals is None:
+            raise ValueError(f"stage_totals lacks stage {rank}; give every stage of the order")
+        count = {kind: sum(1 for a in actions if a.type == kind) for kind in COMPUTE_TYPES}
+        fwd = float(totals.get("forward_seconds", 0.0)) + float(totals.get("loss_seconds", 0.0))
+        bwd = float(totals.get("backward_seconds", 0.0))
+        wgt = float(totals.get("backward_weight_seconds", 0.0))
+        means: dict[str, float] = {}
+        if count[F]:
+            means[F] = fwd / count[F]
+        if count[W]:
+            means[W] = wgt / count[W]
+        if count[I]:  # bwd = nB * (I + W) + nI * I
+            means[I] = max(0.0, (bwd - count[B] * means[W]) / (count[B] + count[I]))
+            if count[B]:
+                means[B] = means[I] + means[W]
+        elif count[B]:
+            means[B] = bwd / count[B]
+        out[rank] = means
+    return out
+
+
+# ------------------------------------------------------------- executed orders
+def single_stage_order(schedule_name: str, p: int, m: int) -> dict[int, list[Action]]:
+    """The order torch's one-stage-per-rank schedules execute (ScheduleGPipe, Schedule1F1B).
+
+    Their `pipeline_order` is descriptive only, and in torch 2.13 Schedule1F1B's is off by one
+    microbatch on the last rank, so the replay uses what `_step_microbatches` runs: GPipe all
+    forwards then all backwards; 1F1B min(m, p-s) warm-up forwards, then B/F alternating."""
+    name = schedule_name.lower()
+    if p < 1 or m < 1:
+        raise ValueError(f"single_stage_order: p={p} and m={m} must be >= 1")
+    order: dict[int, list[Action]] = {}
+    for s in range(p):
+        if name == "gpipe":
+            order[s] = [Action(s, F, i) for i in range(m)] + [Action(s, B, i) for i in range(m)]
+        elif name == "1f1b":
+            warmup = min(m, p - s)
+            acts = [Action(s, F, i) for i in range(warmup)]
+            for i in range(m):
+                acts.append(Action(s, B, i))
+                if warmup + i < m:
+                    acts.append(Action(s, F, warmup + i))
+            order[s] = acts
+        else:
+            raise ValueError(f"single_stage_order: schedule {schedule_name!r} must be gpipe or 1f1b")
+    return order
+
+
+def stages_of(order: Mapping) -> dict[int, list[int]]:
+    """rank -> the virtual stages it runs, in ascending order."""
+    return {r: sorted({a.stage for a in acts}) for r, acts in normalize(order).items()}
+

@@ -1,0 +1,254 @@
+"""The sidecar's live-activity face: POST /v1/activity (ranks), POST /v1/digest (node sidecars to
+the leader), GET /v1/hang; and the once-a-second loop that judges liveness and hangs.
+
+`install(app, sidecar)` is all app.py does: it adds these routes (authenticated like /v1/ingest),
+a lifespan task for the loop, and the hang metrics to the sidecar's registry.
+
+Every second (`ActivityHub.tick`):
+- every sidecar feeds the rank-missing rule the ranks' liveness (summaries, and a pid that
+  ended), so that rule fires on time even when no rank reports any more;
+- a sidecar that is not the leader forwards its node digest to --leader-url;
+- the leader (it saw rank 0) runs the hang monitor over its own ranks and every digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from parwatch.catalog import RANK_STATES
+from parwatch.collector.activity import HANG_EXIT_CODE
+from parwatch.sidecar.auth import bearer_dependency
+from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report
+from parwatch.sidecar.hang import HangMetrics, HangMonitor, HangSettings
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = 1.0
+_STATE_NAMES = {v: k for k, v in RANK_STATES.items()}
+
+
+class ActivityHub:
+    """One sidecar's activity state: its ranks (NodeBook), and at the leader every node's digest."""
+
+    def __init__(self, sidecar, http=None, hostname: str | None = None):
+        cfg = sidecar.config
+        self.sidecar = sidecar
+        self.clock = sidecar.clock
+        self.hostname = hostname or socket.gethostname()
+        self.node = f"{self.hostname}:{cfg.control_listen.port}"
+        self.book = NodeBook(self.clock, cfg.activity_silent_seconds, self.hostname)
+        self.view = LeaderView(self.clock)
+        self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks,
+                                     cfg.hang_abort)
+        self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock)
+        self.leader_url = cfg.leader_url.rstrip("/") if cfg.leader_url else None
+        self.is_leader = False
+        """Set on the first sign of rank 0 (its activity or its summaries)."""
+        self.abort = False
+        """Set when the leader decided to abort the run: activity replies tell the ranks to exit."""
+        self._signals: dict[str, list[int]] = {}  # node -> pids the leader wants signalled there
+        self._node_of: dict[int, str] = {}  # rank -> node that digests it (leader)
+        self._http = http
+        self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
+        self._forward_failed = False
+
+    # -- requests (event loop) --------------------------------------------------------------
+    def activity(self, body) -> dict:
+        if not isinstance(body, dict) or body.get("version") != 1:
+            raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
+        a, layout, run_id = activity_from_report(body.get("activity"))
+        self.book.add(a, layout, run_id)
+        if a.rank == 0:
+            self.is_leader = True
+        if self.is_leader:
+            self.monitor.observe(a, layout, self.clock())
+        return {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
+
+    def digest(self, body) -> dict:
+        node, rows = self.view.ingest(body)
+        now, layout = self.clock(), self.view.layout
+        for a in rows:
+            self._node_of[a.rank] = node
+            if a.rank == 0:
+                self.is_leader = True  # rank 0 lives on a node that forwards to us: we lead
+            self.monitor.observe(a, layout, now)
+        reply: dict = {"ok": True}
+        pids = self._signals.pop(node, None)
+        if pids:
+            reply["signal"] = pids
+        if self.abort:
+            reply["abort"] = HANG_EXIT_CODE
+        return reply
+
+    def status(self) -> dict:
+        m = self.monitor
+        counts: dict[str, int] = {}
+        for value in m.rank_states(self.rows()).values():
+            name = _STATE_NAMES[value]
+            counts[name] = counts.get(name, 0) + 1
+        return {"leader": self.is_leader, "node": self.node, "leader_url": self.leader_url,
+                "hang": m.hang, "rank_states": counts, "bound_seconds": m.progress.bound(),
+                "stalled_seconds": m.progress.stalled_for(self.clock()), "last_step": m.progress.step,
+                "findings": m.findings[-5:]}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def rows(self) -> dict:
+        rows = self.view.rows()
+        rows.update(self.book.rows())
+        return rows
+
+    async def tick(self) -> list[dict]:
+        self._feed_liveness()
+        if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
+            self.is_leader = True
+        if not self.is_leader:
+            await self._forward()
+            return []
+        local = self.book.rows()  # this node's ranks: a handful, pids checked
+        gone = bool(self.view.gone - self.monitor.gone_reported) or any(
+            a.state == "gone" and r not in self.monitor.gone_reported for r, a in local.items())
+        paused = self.sidecar.engine.paused
+        if not self.monitor.due(paused, gone):
+            return []
+        rows = self.view.rows()
+        rows.update(local)
+        records = self.monitor.check(rows, paused=paused)
+        for record in records:
+            if record.get("rule") == "hang":
+                self._act_on_hang(record)
+        return records
+
+    def _feed_liveness(self) -> None:
+        """rank_up for the rank-missing rule, now: down when summaries stopped (grace) or the pid ended."""
+        store = self.sidecar.store
+        if not store.ranks:
+            return
+        gone = {r for r, a in self.book.rows().items() if a.state == "gone"}
+        values = {f"rank={r}": 0.0 if (r in gone or not up) else 1.0 for r, up in store.liveness().items()}
+        self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))
+
+    def _act_on_hang(self, record: dict) -> None:
+        culprit = record["evidence"]["culprit"]
+        if self.settings.dump_stacks and culprit.get("pid"):
+            if culprit.get("host") == self.hostname:
+                _signal(culprit["pid"])
+            else:
+                node = self._node_of.get(culprit["rank"])
+                if node:
+                    self._signals.setdefault(node, []).append(culprit["pid"])
+        if self.settings.abort:
+            log.error("hang: aborting the run (ranks exit with %d) so it restarts from its last checkpoint",
+                      HANG_EXIT_CODE)
+            self.abort = True
+
+    async def _forward(self) -> None:
+        if not self.leader_url:
+            return
+        body = self.book.digest(self.node)
+        if body is None:
+            return
+        try:
+            if self._http is None:
+                import httpx
+
+                self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=0.5), trust_env=False)
+            response = await self._http.post(self.leader_url + "/v1/digest", content=json.dumps(body),
+                                             headers={**self._headers, "Content-Type": "application/json"})
+            if response.status_code >= 400:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            reply = response.json()
+        except Exception as exc:
+            if not self._forward_failed:
+                log.warning("node digest to leader %s failing (%s); retrying every second", self.leader_url, exc)
+            self._forward_failed = True
+            return
+        self._forward_failed = False
+        for pid in reply.get("signal") or ():
+            _signal(int(pid))
+        if reply.get("abort"):
+            self.abort = True
+
+    async def close(self) -> None:
+        if self._http is not None:
+            with contextlib.suppress(Exception):
+                await self._http.aclose()
+
+
+def _signal(pid: int) -> None:
+    """Ask a rank for its Python stacks (the collector registered faulthandler on SIGUSR1)."""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        log.warning("hang: sent SIGUSR1 to pid %d for a stack dump", pid)
+    except OSError as err:
+        log.warning("hang: cannot signal pid %d (%s)", pid, err)
+
+
+def install(app: FastAPI, sidecar) -> ActivityHub:
+    """Add /v1/activity, /v1/digest and /v1/hang to the control app, the loop, and the metrics."""
+    previous = getattr(sidecar, "activity", None)
+    if previous is not None:  # a second app over the same sidecar (tests): one set of hang metrics
+        sidecar.registry.unregister(previous.metrics)
+    hub = ActivityHub(sidecar)
+    sidecar.activity = hub
+    hub.metrics = HangMetrics(lambda: (hub.monitor, hub.rows()) if hub.is_leader else None)
+    sidecar.registry.register(hub.metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        task = asyncio.create_task(_loop(hub))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await hub.close()
+
+    auth = [Depends(bearer_dependency(sidecar.config.token))]
+    router = APIRouter(lifespan=lifespan)
+
+    async def _json(request: Request):
+        try:
+            return json.loads(await request.body())
+        except ValueError as err:
+            raise HTTPException(400, f"body is not valid JSON: {err}") from None
+
+    @router.post("/v1/activity", dependencies=auth, responses={400: {}, 401: {}})
+    async def activity(request: Request):
+        """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
+        try:
+            return JSONResponse(hub.activity(await _json(request)))
+        except BadActivity as err:
+            raise HTTPException(400, str(err)) from None
+
+    @router.post("/v1/digest", dependencies=auth, responses={400: {}, 401: {}})
+    async def digest(request: Request):
+        """A node sidecar's digest of its ranks (parwatch.sidecar.digest)."""
+        try:
+            return JSONResponse(hub.digest(await _json(request)))
+        except BadActivity as err:
+            raise HTTPException(400, str(err)) from None
+
+    @router.get("/v1/hang", dependencies=auth)
+    async def hang():
+        from parwatch.sidecar.service import jsonable
+
+        return JSONResponse(jsonable(hub.status()))
+
+    app.include_router(router)
+    return hub
+
+
+async def _loop(hub: ActivityHub) -> None:
+    while True:
+        await asyncio.sleep(TICK_SECONDS)
+        try:
+            await hub.tick()
+        except Exception:  # one bad tick must not end hang detection
+            log.exception("activity tick failed")

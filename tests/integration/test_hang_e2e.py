@@ -1,0 +1,82 @@
+"""Hangs and crashes end to end: the real trainer (gloo ranks) with its collectors' activity
+threads, against a real `parwatch sidecar`. A hang injected in compute, before a TP all-reduce
+and before a p2p send is named (rank, stage, what it is in) within the bound plus the reporting
+delay; a crash is told from a hang; 200 healthy steps make no finding. (5 runs of each place:
+benchmarks/hang_detection.py.)"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from parwatch.sidecar.process import running_sidecar
+from tests.integration.e2e_util import decision_records, running_trainer, synthetic, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+HANG_STEP = 5
+BOUND_S = 10.0  # the default: max(3 x median step, 10 s); these steps are ~20-50 ms
+REPORT_SLACK_S = 3.0  # activity once a second + the leader's check once a second + a loaded machine
+PLACES = {  # where -> (layout flags, hung rank, its stage, what it is in)
+    "compute": (("--pp", "2"), 1, 1, "forward"),
+    "collective": (("--tp", "2", "--pp", "2"), 3, 1, "forward"),  # not in the TP all-reduce its peer waits in
+    "send": (("--pp", "2"), 1, 1, "send"),
+}
+
+
+def _findings(state_dir, *rules):
+    return [d for d in decision_records(state_dir) if d["rule"] in rules]
+
+
+@pytest.mark.parametrize("where", sorted(PLACES))
+def test_hang_is_named_within_the_bound(tmp_path, where):
+    flags, rank, stage, kind = PLACES[where]
+    nproc = 4 if "--tp" in flags else 2
+    with running_sidecar(tmp_path / "state") as sidecar:
+        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), *flags,
+                             "--inject", f"hang:rank={rank},step={HANG_STEP},where={where}", nproc=nproc) as run:
+            [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone"), "a hang finding",
+                                  timeout=150)
+            assert run.proc.poll() is None  # the ranks are alive and stuck, not gone
+            status = httpx.get(f"{sidecar.control_url}/v1/hang", timeout=10).json()
+    assert record["rule"] == "hang", record
+    evidence = record["evidence"]
+    culprit = evidence["culprit"]
+    assert (culprit["rank"], culprit["stage"], culprit["kind"], culprit["state"]) == (rank, stage, kind, "running")
+    assert culprit["host"] and culprit["pid"] and culprit["step"] == HANG_STEP - 1
+    assert set(evidence["waiting"]) == set(range(nproc)) - {rank}
+    if where == "collective":
+        assert evidence["missing"]["group"] == "tp" and evidence["missing"]["op"] == "all_reduce"
+    elapsed = record["time"] - culprit["since"]  # from the moment it blocked to the decision
+    assert evidence["bound_seconds"] == BOUND_S
+    assert BOUND_S <= elapsed <= BOUND_S + REPORT_SLACK_S, elapsed
+    assert status["hang"]["id"] == record["id"] and status["rank_states"] == {"running": nproc - 1, "hung": 1}
+
+
+def test_crash_is_told_from_a_hang(tmp_path):
+    with running_sidecar(tmp_path / "state") as sidecar:
+        # Stage 1 slow: rank 0 spends its time waiting on rank 1, as a real pipeline's idle stage does.
+        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), "--pp", "2",
+                             "--inject", "straggler:stage=1,ms=300", "--inject", "crash:rank=1,step=4") as run:
+            [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1],
+                                  "a rank-gone finding", timeout=120)
+            crashed_at = time.time()
+            run.proc.wait(60)
+            time.sleep(BOUND_S + REPORT_SLACK_S)  # long enough for a (wrong) hang finding to show up
+            findings = _findings(tmp_path / "state", "hang", "rank-gone")
+    assert record["rule"] == "rank-gone"
+    assert record["evidence"]["culprit"]["rank"] == 1 and record["evidence"]["culprit"]["state"] == "gone"
+    assert not [d for d in findings if d["rule"] == "hang"], findings
+    assert crashed_at - record["time"] < 5
+
+
+def test_200_healthy_steps_make_no_hang_finding(tmp_path):
+    with running_sidecar(tmp_path / "state") as sidecar:
+        with running_trainer(sidecar.control_url, tmp_path / "run", 200, *synthetic(1, 2), "--pp", "2") as run:
+            run.wait()
+        time.sleep(2.5)  # the leader's checks after the ranks said done
+        status = httpx.get(f"{sidecar.control_url}/v1/hang", timeout=10).json()
+    assert _findings(tmp_path / "state", "hang", "rank-gone") == []
+    assert status["last_step"] >= 150 and status["hang"] is None

@@ -1,0 +1,130 @@
+"""The activity reporter: what it reads from registry.current (nested spans), its payload, its
+replies (abort), its last word on close; and the hang fault specs."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from parwatch.collector.activity import ACTIVITY_FIELDS, HANG_EXIT_CODE, ActivityReporter
+from parwatch.collector.context import RunContext
+from trainer import hooks
+from trainer.errors import ConfigError
+from trainer.faults import Faults, parse_fault
+
+
+class Response:
+    def __init__(self, body, status=200):
+        self.status_code, self._body, self.text = status, body, json.dumps(body)
+
+    def json(self):
+        return self._body
+
+
+class FakeHttp:
+    def __init__(self, reply=None):
+        self.posts, self.reply = [], reply or {"ok": True}
+
+    def post(self, url, content, headers):
+        self.posts.append((url, json.loads(content), headers))
+        return Response(self.reply)
+
+    def close(self):
+        pass
+
+
+def _ctx(rank=3):
+    return RunContext.for_rank("run-1", rank, tp=2, pp=2, dp=1, schedule="1f1b", microbatches=4, hostname="node-a")
+
+
+def test_registry_current_follows_nested_spans():
+    reg = hooks.HookRegistry()
+    reg.register(hooks.Observer())
+    assert reg.current is None
+    with reg.span(hooks.FORWARD, stage=1) as fwd:
+        assert reg.current is fwd
+        with reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", seq=3) as coll:
+            assert reg.current is coll
+        assert reg.current is fwd  # back to the enclosing span
+    assert reg.current is None
+
+
+def test_snapshot_names_the_open_span_and_since_when():
+    reg = hooks.HookRegistry()
+    reg.register(hooks.Observer())
+    now_ns = [10_000_000_000]
+    rep = ActivityReporter(_ctx(), reg, "http://x", time_fn=lambda: 500.0, perf_ns=lambda: now_ns[0],
+                           summary_fn=lambda: {"step": 41, "step_seconds": 0.25}, pid=4242)
+    idle = rep.snapshot()
+    assert set(idle) == set(ACTIVITY_FIELDS) and idle["kind"] is None and idle["step"] == 41
+    with reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", seq=17) as span:
+        span.start = now_ns[0] - 2_500_000_000  # opened 2.5 s ago
+        a = rep.snapshot()
+    assert (a["kind"], a["op"], a["group"], a["seq"]) == ("collective", "all_reduce", "tp", 17)
+    assert a["since"] == pytest.approx(497.5)
+    assert (a["rank"], a["stage"], a["tp_rank"], a["dp_rank"], a["host"], a["pid"]) == (3, 1, 1, 0, "node-a", 4242)
+
+
+def test_post_body_token_and_abort_reply():
+    reg = hooks.HookRegistry()
+    exits = []
+    http = FakeHttp({"ok": True, "abort": HANG_EXIT_CODE})
+    rep = ActivityReporter(_ctx(), reg, "http://side:9401/", token="s3cret", http=http, on_abort=exits.append)
+    assert rep.post(rep.snapshot())
+    url, body, headers = http.posts[0]
+    assert url == "http://side:9401/v1/activity" and body["version"] == 1 and body["activity"]["rank"] == 3
+    assert headers["Authorization"] == "Bearer s3cret"
+    assert exits == [HANG_EXIT_CODE]
+    assert len(json.dumps(body)) < 600  # tiny
+
+
+def test_thread_reports_about_once_a_second_and_says_done_on_close():
+    http = FakeHttp()
+    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), "http://x", interval_s=0.05, http=http).start()
+    deadline = time.monotonic() + 10
+    while len(http.posts) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rep.close()
+    assert len(http.posts) >= 4 and http.posts[-1][1]["activity"]["state"] == "done"
+
+
+def test_unreachable_sidecar_backs_off_without_raising():
+    class Down(FakeHttp):
+        def post(self, *a, **k):
+            raise ConnectionError("refused")
+
+    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), "http://x", http=Down())
+    assert not rep.post(rep.snapshot()) and not rep.post(rep.snapshot())  # the second is skipped (backoff)
+    assert rep.failed == 2
+
+
+def test_stack_dump_on_sigusr1(tmp_path):
+    path = tmp_path / "run" / "stacks-rank3.txt"
+    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), None, stacks_path=str(path)).start()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while "Thread" not in (path.read_text() if path.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "test_stack_dump_on_sigusr1" in path.read_text()
+    finally:
+        import faulthandler
+
+        faulthandler.unregister(signal.SIGUSR1)
+
+
+def test_hang_fault_specs():
+    assert parse_fault("hang:rank=1,step=5").params == {"rank": 1, "step": 5, "where": "compute"}
+    assert parse_fault("hang:rank=0,step=2,where=send").params["where"] == "send"
+    with pytest.raises(ConfigError, match="where='gpu' is not one of compute, collective, send"):
+        parse_fault("hang:rank=1,step=5,where=gpu")
+    with pytest.raises(ConfigError, match="missing step"):
+        parse_fault("hang:rank=1")
+    f = Faults([parse_fault("hang:rank=1,step=5,where=collective")], rank=1, stage=0)
+    f.begin_step(4)
+    assert not f.hang_due("collective")
+    f.begin_step(5)
+    assert f.hang_due("collective") and not f.hang_due("compute")
+    assert not Faults([parse_fault("hang:rank=1,step=5")], rank=0, stage=0).hang_due("compute")

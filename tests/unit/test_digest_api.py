@@ -1,0 +1,186 @@
+"""/v1/activity, /v1/digest and /v1/hang on the control app (FastAPI TestClient, real sidecar object):
+authentication, field-naming 400s, a node forwarding its digest to the leader, rank-missing on time."""
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+
+from parwatch.sidecar.app import create_control_app
+from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
+from parwatch.sidecar.service import build_sidecar
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_000.0
+
+    def __call__(self):
+        return self.t
+
+
+def report(rank, step=3, kind="forward", pid=None, state="running", host="elsewhere", **kw):
+    a = {"run_id": "r1", "rank": rank, "pid": pid or 10_000 + rank, "host": host, "stage": rank, "tp_rank": 0,
+         "dp_rank": 0, "tp": 1, "pp": 2, "dp": 1, "state": state, "step": step, "step_seconds": 0.1,
+         "kind": kind, "op": None, "group": None, "peer": None, "seq": None, "since": 990.0, "time": 1000.0}
+    a.update(kw)
+    return {"version": 1, "activity": a}
+
+
+def _client(tmp_path, name, **cfg):
+    clock = Clock()
+    config = SidecarConfig(state_dir=tmp_path / name, token="tok", control_listen=Listen("127.0.0.1", 9401),
+                           metrics_listen=Listen("127.0.0.1", 9400), **cfg)
+    sidecar = build_sidecar(config, clock=clock)
+    app = create_control_app(sidecar)
+    return TestClient(app, headers={"Authorization": "Bearer tok"}), sidecar, clock
+
+
+def test_activity_needs_the_token_and_names_bad_fields(tmp_path):
+    client, sidecar, _ = _client(tmp_path, "s")
+    assert client.post("/v1/activity", json=report(0), headers={"Authorization": ""}).status_code == 401
+    r = client.post("/v1/activity", json={"version": 1, "activity": {"rank": None}})
+    assert r.status_code == 400 and "activity.rank" in r.json()["detail"]
+    bad = report(5)
+    r = client.post("/v1/activity", json=bad)
+    assert r.status_code == 400 and "outside the layout" in r.json()["detail"]
+    assert client.post("/v1/activity", content=b"{nope").status_code == 400
+    assert client.post("/v1/activity", json=report(1)).json() == {"ok": True}
+    r = client.post("/v1/digest", json={"version": 1, "node": "", "layout": [1, 1, 1], "rows": []})
+    assert r.status_code == 400 and "digest.node" in r.json()["detail"]
+
+
+def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
+    leader, lsc, lclock = _client(tmp_path, "leader")
+    node, nsc, nclock = _client(tmp_path, "node", leader_url="http://leader")
+    hub_node = nsc.activity
+    hub_node._http = _Bridge(leader)  # the node's digest POSTs go to the leader app
+    # Steps 1..3 go by on both nodes; then rank 1 (on the node) hangs in its forward.
+    for step in (1, 2, 3):
+        lclock.t += 1
+        nclock.t += 1
+        leader.post("/v1/activity", json=report(0, step=step, kind="recv", peer=1, op="recv", group="pp",
+                                                host="leader-host", time=lclock.t))
+        node.post("/v1/activity", json=report(1, step=step, kind="forward", time=nclock.t))
+        asyncio.run(hub_node.tick())
+    assert lsc.activity.is_leader and not hub_node.is_leader
+    for _ in range(12):
+        lclock.t += 1
+        nclock.t += 1
+        node.post("/v1/activity", json=report(1, step=3, kind="forward", time=nclock.t))
+        leader.post("/v1/activity", json=report(0, step=3, kind="recv", peer=1, op="recv", group="pp",
+                                                host="leader-host", time=lclock.t))
+        asyncio.run(hub_node.tick())
+        asyncio.run(lsc.activity.tick())
+    status = leader.get("/v1/hang").json()
+    hang = status["hang"]
+    assert hang["rule"] == "hang" and hang["evidence"]["culprit"]["rank"] == 1
+    assert hang["evidence"]["waiting"] == [0] and status["rank_states"] == {"running": 1, "hung": 1}
+    decisions = leader.get("/v1/decisions").json()
+    assert any(d.get("rule") == "hang" for d in decisions)
+
+
+class _Bridge:
+    """An httpx.AsyncClient stand-in that hands requests to a TestClient."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def post(self, url, content, headers):
+        return self.client.post(url.replace("http://leader", ""), content=content, headers=headers)
+
+    async def aclose(self):
+        pass
+
+
+def test_crash_then_rank_missing_fires_sixty_seconds_after_the_pid_ended(tmp_path):
+    """The issue: after a crash every rank stopped, no observation arrived, and rank-missing never fired.
+    Now a dead pid is a down rank at once, rank_up is judged every second, and the rule fires 60 s later."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from parwatch.sidecar import synthetic as syn
+
+    client, sidecar, clock = _client(tmp_path, "s", rank_grace_seconds=30.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    for step in (1, 2, 3):
+        clock.t += 1
+        r = client.post("/v1/ingest", json={"version": 1, "summaries": [
+            syn.summary(0, step, run_id="r1", time=float(step),
+                        global_stages=[syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)]),
+            syn.summary(1, step, run_id="r1", time=float(step))]})
+        assert r.status_code == 200, r.text
+        client.post("/v1/activity", json=report(0, step=step, host=host, pid=os.getpid()))
+        client.post("/v1/activity", json=report(1, step=step, host=host, pid=dead.pid))  # rank 1's pid: gone
+    hub = sidecar.activity
+    fired_at, gone_at = None, None
+    for second in range(1, 80):
+        clock.t += 1
+        for record in asyncio.run(hub.tick()):
+            if record["rule"] == "rank-gone" and gone_at is None:
+                gone_at = second
+        if fired_at is None and any(d.get("rule") == "rank-missing" for d in sidecar.engine.decisions(50)):
+            fired_at = second
+    assert gone_at == 1  # the crash itself is named at the next tick
+    gone = [d for d in sidecar.engine.decisions(50) if d.get("rule") == "rank-gone"][0]
+    assert gone["evidence"]["culprit"]["rank"] == 1 and gone["evidence"]["culprit"]["state"] == "gone"
+    assert fired_at is not None and 60 <= fired_at <= 62, fired_at
+    assert not any(d.get("rule") == "hang" for d in sidecar.engine.decisions(50))
+
+
+def test_leader_url_must_be_http():
+    with pytest.raises(ConfigError, match="--leader-url"):
+        SidecarConfig(leader_url="leader:9401")
+
+
+def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
+    """--hang-dump-stacks: the culprit's sidecar sends SIGUSR1 (faulthandler writes its stacks);
+    --hang-abort: activity replies tell every rank to exit with HANG_EXIT_CODE."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from parwatch.collector.activity import HANG_EXIT_CODE
+
+    stacks = tmp_path / "stacks-rank1.txt"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import faulthandler, signal, sys, time\n"
+        f"f = open({str(stacks)!r}, 'a')\n"
+        "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "print('ready', flush=True)\n"
+        "def stuck_in_forward():\n    time.sleep(120)\n"
+        "stuck_in_forward()\n")], stdout=subprocess.PIPE)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # rank 0: never signalled
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        client, sidecar, clock = _client(tmp_path, "s", hang_dump_stacks=True, hang_abort=True)
+        host, hub = socket.gethostname(), sidecar.activity
+        for step in (1, 2, 3):
+            clock.t += 1
+            client.post("/v1/activity", json=report(0, step=step, kind="recv", op="recv", group="pp", peer=1,
+                                                    host=host, pid=bystander.pid, time=clock.t))
+            client.post("/v1/activity", json=report(1, step=step, kind="forward", host=host, pid=child.pid,
+                                                    time=clock.t))
+        for _ in range(12):
+            clock.t += 1
+            client.post("/v1/activity", json=report(0, step=3, kind="recv", op="recv", group="pp", peer=1,
+                                                    host=host, pid=bystander.pid, time=clock.t))
+            client.post("/v1/activity", json=report(1, step=3, kind="forward", host=host, pid=child.pid,
+                                                    time=clock.t))
+            asyncio.run(hub.tick())
+        assert hub.monitor.hang_detected
+        deadline = time.monotonic() + 10
+        while "stuck_in_forward" not in (stacks.read_text() if stacks.exists() else ""):
+            assert time.monotonic() < deadline, "no stack dump from the culprit"
+            time.sleep(0.05)
+        reply = client.post("/v1/activity", json=report(0, step=3, host=host, pid=bystander.pid, time=clock.t)).json()
+        assert reply == {"ok": True, "abort": HANG_EXIT_CODE}
+    finally:
+        for p in (child, bystander):
+            p.kill()
+            p.wait()

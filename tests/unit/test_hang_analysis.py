@@ -1,0 +1,242 @@
+"""Hang analysis over activity pictures: who is the culprit, who waits, crash vs hang, and the leader
+naming one hung rank among 16,384 simulated ranks from node digests."""
+
+import pytest
+
+from parwatch.sidecar.digest import LeaderView, NodeBook
+from parwatch.sidecar.hang import Activity, HangMonitor, HangSettings, Layout, Progress, find_culprit
+
+
+def act(rank, layout, kind=None, op=None, group=None, peer=None, seq=None, step=4, state="running", since=100.0,
+        host="h0", time=1e10):
+    tp, pp = layout.tp, layout.pp
+    return Activity(rank, state, kind, op, group, peer, seq, since, step, 0.1, 1000 + rank, host,
+                    (rank // tp) % pp, rank % tp, rank // (tp * pp), time)
+
+
+class FakeEngine:
+    def __init__(self):
+        self.records = []
+
+    def record_finding(self, rule, action, reason, evidence, step):
+        record = {"rule": rule, "action": action, "reason": reason, "evidence": evidence, "step": step}
+        self.records.append(record)
+        return record
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_recv_chain_names_the_rank_in_compute():
+    lay = Layout(1, 4, 1)
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1), 1: act(1, lay, "recv", "recv", "pp", peer=2),
+            2: act(2, lay, "forward"), 3: act(3, lay, "recv", "recv", "pp", peer=2)}
+    found = find_culprit(rows, lay)
+    assert found["culprit"] == 2 and found["waiting"] == [0, 1, 3] and found["method"] == "dependency"
+
+
+def test_tp_collective_names_the_member_that_has_not_joined():
+    lay = Layout(2, 2, 1)  # ranks 0,1 stage 0; 2,3 stage 1
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=2), 1: act(1, lay, "recv", "recv", "pp", peer=3),
+            2: act(2, lay, "collective", "all_reduce", "tp", seq=7), 3: act(3, lay, "forward")}
+    found = find_culprit(rows, lay)
+    assert found["culprit"] == 3
+    assert found["waiting"] == [0, 1, 2]
+    assert found["missing"] == {"kind": "collective", "op": "all_reduce", "group": "tp", "seq": 7}
+
+
+def test_a_member_in_an_earlier_collective_is_behind():
+    lay = Layout(2, 1, 1)
+    rows = {0: act(0, lay, "collective", "all_reduce", "tp", seq=8), 1: act(1, lay, "collective", "all_reduce", "tp", seq=7)}
+    found = find_culprit(rows, lay)
+    # Each waits in a different collective: a mismatch, both blocked; the longest open is named.
+    assert found["culprit"] in (0, 1)
+
+
+def test_boundary_collective_without_seq_lines_up_by_step():
+    lay = Layout(1, 2, 2)  # ranks 0,1 replica 0; 2,3 replica 1
+    rows = {r: act(r, lay, "collective", "all_reduce", "world") for r in (0, 1, 3)}
+    rows[2] = act(2, lay, "backward")
+    found = find_culprit(rows, lay)
+    assert found["culprit"] == 2 and found["waiting"] == [0, 1, 3]
+
+
+def test_send_hang_is_named_with_its_peer():
+    lay = Layout(1, 2, 1)
+    rows = {0: act(0, lay, "send", "send", "pp", peer=1), 1: act(1, lay, "recv", "recv", "pp", peer=0)}
+    assert find_culprit(rows, lay)["culprit"] == 0
+
+
+def test_nobody_waiting_names_the_oldest_span():
+    lay = Layout(1, 2, 1)
+    rows = {0: act(0, lay, "forward", since=50.0), 1: act(1, lay, "backward", since=60.0)}
+    assert find_culprit(rows, lay) == {"culprit": 0, "waiting": [], "missing": None, "method": "oldest-span"}
+
+
+def test_progress_bound_is_three_medians_or_ten_seconds():
+    p = Progress(HangSettings())
+    assert p.bound() == 60.0  # start-up: no step yet
+    for step in range(1, 20):
+        p.observe(step, 5.0, float(step))
+    assert p.bound() == 15.0
+    p2 = Progress(HangSettings(min_seconds=10, step_factor=3))
+    p2.observe(1, 0.1, 0.0)
+    assert p2.bound() == 10.0
+
+
+def test_settings_refuse_nonsense():
+    with pytest.raises(ValueError, match="hang-min-seconds"):
+        HangSettings(min_seconds=0)
+    with pytest.raises(ValueError, match="hang-step-factor"):
+        HangSettings(step_factor=0.5)
+
+
+def _monitor():
+    clock, engine = Clock(), FakeEngine()
+    return HangMonitor(HangSettings(), engine, clock), clock, engine
+
+
+def test_healthy_steps_make_no_finding():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 201):  # 200 healthy steps of 50 ms, checked every 20 steps (once a second)
+        clock.t += 0.05
+        for r in (0, 1):
+            monitor.observe(act(r, lay, "forward", step=step), lay, clock.t)
+        if step % 20 == 0:
+            assert monitor.check({r: act(r, lay, "forward", step=step) for r in (0, 1)}) == []
+    assert engine.records == [] and not monitor.hang_detected
+
+
+def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 6):
+        clock.t += 1.0
+        monitor.observe(act(0, lay, "forward", step=step), lay, clock.t)
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5), 1: act(1, lay, "forward", step=5, since=1004.0)}
+    clock.t += 9.0
+    assert monitor.check(rows) == []  # 9 s < 10 s
+    clock.t += 1.5
+    [record] = monitor.check(rows)
+    assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
+    assert record["evidence"]["culprit"]["kind"] == "forward" and record["evidence"]["waiting"] == [0]
+    assert set(record["evidence"]["culprit"]) >= {"rank", "stage", "host", "kind", "op", "since"}
+    assert monitor.rank_states(rows) == {0: 0, 1: 1} and monitor.hang_detected
+    clock.t += 5
+    assert monitor.check(rows) == []  # the same episode: recorded once
+    monitor.observe(act(0, lay, "forward", step=6), lay, clock.t)
+    assert not monitor.hang_detected
+
+
+def test_crash_is_told_from_a_hang():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=3), lay, clock.t)
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=3), 1: act(1, lay, "forward", step=3, state="gone")}
+    [record] = monitor.check(rows)  # at once: no need to wait for the hang bound
+    assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
+    assert record["evidence"]["culprit"]["state"] == "gone"
+    assert monitor.rank_states(rows)[1] == 2
+    clock.t += 100
+    assert [r["rule"] for r in monitor.check(rows)] == []  # neither again, nor a hang of a gone rank
+
+
+def test_paused_runs_do_not_hang():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=3), lay, clock.t)
+    clock.t += 500
+    assert monitor.check({0: act(0, lay, step=3), 1: act(1, lay, step=3)}, paused=True) == []
+
+
+def test_node_book_liveness_pid_and_silence():
+    clock = Clock()
+    alive = {1000: True, 1001: False}
+    book = NodeBook(clock, silent_seconds=5.0, hostname="h0", alive=lambda pid: alive.get(pid, True))
+    lay = Layout(1, 3, 1)
+    for r in range(3):
+        book.add(act(r, lay, "forward"), lay, "run")
+    book.add(act(2, lay, state="done"), lay, "run")
+    rows = book.rows()
+    assert (rows[0].state, rows[1].state, rows[2].state) == ("running", "gone", "done")
+    clock.t += 6
+    assert book.rows()[0].state == "silent"  # pid alive, no reports: frozen, not gone
+
+
+def test_leader_names_one_hung_rank_among_16384_from_digests():
+    lay = Layout(8, 16, 128)
+    clock, engine = Clock(), FakeEngine()
+    monitor = HangMonitor(HangSettings(), engine, clock)
+    view = LeaderView(clock)
+    hung = 9_001
+    per_node = 8
+
+    def digests(step, hanging):
+        for node in range(lay.world // per_node):
+            rows = []
+            for r in range(node * per_node, (node + 1) * per_node):
+                a = act(r, lay, "forward", step=step, host=f"n{node}")
+                if hanging:
+                    a = act(r, lay, "collective", "all_reduce", "world", step=step, host=f"n{node}")
+                    if r == hung:
+                        a = act(r, lay, "backward", step=step, host=f"n{node}", since=1234.0)
+                rows.append(list(a))
+            yield {"version": 1, "node": f"n{node}", "run_id": "r", "time": clock.t, "layout": [8, 16, 128],
+                   "rows": rows}
+
+    for step in (1, 2):
+        clock.t += 1
+        for body in digests(step, False):
+            _, rows = view.ingest(body)
+            for a in rows:
+                monitor.observe(a, view.layout, clock.t)
+    clock.t += 11
+    for body in digests(2, True):
+        view.ingest(body)
+    [record] = monitor.check(view.rows())
+    culprit = record["evidence"]["culprit"]
+    assert culprit["rank"] == hung and culprit["kind"] == "backward" and culprit["host"] == f"n{hung // per_node}"
+    assert record["evidence"]["waiting_count"] == lay.world - 1
+    assert (culprit["stage"], culprit["tp_rank"], culprit["dp_rank"]) == ((hung // 8) % 16, hung % 8, hung // 128)
+
+
+def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=3), lay, clock.t)
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", time=9.0),
+            1: act(1, lay, "backward", step=3, state="gone", time=5.0)}
+    rows[0], rows[1] = rows[0]._replace(time=1.0), rows[1]._replace(time=2.0)  # sampling order says nothing
+    [record] = monitor.check(rows)
+    assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
+    assert record["evidence"]["gone"] == [1, 0]
+
+
+def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 6):
+        clock.t += 1.0
+        monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
+    # rank 0's latest sample predates the last boundary: a late digest
+    rows = {0: act(0, lay, "forward", step=4, time=clock.t - 3), 1: act(1, lay, "backward", step=5, time=clock.t + 1)}
+    clock.t += 11
+    assert monitor.check(rows) == []
+    clock.t += 10
+    [record] = monitor.check(rows)
+    assert record["evidence"]["stale_ranks"] == 1
+
+
+def test_between_equal_sinks_the_one_reporting_after_the_stall_is_named():
+    lay = Layout(1, 1, 3)
+    rows = {0: act(0, lay, "forward", since=10.0, time=50.0),  # a late report from before the stall
+            1: act(1, lay, "backward", since=60.0, time=95.0),
+            2: act(2, lay, "boundary", "all_reduce", "world", time=95.0)}
+    assert find_culprit(rows, lay)["culprit"] == 0  # without timing, the oldest span wins the tie
+    assert find_culprit(rows, lay, fresh_after=90.0)["culprit"] == 1

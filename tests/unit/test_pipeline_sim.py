@@ -1,0 +1,237 @@
+"""parwatch.pipeline_sim: the replay reproduces the closed forms on torch's own action lists."""
+
+from __future__ import annotations
+
+import pytest
+
+from parwatch import pipeline_sim as ps
+from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
+
+
+def test_every_schedule_class_is_covered():
+    """The classes this suite replays are the ones the installed torch ships (and no fewer)."""
+    import torch.distributed.pipelining as pipelining
+
+    shipped = {n[len("Schedule"):] for n in pipelining.__all__ if n.startswith("Schedule")}
+    assert shipped == set(ALL_CLASSES)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (2, 8)])
+def test_gpipe_matches_closed_form(p, m):
+    result = ps.simulate(torch_order("GPipe", p, m), {"F": 0.04, "B": 0.08})
+    for rank in range(p):
+        assert result.bubble[rank] == pytest.approx(ps.theory("gpipe", p, m))
+    assert result.makespan == pytest.approx((m + p - 1) * 0.12)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+def test_1f1b_matches_closed_form(p, m):
+    # torch 2.13's Schedule1F1B.pipeline_order starts the last rank at microbatch 1: the replay
+    # refuses it with a clear error, and the order `_step_microbatches` runs gives the formula.
+    with pytest.raises(ValueError, match=rf"rank {p - 1}: {p - 1}B0 depends on {p - 1}F0"):
+        ps.simulate(torch_order("1F1B", p, m), {"F": 1, "B": 2})
+    result = ps.simulate(ps.single_stage_order("1f1b", p, m), {"F": 0.04, "B": 0.08})
+    assert all(b == pytest.approx(ps.theory("1f1b", p, m)) for b in result.bubble.values())
+    # The torch IR agrees with the executed order on every other rank.
+    executed = ps.single_stage_order("1f1b", p, m)
+    ir = ps.normalize(torch_order("1F1B", p, m))
+    assert all(ir[r] == executed[r] for r in range(p - 1))
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS"])
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 2), (2, 4, 3)])
+def test_interleaved_matches_closed_form(name, p, m, v):
+    result = ps.simulate(torch_order(name, p, m, v), {"F": 0.02, "B": 0.04})
+    assert all(b == pytest.approx(ps.theory("interleaved", p, m, v)) for b in result.bubble.values())
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_h1_at_equal_times(p, m):
+    """ZB-H1 (torch's InterleavedZeroBubble, one stage per rank): idle (p-1)(F+I-W) in time,
+    a third of 1F1B's (p-1)(F+I+W) at F=I=W (Qi et al. 2024, table 1)."""
+    t = 0.03
+    zb = ps.simulate(torch_order("InterleavedZeroBubble", p, m), {"F": t, "I": t, "W": t})
+    one_f_one_b = ps.simulate(ps.single_stage_order("1f1b", p, m), {"F": t, "B": 2 * t})
+    for rank in range(p):
+        assert zb.idle[rank] == pytest.approx((p - 1) * (t + t - t))
+        assert zb.idle[rank] == pytest.approx(one_f_one_b.idle[rank] / 3)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (2, 8)])
+def test_zbv_at_equal_times(p, m):
+    """ZBV at F=I=W: no bubble in the steady state; what is left is the first forward's walk
+    down the ranks, (p-1)F, which does not grow with m."""
+    t = 0.02
+    result = ps.simulate(torch_order("ZBVZeroBubble", p, m, 2), {"F": t, "I": t, "W": t})
+    for rank in range(p):
+        assert result.busy[rank] == pytest.approx(2 * m * 3 * t)  # two chunks, m microbatches, F + I + W
+        assert result.idle[rank] == pytest.approx((p - 1) * t)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (2, 8)])
+def test_dualpipev_matches_its_formula(p, m):
+    """DualPipeV: idle (S/2-1)(F&B + B - 3W) for S = 2p stages (ECOSYSTEM.md). The runtime posts
+    an OVERLAP_F_B block's sends after the whole block, and on one stream F&B = F + B."""
+    f = i = w = 0.02
+    b = i + w
+    result = ps.simulate(torch_order("DualPipeV", p, m, 2), {"F": f, "I": i, "W": w, "B": b})
+    for rank in range(p):
+        assert result.busy[rank] == pytest.approx(2 * m * (f + b))
+        assert result.idle[rank] == pytest.approx((2 * p / 2 - 1) * ((f + b) + b - 3 * w))
+
+
+def test_overlap_block_publishes_at_its_end():
+    # rank 0 runs 0F0 and 0F1 as one block: rank 1's 1F0 must wait for the block, not for 0F0.
+    class Overlap:  # duck-typed like torch's _Action
+        computation_type, stage_index, microbatch_index = "OVERLAP_F_B", -1, None
+        sub_actions = ("0F0", "0F1")
+
+    order = {0: [Overlap()], 1: ["1F0", "1F1"]}
+    result = ps.simulate(order, {"F": 1.0})
+    assert result.finish[ps.Action(1, "F", 0)] == (2.0, 3.0)
+
+
+def test_unequal_times_give_more_than_theory():
+    order = torch_order("GPipe", 2, 4)
+    slow_last = ps.simulate(order, {(0, "F"): 0.04, (0, "B"): 0.08, (1, "F"): 0.06, (1, "B"): 0.12})
+    assert slow_last.bubble[0] > ps.theory("gpipe", 2, 4) + 0.05
+    assert slow_last.bubble[1] < slow_last.bubble[0]
+
+
+def test_p2p_latency_adds_idle():
+    order = ps.single_stage_order("1f1b", 2, 4)
+    base = ps.simulate(order, {"F": 0.04, "B": 0.08})
+    with_p2p = ps.simulate(order, {"F": 0.04, "B": 0.08}, p2p_s=0.01)
+    assert with_p2p.makespan > base.makespan
+    assert all(with_p2p.busy[r] == pytest.approx(base.busy[r]) for r in (0, 1))
+
+
+def test_accepted_action_forms_agree():
+    as_strings = {0: ["0F0", "0B0"], 1: ["1F0", None, "1B0"]}
+    as_tuples = {0: [(0, "F", 0), (0, "B", 0)], 1: [(1, "F", 0), (1, "B", 0)]}
+    as_actions = {0: [ps.Action(0, "F", 0), ps.Action(0, "B", 0)], 1: [ps.Action(1, "F", 0), ps.Action(1, "B", 0)]}
+    with_comms = {0: ["0F0", "0SEND_F0", "0RECV_B0", "0B0", "0REDUCE_GRAD"], 1: ["1RECV_F0", "1F0", "1B0"]}
+    results = [ps.simulate(o, {"F": 1.0, "B": 2.0}) for o in (as_strings, as_tuples, as_actions, with_comms)]
+    assert {r.makespan for r in results} == {6.0}
+
+
+def test_overlap_f_b_runs_its_sub_actions():
+    order = torch_order("DualPipeV", 2, 4, 2)
+    overlaps = [a for acts in order.values() for a in acts
+                if a is not None and a.computation_type.value == "OVERLAP_F_B"]
+    assert overlaps
+    compute = sum(len(a.sub_actions) if a in overlaps else 1 for acts in order.values() for a in acts
+                  if a is not None and a.is_compute_op)
+    flat = ps.normalize(order)
+    assert sum(len(a) for a in flat.values()) == compute
+    first = overlaps[0]
+    rank = next(r for r, acts in order.items() if first in acts)
+    at = [i for i, a in enumerate(flat[rank]) if a == ps.Action(first.sub_actions[0].stage_index, "F",
+                                                                    first.sub_actions[0].microbatch_index)][0]
+    assert str(flat[rank][at + 1]) == str(first.sub_actions[1])  # sub-actions back to back, in order
+    done = {}
+    for acts in flat.values():
+        for a in acts:
+            done.setdefault((a.stage, a.microbatch), set()).add(a.type)
+    # every (stage, microbatch) is forwarded and fully backwarded, fused or split
+    assert all("F" in k and ("B" in k or {"I", "W"} <= k) for k in done.values())
+
+
+def test_b_defaults_to_i_plus_w():
+    order = {0: ["0F0", "0B0"]}
+    assert ps.simulate(order, {"F": 1.0, "I": 0.5, "W": 0.25}).makespan == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("order,durations,match", [
+    ({0: ["0F0", "0B0"], 1: ["1B0"]}, {"F": 1, "B": 1}, "1B0 depends on 1F0, which no rank runs"),
+    ({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, {"F": 1, "B": 1}, "deadlocks"),
+    ({0: ["0F0", "0F0"]}, {"F": 1}, "appears twice"),
+    ({0: ["0F0", "0B0"]}, {"F": 1}, r"no duration for B on stage 0"),
+    ({0: ["0X0"]}, {"F": 1}, None),  # unknown non-compute type: dropped
+    ({0: ["zero"]}, {"F": 1}, "is not like '2F0'"),
+    ({"a": ["0F0"]}, {"F": 1}, "must be a rank"),
+    ({0: ["0F0"], 1: ["2F0"]}, {"F": 1}, r"virtual stages \[1\] appear on no rank"),
+    ({0: ["0F0"]}, {"Q": 1}, r"durations\['Q'\]"),
+])
+def test_bad_input_is_named(order, durations, match):
+    if match is None:
+        assert ps.simulate(order, durations).makespan == 0.0
+        return
+    with pytest.raises(ValueError, match=match):
+        ps.simulate(order, durations)
+
+
+def test_theory_closed_forms_and_errors():
+    assert ps.theory("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert ps.theory("1F1B", 2, 4) == pytest.approx(1 / 5)
+    assert ps.theory("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)
+    with pytest.raises(ValueError, match="no closed form for schedule 'zbv'"):
+        ps.theory("zbv", 2, 4, 2)
+    with pytest.raises(ValueError, match="v=2 needs an interleaved schedule"):
+        ps.theory("gpipe", 2, 4, 2)
+    with pytest.raises(ValueError, match="m=0 must be a positive integer"):
+        ps.theory("gpipe", 2, 0)
+
+
+def test_bubble_causes_split():
+    order = ps.single_stage_order("1f1b", 2, 4)
+    times = {0: {"F": 0.04, "B": 0.08}, 1: {"F": 0.06, "B": 0.12}}
+    sim = ps.simulate(order, {(0, "F"): 0.04, (0, "B"): 0.08, (1, "F"): 0.06, (1, "B"): 0.12})
+    measured = {0: sim.bubble[0] + 0.03, 1: sim.bubble[1]}
+    causes = ps.bubble_causes(order, times, measured)
+    uniform = ps.simulate(order, {"F": 0.05, "B": 0.10}).bubble
+    for rank in (0, 1):
+        c = causes[rank]
+        assert c.schedule == pytest.approx(uniform[rank]) == pytest.approx(ps.theory("1f1b", 2, 4))
+        assert c.schedule + c.imbalance + c.wait == pytest.approx(measured[rank])
+    assert causes[0].imbalance > 0.05  # the fast stage waits for the slow one
+    assert causes[0].wait == pytest.approx(0.03)
+    assert causes[1].wait == pytest.approx(0.0, abs=1e-12)
+    assert set(causes[0].as_dict()) == {"schedule", "imbalance", "wait"}
+
+
+def test_bubble_causes_on_a_v_schedule_with_split_backward():
+    order = torch_order("ZBVZeroBubble", 2, 4, 2)
+    times = {r: {"F": 0.02, "I": 0.02, "W": 0.02} for r in (0, 1)}
+    causes = ps.bubble_causes(order, times, {0: 0.1, 1: 0.1})
+    assert causes[0].imbalance == pytest.approx(0.0, abs=1e-12)
+    assert causes[0].schedule == pytest.approx(0.02 / (0.02 * 25))
+
+
+def test_bubble_causes_bad_input():
+    order = ps.single_stage_order("gpipe", 2, 2)
+    with pytest.raises(ValueError, match=r"lacks stages \[1\]"):
+        ps.bubble_causes(order, {0: {"F": 1, "B": 1}}, {0: 0.1})
+    with pytest.raises(ValueError, match=r"stages \[5\] the order does not run"):
+        ps.bubble_causes(order, {0: {"F": 1, "B": 1}, 1: {"F": 1, "B": 1}}, {5: 0.1})
+
+
+def test_per_action_seconds_from_global_view_totals():
+    order = torch_order("DualPipeV", 2, 4, 2)  # a rank runs F, B, I and W
+    acts = ps.normalize(order)
+    f, i, w = 0.02, 0.015, 0.01
+    totals = {}
+    for rank, actions in acts.items():
+        n = {k: sum(1 for a in actions if a.type == k) for k in "FBIW"}
+        totals[rank] = {"forward_seconds": n["F"] * f - 0.001, "loss_seconds": 0.001 if rank == 0 else 0.0,
+                        "backward_seconds": n["B"] * (i + w) + n["I"] * i, "backward_weight_seconds": n["W"] * w,
+                        "stage": rank, "bubble_ratio": 0.1}
+    means = ps.per_action_seconds(order, totals)
+    for rank in acts:
+        assert means[rank]["I"] == pytest.approx(i) and means[rank]["W"] == pytest.approx(w)
+        assert means[rank]["B"] == pytest.approx(i + w)
+    assert means[1]["F"] == pytest.approx(f - 0.001 / sum(1 for a in acts[1] if a.type == "F"))
+    causes = ps.bubble_causes(order, means, {r: t["bubble_ratio"] for r, t in totals.items()})
+    assert set(causes) == {0, 1}
+    with pytest.raises(ValueError, match="lacks stage 1"):
+        ps.per_action_seconds(order, {0: totals[0]})
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                        ("interleaved", 4, 8, 2)])
+def test_reference_trainer_order_replays_to_the_formula(name, p, m, v):
+    """The bundled trainer announces its order at run_start in this module's notation."""
+    from trainer.schedules import pipeline_order
+
+    result = ps.simulate(pipeline_order(name, p, m, v), {"F": 0.02, "B": 0.04})
+    assert all(b == pytest.approx(ps.theory(name, p, m, v)) for b in result.bubble.values())
