@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 
 KINDS = ("gauge", "counter", "histogram", "info")
-BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action"})
+BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action",
+                            "reason", "cause"})
+"""reason: why a collective instance was not split (remote, incomplete); cause: a straggler's cause
+(parwatch.guardrails.attribution.CAUSES, four values)."""
 RANK_STATES = {"running": 0, "hung": 1, "gone": 2}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
 GUARDRAIL_STATES = {"ok": 0, "pending": 1, "firing": 2}
@@ -102,8 +105,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_collective_wait_seconds_total", "counter", _OG,
            "Seconds ranks waited in collectives for the last rank to arrive", "seconds"),
     Metric("parwatch_collective_bytes_total", "counter", _OG, "Bytes moved by collectives", "bytes"),
-    Metric("parwatch_collective_busbw_bytes_per_second", "gauge", _OG, "Bus bandwidth (nccl-tests definition)",
-           "bytes_per_second"),
+    Metric("parwatch_collective_busbw_bytes_per_second", "gauge", _OG,
+           "Bus bandwidth (nccl-tests definition) from transfer time only, waiting excluded", "bytes_per_second"),
+    Metric("parwatch_collective_unmatched_total", "counter", ("op", "group", "reason"),
+           "Collective/p2p instances not split into wait and transfer: a member reports to another sidecar "
+           "(remote) or its record was lost (incomplete)"),
+    Metric("parwatch_straggler_ratio", "gauge", ("cause",),
+           "Share of the step the costliest straggler of each cause adds over its peers (0: none)", "ratio"),
     # GPUs.
     Metric("parwatch_gpu_utilization_ratio", "gauge", _RG, "GPU busy share over the step (NVML)", "ratio"),
     Metric("parwatch_gpu_memory_used_bytes", "gauge", _RG, "GPU memory in use (NVML)", "bytes"),
@@ -116,7 +124,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_rank_state", "gauge", _R, "Rank state: 0 running, 1 hung, 2 gone"),
     Metric("parwatch_hang_detected", "gauge", (), "1 while a hang is named (a rank stuck while others wait on it)"),
     Metric("parwatch_rank_straggler_seconds_total", "counter", _R,
-           "Seconds other ranks spent waiting on this rank", "seconds"),
+           "Straggler effect (DeepSpeed): this rank's collective time beyond each instance's shortest, i.e. its "
+           "wait for later arrivals; the rank the others wait for has the least", "seconds"),
     # Guardrails.
     Metric("parwatch_guardrail_state", "gauge", ("rule",), "Guardrail rule state: 0 ok, 1 pending, 2 firing"),
     Metric("parwatch_guardrail_actions_total", "counter", ("rule", "action"), "Guardrail decisions that acted"),

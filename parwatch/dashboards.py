@@ -249,9 +249,19 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
         timeseries("Collective bytes per second", [(rate("op_group", "parwatch_collective_bytes_total"), OG_LEGEND)],
                    unit="Bps"),
         # Stragglers and hangs.
-        timeseries(f"Stragglers (top {rec.TOP_K} ranks, seconds others waited per second)",
+        timeseries(f"Straggler effect (top {rec.TOP_K} ranks, seconds waited for later arrivals per second)",
                    [(rec.stragglers_top(window), "rank {{rank}}"),
-                    (rate("job", "parwatch_rank_straggler_seconds_total"), "all ranks")], unit="s"),
+                    (rate("job", "parwatch_rank_straggler_seconds_total"), "all ranks")], unit="s",
+                   desc="DeepSpeed's straggler effect: each rank's collective time beyond the instance's shortest; "
+                        "the rank the others wait for has the least"),
+        timeseries("Stragglers by cause (share of the step)", [(rec.STRAGGLER_CAUSES, "{{cause}}")],
+                   unit="percentunit", desc="straggler attribution: slow data, host contention, slow compute, "
+                                            "slow link; the decision's evidence names the rank, stage, host or link"),
+        timeseries("Collective instances not split (per second)",
+                   [(rate("op_group_reason", "parwatch_collective_unmatched_total"),
+                     "{{op}} {{group}} {{reason}}")],
+                   desc="remote: a member reports to another node's sidecar (cross-node p2p, DP); incomplete: a "
+                        "record was lost"),
         timeseries("Ranks not running (1 hung, 2 gone)", [(rec.RANKS_NOT_RUNNING, "rank {{rank}}")],
                    desc="only ranks that are not running have a series here"),
         # GPUs.

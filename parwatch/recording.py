@@ -94,6 +94,7 @@ RUN_INFO_LABELS = metric("parwatch_run_info").labels
 RANKS_NOT_RUNNING = "rank:parwatch_rank_state:not_running"
 RANKS_DOWN = "rank:parwatch_rank_up:down"
 GPU_UTIL_BOTTOM = f"rank_gpu:parwatch_gpu_utilization_ratio:bottom{TOP_K}"
+STRAGGLER_CAUSES = "cause:parwatch_straggler_ratio:max"
 
 
 def job(name: str, op: str) -> str:
@@ -127,6 +128,9 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         add(job(name, "max"), f"max {by()} ({_m(name)})")
     # Any non-finite loss makes the sum non-finite (max and min skip NaN): the finite check reads it.
     add(job("parwatch_loss", "sum"), f"sum {by()} (parwatch_loss)")
+    # Straggler attribution: each sidecar judges its own ranks; the run's figure is the worst.
+    add(job("parwatch_straggler_ratio", "max"), f"max {by()} ({_m('parwatch_straggler_ratio')})")
+    add(STRAGGLER_CAUSES, f"max {by('cause')} (parwatch_straggler_ratio)")
     add(RUN_INFO, f"max {by(*RUN_INFO_LABELS)} ({_m('parwatch_run_info')})")
     # Every sidecar exports the whole run's token count: max, not sum.
     add(rate_name("job", "parwatch_tokens_total", w), f"max {by()} (rate({_m('parwatch_tokens_total')}[{w}]))")
@@ -156,6 +160,8 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         add(mean_name("op_group", hist, w), f"sum {og} (rate({hist}_sum[{w}])) / sum {og} (rate({hist}_count[{w}]))")
     for counter in ("parwatch_collective_wait_seconds_total", "parwatch_collective_bytes_total"):
         add(rate_name("op_group", counter, w), f"sum {og} (rate({_m(counter)}[{w}]))")
+    unmatched = _m("parwatch_collective_unmatched_total")
+    add(rate_name("op_group_reason", unmatched, w), f"sum {by('op', 'group', 'reason')} (rate({unmatched}[{w}]))")
     add("op_group:parwatch_collective_busbw_bytes_per_second:avg",
         f"avg {og} ({_m('parwatch_collective_busbw_bytes_per_second')})")
 

@@ -34,6 +34,14 @@ StepSummary (a dict; JSON object), one per rank and step:
     gpu                       null | {index, utilization_ratio, memory_used_bytes, memory_total_bytes,
                                       power_watts, sm_clock_hertz, temperature_celsius, throttle_reasons}
     nvml_up                   0 | 1
+    instances                 {host, data_seconds, groups, records, capped}: raw material of the sidecar's
+                              wait/transfer split (parwatch/collector/instances.py, sidecar/transfer.py):
+                              host str (ranks of one host share its monotonic clock); data_seconds float
+                              (this step's data-fetch spans); groups {role: [global ranks]} of the collective
+                              groups recorded; records: [op, group, seq, peer, start_us, dur_us, bytes] per
+                              collective/p2p instance of a sampled step ([] otherwise; peer -1 for
+                              collectives; seq the call's number on its group, or per direction and peer
+                              for p2p); capped int (instances over the per-group budget, not recorded)
     overhead_seconds          float, time the collector itself spent on the training thread this step
     dropped_total             int, summaries this rank's shipper dropped so far
     checkpoints               list[int], steps with a complete checkpoint (rank 0; [] elsewhere)

@@ -1,6 +1,7 @@
 """Runs one step of a pipeline schedule (a list of trainer.schedules.Instr) on this rank.
 
-Each instruction is announced as a hook span. Sends are posted with isend and
+Each instruction is announced as a hook span; the data fetch of the first and
+last virtual stages is a `data` span of its own, before the forward. Sends are posted with isend and
 completed at the end of the step; receives block. Messages carry a tag naming
 (kind, destination virtual stage, microbatch) so gloo matches them exactly;
 the schedules also keep every pair's send and receive order identical, so a
@@ -82,6 +83,7 @@ class PipelineExecutor:
         losses: list = []
         poison = self.stage == (self.last_vstage % self.p) and self.faults.nan_now(step)
         straggle_s = self.faults.straggler_ms(step) / 1000.0
+        data_delay_s = self.faults.data_delay_ms() / 1000.0
         self.faults.begin_step(step)
         for instr in self.instrs:
             key = (instr.microbatch, instr.chunk)
@@ -97,11 +99,15 @@ class PipelineExecutor:
                 self.comm.recv(buf, self._peer(instr), self._tag(instr), what="grad", **attrs)
                 grads[key] = buf
             elif op == "forward":
+                if vstage == 0 or vstage == self.last_vstage:
+                    # Its own span, outside the forward: slow input must not read as slow compute.
+                    with reg.span(hooks.DATA, **attrs):
+                        ids, targets = self._data(data_step, instr.microbatch)
+                        if data_delay_s:
+                            time.sleep(data_delay_s)
                 with reg.span(hooks.FORWARD, **attrs):
                     self.faults.hang_if("compute")
                     chunk = self.chunks[instr.chunk]
-                    if vstage == 0 or vstage == self.last_vstage:
-                        ids, targets = self._data(data_step, instr.microbatch)
                     x = ids if vstage == 0 else inputs[key]
                     out = chunk(x)
                     if vstage == self.last_vstage:

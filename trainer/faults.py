@@ -5,6 +5,11 @@
                                             a transient fault; a rollback that replays step 5 is clean)
     slow-collective:group=tp,ms=5           extra latency on every collective of that group
     crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
+    slow-link:src=0,dst=2,ms=20             every p2p send from rank 0 to rank 2 takes 20 ms longer: posted
+                                            on time, it leaves 20 ms later (inside the transfer, as a slow
+                                            link would be; not a sleep before the post)
+    slow-data:rank=0,ms=15                  every data fetch of rank 0 takes 15 ms longer (only the first
+                                            and last pipeline stages fetch data)
     hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, process alive:
                                             where=compute inside its first forward, where=collective
                                             before its first TP all-reduce (needs tp >= 2), where=send
@@ -23,12 +28,14 @@ _SPECS = {
     "nan": {"step": int},
     "slow-collective": {"group": str, "ms": float},
     "crash": {"rank": int, "step": int},
+    "slow-link": {"src": int, "dst": int, "ms": float},
+    "slow-data": {"rank": int, "ms": float},
     "hang": {"rank": int, "step": int, "where": str},
 }
 _REQUIRED = {"straggler": {"stage", "ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
-             "hang": {"rank", "step"}}
+             "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"}, "hang": {"rank", "step"}}
 _EXAMPLE = ("straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
-            " | hang:rank=1,step=5,where=collective")
+            " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective")
 HANG_PLACES = ("compute", "collective", "send")
 """Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
 
@@ -59,6 +66,11 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}; e.g. {_EXAMPLE}")
     if kind == "slow-collective" and params["group"] not in ("tp", "pp", "dp"):
         raise ConfigError(f"--inject {spec!r}: group must be tp, pp or dp")
+    if kind == "slow-link" and params["src"] == params["dst"]:
+        raise ConfigError(f"--inject {spec!r}: src and dst must be two different ranks (a pipeline neighbour pair)")
+    for key in ("ms", "src", "dst", "rank"):
+        if kind in ("slow-link", "slow-data") and key in params and params[key] < 0:
+            raise ConfigError(f"--inject {spec!r}: {key} must be >= 0")
     if kind == "hang":
         params.setdefault("where", "compute")
         if params["where"] not in HANG_PLACES:
@@ -101,6 +113,18 @@ class Faults:
                 out[f.params["group"]] = out.get(f.params["group"], 0.0) + f.params["ms"]
         return out
 
+    # -- slow-link / slow-data ----------------------------------------------------------------
+    def link_delays_ms(self) -> dict:
+        """Destination rank -> extra ms inside every p2p send this rank makes to it."""
+        out: dict = {}
+        for f in self.faults:
+            if f.kind == "slow-link" and f.params["src"] == self.rank:
+                out[f.params["dst"]] = out.get(f.params["dst"], 0.0) + f.params["ms"]
+        return out
+
+    def data_delay_ms(self) -> float:
+        """Extra ms inside every data fetch of this rank."""
+        return sum(f.params["ms"] for f in self.faults if f.kind == "slow-data" and f.params["rank"] == self.rank)
     # -- hang faults: the rank blocks for good, its process (and its threads) alive -------------
     def begin_step(self, step: int) -> None:
         self._step = step

@@ -44,7 +44,8 @@ class Trainer:
         self.dims = ParallelDims(cfg.tp, cfg.pp, cfg.dp, world_size)
         self.groups = build_groups(self.dims, rank)
         self.faults = Faults([parse_fault(s) for s in cfg.inject], rank, self.groups.stage)
-        self.comm = Comm(self.groups, slow_ms=self.faults.slow_collectives(), registry=registry)
+        self.comm = Comm(self.groups, slow_ms=self.faults.slow_collectives(), registry=registry,
+                         link_delay_ms=self.faults.link_delays_ms())
         self.dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
         self.device = self._device
         self.chunks = [c.to(self.device) for c in self._build_chunks()]

@@ -30,6 +30,7 @@ from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
 from parwatch.collector.causes import CauseSplitter
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
+from parwatch.collector.instances import InstanceLog
 from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Shipper
@@ -112,6 +113,9 @@ class Collector(Observer):
         self._wall_offset = time_fn() - self._host_seconds(mark)
         self._release_marks([mark])
         self._stats = StepStats()
+        self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds,
+                                     duration_of=self.clock.seconds)
+        """Per-instance collective/p2p records and data seconds for the sidecar's wait/transfer split."""
         self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
         """Whole-run figures (rank 0) added to the trainer's summary at run_end."""
         self._pending: list[Span] = []  # deferred clocks only: this period's spans, resolved at the boundary
@@ -147,6 +151,7 @@ class Collector(Observer):
         else:
             try:
                 self._stats.add(span.kind, self.clock.seconds(span.start, span.end), span.attrs)
+                self.instances.add(span)
                 if self._records is not None:
                     self._records.append(self._record(span, self._host_seconds(span.start),
                                                       self._host_seconds(span.end)))
@@ -250,6 +255,7 @@ class Collector(Observer):
         summary = self._summary(info, result, stats, slots)
         if self._model_flops and self.peak_flops and step_seconds > 0:
             summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
+        summary["instances"] = self.instances.take()
         summary["overhead_seconds"] = (self._overhead_ns + _now_ns() - t0) * 1e-9
         self._overhead_ns = 0
         self.shipper.put_summary(summary)
@@ -291,6 +297,7 @@ class Collector(Observer):
             self._origin_mark = origin_mark
             self._step = step
         self._stats.reset()
+        self.instances.start(step if sample else 0)
         self._records = [] if sample and self._sample(step) else None
 
     def _resolve_pending(self, ref) -> list:
@@ -310,6 +317,7 @@ class Collector(Observer):
                 self.unresolved_spans += 1
                 continue
             stats.add(span.kind, seconds, span.attrs)
+            self.instances.add(span)
         return [mark for span in pending for mark in (span.start, span.end)]
 
     def _release_marks(self, marks) -> None:

@@ -101,6 +101,36 @@ def as_series(values) -> Series:
     return values if isinstance(values, Series) else Series(values)
 
 
+def series_labels(key: str | None) -> dict:
+    """"cause=slow-link,src=0,dst=2" -> {"cause": "slow-link", "src": 0, "dst": 2}; '+'-joined
+    values become lists of ints ("ranks=0+1"); a key without '=' gives {}."""
+    out: dict = {}
+    for part in (key or "").split(","):
+        name, eq, value = part.partition("=")
+        if not eq:
+            continue
+        if value.lstrip("-").isdigit():
+            out[name] = int(value)
+        elif "+" in value and all(v.isdigit() for v in value.split("+")):
+            out[name] = [int(v) for v in value.split("+")]
+        else:
+            out[name] = value
+    return out
+
+
+def where(key: str | None) -> dict:
+    """Evidence naming the place a failing series points at: `stage` when its key has one, and
+    `culprit` with every label of the key (stage, rank, host, link, group, cause ...)."""
+    labels = series_labels(key)
+    out: dict = {}
+    if not labels:
+        return out
+    if isinstance(labels.get("stage"), int):
+        out["stage"] = labels["stage"]
+    out["culprit"] = labels
+    return out
+
+
 def _label(metric: str, key: str | None) -> str:
     return f"{metric}{{{key}}}" if key else metric
 
@@ -314,6 +344,7 @@ class RuleMonitor:
         evidence = {"metric": rule.metric, "check": rule.check, "series": self.last_series,
                     "reduce": rule.reduce, "values": list(self.window_values), "for_steps": rule.for_steps,
                     "window": [self.since_step, step]}
+        evidence.update(where(self.last_series))
         if rule.for_seconds is not None:
             evidence["for_seconds"] = rule.for_seconds
         if rule.check == "threshold":

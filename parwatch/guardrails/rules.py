@@ -18,6 +18,9 @@ from pathlib import Path
 KNOWN_METRICS = frozenset({
     "loss", "bubble_ratio", "bubble_excess_ratio", "pipeline_skew_ratio", "collective_seconds_mean",
     "rank_up", "gpu_utilization_ratio", "step_seconds",
+    # parwatch.sidecar.transfer: transfer time with waiting excluded (per p2p link / collective group),
+    # and the straggler attribution's findings (share of the step, cause and place in the series key).
+    "collective_transfer_seconds", "straggler_ratio",
 })
 CHECKS = ("threshold", "finite", "spike", "regression")
 ACTIONS = ("alert", "pause", "rollback")

@@ -24,6 +24,7 @@ from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import Store
+from parwatch.sidecar.transfer import transfer_families
 
 GUARDRAIL_STATE_CODES = {"ok": 0, "pending": 1, "firing": 2}
 _STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]
@@ -60,15 +61,18 @@ class SidecarCollector(Collector):
     """Reads only whole, immutable values from the store (see store.py), so a scrape may be
     interleaved with ingests."""
 
-    def __init__(self, store: Store, engine, counters: SidecarCounters):
+    def __init__(self, store: Store, engine, counters: SidecarCounters, transfer=None):
         self.store = store
         self.engine = engine
         self.counters = counters
+        self.transfer = transfer  # parwatch.sidecar.transfer.TransferTracker: wait/transfer families
 
     def collect(self):
         yield from self._run_families()
         yield from self._rank_families()
         yield from self._collective_families()
+        if self.transfer is not None:
+            yield from transfer_families(self.transfer)
         yield from self._guardrail_families()
 
     def _run_families(self):
@@ -146,21 +150,12 @@ class SidecarCollector(Collector):
             "parwatch_collective_duration_seconds", "Collective latency, summed over this sidecar's ranks", labels=og
         )
         nbytes = _c("parwatch_collective_bytes", "Bytes moved by collectives", og)
-        busbw = _g("parwatch_collective_busbw_bytes_per_second",
-                   "Bus bandwidth (nccl-tests), mean over ranks' newest step", og)
         for (op, group), tot in sorted(list(self.store.collectives.items())):
             hist.add_metric([op, group], [*zip(_COLLECTIVE_LE, tot.buckets), ("+Inf", tot.count)], tot.seconds)
             nbytes.add_metric([op, group], tot.bytes)
-        sums: dict[tuple[str, str], list] = {}
-        for rec in self.store.visible():
-            if self.store.is_up(rec):
-                for c in rec.summary.collectives:
-                    acc = sums.setdefault((c.op, c.group), [0.0, 0])
-                    acc[0] += c.busbw
-                    acc[1] += 1
-        for (op, group), (total, n) in sorted(sums.items()):
-            busbw.add_metric([op, group], total / n)
-        yield from (hist, nbytes, busbw)
+        # Bus bandwidth comes from transfer time only (parwatch.sidecar.transfer), not these durations,
+        # which include each rank's wait for the last arrival.
+        yield from (hist, nbytes)
 
     def _guardrail_families(self):
         state = _g("parwatch_guardrail_state", "Guardrail rule state: 0 ok, 1 pending, 2 firing", ["rule"])
@@ -260,9 +255,9 @@ def _latest_loss(store: Store) -> float | None:
     return None if newest is None else newest.loss
 
 
-def make_registry(store: Store, engine, counters: SidecarCounters) -> CollectorRegistry:
+def make_registry(store: Store, engine, counters: SidecarCounters, transfer=None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SidecarCollector(store, engine, counters))
+    registry.register(SidecarCollector(store, engine, counters, transfer))
     return registry
 
 

@@ -136,6 +136,21 @@ class OutcomeRecord(_Model):
     ranks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=2**31)]
 
 
+InstanceRecord = tuple[Literal[COLLECTIVE_OPS], Label, Count, int, int, Count, Count]
+"""[op, group, seq, peer, start_us, dur_us, bytes] (parwatch/collector/instances.py)."""
+
+
+class Instances(_Model):
+    """One rank-step's collective/p2p instance records and data seconds (schema.py `instances`)."""
+
+    host: Annotated[str, Field(max_length=255)] = ""
+    data_seconds: NonNegFinite = 0.0
+    groups: dict[Label, Annotated[list[Count], Field(max_length=100_000)]] = Field(default_factory=dict,
+                                                                                   max_length=64)
+    records: list[InstanceRecord] = Field(default_factory=list, max_length=20_000)
+    capped: Count = 0
+
+
 class GlobalStage(_Model):
     stage: Index
     compute_seconds: Seconds
@@ -195,6 +210,7 @@ class StepSummary(_Model):
     checkpoints: list[Count] = Field(default_factory=list, max_length=MAX_CHECKPOINTS)
     paused: Flag = False
     global_: GlobalView | None = Field(default=None, alias="global")
+    instances: Instances | None = None
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
     model_flops_utilization_ratio: Annotated[float, Field(ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None = None
 

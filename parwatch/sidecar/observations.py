@@ -28,7 +28,9 @@ def build_observation(store: Store) -> Observation | None:
     else:
         series["step_seconds"] = {"": rank0.summary.step_seconds}
     if view.pipeline_skew_ratio is not None:
-        series["pipeline_skew_ratio"] = {"": view.pipeline_skew_ratio}
+        # Keyed by the slowest stage, so the rule's reason and evidence name it.
+        slowest = max(view.stages, key=lambda st: st.compute_seconds).stage if view.stages else None
+        series["pipeline_skew_ratio"] = {"" if slowest is None else f"stage={slowest}": view.pipeline_skew_ratio}
     series.update(_per_rank_series(store))
     return Observation(step=view.step, time=store.clock(), series=series, checkpoints=store.checkpoints)
 

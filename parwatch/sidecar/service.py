@@ -30,6 +30,7 @@ from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
+from parwatch.sidecar.transfer import TransferTracker
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class Sidecar:
         self.store = Store(config.rank_grace_seconds, clock=clock, max_ranks=config.max_ranks,
                            max_runs=config.max_runs)
         self.counters = SidecarCounters()
-        self.registry = make_registry(self.store, engine, self.counters)
+        self.transfer = TransferTracker()
+        self.registry = make_registry(self.store, engine, self.counters, self.transfer)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.alerts = AlertDedupe(state_dir / "alerts_acted.json")
@@ -124,11 +126,13 @@ class Sidecar:
                     continue
             if not self.store.add(s):
                 continue  # a retried post: already counted and evaluated
+            self.transfer.add(s)
             # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
             # global step (retries stopped above; the engine also ignores a repeated step).
             if s.global_ is not None and self.store.global_view is s.global_:
                 obs = build_observation(self.store)
                 if obs is not None:
+                    obs.series.update(self.transfer.take_series())
                     self._count(self.engine.evaluate(obs))
 
     def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:

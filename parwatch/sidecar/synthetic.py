@@ -21,7 +21,7 @@ def summary(rank: int, step: int, *, run_id: str = "synthetic", tp: int = 1, pp:
             microbatches: int = 4, schedule: str = "1f1b", step_seconds: float = 0.5, other_seconds: float = 0.02,
             compute_scale: float = 1.0, loss: float | None = 2.0, time: float = 0.0, gpu: bool = True,
             checkpoints=(), global_stages: list | None = None, global_loss: float | None = None,
-            timeline: int = 0) -> dict:
+            timeline: int = 0, instances: bool = True) -> dict:
     """One rank's summary; rank 0 carries `global` for step-1 when global_stages is given."""
     stage = (rank // tp) % pp
     tp_rank = rank % tp
@@ -45,11 +45,29 @@ def summary(rank: int, step: int, *, run_id: str = "synthetic", tp: int = 1, pp:
         "nvml_up": 1 if gpu else 0, "overhead_seconds": 0.001, "dropped_total": 0,
         "checkpoints": list(checkpoints) if rank == 0 else [],
         "paused": False,
+        "instances": _instances(rank, step, tp, pp, microbatches) if instances else None,
     }
     if rank == 0 and global_stages is not None:
         s["global"] = {"step": step - 1, "loss": encode_float(global_loss if global_loss is not None else loss),
                        "pipeline_skew_ratio": _skew(global_stages), "stages": global_stages}
     return s
+
+
+def _instances(rank: int, step: int, tp: int, pp: int, microbatches: int) -> dict:
+    """Instance records matching `collectives`: 8 TP all-reduces of 2 ms with no wait, and the
+    p2p activations to the next stage (0.5 ms, no wait), numbered per group from step 1."""
+    stage, tp_rank = (rank // tp) % pp, rank % tp
+    records, groups = [], {}
+    if tp > 1:
+        groups["tp"] = [rank - tp_rank + t for t in range(tp)]
+        records += [["all_reduce", "tp", (step - 1) * 8 + i + 1, -1, 0, 2000, 1 << 20] for i in range(8)]
+    for i in range(microbatches):
+        seq = (step - 1) * microbatches + i + 1
+        if stage < pp - 1:
+            records.append(["send", "pp", seq, rank + tp, 0, 500, 1 << 18])
+        if stage > 0:
+            records.append(["recv", "pp", seq, rank - tp, 0, 500, 1 << 18])
+    return {"host": "synthetic", "data_seconds": 0.001, "groups": groups, "records": records, "capped": 0}
 
 
 def stage_view(stage: int, step_seconds: float, compute_seconds: float, other_seconds: float = 0.02) -> dict:

@@ -43,6 +43,12 @@ def valid_gpu(g):
     return g is None or (set(g) == GPU_KEYS and is_int(g["index"]))
 
 
+def valid_instances(x):
+    return (set(x) == {"host", "data_seconds", "groups", "records", "capped"} and isinstance(x["host"], str)
+            and is_float(x["data_seconds"]) and is_int(x["capped"]) and isinstance(x["groups"], dict)
+            and all(isinstance(r, list) and len(r) == 7 for r in x["records"]))
+
+
 def valid_global(g):
     return g is None or (
         set(g) == {"step", "loss", "pipeline_skew_ratio", "slowest_stage", "stages"} and is_int(g["step"])
@@ -68,6 +74,7 @@ FIELD_CHECKS = {
     "checkpoints": lambda x: isinstance(x, list) and all(is_int(s) for s in x),
     "paused": lambda x: isinstance(x, bool),
     "global": valid_global,
+    "instances": valid_instances,
     "model_flops_utilization_ratio": is_float,
 }
 

@@ -142,7 +142,7 @@ def test_observation_carries_the_global_view_and_per_rank_series():
     theory = 1 / 5  # (p-1)/(m+p-1), p=2, m=4
     assert obs.series["bubble_ratio"] == {"stage=0": pytest.approx(0.48 / 0.98), "stage=1": pytest.approx(0.28 / 0.98)}
     assert obs.series["bubble_excess_ratio"]["stage=0"] == pytest.approx(0.48 / 0.98 - theory)
-    assert obs.series["pipeline_skew_ratio"] == {"": pytest.approx(0.7 / 0.6)}
+    assert obs.series["pipeline_skew_ratio"] == {"stage=1": pytest.approx(0.7 / 0.6)}  # keyed by the slowest stage
     assert obs.series["step_seconds"] == {"": 1.0}
     assert obs.series["rank_up"] == {"rank=0": 1.0, "rank=1": 0.0, "rank=2": 1.0}
     assert obs.series["collective_seconds_mean"]["op=all_reduce,group=tp"] == pytest.approx(0.006)  # the worst rank

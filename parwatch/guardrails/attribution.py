@@ -1,0 +1,198 @@
+"""Straggler attribution: which part of the run is slow, and why. Pure classification.
+
+Input: per-rank figures (median per step over a recent window: compute, data fetch, step
+period, host, stage) and per-path transfer figures (median transfer seconds per step of each
+p2p link and each collective group, from the sidecar's wait/transfer split, so waiting for a
+slow peer never counts as a slow transfer). Every figure is judged against its peers in the
+same window (leave-one-out median), so a slowdown that hits the whole run alike is no
+straggler, and no history is needed.
+
+Causes, in the order they are decided (a rank explained by an earlier cause is not blamed
+again by a later one):
+  slow-data         a rank's data-fetch spans are high against the other fetching ranks
+  host-contention   every rank of one host computes slower than its peers elsewhere AND the
+                    transfers within that host are slower than the same groups elsewhere
+  slow-compute      a stage's compute is high against the other stages, or some ranks' compute
+                    against the rest of their stage (its other DP replicas)
+  slow-link         a p2p link's or a collective group's transfer is high against the other
+                    links / groups of the same role, while its ranks' compute is normal
+A finding is kept when its excess is above both `min_seconds` per step and `rel` (compute) or
+`rel_small` (data, transfers) x the peers' median, and costs at least `min_ratio` of the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+CAUSES = ("slow-data", "host-contention", "slow-compute", "slow-link")
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    rank: int
+    stage: int
+    host: str
+    compute_seconds: float
+    """Forward + backward seconds per step."""
+    data_seconds: float
+    """Data-fetch seconds per step."""
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class PathFigures:
+    kind: str
+    """"link" (p2p, ranks = (src, dst)) or "group" (a collective group, ranks = its members)."""
+    group: str
+    """Group role: "pp" for links, "tp"/"dp"/... for collective groups."""
+    ranks: tuple
+    transfer_seconds: float
+    """Transfer seconds per step (waiting excluded)."""
+    count: float = 1.0
+    """Instances per step (median): the noise floor scales with it."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    rel: float = 0.25
+    """Compute: excess over the peers' median, relative to it (0.25: as the stage-skew rule's 1.25)."""
+    rel_small: float = 0.5
+    """Data fetch and transfers: the same, for figures a few ms long that scheduling noise moves by
+    tens of percent (measured: TP groups' transfer per step 76 vs 95 ms, data fetch 3 vs 5 ms, in a
+    healthy run on an oversubscribed 2-core machine)."""
+    min_seconds: float = 0.005
+    """Excess per step below this is noise (timer, loopback and scheduling jitter)."""
+    min_seconds_per_transfer: float = 0.002
+    """Transfers: excess per instance below this is noise. 2 ms is above what a CPU run's scheduler
+    and Python's 5 ms GIL switch interval add to one send or all-reduce on a loaded machine (1.5 ms
+    seen); lower it on GPU clusters to catch small per-op regressions (the
+    collective-latency-regression rule judges each path against its own history meanwhile)."""
+    min_ratio: float = 0.02
+    """Findings costing less than this share of the step are dropped."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    cause: str
+    where: dict = field(default_factory=dict)
+    """stage / rank / host / src, dst / group, ranks: the place, in the series key's terms."""
+    excess_seconds: float = 0.0
+    """Seconds per step above the peers' median."""
+    ratio: float = 0.0
+    """excess_seconds / step_seconds."""
+    text: str = ""
+
+    @property
+    def key(self) -> str:
+        """The guardrail series key: "cause=slow-link,src=0,dst=2" (ranks joined by '+')."""
+        parts = [f"cause={self.cause}"]
+        for name, value in self.where.items():
+            if isinstance(value, (tuple, list)):
+                value = "+".join(str(v) for v in value)
+            parts.append(f"{name}={value}")
+        return ",".join(parts)
+
+
+def _excess(value: float, peers: list[float], th: Thresholds, small: bool = False,
+            floor: float = 0.0) -> tuple[float, float] | None:
+    """(excess, baseline) when value stands out from its peers, else None (small: data/transfer)."""
+    base = statistics.median(peers) if peers else 0.0
+    excess = value - base
+    if excess > max(th.min_seconds, floor, (th.rel_small if small else th.rel) * base):
+        return excess, base
+    return None
+
+
+def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()) -> list[Finding]:
+    """Every finding, the costliest first; [] for a healthy window."""
+    if not ranks:
+        return []
+    step = statistics.median(r.step_seconds for r in ranks) or 1e-9
+    by_rank = {r.rank: r for r in ranks}
+    findings: list[Finding] = []
+    explained: set[int] = set()
+
+    def keep(cause, where, excess, base, what, culprits):
+        ratio = excess / step
+        if ratio >= th.min_ratio:
+            findings.append(Finding(cause, where, excess, ratio,
+                                    f"{what}: +{excess * 1000:.1f} ms per step over its peers' {base * 1000:.1f} ms "
+                                    f"({ratio:.0%} of the {step * 1000:.0f} ms step)"))
+            explained.update(culprits)
+
+    # 1. data: only ranks that fetch data are each other's peers.
+    fetching = [r for r in ranks if r.data_seconds > 0]
+    for r in fetching:
+        found = _excess(r.data_seconds, [o.data_seconds for o in fetching if o is not r], th, small=True)
+        if found:
+            keep("slow-data", {"rank": r.rank, "stage": r.stage, "host": r.host}, *found,
+                 f"rank {r.rank} (stage {r.stage}) data fetch", {r.rank})
+
+    # 2. host contention: needs other hosts to compare with.
+    hosts = sorted({r.host for r in ranks})
+    if len(hosts) > 1:
+        for host in hosts:
+            mine = [r for r in ranks if r.host == host and r.rank not in explained]
+            others = [r for r in ranks if r.host != host]
+            if not mine:
+                continue
+            compute = []
+            for r in mine:
+                same_stage = [o.compute_seconds for o in others if o.stage == r.stage]
+                compute.append(_excess(r.compute_seconds, same_stage or [o.compute_seconds for o in others], th))
+            inside = [p for p in paths if all(by_rank.get(x) and by_rank[x].host == host for x in p.ranks)]
+            elsewhere = [p for p in paths if all(by_rank.get(x) and by_rank[x].host != host for x in p.ranks)]
+            transfer = [_excess(p.transfer_seconds, [q.transfer_seconds for q in elsewhere if q.group == p.group], th,
+                                small=True, floor=th.min_seconds_per_transfer * p.count)
+                        for p in inside if any(q.group == p.group for q in elsewhere)]
+            if all(compute) and transfer and all(transfer):
+                excess = statistics.median(c[0] for c in compute)
+                base = statistics.median(c[1] for c in compute)
+                keep("host-contention", {"host": host}, excess, base,
+                     f"host {host}: compute and transfers of its {len(mine)} ranks", {r.rank for r in mine})
+
+    # 3. compute, per stage (a TP rank's slowness shows on its whole TP group: their collectives wait).
+    stages: dict[int, list[RankFigures]] = {}
+    for r in ranks:
+        stages.setdefault(r.stage, []).append(r)
+    stage_compute = {s: statistics.median(r.compute_seconds for r in rs) for s, rs in stages.items()}
+    for s, value in sorted(stage_compute.items()):
+        members = {r.rank for r in stages[s]}
+        if members <= explained:
+            continue
+        found = _excess(value, [v for t, v in stage_compute.items() if t != s], th)
+        if found and len(stage_compute) > 1:
+            keep("slow-compute", {"stage": s, "ranks": sorted(members)}, *found, f"stage {s} compute", members)
+            continue
+        # Within the stage (its DP replicas): some of its ranks slower than the others.
+        slow = {}
+        for r in stages[s]:
+            if r.rank not in explained:
+                peers = [o.compute_seconds for o in stages[s] if o is not r]
+                hit = _excess(r.compute_seconds, peers, th) if len(peers) >= 2 else None
+                if hit:
+                    slow[r.rank] = hit
+        if slow:
+            excess = statistics.median(h[0] for h in slow.values())
+            base = statistics.median(h[1] for h in slow.values())
+            keep("slow-compute", {"stage": s, "ranks": sorted(slow)}, excess, base,
+                 f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute", set(slow))
+
+    # 4. links and groups: against the other paths of the same role.
+    for p in paths:
+        if set(p.ranks) & explained:
+            continue  # its ranks are already explained (a host or a stage)
+        peers = [q.transfer_seconds for q in paths if q is not p and q.group == p.group and q.kind == p.kind]
+        if not peers:
+            continue
+        found = _excess(p.transfer_seconds, peers, th, small=True, floor=th.min_seconds_per_transfer * p.count)
+        if found:
+            if p.kind == "link":
+                where, what = {"src": p.ranks[0], "dst": p.ranks[1], "group": p.group}, \
+                    f"p2p link {p.ranks[0]}->{p.ranks[1]} transfer"
+            else:
+                where, what = {"group": p.group, "ranks": list(p.ranks)}, \
+                    f"{p.group} group {'+'.join(map(str, p.ranks))} transfer"
+            keep("slow-link", where, *found, what, set())
+    return sorted(findings, key=lambda f: -f.ratio)

@@ -1,0 +1,330 @@
+"""Waiting told apart from transfer: the node sidecar lines up the members of each collective
+and p2p instance, and the straggler attribution that rests on it.
+
+Each rank's summary carries `instances` (parwatch/collector/instances.py): per sampled step,
+one record per collective or p2p instance with its group, sequence number and duration. An
+instance is complete once every member's record is here: a collective group's members (its
+`groups` entry), or a p2p pair (the send on src with peer dst, the recv on dst with peer src,
+the same per-direction seq). Then, as DeepSpeed's comms logger defines the straggler effect:
+
+    transfer = min over members of t           (the last arrival's duration: it did not wait)
+    wait(r)  = t(r) - transfer                  (rank r's arrival wait; its straggler effect)
+
+Durations only, no timestamps: nothing depends on the hosts' clocks agreeing. For p2p the
+recv's duration runs from its post to the data; the send's, from its post to its completion
+(stamped when it completes, trainer/comm.py), so the recv's wait is its wait for the peer's
+post and a slow link shows as a long transfer on both ends.
+
+What is matched here: instances whose members all report to this sidecar (TP groups are on
+one node by construction; p2p pairs with both ends on this node). Instances with a member that
+never reported here (cross-node p2p, DP groups across nodes) are dropped after
+`horizon_steps` and counted in parwatch_collective_unmatched_total{reason="remote"}; members
+that did report here but whose partner's summary was lost count as reason="incomplete". Their
+time stays in parwatch_collective_duration_seconds (waiting included); they get no transfer,
+busbw or attribution figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+from bisect import bisect_left
+from collections import deque
+from typing import NamedTuple
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from parwatch.catalog import metric
+from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute
+from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
+
+HORIZON_STEPS = 8
+"""An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
+MAX_PENDING = 50_000
+"""Bound on incomplete instances held (the oldest go first, counted as unmatched)."""
+WINDOW_STEPS = 10
+"""Steps of figures the attribution takes medians over."""
+WARMUP_STEPS = 5
+"""A run's first steps are not attributed: they pay one-time costs (allocator growth, the first
+autograd graph, lazy initialisation, connection setup) unevenly across stages (measured: the last
+stage 2x the first for steps 1-7 of a healthy synthetic run on a loaded machine)."""
+MIN_WINDOW_STEPS = 5
+"""A rank or path is judged only once it has this many steps of figures (a median of one or two
+steps is one step's noise)."""
+BUSBW_INSTANCES = 256
+"""Newest matched instances per (op, group) that busbw is computed over."""
+_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
+
+
+class Member(NamedTuple):
+    op: str
+    seconds: float
+    bytes: int
+
+
+class Pending(NamedTuple):
+    op: str
+    """The instance's op label: the collective's op, or "send" for a p2p transfer."""
+    group: str
+    path: tuple
+    """("group", role, ranks) or ("link", src, dst): where the instance ran."""
+    members: frozenset
+    first_step: int
+    got: dict
+    """rank -> Member."""
+
+
+class Split(NamedTuple):
+    """One matched instance, split."""
+
+    op: str
+    group: str
+    path: tuple
+    transfer: float
+    waits: dict
+    """rank -> (op on that rank, wait seconds)."""
+    last: int
+    """The last arrival (the rank every other member waited for)."""
+    bytes: int
+    size: int
+
+
+def split_instance(members: dict) -> tuple[float, dict, int]:
+    """(transfer, {rank: wait}, last arrival) from {rank: duration seconds} of one instance."""
+    last = min(members, key=lambda r: (members[r], r))
+    transfer = members[last]
+    return transfer, {r: t - transfer for r, t in members.items()}, last
+
+
+def path_key(path: tuple, op: str, group: str) -> str:
+    """The guardrail series key of a path: op=send,group=pp,src=0,dst=2 / op=all_reduce,group=tp,ranks=0+1."""
+    if path[0] == "link":
+        return f"op={op},group={group},src={path[1]},dst={path[2]}"
+    return f"op={op},group={group},ranks={'+'.join(map(str, path[2]))}"
+
+
+class TransferView(NamedTuple):
+    """What /metrics shows, as one immutable value (sorted tuples of (labels, values))."""
+
+    histograms: tuple = ()
+    """((op, group), (cumulative buckets, count, seconds sum))"""
+    busbw: tuple = ()
+    waits: tuple = ()
+    unmatched: tuple = ()
+    straggler: tuple = ()
+    causes: tuple = ()
+    """((cause, largest ratio among its findings; 0 when none)), once attribution has data."""
+
+
+class _OpTotals:
+    __slots__ = ("buckets", "count", "seconds", "wait", "bytes", "recent")
+
+    def __init__(self):
+        self.buckets = [0] * len(COLLECTIVE_BUCKETS)
+        self.count, self.seconds, self.wait, self.bytes = 0, 0.0, 0.0, 0
+        self.recent: deque = deque(maxlen=BUSBW_INSTANCES)
+
+
+class TransferTracker:
+    """Matches instances as summaries arrive (one writer: the sidecar's event loop)."""
+
+    def __init__(self, horizon_steps: int = HORIZON_STEPS, max_pending: int = MAX_PENDING,
+                 window_steps: int = WINDOW_STEPS, thresholds: Thresholds = Thresholds()):
+        self.horizon_steps, self.max_pending, self.window_steps = horizon_steps, max_pending, window_steps
+        self.thresholds = thresholds
+        self._reset(None)
+
+    def _reset(self, run_id) -> None:
+        self.run_id = run_id
+        self.view = TransferView()
+        """The published figures for /metrics (replaced whole; see transfer_families)."""
+        self.pending: dict[tuple, Pending] = {}
+        self.local_ranks: set[int] = set()
+        self.newest_step = 0
+        self.totals: dict[tuple[str, str], _OpTotals] = {}
+        """(op, group) -> transfer histogram, wait, bytes (transfer under the instance's op; wait under
+        each member's own op, so a recv's wait for its sender is (recv, pp))."""
+        self.straggler: dict[int, float] = {}
+        """rank -> sum of t - min t over its matched instances."""
+        self.unmatched: dict[tuple[str, str, str], int] = {}
+        """(op, group, reason) -> instances dropped unmatched."""
+        self.sizes: dict[tuple[str, str], int] = {}
+        self._fresh: dict[str, list] = {}  # path key -> transfers matched since the last observation
+        self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step_seconds)
+        self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
+        self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
+
+    # -- intake ---------------------------------------------------------------------------------
+    def add(self, s) -> list[Split]:
+        """Take one new summary (a parwatch.sidecar.models.StepSummary); returns the instances it completed."""
+        if s.run_id != self.run_id:
+            self._reset(s.run_id)
+        inst = s.instances
+        self.local_ranks.add(s.rank)
+        self.newest_step = max(self.newest_step, s.step)
+        if inst is None:
+            return []
+        if s.step > WARMUP_STEPS:
+            window = self._ranks.setdefault(s.rank, deque(maxlen=self.window_steps))
+            window.append((s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds))
+        done = []
+        for op, group, seq, peer, _start_us, dur_us, nbytes in inst.records:
+            if peer < 0:
+                ranks = inst.groups.get(group)
+                if not ranks or s.rank not in ranks:
+                    continue
+                members = tuple(ranks)
+                key = ("c", group, members, seq)
+                path, label = ("group", group, members), op
+            else:
+                src, dst = (s.rank, peer) if op == "send" else (peer, s.rank)
+                key = ("p", src, dst, seq)
+                members = (src, dst)
+                path, label = ("link", src, dst), "send"
+            entry = self.pending.get(key)
+            if entry is None:
+                if len(self.pending) >= self.max_pending:
+                    self._drop(next(iter(self.pending)))
+                entry = self.pending[key] = Pending(label, group, path, frozenset(members), s.step, {})
+            if s.rank in entry.got:
+                continue
+            entry.got[s.rank] = Member(op, dur_us * 1e-6, nbytes)
+            if len(entry.got) == len(entry.members):
+                del self.pending[key]
+                done.append(self._finish(entry))
+        dropped = self._expire()
+        if done or dropped:
+            self._publish()
+        return done
+
+    def _publish(self) -> None:
+        hist, busbw, waits = [], [], []
+        for key, tot in sorted(self.totals.items()):
+            if tot.count:
+                hist.append((key, (tuple(tot.buckets), tot.count, tot.seconds)))
+                moved, spent = sum(b for b, _ in tot.recent), sum(t for _, t in tot.recent)
+                if spent > 0:
+                    busbw.append((key, moved / spent * busbw_factor(key[0], self.sizes.get(key, 2))))
+            waits.append((key, tot.wait))
+        self.view = TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
+                                 tuple(sorted(self.straggler.items())), self.view.causes)
+
+    def _finish(self, e: Pending) -> Split:
+        transfer, waits, last = split_instance({r: m.seconds for r, m in e.got.items()})
+        nbytes = max(m.bytes for m in e.got.values())
+        split = Split(e.op, e.group, e.path, transfer, {r: (e.got[r].op, w) for r, w in waits.items()}, last, nbytes,
+                      len(e.members))
+        tot = self.totals.setdefault((e.op, e.group), _OpTotals())
+        tot.count += 1
+        tot.seconds += transfer
+        tot.bytes += nbytes
+        tot.recent.append((nbytes, transfer))
+        i = bisect_left(COLLECTIVE_BUCKETS, transfer)  # le semantics, as the duration histogram
+        for j in range(i, len(tot.buckets)):
+            tot.buckets[j] += 1
+        self.sizes[(e.op, e.group)] = len(e.members)
+        for rank, (op, wait) in split.waits.items():
+            self.totals.setdefault((op, e.group), _OpTotals()).wait += wait
+            self.straggler[rank] = self.straggler.get(rank, 0.0) + wait
+        self._fresh.setdefault(path_key(e.path, e.op, e.group), []).append(transfer)
+        step = e.first_step
+        if step <= WARMUP_STEPS:
+            return split
+        acc = self._path_step.get(e.path)
+        if acc is None or acc[0] != step:
+            if acc is not None:
+                self._paths.setdefault(e.path, deque(maxlen=self.window_steps)).append(tuple(acc))
+            acc = self._path_step[e.path] = [step, 0.0, 0]
+        acc[1] += transfer
+        acc[2] += 1
+        return split
+
+    def _expire(self) -> int:
+        limit = self.newest_step - self.horizon_steps
+        stale = [k for k, e in self.pending.items() if e.first_step < limit]
+        for key in stale:
+            self._drop(key)
+        return len(stale)
+
+    def _drop(self, key) -> None:
+        e = self.pending.pop(key)
+        reason = "remote" if not e.members <= self.local_ranks else "incomplete"
+        k = (e.op, e.group, reason)
+        self.unmatched[k] = self.unmatched.get(k, 0) + 1
+
+    # -- guardrail series ---------------------------------------------------------------------
+    def take_series(self) -> dict[str, dict[str, float]]:
+        """The observation's series from this tracker; call once per evaluated step.
+
+        collective_transfer_seconds: mean transfer per instance of each path, over the instances
+        matched since the previous call (absent when none were: the rule then does not judge).
+        straggler_ratio: the attribution's findings (cause and place in the key, share of the
+        step as value); {"": 0.0} when the window is healthy; absent before any instance data.
+        """
+        out = {}
+        fresh, self._fresh = self._fresh, {}
+        if fresh:
+            out["collective_transfer_seconds"] = {k: sum(v) / len(v) for k, v in fresh.items()}
+        if self._ranks:
+            findings = self.findings()
+            out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
+            causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
+            self.view = self.view._replace(causes=causes)
+        return out
+
+    def findings(self) -> list[Finding]:
+        return attribute(self.rank_figures(), self.path_figures(), self.thresholds)
+
+    def rank_figures(self) -> list[RankFigures]:
+        out = []
+        for rank, rows in sorted(self._ranks.items()):
+            if len(rows) < min(MIN_WINDOW_STEPS, self.window_steps):
+                continue
+            _, stage, host, *_ = rows[-1]
+            out.append(RankFigures(rank, stage, host, statistics.median(r[3] for r in rows),
+                                   statistics.median(r[4] for r in rows), statistics.median(r[5] for r in rows)))
+        return out
+
+    def path_figures(self) -> list[PathFigures]:
+        out = []
+        for path, rows in sorted(self._paths.items(), key=lambda kv: repr(kv[0])):
+            if len(rows) < min(MIN_WINDOW_STEPS, self.window_steps):
+                continue
+            value, count = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
+            if path[0] == "link":
+                out.append(PathFigures("link", "pp", (path[1], path[2]), value, count))
+            else:
+                out.append(PathFigures("group", path[1], tuple(path[2]), value, count))
+        return out
+
+
+def _family(cls, name: str):
+    """An empty family named, documented and labelled as the catalogue says."""
+    m = metric(name)
+    return cls(m.family, m.help, labels=list(m.labels))
+
+
+def transfer_families(tracker: TransferTracker):
+    """The /metrics families of the wait/transfer split (the sidecar's exporter yields these).
+
+    Reads only `tracker.view`, an immutable value replaced whole after each summary, so a scrape
+    from another thread or interleaved with ingests never sees half an update (as store.py)."""
+    view = tracker.view
+    hist = _family(HistogramMetricFamily, "parwatch_collective_transfer_seconds")
+    wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
+    busbw = _family(GaugeMetricFamily, "parwatch_collective_busbw_bytes_per_second")
+    unmatched = _family(CounterMetricFamily, "parwatch_collective_unmatched_total")
+    straggler = _family(CounterMetricFamily, "parwatch_rank_straggler_seconds_total")
+    causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
+    for (op, group), (buckets, count, seconds) in view.histograms:
+        hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)
+    for (op, group), value in view.busbw:
+        busbw.add_metric([op, group], value)
+    for (op, group), seconds in view.waits:
+        wait.add_metric([op, group], seconds)
+    for (op, group, reason), n in view.unmatched:
+        unmatched.add_metric([op, group, reason], n)
+    for rank, seconds in view.straggler:
+        straggler.add_metric([str(rank)], seconds)
+    for cause, ratio in view.causes:
+        causes.add_metric([cause], ratio)
+    yield from (hist, wait, busbw, unmatched, straggler, causes)

@@ -1,0 +1,123 @@
+"""Stragglers classified by cause, end to end: the real trainer (4 gloo ranks, TP2 x PP2) against a
+real `parwatch sidecar` with the packaged default rules.
+
+Each fault is injected from step 1 (`python -m trainer --inject ...`), with synthetic compute so
+the stages are exactly balanced whatever the machine's load; the sidecar splits every collective
+and p2p instance into wait and transfer (parwatch/sidecar/transfer.py) and the `straggler` rule's
+decisions carry the attribution's cause and place in evidence.culprit:
+
+    straggler:stage=1,ms=20        slow-compute on stage 1 (ranks 2, 3)
+    slow-link:src=0,dst=2,ms=30    slow-link 0 -> 2 (sends leave 30 ms late; compute unchanged)
+    slow-data:rank=0,ms=15         slow-data on rank 0 (its data-fetch spans, outside the forward)
+
+A compute straggler must not fire a link or collective rule (its peers' lateness is wait, not
+transfer); the demo's straggler scenario (real compute, stage 1 slowed mid-run) is checked the
+same way; and 200 healthy steps produce no straggler finding at all.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from parwatch.demo.scenario import DemoConfig
+from parwatch.guardrails.rules import default_rules
+from parwatch.sidecar.models import StepSummary
+from parwatch.sidecar.process import running_sidecar
+from parwatch.sidecar.transfer import TransferTracker
+from tests.integration.e2e_util import decision_records, read_jsonl, run_trainer, synthetic
+
+pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
+
+LAYOUT = ("--tp", "2", "--pp", "2", "--layers", "4", "--hidden", "32", "--seq-len", "16")
+STEPS = 30
+PERFORMANCE_RULES = {"straggler", "collective-latency-regression", "stage-skew", "bubble-excess"}
+
+
+def run(tmp_path: Path, steps: int, *args: str) -> tuple[list[dict], object]:
+    with running_sidecar(tmp_path / "state") as sidecar:
+        trainer, _ = run_trainer(sidecar.control_url, tmp_path / "run", steps, *args, nproc=4)
+    return decision_records(tmp_path / "state"), trainer
+
+
+def culprits(decisions: list[dict], rule: str = "straggler") -> list[dict]:
+    return [d["evidence"].get("culprit") for d in decisions if d["rule"] == rule]
+
+
+def assert_everyone_names_where(decisions: list[dict]) -> None:
+    for d in decisions:
+        if d["rule"] in PERFORMANCE_RULES:
+            assert "stage" in d["evidence"] or "culprit" in d["evidence"], d
+
+
+def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_path):
+    decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "straggler:stage=1,ms=20")
+    found = culprits(decisions)
+    assert found and all(c == {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]} for c in found), decisions
+    assert not [d for d in decisions if d["rule"] == "collective-latency-regression"], decisions
+    assert_everyone_names_where(decisions)
+
+
+def test_slow_link_is_classified(tmp_path):
+    decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-link:src=0,dst=2,ms=30")
+    found = culprits(decisions)
+    assert found and all(c == {"cause": "slow-link", "src": 0, "dst": 2, "group": "pp"} for c in found), decisions
+    assert_everyone_names_where(decisions)
+
+
+def test_slow_data_is_classified(tmp_path):
+    decisions, trainer = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-data:rank=0,ms=15")
+    found = culprits(decisions)
+    assert found and all(c["cause"] == "slow-data" and c["rank"] == 0 and c["stage"] == 0 for c in found), decisions
+    assert_everyone_names_where(decisions)
+    # The fetch is its own span: rank 0's data seconds carry the 4 x 15 ms, its compute does not
+    # (no longer than stage 1's, which has no fault). Its TP peer rank 1 does compute longer: it
+    # waits for rank 0 in the TP all-reduces nested in its forward, which count as compute
+    # (DESIGN.md); the attribution decides slow data first, so the cause stays rank 0's data.
+    # (Medians: on a loaded machine a TP peer descheduled mid-forward lengthens a step's compute.)
+    def median(rank, key):
+        rows = [s for s in trainer.summaries(rank) if s["step"] >= 2]
+        return statistics.median(s["instances"][key] if key == "data_seconds" else s[key] for s in rows)
+
+    assert median(0, "data_seconds") >= 4 * 0.015 > 4 * 0.004 > median(1, "data_seconds")
+    assert median(0, "compute_seconds") < min(median(2, "compute_seconds"), median(3, "compute_seconds")) + 0.5 * 4 * 0.015
+
+
+def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
+    """`parwatch demo --scenario straggler`'s trainer (real compute, stage 1 +80 ms per forward
+    from mid-run) against the default rules: the skew and straggler decisions name stage 1;
+    nothing blames a link or a collective."""
+    demo = DemoConfig(scenario="straggler")
+    decisions, _ = run(tmp_path, demo.steps, *demo.trainer_args(), "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert not [d for d in decisions if d["rule"] == "collective-latency-regression"], decisions
+    assert all(c["cause"] != "slow-link" for c in culprits(decisions)), decisions
+    skew = [d for d in decisions if d["rule"] == "stage-skew"]
+    assert skew and all(d["evidence"]["stage"] == 1 and "stage=1" in d["reason"] for d in skew), decisions
+    found = culprits(decisions)
+    assert found and all(c["cause"] == "slow-compute" and c["stage"] == 1 for c in found), decisions
+    assert_everyone_names_where(decisions)
+
+
+def test_200_healthy_steps_have_no_straggler_finding(tmp_path):
+    decisions, trainer = run(tmp_path, 200, *LAYOUT, *synthetic(5, 10))
+    assert not [d for d in decisions if d["rule"] in ("straggler", "collective-latency-regression")], decisions
+    # Replay every rank's summaries through the sidecar's tracker: every instance is matched (all
+    # four ranks report here), and no window holds a finding as large as the rule's line for as
+    # many steps as it needs. Shorter or smaller ones (a core taken by another process for a few
+    # steps) are printed, not failed: on a loaded 2-core machine they are the machine's.
+    rule = default_rules().rule("straggler")
+    tracker = TransferTracker()
+    rows = sorted(read_jsonl(trainer.log_dir / "summaries.jsonl"), key=lambda s: (s["step"], s["rank"]))
+    assert len(rows) == 4 * 200
+    run_length, transient = 0, []
+    for s in rows:
+        tracker.add(StepSummary.model_validate(s))
+        if s["rank"] == 3:
+            findings = tracker.findings()
+            transient += [(s["step"], f.key, round(f.ratio, 3)) for f in findings]
+            run_length = run_length + 1 if any(f.ratio > rule.above for f in findings) else 0
+            assert run_length < rule.for_steps, (s["step"], findings)
+    assert tracker.pending == {}
+    print(f"transient attributions in 200 healthy steps: {len(transient)} {transient[:10]}")

@@ -1,0 +1,104 @@
+"""Straggler attribution on constructed figures (parwatch/guardrails/attribution.py), and the
+evidence that names where a performance rule failed (parwatch/guardrails/checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from parwatch.guardrails.attribution import Finding, PathFigures, RankFigures, attribute
+from parwatch.guardrails.checks import RuleMonitor, series_labels, where
+from parwatch.guardrails.rules import Rule
+
+STEP = 0.5
+# tp=2, pp=2 on one host: ranks 0,1 are stage 0; 2,3 stage 1; stage 0 fetches inputs, stage 1 targets.
+LINKS = [(0, 2), (2, 0), (1, 3), (3, 1)]
+
+
+def ranks(compute=None, data=None, hosts=None) -> list[RankFigures]:
+    compute, data, hosts = compute or {}, data or {}, hosts or {}
+    return [RankFigures(r, r // 2, hosts.get(r, "h0"), compute.get(r, 0.30), data.get(r, 0.004), STEP)
+            for r in range(4)]
+
+
+def paths(link=None, group=None) -> list[PathFigures]:
+    link, group = link or {}, group or {}
+    out = [PathFigures("link", "pp", pair, link.get(pair, 0.001)) for pair in LINKS]
+    out += [PathFigures("group", "tp", members, group.get(members, 0.004)) for members in ((0, 1), (2, 3))]
+    return out
+
+
+def causes(findings: list[Finding]) -> list[tuple]:
+    return [(f.cause, f.where) for f in findings]
+
+
+def test_a_healthy_window_has_no_finding():
+    assert attribute(ranks(), paths()) == []
+    # jitter well under the floors is not a straggler either
+    assert attribute(ranks(compute={1: 0.301}), paths(link={(0, 2): 0.0025})) == []
+
+
+def test_slow_compute_names_the_stage_and_its_ranks():
+    (f,) = attribute(ranks(compute={2: 0.40, 3: 0.40}), paths())
+    assert (f.cause, f.where) == ("slow-compute", {"stage": 1, "ranks": [2, 3]})
+    assert f.excess_seconds == pytest.approx(0.10) and f.ratio == pytest.approx(0.2)
+    assert f.key == "cause=slow-compute,stage=1,ranks=2+3"
+
+
+def test_a_compute_straggler_is_not_blamed_on_its_links():
+    # Its neighbours' p2p transfers may look a little longer (shared cores); waiting is excluded
+    # from transfer, and links touching the slow stage are explained by it.
+    found = attribute(ranks(compute={2: 0.40, 3: 0.40}), paths(link={(0, 2): 0.02, (2, 0): 0.02}))
+    assert causes(found) == [("slow-compute", {"stage": 1, "ranks": [2, 3]})]
+
+
+def test_slow_data_names_the_rank():
+    (f,) = attribute(ranks(data={0: 0.040}), paths())
+    assert (f.cause, f.where) == ("slow-data", {"rank": 0, "stage": 0, "host": "h0"})
+    assert f.excess_seconds == pytest.approx(0.036)
+
+
+def test_a_slow_link_with_normal_compute():
+    (f,) = attribute(ranks(), paths(link={(0, 2): 0.081}))
+    assert (f.cause, f.where) == ("slow-link", {"src": 0, "dst": 2, "group": "pp"})
+    assert f.excess_seconds == pytest.approx(0.080)
+    (g,) = attribute(ranks(), paths(group={(2, 3): 0.05}))
+    assert (g.cause, g.where) == ("slow-link", {"group": "tp", "ranks": [2, 3]})
+
+
+def test_host_contention_needs_compute_and_transfer_slow_across_the_host():
+    # dp=2 over two hosts: ranks 0-3 on h0, 4-7 on h1 (stages 0,0,1,1 on each).
+    hosts = {r: "h0" if r < 4 else "h1" for r in range(8)}
+
+    def figures(compute):
+        return [RankFigures(r, (r // 2) % 2, hosts[r], compute.get(r, 0.30), 0.004, STEP) for r in range(8)]
+
+    def tp_groups(slow):
+        return [PathFigures("group", "tp", g, 0.010 if g in slow else 0.004)
+                for g in ((0, 1), (2, 3), (4, 5), (6, 7))]
+
+    slow_host = {r: 0.40 for r in range(4, 8)}
+    (f,) = attribute(figures(slow_host), tp_groups({(4, 5), (6, 7)}))
+    assert (f.cause, f.where) == ("host-contention", {"host": "h1"})
+    # compute slow on that host but its transfers normal: slow compute of those ranks (against
+    # their stage's other DP replica), not contention
+    found = attribute(figures(slow_host), tp_groups(set()))
+    assert causes(found) == [("slow-compute", {"stage": 0, "ranks": [4, 5]}),
+                             ("slow-compute", {"stage": 1, "ranks": [6, 7]})]
+    # one host alone cannot be contended against anything
+    assert all(f.cause != "host-contention" for f in attribute(ranks(compute={r: 0.4 for r in range(4)}), paths()))
+
+
+def test_series_keys_become_evidence_naming_where():
+    assert series_labels("cause=slow-link,src=0,dst=2,group=pp") == {"cause": "slow-link", "src": 0, "dst": 2,
+                                                                     "group": "pp"}
+    assert where("cause=slow-compute,stage=1,ranks=2+3") == {
+        "stage": 1, "culprit": {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]}}
+    assert where("") == {} and where(None) == {}
+
+
+def test_a_failing_skew_rule_names_the_stage_in_reason_and_evidence():
+    monitor = RuleMonitor(Rule(name="stage-skew", metric="pipeline_skew_ratio", above=1.25, for_steps=1))
+    assert monitor.observe(7, 0.0, {"stage=1": 1.6})
+    assert "stage=1" in monitor.reason
+    evidence = monitor.evidence(7)
+    assert evidence["stage"] == 1 and evidence["culprit"] == {"stage": 1}
