@@ -136,17 +136,19 @@ class OutcomeRecord(_Model):
     ranks: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=2**31)]
 
 
-InstanceRecord = tuple[Literal[COLLECTIVE_OPS], Label, Count, int, int, Count, Count]
+SignedCount = Annotated[int, BeforeValidator(_not_bool), Field(ge=-MAX_COUNT, le=MAX_COUNT)]
+InstanceRecord = tuple[Literal[COLLECTIVE_OPS], Literal[COLLECTIVE_GROUPS], Count, SignedCount, SignedCount, Count,
+                       Count]
 """[op, group, seq, peer, start_us, dur_us, bytes] (parwatch/collector/instances.py)."""
 
 
 class Instances(_Model):
     """One rank-step's collective/p2p instance records and data seconds (schema.py `instances`)."""
 
-    host: Annotated[str, Field(max_length=255)] = ""
-    data_seconds: NonNegFinite = 0.0
-    groups: dict[Label, Annotated[list[Count], Field(max_length=100_000)]] = Field(default_factory=dict,
-                                                                                   max_length=64)
+    host: Annotated[Text, Field(max_length=255)] = ""
+    data_seconds: Seconds = 0.0
+    groups: dict[Literal[COLLECTIVE_GROUPS], Annotated[list[Count], Field(max_length=100_000)]] = Field(
+        default_factory=dict, max_length=64)
     records: list[InstanceRecord] = Field(default_factory=list, max_length=20_000)
     capped: Count = 0
 
