@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interval_s: float) -> dict:
+def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interval_s: float, token: str) -> dict:
     import time
 
     from parwatch.collector.activity import ActivityReporter
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
         mode = "on" if block % 2 == 0 else "off"
         reporter = None
         if mode == "on":
-            reporter = ActivityReporter(ctx, hooks.registry, endpoint, interval_s=interval_s,
+            reporter = ActivityReporter(ctx, hooks.registry, endpoint, token=token, interval_s=interval_s,
                                         summary_fn=lambda: collector.last_summary).start()
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -71,7 +71,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="parwatch-activity-") as tmp:
         with running_sidecar(Path(tmp) / "state") as sidecar:
-            results = run_ranks(_rank, 2, sidecar.control_url, args.blocks, args.steps, args.interval, timeout=900)
+            results = run_ranks(_rank, 2, sidecar.control_url, args.blocks, args.steps, args.interval, sidecar.token,
+                                timeout=900)
     on = [t for r in results for t in r["on"][1:]]  # each block's first step pays thread start-up
     off = [t for r in results for t in r["off"][1:]]
     out = {"step_seconds_median_on": statistics.median(on), "step_seconds_median_off": statistics.median(off),

@@ -49,13 +49,13 @@ PER_NODE = 8
 # ----------------------------------------------------------------------------- real runs
 
 def one_real_run(where: str, workdir: Path, timeout: float = 180.0) -> dict:
-    from tests.integration.e2e_util import decision_records, running_trainer, synthetic
+    from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args
 
     flags, nproc, rank, stage, kind = PLACES[where]
     state = workdir / "state"
     with running_sidecar(state) as sidecar:
         with running_trainer(sidecar.control_url, workdir / "run", 1000, *synthetic(2, 4), *flags,
-                             "--inject", f"hang:rank={rank},step=5,where={where}", nproc=nproc):
+                             *token_args(sidecar), "--inject", f"hang:rank={rank},step=5,where={where}", nproc=nproc):
             deadline = time.monotonic() + timeout
             found = []
             while not found and time.monotonic() < deadline:
@@ -98,13 +98,14 @@ def _row(rank: int, lay: Layout, step: int, kind: str, op=None, group=None, sinc
                          f"node{rank // PER_NODE}", (rank // tp) % pp, rank % tp, rank // (tp * pp), now))
 
 
-async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connections: int, hung: int) -> dict:
+async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connections: int, hung: int,
+                   token: str = "") -> dict:
     lay = _layout(ranks)
     nodes = ranks // PER_NODE
     host, port = control_url.removeprefix("http://").split(":")
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
-        pool.put_nowait(Connection(host, int(port)))
+        pool.put_nowait(Connection(host, int(port), token))
     latencies: list[float] = []
     t0 = time.time()
     hang_at = t0 + warmup
@@ -144,7 +145,7 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
     rss = []
 
     async def watch():
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"}) as client:
             while True:
                 await asyncio.sleep(0.25)
                 rss.append(rss_mb(pid))
@@ -210,7 +211,7 @@ def simulation(ranks: int, warmup: float, connections: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="parwatch-hang-sim-") as tmp:
         with running_sidecar(Path(tmp) / "state") as sidecar:
             return asyncio.run(simulate(sidecar.control_url, sidecar.pid, ranks, warmup, connections,
-                                        hung=ranks * 9 // 16 + 3))
+                                        hung=ranks * 9 // 16 + 3, token=sidecar.token))
 
 
 def main(argv=None) -> int:
