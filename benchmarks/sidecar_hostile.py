@@ -44,7 +44,7 @@ GOALS = {"healthz_p99_ms": 100.0, "rss_mb": 300.0}
 def minimal(rank: int, step: int, **kw) -> dict:
     """A valid summary without the optional blocks (GPU, collectives): the most summaries per body."""
     s = syn.summary(rank, step, gpu=False, **kw)
-    for key in ("collectives", "applied", "gpu", "checkpoints", "tp_rank", "dp_rank", "chunks", "other_seconds",
+    for key in ("collectives", "instances", "gpu", "checkpoints", "tp_rank", "dp_rank", "chunks", "other_seconds",
                 "memory_max_allocated_bytes", "nvml_up", "overhead_seconds", "dropped_total", "paused", "tokens"):
         s.pop(key, None)  # all optional
     return s

@@ -27,7 +27,7 @@ from parwatch.guardrails.rules import default_rules
 from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.process import running_sidecar
 from parwatch.sidecar.transfer import TransferTracker
-from tests.integration.e2e_util import decision_records, read_jsonl, run_trainer, synthetic
+from tests.integration.e2e_util import decision_records, read_jsonl, run_trainer, synthetic, token_args
 
 pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -38,7 +38,7 @@ PERFORMANCE_RULES = {"straggler", "collective-latency-regression", "stage-skew",
 
 def run(tmp_path: Path, steps: int, *args: str) -> tuple[list[dict], object]:
     with running_sidecar(tmp_path / "state") as sidecar:
-        trainer, _ = run_trainer(sidecar.control_url, tmp_path / "run", steps, *args, nproc=4)
+        trainer, _ = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *args, nproc=4)
     return decision_records(tmp_path / "state"), trainer
 
 

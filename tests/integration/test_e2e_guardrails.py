@@ -146,3 +146,7 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     # The guardrails did see the run: every rank's steps and rank 0's global views arrived.
     assert status["last_step"] == steps and {r["last_step"] for r in status["ranks"].values()} == {steps}
     assert len(excess) == steps - 1 and all(is_finite_loss(x) for x in summary["losses"])
+    # No hang, rank-gone or straggler finding either (the decision log above is empty), although the
+    # leader watched: live activity arrived from every rank and its hang check ran.
+    hang = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
+    assert hang["hang"] is None and hang["last_step"] >= steps - 5
