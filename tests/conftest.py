@@ -8,8 +8,12 @@
   Alertmanager, promtool, helm. Each skips with the reason when its tool is absent
   (.ci/run installs them all).
 - gpu: needs CUDA and NCCL; skipped without a GPU.
+- slow: heavier repeats of scenarios the default run already covers (a hang before a collective and
+  before a send, besides the one in compute; slow compute, besides the demo's straggler; a second
+  200-step healthy run). Left out of the default run, which CI runs within its 20-minute budget.
 
-Run one tier: `pytest -m dist`; everything: `pytest` (the README's command).
+Run one tier: `pytest -m dist`; the default run: `pytest` (the README's command); the slow repeats:
+`pytest -m slow`.
 """
 
 import os

@@ -52,6 +52,7 @@ def assert_everyone_names_where(decisions: list[dict]) -> None:
             assert "stage" in d["evidence"] or "culprit" in d["evidence"], d
 
 
+@pytest.mark.slow  # the demo's straggler below is slow compute too, and checked the same way
 def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_path):
     decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "straggler:stage=1,ms=20")
     found = culprits(decisions)
@@ -100,6 +101,7 @@ def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
     assert_everyone_names_where(decisions)
 
 
+@pytest.mark.slow  # test_e2e_guardrails.py's healthy run checks that no rule or finding fires
 def test_200_healthy_steps_have_no_straggler_finding(tmp_path):
     decisions, trainer = run(tmp_path, 200, *LAYOUT, *synthetic(5, 10))
     assert not [d for d in decisions if d["rule"] in ("straggler", "collective-latency-regression")], decisions

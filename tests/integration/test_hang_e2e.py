@@ -30,7 +30,8 @@ def _findings(state_dir, *rules):
     return [d for d in decision_records(state_dir) if d["rule"] in rules]
 
 
-@pytest.mark.parametrize("where", sorted(PLACES))
+@pytest.mark.parametrize("where", [pytest.param(w, marks=[] if w == "compute" else [pytest.mark.slow])
+                                   for w in sorted(PLACES)])
 def test_hang_is_named_within_the_bound(tmp_path, where):
     flags, rank, stage, kind = PLACES[where]
     nproc = 4 if "--tp" in flags else 2
