@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "inject":
             p.add_argument(flag, action="append", default=[], metavar="SPEC",
                            help="fault to inject, repeatable: straggler:stage=1,ms=30,from_step=3 | nan:step=5 | "
-                                "slow-collective:group=tp,ms=5 | crash:rank=2,step=7")
+                                "slow-collective:group=tp,ms=5 | crash:rank=2,step=7 | "
+                                "hang:rank=1,step=5[,where=compute|collective|send] | slow-link:src=0,dst=2,ms=30 | "
+                                "slow-data:rank=0,ms=15")
         elif isinstance(value, bool):
             p.add_argument(flag, action="store_true", help=docs.get(name))
         else:

@@ -134,7 +134,29 @@ def render_alert_rules(rules: RuleSet, runbook_base: str = DEFAULT_RUNBOOK,
             "runbook_url": f"{runbook_base}#{rule.name}",
         }
         alerts.append(alert)
+    alerts += finding_alerts(runbook_base)
     return {"groups": [{"name": GROUP_NAME, "rules": alerts}]}
+
+
+def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
+    """Pages for what the leader finds outside the rules file: a hung rank, a rank whose process ended.
+
+    They read recorded series (parwatch/recording.py), so their cost does not grow with ranks."""
+    found = [
+        ("ParwatchHang", rec.job("parwatch_hang_detected", "max"), "hang",
+         "a rank hangs: no step boundary past the hang bound",
+         "The leader sidecar names the culprit (rank, stage, host, what it is blocked in) and the ranks "
+         "waiting on it: parwatch status, parwatch decisions (rule hang)."),
+        ("ParwatchRankGone", rec.job("parwatch_rank_state_gone", "count"), "rank-gone",
+         "a rank's process ended",
+         "A trainer process is gone from its host (crash, OOM kill): parwatch decisions (rule rank-gone) "
+         "names it and the rank the others were waiting for."),
+    ]
+    return [{"alert": name, "expr": f"max {rec.by()} ({series}) > 0",
+             "labels": {"severity": "page", "parwatch_action": "alert", "rule": rule},
+             "annotations": {"summary": summary, "description": description,
+                             "runbook_url": f"{runbook_base}#hang"}}
+            for name, series, rule, summary, description in found]
 
 
 def render_alert_rules_yaml(rules: RuleSet, runbook_base: str = DEFAULT_RUNBOOK,

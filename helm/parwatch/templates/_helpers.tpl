@@ -85,3 +85,10 @@ http://127.0.0.1:{{ .Values.sidecar.controlPort }}
 {{- fail "set one of sidecar.rules.content and sidecar.rules.existingConfigMap, not both" }}
 {{- end }}
 {{- end }}
+
+{{/* Pod 0's stable DNS name, where the leader sidecar runs: Indexed Job pods are JOB-INDEX, JobSet pods
+JOBSET-node-0-INDEX, both under the headless Service. */}}
+{{- define "parwatch.leaderHost" -}}
+{{- $fullname := include "parwatch.fullname" . -}}
+{{- ternary (printf "%s-0.%s.%s.svc" $fullname $fullname .Release.Namespace) (printf "%s-node-0-0.%s.%s.svc" $fullname $fullname .Release.Namespace) (eq .Values.workload.kind "IndexedJob") -}}
+{{- end }}

@@ -18,6 +18,11 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
     - --state-dir={{ $s.stateDir.mountPath }}
     - --metrics-listen=0.0.0.0:{{ $s.metricsPort }}
     - --control-listen={{ ternary "0.0.0.0" "127.0.0.1" $s.exposeControl }}:{{ $s.controlPort }}
+    {{- if $s.exposeControl }}
+    # Every node's sidecar forwards its ranks' liveness and activity to the leader (pod 0) for hang
+    # detection; the leader itself sees rank 0 and forwards nothing.
+    - --leader-url=http://{{ include "parwatch.leaderHost" $ }}:{{ $s.controlPort }}
+    {{- end }}
     {{- range $s.extraArgs }}
     - {{ . | quote }}
     {{- end }}
