@@ -27,8 +27,10 @@ busbw or attribution figures.
 from __future__ import annotations
 
 import statistics
+import threading
 from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -119,7 +121,8 @@ class _OpTotals:
     __slots__ = ("buckets", "count", "seconds", "wait", "bytes", "recent")
 
     def __init__(self):
-        self.buckets = [0] * len(COLLECTIVE_BUCKETS)
+        self.buckets = [0] * (len(COLLECTIVE_BUCKETS) + 1)
+        """Instances per bucket (not cumulative: one increment per instance); the last is over every bound."""
         self.count, self.seconds, self.wait, self.bytes = 0, 0.0, 0.0, 0
         self.recent: deque = deque(maxlen=BUSBW_INSTANCES)
 
@@ -131,12 +134,13 @@ class TransferTracker:
                  window_steps: int = WINDOW_STEPS, thresholds: Thresholds = Thresholds()):
         self.horizon_steps, self.max_pending, self.window_steps = horizon_steps, max_pending, window_steps
         self.thresholds = thresholds
+        self._lock = threading.Lock()
         self._reset(None)
 
     def _reset(self, run_id) -> None:
         self.run_id = run_id
-        self.view = TransferView()
-        """The published figures for /metrics (replaced whole; see transfer_families)."""
+        self._view = TransferView()
+        self._stale_view = False
         self.pending: dict[tuple, Pending] = {}
         self.local_ranks: set[int] = set()
         self.newest_step = 0
@@ -156,11 +160,17 @@ class TransferTracker:
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
         """Take one new summary (a parwatch.sidecar.models.StepSummary); returns the instances it completed."""
+        with self._lock:  # a scrape on another thread may be building the view
+            return self._add(s)
+
+    def _add(self, s) -> list[Split]:
         if s.run_id != self.run_id:
             self._reset(s.run_id)
         inst = s.instances
         self.local_ranks.add(s.rank)
-        self.newest_step = max(self.newest_step, s.step)
+        new_step = s.step > self.newest_step
+        if new_step:
+            self.newest_step = s.step
         if inst is None:
             return []
         if s.step > WARMUP_STEPS:
@@ -191,39 +201,49 @@ class TransferTracker:
             if len(entry.got) == len(entry.members):
                 del self.pending[key]
                 done.append(self._finish(entry))
-        dropped = self._expire()
+        # Expiry scans every pending instance: once per new step, not once per summary (at 1024 ranks
+        # per sidecar the per-summary scan was a quarter of the sidecar's CPU, benchmarks/sidecar_load.py).
+        dropped = self._expire() if new_step else 0
         if done or dropped:
-            self._publish()
+            self._stale_view = True
         return done
 
-    def _publish(self) -> None:
+    @property
+    def view(self) -> TransferView:
+        """The figures /metrics shows, as one immutable value (see transfer_families). Rebuilt when
+        read after a change, not after every summary: a scrape every 15 s reads it, 1024 posts/s change it."""
+        if self._stale_view:
+            with self._lock:
+                self._stale_view = False
+                self._view = self._build_view()
+        return self._view
+
+    def _build_view(self) -> TransferView:
         hist, busbw, waits = [], [], []
         for key, tot in sorted(self.totals.items()):
             if tot.count:
-                hist.append((key, (tuple(tot.buckets), tot.count, tot.seconds)))
+                hist.append((key, (tuple(accumulate(tot.buckets[:-1])), tot.count, tot.seconds)))
                 moved, spent = sum(b for b, _ in tot.recent), sum(t for _, t in tot.recent)
                 if spent > 0:
                     busbw.append((key, moved / spent * busbw_factor(key[0], self.sizes.get(key, 2))))
             waits.append((key, tot.wait))
-        self.view = TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
-                                 tuple(sorted(self.straggler.items())), self.view.causes)
+        return TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
+                            tuple(sorted(self.straggler.items())), self._view.causes)
 
     def _finish(self, e: Pending) -> Split:
         transfer, waits, last = split_instance({r: m.seconds for r, m in e.got.items()})
         nbytes = max(m.bytes for m in e.got.values())
         split = Split(e.op, e.group, e.path, transfer, {r: (e.got[r].op, w) for r, w in waits.items()}, last, nbytes,
                       len(e.members))
-        tot = self.totals.setdefault((e.op, e.group), _OpTotals())
+        tot = self._totals(e.op, e.group)
         tot.count += 1
         tot.seconds += transfer
         tot.bytes += nbytes
         tot.recent.append((nbytes, transfer))
-        i = bisect_left(COLLECTIVE_BUCKETS, transfer)  # le semantics, as the duration histogram
-        for j in range(i, len(tot.buckets)):
-            tot.buckets[j] += 1
+        tot.buckets[bisect_left(COLLECTIVE_BUCKETS, transfer)] += 1  # le semantics, as the duration histogram
         self.sizes[(e.op, e.group)] = len(e.members)
         for rank, (op, wait) in split.waits.items():
-            self.totals.setdefault((op, e.group), _OpTotals()).wait += wait
+            self._totals(op, e.group).wait += wait
             self.straggler[rank] = self.straggler.get(rank, 0.0) + wait
         self._fresh.setdefault(path_key(e.path, e.op, e.group), []).append(transfer)
         step = e.first_step
@@ -237,6 +257,12 @@ class TransferTracker:
         acc[1] += transfer
         acc[2] += 1
         return split
+
+    def _totals(self, op: str, group: str) -> _OpTotals:
+        tot = self.totals.get((op, group))
+        if tot is None:
+            tot = self.totals[(op, group)] = _OpTotals()
+        return tot
 
     def _expire(self) -> int:
         limit = self.newest_step - self.horizon_steps
@@ -268,7 +294,7 @@ class TransferTracker:
             findings = self.findings()
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
             causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
-            self.view = self.view._replace(causes=causes)
+            self._view = self.view._replace(causes=causes)
         return out
 
     def findings(self) -> list[Finding]:
@@ -306,8 +332,8 @@ def _family(cls, name: str):
 def transfer_families(tracker: TransferTracker):
     """The /metrics families of the wait/transfer split (the sidecar's exporter yields these).
 
-    Reads only `tracker.view`, an immutable value replaced whole after each summary, so a scrape
-    from another thread or interleaved with ingests never sees half an update (as store.py)."""
+    Reads only `tracker.view`, an immutable value built whole between ingests, so a scrape
+    interleaved with ingests never sees half an update (as store.py)."""
     view = tracker.view
     hist = _family(HistogramMetricFamily, "parwatch_collective_transfer_seconds")
     wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
