@@ -34,6 +34,8 @@ _TEXT_SUFFIX = {"counter": "_total", "info": "_info"}
 
 def go_float(v) -> str:
     """prometheus_client.utils.floatToGoString, with the common cases first."""
+    if type(v) is int and -1_000_000 < v < 1_000_000:  # counts: Go writes 1e+06 from a million on
+        return f"{v}.0"
     d = float(v)
     if d != d:
         return "NaN"
