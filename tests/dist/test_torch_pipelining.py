@@ -21,6 +21,7 @@ import os
 import pytest
 
 from parwatch import pipeline_sim as ps
+from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark reads it here)
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
 
@@ -113,29 +114,6 @@ def action_seconds(run_dir: str, key) -> dict:
             acc[0] += span["end_s"] - span["start_s"]
             acc[1] += 1
     return {k: total / n for k, (total, n) in sums.items()}
-
-
-def replayed_steps(run_dir: str, order) -> dict:
-    """step -> (measured {rank: bubble}, the replay at the step's measured times, host {rank: s}, p2p_s),
-    for the steps >= 2 whose spans were kept (the previous boundary's end opens a step's period)."""
-    measured: dict = {}
-    with open(os.path.join(run_dir, "summaries.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            measured.setdefault(row["step"], {})[row["rank"]] = row["bubble_ratio"]
-    spans: dict = {}
-    with open(os.path.join(run_dir, "spans.jsonl")) as f:
-        for line in f:
-            span = json.loads(line)
-            spans.setdefault(span["step"], []).append(span)
-    out = {}
-    for step in sorted(spans):
-        opened = {s["rank"]: s["end_s"] for s in spans.get(step - 1, ()) if s["kind"] == "boundary"}
-        if step < 2 or set(opened) != set(order):
-            continue
-        durations, host, p2p = ps.timings_from_spans(order, spans[step], opened)
-        out[step] = (measured[step], ps.simulate(order, durations, p2p_s=p2p, host_s=host), host, p2p)
-    return out
 
 
 def order_of(schedule: str, p: int, m: int) -> dict:
