@@ -132,7 +132,7 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
 
 def fidelity() -> tuple[list, list]:
     from parwatch import pipeline_sim as ps
-    from tests.dist import test_torch_pipelining as t
+    from tests.dist import test_torch_pipelining as t  # replayed_steps: tests/bubble_replay.py
 
     rows, results = [], []
     with tempfile.TemporaryDirectory() as out:
