@@ -1,20 +1,24 @@
 """What the torch pipelining integration costs: median step time with it on over off, in one process.
 
-    python benchmarks/integration_overhead.py [--rounds 6 --steps 8] [--fidelity]
+    python benchmarks/integration_overhead.py [--pairs 40] [--fidelity]
 
 Two gloo ranks build one torch.distributed.pipelining schedule (examples/torch_pipelining.py's
-synthetic stages) and then alternate, between steps, blocks of `--steps` steps with the
-integration attached (PipelineWatch wrappers, a Collector on the registry, the step-boundary
-all-reduce after every step) and detached (the schedule exactly as torch ships it, no
-boundary). Block order alternates between rounds, so drift in the machine's load hits both;
-the first two steps of every block are dropped (the switch itself). Goal: on/off <= 1.01.
-Also reported: the step boundary's own cost (the least `step_done` time: the all-reduce when
-no rank waits for another's flush).
+synthetic stages) and then alternate step by step: one step with the integration attached
+(PipelineWatch wrappers, a Collector on the registry, the step-boundary all-reduce), one
+detached (the schedule exactly as torch ships it, no boundary), in pairs whose order flips
+every pair, so drift in the machine's load hits both. Attaching (and the run_start boundary that
+opens an attached step's period) happens between steps, outside the timing. The first pairs are
+warm-up and dropped. Goal: on/off <= 1.01 (median step time; a step's time is the slower rank's).
+
+Also per mode: the training thread's CPU time per step (time.thread_time: what the integration
+adds on the thread that drives the pipeline, unaffected by other processes' load) and, attached,
+the CPU of step_done alone (the boundary: packing, the all-reduce, the collector's summary).
+Wall-clock ratios need a quiet machine; the CPU figures do not.
 
 --fidelity adds the bubble table: every schedule class at 40/80 ms per virtual stage, each
-rank's measured bubble (median and least disturbed step) against the replay of the
-schedule's own action lists at the measured action times, and the closed form where there is
-one. Run it on a quiet machine: load only ever adds idle.
+rank's measured bubble per step against the replay of the schedule's own action lists at that
+step's measured action times, executor host time per action and p2p latency (the bar: 0.02),
+and against the replay at the run's mean action times alone (what a quiet machine approaches).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ WORKLOADS = {  # name -> example argv
     "interleaved1f1b p=2 m=8 v=2, 5/10 ms": ["--schedule", "interleaved1f1b", "--microbatches", "8",
                                              "--synthetic-ms", "5,10"],
 }
-DROP = 2  # steps dropped at the start of every block
+WARMUP = 3  # pairs dropped at the start
 
 
 def _example():
@@ -50,8 +54,8 @@ def _example():
     return module
 
 
-def alternate(rank: int, world: int, argv: list, rounds: int, steps: int, log_dir: str) -> dict:
-    """Every rank: one schedule, blocks of steps with the integration on and off."""
+def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str) -> dict:
+    """Every rank: one schedule, steps alternately with the integration on and off."""
     import torch.distributed as dist
 
     from parwatch.collector import Collector, attach, detach
@@ -61,63 +65,74 @@ def alternate(rank: int, world: int, argv: list, rounds: int, steps: int, log_di
     args = example.parse_args(argv)
     schedule, _, optimizer = example.build(args, rank, world)
     watch = PipelineWatch(schedule, run_id="overhead")
+    watch.detach()
     collector = Collector(watch.run_context(), log_path=os.path.join(log_dir, "summaries.jsonl"))
     times = {"on": [], "off": []}
-    boundary = []
+    cpu = {"on": [], "off": []}
+    boundary_cpu, boundary_wall = [], []
     step = 0
-    for r in range(rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+    for pair in range(pairs):
+        for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
             if mode == "on":
                 watch.attach()
                 attach(collector)
-                watch.start(step)
+                watch.start(step)  # opens the attached step's period (an all-reduce: the ranks line up)
             else:
+                dist.barrier()  # the ranks line up as the start boundary makes them do when attached
+            x, y = example.batch(args, step + 1)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            optimizer.zero_grad()
+            schedule.step(x, target=y)
+            if mode == "on":
+                watch.optimizer_step(optimizer)
+                c1, t1 = time.thread_time(), time.perf_counter()
+                step = watch.step_done()
+            else:
+                optimizer.step()
+                step += 1
+            c2, t2 = time.thread_time(), time.perf_counter()
+            if pair >= WARMUP:
+                times[mode].append(t2 - t0)
+                cpu[mode].append(c2 - c0)
+                if mode == "on":
+                    boundary_cpu.append(c2 - c1)
+                    boundary_wall.append(t2 - t1)
+            if mode == "on":
                 watch.detach()
                 detach(collector)
-            for i in range(steps):
-                x, y = example.batch(args, step + 1)
-                t0 = time.perf_counter()
-                optimizer.zero_grad()
-                schedule.step(x, target=y)
-                if mode == "on":
-                    watch.optimizer_step(optimizer)
-                    t1 = time.perf_counter()
-                    step = watch.step_done()
-                    if i >= DROP:
-                        boundary.append(time.perf_counter() - t1)
-                else:
-                    optimizer.step()
-                    step += 1
-                if i >= DROP:
-                    times[mode].append(time.perf_counter() - t0)
-        dist.barrier()
     watch.close()
     collector.close()
-    return {"times": times, "boundary": boundary}
+    return {"times": times, "cpu": cpu, "boundary_cpu": boundary_cpu, "boundary_wall": boundary_wall}
 
 
-def overhead(rounds: int, steps: int, only: str = "") -> tuple[list, list]:
+def overhead(pairs: int, only: str = "") -> tuple[list, list]:
     rows, results = [], []
     for name, argv in WORKLOADS.items():
         if only not in name:
             continue
         with tempfile.TemporaryDirectory() as log_dir:
-            per_rank = run_ranks(alternate, 2, argv, rounds, steps, log_dir, timeout=600)
+            per_rank = run_ranks(alternate, 2, argv, pairs, log_dir, timeout=600)
         # A step's time is the slower rank's: the pipeline waits for it anyway.
         on = statistics.median(max(ts) for ts in zip(*(r["times"]["on"] for r in per_rank)))
         off = statistics.median(max(ts) for ts in zip(*(r["times"]["off"] for r in per_rank)))
+        cpu_on = max(statistics.median(r["cpu"]["on"]) for r in per_rank)
+        cpu_off = max(statistics.median(r["cpu"]["off"]) for r in per_rank)
+        bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
         # step_done's time includes waiting for the other rank's flush; its least is the all-reduce's own.
-        bnd = min(b for r in per_rank for b in r["boundary"])
-        rows.append([name, off, on, on / off, bnd])
+        bnd = min(b for r in per_rank for b in r["boundary_wall"])
+        rows.append([name, off, on, on / off, cpu_off * 1e6, cpu_on * 1e6, (cpu_on - cpu_off) * 1e6,
+                     bnd_cpu * 1e6, bnd])
         results.append({"workload": name, "median_step_off_s": off, "median_step_on_s": on, "ratio": on / off,
-                        "least_step_done_s": bnd, "steps_per_mode": len(per_rank[0]["times"]["on"])})
+                        "thread_cpu_per_step_off_us": cpu_off * 1e6, "thread_cpu_per_step_on_us": cpu_on * 1e6,
+                        "step_done_thread_cpu_us": bnd_cpu * 1e6, "least_step_done_s": bnd,
+                        "steps_per_mode": len(per_rank[0]["times"]["on"])})
         print(f"{name}: done", flush=True)
     return rows, results
 
 
 def fidelity() -> tuple[list, list]:
     from parwatch import pipeline_sim as ps
-    from tests.dist import test_torch_pipelining as t
+    from tests.dist import test_torch_pipelining as t  # replayed_steps: tests/bubble_replay.py
 
     rows, results = [], []
     with tempfile.TemporaryDirectory() as out:
@@ -125,40 +140,43 @@ def fidelity() -> tuple[list, list]:
         run_ranks(t.runs_body, t.P, runs, out, timeout=600)
         for schedule in t.SCHEDULES:
             run_dir = os.path.join(out, schedule)
-            median = t.measured_bubble(run_dir, statistics.median)
-            least = t.measured_bubble(run_dir, min)
+            order = t.order_of(schedule, t.P, t.M)
+            steps = t.replayed_steps(run_dir, order)
             times = t.action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
-            replay = ps.simulate(t.order_of(schedule, t.P, t.M), times).bubble
+            mean_replay = ps.simulate(order, times).bubble
             v = 1 if schedule in ("gpipe", "1f1b") else 2
             formula = ps.theory(t.CLOSED_FORM[schedule], t.P, t.M, v) if schedule in t.CLOSED_FORM else None
             for rank in range(t.P):
-                rows.append([schedule, rank, median[rank], least[rank], replay[rank],
-                             median[rank] - replay[rank], "-" if formula is None else formula])
-                results.append({"schedule": schedule, "rank": rank, "measured_median": median[rank],
-                                "measured_least_disturbed": least[rank], "replayed": replay[rank],
-                                "formula": formula})
+                deviations = [measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values()]
+                plain = [measured[rank] - mean_replay[rank] for measured, _, _, _ in steps.values()]
+                host = statistics.median(h[rank] for _, _, h, _ in steps.values())
+                rows.append([schedule, rank, min(deviations), statistics.median(deviations), max(deviations),
+                             statistics.median(plain), host * 1e3, "-" if formula is None else formula])
+                results.append({"schedule": schedule, "rank": rank, "deviation_per_step": deviations,
+                                "deviation_from_mean_time_replay_per_step": plain,
+                                "host_s_per_action_median": host, "formula": formula})
     return rows, results
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=8, help="steps per block (the first 2 are dropped)")
+    ap.add_argument("--pairs", type=int, default=40, help=f"on/off step pairs (the first {WARMUP} are dropped)")
     ap.add_argument("--only", default="", help="run the workloads whose name contains this")
     ap.add_argument("--fidelity", action="store_true", help="also the bubble-vs-replay table (every class)")
     ap.add_argument("--out", default="benchmarks/results/integration_overhead.json")
     a = ap.parse_args()
-    if a.steps <= DROP:
-        ap.error(f"--steps must be > {DROP} (the first {DROP} of every block are dropped)")
-    rows, results = overhead(a.rounds, a.steps, a.only)
+    if a.pairs <= WARMUP:
+        ap.error(f"--pairs must be > {WARMUP} (the first {WARMUP} are dropped)")
+    rows, results = overhead(a.pairs, a.only)
     print()
-    print_table(["workload", "median step off (s)", "on (s)", "on/off", "boundary all-reduce (s, least)"], rows)
-    payload = {"rounds": a.rounds, "steps_per_block": a.steps, "dropped_per_block": DROP, "results": results}
+    print_table(["workload", "median step off (s)", "on (s)", "on/off", "thread CPU/step off (us)", "on (us)",
+                 "added (us)", "step_done CPU (us)", "boundary all-reduce (s, least)"], rows)
+    payload = {"pairs": a.pairs, "warmup_pairs": WARMUP, "results": results}
     if a.fidelity:
         frows, fresults = fidelity()
         print()
-        print_table(["schedule", "rank", "bubble (median)", "(least disturbed)", "replayed", "median - replayed",
-                     "formula"], frows)
+        print_table(["schedule", "rank", "measured - replay: least", "median", "most",
+                     "median - mean-time replay (no host, no p2p)", "host ms/action", "formula"], frows)
         payload["fidelity"] = fresults
     write_json(a.out, payload)
     return 0

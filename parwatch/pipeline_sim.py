@@ -7,7 +7,10 @@ order, one action at a time, and an action starts once its dependencies have fin
     B/I(s, mb)  after F(s, mb) and after B/I(s+1, mb)  (the gradient from the next stage)
     W(s, mb)    after I(s, mb)
 
-A dependency produced on another rank also waits `p2p_s` (the send's latency). Which rank
+A dependency produced on another rank also waits `p2p_s` (the send's latency). `host_s`
+is the executor's own host work before each action (posting sends and receives, its
+bookkeeping): the rank spends it, then waits for the action's dependencies; it is idle, not
+busy, as it is in the collector's accounting. Which rank
 holds a virtual stage is read from the order itself, so interleaved (stage s on rank s % p)
 and V layouts (stages r and 2p-1-r on rank r) need no extra argument.
 
@@ -30,6 +33,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Mapping
+
+from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
 
 F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backward weight
 COMPUTE_TYPES = (F, B, I, W)
@@ -124,15 +129,15 @@ def _type_name(kind) -> str:
 
 # ---------------------------------------------------------------------- durations
 def _duration_fn(durations: Mapping):
-    """Seconds of an action: durations[(stage, type)], else durations[type].
+    """Seconds of an action: durations[action], else durations[(stage, type)], else durations[type].
 
     B defaults to I + W when both are known, so one table serves fused and split schedules."""
     if not isinstance(durations, Mapping):
-        raise ValueError("durations must map a type ('F', 'B', 'I', 'W') or (stage, type) to seconds")
+        raise ValueError("durations must map a type ('F', 'B', 'I', 'W'), (stage, type) or an Action to seconds")
     for key, value in durations.items():
-        kind = key[1] if isinstance(key, tuple) else key
+        kind = key.type if isinstance(key, Action) else key[1] if isinstance(key, tuple) else key
         if kind not in COMPUTE_TYPES or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"durations[{key!r}] = {value!r}: keys are F/B/I/W or (stage, F/B/I/W), "
+            raise ValueError(f"durations[{key!r}] = {value!r}: keys are F/B/I/W, (stage, F/B/I/W) or an Action, "
                              "values seconds >= 0")
 
     def lookup(stage: int, kind: str) -> float | None:
@@ -140,6 +145,9 @@ def _duration_fn(durations: Mapping):
         return durations.get(kind) if value is None else value
 
     def duration(action: Action) -> float:
+        value = durations.get(action)
+        if value is not None:
+            return float(value)
         value = lookup(action.stage, action.type)
         if value is None and action.type == B:
             i, w = lookup(action.stage, I), lookup(action.stage, W)
@@ -166,15 +174,20 @@ def _dependencies(action: Action, stages: Mapping[tuple[int, int], str], n_stage
     return [Action(s, I, mb)]  # W
 
 
-def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0) -> SimResult:
+def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0,
+             host_s: float | Mapping[int, float] = 0.0) -> SimResult:
     """Replay `order` (see the module docstring) with `durations` in seconds.
 
-    durations: {"F": s, "B": s} for uniform stages, or {(stage, "F"): s, ...} per virtual stage
-    (a (stage, type) entry wins over a type entry); B defaults to I + W.
-    p2p_s: latency added to a dependency produced on another rank."""
+    durations: {"F": s, "B": s} for uniform stages, {(stage, "F"): s, ...} per virtual stage, or
+    {Action: s} per action (an Action entry wins over (stage, type), which wins over a type
+    entry); B defaults to I + W.
+    p2p_s: latency added to a dependency produced on another rank.
+    host_s: the executor's host seconds before each action, one figure or {rank: seconds}
+    (missing ranks: 0). Every rank starts at 0; the makespan runs from 0 to the last end."""
     if p2p_s < 0:
         raise ValueError(f"p2p_s={p2p_s} must be >= 0")
     blocks = _groups(order)
+    host = _host_fn(host_s, blocks)
     ranks = {r: [a for g in groups for a in g] for r, groups in blocks.items()}
     rank_of = {a.stage: r for r, actions in ranks.items() for a in actions}
     n_stages = max(rank_of, default=-1) + 1
@@ -202,7 +215,7 @@ def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0) -> SimResul
                                      "the order is incomplete")
                 if any(d not in finish for d in deps):
                     break
-                t = free[rank]
+                t = free[rank] + host(rank)  # the block's host work first, then its dependencies
                 for action in group:
                     ready = t
                     for dep in _dependencies(action, bwd_type, n_stages):
@@ -225,12 +238,23 @@ def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0) -> SimResul
             raise ValueError(f"the order deadlocks: every rank waits ({', '.join(blocked)} are next)")
     if not finish:
         return SimResult(0.0, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {})
-    t0 = min(s for s, _ in finish.values())
-    makespan = max(e for _, e in finish.values()) - t0
+    # From 0, not the first start: with host work the first action starts late, and that wait is idle.
+    makespan = max(e for _, e in finish.values())
     busy = {r: sum(finish[a][1] - finish[a][0] for a in acts) for r, acts in ranks.items()}
     idle = {r: makespan - busy[r] for r in ranks}
     bubble = {r: (idle[r] / makespan if makespan > 0 else 0.0) for r in ranks}
     return SimResult(makespan, busy, idle, bubble, finish)
+
+
+def _host_fn(host_s, blocks: Mapping[int, list]):
+    if isinstance(host_s, Mapping):
+        for rank, value in host_s.items():
+            if rank not in blocks or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"host_s[{rank!r}] = {value!r}: keys are ranks of the order, values seconds >= 0")
+        return lambda rank: float(host_s.get(rank, 0.0))
+    if not isinstance(host_s, (int, float)) or host_s < 0:
+        raise ValueError(f"host_s={host_s!r} must be seconds >= 0 or {{rank: seconds}}")
+    return lambda rank: float(host_s)
 
 
 # ----------------------------------------------------------------------- theory
@@ -364,6 +388,89 @@ def single_stage_order(schedule_name: str, p: int, m: int) -> dict[int, list[Act
         else:
             raise ValueError(f"single_stage_order: schedule {schedule_name!r} must be gpipe or 1f1b")
     return order
+
+
+_SPAN_TYPES = {SpanKind.FORWARD: F, SpanKind.BACKWARD: B, SpanKind.BACKWARD_INPUT: I, SpanKind.BACKWARD_WEIGHT: W}
+# Not the executor's host work: compute (loss included), waiting on a neighbour's data (idle the
+# schedule explains) and work that is not the pipeline's (optimizer, gradient sync, data, checkpoint).
+_NOT_HOST_KINDS = COMPUTE_KINDS | OTHER_KINDS | {SpanKind.RECV}
+
+
+def timings_from_spans(order: Mapping, spans, period_start: Mapping[int, float]) -> tuple[dict, dict, float]:
+    """One measured step as `simulate` inputs: `(durations {Action: s}, host_s {rank: s}, p2p_s)`.
+
+    spans: the step's span records of every rank, as the collector writes them to spans.jsonl
+        (rank, kind, start_s, end_s, attrs with microbatch and vstage, or chunk: the rank's
+        chunk-th virtual stage of `order`), on one clock.
+    period_start: {rank: where the step's period began (the previous boundary's end)}.
+    A loss span is added to its stage's forward (torch computes the loss right after it).
+    Host seconds: what each rank spent, from its period start to its last compute span,
+    neither computing nor blocked in a receive nor in other work (optimizer, gradient sync,
+    data, checkpoint), spread over its executor's blocks: the runtime's own cost per action.
+    p2p_s: the median, over the receives that waited for their data, of the wait's end minus
+    the end of the action that produced the data on the other rank (posting the send, the
+    transfer, waking the receiver); 0 when no receive waited."""
+    blocks = _groups(order)
+    stages = stages_of(order)
+    by_rank: dict[int, list] = {}
+    for span in spans:
+        by_rank.setdefault(span["rank"], []).append(span)
+    durations: dict[Action, float] = {}
+    host: dict[int, float] = {}
+    for rank, group in blocks.items():
+        if rank not in period_start:
+            raise ValueError(f"period_start lacks rank {rank}: give every rank's step start")
+        records = sorted(by_rank.get(rank, []), key=lambda r: r["start_s"])
+        busy = [r for r in records if r["kind"] in COMPUTE_KINDS]
+        if not busy:
+            raise ValueError(f"rank {rank} has no compute spans in this step")
+        start, end = period_start[rank], max(r["end_s"] for r in busy)
+        for r in busy:
+            attrs = r["attrs"]
+            vstage = attrs["vstage"] if "vstage" in attrs else stages[rank][attrs["chunk"]]
+            action = Action(vstage, _SPAN_TYPES.get(r["kind"], F), attrs["microbatch"])  # loss: F
+            durations[action] = durations.get(action, 0.0) + (r["end_s"] - r["start_s"])
+        not_host = [(r["start_s"], r["end_s"]) for r in records if r["kind"] in _NOT_HOST_KINDS]
+        host[rank] = max(0.0, (end - start) - _covered(not_host, start, end)) / len(group)
+    missing = sorted({str(a) for g in blocks.values() for b in g for a in b} - {str(a) for a in durations})
+    if missing:
+        raise ValueError(f"no span for actions {', '.join(missing[:5])}: the spans do not cover the order")
+    return durations, host, _p2p_latency(order, spans, stages)
+
+
+def _p2p_latency(order: Mapping, spans, stages: Mapping[int, list]) -> float:
+    ends: dict = {}  # (stage, "F" | "B", microbatch) -> end of the compute span producing that output
+    for r in spans:
+        if r["kind"] in _SPAN_TYPES and _SPAN_TYPES[r["kind"]] != W:
+            attrs = r["attrs"]
+            vstage = attrs["vstage"] if "vstage" in attrs else stages[r["rank"]][attrs["chunk"]]
+            ends[(vstage, F if r["kind"] == SpanKind.FORWARD else B, attrs["microbatch"])] = r["end_s"]
+    latencies = []
+    for r in spans:
+        if r["kind"] != SpanKind.RECV or r["attrs"].get("what") not in ("activation", "grad"):
+            continue
+        attrs = r["attrs"]
+        vstage = attrs["vstage"] if "vstage" in attrs else stages[r["rank"]][attrs["chunk"]]
+        key = (vstage - 1, F, attrs["microbatch"]) if attrs["what"] == "activation" else \
+            (vstage + 1, B, attrs["microbatch"])
+        produced = ends.get(key)
+        if produced is not None and r["start_s"] < produced:  # it waited: its end is the data's arrival
+            latencies.append(max(0.0, r["end_s"] - produced))
+    if not latencies:
+        return 0.0
+    latencies.sort()
+    return latencies[len(latencies) // 2]
+
+
+def _covered(intervals, lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] inside the union of `intervals`."""
+    total, reach = 0.0, lo
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, hi)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
 
 
 def stages_of(order: Mapping) -> dict[int, list[int]]:

@@ -5,9 +5,9 @@ stage sleeps F ms forward and B ms backward per microbatch) with the integration
 collector attached, writing summaries.jsonl and spans.jsonl as any user's run would. One
 spawn of 2 ranks runs every class in turn, so the grid costs one process start.
 
-- bubble: each rank's measured bubble (its least disturbed measured step) against the replay of
-  the schedule's own action lists at the F/B/I/W times its spans measured, and, for the
-  classes with a closed form, the replay at uniform times against the formula;
+- bubble: each step's measured bubble on each rank against the replay of the schedule's own
+  action lists at that step's measured action times and the executor's measured host time per
+  action, and, for the classes with a closed form, the replay at uniform times against the formula;
 - numerics: losses with the integration attached are bitwise those without it;
 - causes: a slow stage shows as imbalance, a delayed send as wait (pipeline_sim.bubble_causes).
 """
@@ -21,6 +21,7 @@ import os
 import pytest
 
 from parwatch import pipeline_sim as ps
+from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark reads it here)
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
 
@@ -30,16 +31,15 @@ P, M, STEPS = 2, 4, 5
 MS = "40,80"  # per virtual stage, as tests/dist/test_bubble_fidelity.py's 40/80 ms benchmark
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev")
 CLOSED_FORM = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved", "loopedbfs": "interleaved"}
-# Measured against replayed bubble. The replay knows neither the gloo point-to-point latency,
-# nor the host's work between actions, nor the boundary all-reduce: real idle, the "wait" of
-# bubble_causes. The issue's bar is 0.02, for a quiet machine (benchmarks/
-# integration_overhead.py --fidelity prints the table to check it). On this 2-core machine
-# with other suites running (load 6-13), the least disturbed step of each run sat 0.01-0.045
-# above the replay (1f1b < 0.015; gpipe, zbv, dualpipev 0.02-0.03; interleaved1f1b 0.025-0.033;
-# interleavedzb 0.033-0.037; loopedbfs 0.033-0.044), the host gaps between the multi-stage
-# runtime's actions growing to 13-60 ms a step. Hence 0.05 here, as test_bubble_fidelity's
-# FORMULA_TOLERANCE for the same reason.
-TOLERANCE = 0.05
+# Measured against replayed bubble, the issue's bar. What the replay is given is measured, per
+# step: each action's time (its span), the executor's host time per action on each rank (torch's
+# runtime posting sends and receives and doing its bookkeeping between actions, and the step's
+# start before the first one: 10-120 ms a step on this 2-core machine under load, idle as
+# DESIGN.md defines it, and 0.02-0.05 of bubble above a replay without it), and the point-to-point
+# latency (a wait's end after its data's producer ended). Left out: the step's tail (the boundary
+# all-reduce) and a late wake-up off the median, which only add idle; so the least disturbed step
+# of each rank is the one held to the bar.
+TOLERANCE = 0.02
 TYPES = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
 
@@ -143,20 +143,26 @@ def grid(tmp_path_factory):
 def test_bubble_matches_the_replayed_schedule(grid, schedule):
     out, _ = grid
     run_dir = os.path.join(out, schedule)
-    measured = measured_bubble(run_dir)
-    times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
-    replay = ps.simulate(order_of(schedule, P, M), times)
-    assert set(measured) == set(range(P))
+    order = order_of(schedule, P, M)
+    steps = replayed_steps(run_dir, order)
+    assert len(steps) == STEPS - 1
+    print(f"\n{schedule}: measured - replayed bubble per step (host ms per action; p2p ms)")
+    for step, (measured, replay, host, p2p) in steps.items():
+        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
+                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
     for rank in range(P):
-        assert measured[rank] == pytest.approx(replay.bubble[rank], abs=TOLERANCE), (
-            f"{schedule} rank {rank}: measured {measured[rank]:.4f}, replayed {replay.bubble[rank]:.4f}")
+        deviation = min(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
+        assert abs(deviation) <= TOLERANCE, f"{schedule} rank {rank}: least disturbed step {deviation:+.4f} off the replay"
     if schedule in CLOSED_FORM:
-        # At the stages' mean times the replay is the formula, and the synthetic stages are
-        # near-uniform, so the formula holds for the measurement too (same tolerance).
+        # The theory is the formula: the replay at the stages' mean times is exactly it, and the
+        # synthetic stages are near-uniform, so at their measured times (no host time) it holds too.
         v = 1 if schedule in ("gpipe", "1f1b") else 2
         formula = ps.theory(CLOSED_FORM[schedule], P, M, v)
-        for rank in range(P):
-            assert measured[rank] == pytest.approx(formula, abs=TOLERANCE)
+        times = action_seconds(run_dir, lambda span, kind: kind)
+        assert ps.simulate(order, times).bubble == pytest.approx({r: formula for r in range(P)}, abs=1e-9)
+        times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
+        for rank, bubble in ps.simulate(order, times).bubble.items():
+            assert bubble == pytest.approx(formula, abs=TOLERANCE)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -106,6 +106,61 @@ def test_p2p_latency_adds_idle():
     assert all(with_p2p.busy[r] == pytest.approx(base.busy[r]) for r in (0, 1))
 
 
+def test_host_time_is_idle_before_each_action():
+    """The executor's host work delays each action on its rank and reads as idle, not busy."""
+    order = ps.single_stage_order("gpipe", 2, 2)
+    base = ps.simulate(order, {"F": 0.04, "B": 0.08})
+    hosted = ps.simulate(order, {"F": 0.04, "B": 0.08}, host_s={0: 0.001, 1: 0.002})
+    assert hosted.busy == pytest.approx(base.busy)
+    # rank 0: 1 ms before each of its 4 actions; rank 1's first F also waits for rank 0's first
+    assert hosted.finish[ps.Action(0, "F", 0)] == pytest.approx((0.001, 0.041))
+    assert hosted.finish[ps.Action(1, "F", 0)] == pytest.approx((0.041, 0.081))
+    assert hosted.makespan > base.makespan and all(hosted.bubble[r] > base.bubble[r] for r in (0, 1))
+    assert ps.simulate(order, {"F": 0.04, "B": 0.08}, host_s=0.001).finish[ps.Action(0, "F", 1)][0] == \
+        pytest.approx(0.042)  # one figure for every rank
+    with pytest.raises(ValueError, match=r"host_s\[5\]"):
+        ps.simulate(order, {"F": 1}, host_s={5: 0.1})
+    with pytest.raises(ValueError, match="host_s=-1"):
+        ps.simulate(order, {"F": 1}, host_s=-1)
+
+
+def test_per_action_durations_win():
+    order = {0: ["0F0", "0F1"]}
+    result = ps.simulate(order, {"F": 1.0, ps.Action(0, "F", 1): 3.0})
+    assert result.makespan == pytest.approx(4.0)
+
+
+def _record(rank, kind, start, end, **attrs):
+    return {"rank": rank, "kind": kind, "start_s": start, "end_s": end, "attrs": attrs}
+
+
+def test_timings_from_spans_separate_host_from_waiting():
+    """Per-action times from the spans; host time = the period up to the last compute span,
+    less compute, receive waits and other work, per executor block."""
+    order = {0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}
+    spans = [
+        _record(0, "data", 10.0, 10.5, microbatch=0, chunk=0),        # other work: not host
+        _record(0, "forward", 11.0, 12.0, microbatch=0, chunk=0),     # 0.5 s host before it
+        _record(0, "recv", 12.5, 16.0, microbatch=0, chunk=0, what="grad"),  # waiting: not host
+        _record(0, "backward", 16.5, 18.5, microbatch=0, chunk=0),    # 1.0 s host before it in all
+        _record(0, "optimizer", 18.5, 19.0),                           # after the last compute span
+        _record(1, "recv", 10.0, 12.25, microbatch=0, vstage=1, what="activation"),  # 0.25 s after 0F0
+        _record(1, "recv", 10.0, 12.2, microbatch=0, vstage=1, what="activation"),  # (a second rank's, say)
+        _record(1, "forward", 12.25, 13.0, microbatch=0, vstage=1),
+        _record(1, "loss", 13.0, 13.5, microbatch=0, vstage=1),       # added to the forward
+        _record(1, "backward", 13.5, 15.5, microbatch=0, vstage=1),
+    ]
+    durations, host, p2p = ps.timings_from_spans(order, spans, {0: 10.0, 1: 10.0})
+    assert durations == pytest.approx({ps.Action(0, "F", 0): 1.0, ps.Action(0, "B", 0): 2.0,
+                                       ps.Action(1, "F", 0): 1.25, ps.Action(1, "B", 0): 2.0})
+    assert host == pytest.approx({0: 1.5 / 2, 1: 0.0})
+    assert p2p == pytest.approx(0.25)  # the median of 0.25, 0.2 (activations), 0.5 (1B0 ends at 15.5, its grad at 16)
+    with pytest.raises(ValueError, match="no span for actions 1B0"):
+        ps.timings_from_spans(order, spans[:-1], {0: 10.0, 1: 10.0})
+    with pytest.raises(ValueError, match="period_start lacks rank 1"):
+        ps.timings_from_spans(order, spans, {0: 10.0})
+
+
 def test_accepted_action_forms_agree():
     as_strings = {0: ["0F0", "0B0"], 1: ["1F0", None, "1B0"]}
     as_tuples = {0: [(0, "F", 0), (0, "B", 0)], 1: [(1, "F", 0), (1, "B", 0)]}
