@@ -111,6 +111,7 @@ class ActivityHub:
 
     async def tick(self) -> list[dict]:
         self._feed_liveness()
+        self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
             self.is_leader = True
         if self.is_leader and not self.sidecar.transfer.leading:

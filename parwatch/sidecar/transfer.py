@@ -349,6 +349,11 @@ class TransferTracker:
         acc[2] += 1
         return split
 
+    def tick(self) -> None:
+        """Once a second (the activity loop): expire by time even when no summary arrives any more."""
+        if self._expire():
+            self._publish()
+
     def _expire(self, force: bool = False) -> int:
         """Drop what waited too long: by steps, or at the leader by time when a member is remote.
         Scans once per new step or per second (not per summary): the leader may hold many."""
