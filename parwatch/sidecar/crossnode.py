@@ -12,9 +12,9 @@ oldest of them to --leader-url:
                                       "got": [[rank, op, dur_us, bytes], ...]}, ...],
                        "ranks": [[rank, step, stage, host, compute_s, data_s, step_s], ...]}
 
-at most MAX_FORWARD_HALVES instances and MAX_FORWARD_RANK_ROWS rank rows a post (models.py);
-the rest wait in the node's bounded outbox. The rank rows let the leader's straggler attribution
-see every rank, not only its own node's. Durations only: no clock needs to agree across nodes.
+at most MAX_FORWARD_HALVES instances, MAX_FORWARD_MEMBERS members listed in all, and
+MAX_FORWARD_RANK_ROWS rank rows a post (models.py); the rest wait in the node's bounded outbox.
+The rank rows let the leader's straggler attribution see every rank, not only its own node's. Durations only: no clock needs to agree across nodes.
 
 The leader validates the body like any other (token, body size, bounds: 422 naming the field,
 and every rank inside the run's world), ignores another run's, and merges the members into its
@@ -37,6 +37,9 @@ from parwatch.sidecar.transfer import Member, Pending, TransferTracker
 
 log = logging.getLogger(__name__)
 FORWARD_VERSION = 1
+MAX_FORWARD_MEMBERS = 200_000
+"""Members listed in one post, over all its instances (~1.5 MB of JSON, under the 8 MiB default body
+limit): a node in wide DP groups sends fewer instances a post rather than one refused with 413."""
 
 
 def to_wire(entries: list[Pending], rows: list[tuple], node: str, run_id: str) -> dict:
@@ -94,7 +97,7 @@ class Forwarder:
         t = self.tracker
         if t.leading or t.run_id is None:
             return 0
-        entries, rows = t.take_outbox(MAX_FORWARD_HALVES)
+        entries, rows = t.take_outbox(MAX_FORWARD_HALVES, MAX_FORWARD_MEMBERS)
         if not entries and not rows:
             return 0
         body = to_wire(entries, rows, self.node, t.run_id)

@@ -263,11 +263,15 @@ class TransferTracker:
         for key in remote:
             self._outbox_entry(self.pending.pop(key))
 
-    def take_outbox(self, limit: int) -> tuple[list[Pending], list[tuple]]:
-        """Up to `limit` of the oldest instances for the leader, and every rank row held."""
+    def take_outbox(self, limit: int, max_members: int | None = None) -> tuple[list[Pending], list[tuple]]:
+        """Up to `limit` of the oldest instances for the leader (and members listed in all, so a post of
+        wide DP groups stays small), and every rank row held."""
         self.set_aside()
-        out = []
+        out, listed = [], 0
         for key in list(self.outbox)[:limit]:
+            listed += len(self.outbox[key].members)
+            if out and max_members is not None and listed > max_members:
+                break
             out.append(self.outbox.pop(key))
         rows = list(self.outbox_ranks)
         self.outbox_ranks.clear()

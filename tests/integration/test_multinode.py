@@ -60,7 +60,8 @@ class Node:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(sidecar_command(
                 "--state-dir", str(self.state_dir), "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
-                "--control-listen", f"127.0.0.1:{self.control_port}", *self.args), stdout=log, stderr=subprocess.STDOUT, env=env)
+                "--control-listen", f"127.0.0.1:{self.control_port}", *self.args),
+                stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_healthy(f"{self.control_url}/healthz", self.proc, 60)
         return self
 
@@ -237,6 +238,7 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
         # Only those are missing whose node-1 record was in a summary dropped while its sidecar was down
         # in (c) (the ranks' JSONL has every summary; dropped_total counts the lost posts), or still held
         # by node 1's sidecar when it was killed (it forwards once a second).
+        started = time.monotonic()
         total, lost_at_most = cross_node_instances(tmp_path, killed_at)
         pp = ("send", "pp")
 
@@ -253,7 +255,7 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
                    "wait_s": leader.samples("parwatch_collective_wait_seconds_total"),
                    "busbw": leader.samples("parwatch_collective_busbw_bytes_per_second").get(pp),
                    "straggler_s": leader.samples("parwatch_rank_straggler_seconds_total")}
-        print("cross-node figures:", figures)
+        print(f"cross-node figures ({time.monotonic() - started:.1f} s to gather):", figures)
         assert total >= 16 * 90, figures  # 16 a step: m=4 each way, 2 stage pairs
         assert total - lost_at_most <= figures["matched"] <= total, figures
         assert figures["matched"] >= 16 * 10, figures  # at least the steps before (c) (how many after, load decides)

@@ -128,6 +128,12 @@ def test_the_forwarding_side_is_bounded_and_counts_what_it_could_not_send():
     unmatched = samples(families(node)["parwatch_collective_unmatched"], "_total")
     assert unmatched == {(("group", "pp"), ("op", "send"), ("reason", "unsent")): 3}
 
+    wide = TransferTracker(clock=Clock())
+    wide.forwarding = True
+    group = {"dp": list(range(2, 1000))}  # a DP group of 998 ranks, only rank 2 here
+    wide.add(summary(2, 1, [["all_reduce", "dp", seq, -1, 0, 10, 8] for seq in (1, 2, 3)], group, dp=500))
+    assert len(wide.take_outbox(100, max_members=2000)[0]) == 2  # a third would list 2,994 members
+
     class Down:
         async def post(self, url, content, headers):
             raise ConnectionError("leader restarting")
