@@ -253,7 +253,27 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         return JSONResponse(jsonable(hub.status()))
 
     app.include_router(router)
+    fast_posts = getattr(app, "fast_posts", None)  # app.ControlApp: the hot posts skip the framework
+    if fast_posts is not None:
+        fast_posts["/v1/activity"] = _json_post(hub.activity)
+        fast_posts["/v1/digest"] = _json_post(hub.digest)
     return hub
+
+
+def _json_post(handle):
+    """A ControlApp fast-post handler answering as the routes above: 400 naming the problem."""
+
+    async def run(raw: bytes):
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            return 400, {"detail": f"body is not valid JSON: {err}"}
+        try:
+            return 200, handle(body)
+        except BadActivity as err:
+            return 400, {"detail": str(err)}
+
+    return run
 
 
 async def _loop(hub: ActivityHub) -> None:

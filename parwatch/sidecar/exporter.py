@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from parwatch import __version__
 from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.sidecar.exposition import go_float
 from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import transfer_families
@@ -126,18 +128,22 @@ class SidecarCollector(Collector):
         """Per-rank families, their samples generated lazily: an encoder that pauses between
         samples (exposition.encode_async) never holds the event loop for a whole family."""
         st = self.store
-        up = _g("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", ["rank"])
-        for rank, is_up in st.liveness().items():
-            up.add_metric([str(rank)], 1.0 if is_up else 0.0)
-        yield up
+        up = [(str(rank), 1.0 if is_up else 0.0) for rank, is_up in st.liveness().items()]
+        yield RankFamily("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", "gauge",
+                         lambda: (Sample("parwatch_rank_up", {"rank": r}, v) for r, v in up),
+                         lambda: (f'parwatch_rank_up{{rank="{r}"}} {v!r}\n' for r, v in up))
         records = st.visible()
-        for name, typ, doc, labels_of, value_of in PER_RANK:
-            yield _lazy(name, doc, typ, _rank_samples(name + _SUFFIX[typ], records, labels_of, value_of))
-        yield _lazy("parwatch_step_duration_seconds", "Step period, boundary to boundary", "histogram",
-                    _step_histograms(records))
+        for name, typ, doc, (labels_of, label_text), value_of in PER_RANK:
+            sample = name + _SUFFIX[typ]
+            yield RankFamily(name, doc, typ,
+                             partial(_rank_samples, sample, records, labels_of, value_of),
+                             partial(_rank_lines, sample, records, label_text, value_of))
+        yield RankFamily("parwatch_step_duration_seconds", "Step period, boundary to boundary", "histogram",
+                         partial(_step_histograms, records), partial(_step_histogram_lines, records))
         for field_name, suffix, doc in GPU_GAUGES:
             name = f"parwatch_gpu_{suffix}"
-            yield _lazy(name, doc, "gauge", _gpu_samples(name, records, field_name))
+            yield RankFamily(name, doc, "gauge", partial(_gpu_samples, name, records, field_name),
+                             partial(_gpu_lines, name, records, field_name))
         theory = _g("parwatch_stage_bubble_theoretical_ratio", "The schedule's bubble, (p-1)/(v*m+p-1)", ["stage"])
         by_stage = {rec.summary.stage: rec.summary.bubble_theoretical_ratio for rec in records}
         for stage, ratio in sorted(by_stage.items()):
@@ -181,8 +187,22 @@ def _rank_labels(rec) -> dict:
     return {"rank": str(rec.summary.rank)}
 
 
+def _rank_text(rec) -> str:
+    return f'rank="{rec.summary.rank}"'
+
+
 def _rank_stage_labels(rec) -> dict:
     return {"rank": str(rec.summary.rank), "stage": str(rec.summary.stage)}
+
+
+def _rank_stage_text(rec) -> str:
+    """_rank_stage_labels as exposition text (labels sorted by name; digits need no escaping)."""
+    s = rec.summary
+    return f'rank="{s.rank}",stage="{s.stage}"'
+
+
+RANK = (_rank_labels, _rank_text)
+RANK_STAGE = (_rank_stage_labels, _rank_stage_text)
 
 
 def _overhead_ratio(rec):
@@ -193,27 +213,41 @@ def _overhead_ratio(rec):
 # (family name, type, help, labels, value of a rank record or None to leave the rank out)
 PER_RANK = (
     ("parwatch_model_flops_utilization_ratio", "gauge", "Model FLOPs utilisation (device peak known or configured)",
-     _rank_labels, lambda rec: rec.summary.model_flops_utilization_ratio),
+     RANK, lambda rec: rec.summary.model_flops_utilization_ratio),
     ("parwatch_torch_memory_max_allocated_bytes", "gauge", "Peak torch allocated memory in the step",
-     _rank_stage_labels, lambda rec: rec.summary.memory_max_allocated_bytes),
+     RANK_STAGE, lambda rec: rec.summary.memory_max_allocated_bytes),
     ("parwatch_stage_compute_seconds", "counter", "Forward + backward seconds",
-     _rank_stage_labels, lambda rec: rec.totals.compute_total),
+     RANK_STAGE, lambda rec: rec.totals.compute_total),
     ("parwatch_stage_idle_seconds", "counter", "Seconds waiting on neighbours and the flush (bubble)",
-     _rank_stage_labels, lambda rec: rec.totals.idle_total),
+     RANK_STAGE, lambda rec: rec.totals.idle_total),
     ("parwatch_stage_bubble_ratio", "gauge", "idle / (step - other) in the newest step",
-     _rank_stage_labels, lambda rec: rec.summary.bubble_ratio),
-    ("parwatch_nvml_up", "gauge", "1 when NVML answered for this rank", _rank_labels, lambda rec: rec.summary.nvml_up),
+     RANK_STAGE, lambda rec: rec.summary.bubble_ratio),
+    ("parwatch_nvml_up", "gauge", "1 when NVML answered for this rank", RANK, lambda rec: rec.summary.nvml_up),
     ("parwatch_collector_overhead_ratio", "gauge", "Share of the step the collector spent on the training thread",
-     _rank_labels, _overhead_ratio),
+     RANK, _overhead_ratio),
     ("parwatch_collector_dropped_summaries", "counter", "Summaries the rank's shipper dropped",
-     _rank_labels, lambda rec: rec.summary.dropped_total),
+     RANK, lambda rec: rec.summary.dropped_total),
 )
 
 
-def _lazy(name: str, doc: str, typ: str, samples) -> Metric:
-    family = Metric(name, doc, typ)
-    family.samples = samples  # a generator: encoders iterate it once
-    return family
+class RankFamily(Metric):
+    """A family with one or more samples per rank, generated only when encoded, in two forms:
+    `samples` (prometheus_client's encoders iterate it) and `text_lines()`, the same lines as
+    exposition text written straight from the records (exposition.py's encoders use it: building a
+    Sample and sorting its label dict per line was most of a 1024-rank scrape)."""
+
+    def __init__(self, name: str, doc: str, typ: str, samples, text_lines):
+        super().__init__(name, doc, typ)
+        self._samples = samples
+        self.text_lines = text_lines
+
+    @property
+    def samples(self):
+        return self._samples()
+
+    @samples.setter
+    def samples(self, value):  # Metric.__init__ sets an empty list
+        pass
 
 
 def _rank_samples(sample_name, records, labels_of, value_of):
@@ -223,11 +257,27 @@ def _rank_samples(sample_name, records, labels_of, value_of):
             yield Sample(sample_name, labels_of(rec), value)
 
 
+def _rank_lines(sample_name, records, label_text, value_of):
+    for rec in records:
+        value = value_of(rec)
+        if value is not None:
+            yield f"{sample_name}{{{label_text(rec)}}} {go_float(value)}\n"
+
+
 def _gpu_samples(sample_name, records, field_name):
     for rec in records:
         gpu = rec.summary.gpu
         if gpu is not None and getattr(gpu, field_name) is not None:
             yield Sample(sample_name, {"rank": str(rec.summary.rank), "gpu": str(gpu.index)}, getattr(gpu, field_name))
+
+
+def _gpu_lines(sample_name, records, field_name):
+    for rec in records:
+        gpu = rec.summary.gpu
+        if gpu is not None:
+            value = getattr(gpu, field_name)
+            if value is not None:
+                yield f'{sample_name}{{gpu="{gpu.index}",rank="{rec.summary.rank}"}} {go_float(value)}\n'
 
 
 def _step_histograms(records):
@@ -240,6 +290,18 @@ def _step_histograms(records):
         yield Sample(name + "_bucket", {**labels, "le": "+Inf"}, t.step_count)
         yield Sample(name + "_count", labels, t.step_count)
         yield Sample(name + "_sum", labels, t.step_sum)
+
+
+def _step_histogram_lines(records):
+    name = "parwatch_step_duration_seconds"
+    heads = [f'{name}_bucket{{le="{le}",' for le in (*_STEP_LE, "+Inf")]  # "le" sorts before "rank"
+    for rec in records:
+        t = rec.totals
+        labels = _rank_stage_text(rec)
+        for head, n in zip(heads, (*t.step_buckets, t.step_count)):
+            yield f"{head}{labels}}} {go_float(n)}\n"
+        yield f"{name}_count{{{labels}}} {go_float(t.step_count)}\n"
+        yield f"{name}_sum{{{labels}}} {go_float(t.step_sum)}\n"
 
 
 def _latest_loss(store: Store) -> float | None:

@@ -19,10 +19,10 @@ Where an instance is matched: on the node, when its members all report to this s
 groups are on one node by construction; p2p pairs with both ends on this node). One with a
 member on another node (cross-node p2p, DP groups across nodes) is matched at the run's leader
 (the sidecar that receives rank 0's summaries):
-- a node sidecar with --leader-url (`forwarding`) puts its halves of such instances, and any
-  local instance still incomplete after `horizon_steps`, in a bounded outbox that its activity
-  loop posts to the leader once a second (parwatch/sidecar/crossnode.py), with its ranks'
-  attribution figures; outbox overflow and failed posts count as reason="unsent";
+- a node sidecar with --leader-url (`forwarding`) sets its halves of such instances aside, once
+  a second, in a bounded outbox that its activity loop posts to the leader
+  (parwatch/sidecar/crossnode.py), with its ranks' attribution figures; outbox overflow and
+  failed posts count as reason="unsent";
 - the leader (`leading`) merges forwarded halves with its own by the same key and finishes them
   exactly as local ones; an instance with a member on another node waits there up to
   `remote_seconds` (the forward path is about a second), then counts as reason="remote".
@@ -36,9 +36,11 @@ at exactly one sidecar, so summing a series over sidecars counts each instance o
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -141,7 +143,8 @@ class _OpTotals:
     __slots__ = ("buckets", "count", "seconds", "wait", "bytes", "recent")
 
     def __init__(self):
-        self.buckets = [0] * len(COLLECTIVE_BUCKETS)
+        self.buckets = [0] * (len(COLLECTIVE_BUCKETS) + 1)
+        """Instances per bucket (not cumulative: one increment per instance); the last is over every bound."""
         self.count, self.seconds, self.wait, self.bytes = 0, 0.0, 0.0, 0
         self.recent: deque = deque(maxlen=BUSBW_INSTANCES)
 
@@ -157,12 +160,13 @@ class TransferTracker:
         self.remote_seconds, self.max_outbox, self.clock = remote_seconds, max_outbox, clock
         self.forwarding = False
         """This node hands instances with a remote member to the leader (set when --leader-url is)."""
+        self._lock = threading.Lock()
         self._reset(None)
 
     def _reset(self, run_id) -> None:
         self.run_id = run_id
-        self.view = TransferView()
-        """The published figures for /metrics (replaced whole; see transfer_families)."""
+        self._view = TransferView()
+        self._stale_view = False
         self.pending: dict[tuple, Pending] = {}
         self.outbox: dict[tuple, Pending] = {}
         """Forwarding node: instances for the leader, oldest first (crossnode.py posts them)."""
@@ -170,7 +174,6 @@ class TransferTracker:
         """Forwarding node: (rank, step, stage, host, compute, data, step seconds) rows for the leader."""
         self.leading = False
         """This sidecar receives rank 0's summaries: it matches what the nodes forward."""
-        self._last_expiry = (0, 0.0)  # (newest step, clock) of the last expiry scan
         self.local_ranks: set[int] = set()
         self.newest_step = 0
         self.totals: dict[tuple[str, str], _OpTotals] = {}
@@ -189,13 +192,19 @@ class TransferTracker:
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
         """Take one new summary (a parwatch.sidecar.models.StepSummary); returns the instances it completed."""
+        with self._lock:  # a scrape on another thread may be building the view
+            return self._add(s)
+
+    def _add(self, s) -> list[Split]:
         if s.run_id != self.run_id:
             self._reset(s.run_id)
         inst = s.instances
         self.local_ranks.add(s.rank)
         if s.rank == 0 and not self.leading:
-            self.lead()
-        self.newest_step = max(self.newest_step, s.step)
+            self._lead()
+        new_step = s.step > self.newest_step
+        if new_step:
+            self.newest_step = s.step
         if inst is None:
             return []
         if s.step > WARMUP_STEPS:
@@ -229,9 +238,11 @@ class TransferTracker:
             if len(entry.got) == len(entry.members) and self.pending.get(key) is entry:
                 del self.pending[key]
                 done.append(self._finish(entry))
-        dropped = self._expire()
+        # Expiry scans every pending instance: once per new step, not once per summary (at 1024 ranks
+        # per sidecar the per-summary scan was a quarter of the sidecar's CPU, benchmarks/sidecar_load.py).
+        dropped = self._expire() if new_step else 0
         if done or dropped:
-            self._publish()
+            self._stale_view = True
         return done
 
     def _pending_entry(self, entry: Pending) -> Pending:
@@ -247,14 +258,19 @@ class TransferTracker:
         return entry
 
     # -- across nodes (parwatch/sidecar/crossnode.py carries these) ------------------------------
+    # Public methods take the lock: a scrape on another thread may be building the view.
     def lead(self) -> None:
         """This sidecar is the run's leader: match forwarded halves; keep what it had set aside."""
+        with self._lock:
+            self._lead()
+
+    def _lead(self) -> None:
         self.leading = True
         held, self.outbox = list(self.outbox.values()), {}
         self.outbox_ranks.clear()
-        self.merge(held, [])
+        self._merge(held, [])
 
-    def set_aside(self) -> None:
+    def _set_aside(self) -> None:
         """Forwarding node, once a tick: move pending instances with a member that does not report
         here to the outbox. Judged then, not on arrival: by then every local rank has reported (at
         start-up a TP peer's first summary may come a moment after its partner's)."""
@@ -266,7 +282,11 @@ class TransferTracker:
     def take_outbox(self, limit: int, max_members: int | None = None) -> tuple[list[Pending], list[tuple]]:
         """Up to `limit` of the oldest instances for the leader (and members listed in all, so a post of
         wide DP groups stays small), and every rank row held."""
-        self.set_aside()
+        with self._lock:
+            return self._take_outbox(limit, max_members)
+
+    def _take_outbox(self, limit: int, max_members: int | None) -> tuple[list[Pending], list[tuple]]:
+        self._set_aside()
         out, listed = [], 0
         for key in list(self.outbox)[:limit]:
             listed += len(self.outbox[key].members)
@@ -275,14 +295,15 @@ class TransferTracker:
             out.append(self.outbox.pop(key))
         rows = list(self.outbox_ranks)
         self.outbox_ranks.clear()
-        self._publish()  # set_aside may have counted overflow
+        self._stale_view = True  # set-aside overflow may have counted unsent
         return out, rows
 
     def count_unsent(self, entries) -> None:
         """Instances this node could not hand to the leader (outbox full, post failed)."""
-        for e in entries:
-            self._unsent(e)
-        self._publish()
+        with self._lock:
+            for e in entries:
+                self._unsent(e)
+            self._stale_view = True
 
     def _unsent(self, e: Pending) -> None:
         k = (e.op, e.group, "unsent")
@@ -291,6 +312,10 @@ class TransferTracker:
     def merge(self, entries, rank_rows) -> int:
         """At the leader: another node's halves (Pending, any `first_seen`) and its ranks' attribution
         rows ((rank, step, stage, host, compute, data, step seconds)). Returns the instances completed."""
+        with self._lock:
+            return self._merge(entries, rank_rows)
+
+    def _merge(self, entries, rank_rows) -> int:
         done, now = 0, self.clock()
         for e in entries:
             entry = self.pending.get(e.key)
@@ -305,38 +330,45 @@ class TransferTracker:
         for rank, *row in rank_rows:
             if rank not in self.local_ranks and row[0] > WARMUP_STEPS:
                 self._ranks.setdefault(rank, deque(maxlen=self.window_steps)).append(tuple(row))
-        self._expire(force=True)
-        self._publish()
+        self._stale_view = True
         return done
 
-    def _publish(self) -> None:
+    @property
+    def view(self) -> TransferView:
+        """The figures /metrics shows, as one immutable value (see transfer_families). Rebuilt when
+        read after a change, not after every summary: a scrape every 15 s reads it, 1024 posts/s change it."""
+        if self._stale_view:
+            with self._lock:
+                self._stale_view = False
+                self._view = self._build_view()
+        return self._view
+
+    def _build_view(self) -> TransferView:
         hist, busbw, waits = [], [], []
         for key, tot in sorted(self.totals.items()):
             if tot.count:
-                hist.append((key, (tuple(tot.buckets), tot.count, tot.seconds)))
+                hist.append((key, (tuple(accumulate(tot.buckets[:-1])), tot.count, tot.seconds)))
                 moved, spent = sum(b for b, _ in tot.recent), sum(t for _, t in tot.recent)
                 if spent > 0:
                     busbw.append((key, moved / spent * busbw_factor(key[0], self.sizes.get(key, 2))))
             waits.append((key, tot.wait))
-        self.view = TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
-                                 tuple(sorted(self.straggler.items())), self.view.causes)
+        return TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
+                            tuple(sorted(self.straggler.items())), self._view.causes)
 
     def _finish(self, e: Pending) -> Split:
         transfer, waits, last = split_instance({r: m.seconds for r, m in e.got.items()})
         nbytes = max(m.bytes for m in e.got.values())
         split = Split(e.op, e.group, e.path, transfer, {r: (e.got[r].op, w) for r, w in waits.items()}, last, nbytes,
                       len(e.members))
-        tot = self.totals.setdefault((e.op, e.group), _OpTotals())
+        tot = self._totals(e.op, e.group)
         tot.count += 1
         tot.seconds += transfer
         tot.bytes += nbytes
         tot.recent.append((nbytes, transfer))
-        i = bisect_left(COLLECTIVE_BUCKETS, transfer)  # le semantics, as the duration histogram
-        for j in range(i, len(tot.buckets)):
-            tot.buckets[j] += 1
+        tot.buckets[bisect_left(COLLECTIVE_BUCKETS, transfer)] += 1  # le semantics, as the duration histogram
         self.sizes[(e.op, e.group)] = len(e.members)
         for rank, (op, wait) in split.waits.items():
-            self.totals.setdefault((op, e.group), _OpTotals()).wait += wait
+            self._totals(op, e.group).wait += wait
             self.straggler[rank] = self.straggler.get(rank, 0.0) + wait
         fresh = self._fresh.setdefault(path_key(e.path, e.op, e.group), [0.0, 0])
         fresh[0] += transfer  # a sum and a count: a node that never evaluates must not grow a list
@@ -353,19 +385,21 @@ class TransferTracker:
         acc[2] += 1
         return split
 
-    def tick(self) -> None:
-        """Once a second (the activity loop): expire by time even when no summary arrives any more."""
-        if self._expire():
-            self._publish()
+    def _totals(self, op: str, group: str) -> _OpTotals:
+        tot = self.totals.get((op, group))
+        if tot is None:
+            tot = self.totals[(op, group)] = _OpTotals()
+        return tot
 
-    def _expire(self, force: bool = False) -> int:
-        """Drop what waited too long: by steps, or at the leader by time when a member is remote.
-        Scans once per new step or per second (not per summary): the leader may hold many."""
+    def tick(self) -> None:
+        """Once a second (the activity loop): expire by time too, also once no summary arrives any more."""
+        with self._lock:
+            if self._expire():
+                self._stale_view = True
+
+    def _expire(self) -> int:
+        """Drop what waited too long: by steps, or at the leader by time when a member is remote."""
         now = self.clock()
-        step, then = self._last_expiry
-        if not force and self.newest_step == step and now - then < 1.0:
-            return 0
-        self._last_expiry = (self.newest_step, now)
         limit = self.newest_step - self.horizon_steps
         local, stale = self.local_ranks, []
         for k, e in self.pending.items():
@@ -404,7 +438,7 @@ class TransferTracker:
             findings = self.findings()
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
             causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
-            self.view = self.view._replace(causes=causes)
+            self._view = self.view._replace(causes=causes)
         return out
 
     def findings(self) -> list[Finding]:
@@ -442,8 +476,8 @@ def _family(cls, name: str):
 def transfer_families(tracker: TransferTracker):
     """The /metrics families of the wait/transfer split (the sidecar's exporter yields these).
 
-    Reads only `tracker.view`, an immutable value replaced whole after each summary, so a scrape
-    from another thread or interleaved with ingests never sees half an update (as store.py)."""
+    Reads only `tracker.view`, an immutable value built whole between ingests, so a scrape
+    interleaved with ingests never sees half an update (as store.py)."""
     view = tracker.view
     hist = _family(HistogramMetricFamily, "parwatch_collective_transfer_seconds")
     wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")

@@ -72,7 +72,7 @@ def _broken(change):
                                                        "step": 1, "ranks": 2}]}, "outcomes.0.outcome"),
         (_broken(lambda s: s.update({"global": {"step": 1, "loss": "nope"}})), "summaries.0.global.loss"),
         ({"version": 2, "summaries": []}, "version: Input should be 1"),
-        ({"version": 1, "summaries": "all of them"}, "summaries: Input should be a valid list"),
+        ({"version": 1, "summaries": "all of them"}, "summaries: Input should be a valid array"),
         ({"summaries": []}, "version: Field required"),
         # Numbers beyond what the metric can hold (issue 11): 422 naming the field, never stored.
         (_broken(lambda s: s.update(tokens=10**400)), "summaries.0.tokens: Input should be less than or equal"),

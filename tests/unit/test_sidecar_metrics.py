@@ -307,3 +307,11 @@ def test_the_bubble_causes_of_rank_0s_view_are_exported_per_stage(env):
     assert samples(fams["parwatch_stage_bubble_imbalance_ratio"]) == {(("stage", "0"),): 0.0,
                                                                       (("stage", "1"),): 0.05}
     assert samples(fams["parwatch_stage_bubble_wait_ratio"])[(("stage", "1"),)] == 0.01
+
+
+@pytest.mark.parametrize("value", [0, 1, -1, 999_999, 1_000_000, -999_999, -1_000_000, 123_456_789, 2**53, True,
+                                   0.5, 1e6, 1.5e7, 1e-9, float("nan"), float("inf"), float("-inf")])
+def test_sample_values_are_written_as_prometheus_client_writes_them(value):
+    from prometheus_client.utils import floatToGoString
+
+    assert exposition.go_float(value) == floatToGoString(value)
