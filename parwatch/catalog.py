@@ -76,6 +76,8 @@ METRICS: tuple[Metric, ...] = (
            "The run this sidecar watches"),
     Metric("parwatch_train_step", "gauge", (), "Newest optimizer step any rank reported"),
     Metric("parwatch_loss", "gauge", (), "Training loss of the newest step (NaN when non-finite)"),
+    Metric("parwatch_loss_nonfinite", "gauge", (),
+           "1 while the newest loss is NaN or infinite, else 0 (stores that drop NaN samples keep this)"),
     Metric("parwatch_tokens_total", "counter", (), "Tokens the run consumed (all DP replicas); rate() is tokens/s"),
     Metric("parwatch_model_flops_utilization_ratio", "gauge", _R, "Model FLOPs utilisation", "ratio"),
     Metric("parwatch_torch_memory_max_allocated_bytes", "gauge", _RS, "Peak torch allocated memory in the step",

@@ -184,7 +184,9 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
     return [
         # Run at a glance.
         stat("Step", [(rec.job("parwatch_train_step", "max"), "step")]),
-        stat("Loss", [(rec.job("parwatch_loss", "max"), "loss")], decimals=4),
+        stat("Loss", [(rec.job("parwatch_loss", "max"), "loss"),
+                      (rec.job("parwatch_loss_nonfinite", "max"), "non-finite")], decimals=4,
+             desc="non-finite is 1 while the newest loss is NaN or infinite (a store may drop NaN samples)"),
         stat("Tokens / s", [(rate("job", "parwatch_tokens_total"), "tokens/s")], unit="short",
              desc="max over sidecars, not sum: every sidecar exports the whole run's token count"),
         stat("Ranks up", [(rec.job("parwatch_rank_up", "sum"), "up"), (rec.job("parwatch_rank_up", "count"), "ranks")]),

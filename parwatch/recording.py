@@ -126,8 +126,10 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     for name in ("parwatch_train_step", "parwatch_loss", "parwatch_pipeline_skew_ratio", "parwatch_run_paused",
                  "parwatch_checkpoint_last_good_step", "parwatch_hang_detected"):
         add(job(name, "max"), f"max {by()} ({_m(name)})")
-    # Any non-finite loss makes the sum non-finite (max and min skip NaN): the finite check reads it.
+    # Any non-finite loss makes the sum non-finite (max and min skip NaN).
     add(job("parwatch_loss", "sum"), f"sum {by()} (parwatch_loss)")
+    # The nonfinite-loss alert reads this flag: a store that drops NaN samples (VictoriaMetrics) keeps it.
+    add(job("parwatch_loss_nonfinite", "max"), f"max {by()} ({_m('parwatch_loss_nonfinite')})")
     # Straggler attribution: each sidecar judges its own ranks; the run's figure is the worst.
     add(job("parwatch_straggler_ratio", "max"), f"max {by()} ({_m('parwatch_straggler_ratio')})")
     add(STRAGGLER_CAUSES, f"max {by('cause')} (parwatch_straggler_ratio)")

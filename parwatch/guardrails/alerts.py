@@ -45,8 +45,9 @@ METRIC_EXPRESSIONS = {
     "gpu_utilization_ratio": lambda reduce, w: rec.job("parwatch_gpu_utilization_ratio", reduce),
     "step_seconds": lambda reduce, w: rec.mean_name("stage", "parwatch_step_duration_seconds", w),
 }
-FINITE_SERIES = {"loss": rec.job("parwatch_loss", "sum")}
-"""A finite check reads a sum: one non-finite value anywhere makes it non-finite (max and min skip NaN)."""
+NONFINITE_FLAGS = {"loss": rec.job("parwatch_loss_nonfinite", "max")}
+"""A finite check on these reads the sidecars' 0/1 flag, not the value: VictoriaMetrics drops NaN
+samples at ingestion, so `x != x` never fires there (the flag's max is 1 when any value is non-finite)."""
 PROMQL_REDUCE = {"max": "max", "min": "min", "mean": "avg"}
 
 
@@ -81,7 +82,9 @@ def alert_expression(rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS,
     series = pick(reduce, rate_window)
     per_run = rec.by()  # one alert per run (scrape job), never one reduced over every run
     if rule.check == "finite":
-        series = FINITE_SERIES.get(rule.metric, series)
+        flag = NONFINITE_FLAGS.get(rule.metric)
+        if flag is not None:
+            return f"{flag} > 0"
         return f"({series}) != ({series}) or abs({series}) == +Inf"
     if rule.check == "threshold":
         op, line = (">", rule.above) if rule.above is not None else ("<", rule.below)

@@ -6,6 +6,7 @@ series of a rank that went away disappear by themselves once the store stops lis
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -98,9 +99,13 @@ class SidecarCollector(Collector):
         yield step
         loss = _g("parwatch_loss", "Training loss of the newest step (mean over DP replicas; NaN when non-finite)")
         value = _latest_loss(st)
+        nonfinite = _g("parwatch_loss_nonfinite", metric("parwatch_loss_nonfinite").help)
         if value is not None:
             loss.add_metric([], value)
+            # VictoriaMetrics drops NaN samples at ingestion: a NaN loss reaches it only as this flag.
+            nonfinite.add_metric([], 0.0 if math.isfinite(value) else 1.0)
         yield loss
+        yield nonfinite
         tokens = _c("parwatch_tokens", "Tokens the run consumed (all DP replicas); rate() is tokens/s")
         if head is not None:
             tokens.add_metric([], st.tokens_total)

@@ -49,8 +49,13 @@ if missing:
                 "victoria-metrics)", allow_module_level=True)
 
 
+FEED = {"loss": 2.0}
+"""The loss the feeding thread posts (the last test turns it to NaN)."""
+
+
 def post_step(control_url: str, step: int, headers: dict) -> None:
     summaries = [syn.summary(r, step, tp=TP, pp=PP, time=time.time(), checkpoints=[1] if step > 1 else [],
+                             loss=FEED["loss"],
                              compute_scale=0.5 if r == 3 else 1.0, global_stages=STAGES if r == 0 else None)
                  for r in range(TP * PP)]
     summaries[0]["model_flops_utilization_ratio"] = 0.41
@@ -256,3 +261,18 @@ def test_the_real_sidecar_stays_within_the_series_budget_per_rank(path):
                 per_rank[s.labels["rank"]] = per_rank.get(s.labels["rank"], 0) + 1
     assert sorted(per_rank) == [str(r) for r in range(TP * PP)]
     assert max(per_rank.values()) <= catalog.SERIES_BUDGET_PER_RANK, per_rank
+
+
+def test_a_nan_loss_pages_through_victoriametrics(vm):
+    """VictoriaMetrics drops NaN samples at ingestion, so the nonfinite-loss alert reads the sidecar's
+    0/1 flag: a NaN loss must make its expression fire on this path. Last in the module: it turns the
+    run's loss to NaN for good."""
+    nan_alert = next(a for a in ALERT_RULES if a["alert"] == "ParwatchNonfiniteLoss")
+    assert not query(vm, nan_alert["expr"])["data"]["result"]  # finite so far
+    FEED["loss"] = float("nan")
+    deadline = time.monotonic() + 30
+    while not query(vm, nan_alert["expr"])["data"]["result"]:
+        assert time.monotonic() < deadline, "a NaN loss did not reach the nonfinite-loss alert within 30 s"
+        time.sleep(0.5)
+    flag = query(vm, "job:parwatch_loss_nonfinite:max")["data"]["result"]
+    assert [float(r["value"][1]) for r in flag] == [1.0]
