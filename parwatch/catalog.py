@@ -16,7 +16,7 @@ from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 KINDS = ("gauge", "counter", "histogram", "info")
 BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action",
                             "reason", "cause"})
-"""reason: why a collective instance was not split (remote, incomplete); cause: a straggler's cause
+"""reason: why a collective instance was not split (remote, incomplete, unsent); cause: a straggler's cause
 (parwatch.guardrails.attribution.CAUSES, four values)."""
 RANK_STATES = {"running": 0, "hung": 1, "gone": 2}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
@@ -110,8 +110,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_collective_busbw_bytes_per_second", "gauge", _OG,
            "Bus bandwidth (nccl-tests definition) from transfer time only, waiting excluded", "bytes_per_second"),
     Metric("parwatch_collective_unmatched_total", "counter", ("op", "group", "reason"),
-           "Collective/p2p instances not split into wait and transfer: a member reports to another sidecar "
-           "(remote) or its record was lost (incomplete)"),
+           "Collective/p2p instances not split into wait and transfer: a member's record never reached the "
+           "sidecar that matches it (remote), was lost (incomplete), or could not be forwarded to the leader (unsent)"),
     Metric("parwatch_straggler_ratio", "gauge", ("cause",),
            "Share of the step the costliest straggler of each cause adds over its peers (0: none)", "ratio"),
     # GPUs.

@@ -262,8 +262,9 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
         timeseries("Collective instances not split (per second)",
                    [(rate("op_group_reason", "parwatch_collective_unmatched_total"),
                      "{{op}} {{group}} {{reason}}")],
-                   desc="remote: a member reports to another node's sidecar (cross-node p2p, DP); incomplete: a "
-                        "record was lost"),
+                   desc="remote: a member's record never reached the sidecar that matches it (the leader matches "
+                        "cross-node instances; a node without --leader-url cannot); incomplete: a record was lost; "
+                        "unsent: a node could not forward it to the leader"),
         timeseries("Ranks not running (1 hung, 2 gone)", [(rec.RANKS_NOT_RUNNING, "rank {{rank}}")],
                    desc="only ranks that are not running have a series here"),
         # GPUs.

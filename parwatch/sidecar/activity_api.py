@@ -7,7 +7,8 @@ a lifespan task for the loop, and the hang metrics to the sidecar's registry.
 Every second (`ActivityHub.tick`):
 - every sidecar feeds the rank-missing rule the ranks' liveness (summaries, and a pid that
   ended), so that rule fires on time even when no rank reports any more;
-- a sidecar that is not the leader forwards its node digest to --leader-url;
+- a sidecar that is not the leader forwards its node digest to --leader-url, then the collective
+  and p2p instances that span nodes, for the leader to match (parwatch/sidecar/crossnode.py);
 - the leader (it saw rank 0) runs the hang monitor over its own ranks and every digest.
 """
 
@@ -27,6 +28,7 @@ from pydantic_core import from_json
 
 from parwatch.catalog import RANK_STATES
 from parwatch.collector.activity import HANG_EXIT_CODE
+from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report
 from parwatch.sidecar.hang import HangMetrics, HangMonitor, HangSettings
@@ -60,6 +62,8 @@ class ActivityHub:
         self._http = http
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         self._forward_failed = False
+        self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
+            if self.leader_url else None
 
     # -- requests (event loop) --------------------------------------------------------------
     def activity(self, body) -> dict:
@@ -108,8 +112,11 @@ class ActivityHub:
 
     async def tick(self) -> list[dict]:
         self._feed_liveness()
+        self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
             self.is_leader = True
+        if self.is_leader and not self.sidecar.transfer.leading:
+            self.sidecar.transfer.lead()  # match what the nodes forward (it may have seen rank 0's activity first)
         if not self.is_leader:
             await self._forward()
             return []
@@ -153,14 +160,15 @@ class ActivityHub:
     async def _forward(self) -> None:
         if not self.leader_url:
             return
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=0.5), trust_env=False)
         body = self.book.digest(self.node)
         if body is None:
+            await self.forwarder.post(self._http)  # summaries may flow before any activity report
             return
         try:
-            if self._http is None:
-                import httpx
-
-                self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=0.5), trust_env=False)
             response = await self._http.post(self.leader_url + "/v1/digest", content=json.dumps(body),
                                              headers={**self._headers, "Content-Type": "application/json"})
             if response.status_code >= 400:
@@ -170,12 +178,13 @@ class ActivityHub:
             if not self._forward_failed:
                 log.warning("node digest to leader %s failing (%s); retrying every second", self.leader_url, exc)
             self._forward_failed = True
-            return
-        self._forward_failed = False
-        for pid in reply.get("signal") or ():
-            _signal(int(pid))
-        if reply.get("abort"):
-            self.abort = True
+        else:
+            self._forward_failed = False
+            for pid in reply.get("signal") or ():
+                _signal(int(pid))
+            if reply.get("abort"):
+                self.abort = True
+        await self.forwarder.post(self._http)
 
     async def close(self) -> None:
         if self._http is not None:
@@ -193,7 +202,7 @@ def _signal(pid: int) -> None:
 
 
 def install(app: FastAPI, sidecar) -> ActivityHub:
-    """Add /v1/activity, /v1/digest and /v1/hang to the control app, the loop, and the metrics."""
+    """Add /v1/activity, /v1/digest, /v1/instances and /v1/hang to the control app, the loop, and the metrics."""
     previous = getattr(sidecar, "activity", None)
     if previous is not None:  # a second app over the same sidecar (tests): one set of hang metrics
         sidecar.registry.unregister(previous.metrics)
@@ -235,6 +244,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
             return JSONResponse(hub.digest(await _json(request)))
         except BadActivity as err:
             raise HTTPException(400, str(err)) from None
+
+    crossnode.add_route(router, sidecar, auth)  # POST /v1/instances
 
     @router.get("/v1/hang", dependencies=auth)
     async def hang():

@@ -157,6 +157,54 @@ class Instances(_Model):
     capped: Count = 0
 
 
+MAX_FORWARD_HALVES = 2000
+"""Instances per cross-node post (a node posts once a second; ~150 bytes each as JSON)."""
+MAX_FORWARD_RANK_ROWS = 4096
+"""Rank attribution rows per cross-node post."""
+MAX_NODE_RANKS = 4096
+"""Members one node may report for one instance (a node runs a few to a few dozen ranks)."""
+ForwardedMember = tuple[Index, Literal[COLLECTIVE_OPS], Count, Count]
+"""[rank, op on that rank, duration microseconds, bytes]: one member's record of the instance."""
+ForwardedRankRow = tuple[Index, Count, Index, Annotated[Text, Field(max_length=255)], Seconds, Seconds, Seconds]
+"""[rank, step, stage, host, compute seconds, data seconds, step seconds]: attribution figures."""
+
+
+class ForwardedInstance(_Model):
+    """One node's members of a collective/p2p instance that spans nodes (sidecar/crossnode.py)."""
+
+    op: Literal[COLLECTIVE_OPS]
+    """The instance's op label: the collective's op, or "send" for a p2p transfer."""
+    group: Literal[COLLECTIVE_GROUPS]
+    seq: Count
+    link: Flag
+    """true: a p2p transfer, members = [src, dst]; false: a collective, members = its group's ranks."""
+    members: list[Index] = Field(min_length=2, max_length=100_000)
+    step: Count
+    """The step the node first saw it in."""
+    got: list[ForwardedMember] = Field(min_length=1, max_length=MAX_NODE_RANKS)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.link and len(self.members) != 2:
+            raise ValueError(f"a p2p instance (link: true) has members [src, dst]; got {len(self.members)} ranks")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError("members must be distinct ranks")
+        ranks = [m[0] for m in self.got]
+        if len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.members):
+            raise ValueError("got must hold distinct ranks, each one of members")
+        return self
+
+
+class InstancesForward(_Model):
+    """POST /v1/instances: a node sidecar hands the leader what only the leader can match."""
+
+    version: Literal[1]
+    node: Annotated[Text, Field(min_length=1, max_length=255)]
+    run_id: RunId
+    instances: list[ForwardedInstance] = Field(default_factory=list, max_length=MAX_FORWARD_HALVES)
+    ranks: list[ForwardedRankRow] = Field(default_factory=list, max_length=MAX_FORWARD_RANK_ROWS)
+
+
 class GlobalStage(_Model):
     stage: Index
     compute_seconds: Seconds

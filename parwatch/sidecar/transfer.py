@@ -15,19 +15,29 @@ recv's duration runs from its post to the data; the send's, from its post to its
 (stamped when it completes, trainer/comm.py), so the recv's wait is its wait for the peer's
 post and a slow link shows as a long transfer on both ends.
 
-What is matched here: instances whose members all report to this sidecar (TP groups are on
-one node by construction; p2p pairs with both ends on this node). Instances with a member that
-never reported here (cross-node p2p, DP groups across nodes) are dropped after
-`horizon_steps` and counted in parwatch_collective_unmatched_total{reason="remote"}; members
-that did report here but whose partner's summary was lost count as reason="incomplete". Their
-time stays in parwatch_collective_duration_seconds (waiting included); they get no transfer,
-busbw or attribution figures.
+Where an instance is matched: on the node, when its members all report to this sidecar (TP
+groups are on one node by construction; p2p pairs with both ends on this node). One with a
+member on another node (cross-node p2p, DP groups across nodes) is matched at the run's leader
+(the sidecar that receives rank 0's summaries):
+- a node sidecar with --leader-url (`forwarding`) sets its halves of such instances aside, once
+  a second, in a bounded outbox that its activity loop posts to the leader
+  (parwatch/sidecar/crossnode.py), with its ranks' attribution figures; outbox overflow and
+  failed posts count as reason="unsent";
+- the leader (`leading`) merges forwarded halves with its own by the same key and finishes them
+  exactly as local ones; an instance with a member on another node waits there up to
+  `remote_seconds` (the forward path is about a second), then counts as reason="remote".
+A sidecar that neither leads nor forwards drops instances with a remote member after
+`horizon_steps` (reason="remote"). Members that did report here but whose partner's record was
+lost count as reason="incomplete". Unmatched time stays in parwatch_collective_duration_seconds
+(waiting included), without transfer, busbw or attribution figures. Every instance is finished
+at exactly one sidecar, so summing a series over sidecars counts each instance once.
 """
 
 from __future__ import annotations
 
 import statistics
 import threading
+import time
 from bisect import bisect_left
 from collections import deque
 from itertools import accumulate
@@ -43,6 +53,14 @@ HORIZON_STEPS = 8
 """An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
 MAX_PENDING = 50_000
 """Bound on incomplete instances held (the oldest go first, counted as unmatched)."""
+REMOTE_SECONDS = 10.0
+"""At the leader, an instance with a member on another node waits this long for the forwarded
+half (the forward path takes one activity tick, about a second, plus the ranks' own post delay)."""
+MAX_OUTBOX = 20_000
+"""Bound on instances a forwarding node holds for the leader (ten posts' worth; the oldest go first,
+counted as unmatched reason="unsent")."""
+MAX_OUTBOX_RANK_ROWS = 4096
+"""Bound on rank attribution rows a forwarding node holds for the leader (the oldest go first)."""
 WINDOW_STEPS = 10
 """Steps of figures the attribution takes medians over."""
 WARMUP_STEPS = 5
@@ -73,6 +91,10 @@ class Pending(NamedTuple):
     first_step: int
     got: dict
     """rank -> Member."""
+    first_seen: float = 0.0
+    """The tracker's clock when the first member arrived (the leader's time bound on remote halves)."""
+    key: tuple = ()
+    """("c", group, members in group order, seq) or ("p", src, dst, seq): one instance on every rank."""
 
 
 class Split(NamedTuple):
@@ -131,9 +153,13 @@ class TransferTracker:
     """Matches instances as summaries arrive (one writer: the sidecar's event loop)."""
 
     def __init__(self, horizon_steps: int = HORIZON_STEPS, max_pending: int = MAX_PENDING,
-                 window_steps: int = WINDOW_STEPS, thresholds: Thresholds = Thresholds()):
+                 window_steps: int = WINDOW_STEPS, thresholds: Thresholds = Thresholds(),
+                 remote_seconds: float = REMOTE_SECONDS, max_outbox: int = MAX_OUTBOX, clock=time.monotonic):
         self.horizon_steps, self.max_pending, self.window_steps = horizon_steps, max_pending, window_steps
         self.thresholds = thresholds
+        self.remote_seconds, self.max_outbox, self.clock = remote_seconds, max_outbox, clock
+        self.forwarding = False
+        """This node hands instances with a remote member to the leader (set when --leader-url is)."""
         self._lock = threading.Lock()
         self._reset(None)
 
@@ -142,6 +168,12 @@ class TransferTracker:
         self._view = TransferView()
         self._stale_view = False
         self.pending: dict[tuple, Pending] = {}
+        self.outbox: dict[tuple, Pending] = {}
+        """Forwarding node: instances for the leader, oldest first (crossnode.py posts them)."""
+        self.outbox_ranks: deque = deque(maxlen=MAX_OUTBOX_RANK_ROWS)
+        """Forwarding node: (rank, step, stage, host, compute, data, step seconds) rows for the leader."""
+        self.leading = False
+        """This sidecar receives rank 0's summaries: it matches what the nodes forward."""
         self.local_ranks: set[int] = set()
         self.newest_step = 0
         self.totals: dict[tuple[str, str], _OpTotals] = {}
@@ -152,7 +184,7 @@ class TransferTracker:
         self.unmatched: dict[tuple[str, str, str], int] = {}
         """(op, group, reason) -> instances dropped unmatched."""
         self.sizes: dict[tuple[str, str], int] = {}
-        self._fresh: dict[str, list] = {}  # path key -> transfers matched since the last observation
+        self._fresh: dict[str, list] = {}  # path key -> [transfer sum, count] matched since the last observation
         self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step_seconds)
         self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
         self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
@@ -168,14 +200,18 @@ class TransferTracker:
             self._reset(s.run_id)
         inst = s.instances
         self.local_ranks.add(s.rank)
+        if s.rank == 0 and not self.leading:
+            self._lead()
         new_step = s.step > self.newest_step
         if new_step:
             self.newest_step = s.step
         if inst is None:
             return []
         if s.step > WARMUP_STEPS:
-            window = self._ranks.setdefault(s.rank, deque(maxlen=self.window_steps))
-            window.append((s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds))
+            row = (s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds)
+            self._ranks.setdefault(s.rank, deque(maxlen=self.window_steps)).append(row)
+            if self.forwarding and not self.leading:
+                self.outbox_ranks.append((s.rank, *row))
         done = []
         for op, group, seq, peer, _start_us, dur_us, nbytes in inst.records:
             if peer < 0:
@@ -192,13 +228,14 @@ class TransferTracker:
                 path, label = ("link", src, dst), "send"
             entry = self.pending.get(key)
             if entry is None:
-                if len(self.pending) >= self.max_pending:
-                    self._drop(next(iter(self.pending)))
-                entry = self.pending[key] = Pending(label, group, path, frozenset(members), s.step, {})
+                entry = self.outbox.get(key)  # set aside for the leader, not posted yet
+            if entry is None:
+                entry = self._pending_entry(Pending(label, group, path, frozenset(members), s.step, {},
+                                                    self.clock(), key))
             if s.rank in entry.got:
                 continue
             entry.got[s.rank] = Member(op, dur_us * 1e-6, nbytes)
-            if len(entry.got) == len(entry.members):
+            if len(entry.got) == len(entry.members) and self.pending.get(key) is entry:
                 del self.pending[key]
                 done.append(self._finish(entry))
         # Expiry scans every pending instance: once per new step, not once per summary (at 1024 ranks
@@ -206,6 +243,94 @@ class TransferTracker:
         dropped = self._expire() if new_step else 0
         if done or dropped:
             self._stale_view = True
+        return done
+
+    def _pending_entry(self, entry: Pending) -> Pending:
+        if len(self.pending) >= self.max_pending:
+            self._drop(next(iter(self.pending)))
+        self.pending[entry.key] = entry
+        return entry
+
+    def _outbox_entry(self, entry: Pending) -> Pending:
+        if len(self.outbox) >= self.max_outbox:
+            self._unsent(self.outbox.pop(next(iter(self.outbox))))
+        self.outbox[entry.key] = entry
+        return entry
+
+    # -- across nodes (parwatch/sidecar/crossnode.py carries these) ------------------------------
+    # Public methods take the lock: a scrape on another thread may be building the view.
+    def lead(self) -> None:
+        """This sidecar is the run's leader: match forwarded halves; keep what it had set aside."""
+        with self._lock:
+            self._lead()
+
+    def _lead(self) -> None:
+        self.leading = True
+        held, self.outbox = list(self.outbox.values()), {}
+        self.outbox_ranks.clear()
+        self._merge(held, [])
+
+    def _set_aside(self) -> None:
+        """Forwarding node, once a tick: move pending instances with a member that does not report
+        here to the outbox. Judged then, not on arrival: by then every local rank has reported (at
+        start-up a TP peer's first summary may come a moment after its partner's)."""
+        local = self.local_ranks
+        remote = [k for k, e in self.pending.items() if not local.issuperset(e.members)]
+        for key in remote:
+            self._outbox_entry(self.pending.pop(key))
+
+    def take_outbox(self, limit: int, max_members: int | None = None) -> tuple[list[Pending], list[tuple]]:
+        """Up to `limit` of the oldest instances for the leader (and members listed in all, so a post of
+        wide DP groups stays small), and every rank row held."""
+        with self._lock:
+            return self._take_outbox(limit, max_members)
+
+    def _take_outbox(self, limit: int, max_members: int | None) -> tuple[list[Pending], list[tuple]]:
+        self._set_aside()
+        out, listed = [], 0
+        for key in list(self.outbox)[:limit]:
+            listed += len(self.outbox[key].members)
+            if out and max_members is not None and listed > max_members:
+                break
+            out.append(self.outbox.pop(key))
+        rows = list(self.outbox_ranks)
+        self.outbox_ranks.clear()
+        self._stale_view = True  # set-aside overflow may have counted unsent
+        return out, rows
+
+    def count_unsent(self, entries) -> None:
+        """Instances this node could not hand to the leader (outbox full, post failed)."""
+        with self._lock:
+            for e in entries:
+                self._unsent(e)
+            self._stale_view = True
+
+    def _unsent(self, e: Pending) -> None:
+        k = (e.op, e.group, "unsent")
+        self.unmatched[k] = self.unmatched.get(k, 0) + 1
+
+    def merge(self, entries, rank_rows) -> int:
+        """At the leader: another node's halves (Pending, any `first_seen`) and its ranks' attribution
+        rows ((rank, step, stage, host, compute, data, step seconds)). Returns the instances completed."""
+        with self._lock:
+            return self._merge(entries, rank_rows)
+
+    def _merge(self, entries, rank_rows) -> int:
+        done, now = 0, self.clock()
+        for e in entries:
+            entry = self.pending.get(e.key)
+            if entry is None:
+                entry = self._pending_entry(e._replace(got={}, first_seen=now))
+            for rank, m in e.got.items():
+                entry.got.setdefault(rank, m)
+            if len(entry.got) == len(entry.members):
+                del self.pending[e.key]
+                self._finish(entry)
+                done += 1
+        for rank, *row in rank_rows:
+            if rank not in self.local_ranks and row[0] > WARMUP_STEPS:
+                self._ranks.setdefault(rank, deque(maxlen=self.window_steps)).append(tuple(row))
+        self._stale_view = True
         return done
 
     @property
@@ -245,7 +370,9 @@ class TransferTracker:
         for rank, (op, wait) in split.waits.items():
             self._totals(op, e.group).wait += wait
             self.straggler[rank] = self.straggler.get(rank, 0.0) + wait
-        self._fresh.setdefault(path_key(e.path, e.op, e.group), []).append(transfer)
+        fresh = self._fresh.setdefault(path_key(e.path, e.op, e.group), [0.0, 0])
+        fresh[0] += transfer  # a sum and a count: a node that never evaluates must not grow a list
+        fresh[1] += 1
         step = e.first_step
         if step <= WARMUP_STEPS:
             return split
@@ -264,9 +391,26 @@ class TransferTracker:
             tot = self.totals[(op, group)] = _OpTotals()
         return tot
 
+    def tick(self) -> None:
+        """Once a second (the activity loop): expire by time too, also once no summary arrives any more."""
+        with self._lock:
+            if self._expire():
+                self._stale_view = True
+
     def _expire(self) -> int:
+        """Drop what waited too long: by steps, or at the leader by time when a member is remote."""
+        now = self.clock()
         limit = self.newest_step - self.horizon_steps
-        stale = [k for k, e in self.pending.items() if e.first_step < limit]
+        local, stale = self.local_ranks, []
+        for k, e in self.pending.items():
+            if e.first_step >= limit:
+                continue
+            if not local.issuperset(e.members):
+                if self.leading and now - e.first_seen <= self.remote_seconds:
+                    continue  # the other node's half is on its way
+                if self.forwarding and not self.leading:
+                    continue  # the next tick sets it aside for the leader
+            stale.append(k)
         for key in stale:
             self._drop(key)
         return len(stale)
@@ -289,7 +433,7 @@ class TransferTracker:
         out = {}
         fresh, self._fresh = self._fresh, {}
         if fresh:
-            out["collective_transfer_seconds"] = {k: sum(v) / len(v) for k, v in fresh.items()}
+            out["collective_transfer_seconds"] = {k: total / n for k, (total, n) in fresh.items()}
         if self._ranks:
             findings = self.findings()
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}

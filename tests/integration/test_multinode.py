@@ -1,9 +1,12 @@
-"""Two "nodes" on loopback, one run, one decision (issue 8).
+"""Two "nodes" on loopback, one run, one decision (issue 8), and cross-node matching (issue 10).
 
 Each node is its own `torchrun --nnodes 2 --node-rank K --nproc-per-node 2` (static rendezvous)
 whose ranks ship to that node's own sidecar, as the Helm chart deploys it. Node 0's sidecar
 receives rank 0's summaries, so it is the leader: it alone decides, and it learns every rank's
-outcome of a directive from rank 0 alone (counted in the step-boundary all-reduce).
+outcome of a directive from rank 0 alone (counted in the step-boundary all-reduce). Node 1's
+sidecar has --leader-url: it forwards its digest and the halves of the p2p instances between
+the stages (stage 0 on node 0, stage 1 on node 1: every PP send/recv crosses nodes), which the
+leader matches and splits into wait and transfer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import httpx
 import pytest
 
 from e2e_util import ROOT, kill_group, read_jsonl, synthetic, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
 from parwatch.sidecar.process import free_port, sidecar_command, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
@@ -34,7 +39,8 @@ RUN_TIMEOUT_S = 240
 class Node:
     """One node's sidecar on fixed ports, so a restarted one is found at the same address."""
 
-    def __init__(self, base: Path, name: str):
+    def __init__(self, base: Path, name: str, *args: str):
+        self.args = args
         self.state_dir = base / f"{name}-state"
         self.metrics_port, self.control_port = free_port(), free_port()
         self.log = base / f"{name}-sidecar.log"
@@ -54,7 +60,8 @@ class Node:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(sidecar_command(
                 "--state-dir", str(self.state_dir), "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
-                "--control-listen", f"127.0.0.1:{self.control_port}"), stdout=log, stderr=subprocess.STDOUT, env=env)
+                "--control-listen", f"127.0.0.1:{self.control_port}", *self.args),
+                stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_healthy(f"{self.control_url}/healthz", self.proc, 60)
         return self
 
@@ -85,10 +92,23 @@ class Node:
         assert r.status_code == 200
         return r.text
 
+    def samples(self, name: str) -> dict:
+        """{(op, group[, reason]) or (rank,): value} of one sample name on this sidecar's /metrics."""
+        out = {}
+        for family in text_string_to_metric_families(self.metrics()):
+            for s in family.samples:
+                if s.name == name:
+                    labels = s.labels
+                    key = (labels["rank"],) if "rank" in labels else \
+                        tuple(labels[k] for k in ("op", "group", "reason") if k in labels)
+                    out[key] = s.value
+        return out
+
 
 @contextlib.contextmanager
 def two_nodes(base: Path):
-    nodes = [Node(base, "node0"), Node(base, "node1")]
+    leader = Node(base, "node0")
+    nodes = [leader, Node(base, "node1", "--leader-url", leader.control_url)]
     try:
         yield [n.start() for n in nodes]
     finally:
@@ -143,6 +163,27 @@ def promtool_clean(text: str) -> None:
     assert proc.returncode == 0 and not problems, problems
 
 
+KILL_HELD_S = 2.5
+"""Node 1's sidecar forwards once a second: summaries it received this long before its SIGKILL may
+have died with it (a tick, plus the ranks' post delay and a loaded machine's slack)."""
+
+
+def cross_node_instances(base: Path, killed_at: float) -> tuple[int, int]:
+    """(p2p instances the ranks recorded, at most how many lost): every PP send/recv crosses nodes here.
+    Lost: summaries the ranks dropped (node 1's while its sidecar was away) and node 1's summaries of
+    the KILL_HELD_S before its sidecar was killed, times the records one holds."""
+    keys, per_summary, dropped, held = set(), 0, {}, 0
+    for k in (0, 1):
+        for s in read_jsonl(base / f"log{k}" / "summaries.jsonl"):
+            p2p = [r for r in (s.get("instances") or {}).get("records", ()) if r[3] >= 0]
+            for op, _group, seq, peer, *_ in p2p:
+                keys.add((s["rank"], peer, seq) if op == "send" else (peer, s["rank"], seq))
+            per_summary = max(per_summary, len(p2p))
+            dropped[s["rank"]] = max(dropped.get(s["rank"], 0), s["dropped_total"])
+            held += k == 1 and killed_at - KILL_HELD_S <= s["time"] <= killed_at
+    return len(keys), per_summary * (sum(dropped.values()) + held)
+
+
 def rank_series(text: str, name: str) -> set[str]:
     return {line.split('rank="')[1].split('"')[0] for line in text.splitlines()
             if line.startswith(name + "{") and 'rank="' in line}
@@ -178,6 +219,7 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
             wait_until(lambda: not leader.status()["paused"], "the resume applied", 60)
 
             # (c) node 1's sidecar killed mid-run: training goes on; restarted, its metrics come back
+            killed_at = time.time()
             node1.kill()
             before = max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl"))
             wait_until(lambda: max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl")) >= before + 3,
@@ -191,6 +233,41 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
         promtool_clean(node1.metrics())
         assert leader.status()["pending_directive"] is None
         assert node1.records() == []
+
+        # (f) the PP sends and receives cross nodes: node 1 forwarded its halves, the leader matched them.
+        # Only those are missing whose node-1 record was in a summary dropped while its sidecar was down
+        # in (c) (the ranks' JSONL has every summary; dropped_total counts the lost posts), or still held
+        # by node 1's sidecar when it was killed (it forwards once a second).
+        started = time.monotonic()
+        total, lost_at_most = cross_node_instances(tmp_path, killed_at)
+        pp = ("send", "pp")
+
+        def matched():
+            return leader.samples("parwatch_collective_transfer_seconds_count").get(pp, 0)
+
+        with contextlib.suppress(AssertionError):  # the last second's forward; the figures say what came
+            wait_until(lambda: matched() >= total - lost_at_most, "the cross-node sends matched at the leader", 15)
+        figures = {"instances": total, "in dropped summaries": lost_at_most, "matched": matched(),
+                   "unmatched at the leader": {k: v for k, v in leader.samples(
+                       "parwatch_collective_unmatched_total").items() if k[:2] == pp},
+                   "node 1 unmatched": node1.samples("parwatch_collective_unmatched_total"),
+                   "transfer_s": leader.samples("parwatch_collective_transfer_seconds_sum").get(pp),
+                   "wait_s": leader.samples("parwatch_collective_wait_seconds_total"),
+                   "busbw": leader.samples("parwatch_collective_busbw_bytes_per_second").get(pp),
+                   "straggler_s": leader.samples("parwatch_rank_straggler_seconds_total")}
+        print(f"cross-node figures ({time.monotonic() - started:.1f} s to gather):", figures)
+        assert total >= 16 * 90, figures  # 16 a step: m=4 each way, 2 stage pairs
+        assert total - lost_at_most <= figures["matched"] <= total, figures
+        assert figures["matched"] >= 16 * 10, figures  # at least the steps before (c) (how many after, load decides)
+        assert sum(figures["unmatched at the leader"].values()) + figures["matched"] <= total, figures  # once each
+        assert not [k for k in figures["node 1 unmatched"] if k[2] == "remote"], figures  # all forwarded
+        waits = figures["wait_s"]
+        assert waits.get(("recv", "pp"), 0) > 0 and ("send", "pp") in waits, figures
+        assert figures["transfer_s"] > 0 and figures["busbw"] > 0, figures
+        assert {("0",), ("1",), ("2",), ("3",)} <= set(figures["straggler_s"]), figures
+        # node 1 matches only its own TP all-reduces: no PP instance is finished twice
+        assert pp not in node1.samples("parwatch_collective_transfer_seconds_count")
+        assert ("all_reduce", "tp") in node1.samples("parwatch_collective_transfer_seconds_count")
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")

@@ -100,7 +100,8 @@ def test_the_observation_series_name_each_link_and_group_once_per_new_match():
 
 
 def test_instances_with_a_member_elsewhere_are_unmatched_remote_and_lost_ones_incomplete():
-    t = TransferTracker(horizon_steps=2)
+    # rank 0 reports here, so this is the leader: it waits remote_seconds for a forwarded half (none here)
+    t = TransferTracker(horizon_steps=2, remote_seconds=0.0)
     dp = {"dp": [0, 4]}  # rank 4 reports to another node's sidecar
     t.add(summary(0, 1, [["all_reduce", "dp", 1, -1, 0, 3000, 100]], dp, dp=2))
     t.add(summary(1, 1, [p2p("recv", 1, 3, 2.0)], dp=2))
