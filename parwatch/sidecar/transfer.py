@@ -179,6 +179,7 @@ class TransferTracker:
         self.totals: dict[tuple[str, str], _OpTotals] = {}
         """(op, group) -> transfer histogram, wait, bytes (transfer under the instance's op; wait under
         each member's own op, so a recv's wait for its sender is (recv, pp))."""
+        self._path_names: dict[tuple, str] = {}  # (path, op) -> path_key: one string per path, not per instance
         self.straggler: dict[int, float] = {}
         """rank -> sum of t - min t over its matched instances."""
         self.unmatched: dict[tuple[str, str, str], int] = {}
@@ -213,25 +214,31 @@ class TransferTracker:
             if self.forwarding and not self.leading:
                 self.outbox_ranks.append((s.rank, *row))
         done = []
+        groups = {}  # group -> (members, member set, path), once per summary, not once per record
         for op, group, seq, peer, _start_us, dur_us, nbytes in inst.records:
             if peer < 0:
-                ranks = inst.groups.get(group)
-                if not ranks or s.rank not in ranks:
-                    continue
-                members = tuple(ranks)
+                found = groups.get(group)
+                if found is None:
+                    ranks = inst.groups.get(group)
+                    if not ranks or s.rank not in ranks:
+                        continue
+                    members = tuple(ranks)
+                    found = groups[group] = (members, frozenset(members), ("group", group, members))
+                members, member_set, path = found
                 key = ("c", group, members, seq)
-                path, label = ("group", group, members), op
+                label = op
             else:
                 src, dst = (s.rank, peer) if op == "send" else (peer, s.rank)
                 key = ("p", src, dst, seq)
-                members = (src, dst)
+                member_set = None
                 path, label = ("link", src, dst), "send"
             entry = self.pending.get(key)
             if entry is None:
                 entry = self.outbox.get(key)  # set aside for the leader, not posted yet
             if entry is None:
-                entry = self._pending_entry(Pending(label, group, path, frozenset(members), s.step, {},
-                                                    self.clock(), key))
+                if member_set is None:
+                    member_set = frozenset((key[1], key[2]))
+                entry = self._pending_entry(Pending(label, group, path, member_set, s.step, {}, self.clock(), key))
             if s.rank in entry.got:
                 continue
             entry.got[s.rank] = Member(op, dur_us * 1e-6, nbytes)
@@ -367,10 +374,16 @@ class TransferTracker:
         tot.recent.append((nbytes, transfer))
         tot.buckets[bisect_left(COLLECTIVE_BUCKETS, transfer)] += 1  # le semantics, as the duration histogram
         self.sizes[(e.op, e.group)] = len(e.members)
+        straggler, per_op = self.straggler, {}
         for rank, (op, wait) in split.waits.items():
+            per_op[op] = per_op.get(op, 0.0) + wait
+            straggler[rank] = straggler.get(rank, 0.0) + wait
+        for op, wait in per_op.items():  # one op for a collective's members, two (send, recv) for p2p
             self._totals(op, e.group).wait += wait
-            self.straggler[rank] = self.straggler.get(rank, 0.0) + wait
-        fresh = self._fresh.setdefault(path_key(e.path, e.op, e.group), [0.0, 0])
+        name = self._path_names.get((e.path, e.op))
+        if name is None:
+            name = self._path_names[(e.path, e.op)] = path_key(e.path, e.op, e.group)
+        fresh = self._fresh.setdefault(name, [0.0, 0])
         fresh[0] += transfer  # a sum and a count: a node that never evaluates must not grow a list
         fresh[1] += 1
         step = e.first_step
