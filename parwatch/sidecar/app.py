@@ -71,6 +71,16 @@ async def read_capped(scope, receive, max_bytes: int) -> bytes | None:
     return b"".join(chunks)
 
 
+async def read_body_or_413(scope, receive, send, max_bytes: int) -> bytes | None:
+    """The request body; None when there is nothing more to do: the client went away, or the body
+    was over `max_bytes` and a 413 naming --max-body-bytes went out."""
+    try:
+        return await read_capped(scope, receive, max_bytes)
+    except BodyTooLarge:
+        await send_json(send, 413, too_large(max_bytes))
+        return None
+
+
 async def send_json(send, status: int, payload, headers: dict | None = None) -> None:
     """A JSON answer, encoded as Starlette's JSONResponse encodes it."""
     body = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
@@ -90,12 +100,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        try:
-            body = await read_capped(scope, receive, self.max_bytes)
-        except BodyTooLarge:
-            return await send_json(send, 413, too_large(self.max_bytes))
+        body = await read_body_or_413(scope, receive, send, self.max_bytes)
         if body is None:
-            return  # client went away
+            return
         replayed = False
 
         async def replay():
@@ -402,12 +409,9 @@ class ControlApp(FastAPI):
         return await super().__call__(scope, receive, send)
 
     async def _fast_post(self, handler, scope, receive, send):
-        try:
-            raw = await read_capped(scope, receive, self.max_body_bytes)
-        except BodyTooLarge:
-            return await send_json(send, 413, too_large(self.max_body_bytes))
+        raw = await read_body_or_413(scope, receive, send, self.max_body_bytes)
         if raw is None:
-            return  # client went away
+            return
         try:
             check_bearer(self.token, _header(scope, b"authorization"))
         except HTTPException as err:
