@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 
 import pytest
 
@@ -37,8 +38,8 @@ CLOSED_FORM = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved
 # start before the first one: 10-120 ms a step on this 2-core machine under load, idle as
 # DESIGN.md defines it, and 0.02-0.05 of bubble above a replay without it), and the point-to-point
 # latency (a wait's end after its data's producer ended). Left out: the step's tail (the boundary
-# all-reduce) and a late wake-up off the median, which only add idle; so the least disturbed step
-# of each rank is the one held to the bar.
+# all-reduce) and a late wake-up off the median, which only add idle; each rank's median step over
+# steps 2-5 is held to the bar (every step's deviation is printed).
 TOLERANCE = 0.02
 TYPES = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
@@ -151,8 +152,8 @@ def test_bubble_matches_the_replayed_schedule(grid, schedule):
         print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
                                             for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
     for rank in range(P):
-        deviation = min(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
-        assert abs(deviation) <= TOLERANCE, f"{schedule} rank {rank}: least disturbed step {deviation:+.4f} off the replay"
+        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
+        assert abs(deviation) <= TOLERANCE, f"{schedule} rank {rank}: median step {deviation:+.4f} off the replay"
     if schedule in CLOSED_FORM:
         # The theory is the formula: the replay at the stages' mean times is exactly it, and the
         # synthetic stages are near-uniform, so at their measured times (no host time) it holds too.
