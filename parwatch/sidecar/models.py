@@ -69,11 +69,11 @@ def _not_bool(x):
 
 
 WireFloat = Annotated[float | None, BeforeValidator(_finite_loss)]
-Finite = Annotated[float, Field(ge=-MAX_RATIO, le=MAX_RATIO, allow_inf_nan=False)]
+Finite = Annotated[float, Field(strict=True, ge=-MAX_RATIO, le=MAX_RATIO, allow_inf_nan=False)]
 Ratio = Finite
-Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
-SignedSeconds = Annotated[float, Field(ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
-NonNegFinite = Annotated[float, Field(ge=0, le=MAX_COUNT, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(strict=True, ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+SignedSeconds = Annotated[float, Field(strict=True, ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
+NonNegFinite = Annotated[float, Field(strict=True, ge=0, le=MAX_COUNT, allow_inf_nan=False)]
 Count = Annotated[int, Field(strict=True, ge=0, le=MAX_COUNT)]
 Index = Annotated[int, Field(strict=True, ge=0, lt=MAX_PARALLEL)]
 Parallel = Annotated[int, Field(strict=True, ge=1, le=MAX_PARALLEL)]
@@ -111,12 +111,12 @@ class Collective(_Model):
 
 class Gpu(_Model):
     index: Annotated[int, Field(strict=True, ge=0, le=1024)]
-    utilization_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
+    utilization_ratio: Annotated[float, Field(strict=True, ge=0, le=1)] | None = None
     memory_used_bytes: Count | None = None
     memory_total_bytes: Count | None = None
-    power_watts: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | None = None
-    sm_clock_hertz: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] | None = None
-    temperature_celsius: Annotated[float, Field(ge=-300, le=1e4, allow_inf_nan=False)] | None = None
+    power_watts: Annotated[float, Field(strict=True, ge=0, le=1e6, allow_inf_nan=False)] | None = None
+    sm_clock_hertz: Annotated[float, Field(strict=True, ge=0, le=1e12, allow_inf_nan=False)] | None = None
+    temperature_celsius: Annotated[float, Field(strict=True, ge=-300, le=1e4, allow_inf_nan=False)] | None = None
     throttle_reasons: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # NVML's bit mask
 
 
@@ -246,7 +246,7 @@ class StepSummary(_Model):
     timeline: SmallCount = 0
     """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary.
     Collectors older than the field send none (0)."""
-    time: Annotated[float, Field(ge=0, le=MAX_TIME, allow_inf_nan=False)]
+    time: Annotated[float, Field(strict=True, ge=0, le=MAX_TIME, allow_inf_nan=False)]
     step_seconds: Seconds
     compute_seconds: Seconds
     other_seconds: Seconds = 0.0
@@ -266,7 +266,7 @@ class StepSummary(_Model):
     global_: GlobalView | None = Field(default=None, alias="global")
     instances: Instances | None = None
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
-    model_flops_utilization_ratio: Annotated[float, Field(ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None = None
+    model_flops_utilization_ratio: Annotated[float, Field(strict=True, ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None = None
 
     @property
     def world_size(self) -> int:
