@@ -261,6 +261,13 @@ class HookRegistry:
         for on_span in self.sinks:
             on_span(span)
 
+    def emit(self, span: Span) -> None:
+        """Report a finished Span the caller built (marks set; `seq` from next_seq() if sequenced).
+
+        emit_span without the keyword-argument copy, for hooks that build their spans ahead."""
+        for on_span in self.sinks:
+            on_span(span)
+
     @property
     def boundary_slots(self) -> int:
         return sum(o.boundary_slots for o in self.observers)
