@@ -15,6 +15,12 @@ adds on the thread that drives the pipeline, unaffected by other processes' load
 the CPU of step_done alone (the boundary: packing, the all-reduce, the collector's summary).
 Wall-clock ratios need a quiet machine; the CPU figures do not.
 
+--breakdown adds where the training thread's added CPU goes: the same on/off alternation with
+"on" cut down in turn (full; the collector without its shipper thread, i.e. no log file, no
+bubble-cause replay; a do-nothing observer, i.e. the integration's wrappers and the span
+machinery alone; the wrappers with no observer, i.e. the registry inactive). CPU is split into
+the schedule's step (schedule.step + optimizer) and step_done.
+
 --fidelity adds the bubble table: every schedule class at 40/80 ms per virtual stage, each
 rank's measured bubble per step against the replay of the schedule's own action lists at that
 step's measured action times, executor host time per action and p2p latency (the bar: 0.02),
@@ -44,6 +50,13 @@ WORKLOADS = {  # name -> example argv
                                              "--synthetic-ms", "5,10"],
 }
 WARMUP = 3  # pairs dropped at the start
+VARIANTS = {  # --breakdown: what "on" keeps
+    "full": "collector + shipper thread (log file, rank 0's bubble-cause replay)",
+    "no_shipper": "collector, no shipper thread (no log file)",
+    "null_observer": "a do-nothing observer: integration wrappers + span machinery",
+    "no_observer": "integration wrappers, registry inactive (no spans)",
+    "a_a": "nothing: both modes run off (the method's own noise and bias)",
+}
 
 
 def _example():
@@ -54,11 +67,12 @@ def _example():
     return module
 
 
-def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str) -> dict:
+def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, variant: str = "full") -> dict:
     """Every rank: one schedule, steps alternately with the integration on and off."""
     import torch.distributed as dist
 
     from parwatch.collector import Collector, attach, detach
+    from parwatch.contract import Observer, registry
     from parwatch.integrations.torch_pipelining import PipelineWatch
 
     example = _example()
@@ -66,14 +80,27 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str) -> di
     schedule, _, optimizer = example.build(args, rank, world)
     watch = PipelineWatch(schedule, run_id="overhead")
     watch.detach()
-    collector = Collector(watch.run_context(), log_path=os.path.join(log_dir, "summaries.jsonl"))
+    if variant in ("full", "no_shipper"):
+        collector = Collector(watch.run_context(),
+                              log_path=os.path.join(log_dir, "summaries.jsonl") if variant == "full" else None)
+    else:
+        collector = Observer() if variant == "null_observer" else None
+
+        def attach(observer):  # noqa: F811  (plain registration: no collector, no clock)
+            if observer is not None:
+                registry.register(observer)
+
+        def detach(observer):  # noqa: F811
+            if observer is not None:
+                registry.unregister(observer)
     times = {"on": [], "off": []}
     cpu = {"on": [], "off": []}
-    boundary_cpu, boundary_wall = [], []
+    boundary_cpu, boundary_wall, schedule_cpu = [], [], {"on": [], "off": []}
     step = 0
     for pair in range(pairs):
         for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
-            if mode == "on":
+            on = mode == "on" and variant != "a_a"
+            if on:
                 watch.attach()
                 attach(collector)
                 watch.start(step)  # opens the attached step's period (an all-reduce: the ranks line up)
@@ -83,26 +110,30 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str) -> di
             c0, t0 = time.thread_time(), time.perf_counter()
             optimizer.zero_grad()
             schedule.step(x, target=y)
-            if mode == "on":
+            if on:
                 watch.optimizer_step(optimizer)
                 c1, t1 = time.thread_time(), time.perf_counter()
                 step = watch.step_done()
             else:
                 optimizer.step()
+                c1 = time.thread_time()
                 step += 1
             c2, t2 = time.thread_time(), time.perf_counter()
             if pair >= WARMUP:
                 times[mode].append(t2 - t0)
                 cpu[mode].append(c2 - c0)
+                schedule_cpu[mode].append(c1 - c0)
                 if mode == "on":
-                    boundary_cpu.append(c2 - c1)
-                    boundary_wall.append(t2 - t1)
-            if mode == "on":
+                    boundary_cpu.append(c2 - c1 if on else 0.0)
+                    boundary_wall.append(t2 - t1 if on else 0.0)
+            if on:
                 watch.detach()
                 detach(collector)
     watch.close()
-    collector.close()
-    return {"times": times, "cpu": cpu, "boundary_cpu": boundary_cpu, "boundary_wall": boundary_wall}
+    if hasattr(collector, "close"):
+        collector.close()
+    return {"times": times, "cpu": cpu, "boundary_cpu": boundary_cpu, "boundary_wall": boundary_wall,
+            "schedule_cpu": schedule_cpu}
 
 
 def overhead(pairs: int, only: str = "") -> tuple[list, list]:
@@ -127,6 +158,29 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
                         "step_done_thread_cpu_us": bnd_cpu * 1e6, "least_step_done_s": bnd,
                         "steps_per_mode": len(per_rank[0]["times"]["on"])})
         print(f"{name}: done", flush=True)
+    return rows, results
+
+
+def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
+    """Each variant of "on" against off, alternated in one process (see VARIANTS)."""
+    rows, results = [], []
+    for name, argv in WORKLOADS.items():
+        if only not in name:
+            continue
+        for variant in VARIANTS:
+            with tempfile.TemporaryDirectory() as log_dir:
+                per_rank = run_ranks(alternate, 2, argv, pairs, log_dir, variant, timeout=600)
+            # Per rank: median on - median off of the schedule's CPU; the larger rank's.
+            added = max(statistics.median(r["schedule_cpu"]["on"]) - statistics.median(r["schedule_cpu"]["off"])
+                        for r in per_rank)
+            bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
+            rows.append([name, variant, added * 1e6, bnd_cpu * 1e6, (added + bnd_cpu) * 1e6])
+            results.append({"workload": name, "variant": variant, "what_on_keeps": VARIANTS[variant],
+                            "schedule_thread_cpu_added_us": added * 1e6, "step_done_thread_cpu_us": bnd_cpu * 1e6,
+                            "per_rank": [{"schedule_cpu_on_s": r["schedule_cpu"]["on"],
+                                          "schedule_cpu_off_s": r["schedule_cpu"]["off"],
+                                          "step_done_cpu_s": r["boundary_cpu"]} for r in per_rank]})
+            print(f"{name} / {variant}: done", flush=True)
     return rows, results
 
 
@@ -162,6 +216,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=40, help=f"on/off step pairs (the first {WARMUP} are dropped)")
     ap.add_argument("--only", default="", help="run the workloads whose name contains this")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the added CPU per component (on cut down in turn, see VARIANTS)")
     ap.add_argument("--fidelity", action="store_true", help="also the bubble-vs-replay table (every class)")
     ap.add_argument("--out", default="benchmarks/results/integration_overhead.json")
     a = ap.parse_args()
@@ -172,6 +228,12 @@ def main() -> int:
     print_table(["workload", "median step off (s)", "on (s)", "on/off", "thread CPU/step off (us)", "on (us)",
                  "added (us)", "step_done CPU (us)", "boundary all-reduce (s, least)"], rows)
     payload = {"pairs": a.pairs, "warmup_pairs": WARMUP, "results": results}
+    if a.breakdown:
+        brows, bresults = breakdown(a.pairs, a.only)
+        print()
+        print_table(["workload", "on keeps", "schedule step: added thread CPU (us)", "step_done CPU (us)",
+                     "total added (us)"], brows)
+        payload["breakdown"] = bresults
     if a.fidelity:
         frows, fresults = fidelity()
         print()

@@ -104,14 +104,14 @@ class Clock(Protocol):
 class PerfCounterClock:
     """Host clock: marks are `perf_counter_ns` integers."""
 
-    def mark(self) -> int:
-        return time.perf_counter_ns()
+    mark = staticmethod(time.perf_counter_ns)
+    """The builtin itself, not a Python function around it: a span reads it twice."""
 
     def seconds(self, start: int, end: int) -> float:
         return (end - start) * 1e-9
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One timed interval. `attrs` holds what the kind needs:
 
@@ -170,32 +170,42 @@ class _NullSpan:
 _NULL_SPAN = _NullSpan()
 
 
-class _LiveSpan:
-    __slots__ = ("_reg", "_span")
+class _LiveSpan(Span):
+    """The span `registry.span()` returns is its own context manager: one object per span.
+
+    A span's hooks often run right after the thread wakes (a sleep, a blocking receive), when
+    the CPU's caches hold other work: there every Python call and object costs ~5-10x its
+    cost in a tight loop, so this path keeps both few."""
+
+    __slots__ = ("_reg",)
 
     def __init__(self, reg: "HookRegistry", kind: SpanKind, attrs: dict):
         self._reg = reg
-        self._span = Span(kind, None, None, attrs)
+        self.kind = kind
+        self.attrs = attrs
+        self.end = None
 
     def __enter__(self):
-        span, reg = self._span, self._reg
-        span.parent = reg.current
-        reg.current = span  # one store: what an activity reporter reads from its own thread
-        span.start = reg.clock.mark()
-        return span
+        reg = self._reg
+        self.parent = reg.current
+        reg.current = self  # one store: what an activity reporter reads from its own thread
+        self.start = reg.clock.mark()
+        return self
 
     def __exit__(self, *exc):
-        span, reg = self._span, self._reg
-        span.end = reg.clock.mark()
-        reg.current = span.parent
-        for obs in reg.observers:
-            obs.on_span(span)
+        reg = self._reg
+        self.end = reg.clock.mark()
+        reg.current = self.parent
+        for on_span in reg.sinks:
+            on_span(self)
         return False
 
 
 class HookRegistry:
     def __init__(self) -> None:
         self.observers: list[Observer] = []
+        self.sinks: tuple = ()
+        """The observers' bound `on_span` methods (kept in step with `observers` by register/unregister)."""
         self.clock: Clock = PerfCounterClock()
         self.active = False
         self.current: Span | None = None
@@ -205,16 +215,19 @@ class HookRegistry:
 
     def register(self, observer: Observer) -> None:
         self.observers.append(observer)
+        self.sinks = tuple(o.on_span for o in self.observers)
         self.active = True
 
     def unregister(self, observer: Observer) -> None:
         self.observers.remove(observer)
+        self.sinks = tuple(o.on_span for o in self.observers)
         self.active = bool(self.observers)
         if not self.active:
             self.current = None
 
     def clear(self) -> None:
         self.observers.clear()
+        self.sinks = ()
         self.clock = PerfCounterClock()
         self.active = False
         self.current = None
@@ -245,8 +258,15 @@ class HookRegistry:
         if kind in SEQUENCED_KINDS and "seq" not in attrs:
             attrs["seq"] = self.next_seq(kind, attrs)
         span = Span(kind, start, end, attrs)
-        for obs in self.observers:
-            obs.on_span(span)
+        for on_span in self.sinks:
+            on_span(span)
+
+    def emit(self, span: Span) -> None:
+        """Report a finished Span the caller built (marks set; `seq` from next_seq() if sequenced).
+
+        emit_span without the keyword-argument copy, for hooks that build their spans ahead."""
+        for on_span in self.sinks:
+            on_span(span)
 
     @property
     def boundary_slots(self) -> int:

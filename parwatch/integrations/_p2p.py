@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 
-from parwatch.contract import SpanKind, registry
+from parwatch.contract import Span, SpanKind, registry
 
 TAG = "_parwatch_p2p"
 REQUIRED = ("_batch_p2p", "_wait_batch_p2p")
@@ -33,28 +33,38 @@ class P2PHookMissing(RuntimeError):
 
 
 class _Timed(list):
-    """The works of one tagged batch, with when it was posted and what it carried."""
+    """The works of one tagged batch, with when it was posted and its spans (marks set at the wait)."""
 
     __slots__ = ("posted", "spans")
 
 
+_RECV, _SEND = SpanKind.RECV, SpanKind.SEND
+
+
 def _batch_p2p(p2p_ops, desc=None):
+    # Runs right after the thread wakes (a receive, a compute's sleep): few calls, few objects.
     original = _originals["_batch_p2p"]
     if not registry.active:
         return original(p2p_ops, desc=desc)
-    tags = [(tag, op) for op in p2p_ops if (tag := getattr(op, TAG, None)) is not None]
-    if not tags:
+    spans = None
+    for op in p2p_ops:
+        tag = getattr(op, TAG, None)
+        if tag is not None:
+            base, microbatch, kind_name, what = tag
+            kind = _RECV if kind_name == "recv" else _SEND
+            tensor = op.tensor
+            attrs = {**base, "microbatch": microbatch, "op": kind_name, "what": what, "peer": op.peer, "group": "pp",
+                     "group_size": 2, "bytes": tensor.numel() * tensor.element_size()}
+            attrs["seq"] = registry.next_seq(kind, attrs)  # numbered when posted: the program's order
+            if spans is None:
+                spans = []
+            spans.append(Span(kind, None, None, attrs))
+    if spans is None:
         return original(p2p_ops, desc=desc)
-    posted = registry.mark()
+    posted = registry.clock.mark()
     timed = _Timed(original(p2p_ops, desc=desc))
     timed.posted = posted
-    timed.spans = []
-    for tag, op in tags:
-        attrs = dict(tag)
-        attrs["bytes"] = op.tensor.numel() * op.tensor.element_size()
-        kind = SpanKind.RECV if attrs["op"] == "recv" else SpanKind.SEND
-        attrs["seq"] = registry.next_seq(kind, attrs)  # numbered when posted: the program's order
-        timed.spans.append((kind, attrs))
+    timed.spans = spans
     return timed
 
 
@@ -62,11 +72,15 @@ def _wait_batch_p2p(work):
     original = _originals["_wait_batch_p2p"]
     if type(work) is not _Timed or not registry.active:
         return original(work)
-    start = registry.mark()
+    mark = registry.clock.mark
+    start = mark()
     result = original(work)
-    end = registry.mark()
-    for kind, attrs in work.spans:
-        registry.emit_span(kind, start if kind is SpanKind.RECV else work.posted, end, **attrs)
+    end = mark()
+    posted = work.posted
+    for span in work.spans:
+        span.start = start if span.kind is _RECV else posted
+        span.end = end
+        registry.emit(span)
     work.spans = ()  # a second wait on the same batch reports nothing twice
     return result
 

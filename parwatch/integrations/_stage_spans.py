@@ -40,39 +40,41 @@ class Patches:
 _ABSENT = object()
 
 
-def _span(kind: SpanKind, base: dict, microbatch: int, **extra):
-    return registry.span(kind, **base, microbatch=microbatch, **extra)
-
-
 def instrument_stage(stage, base: dict, patches: Patches, *, p2p: bool) -> None:
-    """Wrap one stage's compute methods (and its op builders when `p2p`); `base` = stage/chunk attrs."""
+    """Wrap one stage's compute methods (and its op builders when `p2p`); `base` = stage/chunk attrs.
+
+    The wrappers run where the thread has just woken (caches cold), so each keeps to one
+    `registry.span` call: no helper functions, no per-call tuples."""
     fwd, bwd, bwd_w = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
     reduce_grad = stage.perform_reduce_grad
+    span = registry.span
+    FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = (SpanKind.FORWARD, SpanKind.BACKWARD,
+                                                          SpanKind.BACKWARD_INPUT, SpanKind.BACKWARD_WEIGHT)
 
     def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
         if not registry.active:
             return fwd(fwd_chunk_id, *args, **kwargs)
-        with _span(SpanKind.FORWARD, base, fwd_chunk_id):
+        with span(FORWARD, **base, microbatch=fwd_chunk_id):
             return fwd(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
         if not registry.active:
             return bwd(bwd_chunk_id, *args, **kwargs)
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        with _span(SpanKind.BACKWARD if full else SpanKind.BACKWARD_INPUT, base, bwd_chunk_id):
+        with span(BACKWARD if full else BACKWARD_INPUT, **base, microbatch=bwd_chunk_id):
             return bwd(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
         if not registry.active:
             return bwd_w(bwd_chunk_id, *args, **kwargs)
-        with _span(SpanKind.BACKWARD_WEIGHT, base, bwd_chunk_id):
+        with span(BACKWARD_WEIGHT, **base, microbatch=bwd_chunk_id):
             return bwd_w(bwd_chunk_id, *args, **kwargs)
 
     def perform_reduce_grad(grad_scale_factor, *args, **kwargs):
         # Gradient scaling (and FSDP's post-backward) after the last backward: not bubble.
         if not registry.active:
             return reduce_grad(grad_scale_factor, *args, **kwargs)
-        with registry.span(SpanKind.DP_SYNC, **base, op="reduce_grad", scale=grad_scale_factor):
+        with span(SpanKind.DP_SYNC, **base, op="reduce_grad", scale=grad_scale_factor):
             return reduce_grad(grad_scale_factor, *args, **kwargs)
 
     patches.set(stage, "forward_one_chunk", forward_one_chunk)
@@ -81,19 +83,19 @@ def instrument_stage(stage, base: dict, patches: Patches, *, p2p: bool) -> None:
     patches.set(stage, "perform_reduce_grad", perform_reduce_grad)
     if p2p:
         for name, (op, what) in _P2P.items():
-            patches.set(stage, name, _tagging(getattr(stage, name), base, op, what, stage))
+            patches.set(stage, name, _tagging(getattr(stage, name), base, op, what))
 
 
-def _tagging(build, base: dict, op: str, what: str, stage):
-    """Wrap an op builder so each P2POp it returns says what it carries (read by `_p2p`)."""
+def _tagging(build, base: dict, op: str, what: str):
+    """Wrap an op builder so each P2POp it returns says what it carries (read by `_p2p`, which
+    builds the span's attrs when the op is posted)."""
 
     def builder(chunk_id, *args, **kwargs):
         ops = build(chunk_id, *args, **kwargs)
         if ops and registry.active:
+            tag = (base, chunk_id, op, what)
             for p2p_op in ops:
-                peer = getattr(p2p_op, "peer", None)
-                setattr(p2p_op, TAG, (*base.items(), ("microbatch", chunk_id), ("op", op), ("what", what),
-                                      ("peer", peer), ("group", "pp"), ("group_size", 2)))
+                setattr(p2p_op, TAG, tag)
         return ops
 
     return builder
@@ -109,7 +111,7 @@ def instrument_loss(schedule, stage_attrs: dict, patches: Patches, sink: list) -
             return compute(stage, output, target_mbs, mb_index, *args, **kwargs)
         before = len(schedule._internal_losses)
         if registry.active:
-            with _span(SpanKind.LOSS, stage_attrs[stage.stage_index], mb_index):
+            with registry.span(SpanKind.LOSS, **stage_attrs[stage.stage_index], microbatch=mb_index):
                 result = compute(stage, output, target_mbs, mb_index, *args, **kwargs)
         else:
             result = compute(stage, output, target_mbs, mb_index, *args, **kwargs)

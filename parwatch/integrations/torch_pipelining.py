@@ -312,4 +312,6 @@ class PipelineWatch:
 def _mean_loss(losses: list) -> float:
     import torch
 
-    return float(torch.stack([t.detach().reshape(()).to(torch.float64) for t in losses]).mean())
+    # One stack, then float64: the same values as converting each loss first, at 3 torch calls
+    # instead of 3 per microbatch (each loss is one detached element, see instrument_loss).
+    return float(torch.stack(losses).to(torch.float64).mean())

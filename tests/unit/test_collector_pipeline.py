@@ -282,6 +282,7 @@ def test_a_malformed_span_or_event_is_counted_not_raised():
     collector = run.ranks[0].collector
     collector.on_span(Span("collective", None, None, {"op": "all_reduce"}))  # no marks
     collector.on_event("checkpoint_saved", {"checkpoints": ["x"]})  # not a step
-    assert collector.errors == 2
+    assert collector.errors == 1  # the event; spans are folded (and found malformed) at the step boundary
     run_steps(run, 1, 0.1)
+    assert collector.errors == 2
     assert collector.last_summary["step_seconds"] == pytest.approx(STEP, abs=1e-9)
