@@ -73,7 +73,8 @@ Finite = Annotated[float, Field(strict=True, ge=-MAX_RATIO, le=MAX_RATIO, allow_
 Ratio = Finite
 Seconds = Annotated[float, Field(strict=True, ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 SignedSeconds = Annotated[float, Field(strict=True, ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
-NonNegFinite = Annotated[float, Field(strict=True, ge=0, le=MAX_COUNT, allow_inf_nan=False)]
+NonNegFinite = Annotated[float, Field(strict=True, ge=0, lt=MAX_COUNT, allow_inf_nan=False)]
+"""Below 2**53, not up to it: an integer past it (2**53 + 1) rounds to 2**53 as a float and would pass `le`."""
 Count = Annotated[int, Field(strict=True, ge=0, le=MAX_COUNT)]
 Index = Annotated[int, Field(strict=True, ge=0, lt=MAX_PARALLEL)]
 Parallel = Annotated[int, Field(strict=True, ge=1, le=MAX_PARALLEL)]
@@ -117,7 +118,7 @@ class Gpu(_Model):
     power_watts: Annotated[float, Field(strict=True, ge=0, le=1e6, allow_inf_nan=False)] | None = None
     sm_clock_hertz: Annotated[float, Field(strict=True, ge=0, le=1e12, allow_inf_nan=False)] | None = None
     temperature_celsius: Annotated[float, Field(strict=True, ge=-300, le=1e4, allow_inf_nan=False)] | None = None
-    throttle_reasons: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # NVML's bit mask
+    throttle_reasons: Annotated[int, Field(strict=True, ge=0, lt=2**64)] | None = None  # NVML's bit mask
 
 
 MaxStep = Annotated[int, Field(strict=True, ge=0, lt=2**53)]
