@@ -102,3 +102,17 @@ def test_a_failing_skew_rule_names_the_stage_in_reason_and_evidence():
     assert "stage=1" in monitor.reason
     evidence = monitor.evidence(7)
     assert evidence["stage"] == 1 and evidence["culprit"] == {"stage": 1}
+
+
+def test_leave_one_out_medians_equal_the_median_of_the_others():
+    import random
+    import statistics
+
+    from parwatch.guardrails.attribution import leave_one_out_medians
+
+    rng = random.Random(7)
+    for n in range(12):
+        for _ in range(50):
+            values = [rng.choice([1.0, 2.0, 3.0, rng.random()]) for _ in range(n)]  # ties included
+            expected = [statistics.median(values[:i] + values[i + 1:]) if n > 1 else 0.0 for i in range(n)]
+            assert leave_one_out_medians(values) == pytest.approx(expected, abs=1e-12)
