@@ -210,6 +210,7 @@ def test_nan_scenario_rolls_back_and_completes_with_finite_losses(run_dir):
     assert_run_dir_consistent(run_dir)
 
 
+@pytest.mark.slow  # tests/dist/test_slow_attribution.py runs this scenario's trainer: skew names stage 1
 def test_straggler_scenario_records_a_stage_skew_decision(run_dir):
     out = run_demo(run_dir, "--steps", "8", "--scenario", "straggler")
     skew = [d for d in decisions(run_dir) if d["rule"] == "stage-skew"]
