@@ -7,6 +7,10 @@ it, alternating, so machine load drifts hit both alike. Reports the ratio of med
 benchmarks/collector_overhead.py), so the registry.current stores happen in both, as they do in
 production; what differs is the activity thread sampling and posting once per --interval.
 
+Also the reporter thread's own CPU (its pthread CPU clock) over the "on" blocks' wall time: the most
+it can take from the training thread through the GIL, a bound that machine noise does not blur (the
+step-time ratio on this shared 2-core machine moved between 0.94 and 1.06 from run to run).
+
     python benchmarks/activity_overhead.py --blocks 10 --steps 30 --out benchmarks/results/activity_overhead.json
 """
 
@@ -41,7 +45,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
     trainer = Trainer(cfg, rank, world)
     ctx = RunContext.for_rank("bench", rank, tp=1, pp=2, dp=1, schedule=cfg.schedule, microbatches=4)
     collector = attach(Collector(ctx))  # no endpoint: its own activity thread stays off
-    times = {"on": [], "off": []}
+    times = {"on": [], "off": [], "reporter_cpu_s": 0.0, "reporter_posts": 0, "on_wall_s": 0.0}
     trainer.boundary(BoundaryKind.START)
     for _ in range(WARMUP_STEPS):  # allocator growth, the first autograd graphs: in neither mode
         trainer.boundary(BoundaryKind.STEP, trainer.train_step())
@@ -58,6 +62,11 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
             if i:  # a block's first step follows the reporter's start or stop
                 times[mode].append(time.perf_counter() - t0)
         if reporter is not None:
+            # The reporter thread's own CPU: what it can take from the training thread (the GIL) at most.
+            clock = time.pthread_getcpuclockid(reporter._thread.ident)
+            times["reporter_cpu_s"] += time.clock_gettime(clock)
+            times["reporter_posts"] += reporter.sent
+            times["on_wall_s"] += sum(times["on"][-(steps - 1):])
             reporter.close()
     collector.close()
     return times
@@ -79,8 +88,11 @@ def main(argv=None) -> int:
                                 timeout=900)
     on = [t for r in results for t in r["on"]]
     off = [t for r in results for t in r["off"]]
+    cpu, posts, wall = (sum(r[k] for r in results) for k in ("reporter_cpu_s", "reporter_posts", "on_wall_s"))
     out = {"step_seconds_median_on": statistics.median(on), "step_seconds_median_off": statistics.median(off),
            "ratio_on_off": statistics.median(on) / statistics.median(off), "steps_on": len(on), "steps_off": len(off),
+           "reporter_posts": posts, "reporter_cpu_ms_per_post": cpu / max(posts, 1) * 1e3,
+           "reporter_cpu_share_of_on_time": cpu / wall if wall else float("nan"),
            "goal": "ratio <= 1.005"}
     for k, v in out.items():
         print(f"{k:<26} {v}")
