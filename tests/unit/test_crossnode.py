@@ -17,6 +17,7 @@ from parwatch.sidecar.models import MAX_FORWARD_HALVES, InstancesForward
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.transfer import TransferTracker
 from test_transfer import MS, ar, families, p2p, samples, summary
+from test_digest_api import _Bridge  # the node-to-leader HTTP client stand-in
 
 
 class Clock:
@@ -152,19 +153,6 @@ def _sidecar(tmp_path, name, clock, **cfg):
     sidecar = build_sidecar(config, clock=clock)
     sidecar.transfer.clock = clock
     return TestClient(create_control_app(sidecar), headers={"Authorization": "Bearer tok"}), sidecar
-
-
-class _Bridge:
-    """An httpx.AsyncClient stand-in that hands the node's posts to the leader's TestClient."""
-
-    def __init__(self, client):
-        self.client = client
-
-    async def post(self, url, content, headers):
-        return self.client.post(url.replace("http://leader", ""), content=content, headers=headers)
-
-    async def aclose(self):
-        pass
 
 
 def _ingest(client, *ranks, step):
