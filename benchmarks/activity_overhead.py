@@ -17,15 +17,18 @@ step-time ratio on this shared 2-core machine moved between 0.94 and 1.06 from r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WARMUP_STEPS = 20
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import write_json  # noqa: E402
+
+WARMUP_STEPS = 20
 
 
 def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interval_s: float, token: str) -> dict:
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     for k, v in out.items():
         print(f"{k:<26} {v}")
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
     return 0
 
 

@@ -33,8 +33,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.sidecar_load import percentile, rss_mb  # noqa: E402
+from common import write_json  # noqa: E402
 from parwatch.sidecar import synthetic as syn  # noqa: E402
 from parwatch.sidecar.process import running_sidecar  # noqa: E402
 
@@ -204,9 +206,7 @@ def main(argv=None) -> int:
     print(f"sidecar hostile input, load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for name, value, goal in rows:
         print(f"  {name:<{width}}  {value:<30} {goal}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

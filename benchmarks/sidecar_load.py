@@ -31,7 +31,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import write_json  # noqa: E402
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
 from parwatch.sidecar import synthetic as syn  # noqa: E402
@@ -337,9 +339,7 @@ def main(argv=None) -> int:
         print(f"  {name:<{width}}  {value:<{vwidth}}  {goal}")
     met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items())
     print(f"  goals met in every run: {met}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 
@@ -223,27 +223,20 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     auth = [Depends(bearer_dependency(sidecar.config.token))]
     router = APIRouter(lifespan=lifespan)
 
-    async def _json(request: Request):
-        try:
-            return from_json(await request.body())
-        except ValueError as err:
-            raise HTTPException(400, f"body is not valid JSON: {err}") from None
+    # One handler per post, run by ControlApp's fast path and by these routes (which document them).
+    handle_activity, handle_digest = _json_post(hub.activity), _json_post(hub.digest)
 
     @router.post("/v1/activity", dependencies=auth, responses={400: {}, 401: {}})
     async def activity(request: Request):
         """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
-        try:
-            return JSONResponse(hub.activity(await _json(request)))
-        except BadActivity as err:
-            raise HTTPException(400, str(err)) from None
+        status, payload = await handle_activity(await request.body())
+        return JSONResponse(payload, status_code=status)
 
     @router.post("/v1/digest", dependencies=auth, responses={400: {}, 401: {}})
     async def digest(request: Request):
         """A node sidecar's digest of its ranks (parwatch.sidecar.digest)."""
-        try:
-            return JSONResponse(hub.digest(await _json(request)))
-        except BadActivity as err:
-            raise HTTPException(400, str(err)) from None
+        status, payload = await handle_digest(await request.body())
+        return JSONResponse(payload, status_code=status)
 
     crossnode.add_route(router, sidecar, auth)  # POST /v1/instances
 
@@ -256,8 +249,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     app.include_router(router)
     fast_posts = getattr(app, "fast_posts", None)  # app.ControlApp: the hot posts skip the framework
     if fast_posts is not None:
-        fast_posts["/v1/activity"] = _json_post(hub.activity)
-        fast_posts["/v1/digest"] = _json_post(hub.digest)
+        fast_posts["/v1/activity"] = handle_activity
+        fast_posts["/v1/digest"] = handle_digest
     return hub
 
 

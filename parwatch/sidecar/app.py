@@ -319,14 +319,11 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     async def ingest(request: Request):
         """Store step summaries; answer with the directive rank 0 should apply, if any."""
         # Served by ControlApp.fast_posts; this route documents it (OpenAPI) and serves only
-        # when that entry is removed (tests hold both to the same answers).
-        body = await _validate_ingest(await request.body())
-        try:
-            return JSONResponse(await sidecar.ingest_async(body, SLICE_SECONDS))
-        except Refused as err:
-            return JSONResponse({"detail": str(err)}, status_code=err.status)
+        # when that entry is removed. Both run the one handler.
+        status, payload = await handle_ingest(await request.body())
+        return JSONResponse(payload, status_code=status)
 
-    app.fast_posts["/v1/ingest"] = _ingest_handler(sidecar)
+    handle_ingest = app.fast_posts["/v1/ingest"] = _ingest_handler(sidecar)
 
     @app.post("/v1/control", dependencies=auth,
               responses={**_AUTH, **_TOO_LARGE, **_INVALID,
