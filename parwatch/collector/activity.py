@@ -26,9 +26,11 @@ ACTIVITY_VERSION = 1
 HANG_EXIT_CODE = 75
 """Exit status of a rank the leader aborted for a hang (EX_TEMPFAIL): restart from the last checkpoint."""
 ACTIVITY_FIELDS = ("run_id", "rank", "pid", "host", "stage", "tp_rank", "dp_rank", "tp", "pp", "dp", "state",
-                   "step", "step_seconds", "kind", "op", "group", "peer", "seq", "since", "time")
+                   "step", "step_seconds", "kind", "op", "group", "peer", "seq", "since", "time", "step_end")
 """kind/op/group/peer/seq: the open span (kind null: between spans); since: wall seconds it opened;
-step: the last completed step (-1 before the first); state: "running" or "done"; time: when sampled."""
+step: the last completed step (-1 before the first); state: "running" or "done"; time: when sampled;
+step_end: wall seconds when this rank ended `step` (its step boundary; null before the first). The
+leader starts a stall's clock there, not at the report's arrival (parwatch.sidecar.hang.Progress)."""
 
 
 class ActivityReporter:
@@ -83,7 +85,8 @@ class ActivityReporter:
                   "stage": ctx.stage, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank,
                   "tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "state": state,
                   "step": int(summary.get("step", -1)), "step_seconds": summary.get("step_seconds"),
-                  "kind": None, "op": None, "group": None, "peer": None, "seq": None, "since": None, "time": now}
+                  "kind": None, "op": None, "group": None, "peer": None, "seq": None, "since": None, "time": now,
+                  "step_end": summary.get("time")}
         if span is not None:
             attrs = span.attrs
             record.update(kind=str(span.kind), op=attrs.get("op"), group=attrs.get("group"),

@@ -1,5 +1,5 @@
 """The sidecar's live-activity face: POST /v1/activity (ranks), POST /v1/digest (node sidecars to
-the leader), GET /v1/hang; and the once-a-second loop that judges liveness and hangs.
+the leader), GET /v1/hang; and the loop that judges liveness and hangs.
 
 `install(app, sidecar)` is all app.py does: it adds these routes (authenticated like /v1/ingest),
 a lifespan task for the loop, and the hang metrics to the sidecar's registry.
@@ -8,8 +8,10 @@ Every second (`ActivityHub.tick`):
 - every sidecar feeds the rank-missing rule the ranks' liveness (summaries, and a pid that
   ended), so that rule fires on time even when no rank reports any more;
 - a sidecar that is not the leader forwards its node digest to --leader-url, then the collective
-  and p2p instances that span nodes, for the leader to match (parwatch/sidecar/crossnode.py);
-- the leader (it saw rank 0) runs the hang monitor over its own ranks and every digest.
+  and p2p instances that span nodes, for the leader to match (parwatch/sidecar/crossnode.py).
+Every JUDGE_EVERY_SECONDS (0.25 s; `ActivityHub.judge`) the leader (it saw rank 0) asks the hang
+monitor whether anything is due, and only then runs it over its own ranks and every digest: the
+ask is two numbers, and asking often is what lets a hang be named within its bound.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from parwatch.collector.activity import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report
-from parwatch.sidecar.hang import HangMetrics, HangMonitor, HangSettings
+from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
+"""Liveness, forwarding and cross-node expiry: once a second (a digest per node per second)."""
 _STATE_NAMES = {v: k for k, v in RANK_STATES.items()}
 
 
@@ -62,6 +65,7 @@ class ActivityHub:
         self._http = http
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         self._forward_failed = False
+        self._idle_due = False  # due, judged, nothing decided: re-judged once a second, not at every ask
         self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
             if self.leader_url else None
 
@@ -111,6 +115,7 @@ class ActivityHub:
         return rows
 
     async def tick(self) -> list[dict]:
+        """Once a second: liveness, cross-node expiry, forwarding (not the leader) or a judgement (the leader)."""
         self._feed_liveness()
         self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
@@ -120,15 +125,25 @@ class ActivityHub:
         if not self.is_leader:
             await self._forward()
             return []
+        return self.judge(full=True)
+
+    def judge(self, full: bool = False) -> list[dict]:
+        """The leader's hang and crash judgement, every JUDGE_EVERY_SECONDS (full: the once-a-second tick)."""
+        if not self.is_leader:
+            return []
         local = self.book.rows()  # this node's ranks: a handful, pids checked
         gone = bool(self.view.gone - self.monitor.gone_reported) or any(
             a.state == "gone" and r not in self.monitor.gone_reported for r, a in local.items())
         paused = self.sidecar.engine.paused
         if not self.monitor.due(paused, gone):
+            self._idle_due = False
             return []
+        if self._idle_due and not full and not gone:
+            return []  # a stale picture or a crashed run: the whole picture once a second is enough
         rows = self.view.rows()
         rows.update(local)
         records = self.monitor.check(rows, paused=paused)
+        self._idle_due = not records
         for record in records:
             if record.get("rule") == "hang":
                 self._act_on_hang(record)
@@ -271,9 +286,17 @@ def _json_post(handle):
 
 
 async def _loop(hub: ActivityHub) -> None:
+    """tick() once a second; judge() at the asks between (the leader's hang test, JUDGE_EVERY_SECONDS)."""
+    loop = asyncio.get_running_loop()
+    next_tick = loop.time() + TICK_SECONDS
     while True:
-        await asyncio.sleep(TICK_SECONDS)
+        await asyncio.sleep(JUDGE_EVERY_SECONDS)
         try:
-            await hub.tick()
+            now = loop.time()
+            if now >= next_tick - JUDGE_EVERY_SECONDS / 2:  # the half: sleep overshoot must not make it 1.25 s
+                next_tick = max(next_tick + TICK_SECONDS, now + TICK_SECONDS / 2)
+                await hub.tick()
+            else:
+                hub.judge()
         except Exception:  # one bad tick must not end hang detection
             log.exception("activity tick failed")

@@ -14,6 +14,7 @@ independent of the blocked training thread), so a hang reads as `running` with t
 Digest body (POST /v1/digest), one per node per second:
   {"version": 1, "node": NAME, "run_id": ID, "time": T, "layout": [tp, pp, dp],
    "rows": [[...ACTIVITY_ROW fields in order...], ...]}
+(a node of an older version sends rows without the last field, step_end: read as null.)
 The reply may carry {"signal": [pid, ...]}: the leader asks this node to signal (SIGUSR1) its
 culprit for a stack dump.
 """
@@ -26,6 +27,7 @@ import socket
 from typing import Callable
 
 from parwatch.sidecar.hang import ACTIVITY_ROW, Activity, Layout
+from parwatch.sidecar.models import MAX_TIME
 
 DIGEST_VERSION = 1
 _INT_FIELDS = ("rank", "step", "pid", "stage", "tp_rank", "dp_rank")
@@ -59,6 +61,7 @@ def activity_from_report(report: dict) -> tuple[Activity, Layout, str]:
             raise BadActivity(f"activity.state must be running or done, got {values['state']!r}")
         values["host"] = str(values["host"] or "")
         values["time"] = float(values["time"] or 0.0)
+        values["step_end"] = _wall_time_or_none(values["step_end"])
         for f in ("since", "step_seconds"):
             values[f] = None if values[f] is None else float(values[f])
         for f in ("peer", "seq"):
@@ -71,6 +74,16 @@ def activity_from_report(report: dict) -> tuple[Activity, Layout, str]:
     if min(layout.tp, layout.pp, layout.dp) < 1 or not 0 <= values["rank"] < layout.world:
         raise BadActivity(f"activity.rank={values['rank']} is outside the layout tp*pp*dp={layout.world}")
     return Activity(**values), layout, str(report.get("run_id") or "")
+
+
+def _wall_time_or_none(x) -> float | None:
+    """activity.step_end: null, or a unix time in [0, MAX_TIME] (the hang clock starts there)."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_TIME:
+        raise BadActivity(f"activity.step_end must be null or a unix time in seconds (0..{MAX_TIME:g}), "
+                          f"got {x!r}; send the wall time the rank ended `step`")
+    return float(x)
 
 
 class NodeBook:
@@ -139,7 +152,7 @@ class LeaderView:
             raise BadActivity("digest.node must be a non-empty string (the sending node's name)")
         try:
             tp, pp, dp = (int(x) for x in body["layout"])
-            rows = [Activity._make(r) for r in body["rows"]]
+            rows = [Activity(*r) for r in body["rows"]]  # step_end, the last field, may be absent (older node)
         except (KeyError, TypeError, ValueError) as err:
             raise BadActivity(f"digest.layout must be [tp, pp, dp] and digest.rows lists of the "
                               f"{len(ACTIVITY_ROW)} fields {', '.join(ACTIVITY_ROW)} ({err})") from None

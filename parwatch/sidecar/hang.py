@@ -8,6 +8,12 @@ earlier one). Following those edges ends at ranks that wait for nobody: the one 
 (transitively) wait for is the culprit. A rank whose process ended is a crash (`rank-gone`), told
 apart from a hang (alive, activity still arriving, the same span open).
 
+Timing: the stall is timed from when the ranks ended the last step boundary (their wall clock,
+carried as `step_end` in the activity, mapped onto the leader's clock and clamped by the report's
+arrival: `Progress.boundary_time`), not from when the leader heard of it (up to ~2 s later). The
+leader asks every JUDGE_EVERY_SECONDS whether the stall passed the bound (two numbers) and decides
+at bound - JUDGE_EVERY_SECONDS, so the hang is named at or before the bound after the stall began.
+
 Pure analysis (`find_culprit`, `Progress`) is separate from the leader's state machine
 (`HangMonitor`), which records decisions through the guardrail engine and keeps the states the
 metrics export (`HangMetrics`: parwatch_hang_detected, parwatch_rank_state{rank}).
@@ -15,6 +21,7 @@ metrics export (`HangMetrics`: parwatch_hang_detected, parwatch_rank_state{rank}
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +36,13 @@ STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
 CLOCK_SKEW_SECONDS = 1.0
 """Ranks' wall clocks and the leader's may disagree by this much (NTP keeps them far closer)."""
+MAX_REPORT_LATENCY_SECONDS = 2.0
+"""Longest a rank's activity sample takes to reach the leader: it waits up to one digest tick (1 s)
+at its node's sidecar, then an HTTP post; 1 s of margin. It bounds how far a rank's clock can move
+a stall's start (Progress.boundary_time)."""
+JUDGE_EVERY_SECONDS = 0.25
+"""The leader tests for a stall this often (two numbers; the whole picture only when due), and
+decides once stalled >= bound - JUDGE_EVERY_SECONDS: the decision lands at or before the bound."""
 MAX_WAITING_LISTED = 64
 """evidence.waiting lists at most this many ranks (waiting_count has them all)."""
 
@@ -52,6 +66,7 @@ class Activity(NamedTuple):
     tp_rank: int
     dp_rank: int
     time: float  # when the rank sampled it (wall clock)
+    step_end: float | None = None  # when the rank ended `step` (its wall clock); absent in older rows
 
 
 ACTIVITY_ROW = Activity._fields
@@ -185,26 +200,61 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
     return {"culprit": culprit, "waiting": sorted(reached), "missing": missing, "method": "dependency"}
 
 
+def _seconds_or_none(x) -> float | None:
+    """A finite number as float, else None: digest rows are not validated field by field (their
+    cost at 2,048 digests/s), so a value the stall clock uses is checked where it is used."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+        return float(x)
+    return None
+
+
 class Progress:
-    """When the run last crossed a step boundary, and the bound a hang must exceed."""
+    """When the run last crossed a step boundary (on the leader's clock), and the bound a hang must exceed."""
 
     def __init__(self, settings: HangSettings, window: int = 64):
         self.settings = settings
         self.step = -1
         self.time: float | None = None
+        """The stall's start: when the newest step's boundary ended, on the leader's clock (boundary_time)."""
         self.sampled: float | None = None
         """The ranks' wall clock when the newest step was first seen: reports older than this predate the stall."""
         self._seconds: deque = deque(maxlen=window)
 
-    def observe(self, step: int, step_seconds: float | None, now: float, sampled: float | None = None) -> None:
-        """now: the leader's clock at arrival; sampled: the rank's wall clock when it sampled the step."""
+    def observe(self, step: int, step_seconds: float | None, now: float, sampled: float | None = None,
+                step_end: float | None = None) -> None:
+        """now: the leader's clock at arrival; sampled: the rank's wall clock when it sampled the step;
+        step_end: the rank's wall clock when it ended that step (its boundary)."""
         if self.time is None:
             self.time = now  # the clock starts at the first report: startup counts towards the bound
         if step > self.step:
-            self.step, self.time = step, now
+            self.step = step
+            sampled = _seconds_or_none(sampled)
+            self.time = max(self.time, self.boundary_time(now, sampled, _seconds_or_none(step_end)))
             self.sampled = sampled if sampled is not None else now
             if step_seconds is not None and step_seconds > 0:
                 self._seconds.append(float(step_seconds))
+
+    @staticmethod
+    def boundary_time(now: float, sampled: float | None, step_end: float | None) -> float:
+        """When the step boundary ended, on the leader's clock, from a report that arrived at `now`.
+
+        The rank's own clock says when it ended the step (step_end) and how old that was when it
+        sampled the report (sampled - step_end: one clock, so no skew in it). The report was
+        sampled before it arrived and at most MAX_REPORT_LATENCY_SECONDS earlier, so the boundary
+        lies in [now - age - MAX_REPORT_LATENCY_SECONDS, now - age]. Within that window the rank's
+        clock is taken as the leader's (NTP keeps them milliseconds apart); a rank whose clock is
+        skewed is clamped to the window's edge: a clock behind can start the stall at most
+        MAX_REPORT_LATENCY_SECONDS early, one ahead at most the report's transit late (~1 s) —
+        never a hang out of nothing, never one named a skew's worth late.
+        Without step_end (an older collector) the sample time stands in for it (age 0); without
+        either, the arrival.
+        """
+        if sampled is None:
+            return now
+        if step_end is None:
+            step_end = sampled
+        latest = now - max(sampled - step_end, 0.0)
+        return min(max(step_end, latest - MAX_REPORT_LATENCY_SECONDS), latest)
 
     def median_step_seconds(self) -> float | None:
         return statistics.median(self._seconds) if self._seconds else None
@@ -255,15 +305,18 @@ def _missing_text(missing: dict | None) -> str:
 
 
 class HangMonitor:
-    """The leader's hang/crash judgement, asked every second (`check`).
+    """The leader's hang/crash judgement: `due` asked every `every` seconds, `check` when due.
 
     engine: has record_finding(rule, action, reason, evidence, step) -> decision record.
+    every: how often the leader asks; a hang is decided at stalled >= bound - every, so that the
+    decision lands at or before the bound after the stall began.
     """
 
-    def __init__(self, settings: HangSettings, engine, clock):
+    def __init__(self, settings: HangSettings, engine, clock, every: float = JUDGE_EVERY_SECONDS):
         self.settings = settings
         self.engine = engine
         self.clock = clock
+        self.every = every
         self.progress = Progress(settings)
         self.layout: Layout | None = None
         self.hang: dict | None = None
@@ -277,7 +330,7 @@ class HangMonitor:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout
         if a.state == "running":
-            self.progress.observe(a.step, a.step_seconds, now, a.time)
+            self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end)
             if self.hang is not None and a.step > self.hang["step_at"]:
                 self.hang = None  # boundaries again: the episode is over
 
@@ -293,7 +346,11 @@ class HangMonitor:
         not yet recorded. The leader builds the whole picture (every rank) only then."""
         if gone_hint:
             return True
-        return not paused and self.hang is None and self.progress.stalled_for(self.clock()) >= self.progress.bound()
+        return not paused and self.hang is None and self.stalled_past_bound(self.progress.stalled_for(self.clock()))
+
+    def stalled_past_bound(self, stalled: float) -> bool:
+        """Past the bound by the time the next ask would come: decide now, not up to `every` late."""
+        return stalled >= self.progress.bound() - self.every
 
     def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
         now = self.clock()
@@ -324,12 +381,13 @@ class HangMonitor:
         # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
         # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
         stale, fresh_after = 0, None
-        if self.progress.sampled is not None and stalled >= bound:
+        past = self.stalled_past_bound(stalled)
+        if self.progress.sampled is not None and past:
             fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
             stale = sum(1 for a in rows.values() if a.state == "running" and a.time < fresh_after)
         if stale and stalled < 2 * bound:
             return records
-        if not paused and not crashed and stalled >= bound and self.layout is not None and rows:
+        if not paused and not crashed and past and self.layout is not None and rows:
             found = find_culprit(rows, self.layout, fresh_after)
             if found is not None:
                 rank = found["culprit"]
@@ -343,6 +401,7 @@ class HangMonitor:
                     evidence = {"culprit": culprit, "waiting": waiting[:MAX_WAITING_LISTED],
                                 "waiting_count": len(waiting), "missing": found["missing"],
                                 "method": found["method"], "stalled_seconds": round(stalled, 3),
+                                "stalled_since": self.progress.time,
                                 "bound_seconds": round(bound, 3),
                                 "median_step_seconds": self.progress.median_step_seconds(),
                                 "last_step": self.progress.step, "stale_ranks": stale}
