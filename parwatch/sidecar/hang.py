@@ -227,9 +227,11 @@ class Progress:
         if self.time is None:
             self.time = now  # the clock starts at the first report: startup counts towards the bound
         if step > self.step:
-            self.step = step
             sampled = _seconds_or_none(sampled)
-            self.time = max(self.time, self.boundary_time(now, sampled, _seconds_or_none(step_end)))
+            start = self.boundary_time(now, sampled, _seconds_or_none(step_end))
+            # A later step's boundary is not earlier than the one before (a clock stepped back, a clamp).
+            self.time = max(self.time, start) if self.step >= 0 else start
+            self.step = step
             self.sampled = sampled if sampled is not None else now
             if step_seconds is not None and step_seconds > 0:
                 self._seconds.append(float(step_seconds))

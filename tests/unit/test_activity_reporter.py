@@ -59,6 +59,7 @@ def test_snapshot_names_the_open_span_and_since_when():
                            summary_fn=lambda: {"step": 41, "step_seconds": 0.25}, pid=4242)
     idle = rep.snapshot()
     assert set(idle) == set(ACTIVITY_FIELDS) and idle["kind"] is None and idle["step"] == 41
+    assert idle["step_end"] is None  # this summary has no time: the leader falls back on the sample's
     with reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", seq=17) as span:
         span.start = now_ns[0] - 2_500_000_000  # opened 2.5 s ago
         a = rep.snapshot()
@@ -128,3 +129,13 @@ def test_hang_fault_specs():
     f.begin_step(5)
     assert f.hang_due("collective") and not f.hang_due("compute")
     assert not Faults([parse_fault("hang:rank=1,step=5")], rank=0, stage=0).hang_due("compute")
+
+
+def test_snapshot_carries_when_the_step_ended():
+    """step_end is the summary's time: the rank's wall clock at its step boundary, where the leader
+    starts a stall's clock (parwatch.sidecar.hang.Progress.boundary_time)."""
+    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), "http://x", time_fn=lambda: 500.9,
+                           summary_fn=lambda: {"step": 7, "step_seconds": 0.25, "time": 500.125})
+    a = rep.snapshot()
+    assert (a["step"], a["step_end"], a["time"]) == (7, 500.125, 500.9)
+    assert rep.snapshot()["step_end"] <= a["time"]

@@ -48,6 +48,44 @@ def test_activity_needs_the_token_and_names_bad_fields(tmp_path):
     assert client.post("/v1/activity", json=report(1)).json() == {"ok": True}
     r = client.post("/v1/digest", json={"version": 1, "node": "", "layout": [1, 1, 1], "rows": []})
     assert r.status_code == 400 and "digest.node" in r.json()["detail"]
+    for bad_end in ("soon", -1.0, 1e300, True):
+        r = client.post("/v1/activity", json=report(1, step_end=bad_end))
+        assert r.status_code == 400 and "activity.step_end" in r.json()["detail"], (bad_end, r.text)
+    assert client.post("/v1/activity", json=report(1, step_end=999.5)).json() == {"ok": True}
+    assert sidecar.activity.book.rows()[1].step_end == 999.5
+
+
+def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_path):
+    """The stall is timed from when the ranks ended the last step (activity.step_end), not from when
+    the leader heard of it: here 1.6 s later, through a node whose digest carries older 16-field rows."""
+    leader, lsc, clock = _client(tmp_path, "leader")
+    hub = lsc.activity
+    for step in (1, 2, 3):
+        clock.t += 1
+        leader.post("/v1/activity", json=report(0, step=step, kind="forward", host="leader-host",
+                                                time=clock.t - 0.6, step_end=clock.t - 1.6))
+    boundary = clock.t - 1.6
+
+    def reports():  # once a second, as the ranks and the node do while rank 1 hangs
+        old_row = [1, "running", "forward", None, None, None, None, boundary + 0.01, 3, 0.1, 10_001, "node-b",
+                   1, 0, 0, clock.t]  # a node sidecar of the previous version: no step_end
+        assert leader.post("/v1/digest", json={"version": 1, "node": "node-b:9401", "run_id": "r1", "time": clock.t,
+                                               "layout": [1, 2, 1], "rows": [old_row]}).json() == {"ok": True}
+        leader.post("/v1/activity", json=report(0, step=3, kind="recv", peer=1, op="recv", group="pp",
+                                                host="leader-host", time=clock.t, step_end=boundary))
+
+    reports()
+    assert hub.status()["stalled_seconds"] == pytest.approx(1.6)
+    decided = None
+    while decided is None and clock.t < boundary + 12:
+        clock.t += 0.25  # the asks between ticks: judge(), as the loop does every JUDGE_EVERY_SECONDS
+        if clock.t % 1.0 == 0.0:
+            reports()
+        for record in hub.judge():
+            decided = record
+    assert decided is not None and decided["rule"] == "hang" and decided["evidence"]["culprit"]["rank"] == 1
+    assert decided["evidence"]["culprit"]["host"] == "node-b"
+    assert 10.0 - 0.25 <= clock.t - boundary <= 10.0  # within the bound of the boundary, at most one ask early
 
 
 def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):

@@ -4,7 +4,8 @@ naming one hung rank among 16,384 simulated ranks from node digests."""
 import pytest
 
 from parwatch.sidecar.digest import LeaderView, NodeBook
-from parwatch.sidecar.hang import Activity, HangMonitor, HangSettings, Layout, Progress, find_culprit
+from parwatch.sidecar.hang import (JUDGE_EVERY_SECONDS, MAX_REPORT_LATENCY_SECONDS, Activity, HangMonitor,
+                                   HangSettings, Layout, Progress, find_culprit)
 
 
 def act(rank, layout, kind=None, op=None, group=None, peer=None, seq=None, step=4, state="running", since=100.0,
@@ -240,3 +241,90 @@ def test_between_equal_sinks_the_one_reporting_after_the_stall_is_named():
             2: act(2, lay, "boundary", "all_reduce", "world", time=95.0)}
     assert find_culprit(rows, lay)["culprit"] == 0  # without timing, the oldest span wins the tie
     assert find_culprit(rows, lay, fresh_after=90.0)["culprit"] == 1
+
+
+# --------------------------------------------------------------------------- when the stall began
+
+def test_stall_starts_at_the_ranks_step_boundary_not_at_the_reports_arrival():
+    p = Progress(HangSettings())
+    # Step 7 ended at 100.0 on the rank; sampled at 100.8; the digest reached the leader at 101.5.
+    p.observe(7, 0.5, now=101.5, sampled=100.8, step_end=100.0)
+    assert p.time == pytest.approx(100.0) and p.sampled == 100.8
+    assert p.stalled_for(110.0) == pytest.approx(10.0)  # not 8.5 (timed from the arrival)
+
+
+@pytest.mark.parametrize("skew", [-30.0, -5.0, -1.0, 0.0, 1.0, 5.0, 30.0, 3600.0])
+def test_a_skewed_rank_clock_moves_the_stall_start_by_at_most_the_report_latency(skew):
+    """The boundary truly ended at 100.0 (leader's clock); the rank's clock reads `skew` more; its
+    sample was taken 0.8 s later and reached the leader 0.3 s after that."""
+    true_end, age, transit = 100.0, 0.8, 0.3
+    arrival = true_end + age + transit
+    start = Progress.boundary_time(arrival, sampled=true_end + age + skew, step_end=true_end + skew)
+    assert start <= arrival - age  # never after the sample was taken: a clock ahead cannot delay the hang...
+    assert start >= true_end - MAX_REPORT_LATENCY_SECONDS  # ...and one behind starts it at most this early
+    if abs(skew) <= transit:
+        assert start == pytest.approx(true_end + skew)  # within the window the rank's clock is believed
+    if skew > 0:
+        assert start - true_end <= transit + 1e-9  # late by at most the transit
+    if skew < 0:
+        assert true_end - start <= MAX_REPORT_LATENCY_SECONDS - transit + 1e-9
+
+
+def test_stall_start_without_step_end_or_time():
+    assert Progress.boundary_time(50.0, sampled=None, step_end=None) == 50.0  # nothing known: the arrival
+    assert Progress.boundary_time(50.0, sampled=49.5, step_end=None) == 49.5  # an older collector: its sample
+    assert Progress.boundary_time(50.0, sampled=1e10, step_end=None) == 50.0  # a clock far ahead: clamped
+    assert Progress.boundary_time(50.0, sampled=0.0, step_end=None) == 50.0 - MAX_REPORT_LATENCY_SECONDS
+    p = Progress(HangSettings())
+    p.observe(3, 0.1, now=50.0, sampled="garbage", step_end=float("nan"))  # unvalidated digest fields
+    assert p.time == 50.0
+
+
+def test_stall_start_never_goes_back_to_an_earlier_step():
+    p = Progress(HangSettings())
+    p.observe(1, 0.1, now=10.0, sampled=10.0, step_end=10.0)
+    p.observe(2, 0.1, now=11.0, sampled=11.0, step_end=5.0)  # a clock stepped back between steps
+    assert p.time == 10.0 and p.step == 2
+
+
+def _stalled_monitor(step_end_skew):
+    """Steps 1..5 of 1 s each, reported by a rank whose clock reads `step_end_skew` more than the
+    leader's, 0.5 s after its boundary (sample) + 0.5 s transit; then rank 1 hangs in its forward."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 6):
+        clock.t += 1.0
+        end = clock.t - 1.0  # the boundary ended 1 s before the report arrived
+        monitor.observe(act(0, lay, "forward", step=step, time=end + 0.5 + step_end_skew)._replace(
+            step_end=end + step_end_skew), lay, clock.t)
+    boundary = clock.t - 1.0
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t + step_end_skew),
+            1: act(1, lay, "forward", step=5, since=boundary + 0.01, time=clock.t + step_end_skew)}
+    return monitor, clock, engine, rows, boundary
+
+
+def test_hang_is_decided_at_the_bound_minus_one_ask_after_the_boundary():
+    monitor, clock, engine, rows, boundary = _stalled_monitor(0.0)
+    every = monitor.every
+    assert every == JUDGE_EVERY_SECONDS == 0.25
+    clock.t = boundary + 10.0 - every - 0.01
+    assert not monitor.due(gone_hint=False) and monitor.check(rows) == []
+    clock.t = boundary + 10.0 - every
+    assert monitor.due(gone_hint=False)
+    [record] = monitor.check(rows)
+    assert record["evidence"]["culprit"]["rank"] == 1
+    assert record["evidence"]["stalled_since"] == pytest.approx(boundary)
+    assert record["evidence"]["stalled_seconds"] == pytest.approx(10.0 - every)
+    assert record["evidence"]["bound_seconds"] == 10.0
+
+
+@pytest.mark.parametrize("skew", [-60.0, 60.0])
+def test_a_rank_clock_a_minute_off_neither_fakes_nor_delays_a_hang_past_the_report_latency(skew):
+    monitor, clock, engine, rows, boundary = _stalled_monitor(skew)
+    start = monitor.progress.time
+    assert boundary - MAX_REPORT_LATENCY_SECONDS <= start <= boundary + 0.5 + 1e-9
+    clock.t = start + 10.0 - monitor.every - 0.01
+    assert monitor.check(rows) == []
+    clock.t = start + 10.0 - monitor.every
+    [record] = monitor.check(rows)
+    assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
