@@ -137,5 +137,9 @@ class Faults:
         if self.hang_due(where):
             import logging
 
-            logging.getLogger("trainer").error("rank %d: injected hang (%s) at step %d", self.rank, where, self._step)
+            import time
+
+            # The wall time it blocks: tests and benchmarks time the leader's decision from here.
+            logging.getLogger("trainer").error("rank %d: injected hang (%s) at step %d, blocking at %.3f",
+                                               self.rank, where, self._step, time.time())
             threading.Event().wait()  # releases the GIL: the collector's threads keep reporting

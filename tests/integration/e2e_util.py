@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,13 @@ class TrainerRun:
     def output(self) -> str:
         path = self.run_dir / "trainer.out"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def hang_blocked_at(self) -> float | None:
+        """The wall time an injected hang blocked its rank (trainer.faults logs it), None before it did."""
+        path = self.run_dir / "trainer.out"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        match = re.search(r"injected hang \(\w+\) at step \d+, blocking at ([0-9.]+)", text)
+        return float(match.group(1)) if match else None
 
     def summaries(self, rank: int | None = None) -> list[dict]:
         """Step summaries the collectors wrote (--parwatch-log), of one rank or all."""
