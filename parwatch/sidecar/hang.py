@@ -352,7 +352,8 @@ class HangMonitor:
 
     def stalled_past_bound(self, stalled: float) -> bool:
         """Past the bound by the time the next ask would come: decide now, not up to `every` late."""
-        return stalled >= self.progress.bound() - self.every
+        bound = self.progress.bound()
+        return stalled >= bound - min(self.every, bound / 2)  # a bound of a fraction of a second: half of it
 
     def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
         now = self.clock()
