@@ -1,6 +1,7 @@
 """Fault injection: `--inject KIND:key=value,...`, repeatable.
 
     straggler:stage=1,ms=30[,from_step=3]   extra time per microbatch forward on that stage
+    straggler:rank=0,ms=30                  ... on that rank only (stage and rank together: both must match)
     nan:step=5                              the loss of that step becomes NaN (once per process:
                                             a transient fault; a rollback that replays step 5 is clean)
     slow-collective:group=tp,ms=5           extra latency on every collective of that group
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from trainer.errors import ConfigError
 
 _SPECS = {
-    "straggler": {"stage": int, "ms": float, "from_step": int},
+    "straggler": {"stage": int, "ms": float, "from_step": int, "rank": int},
     "nan": {"step": int},
     "slow-collective": {"group": str, "ms": float},
     "crash": {"rank": int, "step": int},
@@ -32,7 +33,7 @@ _SPECS = {
     "slow-data": {"rank": int, "ms": float},
     "hang": {"rank": int, "step": int, "where": str},
 }
-_REQUIRED = {"straggler": {"stage", "ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
+_REQUIRED = {"straggler": {"ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
              "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"}, "hang": {"rank", "step"}}
 _EXAMPLE = ("straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
             " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective")
@@ -64,6 +65,8 @@ def parse_fault(spec: str) -> Fault:
     missing = _REQUIRED[kind] - params.keys()
     if missing:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}; e.g. {_EXAMPLE}")
+    if kind == "straggler" and "stage" not in params and "rank" not in params:
+        raise ConfigError(f"--inject {spec!r}: missing stage (or rank); e.g. straggler:stage=1,ms=30")
     if kind == "slow-collective" and params["group"] not in ("tp", "pp", "dp"):
         raise ConfigError(f"--inject {spec!r}: group must be tp, pp or dp")
     if kind == "slow-link" and params["src"] == params["dst"]:
@@ -93,7 +96,8 @@ class Faults:
         return sum(
             f.params["ms"]
             for f in self.faults
-            if f.kind == "straggler" and f.params["stage"] == self.stage and step >= f.params.get("from_step", 1)
+            if f.kind == "straggler" and f.params.get("stage", self.stage) == self.stage
+            and f.params.get("rank", self.rank) == self.rank and step >= f.params.get("from_step", 1)
         )
 
     def nan_now(self, step: int) -> bool:

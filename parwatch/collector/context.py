@@ -9,6 +9,7 @@ stages, then DP outermost: rank = dp_rank * pp * tp + stage * tp + tp_rank).
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -17,6 +18,24 @@ import re
 from parwatch.schema import bubble_theoretical_ratio
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+HOST_ENV = "PARWATCH_HOST"
+"""Overrides the host a rank reports (and its node's sidecar takes as its own host)."""
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,252}$")
+
+
+def host_identity() -> str:
+    """The physical host this process runs on: $PARWATCH_HOST when set, else the hostname.
+
+    Host contention is judged by host (parwatch.guardrails.attribution). In Kubernetes a container's
+    hostname is its pod's name, so two pods of one node would read as two hosts and their contention
+    would never show: the Helm chart sets PARWATCH_HOST from the downward API (spec.nodeName)."""
+    value = os.environ.get(HOST_ENV, "").strip()
+    if not value:
+        return socket.gethostname()
+    if not _HOST_NAME.match(value):
+        raise ValueError(f"${HOST_ENV}={value!r} must be a host name (letters, digits, '.', '-', '_', ':'; "
+                         f"at most 253), e.g. the node's name; unset it to use the hostname")
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,8 +69,8 @@ class RunContext:
     """Tokens the whole run (all DP replicas) consumes per optimizer step; 0 if unknown."""
     local_gpu: int | None = None
     """CUDA device index this rank uses, or None on CPU (no NVML, no CUDA clock)."""
-    hostname: str = field(default_factory=socket.gethostname)
-    """Host this rank runs on: ranks of one host share a span time origin."""
+    hostname: str = field(default_factory=host_identity)
+    """Host this rank runs on ($PARWATCH_HOST, else the hostname): host contention is judged by it."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "dp", "microbatches", "chunks"):
@@ -112,7 +131,7 @@ class RunContext:
             chunks=chunks,
             tokens_per_step=tokens_per_step,
             local_gpu=local_gpu,
-            hostname=hostname if hostname is not None else socket.gethostname(),
+            hostname=hostname if hostname is not None else host_identity(),
         )
 
     @property

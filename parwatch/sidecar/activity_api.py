@@ -30,6 +30,7 @@ from pydantic_core import from_json
 
 from parwatch.catalog import RANK_STATES
 from parwatch.collector.activity import HANG_EXIT_CODE
+from parwatch.collector.context import host_identity
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report
@@ -48,8 +49,10 @@ class ActivityHub:
         cfg = sidecar.config
         self.sidecar = sidecar
         self.clock = sidecar.clock
-        self.hostname = hostname or socket.gethostname()
-        self.node = f"{self.hostname}:{cfg.control_listen.port}"
+        self.hostname = hostname or host_identity()
+        """This node's host, as its ranks report it ($PARWATCH_HOST): theirs are the pids it can check."""
+        self.node = f"{socket.gethostname()}:{cfg.control_listen.port}"
+        """This sidecar's name at the leader: its own hostname (a pod's name: unique where the host is shared)."""
         self.book = NodeBook(self.clock, cfg.activity_silent_seconds, self.hostname)
         self.view = LeaderView(self.clock)
         self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks,

@@ -264,6 +264,16 @@ def test_control_stays_on_loopback_behind_a_generated_token(rendered):
         assert {"name": "PARWATCH_ENDPOINT", "value": "http://127.0.0.1:9401"} in trainer["env"]
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_trainer_and_sidecar_report_the_node_as_their_host(rendered, config):
+    """A container's hostname is its pod's name: without this two pods of one node read as two hosts,
+    and host contention (parwatch.guardrails.attribution) never shows."""
+    node_name = {"name": "PARWATCH_HOST", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    for where, pod in pod_specs(rendered[config]):
+        assert node_name in container(pod, "parwatch-sidecar", init=True)["env"], where
+        assert node_name in pod["spec"]["containers"][0]["env"], where
+
+
 def test_own_trainer_gets_the_endpoint_by_environment_only(helm):
     docs = render(helm, sets=["training.parwatchArgs=false", "training.module=mytrain.main"])
     (job,) = of_kind(docs, "Job")

@@ -139,3 +139,35 @@ def test_snapshot_carries_when_the_step_ended():
     a = rep.snapshot()
     assert (a["step"], a["step_end"], a["time"]) == (7, 500.125, 500.9)
     assert rep.snapshot()["step_end"] <= a["time"]
+
+
+def test_parwatch_host_overrides_the_host_a_rank_reports(monkeypatch):
+    """Kubernetes: a container's hostname is its pod's name; $PARWATCH_HOST (the chart sets it from
+    spec.nodeName) makes two pods of one node one host, for host-contention attribution."""
+    import socket
+
+    from parwatch.collector.context import host_identity
+
+    monkeypatch.delenv("PARWATCH_HOST", raising=False)
+    assert host_identity() == socket.gethostname()
+    monkeypatch.setenv("PARWATCH_HOST", " gpu-node-17 ")
+    assert host_identity() == "gpu-node-17"
+    ctx = RunContext.for_rank("run-1", 0, tp=1, pp=2, dp=1, schedule="1f1b", microbatches=4)
+    assert ctx.hostname == "gpu-node-17"
+    rep = ActivityReporter(ctx, hooks.HookRegistry(), "http://x")
+    assert rep.snapshot()["host"] == "gpu-node-17"
+    monkeypatch.setenv("PARWATCH_HOST", "two words")
+    with pytest.raises(ValueError, match=r"\$PARWATCH_HOST='two words' must be a host name"):
+        host_identity()
+
+
+def test_straggler_by_rank():
+    f = parse_fault("straggler:rank=2,ms=20")
+    assert f.params == {"rank": 2, "ms": 20.0}
+    assert Faults([f], rank=2, stage=1).straggler_ms(1) == 20.0
+    assert Faults([f], rank=3, stage=1).straggler_ms(1) == 0.0
+    both = parse_fault("straggler:stage=1,rank=2,ms=5")
+    assert Faults([both], rank=2, stage=0).straggler_ms(1) == 0.0  # both must match
+    assert Faults([parse_fault("straggler:stage=1,ms=5")], rank=7, stage=1).straggler_ms(1) == 5.0
+    with pytest.raises(ConfigError, match="missing stage"):
+        parse_fault("straggler:ms=5")

@@ -34,6 +34,12 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
       value: {{ $s.stateDir.mountPath | quote }}
     - name: TMPDIR
       value: {{ $s.stateDir.mountPath | quote }}
+    # The node, not the pod: the ranks report it as their host (the same variable, below), and this
+    # sidecar checks the pids of the ranks of its host.
+    - name: PARWATCH_HOST
+      valueFrom:
+        fieldRef:
+          fieldPath: spec.nodeName
     # The control token by environment, not as a mounted file: the sidecar refuses a token file
     # that group or others can read, and fsGroup makes mounted Secret files group-readable.
     # `parwatch status` in this container reads it too.
@@ -118,6 +124,12 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
     # The same endpoint for trainers of your own and for `parwatch status` in this container.
     - name: PARWATCH_ENDPOINT
       value: {{ include "parwatch.controlEndpoint" $ | quote }}
+    # The host the ranks report: the node's name, not the pod's (a container's hostname), so that
+    # two pods of one node read as one host and their contention shows (docs/deploy.md).
+    - name: PARWATCH_HOST
+      valueFrom:
+        fieldRef:
+          fieldPath: spec.nodeName
     {{- if include "parwatch.tokenEnabled" $ }}
     - name: PARWATCH_TOKEN_FILE
       value: "{{ include "parwatch.tokenDir" $ }}/token"
