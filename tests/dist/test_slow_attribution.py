@@ -10,6 +10,13 @@ decisions carry the attribution's cause and place in evidence.culprit:
     slow-link:src=0,dst=2,ms=30    slow-link 0 -> 2 (sends leave 30 ms late; compute unchanged)
     slow-data:rank=0,ms=15         slow-data on rank 0 (its data-fetch spans, outside the forward)
 
+Host contention needs ranks on two hosts: two torchrun launchers on this machine, each with its own
+$PARWATCH_HOST (`e2e_util.run_on_hosts`), PP2 x DP2 so each host holds one whole replica:
+
+    host-a (ranks 0, 1): straggler:rank=0 and rank=1 (compute), slow-link 0 -> 1 and 1 -> 0
+                         (the transfers inside the host)       -> host-contention on host-a
+    host-a: straggler:rank=0 alone                             -> slow-compute (stage 0), no contention
+
 A compute straggler must not fire a link or collective rule (its peers' lateness is wait, not
 transfer); the demo's straggler scenario (real compute, stage 1 slowed mid-run) is checked the
 same way; and 200 healthy steps produce no straggler finding at all.
@@ -17,6 +24,7 @@ same way; and 200 healthy steps produce no straggler finding at all.
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 
@@ -27,7 +35,8 @@ from parwatch.guardrails.rules import default_rules
 from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.process import running_sidecar
 from parwatch.sidecar.transfer import TransferTracker
-from tests.integration.e2e_util import decision_records, read_jsonl, run_trainer, synthetic, token_args
+from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
+                                        token_args)
 
 pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -58,6 +67,35 @@ def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_pat
     found = culprits(decisions)
     assert found and all(c == {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]} for c in found), decisions
     assert not [d for d in decisions if d["rule"] == "collective-latency-regression"], decisions
+    assert_everyone_names_where(decisions)
+
+
+HOSTS = ("host-a", "host-b")
+HOST_LAYOUT = ("--pp", "2", "--dp", "2", "--schedule", "1f1b", "--microbatches", "4", "--layers", "4",
+               "--hidden", "32", "--seq-len", "16")
+"""host-a: ranks 0, 1 (replica 0, stages 0 and 1); host-b: ranks 2, 3 (replica 1)."""
+SLOW_HOST_A = ("--inject", "straggler:rank=0,ms=20", "--inject", "straggler:rank=1,ms=20",
+               "--inject", "slow-link:src=0,dst=1,ms=30", "--inject", "slow-link:src=1,dst=0,ms=30")
+"""What a contended host shows in attribution.py's terms: every rank of it computes slower than its
+peers elsewhere, and the transfers within it are slower than the same links elsewhere."""
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
+@pytest.mark.parametrize("faults, cause", [
+    pytest.param(SLOW_HOST_A, "host-contention", id="whole-host"),
+    pytest.param(("--inject", "straggler:rank=0,ms=40"), "slow-compute", id="one-rank", marks=pytest.mark.slow),
+])
+def test_host_contention_is_judged_by_the_reported_host(tmp_path, faults, cause):
+    with running_sidecar(tmp_path / "state") as sidecar:
+        run_on_hosts(sidecar.control_url, tmp_path / "run", STEPS, HOSTS, *token_args(sidecar), *HOST_LAYOUT,
+                     *synthetic(10, 20), *faults)
+    decisions = decision_records(tmp_path / "state")
+    found = culprits(decisions)
+    if cause == "host-contention":
+        assert found and all(c == {"cause": "host-contention", "host": "host-a"} for c in found), decisions
+    else:  # one slow rank is not its host's contention: its stage (the median of its replicas) is slow
+        assert found and all(c["cause"] == "slow-compute" and c["stage"] == 0 and 0 in c["ranks"]
+                             for c in found), decisions
     assert_everyone_names_where(decisions)
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,45 @@ def running_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str
         yield TrainerRun(proc, run_dir, steps)
     finally:
         kill_group(proc)
+
+
+TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def run_on_hosts(endpoint: str, run_dir: Path, steps: int, hosts: tuple[str, ...], *extra: str,
+                 nproc_per_host: int = 2) -> None:
+    """One run on several "hosts" of this machine: a `torchrun --nnodes len(hosts)` launcher per host
+    (static rendezvous on loopback) with $PARWATCH_HOST set to its name, all shipping to `endpoint`.
+    Host k holds ranks k*nproc_per_host ... (k+1)*nproc_per_host - 1. Waits for every launcher to exit 0."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from parwatch.sidecar.process import free_port
+
+    port = free_port()
+    env = dict(os.environ, TRAINER_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = []
+    try:
+        for k, host in enumerate(hosts):
+            cmd = [TORCHRUN, "--nnodes", str(len(hosts)), "--node-rank", str(k), "--nproc-per-node",
+                   str(nproc_per_host), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "trainer", "--steps", str(steps), "--parwatch", "on", "--parwatch-endpoint", endpoint,
+                   "--parwatch-log", str(run_dir / f"log-{host}"), "--summary-json", str(run_dir / "summary.json"),
+                   *extra]
+            with open(run_dir / f"{host}.out", "wb") as out:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(env, PARWATCH_HOST=host), stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + TRAINER_TIMEOUT_S
+        for host, proc in zip(hosts, procs):
+            try:
+                code = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            out = (run_dir / f"{host}.out").read_text(errors="replace")[-3000:]
+            assert code == 0, f"host {host}'s launcher exited with {code}\n{out}"
+    finally:
+        for proc in procs:
+            kill_group(proc)
 
 
 def run_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str, **kw) -> tuple[TrainerRun, dict]:
