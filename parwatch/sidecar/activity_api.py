@@ -288,12 +288,18 @@ def _json_post(handle):
     return run
 
 
+def _next_ask(hub: ActivityHub) -> float:
+    """JUDGE_EVERY_SECONDS, or less when a stall reaches the decision line sooner (at the leader)."""
+    until = hub.monitor.seconds_until_due() if hub.is_leader else None
+    return min(JUDGE_EVERY_SECONDS, until) if until is not None and until > 0 else JUDGE_EVERY_SECONDS
+
+
 async def _loop(hub: ActivityHub) -> None:
     """tick() once a second; judge() at the asks between (the leader's hang test, JUDGE_EVERY_SECONDS)."""
     loop = asyncio.get_running_loop()
     next_tick = loop.time() + TICK_SECONDS
     while True:
-        await asyncio.sleep(JUDGE_EVERY_SECONDS)
+        await asyncio.sleep(_next_ask(hub))
         try:
             now = loop.time()
             if now >= next_tick - JUDGE_EVERY_SECONDS / 2:  # the half: sleep overshoot must not make it 1.25 s

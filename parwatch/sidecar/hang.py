@@ -11,8 +11,9 @@ apart from a hang (alive, activity still arriving, the same span open).
 Timing: the stall is timed from when the ranks ended the last step boundary (their wall clock,
 carried as `step_end` in the activity, mapped onto the leader's clock and clamped by the report's
 arrival: `Progress.boundary_time`), not from when the leader heard of it (up to ~2 s later). The
-leader asks every JUDGE_EVERY_SECONDS whether the stall passed the bound (two numbers) and decides
-at bound - JUDGE_EVERY_SECONDS, so the hang is named at or before the bound after the stall began.
+leader asks every JUDGE_EVERY_SECONDS, and right at the decision line, whether the stall passed the
+bound (two numbers) and decides at bound - JUDGE_EVERY_SECONDS, so the hang is named at or before
+the bound after the stall began, with that much slack for a busy event loop.
 
 Pure analysis (`find_culprit`, `Progress`) is separate from the leader's state machine
 (`HangMonitor`), which records decisions through the guardrail engine and keeps the states the
@@ -349,6 +350,15 @@ class HangMonitor:
         if gone_hint:
             return True
         return not paused and self.hang is None and self.stalled_past_bound(self.progress.stalled_for(self.clock()))
+
+    def seconds_until_due(self) -> float | None:
+        """Seconds until a stall would pass the decision line (<= 0: past it); None while a hang is
+        recorded or nothing has reported. The leader's loop sleeps no longer than this, so it asks
+        right at the line, not up to JUDGE_EVERY_SECONDS after it."""
+        if self.hang is not None or self.progress.time is None:
+            return None
+        bound = self.progress.bound()
+        return bound - min(self.every, bound / 2) - self.progress.stalled_for(self.clock())
 
     def stalled_past_bound(self, stalled: float) -> bool:
         """Past the bound by the time the next ask would come: decide now, not up to `every` late."""

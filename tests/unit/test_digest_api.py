@@ -6,8 +6,10 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
+from parwatch.sidecar.activity_api import _next_ask
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
+from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS
 from parwatch.sidecar.service import build_sidecar
 
 
@@ -76,6 +78,7 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
 
     reports()
     assert hub.status()["stalled_seconds"] == pytest.approx(1.6)
+    assert _next_ask(hub) == JUDGE_EVERY_SECONDS  # the line (bound - one ask) is 8.15 s away
     decided = None
     while decided is None and clock.t < boundary + 12:
         clock.t += 0.25  # the asks between ticks: judge(), as the loop does every JUDGE_EVERY_SECONDS
@@ -86,6 +89,17 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
     assert decided is not None and decided["rule"] == "hang" and decided["evidence"]["culprit"]["rank"] == 1
     assert decided["evidence"]["culprit"]["host"] == "node-b"
     assert 10.0 - 0.25 <= clock.t - boundary <= 10.0  # within the bound of the boundary, at most one ask early
+
+
+def test_the_leaders_loop_asks_right_at_the_decision_line(tmp_path):
+    leader, lsc, clock = _client(tmp_path, "leader")
+    hub = lsc.activity
+    leader.post("/v1/activity", json=report(0, step=3, host="leader-host", time=clock.t, step_end=clock.t - 0.5))
+    assert hub.is_leader
+    clock.t += 9.5 - 0.25 - 0.1  # 0.1 s before the line: bound 10 s - one ask - the 0.5 s already stalled
+    assert _next_ask(hub) == pytest.approx(0.1)
+    clock.t += 0.2  # past it (judged, nothing to name without a second rank): the normal cadence, no spin
+    assert _next_ask(hub) == JUDGE_EVERY_SECONDS
 
 
 def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):

@@ -307,11 +307,14 @@ def test_hang_is_decided_at_the_bound_minus_one_ask_after_the_boundary():
     monitor, clock, engine, rows, boundary = _stalled_monitor(0.0)
     every = monitor.every
     assert every == JUDGE_EVERY_SECONDS == 0.25
+    clock.t = boundary + 4.0
+    assert monitor.seconds_until_due() == pytest.approx(10.0 - every - 4.0)  # the leader's loop wakes then
     clock.t = boundary + 10.0 - every - 0.01
     assert not monitor.due(gone_hint=False) and monitor.check(rows) == []
     clock.t = boundary + 10.0 - every
-    assert monitor.due(gone_hint=False)
+    assert monitor.due(gone_hint=False) and monitor.seconds_until_due() == pytest.approx(0.0)
     [record] = monitor.check(rows)
+    assert monitor.seconds_until_due() is None  # recorded: nothing more to wake for
     assert record["evidence"]["culprit"]["rank"] == 1
     assert record["evidence"]["stalled_since"] == pytest.approx(boundary)
     assert record["evidence"]["stalled_seconds"] == pytest.approx(10.0 - every)
