@@ -144,8 +144,7 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
         with tempfile.TemporaryDirectory() as log_dir:
             per_rank = run_ranks(alternate, 2, argv, pairs, log_dir, timeout=600)
         # A step's time is the slower rank's: the pipeline waits for it anyway.
-        on = statistics.median(max(ts) for ts in zip(*(r["times"]["on"] for r in per_rank)))
-        off = statistics.median(max(ts) for ts in zip(*(r["times"]["off"] for r in per_rank)))
+        on, off = slower_rank_median(per_rank, "on"), slower_rank_median(per_rank, "off")
         cpu_on = max(statistics.median(r["cpu"]["on"]) for r in per_rank)
         cpu_off = max(statistics.median(r["cpu"]["off"]) for r in per_rank)
         bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
@@ -161,6 +160,11 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
     return rows, results
 
 
+def slower_rank_median(per_rank: list, mode: str) -> float:
+    """Median over steps of the slower rank's step time (the pipeline waits for it anyway)."""
+    return statistics.median(max(ts) for ts in zip(*(r["times"][mode] for r in per_rank)))
+
+
 def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
     """Each variant of "on" against off, alternated in one process (see VARIANTS)."""
     rows, results = [], []
@@ -174,8 +178,10 @@ def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
             added = max(statistics.median(r["schedule_cpu"]["on"]) - statistics.median(r["schedule_cpu"]["off"])
                         for r in per_rank)
             bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
-            rows.append([name, variant, added * 1e6, bnd_cpu * 1e6, (added + bnd_cpu) * 1e6])
+            ratio = slower_rank_median(per_rank, "on") / slower_rank_median(per_rank, "off")
+            rows.append([name, variant, ratio, added * 1e6, bnd_cpu * 1e6, (added + bnd_cpu) * 1e6])
             results.append({"workload": name, "variant": variant, "what_on_keeps": VARIANTS[variant],
+                            "wall_ratio": ratio,
                             "schedule_thread_cpu_added_us": added * 1e6, "step_done_thread_cpu_us": bnd_cpu * 1e6,
                             "per_rank": [{"schedule_cpu_on_s": r["schedule_cpu"]["on"],
                                           "schedule_cpu_off_s": r["schedule_cpu"]["off"],
@@ -231,7 +237,7 @@ def main() -> int:
     if a.breakdown:
         brows, bresults = breakdown(a.pairs, a.only)
         print()
-        print_table(["workload", "on keeps", "schedule step: added thread CPU (us)", "step_done CPU (us)",
+        print_table(["workload", "on keeps", "on/off (wall)", "schedule step: added thread CPU (us)", "step_done CPU (us)",
                      "total added (us)"], brows)
         payload["breakdown"] = bresults
     if a.fidelity:
