@@ -8,6 +8,7 @@ the latest summary of every rank that is still reporting.
 from __future__ import annotations
 
 from parwatch.guardrails.engine import Observation
+from parwatch.sliced import run_through
 from parwatch.sidecar.store import Store
 
 
@@ -18,12 +19,7 @@ sidecar's event loop once a step, and every post arriving meanwhile waited for i
 
 def build_observation(store: Store) -> Observation | None:
     """The Observation for the newest global step, or None before rank 0 sent one."""
-    steps = observation_steps(store)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return run_through(observation_steps(store))
 
 
 def observation_steps(store: Store):

@@ -134,7 +134,7 @@ class Sidecar:
                 if obs is not None:
                     # The loop may be handed back between the phases (each a few ms at 1024 ranks).
                     yield
-                    obs.series.update(self.transfer.take_series())
+                    obs.series.update((yield from self.transfer.take_series_steps()))
                     yield
                     self._count(self.engine.evaluate(obs))
 

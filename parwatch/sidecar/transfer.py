@@ -45,7 +45,8 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from parwatch.catalog import metric
-from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute
+from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, attribute_steps
+from parwatch.sliced import run_through
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 
 HORIZON_STEPS = 8
@@ -193,6 +194,8 @@ class TransferTracker:
         # was ~60 ms on the event loop once a step, the sidecar's ingest p99 (benchmarks/sidecar_load.py).
         self._rank_figures: dict[int, RankFigures] = {}
         self._path_figures: dict[tuple, PathFigures] = {}
+        self._rank_order: list[int] = []  # their keys sorted (keys are only ever added, until a reset)
+        self._path_order: list[tuple] = []
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
@@ -440,7 +443,11 @@ class TransferTracker:
 
     # -- guardrail series ---------------------------------------------------------------------
     def take_series(self) -> dict[str, dict[str, float]]:
-        """The observation's series from this tracker; call once per evaluated step.
+        """The observation's series from this tracker; call once per evaluated step (take_series_steps, run through)."""
+        return run_through(self.take_series_steps())
+
+    def take_series_steps(self):
+        """take_series as a generator that yields between the attribution's phases (sliced.py).
 
         collective_transfer_seconds: mean transfer per instance of each path, over the instances
         matched since the previous call (absent when none were: the rule then does not judge).
@@ -452,7 +459,7 @@ class TransferTracker:
         if fresh:
             out["collective_transfer_seconds"] = {k: total / n for k, (total, n) in fresh.items()}
         if self._ranks:
-            findings = self.findings()
+            findings = yield from attribute_steps(self.rank_figures(), self.path_figures(), self.thresholds)
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
             causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
             self._view = self.view._replace(causes=causes)
@@ -462,10 +469,16 @@ class TransferTracker:
         return attribute(self.rank_figures(), self.path_figures(), self.thresholds)
 
     def rank_figures(self) -> list[RankFigures]:
-        return [self._rank_figures[r] for r in sorted(self._rank_figures)]
+        figures = self._rank_figures
+        if len(self._rank_order) != len(figures):  # sorted again only when a rank or path is new
+            self._rank_order = sorted(figures)
+        return [figures[r] for r in self._rank_order]
 
     def path_figures(self) -> list[PathFigures]:
-        return [f for _, f in sorted(self._path_figures.items(), key=lambda kv: repr(kv[0]))]
+        figures = self._path_figures
+        if len(self._path_order) != len(figures):
+            self._path_order = sorted(figures, key=repr)  # links and groups do not compare: by their text
+        return [figures[p] for p in self._path_order]
 
     def _add_rank_row(self, rank: int, row: tuple) -> None:
         rows = self._ranks.setdefault(rank, deque(maxlen=self.window_steps))
