@@ -18,7 +18,8 @@ Wall-clock ratios need a quiet machine; the CPU figures do not.
 --breakdown adds where the training thread's added CPU goes: the same on/off alternation with
 "on" cut down in turn (full; the collector without its shipper thread, i.e. no log file, no
 bubble-cause replay; a do-nothing observer, i.e. the integration's wrappers and the span
-machinery alone; the wrappers with no observer, i.e. the registry inactive). CPU is split into
+machinery alone; the wrappers with no observer, i.e. the registry inactive; the step-boundary
+all-reduce alone, no wrappers; A/A, both modes off: the method's own noise). CPU is split into
 the schedule's step (schedule.step + optimizer) and step_done.
 
 --fidelity adds the bubble table: every schedule class at 40/80 ms per virtual stage, each
@@ -55,6 +56,7 @@ VARIANTS = {  # --breakdown: what "on" keeps
     "no_shipper": "collector, no shipper thread (no log file)",
     "null_observer": "a do-nothing observer: integration wrappers + span machinery",
     "no_observer": "integration wrappers, registry inactive (no spans)",
+    "boundary_only": "the step-boundary all-reduce alone (no wrappers, no spans)",
     "a_a": "nothing: both modes run off (the method's own noise and bias)",
 }
 
@@ -101,8 +103,9 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
         for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
             on = mode == "on" and variant != "a_a"
             if on:
-                watch.attach()
-                attach(collector)
+                if variant != "boundary_only":
+                    watch.attach()
+                    attach(collector)
                 watch.start(step)  # opens the attached step's period (an all-reduce: the ranks line up)
             else:
                 dist.barrier()  # the ranks line up as the start boundary makes them do when attached
@@ -126,7 +129,7 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
                 if mode == "on":
                     boundary_cpu.append(c2 - c1 if on else 0.0)
                     boundary_wall.append(t2 - t1 if on else 0.0)
-            if on:
+            if on and variant != "boundary_only":
                 watch.detach()
                 detach(collector)
     watch.close()
