@@ -8,8 +8,8 @@ the latest summary of every rank that is still reporting.
 from __future__ import annotations
 
 from parwatch.guardrails.engine import Observation
-from parwatch.sliced import run_through
 from parwatch.sidecar.store import Store
+from parwatch.sliced import run_through
 
 
 RANKS_PER_SLICE = 128
