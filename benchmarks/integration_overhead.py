@@ -18,7 +18,8 @@ Wall-clock ratios need a quiet machine; the CPU figures do not.
 --breakdown adds where the training thread's added CPU goes: the same on/off alternation with
 "on" cut down in turn (full; the collector without its shipper thread, i.e. no log file, no
 bubble-cause replay; a do-nothing observer, i.e. the integration's wrappers and the span
-machinery alone; the wrappers with no observer, i.e. the registry inactive). CPU is split into
+machinery alone; the wrappers with no observer, i.e. the registry inactive; the step-boundary
+all-reduce alone, no wrappers; A/A, both modes off: the method's own noise). CPU is split into
 the schedule's step (schedule.step + optimizer) and step_done.
 
 --fidelity adds the bubble table: every schedule class at 40/80 ms per virtual stage, each
@@ -55,6 +56,7 @@ VARIANTS = {  # --breakdown: what "on" keeps
     "no_shipper": "collector, no shipper thread (no log file)",
     "null_observer": "a do-nothing observer: integration wrappers + span machinery",
     "no_observer": "integration wrappers, registry inactive (no spans)",
+    "boundary_only": "the step-boundary all-reduce alone (no wrappers, no spans)",
     "a_a": "nothing: both modes run off (the method's own noise and bias)",
 }
 
@@ -101,8 +103,9 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
         for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
             on = mode == "on" and variant != "a_a"
             if on:
-                watch.attach()
-                attach(collector)
+                if variant != "boundary_only":
+                    watch.attach()
+                    attach(collector)
                 watch.start(step)  # opens the attached step's period (an all-reduce: the ranks line up)
             else:
                 dist.barrier()  # the ranks line up as the start boundary makes them do when attached
@@ -126,7 +129,7 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
                 if mode == "on":
                     boundary_cpu.append(c2 - c1 if on else 0.0)
                     boundary_wall.append(t2 - t1 if on else 0.0)
-            if on:
+            if on and variant != "boundary_only":
                 watch.detach()
                 detach(collector)
     watch.close()
@@ -144,8 +147,7 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
         with tempfile.TemporaryDirectory() as log_dir:
             per_rank = run_ranks(alternate, 2, argv, pairs, log_dir, timeout=600)
         # A step's time is the slower rank's: the pipeline waits for it anyway.
-        on = statistics.median(max(ts) for ts in zip(*(r["times"]["on"] for r in per_rank)))
-        off = statistics.median(max(ts) for ts in zip(*(r["times"]["off"] for r in per_rank)))
+        on, off = slower_rank_median(per_rank, "on"), slower_rank_median(per_rank, "off")
         cpu_on = max(statistics.median(r["cpu"]["on"]) for r in per_rank)
         cpu_off = max(statistics.median(r["cpu"]["off"]) for r in per_rank)
         bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
@@ -161,6 +163,11 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
     return rows, results
 
 
+def slower_rank_median(per_rank: list, mode: str) -> float:
+    """Median over steps of the slower rank's step time (the pipeline waits for it anyway)."""
+    return statistics.median(max(ts) for ts in zip(*(r["times"][mode] for r in per_rank)))
+
+
 def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
     """Each variant of "on" against off, alternated in one process (see VARIANTS)."""
     rows, results = [], []
@@ -174,8 +181,10 @@ def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
             added = max(statistics.median(r["schedule_cpu"]["on"]) - statistics.median(r["schedule_cpu"]["off"])
                         for r in per_rank)
             bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
-            rows.append([name, variant, added * 1e6, bnd_cpu * 1e6, (added + bnd_cpu) * 1e6])
+            ratio = slower_rank_median(per_rank, "on") / slower_rank_median(per_rank, "off")
+            rows.append([name, variant, ratio, added * 1e6, bnd_cpu * 1e6, (added + bnd_cpu) * 1e6])
             results.append({"workload": name, "variant": variant, "what_on_keeps": VARIANTS[variant],
+                            "wall_ratio": ratio,
                             "schedule_thread_cpu_added_us": added * 1e6, "step_done_thread_cpu_us": bnd_cpu * 1e6,
                             "per_rank": [{"schedule_cpu_on_s": r["schedule_cpu"]["on"],
                                           "schedule_cpu_off_s": r["schedule_cpu"]["off"],
@@ -231,7 +240,7 @@ def main() -> int:
     if a.breakdown:
         brows, bresults = breakdown(a.pairs, a.only)
         print()
-        print_table(["workload", "on keeps", "schedule step: added thread CPU (us)", "step_done CPU (us)",
+        print_table(["workload", "on keeps", "on/off (wall)", "schedule step: added thread CPU (us)", "step_done CPU (us)",
                      "total added (us)"], brows)
         payload["breakdown"] = bresults
     if a.fidelity:

@@ -23,9 +23,14 @@ A finding is kept when its excess is above both `min_seconds` per step and `rel`
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from parwatch.sliced import run_through
+
 CAUSES = ("slow-data", "host-contention", "slow-compute", "slow-link")
+SLICE = 256
+"""attribute_steps also yields every this many ranks or paths within a phase."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,93 @@ def leave_one_out_medians(values: list[float]) -> list[float]:
     return out
 
 
+def median_without(ordered: list[float], removed: list[float]) -> float | None:
+    """The median of sorted `ordered` with one occurrence of each value in `removed` (all present)
+    taken out, in O(k log n) for k removed; None when nothing is left."""
+    positions, last, taken = [], None, 0
+    for v in sorted(removed):  # equal values take successive positions
+        taken = taken + 1 if v == last else 0
+        last = v
+        positions.append(bisect_left(ordered, v) + taken)
+    n = len(ordered) - len(positions)
+    if n <= 0:
+        return None
+
+    def at(j: int) -> float:  # the j-th of what is left
+        for p in positions:
+            if p > j:
+                break
+            j += 1
+        return ordered[j]
+
+    half = n // 2
+    return at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+
+
+def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
+    """Per host: all its ranks' compute high against the same stage elsewhere AND its inside
+    transfers high against the same groups elsewhere. Each host is compared with the run minus
+    that host (median_without over lists sorted once), so the cost grows as n log n with ranks
+    and paths, not hosts x ranks (a leader sees thousands of hosts)."""
+    by_host: dict[str, list[RankFigures]] = {}
+    by_stage: dict[int, list[float]] = {}
+    for r in ranks:
+        by_host.setdefault(r.host, []).append(r)
+        by_stage.setdefault(r.stage, []).append(r.compute_seconds)
+    stage_sorted = {s: sorted(v) for s, v in by_stage.items()}
+    all_sorted = sorted(r.compute_seconds for r in ranks)
+    # Paths whose hosts are all known: "elsewhere" for every host they do not touch.
+    by_group: dict[str, list[float]] = {}
+    inside: dict[str, list[PathFigures]] = {}
+    touching: dict[str, dict[str, list[float]]] = {}  # host -> group -> transfers of known paths touching it
+    for p in paths:
+        hs = {host_of.get(x) for x in p.ranks}
+        if len(hs) == 1 and None not in hs:
+            inside.setdefault(next(iter(hs)), []).append(p)
+        if None in hs:
+            continue
+        by_group.setdefault(p.group, []).append(p.transfer_seconds)
+        for h in hs:
+            touching.setdefault(h, {}).setdefault(p.group, []).append(p.transfer_seconds)
+    group_sorted = {g: sorted(v) for g, v in by_group.items()}
+    for host in sorted(by_host):
+        mine = [r for r in by_host[host] if r.rank not in explained]
+        if not mine:
+            continue
+        own_by_stage: dict[int, list[float]] = {}
+        for r in by_host[host]:
+            own_by_stage.setdefault(r.stage, []).append(r.compute_seconds)
+        stage_base = {}  # stage -> its median elsewhere (the run's elsewhere when the stage has no one else)
+        for stage, own in own_by_stage.items():
+            base = median_without(stage_sorted[stage], own)
+            if base is None:
+                base = median_without(all_sorted, [r.compute_seconds for r in by_host[host]])
+            stage_base[stage] = 0.0 if base is None else base
+        compute = [_stands_out(r.compute_seconds, stage_base[r.stage], th) for r in mine]
+        transfer = []
+        own_paths = touching.get(host, {})
+        group_base = {g: median_without(group_sorted[g], own_paths.get(g, []))
+                      for g in {p.group for p in inside.get(host, ())}}
+        for p in inside.get(host, ()):
+            base = group_base[p.group]
+            if base is not None:
+                transfer.append(_stands_out(p.transfer_seconds, base, th, small=True,
+                                            floor=th.min_seconds_per_transfer * p.count))
+        if all(compute) and transfer and all(transfer):
+            excess = statistics.median(c[0] for c in compute)
+            base = statistics.median(c[1] for c in compute)
+            keep("host-contention", {"host": host}, excess, base,
+                 f"host {host}: compute and transfers of its {len(mine)} ranks", {r.rank for r in mine})
+
+
 def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()) -> list[Finding]:
-    """Every finding, the costliest first; [] for a healthy window.
+    """Every finding, the costliest first; [] for a healthy window (attribute_steps, run through)."""
+    return run_through(attribute_steps(ranks, paths, th))
+
+
+def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()):
+    """A generator that yields between its phases (each a few ms at 1024 ranks: the sidecar's event
+    loop serves posts there) and returns every finding, the costliest first; [] for a healthy window.
 
     Each comparison is with the median of the peers (the others of the same kind); those medians
     come from sorted lists (leave_one_out_medians), so the cost grows as n log n with ranks and paths."""
@@ -151,46 +241,29 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
 
     # 1. data: only ranks that fetch data are each other's peers.
     fetching = [r for r in ranks if r.data_seconds > 0]
-    for r, base in zip(fetching, leave_one_out_medians([r.data_seconds for r in fetching])):
+    bases = leave_one_out_medians([r.data_seconds for r in fetching])
+    yield
+    for i, (r, base) in enumerate(zip(fetching, bases)):
+        if i % SLICE == SLICE - 1:
+            yield
         found = _stands_out(r.data_seconds, base, th, small=True)
         if found:
             keep("slow-data", {"rank": r.rank, "stage": r.stage, "host": r.host}, *found,
                  f"rank {r.rank} (stage {r.stage}) data fetch", {r.rank})
 
+    yield
     # 2. host contention: needs other hosts to compare with.
-    hosts = sorted(set(host_of.values()))
-    if len(hosts) > 1:
-        path_hosts = [{host_of.get(x) for x in p.ranks} for p in paths]
-        for host in hosts:
-            mine = [r for r in ranks if r.host == host and r.rank not in explained]
-            if not mine:
-                continue
-            others = [r for r in ranks if r.host != host]
-            elsewhere_by_stage: dict[int, list[float]] = {}
-            for o in others:
-                elsewhere_by_stage.setdefault(o.stage, []).append(o.compute_seconds)
-            all_others = [o.compute_seconds for o in others]
-            compute = [_excess(r.compute_seconds, elsewhere_by_stage.get(r.stage) or all_others, th) for r in mine]
-            inside = [p for p, hs in zip(paths, path_hosts) if hs == {host}]
-            elsewhere: dict[str, list[float]] = {}
-            for p, hs in zip(paths, path_hosts):
-                if host not in hs and None not in hs:
-                    elsewhere.setdefault(p.group, []).append(p.transfer_seconds)
-            transfer = [_excess(p.transfer_seconds, elsewhere[p.group], th, small=True,
-                                floor=th.min_seconds_per_transfer * p.count)
-                        for p in inside if p.group in elsewhere]
-            if all(compute) and transfer and all(transfer):
-                excess = statistics.median(c[0] for c in compute)
-                base = statistics.median(c[1] for c in compute)
-                keep("host-contention", {"host": host}, excess, base,
-                     f"host {host}: compute and transfers of its {len(mine)} ranks", {r.rank for r in mine})
+    if len(set(host_of.values())) > 1:
+        _host_contention(ranks, paths, host_of, th, explained, keep)
 
+    yield
     # 3. compute, per stage (a TP rank's slowness shows on its whole TP group: their collectives wait).
     stages: dict[int, list[RankFigures]] = {}
     for r in ranks:
         stages.setdefault(r.stage, []).append(r)
     stage_compute = {s: statistics.median(r.compute_seconds for r in rs) for s, rs in stages.items()}
     for s, value in sorted(stage_compute.items()):
+        yield
         members = {r.rank for r in stages[s]}
         if members <= explained:
             continue
@@ -213,6 +286,7 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
             keep("slow-compute", {"stage": s, "ranks": sorted(slow)}, excess, base,
                  f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute", set(slow))
 
+    yield
     # 4. links and groups: against the other paths of the same role.
     roles: dict[tuple, list[PathFigures]] = {}
     for p in paths:
@@ -220,7 +294,10 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     base_of = {}
     for role in roles.values():
         base_of.update(zip(map(id, role), leave_one_out_medians([q.transfer_seconds for q in role])))
-    for p in paths:
+    yield
+    for i, p in enumerate(paths):
+        if i % SLICE == SLICE - 1:
+            yield
         if set(p.ranks) & explained:
             continue  # its ranks are already explained (a host or a stage)
         if len(roles[(p.group, p.kind)]) < 2:

@@ -9,10 +9,23 @@ from __future__ import annotations
 
 from parwatch.guardrails.engine import Observation
 from parwatch.sidecar.store import Store
+from parwatch.sliced import run_through
+
+
+RANKS_PER_SLICE = 128
+"""observation_steps yields after this many ranks: at 1024 ranks the whole walk was ~9 ms on the
+sidecar's event loop once a step, and every post arriving meanwhile waited for it (the ingest p99)."""
 
 
 def build_observation(store: Store) -> Observation | None:
     """The Observation for the newest global step, or None before rank 0 sent one."""
+    return run_through(observation_steps(store))
+
+
+def observation_steps(store: Store):
+    """build_observation as a generator that yields between slices of ranks (the event loop may
+    run other work there); its return value is the Observation. The ranks are those present when
+    it starts; a rank's record may be replaced by its newer summary meanwhile (still its latest)."""
     view = store.global_view
     rank0 = store.ranks.get(0)
     if view is None or rank0 is None:
@@ -31,23 +44,38 @@ def build_observation(store: Store) -> Observation | None:
         # Keyed by the slowest stage, so the rule's reason and evidence name it.
         slowest = max(view.stages, key=lambda st: st.compute_seconds).stage if view.stages else None
         series["pipeline_skew_ratio"] = {"" if slowest is None else f"stage={slowest}": view.pipeline_skew_ratio}
-    series.update(_per_rank_series(store))
+    series.update((yield from _per_rank_series(store)))
     return Observation(step=view.step, time=store.clock(), series=series, checkpoints=store.checkpoints)
 
 
-def _per_rank_series(store: Store) -> dict[str, dict[str, float]]:
+_RANK_KEYS: dict[int, str] = {}  # capped (hostile rank numbers must not grow it); ops/groups are a closed list
+_RANK_KEYS_MAX = 65_536
+_OP_KEYS: dict[tuple[str, str], str] = {}
+
+
+def _per_rank_series(store: Store):
+    """Generator (see observation_steps) returning the per-rank series."""
     rank_up: dict[str, float] = {}
     collective_mean: dict[str, float] = {}
     gpu_util: dict[str, float] = {}
-    for rank, rec in sorted(store.ranks.items()):
+    for i, (rank, rec) in enumerate(sorted(store.ranks.items())):
+        if i and not i % RANKS_PER_SLICE:
+            yield
+        key = _RANK_KEYS.get(rank)
+        if key is None:
+            key = f"rank={rank}"
+            if len(_RANK_KEYS) < _RANK_KEYS_MAX:
+                _RANK_KEYS[rank] = key
         up = store.is_up(rec)
-        rank_up[f"rank={rank}"] = 1.0 if up else 0.0
+        rank_up[key] = 1.0 if up else 0.0
         if not up:
             continue  # a silent rank's last numbers are stale evidence
         s = rec.summary
         for c in s.collectives:
             if c.count:
-                key = f"op={c.op},group={c.group}"
+                key = _OP_KEYS.get((c.op, c.group))
+                if key is None:
+                    key = _OP_KEYS[(c.op, c.group)] = f"op={c.op},group={c.group}"
                 mean = c.seconds / c.count
                 if mean > collective_mean.get(key, -1.0):  # worst rank: the straggler is the finding
                     collective_mean[key] = mean

@@ -63,11 +63,21 @@ HTTP_PARSER = "httptools" if importlib.util.find_spec("httptools") else "h11"
 parser was a large share of the loop's busy time (issue 12). h11 is the fallback."""
 
 
+def _http_protocol(app):
+    """The control listener answers its hot POSTs at the protocol (fast_http) when httptools is
+    there; the metrics listener, and everything without httptools, uses uvicorn's own."""
+    if HTTP_PARSER == "httptools" and getattr(app, "fast_posts", None) is not None:
+        from parwatch.sidecar.fast_http import FastPostProtocol
+
+        return FastPostProtocol
+    return HTTP_PARSER
+
+
 def _uvicorn(app, lifespan: str) -> _Server:
     # proxy_headers off: nothing here reads the client address, and uvicorn's middleware for it ran
     # on every request (~4% of the leader's CPU at 2,048 digests/s).
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan,
-                            timeout_graceful_shutdown=5, server_header=False, http=HTTP_PARSER,
+                            timeout_graceful_shutdown=5, server_header=False, http=_http_protocol(app),
                             proxy_headers=False)
     return _Server(config)
 

@@ -28,7 +28,7 @@ from parwatch.sidecar.alerts import AlertDedupe
 from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
-from parwatch.sidecar.observations import build_observation
+from parwatch.sidecar.observations import observation_steps
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
 
@@ -130,11 +130,11 @@ class Sidecar:
             # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
             # global step (retries stopped above; the engine also ignores a repeated step).
             if s.global_ is not None and self.store.global_view is s.global_:
-                obs = build_observation(self.store)
+                obs = yield from observation_steps(self.store)
                 if obs is not None:
-                    # The loop may be handed back between the phases (each ~5-10 ms at 1024 ranks).
+                    # The loop may be handed back between the phases (each a few ms at 1024 ranks).
                     yield
-                    obs.series.update(self.transfer.take_series())
+                    obs.series.update((yield from self.transfer.take_series_steps()))
                     yield
                     self._count(self.engine.evaluate(obs))
 

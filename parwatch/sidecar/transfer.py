@@ -45,8 +45,10 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from parwatch.catalog import metric
-from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute
+from parwatch.guardrails.attribution import (CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute,
+                                             attribute_steps)
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
+from parwatch.sliced import run_through
 
 HORIZON_STEPS = 8
 """An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
@@ -193,6 +195,8 @@ class TransferTracker:
         # was ~60 ms on the event loop once a step, the sidecar's ingest p99 (benchmarks/sidecar_load.py).
         self._rank_figures: dict[int, RankFigures] = {}
         self._path_figures: dict[tuple, PathFigures] = {}
+        self._rank_order: list[int] = []  # their keys sorted (keys are only ever added, until a reset)
+        self._path_order: list[tuple] = []
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
@@ -219,12 +223,13 @@ class TransferTracker:
                 self.outbox_ranks.append((s.rank, *row))
         done = []
         groups = {}  # group -> (members, member set, path), once per summary, not once per record
+        rank, step, pending, outbox = s.rank, s.step, self.pending, self.outbox
         for op, group, seq, peer, _start_us, dur_us, nbytes in inst.records:
             if peer < 0:
                 found = groups.get(group)
                 if found is None:
                     ranks = inst.groups.get(group)
-                    if not ranks or s.rank not in ranks:
+                    if not ranks or rank not in ranks:
                         continue
                     members = tuple(ranks)
                     found = groups[group] = (members, frozenset(members), ("group", group, members))
@@ -232,22 +237,25 @@ class TransferTracker:
                 key = ("c", group, members, seq)
                 label = op
             else:
-                src, dst = (s.rank, peer) if op == "send" else (peer, s.rank)
+                src, dst = (rank, peer) if op == "send" else (peer, rank)
                 key = ("p", src, dst, seq)
                 member_set = None
                 path, label = ("link", src, dst), "send"
-            entry = self.pending.get(key)
-            if entry is None:
-                entry = self.outbox.get(key)  # set aside for the leader, not posted yet
-            if entry is None:
-                if member_set is None:
-                    member_set = frozenset((key[1], key[2]))
-                entry = self._pending_entry(Pending(label, group, path, member_set, s.step, {}, self.clock(), key))
-            if s.rank in entry.got:
+            entry = pending.get(key)
+            is_pending = entry is not None
+            if not is_pending:
+                entry = outbox.get(key)  # set aside for the leader, not posted yet
+                if entry is None:
+                    if member_set is None:
+                        member_set = frozenset((key[1], key[2]))
+                    entry = self._pending_entry(Pending(label, group, path, member_set, step, {}, self.clock(), key))
+                    is_pending = pending.get(key) is entry
+            got = entry.got
+            if rank in got:
                 continue
-            entry.got[s.rank] = Member(op, dur_us * 1e-6, nbytes)
-            if len(entry.got) == len(entry.members) and self.pending.get(key) is entry:
-                del self.pending[key]
+            got[rank] = Member(op, dur_us * 1e-6, nbytes)
+            if len(got) == len(entry.members) and is_pending:
+                del pending[key]
                 done.append(self._finish(entry))
         # Expiry scans every pending instance: once per new step, not once per summary (at 1024 ranks
         # per sidecar the per-summary scan was a quarter of the sidecar's CPU, benchmarks/sidecar_load.py).
@@ -367,21 +375,26 @@ class TransferTracker:
                             tuple(sorted(self.straggler.items())), self._view.causes)
 
     def _finish(self, e: Pending) -> Split:
-        transfer, waits, last = split_instance({r: m.seconds for r, m in e.got.items()})
-        nbytes = max(m.bytes for m in e.got.values())
-        split = Split(e.op, e.group, e.path, transfer, {r: (e.got[r].op, w) for r, w in waits.items()}, last, nbytes,
-                      len(e.members))
-        tot = self._totals(e.op, e.group)
+        # Called ~4 times per summary at 1024 ranks: one pass over the members for everything.
+        got = e.got
+        transfer, waits, last = split_instance({r: m.seconds for r, m in got.items()})
+        straggler, per_op, nbytes, member_waits = self.straggler, {}, 0, {}
+        for rank, wait in waits.items():
+            m = got[rank]
+            member_waits[rank] = (m.op, wait)
+            per_op[m.op] = per_op.get(m.op, 0.0) + wait
+            straggler[rank] = straggler.get(rank, 0.0) + wait
+            if m.bytes > nbytes:
+                nbytes = m.bytes
+        split = Split(e.op, e.group, e.path, transfer, member_waits, last, nbytes, len(e.members))
+        key = (e.op, e.group)
+        tot = self._totals(*key)
         tot.count += 1
         tot.seconds += transfer
         tot.bytes += nbytes
         tot.recent.append((nbytes, transfer))
         tot.buckets[bisect_left(COLLECTIVE_BUCKETS, transfer)] += 1  # le semantics, as the duration histogram
-        self.sizes[(e.op, e.group)] = len(e.members)
-        straggler, per_op = self.straggler, {}
-        for rank, (op, wait) in split.waits.items():
-            per_op[op] = per_op.get(op, 0.0) + wait
-            straggler[rank] = straggler.get(rank, 0.0) + wait
+        self.sizes[key] = len(e.members)
         for op, wait in per_op.items():  # one op for a collective's members, two (send, recv) for p2p
             self._totals(op, e.group).wait += wait
         name = self._path_names.get((e.path, e.op))
@@ -440,7 +453,11 @@ class TransferTracker:
 
     # -- guardrail series ---------------------------------------------------------------------
     def take_series(self) -> dict[str, dict[str, float]]:
-        """The observation's series from this tracker; call once per evaluated step.
+        """The observation's series from this tracker; call once per evaluated step (take_series_steps, run through)."""
+        return run_through(self.take_series_steps())
+
+    def take_series_steps(self):
+        """take_series as a generator that yields between the attribution's phases (sliced.py).
 
         collective_transfer_seconds: mean transfer per instance of each path, over the instances
         matched since the previous call (absent when none were: the rule then does not judge).
@@ -452,7 +469,7 @@ class TransferTracker:
         if fresh:
             out["collective_transfer_seconds"] = {k: total / n for k, (total, n) in fresh.items()}
         if self._ranks:
-            findings = self.findings()
+            findings = yield from attribute_steps(self.rank_figures(), self.path_figures(), self.thresholds)
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
             causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
             self._view = self.view._replace(causes=causes)
@@ -462,10 +479,16 @@ class TransferTracker:
         return attribute(self.rank_figures(), self.path_figures(), self.thresholds)
 
     def rank_figures(self) -> list[RankFigures]:
-        return [self._rank_figures[r] for r in sorted(self._rank_figures)]
+        figures = self._rank_figures
+        if len(self._rank_order) != len(figures):  # sorted again only when a rank or path is new
+            self._rank_order = sorted(figures)
+        return [figures[r] for r in self._rank_order]
 
     def path_figures(self) -> list[PathFigures]:
-        return [f for _, f in sorted(self._path_figures.items(), key=lambda kv: repr(kv[0]))]
+        figures = self._path_figures
+        if len(self._path_order) != len(figures):
+            self._path_order = sorted(figures, key=repr)  # links and groups do not compare: by their text
+        return [figures[p] for p in self._path_order]
 
     def _add_rank_row(self, rank: int, row: tuple) -> None:
         rows = self._ranks.setdefault(rank, deque(maxlen=self.window_steps))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from parwatch.guardrails.attribution import Finding, PathFigures, RankFigures, attribute
+from parwatch.guardrails.attribution import Finding, PathFigures, RankFigures, Thresholds, attribute, median_without
 from parwatch.guardrails.checks import RuleMonitor, series_labels, where
 from parwatch.guardrails.rules import Rule
 
@@ -116,3 +116,72 @@ def test_leave_one_out_medians_equal_the_median_of_the_others():
             values = [rng.choice([1.0, 2.0, 3.0, rng.random()]) for _ in range(n)]  # ties included
             expected = [statistics.median(values[:i] + values[i + 1:]) if n > 1 else 0.0 for i in range(n)]
             assert leave_one_out_medians(values) == pytest.approx(expected, abs=1e-12)
+
+
+def _host_contention_naive(ranks_, paths_, th=Thresholds()):
+    """The definition, hosts x ranks: every host against the run without it (the test's oracle)."""
+    import statistics
+
+    host_of = {r.rank: r.host for r in ranks_}
+    found = []
+    for host in sorted(set(host_of.values())):
+        mine = [r for r in ranks_ if r.host == host]
+        others = [r for r in ranks_ if r.host != host]
+        by_stage = {}
+        for o in others:
+            by_stage.setdefault(o.stage, []).append(o.compute_seconds)
+        all_others = [o.compute_seconds for o in others]
+
+        def excess(value, peers, small=False, floor=0.0):
+            base = statistics.median(peers) if peers else 0.0
+            e = value - base
+            return (e, base) if e > max(th.min_seconds, floor, (th.rel_small if small else th.rel) * base) else None
+
+        compute = [excess(r.compute_seconds, by_stage.get(r.stage) or all_others) for r in mine]
+        hosts_of = [{host_of.get(x) for x in p.ranks} for p in paths_]
+        elsewhere = {}
+        for p, hs in zip(paths_, hosts_of):
+            if host not in hs and None not in hs:
+                elsewhere.setdefault(p.group, []).append(p.transfer_seconds)
+        transfer = [excess(p.transfer_seconds, elsewhere[p.group], True, th.min_seconds_per_transfer * p.count)
+                    for p, hs in zip(paths_, hosts_of) if hs == {host} and p.group in elsewhere]
+        if all(compute) and transfer and all(transfer):
+            found.append((host, statistics.median(c[0] for c in compute)))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_host_contention_matches_its_definition_on_random_runs(seed):
+    """The n log n host phase (median_without over lists sorted once) finds what comparing every
+    host with the run without it finds: random hosts, stages, ties, a contended host or none."""
+    import random
+
+    rnd = random.Random(seed)
+    n_hosts, per_host, stages = rnd.randint(2, 6), rnd.choice([1, 2, 4]), rnd.choice([1, 2, 3])
+    slow = rnd.randrange(n_hosts) if seed % 3 else None
+    figs, links = [], []
+    for r in range(n_hosts * per_host):
+        host = r // per_host
+        compute = rnd.choice([0.30, 0.30, 0.31, 0.29]) * (1.5 if host == slow else 1.0)
+        figs.append(RankFigures(r, r % stages, f"h{host}", compute, 0.0, STEP))
+    for r in range(0, n_hosts * per_host - 1):
+        same = r // per_host == (r + 1) // per_host
+        t = rnd.choice([0.004, 0.004, 0.005]) * (3 if same and r // per_host == slow else 1)
+        links.append(PathFigures("group", "tp" if same else "pp", (r, r + 1), t))
+    if rnd.random() < 0.3:  # a path touching a rank no figure knows
+        links.append(PathFigures("group", "tp", (0, 10_000), 0.004))
+    got = [(f.where["host"], f.excess_seconds) for f in attribute(figs, links) if f.cause == "host-contention"]
+    want = _host_contention_naive(figs, links)
+    assert [h for h, _ in got] == [h for h, _ in want]
+    assert [e for _, e in got] == pytest.approx([e for _, e in want])
+
+
+def test_median_without_takes_one_occurrence_per_removed_value():
+    import statistics
+
+    values = [1.0, 2.0, 2.0, 2.0, 5.0, 7.0, 9.0]
+    for removed in ([], [2.0], [2.0, 2.0], [1.0, 9.0, 2.0], [5.0, 7.0, 9.0, 2.0], values):
+        rest = list(values)
+        for v in removed:
+            rest.remove(v)
+        assert median_without(values, removed) == (statistics.median(rest) if rest else None)
