@@ -265,6 +265,15 @@ def test_control_stays_on_loopback_behind_a_generated_token(rendered):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
+def test_the_sidecar_sees_the_trainers_processes(rendered, config):
+    """Its pid checks (a crashed rank is "gone" at once) and hang stack dumps (SIGUSR1 to the culprit)
+    need one process namespace per pod: by default each container has its own, and every rank would
+    read as gone."""
+    for where, pod in pod_specs(rendered[config]):
+        assert pod["spec"]["shareProcessNamespace"] is True, where
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 def test_trainer_and_sidecar_report_the_node_as_their_host(rendered, config):
     """A container's hostname is its pod's name: without this two pods of one node read as two hosts,
     and host contention (parwatch.guardrails.attribution) never shows."""

@@ -169,6 +169,9 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
 serviceAccountName: {{ . }}
 {{- end }}
 automountServiceAccountToken: {{ .Values.automountServiceAccountToken }}
+# The sidecar checks its ranks' pids (a crash reads "gone" at once) and signals the culprit of a hang
+# for its stacks: both need the trainer's processes in its view, which separate containers lack.
+shareProcessNamespace: true
 {{- with .Values.podSecurityContext }}
 securityContext:
   {{- toYaml . | nindent 2 }}
