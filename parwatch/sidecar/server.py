@@ -20,6 +20,7 @@ import uvicorn
 
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import TOKEN_ENV, Listen
+from parwatch.sidecar.gc_pacing import GcPacer
 from parwatch.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ def tune_gc() -> None:
     """Request garbage is freed by reference counting; at ~1000 posts/s the default cycle-collector
     thresholds (700 allocations) run it hundreds of times a second, and its pauses showed as the
     ingest p99 (benchmarks/sidecar_load.py: 7.5 -> 3.9 ms outside scrapes). Collect less often,
-    and keep the objects alive since startup (modules, rules) out of every full collection."""
+    and keep the objects alive since startup (modules, rules) out of every full collection; while
+    serving, gc_pacing.GcPacer keeps each second's surviving records out of the young generation."""
     gc.set_threshold(50_000, 20, 100)
     gc.freeze()
 
@@ -132,9 +134,11 @@ async def _serve_all(sidecar: Sidecar, servers, sockets) -> None:
     loop.add_signal_handler(signal.SIGINT, stop)
     loop.add_signal_handler(signal.SIGHUP, sidecar.reload_rules)
     tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock in zip(servers, sockets)]
+    pacer = asyncio.create_task(GcPacer().run())
     # If one server stops (shutdown, or failed lifespan), stop the other too.
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     stop()
+    pacer.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     for t in done:
         t.result()
