@@ -35,6 +35,14 @@ from parwatch.sidecar.transfer import TransferTracker
 log = logging.getLogger(__name__)
 
 
+YIELD_PAUSE_SECONDS = 0.001
+"""How long a long post's work (in practice rank 0's once-a-step work over every rank, ~20 ms at 1,024
+ranks) steps aside between its slices. With sleep(0) the slices came back as soon as the posts already
+queued were served and the ones arriving meanwhile queued behind the next slice: bursts of 10-25 ms of
+loop lag once a second. A pause lets the posts that arrive be served first; rank 0's own answer
+(one post a second) comes a few tens of ms later."""
+
+
 class Sidecar:
     def __init__(self, config: SidecarConfig, engine, clock: Callable[[], float] = time.time):
         self.config = config
@@ -86,13 +94,14 @@ class Sidecar:
             pass
         return self.ingest_reply(body)
 
-    async def ingest_async(self, body: IngestBody, slice_seconds: float = 0.005) -> dict:
-        """ingest(), handing the event loop back every `slice_seconds`, then persisting what the
-        engine decided before the answer (with any directive) goes out."""
+    async def ingest_async(self, body: IngestBody, slice_seconds: float = 0.005,
+                           pause_seconds: float = YIELD_PAUSE_SECONDS) -> dict:
+        """ingest(), handing the event loop back for `pause_seconds` after every `slice_seconds` of
+        work, then persisting what the engine decided before the answer (with any directive) goes out."""
         deadline = time.perf_counter() + slice_seconds
         for _ in self._ingest_steps(body):
             if time.perf_counter() > deadline:
-                await asyncio.sleep(0)
+                await asyncio.sleep(pause_seconds)
                 deadline = time.perf_counter() + slice_seconds
         await self.persist()
         return self.ingest_reply(body)
