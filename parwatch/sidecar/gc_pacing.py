@@ -10,8 +10,8 @@ matters for cycles, which the sidecar rarely makes.
 So `GcPacer.tick`, every FREEZE_SECONDS: what is alive moves to the permanent generation
 (`gc.freeze`, constant time), so no collection walks more than that long's survivors; and every
 FULL_SECONDS the permanent generation is given back and collected in full, so that cycles made
-meanwhile are freed: one pause per FULL_SECONDS (tens of ms at 1,024 ranks) instead of several a
-minute.
+meanwhile are freed: one pause per FULL_SECONDS (about 170 ms over a 1,024-rank sidecar's heap,
+measured in process) instead of several of 34-80 ms a minute.
 """
 
 from __future__ import annotations
