@@ -9,8 +9,9 @@ matters for cycles, which the sidecar rarely makes.
 
 So `GcPacer.tick`, every FREEZE_SECONDS: what is alive moves to the permanent generation
 (`gc.freeze`, constant time), so no collection walks more than that long's survivors; and every
-FULL_SECONDS the permanent generation is given back and collected in full, so that cycles made
-meanwhile are freed: one pause per FULL_SECONDS (about 170 ms over a 1,024-rank sidecar's heap,
+FULL_SECONDS, or sooner once the permanent generation has grown to GROWTH x its size after the last
+full collection (cycles that became garbage after being frozen stay there until then: a flood of
+them must not grow the heap for ten minutes), it is given back and collected in full: one pause per FULL_SECONDS (about 170 ms over a 1,024-rank sidecar's heap,
 measured in process) instead of several of 34-80 ms a minute.
 """
 
@@ -25,19 +26,23 @@ log = logging.getLogger(__name__)
 
 FREEZE_SECONDS = 0.1
 FULL_SECONDS = 600.0
+GROWTH = 2.0
+MIN_FROZEN = 200_000
+"""The permanent generation may grow to max(GROWTH x its size after a full collection, this)."""
 
 
 class GcPacer:
-    def __init__(self, full_seconds: float = FULL_SECONDS, clock=time.monotonic):
-        self.full_seconds, self.clock = full_seconds, clock
+    def __init__(self, full_seconds: float = FULL_SECONDS, clock=time.monotonic, min_frozen: int = MIN_FROZEN):
+        self.full_seconds, self.clock, self.min_frozen = full_seconds, clock, min_frozen
         self.last_full = clock()
+        self.frozen_limit = max(int(GROWTH * gc.get_freeze_count()), min_frozen)
         self.full_collections = 0
         self.full_pause_seconds = 0.0
         """The last full collection's pause."""
 
     def tick(self) -> None:
         now = self.clock()
-        if now - self.last_full >= self.full_seconds:
+        if now - self.last_full >= self.full_seconds or gc.get_freeze_count() > self.frozen_limit:
             start = time.perf_counter()
             gc.unfreeze()
             freed = gc.collect()
@@ -45,6 +50,9 @@ class GcPacer:
             self.full_collections += 1
             self.last_full = now
             log.debug("full collection: %d unreachable objects, %.1f ms", freed, self.full_pause_seconds * 1e3)
+            gc.freeze()
+            self.frozen_limit = max(int(GROWTH * gc.get_freeze_count()), self.min_frozen)
+            return
         gc.freeze()
 
     async def run(self, every: float = FREEZE_SECONDS) -> None:

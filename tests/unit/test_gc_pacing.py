@@ -50,3 +50,25 @@ def test_a_cycle_made_after_the_last_tick_is_collected_as_usual(frozen_state):
     young = _cycle()
     gc.collect()
     assert young() is None
+
+
+def test_a_permanent_generation_that_keeps_growing_is_collected_before_the_ten_minutes(frozen_state):
+    """Cycles that became garbage after being frozen wait for the full collection; a flood of them
+    (say a stream of bad requests) triggers it early rather than growing the heap for ten minutes."""
+    now = [0.0]
+    pacer = GcPacer(full_seconds=600.0, clock=lambda: now[0], min_frozen=1)
+    now[0] = 600.0
+    pacer.tick()  # a full collection: the limit is GROWTH x what is alive now
+    assert pacer.full_collections == 1
+    now[0] = 601.0
+    pacer.tick()
+    assert pacer.full_collections == 1  # no growth, no collection
+    gc.disable()  # the flood must reach the permanent generation (young cycles are collected as usual)
+    try:
+        flood = [_cycle() for _ in range(pacer.frozen_limit - gc.get_freeze_count() + 1000)]  # 2 objects each
+        pacer.tick()  # freezes the flood (the check comes first)
+    finally:
+        gc.enable()
+    assert pacer.full_collections == 1 and flood[0]() is not None
+    pacer.tick()  # over the limit, long before ten minutes
+    assert pacer.full_collections == 2 and all(r() is None for r in flood)
