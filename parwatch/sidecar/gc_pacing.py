@@ -11,8 +11,9 @@ So `GcPacer.tick`, every FREEZE_SECONDS: what is alive moves to the permanent ge
 (`gc.freeze`, constant time), so no collection walks more than that long's survivors; and every
 FULL_SECONDS, or sooner once the permanent generation has grown to GROWTH x its size after the last
 full collection (cycles that became garbage after being frozen stay there until then: a flood of
-them must not grow the heap for ten minutes), it is given back and collected in full: one pause per FULL_SECONDS (about 170 ms over a 1,024-rank sidecar's heap,
-measured in process) instead of several of 34-80 ms a minute.
+them must not grow the heap for ten minutes), it is given back and collected in full: one pause per
+FULL_SECONDS (about 170 ms over a 1,024-rank sidecar's heap, measured in process) instead of several
+of 34-80 ms a minute.
 """
 
 from __future__ import annotations
