@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 FREEZE_SECONDS = 0.1
 FULL_SECONDS = 600.0
 GROWTH = 2.0
+GROWTH_CHECK_SECONDS = 10.0
+"""How often the permanent generation's size is read: counting it walks the whole list (4.6 ms for
+300,000 objects), so not on every tick."""
 MIN_FROZEN = 1_000_000
 """The permanent generation may grow to max(GROWTH x its size after a full collection, this): a
 1,024-rank sidecar keeps ~150,000 objects alive, so growing into its working set never triggers it."""
@@ -36,7 +39,7 @@ MIN_FROZEN = 1_000_000
 class GcPacer:
     def __init__(self, full_seconds: float = FULL_SECONDS, clock=time.monotonic, min_frozen: int = MIN_FROZEN):
         self.full_seconds, self.clock, self.min_frozen = full_seconds, clock, min_frozen
-        self.last_full = clock()
+        self.last_full = self.last_check = clock()
         self.frozen_limit = max(int(GROWTH * gc.get_freeze_count()), min_frozen)
         self.full_collections = 0
         self.full_pause_seconds = 0.0
@@ -44,7 +47,11 @@ class GcPacer:
 
     def tick(self) -> None:
         now = self.clock()
-        if now - self.last_full >= self.full_seconds or gc.get_freeze_count() > self.frozen_limit:
+        due = now - self.last_full >= self.full_seconds
+        if not due and now - self.last_check >= GROWTH_CHECK_SECONDS:
+            self.last_check = now
+            due = gc.get_freeze_count() > self.frozen_limit
+        if due:
             start = time.perf_counter()
             gc.unfreeze()
             freed = gc.collect()

@@ -60,7 +60,7 @@ def test_a_permanent_generation_that_keeps_growing_is_collected_before_the_ten_m
     now[0] = 600.0
     pacer.tick()  # a full collection: the limit is GROWTH x what is alive now
     assert pacer.full_collections == 1
-    now[0] = 601.0
+    now[0] = 611.0
     pacer.tick()
     assert pacer.full_collections == 1  # no growth, no collection
     gc.disable()  # the flood must reach the permanent generation (young cycles are collected as usual)
@@ -70,5 +70,9 @@ def test_a_permanent_generation_that_keeps_growing_is_collected_before_the_ten_m
     finally:
         gc.enable()
     assert pacer.full_collections == 1 and flood[0]() is not None
+    now[0] = 615.0
+    pacer.tick()  # the size is read every GROWTH_CHECK_SECONDS only
+    assert pacer.full_collections == 1
+    now[0] = 621.0
     pacer.tick()  # over the limit, long before ten minutes
     assert pacer.full_collections == 2 and all(r() is None for r in flood)
