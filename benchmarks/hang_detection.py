@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
 from parwatch.sidecar.hang import Activity, Layout  # noqa: E402
 from parwatch.sidecar.process import running_sidecar  # noqa: E402
+from tests.integration.e2e_util import decision_records  # noqa: E402
 
 PLACES = {  # where -> (layout flags, nproc, hung rank, its stage, the kind it is in)
     "compute": (("--pp", "2"), 2, 1, 1, "forward"),
@@ -52,7 +53,7 @@ PER_NODE = 8
 # ----------------------------------------------------------------------------- real runs
 
 def one_real_run(where: str, workdir: Path, timeout: float = 180.0) -> dict:
-    from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args
+    from tests.integration.e2e_util import running_trainer, synthetic, token_args
 
     flags, nproc, rank, stage, kind = PLACES[where]
     state = workdir / "state"
@@ -178,7 +179,7 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
             await asyncio.sleep(1.0)  # the naming time comes from the decision record, not this poll
             rss.append(rss_mb(pid))
             if time.time() > hang_at:
-                found = [r for r in _records(state_dir / "decisions.jsonl") if r.get("rule") == "hang"]
+                found = [r for r in decision_records(state_dir) if r["rule"] == "hang"]
                 if found:
                     return found[0]
 
@@ -233,21 +234,6 @@ def handler_timing(ranks: int, rounds: int = 3) -> dict:
             "leader_digest_handler_seconds_p99": percentile(times, 99),
             "leader_tick_seconds_max": max(check), "leader_hang_analysis_seconds": analysis,
             "analysis_findings": len(found)}
-
-
-def _records(path: Path) -> list[dict]:
-    """The decision log's complete lines (the leader may be writing the last one)."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def simulation(ranks: int, warmup: float, connections: int) -> dict:

@@ -115,6 +115,12 @@ def _excess(value: float, peers: list[float], th: Thresholds, small: bool = Fals
     return _stands_out(value, statistics.median(peers) if peers else 0.0, th, small, floor)
 
 
+def median_at(n: int, at) -> float:
+    """The median of n sorted values, element j being at(j): the one formula every median here uses."""
+    half = n // 2
+    return at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+
+
 def leave_one_out_medians(values: list[float]) -> list[float]:
     """[median of values without values[i] for each i] in O(n log n), not O(n^2): at 1024 ranks a
     sidecar compares every rank with all its peers once per step (0 when no peer is left)."""
@@ -123,14 +129,9 @@ def leave_one_out_medians(values: list[float]) -> list[float]:
         return [0.0] * n
     order = sorted(range(n), key=values.__getitem__)
     ranked = [values[i] for i in order]
-    m, out = n - 1, [0.0] * n
-
-    def rest(j: int, pos: int) -> float:  # element j of the sorted list with position pos removed
-        return ranked[j] if j < pos else ranked[j + 1]
-
-    for pos, i in enumerate(order):
-        half = m // 2
-        out[i] = rest(half, pos) if m % 2 else (rest(half - 1, pos) + rest(half, pos)) / 2
+    out = [0.0] * n
+    for pos, i in enumerate(order):  # element j of the rest: the sorted list with position pos removed
+        out[i] = median_at(n - 1, lambda j: ranked[j] if j < pos else ranked[j + 1])
     return out
 
 
@@ -153,8 +154,7 @@ def median_without(ordered: list[float], removed: list[float]) -> float | None:
             j += 1
         return ordered[j]
 
-    half = n // 2
-    return at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+    return median_at(n, at)
 
 
 def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
@@ -190,12 +190,10 @@ def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
         own_by_stage: dict[int, list[float]] = {}
         for r in by_host[host]:
             own_by_stage.setdefault(r.stage, []).append(r.compute_seconds)
-        stage_base = {}  # stage -> its median elsewhere (the run's elsewhere when the stage has no one else)
-        for stage, own in own_by_stage.items():
-            base = median_without(stage_sorted[stage], own)
-            if base is None:
-                base = median_without(all_sorted, [r.compute_seconds for r in by_host[host]])
-            stage_base[stage] = 0.0 if base is None else base
+        stage_base = {s: median_without(stage_sorted[s], own) for s, own in own_by_stage.items()}
+        if None in stage_base.values():  # a stage with no one elsewhere: the run's compute elsewhere
+            elsewhere = median_without(all_sorted, [r.compute_seconds for r in by_host[host]])
+            stage_base = {s: (elsewhere or 0.0) if b is None else b for s, b in stage_base.items()}
         compute = [_stands_out(r.compute_seconds, stage_base[r.stage], th) for r in mine]
         transfer = []
         own_paths = touching.get(host, {})
@@ -256,7 +254,6 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
     if len(set(host_of.values())) > 1:
         _host_contention(ranks, paths, host_of, th, explained, keep)
 
-    yield
     # 3. compute, per stage (a TP rank's slowness shows on its whole TP group: their collectives wait).
     stages: dict[int, list[RankFigures]] = {}
     for r in ranks:

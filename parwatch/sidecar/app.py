@@ -41,7 +41,7 @@ from parwatch.sidecar.models import (
     Problem,
     StepSummary,
 )
-from parwatch.sidecar.service import Sidecar, jsonable
+from parwatch.sidecar.service import SLICE_SECONDS, Sidecar, jsonable
 from parwatch.sidecar.store import Refused
 
 log = logging.getLogger(__name__)
@@ -125,10 +125,6 @@ def too_large(max_bytes: int) -> dict:
 
 
 MAX_SUMMARIES = IngestBody.model_fields["summaries"].metadata[0].max_length
-SLICE_SECONDS = 0.002
-"""Longest stretch a request holds the event loop while validating or storing summaries, or while
-rank 0's summary runs the once-a-step work over every rank (observation, attribution): posts
-arriving meanwhile wait for it, so it bounds their queueing (2 ms at 1024 posts/s, goal p99 10 ms)."""
 
 
 class _IngestHead(BaseModel):
@@ -412,16 +408,22 @@ class ControlApp(FastAPI):
                 return await self._fast_post(handler, scope, receive, send)
         return await super().__call__(scope, receive, send)
 
+    async def answer(self, handler, authorization: str | None, raw: bytes) -> tuple[int, Any, dict | None]:
+        """A fast post's (status, JSON payload, extra headers) once its body is read within the cap:
+        the bearer token (401 with its challenge), then the handler. Served here through ASGI and by
+        fast_http.FastPostProtocol at the protocol."""
+        try:
+            check_bearer(self.token, authorization)
+        except HTTPException as err:
+            return err.status_code, {"detail": err.detail}, err.headers
+        status, payload = await handler(raw)
+        return status, payload, None
+
     async def _fast_post(self, handler, scope, receive, send):
         raw = await read_body_or_413(scope, receive, send, self.max_body_bytes)
         if raw is None:
             return
-        try:
-            check_bearer(self.token, _header(scope, b"authorization"))
-        except HTTPException as err:
-            return await send_json(send, err.status_code, {"detail": err.detail}, err.headers)
-        status, payload = await handler(raw)
-        await send_json(send, status, payload)
+        await send_json(send, *await self.answer(handler, _header(scope, b"authorization"), raw))
 
 
 def _ingest_handler(sidecar: Sidecar):
@@ -431,7 +433,7 @@ def _ingest_handler(sidecar: Sidecar):
         except RequestValidationError as err:
             return 422, {"detail": _reason(err)}
         try:
-            return 200, await sidecar.ingest_async(body, SLICE_SECONDS)
+            return 200, await sidecar.ingest_async(body)
         except Refused as err:
             return err.status, {"detail": str(err)}
 

@@ -7,9 +7,9 @@ leader: 2,048 a second at 16,384 ranks) are tiny and their handlers are cheap, s
 machinery was most of their cost.
 
 `FastPostProtocol` is uvicorn's httptools protocol with one change: a POST to a path in
-`ControlApp.fast_posts` is read, checked and answered here, with the same checks in the same
-order as `ControlApp._fast_post` (body over --max-body-bytes: 413 as soon as it is; wrong or
-missing bearer token: 401; then the handler's status and JSON), and written in one write.
+`ControlApp.fast_posts` is read, checked and answered here as `ControlApp._fast_post` does it
+(body over --max-body-bytes: 413 as soon as it is; then `ControlApp.answer`: wrong or missing
+bearer token 401, else the handler's status and JSON), and written in one write.
 Everything else (other paths and methods, upgrades, a request pipelined behind an unanswered
 one, an app without fast posts) takes uvicorn's own path unchanged. tests/integration/
 test_sidecar_fast_http.py holds both paths to the same answers over real sockets.
@@ -21,10 +21,8 @@ import logging
 import urllib.parse
 
 import httptools
-from fastapi import HTTPException
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from parwatch.sidecar.auth import check_bearer
 from parwatch.sidecar.app import json_body, too_large
 
 log = logging.getLogger(__name__)
@@ -111,15 +109,11 @@ class FastPostProtocol(HttpToolsProtocol):
 
     async def _run(self, cycle: _FastCycle) -> None:
         try:
-            check_bearer(self.app.token, cycle.authorization)
-        except HTTPException as err:
-            return self._answer(cycle, err.status_code, {"detail": err.detail}, err.headers)
-        try:
-            status, payload = await cycle.handler(bytes(cycle.body))
+            status, payload, headers = await self.app.answer(cycle.handler, cycle.authorization, bytes(cycle.body))
         except Exception:  # as uvicorn does for an app's exception: logged, 500
             log.exception("exception in a fast POST handler")
             return self._write(cycle, 500, b"text/plain; charset=utf-8", b"Internal Server Error")
-        self._answer(cycle, status, payload)
+        self._answer(cycle, status, payload, headers)
 
     def _answer(self, cycle: _FastCycle, status: int, payload, headers: dict | None = None) -> None:
         self._write(cycle, status, b"application/json", json_body(payload), headers)

@@ -357,13 +357,17 @@ class HangMonitor:
         right at the line, not up to JUDGE_EVERY_SECONDS after it."""
         if self.hang is not None or self.progress.time is None:
             return None
+        return self.decision_line() - self.progress.stalled_for(self.clock())
+
+    def decision_line(self) -> float:
+        """The stall a hang is decided at: the bound less one ask (`every`), so it is named at or before
+        the bound; for a bound of a fraction of a second, half of it."""
         bound = self.progress.bound()
-        return bound - min(self.every, bound / 2) - self.progress.stalled_for(self.clock())
+        return bound - min(self.every, bound / 2)
 
     def stalled_past_bound(self, stalled: float) -> bool:
         """Past the bound by the time the next ask would come: decide now, not up to `every` late."""
-        bound = self.progress.bound()
-        return stalled >= bound - min(self.every, bound / 2)  # a bound of a fraction of a second: half of it
+        return stalled >= self.decision_line()
 
     def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
         now = self.clock()

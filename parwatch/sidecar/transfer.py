@@ -46,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from parwatch.catalog import metric
 from parwatch.guardrails.attribution import (CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute,
-                                             attribute_steps)
+                                             attribute_steps, median_at)
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.sliced import run_through
 
@@ -514,8 +514,7 @@ class TransferTracker:
 def _median(values) -> float:
     """statistics.median of a short window, without its generality (called per summary)."""
     ordered = sorted(values)
-    half = len(ordered) // 2
-    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+    return median_at(len(ordered), ordered.__getitem__)
 
 
 def _family(cls, name: str):
