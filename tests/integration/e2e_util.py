@@ -157,37 +157,53 @@ def running_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def run_on_hosts(endpoint: str, run_dir: Path, steps: int, hosts: tuple[str, ...], *extra: str,
-                 nproc_per_host: int = 2) -> None:
-    """One run on several "hosts" of this machine: a `torchrun --nnodes len(hosts)` launcher per host
-    (static rendezvous on loopback) with $PARWATCH_HOST set to its name, all shipping to `endpoint`.
-    Host k holds ranks k*nproc_per_host ... (k+1)*nproc_per_host - 1. Waits for every launcher to exit 0."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def launch_nodes(out_paths: list[Path], node_args: list[list[str]], envs: list[dict], nproc_per_node: int = 2,
+                 ) -> list[subprocess.Popen]:
+    """Several "nodes" of one run on this machine: a `torchrun --nnodes N --node-rank K` launcher per
+    entry (static rendezvous on loopback) running `-m trainer` with that node's args, environment and
+    output file. Each in its own process group (kill_group)."""
     from parwatch.sidecar.process import free_port
 
-    port = free_port()
-    env = dict(os.environ, TRAINER_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    procs = []
+    port, procs = free_port(), []
+    for k, (out_path, args, env) in enumerate(zip(out_paths, node_args, envs)):
+        cmd = [TORCHRUN, "--nnodes", str(len(node_args)), "--node-rank", str(k), "--nproc-per-node",
+               str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainer", *args]
+        env = dict(env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        with open(out_path, "wb") as out:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs
+
+
+def wait_nodes(procs: list[subprocess.Popen], out_paths: list[Path], timeout: float = TRAINER_TIMEOUT_S) -> None:
+    """Wait for every launcher of launch_nodes to exit 0 (AssertionError with its output otherwise)."""
+    deadline = time.monotonic() + timeout
+    for k, (proc, out_path) in enumerate(zip(procs, out_paths)):
+        try:
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            code = "timeout"
+        out = Path(out_path).read_text(errors="replace")[-3000:]
+        assert code == 0, f"node {k}'s launcher ({out_path}) exited with {code}\n{out}"
+
+
+def run_on_hosts(endpoint: str, run_dir: Path, steps: int, hosts: tuple[str, ...], *extra: str,
+                 nproc_per_host: int = 2) -> None:
+    """One run on several "hosts" of this machine (launch_nodes), each with $PARWATCH_HOST set to its
+    name, all shipping to `endpoint`. Host k holds ranks k*nproc_per_host ... (k+1)*nproc_per_host - 1.
+    Waits for every launcher to exit 0."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outs = [run_dir / f"{host}.out" for host in hosts]
+    args = [["--steps", str(steps), "--parwatch", "on", "--parwatch-endpoint", endpoint,
+             "--parwatch-log", str(run_dir / f"log-{host}"), "--summary-json", str(run_dir / "summary.json"), *extra]
+            for host in hosts]
+    envs = [dict(os.environ, TRAINER_THREADS="1", PARWATCH_HOST=host) for host in hosts]
+    procs = launch_nodes(outs, args, envs, nproc_per_host)
     try:
-        for k, host in enumerate(hosts):
-            cmd = [TORCHRUN, "--nnodes", str(len(hosts)), "--node-rank", str(k), "--nproc-per-node",
-                   str(nproc_per_host), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "-m", "trainer", "--steps", str(steps), "--parwatch", "on", "--parwatch-endpoint", endpoint,
-                   "--parwatch-log", str(run_dir / f"log-{host}"), "--summary-json", str(run_dir / "summary.json"),
-                   *extra]
-            with open(run_dir / f"{host}.out", "wb") as out:
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(env, PARWATCH_HOST=host), stdout=out,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + TRAINER_TIMEOUT_S
-        for host, proc in zip(hosts, procs):
-            try:
-                code = proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-            out = (run_dir / f"{host}.out").read_text(errors="replace")[-3000:]
-            assert code == 0, f"host {host}'s launcher exited with {code}\n{out}"
+        wait_nodes(procs, outs)
     finally:
         for proc in procs:
             kill_group(proc)

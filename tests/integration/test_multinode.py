@@ -16,14 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from e2e_util import ROOT, kill_group, read_jsonl, synthetic, wait_until
+from e2e_util import ROOT, TORCHRUN, kill_group, launch_nodes, read_jsonl, synthetic, wait_nodes, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from parwatch.sidecar.process import free_port, sidecar_command, stop, wait_healthy
@@ -31,7 +30,6 @@ from parwatch.sidecar.process import free_port, sidecar_command, stop, wait_heal
 pytestmark = pytest.mark.integration
 TOKEN = "multinode-test-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
-TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 PROMTOOL = shutil.which("promtool")
 RUN_TIMEOUT_S = 240
 
@@ -119,23 +117,15 @@ def two_nodes(base: Path):
 @contextlib.contextmanager
 def torchrun_nodes(base: Path, nodes: list[Node], steps: int, *extra: str, run_id: str = ""):
     """Both nodes' torchrun launchers (TP2 x PP2: node 0 holds stage 0, node 1 stage 1)."""
-    port = free_port()
-    procs = []
     env = dict(os.environ, PARWATCH_TOKEN=TOKEN, TRAINER_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if run_id:
         env["PARWATCH_RUN_ID"] = run_id
-    for k, node in enumerate(nodes):
-        cmd = [TORCHRUN, "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "trainer", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-               "--steps", str(steps), *synthetic(10, 20), "--pause-poll-s", "0.2",
-               "--parwatch-endpoint", node.control_url, "--parwatch-log", str(base / f"log{k}"),
-               "--checkpoint-dir", str(base / "ckpt"), "--checkpoint-every", "4", "--timeout-s", "120",
-               "--summary-json", str(base / f"summary{k}.json"), *extra]
-        with open(base / f"node{k}-trainer.out", "wb") as out:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+    args = [["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
+             "--steps", str(steps), *synthetic(10, 20), "--pause-poll-s", "0.2",
+             "--parwatch-endpoint", node.control_url, "--parwatch-log", str(base / f"log{k}"),
+             "--checkpoint-dir", str(base / "ckpt"), "--checkpoint-every", "4", "--timeout-s", "120",
+             "--summary-json", str(base / f"summary{k}.json"), *extra] for k, node in enumerate(nodes)]
+    procs = launch_nodes(_outs(base, len(nodes)), args, [env] * len(nodes))
     try:
         yield procs
     finally:
@@ -143,16 +133,12 @@ def torchrun_nodes(base: Path, nodes: list[Node], steps: int, *extra: str, run_i
             kill_group(p)
 
 
+def _outs(base: Path, n: int) -> list[Path]:
+    return [base / f"node{k}-trainer.out" for k in range(n)]
+
+
 def finish(base: Path, procs) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for k, p in enumerate(procs):
-        try:
-            code = p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_group(p)
-            code = "timeout"
-        out = (base / f"node{k}-trainer.out").read_text(errors="replace")[-3000:]
-        assert code == 0, f"node {k} exited with {code}\n{out}"
+    wait_nodes(procs, _outs(base, len(procs)), RUN_TIMEOUT_S)
 
 
 def promtool_clean(text: str) -> None:
