@@ -19,7 +19,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary
+from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, TorchAllReduce
 from trainer import checkpoint as ckpt
 from trainer import hooks
 from trainer.comm import Comm
@@ -67,7 +67,7 @@ class Trainer:
         self.applied: list[dict] = []
         self.bad_checkpoints: set[int] = set()  # failed verification on some rank: never loaded again
         self.steps_boundary = StepBoundary(
-            rank, world_size, cfg.run_id or "unnamed-run", self._all_reduce_sum, registry=registry,
+            rank, world_size, cfg.run_id or "unnamed-run", TorchAllReduce(device=self.device), registry=registry,
             reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0)
         self._last_boundary_t = None
 
@@ -104,11 +104,6 @@ class Trainer:
                                     cfg.microbatches * cfg.micro_batch_size * cfg.seq_len)
 
     # --------------------------------------------------------------- boundary
-    def _all_reduce_sum(self, values: list) -> list:
-        vec = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec)
-        return vec.tolist()  # host read: the one sync a step has anyway
-
     def boundary(self, kind: BoundaryKind, loss: float | None = None):
         """The step-boundary all-reduce; returns (mean loss, a directive to apply or None)."""
         return self.steps_boundary.exchange(kind, self.step, loss)

@@ -165,6 +165,14 @@ class Collector(Observer):
     def pending_directive(self):
         return self.directives.take() if self.ctx.rank == 0 else None
 
+    def during_boundary(self) -> None:
+        # Host clocks: fold the period's spans while the all-reduce is in flight (on_boundary
+        # folds what is left: the boundary's own span). Deferred clocks resolve at on_boundary.
+        if not self._deferred:
+            t0 = _now_ns()
+            self._fold_pending()
+            self._overhead_ns += _now_ns() - t0
+
     def on_boundary(self, info: BoundaryInfo, slots: list) -> None:
         try:
             self._on_boundary(info, slots)

@@ -13,6 +13,7 @@ pulling in parwatch's collector, the sidecar or torch:
 - `directives`: pause / resume / rollback, and the outcome every rank reports back.
 - `boundary`: the step boundary, one small SUM all-reduce per step whose width does
   not depend on the world size, and `StepBoundary`, the driver that runs it.
+- `torch_all_reduce`: that all-reduce over torch.distributed (torch imported only when used).
 
 The reference trainer (`trainer/`) and the torch.distributed.pipelining integration
 (`parwatch.integrations`) both drive this module; the collector observes it.
@@ -39,9 +40,10 @@ from parwatch.contract.spans import (
     SpanKind,
     registry,
 )
+from parwatch.contract.torch_all_reduce import TorchAllReduce
 
 __all__ = [
     "Action", "BoundaryInfo", "BoundaryKind", "COMPUTE_KINDS", "Clock", "Directive", "Event", "FailReason",
     "HEADER_SLOTS", "HookRegistry", "OTHER_KINDS", "Observer", "Outcome", "OutcomeReport", "PerfCounterClock",
-    "Span", "SpanKind", "StepBoundary", "registry", "run_key",
+    "Span", "SpanKind", "StepBoundary", "TorchAllReduce", "registry", "run_key",
 ]

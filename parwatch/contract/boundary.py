@@ -114,7 +114,10 @@ class StepBoundary:
 
     `all_reduce_sum(values: list[float]) -> list[float]` must SUM-all-reduce the list over every
     rank of the run (float64; e.g. a torch tensor and dist.all_reduce). It is called once per
-    exchange, and once per `agree`.
+    exchange, and once per `agree`. It may instead start the all-reduce and return a
+    zero-argument callable that waits for it and returns the sums (`dist.all_reduce(...,
+    async_op=True)`): while it is in flight the observers do the part of their boundary work
+    that needs no result (`Observer.during_boundary`), so that work costs the step no time.
     """
 
     def __init__(self, rank: int, world_size: int, run_id: str, all_reduce_sum: Callable[[list], Sequence[float]],
@@ -151,6 +154,10 @@ class StepBoundary:
         with reg.span(SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=len(vec) * 8,
                       group_size=self.world_size):
             out = self._all_reduce(vec)
+            if callable(out):  # in flight: the observers' work meanwhile is free
+                if reg.active:
+                    reg.during_boundary()
+                out = out()
         end = reg.mark()
         weight = out[LOSS_WEIGHT]
         mean_loss = out[LOSS_SUM] / weight if weight else float("nan")
@@ -168,7 +175,8 @@ class StepBoundary:
 
     def agree(self, ok: bool) -> bool:
         """True when every rank passes ok=True (one 1-float all-reduce; every rank must call it)."""
-        return int(round(self._all_reduce([1.0 if ok else 0.0])[0])) == self.world_size
+        out = self._all_reduce([1.0 if ok else 0.0])
+        return int(round((out() if callable(out) else out)[0])) == self.world_size
 
     def report(self, directive: Directive, outcome: Outcome, *, loaded_step: int | None = None,
                reason: FailReason | None = None, step: int | None = None) -> None:

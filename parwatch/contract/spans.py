@@ -120,6 +120,10 @@ class Span:
                group "pp", bytes, group_size 2, seq. A send runs from posting the isend to its completion.
     collective: op, group ("tp" | "pp" | "dp" | "world" | ...), bytes, group_size, seq
     optimizer, dp_sync, checkpoint, data: stage
+
+    Observers treat `attrs` as read-only (and copy what they change): an emitter may share one attrs
+    dict between the spans of every step, as the torch pipelining integration does per stage and
+    microbatch.
     """
 
     kind: SpanKind
@@ -149,6 +153,10 @@ class Observer:
     def pending_directive(self):
         """Rank 0 only: a parwatch.contract.Directive to hand every rank, or None."""
         return None
+
+    def during_boundary(self) -> None:
+        """While the boundary's all-reduce is in flight (trainers whose all-reduce is asynchronous;
+        see StepBoundary): work that needs not its result, such as folding the step's spans."""
 
     def on_boundary(self, info, slots: list) -> None:
         """`info`: a parwatch.contract.BoundaryInfo; `slots`: this observer's floats, summed over ranks."""
@@ -289,6 +297,12 @@ class HookRegistry:
             if d is not None:
                 return d
         return None
+
+    def during_boundary(self) -> None:
+        for obs in self.observers:
+            during = getattr(obs, "during_boundary", None)  # newer than the rest: observers may lack it
+            if during is not None:
+                during()
 
     def emit_boundary(self, info, part: list) -> None:
         offset = 0

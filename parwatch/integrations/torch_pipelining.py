@@ -32,7 +32,17 @@ import logging
 from typing import Callable
 
 from parwatch import pipeline_sim
-from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, registry
+from parwatch.contract import (
+    Action,
+    BoundaryKind,
+    Event,
+    FailReason,
+    Outcome,
+    SpanKind,
+    StepBoundary,
+    TorchAllReduce,
+    registry,
+)
 from parwatch.integrations import _p2p
 from parwatch.integrations._p2p import P2PHookMissing  # noqa: F401  (part of this module's API)
 from parwatch.integrations._stage_spans import (
@@ -146,10 +156,10 @@ class PipelineWatch:
         self.load_checkpoint = load_checkpoint
         self.p2p = p2p
         self.pause_poll_s = pause_poll_s
-        self._group = boundary_group
-        self._device = device if device is not None else getattr(first, "device", None)
         self.boundary = StepBoundary(dist.get_rank(boundary_group), dist.get_world_size(boundary_group), run_id,
-                                     self._all_reduce_sum, reports_loss=self.is_last)
+                                     TorchAllReduce(boundary_group, device if device is not None
+                                                    else getattr(first, "device", None)),
+                                     reports_loss=self.is_last)
         """The contract's step-boundary driver (one small SUM all-reduce per step)."""
         self._patches = Patches()
         self._losses: list = []
@@ -255,14 +265,6 @@ class PipelineWatch:
         self.detach()
 
     # ------------------------------------------------------------------ directives
-    def _all_reduce_sum(self, values: list) -> list:
-        import torch
-        import torch.distributed as dist
-
-        vec = torch.tensor(values, dtype=torch.float64, device=self._device)
-        dist.all_reduce(vec, group=self._group)
-        return vec.tolist()
-
     def _apply(self, directive) -> None:
         if directive.action == Action.PAUSE:
             self._report(directive, Outcome.APPLIED)

@@ -58,9 +58,12 @@ class SimRank:
 class SimRun:
     """Ranks that meet at step boundaries; `boundary()` plays the trainer's part."""
 
-    def __init__(self, ranks: list[SimRank]) -> None:
+    def __init__(self, ranks: list[SimRank], *, overlapped: bool = False) -> None:
         self.ranks = ranks
         self.world = len(ranks)
+        self.overlapped = overlapped
+        """Call the observers' during_boundary inside the boundary span, as StepBoundary does when the
+        trainer's all-reduce is asynchronous."""
 
     def boundary(self, step: int, kind: str, enter: dict | float, exit_t: float, loss: float = 2.5,
                  on_collective=None, share_marks: bool = False, report: OutcomeReport | None = None):
@@ -85,6 +88,8 @@ class SimRun:
             start = rank.registry.mark()
             with rank.registry.span(SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=nbytes,
                                     group_size=self.world) as span:
+                if self.overlapped:
+                    rank.registry.during_boundary()
                 rank.clock.at(exit_t)
             marks.append((span.start, span.end) if share_marks else (start, rank.registry.mark()))
         if on_collective is not None:
@@ -138,8 +143,8 @@ def gpipe_step(t0, stage, *, p=2, m=4, tf=0.010, tb=0.020, topt=0.005, dp_sync=0
     return spans, prev_end + topt
 
 
-def pipeline(p=2, m=4, **collector_kwargs) -> SimRun:
-    return SimRun([SimRank(ctx_for(r, pp=p, m=m), **collector_kwargs) for r in range(p)])
+def pipeline(p=2, m=4, overlapped=False, **collector_kwargs) -> SimRun:
+    return SimRun([SimRank(ctx_for(r, pp=p, m=m), **collector_kwargs) for r in range(p)], overlapped=overlapped)
 
 
 def run_steps(run: SimRun, steps, t0: float, *, first_step: int = 1, loss=lambda step: 2.5, gap: float = 0.0,
