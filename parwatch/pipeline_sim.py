@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
 
@@ -42,9 +42,10 @@ _OVERLAP = "OVERLAP_F_B"
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Z_]+?)\s*(\d*)\s*$")
 
 
-@dataclass(frozen=True)
-class Action:
-    """One compute action: `type` in F, B, I, W on virtual stage `stage` for `microbatch`."""
+class Action(NamedTuple):
+    """One compute action: `type` in F, B, I, W on virtual stage `stage` for `microbatch`.
+
+    A named tuple, so hashing it (replays key dicts by action) runs in C."""
 
     stage: int
     type: str
@@ -183,67 +184,106 @@ def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0,
     entry); B defaults to I + W.
     p2p_s: latency added to a dependency produced on another rank.
     host_s: the executor's host seconds before each action, one figure or {rank: seconds}
-    (missing ranks: 0). Every rank starts at 0; the makespan runs from 0 to the last end."""
-    if p2p_s < 0:
-        raise ValueError(f"p2p_s={p2p_s} must be >= 0")
-    blocks = _groups(order)
-    host = _host_fn(host_s, blocks)
-    ranks = {r: [a for g in groups for a in g] for r, groups in blocks.items()}
-    rank_of = {a.stage: r for r, actions in ranks.items() for a in actions}
-    n_stages = max(rank_of, default=-1) + 1
-    missing = sorted(set(range(n_stages)) - set(rank_of))
-    if missing:
-        raise ValueError(f"virtual stages {missing} appear on no rank; the order covers 0..{n_stages - 1}")
-    bwd_type = {(a.stage, a.microbatch): a.type for acts in ranks.values() for a in acts if a.type in (B, I)}
-    present = {a for acts in ranks.values() for a in acts}
-    duration = _duration_fn(durations)
-    finish: dict[Action, tuple[float, float]] = {}
-    published: dict[Action, float] = {}  # when other ranks can use an action's output
-    free = {r: 0.0 for r in ranks}
-    cursor = {r: 0 for r in ranks}
-    remaining = sum(len(group) for groups in blocks.values() for group in groups)
-    while remaining:
-        progressed = False
-        for rank, groups in blocks.items():
-            while cursor[rank] < len(groups):
-                group = groups[cursor[rank]]
-                deps = [d for action in group for d in _dependencies(action, bwd_type, n_stages) if d not in group]
-                absent = [d for d in deps if d not in present]
-                if absent:
-                    action = next(a for a in group if absent[0] in _dependencies(a, bwd_type, n_stages))
-                    raise ValueError(f"rank {rank}: {action} depends on {absent[0]}, which no rank runs; "
-                                     "the order is incomplete")
-                if any(d not in finish for d in deps):
-                    break
-                t = free[rank] + host(rank)  # the block's host work first, then its dependencies
-                for action in group:
-                    ready = t
-                    for dep in _dependencies(action, bwd_type, n_stages):
-                        if dep in group:
-                            ready = max(ready, finish[dep][1])
-                        elif rank_of[dep.stage] != rank:
-                            ready = max(ready, published[dep] + p2p_s)
-                        else:
-                            ready = max(ready, finish[dep][1])
-                    t = ready + duration(action)
-                    finish[action] = (ready, t)
-                for action in group:
-                    published[action] = t
-                free[rank] = t
-                cursor[rank] += 1
-                remaining -= len(group)
-                progressed = True
-        if not progressed:
-            blocked = [str(blocks[r][cursor[r]][0]) for r in blocks if cursor[r] < len(blocks[r])]
-            raise ValueError(f"the order deadlocks: every rank waits ({', '.join(blocked)} are next)")
-    if not finish:
-        return SimResult(0.0, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {})
-    # From 0, not the first start: with host work the first action starts late, and that wait is idle.
-    makespan = max(e for _, e in finish.values())
-    busy = {r: sum(finish[a][1] - finish[a][0] for a in acts) for r, acts in ranks.items()}
-    idle = {r: makespan - busy[r] for r in ranks}
-    bubble = {r: (idle[r] / makespan if makespan > 0 else 0.0) for r in ranks}
-    return SimResult(makespan, busy, idle, bubble, finish)
+    (missing ranks: 0). Every rank starts at 0; the makespan runs from 0 to the last end.
+    `order` may be a `Replay` (compiled once, for replaying one order many times)."""
+    replay = order if isinstance(order, Replay) else Replay(order)
+    return replay.run(durations, p2p_s, host_s)
+
+
+class Replay:
+    """An order compiled for replaying: every action's dependencies resolved, and an order of its
+    blocks that respects them, found once. `run()` is then one pass over flat lists, which is
+    what rank 0's collector needs: it replays the run's order twice a step (`bubble_causes`).
+
+    Raises ValueError for an order that cannot run: a virtual stage on no rank, a dependency no
+    rank runs, a deadlock."""
+
+    def __init__(self, order: Mapping) -> None:
+        blocks = _groups(order)
+        self.blocks = blocks
+        self.ranks = {r: [a for g in groups for a in g] for r, groups in blocks.items()}
+        """`{rank: [Action, ...]}`, as `normalize` gives it."""
+        self.stages = {r: sorted({a.stage for a in acts}) for r, acts in self.ranks.items()}
+        """`{rank: [virtual stage, ...]}`."""
+        rank_of = {a.stage: r for r, actions in self.ranks.items() for a in actions}
+        n_stages = max(rank_of, default=-1) + 1
+        missing = sorted(set(range(n_stages)) - set(rank_of))
+        if missing:
+            raise ValueError(f"virtual stages {missing} appear on no rank; the order covers 0..{n_stages - 1}")
+        bwd_type = {(a.stage, a.microbatch): a.type for acts in self.ranks.values() for a in acts if a.type in (B, I)}
+        present = {a for acts in self.ranks.values() for a in acts}
+        index: dict[Action, int] = {}
+        plan: list = []  # (rank, ((action index, ((dep index, produced on another rank), ...)), ...))
+        cursor = {r: 0 for r in blocks}
+        remaining = sum(len(group) for groups in blocks.values() for group in groups)
+        while remaining:
+            progressed = False
+            for rank, groups in blocks.items():
+                while cursor[rank] < len(groups):
+                    group = groups[cursor[rank]]
+                    deps = [d for action in group for d in _dependencies(action, bwd_type, n_stages) if d not in group]
+                    absent = [d for d in deps if d not in present]
+                    if absent:
+                        action = next(a for a in group if absent[0] in _dependencies(a, bwd_type, n_stages))
+                        raise ValueError(f"rank {rank}: {action} depends on {absent[0]}, which no rank runs; "
+                                         "the order is incomplete")
+                    if any(d not in index for d in deps):
+                        break
+                    for action in group:
+                        index[action] = len(index)
+                    plan.append((rank, tuple(
+                        (index[action], tuple((index[dep], dep not in group and rank_of[dep.stage] != rank)
+                                              for dep in _dependencies(action, bwd_type, n_stages)))
+                        for action in group)))
+                    cursor[rank] += 1
+                    remaining -= len(group)
+                    progressed = True
+            if not progressed:
+                blocked = [str(blocks[r][cursor[r]][0]) for r in blocks if cursor[r] < len(blocks[r])]
+                raise ValueError(f"the order deadlocks: every rank waits ({', '.join(blocked)} are next)")
+        self._actions = list(index)
+        self._keys = [(a.stage, a.type) for a in self._actions]
+        self._plan = plan
+        self._rank_indices = {r: [index[a] for a in acts] for r, acts in self.ranks.items()}
+
+    def run(self, durations: Mapping, p2p_s: float = 0.0, host_s: float | Mapping[int, float] = 0.0) -> SimResult:
+        """The replay with these durations (see `simulate`)."""
+        if p2p_s < 0:
+            raise ValueError(f"p2p_s={p2p_s} must be >= 0")
+        host = _host_fn(host_s, self.blocks)
+        duration = _duration_fn(durations)
+        if any(isinstance(key, Action) for key in durations):
+            seconds = [duration(a) for a in self._actions]
+        else:  # by (stage, type): one lookup each, not one per action
+            by_key = {key: duration(Action(key[0], key[1], 0)) for key in set(self._keys)}
+            seconds = [by_key[key] for key in self._keys]
+        n = len(seconds)
+        start, end, published = [0.0] * n, [0.0] * n, [0.0] * n
+        free = dict.fromkeys(self.blocks, 0.0)
+        host_of = {r: host(r) for r in self.blocks}
+        for rank, group in self._plan:
+            t = free[rank] + host_of[rank]  # the block's host work first, then its dependencies
+            for i, deps in group:
+                ready = t
+                for j, remote in deps:
+                    at = published[j] + p2p_s if remote else end[j]
+                    if at > ready:
+                        ready = at
+                t = ready + seconds[i]
+                start[i], end[i] = ready, t
+            for i, _ in group:  # what a block produces reaches other ranks when the block ends
+                published[i] = t
+            free[rank] = t
+        ranks = self._rank_indices
+        if not n:
+            return SimResult(0.0, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {})
+        # From 0, not the first start: with host work the first action starts late, and that wait is idle.
+        makespan = max(end)
+        busy = {r: sum(end[i] - start[i] for i in indices) for r, indices in ranks.items()}
+        idle = {r: makespan - busy[r] for r in ranks}
+        bubble = {r: (idle[r] / makespan if makespan > 0 else 0.0) for r in ranks}
+        return SimResult(makespan, busy, idle, bubble,
+                         {a: (start[i], end[i]) for i, a in enumerate(self._actions)})
 
 
 def _host_fn(host_s, blocks: Mapping[int, list]):
@@ -303,13 +343,15 @@ def bubble_causes(
 ) -> dict[int, BubbleCauses]:
     """Split each stage's measured bubble ratio into schedule, imbalance and wait.
 
-    order: the schedule's `{rank: [action, ...]}` (rank = pipeline stage, as in the summaries).
+    order: the schedule's `{rank: [action, ...]}` (rank = pipeline stage, as in the summaries), or
+        its `Replay` (compiled once: rank 0's collector calls this every step).
     per_stage_type_seconds: `{rank: {"F": s, "B": s}}` or with "I" and "W": the mean seconds of
         ONE action of that type on that rank in this step (all its virtual stages alike).
     measured_bubble_per_stage: `{rank: bubble_ratio}` as the collector measured it.
     p2p_s: a point-to-point latency both simulations assume (0: none).
     Returns `{rank: BubbleCauses}` for the ranks of `measured_bubble_per_stage`."""
-    ranks = normalize(order)
+    replay = order if isinstance(order, Replay) else Replay(order)
+    ranks = replay.ranks
     unknown = sorted(set(measured_bubble_per_stage) - set(ranks))
     if unknown:
         raise ValueError(f"measured_bubble_per_stage has stages {unknown} the order does not run")
@@ -320,10 +362,10 @@ def bubble_causes(
     for rank in ranks:
         given &= set(per_stage_type_seconds[rank])
     mean = {kind: sum(float(per_stage_type_seconds[r][kind]) for r in ranks) / len(ranks) for kind in given}
-    measured = {(a.stage, kind): float(per_stage_type_seconds[r][kind])
-                for r, acts in ranks.items() for a in acts for kind in given}
-    uniform = simulate(ranks, mean, p2p_s).bubble
-    actual = simulate(ranks, measured, p2p_s).bubble
+    measured = {(stage, kind): float(per_stage_type_seconds[r][kind])
+                for r, stages in replay.stages.items() for stage in stages for kind in given}
+    uniform = replay.run(mean, p2p_s).bubble
+    actual = replay.run(measured, p2p_s).bubble
     out = {}
     for rank, bubble in measured_bubble_per_stage.items():
         schedule = uniform[rank]
@@ -340,7 +382,7 @@ def per_action_seconds(order: Mapping, stage_totals: Mapping[int, Mapping[str, f
     sums full backwards (B) and input backwards (I); a rank running both is split assuming
     B = I + W. The loss, computed after the last stage's forwards, is folded into that rank's F."""
     out: dict[int, dict] = {}
-    for rank, actions in normalize(order).items():
+    for rank, actions in (order.ranks if isinstance(order, Replay) else normalize(order)).items():
         totals = stage_totals.get(rank)
         if totals is None:
             raise ValueError(f"stage_totals lacks stage {rank}; give every stage of the order")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from parwatch.pipeline_sim import bubble_causes, normalize, per_action_seconds, simulate
+from parwatch.pipeline_sim import Replay, bubble_causes, per_action_seconds
 
 CAUSE_KEYS = {"schedule": "bubble_schedule_ratio", "imbalance": "bubble_imbalance_ratio", "wait": "bubble_wait_ratio"}
 
@@ -20,7 +20,8 @@ class CauseSplitter:
     """Holds the run's pipeline order (from the trainer's run_start event) and enriches summaries."""
 
     def __init__(self) -> None:
-        self.order: dict | None = None
+        self.order: Replay | None = None
+        """The run's order, compiled once (replayed twice per step)."""
         self.errors = 0
         """Summaries whose causes could not be computed (a partial view, an order that does not replay)."""
 
@@ -31,13 +32,12 @@ class CauseSplitter:
         if not order:
             return None
         try:
-            order = {int(rank): list(actions) for rank, actions in order.items()}
-            ranks = normalize(order)
-            uniform = simulate(ranks, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}).bubble
+            replay = Replay({int(rank): list(actions) for rank, actions in order.items()})
+            uniform = replay.run({"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}).bubble
         except (ValueError, TypeError, KeyError):
             self.errors += 1
             return None
-        self.order = ranks
+        self.order = replay
         return sum(uniform.values()) / len(uniform) if uniform else None
 
     def add_causes(self, summary: dict) -> None:
@@ -46,7 +46,7 @@ class CauseSplitter:
         if not view or not view.get("stages"):
             return
         stages = {s["stage"]: s for s in view["stages"]}
-        if set(stages) != set(self.order):
+        if set(stages) != set(self.order.ranks):
             return  # a stage did not report this step: no replay of a partial pipeline
         try:
             causes = bubble_causes(self.order, per_action_seconds(self.order, stages),

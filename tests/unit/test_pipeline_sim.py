@@ -290,3 +290,59 @@ def test_reference_trainer_order_replays_to_the_formula(name, p, m, v):
 
     result = ps.simulate(pipeline_order(name, p, m, v), {"F": 0.02, "B": 0.04})
     assert all(b == pytest.approx(ps.theory(name, p, m, v)) for b in result.bubble.values())
+
+
+def _recurrence_replay(order, durations: dict, p2p_s: float, host: dict) -> dict:
+    """The replay from its definition, by recursion: a block starts when the rank's previous block
+    ended plus its host time; an action when that and its dependencies are done (a dependency from
+    another rank: when that rank's block holding it ended, plus p2p_s). Returns {Action: (start, end)}."""
+    import functools
+
+    blocks = ps._groups(order)
+    where = {a: (r, k) for r, groups in blocks.items() for k, g in enumerate(groups) for a in g}
+    n_stages = 1 + max(a.stage for a in where)
+    bwd = {(a.stage, a.microbatch): a.type for a in where if a.type in ("B", "I")}
+
+    @functools.lru_cache(maxsize=None)
+    def block_times(rank: int, k: int) -> dict:
+        t = (block_end(rank, k - 1) if k else 0.0) + host.get(rank, 0.0)
+        out = {}
+        for action in blocks[rank][k]:
+            ready = t
+            for dep in ps._dependencies(action, bwd, n_stages):
+                dep_rank, dep_k = where[dep]
+                if dep_rank != rank:
+                    ready = max(ready, block_end(dep_rank, dep_k) + p2p_s)
+                else:
+                    ready = max(ready, block_times(dep_rank, dep_k)[dep][1])
+            t = ready + durations[action]
+            out[action] = (ready, t)
+        return out
+
+    def block_end(rank: int, k: int) -> float:
+        return max(end for _, end in block_times(rank, k).values())
+
+    return {a: block_times(*where[a])[a] for a in where}
+
+
+@pytest.mark.parametrize("name", ALL_CLASSES)
+def test_compiled_replay_equals_the_recurrence_for_every_torch_schedule(name):
+    import random
+
+    rng = random.Random(7)
+    for p, m, v in ((2, 4, 1), (4, 8, 2), (3, 6, 2)):
+        if name in ("GPipe", "1F1B"):  # what their _step_microbatches runs (see single_stage_order)
+            order = ps.single_stage_order(name.lower(), p, m)
+        else:
+            order = torch_order(name, p, m, 2 if name in V_STYLE else v)
+        replay = ps.Replay(order)
+        for _ in range(3):
+            durations = {a: rng.uniform(0.001, 0.05) for acts in replay.ranks.values() for a in acts}
+            host = {r: rng.uniform(0, 0.002) for r in replay.ranks}
+            p2p = rng.choice([0.0, 0.003])
+            got = replay.run(durations, p2p, host)
+            want = _recurrence_replay(order, durations, p2p, host)
+            assert got.finish.keys() == want.keys()
+            for action, (start, end) in want.items():
+                assert got.finish[action] == pytest.approx((start, end), abs=1e-12), (name, p, m, v, action)
+            assert got.bubble == ps.simulate(order, durations, p2p, host).bubble
