@@ -9,6 +9,8 @@ detached (the schedule exactly as torch ships it, no boundary), in pairs whose o
 every pair, so drift in the machine's load hits both. Attaching (and the run_start boundary that
 opens an attached step's period) happens between steps, outside the timing. The first pairs are
 warm-up and dropped. Goal: on/off <= 1.01 (median step time; a step's time is the slower rank's).
+Also the paired ratio: the median over pairs of on/off within a pair (its two steps ran back to
+back, so drift in the machine's speed cancels), with a distribution-free 95% interval.
 
 Also per mode: the training thread's CPU time per step (time.thread_time: what the integration
 adds on the thread that drives the pipeline, unaffected by other processes' load) and, attached,
@@ -153,9 +155,12 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
         bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
         # step_done's time includes waiting for the other rank's flush; its least is the all-reduce's own.
         bnd = min(b for r in per_rank for b in r["boundary_wall"])
-        rows.append([name, off, on, on / off, cpu_off * 1e6, cpu_on * 1e6, (cpu_on - cpu_off) * 1e6,
-                     bnd_cpu * 1e6, bnd])
+        paired, low, high = paired_ratio(per_rank)
+        rows.append([name, off, on, on / off, f"{paired:.4f} [{low:.4f}, {high:.4f}]", cpu_off * 1e6, cpu_on * 1e6,
+                     (cpu_on - cpu_off) * 1e6, bnd_cpu * 1e6, bnd])
         results.append({"workload": name, "median_step_off_s": off, "median_step_on_s": on, "ratio": on / off,
+                        "paired_ratio_median": paired, "paired_ratio_95ci": [low, high],
+                        "step_off_s": slower_rank_steps(per_rank, "off"), "step_on_s": slower_rank_steps(per_rank, "on"),
                         "thread_cpu_per_step_off_us": cpu_off * 1e6, "thread_cpu_per_step_on_us": cpu_on * 1e6,
                         "step_done_thread_cpu_us": bnd_cpu * 1e6, "least_step_done_s": bnd,
                         "steps_per_mode": len(per_rank[0]["times"]["on"])})
@@ -163,9 +168,23 @@ def overhead(pairs: int, only: str = "") -> tuple[list, list]:
     return rows, results
 
 
+def slower_rank_steps(per_rank: list, mode: str) -> list:
+    """Each step's time of the slower rank (the pipeline waits for it anyway), in pair order."""
+    return [max(ts) for ts in zip(*(r["times"][mode] for r in per_rank))]
+
+
 def slower_rank_median(per_rank: list, mode: str) -> float:
-    """Median over steps of the slower rank's step time (the pipeline waits for it anyway)."""
-    return statistics.median(max(ts) for ts in zip(*(r["times"][mode] for r in per_rank)))
+    return statistics.median(slower_rank_steps(per_rank, mode))
+
+
+def paired_ratio(per_rank: list) -> tuple[float, float, float]:
+    """Median over pairs of on/off within the pair (its two steps ran back to back, so slow drift
+    in the machine's speed cancels), with a distribution-free 95% interval for that median
+    (order statistics n/2 -+ 0.98 sqrt(n))."""
+    ratios = sorted(on / off for on, off in zip(slower_rank_steps(per_rank, "on"), slower_rank_steps(per_rank, "off")))
+    n = len(ratios)
+    k = max(0, int((n - 1.96 * n ** 0.5) / 2))
+    return statistics.median(ratios), ratios[k], ratios[n - 1 - k]
 
 
 def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
@@ -182,9 +201,11 @@ def breakdown(pairs: int, only: str = "") -> tuple[list, list]:
                         for r in per_rank)
             bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
             ratio = slower_rank_median(per_rank, "on") / slower_rank_median(per_rank, "off")
-            rows.append([name, variant, ratio, added * 1e6, bnd_cpu * 1e6, (added + bnd_cpu) * 1e6])
+            paired, low, high = paired_ratio(per_rank)
+            rows.append([name, variant, ratio, f"{paired:.4f} [{low:.4f}, {high:.4f}]", added * 1e6, bnd_cpu * 1e6,
+                         (added + bnd_cpu) * 1e6])
             results.append({"workload": name, "variant": variant, "what_on_keeps": VARIANTS[variant],
-                            "wall_ratio": ratio,
+                            "wall_ratio": ratio, "paired_ratio_median": paired, "paired_ratio_95ci": [low, high],
                             "schedule_thread_cpu_added_us": added * 1e6, "step_done_thread_cpu_us": bnd_cpu * 1e6,
                             "per_rank": [{"schedule_cpu_on_s": r["schedule_cpu"]["on"],
                                           "schedule_cpu_off_s": r["schedule_cpu"]["off"],
@@ -234,13 +255,15 @@ def main() -> int:
         ap.error(f"--pairs must be > {WARMUP} (the first {WARMUP} are dropped)")
     rows, results = overhead(a.pairs, a.only)
     print()
-    print_table(["workload", "median step off (s)", "on (s)", "on/off", "thread CPU/step off (us)", "on (us)",
+    print_table(["workload", "median step off (s)", "on (s)", "on/off", "paired on/off [95% CI]",
+                 "thread CPU/step off (us)", "on (us)",
                  "added (us)", "step_done CPU (us)", "boundary all-reduce (s, least)"], rows)
     payload = {"pairs": a.pairs, "warmup_pairs": WARMUP, "results": results}
     if a.breakdown:
         brows, bresults = breakdown(a.pairs, a.only)
         print()
-        print_table(["workload", "on keeps", "on/off (wall)", "schedule step: added thread CPU (us)", "step_done CPU (us)",
+        print_table(["workload", "on keeps", "on/off (wall)", "paired on/off [95% CI]",
+                     "schedule step: added thread CPU (us)", "step_done CPU (us)",
                      "total added (us)"], brows)
         payload["breakdown"] = bresults
     if a.fidelity:

@@ -19,12 +19,17 @@ _P2P = {"get_fwd_recv_ops": ("recv", "activation"), "get_bwd_recv_ops": ("recv",
 
 
 class Patches:
-    """Instance attributes set on objects, and how to take them away again."""
+    """Instance attributes set on objects, and how to take them away again (and put them back)."""
 
     def __init__(self) -> None:
         self._done: list[tuple[object, str, object]] = []
+        self._made: list[tuple[object, str, object]] = []
 
     def set(self, obj, name: str, value) -> None:
+        self._made.append((obj, name, value))
+        self._apply(obj, name, value)
+
+    def _apply(self, obj, name: str, value) -> None:
         self._done.append((obj, name, obj.__dict__.get(name, _ABSENT)))
         setattr(obj, name, value)
 
@@ -35,6 +40,15 @@ class Patches:
                 obj.__dict__.pop(name, None)
             else:
                 setattr(obj, name, before)
+
+    def redo(self) -> bool:
+        """After `undo`, set the same values again (the same wrappers, whose per-microbatch attrs
+        survive); False when nothing was ever set."""
+        if self._done or not self._made:
+            return bool(self._done)
+        for obj, name, value in self._made:
+            self._apply(obj, name, value)
+        return True
 
 
 _ABSENT = object()

@@ -177,12 +177,13 @@ class PipelineWatch:
         """Instrument the schedule (the constructor does; after `detach`, again)."""
         if self.attached:
             return self
-        attrs = {}
-        for chunk, stage in enumerate(self.stages):
-            base = {"stage": self.pp_rank, "chunk": chunk, "vstage": stage.stage_index}
-            attrs[stage.stage_index] = base
-            instrument_stage(stage, base, self._patches, p2p=self.p2p)
-        instrument_loss(self.schedule, attrs, self._patches, self._losses)
+        if not self._patches.redo():  # the first time: build the wrappers (later attaches reuse them)
+            attrs = {}
+            for chunk, stage in enumerate(self.stages):
+                base = {"stage": self.pp_rank, "chunk": chunk, "vstage": stage.stage_index}
+                attrs[stage.stage_index] = base
+                instrument_stage(stage, base, self._patches, p2p=self.p2p)
+            instrument_loss(self.schedule, attrs, self._patches, self._losses)
         if self.p2p:
             try:
                 _p2p.install()
