@@ -71,7 +71,9 @@ class SimResult:
 
 # --------------------------------------------------------------------------- input
 def normalize(order: Mapping) -> dict[int, list[Action]]:
-    """`{rank: [Action, ...]}` from any accepted form (see the module docstring)."""
+    """`{rank: [Action, ...]}` from any accepted form (see the module docstring), or a Replay's."""
+    if isinstance(order, Replay):
+        return order.ranks
     return {rank: [a for group in groups for a in group] for rank, groups in _groups(order).items()}
 
 
@@ -203,7 +205,7 @@ class Replay:
         self.blocks = blocks
         self.ranks = {r: [a for g in groups for a in g] for r, groups in blocks.items()}
         """`{rank: [Action, ...]}`, as `normalize` gives it."""
-        self.stages = {r: sorted({a.stage for a in acts}) for r, acts in self.ranks.items()}
+        self.stages = stages_of(self)
         """`{rank: [virtual stage, ...]}`."""
         rank_of = {a.stage: r for r, actions in self.ranks.items() for a in actions}
         n_stages = max(rank_of, default=-1) + 1
@@ -382,7 +384,7 @@ def per_action_seconds(order: Mapping, stage_totals: Mapping[int, Mapping[str, f
     sums full backwards (B) and input backwards (I); a rank running both is split assuming
     B = I + W. The loss, computed after the last stage's forwards, is folded into that rank's F."""
     out: dict[int, dict] = {}
-    for rank, actions in (order.ranks if isinstance(order, Replay) else normalize(order)).items():
+    for rank, actions in normalize(order).items():
         totals = stage_totals.get(rank)
         if totals is None:
             raise ValueError(f"stage_totals lacks stage {rank}; give every stage of the order")

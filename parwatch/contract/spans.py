@@ -196,8 +196,8 @@ class _LiveSpan(Span):
     def __enter__(self):
         reg = self._reg
         self.parent = reg.current
-        reg.current = self  # one store: what an activity reporter reads from its own thread
         self.start = reg.clock.mark()
+        reg.current = self  # one store, after start: an activity reporter reads both from its own thread
         return self
 
     def __exit__(self, *exc):

@@ -50,18 +50,14 @@ def _batch_p2p(p2p_ops, desc=None):
     if not reg.active:
         return original(p2p_ops, desc=desc)
     spans = None
-    sequence = reg.sequence
     for op in p2p_ops:
         tag = getattr(op, TAG, None)
         if tag is not None:
             kind, attrs = tag  # what does not change between steps (see _stage_spans._tagging)
             attrs = attrs.copy()
-            peer = attrs["peer"] = op.peer
+            attrs["peer"] = op.peer
             attrs["bytes"] = op.tensor.nbytes
-            # Numbered when posted (the program's order): HookRegistry.next_seq inlined, same key.
-            key = (kind, peer)
-            seq = attrs["seq"] = sequence.get(key, 0) + 1
-            sequence[key] = seq
+            attrs["seq"] = reg.next_seq(kind, attrs)  # numbered when posted: the program's order
             span = _new(Span)
             span.kind, span.attrs, span.parent = kind, attrs, None
             if spans is None:
