@@ -4,6 +4,7 @@ still freed by the periodic full collection."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -52,27 +53,28 @@ def test_a_cycle_made_after_the_last_tick_is_collected_as_usual(frozen_state):
     assert young() is None
 
 
-def test_a_permanent_generation_that_keeps_growing_is_collected_before_the_ten_minutes(frozen_state):
+def test_a_heap_that_keeps_growing_is_collected_before_the_ten_minutes(frozen_state):
     """Cycles that became garbage after being frozen wait for the full collection; a flood of them
-    (say a stream of bad requests) triggers it early rather than growing the heap for ten minutes."""
+    (say a stream of bad requests) grows the heap and triggers it early rather than growing it for
+    ten minutes."""
     now = [0.0]
-    pacer = GcPacer(full_seconds=600.0, clock=lambda: now[0], min_frozen=1)
+    pacer = GcPacer(full_seconds=600.0, clock=lambda: now[0], min_blocks=1)
     now[0] = 600.0
-    pacer.tick()  # a full collection: the limit is GROWTH x what is alive now
+    pacer.tick()  # a full collection: the limit is GROWTH x the heap now
     assert pacer.full_collections == 1
-    now[0] = 611.0
+    assert pacer.blocks_limit >= 2 * sys.getallocatedblocks() - 10_000
+    now[0] = 601.5
     pacer.tick()
     assert pacer.full_collections == 1  # no growth, no collection
+    pacer.blocks_limit = sys.getallocatedblocks() + 20_000  # a small heap's limit, without a huge flood
     gc.disable()  # the flood must reach the permanent generation (young cycles are collected as usual)
     try:
-        flood = [_cycle() for _ in range(pacer.frozen_limit - gc.get_freeze_count() + 1000)]  # 2 objects each
-        pacer.tick()  # freezes the flood (the check comes first)
+        flood = [_cycle() for _ in range(20_000)]  # at least 2 blocks each
+        pacer.tick()  # freezes the flood (the size was just read: it is read GROWTH_CHECK_SECONDS apart)
     finally:
         gc.enable()
+    gc.collect()  # the flood is garbage, but frozen: no ordinary collection frees it
     assert pacer.full_collections == 1 and flood[0]() is not None
-    now[0] = 615.0
-    pacer.tick()  # the size is read every GROWTH_CHECK_SECONDS only
-    assert pacer.full_collections == 1
-    now[0] = 621.0
+    now[0] = 603.0
     pacer.tick()  # over the limit, long before ten minutes
-    assert pacer.full_collections == 2 and all(r() is None for r in flood)
+    assert pacer.full_collections == 2 and flood[0]() is None
