@@ -372,15 +372,28 @@ class RuleMonitor:
         self.state, self.reason = state, reason
         self.failing_steps, self.since_step, self.since_time, self.window_values = 0, None, None, []
 
-    def to_dict(self) -> dict:
+    def to_dict(self, history: bool = True) -> dict:
+        """The state to save; history=False leaves out the baseline windows (baseline_dict() has them)."""
+        out = {"metric": self.rule.metric, "check": self.rule.check, "window_steps": self.rule.window_steps,
+               **{k: getattr(self, k) for k in self.SAVED}}
+        if history:
+            out["history"] = self.check.history()
+        return out
+
+    def baseline_dict(self) -> dict:
+        """The check's baseline windows, with what they were built for."""
         return {"metric": self.rule.metric, "check": self.rule.check, "window_steps": self.rule.window_steps,
-                "history": self.check.history(), **{k: getattr(self, k) for k in self.SAVED}}
+                "history": self.check.history()}
 
     def restore(self, saved: dict) -> None:
-        """Continue from a saved state; the baseline only if it was built for the same check."""
+        """Continue from a saved state (to_dict); its baseline if it has one (restore_baseline)."""
         for key in self.SAVED:
             if key in saved:
                 setattr(self, key, saved[key])
-        same = all(saved.get(k) == getattr(self.rule, k) for k in ("metric", "check", "window_steps"))
-        if same:
+        if "history" in saved:
+            self.restore_baseline(saved)
+
+    def restore_baseline(self, saved: dict) -> None:
+        """Continue from saved baseline windows (baseline_dict), only if built for the same check."""
+        if all(saved.get(k) == getattr(self.rule, k) for k in ("metric", "check", "window_steps")):
             self.check.restore(saved.get("history", {}))

@@ -223,16 +223,18 @@ class StateFile:
 class Batch:
     """Writes owed by one burst of engine work: decision lines, then the state that follows them."""
 
-    def __init__(self, log_path: Path, lines: list[bytes], state_path: Path, state: tuple[bytes, bool] | None,
+    def __init__(self, log_path: Path, lines: list[bytes], states: list[tuple[Path, tuple[bytes, bool] | None]],
                  then: Callable[[], None] | None = None, earlier: list["Batch"] | None = None):
-        self.log_path, self.lines, self.state_path, self.state = log_path, lines, state_path, state
+        self.log_path, self.lines = log_path, lines
+        self.states = [(path, owed) for path, owed in states if owed is not None]
+        """(path, StateFile.take()) of each state file owed a write."""
         self.then = then
         """A file operation that must follow these writes (archiving a run's files)."""
         self.earlier = earlier or []
         """Batches taken before this one that must be written first."""
 
     def __bool__(self) -> bool:
-        return bool(self.lines) or self.state is not None or self.then is not None or bool(self.earlier)
+        return bool(self.lines) or bool(self.states) or self.then is not None or bool(self.earlier)
 
     def write(self) -> None:
         """Put the batch on disk (any thread; one batch at a time, in the order taken)."""
@@ -240,7 +242,7 @@ class Batch:
             batch.write()
         if self.lines:
             append_lines(self.log_path, self.lines)
-        if self.state is not None:
-            write_state(self.state_path, *self.state)
+        for path, (data, sync_dir) in self.states:
+            write_state(path, data, sync_dir)
         if self.then is not None:
             self.then()

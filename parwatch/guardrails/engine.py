@@ -36,6 +36,13 @@ Durability: what survives a crash of the sidecar process (and, where said, of th
   (lasting longer, never shorter), and a step evaluated in them may be evaluated again.
 Writing state.json on every evaluation (json encoding, two fsyncs) would cost more than
 all 20 rules' judging, on the sidecar's event loop.
+- Baselines, in STATE_DIR/baselines.json (the spike and regression checks' windows of past
+  values): written once BASELINES_FLUSH_SECONDS (60 s) passed since their last write, and by
+  flush()/close(), reload() and a run's archiving. A crash loses at most that long of them: a
+  window misses those values (it refills as steps come). They are most of the state's bytes (a
+  regression rule over a 1,024-rank node's collective paths keeps ~900 windows of 50 values:
+  108 KB): encoding them with the rest once a second held the sidecar's event loop 4-12 ms each
+  time (benchmarks/sidecar_load.py, py-spy, 2026-12-01).
 
 Deferred writes (defer_writes(), the sidecar's mode): "before the call returns" above
 becomes "before take_writes()'s batch is written", which the sidecar does in a writer
@@ -65,6 +72,8 @@ log = logging.getLogger(__name__)
 REQUEST_SOURCES = ("operator", "alertmanager")
 MAX_CHECKPOINTS = 1000
 """Known checkpoint steps kept (the newest)."""
+BASELINES_FLUSH_SECONDS = 60.0
+"""How stale the baseline windows in baselines.json may get (see Durability)."""
 EVALUATE_FLUSH_FACTOR = 5
 """evaluate() writes deferred counters only if none were written for this many counter_flush_seconds."""
 
@@ -95,6 +104,7 @@ class GuardrailEngine:
         self._dir.mkdir(parents=True, exist_ok=True)
         self._log = DecisionLog(self._dir / "decisions.jsonl")
         self._state_file = StateFile(self._dir / "state.json", self._state, now)
+        self._baselines_file = StateFile(self._dir / "baselines.json", self._baselines, now)
         self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
         self._metrics = {r.metric for r in rules.rules}
         self._directives = Directives(first_id=max(1, int(now() * 1000)))
@@ -173,12 +183,14 @@ class GuardrailEngine:
                 self._state_file.write_now(sync_dir=bool(records))
             else:  # the sidecar calls this every second: the place for deferred counters
                 self._state_file.flush_if_due(self._flush_seconds)
+            self._baselines_file.flush_if_due(BASELINES_FLUSH_SECONDS)
             return records
 
     def flush(self) -> None:
         """Write deferred counter-only state now (see Durability in the module docstring)."""
         with self._lock:
             self._state_file.flush()
+            self._baselines_file.flush_if_due(0)  # a crash, not a power loss, is what they guard against
 
     def close(self) -> None:
         """Flush before shutdown. The engine holds no open files, so it stays usable."""
@@ -190,20 +202,24 @@ class GuardrailEngine:
     def defer_writes(self) -> None:
         """From now on, collect disk writes for take_writes() instead of writing them (see Deferred writes)."""
         with self._lock:
-            self._log.deferred = self._state_file.deferred = True
+            self._log.deferred = self._state_file.deferred = self._baselines_file.deferred = True
 
     def take_writes(self) -> Batch:
         """The writes owed so far (deferred mode), as one batch to write in order; empty when none."""
         with self._lock:
             earlier, self._queued_batches = self._queued_batches, []
-            return Batch(self._log.path, self._log.take_lines(), self._state_file.path, self._state_file.take(),
-                         earlier=earlier)
+            return Batch(self._log.path, self._log.take_lines(), self._owed_states(), earlier=earlier)
+
+    def _owed_states(self) -> list:
+        return [(f.path, f.take()) for f in (self._state_file, self._baselines_file)]
 
     def _rule_states(self) -> list[str]:
         return [m.state for m in self._monitors.values()]
 
     def _changed(self, durable: bool, sync_dir: bool = False) -> None:
         """After an evaluation: durable changes go to disk now, counter-only ones when due."""
+        self._baselines_file.mark_dirty()
+        self._baselines_file.flush_if_due(BASELINES_FLUSH_SECONDS)
         if durable:
             self._state_file.write_now(sync_dir)
         else:
@@ -331,6 +347,7 @@ class GuardrailEngine:
                 self._state_file.write_now(sync_dir=True)
             else:
                 self._state_file.mark_dirty()
+            self._baselines_file.mark_dirty()
             return records
 
     # -- requests and directives ----------------------------------------------------------------------
@@ -500,7 +517,7 @@ class GuardrailEngine:
 
         def move():
             target.mkdir(parents=True, exist_ok=True)
-            for name in ("decisions.jsonl", "state.json"):
+            for name in ("decisions.jsonl", "state.json", "baselines.json"):
                 path = self._dir / name
                 if path.exists():
                     os.replace(path, target / name)
@@ -509,9 +526,10 @@ class GuardrailEngine:
         if deferred:
             # The old run's owed writes, then the move, in order on the writer thread.
             self._state_file.write_now(sync_dir=True)
-            self._queued_batches.append(Batch(self._log.path, self._log.take_lines(), self._state_file.path,
-                                              self._state_file.take(), then=move))
+            self._baselines_file.write_now(sync_dir=False)
+            self._queued_batches.append(Batch(self._log.path, self._log.take_lines(), self._owed_states(), then=move))
         else:
+            self._baselines_file.flush_if_due(0)
             move()
         keep_ids = (self._next_decision_id, self._directives.next_id)
         archived = self._archived_runs[-99:] + [run_id]
@@ -542,6 +560,7 @@ class GuardrailEngine:
             self._rules, self._monitors = rules, monitors
             self._metrics = {r.metric for r in rules.rules}
             self._state_file.write_now()
+            self._baselines_file.write_now(sync_dir=False)
 
     @property
     def rules(self) -> RuleSet:
@@ -572,7 +591,12 @@ class GuardrailEngine:
                 "directives": self._directives.to_dict(), "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
                 "rollback_ticks": self._rollback_ticks, "tick": self._tick, "last_step": self._last_step,
                 "first_seen_time": self._first_seen_time, "resumed_time": self._resumed_time,
-                "rearmed": self._rearmed, "rules": {name: m.to_dict() for name, m in self._monitors.items()}}
+                "rearmed": self._rearmed,
+                "rules": {name: m.to_dict(history=False) for name, m in self._monitors.items()}}
+
+    def _baselines(self) -> dict:
+        return {"version": 1, "run_id": self._run_id,
+                "rules": {name: m.baseline_dict() for name, m in self._monitors.items()}}
 
     def _load(self) -> None:
         saved = self._state_file.read() or {}
@@ -589,9 +613,17 @@ class GuardrailEngine:
         self._first_seen_time = saved.get("first_seen_time")
         self._resumed_time = saved.get("resumed_time")
         self._rearmed = {str(k): int(v) for k, v in (saved.get("rearmed") or {}).items()}
+        with_history = set()
         for name, monitor_state in saved.get("rules", {}).items():
             if name in self._monitors:
                 self._monitors[name].restore(monitor_state)
+                if "history" in monitor_state:  # state.json from before baselines.json
+                    with_history.add(name)
+        baselines = self._baselines_file.read() or {}
+        if baselines.get("run_id") == self._run_id:
+            for name, saved_baseline in baselines.get("rules", {}).items():
+                if name in self._monitors and name not in with_history:
+                    self._monitors[name].restore_baseline(saved_baseline)
 
 
 def _safe_name(run_id: str) -> str:

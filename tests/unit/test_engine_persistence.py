@@ -5,6 +5,7 @@ must see everything the contract calls durable. The fast reducers and rolling me
 engine uses per step are checked against their plain definitions at the end.
 """
 
+import json
 import math
 import os
 import random
@@ -14,7 +15,7 @@ import statistics
 import pytest
 
 from parwatch.guardrails.checks import RollingWindow, Series
-from parwatch.guardrails.engine import GuardrailEngine, Observation
+from parwatch.guardrails.engine import BASELINES_FLUSH_SECONDS, GuardrailEngine, Observation
 from parwatch.guardrails.rules import Rule, RuleSet
 
 
@@ -112,6 +113,54 @@ def test_counters_are_deferred_until_due_or_flushed(tmp_path):
     assert again.evaluate(Observation(5, run.clock.t, {"loss": {"": 2.0}})) == []
     (spike,) = again.evaluate(Observation(6, run.clock.t, {"loss": {"": 7.0}}))
     assert spike["rule"] == "spike" and spike["evidence"]["baseline"] == 2.0
+
+
+def test_baselines_are_written_apart_from_the_state_and_at_most_a_minute_stale(tmp_path):
+    """The spike and regression windows go to baselines.json once BASELINES_FLUSH_SECONDS passed (not
+    with the counters every second); a crash loses at most that long of them, nothing else."""
+    run = Run(tmp_path, spike_rule())
+    for _ in range(4):
+        run.feed(loss=2.0)
+    run.engine.close()  # close writes them
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert "history" not in state["rules"]["spike"]  # the state written every second stays small
+    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {
+        "values": [2.0] * 4}
+    for _ in range(3):
+        run.clock.t += 1.0
+        run.feed(loss=3.0)
+        run.engine.check_no_data()  # counters once a second; baselines not yet
+    assert run.restarted().states()["spike"]["last_value"] == 3.0
+    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {
+        "values": [2.0] * 4}
+    run.clock.t += BASELINES_FLUSH_SECONDS
+    run.engine.check_no_data()
+    again = run.restarted()  # a crash: the windows as of the last minute's write
+    assert again._monitors["spike"].check.history() == {"values": [2.0] * 4 + [3.0] * 3}
+
+
+def test_a_state_file_with_baselines_inside_still_restores_them(tmp_path):
+    """state.json written before baselines.json existed held the windows itself."""
+    run = Run(tmp_path, spike_rule())
+    for _ in range(4):
+        run.feed(loss=2.0)
+    run.engine.close()
+    state = json.loads((tmp_path / "state.json").read_text())
+    state["rules"]["spike"]["history"] = {"values": [5.0] * 6}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert run.restarted()._monitors["spike"].check.history() == {"values": [5.0] * 6}
+    (tmp_path / "state.json").unlink()  # another run's baselines are not this one's
+    assert run.restarted()._monitors["spike"].check.history() == {"values": []}
+
+
+def test_a_new_run_archives_the_baselines_with_the_state(tmp_path):
+    run = Run(tmp_path, spike_rule())
+    for _ in range(4):
+        run.feed(loss=2.0)
+    run.engine.begin_run("next")
+    archived = json.loads((tmp_path / "runs" / "r" / "baselines.json").read_text())
+    assert archived["run_id"] == "r" and archived["rules"]["spike"]["history"] == {"values": [2.0] * 4}
+    assert run.engine._monitors["spike"].check.history() == {"values": []}
 
 
 def test_check_no_data_writes_counters_once_a_second(tmp_path):
