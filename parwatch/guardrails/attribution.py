@@ -129,9 +129,19 @@ def leave_one_out_medians(values: list[float]) -> list[float]:
         return [0.0] * n
     order = sorted(range(n), key=values.__getitem__)
     ranked = [values[i] for i in order]
+    # Element j of the rest is ranked[j] if j < pos else ranked[j + 1] (pos: the position removed), so
+    # the median of the rest is one of three values, chosen by where pos lies against the middle.
+    m = n - 1
+    half = m // 2
+    if m % 2:  # median_at(m, at) = at(half)
+        below, at_half, above = ranked[half + 1], ranked[half + 1], ranked[half]
+    else:  # median_at(m, at) = (at(half - 1) + at(half)) / 2
+        below = (ranked[half] + ranked[half + 1]) / 2
+        at_half = (ranked[half - 1] + ranked[half + 1]) / 2
+        above = (ranked[half - 1] + ranked[half]) / 2
     out = [0.0] * n
-    for pos, i in enumerate(order):  # element j of the rest: the sorted list with position pos removed
-        out[i] = median_at(n - 1, lambda j: ranked[j] if j < pos else ranked[j + 1])
+    for pos, i in enumerate(order):
+        out[i] = below if pos < half else (at_half if pos == half else above)
     return out
 
 
@@ -224,7 +234,8 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
     come from sorted lists (leave_one_out_medians), so the cost grows as n log n with ranks and paths."""
     if not ranks:
         return []
-    step = statistics.median(r.step_seconds for r in ranks) or 1e-9
+    periods = sorted([r.step_seconds for r in ranks])
+    step = median_at(len(periods), periods.__getitem__) or 1e-9
     host_of = {r.rank: r.host for r in ranks}
     findings: list[Finding] = []
     explained: set[int] = set()
@@ -237,6 +248,7 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
                                     f"({ratio:.0%} of the {step * 1000:.0f} ms step)"))
             explained.update(culprits)
 
+    yield
     # 1. data: only ranks that fetch data are each other's peers.
     fetching = [r for r in ranks if r.data_seconds > 0]
     bases = leave_one_out_medians([r.data_seconds for r in fetching])

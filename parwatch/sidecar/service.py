@@ -39,12 +39,15 @@ SLICE_SECONDS = 0.002
 """Longest stretch a request holds the event loop while validating or storing summaries, or while
 rank 0's summary runs the once-a-step work over every rank (observation, attribution): posts
 arriving meanwhile wait for it, so it bounds their queueing (2 ms at 1024 posts/s, goal p99 10 ms)."""
-YIELD_PAUSE_SECONDS = 0.001
+PAUSE_FACTOR = 2.0
 """How long a long post's work (in practice rank 0's once-a-step work over every rank, ~20 ms at 1,024
-ranks) steps aside between its slices. With sleep(0) the slices came back as soon as the posts already
-queued were served and the ones arriving meanwhile queued behind the next slice: bursts of 10-25 ms of
-loop lag once a second. A pause lets the posts that arrive be served first; rank 0's own answer
-(one post a second) comes a few tens of ms later."""
+ranks) steps aside after each slice: this many times the slice's own length, so while it runs it takes
+at most a third of the loop and the posts arriving meanwhile (over half of the loop at 1,024 posts/s)
+are served as they come. With sleep(0) the slices came back as soon as the posts already queued were
+served: bursts of 10-25 ms of loop lag once a second. With a fixed 1 ms pause after 2 ms slices the
+work took two thirds of the loop, the posts' backlog grew all through it, and the posts right after
+rank 0's waited 10-16 ms (benchmarks/sidecar_load.py, 2026-12-01). Rank 0's own answer (one post a
+second) comes some tens of ms later."""
 
 
 class Sidecar:
@@ -99,14 +102,16 @@ class Sidecar:
         return self.ingest_reply(body)
 
     async def ingest_async(self, body: IngestBody, slice_seconds: float = SLICE_SECONDS,
-                           pause_seconds: float = YIELD_PAUSE_SECONDS) -> dict:
-        """ingest(), handing the event loop back for `pause_seconds` after every `slice_seconds` of
-        work, then persisting what the engine decided before the answer (with any directive) goes out."""
-        deadline = time.perf_counter() + slice_seconds
+                           pause_factor: float = PAUSE_FACTOR) -> dict:
+        """ingest(), handing the event loop back after every `slice_seconds` of work for `pause_factor`
+        times the slice's length, then persisting what the engine decided before the answer (with any
+        directive) goes out."""
+        began = time.perf_counter()
         for _ in self._ingest_steps(body):
-            if time.perf_counter() > deadline:
-                await asyncio.sleep(pause_seconds)
-                deadline = time.perf_counter() + slice_seconds
+            now = time.perf_counter()
+            if now - began > slice_seconds:
+                await asyncio.sleep(pause_factor * (now - began))
+                began = time.perf_counter()
         await self.persist()
         return self.ingest_reply(body)
 

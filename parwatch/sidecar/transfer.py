@@ -468,6 +468,7 @@ class TransferTracker:
         fresh, self._fresh = self._fresh, {}
         if fresh:
             out["collective_transfer_seconds"] = {k: total / n for k, (total, n) in fresh.items()}
+            yield
         if self._ranks:
             findings = yield from attribute_steps(self.rank_figures(), self.path_figures(), self.thresholds)
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}

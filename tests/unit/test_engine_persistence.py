@@ -14,9 +14,9 @@ import statistics
 
 import pytest
 
-from parwatch.guardrails.checks import RollingWindow, Series
+from parwatch.guardrails.checks import RegressionCheck, RollingWindow, Series
 from parwatch.guardrails.engine import BASELINES_FLUSH_SECONDS, GuardrailEngine, Observation
-from parwatch.guardrails.rules import Rule, RuleSet
+from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule, RuleSet
 
 
 class Clock:
@@ -305,3 +305,32 @@ def test_rolling_window_median_matches_statistics_median():
     restored = RollingWindow(3)
     restored.extend(["1.5", 2, float("nan"), 4.0, 8.0])  # as read back from state.json; NaN never enters
     assert restored.to_list() == [2.0, 4.0, 8.0] and restored.median() == 4.0
+
+
+@pytest.mark.parametrize("window_steps", [2, 4, 7])
+def test_regression_read_matches_the_plain_definition(window_steps):
+    """Each series' ratio to the median of its own previous window_steps finite values (judged once
+    it has min(MIN_BASELINE_VALUES, window) of them and the median is positive), reduced by max."""
+    rng = random.Random(window_steps)
+    check = RegressionCheck(Rule(name="r", metric="collective_transfer_seconds", check="regression", factor=2.0,
+                                 window_steps=window_steps, action="alert"))
+    past: dict[str, list[float]] = {}
+    for _ in range(300):
+        values = {f"path={rng.randrange(6)}": rng.choice([0.0, 1.0, 2.0, math.nan, math.inf, rng.random()])
+                  for _ in range(rng.randrange(0, 5))}
+        ratios, medians = {}, {}
+        for key, value in values.items():
+            if not math.isfinite(value):
+                continue
+            earlier = past.setdefault(key, [])
+            if len(earlier) >= min(MIN_BASELINE_VALUES, window_steps) and statistics.median(earlier) > 0:
+                medians[key] = statistics.median(earlier)
+                ratios[key] = value / medians[key]
+            past[key] = (earlier + [value])[-window_steps:]
+        reading = check.read(Series(values))
+        if not ratios:
+            assert reading is None
+            continue
+        value, key = plain_reduce(ratios, "max")
+        assert (reading.value, reading.series, reading.baseline) == (value, key, medians[key])
+        assert reading.failing == (value > 2.0)

@@ -201,3 +201,30 @@ def test_a_large_body_is_parsed_in_slices_as_json_would(monkeypatch):
     assert len(raw) > app.SMALL_BODY
     monkeypatch.setattr(app, "SLICE_SECONDS", 0.0)  # yield after every element
     assert asyncio.run(app.parse_ingest_json(raw)) == json.loads(raw)
+
+
+def test_a_long_posts_work_steps_aside_twice_as_long_as_each_slice_it_ran(tmp_path, monkeypatch):
+    """Rank 0's once-a-step work over every rank runs in slices; after each one the loop is handed back
+    for PAUSE_FACTOR times the slice, so the posts arriving meanwhile are served as they come."""
+    import asyncio
+
+    from parwatch.sidecar import service
+    from parwatch.sidecar.models import IngestBody
+
+    sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state"))
+    clock, pauses = [0.0], []
+
+    def steps(body):  # ten steps of 1 ms of work each
+        for _ in range(10):
+            clock[0] += 0.001
+            yield
+
+    async def sleep(seconds):
+        pauses.append(round(seconds, 6))
+
+    monkeypatch.setattr(sidecar, "_ingest_steps", steps)
+    monkeypatch.setattr(service.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(service.asyncio, "sleep", sleep)
+    body = IngestBody.model_validate({"version": 1, "summaries": []})
+    assert asyncio.run(sidecar.ingest_async(body, slice_seconds=0.0025)) == {"accepted": 0, "directive": None}
+    assert pauses == [0.006, 0.006, 0.006]  # after 3 ms of work each time (the slice is 2.5 ms)
