@@ -261,14 +261,17 @@ class Store:
     def is_up(self, rec: RankRecord) -> bool:
         return self.age(rec) <= self.grace_seconds
 
+    # The two below run over every rank once a second or per scrape: one clock read, not one per rank
+    # (age(rec) <= x is now - rec.seen <= x, since x >= 0).
     def liveness(self) -> dict[int, bool]:
         """Every rank ever seen this run -> up; down ranks stay listed (rank_up 0)."""
-        return {rank: self.is_up(rec) for rank, rec in sorted(list(self.ranks.items()))}
+        now, grace = self.clock(), self.grace_seconds
+        return {rank: now - rec.seen <= grace for rank, rec in sorted(list(self.ranks.items()))}
 
     def visible(self) -> list[RankRecord]:
         """Ranks whose series are still exported: silent for no more than 2x the grace period."""
-        limit = 2 * self.grace_seconds
-        return [rec for _, rec in sorted(list(self.ranks.items())) if self.age(rec) <= limit]
+        now, limit = self.clock(), 2 * self.grace_seconds
+        return [rec for _, rec in sorted(list(self.ranks.items())) if now - rec.seen <= limit]
 
     @property
     def last_step(self) -> int | None:
