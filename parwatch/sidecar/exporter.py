@@ -16,7 +16,6 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     InfoMetricFamily,
-    Metric,
 )
 from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -24,7 +23,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from parwatch import __version__
 from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.sidecar.exposition import go_float
+from parwatch.sidecar.exposition import RankFamily, go_float
 from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import transfer_families
@@ -233,26 +232,6 @@ PER_RANK = (
     ("parwatch_collector_dropped_summaries", "counter", "Summaries the rank's shipper dropped",
      RANK, lambda rec: rec.summary.dropped_total),
 )
-
-
-class RankFamily(Metric):
-    """A family with one or more samples per rank, generated only when encoded, in two forms:
-    `samples` (prometheus_client's encoders iterate it) and `text_lines()`, the same lines as
-    exposition text written straight from the records (exposition.py's encoders use it: building a
-    Sample and sorting its label dict per line was most of a 1024-rank scrape)."""
-
-    def __init__(self, name: str, doc: str, typ: str, samples, text_lines):
-        super().__init__(name, doc, typ)
-        self._samples = samples
-        self.text_lines = text_lines
-
-    @property
-    def samples(self):
-        return self._samples()
-
-    @samples.setter
-    def samples(self, value):  # Metric.__init__ sets an empty list
-        pass
 
 
 def _rank_samples(sample_name, records, labels_of, value_of):

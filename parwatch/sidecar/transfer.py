@@ -43,11 +43,13 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
 
 from parwatch.catalog import metric
 from parwatch.guardrails.attribution import (CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute,
                                              attribute_steps, median_at)
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
+from parwatch.sidecar.exposition import RankFamily, go_float
 from parwatch.sliced import run_through
 
 HORIZON_STEPS = 8
@@ -534,7 +536,12 @@ def transfer_families(tracker: TransferTracker):
     wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
     busbw = _family(GaugeMetricFamily, "parwatch_collective_busbw_bytes_per_second")
     unmatched = _family(CounterMetricFamily, "parwatch_collective_unmatched_total")
-    straggler = _family(CounterMetricFamily, "parwatch_rank_straggler_seconds_total")
+    m = metric("parwatch_rank_straggler_seconds_total")
+    sample = m.family + "_total"
+    # One line per rank (1,024 at a node): generated as the encoder pauses between lines, not built here whole.
+    straggler = RankFamily(m.family, m.help, "counter",
+                           lambda: (Sample(sample, {"rank": str(rank)}, seconds) for rank, seconds in view.straggler),
+                           lambda: (f'{sample}{{rank="{rank}"}} {go_float(seconds)}\n' for rank, seconds in view.straggler))
     causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
         hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)
@@ -544,8 +551,6 @@ def transfer_families(tracker: TransferTracker):
         wait.add_metric([op, group], seconds)
     for (op, group, reason), n in view.unmatched:
         unmatched.add_metric([op, group, reason], n)
-    for rank, seconds in view.straggler:
-        straggler.add_metric([str(rank)], seconds)
     for cause, ratio in view.causes:
         causes.add_metric([cause], ratio)
     yield from (hist, wait, busbw, unmatched, straggler, causes)
