@@ -47,6 +47,26 @@ def test_split_is_the_last_arrivals_duration_and_everyone_elses_extra():
     assert waits == {0: pytest.approx(7 * MS), 1: 0.0, 2: pytest.approx(3 * MS)}
 
 
+def test_the_trackers_split_is_split_instance_on_random_instances():
+    """The tracker writes split_instance's definition out for speed: both agree exactly, ties included."""
+    import random
+
+    rng = random.Random(5)
+    for trial in range(200):
+        width = rng.choice([2, 3, 4, 8])
+        group = {"tp": list(range(width))}
+        durations = {r: rng.choice([1000, 2000, 2000, rng.randrange(1, 9000)]) for r in range(width)}
+        t = TransferTracker()
+        done = []
+        for r in rng.sample(range(width), width):  # members arrive in any order
+            done += t.add(summary(r, 1, [ar(1, durations[r] / 1000)], group, tp=width))
+        (split,) = done
+        transfer, waits, last = split_instance({r: d * 1e-6 for r, d in durations.items()})
+        assert (split.transfer, split.last) == (transfer, last)
+        assert split.waits == {r: ("all_reduce", w) for r, w in waits.items()}
+        assert dict(t.straggler) == waits
+
+
 def test_a_tp_all_reduce_splits_into_wait_and_transfer():
     t = TransferTracker()
     tp = {"tp": [0, 1]}
