@@ -5,8 +5,8 @@ every second; operators and Alertmanager go through request(). Every decision is
 record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enforcing,
 also becomes a directive of the current run that rank 0 fetches (pending_directive) until
 the run reports its outcome (record_outcome: applied, substituted, failed or ignored, for
-every rank at once). The rest of the state lives in STATE_DIR/state.json, so a restarted
-sidecar continues where it stopped. A new run id starts a clean engine (begin_run): the
+every rank at once). The rest of the state lives in STATE_DIR/state.json (baseline windows in
+baselines.json), so a restarted sidecar continues where it stopped. A new run id starts a clean engine (begin_run): the
 previous run's state and decisions move to STATE_DIR/runs/RUN_ID/. Methods are
 thread-safe (one lock).
 
@@ -492,7 +492,7 @@ class GuardrailEngine:
     def begin_run(self, run_id: str) -> bool:
         """The run whose rank 0 reports here is `run_id`; a new one starts a clean engine.
 
-        The previous run's state.json and decisions.jsonl move to STATE_DIR/runs/RUN_ID/; its
+        The previous run's state.json, baselines.json and decisions.jsonl move to STATE_DIR/runs/RUN_ID/; its
         outstanding directives go with it (never handed to the new run). Returns True when the
         run changed. A run already archived is not taken back (a late post of an old run)."""
         with self._lock:
