@@ -142,8 +142,15 @@ class SidecarCollector(Collector):
             yield RankFamily(name, doc, typ,
                              partial(_rank_samples, sample, records, labels_of, value_of),
                              partial(_rank_lines, sample, records, label_text, value_of))
-        yield RankFamily("parwatch_step_duration_seconds", "Step period, boundary to boundary", "histogram",
-                         partial(_step_histograms, records), partial(_step_histogram_lines, records))
+        # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
+        # ranks share its period, and one copy per rank was 16 of a rank's 32 series.
+        per_stage = {}
+        for rec in records:  # by rank: the first of each stage is its lowest rank here
+            per_stage.setdefault(rec.summary.stage, rec)
+        stage_records = [per_stage[stage] for stage in sorted(per_stage)]
+        step = metric("parwatch_step_duration_seconds")
+        yield RankFamily(step.name, step.help, "histogram",
+                         partial(_step_histograms, stage_records), partial(_step_histogram_lines, stage_records))
         for field_name, suffix, doc in GPU_GAUGES:
             name = f"parwatch_gpu_{suffix}"
             yield RankFamily(name, doc, "gauge", partial(_gpu_samples, name, records, field_name),
@@ -268,7 +275,7 @@ def _step_histograms(records):
     name = "parwatch_step_duration_seconds"
     for rec in records:
         t = rec.totals  # one immutable value: buckets and count always agree
-        labels = _rank_stage_labels(rec)
+        labels = {"stage": str(rec.summary.stage)}
         for le, n in zip(_STEP_LE, t.step_buckets):
             yield Sample(name + "_bucket", {**labels, "le": le}, n)
         yield Sample(name + "_bucket", {**labels, "le": "+Inf"}, t.step_count)
@@ -278,10 +285,10 @@ def _step_histograms(records):
 
 def _step_histogram_lines(records):
     name = "parwatch_step_duration_seconds"
-    heads = [f'{name}_bucket{{le="{le}",' for le in (*_STEP_LE, "+Inf")]  # "le" sorts before "rank"
+    heads = [f'{name}_bucket{{le="{le}",' for le in (*_STEP_LE, "+Inf")]  # "le" sorts before "stage"
     for rec in records:
         t = rec.totals
-        labels = _rank_stage_text(rec)
+        labels = f'stage="{rec.summary.stage}"'
         for head, n in zip(heads, (*t.step_buckets, t.step_count)):
             yield f"{head}{labels}}} {go_float(n)}\n"
         yield f"{name}_count{{{labels}}} {go_float(t.step_count)}\n"

@@ -32,7 +32,7 @@ CATALOGUE = {
     "parwatch_tokens_total": set(),
     "parwatch_model_flops_utilization_ratio": {"rank"},
     "parwatch_torch_memory_max_allocated_bytes": {"rank", "stage"},
-    "parwatch_step_duration_seconds": {"rank", "stage"},
+    "parwatch_step_duration_seconds": {"stage"},
     "parwatch_stage_compute_seconds_total": {"rank", "stage"},
     "parwatch_stage_idle_seconds_total": {"rank", "stage"},
     "parwatch_stage_bubble_ratio": {"rank", "stage"},
@@ -139,10 +139,12 @@ def test_values_follow_the_summaries(env):
     compute = samples(fams["parwatch_stage_compute_seconds_total"], "_total")
     one_step = syn.summary(0, 1, tp=2, pp=2)["compute_seconds"]
     assert compute[(("rank", "0"), ("stage", "0"))] == pytest.approx(3 * one_step)
-    # step histogram: 0.5 s lands in le=0.5 and above
+    # step histogram, once per stage: 0.5 s lands in le=0.5 and above
     hist = fams["parwatch_step_duration_seconds"]
+    assert {s.labels["stage"] for s in hist.samples} == {"0", "1"}
+    assert sum(1 for s in hist.samples if s.name.endswith("_count")) == 2
     buckets = {s.labels["le"]: s.value for s in hist.samples
-               if s.name.endswith("_bucket") and s.labels["rank"] == "0"}
+               if s.name.endswith("_bucket") and s.labels["stage"] == "0"}
     assert len(buckets) == len(STEP_BUCKETS) + 1
     assert buckets["0.25"] == 0 and buckets["0.5"] == 3 and buckets["+Inf"] == 3
     # collective histogram sums over the 4 ranks: 8 all-reduces of 2 ms per rank and step
@@ -166,7 +168,7 @@ def test_retried_summaries_are_not_counted_twice(env):
     fams = families(metrics)
     assert samples(fams["parwatch_tokens_total"], "_total") == {(): 4096}
     counts = [s.value for s in fams["parwatch_step_duration_seconds"].samples if s.name.endswith("_count")]
-    assert counts == [1, 1, 1, 1]
+    assert counts == [1, 1]  # one per stage
 
 
 def test_silent_rank_goes_down_then_its_series_vanish(env):
@@ -187,7 +189,10 @@ def test_silent_rank_goes_down_then_its_series_vanish(env):
                  "parwatch_nvml_up", "parwatch_collector_dropped_summaries_total"):
         suffix = "_total" if name.endswith("_total") else ""
         assert all(dict(k).get("rank") != "3" for k in samples(fams[name], suffix)), name
-    assert all(s.labels["rank"] != "3" for s in fams["parwatch_step_duration_seconds"].samples)
+    # Stage 1's step histogram is its lowest rank's here, rank 2 (3 steps), before and after rank 3 left.
+    counts = {s.labels["stage"]: s.value for s in fams["parwatch_step_duration_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"0": 3, "1": 3}
     assert samples(fams["parwatch_stage_bubble_ratio"])  # the live ranks remain
 
 
