@@ -6,9 +6,9 @@ record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enfo
 also becomes a directive of the current run that rank 0 fetches (pending_directive) until
 the run reports its outcome (record_outcome: applied, substituted, failed or ignored, for
 every rank at once). The rest of the state lives in STATE_DIR/state.json (baseline windows in
-baselines.json), so a restarted sidecar continues where it stopped. A new run id starts a clean engine (begin_run): the
-previous run's state and decisions move to STATE_DIR/runs/RUN_ID/. Methods are
-thread-safe (one lock).
+baselines.json), so a restarted sidecar continues where it stopped. A new run id starts a
+clean engine (begin_run): the previous run's state and decisions move to
+STATE_DIR/runs/RUN_ID/. Methods are thread-safe (one lock).
 
 Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
 step numbers, because step numbers repeat after a rollback and a loop must still count.

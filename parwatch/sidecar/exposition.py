@@ -59,9 +59,9 @@ def _label_value(v: str) -> str:
 
 
 class RankFamily(Metric):
-    """A family with one or more samples per rank, generated only when encoded, in two forms:
+    """A family with samples per rank (or per stage), generated only when encoded, in two forms:
     `samples` (prometheus_client's encoders iterate it) and `text_lines()`, the same lines as
-    exposition text written straight from the records (exposition.py's encoders use it: building a
+    exposition text written straight from the records (the encoders here use it: building a
     Sample and sorting its label dict per line was most of a 1024-rank scrape)."""
 
     def __init__(self, name: str, doc: str, typ: str, samples, text_lines):

@@ -553,9 +553,10 @@ def transfer_families(tracker: TransferTracker):
     m = metric("parwatch_rank_straggler_seconds_total")
     sample = m.family + "_total"
     # One line per rank (1,024 at a node): generated as the encoder pauses between lines, not built here whole.
+    ranks = view.straggler
     straggler = RankFamily(m.family, m.help, "counter",
-                           lambda: (Sample(sample, {"rank": str(rank)}, seconds) for rank, seconds in view.straggler),
-                           lambda: (f'{sample}{{rank="{rank}"}} {go_float(seconds)}\n' for rank, seconds in view.straggler))
+                           lambda: (Sample(sample, {"rank": str(r)}, seconds) for r, seconds in ranks),
+                           lambda: (f'{sample}{{rank="{r}"}} {go_float(seconds)}\n' for r, seconds in ranks))
     causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
         hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)
