@@ -409,3 +409,7 @@ class RuleMonitor:
         """Continue from saved baseline windows (baseline_dict), only if built for the same check."""
         if all(saved.get(k) == getattr(self.rule, k) for k in ("metric", "check", "window_steps")):
             self.check.restore(saved.get("history", {}))
+
+    def reset_baseline(self) -> None:
+        """Empty windows (they refill as steps come)."""
+        self.check = make_check(self.rule)

@@ -621,9 +621,14 @@ class GuardrailEngine:
                     with_history.add(name)
         baselines = self._baselines_file.read() or {}
         if baselines.get("run_id") == self._run_id:
-            for name, saved_baseline in baselines.get("rules", {}).items():
+            for name, saved_baseline in (baselines.get("rules") or {}).items():
                 if name in self._monitors and name not in with_history:
-                    self._monitors[name].restore_baseline(saved_baseline)
+                    try:
+                        self._monitors[name].restore_baseline(saved_baseline)
+                    except (AttributeError, TypeError, ValueError) as err:  # edited by hand, or garbled
+                        self._monitors[name].reset_baseline()
+                        log.warning("ignoring rule %s's saved baseline in %s (%s): it starts afresh", name,
+                                    self._baselines_file.path, err)
 
 
 def _safe_name(run_id: str) -> str:

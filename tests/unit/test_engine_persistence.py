@@ -153,6 +153,20 @@ def test_a_state_file_with_baselines_inside_still_restores_them(tmp_path):
     assert run.restarted()._monitors["spike"].check.history() == {"values": []}
 
 
+def test_a_garbled_baselines_file_costs_its_windows_not_the_start(tmp_path, caplog):
+    run = Run(tmp_path, spike_rule())
+    for _ in range(4):
+        run.feed(loss=2.0)
+    run.engine.close()
+    saved = json.loads((tmp_path / "baselines.json").read_text())
+    saved["rules"]["spike"]["history"] = {"values": [1.0, "not a number"]}
+    (tmp_path / "baselines.json").write_text(json.dumps(saved))
+    again = run.restarted()
+    assert again._monitors["spike"].check.history() == {"values": []}
+    assert "ignoring rule spike's saved baseline" in caplog.text
+    assert again.states()["spike"]["last_value"] == 2.0  # the rest of the state is kept
+
+
 def test_a_new_run_archives_the_baselines_with_the_state(tmp_path):
     run = Run(tmp_path, spike_rule())
     for _ in range(4):
