@@ -295,6 +295,10 @@ def make_check(rule: Rule):
     return CHECK_KINDS[rule.check](rule)
 
 
+BASELINE_IDENTITY = ("metric", "check", "window_steps")
+"""A saved baseline is restored only into a rule with the same values of these."""
+
+
 class RuleMonitor:
     """One rule's state: ok, pending or firing, with the evidence of the current failing run."""
 
@@ -384,18 +388,20 @@ class RuleMonitor:
         self.state, self.reason = state, reason
         self.failing_steps, self.since_step, self.since_time, self.window_values = 0, None, None, []
 
+    def _built_for(self) -> dict:
+        """What a baseline was built for: restored only into a rule that still matches."""
+        return {k: getattr(self.rule, k) for k in BASELINE_IDENTITY}
+
     def to_dict(self, history: bool = True) -> dict:
         """The state to save; history=False leaves out the baseline windows (baseline_dict() has them)."""
-        out = {"metric": self.rule.metric, "check": self.rule.check, "window_steps": self.rule.window_steps,
-               **{k: getattr(self, k) for k in self.SAVED}}
+        out = {**self._built_for(), **{k: getattr(self, k) for k in self.SAVED}}
         if history:
             out["history"] = self.check.history()
         return out
 
     def baseline_dict(self) -> dict:
         """The check's baseline windows, with what they were built for."""
-        return {"metric": self.rule.metric, "check": self.rule.check, "window_steps": self.rule.window_steps,
-                "history": self.check.history()}
+        return {**self._built_for(), "history": self.check.history()}
 
     def restore(self, saved: dict) -> None:
         """Continue from a saved state (to_dict); its baseline if it has one (restore_baseline)."""
@@ -407,7 +413,7 @@ class RuleMonitor:
 
     def restore_baseline(self, saved: dict) -> None:
         """Continue from saved baseline windows (baseline_dict), only if built for the same check."""
-        if all(saved.get(k) == getattr(self.rule, k) for k in ("metric", "check", "window_steps")):
+        if all(saved.get(k) == v for k, v in self._built_for().items()):
             self.check.restore(saved.get("history", {}))
 
     def reset_baseline(self) -> None:
