@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from parwatch import __version__
 from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.sidecar.exposition import RankFamily, go_float
+from parwatch.sidecar.exposition import RankFamily, chunks, go_float
 from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import transfer_families
@@ -135,13 +135,14 @@ class SidecarCollector(Collector):
         up = [(str(rank), 1.0 if is_up else 0.0) for rank, is_up in st.liveness().items()]
         yield RankFamily("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", "gauge",
                          lambda: (Sample("parwatch_rank_up", {"rank": r}, v) for r, v in up),
-                         lambda: (f'parwatch_rank_up{{rank="{r}"}} {v!r}\n' for r, v in up))
+                         lambda: ("".join([f'parwatch_rank_up{{rank="{r}"}} {v!r}\n' for r, v in part])
+                                  for part in chunks(up)))
         records = st.visible()
         for name, typ, doc, (labels_of, label_text), value_of in PER_RANK:
             sample = name + _SUFFIX[typ]
             yield RankFamily(name, doc, typ,
                              partial(_rank_samples, sample, records, labels_of, value_of),
-                             partial(_rank_lines, sample, records, label_text, value_of))
+                             partial(_rank_chunks, sample, records, label_text, value_of))
         # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
         # ranks share its period, and one copy per rank was 16 of a rank's 32 series.
         per_stage = {}
@@ -150,11 +151,11 @@ class SidecarCollector(Collector):
         stage_records = [per_stage[stage] for stage in sorted(per_stage)]
         step = metric("parwatch_step_duration_seconds")
         yield RankFamily(step.name, step.help, "histogram",
-                         partial(_step_histograms, stage_records), partial(_step_histogram_lines, stage_records))
+                         partial(_step_histograms, stage_records), partial(_step_histogram_chunks, stage_records))
         for field_name, suffix, doc in GPU_GAUGES:
             name = f"parwatch_gpu_{suffix}"
             yield RankFamily(name, doc, "gauge", partial(_gpu_samples, name, records, field_name),
-                             partial(_gpu_lines, name, records, field_name))
+                             partial(_gpu_chunks, name, records, field_name))
         theory = _g("parwatch_stage_bubble_theoretical_ratio", "The schedule's bubble, (p-1)/(v*m+p-1)", ["stage"])
         by_stage = {rec.summary.stage: rec.summary.bubble_theoretical_ratio for rec in records}
         for stage, ratio in sorted(by_stage.items()):
@@ -248,11 +249,10 @@ def _rank_samples(sample_name, records, labels_of, value_of):
             yield Sample(sample_name, labels_of(rec), value)
 
 
-def _rank_lines(sample_name, records, label_text, value_of):
-    for rec in records:
-        value = value_of(rec)
-        if value is not None:
-            yield f"{sample_name}{{{label_text(rec)}}} {go_float(value)}\n"
+def _rank_chunks(sample_name, records, label_text, value_of):
+    for part in chunks(records):
+        yield "".join([f"{sample_name}{{{label_text(rec)}}} {go_float(value)}\n"
+                       for rec in part if (value := value_of(rec)) is not None])
 
 
 def _gpu_samples(sample_name, records, field_name):
@@ -262,13 +262,11 @@ def _gpu_samples(sample_name, records, field_name):
             yield Sample(sample_name, {"rank": str(rec.summary.rank), "gpu": str(gpu.index)}, getattr(gpu, field_name))
 
 
-def _gpu_lines(sample_name, records, field_name):
-    for rec in records:
-        gpu = rec.summary.gpu
-        if gpu is not None:
-            value = getattr(gpu, field_name)
-            if value is not None:
-                yield f'{sample_name}{{gpu="{gpu.index}",rank="{rec.summary.rank}"}} {go_float(value)}\n'
+def _gpu_chunks(sample_name, records, field_name):
+    for part in chunks(records):
+        yield "".join([f'{sample_name}{{gpu="{gpu.index}",rank="{rec.summary.rank}"}} {go_float(value)}\n'
+                       for rec in part if (gpu := rec.summary.gpu) is not None
+                       and (value := getattr(gpu, field_name)) is not None])
 
 
 def _step_histograms(records):
@@ -283,7 +281,7 @@ def _step_histograms(records):
         yield Sample(name + "_sum", labels, t.step_sum)
 
 
-def _step_histogram_lines(records):
+def _step_histogram_chunks(records):
     name = "parwatch_step_duration_seconds"
     heads = [f'{name}_bucket{{le="{le}",' for le in (*_STEP_LE, "+Inf")]  # "le" sorts before "stage"
     for rec in records:

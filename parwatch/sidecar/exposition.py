@@ -9,9 +9,10 @@ prometheus_client writes for such families (a unit test holds them to that), and
 
 encode_async produces the same bytes but hands the event loop back every few ms, so a
 scrape of a thousand ranks does not stall ingest (a worker thread would, through the GIL).
-Per-rank families (RankFamily) bring their own `text_lines`: each line is one f-string
-over a label text made once per record, not a Sample with a label dict to sort and escape, which
-made a 1024-rank scrape (31k lines) about five times cheaper.
+Per-rank families (RankFamily) bring their own `text_chunks`: runs of up to CHUNK_LINES lines,
+each line one f-string over the record's fields, not a Sample with a label dict to sort and
+escape (about five times cheaper for a 1024-rank scrape), and joined a chunk at a time, not
+yielded line by line (the generator and the encoder's per-piece work were a third of the rest).
 """
 
 from __future__ import annotations
@@ -33,10 +34,25 @@ _TEXT_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram",
 _TEXT_SUFFIX = {"counter": "_total", "info": "_info"}
 
 
+CHUNK_LINES = 128
+"""Lines per text chunk: a 1024-rank family is 8 pieces, each well under the encoder's slice."""
+
+
+def chunks(seq, size: int = CHUNK_LINES):
+    """Consecutive slices of a sequence, `size` items each (the last may be shorter)."""
+    for i in range(0, len(seq), size):
+        yield seq[i:i + size]
+
+
 def go_float(v) -> str:
     """prometheus_client.utils.floatToGoString, with the common cases first."""
-    if type(v) is int and -1_000_000 < v < 1_000_000:  # counts: Go writes 1e+06 from a million on
+    kind = type(v)
+    if kind is float and -1e6 < v < 1e6:  # Python's repr is Go's here (NaN and inf fail the test)
+        return repr(v)
+    if kind is int and -1_000_000 < v < 1_000_000:  # counts: Go writes 1e+06 from a million on
         return f"{v}.0"
+    if 1e6 <= v < 1e15 and (kind is int or kind is float and v.is_integer()):
+        return _whole_in_exponent_form(int(v))  # bytes and hertz: a third of the cost of the general path
     d = float(v)
     if d != d:
         return "NaN"
@@ -52,6 +68,14 @@ def go_float(v) -> str:
     return s
 
 
+def _whole_in_exponent_form(n: int) -> str:
+    """Go's text for a whole number from 1e6 to 1e15 (exact in a float64): 81200000000 -> 8.12e+10."""
+    digits = str(n)
+    significant = digits.rstrip("0")
+    mantissa = f"{significant[0]}.{significant[1:]}" if len(significant) > 1 else significant
+    return f"{mantissa}e+{len(digits) - 1:02d}"
+
+
 def _label_value(v: str) -> str:
     if "\\" in v or "\n" in v or '"' in v:
         return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
@@ -60,14 +84,15 @@ def _label_value(v: str) -> str:
 
 class RankFamily(Metric):
     """A family with samples per rank (or per stage), generated only when encoded, in two forms:
-    `samples` (prometheus_client's encoders iterate it) and `text_lines()`, the same lines as
-    exposition text written straight from the records (the encoders here use it: building a
-    Sample and sorting its label dict per line was most of a 1024-rank scrape)."""
+    `samples` (prometheus_client's encoders iterate it) and `text_chunks()`, the same lines as
+    exposition text written straight from the records, several whole lines per string (the
+    encoders here use it: building a Sample and sorting its label dict per line was most of a
+    1024-rank scrape)."""
 
-    def __init__(self, name: str, doc: str, typ: str, samples, text_lines):
+    def __init__(self, name: str, doc: str, typ: str, samples, text_chunks):
         super().__init__(name, doc, typ)
         self._samples = samples
-        self.text_lines = text_lines
+        self.text_chunks = text_chunks
 
     @property
     def samples(self):
@@ -101,9 +126,9 @@ def _pieces(registry, openmetrics: bool):
     header = _openmetrics_header if openmetrics else _text_header
     for metric in registry.collect():
         yield header(metric)
-        lines = getattr(metric, "text_lines", None)  # RankFamily: lines written straight from records
-        if lines is not None:
-            yield from lines()
+        text_chunks = getattr(metric, "text_chunks", None)  # RankFamily: lines written straight from records
+        if text_chunks is not None:
+            yield from text_chunks()
             continue
         for s in metric.samples:
             yield _line(s)
@@ -129,9 +154,9 @@ async def encode_async(registry, encoder, slice_seconds: float = 0.001) -> bytes
     out: list[str] = []
     done: list[bytes] = []
     deadline = time.perf_counter() + slice_seconds
-    for i, piece in enumerate(_pieces(registry, encoder is encode_openmetrics)):
+    for piece in _pieces(registry, encoder is encode_openmetrics):
         out.append(piece)
-        if not i & 63 and time.perf_counter() > deadline:
+        if time.perf_counter() > deadline:  # per piece: a piece may be a chunk of CHUNK_LINES lines
             done.append("".join(out).encode("utf-8"))
             out.clear()
             await asyncio.sleep(0)

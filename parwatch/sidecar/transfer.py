@@ -50,7 +50,7 @@ from parwatch.catalog import metric
 from parwatch.guardrails.attribution import (CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute,
                                              attribute_steps, median_at)
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
-from parwatch.sidecar.exposition import RankFamily, go_float
+from parwatch.sidecar.exposition import RankFamily, chunks, go_float
 from parwatch.sliced import run_through
 
 HORIZON_STEPS = 8
@@ -552,11 +552,12 @@ def transfer_families(tracker: TransferTracker):
     unmatched = _family(CounterMetricFamily, "parwatch_collective_unmatched_total")
     m = metric("parwatch_rank_straggler_seconds_total")
     sample = m.family + "_total"
-    # One line per rank (1,024 at a node): generated as the encoder pauses between lines, not built here whole.
+    # One line per rank (1,024 at a node): generated a chunk at a time as the encoder runs, not built here whole.
     ranks = view.straggler
     straggler = RankFamily(m.family, m.help, "counter",
                            lambda: (Sample(sample, {"rank": str(r)}, seconds) for r, seconds in ranks),
-                           lambda: (f'{sample}{{rank="{r}"}} {go_float(seconds)}\n' for r, seconds in ranks))
+                           lambda: ("".join([f'{sample}{{rank="{r}"}} {go_float(seconds)}\n' for r, seconds in part])
+                                    for part in chunks(ranks)))
     causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
         hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import threading
 
 import pytest
@@ -314,9 +315,39 @@ def test_the_bubble_causes_of_rank_0s_view_are_exported_per_stage(env):
     assert samples(fams["parwatch_stage_bubble_wait_ratio"])[(("stage", "1"),)] == 0.01
 
 
+def test_fast_encoders_match_prometheus_client_across_chunks(env):
+    sidecar, control, _, _ = env
+    ranks = 2 * exposition.CHUNK_LINES + 6  # two whole chunks of per-rank lines and a short one
+    for first in range(0, ranks, 64):
+        post(control, *[syn.summary(r, 1, tp=2, pp=ranks // 2, global_stages=STAGES if r == 0 else None)
+                        for r in range(first, min(first + 64, ranks))])
+    registry = sidecar.registry
+    text = exposition.encode_text(registry)
+    assert text == generate_latest(registry)
+    assert text.count(b"\nparwatch_stage_bubble_ratio{") == ranks
+    assert asyncio.run(exposition.encode_async(registry, exposition.encode_text, slice_seconds=0.0)) == text
+
+
+def test_chunks_cover_a_sequence_in_order():
+    assert [list(c) for c in exposition.chunks(range(7), 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(exposition.chunks([], 3)) == []
+
+
 @pytest.mark.parametrize("value", [0, 1, -1, 999_999, 1_000_000, -999_999, -1_000_000, 123_456_789, 2**53, True,
-                                   0.5, 1e6, 1.5e7, 1e-9, float("nan"), float("inf"), float("-inf")])
+                                   0.5, 1e6, 1.5e7, 1e-9, float("nan"), float("inf"), float("-inf"),
+                                   999_999.5, -999_999.5, 123_456.789, 1e-5, 1e-4, -0.0, 0.0, 1e15, -1e6])
 def test_sample_values_are_written_as_prometheus_client_writes_them(value):
     from prometheus_client.utils import floatToGoString
 
     assert exposition.go_float(value) == floatToGoString(value)
+
+
+def test_sample_values_of_every_magnitude_are_written_as_prometheus_client_writes_them():
+    from prometheus_client.utils import floatToGoString
+
+    rng = random.Random(12)
+    for exponent in range(-12, 19):
+        for _ in range(300):
+            x = rng.uniform(-1, 1) * 10.0 ** exponent
+            for value in (x, round(x), float(round(x)), int(abs(x)) // 1000 * 1000):
+                assert exposition.go_float(value) == floatToGoString(value), value
