@@ -60,3 +60,25 @@ def test_compute_wrappers_emit_one_span_each_with_shared_attrs_and_the_split_bac
     assert seen[0][1] == {"stage": 1, "chunk": 0, "vstage": 3, "microbatch": 5}
     assert seen[0][1] is seen[1][1]  # built once per microbatch
     assert all(ordered and current is None for _, _, ordered, current in seen)  # current restored
+
+
+def test_the_step_loss_is_the_float64_mean_of_the_microbatch_losses():
+    import math
+    import random
+
+    import torch
+
+    from parwatch.integrations.torch_pipelining import _mean_loss
+
+    rng = random.Random(3)
+    for spread in (1, 9):  # microbatch losses within a decade of each other, then up to 1e9 apart
+        for _ in range(500):
+            losses = [torch.tensor(rng.uniform(1, 10) * 10.0 ** rng.randint(0, spread - 1), dtype=torch.float32)
+                      for _ in range(rng.randint(1, 32))]
+            torch_mean = float(torch.stack(losses).to(torch.float64).mean())
+            if spread == 1:
+                assert _mean_loss(losses) == torch_mean
+            else:  # the exactly rounded sum may differ from torch's in the last bit
+                assert abs(_mean_loss(losses) - torch_mean) <= 2 * math.ulp(torch_mean)
+    assert _mean_loss([torch.tensor(1.0), torch.tensor(float("nan"))]) != _mean_loss([torch.tensor(1.0)])
+    assert str(_mean_loss([torch.tensor(float("nan"))])) == "nan"
