@@ -14,7 +14,11 @@ thread CPU (`time.thread_time_ns`) per call and what it adds over the bare call 
   replaced by do-nothing ones, bare and wrapped;
 - the boundary vector: a float64 tensor built from a list and read back, against
   `TorchAllReduce`'s reused array-backed tensor (filling and reading; the all-reduce itself is a
-  1-rank gloo group's, in both).
+  1-rank gloo group's, in both);
+- nothing: the two clock reads alone, what every row includes.
+
+Each case also runs warm (no sleep before the call), in a second pass: the ratio of the two columns
+is what waking up costs this machine's code, the hooks' and the trainer's alike.
 """
 
 from __future__ import annotations
@@ -118,20 +122,22 @@ def main() -> int:
         "send: integration wrappers": lambda i: _p2p._wait_batch_p2p(_p2p._batch_p2p(wrapped.get_fwd_send_ops(i % 8))),
         "boundary vector: tensor from a list": tensor_from_list,
         "boundary vector: TorchAllReduce": lambda i: reduce(values)(),
+        "nothing (the clock reads alone)": lambda i: None,
     }
     try:
         medians = cold(cases, a.calls, a.sleep_ms / 1000, sink.spans.clear)
+        warm = cold(cases, a.calls, 0.0, sink.spans.clear)
     finally:
         dist.destroy_process_group()
-    added = {
-        "compute: with registry.span": medians["compute: with registry.span"] - medians["compute: bare call"],
-        "compute: integration wrapper": medians["compute: integration wrapper"] - medians["compute: bare call"],
-        "send: integration wrappers": medians["send: integration wrappers"] - medians["send: bare builder, post, wait"],
-    }
-    rows = [[name, value, added.get(name, "")] for name, value in medians.items()]
-    print_table(["case", f"thread CPU per call after a {a.sleep_ms:g} ms sleep (us, median)", "added over bare (us)"],
-                rows)
-    write_json(a.out, {"calls": a.calls, "sleep_ms": a.sleep_ms, "median_us": medians, "added_us": added})
+    pairs = {"compute: with registry.span": "compute: bare call", "compute: integration wrapper": "compute: bare call",
+             "send: integration wrappers": "send: bare builder, post, wait"}
+    added = {name: medians[name] - medians[bare] for name, bare in pairs.items()}
+    added_warm = {name: warm[name] - warm[bare] for name, bare in pairs.items()}
+    rows = [[name, value, added.get(name, ""), warm[name], added_warm.get(name, "")] for name, value in medians.items()]
+    print_table(["case", f"thread CPU per call after a {a.sleep_ms:g} ms sleep (us, median)", "added over bare (us)",
+                 "warm: no sleep (us)", "added, warm (us)"], rows)
+    write_json(a.out, {"calls": a.calls, "sleep_ms": a.sleep_ms, "median_us": medians, "added_us": added,
+                       "warm_median_us": warm, "warm_added_us": added_warm})
     return 0
 
 
