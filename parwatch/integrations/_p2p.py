@@ -44,11 +44,14 @@ _new = object.__new__
 
 def _batch_p2p(p2p_ops, desc=None):
     # Runs right after the thread wakes (a receive, a compute's sleep), when each Python call and
-    # object costs 5-10x its cost in a loop: the span is built here with as few of both as it can.
+    # object costs 5-10x its cost in a loop: the span is built here with as few of both as it can,
+    # and after the ops are posted, so the peer's receive is not kept waiting for it.
     original = _originals["_batch_p2p"]
     reg = registry
     if not reg.active:
         return original(p2p_ops, desc=desc)
+    posted = reg.clock.mark()
+    works = original(p2p_ops, desc=desc)
     spans = None
     for op in p2p_ops:
         tag = getattr(op, TAG, None)
@@ -64,9 +67,8 @@ def _batch_p2p(p2p_ops, desc=None):
                 spans = []
             spans.append(span)
     if spans is None:
-        return original(p2p_ops, desc=desc)
-    posted = reg.clock.mark()
-    timed = _Timed(original(p2p_ops, desc=desc))
+        return works
+    timed = _Timed(works)
     timed.posted = posted
     timed.spans = spans
     return timed

@@ -149,18 +149,25 @@ def _tagging(build, base: dict, op: str, what: str):
 
 def instrument_loss(schedule, stage_attrs: dict, patches: Patches, sink: list) -> None:
     """Time the loss, which torch computes outside the last stage's forward; keep each
-    microbatch's loss tensor in `sink` (read once at the step boundary)."""
+    microbatch's loss tensor in `sink` (read once at the step boundary).
+
+    The loss runs between the last stage's forward and backward, on the pipeline's critical path:
+    its span takes `_timed`'s lean path (attrs built once per stage and microbatch)."""
     compute = schedule._maybe_compute_loss
+    timed_by_stage: dict = {}  # stage_index -> the timed loss call of that (last) stage
+
+    def loss_of(mb_index, stage, output, target_mbs, *args, **kwargs):  # _timed's microbatch-first order
+        return compute(stage, output, target_mbs, mb_index, *args, **kwargs)
 
     def _maybe_compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs):
         if not (stage.is_last and schedule._loss_fn is not None):
             return compute(stage, output, target_mbs, mb_index, *args, **kwargs)
+        timed = timed_by_stage.get(stage.stage_index)
+        if timed is None:
+            timed = timed_by_stage[stage.stage_index] = _timed(
+                loss_of, SpanKind.LOSS, _AttrsByMicrobatch(stage_attrs[stage.stage_index]))
         before = len(schedule._internal_losses)
-        if registry.active:
-            with registry.span(SpanKind.LOSS, **stage_attrs[stage.stage_index], microbatch=mb_index):
-                result = compute(stage, output, target_mbs, mb_index, *args, **kwargs)
-        else:
-            result = compute(stage, output, target_mbs, mb_index, *args, **kwargs)
+        result = timed(mb_index, stage, output, target_mbs, *args, **kwargs)
         if len(schedule._internal_losses) > before:
             if mb_index == 0:  # a new step: whatever step_done did not take is stale
                 sink.clear()

@@ -82,3 +82,80 @@ def test_the_step_loss_is_the_float64_mean_of_the_microbatch_losses():
                 assert abs(_mean_loss(losses) - torch_mean) <= 2 * math.ulp(torch_mean)
     assert _mean_loss([torch.tensor(1.0), torch.tensor(float("nan"))]) != _mean_loss([torch.tensor(1.0)])
     assert str(_mean_loss([torch.tensor(float("nan"))])) == "nan"
+
+
+class Recorder(Observer):
+    def __init__(self):
+        self.spans = []
+
+    def on_span(self, span):
+        self.spans.append(span)
+
+
+def test_the_loss_span_carries_the_stage_and_microbatch_and_the_loss_goes_to_the_sink(monkeypatch):
+    import torch
+
+    registry = HookRegistry()
+    monkeypatch.setattr(ss, "registry", registry)
+    recorder = Recorder()
+    registry.register(recorder)
+
+    class Schedule:
+        _loss_fn = object()
+
+        def __init__(self):
+            self._internal_losses = []
+
+        def _maybe_compute_loss(self, stage, output, target_mbs, mb_index):
+            if stage.is_last:
+                self._internal_losses.append(torch.tensor(float(mb_index)))
+            return ("loss", mb_index)
+
+    last, middle, schedule, sink = Stage(), Stage(), Schedule(), []
+    last.is_last, middle.is_last, middle.stage_index = True, False, 1
+    ss.instrument_loss(schedule, {3: {"stage": 1, "chunk": 1, "vstage": 3}}, ss.Patches(), sink)
+    assert schedule._maybe_compute_loss(middle, None, None, 0) == ("loss", 0) and recorder.spans == []
+    for mb in (0, 1, 0):  # microbatch 0 again: a new step, the stale losses go
+        assert schedule._maybe_compute_loss(last, None, None, mb) == ("loss", mb)
+    assert [s.kind for s in recorder.spans] == [SpanKind.LOSS] * 3
+    assert recorder.spans[1].attrs == {"stage": 1, "chunk": 1, "vstage": 3, "microbatch": 1}
+    assert recorder.spans[0].attrs is recorder.spans[2].attrs  # built once per microbatch
+    assert [float(t) for t in sink] == [0.0]
+
+
+def test_p2p_ops_are_posted_before_their_spans_are_built(monkeypatch):
+    """Span building costs tens of microseconds right after a wake-up: it must not hold back the post
+    the peer is waiting for. Marks: posted before the post, the span ends after the wait."""
+    from parwatch.integrations import _p2p
+
+    registry = HookRegistry()
+    monkeypatch.setattr(_p2p, "registry", registry)
+    recorder = Recorder()
+    registry.register(recorder)
+    at_post = []
+
+    def post(ops, desc=None):
+        at_post.append((dict(registry.sequence), registry.clock.mark()))
+        return ["work"]
+
+    monkeypatch.setitem(_p2p._originals, "_batch_p2p", post)
+    monkeypatch.setitem(_p2p._originals, "_wait_batch_p2p", lambda works: None)
+
+    class Tensor:
+        nbytes = 4096
+
+    class Op:
+        peer, tensor = 1, Tensor()
+
+    op, untagged = Op(), Op()
+    setattr(op, _p2p.TAG, (SpanKind.SEND, {"stage": 0, "chunk": 0, "microbatch": 2, "op": "send"}))
+    works = _p2p._batch_p2p([op, untagged])
+    assert at_post[0][0] == {}  # nothing numbered yet when torch posted the ops
+    assert list(works) == ["work"] and recorder.spans == []  # the span ends at the wait
+    _p2p._wait_batch_p2p(works)
+    (span,) = recorder.spans
+    assert span.attrs == {"stage": 0, "chunk": 0, "microbatch": 2, "op": "send", "peer": 1, "bytes": 4096, "seq": 1}
+    assert span.start <= at_post[0][1] <= span.end
+    _p2p._wait_batch_p2p(works)  # a second wait reports nothing twice
+    assert len(recorder.spans) == 1
+    assert _p2p._batch_p2p([untagged]) == ["work"]  # untagged batches pass straight through
