@@ -24,6 +24,26 @@ def machine() -> dict:
     }
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(stolen, total) CPU ticks of this machine since boot, from /proc/stat's "cpu" line; (0, 0)
+    where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user/nice]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def stolen_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Share of the machine's CPU time the hypervisor gave to other guests between two cpu_jiffies():
+    a virtual machine's noisy neighbours. Above a few percent, latency figures measure the host,
+    not the code (a stolen slice stalls whatever was running for milliseconds)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
 def run_trainer(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:
     """Run `python -m trainer ARGS --summary-json TMP` and return the summary."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import print_table, write_json  # noqa: E402
+from common import cpu_jiffies, print_table, stolen_share, write_json  # noqa: E402
 
 from parwatch.collector import Collector, RunContext, attach  # noqa: E402
 from parwatch.contract import BoundaryKind, HookRegistry, SpanKind, StepBoundary  # noqa: E402
@@ -98,7 +98,9 @@ def leader(a) -> dict:
     leader's own per-digest cost in process."""
     import hang_detection
 
+    jiffies = cpu_jiffies()
     result = hang_detection.simulation(a.ranks, a.warmup, a.connections)
+    result["leader_cpu_stolen_share"] = stolen_share(jiffies, cpu_jiffies())  # the host's other guests
     result.update(hang_detection.handler_timing(a.ranks))
     result.pop("ranks", None)
     return result
