@@ -172,7 +172,6 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
     excess = rule_threshold("bubble-excess", "above", rules_path)
     skew = rule_threshold("stage-skew", "above", rules_path)
     util = rule_threshold("gpu-underutilized", "below", rules_path)
-    labels = rec.RUN_INFO_LABELS
     step_buckets = rec.bucket_rate_name("stage", "parwatch_step_duration_seconds", window)
     coll_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds", window)
     transfer_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_transfer_seconds", window)
