@@ -10,6 +10,11 @@ What it exercises:
    the GPUs allow (4+: TP2xPP2, 2-3: PP2, 1: one rank; NCCL refuses two ranks on one
    device), real compute: bubble per stage against theory, collectives, NVML per step.
 4. Collector overhead: the same run with the collector off and on, alternated.
+5. The torch.distributed.pipelining integration on one device: one rank holding both stages of an
+   interleaved 1F1B schedule (v=2, m=8; one rank because NCCL refuses two on one device), real
+   matmul compute, steps alternately watched and not: on/off, the spans resolved from CUDA events,
+   the collector's per-step compute and bubble. Local stages hand tensors over without send/recv,
+   so this exercises the compute, loss and boundary hooks, not the p2p ones.
 Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
 anywhere; the tables then say so.
 """
@@ -64,6 +69,74 @@ def cuda_clock_check() -> dict:
     events = clock.seconds(start, end)
     print_table(["timer", "seconds"], [["CUDA events (20 matmuls 4096^2)", events], ["host around synchronize", host]])
     return {"cuda_event_seconds": events, "host_seconds": host}
+
+
+def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
+    """Section 5: PipelineWatch + Collector on one rank, alternating watched and unwatched steps."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from parwatch.collector import Collector, attach, detach
+    from parwatch.integrations.torch_pipelining import PipelineWatch
+    from tests.distutil import free_port
+
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)  # on an H200 ~1 ms a layer forward
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        torch.manual_seed(0)
+        stages = [PipelineStage(torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers))).to(device),
+                                i, 2, device) for i in range(2)]
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+        params = [p for st in stages for p in st.submod.parameters()]
+        optimizer = torch.optim.SGD(params, lr=1e-4)
+        watch = PipelineWatch(schedule, run_id="gpu-check")
+        watch.detach()
+        collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
+        x, y = torch.randn(8 * rows, hidden, device=device), torch.randn(8 * rows, hidden, device=device)
+        times = {"on": [], "off": []}
+        step = 0
+        for pair in range(pairs):
+            for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
+                if mode == "on":
+                    watch.attach()
+                    attach(collector)
+                    watch.start(step)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                schedule.step(x, target=y)
+                if mode == "on":
+                    watch.optimizer_step(optimizer)
+                    step = watch.step_done()
+                else:
+                    optimizer.step()
+                    step += 1
+                if cuda:
+                    torch.cuda.synchronize()
+                if pair >= 2:  # warm-up pairs dropped
+                    times[mode].append(time.perf_counter() - t0)
+                if mode == "on":
+                    watch.detach()
+                    detach(collector)
+        summary = collector.last_summary or {}
+        result = {"clock": type(collector.clock).__name__, "unresolved_spans": collector.unresolved_spans,
+                  "errors": collector.errors, "summaries": collector.summaries,
+                  "step_seconds": summary.get("step_seconds"), "compute_seconds": summary.get("compute_seconds"),
+                  "bubble_ratio": summary.get("bubble_ratio"), "overhead_seconds": summary.get("overhead_seconds")}
+        watch.close()
+        collector.close()
+    finally:
+        dist.destroy_process_group()
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
+    result.update(median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"]))
+    print(f"\ntorch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {device}")
+    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
+    return result
 
 
 def layout(ngpus: int) -> list[str]:
@@ -135,6 +208,7 @@ def main() -> int:
     print(f"\ncollector overhead: median step off {off:.4f} s, on {on:.4f} s, ratio {on / off:.4f}")
     result.update(stages=summary_on["stages"], collectives=summary_on["collectives_rank0"],
                   overhead={"median_off_s": off, "median_on_s": on, "ratio": on / off})
+    result["torch_pipelining"] = pipelining_check(cuda)
     out = Path(a.out) / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
