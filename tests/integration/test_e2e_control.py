@@ -41,6 +41,15 @@ def parwatch_cli(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
+def operator_decisions(state) -> list[dict]:
+    """The decision records the operator caused. The run's own rules judge its real bubble, which a
+    contended host raises (bubble-excess alerted in this 5/10 ms run on 2026-12-02, while the
+    hypervisor took 5-35% of the VM's CPU): those may only alert, never act on the run."""
+    records = decision_records(state)
+    assert all(d["action"] == "alert" for d in records if d["source"] != "operator"), records
+    return [d for d in records if d["source"] == "operator"]
+
+
 def every_rank(applied: dict, ranks: int = 2) -> bool:
     """The outcome record says all `ranks` ranks applied the directive (counted in the boundary vector)."""
     return applied["ranks"] == f"0-{ranks - 1}" and applied["counts"] == {"applied": ranks}
@@ -65,7 +74,7 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
             assert refused.value.status == 401
         status = control.status()
         assert status["pending_directive"] is None and status["paused"] is False
-        assert decision_records(state) == []
+        assert operator_decisions(state) == []
 
         cli = ("--endpoint", sp.control_url, "--token-file", str(token_file))
         asked = time.monotonic()
@@ -104,8 +113,8 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
     assert [s for s, _ in summary["loss_history"]] == list(range(1, steps + 1))  # continued from the pause
     (applied_resume,) = [a for a in applied_records(state) if a["directive_id"] == resumed["directive_id"]]
     assert every_rank(applied_resume) and applied_resume["step"] == paused_at
-    assert [(d["action"], d["source"]) for d in decision_records(state)] == [("pause", "operator"),
-                                                                             ("resume", "operator")]
+    assert [(d["action"], d["source"]) for d in operator_decisions(state)] == [("pause", "operator"),
+                                                                               ("resume", "operator")]
 
 
 def test_operator_rollback_to_step_loads_that_checkpoint_on_every_rank(tmp_path):

@@ -122,17 +122,18 @@ def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path)
 
 
 def test_healthy_run_fires_nothing(sidecar, tmp_path):
-    """200 healthy steps: no decision, no rule firing.
+    """150 healthy steps: no decision, no rule firing.
 
-    Synthetic fwd 5 / bwd 10 ms, not 1 / 2 ms: on this loaded 2-core machine a loopback gloo
-    hop takes 1-3 ms, as long as a 1-2 ms microbatch, so at 1 / 2 ms the pipeline really does
-    idle beyond the schedule's bubble (measured excess median 0.13-0.23, runs of 30-90 steps
-    above 0.10) and bubble-excess rightly fires. At 5 / 10 ms the excess is 0.03-0.06 (max 0.24
-    on single steps, never 20 in a row).
+    Synthetic fwd 20 / bwd 40 ms. What idles a healthy pipeline beyond the schedule's bubble is a
+    fixed time per loopback gloo hop (a wake-up and a copy), so the excess shrinks as microbatches
+    grow. At 1 / 2 ms a hop (1-3 ms) is as long as a microbatch: excess median 0.13-0.23, runs of
+    30-90 steps above 0.10, and bubble-excess rightly fires. At 5 / 10 ms the excess was 0.03-0.06
+    on a quiet host, but 0.13 (max 0.38) on 2026-12-02 while the hypervisor took 5-35% of this VM's
+    CPU, and the rule fired. At 20 / 40 ms the same hops are a quarter of that share.
     """
-    steps = 200
+    steps = 150
     run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
-                               "--microbatches", "4", *synthetic(5, 10))
+                               "--microbatches", "4", *synthetic(20, 40))
     assert summary["steps_completed"] == steps
 
     status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
