@@ -20,7 +20,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.timing]
 
 SMALL = {"hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16, "micro_batch_size": 2}
 FWD_MS, BWD_MS = 20.0, 40.0

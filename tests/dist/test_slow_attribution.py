@@ -38,7 +38,7 @@ from parwatch.sidecar.transfer import TransferTracker
 from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
                                         token_args)
 
-pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420), pytest.mark.timing]
 
 LAYOUT = ("--tp", "2", "--pp", "2", "--layers", "4", "--hidden", "32", "--seq-len", "16")
 STEPS = 30

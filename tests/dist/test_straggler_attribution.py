@@ -27,7 +27,7 @@ from tests.dist.test_bubble_fidelity import (
 )
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.timing]
 
 M = 4
 X_MS = 20.0

@@ -26,7 +26,7 @@ from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark rea
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300), pytest.mark.timing]
 
 P, M, STEPS = 2, 4, 5
 MS = "40,80"  # per virtual stage, as tests/dist/test_bubble_fidelity.py's 40/80 ms benchmark

@@ -26,7 +26,7 @@ from tests.integration.e2e_util import (
     token_args,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240), pytest.mark.timing]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from parwatch.sidecar.process import running_sidecar
 from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), pytest.mark.timing]
 
 HANG_STEP = 5
 BOUND_S = 10.0  # the default: max(3 x median step, 10 s); these steps are ~20-50 ms
