@@ -66,10 +66,19 @@ class _SendLane:
     def put(self, p: _PendingSend, tag: int, posted_at: float) -> None:
         self._queue.put((p, tag, posted_at))
 
+    def close(self, timeout_s: float) -> bool:
+        """Stop after the sends already queued; True when the thread has ended."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         comm = self.comm
         while True:
-            p, tag, posted_at = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            p, tag, posted_at = item
             try:
                 if self.delay_s:
                     remaining = posted_at + self.delay_s - time.perf_counter()
@@ -192,6 +201,20 @@ class Comm:
         for p in self._pending:
             if p.end is None and not p.lane and p.work.is_completed():
                 p.end = self.registry.mark()
+
+    def close(self, failed: bool = False, timeout_s: float = 5.0) -> None:
+        """Shutdown, before the process group is destroyed: complete posted sends (not after a
+        failure: a peer may be gone), then end the lanes.
+
+        A lane thread holds this Comm and so the process groups: left running, it keeps them alive
+        into interpreter exit, where torch's threads must not be doing anything."""
+        try:
+            if not failed:
+                self.complete_sends()
+        finally:
+            lanes, self._lanes = self._lanes, {}
+            for lane in lanes.values():
+                lane.close(timeout_s)
 
     def complete_sends(self) -> None:
         """Wait for every posted send; report each as a span from post to completion."""

@@ -16,6 +16,7 @@ import time
 
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError, TrainerError
+from trainer.progress import RankProgress, describe_exit, exit_status
 
 log = logging.getLogger("trainer")
 
@@ -28,12 +29,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0) -> dict:
-    """Body of one rank: init the process group, attach observers, train, clean up."""
+def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, progress=None) -> dict:
+    """Body of one rank: init the process group, attach observers, train, shut down in order.
+
+    progress: a RankProgress the launcher reads (its `step` after each boundary), or None."""
     import torch
     import torch.distributed as dist
 
-    from trainer import hooks
     from trainer.train import Trainer, new_run_id, write_summary
 
     torch.set_num_threads(int(os.environ.get("TRAINER_THREADS", "1")))
@@ -44,7 +46,8 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0) 
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    observer = None
+    observer = trainer = None
+    failed = True
     try:
         if not cfg.run_id:
             # Under torchrun's static rendezvous every rank would invent its own id: take rank 0's.
@@ -59,24 +62,55 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0) 
                 observer = attach_from_config(cfg, rank, world_size, local_rank, backend)
             except AttachError as err:
                 raise ConfigError(str(err)) from None
-        summary = Trainer(cfg, rank, world_size).run()
+        trainer = Trainer(cfg, rank, world_size)
+        if progress is not None:
+            progress.training()
+            trainer.on_step = progress.step
+        summary = trainer.run()
         if rank == 0 and cfg.summary_json:
             write_summary(cfg.summary_json, summary)
+        failed = False
         return summary
     finally:
-        if observer is not None:
-            observer.close()
-        hooks.registry.clear()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if progress is not None:
+            progress.teardown()
+        shutdown(trainer, observer, failed)
 
 
-def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
+def shutdown(trainer, observer, failed: bool) -> None:
+    """Everything a rank started, stopped in order, then the process group destroyed.
+
+    1. the trainer: sends completed, lane threads joined, the boundary's all-reduce released;
+    2. the observer: no more spans, shipper flushed (bounded), its threads joined;
+    3. the hook registry emptied, 4. destroy_process_group: nothing of parwatch runs during it.
+    Each step runs even when the one before it raised; the first error is re-raised."""
+    import torch.distributed as dist
+
+    from trainer import hooks
+
+    steps = [lambda: trainer is not None and trainer.close(failed),
+             lambda: observer is not None and observer.close(),
+             hooks.registry.clear,
+             lambda: dist.is_initialized() and dist.destroy_process_group()]
+    error = None
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # later steps still run: a rank must never exit with its group up
+            log.warning("shutdown: %s: %s", type(exc).__name__, exc)
+            error = error or exc
+    if error is not None and not failed:
+        raise error
+
+
+def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig, shared) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     _setup_logging(rank)
+    progress = RankProgress(shared, rank)
     try:
-        run_rank(cfg, rank, world_size, local_rank=rank)
+        run_rank(cfg, rank, world_size, local_rank=rank, progress=progress)
+        progress.done()
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)
         os._exit(2)
@@ -96,7 +130,8 @@ def spawn(cfg: TrainConfig) -> int:
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg)) for r in range(cfg.nproc)]
+    shared = RankProgress.shared_array(ctx, cfg.nproc)
+    procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg, shared)) for r in range(cfg.nproc)]
     for p in procs:
         p.start()
     from multiprocessing.connection import wait
@@ -116,8 +151,10 @@ def spawn(cfg: TrainConfig) -> int:
             if failed:
                 # Exit code 3 is a rank that only lost a peer: name the cause, not the echo.
                 rank = min(failed, key=lambda r: (procs[r].exitcode == _PEER_LOST, r))
-                code = procs[rank].exitcode or 1
-                print(f"error: rank {rank} exited with code {code}; stopping the other ranks", file=sys.stderr)
+                exitcode = procs[rank].exitcode
+                code = exit_status(exitcode) or 1
+                print(f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks",
+                      file=sys.stderr)
                 break
     finally:
         for p in procs:

@@ -70,6 +70,8 @@ class Trainer:
             rank, world_size, cfg.run_id or "unnamed-run", TorchAllReduce(device=self.device), registry=registry,
             reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0)
         self._last_boundary_t = None
+        self.on_step = None
+        """Called with the step after each step boundary (the launcher's progress), or None."""
 
     # ------------------------------------------------------------------ model
     def _build_chunks(self) -> list:
@@ -264,6 +266,8 @@ class Trainer:
             self.losses[self.step] = mean_loss
             self.loss_history.append((self.step, mean_loss))
             trained = self.step
+            if self.on_step is not None:
+                self.on_step(self.step)
             self._apply(directive)
             if self.step == trained and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self._checkpoint_if_finite(mean_loss)
@@ -271,6 +275,15 @@ class Trainer:
         summary = self.summary()
         self.registry.emit_event(Event.RUN_END, steps_completed=self.step, summary=summary)
         return summary
+
+    def close(self, failed: bool = False) -> None:
+        """The trainer's part of shutdown, before its process group is destroyed: sends completed
+        and their lane threads ended, the boundary's all-reduce released (see TorchAllReduce.close).
+        After a failure every wait is short: a peer may be gone."""
+        try:
+            self.comm.close(failed, timeout_s=0.5 if failed else 5.0)
+        finally:
+            self.steps_boundary.close(timeout_s=1.0 if failed else 5.0)
 
     def summary(self) -> dict:
         steps = sorted(self.losses)

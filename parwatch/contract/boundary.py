@@ -118,6 +118,8 @@ class StepBoundary:
     zero-argument callable that waits for it and returns the sums (`dist.all_reduce(...,
     async_op=True)`): while it is in flight the observers do the part of their boundary work
     that needs no result (`Observer.during_boundary`), so that work costs the step no time.
+    An all-reduce with a `close()` gets it from `StepBoundary.close()`, the trainer's first step
+    of shutdown (TorchAllReduce's waits until torch has let go of its tensors).
     """
 
     def __init__(self, rank: int, world_size: int, run_id: str, all_reduce_sum: Callable[[list], Sequence[float]],
@@ -177,6 +179,13 @@ class StepBoundary:
         """True when every rank passes ok=True (one 1-float all-reduce; every rank must call it)."""
         out = self._all_reduce([1.0 if ok else 0.0])
         return int(round((out() if callable(out) else out)[0])) == self.world_size
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """After the last boundary, before the process group is destroyed: let the all-reduce
+        release what it lent the collective library (its `close(timeout_s)`, when it has one)."""
+        close = getattr(self._all_reduce, "close", None)
+        if close is not None:
+            close(timeout_s)
 
     def report(self, directive: Directive, outcome: Outcome, *, loaded_step: int | None = None,
                reason: FailReason | None = None, step: int | None = None) -> None:

@@ -10,12 +10,27 @@ one array-backed tensor per width, reused every step: right after a step the cac
 cold, and there building a tensor from a list, all-reducing it (a 1-rank group) and reading
 it back took 506-513 us of the training thread's CPU against 371-379 us with the array
 (`benchmarks/hook_cost.py`, 3 runs, a 5 ms sleep before each call).
+
+`close()` belongs before `destroy_process_group` and interpreter exit. torch's collective
+thread (gloo's worker, NCCL's watchdog) lets go of a finished work after `wait()` has
+returned, and that release can need the GIL. When the training thread runs on to the end of
+the program without once giving up the GIL, the worker is still waiting for it when the
+interpreter starts to finalize; it is then made to exit inside the work's destructor and the
+C++ runtime aborts the process ("terminate called without an active exception", SIGABRT
+after a run that completed: issue 26, with a gdb backtrace in docs/shutdown.md). `close()`
+waits, GIL released, until torch holds none of the tensors it was lent.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import time
 from array import array
+from datetime import timedelta
 from typing import Callable
+
+log = logging.getLogger("parwatch.contract")
 
 
 class TorchAllReduce:
@@ -30,11 +45,13 @@ class TorchAllReduce:
         self.group = group
         self.device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
         self._buffers: dict[int, tuple[array, object]] = {}  # CPU: width -> (array, tensor sharing it)
+        self._last: tuple[object, object] | None = None  # (work, tensor) of the latest all-reduce
 
     def __call__(self, values: list) -> Callable[[], list]:
         if self.device is not None:
             vec = self._torch.tensor(values, dtype=self._torch.float64, device=self.device)
             work = self._dist.all_reduce(vec, group=self.group, async_op=True)
+            self._last = (work, vec)
 
             def result() -> list:
                 work.wait()
@@ -49,9 +66,42 @@ class TorchAllReduce:
             buffer[0][:] = array("d", values)
         host, vec = buffer
         work = self._dist.all_reduce(vec, group=self.group, async_op=True)
+        self._last = (work, vec)
 
         def result() -> list:
             work.wait()
             return host.tolist()
 
         return result
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Wait for the latest all-reduce and for torch to let go of its tensors; True when it has.
+
+        Each wait is bounded by `timeout_s`; past it (a peer gone, a collective thread stuck) the tensors still held are kept
+        alive for the rest of the process, so that their late release cannot need the GIL.
+        Every rank calls it after its last boundary; it joins no collective."""
+        last, self._last = self._last, None
+        if last is None:
+            return True
+        work, vec = last
+        last = None
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except Exception as exc:  # a peer is gone: the work ended in an error, which is still an end
+            log.debug("boundary all-reduce ended in an error at close: %s", exc)
+        del work
+        lent = [vec] + [t for _, t in self._buffers.values() if t is not vec]
+        counted = all(hasattr(t, "_use_count") for t in lent)  # a torch without it: keep them, don't wait
+        deadline = time.monotonic() + (timeout_s if counted else 0.0)
+        while True:
+            held = [t for t in lent if not counted or t._use_count() > 1]
+            if not held:
+                return True
+            if time.monotonic() >= deadline:
+                for t in held:
+                    ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))  # never freed: no GIL needed to drop it
+                log.warning("torch still holds %d boundary tensor(s) %.1f s after the last all-reduce; kept "
+                            "alive until exit", len(held), timeout_s)
+                return False
+            time.sleep(0.001)  # hands the GIL to the collective thread that wants it
+

@@ -262,9 +262,11 @@ class PipelineWatch:
         registry.emit_event(Event.CHECKPOINT_SAVED, **attrs)
 
     def close(self, summary: dict | None = None) -> None:
-        """run_end (observers may add their run totals to `summary`), then detach."""
+        """run_end (observers may add their run totals to `summary`), then detach, and release the
+        boundary's all-reduce (see TorchAllReduce.close): call it before destroy_process_group."""
         registry.emit_event(Event.RUN_END, steps_completed=self.step, summary={} if summary is None else summary)
         self.detach()
+        self.boundary.close()
 
     # ------------------------------------------------------------------ directives
     def _apply(self, directive) -> None:
