@@ -33,7 +33,7 @@ from parwatch.collector.activity import HANG_EXIT_CODE
 from parwatch.collector.context import host_identity
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
-from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report
+from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report, layout_from, same_layout
 from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class ActivityHub:
         self._http = http
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         self._forward_failed = False
+        self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
+        self._layout = None
         self._idle_due = False  # due, judged, nothing decided: re-judged once a second, not at every ask
         self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
             if self.leader_url else None
@@ -77,6 +79,7 @@ class ActivityHub:
         if not isinstance(body, dict) or body.get("version") != 1:
             raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
         a, layout, run_id = activity_from_report(body.get("activity"))
+        self._fix_layout(run_id, layout, "activity [tp, pp, dp]")
         self.book.add(a, layout, run_id)
         if a.rank == 0:
             self.is_leader = True
@@ -85,6 +88,8 @@ class ActivityHub:
         return {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
 
     def digest(self, body) -> dict:
+        if isinstance(body, dict):
+            self._fix_layout(body.get("run_id"), layout_from(body.get("layout"), "digest.layout"), "digest.layout")
         node, rows = self.view.ingest(body)
         now, layout = self.clock(), self.view.layout
         for a in rows:
@@ -99,6 +104,14 @@ class ActivityHub:
         if self.abort:
             reply["abort"] = HANG_EXIT_CODE
         return reply
+
+    def _fix_layout(self, run_id, layout, where: str) -> None:
+        """A run's layout is the one it was first seen with, by this sidecar's ranks or any node's digest."""
+        if run_id == self._run_id:
+            same_layout(self._layout, layout, where)
+        else:
+            self._run_id = run_id
+        self._layout = layout
 
     def status(self) -> dict:
         m = self.monitor
@@ -244,13 +257,13 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     # One handler per post, run by ControlApp's fast path and by these routes (which document them).
     handle_activity, handle_digest = _json_post(hub.activity), _json_post(hub.digest)
 
-    @router.post("/v1/activity", dependencies=auth, responses={400: {}, 401: {}})
+    @router.post("/v1/activity", dependencies=auth, responses={401: {}, 422: {}})
     async def activity(request: Request):
         """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
         status, payload = await handle_activity(await request.body())
         return JSONResponse(payload, status_code=status)
 
-    @router.post("/v1/digest", dependencies=auth, responses={400: {}, 401: {}})
+    @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}})
     async def digest(request: Request):
         """A node sidecar's digest of its ranks (parwatch.sidecar.digest)."""
         status, payload = await handle_digest(await request.body())
@@ -273,17 +286,18 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
 
 def _json_post(handle):
-    """A ControlApp fast-post handler answering as the routes above: 400 naming the problem."""
+    """A ControlApp fast-post handler answering as the routes above: 422 naming the problem (as every
+    other endpoint answers a body it cannot use)."""
 
     async def run(raw: bytes):
         try:
             body = from_json(raw)  # pydantic-core's parser: a third of json.loads' time on a digest
         except ValueError as err:
-            return 400, {"detail": f"body is not valid JSON: {err}"}
+            return 422, {"detail": f"body is not valid JSON: {err}"}
         try:
             return 200, handle(body)
         except BadActivity as err:
-            return 400, {"detail": str(err)}
+            return 422, {"detail": str(err)}
 
     return run
 

@@ -30,7 +30,6 @@ from parwatch.sidecar.hang import ACTIVITY_ROW, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
 
 DIGEST_VERSION = 1
-_INT_FIELDS = ("rank", "step", "pid", "stage", "tp_rank", "dp_rank")
 
 
 class BadActivity(ValueError):
@@ -46,44 +45,114 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def activity_from_report(report: dict) -> tuple[Activity, Layout, str]:
+# Bounds on what a report may claim. Every loop the leader runs over a run's ranks is bounded by
+# the layout, so the layout is bounded (MAX_WORLD, above the largest runs published) and fixed per
+# run at first contact; every other number is bounded by what a real run can have.
+MAX_WORLD = 1 << 17
+MAX_PID = 1 << 22  # Linux's pid_max ceiling
+MAX_STEP = (1 << 31) - 1
+MAX_SEQ = 1 << 53
+MAX_TEXT = 64  # kind, op, group
+MAX_HOST = 253  # a DNS name
+REPORT_STATES = ("running", "done")
+DIGEST_STATES = ("running", "done", "gone", "silent")
+
+
+def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: bool = False) -> int | None:
+    x = values.get(field)
+    if x is None and optional:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+        raise BadActivity(f"{where}.{field} must be {'null or ' if optional else ''}an integer in {lo}..{hi}, "
+                          f"got {x!r}")
+    return x
+
+
+def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: bool = True) -> float | None:
+    x = values.get(field)
+    if x is None and optional:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:  # NaN fails both
+        raise BadActivity(f"{where}.{field} must be {'null or ' if optional else ''}a number in {lo:g}..{hi:g}, "
+                          f"got {x!r}")
+    return float(x)
+
+
+def _text(values: dict, field: str, where: str, limit: int, optional: bool = True) -> str | None:
+    x = values.get(field)
+    if x is None and optional:
+        return None
+    if not isinstance(x, str) or len(x) > limit or not x.isprintable():
+        raise BadActivity(f"{where}.{field} must be {'null or ' if optional else ''}a printable string of at most "
+                          f"{limit} characters")
+    return x
+
+
+def layout_from(value, where: str) -> Layout:
+    """[tp, pp, dp] -> Layout, each >= 1 and tp*pp*dp <= MAX_WORLD; BadActivity names the field."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value):
+        raise BadActivity(f"{where} must be [tp, pp, dp], three integers >= 1, got {value!r}")
+    layout = Layout(*value)
+    if layout.world > MAX_WORLD:
+        raise BadActivity(f"{where} {list(value)} is a world of {layout.world} ranks, over the {MAX_WORLD} "
+                          "a sidecar accepts")
+    return layout
+
+
+def activity_row(values: dict, layout: Layout, where: str, states: tuple[str, ...]) -> Activity:
+    """One rank's activity, every field checked against the run's layout and a real run's bounds."""
+    world = layout.world
+    rank = _int(values, "rank", where, 0, world - 1)
+    stage = _int(values, "stage", where, 0, layout.pp - 1)
+    tp_rank = _int(values, "tp_rank", where, 0, layout.tp - 1)
+    dp_rank = _int(values, "dp_rank", where, 0, layout.dp - 1)
+    expected = (dp_rank * layout.pp + stage) * layout.tp + tp_rank
+    if rank != expected:
+        raise BadActivity(f"{where}: rank {rank} is not (stage {stage}, tp_rank {tp_rank}, dp_rank {dp_rank}) "
+                          f"of layout [{layout.tp}, {layout.pp}, {layout.dp}] (that is rank {expected})")
+    state = values.get("state")
+    if state not in states:
+        raise BadActivity(f"{where}.state must be one of {', '.join(states)}, got {state!r}")
+    return Activity(
+        rank=rank, state=state, kind=_text(values, "kind", where, MAX_TEXT), op=_text(values, "op", where, MAX_TEXT),
+        group=_text(values, "group", where, MAX_TEXT), peer=_int(values, "peer", where, 0, world - 1, optional=True),
+        seq=_int(values, "seq", where, 0, MAX_SEQ, optional=True),
+        since=_float(values, "since", where, 0.0, MAX_TIME), step=_int(values, "step", where, -1, MAX_STEP),
+        step_seconds=_float(values, "step_seconds", where, 0.0, 1e7), pid=_int(values, "pid", where, 0, MAX_PID),
+        host=_text(values, "host", where, MAX_HOST, optional=False), stage=stage, tp_rank=tp_rank, dp_rank=dp_rank,
+        time=_float(values, "time", where, 0.0, MAX_TIME, optional=False),
+        step_end=_float(values, "step_end", where, 0.0, MAX_TIME))
+
+
+def activity_from_report(report) -> tuple[Activity, Layout, str]:
     """A rank's POSTed activity -> (Activity, Layout, run_id); BadActivity names what is wrong."""
     if not isinstance(report, dict):
-        raise BadActivity("activity must be an object")
-    try:
-        values = {f: report.get(f) for f in ACTIVITY_ROW}
-        for f in _INT_FIELDS:
-            if values[f] is None:
-                raise BadActivity(f"activity.{f} is required (an integer)")
-            values[f] = int(values[f])
-        values["state"] = str(values["state"] or "running")
-        if values["state"] not in ("running", "done"):
-            raise BadActivity(f"activity.state must be running or done, got {values['state']!r}")
-        values["host"] = str(values["host"] or "")
-        values["time"] = float(values["time"] or 0.0)
-        values["step_end"] = _wall_time_or_none(values["step_end"])
-        for f in ("since", "step_seconds"):
-            values[f] = None if values[f] is None else float(values[f])
-        for f in ("peer", "seq"):
-            values[f] = None if values[f] is None else int(values[f])
-        layout = Layout(int(report["tp"]), int(report["pp"]), int(report["dp"]))
-    except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, BadActivity):
-            raise
-        raise BadActivity(f"activity: {err}; send the fields of parwatch.collector.activity.ACTIVITY_FIELDS") from None
-    if min(layout.tp, layout.pp, layout.dp) < 1 or not 0 <= values["rank"] < layout.world:
-        raise BadActivity(f"activity.rank={values['rank']} is outside the layout tp*pp*dp={layout.world}")
-    return Activity(**values), layout, str(report.get("run_id") or "")
+        raise BadActivity("activity must be an object with the fields of parwatch.collector.activity")
+    layout = layout_from([report.get("tp"), report.get("pp"), report.get("dp")], "activity [tp, pp, dp]")
+    values = dict(report)
+    values.setdefault("state", "running")
+    values["host"] = values.get("host") or ""
+    return activity_row(values, layout, "activity", REPORT_STATES), layout, _run_id(report.get("run_id"), "activity")
 
 
-def _wall_time_or_none(x) -> float | None:
-    """activity.step_end: null, or a unix time in [0, MAX_TIME] (the hang clock starts there)."""
+def _run_id(x, where: str) -> str:
     if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_TIME:
-        raise BadActivity(f"activity.step_end must be null or a unix time in seconds (0..{MAX_TIME:g}), "
-                          f"got {x!r}; send the wall time the rank ended `step`")
-    return float(x)
+        return ""
+    if not isinstance(x, str) or len(x) > 128 or not x.isprintable():
+        raise BadActivity(f"{where}.run_id must be a printable string of at most 128 characters")
+    return x
+
+
+class LayoutChanged(BadActivity):
+    """A report for a known run claims another layout than the one the run was first seen with."""
+
+
+def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
+    if known is not None and known != layout:
+        raise LayoutChanged(f"{where} [{layout.tp}, {layout.pp}, {layout.dp}] differs from this run's "
+                            f"[{known.tp}, {known.pp}, {known.dp}], fixed when it was first seen; a run's layout "
+                            "cannot change (a new layout is a new run id)")
 
 
 class NodeBook:
@@ -104,6 +173,8 @@ class NodeBook:
         if run_id != self.run_id:
             self.latest = {}  # a new run: the old ranks are not this run's
             self.run_id = run_id
+            self.layout = None
+        same_layout(self.layout, layout, "activity [tp, pp, dp]")
         self.layout = layout
         self.latest[a.rank] = (a, self.clock())
 
@@ -148,19 +219,34 @@ class LeaderView:
         if not isinstance(body, dict) or body.get("version") != DIGEST_VERSION:
             raise BadActivity(f"digest.version must be {DIGEST_VERSION}")
         node = body.get("node")
-        if not isinstance(node, str) or not node:
-            raise BadActivity("digest.node must be a non-empty string (the sending node's name)")
-        try:
-            tp, pp, dp = (int(x) for x in body["layout"])
-            rows = [Activity(*r) for r in body["rows"]]  # step_end, the last field, may be absent (older node)
-        except (KeyError, TypeError, ValueError) as err:
-            raise BadActivity(f"digest.layout must be [tp, pp, dp] and digest.rows lists of the "
-                              f"{len(ACTIVITY_ROW)} fields {', '.join(ACTIVITY_ROW)} ({err})") from None
-        run_id = body.get("run_id")
+        if not isinstance(node, str) or not node or len(node) > MAX_HOST + 6 or not node.isprintable():
+            raise BadActivity(f"digest.node must be a non-empty printable string of at most {MAX_HOST + 6} "
+                              "characters (the sending node's name)")
+        layout = layout_from(body.get("layout"), "digest.layout")
+        raw = body.get("rows")
+        if not isinstance(raw, list) or len(raw) > layout.world:
+            raise BadActivity(f"digest.rows must be a list of at most {layout.world} rows (the layout's world)")
+        rows, seen = [], set()
+        for i, r in enumerate(raw):
+            # step_end, the last field, may be absent (an older node)
+            if not isinstance(r, list) or not len(ACTIVITY_ROW) - 1 <= len(r) <= len(ACTIVITY_ROW):
+                raise BadActivity(f"digest.rows[{i}] must be a list of the {len(ACTIVITY_ROW)} fields "
+                                  f"{', '.join(ACTIVITY_ROW)}")
+            a = activity_row(dict(zip(ACTIVITY_ROW, r)), layout, f"digest.rows[{i}]", DIGEST_STATES)
+            if a.rank in seen:
+                raise BadActivity(f"digest.rows[{i}]: rank {a.rank} appears twice")
+            seen.add(a.rank)
+            rows.append(a)
+        run_id = _run_id(body.get("run_id"), "digest")
         if run_id != self.run_id:
             self.nodes, self.gone = {}, set()
             self.run_id = run_id
-        self.layout = Layout(tp, pp, dp)
+            self.layout = None
+        same_layout(self.layout, layout, "digest.layout")
+        if node not in self.nodes and len(self.nodes) >= layout.world:
+            raise BadActivity(f"digest.node {node!r}: this run already has {len(self.nodes)} nodes, as many as "
+                              "its ranks")
+        self.layout = layout
         self.nodes[node] = (self.clock(), rows)
         gone = self.gone
         for a in rows:

@@ -1,5 +1,5 @@
 """/v1/activity, /v1/digest and /v1/hang on the control app (FastAPI TestClient, real sidecar object):
-authentication, field-naming 400s, a node forwarding its digest to the leader, rank-missing on time."""
+authentication, field-naming 422s, a node forwarding its digest to the leader, rank-missing on time."""
 
 import asyncio
 
@@ -41,18 +41,18 @@ def _client(tmp_path, name, **cfg):
 def test_activity_needs_the_token_and_names_bad_fields(tmp_path):
     client, sidecar, _ = _client(tmp_path, "s")
     assert client.post("/v1/activity", json=report(0), headers={"Authorization": ""}).status_code == 401
-    r = client.post("/v1/activity", json={"version": 1, "activity": {"rank": None}})
-    assert r.status_code == 400 and "activity.rank" in r.json()["detail"]
+    r = client.post("/v1/activity", json={"version": 1, "activity": {"rank": None, "tp": 1, "pp": 1, "dp": 1}})
+    assert r.status_code == 422 and "activity.rank" in r.json()["detail"]
     bad = report(5)
     r = client.post("/v1/activity", json=bad)
-    assert r.status_code == 400 and "outside the layout" in r.json()["detail"]
-    assert client.post("/v1/activity", content=b"{nope").status_code == 400
+    assert r.status_code == 422 and "activity.rank must be an integer in 0..1" in r.json()["detail"]
+    assert client.post("/v1/activity", content=b"{nope").status_code == 422
     assert client.post("/v1/activity", json=report(1)).json() == {"ok": True}
     r = client.post("/v1/digest", json={"version": 1, "node": "", "layout": [1, 1, 1], "rows": []})
-    assert r.status_code == 400 and "digest.node" in r.json()["detail"]
+    assert r.status_code == 422 and "digest.node" in r.json()["detail"]
     for bad_end in ("soon", -1.0, 1e300, True):
         r = client.post("/v1/activity", json=report(1, step_end=bad_end))
-        assert r.status_code == 400 and "activity.step_end" in r.json()["detail"], (bad_end, r.text)
+        assert r.status_code == 422 and "activity.step_end" in r.json()["detail"], (bad_end, r.text)
     assert client.post("/v1/activity", json=report(1, step_end=999.5)).json() == {"ok": True}
     assert sidecar.activity.book.rows()[1].step_end == 999.5
 
