@@ -6,6 +6,8 @@
                                             a transient fault; a rollback that replays step 5 is clean)
     slow-collective:group=tp,ms=5           extra latency on every collective of that group
     crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
+    raise:rank=2,step=7                     that rank raises InjectedError at that step (a crash by
+                                            exception: OOM, bad data, a library's error)
     slow-link:src=0,dst=2,ms=20             every p2p send from rank 0 to rank 2 takes 20 ms longer: posted
                                             on time, it leaves 20 ms later (inside the transfer, as a slow
                                             link would be; not a sleep before the post)
@@ -29,16 +31,22 @@ _SPECS = {
     "nan": {"step": int},
     "slow-collective": {"group": str, "ms": float},
     "crash": {"rank": int, "step": int},
+    "raise": {"rank": int, "step": int},
     "slow-link": {"src": int, "dst": int, "ms": float},
     "slow-data": {"rank": int, "ms": float},
     "hang": {"rank": int, "step": int, "where": str},
 }
 _REQUIRED = {"straggler": {"ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
-             "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"}, "hang": {"rank", "step"}}
+             "raise": {"rank", "step"}, "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"},
+             "hang": {"rank", "step"}}
 _EXAMPLE = ("straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
             " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective")
 HANG_PLACES = ("compute", "collective", "send")
 """Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
+
+
+class InjectedError(Exception):
+    """What a `raise` fault raises: an exception the trainer does not expect."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,13 @@ class Faults:
         return False
 
     def crash_now(self, step: int) -> bool:
-        return any(f.kind == "crash" and f.params["rank"] == self.rank and f.params["step"] == step for f in self.faults)
+        return self._due("crash", step)
+
+    def raise_now(self, step: int) -> bool:
+        return self._due("raise", step)
+
+    def _due(self, kind: str, step: int) -> bool:
+        return any(f.kind == kind and f.params["rank"] == self.rank and f.params["step"] == step for f in self.faults)
 
     def slow_collectives(self) -> dict:
         out: dict = {}

@@ -21,6 +21,7 @@ from trainer.progress import RankProgress, describe_exit, exit_status
 log = logging.getLogger("trainer")
 
 _PEER_LOST = 3  # a rank's exit code when a collective failed because a peer went away
+_CAUSE_GRACE_S = 15.0  # how long the ranks that lost a peer wait for the one that failed to be named
 
 
 def _free_port() -> int:
@@ -46,7 +47,7 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, 
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    observer = trainer = None
+    observer = trainer = error = None
     failed = True
     try:
         if not cfg.run_id:
@@ -71,17 +72,21 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, 
             write_summary(cfg.summary_json, summary)
         failed = False
         return summary
+    except BaseException as exc:  # told to the sidecar (crashed, and why), then raised on
+        error = exc
+        raise
     finally:
-        if progress is not None:
+        if progress is not None and not failed:
             progress.teardown()
-        shutdown(trainer, observer, failed)
+        shutdown(trainer, observer, failed, error)
 
 
-def shutdown(trainer, observer, failed: bool) -> None:
+def shutdown(trainer, observer, failed: bool, error: BaseException | None = None) -> None:
     """Everything a rank started, stopped in order, then the process group destroyed.
 
     1. the trainer: sends completed, lane threads joined, the boundary's all-reduce released;
-    2. the observer: no more spans, shipper flushed (bounded), its threads joined;
+    2. the observer: no more spans, its last word (done, or crashed with `error`), shipper flushed
+       (bounded), its threads joined;
     3. the hook registry emptied, 4. destroy_process_group: nothing of parwatch runs during it.
     Each step runs even when the one before it raised; the first error is re-raised."""
     import torch.distributed as dist
@@ -89,18 +94,18 @@ def shutdown(trainer, observer, failed: bool) -> None:
     from trainer import hooks
 
     steps = [lambda: trainer is not None and trainer.close(failed),
-             lambda: observer is not None and observer.close(),
+             lambda: observer is not None and observer.close(error=error),
              hooks.registry.clear,
              lambda: dist.is_initialized() and dist.destroy_process_group()]
-    error = None
+    first = None
     for step in steps:
         try:
             step()
         except Exception as exc:  # later steps still run: a rank must never exit with its group up
             log.warning("shutdown: %s: %s", type(exc).__name__, exc)
-            error = error or exc
-    if error is not None and not failed:
-        raise error
+            first = first or exc
+    if first is not None and not failed:
+        raise first
 
 
 def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig, shared) -> None:
@@ -139,23 +144,30 @@ def spawn(cfg: TrainConfig) -> int:
     code = 0
     try:
         alive = {p.sentinel: r for r, p in enumerate(procs)}
+        failed: list[int] = []
+        deadline = None  # set when the only failures so far are ranks that lost a peer
         while alive:
-            # Wake on the first exit, so the rank that failed first is the one named
-            # (its peers die a moment later with "connection closed").
-            failed = []
-            for sentinel in wait(list(alive)):
+            # Wake on each exit, so the rank that failed first is the one named (its peers die a
+            # moment later with "connection closed", often before it has finished dying).
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for sentinel in wait(list(alive), timeout):
                 rank = alive.pop(sentinel)
                 procs[rank].join()
                 if procs[rank].exitcode != 0:
                     failed.append(rank)
-            if failed:
-                # Exit code 3 is a rank that only lost a peer: name the cause, not the echo.
-                rank = min(failed, key=lambda r: (procs[r].exitcode == _PEER_LOST, r))
-                exitcode = procs[rank].exitcode
-                code = exit_status(exitcode) or 1
-                print(f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks",
-                      file=sys.stderr)
-                break
+            if not failed:
+                continue
+            echoes_only = all(procs[r].exitcode == _PEER_LOST for r in failed)
+            if echoes_only and alive and (deadline is None or time.monotonic() < deadline):
+                deadline = deadline or time.monotonic() + _CAUSE_GRACE_S
+                continue
+            # Exit code 3 is a rank that only lost a peer: name the cause, not the echo.
+            rank = min(failed, key=lambda r: (procs[r].exitcode == _PEER_LOST, r))
+            exitcode = procs[rank].exitcode
+            code = exit_status(exitcode) or 1
+            print(f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks",
+                  file=sys.stderr)
+            break
     finally:
         for p in procs:
             if p.is_alive():

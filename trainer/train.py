@@ -25,7 +25,7 @@ from trainer import hooks
 from trainer.comm import Comm
 from trainer.config import TrainConfig
 from trainer.executor import PipelineExecutor, StepShape
-from trainer.faults import Faults, parse_fault
+from trainer.faults import Faults, InjectedError, parse_fault
 from trainer.flops import model_flops_per_step
 from trainer.model import Chunk, GPTConfig, build_pieces
 from trainer.parallel_dims import ParallelDims, build_groups
@@ -120,6 +120,8 @@ class Trainer:
         if self.faults.crash_now(step):
             log.error("rank %d: injected crash at step %d", self.rank, step)
             os._exit(17)
+        if self.faults.raise_now(step):
+            raise InjectedError(f"injected exception on rank {self.rank} at step {step}")
         for opt_group in self.optimizer.param_groups:
             for p in opt_group["params"]:
                 p.grad = None

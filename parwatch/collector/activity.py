@@ -33,6 +33,15 @@ step_end: wall seconds when this rank ended `step` (its step boundary; null befo
 leader starts a stall's clock there, not at the report's arrival (parwatch.sidecar.hang.Progress)."""
 
 
+MAX_ERROR_CHARS = 200
+
+
+def describe_error(error: BaseException) -> str:
+    """'ExceptionType: first line of the message', at most MAX_ERROR_CHARS (what the sidecar keeps)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:MAX_ERROR_CHARS]
+
+
 class ActivityReporter:
     """One daemon thread per rank: sample `registry.current`, POST it to `endpoint`/v1/activity.
 
@@ -173,8 +182,9 @@ class ActivityReporter:
         except (OSError, AttributeError, ValueError) as exc:  # no SIGUSR1 (Windows), unwritable dir
             log.warning("parwatch: no stack dumps on SIGUSR1 (%s)", exc)
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Stop the thread and say this rank is done (so its pid vanishing is not a crash)."""
+    def close(self, timeout: float = 1.0, error: BaseException | None = None) -> None:
+        """Stop the thread and say how this rank ended: done (so its pid vanishing is not a crash), or
+        crashed with `error`, the exception that ended training."""
         if self._thread is None:
             return
         self._stop.set()
@@ -182,7 +192,10 @@ class ActivityReporter:
         self._thread = None
         self._retry_at = 0.0  # the last word is worth one try even after failures
         try:
-            self.post(self.snapshot(state="done"))
+            last = self.snapshot(state="done" if error is None else "crashed")
+            if error is not None:
+                last["error"] = describe_error(error)
+            self.post(last)
         except Exception:
             pass
         if self._own_http and self._http is not None:

@@ -365,11 +365,13 @@ class Collector(Observer):
     def dropped_total(self) -> int:
         return self.shipper.dropped
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Detach from the hook registry, stop NVML, flush the queue (best effort) and stop the shipper."""
+    def close(self, timeout: float = 2.0, error: BaseException | None = None) -> None:
+        """Detach from the hook registry, stop NVML, flush the queue (best effort) and stop the shipper;
+        every thread joined. `error`: the exception that ended training, if one did (the sidecar then
+        hears this rank crashed, and why, instead of done)."""
         from parwatch.collector.attach import detach  # attach imports this module
 
         detach(self)
-        self.activity.close(min(timeout, 1.0))
+        self.activity.close(min(timeout, 1.0), error=error)
         self.nvml.close(min(timeout, 1.0))
         self.shipper.close(timeout)

@@ -34,7 +34,7 @@ from parwatch.collector.context import host_identity
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report, layout_from, same_layout
-from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings
+from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -149,7 +149,7 @@ class ActivityHub:
             return []
         local = self.book.rows()  # this node's ranks: a handful, pids checked
         gone = bool(self.view.gone - self.monitor.gone_reported) or any(
-            a.state == "gone" and r not in self.monitor.gone_reported for r, a in local.items())
+            a.state in ENDED and r not in self.monitor.gone_reported for r, a in local.items())
         paused = self.sidecar.engine.paused
         if not self.monitor.due(paused, gone):
             self._idle_due = False
@@ -170,7 +170,7 @@ class ActivityHub:
         store = self.sidecar.store
         if not store.ranks:
             return
-        gone = {r for r, a in self.book.rows().items() if a.state == "gone"}
+        gone = {r for r, a in self.book.rows().items() if a.state in ENDED}
         values = {f"rank={r}": 0.0 if (r in gone or not up) else 1.0 for r, up in store.liveness().items()}
         self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))
 

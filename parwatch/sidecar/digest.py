@@ -8,13 +8,13 @@ them). The others learn the leader's URL from configuration: `parwatch sidecar -
 
 Liveness is decided on the node, where it can be checked: a rank whose pid no longer exists on
 this host is `gone` (a crash); one alive but silent for `silent_seconds` is `silent`; one that
-said it finished is `done`. Activity keeps flowing from a hung rank (its reporter thread is
+said it finished is `done`; one that said it ended by an exception is `crashed`, with the exception. Activity keeps flowing from a hung rank (its reporter thread is
 independent of the blocked training thread), so a hang reads as `running` with the same span open.
 
 Digest body (POST /v1/digest), one per node per second:
   {"version": 1, "node": NAME, "run_id": ID, "time": T, "layout": [tp, pp, dp],
    "rows": [[...ACTIVITY_ROW fields in order...], ...]}
-(a node of an older version sends rows without the last field, step_end: read as null.)
+(a node of an older version sends rows without the last fields, step_end and error: read as null.)
 The reply may carry {"signal": [pid, ...]}: the leader asks this node to signal (SIGUSR1) its
 culprit for a stack dump.
 """
@@ -26,7 +26,7 @@ import os
 import socket
 from typing import Callable
 
-from parwatch.sidecar.hang import ACTIVITY_ROW, Activity, Layout
+from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
 
 DIGEST_VERSION = 1
@@ -54,8 +54,9 @@ MAX_STEP = (1 << 31) - 1
 MAX_SEQ = 1 << 53
 MAX_TEXT = 64  # kind, op, group
 MAX_HOST = 253  # a DNS name
-REPORT_STATES = ("running", "done")
-DIGEST_STATES = ("running", "done", "gone", "silent")
+MAX_ERROR = 200  # a crashed rank's "ExceptionType: message"
+REPORT_STATES = ("running", "done", "crashed")
+DIGEST_STATES = ("running", "done", "crashed", "gone", "silent")
 
 
 def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: bool = False) -> int | None:
@@ -122,7 +123,16 @@ def activity_row(values: dict, layout: Layout, where: str, states: tuple[str, ..
         step_seconds=_float(values, "step_seconds", where, 0.0, 1e7), pid=_int(values, "pid", where, 0, MAX_PID),
         host=_text(values, "host", where, MAX_HOST, optional=False), stage=stage, tp_rank=tp_rank, dp_rank=dp_rank,
         time=_float(values, "time", where, 0.0, MAX_TIME, optional=False),
-        step_end=_float(values, "step_end", where, 0.0, MAX_TIME))
+        step_end=_float(values, "step_end", where, 0.0, MAX_TIME), error=_error(values, where))
+
+
+def _error(values: dict, where: str) -> str | None:
+    error = values.get("error")
+    if error is None:
+        return None
+    if not isinstance(error, str):
+        raise BadActivity(f"{where}.error must be null or a string (the exception a crashed rank ended with)")
+    return "".join(c if c.isprintable() else " " for c in error[:MAX_ERROR])
 
 
 def activity_from_report(report) -> tuple[Activity, Layout, str]:
@@ -228,8 +238,8 @@ class LeaderView:
             raise BadActivity(f"digest.rows must be a list of at most {layout.world} rows (the layout's world)")
         rows, seen = [], set()
         for i, r in enumerate(raw):
-            # step_end, the last field, may be absent (an older node)
-            if not isinstance(r, list) or not len(ACTIVITY_ROW) - 1 <= len(r) <= len(ACTIVITY_ROW):
+            # step_end and error, the last fields, may be absent (an older node)
+            if not isinstance(r, list) or not len(ACTIVITY_ROW) - 2 <= len(r) <= len(ACTIVITY_ROW):
                 raise BadActivity(f"digest.rows[{i}] must be a list of the {len(ACTIVITY_ROW)} fields "
                                   f"{', '.join(ACTIVITY_ROW)}")
             a = activity_row(dict(zip(ACTIVITY_ROW, r)), layout, f"digest.rows[{i}]", DIGEST_STATES)
@@ -250,7 +260,7 @@ class LeaderView:
         self.nodes[node] = (self.clock(), rows)
         gone = self.gone
         for a in rows:
-            if a.state == "gone":
+            if a.state in ENDED:
                 gone.add(a.rank)
             elif a.rank in gone:
                 gone.discard(a.rank)

@@ -52,7 +52,7 @@ class Activity(NamedTuple):
     """One rank's latest activity as the leader sees it (a node digest row, in this field order)."""
 
     rank: int
-    state: str  # running | done | gone (process ended) | silent (alive, no reports)
+    state: str  # running | done | crashed (ended by an exception) | gone (process ended) | silent (alive, no reports)
     kind: str | None
     op: str | None
     group: str | None
@@ -68,9 +68,22 @@ class Activity(NamedTuple):
     dp_rank: int
     time: float  # when the rank sampled it (wall clock)
     step_end: float | None = None  # when the rank ended `step` (its wall clock); absent in older rows
+    error: str | None = None  # crashed: "ExceptionType: message" (bounded); absent in older rows
 
 
 ACTIVITY_ROW = Activity._fields
+ENDED = ("gone", "crashed")
+"""States of a rank whose process ended without finishing: a crash, told by the rank (crashed, with
+its exception) or seen by its node (gone: the pid vanished, or its node stopped hearing from it)."""
+PEER_LOST_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+                   "communicator was aborted", "nccl communicator", "socket timeout", "timed out")
+"""Words in a crashed rank's error that say it failed because a peer went away: an echo of the first
+failure, not the cause (gloo's and NCCL's messages)."""
+
+
+def lost_a_peer(a: Activity) -> bool:
+    """A crashed rank whose exception says a peer went away first."""
+    return a.state == "crashed" and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,7 @@ class HangSettings:
 
 def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
     """The node `a` waits for: ("rank", peer) in a recv, ("group", key) in a collective; None if it waits for nobody."""
-    if a.state not in ("running", "gone") or a.kind is None:  # a gone rank's last wait still tells who went first
+    if a.state not in ("running", *ENDED) or a.kind is None:  # an ended rank's last wait still tells who went first
         return None
     if a.kind == "recv" and a.peer is not None:
         return ("rank", int(a.peer))
@@ -340,7 +353,7 @@ class HangMonitor:
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
         culprit = self.hang["evidence"]["culprit"]["rank"] if self.hang is not None else None
-        return {r: RANK_STATES["gone"] if a.state == "gone" else
+        return {r: RANK_STATES["gone"] if a.state in ENDED else
                 RANK_STATES["hung"] if a.state == "silent" or r == culprit else RANK_STATES["running"]
                 for r, a in rows.items() if a.state != "done"}
 
@@ -372,11 +385,14 @@ class HangMonitor:
     def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
         now = self.clock()
         records = []
-        gone = sorted((a for a in rows.values() if a.state == "gone" and a.rank not in self.gone_reported),
-                      key=lambda a: (a.time, a.rank))
-        if gone:  # a crash: the process ended. The one the others last waited for went first.
+        # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
+        # one the rest last waited for went first, else the earliest to end.
+        gone = sorted((a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
+                      key=lambda a: (lost_a_peer(a), a.time, a.rank))
+        if gone:
             first = gone[0]
-            if len(gone) > 1 and self.layout is not None:
+            if len(gone) > 1 and self.layout is not None and not any(a.state == "crashed" and not lost_a_peer(a)
+                                                                     for a in gone):
                 found = find_culprit(rows, self.layout)
                 named = rows.get(found["culprit"]) if found else None
                 if named is not None and named in gone:
@@ -384,8 +400,11 @@ class HangMonitor:
                     gone.remove(named)
                     gone.insert(0, named)
             culprit = culprit_record(first, first.rank)
+            if first.state == "crashed":
+                culprit["error"] = first.error
             others = [a.rank for a in gone[1:]]
-            reason = f"rank-gone: {_describe(culprit)} ended (its process is gone), last step {first.step}"
+            how = f"crashed ({first.error})" if first.state == "crashed" else "ended (its process is gone)"
+            reason = f"rank-gone: {_describe(culprit)} {how}, last step {first.step}"
             if others:
                 reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
             records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others},
@@ -393,7 +412,7 @@ class HangMonitor:
             self.gone_reported.update(a.rank for a in gone)
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
-        crashed = any(a.state == "gone" for a in rows.values())  # a stall after a crash is the crash's
+        crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
         # Judge a picture taken after the stall began: a rank's activity sampled before the last step
         # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
         # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
@@ -409,7 +428,7 @@ class HangMonitor:
             if found is not None:
                 rank = found["culprit"]
                 a = rows.get(rank)
-                if self.hang is None and (a is None or a.state not in ("gone", "done")):
+                if self.hang is None and (a is None or a.state not in (*ENDED, "done")):
                     culprit = culprit_record(a, rank)
                     waiting = found["waiting"]
                     reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); "

@@ -82,3 +82,24 @@ def test_crash_is_told_from_a_hang(tmp_path):
 
 # 200 healthy steps make no hang, rank-gone or straggler finding: tests/integration/test_e2e_guardrails.py
 # (test_healthy_run_fires_nothing) runs them once for every rule and finding.
+
+
+def test_a_crash_by_exception_is_crashed_not_done(tmp_path):
+    """Issue 24, item 3: on 40e8301 a rank that died of a Python exception said `done` on its way out
+    (the trainer's `finally` closed the observer as after a clean end): no rank-gone, no decision.
+    Now it says `crashed`, with its exception, and rank-gone names it within 5 s."""
+    with running_sidecar(tmp_path / "state") as sidecar:
+        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), "--pp", "2",
+                             *token_args(sidecar), "--inject", "raise:rank=1,step=4") as run:
+            [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1],
+                                  "a rank-gone finding", timeout=120)
+            decided_at = time.time()
+            code = run.proc.wait(60)
+            output = run.output()
+    culprit = record["evidence"]["culprit"]
+    assert record["rule"] == "rank-gone", record
+    assert (culprit["rank"], culprit["state"]) == (1, "crashed"), record
+    assert culprit["error"] == "InjectedError: injected exception on rank 1 at step 4"
+    assert "crashed (InjectedError" in record["reason"]
+    assert decided_at - record["time"] < 5
+    assert code != 0 and "rank 1 exited with code 1 while training, after step 3 of 1000" in output, output

@@ -14,7 +14,7 @@ class _Recorder:
     def __init__(self, calls: list, name: str, fail: bool = False):
         self.calls, self.name, self.fail = calls, name, fail
 
-    def close(self, *args):
+    def close(self, *args, **kwargs):
         self.calls.append((self.name, args))
         if self.fail:
             raise RuntimeError(f"{self.name} broke")
