@@ -8,6 +8,11 @@ acknowledgements). The directive is then done, whatever the outcome.
 
 from __future__ import annotations
 
+import logging
+
+from parwatch.contract.directives import MAX_STEP, parse_directive
+
+log = logging.getLogger("parwatch.guardrails")
 WIRE_KEYS = ("id", "action", "run_id", "to_step", "skip_batches", "reason")
 
 
@@ -22,9 +27,12 @@ class Directives:
 
     def add(self, action: str, run_id: str, to_step: int | None, skip_batches: int, reason: str,
             decision_id: int | None = None) -> int:
+        """Queue a directive; ValueError (naming the field) when the trainer could not parse it: the one
+        parser (parwatch.contract.parse_directive) judges it here, so none that passes can block a run."""
         directive = {"id": self.next_id, "action": action, "run_id": run_id, "to_step": to_step,
                      "skip_batches": skip_batches if action == "rollback" else 0, "reason": reason,
                      "decision_id": decision_id}
+        parse_directive({k: directive[k] for k in WIRE_KEYS})
         self.outstanding.append(directive)
         self.next_id += 1
         return directive["id"]
@@ -54,6 +62,20 @@ class Directives:
         return {"next_id": self.next_id, "outstanding": self.outstanding}
 
     def restore(self, saved: dict, min_next_id: int = 1) -> None:
-        self.outstanding = [dict(d) for d in saved.get("outstanding", []) if "run_id" in d]
-        self.next_id = max(int(saved.get("next_id", self.next_id)), min_next_id,
-                           1 + max((d["id"] for d in self.outstanding), default=0))
+        """From state.json (and the largest id in decisions.jsonl). What a trainer could never parse (an
+        id or step past 2**53, a wrong type) is dropped with a warning, never handed out to block the
+        directives after it."""
+        self.outstanding = []
+        for d in saved.get("outstanding", []):
+            try:
+                parse_directive({k: d.get(k) for k in WIRE_KEYS} if isinstance(d, dict) else d)
+            except ValueError as err:
+                log.warning("state.json: outstanding directive dropped: %s", err)
+                continue
+            self.outstanding.append(dict(d))
+        ids = [saved.get("next_id", self.next_id), min_next_id, 1 + max((d["id"] for d in self.outstanding), default=0)]
+        usable = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 < i < MAX_STEP]
+        if len(usable) < len(ids):
+            log.warning("state.json/decisions.jsonl: directive ids %s are not usable (1..2**53-1); ignored",
+                        [i for i in ids if i not in usable])
+        self.next_id = max(usable, default=self.next_id)

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.decisions import Batch, DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
@@ -663,9 +664,10 @@ def _validate_request(action, source, to_step, skip_batches) -> None:
         raise ValueError(f"action {action!r} is not one of {', '.join(DIRECTIVE_ACTIONS)}")
     if source not in REQUEST_SOURCES:
         raise ValueError(f"source {source!r} is not one of {', '.join(REQUEST_SOURCES)}")
-    if isinstance(skip_batches, bool) or not isinstance(skip_batches, int) or skip_batches < 0:
-        raise ValueError(f"skip_batches must be an integer >= 0, got {skip_batches!r}")
-    if to_step is not None and (isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0):
-        raise ValueError(f"to_step must be a checkpoint step (an integer >= 0) or None, got {to_step!r}")
+    if isinstance(skip_batches, bool) or not isinstance(skip_batches, int) or not 0 <= skip_batches < MAX_STEP:
+        raise ValueError(f"skip_batches must be an integer in 0..2**53-1, got {skip_batches!r}")
+    if to_step is not None and (isinstance(to_step, bool) or not isinstance(to_step, int)
+                                or not 0 <= to_step < MAX_STEP):
+        raise ValueError(f"to_step must be a checkpoint step (an integer in 0..2**53-1) or None, got {to_step!r}")
     if action != "rollback" and (to_step is not None or skip_batches):
         raise ValueError(f"to_step and skip_batches apply to rollback only, not to {action}")

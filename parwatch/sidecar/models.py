@@ -329,8 +329,8 @@ class IngestResponse(BaseModel):
 class ControlRequest(_Model):
     model_config = ConfigDict(extra="forbid", frozen=True)
     action: Literal[DIRECTIVE_ACTIONS]
-    to_step: Count | None = None
-    skip_batches: Count = 0
+    to_step: MaxStep | None = None  # the contract's bound (parse_directive): what passes, the trainer takes
+    skip_batches: MaxStep = 0
     reason: Annotated[str, Field(max_length=2000)] = ""
     requested_by: Annotated[str, Field(max_length=200)] = ""
 

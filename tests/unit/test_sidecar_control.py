@@ -112,7 +112,7 @@ def test_rollback_needs_a_known_checkpoint(setup):
     ({"action": "pause", "to_step": 3}, 400, "to_step and skip_batches apply to rollback only"),
     ({"action": "rollback", "skip_batches": -1}, 422, "skip_batches: Input should be greater than or equal to 0"),
     ({"action": "pause", "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
-    ({"action": "rollback", "to_step": 10**400}, 422, "to_step: Input should be less than or equal to"),
+    ({"action": "rollback", "to_step": 10**400}, 422, "to_step: Input should be less than 9007199254740992"),
 ])
 def test_bad_control_requests_get_422_or_the_engines_400(setup, payload, status, expected):
     """422: the body fails validation (as the OpenAPI document says); 400: the engine refuses it."""
