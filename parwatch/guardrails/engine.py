@@ -62,6 +62,10 @@ from pathlib import Path
 from typing import Callable
 
 from parwatch.contract.directives import MAX_STEP
+
+SWITCHES = ("rollback", "resume")
+"""Directives after which the run's next boundary may be long in coming (a checkpoint load, a restart of
+the step loop): the hang clock is re-armed when one is decided and when it is applied."""
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.decisions import Batch, DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
@@ -117,6 +121,8 @@ class GuardrailEngine:
         self._last_step: int | None = None
         self._first_seen_time: float | None = None
         self._resumed_time: float | None = None
+        self.last_switch: float | None = None
+        """When a rollback or resume was last decided or applied (this clock): the hang clock restarts there."""
         self._rearmed: dict[str, int] = {}
         """rule -> id of the operator resume that re-armed it (firing -> pending, see request())."""
         self._run_id: str | None = None
@@ -310,6 +316,8 @@ class GuardrailEngine:
         if enforced and action in DIRECTIVE_ACTIONS:
             directive_id = self._directives.add(action, self._run_id, checkpoint, skip_batches, reason,
                                                 decision_id=self._next_decision_id)
+            if action in SWITCHES:
+                self.last_switch = now
         record = {"type": "decision", "id": self._next_decision_id, "time": now, "step": step, "rule": rule,
                   "action": action, "source": source, "requested_by": requested_by, "enforced": enforced,
                   "reason": reason, "evidence": evidence, "checkpoint": checkpoint, "skip_batches": skip_batches,
@@ -438,9 +446,10 @@ class GuardrailEngine:
             if result in ("applied", "substituted"):
                 if action == "pause":
                     self._paused = True
-                elif action in ("resume", "rollback"):
+                elif action in SWITCHES:
                     # A rollback applied during a pause ends it: the trainer trains on after loading.
                     self._paused, self._resumed_time = False, now
+                    self.last_switch = now
                 if action == "rollback":
                     # The trainer now replays from the checkpoint it loaded: later checkpoints belong to
                     # the abandoned timeline, and the next step number may be one just evaluated.

@@ -70,6 +70,7 @@ class ActivityHub:
         self._forward_failed = False
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
         self._layout = None
+        self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
         self._idle_due = False  # due, judged, nothing decided: re-judged once a second, not at every ask
         self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
             if self.leader_url else None
@@ -151,6 +152,10 @@ class ActivityHub:
         gone = bool(self.view.gone - self.monitor.gone_reported) or any(
             a.state in ENDED and r not in self.monitor.gone_reported for r, a in local.items())
         paused = self.sidecar.engine.paused
+        switched = self.sidecar.engine.last_switch
+        if switched is not None and switched != self._switch_seen:  # a rollback or resume: the stall restarts
+            self._switch_seen = switched
+            self.monitor.progress.rearm(switched)
         if not self.monitor.due(paused, gone):
             self._idle_due = False
             return []

@@ -228,27 +228,49 @@ class Progress:
     def __init__(self, settings: HangSettings, window: int = 64):
         self.settings = settings
         self.step = -1
+        """The step of the newest boundary (it goes down after a rollback: boundaries, not steps, are progress)."""
         self.time: float | None = None
-        """The stall's start: when the newest step's boundary ended, on the leader's clock (boundary_time)."""
+        """The stall's start: when the newest boundary ended, on the leader's clock (boundary_time)."""
         self.sampled: float | None = None
-        """The ranks' wall clock when the newest step was first seen: reports older than this predate the stall."""
+        """The ranks' wall clock when the newest boundary was first seen: reports older than this predate the stall."""
+        self.last_end: float | None = None
+        """The newest boundary's end on the ranks' clock (activity.step_end): a later one is a new boundary,
+        whatever its step number, so a rollback's replay is progress."""
+        self.switching = False
+        """Set by rearm() (a rollback or resume): judged with the start-up bound until the next boundary."""
         self._seconds: deque = deque(maxlen=window)
 
     def observe(self, step: int, step_seconds: float | None, now: float, sampled: float | None = None,
-                step_end: float | None = None) -> None:
+                step_end: float | None = None) -> bool:
         """now: the leader's clock at arrival; sampled: the rank's wall clock when it sampled the step;
-        step_end: the rank's wall clock when it ended that step (its boundary)."""
+        step_end: the rank's wall clock when it ended that step (its boundary). True on a new boundary."""
         if self.time is None:
             self.time = now  # the clock starts at the first report: startup counts towards the bound
-        if step > self.step:
-            sampled = _seconds_or_none(sampled)
-            start = self.boundary_time(now, sampled, _seconds_or_none(step_end))
-            # A later step's boundary is not earlier than the one before (a clock stepped back, a clamp).
-            self.time = max(self.time, start) if self.step >= 0 else start
-            self.step = step
-            self.sampled = sampled if sampled is not None else now
-            if step_seconds is not None and step_seconds > 0:
-                self._seconds.append(float(step_seconds))
+        step_end = _seconds_or_none(step_end)
+        # A higher step is a new boundary; so is a later boundary end at any step (a rollback's replay;
+        # an older collector sends no step_end, and only the first sign is there).
+        new = step > self.step or (step_end is not None and (self.last_end is None or step_end > self.last_end))
+        if not new:
+            return False
+        sampled = _seconds_or_none(sampled)
+        start = self.boundary_time(now, sampled, step_end)
+        # A later boundary is not earlier than the one before (a clock stepped back, a clamp, a rearm).
+        self.time = max(self.time, start) if self.step >= 0 or self.switching else start
+        self.step = step
+        if step_end is not None:
+            self.last_end = step_end if self.last_end is None else max(self.last_end, step_end)
+        self.sampled = sampled if sampled is not None else now
+        self.switching = False
+        if step_seconds is not None and step_seconds > 0:
+            self._seconds.append(float(step_seconds))
+        return True
+
+    def rearm(self, at: float) -> None:
+        """The run switched timelines or resumed at `at` (leader's clock): the stall starts there, and
+        until the next boundary it is judged with the start-up bound (a checkpoint load is slow)."""
+        if self.time is None or at > self.time:
+            self.time = at
+        self.switching = True
 
     @staticmethod
     def boundary_time(now: float, sampled: float | None, step_end: float | None) -> float:
@@ -276,9 +298,10 @@ class Progress:
         return statistics.median(self._seconds) if self._seconds else None
 
     def bound(self) -> float:
-        """max(step_factor x median step, min_seconds); before the first step completes, STARTUP_FACTOR x
-        min_seconds: start-up (imports, process groups, a checkpoint load) is slow and has no median yet."""
-        if self.step < 1:
+        """max(step_factor x median step, min_seconds); before the first step completes, and after a
+        rollback or resume until the next boundary, STARTUP_FACTOR x min_seconds: start-up (imports,
+        process groups, a checkpoint load) is slow and has no median yet."""
+        if self.step < 1 or self.switching:
             return STARTUP_FACTOR * self.settings.min_seconds
         median = self.median_step_seconds()
         return max(self.settings.step_factor * median if median else 0.0, self.settings.min_seconds)
@@ -346,8 +369,8 @@ class HangMonitor:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout
         if a.state == "running":
-            self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end)
-            if self.hang is not None and a.step > self.hang["step_at"]:
+            if self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end) and self.hang is not None \
+                    and (a.step_end is not None or a.step > self.hang["step_at"]):
                 self.hang = None  # boundaries again: the episode is over
 
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:

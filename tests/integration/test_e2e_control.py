@@ -145,3 +145,36 @@ def test_operator_rollback_to_step_loads_that_checkpoint_on_every_rank(tmp_path)
     assert summary["steps_completed"] == steps
     assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"])
     print(f"\noperator rollback to {target} applied at the boundary of step {came_from}")
+
+
+def test_a_rollback_replaying_3x_the_hang_bound_with_hang_abort_completes(tmp_path):
+    """Issue 24, item 1: on 40e8301 the hang clock moved only on a new highest step, so an operator
+    rollback 102 -> 24 read as a stall and --hang-abort killed a healthy run (every rank exited 75).
+    Here the bound is 3 s (activity is sampled once a second: three reports per bound) and the replay
+    lasts over 9 s: the run completes, no hang is recorded."""
+    state, steps, target = tmp_path / "state", 160, 12
+    with running_sidecar(state, "--hang-min-seconds", "3", "--hang-abort") as sp, \
+            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
+                            "--keep-checkpoints", "0", *token_args(sp), checkpoint_every=12) as run:
+        control = Control(sp.control_url, sp.token)  # the sidecar knows the newest 10 checkpoints: 12..120
+        wait_until(lambda: (control.status()["last_step"] or 0) >= 121, "step 121 at the sidecar", timeout=150)
+        with SidecarClient(sp.control_url, sp.token) as client:
+            client.control("rollback", reason="e2e: a long replay", to_step=target, requested_by="e2e")
+        t0 = time.monotonic()
+        summary = run.wait()
+        replay_s = time.monotonic() - t0
+        hang = httpx_get_hang(sp)
+    (applied,) = summary["directives_applied"]
+    replayed = applied["from_step"] - target
+    assert summary["steps_completed"] == steps and replayed > 100
+    assert not [d for d in decision_records(state) if d["rule"] in ("hang", "rank-gone")], decision_records(state)
+    assert hang["bound_seconds"] <= 4 and replay_s > 3 * hang["bound_seconds"], (replay_s, hang)
+    print(f"\nreplayed {replayed} steps in the {replay_s:.1f} s after the rollback; bound {hang['bound_seconds']} s")
+
+
+def httpx_get_hang(sp) -> dict:
+    import httpx
+
+    r = httpx.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -331,3 +331,43 @@ def test_a_rank_clock_a_minute_off_neither_fakes_nor_delays_a_hang_past_the_repo
     clock.t = start + 10.0 - monitor.every
     [record] = monitor.check(rows)
     assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
+
+
+def _step(monitor, clock, lay, step, seconds=0.5):
+    """Both ranks end `step` now (their clocks read the leader's) and report it."""
+    clock.t += seconds
+    for r in (0, 1):
+        monitor.observe(act(r, lay, "forward", step=step, time=clock.t)._replace(step_end=clock.t), lay, clock.t)
+
+
+def test_a_rollback_replay_longer_than_the_bound_is_progress_not_a_hang():
+    """Issue 24, item 1: on 40e8301 the stall clock moved only on a new highest step, so replaying
+    steps 25..102 after a rollback from 102 read as a stall, and --hang-abort killed a healthy run."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 103):
+        _step(monitor, clock, lay, step)
+    bound = monitor.progress.bound()
+    for step in range(25, 25 + int(3 * bound / 0.5) + 2):  # replay for over 3x the bound
+        _step(monitor, clock, lay, step)
+        rows = {r: act(r, lay, "forward", step=step, time=clock.t) for r in (0, 1)}
+        assert monitor.check(rows) == [], step
+    assert monitor.progress.step == step and monitor.progress.stalled_for(clock.t) == 0.0
+    assert engine.records == []
+
+
+def test_a_rollback_rearms_the_clock_with_the_start_up_bound_until_the_next_boundary():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 11):
+        _step(monitor, clock, lay, step)
+    normal = monitor.progress.bound()
+    clock.t += 5.0
+    monitor.progress.rearm(clock.t)  # the leader decided a rollback: the load starts now
+    assert monitor.progress.stalled_for(clock.t) == 0.0
+    assert monitor.progress.bound() > normal  # a checkpoint load is slow: the start-up bound
+    clock.t += normal + 1.0  # past the normal bound, within the start-up one: no hang yet
+    rows = {r: act(r, lay, "forward", step=10, time=clock.t) for r in (0, 1)}
+    assert monitor.check(rows) == []
+    _step(monitor, clock, lay, 4)  # the replay's first boundary (loaded step 3): the normal bound again
+    assert monitor.progress.bound() == normal and monitor.progress.step == 4
