@@ -1,6 +1,8 @@
 """Directives the leader hands to rank 0, oldest first, until the run reports their outcome.
 
-A directive is the schema's Directive: {id, action, run_id, to_step, skip_batches, reason}.
+A directive is the schema's Directive: {id, action, run_id, to_step, skip_batches, reason}. Its
+states: created (queued here: it can be cancelled) -> delivered (in a reply to the run's ingest:
+the ranks will apply it, and cancelling it is refused) -> handled (its outcome arrived: removed).
 Rank 0 hands it to every rank at a step boundary; every rank's outcome comes back counted in
 the boundary vector, and rank 0 reports one outcome record for the whole run (no per-rank
 acknowledgements). The directive is then done, whatever the outcome.
@@ -37,10 +39,20 @@ class Directives:
         self.next_id += 1
         return directive["id"]
 
-    def oldest(self, run_id: str | None) -> dict | None:
-        """The oldest outstanding directive of `run_id` as the wire dict, or None."""
+    def oldest(self, run_id: str | None, deliver_at: float | None = None) -> dict | None:
+        """The oldest outstanding directive of `run_id` as the wire dict, or None. deliver_at: it goes
+        out in a reply to the run now (from then on it can no longer be cancelled)."""
         d = next((d for d in self.outstanding if d["run_id"] == run_id), None)
-        return None if d is None else {k: d[k] for k in WIRE_KEYS}
+        if d is None:
+            return None
+        if deliver_at is not None and d.get("delivered_at") is None:
+            d["delivered_at"] = deliver_at
+        return {k: d[k] for k in WIRE_KEYS}
+
+    @staticmethod
+    def state(d: dict) -> str:
+        """created (not yet sent to the run: cancellable) or delivered (the ranks will apply it)."""
+        return "delivered" if d.get("delivered_at") is not None else "created"
 
     def find(self, directive_id: int) -> dict | None:
         return next((d for d in self.outstanding if d["id"] == directive_id), None)

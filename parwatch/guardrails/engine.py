@@ -93,6 +93,14 @@ class Observation:
     """Steps with a complete checkpoint, as the trainer reported."""
 
 
+class DirectiveDelivered(ValueError):
+    """A cancel that came too late: the directive is already on its way to every rank."""
+
+    def __init__(self, message: str, directive: dict):
+        super().__init__(message)
+        self.directive = directive
+
+
 class GuardrailEngine:
     def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time,
                  counter_flush_seconds: float = 1.0):
@@ -420,12 +428,19 @@ class GuardrailEngine:
                              f"{known[-10:]}")
         return to_step
 
-    def pending_directive(self) -> dict | None:
-        """The current run's oldest directive without an outcome; None if none or not enforcing."""
+    def pending_directive(self, deliver: bool = False) -> dict | None:
+        """The current run's oldest directive without an outcome; None if none or not enforcing.
+        deliver: it goes out to the run now (an ingest reply), after which it cannot be cancelled."""
         with self._lock:
             if not self._rules.enforce:
                 return None
-            return self._directives.oldest(self._run_id)
+            return self._directives.oldest(self._run_id, self._now() if deliver else None)
+
+    def directive_states(self) -> list[dict]:
+        """Every outstanding directive: {id, action, state: created | delivered, delivered_at}."""
+        with self._lock:
+            return [{"id": d["id"], "action": d["action"], "state": Directives.state(d),
+                     "delivered_at": d.get("delivered_at")} for d in self._directives.outstanding]
 
     def record_outcome(self, outcome: dict) -> list[dict]:
         """The run's outcome of a directive (every rank counted): write it down and act on it.
@@ -472,7 +487,7 @@ class GuardrailEngine:
     def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> dict:
         ranks = int(outcome.get("ranks") or 0)
         record = {"type": str(outcome.get("outcome")), "directive_id": did,
-                  "action": None if directive is None else directive["action"],
+                  "action": self._action_of(did) if directive is None else directive["action"],
                   "decision_id": None if directive is None else directive.get("decision_id"),
                   "step": outcome.get("step"), "time": now, "ranks": f"0-{ranks - 1}" if ranks else "",
                   "rank_count": ranks, "counts": outcome.get("counts") or {}}
@@ -485,9 +500,24 @@ class GuardrailEngine:
             record["note"] = "not outstanding: cancelled, or reported twice"
         return record
 
+    def _action_of(self, did: int) -> str:
+        """The action of a directive no longer outstanding, from the decision that made it."""
+        made = next((r for r in reversed(self._log.recent) if r.get("type") == "decision"
+                     and r.get("directive_id") == did), None)
+        return str(made["action"]) if made is not None else "unknown"
+
     def cancel(self, directive_id: int, requested_by: str = "") -> dict:
-        """Withdraw a directive that has no outcome yet; ValueError if there is none with that id."""
+        """Withdraw a directive not yet delivered to the run; DirectiveDelivered once it has been (the
+        ranks will apply it), ValueError if there is none with that id."""
         with self._lock:
+            pending = self._directives.find(directive_id)
+            if pending is not None and pending.get("delivered_at") is not None:
+                raise DirectiveDelivered(
+                    f"directive {directive_id} ({pending['action']}) was delivered to the run at "
+                    f"{pending['delivered_at']:.3f}: every rank applies it at its next step boundary and it can no "
+                    "longer be cancelled; undo it once applied (e.g. resume after a pause)",
+                    {"id": directive_id, "action": pending["action"], "state": "delivered",
+                     "delivered_at": pending["delivered_at"]})
             done = self._directives.remove(directive_id)
             if done is None:
                 outstanding = [d["id"] for d in self._directives.outstanding]

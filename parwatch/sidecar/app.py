@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from pydantic_core import from_json
 
 from parwatch import __version__
+from parwatch.guardrails.engine import DirectiveDelivered
 from parwatch.schema import SCHEMA_VERSION
 from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency, check_bearer
@@ -342,11 +343,14 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
 
     @app.post("/v1/directives/{directive_id}/cancel", dependencies=auth,
               responses={**_AUTH, **_TOO_LARGE, **_INVALID,
-                         404: {**_PROBLEM, "description": "no outstanding directive with that id"}})
+                         404: {**_PROBLEM, "description": "no outstanding directive with that id"},
+                         409: {**_PROBLEM, "description": "already delivered to the run: it will be applied"}})
     async def cancel(directive_id: Annotated[int, Path(ge=1, lt=2**53)], body: CancelRequest):
-        """Withdraw a directive the run has not handled yet; returns the cancel record."""
+        """Withdraw a directive not yet delivered to the run; returns the cancel record."""
         try:
             record = sidecar.cancel(directive_id, body.requested_by or "operator")
+        except DirectiveDelivered as err:
+            return JSONResponse({"detail": str(err), "directive": err.directive}, status_code=409)
         except ValueError as err:
             raise HTTPException(404, str(err)) from err
         await sidecar.persist()

@@ -116,7 +116,7 @@ class Sidecar:
         return self.ingest_reply(body)
 
     def ingest_reply(self, body: IngestBody) -> dict:
-        return {"accepted": len(body.summaries), "directive": self.engine.pending_directive()}
+        return {"accepted": len(body.summaries), "directive": self.engine.pending_directive(deliver=True)}
 
     def _ingest_steps(self, body: IngestBody):
         """The work of one post, one summary per step of the generator."""
@@ -228,6 +228,7 @@ class Sidecar:
                 "rules": self.engine.states(),
                 "paused": self.engine.paused,
                 "pending_directive": self.engine.pending_directive(),
+                "directives": self.engine.directive_states(),
                 "last_decisions": self.engine.decisions(decisions),
             }
         )
