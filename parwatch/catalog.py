@@ -18,7 +18,7 @@ BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group"
                             "reason", "cause"})
 """reason: why a collective instance was not split (remote, incomplete, unsent); cause: a straggler's cause
 (parwatch.guardrails.attribution.CAUSES, four values)."""
-RANK_STATES = {"running": 0, "hung": 1, "gone": 2}
+RANK_STATES = {"running": 0, "hung": 1, "gone": 2, "unknown": 3}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
 GUARDRAIL_STATES = {"ok": 0, "pending": 1, "firing": 2}
 """parwatch_guardrail_state's value per state."""
@@ -124,7 +124,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_nvml_up", "gauge", _R, "1 when NVML answered for this rank"),
     # Liveness and hangs.
     Metric("parwatch_rank_up", "gauge", _R, "1 while a rank reports within the grace period, 0 after"),
-    Metric("parwatch_rank_state", "gauge", _R, "Rank state: 0 running, 1 hung, 2 gone"),
+    Metric("parwatch_rank_state", "gauge", _R, "Rank state: 0 running, 1 hung, 2 gone, 3 unknown (its node's reports stopped)"),
     Metric("parwatch_hang_detected", "gauge", (), "1 while a hang is named (a rank stuck while others wait on it)"),
     Metric("parwatch_rank_straggler_seconds_total", "counter", _R,
            "Straggler effect (DeepSpeed): this rank's collective time beyond each instance's shortest, i.e. its "

@@ -100,6 +100,8 @@ def _hang_line(h: dict | None) -> str:
     if not record:
         return f"hang: none (ranks: {states}; bound {h.get('bound_seconds', 0):.0f} s)"
     c = record["evidence"]["culprit"]
+    if c is None:  # the waits point at a rank the leader cannot see
+        return f"HANG: {record['reason'].removeprefix('hang: ')} (ranks: {states})"
     return (f"HANG: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in {c['kind'] or 'between spans'}"
             f"{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
             f"{record['evidence'].get('waiting_count', 0)} ranks wait for it (ranks: {states})")

@@ -34,7 +34,7 @@ from parwatch.collector.context import host_identity
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report, layout_from, same_layout
-from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings
+from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -54,7 +54,7 @@ class ActivityHub:
         self.node = f"{socket.gethostname()}:{cfg.control_listen.port}"
         """This sidecar's name at the leader: its own hostname (a pod's name: unique where the host is shared)."""
         self.book = NodeBook(self.clock, cfg.activity_silent_seconds, self.hostname)
-        self.view = LeaderView(self.clock)
+        self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS))
         self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks,
                                      cfg.hang_abort)
         self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock)
@@ -163,7 +163,9 @@ class ActivityHub:
             return []  # a stale picture or a crashed run: the whole picture once a second is enough
         rows = self.view.rows()
         rows.update(local)
-        records = self.monitor.check(rows, paused=paused)
+        layout = self.monitor.layout
+        cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
+        records = self.monitor.check(rows, paused=paused, coverage=cov)
         self._idle_due = not records
         for record in records:
             if record.get("rule") == "hang":
@@ -181,7 +183,7 @@ class ActivityHub:
 
     def _act_on_hang(self, record: dict) -> None:
         culprit = record["evidence"]["culprit"]
-        if self.settings.dump_stacks and culprit.get("pid"):
+        if self.settings.dump_stacks and culprit and culprit.get("pid"):
             if culprit.get("host") == self.hostname:
                 _signal(culprit["pid"])
             else:

@@ -212,10 +212,12 @@ class NodeBook:
 
 
 class LeaderView:
-    """At the leader: the latest digest of every node, merged into one picture of the run."""
+    """At the leader: the latest digest of every node, merged into one picture of the run. A node
+    whose digests stopped for `grace_seconds` is missing: its ranks read `unknown`, never `running`."""
 
-    def __init__(self, clock: Callable[[], float]):
+    def __init__(self, clock: Callable[[], float], grace_seconds: float = 5.0):
         self.clock = clock
+        self.grace_seconds = grace_seconds
         self.run_id: str | None = None
         self.layout: Layout | None = None
         self.nodes: dict[str, tuple[float, list]] = {}
@@ -267,8 +269,15 @@ class LeaderView:
         return node, rows
 
     def rows(self) -> dict[int, Activity]:
-        out = {}
-        for _, rows in list(self.nodes.values()):
+        now, out = self.clock(), {}
+        for seen, rows in list(self.nodes.values()):
+            stale = now - seen > self.grace_seconds
             for a in rows:
-                out[a.rank] = a
+                out[a.rank] = a._replace(state="unknown") if stale and a.state in ("running", "silent") else a
         return out
+
+    def missing_nodes(self) -> list[dict]:
+        """Nodes whose digests stopped: [{"node", "since": their last digest's arrival}], oldest first."""
+        now = self.clock()
+        return sorted(({"node": n, "since": round(seen, 3)} for n, (seen, _) in self.nodes.items()
+                       if now - seen > self.grace_seconds), key=lambda m: m["since"])

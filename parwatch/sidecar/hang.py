@@ -312,6 +312,29 @@ class Progress:
 
 # --------------------------------------------------------------------------- the leader's state
 
+MAX_LISTED = 16
+
+
+def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[dict]) -> dict:
+    """What the leader sees of the run: ranks with a current report, of the world; the nodes whose
+    digests stopped; ranks never reported (first MAX_LISTED)."""
+    seen = sum(1 for a in rows.values() if a.state != "unknown")
+    never = [r for r in range(world) if r not in rows][:MAX_LISTED] if len(rows) < world else []
+    return {"ranks_seen": seen, "world": world, "nodes_missing": missing_nodes[:MAX_LISTED],
+            "ranks_never_seen": never}
+
+
+def _coverage_text(cov: dict | None) -> str:
+    if cov is None or cov["ranks_seen"] >= cov["world"]:
+        return ""
+    text = f"; sees {cov['ranks_seen']} of {cov['world']} ranks"
+    if cov["nodes_missing"]:
+        text += " (nodes missing: " + ", ".join(f"{m['node']} since {m['since']:.0f}" for m in cov["nodes_missing"]) + ")"
+    if cov["ranks_never_seen"]:
+        text += f" (never reported: ranks {cov['ranks_never_seen']})"
+    return text
+
+
 def culprit_record(a: Activity | None, rank: int) -> dict:
     if a is None:
         return {"rank": rank, "state": "unknown", "stage": None, "tp_rank": None, "dp_rank": None, "host": None,
@@ -375,8 +398,9 @@ class HangMonitor:
 
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
-        culprit = self.hang["evidence"]["culprit"]["rank"] if self.hang is not None else None
-        return {r: RANK_STATES["gone"] if a.state in ENDED else
+        named = self.hang["evidence"]["culprit"] if self.hang is not None else None
+        culprit = named["rank"] if named else None
+        return {r: RANK_STATES["gone"] if a.state in ENDED else RANK_STATES["unknown"] if a.state == "unknown" else
                 RANK_STATES["hung"] if a.state == "silent" or r == culprit else RANK_STATES["running"]
                 for r, a in rows.items() if a.state != "done"}
 
@@ -405,7 +429,9 @@ class HangMonitor:
         """Past the bound by the time the next ask would come: decide now, not up to `every` late."""
         return stalled >= self.decision_line()
 
-    def check(self, rows: Mapping[int, Activity], paused: bool = False) -> list[dict]:
+    def check(self, rows: Mapping[int, Activity], paused: bool = False, coverage: dict | None = None) -> list[dict]:
+        """Judge the picture: a crash (rank-gone) or a hang. `coverage` (see coverage()): what the
+        leader sees; every finding carries it, and no culprit is named among ranks it cannot see."""
         now = self.clock()
         records = []
         # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
@@ -430,8 +456,9 @@ class HangMonitor:
             reason = f"rank-gone: {_describe(culprit)} {how}, last step {first.step}"
             if others:
                 reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
-            records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others},
-                                        first.step))
+            reason += _coverage_text(coverage)
+            records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others,
+                                                              "coverage": coverage}, first.step))
             self.gone_reported.update(a.rank for a in gone)
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
@@ -452,18 +479,23 @@ class HangMonitor:
                 rank = found["culprit"]
                 a = rows.get(rank)
                 if self.hang is None and (a is None or a.state not in (*ENDED, "done")):
-                    culprit = culprit_record(a, rank)
                     waiting = found["waiting"]
-                    reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); "
-                              f"{_describe(culprit)} since {culprit['since']}"
-                              + _missing_text(found["missing"]) + f"; {len(waiting)} ranks wait for it")
-                    evidence = {"culprit": culprit, "waiting": waiting[:MAX_WAITING_LISTED],
+                    seen = a is not None and a.state != "unknown"
+                    culprit = culprit_record(a, rank) if seen else None
+                    if seen:
+                        what = f"{_describe(culprit)} since {culprit['since']}" + _missing_text(found["missing"])
+                    else:  # the waits point at a rank this leader has no current report of: say so, name none
+                        what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
+                    reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
+                              f"{len(waiting)} ranks wait for it" + _coverage_text(coverage))
+                    evidence = {"culprit": culprit, "points_at": None if seen else {"rank": rank, "seen": False},
+                                "waiting": waiting[:MAX_WAITING_LISTED],
                                 "waiting_count": len(waiting), "missing": found["missing"],
                                 "method": found["method"], "stalled_seconds": round(stalled, 3),
                                 "stalled_since": self.progress.time,
                                 "bound_seconds": round(bound, 3),
                                 "median_step_seconds": self.progress.median_step_seconds(),
-                                "last_step": self.progress.step, "stale_ranks": stale}
+                                "last_step": self.progress.step, "stale_ranks": stale, "coverage": coverage}
                     record = self._record("hang", reason, evidence, self.progress.step)
                     record["step_at"] = self.progress.step
                     self.hang = record

@@ -63,7 +63,7 @@ def test_issue_12_entries_are_catalogued():
     for name, (kind, labels) in expected.items():
         m = catalog.metric(name)
         assert (m.kind, m.labels) == (kind, labels), name
-    assert catalog.RANK_STATES == {"running": 0, "hung": 1, "gone": 2}
+    assert catalog.RANK_STATES == {"running": 0, "hung": 1, "gone": 2, "unknown": 3}
 
 
 # --- a real /metrics ---------------------------------------------------------------------------------

@@ -371,3 +371,41 @@ def test_a_rollback_rearms_the_clock_with_the_start_up_bound_until_the_next_boun
     assert monitor.check(rows) == []
     _step(monitor, clock, lay, 4)  # the replay's first boundary (loaded step 3): the normal bound again
     assert monitor.progress.bound() == normal and monitor.progress.step == 4
+
+
+def test_a_hang_pointing_at_ranks_the_leader_cannot_see_names_no_culprit_and_states_coverage():
+    """Issue 24, item 5: on 40e8301, without node 1's digests the leader named rank 2 "(stage None,
+    host None)" with confidence. Now it names none, says where the waits point and what it sees."""
+    from parwatch.sidecar.hang import coverage
+
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 4, 1)
+    for step in range(1, 6):
+        clock.t += 0.5
+        for r in (0, 1):
+            monitor.observe(act(r, lay, "forward", step=step, time=clock.t)._replace(step_end=clock.t), lay, clock.t)
+    clock.t += 30.0
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t),
+            1: act(1, lay, "recv", "recv", "pp", peer=2, step=5, time=clock.t)}  # rank 2: never reported
+    [record] = monitor.check(rows, coverage=coverage(rows, lay.world, []))
+    evidence = record["evidence"]
+    assert record["rule"] == "hang" and evidence["culprit"] is None
+    assert evidence["points_at"] == {"rank": 2, "seen": False}
+    assert evidence["coverage"] == {"ranks_seen": 2, "world": 4, "nodes_missing": [], "ranks_never_seen": [2, 3]}
+    assert "no current report" in record["reason"] and "sees 2 of 4 ranks" in record["reason"]
+    assert monitor.rank_states(rows) == {0: 0, 1: 0}
+
+
+def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
+    from parwatch.sidecar.digest import LeaderView
+
+    clock = Clock()
+    view = LeaderView(clock, grace_seconds=5.0)
+    lay = Layout(1, 2, 1)
+    rows = [list(act(r, lay, "forward", step=3)) for r in (0, 1)]
+    view.ingest({"version": 1, "node": "pw-node1:9401", "run_id": "r", "time": clock.t, "layout": [1, 2, 1],
+                 "rows": rows})
+    assert {a.state for a in view.rows().values()} == {"running"} and view.missing_nodes() == []
+    clock.t += 6.0
+    assert {a.state for a in view.rows().values()} == {"unknown"}
+    assert view.missing_nodes() == [{"node": "pw-node1:9401", "since": 1000.0}]
