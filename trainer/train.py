@@ -314,3 +314,11 @@ def write_summary(path: str, summary: dict) -> None:
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+if __name__ == "__main__":  # `python -m trainer.train` is the trainer too, not a module that trains nothing
+    import sys
+
+    from trainer.launch import main
+
+    sys.exit(main())

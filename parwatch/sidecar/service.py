@@ -161,7 +161,12 @@ class Sidecar:
         return self.engine.cancel(directive_id, requested_by)
 
     def control(self, req: ControlRequest, requested_by: str = "operator") -> dict:
-        """An operator's pause/resume/rollback; ValueError when the engine refuses it."""
+        """An operator's pause/resume/rollback; ValueError when the engine refuses it, or when this is a
+        node sidecar (its guardrails are the leader's: the message names it)."""
+        hub = getattr(self, "activity", None)
+        if self.config.leader_url and hub is not None and not hub.is_leader:
+            raise ValueError(f"this sidecar forwards to the run's leader and does not steer the run; send "
+                             f"{req.action} to the leader: parwatch {req.action} --endpoint {self.config.leader_url}")
         decision = self.engine.request(
             req.action,
             source="operator",

@@ -215,11 +215,42 @@ def run_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str, **
         return run, run.wait()
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc): torchrun's workers run in sessions of their own,
+    which a signal to the launcher's process group does not reach."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, frontier = [], [pid]
+    while frontier:
+        nxt = [c for p in frontier for c in children.get(p, ())]
+        out += nxt
+        frontier = nxt
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (a node's launcher and all its workers)."""
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
 def kill_group(proc: subprocess.Popen) -> None:
-    """Stop the launcher and its rank processes (the group it leads), if still there."""
+    """Stop the launcher and its rank processes (its group and every descendant), if still there."""
     if proc.poll() is None:
+        below = descendants(proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        for p in below:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
         proc.wait(10)
     elif proc.returncode != 0:  # the launcher failed; ranks it left behind still carry its group id
         with contextlib.suppress(ProcessLookupError, PermissionError):

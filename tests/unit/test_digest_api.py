@@ -236,3 +236,10 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
         for p in (child, bystander):
             p.kill()
             p.wait()
+
+
+def test_an_operator_command_at_a_node_sidecar_names_the_leader(tmp_path):
+    """Issue 24, item 9: on 40e8301 a node sidecar answered "no run has reported to this sidecar yet"."""
+    node, _, _ = _client(tmp_path, "node", leader_url="http://leader:9401")
+    r = node.post("/v1/control", json={"action": "pause", "reason": "t"})
+    assert r.status_code == 400 and "--endpoint http://leader:9401" in r.json()["detail"], r.text
