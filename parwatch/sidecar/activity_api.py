@@ -82,6 +82,8 @@ class ActivityHub:
         a, layout, run_id = activity_from_report(body.get("activity"))
         self._fix_layout(run_id, layout, "activity [tp, pp, dp]")
         self.book.add(a, layout, run_id)
+        if a.state != "running":
+            self._note_if_ended()
         if a.rank == 0:
             self.is_leader = True
         if self.is_leader:
@@ -172,11 +174,23 @@ class ActivityHub:
                 self._act_on_hang(record)
         return records
 
+    def _note_if_ended(self) -> None:
+        """The run has ended here when every rank that reports here finished, crashed or is gone: then
+        (and not before, while it posts) another run id may take over this sidecar."""
+        store = self.sidecar.store
+        if store.run_id is None or store.ended or self.book.run_id != store.run_id:
+            return
+        rows = self.book.rows()
+        if rows and store.ranks.keys() <= rows.keys() and all(a.state == "done" or a.state in ENDED
+                                                             for a in rows.values()):
+            store.ended = True
+
     def _feed_liveness(self) -> None:
         """rank_up for the rank-missing rule, now: down when summaries stopped (grace) or the pid ended."""
         store = self.sidecar.store
         if not store.ranks:
             return
+        self._note_if_ended()
         gone = {r for r, a in self.book.rows().items() if a.state in ENDED}
         values = {f"rank={r}": 0.0 if (r in gone or not up) else 1.0 for r, up in store.liveness().items()}
         self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))

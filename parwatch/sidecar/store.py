@@ -121,6 +121,10 @@ _STEP_INCREMENTS = [(0,) * i + (1,) * (len(STEP_BUCKETS) - i) for i in range(len
 """A step of duration in bucket i adds one to every cumulative (le) bucket from i on."""
 
 
+def _short(run_id: str) -> str:
+    return repr(run_id[:64] + ("..." if len(run_id) > 64 else ""))
+
+
 class Store:
     def __init__(self, grace_seconds: float = 30.0, window: int = 32, clock: Callable[[], float] = time.time,
                  max_ranks: int = DEFAULT_MAX_RANKS, max_runs: int = DEFAULT_MAX_RUNS):
@@ -146,6 +150,16 @@ class Store:
         self._checkpoints_key: tuple[int, int] = (-1, -1)
         self._token_rank: int | None = None  # the lowest rank seen: the one whose tokens count
         self._token_key = (-1, -1)  # the (timeline, step) whose tokens were counted last
+        self.ended = False
+        """Every rank of the run that reports here said it finished or crashed, or its process is gone."""
+
+    def live_for(self) -> float | None:
+        """Seconds since the live run last posted here; None when there is none (no run yet, it ended,
+        or it has been silent past the grace period): only then may another run id take over."""
+        if self.run_id is None or self.ended or not self.ranks:
+            return None
+        quiet = self.clock() - max(rec.seen for rec in self.ranks.values())
+        return quiet if quiet <= self.grace_seconds else None
 
     # -- admission ------------------------------------------------------------------------
     def admit(self, summaries, field: str = "summaries") -> None:
@@ -160,6 +174,11 @@ class Store:
                 if i > 0:
                     raise Refused(422, f"{where}.run_id: one post carries one run's summaries "
                                        f"({s.run_id!r} after {run_id!r}); post each run separately")
+                quiet = self.live_for()
+                if quiet is not None:  # run identity is decided once per run: a stray post cannot end it
+                    raise Refused(409, f"{where}.run_id: run {_short(s.run_id)} refused: run {_short(run_id)} is "
+                                       f"live here (it posted {quiet:.1f} s ago); another run may take over once "
+                                       f"its ranks have ended or it has been silent for {self.grace_seconds:g} s")
                 self._admit_run(s.run_id, where)
                 run_id, world, new_ranks = s.run_id, None, set()
             if world is None:

@@ -87,8 +87,11 @@ def test_a_new_run_starts_with_nothing_pending(setup):
     sidecar, client = setup
     ingest_step(client, 1)
     client.post("/v1/control", json={"action": "pause"})
-    r = client.post("/v1/ingest", json={"version": 1, "summaries": [
-        syn.summary(0, 1, run_id="next-run", global_stages=STAGES)]})
+    new_run = {"version": 1, "summaries": [syn.summary(0, 1, run_id="next-run", global_stages=STAGES)]}
+    r = client.post("/v1/ingest", json=new_run)  # the first run is live: a stray summary cannot end it
+    assert r.status_code == 409 and "is live here" in r.json()["detail"], r.text
+    sidecar.store.ended = True  # its ranks said they finished (activity "done")
+    r = client.post("/v1/ingest", json=new_run)
     assert r.json()["directive"] is None
     status = client.get("/v1/status").json()
     assert status["pending_directive"] is None and status["run"]["run_id"] == "next-run"

@@ -85,12 +85,31 @@ def test_the_world_is_fixed_at_first_contact_and_ranks_runs_are_bounded():
     assert refused.value.status == 429 and list(store.ranks) == [0]  # nothing of the post was stored
     with pytest.raises(Refused, match="one post carries one run"):
         store.admit([S(1, 1, tp=2, pp=2), S(1, 1, tp=2, pp=2, run_id="other")])
+    with pytest.raises(Refused, match="is live here") as refused:  # a stray post cannot end the live run
+        store.admit([S(0, 1, run_id="second")])
+    assert refused.value.status == 409
+    store.ended = True  # its ranks finished: another run may take over
     store.admit([S(0, 1, run_id="second")])
     store.add(S(0, 1, run_id="second"))
+    store.ended = True
     with pytest.raises(Refused, match="--max-runs 2"):
         store.admit([S(0, 1, run_id="third")])
     clock.t += 11  # both earlier runs silent for 2 x grace
     store.admit([S(0, 1, run_id="third")])
+
+
+def test_a_silent_run_is_taken_over_after_the_grace_period():
+    """Issue 25, item 4: on 40e8301 one stray rank-0 summary with another run id archived the live run."""
+    from parwatch.sidecar.store import Refused
+
+    clock = Clock()
+    store = Store(clock=clock, grace_seconds=5)
+    store.add(S(0, 1))
+    clock.t += 4
+    with pytest.raises(Refused, match="posted 4.0 s ago"):
+        store.admit([S(0, 1, run_id="stray")])
+    clock.t += 2  # silent for 6 s > grace: the run is no longer live
+    store.admit([S(0, 1, run_id="next")])
 
 
 def test_a_new_run_id_starts_over():

@@ -1,0 +1,36 @@
+"""Issue 25, item 4, against a real `parwatch sidecar`: run identity is decided once per run.
+
+On 40e8301 one stray rank-0 summary with another run id archived the live run: every later summary
+of the live run was refused "already ended here" and its NaN was never judged.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from parwatch.sidecar import synthetic as syn
+from parwatch.sidecar.process import running_sidecar
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
+
+
+def _post(sp, steps, run_id="live", **kw):
+    summaries = [syn.summary(r, step, run_id=run_id, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
+                 for step in steps for r in (0, 1)]
+    return httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries},
+                      headers=sp.headers, timeout=30)
+
+
+def test_a_stray_summary_of_another_run_cannot_end_the_live_one(tmp_path):
+    with running_sidecar(tmp_path / "state") as sp:
+        assert _post(sp, [1, 2]).status_code == 200
+        stray = _post(sp, [1], run_id="another-job")
+        assert stray.status_code == 409 and "run 'live' is live here" in stray.json()["detail"], stray.text
+        nan = _post(sp, [3, 4, 5], global_loss=float("nan"))
+        assert nan.status_code == 200, nan.text
+        decisions = httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
+        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
+    assert status["run"]["run_id"] == "live"
+    assert any(d.get("rule") == "nonfinite-loss" for d in decisions), decisions
