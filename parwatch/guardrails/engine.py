@@ -284,7 +284,7 @@ class GuardrailEngine:
         extra = None
         if rearmed_by is not None:
             del self._rearmed[rule.name]
-            reason += f" (re-armed by the operator resume, decision {rearmed_by}: still failing)"
+            reason += f" (re-armed by the operator's resume or cancel, decision {rearmed_by}: still failing)"
             extra = {"rearmed": True, "rearmed_by": rearmed_by}
         return [self._decide(rule.name, action, "rule", "", reason, evidence, step, now, checkpoint=checkpoint,
                              skip_batches=skip, escalated=escalated, extra=extra)]
@@ -314,10 +314,10 @@ class GuardrailEngine:
                 skip_batches=0, escalated=False, suppress=False, extra=None) -> dict:
         # (A decision that becomes a directive belongs to the current run: see begin_run.)
         """Write one decision record; when enforcing, a directive action also becomes a directive."""
-        if action == "pause" and not suppress and (
-                self._paused or any(d["action"] == "pause" for d in self._directives.outstanding)):
-            # A paused run only acknowledges what it applies inside its heartbeat loop through a
-            # rollback; a second pause would queue ahead of the resume and hold the run for good.
+        if action == "pause" and not suppress and self._pause_in_force():
+            # Paused, and staying so once what is outstanding is applied: a second pause changes nothing.
+            # (Paused with a resume outstanding is not: the pause queues behind the resume and holds
+            # the run again, so a rule still failing after an operator resume is never silenced.)
             suppress, reason = True, reason + " (not enforced: the run is already paused or a pause is pending)"
         enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
         directive_id = None
@@ -332,6 +332,14 @@ class GuardrailEngine:
                   "directive_id": directive_id, "escalated": escalated, **(extra or {})}
         self._next_decision_id += 1
         return self._log.append(record)
+
+    def _pause_in_force(self) -> bool:
+        """Whether the run is paused once the outstanding directives (oldest first) are applied."""
+        paused = self._paused
+        for d in self._directives.outstanding:
+            if d["run_id"] == self._run_id:
+                paused = d["action"] == "pause" or (paused and d["action"] not in SWITCHES)
+        return paused
 
     # -- findings from outside the step rules (the hang detector) -------------------------------------
 
@@ -500,6 +508,19 @@ class GuardrailEngine:
             record["note"] = "not outstanding: cancelled, or reported twice"
         return record
 
+    def _rearm_after_cancel(self, decision_id: int | None) -> list[str]:
+        """The rule whose directive was cancelled acts again on its next failing step (firing -> pending);
+        otherwise it would stay firing, acted on, and silent while it still fails."""
+        made = next((r for r in reversed(self._log.recent) if r.get("type") == "decision"
+                     and r.get("id") == decision_id), None) if decision_id is not None else None
+        monitor = self._monitors.get(made.get("rule")) if made is not None and made.get("rule") else None
+        if monitor is None or monitor.state != "firing" or monitor.reason == NO_DATA:
+            return []
+        monitor.state = "pending"
+        monitor.acted_tick = None  # the cancelled action did not happen: no cooldown from it
+        self._rearmed[monitor.rule.name] = decision_id
+        return [monitor.rule.name]
+
     def _action_of(self, did: int) -> str:
         """The action of a directive no longer outstanding, from the decision that made it."""
         made = next((r for r in reversed(self._log.recent) if r.get("type") == "decision"
@@ -523,9 +544,11 @@ class GuardrailEngine:
                 outstanding = [d["id"] for d in self._directives.outstanding]
                 raise ValueError(f"directive {directive_id} is not outstanding (outstanding: {outstanding or 'none'})"
                                  "; it may already have been applied: see parwatch decisions")
+            rearmed = self._rearm_after_cancel(done.get("decision_id"))
             record = self._log.append({"type": "cancelled", "directive_id": directive_id, "action": done["action"],
                                        "decision_id": done.get("decision_id"), "time": self._now(),
-                                       "requested_by": requested_by, "step": self._last_step})
+                                       "requested_by": requested_by, "step": self._last_step,
+                                       **({"rearmed_rules": rearmed} if rearmed else {})})
             self._state_file.write_now(sync_dir=True)
             return record
 

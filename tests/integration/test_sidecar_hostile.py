@@ -204,4 +204,4 @@ def test_a_rule_still_failing_after_an_operator_resume_acts_again(tmp_path):
                      if d.get("rule") == "nonfinite-loss"]
     assert len(decisions) == 2, decisions
     assert decisions[1]["rearmed"] is True and decisions[1]["rearmed_by"] == control["id"]
-    assert "re-armed by the operator resume" in decisions[1]["reason"]
+    assert "re-armed by the operator's resume or cancel" in decisions[1]["reason"]

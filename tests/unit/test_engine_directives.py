@@ -60,3 +60,21 @@ def test_a_sidecar_that_lost_its_state_still_issues_ids_newer_than_the_trainer_s
     assert fresh.request("pause", "operator")["directive_id"] > seen
     again = GuardrailEngine(parse_rules(RULES), tmp_path / "old", now=lambda: 5.0)  # restart, state kept
     assert again.request("resume", "operator")["directive_id"] == seen + 1
+
+
+def test_a_cancelled_rule_directive_lets_the_rule_act_again(tmp_path):
+    """Issue 25, item 6: on 40e8301 a cancelled rule rollback left the rule firing, acted on, silent."""
+    rules = RULES + "    cooldown_steps: 5\n"
+    engine = GuardrailEngine(parse_rules(rules.replace("action: alert", "action: pause")), tmp_path,
+                             now=lambda: 1000.0)
+    engine.begin_run("r")
+    bad = {"pipeline_skew_ratio": {"": 3.0}}
+    for step in (1, 2, 3):
+        engine.evaluate(Observation(step=step, time=1000.0, series=bad, checkpoints=(0,)))
+    [made] = [d for d in engine.decisions() if d.get("rule") == "skew"]
+    cancelled = engine.cancel(made["directive_id"], "operator")
+    assert cancelled["rearmed_rules"] == ["skew"]
+    for step in (4, 5):
+        engine.evaluate(Observation(step=step, time=1000.0, series=bad, checkpoints=(0,)))
+    again = [d for d in engine.decisions() if d.get("rule") == "skew"]
+    assert len(again) == 2 and again[1]["enforced"] and again[1]["directive_id"] is not None, again
