@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_METRICS_LISTEN = "0.0.0.0:9400"
+DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"  # loopback unless told: Helm passes the pod network
 DEFAULT_CONTROL_LISTEN = "127.0.0.1:9401"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 TOKEN_ENV = "PARWATCH_TOKEN"
@@ -41,7 +41,7 @@ class SidecarConfig:
     """Guardrail rules file (YAML); None means the packaged default rules."""
     state_dir: Path = Path("parwatch-state")
     """Where the engine keeps its state and decisions.jsonl: the only place the sidecar writes."""
-    metrics_listen: Listen = Listen("0.0.0.0", 9400)
+    metrics_listen: Listen = Listen("127.0.0.1", 9400)
     """Read-only listener: GET /metrics and /healthz. May face the pod network."""
     control_listen: Listen = Listen("127.0.0.1", 9401)
     """Listener that changes a run (ingest, control, alerts). Loopback unless a token is set."""
