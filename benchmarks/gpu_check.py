@@ -15,6 +15,9 @@ What it exercises:
    matmul compute, steps alternately watched and not: on/off, the spans resolved from CUDA events,
    the collector's per-step compute and bubble. Local stages hand tensors over without send/recv,
    so this exercises the compute, loss and boundary hooks, not the p2p ones.
+6. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
+   boundary's device tensor is released by NCCL's watchdog thread, not gloo's worker, so the
+   teardown order is checked there too.
 Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
 anywhere; the tables then say so.
 """
@@ -139,6 +142,24 @@ def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
     return result
 
 
+def clean_exit_check(args: list[str], runs: int = 10) -> dict:
+    """`runs` short watched runs; their exit codes (each must be 0) and the stderr of any that was not."""
+    import subprocess
+
+    codes, failures = [], []
+    small = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64", "--seq-len", "16", "--steps", "6",
+             "--microbatches", "4", "--parwatch", "on"]
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-m", "trainer", *args, *small], cwd=Path(__file__).resolve().parent.parent,
+                              capture_output=True, text=True, timeout=300)
+        codes.append(proc.returncode)
+        if proc.returncode != 0:
+            failures.append(proc.stderr[-1500:])
+    print(f"
+clean exit: {codes.count(0)} of {runs} watched runs exited 0 (codes {sorted(set(codes))})")
+    return {"runs": runs, "exit_codes": codes, "failures": failures[:3]}
+
+
 def layout(ngpus: int) -> list[str]:
     if ngpus >= 4:
         return ["--nproc", "4", "--tp", "2", "--pp", "2"]
@@ -209,6 +230,7 @@ def main() -> int:
     result.update(stages=summary_on["stages"], collectives=summary_on["collectives_rank0"],
                   overhead={"median_off_s": off, "median_on_s": on, "ratio": on / off})
     result["torch_pipelining"] = pipelining_check(cuda)
+    result["clean_exit"] = clean_exit_check(layout(ngpus) + ["--backend", "nccl" if cuda else "gloo"])
     out = Path(a.out) / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))

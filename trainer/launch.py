@@ -88,7 +88,8 @@ def shutdown(trainer, observer, failed: bool, error: BaseException | None = None
     2. the observer: no more spans, its last word (done, or crashed with `error`), shipper flushed
        (bounded), its threads joined;
     3. the hook registry emptied, 4. destroy_process_group: nothing of parwatch runs during it.
-    Each step runs even when the one before it raised; the first error is re-raised."""
+    Each step runs even when the one before it raised; the first such error is re-raised, unless
+    training itself failed (then its error is the one that propagates)."""
     import torch.distributed as dist
 
     from trainer import hooks
