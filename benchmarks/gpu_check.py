@@ -150,13 +150,12 @@ def clean_exit_check(args: list[str], runs: int = 10) -> dict:
     small = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64", "--seq-len", "16", "--steps", "6",
              "--microbatches", "4", "--parwatch", "on"]
     for _ in range(runs):
-        proc = subprocess.run([sys.executable, "-m", "trainer", *args, *small], cwd=Path(__file__).resolve().parent.parent,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "trainer", *args, *small], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent.parent, timeout=300)
         codes.append(proc.returncode)
         if proc.returncode != 0:
             failures.append(proc.stderr[-1500:])
-    print(f"
-clean exit: {codes.count(0)} of {runs} watched runs exited 0 (codes {sorted(set(codes))})")
+    print(f"\nclean exit: {codes.count(0)} of {runs} watched runs exited 0 (codes {sorted(set(codes))})")
     return {"runs": runs, "exit_codes": codes, "failures": failures[:3]}
 
 
