@@ -68,6 +68,8 @@ class ActivityHub:
         self._http = http
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
         self._forward_failed = False
+        self.leader_paused = False
+        """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
         self._layout = None
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
@@ -101,6 +103,8 @@ class ActivityHub:
                 self.is_leader = True  # rank 0 lives on a node that forwards to us: we lead
             self.monitor.observe(a, layout, now)
         reply: dict = {"ok": True}
+        if self.sidecar.engine.paused:
+            reply["paused"] = True  # a deliberate pause: the node keeps its ranks up
         pids = self._signals.pop(node, None)
         if pids:
             reply["signal"] = pids
@@ -174,6 +178,15 @@ class ActivityHub:
                 self._act_on_hang(record)
         return records
 
+    def _signal_own(self, pid) -> None:
+        """SIGUSR1 a pid only when it is a running rank of this run on this host, as its own reports
+        say: never a pid the leader or a report names that no rank here reported."""
+        own = any(a.pid == pid and a.host == self.hostname and a.state == "running" for a in self.book.rows().values())
+        if own and isinstance(pid, int) and pid > 1:
+            _signal(pid)
+        else:
+            log.warning("hang: not signalling pid %r: no running rank of this run reported it on this host", pid)
+
     def _note_if_ended(self) -> None:
         """The run has ended here when every rank that reports here finished, crashed or is gone: then
         (and not before, while it posts) another run id may take over this sidecar."""
@@ -191,6 +204,8 @@ class ActivityHub:
         if not store.ranks:
             return
         self._note_if_ended()
+        if self.leader_paused:  # the run is paused on purpose (the leader says): no summaries, ranks up
+            store.touch_all()
         gone = {r for r, a in self.book.rows().items() if a.state in ENDED}
         values = {f"rank={r}": 0.0 if (r in gone or not up) else 1.0 for r, up in store.liveness().items()}
         self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))
@@ -199,7 +214,7 @@ class ActivityHub:
         culprit = record["evidence"]["culprit"]
         if self.settings.dump_stacks and culprit and culprit.get("pid"):
             if culprit.get("host") == self.hostname:
-                _signal(culprit["pid"])
+                self._signal_own(culprit["pid"])
             else:
                 node = self._node_of.get(culprit["rank"])
                 if node:
@@ -233,9 +248,10 @@ class ActivityHub:
         else:
             self._forward_failed = False
             for pid in reply.get("signal") or ():
-                _signal(int(pid))
+                self._signal_own(pid)
             if reply.get("abort"):
                 self.abort = True
+            self.leader_paused = reply.get("paused") is True
         await self.forwarder.post(self._http)
 
     async def close(self) -> None:

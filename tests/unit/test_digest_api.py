@@ -243,3 +243,42 @@ def test_an_operator_command_at_a_node_sidecar_names_the_leader(tmp_path):
     node, _, _ = _client(tmp_path, "node", leader_url="http://leader:9401")
     r = node.post("/v1/control", json={"action": "pause", "reason": "t"})
     assert r.status_code == 400 and "--endpoint http://leader:9401" in r.json()["detail"], r.text
+
+
+def test_a_deliberate_pause_keeps_a_node_sidecars_ranks_up(tmp_path):
+    """Issue 24, item 5: on 40e8301 the other node reported its ranks down 30 s into a pause (no summaries
+    flow while paused), and ParwatchRankMissing paged after ~90 s. The leader's digest reply now says
+    the run is paused, and the node keeps its ranks up."""
+    from parwatch.sidecar import synthetic as syn
+
+    leader, lsc, lclock = _client(tmp_path, "leader")
+    node, nsc, nclock = _client(tmp_path, "node", leader_url="http://leader", rank_grace_seconds=30.0)
+    nsc.activity._http = _Bridge(leader)
+    node.post("/v1/ingest", json={"version": 1, "summaries": [syn.summary(1, 1)]})
+    leader.post("/v1/activity", json=report(0, host="leader-host", time=lclock.t))
+    lsc.engine._paused = True  # the run is paused (as after a pause directive's outcome)
+    for _ in range(40):  # 40 s of pause: no summaries anywhere
+        nclock.t += 1
+        lclock.t += 1
+        node.post("/v1/activity", json=report(1, step=1, time=nclock.t))
+        asyncio.run(nsc.activity.tick())
+    assert nsc.activity.leader_paused and nsc.store.liveness() == {1: True}
+
+
+def test_a_node_signals_only_pids_its_own_ranks_reported(tmp_path, monkeypatch):
+    """Issue 25, item 2 (in part): the leader's reply asks a node to SIGUSR1 pids; the node signals a pid
+    only when a running rank of this run reported it on this host."""
+    from parwatch.sidecar import activity_api
+
+    sent = []
+    monkeypatch.setattr(activity_api, "_signal", sent.append)
+    node, nsc, _ = _client(tmp_path, "node", leader_url="http://leader")
+    hub = nsc.activity
+    import os
+
+    me = os.getpid()  # a live process standing in for rank 1
+    node.post("/v1/activity", json=report(1, host=hub.hostname, pid=me))
+    hub._signal_own(me)
+    hub._signal_own(1)  # init, or any stranger's pid
+    hub._signal_own(os.getppid())
+    assert sent == [me]
