@@ -97,6 +97,18 @@ def test_a_number_beyond_float_range_is_a_422_and_metrics_stay_up(sidecar):
     assert sample(metrics(sidecar), "parwatch_tokens_total") == 4096  # step 1, counted once
 
 
+def finished(sp, run_id: str, ranks) -> None:
+    """The ranks' activity reporters say they are done (as at a clean end of training)."""
+    for rank in ranks:
+        activity = {"run_id": run_id, "rank": rank, "pid": 10_000 + rank, "host": "elsewhere", "stage": rank,
+                    "tp_rank": 0, "dp_rank": 0, "tp": 1, "pp": 2, "dp": 1, "state": "done", "step": 2,
+                    "step_seconds": 0.1, "kind": None, "op": None, "group": None, "peer": None, "seq": None,
+                    "since": None, "time": time.time()}
+        r = httpx.post(f"{sp.control_url}/v1/activity", json={"version": 1, "activity": activity},
+                       headers=sp.headers, timeout=30)
+        assert r.status_code == 200, r.text
+
+
 def test_cardinality_is_bounded_by_the_runs_world_and_the_limits(tmp_path):
     with running_sidecar(tmp_path / "state", "--max-runs", "2") as sp:
         assert post(sp, two_rank_steps([1, 2])).status_code == 200
@@ -110,8 +122,13 @@ def test_cardinality_is_bounded_by_the_runs_world_and_the_limits(tmp_path):
         s["collectives"] = [syn.collective("all_reduce", f"g{i}", 1, 0.001, 1024, 2) for i in range(200)]
         r = post(sp, [s])
         assert r.status_code == 422 and "summaries.0.collectives.0.group" in r.json()["detail"]
-        # New run ids beyond --max-runs within the grace window: 429.
+        # Another run id while this run is live: 409 (a stray post cannot end it, issue 25).
+        r = post(sp, [syn.summary(0, 1, run_id="second")])
+        assert r.status_code == 409 and "is live here" in r.json()["detail"], r.text
+        # Once its ranks have ended, a new run may take over; beyond --max-runs within the grace window: 429.
+        finished(sp, "synthetic", (0, 1))
         assert post(sp, [syn.summary(0, 1, run_id="second")]).status_code == 200
+        finished(sp, "second", (0,))
         r = post(sp, [syn.summary(0, 1, run_id="third")])
         assert r.status_code == 429 and "--max-runs 2" in r.json()["detail"]
         text = metrics(sp)
