@@ -26,6 +26,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from typing import Mapping, NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily
@@ -215,8 +216,8 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
 
 
 def _seconds_or_none(x) -> float | None:
-    """A finite number as float, else None: digest rows are not validated field by field (their
-    cost at 2,048 digests/s), so a value the stall clock uses is checked where it is used."""
+    """A finite number as float, else None: rows are validated at ingest (parwatch.sidecar.digest), and
+    the stall clock still checks what it uses, for callers that build Activity rows themselves."""
     if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
         return float(x)
     return None
@@ -319,7 +320,7 @@ def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[dict]
     """What the leader sees of the run: ranks with a current report, of the world; the nodes whose
     digests stopped; ranks never reported (first MAX_LISTED)."""
     seen = sum(1 for a in rows.values() if a.state != "unknown")
-    never = [r for r in range(world) if r not in rows][:MAX_LISTED] if len(rows) < world else []
+    never = list(islice((r for r in range(world) if r not in rows), MAX_LISTED)) if len(rows) < world else []
     return {"ranks_seen": seen, "world": world, "nodes_missing": missing_nodes[:MAX_LISTED],
             "ranks_never_seen": never}
 
