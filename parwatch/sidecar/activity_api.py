@@ -82,8 +82,9 @@ class ActivityHub:
         if not isinstance(body, dict) or body.get("version") != 1:
             raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
         a, layout, run_id = activity_from_report(body.get("activity"))
-        self._fix_layout(run_id, layout, "activity [tp, pp, dp]")
+        self._check_layout(run_id, layout, "activity [tp, pp, dp]")
         self.book.add(a, layout, run_id)
+        self._run_id, self._layout = run_id, layout
         if a.state != "running":
             self._note_if_ended()
         if a.rank == 0:
@@ -94,8 +95,9 @@ class ActivityHub:
 
     def digest(self, body) -> dict:
         if isinstance(body, dict):
-            self._fix_layout(body.get("run_id"), layout_from(body.get("layout"), "digest.layout"), "digest.layout")
+            self._check_layout(body.get("run_id"), layout_from(body.get("layout"), "digest.layout"), "digest.layout")
         node, rows = self.view.ingest(body)
+        self._run_id, self._layout = self.view.run_id, self.view.layout
         now, layout = self.clock(), self.view.layout
         for a in rows:
             self._node_of[a.rank] = node
@@ -112,13 +114,11 @@ class ActivityHub:
             reply["abort"] = HANG_EXIT_CODE
         return reply
 
-    def _fix_layout(self, run_id, layout, where: str) -> None:
-        """A run's layout is the one it was first seen with, by this sidecar's ranks or any node's digest."""
+    def _check_layout(self, run_id, layout, where: str) -> None:
+        """A run's layout is the one it was first seen with, by this sidecar's ranks or any node's
+        digest (kept once a report of it is accepted)."""
         if run_id == self._run_id:
             same_layout(self._layout, layout, where)
-        else:
-            self._run_id = run_id
-        self._layout = layout
 
     def status(self) -> dict:
         m = self.monitor
