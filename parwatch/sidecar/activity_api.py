@@ -83,7 +83,10 @@ class ActivityHub:
             raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
         a, layout, run_id = activity_from_report(body.get("activity"))
         self._check_layout(run_id, layout, "activity [tp, pp, dp]")
+        new_run = self.book.run_id is not None and run_id != self.book.run_id
         self.book.add(a, layout, run_id)
+        if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
+            self.monitor.begin_run()
         self._run_id, self._layout = run_id, layout
         if a.state != "running":
             self._note_if_ended()
@@ -96,7 +99,10 @@ class ActivityHub:
     def digest(self, body) -> dict:
         if isinstance(body, dict):
             self._check_layout(body.get("run_id"), layout_from(body.get("layout"), "digest.layout"), "digest.layout")
+        seen_run = self.view.run_id
         node, rows = self.view.ingest(body)
+        if seen_run is not None and self.view.run_id != seen_run and self.view.run_id != self.book.run_id:
+            self.monitor.begin_run()  # the leader's picture started over for another run (LeaderView.ingest)
         self._run_id, self._layout = self.view.run_id, self.view.layout
         now, layout = self.clock(), self.view.layout
         for a in rows:

@@ -389,6 +389,11 @@ class HangMonitor:
         self.findings: list[dict] = []
         """Decision records made (newest last; also in the engine's log)."""
 
+    def begin_run(self) -> None:
+        """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
+        self.progress = Progress(self.settings)
+        self.layout, self.hang, self.gone_reported = None, None, set()
+
     def observe(self, a: Activity, layout: Layout, now: float) -> None:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout

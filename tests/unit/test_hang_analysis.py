@@ -409,3 +409,18 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     clock.t += 6.0
     assert {a.state for a in view.rows().values()} == {"unknown"}
     assert view.missing_nodes() == [{"node": "pw-node1:9401", "since": 1000.0}]
+
+
+def test_a_second_run_starts_its_stall_clock_afresh():
+    """Found in CI: a second run on the same leader inherited the first run's stall clock (its last
+    step 11), so the second run's start-up read as a 10 s stall and a hang was named."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    for step in range(1, 12):
+        _step(monitor, clock, lay, step)
+    monitor.begin_run()
+    clock.t += 15.0  # the next run's start-up: imports, rendezvous, process groups
+    rows = {r: act(r, lay, "forward", step=-1, time=clock.t) for r in (0, 1)}
+    for r in (0, 1):
+        monitor.observe(rows[r], lay, clock.t)
+    assert monitor.check(rows) == [] and monitor.progress.step == -1
