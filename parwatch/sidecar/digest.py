@@ -26,6 +26,7 @@ import os
 import socket
 from typing import Callable
 
+from parwatch.collector.activity import MAX_ERROR_CHARS
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
 
@@ -54,7 +55,6 @@ MAX_STEP = (1 << 31) - 1
 MAX_SEQ = 1 << 53
 MAX_TEXT = 64  # kind, op, group
 MAX_HOST = 253  # a DNS name
-MAX_ERROR = 200  # a crashed rank's "ExceptionType: message"
 REPORT_STATES = ("running", "done", "crashed")
 DIGEST_STATES = ("running", "done", "crashed", "gone", "silent")
 
@@ -108,7 +108,7 @@ def activity_row(values: dict, layout: Layout, where: str, states: tuple[str, ..
     stage = _int(values, "stage", where, 0, layout.pp - 1)
     tp_rank = _int(values, "tp_rank", where, 0, layout.tp - 1)
     dp_rank = _int(values, "dp_rank", where, 0, layout.dp - 1)
-    expected = (dp_rank * layout.pp + stage) * layout.tp + tp_rank
+    expected = layout.rank_of(stage, tp_rank, dp_rank)
     if rank != expected:
         raise BadActivity(f"{where}: rank {rank} is not (stage {stage}, tp_rank {tp_rank}, dp_rank {dp_rank}) "
                           f"of layout [{layout.tp}, {layout.pp}, {layout.dp}] (that is rank {expected})")
@@ -132,7 +132,7 @@ def _error(values: dict, where: str) -> str | None:
         return None
     if not isinstance(error, str):
         raise BadActivity(f"{where}.error must be null or a string (the exception a crashed rank ended with)")
-    return "".join(c if c.isprintable() else " " for c in error[:MAX_ERROR])
+    return "".join(c if c.isprintable() else " " for c in error[:MAX_ERROR_CHARS])
 
 
 def activity_from_report(report) -> tuple[Activity, Layout, str]:
