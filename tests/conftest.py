@@ -15,17 +15,11 @@
 Run one tier: `pytest -m dist`; the default run: `pytest` (the README's command); the slow repeats:
 `pytest -m slow`.
 
-- timing: asserts on the wall-clock behaviour of real processes (a measured bubble within 0.02-0.05
-  of the schedule's, an injected straggler's idle, when a hang is named). This machine is a 2-core VM
-  whose host sometimes takes 20-35% of its CPU for minutes (/proc/stat steal; on 2026-12-02 two
-  fresh-clone runs lost 2 and 3 such tests, different ones each time, while every other test passed).
-  When the only failures are timing tests, they run once more in a fresh process (new fixtures, new
-  measurements) and the session passes only if all of them pass there; the first failures stay in the
-  output. Any other failure fails the session as before.
+- timing: one test whose assertion is a wall-clock figure (a measured bubble, when a hang is named),
+  never correctness. It gets one more run in a fresh process when it alone failed: tests/timing_rerun.py.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -33,6 +27,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from tests.timing_rerun import pytest_collectreport, pytest_runtest_logreport, pytest_sessionfinish  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,28 +42,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-
-
-_RERUN_ENV = "PARWATCH_TIMING_RERUN"
-_failed: dict = {"timing": [], "other": []}
-
-
-def pytest_runtest_logreport(report):
-    if report.failed:
-        _failed["timing" if "timing" in report.keywords else "other"].append(report.nodeid)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    timing, other = sorted(set(_failed["timing"])), _failed["other"]
-    if exitstatus != pytest.ExitCode.TESTS_FAILED or not timing or other or os.environ.get(_RERUN_ENV):
-        return
-    print(f"\n{len(timing)} timing test(s) failed, nothing else: running them once more in a fresh process "
-          f"(the host may have taken CPU meanwhile): {', '.join(timing)}", flush=True)
-    rerun = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *timing],
-                           cwd=str(session.config.rootpath), env={**os.environ, _RERUN_ENV: "1"})
-    print(f"timing re-run: {'passed' if rerun.returncode == 0 else 'failed again'}", flush=True)
-    if rerun.returncode == 0:
-        session.exitstatus = pytest.ExitCode.OK
 
 
 @pytest.fixture

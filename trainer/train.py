@@ -118,9 +118,11 @@ class Trainer:
     def train_step(self) -> float | None:
         step = self.step + 1
         if self.faults.crash_now(step):
-            log.error("rank %d: injected crash at step %d", self.rank, step)
+            # The wall time it ends: tests time the leader's finding from here.
+            log.error("rank %d: injected crash at step %d, exiting at %.3f", self.rank, step, time.time())
             os._exit(17)
         if self.faults.raise_now(step):
+            log.error("rank %d: injected exception at step %d, raising at %.3f", self.rank, step, time.time())
             raise InjectedError(f"injected exception on rank {self.rank} at step {step}")
         for opt_group in self.optimizer.param_groups:
             for p in opt_group["params"]:

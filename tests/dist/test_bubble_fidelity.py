@@ -20,7 +20,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.timing]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 SMALL = {"hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16, "micro_batch_size": 2}
 FWD_MS, BWD_MS = 20.0, 40.0
@@ -125,6 +125,7 @@ def grid(tmp_path_factory):
     return table
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("case", GRID_P2 + GRID_P4, ids=lambda c: run_name(*c))
 def test_every_stage_idles_as_the_formula_says(grid, case):
     _, p, m = case
@@ -145,6 +146,7 @@ def test_every_stage_idles_as_the_formula_says(grid, case):
     assert max(bubbles) - min(bubbles) <= STAGE_SPREAD_TOLERANCE, (case, bubbles)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("p,m", sorted({(p, m) for _, p, m in GRID_P2 + GRID_P4}))
 def test_gpipe_and_1f1b_have_the_same_bubble(grid, p, m):
     gpipe, one_f_one_b = grid[("gpipe", p, m)][0]["stages"], grid[("1f1b", p, m)][0]["stages"]

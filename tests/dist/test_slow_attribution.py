@@ -38,7 +38,7 @@ from parwatch.sidecar.transfer import TransferTracker
 from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
                                         token_args)
 
-pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420), pytest.mark.timing]
+pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
 
 LAYOUT = ("--tp", "2", "--pp", "2", "--layers", "4", "--hidden", "32", "--seq-len", "16")
 STEPS = 30
@@ -61,6 +61,7 @@ def assert_everyone_names_where(decisions: list[dict]) -> None:
             assert "stage" in d["evidence"] or "culprit" in d["evidence"], d
 
 
+@pytest.mark.timing
 @pytest.mark.slow  # the demo's straggler below is slow compute too, and checked the same way
 def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_path):
     decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "straggler:stage=1,ms=20")
@@ -80,6 +81,7 @@ SLOW_HOST_A = ("--inject", "straggler:rank=0,ms=20", "--inject", "straggler:rank
 peers elsewhere, and the transfers within it are slower than the same links elsewhere."""
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
 @pytest.mark.parametrize("faults, cause", [
     pytest.param(SLOW_HOST_A, "host-contention", id="whole-host"),
@@ -99,6 +101,7 @@ def test_host_contention_is_judged_by_the_reported_host(tmp_path, faults, cause)
     assert_everyone_names_where(decisions)
 
 
+@pytest.mark.timing
 def test_slow_link_is_classified(tmp_path):
     decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-link:src=0,dst=2,ms=30")
     found = culprits(decisions)
@@ -106,6 +109,7 @@ def test_slow_link_is_classified(tmp_path):
     assert_everyone_names_where(decisions)
 
 
+@pytest.mark.timing
 def test_slow_data_is_classified(tmp_path):
     decisions, trainer = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-data:rank=0,ms=15")
     found = culprits(decisions)
@@ -124,6 +128,7 @@ def test_slow_data_is_classified(tmp_path):
     assert median(0, "compute_seconds") < min(median(2, "compute_seconds"), median(3, "compute_seconds")) + 0.5 * 4 * 0.015
 
 
+@pytest.mark.timing
 def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
     """`parwatch demo --scenario straggler`'s trainer (real compute, stage 1 +80 ms per forward
     from mid-run) against the default rules: the skew and straggler decisions name stage 1;
@@ -139,6 +144,7 @@ def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
     assert_everyone_names_where(decisions)
 
 
+@pytest.mark.timing
 @pytest.mark.slow  # test_e2e_guardrails.py's healthy run checks that no rule or finding fires
 def test_200_healthy_steps_have_no_straggler_finding(tmp_path):
     decisions, trainer = run(tmp_path, 200, *LAYOUT, *synthetic(5, 10))

@@ -27,7 +27,7 @@ from tests.dist.test_bubble_fidelity import (
 )
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.timing]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 M = 4
 X_MS = 20.0
@@ -86,6 +86,7 @@ def runs(tmp_path_factory):
     return found
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("p,k", CASES.items())
 def test_the_straggling_stage_computes_x_more_per_microbatch(runs, p, k):
     base = own_medians(runs[f"p{p}-baseline"][1], "compute_seconds", p)
@@ -137,6 +138,7 @@ def ideal_idle(p: int, k: int, extra_fwd: float) -> list[float]:
     return [max(clock) - b for b in busy]
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("p,k", CASES.items())
 def test_the_other_stages_wait_for_it(runs, p, k):
     """Idle moves as the schedule says: up on the others, not on stage k (p=2: +m*X on stage 0;
@@ -160,6 +162,7 @@ def test_the_other_stages_wait_for_it(runs, p, k):
     assert min(range(p), key=bubbles.__getitem__) == k  # the one stage that waits least is the culprit
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("p,k", CASES.items())
 def test_pipeline_skew_ratio_shows_it(runs, p, k):
     (_, base_steps), (slow_summary, slow_steps) = runs[f"p{p}-baseline"], runs[f"p{p}-straggler"]
@@ -175,6 +178,7 @@ def test_pipeline_skew_ratio_shows_it(runs, p, k):
     assert slow_summary["pipeline_skew_ratio"] == pytest.approx(predicted, rel=0.10)
 
 
+@pytest.mark.timing
 def test_step_summaries_show_which_stage_and_from_when(runs):
     """Every rank's own summaries: stage 1's compute rises by m*X from the step the fault begins."""
     p, k = 2, CASES[2]

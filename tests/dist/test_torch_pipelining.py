@@ -26,7 +26,7 @@ from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark rea
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300), pytest.mark.timing]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 P, M, STEPS = 2, 4, 5
 MS = "40,80"  # per virtual stage, as tests/dist/test_bubble_fidelity.py's 40/80 ms benchmark
@@ -140,6 +140,7 @@ def grid(tmp_path_factory):
     return out, losses
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_bubble_matches_the_replayed_schedule(grid, schedule):
     out, _ = grid
@@ -204,6 +205,7 @@ def _causes(run_dir: str, schedule: str = "1f1b") -> dict:
     return ps.bubble_causes(order_of(schedule, P, M), times, measured_bubble(run_dir))
 
 
+@pytest.mark.timing
 def test_a_slow_stage_shows_as_imbalance(grid):
     out, _ = grid
     causes = _causes(os.path.join(out, "slow-stage"))
@@ -213,6 +215,7 @@ def test_a_slow_stage_shows_as_imbalance(grid):
     assert causes[0].schedule == pytest.approx(ps.theory("1f1b", P, M), abs=1e-9)
 
 
+@pytest.mark.timing
 def test_a_delayed_send_shows_as_wait(grid):
     out, _ = grid
     causes = _causes(os.path.join(out, "send-delay"))

@@ -99,9 +99,16 @@ class TrainerRun:
 
     def hang_blocked_at(self) -> float | None:
         """The wall time an injected hang blocked its rank (trainer.faults logs it), None before it did."""
+        return self._logged_time(r"injected hang \(\w+\) at step \d+, blocking at ([0-9.]+)")
+
+    def fault_at(self) -> float | None:
+        """The wall time an injected crash or exception ended its rank (the trainer logs it), None before."""
+        return self._logged_time(r"injected (?:crash|exception) at step \d+, (?:exiting|raising) at ([0-9.]+)")
+
+    def _logged_time(self, pattern: str) -> float | None:
         path = self.run_dir / "trainer.out"
         text = path.read_text(errors="replace") if path.exists() else ""
-        match = re.search(r"injected hang \(\w+\) at step \d+, blocking at ([0-9.]+)", text)
+        match = re.search(pattern, text)
         return float(match.group(1)) if match else None
 
     def summaries(self, rank: int | None = None) -> list[dict]:

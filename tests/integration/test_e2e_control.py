@@ -27,7 +27,7 @@ from tests.integration.e2e_util import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240), pytest.mark.timing]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 TOKEN = "e2e-control-token"
 HOLD_S = 2.5  # how long the test watches a paused run for steps that should not happen

@@ -26,7 +26,7 @@ from tests.integration.e2e_util import (
     token_args,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240), pytest.mark.timing]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 @pytest.fixture
@@ -91,6 +91,7 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
     assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"]), summary["losses"]
 
 
+@pytest.mark.timing
 def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path):
     start, steps = 5, 9
     # Stage 1 computes 4 x (10 + 30 + 20) ms against stage 0's 4 x (10 + 20): skew 240/180 = 1.33.
@@ -121,6 +122,7 @@ def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path)
     print(f"\nstraggler from step {start}: skew {skew}; stage-skew fired on the view of step {decision['step']}")
 
 
+@pytest.mark.timing
 def test_healthy_run_fires_nothing(sidecar, tmp_path):
     """150 healthy steps: no decision, no rule firing.
 

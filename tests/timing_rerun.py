@@ -1,0 +1,148 @@
+"""One more run, in a fresh process, for tests whose assertion is a wall-clock figure, and only for them.
+
+This machine's host sometimes takes 20-35% of its CPU for minutes (docs/benchmarks.md), which moves
+wall-clock figures (a measured bubble, when a hang is named) but never what a run computes. So a
+test marked `timing` (one test, never a module: its assertion is a figure of time) that fails gets
+one more run in a fresh process (new fixtures, new measurements), when nothing else failed. Never:
+- after `-x`/`--maxfail` stopped the session (tests that never ran could have failed);
+- for a timeout (pytest-timeout: a deadlock is not a slow host);
+- for a setup or teardown error, or when any other test failed.
+The re-run gets the caller's options (`-m`, `-k`, `-p`...) with the failed tests' ids in place of
+the paths. When it passes, the exit code, the last line ("N passed, 1 rerun") and the JUnit XML all
+say so; the first attempt's failure is printed, and every re-run is appended to a JSON-lines log
+(PARWATCH_RERUN_LOG, default test-results/timing-reruns.jsonl) that CI prints and keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+RERUN_ENV = "PARWATCH_TIMING_RERUN"
+LOG_ENV = "PARWATCH_RERUN_LOG"
+TIMEOUT_MARK = "from pytest-timeout"
+_first: dict[str, pytest.TestReport] = {}
+_other: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not report.failed:
+        return
+    wall_clock = ("timing" in report.keywords and report.when == "call"
+                  and TIMEOUT_MARK not in report.longreprtext)
+    if wall_clock:
+        _first[report.nodeid] = report
+    else:
+        _other.append(report.nodeid)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        _other.append(report.nodeid)
+
+
+@pytest.hookimpl(trylast=True)  # after junitxml has written its file: a passing re-run corrects it
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get(RERUN_ENV) or exitstatus != pytest.ExitCode.TESTS_FAILED or not _first or _other:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.ensure_newline()
+    say = reporter.write_line if reporter else print
+    nodeids = sorted(_first)
+    if session.shouldfail or session.shouldstop:
+        say(f"no timing re-run: the session stopped early ({session.shouldfail or session.shouldstop}); "
+            "tests after the stop never ran")
+        return
+    say(f"{len(nodeids)} timing test(s) failed, nothing else: running them once more in a fresh process "
+        f"(the host may have taken CPU meanwhile): {', '.join(nodeids)}")
+    config = session.config
+    rerun = subprocess.run([sys.executable, "-m", "pytest", *_caller_options(config), "-p", "no:cacheprovider",
+                            *nodeids], cwd=str(config.rootpath), env={**os.environ, RERUN_ENV: "1"})
+    passed = rerun.returncode == 0
+    say(f"timing re-run: {'passed' if passed else 'failed again'}")
+    _log(config, nodeids, passed)
+    if not passed:
+        return
+    session.exitstatus = pytest.ExitCode.OK
+    if reporter:
+        _count_as_rerun(reporter, set(nodeids))
+    xmlpath = getattr(config.option, "xmlpath", None)
+    if xmlpath and os.path.exists(xmlpath):
+        _mark_rerun_in_junit(Path(xmlpath), set(nodeids))
+
+
+def _caller_options(config: pytest.Config) -> list[str]:
+    """The invocation's arguments without its paths (the failed ids replace them) and its JUnit file
+    (the first session's file is the one corrected)."""
+    paths = set(config.args)
+    out: list[str] = []
+    args = list(config.invocation_params.args)
+    skip_next = False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg in ("--junitxml", "--junit-xml"):
+            skip_next = True
+        elif arg.startswith(("--junitxml=", "--junit-xml=")) or arg in paths:
+            continue
+        else:
+            out.append(arg)
+    return out
+
+
+def _count_as_rerun(reporter, nodeids: set[str]) -> None:
+    """The first failures leave the failed count for `rerun` (the last line then agrees with the
+    exit code); their tracebacks are printed here, since the failure section no longer shows them."""
+    failed = reporter.stats.get("failed", [])
+    first = [r for r in failed if r.nodeid in nodeids]
+    reporter.stats["failed"] = [r for r in failed if r.nodeid not in nodeids]
+    if not reporter.stats["failed"]:
+        del reporter.stats["failed"]
+    reporter.stats.setdefault("rerun", []).extend(first)
+    for report in first:
+        reporter.write_sep("_", f"first attempt of {report.nodeid} (passed when re-run)")
+        reporter.write_line(report.longreprtext)
+    reporter._main_color = None  # recomputed from the corrected counts
+
+
+def _junit_address(nodeid: str) -> tuple[str, str]:
+    """(classname, name) as pytest's junitxml writes a test id."""
+    path, *names = nodeid.split("::")
+    module = path[:-3] if path.endswith(".py") else path
+    return ".".join([module.replace("/", "."), *names[:-1]]), names[-1]
+
+
+def _mark_rerun_in_junit(path: Path, nodeids: set[str]) -> None:
+    tree = ET.parse(path)
+    wanted = {_junit_address(n) for n in nodeids}
+    for suite in tree.iter("testsuite"):
+        for case in suite.iter("testcase"):
+            if (case.get("classname"), case.get("name")) not in wanted:
+                continue
+            for failure in case.findall("failure"):
+                case.remove(failure)
+                suite.set("failures", str(int(suite.get("failures", "1")) - 1))
+            props = case.find("properties")
+            if props is None:
+                props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="timing_rerun", value="failed, then passed in a fresh process")
+    tree.write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _log(config: pytest.Config, nodeids: list[str], passed: bool) -> None:
+    path = Path(os.environ.get(LOG_ENV) or config.rootpath / "test-results" / "timing-reruns.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        for nodeid in nodeids:
+            crash = getattr(_first[nodeid].longrepr, "reprcrash", None)
+            message = crash.message if crash else _first[nodeid].longreprtext
+            out.write(json.dumps({"time": round(time.time(), 3), "test": nodeid, "rerun": "passed" if passed else
+                                  "failed", "first_failure": message[:500]}) + "\n")
