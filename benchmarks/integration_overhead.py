@@ -11,7 +11,7 @@ opens an attached step's period) happens between steps, outside the timing. The 
 warm-up and dropped. Goal: on/off <= 1.01 (median step time; a step's time is the slower rank's).
 Stages sleep 5/10 ms per microbatch forward/backward unless --synthetic-ms says otherwise; what the
 integration adds is a cost per action and per step, not a share of the step, so the ratio depends on
-those times (the README gives 5/10 and 20/40, the shape benchmarks/collector_overhead.py uses).
+those times (docs/benchmarks.md gives 5/10 and 20/40, the shape benchmarks/collector_overhead.py uses).
 Also the paired ratio: the median over pairs of on/off within a pair (its two steps ran back to
 back, so drift in the machine's speed cancels), with a distribution-free 95% interval.
 

@@ -124,9 +124,8 @@ class Collector(Observer):
         """Every span is only appended here and folded into the step's figures at the boundary, in one
         loop. A span ends right after the training thread wakes (a sleep, a blocking receive), when the
         CPU's caches hold other work: there each Python call and object costs 5-10x its cost in a
-        loop, and folding per span cost ~40 us of the training thread's CPU per span (measured,
-        benchmarks/integration_overhead.py --breakdown). The list object is never replaced: the hook
-        registry holds this bound method."""
+        loop, so folding per span cost the training thread far more (docs/benchmarks.md). The list
+        object is never replaced: the hook registry holds this bound method."""
         self._records: list | None = None  # span records of a sampled step; None when not sampling
         self._step = 0  # the step the current period belongs to
         self._origin_mark = None  # end of the boundary that opened the current period

@@ -118,7 +118,7 @@ class Shipper:
     def start(self) -> "Shipper":
         if self.url and self._http is None:
             # Import the HTTP stack now, at attach time: imported lazily on this thread at the
-            # first post, it held the GIL long enough to stretch one training step ~300 ms.
+            # first post, it held the GIL long enough to stretch a training step (docs/benchmarks.md).
             import httpx  # noqa: F401
         if self.enabled and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="parwatch-shipper", daemon=True)

@@ -7,9 +7,7 @@ contract is imported, so the contract stays free of dependencies.
 It is asynchronous: the call starts the all-reduce and returns a waiter, so StepBoundary
 lets the observers fold the step's spans while it is in flight. On CPU the vector lives in
 one array-backed tensor per width, reused every step: right after a step the caches are
-cold, and there building a tensor from a list, all-reducing it (a 1-rank group) and reading
-it back took 506-513 us of the training thread's CPU against 371-379 us with the array
-(`benchmarks/hook_cost.py`, 3 runs, a 5 ms sleep before each call).
+cold, and there building a tensor from a list costs a third more (docs/benchmarks.md).
 
 `close()` belongs before `destroy_process_group` and interpreter exit. torch's collective
 thread (gloo's worker, NCCL's watchdog) lets go of a finished work after `wait()` has

@@ -64,14 +64,13 @@ class Thresholds:
     """Compute: excess over the peers' median, relative to it (0.25: as the stage-skew rule's 1.25)."""
     rel_small: float = 0.5
     """Data fetch and transfers: the same, for figures a few ms long that scheduling noise moves by
-    tens of percent (measured: TP groups' transfer per step 76 vs 95 ms, data fetch 3 vs 5 ms, in a
-    healthy run on an oversubscribed 2-core machine)."""
+    tens of percent in a healthy run (docs/benchmarks.md, "Straggler attribution's noise floor")."""
     min_seconds: float = 0.005
     """Excess per step below this is noise (timer, loopback and scheduling jitter)."""
     min_seconds_per_transfer: float = 0.002
     """Transfers: excess per instance below this is noise. 2 ms is above what a CPU run's scheduler
-    and Python's 5 ms GIL switch interval add to one send or all-reduce on a loaded machine (1.5 ms
-    seen); lower it on GPU clusters to catch small per-op regressions (the
+    and Python's 5 ms GIL switch interval add to one send or all-reduce on a loaded machine; lower
+    it on GPU clusters to catch small per-op regressions (the
     collective-latency-regression rule judges each path against its own history meanwhile)."""
     min_ratio: float = 0.02
     """Findings costing less than this share of the step are dropped."""

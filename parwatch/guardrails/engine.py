@@ -13,36 +13,11 @@ STATE_DIR/runs/RUN_ID/. Methods are thread-safe (one lock).
 Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
 step numbers, because step numbers repeat after a rollback and a loop must still count.
 
-Durability: what survives a crash of the sidecar process (and, where said, of the machine).
-- Decisions and outcome records: appended to decisions.jsonl and fsync'd before the call
-  that made them returns.
-- In state.json before the call returns (temp file fsync'd and renamed over it, then the
-  directory fsync'd, so a power loss keeps them too): directives issued and every rank's
-  outcome, the paused flag, the bookkeeping of each decision (the acting rule's
-  cooldown, rollbacks counted towards max_rollbacks, next ids), reloaded rules.
-- In state.json before the call returns, without the directory fsync: a rule's state
-  change (ok / pending / firing) and the trainer's checkpoint list changing. A process
-  crash keeps them; a power loss may bring back the previous complete state.json (file
-  systems commit a rename within seconds; ext4 every 5 s).
-- Counters, deferred: a pending rule's failing_steps and failing values, spike/regression
-  baseline windows, last values and reasons, last-seen times, the executed-step count and
-  the last step. Every write above includes them; otherwise check_no_data() writes them
-  once counter_flush_seconds (1 s) passed since the last write, evaluate() only when
-  nothing wrote them for EVALUATE_FLUSH_FACTOR times that (an engine driven without
-  check_no_data), and flush()/close() at once. A crash loses at most those seconds of
-  counters: a pending rule resumes from its count at the last write (so it may fire up to
-  ~1 s of steps later), a baseline misses those values, a silent metric's no_data_seconds
-  may run out ~1 s earlier, cooldown and rollback windows may count those steps again
-  (lasting longer, never shorter), and a step evaluated in them may be evaluated again.
-Writing state.json on every evaluation (json encoding, two fsyncs) would cost more than
-all 20 rules' judging, on the sidecar's event loop.
-- Baselines, in STATE_DIR/baselines.json (the spike and regression checks' windows of past
-  values): written once BASELINES_FLUSH_SECONDS (60 s) passed since their last write, and by
-  flush()/close(), reload() and a run's archiving. A crash loses at most that long of them: a
-  window misses those values (it refills as steps come). They are most of the state's bytes (a
-  regression rule over a 1,024-rank node's collective paths keeps ~900 windows of 50 values:
-  108 KB): encoding them with the rest once a second held the sidecar's event loop 4-12 ms each
-  time (benchmarks/sidecar_load.py, py-spy, 2026-12-01).
+Durability: decisions and outcome records are fsync'd to decisions.jsonl, and directives,
+outcomes, the paused flag and each decision's bookkeeping to state.json, before the call that made
+them returns; rule states and checkpoints reach state.json then too, without the directory fsync.
+Counters and baselines are written less often (a crash loses at most ~1 s of counters and a minute
+of baselines). The tiers in full: docs/architecture.md, "The engine's durability".
 
 Deferred writes (defer_writes(), the sidecar's mode): "before the call returns" above
 becomes "before take_writes()'s batch is written", which the sidecar does in a writer

@@ -99,9 +99,9 @@ def _timed(call, kind: SpanKind, attrs_of: _AttrsByMicrobatch, *, input_kind: Sp
 
     What `registry.span()` does, inlined: these calls run right after the thread wakes (a sleep,
     a blocking receive), when the CPU's caches hold other work and every Python call and object
-    costs 5-10x its cost in a loop. There a `with registry.span(...)` adds 60-63 us of CPU to the
-    call and this 35-37 us (`benchmarks/hook_cost.py`, 3 runs): no context-manager calls, no kwargs dict,
-    the attrs built once per microbatch."""
+    costs 5-10x its cost in a loop, where this costs about half a `with registry.span(...)`
+    (docs/benchmarks.md, "Hook cost"): no context-manager calls, no kwargs dict, the attrs built once
+    per microbatch."""
     reg = registry
 
     def wrapper(chunk_id, *args, **kwargs):

@@ -318,9 +318,9 @@ class PipelineWatch:
 def _mean_loss(losses: list) -> float:
     """The float64 mean of the microbatch losses (each one detached element, see instrument_loss)."""
     if losses[0].device.type == "cpu":
-        # Read each as a float and sum exactly: right after a step (cold caches) this took 101 us of
-        # the training thread against 370 us for stack/float64/mean. The same value for losses within
-        # a few decades of each other; beyond that this one is the exactly rounded sum (tested).
+        # Read each as a float and sum exactly: right after a step (cold caches) this is cheaper than
+        # stack/float64/mean (docs/benchmarks.md). The same value for losses within a few decades of
+        # each other; beyond that this one is the exactly rounded sum (tested).
         return math.fsum(map(float, losses)) / len(losses)
     import torch
 

@@ -1,4 +1,4 @@
-"""What the guardrail engine puts on disk, and when (the Durability contract in engine.py).
+"""What the guardrail engine puts on disk, and when (the Durability contract: engine.py, in full in docs/architecture.md).
 
 A "crash" here is an engine dropped without close(): a new engine on the same state dir
 must see everything the contract calls durable. The fast reducers and rolling medians the
