@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import ROOT, print_table, write_json  # noqa: E402
 
-TRAINER = ["-m", "trainer", "--nproc", "2", "--tp", "1", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2",
+TRAINER = ["-m", "parwatch", "train", "--nproc", "2", "--tp", "1", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2",
            "--steps", "6", "--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq-len", "8",
            "--synthetic-compute", "fwd_ms=40,bwd_ms=80"]
 EXAMPLE = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "{port}",

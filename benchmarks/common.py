@@ -44,11 +44,20 @@ def stolen_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / total if total > 0 else 0.0
 
 
+def watched(args: list[str]) -> bool:
+    """Whether trainer ARGS ask for the collector (the trainer's --parwatch auto|on|off)."""
+    mode = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--parwatch"), "auto")
+    mode = next((a.split("=", 1)[1] for a in args if a.startswith("--parwatch=")), mode)
+    asked = any(a.startswith(("--parwatch-endpoint", "--parwatch-log")) for a in args)
+    return mode == "on" or (mode == "auto" and asked)
+
+
 def run_trainer(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:
     """Run `python -m trainer ARGS --summary-json TMP` and return the summary."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "trainer", *args, "--summary-json", path]
+        launcher = ["parwatch", "train"] if watched(args) else ["trainer"]  # only parwatch's attaches the collector
+        cmd = [sys.executable, "-m", *launcher, *args, "--summary-json", path]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         if proc.returncode != 0:

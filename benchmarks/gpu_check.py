@@ -150,7 +150,7 @@ def clean_exit_check(args: list[str], runs: int = 10) -> dict:
     small = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64", "--seq-len", "16", "--steps", "6",
              "--microbatches", "4", "--parwatch", "on"]
     for _ in range(runs):
-        proc = subprocess.run([sys.executable, "-m", "trainer", *args, *small], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "parwatch", "train", *args, *small], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent.parent, timeout=300)
         codes.append(proc.returncode)
         if proc.returncode != 0:

@@ -263,7 +263,7 @@ def _run_id(args) -> str:
 
 def _token(args):
     """--parwatch-token-file, else $PARWATCH_TOKEN, else None."""
-    from parwatch.sidecar.config import read_token
+    from parwatch.tokens import read_token
 
     return read_token(args.parwatch_token_file, flag="--parwatch-token-file")
 

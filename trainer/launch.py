@@ -13,6 +13,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError, TrainerError
@@ -23,6 +25,13 @@ log = logging.getLogger("trainer")
 _PEER_LOST = 3  # a rank's exit code when a collective failed because a peer went away
 _CAUSE_GRACE_S = 15.0  # how long the ranks that lost a peer wait for the one that failed to be named
 
+Attach = Callable[[TrainConfig, int, int, int, str], Any]
+"""Builds and attaches one rank's observer: (cfg, rank, world_size, local_rank, backend) -> an object with
+close(error=None); a ValueError names the setting to fix. The trainer knows nothing of the observer:
+parwatch's launcher (`parwatch train`) passes its collector's (parwatch.collector.attach)."""
+UNWATCHED = ("--parwatch on (or --parwatch-endpoint / --parwatch-log) needs parwatch's launcher, which attaches "
+             "the collector: run `parwatch train ...` (under torchrun: `torchrun ... -m parwatch train ...`)")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,8 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, progress=None) -> dict:
-    """Body of one rank: init the process group, attach observers, train, shut down in order.
+def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, progress=None,
+             attach: Attach | None = None) -> dict:
+    """Body of one rank: init the process group, attach the observer, train, shut down in order.
 
     progress: a RankProgress the launcher reads (its `step` after each boundary), or None."""
     import torch
@@ -56,12 +66,11 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, 
             dist.broadcast_object_list(chosen, src=0)
             cfg.run_id = chosen[0]
         if cfg.watched:
-            # The one place the trainer touches parwatch, and only when asked to.
-            from parwatch.collector.attach import AttachError, attach_from_config
-
+            if attach is None:
+                raise ConfigError(UNWATCHED)
             try:
-                observer = attach_from_config(cfg, rank, world_size, local_rank, backend)
-            except AttachError as err:
+                observer = attach(cfg, rank, world_size, local_rank, backend)
+            except ValueError as err:
                 raise ConfigError(str(err)) from None
         trainer = Trainer(cfg, rank, world_size)
         if progress is not None:
@@ -109,13 +118,13 @@ def shutdown(trainer, observer, failed: bool, error: BaseException | None = None
         raise first
 
 
-def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig, shared) -> None:
+def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig, shared, attach: Attach | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     _setup_logging(rank)
     progress = RankProgress(shared, rank)
     try:
-        run_rank(cfg, rank, world_size, local_rank=rank, progress=progress)
+        run_rank(cfg, rank, world_size, local_rank=rank, progress=progress, attach=attach)
         progress.done()
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -130,14 +139,14 @@ def _setup_logging(rank: int) -> None:
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
 
 
-def spawn(cfg: TrainConfig) -> int:
+def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
     """Run cfg.nproc ranks on this machine; returns the exit code (0 when every rank succeeded)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = _free_port()
     shared = RankProgress.shared_array(ctx, cfg.nproc)
-    procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg, shared)) for r in range(cfg.nproc)]
+    procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg, shared, attach)) for r in range(cfg.nproc)]
     for p in procs:
         p.start()
     from multiprocessing.connection import wait
@@ -180,13 +189,16 @@ def spawn(cfg: TrainConfig) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, attach: Attach | None = None) -> int:
+    """The trainer's command line; `attach` is given by parwatch's launcher (see Attach)."""
     from trainer.config import parse_args
 
     try:
         cfg = parse_args(argv)
         world = cfg.nproc or int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate(world)
+        if cfg.watched and attach is None:
+            raise ConfigError(UNWATCHED)
         if not cfg.run_id:  # one id for every rank: an id from the environment, else ...
             env_id = os.environ.get("PARWATCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
             if env_id and env_id != "none":
@@ -196,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 cfg.run_id = new_run_id()
         if cfg.nproc:
-            return spawn(cfg)
+            return spawn(cfg, attach)
         rank = int(os.environ.get("RANK", "0"))
         if "MASTER_ADDR" not in os.environ:  # alone, without torchrun
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         _setup_logging(rank)
-        run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
+        run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")), attach=attach)
         return 0
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
-from parwatch.sidecar.config import TOKEN_FILE_NAME, ConfigError, read_token
+from parwatch.sidecar.config import TOKEN_FILE_NAME
+from parwatch.tokens import TokenError, read_token
 
 DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
 """The token a `parwatch sidecar` started here with its default --state-dir generated."""
@@ -33,7 +34,7 @@ def _connection(f):
                 token = read_token(DEFAULT_TOKEN_FILE)
             with SidecarClient(endpoint, token) as client:
                 out = f(client, **kw)
-        except ConfigError as err:
+        except TokenError as err:
             raise click.ClickException(str(err)) from None
         except SidecarError as err:
             raise click.ClickException(_with_fix(err, endpoint)) from None

@@ -17,8 +17,8 @@ from parwatch.sidecar.config import (
     ConfigError,
     SidecarConfig,
     parse_listen,
-    read_token,
 )
+from parwatch.tokens import TokenError, read_token
 
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 _CONTROL.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029)})  # line separators to some log readers
@@ -119,7 +119,7 @@ def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_g
         )
         built = build_sidecar(config)
         serve(built)
-    except (ConfigError, StartupError) as err:
+    except (ConfigError, TokenError, StartupError) as err:
         raise click.ClickException(str(err)) from None
     except RulesError as err:
         problems = "; ".join(str(p) for p in getattr(err, "problems", [])) or str(err)

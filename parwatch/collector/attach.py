@@ -8,6 +8,8 @@ from parwatch.collector.collector import Collector
 from parwatch.collector.context import RunContext
 from parwatch.contract import HookRegistry, PerfCounterClock
 from parwatch.contract import registry as default_registry
+from parwatch.tokens import TokenError
+from parwatch.tokens import read_token as read
 
 
 class AttachError(ValueError):
@@ -38,9 +40,6 @@ def detach(collector: Collector) -> None:
 
 def read_token(path: str) -> str | None:
     """--parwatch-token-file, else $PARWATCH_TOKEN, else None; a bad file is an AttachError."""
-    from parwatch.sidecar.config import ConfigError as TokenError
-    from parwatch.sidecar.config import read_token as read
-
     try:
         return read(path, flag="--parwatch-token-file")
     except TokenError as err:

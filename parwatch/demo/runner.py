@@ -17,7 +17,8 @@ from parwatch.demo.live import LiveView, SummaryTail
 from parwatch.demo.processes import Child, python_module, stop_all, wait_healthy
 from parwatch.demo.scenario import DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
-from parwatch.sidecar.config import TOKEN_FILE_NAME, read_token
+from parwatch.sidecar.config import TOKEN_FILE_NAME
+from parwatch.tokens import read_token
 from parwatch.sidecar.process import free_port
 
 
@@ -50,7 +51,7 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
         console.print(f"sidecar: metrics http://127.0.0.1:{metrics_port}/metrics   control {control}  "
                       f"(status: parwatch status --endpoint {control} --token-file {token_file})", highlight=False)
         trainer = Child("trainer", python_module(
-            "trainer", *cfg.trainer_args(), "--parwatch", "on", "--parwatch-endpoint", control,
+            "parwatch", "train", *cfg.trainer_args(), "--parwatch", "on", "--parwatch-endpoint", control,
             "--parwatch-token-file", str(token_file),
             "--parwatch-log", str(run_dir), "--checkpoint-dir", str(run_dir / "checkpoints"),
             "--summary-json", str(run_dir / "summary.json"), "--run-id", f"demo-{int(time.time())}",

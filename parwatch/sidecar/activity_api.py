@@ -29,8 +29,8 @@ from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 
 from parwatch.catalog import RANK_STATES
-from parwatch.collector.activity import HANG_EXIT_CODE
-from parwatch.collector.context import host_identity
+from parwatch.schema import HANG_EXIT_CODE
+from parwatch.host import host_identity
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report, layout_from, same_layout

@@ -12,10 +12,11 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from parwatch.tokens import TOKEN_ENV, read_token
+
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"  # loopback unless told: Helm passes the pod network
 DEFAULT_CONTROL_LISTEN = "127.0.0.1:9401"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-TOKEN_ENV = "PARWATCH_TOKEN"
 TOKEN_FILE_NAME = "token"
 """Without --token-file the sidecar writes a random token to STATE_DIR/token (mode 0600)."""
 DEFAULT_MAX_RANKS = 4096
@@ -122,17 +123,6 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
-def check_private(path: str | os.PathLike, flag: str = "--token-file") -> None:
-    """ConfigError unless the token file is readable by its owner only (a shared secret must not be)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as err:
-        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror})") from err
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{flag} {path} is readable by group or others (mode {stat.filemode(mode)}); "
-                          f"fix: chmod 600 {path}")
-
-
 def ensure_token(state_dir: str | os.PathLike) -> tuple[str, Path, bool]:
     """(token, path, created): STATE_DIR/token, created with a random token (mode 0600) if absent.
 
@@ -146,24 +136,3 @@ def ensure_token(state_dir: str | os.PathLike) -> tuple[str, Path, bool]:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
     return read_token(path, environ={}), path, True
-
-
-def read_token(token_file: str | os.PathLike | None, environ=os.environ, flag: str = "--token-file",
-               private: bool = False) -> str | None:
-    """The token from the file (stripped) or else PARWATCH_TOKEN; None when neither is set.
-
-    The one token reader of the sidecar, the CLI clients and the collector; `flag` names
-    the caller's option in the error. private: refuse a file readable by group or others
-    (the sidecar's own token file)."""
-    if token_file:
-        if private:
-            check_private(token_file, flag)
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as err:
-            raise ConfigError(f"{flag} {token_file}: cannot read it ({err.strerror}); "
-                              "point it at a readable file holding the sidecar's token") from err
-        if not token:
-            raise ConfigError(f"{flag} {token_file} is empty; write the sidecar's token into it")
-        return token
-    return environ.get(TOKEN_ENV) or None

@@ -26,7 +26,7 @@ import os
 import socket
 from typing import Callable
 
-from parwatch.collector.activity import MAX_ERROR_CHARS
+from parwatch.schema import MAX_ERROR_CHARS
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
 

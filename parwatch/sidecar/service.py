@@ -262,7 +262,7 @@ def build_sidecar(config: SidecarConfig, clock: Callable[[], float] = time.time)
     """Load the rules (RulesError names every problem) and start the engine on the state dir.
 
     Writes are authenticated by default: without a token the sidecar uses STATE_DIR/token,
-    creating it (random, mode 0600) on first start (ConfigError if it is readable by others)."""
+    creating it (random, mode 0600) on first start (TokenError if it is readable by others)."""
     rules = load_rules(config.rules_path) if config.rules_path is not None else default_rules()
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     if config.token is None:

@@ -19,7 +19,7 @@ from tests.distutil import ROOT, run_ranks
 
 pytestmark = pytest.mark.dist
 
-WATCHED_RUN = [sys.executable, "-m", "trainer", "--nproc", "2", "--tp", "1", "--pp", "2", "--schedule", "1f1b",
+WATCHED_RUN = [sys.executable, "-m", "parwatch", "train", "--nproc", "2", "--tp", "1", "--pp", "2", "--schedule", "1f1b",
                "--microbatches", "2", "--steps", "6", "--parwatch", "on", "--layers", "2", "--hidden", "32",
                "--heads", "2", "--vocab", "64", "--seq-len", "8", "--synthetic-compute", "fwd_ms=40,bwd_ms=80"]
 

@@ -135,7 +135,7 @@ def token_args(sidecar) -> tuple[str, ...]:
 def trainer_command(endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2,
                     checkpoint_every: int = 0) -> list[str]:
     run_dir = Path(run_dir)
-    cmd = [sys.executable, "-m", "trainer", "--nproc", str(nproc), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "parwatch", "train", "--nproc", str(nproc), "--steps", str(steps),
            "--parwatch", "on", "--parwatch-log", str(run_dir / "log"), "--summary-json", str(run_dir / "summary.json")]
     if endpoint:
         cmd += ["--parwatch-endpoint", endpoint]
@@ -167,14 +167,15 @@ TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executab
 def launch_nodes(out_paths: list[Path], node_args: list[list[str]], envs: list[dict], nproc_per_node: int = 2,
                  ) -> list[subprocess.Popen]:
     """Several "nodes" of one run on this machine: a `torchrun --nnodes N --node-rank K` launcher per
-    entry (static rendezvous on loopback) running `-m trainer` with that node's args, environment and
+    entry (static rendezvous on loopback) running `-m parwatch train` with that node's args, environment and
     output file. Each in its own process group (kill_group)."""
     from parwatch.sidecar.process import free_port
 
     port, procs = free_port(), []
     for k, (out_path, args, env) in enumerate(zip(out_paths, node_args, envs)):
         cmd = [TORCHRUN, "--nnodes", str(len(node_args)), "--node-rank", str(k), "--nproc-per-node",
-               str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainer", *args]
+               str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "parwatch", "train",
+               *args]
         env = dict(env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         with open(out_path, "wb") as out:

@@ -370,7 +370,7 @@ def test_indexed_job_runs_torchrun_with_rendezvous_on_pod_zero(rendered):
     assert f"--master-addr={master}" in args and "--master-port=29500" in args
     user_args = yaml.safe_load(CONFIGS["all-features"][0].read_text())["training"]["args"]
     m = args.index("-m")
-    assert args[m + 1:m + 2 + len(user_args)] == ["trainer", *user_args]
+    assert args[m + 1:m + 3 + len(user_args)] == ["parwatch", "train", *user_args]
     env = {e["name"]: e for e in trainer["env"]}
     assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -495,7 +495,7 @@ def test_trainjob_references_its_runtime(rendered):
     assert rj["name"] == "node"
     assert rj["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
     node = container(rj["template"]["spec"]["template"], "node")  # the Torch plugin targets this name
-    assert node["command"] == ["torchrun"] and node["args"][:2] == ["-m", "trainer"]
+    assert node["command"] == ["torchrun"] and node["args"][:3] == ["-m", "parwatch", "train"]
 
 
 def test_grafana_dashboard_configmap(rendered):

@@ -28,7 +28,7 @@ def test_torchrun_ranks_train_together_under_one_run_id(tmp_path):
     summary = tmp_path / "summary.json"
     proc = subprocess.run(
         [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-         "-m", "trainer", "--pp", "2", "--steps", "3", "--layers", "2", "--hidden", "32", "--seq-len", "16",
+         "-m", "parwatch", "train", "--pp", "2", "--steps", "3", "--layers", "2", "--hidden", "32", "--seq-len", "16",
          "--parwatch", "on", "--parwatch-log", str(tmp_path), "--summary-json", str(summary)],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )

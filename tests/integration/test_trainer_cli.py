@@ -35,6 +35,8 @@ BAD = {
     "synthetic-half": (["--synthetic-compute", "fwd_ms=5"], "--synthetic-compute 'fwd_ms=5'", "fwd_ms=10,bwd_ms=20"),
     "synthetic-key": (["--synthetic-compute", "fwd=1,bwd_ms=2"], "--synthetic-compute", "fwd_ms=N,bwd_ms=N"),
     "synthetic-number": (["--synthetic-compute", "fwd_ms=x,bwd_ms=2"], "fwd_ms='x'", "not a number"),
+    # The trainer knows nothing of the collector: parwatch's launcher attaches it.
+    "watched-alone": (["--parwatch-log", "runs/x"], "--parwatch on", "parwatch train"),
     # Checked only inside each rank today (see the report): one line per rank, after spawning.
     "partition-method": (["--nproc", "2", "--pp", "2", "--partition", "even"], "--partition='even'",
                          "'uniform' or 'parameters'"),

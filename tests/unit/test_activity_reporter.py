@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from parwatch.collector.activity import ACTIVITY_FIELDS, HANG_EXIT_CODE, ActivityReporter
+from parwatch.collector.activity import ActivityReporter
+from parwatch.schema import ACTIVITY_FIELDS, HANG_EXIT_CODE
 from parwatch.collector.context import RunContext
 from trainer import hooks
 from trainer.errors import ConfigError
@@ -146,7 +147,7 @@ def test_parwatch_host_overrides_the_host_a_rank_reports(monkeypatch):
     spec.nodeName) makes two pods of one node one host, for host-contention attribution."""
     import socket
 
-    from parwatch.collector.context import host_identity
+    from parwatch.host import host_identity
 
     monkeypatch.delenv("PARWATCH_HOST", raising=False)
     assert host_identity() == socket.gethostname()

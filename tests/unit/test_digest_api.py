@@ -197,7 +197,7 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
     import sys
     import time
 
-    from parwatch.collector.activity import HANG_EXIT_CODE
+    from parwatch.schema import HANG_EXIT_CODE
 
     stacks = tmp_path / "stacks-rank1.txt"
     child = subprocess.Popen([sys.executable, "-c", (

@@ -6,7 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from parwatch.cli.sidecar import sidecar as sidecar_cmd
-from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig, is_loopback, parse_listen, read_token
+from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig, is_loopback, parse_listen
+from parwatch.tokens import TokenError, read_token
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -56,9 +57,9 @@ def test_read_token(tmp_path):
     assert read_token(None, environ={"PARWATCH_TOKEN": "env"}) == "env"
     assert read_token(None, environ={}) is None
     (tmp_path / "empty").write_text("\n")
-    with pytest.raises(ConfigError, match="is empty"):
+    with pytest.raises(TokenError, match="is empty"):
         read_token(tmp_path / "empty")
-    with pytest.raises(ConfigError, match="cannot read it"):
+    with pytest.raises(TokenError, match="cannot read it"):
         read_token(tmp_path / "missing")
 
 

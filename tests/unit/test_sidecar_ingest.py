@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
-from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
+from parwatch.sidecar.config import Listen, SidecarConfig
+from parwatch.tokens import TokenError
 from parwatch.sidecar.service import build_sidecar
 
 TOKEN = "s3cret-token"
@@ -151,7 +152,7 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
     token_file.parent.mkdir()
     token_file.write_text("abc\n")
     token_file.chmod(0o644)
-    with pytest.raises(ConfigError, match=f"readable by group or others.*fix: chmod 600 {token_file}"):
+    with pytest.raises(TokenError, match=f"readable by group or others.*fix: chmod 600 {token_file}"):
         make_client(tmp_path)
 
 

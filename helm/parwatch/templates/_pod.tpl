@@ -108,7 +108,13 @@ Call with (dict "ctx" $ "trainerCommand" LIST).
     - {{ . | quote }}
     {{- end }}
     - "-m"
+    {{- if $t.parwatchArgs }}
+    # The bundled trainer through parwatch's launcher, which attaches the collector.
+    - "parwatch"
+    - "train"
+    {{- else }}
     - {{ $t.module | quote }}
+    {{- end }}
     {{- range $t.args }}
     - {{ . | quote }}
     {{- end }}
