@@ -39,9 +39,9 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
     from parwatch.collector.collector import Collector
     from parwatch.collector.context import RunContext
     from parwatch.contract import BoundaryKind
-    from trainer import hooks
-    from trainer.config import TrainConfig
-    from trainer.train import Trainer
+    from parwatch import contract
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.train import Trainer
 
     cfg = TrainConfig(pp=2, microbatches=4, steps=1, layers=4, hidden=64, heads=4, vocab=128, seq_len=32,
                       micro_batch_size=2)
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
         mode = ("on", "off", "off", "on")[block % 4]  # ABBA: a drift in the machine's speed hits both alike
         reporter = None
         if mode == "on":
-            reporter = ActivityReporter(ctx, hooks.registry, endpoint, token=token, interval_s=interval_s,
+            reporter = ActivityReporter(ctx, contract.registry, endpoint, token=token, interval_s=interval_s,
                                         summary_fn=lambda: collector.last_summary).start()
         for i in range(steps):
             t0 = time.perf_counter()

@@ -3,7 +3,7 @@
     python benchmarks/clean_exit.py --runs 300
     python benchmarks/clean_exit.py --runs 50 --cases trainer,example-sidecar-killed
 
-Cases: the reference trainer (`python -m trainer --nproc 2`, PP2 1F1B, synthetic 40/80 ms, 6 steps)
+Cases: the reference trainer (`python -m parwatch.trainer --nproc 2`, PP2 1F1B, synthetic 40/80 ms, 6 steps)
 and examples/torch_pipelining.py under torchrun (the integration attached), each
 - plain: the collector writes its JSONL files (shipper thread, send lanes, boundary all-reduce);
 - unreachable: also pointed at a sidecar port nobody listens on (shipper and activity back off);

@@ -37,13 +37,13 @@ def main() -> int:
     import torch.distributed as dist
 
     from parwatch.collector.attach import attach_from_config
-    from trainer import hooks
-    from trainer.config import TrainConfig
-    from trainer.train import Trainer
+    from parwatch import contract
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.train import Trainer
 
     samples = []
 
-    class Sampler(hooks.Observer):
+    class Sampler(contract.Observer):
         def on_boundary(self, info, rows):
             if info.kind == "step" and info.step % 1000 == 0:
                 snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/parwatch/*")])
@@ -57,7 +57,7 @@ def main() -> int:
                           microbatches=1, synthetic_compute="fwd_ms=0,bwd_ms=0", parwatch="on",
                           parwatch_log=log_dir, run_id="memory-bench")
         collector = attach_from_config(cfg, 0, 1, 0, "gloo")
-        hooks.registry.register(Sampler())
+        contract.registry.register(Sampler())
         tracemalloc.start()
         Trainer(cfg, 0, 1).run()
         tracemalloc.stop()

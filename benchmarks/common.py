@@ -53,7 +53,7 @@ def watched(args: list[str]) -> bool:
 
 
 def run_trainer(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:
-    """Run `python -m trainer ARGS --summary-json TMP` and return the summary."""
+    """Run `python -m parwatch.trainer ARGS --summary-json TMP` and return the summary."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
         launcher = ["parwatch", "train"] if watched(args) else ["trainer"]  # only parwatch's attaches the collector

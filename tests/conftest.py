@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def hook_registry():
     """The process-wide trainer hook registry, emptied before and after the test."""
-    from trainer.hooks import registry
+    from parwatch.contract import registry
 
     registry.clear()
     yield registry

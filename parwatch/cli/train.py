@@ -10,7 +10,7 @@ HELP_HEADER = """\
 Usage: parwatch train [TRAINER OPTIONS]
 
   Run the reference TP+PP trainer with parwatch's collector attached
-  (--parwatch on is implied). Every option of `python -m trainer` is accepted.
+  (--parwatch on is implied). Every option of `python -m parwatch.trainer` is accepted.
 
 Example:
   parwatch train --nproc 4 --tp 2 --pp 2 --microbatches 8 --steps 100 \\
@@ -30,7 +30,7 @@ The trainer's options follow.
 def train(ctx):
     """Run the reference TP+PP trainer with parwatch's collector attached.
 
-    Every flag of `python -m trainer` is accepted (see `parwatch train --help`);
+    Every flag of `python -m parwatch.trainer` is accepted (see `parwatch train --help`);
     `--parwatch on` is implied.
 
     \b
@@ -41,10 +41,10 @@ def train(ctx):
     args = list(ctx.args)
     if "-h" in args or "--help" in args:
         # The trainer's argparse prints its own usage and exits 0; say first how this
-        # wrapper differs from `python -m trainer`, with an example.
+        # wrapper differs from `python -m parwatch.trainer`, with an example.
         click.echo(HELP_HEADER)
     from parwatch.collector.attach import attach_from_config
-    from trainer.launch import main
+    from parwatch.trainer.launch import main
 
     if "--parwatch" not in args:
         args = ["--parwatch", "on", *args]

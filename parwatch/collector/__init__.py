@@ -4,10 +4,10 @@
 
     ctx = RunContext.for_rank(run_id, rank, tp=2, pp=2, dp=1, schedule="1f1b", microbatches=8)
     collector = attach(Collector(ctx, endpoint="http://127.0.0.1:9401", log_path="run/summaries.jsonl"))
-    ...train (the trainer drives it through trainer.hooks)...
+    ...train (the trainer drives it through parwatch.contract)...
     collector.close()
 
-Any trainer can drive the same Observer methods directly (see trainer/hooks.py).
+Any trainer can drive the same Observer methods directly (see parwatch/contract/).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Collector: a trainer.hooks.Observer that turns one rank's spans into step summaries.
+"""The Collector: a parwatch.contract.Observer that turns one rank's spans into step summaries.
 
 Everything here runs on the training thread and stays cheap: a span is only
 appended to a list as it ends, and the step boundary folds the period's spans

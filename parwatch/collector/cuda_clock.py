@@ -33,7 +33,7 @@ class CudaMark:
 
 
 class CudaClock:
-    """trainer.hooks.Clock on CUDA events; the collector resolves it at step boundaries."""
+    """parwatch.contract.Clock on CUDA events; the collector resolves it at step boundaries."""
 
     resolves_at_boundary = True
 

@@ -15,7 +15,7 @@ pulling in parwatch's collector, the sidecar or torch:
   not depend on the world size, and `StepBoundary`, the driver that runs it.
 - `torch_all_reduce`: that all-reduce over torch.distributed (torch imported only when used).
 
-The reference trainer (`trainer/`) and the torch.distributed.pipelining integration
+The reference trainer (`parwatch/trainer/`) and the torch.distributed.pipelining integration
 (`parwatch.integrations`) both drive this module; the collector observes it.
 """
 

@@ -98,11 +98,11 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     def rank_of(self, stage: int, tp_rank: int, dp_rank: int) -> int:
-        """The global rank at these coordinates (trainer.parallel_dims' order: TP inner, DP outer)."""
+        """The global rank at these coordinates (parwatch.trainer.parallel_dims' order: TP inner, DP outer)."""
         return (dp_rank * self.pp + stage) * self.tp + tp_rank
 
     def members(self, group: str, a: Activity) -> range | list:
-        """Global ranks of `a`'s instance of group role `group` (trainer.parallel_dims' rank order)."""
+        """Global ranks of `a`'s instance of group role `group` (parwatch.trainer.parallel_dims' rank order)."""
         tp, pp = self.tp, self.pp
         base = self.rank_of(0, 0, a.dp_rank)
         if group == "tp":

@@ -12,7 +12,7 @@ the same per-direction seq). Then, as DeepSpeed's comms logger defines the strag
 
 Durations only, no timestamps: nothing depends on the hosts' clocks agreeing. For p2p the
 recv's duration runs from its post to the data; the send's, from its post to its completion
-(stamped when it completes, trainer/comm.py), so the recv's wait is its wait for the peer's
+(stamped when it completes, parwatch/trainer/comm.py), so the recv's wait is its wait for the peer's
 post and a slow link shows as a long transfer on both ends.
 
 Where an instance is matched: on the node, when its members all report to this sidecar (TP

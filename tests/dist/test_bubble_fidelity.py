@@ -56,17 +56,17 @@ def pipeline_run(p: int, m: int, schedule: str = "1f1b", steps: int = STEPS, **e
 
 
 def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
-    """Run each named TrainConfig in turn on this rank, the way `python -m trainer` runs it.
+    """Run each named TrainConfig in turn on this rank, the way `python -m parwatch.trainer` runs it.
 
-    As trainer.launch.run_rank does (minus the process group, which run_ranks owns): attach
+    As parwatch.trainer.launch.run_rank does (minus the process group, which run_ranks owns): attach
     the collector when parwatch is on, train, write --summary-json on rank 0, close. Each
     run's files go to out_dir/NAME/ (summary.json, summaries.jsonl). Returns per run this
     rank's losses, step seconds and its collector's last summary.
     """
     from parwatch.collector.attach import attach_from_config
-    from trainer import hooks
-    from trainer.config import TrainConfig
-    from trainer.train import Trainer, write_summary
+    from parwatch import contract
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.train import Trainer, write_summary
 
     results = {}
     for name, settings in runs.items():
@@ -75,14 +75,14 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
         watched = settings.get("parwatch", "auto") != "off"
         cfg = TrainConfig(run_id=name, summary_json=os.path.join(run_dir, "summary.json"),
                           parwatch_log=run_dir if watched else "", **settings)
-        hooks.registry.clear()
+        contract.registry.clear()
         observer = attach_from_config(cfg, rank, world_size, rank, "gloo") if cfg.watched else None
         try:
             summary = Trainer(cfg, rank, world_size).run()
         finally:
             if observer is not None:
                 observer.close()
-            hooks.registry.clear()
+            contract.registry.clear()
         if rank == 0:
             write_summary(cfg.summary_json, summary)
         results[name] = {

@@ -28,9 +28,9 @@ SCHEDULES = {"gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
 
 
 def _census_observer():
-    from trainer import hooks
+    from parwatch import contract
 
-    class Census(hooks.Observer):
+    class Census(contract.Observer):
         """Counts TP collectives by the compute span they ran inside, and p2p transfers, per step."""
 
         def __init__(self):
@@ -40,15 +40,15 @@ def _census_observer():
             self.p2p = Counter()
 
         def on_span(self, span):
-            if span.kind == hooks.COLLECTIVE and span.attrs["group"] == "tp":
+            if span.kind == contract.SpanKind.COLLECTIVE and span.attrs["group"] == "tp":
                 # A collective inside a compute span ends before it does: hold it until then.
                 self.open.append(span)
-            elif span.kind in hooks.COMPUTE_KINDS:
+            elif span.kind in contract.COMPUTE_KINDS:
                 for c in self.open:
                     inside = span.start <= c.start and c.end <= span.end
                     self.tp[(self.step, span.kind if inside else "outside", c.attrs["op"], c.attrs["bytes"])] += 1
                 self.open.clear()
-            elif span.kind in (hooks.SEND, hooks.RECV):
+            elif span.kind in (contract.SpanKind.SEND, contract.SpanKind.RECV):
                 self.p2p[(self.step, span.kind, span.attrs["what"], span.attrs["bytes"])] += 1
 
         def on_boundary(self, info, slot_rows):
@@ -62,20 +62,20 @@ def _census_observer():
 
 
 def _count(rank: int, world_size: int) -> dict:
-    from trainer import hooks
-    from trainer.config import TrainConfig
-    from trainer.train import Trainer
+    from parwatch import contract
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.train import Trainer
 
     results = {}
     for name, settings in SCHEDULES.items():
-        hooks.registry.clear()
+        contract.registry.clear()
         census = _census_observer()
-        hooks.registry.register(census)
+        contract.registry.register(census)
         cfg = TrainConfig(tp=2, pp=2, layers=LAYERS, hidden=HIDDEN, heads=4, vocab=64, seq_len=SEQ,
                           micro_batch_size=BATCH, microbatches=M, steps=STEPS, **settings)
         trainer = Trainer(cfg, rank, world_size)
         trainer.run()
-        hooks.registry.clear()
+        contract.registry.clear()
         results[name] = {"stage": trainer.groups.stage, "tp": dict(census.tp), "p2p": dict(census.p2p)}
     return results
 

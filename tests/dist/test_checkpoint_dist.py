@@ -11,7 +11,7 @@ def _save_then_load(rank: int, world_size: int, root: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from parwatch.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
     def own_state(step):
         return {"model": {"w": torch.full((2, rank + 1), float(100 * step + rank))},

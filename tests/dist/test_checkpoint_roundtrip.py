@@ -21,13 +21,13 @@ def _round_trip(rank: int, world_size: int, root: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from trainer import hooks
-    from trainer.checkpoint import list_checkpoints, step_dir
-    from trainer.config import TrainConfig
-    from trainer.errors import CheckpointError
-    from trainer.train import Trainer
+    from parwatch import contract
+    from parwatch.trainer.checkpoint import list_checkpoints, step_dir
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.errors import CheckpointError
+    from parwatch.trainer.train import Trainer
 
-    hooks.registry.clear()
+    contract.registry.clear()
     cfg = dict(tp=2, pp=2, layers=4, hidden=32, heads=4, vocab=64, seq_len=16, micro_batch_size=2,
                microbatches=4, steps=6, checkpoint_dir=root, checkpoint_every=3, keep_checkpoints=0)
     first = Trainer(TrainConfig(**cfg), rank, world_size)

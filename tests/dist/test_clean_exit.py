@@ -63,9 +63,9 @@ def _lanes_joined(rank: int, world: int) -> dict:
 
     import torch
 
-    from trainer.comm import Comm
-    from trainer.hooks import HookRegistry
-    from trainer.parallel_dims import ParallelDims, build_groups
+    from parwatch.trainer.comm import Comm
+    from parwatch.contract import HookRegistry
+    from parwatch.trainer.parallel_dims import ParallelDims, build_groups
 
     registry = HookRegistry()
 

@@ -37,19 +37,19 @@ TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 
 
 def _config(settings: dict):
-    from trainer.config import TrainConfig
+    from parwatch.trainer.config import TrainConfig
 
     return TrainConfig(**{**MODEL, "microbatches": GLOBAL_MICROBATCHES, **settings})
 
 
 def _train_each(rank: int, world_size: int, runs: dict) -> dict:
     """Train every run of `runs` (name -> settings) one after the other; losses by name."""
-    from trainer import hooks
-    from trainer.train import Trainer
+    from parwatch import contract
+    from parwatch.trainer.train import Trainer
 
     losses = {}
     for name, settings in runs.items():
-        hooks.registry.clear()
+        contract.registry.clear()
         summary = Trainer(_config(settings), rank, world_size).run()
         losses[name] = [float(x) for x in summary["losses"]]
     return losses

@@ -15,8 +15,8 @@ PEAK = 1e9  # a made-up peak FLOP/s, so the ratio is large enough to read
 
 def _run(rank, world, log_dir, peak):
     from parwatch.collector.attach import attach_from_config
-    from trainer.config import TrainConfig
-    from trainer.train import Trainer
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.train import Trainer
 
     cfg = TrainConfig(steps=3, layers=2, hidden=32, heads=4, seq_len=16, microbatches=2, parwatch="on",
                       parwatch_log=log_dir, parwatch_peak_flops=peak, run_id="mfu")

@@ -1,7 +1,7 @@
 """Stragglers classified by cause, end to end: the real trainer (4 gloo ranks, TP2 x PP2) against a
 real `parwatch sidecar` with the packaged default rules.
 
-Each fault is injected from step 1 (`python -m trainer --inject ...`), with synthetic compute so
+Each fault is injected from step 1 (`python -m parwatch.trainer --inject ...`), with synthetic compute so
 the stages are exactly balanced whatever the machine's load; the sidecar splits every collective
 and p2p instance into wait and transfer (parwatch/sidecar/transfer.py) and the `straggler` rule's
 decisions carry the attribution's cause and place in evidence.culprit:

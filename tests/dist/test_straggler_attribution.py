@@ -107,9 +107,9 @@ def test_the_straggling_stage_computes_x_more_per_microbatch(runs, p, k):
 
 def ideal_idle(p: int, k: int, extra_fwd: float) -> list[float]:
     """Each stage's idle seconds per step on an ideal machine (no latency), stage k's forwards
-    extra_fwd longer: the 1F1B lists the executor runs, timed as trainer.schedules.simulate
+    extra_fwd longer: the 1F1B lists the executor runs, timed as parwatch.trainer.schedules.simulate
     times them (which takes one forward time for every stage)."""
-    from trainer.schedules import SEND_OPS, build_schedule, message_of
+    from parwatch.trainer.schedules import SEND_OPS, build_schedule, message_of
 
     lists = [build_schedule("1f1b", s, p, M, 1) for s in range(p)]
     clock, busy, pc, arrival = [0.0] * p, [0.0] * p, [0] * p, {}

@@ -26,9 +26,9 @@ def _compare_layers(rank: int, world_size: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from trainer.comm import Comm
-    from trainer.parallel_dims import ParallelDims, build_groups
-    from trainer.tensor_parallel import (
+    from parwatch.trainer.comm import Comm
+    from parwatch.trainer.parallel_dims import ParallelDims, build_groups
+    from parwatch.trainer.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,

@@ -31,34 +31,34 @@ RUNS = {
 
 
 def _span_recorder():
-    from trainer import hooks
+    from parwatch import contract
 
-    class Durations(hooks.Observer):
+    class Durations(contract.Observer):
         """Seconds of every span, by kind (and by group for collectives)."""
 
         def __init__(self):
             self.seconds = {}
 
         def on_span(self, span):
-            key = span.kind if span.kind != hooks.COLLECTIVE else f"collective:{span.attrs['group']}"
+            key = span.kind if span.kind != contract.SpanKind.COLLECTIVE else f"collective:{span.attrs['group']}"
             self.seconds.setdefault(key, []).append((span.end - span.start) * 1e-9)
 
     return Durations()
 
 
 def _run_faults(rank: int, world_size: int) -> dict:
-    from trainer import hooks
-    from trainer.config import TrainConfig
-    from trainer.train import Trainer
+    from parwatch import contract
+    from parwatch.trainer.config import TrainConfig
+    from parwatch.trainer.train import Trainer
 
     results = {}
     for name, settings in RUNS.items():
-        hooks.registry.clear()
+        contract.registry.clear()
         recorder = _span_recorder()
-        hooks.registry.register(recorder)
+        contract.registry.register(recorder)
         trainer = Trainer(TrainConfig(**SMALL, **settings), rank, world_size)
         summary = trainer.run()
-        hooks.registry.clear()
+        contract.registry.clear()
         results[name] = {"stage": trainer.groups.stage, "losses": [float(x) for x in summary["losses"]],
                          "seconds": recorder.seconds}
     return results
@@ -101,7 +101,7 @@ def test_slow_collective_delays_every_tp_all_reduce(fault_runs):
 
 
 def test_crash_via_cli_exits_nonzero_and_names_the_rank(tmp_path):
-    cmd = [sys.executable, "-m", "trainer", "--nproc", "2", "--pp", "2", "--steps", "4", "--layers", "2",
+    cmd = [sys.executable, "-m", "parwatch.trainer", "--nproc", "2", "--pp", "2", "--steps", "4", "--layers", "2",
            "--hidden", "32", "--seq-len", "16", "--inject", "crash:rank=1,step=2",
            "--summary-json", str(tmp_path / "s.json")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Shared pieces of the end-to-end tests: the real trainer (`python -m trainer --nproc N`) in its
+"""Shared pieces of the end-to-end tests: the real trainer (`python -m parwatch.trainer --nproc N`) in its
 own process group, talking to a real `parwatch sidecar` (parwatch.sidecar.process.running_sidecar).
 
 Every wait has a deadline and every trainer is killed (its whole process group) when a test
@@ -75,7 +75,7 @@ def is_finite_loss(x) -> bool:
 
 @dataclass
 class TrainerRun:
-    """One `python -m trainer` launcher process and the files of its run."""
+    """One `python -m parwatch.trainer` launcher process and the files of its run."""
 
     proc: subprocess.Popen
     run_dir: Path
@@ -98,7 +98,7 @@ class TrainerRun:
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
 
     def hang_blocked_at(self) -> float | None:
-        """The wall time an injected hang blocked its rank (trainer.faults logs it), None before it did."""
+        """The wall time an injected hang blocked its rank (parwatch.trainer.faults logs it), None before it did."""
         return self._logged_time(r"injected hang \(\w+\) at step \d+, blocking at ([0-9.]+)")
 
     def fault_at(self) -> float | None:

@@ -125,5 +125,5 @@ def test_bad_inject_spec():
 def test_train_help_prints_the_trainers_help_and_exits_0():
     result = parwatch("train", "--help")
     assert result.returncode == 0, result.stderr
-    assert "Example" in result.stdout and "usage: python -m trainer" in result.stdout
+    assert "Example" in result.stdout and "usage: python -m parwatch.trainer" in result.stdout
     assert "--inject SPEC" in result.stdout

@@ -1,4 +1,4 @@
-"""`python -m trainer` under torchrun (env:// rendezvous): the way multi-node runs start it."""
+"""`python -m parwatch.trainer` under torchrun (env:// rendezvous): the way multi-node runs start it."""
 
 from __future__ import annotations
 

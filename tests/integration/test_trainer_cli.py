@@ -1,4 +1,4 @@
-"""`python -m trainer` as a user runs it: bad settings fail in one line, a tiny run learns.
+"""`python -m parwatch.trainer` as a user runs it: bad settings fail in one line, a tiny run learns.
 
 Each case is a real subprocess with a 60 s timeout. A bad setting must exit non-zero
 with exactly one stderr line, starting with "error:", that names the setting and says
@@ -20,7 +20,7 @@ TINY = ["--layers", "2", "--hidden", "32", "--seq-len", "16"]
 
 
 def _trainer(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "parwatch.trainer", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
 
 

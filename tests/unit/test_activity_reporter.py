@@ -11,9 +11,9 @@ import pytest
 from parwatch.collector.activity import ActivityReporter
 from parwatch.schema import ACTIVITY_FIELDS, HANG_EXIT_CODE
 from parwatch.collector.context import RunContext
-from trainer import hooks
-from trainer.errors import ConfigError
-from trainer.faults import Faults, parse_fault
+from parwatch import contract
+from parwatch.trainer.errors import ConfigError
+from parwatch.trainer.faults import Faults, parse_fault
 
 
 class Response:
@@ -41,27 +41,27 @@ def _ctx(rank=3):
 
 
 def test_registry_current_follows_nested_spans():
-    reg = hooks.HookRegistry()
-    reg.register(hooks.Observer())
+    reg = contract.HookRegistry()
+    reg.register(contract.Observer())
     assert reg.current is None
-    with reg.span(hooks.FORWARD, stage=1) as fwd:
+    with reg.span(contract.SpanKind.FORWARD, stage=1) as fwd:
         assert reg.current is fwd
-        with reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", seq=3) as coll:
+        with reg.span(contract.SpanKind.COLLECTIVE, op="all_reduce", group="tp", seq=3) as coll:
             assert reg.current is coll
         assert reg.current is fwd  # back to the enclosing span
     assert reg.current is None
 
 
 def test_snapshot_names_the_open_span_and_since_when():
-    reg = hooks.HookRegistry()
-    reg.register(hooks.Observer())
+    reg = contract.HookRegistry()
+    reg.register(contract.Observer())
     now_ns = [10_000_000_000]
     rep = ActivityReporter(_ctx(), reg, "http://x", time_fn=lambda: 500.0, perf_ns=lambda: now_ns[0],
                            summary_fn=lambda: {"step": 41, "step_seconds": 0.25}, pid=4242)
     idle = rep.snapshot()
     assert set(idle) == set(ACTIVITY_FIELDS) and idle["kind"] is None and idle["step"] == 41
     assert idle["step_end"] is None  # this summary has no time: the leader falls back on the sample's
-    with reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", seq=17) as span:
+    with reg.span(contract.SpanKind.COLLECTIVE, op="all_reduce", group="tp", seq=17) as span:
         span.start = now_ns[0] - 2_500_000_000  # opened 2.5 s ago
         a = rep.snapshot()
     assert (a["kind"], a["op"], a["group"], a["seq"]) == ("collective", "all_reduce", "tp", 17)
@@ -70,7 +70,7 @@ def test_snapshot_names_the_open_span_and_since_when():
 
 
 def test_post_body_token_and_abort_reply():
-    reg = hooks.HookRegistry()
+    reg = contract.HookRegistry()
     exits = []
     http = FakeHttp({"ok": True, "abort": HANG_EXIT_CODE})
     rep = ActivityReporter(_ctx(), reg, "http://side:9401/", token="s3cret", http=http, on_abort=exits.append)
@@ -84,7 +84,7 @@ def test_post_body_token_and_abort_reply():
 
 def test_thread_reports_about_once_a_second_and_says_done_on_close():
     http = FakeHttp()
-    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), "http://x", interval_s=0.05, http=http).start()
+    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", interval_s=0.05, http=http).start()
     deadline = time.monotonic() + 10
     while len(http.posts) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -97,14 +97,14 @@ def test_unreachable_sidecar_backs_off_without_raising():
         def post(self, *a, **k):
             raise ConnectionError("refused")
 
-    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), "http://x", http=Down())
+    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", http=Down())
     assert not rep.post(rep.snapshot()) and not rep.post(rep.snapshot())  # the second is skipped (backoff)
     assert rep.failed == 2
 
 
 def test_stack_dump_on_sigusr1(tmp_path):
     path = tmp_path / "run" / "stacks-rank3.txt"
-    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), None, stacks_path=str(path)).start()
+    rep = ActivityReporter(_ctx(), contract.HookRegistry(), None, stacks_path=str(path)).start()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         deadline = time.monotonic() + 5
@@ -135,7 +135,7 @@ def test_hang_fault_specs():
 def test_snapshot_carries_when_the_step_ended():
     """step_end is the summary's time: the rank's wall clock at its step boundary, where the leader
     starts a stall's clock (parwatch.sidecar.hang.Progress.boundary_time)."""
-    rep = ActivityReporter(_ctx(), hooks.HookRegistry(), "http://x", time_fn=lambda: 500.9,
+    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", time_fn=lambda: 500.9,
                            summary_fn=lambda: {"step": 7, "step_seconds": 0.25, "time": 500.125})
     a = rep.snapshot()
     assert (a["step"], a["step_end"], a["time"]) == (7, 500.125, 500.9)
@@ -155,7 +155,7 @@ def test_parwatch_host_overrides_the_host_a_rank_reports(monkeypatch):
     assert host_identity() == "gpu-node-17"
     ctx = RunContext.for_rank("run-1", 0, tp=1, pp=2, dp=1, schedule="1f1b", microbatches=4)
     assert ctx.hostname == "gpu-node-17"
-    rep = ActivityReporter(ctx, hooks.HookRegistry(), "http://x")
+    rep = ActivityReporter(ctx, contract.HookRegistry(), "http://x")
     assert rep.snapshot()["host"] == "gpu-node-17"
     monkeypatch.setenv("PARWATCH_HOST", "two words")
     with pytest.raises(ValueError, match=r"\$PARWATCH_HOST='two words' must be a host name"):

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-import trainer.checkpoint as ckpt
-from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint
-from trainer.errors import CheckpointError
+import parwatch.trainer.checkpoint as ckpt
+from parwatch.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint
+from parwatch.trainer.errors import CheckpointError
 
 
 def no_barrier():

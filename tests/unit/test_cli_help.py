@@ -59,8 +59,8 @@ def test_train_help_is_the_trainers_own_help_after_an_example():
     out = result.output
     assert "Example" in out and "parwatch train --nproc 4" in out
     # The trainer's argparse help follows: its usage and options are what `train` accepts.
-    assert "usage: python -m trainer" in out and "--inject SPEC" in out and "--parwatch-endpoint" in out
-    assert out.index("Example") < out.index("usage: python -m trainer")
+    assert "usage: python -m parwatch.trainer" in out and "--inject SPEC" in out and "--parwatch-endpoint" in out
+    assert out.index("Example") < out.index("usage: python -m parwatch.trainer")
 
 
 def test_rollback_help_offers_to_step():

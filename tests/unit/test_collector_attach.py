@@ -1,4 +1,4 @@
-"""attach_from_config: the bundled trainer's way to a Collector (trainer/launch.py calls it)."""
+"""attach_from_config: the bundled trainer's way to a Collector (parwatch/trainer/launch.py calls it)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from parwatch.collector import attach_from_config
 from parwatch.collector.attach import AttachError, read_token
-from trainer.config import TrainConfig
+from parwatch.trainer.config import TrainConfig
 
 
 def test_builds_this_ranks_context_and_run_directory_files(hook_registry, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parwatch.collector.causes import CauseSplitter
-from trainer.schedules import pipeline_order
+from parwatch.trainer.schedules import pipeline_order
 
 
 def stage(s, bubble, fwd, bwd):

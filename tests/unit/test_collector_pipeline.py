@@ -1,4 +1,4 @@
-"""The collector driven through trainer.hooks by a simulated p=2, m=4 GPipe pipeline on 2 ranks."""
+"""The collector driven through parwatch.contract by a simulated p=2, m=4 GPipe pipeline on 2 ranks."""
 
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def test_jsonl_files_hold_every_summary_and_the_sampled_steps_spans(tmp_path):
 def test_attach_installs_the_clock_on_the_trainers_registry_and_close_restores_it(hook_registry):
     from parwatch.collector import Collector, attach
     from test_collector_sim import FakeClock, ctx_for
-    from trainer.hooks import PerfCounterClock
+    from parwatch.contract import PerfCounterClock
 
     clock = FakeClock()
     collector = attach(Collector(ctx_for(0), clock=clock))
@@ -276,7 +276,7 @@ def test_attach_installs_the_clock_on_the_trainers_registry_and_close_restores_i
 
 
 def test_a_malformed_span_or_event_is_counted_not_raised():
-    from trainer.hooks import Span
+    from parwatch.contract import Span
 
     run = started()
     collector = run.ranks[0].collector

@@ -151,7 +151,7 @@ def test_origin_is_rank_0s_wall_clock_only():
 
 # --- RunContext ---------------------------------------------------------------------------------
 def test_run_context_derives_coordinates_like_parallel_dims():
-    from trainer.parallel_dims import ParallelDims
+    from parwatch.trainer.parallel_dims import ParallelDims
 
     dims = ParallelDims(tp=2, pp=3, dp=2, world_size=12)
     for rank in range(12):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.data import global_index, microbatch
+from parwatch.trainer.data import global_index, microbatch
 
 ARGS = dict(batch=3, seq_len=12, vocab=64)
 

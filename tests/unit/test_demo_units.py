@@ -16,8 +16,8 @@ from parwatch.demo.scenario import SCENARIOS, DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
 from parwatch.schema import bubble_theoretical_ratio
 from tests.fixtures.make_run_dir import make_run_dir
-from trainer.config import parse_args
-from trainer.faults import parse_fault
+from parwatch.trainer.config import parse_args
+from parwatch.trainer.faults import parse_fault
 
 
 def trainer_config(cfg: DemoConfig, tmp_path):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from trainer.comm import Comm
-from trainer.flops import matmul_params, model_flops_per_step
-from trainer.model import Chunk, GPTConfig, build_pieces
-from trainer.parallel_dims import ParallelDims, ProcessGroups
+from parwatch.trainer.comm import Comm
+from parwatch.trainer.flops import matmul_params, model_flops_per_step
+from parwatch.trainer.model import Chunk, GPTConfig, build_pieces
+from parwatch.trainer.parallel_dims import ParallelDims, ProcessGroups
 
 
 def _single_rank_comm() -> Comm:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from trainer import hooks
+from parwatch import contract
 from parwatch.contract import OutcomeReport
-from trainer.hooks import BoundaryInfo, HookRegistry, Observer
+from parwatch.contract import BoundaryInfo, HookRegistry, Observer
 
 
 class CountingClock:
@@ -52,13 +52,13 @@ def reg():
 
 
 def test_without_observers_span_is_the_shared_null_object_and_reads_no_clock(reg):
-    first = reg.span(hooks.FORWARD, stage=0, microbatch=0, chunk=0)
-    second = reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", bytes=4, group_size=2)
-    assert first is second is hooks._NULL_SPAN
+    first = reg.span(contract.SpanKind.FORWARD, stage=0, microbatch=0, chunk=0)
+    second = reg.span(contract.SpanKind.COLLECTIVE, op="all_reduce", group="tp", bytes=4, group_size=2)
+    assert first is second is contract.spans._NULL_SPAN
     with first as span:
         assert span is None
     assert reg.mark() is None
-    reg.emit_span(hooks.SEND, 1, 2, op="send")
+    reg.emit_span(contract.SpanKind.SEND, 1, 2, op="send")
     reg.emit_event("run_start", rank=0)
     reg.emit_boundary(BoundaryInfo(1, "step", [], 0.0, None), [[], []])
     assert reg.clock.reads == 0 and not reg.active
@@ -67,10 +67,10 @@ def test_without_observers_span_is_the_shared_null_object_and_reads_no_clock(reg
 def test_spans_arrive_with_their_attributes_and_ordered_marks(reg):
     rec = Recorder()
     reg.register(rec)
-    with reg.span(hooks.FORWARD, stage=1, microbatch=2, chunk=0):
-        with reg.span(hooks.COLLECTIVE, op="all_reduce", group="tp", bytes=4096, group_size=2):
+    with reg.span(contract.SpanKind.FORWARD, stage=1, microbatch=2, chunk=0):
+        with reg.span(contract.SpanKind.COLLECTIVE, op="all_reduce", group="tp", bytes=4096, group_size=2):
             pass
-    assert [s.kind for s in rec.spans] == [hooks.COLLECTIVE, hooks.FORWARD]  # inner ends first
+    assert [s.kind for s in rec.spans] == [contract.SpanKind.COLLECTIVE, contract.SpanKind.FORWARD]  # inner ends first
     inner, outer = rec.spans
     assert all(s.start <= s.end for s in rec.spans)
     assert outer.start <= inner.start <= inner.end <= outer.end
@@ -82,7 +82,7 @@ def test_a_span_is_reported_even_when_its_body_raises(reg):
     rec = Recorder()
     reg.register(rec)
     with pytest.raises(RuntimeError):
-        with reg.span(hooks.BACKWARD, stage=0):
+        with reg.span(contract.SpanKind.BACKWARD, stage=0):
             raise RuntimeError("boom")
     assert len(rec.spans) == 1 and rec.spans[0].end is not None
 
@@ -91,14 +91,14 @@ def test_every_observer_sees_every_span_and_unregister_stops_it(reg):
     a, b = Recorder(), Recorder()
     reg.register(a)
     reg.register(b)
-    reg.emit_span(hooks.SEND, 5, 9, op="send", bytes=8)
+    reg.emit_span(contract.SpanKind.SEND, 5, 9, op="send", bytes=8)
     reg.unregister(a)
-    with reg.span(hooks.OPTIMIZER, stage=0):
+    with reg.span(contract.SpanKind.OPTIMIZER, stage=0):
         pass
     assert len(a.spans) == 1 and len(b.spans) == 2
     assert (b.spans[0].start, b.spans[0].end) == (5, 9)
     reg.unregister(b)
-    assert not reg.active and reg.span(hooks.FORWARD) is hooks._NULL_SPAN
+    assert not reg.active and reg.span(contract.SpanKind.FORWARD) is contract.spans._NULL_SPAN
 
 
 def test_boundary_slots_are_filled_and_sliced_per_observer(reg):
@@ -141,10 +141,10 @@ def test_events_reach_every_observer(reg):
 def test_clear_restores_the_host_clock(reg):
     reg.register(Recorder())
     reg.clear()
-    assert isinstance(reg.clock, hooks.PerfCounterClock) and not reg.active and reg.observers == []
+    assert isinstance(reg.clock, contract.PerfCounterClock) and not reg.active and reg.observers == []
 
 
 def test_perf_counter_clock_marks_increase_and_resolve_to_seconds():
-    clock = hooks.PerfCounterClock()
+    clock = contract.PerfCounterClock()
     a, b = clock.mark(), clock.mark()
     assert b >= a and clock.seconds(a, a + 2_000_000_000) == pytest.approx(2.0)

@@ -1,8 +1,8 @@
 """parwatch imports cleanly from a directory that holds the user's own `trainer.py`.
 
-`trainer.py` is a common name for a user's training script. The collector and the
-integrations must not import parwatch's bundled reference trainer (a top-level package
-named `trainer`), or running from such a directory picks up the user's file instead.
+`trainer.py` is a common name for a user's training script. parwatch's bundled reference trainer is
+`parwatch.trainer` (no top-level `trainer`), so nothing of parwatch, the bundled trainer included, picks
+up the user's file; the name stays the user's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = ("parwatch.collector", "parwatch.integrations.torch_pipelining", "parwatch.pipeline_sim",
-           "parwatch.contract")
+           "parwatch.contract", "parwatch.trainer.launch", "parwatch.trainer.train", "parwatch.cli.train")
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from trainer.errors import ConfigError
-from trainer.partition import block_param_count, partition, piece_param_counts
+from parwatch.trainer.errors import ConfigError
+from parwatch.trainer.partition import block_param_count, partition, piece_param_counts
 
 
 def _blocks(ranges, layers):
@@ -86,9 +86,9 @@ def test_unknown_method_and_missing_counts():
 
 
 def test_param_counts_match_the_real_model():
-    from trainer.comm import Comm
-    from trainer.model import GPTConfig, build_pieces
-    from trainer.parallel_dims import ParallelDims, ProcessGroups
+    from parwatch.trainer.comm import Comm
+    from parwatch.trainer.model import GPTConfig, build_pieces
+    from parwatch.trainer.parallel_dims import ParallelDims, ProcessGroups
 
     dims = ParallelDims(1, 1, 1, 1)
     comm = Comm(ProcessGroups(dims=dims, coords=dims.coords(0)))  # tp=1: no process group needed

@@ -286,7 +286,7 @@ def test_per_action_seconds_from_global_view_totals():
                                         ("interleaved", 4, 8, 2)])
 def test_reference_trainer_order_replays_to_the_formula(name, p, m, v):
     """The bundled trainer announces its order at run_start in this module's notation."""
-    from trainer.schedules import pipeline_order
+    from parwatch.trainer.schedules import pipeline_order
 
     result = ps.simulate(pipeline_order(name, p, m, v), {"F": 0.02, "B": 0.04})
     assert all(b == pytest.approx(ps.theory(name, p, m, v)) for b in result.bubble.values())

@@ -6,8 +6,8 @@ import multiprocessing
 
 import pytest
 
-from trainer import launch
-from trainer.progress import RankProgress, describe_exit, exit_status
+from parwatch.trainer import launch
+from parwatch.trainer.progress import RankProgress, describe_exit, exit_status
 
 
 class _Recorder:

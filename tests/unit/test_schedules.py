@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.schedules import (
+from parwatch.trainer.schedules import (
     COMPUTE_OPS,
     RECV_OPS,
     SEND_OPS,
@@ -231,5 +231,5 @@ def test_instr_rejects_unknown_op():
 
 
 def test_importable_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import trainer.schedules"
+    code = "import sys; sys.modules['torch'] = None; import parwatch.trainer.schedules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

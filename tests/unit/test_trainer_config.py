@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from trainer.config import TrainConfig, build_parser, parse_args
-from trainer.errors import ConfigError
-from trainer.parallel_dims import ParallelDims
+from parwatch.trainer.config import TrainConfig, build_parser, parse_args
+from parwatch.trainer.errors import ConfigError
+from parwatch.trainer.parallel_dims import ParallelDims
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (4, 2, 3), (3, 1, 2)]
 

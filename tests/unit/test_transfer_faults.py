@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.errors import ConfigError
-from trainer.faults import Faults, parse_fault
+from parwatch.trainer.errors import ConfigError
+from parwatch.trainer.faults import Faults, parse_fault
 
 
 def test_slow_link_delays_only_the_named_direction():

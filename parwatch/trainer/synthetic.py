@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.comm import Comm
-from trainer.errors import ConfigError
+from parwatch.trainer.comm import Comm
+from parwatch.trainer.errors import ConfigError
 
 
 @dataclass(frozen=True)

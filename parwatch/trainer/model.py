@@ -1,7 +1,7 @@
 """A small GPT, tensor-parallel inside each layer, cut into pipeline chunks.
 
 The model is a list of pieces: embedding, n transformer blocks, head. A
-pipeline chunk is a consecutive run of pieces (trainer.partition decides
+pipeline chunk is a consecutive run of pieces (parwatch.trainer.partition decides
 which). Every piece is built from full, name-seeded weights, so any TP x PP
 layout holds exactly the parameters of the single-process model.
 """
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.comm import Comm
-from trainer.tensor_parallel import (
+from parwatch.trainer.comm import Comm
+from parwatch.trainer.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

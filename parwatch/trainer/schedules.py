@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from trainer.errors import ConfigError, TrainerError
+from parwatch.trainer.errors import ConfigError, TrainerError
 
 COMPUTE_OPS = ("forward", "backward")
 RECV_OPS = ("recv_act", "recv_grad")

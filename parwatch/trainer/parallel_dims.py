@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.errors import ConfigError
+from parwatch.trainer.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -20,24 +20,24 @@ import torch
 import torch.distributed as dist
 
 from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, TorchAllReduce
-from trainer import checkpoint as ckpt
-from trainer import hooks
-from trainer.comm import Comm
-from trainer.config import TrainConfig
-from trainer.executor import PipelineExecutor, StepShape
-from trainer.faults import Faults, InjectedError, parse_fault
-from trainer.flops import model_flops_per_step
-from trainer.model import Chunk, GPTConfig, build_pieces
-from trainer.parallel_dims import ParallelDims, build_groups
-from trainer.partition import partition, piece_param_counts
-from trainer.schedules import build_schedule, pipeline_order
-from trainer.synthetic import SyntheticChunk, parse_synthetic
+from parwatch.trainer import checkpoint as ckpt
+from parwatch import contract
+from parwatch.trainer.comm import Comm
+from parwatch.trainer.config import TrainConfig
+from parwatch.trainer.executor import PipelineExecutor, StepShape
+from parwatch.trainer.faults import Faults, InjectedError, parse_fault
+from parwatch.trainer.flops import model_flops_per_step
+from parwatch.trainer.model import Chunk, GPTConfig, build_pieces
+from parwatch.trainer.parallel_dims import ParallelDims, build_groups
+from parwatch.trainer.partition import partition, piece_param_counts
+from parwatch.trainer.schedules import build_schedule, pipeline_order
+from parwatch.trainer.synthetic import SyntheticChunk, parse_synthetic
 
 log = logging.getLogger("trainer")
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, registry: hooks.HookRegistry = hooks.registry):
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, registry: contract.HookRegistry = contract.registry):
         cfg.validate(world_size)
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.registry = registry
@@ -99,7 +99,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.synthetic_compute:
             return None
-        from trainer.model import Block
+        from parwatch.trainer.model import Block
 
         layers_local = sum(1 for c in self.chunks for m in c.modules() if isinstance(m, Block))
         return model_flops_per_step(self.chunks, layers_local, cfg.hidden, cfg.tp, cfg.seq_len,
@@ -318,9 +318,9 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-if __name__ == "__main__":  # `python -m trainer.train` is the trainer too, not a module that trains nothing
+if __name__ == "__main__":  # `python -m parwatch.trainer.train` is the trainer too, not a module that trains nothing
     import sys
 
-    from trainer.launch import main
+    from parwatch.trainer.launch import main
 
     sys.exit(main())

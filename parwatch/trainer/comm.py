@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer import hooks
-from trainer.parallel_dims import ProcessGroups
+from parwatch import contract
+from parwatch.trainer.parallel_dims import ProcessGroups
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -100,11 +100,11 @@ class Comm:
     groups: ProcessGroups
     slow_ms: dict = field(default_factory=dict)
     """Injected extra latency per collective, by group role ("tp", "pp", "dp")."""
-    registry: hooks.HookRegistry = hooks.registry
+    registry: contract.HookRegistry = contract.registry
     link_delay_ms: dict = field(default_factory=dict)
     """Injected slow links: destination global rank -> extra ms inside each send to it."""
     faults: object = None
-    """trainer.faults.Faults whose hang points sit here (set by the executor), or None."""
+    """parwatch.trainer.faults.Faults whose hang points sit here (set by the executor), or None."""
     _pending: list = field(default_factory=list)
     _ranks: dict = field(default_factory=dict)
     _lanes: dict = field(default_factory=dict)
@@ -140,7 +140,7 @@ class Comm:
         if self.faults is not None and role == "tp":
             self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
         with self.registry.span(
-            hooks.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
+            contract.SpanKind.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
             ranks=self.group_ranks(role),
         ):
             self._delay(role)
@@ -163,7 +163,7 @@ class Comm:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
         if self.faults is not None and self.faults.hang_due("send"):
-            with self.registry.span(hooks.SEND, peer=dst, op="send", group="pp", **attrs):
+            with self.registry.span(contract.SpanKind.SEND, peer=dst, op="send", group="pp", **attrs):
                 self.faults.hang_if("send")  # the rank reads as stuck in a send to dst
         active = self.registry.active
         start = self.registry.mark() if active else None
@@ -173,7 +173,7 @@ class Comm:
         if active:
             span_attrs = dict(attrs, peer=dst, op="send", group="pp", bytes=tensor.numel() * tensor.element_size(),
                               group_size=2)
-            span_attrs["seq"] = self.registry.next_seq(hooks.SEND, span_attrs)  # numbered when posted
+            span_attrs["seq"] = self.registry.next_seq(contract.SpanKind.SEND, span_attrs)  # numbered when posted
         lane = self._lane(dst)
         if lane is None:
             work = dist.isend(tensor, dst=dst, group=self.groups.pp, tag=tag)
@@ -187,7 +187,7 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs) -> torch.Tensor:
         with self.registry.span(
-            hooks.RECV, peer=src, op="recv", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2,
+            contract.SpanKind.RECV, peer=src, op="recv", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2,
             **attrs
         ):
             self._delay("pp")
@@ -228,4 +228,4 @@ class Comm:
                 p.work.wait()
             if p.attrs is not None:
                 end = p.end if p.end is not None else self.registry.mark()
-                self.registry.emit_span(hooks.SEND, p.start, end, **p.attrs)
+                self.registry.emit_span(contract.SpanKind.SEND, p.start, end, **p.attrs)

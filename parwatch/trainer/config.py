@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, field
 
-from trainer.errors import ConfigError
-from trainer.faults import parse_fault
-from trainer.schedules import SCHEDULES
-from trainer.synthetic import parse_synthetic
+from parwatch.trainer.errors import ConfigError
+from parwatch.trainer.faults import parse_fault
+from parwatch.trainer.schedules import SCHEDULES
+from parwatch.trainer.synthetic import parse_synthetic
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Complete checkpoints to keep; 0 keeps all."""
     inject: list = field(default_factory=list)
-    """Fault specs (see trainer.faults)."""
+    """Fault specs (see parwatch.trainer.faults)."""
     synthetic_compute: str = ""
     """fwd_ms=N,bwd_ms=N: replace layer math with sleeps; empty means real compute."""
     summary_json: str = ""
@@ -128,11 +128,11 @@ class TrainConfig:
         for spec in self.inject:
             parse_fault(spec)
         parse_synthetic(self.synthetic_compute)
-        from trainer.schedules import build_schedule  # its argument checks name the fix
+        from parwatch.trainer.schedules import build_schedule  # its argument checks name the fix
 
         build_schedule(self.schedule, 0, self.pp, self.microbatches, self.chunks)
         if world_size is not None:
-            from trainer.parallel_dims import ParallelDims
+            from parwatch.trainer.parallel_dims import ParallelDims
 
             ParallelDims(self.tp, self.pp, self.dp, world_size)
 
@@ -166,14 +166,14 @@ class _OneLineParser(argparse.ArgumentParser):
     """Usage errors as one line naming the flag, like every other configuration error."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see python -m trainer --help)\n")
+        self.exit(2, f"error: {message} (see python -m parwatch.trainer --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
-        prog="python -m trainer",
+        prog="python -m parwatch.trainer",
         description="Reference TP+PP trainer (gloo on CPU, NCCL on GPU).",
-        epilog="example: python -m trainer --nproc 4 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 20",
+        epilog="example: python -m parwatch.trainer --nproc 4 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 20",
     )
     defaults = TrainConfig()
     docs = field_docs()

@@ -1,4 +1,4 @@
-"""Runs one step of a pipeline schedule (a list of trainer.schedules.Instr) on this rank.
+"""Runs one step of a pipeline schedule (a list of parwatch.trainer.schedules.Instr) on this rank.
 
 Each instruction is announced as a hook span; the data fetch of the first and
 last virtual stages is a `data` span of its own, before the forward. Sends are posted with isend and
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import hooks
-from trainer.comm import Comm
-from trainer.data import global_index, microbatch
-from trainer.faults import Faults
-from trainer.schedules import Instr, message_of, peer_stage
+from parwatch import contract
+from parwatch.trainer.comm import Comm
+from parwatch.trainer.data import global_index, microbatch
+from parwatch.trainer.faults import Faults
+from parwatch.trainer.schedules import Instr, message_of, peer_stage
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class StepShape:
 
 class PipelineExecutor:
     def __init__(self, chunks: list, instrs: list[Instr], comm: Comm, shape: StepShape, faults: Faults,
-                 registry: hooks.HookRegistry = hooks.registry):
+                 registry: contract.HookRegistry = contract.registry):
         self.chunks = chunks
         self.instrs = instrs
         self.comm = comm
@@ -101,11 +101,11 @@ class PipelineExecutor:
             elif op == "forward":
                 if vstage == 0 or vstage == self.last_vstage:
                     # Its own span, outside the forward: slow input must not read as slow compute.
-                    with reg.span(hooks.DATA, **attrs):
+                    with reg.span(contract.SpanKind.DATA, **attrs):
                         ids, targets = self._data(data_step, instr.microbatch)
                         if data_delay_s:
                             time.sleep(data_delay_s)
-                with reg.span(hooks.FORWARD, **attrs):
+                with reg.span(contract.SpanKind.FORWARD, **attrs):
                     self.faults.hang_if("compute")
                     chunk = self.chunks[instr.chunk]
                     x = ids if vstage == 0 else inputs[key]
@@ -122,7 +122,7 @@ class PipelineExecutor:
             elif op == "send_act":
                 self.comm.isend(outputs[key].detach(), self._peer(instr), self._tag(instr), what="activation", **attrs)
             elif op == "backward":
-                with reg.span(hooks.BACKWARD, **attrs):
+                with reg.span(contract.SpanKind.BACKWARD, **attrs):
                     out = outputs.pop(key)
                     if vstage == self.last_vstage:
                         torch.autograd.backward(out)

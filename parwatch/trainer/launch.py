@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer.config import TrainConfig
-from trainer.errors import ConfigError, TrainerError
-from trainer.progress import RankProgress, describe_exit, exit_status
+from parwatch.trainer.config import TrainConfig
+from parwatch.trainer.errors import ConfigError, TrainerError
+from parwatch.trainer.progress import RankProgress, describe_exit, exit_status
 
 log = logging.getLogger("trainer")
 
@@ -47,7 +47,7 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, 
     import torch
     import torch.distributed as dist
 
-    from trainer.train import Trainer, new_run_id, write_summary
+    from parwatch.trainer.train import Trainer, new_run_id, write_summary
 
     torch.set_num_threads(int(os.environ.get("TRAINER_THREADS", "1")))
     backend = cfg.backend
@@ -101,11 +101,11 @@ def shutdown(trainer, observer, failed: bool, error: BaseException | None = None
     training itself failed (then its error is the one that propagates)."""
     import torch.distributed as dist
 
-    from trainer import hooks
+    from parwatch import contract
 
     steps = [lambda: trainer is not None and trainer.close(failed),
              lambda: observer is not None and observer.close(error=error),
-             hooks.registry.clear,
+             contract.registry.clear,
              lambda: dist.is_initialized() and dist.destroy_process_group()]
     first = None
     for step in steps:
@@ -191,7 +191,7 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
 
 def main(argv: list[str] | None = None, attach: Attach | None = None) -> int:
     """The trainer's command line; `attach` is given by parwatch's launcher (see Attach)."""
-    from trainer.config import parse_args
+    from parwatch.trainer.config import parse_args
 
     try:
         cfg = parse_args(argv)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None, attach: Attach | None = None) -> int:
             if env_id and env_id != "none":
                 cfg.run_id = env_id
             elif cfg.nproc:  # ... one made here for the ranks spawned below; under torchrun
-                from trainer.train import new_run_id  # rank 0's, broadcast in run_rank
+                from parwatch.trainer.train import new_run_id  # rank 0's, broadcast in run_rank
 
                 cfg.run_id = new_run_id()
         if cfg.nproc:

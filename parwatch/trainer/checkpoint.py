@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from trainer.errors import CheckpointError
+from parwatch.trainer.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from trainer.errors import ConfigError
+from parwatch.trainer.errors import ConfigError
 
 _SPECS = {
     "straggler": {"stage": int, "ms": float, "from_step": int, "rank": int},
@@ -98,7 +98,7 @@ class Faults:
         self.rank, self.stage = rank, stage
         self._nan_done: set[int] = set()
         self._hangs = {f.params["step"]: f.params["where"] for f in faults if f.kind == "hang" and f.params["rank"] == rank}
-        self._step = 0  # the step being executed (begin_step), for the hang points in trainer.comm
+        self._step = 0  # the step being executed (begin_step), for the hang points in parwatch.trainer.comm
 
     def straggler_ms(self, step: int) -> float:
         return sum(

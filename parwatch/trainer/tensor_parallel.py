@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.comm import Comm
+from parwatch.trainer.comm import Comm
 
 
 # ------------------------------------------------------------------ mappings

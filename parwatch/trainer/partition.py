@@ -8,7 +8,7 @@ fewer blocks with it.
 
 from __future__ import annotations
 
-from trainer.errors import ConfigError
+from parwatch.trainer.errors import ConfigError
 
 
 def block_param_count(hidden: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from trainer.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from parwatch.trainer.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def matmul_params(chunks: list[nn.Module]) -> int:

@@ -1,5 +1,0 @@
-import sys
-
-from trainer.launch import main
-
-sys.exit(main())
