@@ -39,7 +39,7 @@ from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, Observer, Span
 from parwatch.contract import registry as default_registry
-from parwatch.schema import CLOSED_FORM_SCHEDULES
+from parwatch.bubble import CLOSED_FORM_SCHEDULES
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import re
 
-from parwatch.schema import bubble_theoretical_ratio
+from parwatch.bubble import closed_form
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 HOST_ENV = "PARWATCH_HOST"
@@ -136,5 +136,6 @@ class RunContext:
 
     @property
     def bubble_theoretical_ratio(self) -> float:
-        """(p-1)/(v*m+p-1): the bubble share the schedule itself implies."""
-        return bubble_theoretical_ratio(self.pp, self.microbatches, self.chunks)
+        """(p-1)/(v*m+p-1): the bubble share the schedule itself implies (a schedule without a
+        closed form has its replay instead, once the trainer announces its order)."""
+        return closed_form(self.pp, self.microbatches, self.chunks)
