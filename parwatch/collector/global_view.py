@@ -64,9 +64,10 @@ def origin_of(slots: Sequence[float]) -> float | None:
 def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> dict | None:
     """The schema's `global` object from the summed slots, or None when no stage reported.
 
-    A stage's numbers are the mean over its reporting ranks; its bubble is parwatch.bubble's
-    time-weighted one, from those means (the ratio of the sums). Per-kind compute means (forward, backward, backward_weight, loss, per
-    rank and step) let the bubble be split into its causes (parwatch.pipeline_sim)."""
+    A stage's numbers are the mean over its reporting ranks; its bubble is parwatch.bubble's,
+    from those means (the ratio of the sums). Per-kind compute means (forward, backward,
+    backward_weight, loss, per rank and step) let the bubble be split into its causes
+    (parwatch.pipeline_sim)."""
     described = int(slots[STEP])
     if described <= 0:
         return None

@@ -115,7 +115,7 @@ class FeedingProxy:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
+            def do_GET(self):
                 body, ctype = proxy.scrape(self.headers.get("Accept", ""))
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
