@@ -219,7 +219,7 @@ def test_the_five_consumers_of_the_stage_bubble_agree(tmp_path):
     with running_sidecar(tmp_path / "state", "--rules", str(rules_path)) as sp, \
             FeedingProxy(sp, run_dir / "summaries.jsonl") as proxy, \
             prometheus(tmp_path, proxy.target, [ROOT / "dashboards" / "recording_rules.yaml", alerts_path]) as (prom, proc, log):
-        names = {alert_name(r): r.name for r in rules.rules}
+        alert_names = {alert_name(r) for r in rules.rules}
 
         def everything():
             assert proc.poll() is None, log.read_text()
@@ -227,7 +227,7 @@ def test_the_five_consumers_of_the_stage_bubble_agree(tmp_path):
             active = api(prom, "alerts")
             alerts = {a["labels"]["alertname"]: float(a["value"]) for a in (active or {}).get("alerts", ())}
             # A few steps in the rate window, every stage recorded, every bubble alert raised.
-            return (proxy.step >= 5 and len(recorded) == PP and set(names) <= set(alerts)) and alerts
+            return (proxy.step >= 5 and len(recorded) == PP and alert_names <= set(alerts)) and alerts
 
         alerts = wait_until(everything, "Prometheus to record the stage bubble and raise every bubble alert", timeout=120,
                             interval=0.5)
