@@ -3,16 +3,21 @@
     python benchmarks/bubble_fidelity.py [--fwd-ms 40 --bwd-ms 80 --steps 6]
 
 For GPipe and 1F1B, p in {2, 4}, m in {1, 2, 4, 8}: run the trainer with the
-collector on and --synthetic-compute, read every stage's bubble (mean over the
-steps after the first) from --summary-json, and compare with (p-1)/(m+p-1).
+collector on and --synthetic-compute, read every stage's bubble (parwatch.bubble's,
+over the steps after the first) from --summary-json, and compare with (p-1)/(m+p-1).
 Goal: |measured - formula| <= 0.02 on every stage.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from common import print_table, run_trainer, write_json
+from common import ROOT, print_table, run_trainer, write_json
+
+sys.path.insert(0, str(ROOT))
+
+from parwatch.bubble import theoretical  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +40,7 @@ def main() -> int:
                     "--steps", str(a.steps), "--layers", str(p), "--hidden", "32", "--seq-len", "16",
                     "--synthetic-compute", f"fwd_ms={a.fwd_ms:g},bwd_ms={a.bwd_ms:g}", "--parwatch", "on",
                 ])
-                theory = (p - 1) / (m + p - 1)
+                theory = theoretical(schedule, p, m)
                 measured = [st["bubble_ratio"] for st in s["stages"]]
                 worst = max(abs(b - theory) for b in measured)
                 ok = worst <= a.tolerance

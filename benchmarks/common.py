@@ -56,7 +56,7 @@ def run_trainer(args: list[str], timeout: float = 600, env: dict | None = None) 
     """Run `python -m parwatch.trainer ARGS --summary-json TMP` and return the summary."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
-        launcher = ["parwatch", "train"] if watched(args) else ["trainer"]  # only parwatch's attaches the collector
+        launcher = ["parwatch", "train"] if watched(args) else ["parwatch.trainer"]  # only parwatch's attaches the collector
         cmd = [sys.executable, "-m", *launcher, *args, "--summary-json", path]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})

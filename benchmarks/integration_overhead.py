@@ -234,6 +234,7 @@ def breakdown(pairs: int, only: str = "", synthetic_ms: str = "") -> tuple[list,
 
 def fidelity() -> tuple[list, list]:
     from parwatch import pipeline_sim as ps
+    from parwatch.bubble import theoretical
     from tests.dist import test_torch_pipelining as t  # replayed_steps: tests/bubble_replay.py
 
     rows, results = [], []
@@ -247,7 +248,7 @@ def fidelity() -> tuple[list, list]:
             times = t.action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
             mean_replay = ps.simulate(order, times).bubble
             v = 1 if schedule in ("gpipe", "1f1b") else 2
-            formula = ps.theory(t.CLOSED_FORM[schedule], t.P, t.M, v) if schedule in t.CLOSED_FORM else None
+            formula = theoretical(t.CLOSED_FORM[schedule], t.P, t.M, v) if schedule in t.CLOSED_FORM else None
             for rank in range(t.P):
                 deviations = [measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values()]
                 plain = [measured[rank] - mean_replay[rank] for measured, _, _, _ in steps.values()]

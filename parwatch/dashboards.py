@@ -208,12 +208,14 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
                     (rec.JOB_STEP_P99, f"run p99 ({rec.QUANTILE_WINDOW})")], unit="s"),
         timeseries("Model FLOPs utilisation", _job_ops("parwatch_model_flops_utilization_ratio", ("min", "avg"), " over ranks"),
                    unit="percentunit"),
-        # Pipeline bubble: one bubble per stage, the mean over its ranks, as the guardrails judge it.
+        # Pipeline bubble: one bubble per stage (parwatch.bubble), as the guardrails judge it.
         timeseries("Bubble ratio per stage vs theoretical",
-                   [(rec.STAGE_BUBBLE, "stage {{stage}}"), (rec.STAGE_BUBBLE_THEORY, "stage {{stage}} theoretical")],
+                   [(rec.stage_bubble(window), "stage {{stage}}"),
+                    (rec.STAGE_BUBBLE_THEORY, "stage {{stage}} theoretical")],
                    unit="percentunit", overrides=[_dashed("theoretical")],
-                   desc="mean over the stage's ranks of idle / (step - other), against the schedule's (p-1)/(v*m+p-1)"),
-        timeseries("Bubble excess (measured - theoretical)", [(rec.STAGE_BUBBLE_EXCESS, "stage {{stage}}")],
+                   desc="idle / (idle + compute), summed over the stage's ranks, against the schedule's "
+                        "(p-1)/(v*m+p-1)"),
+        timeseries("Bubble excess (measured - theoretical)", [(rec.stage_bubble_excess(window), "stage {{stage}}")],
                    unit="percentunit", limit=excess,
                    desc="the part a user can fix; the line is the bubble-excess guardrail, which judges this same series"),
         timeseries("Bubble by cause per stage",

@@ -24,7 +24,7 @@ RESHARD) are dropped: communication is modelled by `p2p_s`, idle by the replay.
     order = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
     simulate(order, {"F": 0.04, "B": 0.08}).bubble    # {0: 0.333.., 1: 0.333..}
 
-`theory()` gives the closed forms; `bubble_causes()` splits a measured bubble into the part
+parwatch.bubble gives the closed forms; `bubble_causes()` splits a measured bubble into the part
 the schedule implies, the part stage imbalance adds, and the rest (waiting).
 """
 
@@ -297,28 +297,6 @@ def _host_fn(host_s, blocks: Mapping[int, list]):
     if not isinstance(host_s, (int, float)) or host_s < 0:
         raise ValueError(f"host_s={host_s!r} must be seconds >= 0 or {{rank: seconds}}")
     return lambda rank: float(host_s)
-
-
-# ----------------------------------------------------------------------- theory
-_CLOSED_FORMS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "interleaved1f1b": 2}
-
-
-def theory(schedule_name: str, p: int, m: int, v: int = 1) -> float:
-    """The closed-form bubble share of a step with uniform stages.
-
-    gpipe, 1f1b: (p-1)/(m+p-1); interleaved (or interleaved1f1b): (p-1)/(v*m+p-1). Other
-    schedules (zero bubble, looped BFS, DualPipeV) have no closed form at unequal F/I/W:
-    `simulate()` their action lists instead."""
-    name = schedule_name.lower().replace("schedule", "").replace("_", "").replace("-", "")
-    if name not in _CLOSED_FORMS:
-        raise ValueError(f"theory(): no closed form for schedule {schedule_name!r} (have gpipe, 1f1b, "
-                         "interleaved); simulate() its action lists instead")
-    for label, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"theory(): {label}={value!r} must be a positive integer")
-    if _CLOSED_FORMS[name] == 1 and v != 1:
-        raise ValueError(f"theory(): v={v} needs an interleaved schedule; {schedule_name} has v=1")
-    return (p - 1) / (v * m + p - 1)
 
 
 # ----------------------------------------------------------------- bubble causes

@@ -9,11 +9,12 @@ Names follow Prometheus' `level:metric:operations`: the level is the labels kept
 scrape `job`, which every recorded series keeps so runs are never mixed (`job` = none more,
 `stage`, `op_group`, `rank` for the short lists of ranks), the metric is the catalogue
 name (a counter without `_total` once rated), the operations say what was done
-(`stage:parwatch_stage_bubble_ratio:avg`, `job:parwatch_step_duration_seconds:p99_5m`).
+(`stage:parwatch_stage_bubble_ratio:ratio_rate1m`, `job:parwatch_step_duration_seconds:p99_5m`).
 
-One bubble per stage: the guardrail judges a stage's bubble as the mean over the stage's ranks
-(collector.global_view); `stage:parwatch_stage_bubble_ratio:avg` is that mean, and the dashboard
-panel and the bubble alerts read it, so the line drawn is the quantity judged.
+One bubble per stage: the recorded stage bubble and its excess are parwatch.bubble's PromQL, the
+definition the guardrail judges (idle over idle + compute, summed over the stage's ranks), over the
+rate window; the dashboard panels and the bubble alerts read them, so the line drawn is the
+quantity judged.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from parwatch import bubble
 from parwatch.catalog import metric
 
 RATE_WINDOW = "1m"
@@ -75,15 +77,23 @@ def bucket_rate_name(level: str, histogram: str, window: str = RATE_WINDOW) -> s
     return f"{level}:{histogram}_bucket:rate{window}"
 
 
+def stage_bubble(window: str = RATE_WINDOW) -> str:
+    """The stage bubble over the rate window (parwatch.bubble.promql), as recorded."""
+    return f"stage:parwatch_stage_bubble_ratio:ratio_rate{window}"
+
+
+def stage_bubble_excess(window: str = RATE_WINDOW) -> str:
+    """The stage bubble's excess over the schedule's theory (parwatch.bubble.excess_promql), as recorded."""
+    return f"stage:parwatch_stage_bubble_excess_ratio:ratio_rate{window}"
+
+
 def stragglers_top(window: str = RATE_WINDOW) -> str:
     return f"rank:parwatch_rank_straggler_seconds:rate{window}_top{TOP_K}"
 
 
 # Names the dashboard and the alerts refer to (one definition; the rules below produce them).
 # Names with a rate window in them come from the functions above, given the same window.
-STAGE_BUBBLE = "stage:parwatch_stage_bubble_ratio:avg"
 STAGE_BUBBLE_THEORY = "stage:parwatch_stage_bubble_theoretical_ratio:max"
-STAGE_BUBBLE_EXCESS = "stage:parwatch_stage_bubble_excess_ratio:avg"
 STAGE_BUBBLE_CAUSES = {cause: f"stage:parwatch_stage_bubble_{cause}_ratio:max"
                        for cause in ("schedule", "imbalance", "wait")}
 STAGE_MEMORY = "stage:parwatch_torch_memory_max_allocated_bytes:max"
@@ -138,11 +148,10 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     add(rate_name("job", "parwatch_tokens_total", w), f"max {by()} (rate({_m('parwatch_tokens_total')}[{w}]))")
 
     # The pipeline, per stage.
-    bubble, theory = _m("parwatch_stage_bubble_ratio"), _m("parwatch_stage_bubble_theoretical_ratio")
-    stage = by("stage")
-    add(STAGE_BUBBLE, f"avg {stage} ({bubble})")
-    add(STAGE_BUBBLE_THEORY, f"max {stage} ({theory})")
-    add(STAGE_BUBBLE_EXCESS, f"avg {stage} ({bubble}) - on ({RUN_LABEL}, stage) max {stage} ({theory})")
+    stage, per_stage = by("stage"), (RUN_LABEL, "stage")
+    add(stage_bubble(w), bubble.promql(w, per_stage))
+    add(STAGE_BUBBLE_THEORY, bubble.theory_promql(per_stage))
+    add(stage_bubble_excess(w), bubble.excess_promql(w, per_stage))
     for cause, record in STAGE_BUBBLE_CAUSES.items():
         add(record, f"max {stage} ({_m(f'parwatch_stage_bubble_{cause}_ratio')})")
     for counter in ("parwatch_stage_compute_seconds_total", "parwatch_stage_idle_seconds_total"):

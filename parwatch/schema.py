@@ -20,10 +20,10 @@ StepSummary (a dict; JSON object), one per rank and step:
     compute_seconds           float, forward + backward spans
     other_seconds             float, optimizer + DP gradient sync
     idle_seconds              float, step - compute - other
-    bubble_ratio              float, idle / (step - other)
+    bubble_ratio              float, idle / (idle + compute) = idle / (step - other) (parwatch.bubble)
     bubble_theoretical_ratio  float, (p-1)/(m+p-1) or (p-1)/(v*m+p-1); for schedules without a closed
                               form (zero-bubble, V shapes) the replay of the schedule's own actions at
-                              equal action times (parwatch.pipeline_sim)
+                              equal action times (parwatch.bubble)
     loss                      float | null (NaN/inf encoded as the strings "nan", "inf", "-inf")
     tokens                    int, tokens the whole run consumed in this step (all DP replicas)
     memory_max_allocated_bytes  int | null
@@ -95,15 +95,6 @@ COLLECTIVE_BUCKETS = (
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS  # noqa: E402,F401  (one definition, re-exported)
-
-
-CLOSED_FORM_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved1f1b", "loopedbfs")
-"""Schedules whose bubble is (p-1)/(v*m+p-1); any other's theory is its replay at equal action times."""
-
-
-def bubble_theoretical_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:
-    """The schedule's bubble share of a step: (p-1)/(v*m+p-1); v=1 for GPipe and 1F1B."""
-    return (pp - 1) / (chunks * microbatches + pp - 1)
 
 
 def busbw_factor(op: str, n: int) -> float:

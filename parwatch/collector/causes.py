@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from parwatch.bubble import replayed_theory
 from parwatch.pipeline_sim import Replay, bubble_causes, per_action_seconds
 
 CAUSE_KEYS = {"schedule": "bubble_schedule_ratio", "imbalance": "bubble_imbalance_ratio", "wait": "bubble_wait_ratio"}
@@ -33,12 +34,12 @@ class CauseSplitter:
             return None
         try:
             replay = Replay({int(rank): list(actions) for rank, actions in order.items()})
-            uniform = replay.run({"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}).bubble
+            theory = replayed_theory(replay)
         except (ValueError, TypeError, KeyError):
             self.errors += 1
             return None
         self.order = replay
-        return sum(uniform.values()) / len(uniform) if uniform else None
+        return theory
 
     def add_causes(self, summary: dict) -> None:
         """Add bubble_{schedule,imbalance,wait}_ratio to every stage of a summary's global view."""

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from parwatch.collector import global_view as gv
+from parwatch.bubble import CLOSED_FORM_SCHEDULES
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
 from parwatch.collector.causes import CauseSplitter
@@ -39,7 +40,6 @@ from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, Observer, Span
 from parwatch.contract import registry as default_registry
-from parwatch.schema import CLOSED_FORM_SCHEDULES
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from parwatch.bubble import closed_form
 from parwatch.host import host_identity
-from parwatch.schema import bubble_theoretical_ratio
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 @dataclass(frozen=True)
@@ -114,5 +114,6 @@ class RunContext:
 
     @property
     def bubble_theoretical_ratio(self) -> float:
-        """(p-1)/(v*m+p-1): the bubble share the schedule itself implies."""
-        return bubble_theoretical_ratio(self.pp, self.microbatches, self.chunks)
+        """(p-1)/(v*m+p-1): the bubble share the schedule itself implies (a schedule without a
+        closed form has its replay instead, once the trainer announces its order)."""
+        return closed_form(self.pp, self.microbatches, self.chunks)

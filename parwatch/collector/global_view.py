@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from parwatch.collector.stats import StepBreakdown, bubble_ratio
+from parwatch.bubble import stage_bubble
+from parwatch.collector.stats import StepBreakdown
 from parwatch.schema import encode_float
 
 STEP, ORIGIN = 0, 1
@@ -63,9 +64,10 @@ def origin_of(slots: Sequence[float]) -> float | None:
 def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> dict | None:
     """The schema's `global` object from the summed slots, or None when no stage reported.
 
-    A stage's numbers are the mean over its reporting ranks; its bubble ratio is computed
-    from those means. Per-kind compute means (forward, backward, backward_weight, loss, per
-    rank and step) let the bubble be split into its causes (parwatch.pipeline_sim)."""
+    A stage's numbers are the mean over its reporting ranks; its bubble is parwatch.bubble's,
+    from those means (the ratio of the sums). Per-kind compute means (forward, backward,
+    backward_weight, loss, per rank and step) let the bubble be split into its causes
+    (parwatch.pipeline_sim)."""
     described = int(slots[STEP])
     if described <= 0:
         return None
@@ -82,7 +84,7 @@ def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> di
             "idle_seconds": idle,
             "other_seconds": other,
             "step_seconds": step_s,
-            "bubble_ratio": bubble_ratio(idle, step_s, other),
+            "bubble_ratio": stage_bubble(idle, compute),
             "forward_seconds": slots[base + FORWARD] / n,
             "backward_seconds": slots[base + BACKWARD] / n,
             "backward_weight_seconds": slots[base + BACKWARD_WEIGHT] / n,

@@ -4,23 +4,24 @@ Built from the fast-path global views (every stage, one step of lag) and this
 rank's own collective statistics. The first measured step is left out of the
 means: it carries one-off warm-up (allocator, first gloo connections).
 Running sums keep memory flat however long the run; only the last
-PER_STEP_KEPT per-step bubble values are kept for the summary.
+PER_STEP_KEPT per-step bubble values are kept for the summary. A stage's bubble over
+the run is parwatch.bubble's, from the summed idle and compute seconds.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from parwatch.schema import bubble_theoretical_ratio
+from parwatch.bubble import closed_form, stage_bubble
 
 
 PER_STEP_KEPT = 1000
-_KEYS = ("bubble_ratio", "compute_seconds", "idle_seconds", "other_seconds", "step_seconds")
+_KEYS = ("compute_seconds", "idle_seconds", "other_seconds", "step_seconds")
 
 
 class RunTotals:
     def __init__(self, pp: int, microbatches: int, chunks: int):
-        self.theory = bubble_theoretical_ratio(pp, microbatches, chunks)
+        self.theory = closed_form(pp, microbatches, chunks)
         self._sums: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(_KEYS))
         self._counts: dict[int, int] = defaultdict(int)
         self._per_step: dict[int, deque] = defaultdict(lambda: deque(maxlen=PER_STEP_KEPT))
@@ -57,6 +58,8 @@ class RunTotals:
         for stage, sums in sorted(self._sums.items()):
             n = self._counts[stage]
             means = {key: sums[i] / n for i, key in enumerate(_KEYS)}
+            # Over the steps too, the bubble is time-weighted (parwatch.bubble), not a mean of ratios.
+            means = {"bubble_ratio": stage_bubble(means["idle_seconds"], means["compute_seconds"]), **means}
             stages.append({"stage": stage, **means, "bubble_theoretical_ratio": self.theory,
                            "bubble_ratio_per_step": list(self._per_step[stage]), "steps_measured": n})
         collectives = []

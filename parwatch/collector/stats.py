@@ -15,6 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from parwatch.bubble import stage_bubble
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
 
@@ -34,12 +35,6 @@ class StepBreakdown:
     bubble_ratio: float
 
 
-def bubble_ratio(idle_seconds: float, step_seconds: float, other_seconds: float) -> float:
-    """idle / (step - other); 0 when the pipeline part of the step is empty."""
-    denominator = step_seconds - other_seconds
-    return idle_seconds / denominator if denominator > 0 else 0.0
-
-
 def breakdown(step_seconds: float, compute_seconds: float, other_seconds: float) -> StepBreakdown:
     # Idle cannot be negative; it only would if spans leaked in from outside the period.
     idle = max(0.0, step_seconds - compute_seconds - other_seconds)
@@ -48,7 +43,7 @@ def breakdown(step_seconds: float, compute_seconds: float, other_seconds: float)
         compute_seconds=compute_seconds,
         other_seconds=other_seconds,
         idle_seconds=idle,
-        bubble_ratio=bubble_ratio(idle, step_seconds, other_seconds),
+        bubble_ratio=stage_bubble(idle, compute_seconds),  # one rank, one step
     )
 
 

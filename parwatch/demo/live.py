@@ -38,14 +38,15 @@ class SummaryTail:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            stage = rec.get("stage")
-            if isinstance(rec.get("bubble_ratio"), (int, float)) and stage is not None:
-                self.bubble[stage] = rec["bubble_ratio"]
-                self.theory[stage] = rec.get("bubble_theoretical_ratio")
             if rec.get("rank") == 0:
                 self.step = rec.get("step", self.step)
                 # Rank 0's own loss belongs to this step; the fast-path view lags one step.
                 g = rec.get("global") or {}
+                # The stage bubble the guardrail judges (parwatch.bubble), not one rank's.
+                for st in g.get("stages") or ():
+                    if isinstance(st.get("bubble_ratio"), (int, float)):
+                        self.bubble[st["stage"]] = st["bubble_ratio"]
+                        self.theory[st["stage"]] = rec.get("bubble_theoretical_ratio")
                 if rec.get("loss") is not None:
                     self.loss = rec["loss"]
                 elif "loss" in g:

@@ -9,14 +9,14 @@ from pathlib import Path
 
 from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
-from parwatch.schema import bubble_theoretical_ratio
+from parwatch.bubble import closed_form, excess
 
 
 def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price: float) -> dict:
     run = load_run(run_dir)
     stages = sorted({s["stage"] for s in run.summaries})
     bubbles = bubble_table(run.summaries, stages)
-    theory = bubble_theoretical_ratio(pp, microbatches, chunks)
+    theory = closed_form(pp, microbatches, chunks)
     collectives = []
     for c in collective_totals(run.summaries):
         collectives.append({
@@ -54,7 +54,7 @@ def print_summary(console, summary: dict) -> None:
     for s in summary["stages"]:
         m, th = s["bubble_ratio"], s["bubble_theoretical_ratio"]
         t.add_row(str(s["stage"]), "-" if m is None else f"{m:.3f}", f"{th:.3f}",
-                  "-" if m is None else f"{m - th:+.3f}")
+                  "-" if m is None else f"{excess(m, th):+.3f}")
     console.print(t)
     ranks, cores = summary.get("world_size"), os.cpu_count() or 1
     if ranks and cores < ranks:

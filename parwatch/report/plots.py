@@ -8,7 +8,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from parwatch.report.loader import RunData
-from parwatch.report.stats import collective_series, per_stage_series
+from parwatch.report.stats import collective_series, per_stage_series, stage_bubble_series
 
 _DPI = 100
 _SIZE_PX = (1200, 480)
@@ -36,9 +36,9 @@ def _save(fig, path) -> None:
 
 
 def plot_bubble(run: RunData, path, size_px=_SIZE_PX) -> None:
-    """Measured bubble per stage (mean over the stage's ranks), its schedule formula dashed."""
+    """Measured bubble per stage (parwatch.bubble's, over the stage's ranks), its schedule formula dashed."""
     fig, ax = _figure(size_px)
-    measured = per_stage_series(run.summaries, "bubble_ratio")
+    measured = stage_bubble_series(run.summaries)
     theory = per_stage_series(run.summaries, "bubble_theoretical_ratio")
     colors = colormaps["tab10"]
     # Uniform stages share one formula: one dashed line then, instead of p lines drawn on top of each other.
@@ -60,7 +60,7 @@ def plot_bubble(run: RunData, path, size_px=_SIZE_PX) -> None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
         ax.set_ylim(bottom=0)
     ax.set_xlabel("step")
-    ax.set_ylabel("bubble (% of step - other)")
+    ax.set_ylabel("bubble (% of idle + compute)")
     ax.set_title("Pipeline bubble per stage: measured (solid) vs schedule formula (dashed)")
     _save(fig, path)
 

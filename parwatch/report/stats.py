@@ -6,7 +6,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from parwatch.schema import COLLECTIVE_BUCKETS, bubble_theoretical_ratio
+from parwatch.bubble import closed_form, excess, stage_bubble
+from parwatch.schema import COLLECTIVE_BUCKETS
 
 
 def parse_buckets(raw, bounds=COLLECTIVE_BUCKETS) -> list[float] | None:
@@ -123,32 +124,57 @@ def per_stage_series(summaries: list, key: str) -> dict[int, list]:
             for stage, steps in sorted(acc.items())}
 
 
+def _finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def _idle_compute(summaries: list) -> dict[int, dict[int, list]]:
+    """{stage: {step: [idle, compute]}} summed over the stage's ranks (idle as the sidecar's counter adds it)."""
+    acc: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    for s in summaries:
+        idle, compute = s.get("idle_seconds"), s.get("compute_seconds")
+        if _finite(idle) and _finite(compute):
+            sums = acc[s["stage"]][s["step"]]
+            sums[0] += max(idle, 0.0)
+            sums[1] += compute
+    return acc
+
+
+def stage_bubble_series(summaries: list) -> dict[int, list]:
+    """{stage: [(step, the stage's bubble over its ranks in that step)]}, parwatch.bubble's."""
+    return {stage: [(step, stage_bubble(*sums)) for step, sums in sorted(steps.items())]
+            for stage, steps in sorted(_idle_compute(summaries).items())}
+
+
 @dataclass
 class StageBubble:
     stage: int
     measured: float | None
     theoretical: float | None
     steps: int
-    """Steps averaged (the first step is left out when later ones exist: it carries warm-up)."""
+    """Steps measured (the first step is left out when later ones exist: it carries warm-up)."""
 
     @property
     def excess(self) -> float | None:
         if self.measured is None or self.theoretical is None:
             return None
-        return self.measured - self.theoretical
+        return excess(self.measured, self.theoretical)
 
 
 def bubble_table(summaries: list, stages: list) -> list[StageBubble]:
-    measured = per_stage_series(summaries, "bubble_ratio")
+    """Each stage's bubble over its ranks and the steps after its first (parwatch.bubble)."""
+    sums = _idle_compute(summaries)
     theory = per_stage_series(summaries, "bubble_theoretical_ratio")
     rows = []
     for stage in stages:
-        pts = measured.get(stage, [])
-        if len(pts) > 1:
-            pts = [p for p in pts if p[0] != min(step for step, _ in pts)]
+        steps = dict(sums.get(stage, {}))
+        if len(steps) > 1:
+            del steps[min(steps)]
+        idle = sum(i for i, _ in steps.values())
+        compute = sum(c for _, c in steps.values())
         th = theory.get(stage, [])
-        rows.append(StageBubble(stage, sum(v for _, v in pts) / len(pts) if pts else None,
-                                th[-1][1] if th else None, len(pts)))
+        rows.append(StageBubble(stage, stage_bubble(idle, compute) if steps else None,
+                                th[-1][1] if th else None, len(steps)))
     return rows
 
 
@@ -182,8 +208,8 @@ class CostEstimate:
 def cost_estimate(summaries: list, pp: int, microbatches: int, chunks: int, price: float) -> CostEstimate:
     """With compute C per rank and step fixed, schedule idle is C*f/(1-f) for bubble share f:
     C*(p-1)/(v*m). Doubling m halves it; that difference is what the report calls recoverable."""
-    now = bubble_theoretical_ratio(pp, microbatches, chunks)
-    doubled = bubble_theoretical_ratio(pp, 2 * microbatches, chunks)
+    now = closed_form(pp, microbatches, chunks)
+    doubled = closed_form(pp, 2 * microbatches, chunks)
     idle = excess = recoverable = 0.0
     for s in summaries:
         i, c = s.get("idle_seconds"), s.get("compute_seconds")

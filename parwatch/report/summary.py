@@ -70,9 +70,10 @@ def build_sections(run: RunData, images: dict, notes: list, price_per_gpu_hour: 
         rows.append([f"stage {b.stage}", f"rank {run.stage_ranks()[b.stage]}", _pct(b.measured),
                      _pct(b.theoretical), _pct(b.excess), str(b.steps)])
     out.append(Section("Bubble per stage", headers=["stage", "drawn rank", "measured", "theoretical",
-                                                     "excess", "steps averaged"], rows=rows, paragraphs=[
-        "Mean over steps after the first (it carries warm-up), and over the stage's ranks. Theoretical is "
-        "(p-1)/(v*m+p-1); the excess is what balance, p2p or the executor cost beyond the schedule."]))
+                                                     "excess", "steps"], rows=rows, paragraphs=[
+        "Idle over idle + compute, summed over the stage's ranks and the steps after the first (it carries "
+        "warm-up): the figure the guardrail, the dashboard and the alerts use. Theoretical is (p-1)/(v*m+p-1); "
+        "the excess is what balance, p2p or the executor cost beyond the schedule."]))
 
     if run.summaries:
         c = cost_estimate(run.summaries, cfg.pp, cfg.microbatches, cfg.chunks, price_per_gpu_hour)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from parwatch.bubble import excess
 from parwatch.report.loader import RunData, split_replays
 
 COLORS = {
@@ -153,10 +154,11 @@ def _draw_lane(ax, row: int, spans: list, t0: float, span_ms: float, axes_width_
 
 def _annotate_bubble(ax, row: int, b: LaneBubble) -> None:
     """Measured vs theoretical bubble right of the lane; red beyond the guardrail's excess threshold."""
-    excess = b.measured is not None and b.theoretical is not None and b.measured - b.theoretical > _EXCESS_FLAG
+    flagged = (b.measured is not None and b.theoretical is not None
+               and excess(b.measured, b.theoretical) > _EXCESS_FLAG)
     ax.text(1.012, row, f"bubble {_pct(b.measured)}\ntheory {_pct(b.theoretical)}",
             transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=10,
-            color="#B22222" if excess else "#222222", linespacing=1.3)
+            color="#B22222" if flagged else "#222222", linespacing=1.3)
 
 
 def _axes_and_titles(fig, ax, run, step, stages, span_ms, bubbles, width_px, height_px, axes_px) -> None:

@@ -7,6 +7,7 @@ the latest summary of every rank that is still reporting.
 
 from __future__ import annotations
 
+from parwatch.bubble import excess
 from parwatch.guardrails.engine import Observation
 from parwatch.sidecar.store import Store
 from parwatch.sliced import run_through
@@ -36,7 +37,7 @@ def observation_steps(store: Store):
     theoretical = rank0.summary.bubble_theoretical_ratio
     if view.stages:
         series["bubble_ratio"] = {f"stage={st.stage}": st.bubble_ratio for st in view.stages}
-        series["bubble_excess_ratio"] = {f"stage={st.stage}": st.bubble_ratio - theoretical for st in view.stages}
+        series["bubble_excess_ratio"] = {f"stage={st.stage}": excess(st.bubble_ratio, theoretical) for st in view.stages}
         series["step_seconds"] = {"": max(st.step_seconds for st in view.stages)}
     else:
         series["step_seconds"] = {"": rank0.summary.step_seconds}

@@ -1,12 +1,13 @@
 """Synthetic step summaries (schema v1) for tests, benchmarks and demos without a trainer.
 
-The numbers obey the design's definitions: idle = step - compute - other, bubble =
-idle / (step - other), theoretical bubble = (p-1)/(m+p-1).
+The numbers obey the design's definitions: idle = step - compute - other, bubble and
+theoretical bubble as parwatch.bubble defines them.
 """
 
 from __future__ import annotations
 
-from parwatch.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, bubble_theoretical_ratio, busbw_factor, encode_float
+from parwatch.bubble import closed_form, stage_bubble
+from parwatch.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, busbw_factor, encode_float
 
 
 def collective(op: str, group: str, count: int, seconds_each: float, nbytes_each: int, n: int) -> dict:
@@ -26,14 +27,14 @@ def summary(rank: int, step: int, *, run_id: str = "synthetic", tp: int = 1, pp:
     stage = (rank // tp) % pp
     tp_rank = rank % tp
     dp_rank = rank // (tp * pp)
-    theory = bubble_theoretical_ratio(pp, microbatches)
+    theory = closed_form(pp, microbatches)
     compute = (step_seconds - other_seconds) * (1 - theory) * compute_scale
     idle = step_seconds - compute - other_seconds
     s = {
         "v": SCHEMA_VERSION, "run_id": run_id, "rank": rank, "stage": stage, "tp_rank": tp_rank, "dp_rank": dp_rank,
         "tp": tp, "pp": pp, "dp": dp, "microbatches": microbatches, "chunks": 1, "schedule": schedule,
         "step": step, "timeline": timeline, "time": time, "step_seconds": step_seconds, "compute_seconds": compute,
-        "other_seconds": other_seconds, "idle_seconds": idle, "bubble_ratio": idle / (step_seconds - other_seconds),
+        "other_seconds": other_seconds, "idle_seconds": idle, "bubble_ratio": stage_bubble(idle, compute),
         "bubble_theoretical_ratio": theory,
         "loss": encode_float(loss) if stage == pp - 1 and tp_rank == 0 else None,
         "tokens": 4096, "memory_max_allocated_bytes": 1 << 30,
@@ -73,7 +74,7 @@ def _instances(rank: int, step: int, tp: int, pp: int, microbatches: int) -> dic
 def stage_view(stage: int, step_seconds: float, compute_seconds: float, other_seconds: float = 0.02) -> dict:
     idle = step_seconds - compute_seconds - other_seconds
     return {"stage": stage, "compute_seconds": compute_seconds, "idle_seconds": idle, "other_seconds": other_seconds,
-            "step_seconds": step_seconds, "bubble_ratio": idle / (step_seconds - other_seconds)}
+            "step_seconds": step_seconds, "bubble_ratio": stage_bubble(idle, compute_seconds)}
 
 
 def _skew(stages: list) -> float | None:

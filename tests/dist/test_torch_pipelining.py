@@ -22,6 +22,7 @@ import statistics
 import pytest
 
 from parwatch import pipeline_sim as ps
+from parwatch.bubble import theoretical
 from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark reads it here)
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
@@ -159,7 +160,7 @@ def test_bubble_matches_the_replayed_schedule(grid, schedule):
         # The theory is the formula: the replay at the stages' mean times is exactly it, and the
         # synthetic stages are near-uniform, so at their measured times (no host time) it holds too.
         v = 1 if schedule in ("gpipe", "1f1b") else 2
-        formula = ps.theory(CLOSED_FORM[schedule], P, M, v)
+        formula = theoretical(CLOSED_FORM[schedule], P, M, v)
         times = action_seconds(run_dir, lambda span, kind: kind)
         assert ps.simulate(order, times).bubble == pytest.approx({r: formula for r in range(P)}, abs=1e-9)
         times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
@@ -212,7 +213,7 @@ def test_a_slow_stage_shows_as_imbalance(grid):
     # Rank 1 computes 1.5x longer: rank 0 waits for it, by the schedule's own dependencies.
     assert causes[0].imbalance > 0.08, causes
     assert causes[0].imbalance > 3 * abs(causes[0].wait), causes
-    assert causes[0].schedule == pytest.approx(ps.theory("1f1b", P, M), abs=1e-9)
+    assert causes[0].schedule == pytest.approx(theoretical("1f1b", P, M), abs=1e-9)
 
 
 @pytest.mark.timing

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from parwatch import catalog
+from parwatch import bubble, catalog
 from parwatch import dashboards as dash
 from parwatch import recording as rec
 from parwatch.sidecar import synthetic as syn
@@ -159,7 +159,7 @@ def path(tmp_path_factory):
         while True:
             assert not errors, f"feeding the sidecar failed: {errors[0]!r}"
             result = query(vm_url, "count_over_time(job:parwatch_tokens:rate1m[1m])")["data"]["result"]
-            if result and float(result[0]["value"][1]) >= 3 and query(vm_url, rec.STAGE_BUBBLE)["data"]["result"]:
+            if result and float(result[0]["value"][1]) >= 3 and query(vm_url, rec.stage_bubble())["data"]["result"]:
                 break
             assert time.monotonic() < deadline, (
                 f"no recorded series in VictoriaMetrics after {START_TIMEOUT_S} s\n--- vmalert ---\n"
@@ -230,11 +230,11 @@ def test_run_variable_lists_the_scrape_job(vm):
     assert r.json()["data"] == [SUBSTITUTIONS["$job"]]
 
 
-def test_the_recorded_stage_bubble_is_the_mean_over_the_stages_ranks(vm):
-    """One bubble per stage, end to end: what vmalert recorded is the mean of the ranks' bubbles."""
-    recorded = {r["metric"]["stage"]: float(r["value"][1]) for r in query(vm, rec.STAGE_BUBBLE)["data"]["result"]}
+def test_the_recorded_stage_bubble_is_the_bubble_modules(vm):
+    """One bubble per stage, end to end: what vmalert recorded is parwatch.bubble's PromQL."""
+    recorded = {r["metric"]["stage"]: float(r["value"][1]) for r in query(vm, rec.stage_bubble())["data"]["result"]}
     raw = {r["metric"]["stage"]: float(r["value"][1])
-           for r in query(vm, "avg by (stage) (parwatch_stage_bubble_ratio)")["data"]["result"]}
+           for r in query(vm, bubble.promql(rec.RATE_WINDOW, ("stage",)))["data"]["result"]}
     assert set(recorded) == {"0", "1"} and recorded == pytest.approx(raw, abs=1e-9)
     assert recorded["1"] > recorded["0"]  # rank 3 computes half as long: stage 1 idles more
 

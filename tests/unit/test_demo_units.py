@@ -14,7 +14,7 @@ from parwatch.demo.processes import live_group_members
 from parwatch.demo.runner import pause_hint
 from parwatch.demo.scenario import SCENARIOS, DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
-from parwatch.schema import bubble_theoretical_ratio
+from parwatch.bubble import closed_form
 from tests.fixtures.make_run_dir import make_run_dir
 from parwatch.trainer.config import parse_args
 from parwatch.trainer.faults import parse_fault
@@ -75,20 +75,26 @@ def summary_line(rank, step, stage, bubble=0.25, loss=None, glob=None):
                        "bubble_theoretical_ratio": 0.2, "loss": loss, "global": glob})
 
 
+def view(*bubbles):
+    """Rank 0's fast-path view with these stage bubbles."""
+    return {"step": 0, "stages": [{"stage": s, "bubble_ratio": b} for s, b in enumerate(bubbles)]}
+
+
 def test_tail_reads_only_complete_lines_and_keeps_the_rest_for_later(tmp_path):
     path = tmp_path / "summaries.jsonl"
     tail = SummaryTail(path)
     assert tail.poll() is False  # no file yet: nothing, and no error
-    first = summary_line(0, 1, 0, bubble=0.3, loss=4.5) + "\n"
-    second = summary_line(0, 2, 0, bubble=0.22, loss=4.25)
+    first = summary_line(0, 1, 0, loss=4.5, glob=view(0.3)) + "\n"
+    second = summary_line(0, 2, 0, loss=4.25, glob=view(0.22, 0.18))
     path.write_text(first + second[:17])  # a collector is half-way through its write
     assert tail.poll() is True
     assert (tail.step, tail.loss, tail.bubble) == (1, 4.5, {0: 0.3})
     assert tail.poll() is False  # the torn line is not consumed
     with open(path, "a") as f:
-        f.write(second[17:] + "\n" + summary_line(2, 2, 1, bubble=0.18) + "\n")
+        f.write(second[17:] + "\n" + summary_line(2, 2, 1, bubble=0.9) + "\n")
     assert tail.poll() is True
     assert (tail.step, tail.loss) == (2, 4.25)
+    # The stage bubble is rank 0's view of the stage (the guardrail's), never one rank's own ratio.
     assert tail.bubble == {0: 0.22, 1: 0.18} and tail.theory == {0: 0.2, 1: 0.2}
 
 
@@ -149,7 +155,7 @@ def test_build_summary_on_a_synthetic_run(tmp_path):
     (info.path / "summary.json").write_text(json.dumps({"steps_completed": 10, "losses": [4.0, 3.9]}))
     summary = build_summary(info.path, pp=4, microbatches=8, chunks=1, price=3.0)
 
-    theory = bubble_theoretical_ratio(4, 8)
+    theory = closed_form(4, 8)
     assert [s["stage"] for s in summary["stages"]] == [0, 1, 2, 3]
     for s in summary["stages"]:
         assert s["bubble_theoretical_ratio"] == pytest.approx(3 / 11) == theory

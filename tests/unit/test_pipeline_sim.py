@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parwatch import pipeline_sim as ps
+from parwatch.bubble import theoretical
 from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
 
 
@@ -20,7 +21,7 @@ def test_every_schedule_class_is_covered():
 def test_gpipe_matches_closed_form(p, m):
     result = ps.simulate(torch_order("GPipe", p, m), {"F": 0.04, "B": 0.08})
     for rank in range(p):
-        assert result.bubble[rank] == pytest.approx(ps.theory("gpipe", p, m))
+        assert result.bubble[rank] == pytest.approx(theoretical("gpipe", p, m))
     assert result.makespan == pytest.approx((m + p - 1) * 0.12)
 
 
@@ -31,7 +32,7 @@ def test_1f1b_matches_closed_form(p, m):
     with pytest.raises(ValueError, match=rf"rank {p - 1}: {p - 1}B0 depends on {p - 1}F0"):
         ps.simulate(torch_order("1F1B", p, m), {"F": 1, "B": 2})
     result = ps.simulate(ps.single_stage_order("1f1b", p, m), {"F": 0.04, "B": 0.08})
-    assert all(b == pytest.approx(ps.theory("1f1b", p, m)) for b in result.bubble.values())
+    assert all(b == pytest.approx(theoretical("1f1b", p, m)) for b in result.bubble.values())
     # The torch IR agrees with the executed order on every other rank.
     executed = ps.single_stage_order("1f1b", p, m)
     ir = ps.normalize(torch_order("1F1B", p, m))
@@ -42,7 +43,7 @@ def test_1f1b_matches_closed_form(p, m):
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 2), (2, 4, 3)])
 def test_interleaved_matches_closed_form(name, p, m, v):
     result = ps.simulate(torch_order(name, p, m, v), {"F": 0.02, "B": 0.04})
-    assert all(b == pytest.approx(ps.theory("interleaved", p, m, v)) for b in result.bubble.values())
+    assert all(b == pytest.approx(theoretical("interleaved", p, m, v)) for b in result.bubble.values())
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
@@ -94,7 +95,7 @@ def test_overlap_block_publishes_at_its_end():
 def test_unequal_times_give_more_than_theory():
     order = torch_order("GPipe", 2, 4)
     slow_last = ps.simulate(order, {(0, "F"): 0.04, (0, "B"): 0.08, (1, "F"): 0.06, (1, "B"): 0.12})
-    assert slow_last.bubble[0] > ps.theory("gpipe", 2, 4) + 0.05
+    assert slow_last.bubble[0] > theoretical("gpipe", 2, 4) + 0.05
     assert slow_last.bubble[1] < slow_last.bubble[0]
 
 
@@ -216,18 +217,6 @@ def test_bad_input_is_named(order, durations, match):
         ps.simulate(order, durations)
 
 
-def test_theory_closed_forms_and_errors():
-    assert ps.theory("gpipe", 4, 8) == pytest.approx(3 / 11)
-    assert ps.theory("1F1B", 2, 4) == pytest.approx(1 / 5)
-    assert ps.theory("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)
-    with pytest.raises(ValueError, match="no closed form for schedule 'zbv'"):
-        ps.theory("zbv", 2, 4, 2)
-    with pytest.raises(ValueError, match="v=2 needs an interleaved schedule"):
-        ps.theory("gpipe", 2, 4, 2)
-    with pytest.raises(ValueError, match="m=0 must be a positive integer"):
-        ps.theory("gpipe", 2, 0)
-
-
 def test_bubble_causes_split():
     order = ps.single_stage_order("1f1b", 2, 4)
     times = {0: {"F": 0.04, "B": 0.08}, 1: {"F": 0.06, "B": 0.12}}
@@ -237,7 +226,7 @@ def test_bubble_causes_split():
     uniform = ps.simulate(order, {"F": 0.05, "B": 0.10}).bubble
     for rank in (0, 1):
         c = causes[rank]
-        assert c.schedule == pytest.approx(uniform[rank]) == pytest.approx(ps.theory("1f1b", 2, 4))
+        assert c.schedule == pytest.approx(uniform[rank]) == pytest.approx(theoretical("1f1b", 2, 4))
         assert c.schedule + c.imbalance + c.wait == pytest.approx(measured[rank])
     assert causes[0].imbalance > 0.05  # the fast stage waits for the slow one
     assert causes[0].wait == pytest.approx(0.03)
@@ -289,7 +278,7 @@ def test_reference_trainer_order_replays_to_the_formula(name, p, m, v):
     from parwatch.trainer.schedules import pipeline_order
 
     result = ps.simulate(pipeline_order(name, p, m, v), {"F": 0.02, "B": 0.04})
-    assert all(b == pytest.approx(ps.theory(name, p, m, v)) for b in result.bubble.values())
+    assert all(b == pytest.approx(theoretical(name, p, m, v)) for b in result.bubble.values())
 
 
 def _recurrence_replay(order, durations: dict, p2p_s: float, host: dict) -> dict:

@@ -1,5 +1,5 @@
 """The recording rules (parwatch/recording.py): names, what they read, the checked-in file, and
-"one bubble per stage": the recorded stage bubble is the mean the guardrail judges.
+"one bubble per stage": the recorded stage bubble is the one the guardrail judges (parwatch.bubble).
 
 promtool checks and unit-tests the rules in tests/integration/test_alert_rules.py
 (dashboards/recording_rules_test.yaml); VictoriaMetrics answers them in
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from parwatch import catalog
+from parwatch import bubble, catalog
 from parwatch import recording as rec
 from parwatch.cli.dashboards import dashboards as dashboards_cli
 from parwatch.collector import global_view as gv
@@ -90,7 +90,7 @@ def test_every_alert_reads_recorded_series_that_exist(reduce):
 def test_default_alerts_render_from_the_recorded_stage_bubble():
     doc = render_alert_rules(default_rules())
     (excess,) = [a for a in doc["groups"][0]["rules"] if a["labels"]["rule"] == "bubble-excess"]
-    assert excess["expr"] == f"max by (job) ({rec.STAGE_BUBBLE_EXCESS}) > 0.1"
+    assert excess["expr"] == f"max by (job) ({rec.stage_bubble_excess()}) > 0.1"
 
 
 def test_cli_writes_the_rules_and_names_a_bad_window(tmp_path):
@@ -106,13 +106,12 @@ def test_cli_writes_the_rules_and_names_a_bad_window(tmp_path):
 # --- one bubble per stage ---------------------------------------------------------------------------
 
 
-def test_recorded_stage_bubble_is_the_mean_the_guardrail_judges():
+def test_recorded_stage_bubble_is_the_one_the_guardrail_judges():
     """tp=2, pp=2: the guardrail's stage bubble (rank 0's global view, from the summed boundary
-    vector) equals the mean of the per-rank bubbles the exporter writes, which is what
-    stage:parwatch_stage_bubble_ratio:avg records. A stage's ranks share the step period (the
-    boundary collective ends it on all of them) and their other seconds (optimizer, DP sync), so
-    the mean of their ratios is the ratio of their mean idle and busy times."""
-    ranks = {0: (0, breakdown(1.0, 0.5, 0.1)), 1: (0, breakdown(1.0, 0.7, 0.1)),   # stage 0: tp ranks 0, 1
+    vector) is parwatch.bubble's, idle over idle + compute summed over the stage's ranks, which is
+    what the recording rule computes from the same counters; with a rank whose optimizer runs long
+    (other seconds) it is not the mean of the per-rank ratios."""
+    ranks = {0: (0, breakdown(1.0, 0.5, 0.1)), 1: (0, breakdown(1.0, 0.5, 0.4)),   # stage 0: tp ranks 0, 1
              2: (1, breakdown(1.0, 0.8, 0.1)), 3: (1, breakdown(1.0, 0.6, 0.1))}   # stage 1: tp ranks 2, 3
     summed = [0.0] * gv.slots_for(2)
     for rank, (stage, b) in ranks.items():  # what the SUM all-reduce of every rank's slots gives
@@ -121,8 +120,17 @@ def test_recorded_stage_bubble_is_the_mean_the_guardrail_judges():
         summed = [x + y for x, y in zip(summed, slots)]
     view = gv.build_global_view(summed, pp=2, loss=1.0)
     for stage in (0, 1):
-        exported = [b.bubble_ratio for s, b in ranks.values() if s == stage]  # parwatch_stage_bubble_ratio per rank
+        mine = [b for s, b in ranks.values() if s == stage]
         judged = next(s["bubble_ratio"] for s in view["stages"] if s["stage"] == stage)
-        assert sum(exported) / len(exported) == pytest.approx(judged, abs=1e-12)
-    # And not the max over the stage's ranks, which the dashboard drew before.
-    assert max(ranks[0][1].bubble_ratio, ranks[1][1].bubble_ratio) > view["stages"][0]["bubble_ratio"]
+        # What sum(rate(idle)) / (sum(rate(idle)) + sum(rate(compute))) gives over steps like this one.
+        counters = sum(b.idle_seconds for b in mine) / sum(b.idle_seconds + b.compute_seconds for b in mine)
+        assert judged == pytest.approx(counters, abs=1e-12)
+    ratios = [ranks[r][1].bubble_ratio for r in (0, 1)]
+    assert abs(sum(ratios) / 2 - view["stages"][0]["bubble_ratio"]) > 0.02  # the old, per-rank mean
+
+
+def test_recorded_bubble_and_excess_are_the_bubble_modules_promql():
+    by_name = {r.record: r.expr for r in rec.recordings("30s")}
+    assert by_name[rec.stage_bubble("30s")] == bubble.promql("30s", ("job", "stage"))
+    assert by_name[rec.stage_bubble_excess("30s")] == bubble.excess_promql("30s", ("job", "stage"))
+    assert "parwatch_stage_bubble_ratio" not in by_name[rec.stage_bubble("30s")]  # not the per-rank gauge

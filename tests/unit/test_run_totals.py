@@ -3,8 +3,8 @@ from parwatch.collector.run_totals import PER_STEP_KEPT, RunTotals
 
 def _view(step, bubbles, computes, skew):
     return {"step": step, "pipeline_skew_ratio": skew, "stages": [
-        {"stage": i, "bubble_ratio": b, "compute_seconds": c, "idle_seconds": c * b, "other_seconds": 0.0,
-         "step_seconds": c * (1 + b)} for i, (b, c) in enumerate(zip(bubbles, computes))]}
+        {"stage": i, "bubble_ratio": b, "compute_seconds": c, "idle_seconds": c * b / (1 - b), "other_seconds": 0.0,
+         "step_seconds": c / (1 - b)} for i, (b, c) in enumerate(zip(bubbles, computes))]}
 
 
 def test_means_leave_out_the_warm_up_step_and_report_theory():
@@ -15,8 +15,9 @@ def test_means_leave_out_the_warm_up_step_and_report_theory():
     t.add_global(None)
     d = t.as_dict()
     s0, s1 = d["stages"]
-    assert abs(s0["bubble_ratio"] - 0.3) < 1e-12
-    assert abs(s1["bubble_ratio"] - 0.4) < 1e-12
+    # Time-weighted over the steps (parwatch.bubble): stage 0 idles 0.25 s of 1.25, then 2 s of 5.
+    assert abs(s0["bubble_ratio"] - 2.25 / 6.25) < 1e-12
+    assert abs(s1["bubble_ratio"] - (6 / 7 + 4) / (6 / 7 + 4 + 6)) < 1e-12
     assert abs(s1["compute_seconds"] - 3.0) < 1e-12
     assert s0["bubble_theoretical_ratio"] == 0.2 and s0["steps_measured"] == 2
     assert s0["bubble_ratio_per_step"] == [0.2, 0.4]
