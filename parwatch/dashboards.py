@@ -62,7 +62,7 @@ def _targets(exprs) -> list[dict]:
 
 def _thresholds(limit: float | None, good_below: bool = True) -> dict:
     low, high = ("green", "red") if good_below else ("red", "green")
-    steps = [{"color": low, "value": None}]
+    steps: list[dict[str, object]] = [{"color": low, "value": None}]
     if limit is not None:
         steps.append({"color": high, "value": limit})
     return {"mode": "absolute", "steps": steps}

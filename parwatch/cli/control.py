@@ -63,6 +63,7 @@ def _human(out) -> str:
 
 
 def _decision_line(d: dict) -> str:
+    keys: tuple[str, ...]
     if d.get("type") not in (None, "decision"):  # an outcome (applied, substituted, failed, ...) or a cancel
         keys = ("time", "step", "type", "action", "directive_id", "requested_step", "loaded_step", "ranks",
                 "reasons", "requested_by", "note")

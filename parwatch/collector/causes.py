@@ -44,7 +44,7 @@ class CauseSplitter:
     def add_causes(self, summary: dict) -> None:
         """Add bubble_{schedule,imbalance,wait}_ratio to every stage of a summary's global view."""
         view = summary.get("global") if self.order is not None else None
-        if not view or not view.get("stages"):
+        if self.order is None or not view or not view.get("stages"):
             return
         stages = {s["stage"]: s for s in view["stages"]}
         if set(stages) != set(self.order.ranks):

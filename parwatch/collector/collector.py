@@ -38,7 +38,7 @@ from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
-from parwatch.contract import BoundaryInfo, BoundaryKind, Event, Observer, Span
+from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
 
 log = logging.getLogger("parwatch.collector")
@@ -120,7 +120,7 @@ class Collector(Observer):
         self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
         """Whole-run figures (rank 0) added to the trainer's summary at run_end."""
         self._pending: list[Span] = []  # this period's spans, folded at the boundary
-        self.on_span = self._pending.append
+        self.on_span = self._pending.append  # type: ignore[method-assign,assignment]  # the bound append is the hook
         """Every span is only appended here and folded into the step's figures at the boundary, in one
         loop. A span ends right after the training thread wakes (a sleep, a blocking receive), when the
         CPU's caches hold other work: there each Python call and object costs 5-10x its cost in a
@@ -140,7 +140,7 @@ class Collector(Observer):
         self._checkpoints: list[int] = []
         self._paused = False
         self._overhead_ns = 0
-        self._registry = None
+        self._registry: HookRegistry | None = None
         self.summaries = 0
         """Summaries produced so far."""
         self.last_summary: dict | None = None

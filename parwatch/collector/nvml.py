@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 log = logging.getLogger("parwatch.collector")
 _absent_logged = False
@@ -51,9 +52,9 @@ class NvmlSampler:
         """The GPU's NVML (physical) index: the `gpu` label."""
         self.errors = 0
         """Samples that raised (the thread keeps going)."""
-        self._nvml = nvml
+        self._nvml: Any = nvml  # the pynvml module, loaded on first use
         self._env = os.environ if env is None else env
-        self._handle = None
+        self._handle: object = None
         self._throttle_fn = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -127,7 +128,7 @@ class NvmlSampler:
 
     def _reset(self) -> None:
         self._sums = {"utilization_ratio": [0.0, 0], "power_watts": [0.0, 0], "sm_clock_hertz": [0.0, 0]}
-        self._max = {"memory_used_bytes": None, "temperature_celsius": None}
+        self._max: dict[str, float | None] = {"memory_used_bytes": None, "temperature_celsius": None}
         self._total: int | None = None
         self._throttle: int | None = None
         self._samples = 0
@@ -158,7 +159,7 @@ class NvmlSampler:
                 if self._last is None:
                     return None
                 self._fold(self._last)
-            gpu = {"index": self.index}
+            gpu: dict[str, float | None] = {"index": self.index}
             for key, (total, n) in self._sums.items():
                 gpu[key] = total / n if n else None
             gpu["memory_used_bytes"] = self._max["memory_used_bytes"]

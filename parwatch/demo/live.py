@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 
 class SummaryTail:
@@ -76,7 +77,7 @@ class LiveView:
         self.console = console
         self.interactive = interactive
         self.total = total_steps
-        self._live = None
+        self._live: Any = None  # a rich.live.Live while interactive
 
     def __enter__(self):
         if self.interactive:

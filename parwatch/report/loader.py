@@ -171,7 +171,7 @@ def _decision(rec: dict) -> dict:
 
 def read_jsonl(path: Path, parse, issues: FileIssues) -> list:
     """Parse each line with `parse`; count and note lines that fail."""
-    out = []
+    out: list = []
     if not path.exists():
         issues.reasons.append("file not found")
         return out

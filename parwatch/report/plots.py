@@ -80,7 +80,8 @@ def loss_segments(run: RunData) -> list[list]:
     last_stage = {s["rank"] for s in run.summaries if s["stage"] == run.config.pp - 1}
     rank = min(counts, key=lambda r: (-counts[r], r not in last_stage, r))
     mine = [s for s in run.summaries if s["rank"] == rank and isinstance(s.get("loss"), float)]
-    segments, last = [], None
+    segments: list = []
+    last = None
     for s in mine:
         if last is None or s["step"] <= last:
             segments.append([])

@@ -77,7 +77,7 @@ class CollectiveStats:
         return self.seconds / self.count if self.count else None
 
     def quantile(self, q: float) -> float | None:
-        return quantile_from_buckets(q, self.buckets, self.count) if self.has_buckets else None
+        return quantile_from_buckets(q, self.buckets, self.count) if self.has_buckets and self.buckets is not None else None
 
     def busbw(self) -> float | None:
         return self.busbw_seconds / self.seconds if self.seconds > 0 else None

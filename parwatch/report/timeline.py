@@ -67,7 +67,7 @@ def lane_spans(run: RunData, step: int) -> dict[int, list]:
     """stage -> spans of that stage's drawn rank in `step` (stages without spans map to []).
     A step replayed after a rollback is drawn as it ran last."""
     ranks = run.stage_ranks()
-    lanes = {stage: [] for stage in ranks}
+    lanes: dict[int, list] = {stage: [] for stage in ranks}
     runs = split_replays([sp for sp in run.spans if sp["step"] == step], run.replay_gap_seconds())
     for sp in runs[-1] if runs else []:
         if ranks.get(sp["stage"]) == sp["rank"]:
