@@ -24,6 +24,7 @@ from parwatch.trainer import checkpoint as ckpt
 from parwatch import contract
 from parwatch.trainer.comm import Comm
 from parwatch.trainer.config import TrainConfig
+from parwatch.trainer.errors import CheckpointError
 from parwatch.trainer.executor import PipelineExecutor, StepShape
 from parwatch.trainer.faults import Faults, InjectedError, parse_fault
 from parwatch.trainer.flops import model_flops_per_step
@@ -66,8 +67,10 @@ class Trainer:
         self.step_seconds: dict[int, float] = {}
         self.applied: list[dict] = []
         self.bad_checkpoints: set[int] = set()  # failed verification on some rank: never loaded again
+        self.run_id = cfg.run_id or "unnamed-run"
+        """Named in every directive it follows and every checkpoint it writes."""
         self.steps_boundary = StepBoundary(
-            rank, world_size, cfg.run_id or "unnamed-run", TorchAllReduce(device=self.device), registry=registry,
+            rank, world_size, self.run_id, TorchAllReduce(device=self.device), registry=registry,
             reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0)
         self._last_boundary_t = None
         self.on_step = None
@@ -155,7 +158,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
-        meta = {"step": self.step, "data_offset": self.data_offset,
+        meta = {"run_id": self.run_id, "step": self.step, "data_offset": self.data_offset,
                 "parallel": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "chunks": cfg.chunks}, "config": cfg.to_dict()}
         with self.registry.span(SpanKind.CHECKPOINT, stage=self.groups.stage, step=self.step):
             ckpt.save_checkpoint(cfg.checkpoint_dir, self.step, self.rank, self.world, state, meta, dist.barrier,
@@ -214,9 +217,20 @@ class Trainer:
             self._rollback(rollback)
 
     def _usable_checkpoints(self) -> list[int]:
+        """This run's complete checkpoints not known to be bad. A checkpoint directory shared with an earlier
+        run holds its steps too: a rollback never loads another run's weights."""
         if not self.cfg.checkpoint_dir:
             return []
-        return [s for s in ckpt.list_checkpoints(self.cfg.checkpoint_dir) if s not in self.bad_checkpoints]
+        steps = ckpt.list_checkpoints(self.cfg.checkpoint_dir)
+        return [s for s in steps if s not in self.bad_checkpoints and self._run_of(s) == self.run_id]
+
+    def _run_of(self, step: int) -> str | None:
+        """The run that wrote checkpoint `step` (its manifest says); unreadable ones are judged ours here and
+        refused by verification, which names the fault."""
+        try:
+            return ckpt.read_manifest(self.cfg.checkpoint_dir, step)["meta"].get("run_id")
+        except (CheckpointError, KeyError, AttributeError):
+            return self.run_id
 
     def _rollback(self, directive) -> None:
         """Load the asked checkpoint, or, when it fails verification on any rank, the newest older one
