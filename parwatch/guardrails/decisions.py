@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -81,9 +82,14 @@ class DecisionLog:
             if not raw.strip():
                 continue
             try:
-                self.recent.append(json.loads(raw))
+                record = json.loads(raw)
             except ValueError:
                 log.warning("skipping an unreadable line in %s (a write cut short by a crash?)", self.path)
+                continue
+            if isinstance(record, dict):
+                self.recent.append(record)
+            else:
+                log.warning("skipping a line of %s that is not a record (a JSON %s)", self.path, type(record).__name__)
 
     def append(self, record: dict) -> dict:
         """Write one record durably; returns the JSON-safe record as written."""
@@ -146,8 +152,17 @@ def write_state(path: str | Path, state: dict | bytes, sync_dir: bool = True) ->
         _fsync_dir(path.parent)
 
 
-def read_state(path: str | Path) -> dict | None:
-    """The saved state, or None when there is none or it cannot be read (then start afresh)."""
+def move_aside(path: Path, why: str, kept: str) -> Path:
+    """Put an unusable state file out of the sidecar's way, kept for a person to read, and say so."""
+    aside = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    log.warning("%s is not usable (%s): moved aside to %s; %s", path, why, aside.name, kept)
+    return aside
+
+
+def read_state(path: str | Path, kept: str = "starting from a clean state") -> dict | None:
+    """The saved state; None when there is none, or when it is not a JSON object (then it is moved aside,
+    with a warning that says `kept`: what the caller keeps instead)."""
     path = Path(path)
     if not path.exists():
         return None
@@ -155,9 +170,12 @@ def read_state(path: str | Path) -> dict | None:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, ValueError) as e:
-        log.warning("ignoring unreadable guardrail state %s (%s); starting from a clean state", path, e)
+        move_aside(path, str(e)[:200], kept)
         return None
-    return state if isinstance(state, dict) else None
+    if not isinstance(state, dict):
+        move_aside(path, f"a JSON {type(state).__name__}, not an object", kept)
+        return None
+    return state
 
 
 class StateFile:
@@ -180,8 +198,8 @@ class StateFile:
         """True: writes are only noted; take() encodes the state for the writer thread."""
         self._owed: bool | None = None  # deferred: None, or whether the owed write syncs the directory
 
-    def read(self) -> dict | None:
-        return read_state(self.path)
+    def read(self, kept: str = "starting from a clean state") -> dict | None:
+        return read_state(self.path, kept)
 
     def write_now(self, sync_dir: bool = True) -> None:
         self._write(sync_dir)

@@ -78,7 +78,11 @@ class Directives:
         id or step past 2**53, a wrong type) is dropped with a warning, never handed out to block the
         directives after it."""
         self.outstanding = []
-        for d in saved.get("outstanding", []):
+        items = saved.get("outstanding", [])
+        if not isinstance(items, list):
+            log.warning("state.json: outstanding directives are a %s, not a list: none restored", type(items).__name__)
+            items = []
+        for d in items:
             try:
                 parse_directive({k: d.get(k) for k in WIRE_KEYS} if isinstance(d, dict) else d)
             except ValueError as err:

@@ -301,7 +301,8 @@ class GuardrailEngine:
                                                 decision_id=self._next_decision_id)
             if action in SWITCHES:
                 self.last_switch = now
-        record = {"type": "decision", "id": self._next_decision_id, "time": now, "step": step, "rule": rule,
+        record = {"type": "decision", "id": self._next_decision_id, "run_id": self._run_id, "time": now,
+                  "step": step, "rule": rule,
                   "action": action, "source": source, "requested_by": requested_by, "enforced": enforced,
                   "reason": reason, "evidence": evidence, "checkpoint": checkpoint, "skip_batches": skip_batches,
                   "directive_id": directive_id, "escalated": escalated, **(extra or {})}
@@ -637,27 +638,38 @@ class GuardrailEngine:
                 "rules": {name: m.baseline_dict() for name, m in self._monitors.items()}}
 
     def _load(self) -> None:
-        saved = self._state_file.read() or {}
-        self._run_id = saved.get("run_id")
-        self._archived_runs = [str(r) for r in saved.get("archived_runs", [])]
-        self._paused = bool(saved.get("paused", False))
+        present = self._state_file.path.exists()
+        saved = self._state_file.read(kept="recovering the run and its outstanding directives from decisions.jsonl")
+        if saved is None and present:
+            saved = self._recovered_from_log()
+        saved = saved or {}
+        field = _FieldReader(saved, self._state_file.path)
+        self._run_id = field("run_id", lambda v: v if v is None else str(v), None)
+        self._archived_runs = field("archived_runs", lambda v: [str(r) for r in v], [])
+        self._paused = field("paused", _boolean, False)
         # Ids never repeat, even if state.json was lost while the log survived.
-        self._next_decision_id = max(int(saved.get("next_decision_id", 1)), self._log.max_value("id") + 1)
-        self._directives.restore(saved.get("directives", {}), self._log.max_value("directive_id") + 1)
-        self._checkpoints = {int(c) for c in saved.get("checkpoints", [])}
-        self._rollback_ticks = [int(t) for t in saved.get("rollback_ticks", [])]
-        self._tick = int(saved.get("tick", 0))
-        self._last_step = saved.get("last_step")
-        self._first_seen_time = saved.get("first_seen_time")
-        self._resumed_time = saved.get("resumed_time")
-        self._rearmed = {str(k): int(v) for k, v in (saved.get("rearmed") or {}).items()}
+        self._next_decision_id = max(field("next_decision_id", int, 1), self._log.max_value("id") + 1)
+        self._directives.restore(field("directives", _mapping, {}), self._log.max_value("directive_id") + 1)
+        self._checkpoints = field("checkpoints", lambda v: {int(c) for c in v}, set())
+        self._rollback_ticks = field("rollback_ticks", lambda v: [int(t) for t in v], [])
+        self._tick = field("tick", int, 0)
+        self._last_step = field("last_step", _optional(int), None)
+        self._first_seen_time = field("first_seen_time", _optional(float), None)
+        self._resumed_time = field("resumed_time", _optional(float), None)
+        self._rearmed = field("rearmed", lambda v: {str(k): int(x) for k, x in _mapping(v).items()}, {})
         with_history = set()
-        for name, monitor_state in saved.get("rules", {}).items():
+        for name, monitor_state in field("rules", _mapping, {}).items():
             if name in self._monitors:
-                self._monitors[name].restore(monitor_state)
-                if "history" in monitor_state:  # state.json from before baselines.json
+                try:
+                    self._monitors[name].restore(monitor_state)
+                except (AttributeError, KeyError, TypeError, ValueError) as err:  # edited by hand, or garbled
+                    self._monitors[name] = RuleMonitor(self._monitors[name].rule)
+                    log.warning("%s: rule %s's saved state is not usable (%s): it starts afresh",
+                                self._state_file.path, name, err)
+                    continue
+                if isinstance(monitor_state, dict) and "history" in monitor_state:  # from before baselines.json
                     with_history.add(name)
-        baselines = self._baselines_file.read() or {}
+        baselines = self._baselines_file.read(kept="every rule's baseline starts afresh") or {}
         if baselines.get("run_id") == self._run_id:
             for name, saved_baseline in (baselines.get("rules") or {}).items():
                 if name in self._monitors and name not in with_history:
@@ -667,6 +679,57 @@ class GuardrailEngine:
                         self._monitors[name].reset_baseline()
                         log.warning("ignoring rule %s's saved baseline in %s (%s): it starts afresh", name,
                                     self._baselines_file.path, err)
+
+
+    def _recovered_from_log(self) -> dict:
+        """What decisions.jsonl still says when state.json is gone bad: the run, and the directives decided
+        and neither handled nor cancelled (a trainer ignores an id it already handled, so handing one out
+        again is safe). Rule states, checkpoints and counters start afresh."""
+        records = list(self._log.recent)
+        run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
+        ended = {r.get("directive_id") for r in records if r.get("type") != "decision"}
+        outstanding = [{"id": r["directive_id"], "action": r.get("action"), "run_id": run_id,
+                        "to_step": r.get("checkpoint"), "skip_batches": r.get("skip_batches") or 0,
+                        "reason": str(r.get("reason") or ""), "decision_id": r.get("id")}
+                       for r in records if r.get("type") == "decision" and r.get("directive_id") is not None
+                       and r["directive_id"] not in ended and r.get("run_id") == run_id]
+        log.warning("%s: recovered from %s: run %s, outstanding directives %s", self._state_file.path,
+                    self._log.path.name, run_id, [d["id"] for d in outstanding] or "none")
+        return {"run_id": run_id, "directives": {"outstanding": outstanding}}
+
+
+class _FieldReader:
+    """Each field of a saved state converted on its own: one unusable field (a wrong type, edited by hand)
+    falls back to its default with a warning naming it, and the rest of the state is kept."""
+
+    def __init__(self, saved: dict, path: Path):
+        self.saved, self.path = saved, path
+
+    def __call__(self, key: str, convert: Callable, default):
+        if key not in self.saved:
+            return default
+        value = self.saved[key]
+        try:
+            return convert(value)
+        except (AttributeError, TypeError, ValueError) as err:
+            log.warning("%s: %s=%.80r is not usable (%s); using %r", self.path, key, value, err, default)
+            return default
+
+
+def _mapping(value) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"a {type(value).__name__}, not an object")
+    return value
+
+
+def _boolean(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"a {type(value).__name__}, not true or false")
+    return value
+
+
+def _optional(convert: Callable) -> Callable:
+    return lambda value: None if value is None else convert(value)
 
 
 def _safe_name(run_id: str) -> str:

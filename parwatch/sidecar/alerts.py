@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from parwatch.guardrails.decisions import move_aside
 from parwatch.sidecar.models import Alert, AlertmanagerPayload
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,14 @@ class AlertDedupe:
         self.acted: dict[str, None] = {}  # insertion-ordered: the oldest go first when over MAX_ACTED
         if path is not None and path.exists():
             try:
-                self.acted = dict.fromkeys(json.loads(path.read_text())[-MAX_ACTED:])
+                saved = json.loads(path.read_text())
             except (OSError, ValueError) as err:
-                log.warning("ignoring unreadable %s (%s): alerts may act once more", path, err)
+                move_aside(path, str(err)[:200], "alerts may act once more")
+                return
+            if not isinstance(saved, list) or not all(isinstance(fp, str) for fp in saved):
+                move_aside(path, "not a list of alert fingerprints", "alerts may act once more")
+                return
+            self.acted = dict.fromkeys(saved[-MAX_ACTED:])
 
     def _save(self) -> None:
         if self.path is None:
