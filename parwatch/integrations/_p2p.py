@@ -17,6 +17,7 @@ per process however many schedules are watched (reference counted).
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 from parwatch.contract import Span, SpanKind, registry
 
@@ -25,7 +26,7 @@ REQUIRED = ("_batch_p2p", "_wait_batch_p2p")
 
 _lock = threading.Lock()
 _users = 0
-_originals: dict = {}
+_originals: dict[str, Callable[..., Any]] = {}
 
 
 class P2PHookMissing(RuntimeError):
@@ -36,6 +37,10 @@ class _Timed(list):
     """The works of one tagged batch, with when it was posted and its spans (marks set at the wait)."""
 
     __slots__ = ("posted", "spans")
+    posted: Any
+    """Clock mark when the batch was posted."""
+    spans: list[Span] | tuple[()]
+    """Its send and recv spans; () once a wait has reported them."""
 
 
 _RECV = SpanKind.RECV
