@@ -15,7 +15,7 @@ import os
 import random
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -13,15 +13,18 @@ interpret marks themselves.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from parwatch.contract.directives import Directive
 
-if TYPE_CHECKING:  # boundary imports this module
-    from parwatch.contract.boundary import BoundaryInfo
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from 3.11
+
+    from parwatch.contract.boundary import BoundaryInfo  # boundary imports this module
 
 
 class SpanKind(str, Enum):
@@ -199,7 +202,7 @@ class _LiveSpan(Span):
         self.attrs = attrs
         self.end = None
 
-    def __enter__(self) -> _LiveSpan:
+    def __enter__(self) -> Self:
         reg = self._reg
         self.parent = reg.current
         self.start = reg.clock.mark()

@@ -17,7 +17,8 @@ per process however many schedules are watched (reference counted).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from parwatch.contract import Span, SpanKind, registry
 
