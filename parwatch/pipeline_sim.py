@@ -70,7 +70,7 @@ class SimResult:
 
 
 # --------------------------------------------------------------------------- input
-def normalize(order: Mapping) -> dict[int, list[Action]]:
+def normalize(order: Mapping | Replay) -> dict[int, list[Action]]:
     """`{rank: [Action, ...]}` from any accepted form (see the module docstring), or a Replay's."""
     if isinstance(order, Replay):
         return order.ranks
@@ -98,6 +98,7 @@ def _groups(order: Mapping) -> dict[int, list[list[Action]]]:
 def _convert(raw, rank: int) -> list[Action]:
     if raw is None:
         return []
+    parts: tuple[object, object, object]  # (stage, type, microbatch), checked below
     if isinstance(raw, Action):
         parts = (raw.stage, raw.type, raw.microbatch)
     elif isinstance(raw, str):
@@ -177,7 +178,7 @@ def _dependencies(action: Action, stages: Mapping[tuple[int, int], str], n_stage
     return [Action(s, I, mb)]  # W
 
 
-def simulate(order: Mapping, durations: Mapping, p2p_s: float = 0.0,
+def simulate(order: Mapping | Replay, durations: Mapping, p2p_s: float = 0.0,
              host_s: float | Mapping[int, float] = 0.0) -> SimResult:
     """Replay `order` (see the module docstring) with `durations` in seconds.
 
@@ -316,7 +317,7 @@ class BubbleCauses:
 
 
 def bubble_causes(
-    order: Mapping,
+    order: Mapping | Replay,
     per_stage_type_seconds: Mapping[int, Mapping[str, float]],
     measured_bubble_per_stage: Mapping[int, float],
     p2p_s: float = 0.0,
@@ -354,7 +355,7 @@ def bubble_causes(
     return out
 
 
-def per_action_seconds(order: Mapping, stage_totals: Mapping[int, Mapping[str, float]]) -> dict[int, dict]:
+def per_action_seconds(order: Mapping | Replay, stage_totals: Mapping[int, Mapping[str, float]]) -> dict[int, dict]:
     """Per-action mean seconds from one step's per-stage totals, for `bubble_causes`.
 
     stage_totals: `{rank: {"forward_seconds": s, "backward_seconds": s, "backward_weight_seconds": s,
@@ -495,7 +496,7 @@ def _covered(intervals, lo: float, hi: float) -> float:
     return total
 
 
-def stages_of(order: Mapping) -> dict[int, list[int]]:
+def stages_of(order: Mapping | Replay) -> dict[int, list[int]]:
     """rank -> the virtual stages it runs, in ascending order."""
     return {r: sorted({a.stage for a in acts}) for r, acts in normalize(order).items()}
 

@@ -45,6 +45,11 @@ _REASON_SLOT = {FailReason.NO_CHECKPOINT: NO_CHECKPOINT, FailReason.CHECKPOINT_C
                 FailReason.LOAD_ERROR: LOAD_ERROR, FailReason.OTHER_RUN: OTHER_RUN}
 
 
+AllReduceSum = Callable[[list[float]], Sequence[float] | Callable[[], Sequence[float]]]
+"""SUM-all-reduces a float64 vector over every rank: returns the sums, or starts the
+all-reduce and returns a zero-argument callable that waits for it and returns them."""
+
+
 def run_key(run_id: str) -> float:
     """A 48-bit hash of a run id: exact in a float64 slot, so equal ids compare equal."""
     return float(int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:6], "big"))
@@ -55,9 +60,9 @@ class OutcomeReport:
     """What every rank did with the last directive rank 0 handled, from the summed counts."""
 
     directive_id: int
-    counts: dict
+    counts: dict[Outcome, int]
     """Outcome -> ranks."""
-    reasons: dict
+    reasons: dict[FailReason, int]
     """FailReason -> ranks."""
     loaded_step: int | None
     """The checkpoint step the loading ranks loaded (they agree on it), or None."""
@@ -122,7 +127,7 @@ class StepBoundary:
     of shutdown (TorchAllReduce's waits until torch has let go of its tensors).
     """
 
-    def __init__(self, rank: int, world_size: int, run_id: str, all_reduce_sum: Callable[[list], Sequence[float]],
+    def __init__(self, rank: int, world_size: int, run_id: str, all_reduce_sum: AllReduceSum,
                  *, reports_loss: bool, registry: HookRegistry = default_registry):
         if not 0 <= rank < world_size:
             raise ValueError(f"StepBoundary: rank={rank} must be in 0..{world_size - 1}")
@@ -196,7 +201,7 @@ class StepBoundary:
                                  reason=None if reason is None else reason.wire)
 
     def hold(self, step: int, poll_s: float, sleep: Callable[[float], None] = time.sleep,
-             report: Callable | None = None) -> Directive | None:
+             report: Callable[[Directive, Outcome], None] | None = None) -> Directive | None:
         """Paused: join heartbeat boundaries until a resume (reported, then a resume boundary;
         returns None) or a rollback (returned unreported: the caller applies it).
 
@@ -219,7 +224,7 @@ class StepBoundary:
                 return None
 
     # ------------------------------------------------------------------------------- encoding
-    def _pack(self, vec: list, loss: float | None, offer: Directive | None) -> None:
+    def _pack(self, vec: list[float], loss: float | None, offer: Directive | None) -> None:
         if self.reports_loss and loss is not None:
             vec[LOSS_SUM] = loss
             vec[LOSS_WEIGHT] = 1.0

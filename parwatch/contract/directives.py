@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import TypeGuard
 
 
 class Action(str, Enum):
@@ -83,7 +84,7 @@ MAX_STEP = 2**53
 """Step numbers, checkpoint steps and skip counts travel as float64: exact up to here."""
 
 
-def parse_directive(raw: dict) -> Directive:
+def parse_directive(raw: object) -> Directive:
     """A directive from its wire dict; ValueError names the bad field and what it must be."""
     if not isinstance(raw, dict):
         raise ValueError(f"directive must be an object, got {type(raw).__name__}")
@@ -103,5 +104,5 @@ def parse_directive(raw: dict) -> Directive:
                      reason=str(raw.get("reason", "")))
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)

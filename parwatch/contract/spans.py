@@ -13,9 +13,18 @@ interpret marks themselves.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from parwatch.contract.directives import Directive
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from 3.11
+
+    from parwatch.contract.boundary import BoundaryInfo  # boundary imports this module
 
 
 class SpanKind(str, Enum):
@@ -129,7 +138,7 @@ class Span:
     kind: SpanKind
     start: Any
     end: Any = None
-    attrs: dict = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)
     parent: "Span | None" = None
     """The span that was open when this one began (a TP collective inside a forward)."""
 
@@ -144,34 +153,34 @@ class Observer:
     def on_span(self, span: Span) -> None:
         pass
 
-    def fill_boundary(self, step: int, slots: list) -> None:
+    def fill_boundary(self, step: int, slots: list[float]) -> None:
         """Add this rank's contributions to this observer's `boundary_slots` floats (zero-filled).
 
         The vector is SUM all-reduced over every rank: write a value only one rank writes
         (rank 0), or add to a sum (a per-stage block, a count)."""
 
-    def pending_directive(self):
-        """Rank 0 only: a parwatch.contract.Directive to hand every rank, or None."""
+    def pending_directive(self) -> Directive | None:
+        """Rank 0 only: a directive to hand every rank, or None."""
         return None
 
     def during_boundary(self) -> None:
         """While the boundary's all-reduce is in flight (trainers whose all-reduce is asynchronous;
         see StepBoundary): work that needs not its result, such as folding the step's spans."""
 
-    def on_boundary(self, info, slots: list) -> None:
-        """`info`: a parwatch.contract.BoundaryInfo; `slots`: this observer's floats, summed over ranks."""
+    def on_boundary(self, info: BoundaryInfo, slots: list[float]) -> None:
+        """`slots`: this observer's floats, summed over ranks."""
 
-    def on_event(self, name: Event, attrs: dict) -> None:
+    def on_event(self, name: Event, attrs: dict[str, Any]) -> None:
         """Rare events (see Event)."""
 
 
 class _NullSpan:
     __slots__ = ()
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -187,20 +196,20 @@ class _LiveSpan(Span):
 
     __slots__ = ("_reg",)
 
-    def __init__(self, reg: "HookRegistry", kind: SpanKind, attrs: dict):
+    def __init__(self, reg: HookRegistry, kind: SpanKind, attrs: dict[str, Any]):
         self._reg = reg
         self.kind = kind
         self.attrs = attrs
         self.end = None
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         reg = self._reg
         self.parent = reg.current
         self.start = reg.clock.mark()
         reg.current = self  # one store, after start: an activity reporter reads both from its own thread
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         reg = self._reg
         self.end = reg.clock.mark()
         reg.current = self.parent
@@ -212,13 +221,13 @@ class _LiveSpan(Span):
 class HookRegistry:
     def __init__(self) -> None:
         self.observers: list[Observer] = []
-        self.sinks: tuple = ()
+        self.sinks: tuple[Callable[[Span], None], ...] = ()
         """The observers' bound `on_span` methods (kept in step with `observers` by register/unregister)."""
         self.clock: Clock = PerfCounterClock()
         self.active = False
         self.current: Span | None = None
         """The innermost open span of the training thread, or None (read by activity reporters)."""
-        self.sequence: dict = {}
+        self.sequence: dict[tuple[SpanKind, object], int] = {}
         """Per-group collective and per-peer send/recv counts: span attrs' `seq`."""
 
     def register(self, observer: Observer) -> None:
@@ -241,24 +250,25 @@ class HookRegistry:
         self.current = None
         self.sequence.clear()
 
-    def next_seq(self, kind: SpanKind, attrs: dict) -> int:
+    def next_seq(self, kind: SpanKind, attrs: dict[str, Any]) -> int:
         """The next sequence number of this span's group (collectives) or peer (send, recv)."""
         key = (kind, attrs.get("group")) if kind == SpanKind.COLLECTIVE else (kind, attrs.get("peer"))
         seq = self.sequence.get(key, 0) + 1
         self.sequence[key] = seq
         return seq
 
-    def span(self, kind: SpanKind, **attrs):
+    def span(self, kind: SpanKind, **attrs: Any) -> AbstractContextManager[Span | None, Literal[False]]:
         if not self.active:
             return _NULL_SPAN
         if kind in SEQUENCED_KINDS and "seq" not in attrs:
             attrs["seq"] = self.next_seq(kind, attrs)
         return _LiveSpan(self, kind, attrs)
 
-    def mark(self):
+    def mark(self) -> Any:
+        """A clock mark, or None when nobody observes."""
         return self.clock.mark() if self.active else None
 
-    def emit_span(self, kind: SpanKind, start, end, **attrs) -> None:
+    def emit_span(self, kind: SpanKind, start: Any, end: Any, **attrs: Any) -> None:
         """Report a span timed elsewhere (an isend, from its post to its completion). Sends should
         take `seq` from next_seq() when posted, so it follows the program's order."""
         if not self.active:
@@ -280,7 +290,7 @@ class HookRegistry:
     def boundary_slots(self) -> int:
         return sum(o.boundary_slots for o in self.observers)
 
-    def fill_boundary(self, step: int, part: list) -> None:
+    def fill_boundary(self, step: int, part: list[float]) -> None:
         """`part`: the observers' slice of this rank's boundary vector, zero-filled."""
         offset = 0
         for obs in self.observers:
@@ -291,7 +301,7 @@ class HookRegistry:
                 part[offset:offset + n] = slots
                 offset += n
 
-    def pending_directive(self):
+    def pending_directive(self) -> Directive | None:
         for obs in self.observers:
             d = obs.pending_directive()
             if d is not None:
@@ -304,14 +314,14 @@ class HookRegistry:
             if during is not None:
                 during()
 
-    def emit_boundary(self, info, part: list) -> None:
+    def emit_boundary(self, info: BoundaryInfo, part: list[float]) -> None:
         offset = 0
         for obs in self.observers:
             n = obs.boundary_slots
             obs.on_boundary(info, part[offset:offset + n])
             offset += n
 
-    def emit_event(self, name: Event, **attrs) -> None:
+    def emit_event(self, name: Event, **attrs: Any) -> None:
         for obs in self.observers:
             obs.on_event(name, attrs)
 

@@ -26,36 +26,46 @@ import logging
 import time
 from array import array
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:  # for the checker only: importing the contract must not import torch
+    import torch
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("parwatch.contract")
+
+
+class _Work(Protocol):
+    """What torch.distributed's collectives return with async_op=True (their stubs leave it untyped)."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
 
 
 class TorchAllReduce:
     """`all_reduce_sum` for StepBoundary: a float64 SUM all-reduce of `group` (None: the world)
     on `device` (None: CPU, as gloo wants it; a CUDA device for NCCL)."""
 
-    def __init__(self, group=None, device=None) -> None:
+    def __init__(self, group: ProcessGroup | None = None, device: torch.device | str | int | None = None) -> None:
         import torch
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
         self.group = group
         self.device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
-        self._buffers: dict[int, tuple[array, object]] = {}  # CPU: width -> (array, tensor sharing it)
-        self._last: tuple[object, object] | None = None  # (work, tensor) of the latest all-reduce
+        self._buffers: dict[int, tuple[array[float], torch.Tensor]] = {}  # CPU: width -> (array, tensor sharing it)
+        self._last: tuple[_Work, torch.Tensor] | None = None  # (work, tensor) of the latest all-reduce
 
-    def __call__(self, values: list) -> Callable[[], list]:
+    def __call__(self, values: list[float]) -> Callable[[], list[float]]:
         if self.device is not None:
             vec = self._torch.tensor(values, dtype=self._torch.float64, device=self.device)
-            work = self._dist.all_reduce(vec, group=self.group, async_op=True)
+            work: _Work = self._dist.all_reduce(vec, group=self.group, async_op=True)
             self._last = (work, vec)
 
-            def result() -> list:
+            def device_result() -> list[float]:
                 work.wait()
                 return vec.tolist()  # host read: the one sync a step has anyway
 
-            return result
+            return device_result
         buffer = self._buffers.get(len(values))
         if buffer is None:
             host = array("d", values)
@@ -66,7 +76,7 @@ class TorchAllReduce:
         work = self._dist.all_reduce(vec, group=self.group, async_op=True)
         self._last = (work, vec)
 
-        def result() -> list:
+        def result() -> list[float]:
             work.wait()
             return host.tolist()
 
@@ -92,7 +102,8 @@ class TorchAllReduce:
         counted = all(hasattr(t, "_use_count") for t in lent)  # a torch without it: keep them, don't wait
         deadline = time.monotonic() + (timeout_s if counted else 0.0)
         while True:
-            held = [t for t in lent if not counted or t._use_count() > 1]
+            # _use_count: a torch internal its stubs leave out
+            held = [t for t in lent if not counted or t._use_count() > 1]  # type: ignore[attr-defined]
             if not held:
                 return True
             if time.monotonic() >= deadline:

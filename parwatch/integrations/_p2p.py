@@ -17,6 +17,8 @@ per process however many schedules are watched (reference counted).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from parwatch.contract import Span, SpanKind, registry
 
@@ -25,7 +27,7 @@ REQUIRED = ("_batch_p2p", "_wait_batch_p2p")
 
 _lock = threading.Lock()
 _users = 0
-_originals: dict = {}
+_originals: dict[str, Callable[..., Any]] = {}
 
 
 class P2PHookMissing(RuntimeError):
@@ -36,6 +38,10 @@ class _Timed(list):
     """The works of one tagged batch, with when it was posted and its spans (marks set at the wait)."""
 
     __slots__ = ("posted", "spans")
+    posted: Any
+    """Clock mark when the batch was posted."""
+    spans: list[Span] | tuple[()]
+    """Its send and recv spans; () once a wait has reported them."""
 
 
 _RECV = SpanKind.RECV

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from parwatch import pipeline_sim
 from parwatch.contract import (
@@ -256,7 +256,7 @@ class PipelineWatch:
     def checkpoint_saved(self, step: int, checkpoints: list[int] | None = None) -> None:
         """Tell the collector a complete checkpoint of `step` exists (a rollback target);
         `checkpoints`: every complete step on disk now, if known."""
-        attrs = {"step": step}
+        attrs: dict[str, Any] = {"step": step}
         if checkpoints is not None:
             attrs["checkpoints"] = list(checkpoints)
         registry.emit_event(Event.CHECKPOINT_SAVED, **attrs)
@@ -304,7 +304,8 @@ class PipelineWatch:
             if loaded is not None and (not isinstance(loaded, int) or loaded < 0):
                 log.error("rank %d: load_checkpoint returned %r, not a step", self.pp_rank, loaded)
                 loaded, reason = None, FailReason.LOAD_ERROR
-        if not self.boundary.agree(loaded is not None):
+        # agree() is a collective every rank joins; when it holds, this rank loaded a step too.
+        if not self.boundary.agree(loaded is not None) or loaded is None:
             self._report(directive, Outcome.FAILED, reason=reason)
             return
         self.step = loaded

@@ -24,8 +24,9 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -58,7 +59,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], object]) -> None:
     """Write `path` via a temp file in the same directory, so readers never see a partial file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -98,17 +99,18 @@ class _HashingWriter:
         self._f.flush()
 
 
-def tensor_table(obj, prefix: str = "") -> dict:
+def tensor_table(obj: object, prefix: str = "") -> dict[str, dict[str, Any]]:
     """{dotted key: {"shape": [...], "dtype": "float32"}} for every tensor nested in obj."""
     if isinstance(obj, torch.Tensor):
         return {prefix: {"shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}}
+    items: Iterable[tuple[object, object]]
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     else:
         return {}
-    table = {}
+    table: dict[str, dict[str, Any]] = {}
     for key, value in items:
         table.update(tensor_table(value, f"{prefix}.{key}" if prefix else str(key)))
     return table

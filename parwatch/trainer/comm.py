@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,16 +39,22 @@ import torch.distributed as dist
 from parwatch import contract
 from parwatch.trainer.parallel_dims import ProcessGroups
 
+if TYPE_CHECKING:
+    from parwatch.trainer.faults import Faults
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 @dataclass
 class _PendingSend:
-    work: object
+    work: dist.Work | None
+    """None only until a lane posts it."""
     tensor: torch.Tensor  # kept alive until the transfer completes
-    start: object
-    attrs: dict
-    end: object = None
+    start: Any
+    """Clock mark when posted (None when nobody observes)."""
+    attrs: dict[str, Any] | None
+    """The send span's attrs; None when nobody observes."""
+    end: Any = None
     lane: bool = False
     """Posted and stamped by a lane thread (then `done` is set once `work` completed or failed)."""
     done: threading.Event | None = None
@@ -59,7 +66,7 @@ class _SendLane:
 
     def __init__(self, comm: "Comm", dst: int, delay_s: float):
         self.comm, self.dst, self.delay_s = comm, dst, delay_s
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_PendingSend, int, float] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"send-lane-{dst}", daemon=True)
         self._thread.start()
 
@@ -86,28 +93,30 @@ class _SendLane:
                         time.sleep(remaining)
                 if p.work is None:
                     p.work = dist.isend(p.tensor, dst=self.dst, group=comm.groups.pp, tag=tag)
+                assert p.work is not None, "isend returns None only to a rank outside the group"
                 p.work.wait()
                 if p.attrs is not None:
                     p.end = comm.registry.clock.mark()
             except Exception as exc:  # the training thread raises it (complete_sends)
                 p.error = exc
             finally:
+                assert p.done is not None  # every lane send has one
                 p.done.set()
 
 
 @dataclass
 class Comm:
     groups: ProcessGroups
-    slow_ms: dict = field(default_factory=dict)
+    slow_ms: dict[str, float] = field(default_factory=dict)
     """Injected extra latency per collective, by group role ("tp", "pp", "dp")."""
     registry: contract.HookRegistry = contract.registry
-    link_delay_ms: dict = field(default_factory=dict)
+    link_delay_ms: dict[int, float] = field(default_factory=dict)
     """Injected slow links: destination global rank -> extra ms inside each send to it."""
-    faults: object = None
-    """parwatch.trainer.faults.Faults whose hang points sit here (set by the executor), or None."""
-    _pending: list = field(default_factory=list)
-    _ranks: dict = field(default_factory=dict)
-    _lanes: dict = field(default_factory=dict)
+    faults: Faults | None = None
+    """The faults whose hang points sit here (set by the executor), or None."""
+    _pending: list[_PendingSend] = field(default_factory=list)
+    _ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    _lanes: dict[int, _SendLane] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- groups
     def size(self, role: str) -> int:
@@ -115,10 +124,10 @@ class Comm:
             role, self.groups.dims.world_size
         )
 
-    def _group(self, role: str):
+    def _group(self, role: str) -> dist.ProcessGroup | None:
         return None if role == "world" else getattr(self.groups, role)
 
-    def group_ranks(self, role: str) -> tuple:
+    def group_ranks(self, role: str) -> tuple[int, ...]:
         """The global ranks of this rank's `role` group (one shared tuple per role)."""
         ranks = self._ranks.get(role)
         if ranks is None:
@@ -159,7 +168,7 @@ class Comm:
             lane = self._lanes[dst] = _SendLane(self, dst, delay_ms / 1000.0)
         return lane
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int, **attrs) -> None:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, **attrs: Any) -> None:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
         if self.faults is not None and self.faults.hang_due("send"):
@@ -185,7 +194,7 @@ class Comm:
         self._pending.append(p)
         lane.put(p, tag, posted_at)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs) -> torch.Tensor:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs: Any) -> torch.Tensor:
         with self.registry.span(
             contract.SpanKind.RECV, peer=src, op="recv", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2,
             **attrs
@@ -199,7 +208,7 @@ class Comm:
         if not self.registry.active:
             return
         for p in self._pending:
-            if p.end is None and not p.lane and p.work.is_completed():
+            if p.end is None and not p.lane and p.work is not None and p.work.is_completed():
                 p.end = self.registry.mark()
 
     def close(self, failed: bool = False, timeout_s: float = 5.0) -> None:
@@ -221,10 +230,12 @@ class Comm:
         pending, self._pending = self._pending, []
         for p in pending:
             if p.lane:  # gloo counts completions: a second wait() on one send would block forever
+                assert p.done is not None  # every lane send has one
                 p.done.wait()
                 if p.error is not None:
                     raise p.error
             else:
+                assert p.work is not None, "isend returns None only to a rank outside the group"
                 p.work.wait()
             if p.attrs is not None:
                 end = p.end if p.end is not None else self.registry.mark()

@@ -154,10 +154,13 @@ def field_docs() -> dict[str, str]:
     import ast
     import inspect
 
-    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    cls = ast.parse(inspect.getsource(TrainConfig)).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from parwatch.trainer.errors import ConfigError
 
-_SPECS = {
+_SPECS: dict[str, dict[str, type[int | float | str]]] = {
     "straggler": {"stage": int, "ms": float, "from_step": int, "rank": int},
     "nan": {"step": int},
     "slow-collective": {"group": str, "ms": float},
@@ -52,14 +53,15 @@ class InjectedError(Exception):
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    """The spec's key=value pairs, each of its key's type (_SPECS)."""
 
 
 def parse_fault(spec: str) -> Fault:
     kind, _, rest = spec.partition(":")
     if kind not in _SPECS:
         raise ConfigError(f"--inject {spec!r}: unknown fault {kind!r}; use one of: {_EXAMPLE}")
-    params = {}
+    params: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in _SPECS[kind]:
@@ -124,17 +126,17 @@ class Faults:
     def _due(self, kind: str, step: int) -> bool:
         return any(f.kind == kind and f.params["rank"] == self.rank and f.params["step"] == step for f in self.faults)
 
-    def slow_collectives(self) -> dict:
-        out: dict = {}
+    def slow_collectives(self) -> dict[str, float]:
+        out: dict[str, float] = {}
         for f in self.faults:
             if f.kind == "slow-collective":
                 out[f.params["group"]] = out.get(f.params["group"], 0.0) + f.params["ms"]
         return out
 
     # -- slow-link / slow-data ----------------------------------------------------------------
-    def link_delays_ms(self) -> dict:
+    def link_delays_ms(self) -> dict[int, float]:
         """Destination rank -> extra ms inside every p2p send this rank makes to it."""
-        out: dict = {}
+        out: dict[int, float] = {}
         for f in self.faults:
             if f.kind == "slow-link" and f.params["src"] == self.rank:
                 out[f.params["dst"]] = out.get(f.params["dst"], 0.0) + f.params["ms"]

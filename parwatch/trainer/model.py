@@ -98,7 +98,7 @@ class Head(nn.Module):
 
 def build_pieces(cfg: GPTConfig, comm: Comm, indices: range) -> list[nn.Module]:
     """Pieces `indices` of [embedding, block 0..n-1, head] (n + 2 pieces in all)."""
-    pieces = []
+    pieces: list[nn.Module] = []
     for i in indices:
         if i == 0:
             pieces.append(Embedding(cfg, comm))

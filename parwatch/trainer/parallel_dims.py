@@ -7,8 +7,12 @@ next, DP outermost:  rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from parwatch.trainer.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported when the groups are built
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,13 @@ class ProcessGroups:
 
     dims: ParallelDims
     coords: RankCoords
-    tp: object = None
-    pp: object = None
-    dp: object = None
-    pp_ranks: list = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
-    tp_ranks: list = field(default_factory=list)
-    dp_ranks: list = field(default_factory=list)
+    tp: ProcessGroup | None = None
+    """None: a group of one."""
+    pp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
+    tp_ranks: list[int] = field(default_factory=list)
+    dp_ranks: list[int] = field(default_factory=list)
 
     @property
     def stage(self) -> int:

@@ -15,6 +15,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class Trainer:
         self.device = self._device
         self.chunks = [c.to(self.device) for c in self._build_chunks()]
         params = [p for c in self.chunks for p in c.parameters()]
+        self.optimizer: torch.optim.Optimizer
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=cfg.lr)
         else:
@@ -72,19 +74,19 @@ class Trainer:
         self.steps_boundary = StepBoundary(
             rank, world_size, self.run_id, TorchAllReduce(device=self.device), registry=registry,
             reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0)
-        self._last_boundary_t = None
-        self.on_step = None
+        self._last_boundary_t: float | None = None
+        self.on_step: Callable[[int], None] | None = None
         """Called with the step after each step boundary (the launcher's progress), or None."""
 
     # ------------------------------------------------------------------ model
-    def _build_chunks(self) -> list:
+    def _build_chunks(self) -> list[torch.nn.Module]:
         cfg, g = self.cfg, self.groups
         parts = cfg.pp * cfg.chunks
         counts = piece_param_counts(cfg.layers, cfg.hidden, cfg.vocab, cfg.seq_len)
         ranges = partition(cfg.layers, parts, cfg.partition, counts)
         synthetic = parse_synthetic(cfg.synthetic_compute)
         gpt = GPTConfig(cfg.layers, cfg.hidden, cfg.heads, cfg.vocab, cfg.seq_len, cfg.seed, self.dtype)
-        chunks = []
+        chunks: list[torch.nn.Module] = []
         for c in range(cfg.chunks):
             vstage = c * cfg.pp + g.stage
             pieces = ranges[vstage]
