@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, cast
 
 import torch
 
@@ -151,7 +151,7 @@ def save_checkpoint(root: str | Path, step: int, rank: int, world_size: int, sta
 
     def write_shard(f):
         writer_box["w"] = writer = _HashingWriter(f)
-        torch.save(state, writer)
+        torch.save(state, cast(IO[bytes], writer))  # the writer is file-like where torch.save needs it
 
     _atomic_write(directory / _shard_name(rank), write_shard)
     writer = writer_box["w"]

@@ -153,7 +153,7 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
 
     code = 0
     try:
-        alive = {p.sentinel: r for r, p in enumerate(procs)}
+        alive: dict[Any, int] = {p.sentinel: r for r, p in enumerate(procs)}  # sentinels: fds
         failed: list[int] = []
         deadline = None  # set when the only failures so far are ranks that lost a peer
         while alive:
@@ -174,6 +174,7 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
             # Exit code 3 is a rank that only lost a peer: name the cause, not the echo.
             rank = min(failed, key=lambda r: (procs[r].exitcode == _PEER_LOST, r))
             exitcode = procs[rank].exitcode
+            assert exitcode is not None  # joined above
             code = exit_status(exitcode) or 1
             print(f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks",
                   file=sys.stderr)

@@ -123,4 +123,4 @@ class Chunk(nn.Module):
         return x
 
     def loss(self, output, targets):
-        return self.pieces[-1].loss(output, targets)
+        return self.pieces[-1].loss(output, targets)  # type: ignore[operator]  # nn.Module attributes read as Tensor
