@@ -83,8 +83,9 @@ class LocalGuard:
         reason = (f"{LOCAL_RULE}: loss {encode_float(loss)} at step {step} and the sidecar did not take its "
                   f"summary{'' if since is None else f' (unreachable since {since:.3f})'}: rank 0 pauses the run "
                   "until the leader judges it")
+        usable = [c for c in checkpoints if c <= step][-1000:]  # later ones belong to a timeline rolled back
         self._local = {"rule": LOCAL_RULE, "action": Action.PAUSE.value, "step": step, "loss": encode_float(loss),
-                       "time": self._time(), "after": self._handled_id, "checkpoints": list(checkpoints)[-1000:],
+                       "time": self._time(), "after": self._handled_id, "checkpoints": usable,
                        "unreachable_since": since, "reason": reason}
         self.decisions += 1
         log.error("parwatch: %s (directive %d)", reason, self._local_id)

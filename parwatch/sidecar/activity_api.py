@@ -141,7 +141,8 @@ class ActivityHub:
             name = _STATE_NAMES[value]
             counts[name] = counts.get(name, 0) + 1
         return {"leader": self.is_leader, "node": self.node, "leader_url": self.leader_url,
-                "leader_link": self.link.status(self.is_leader), "hang": m.hang, "rank_states": counts, "bound_seconds": m.progress.bound(),
+                "leader_link": self.link.status(self.is_leader), "hang": m.hang, "rank_states": counts,
+                "bound_seconds": m.progress.bound(),
                 "stalled_seconds": m.progress.stalled_for(self.clock()), "last_step": m.progress.step,
                 "findings": m.findings[-5:]}
 
