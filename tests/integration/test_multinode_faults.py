@@ -64,6 +64,7 @@ NAN_STEP = 24
 ACT_WITHIN_S = 15.0
 
 
+@pytest.mark.timing
 def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_once(tmp_path):
     """The leader's sidecar SIGKILLed two steps before a NaN: rank 0 pauses the run itself within 15 s,
     node 1 says the leader is unreachable (status, metric, `parwatch status`, which prints no rule
@@ -96,9 +97,12 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
                 steps = [s["step"] for s in read_jsonl(tmp_path / f"log{k}" / "summaries.jsonl")]
                 assert max(steps) <= NAN_STEP + 1, f"node {k} trained on after the local pause: {max(steps)}"
 
+            restarted = time.time()
             leader.start()  # same state dir and ports
-            wait_until(lambda: [r for r in leader.records("applied") if r.get("action") == "rollback"],
-                       "the returning leader's rollback applied", 90)
+            (rolled,) = wait_until(lambda: [r for r in leader.records("applied") if r.get("action") == "rollback"],
+                                   "the returning leader's rollback applied", 90)
+            print(f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - nan['time']:.2f} s; leader "
+                  f"restarted to the rollback applied: {rolled['time'] - restarted:.2f} s")
             finish(tmp_path, procs)
         decisions = leader.records("decision")
         rollbacks = [d for d in decisions if d["action"] == "rollback"]
