@@ -15,9 +15,10 @@ from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 
 KINDS = ("gauge", "counter", "histogram", "info")
 BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action",
-                            "reason", "cause"})
-"""reason: why a collective instance was not split (remote, incomplete, unsent); cause: a straggler's cause
-(parwatch.guardrails.attribution.CAUSES, four values)."""
+                            "reason", "cause", "post"})
+"""reason: why a collective instance was not split (remote, incomplete, unsent), or why a post was refused
+(parwatch.sidecar.refusals.REASONS); cause: a straggler's cause (parwatch.guardrails.attribution.CAUSES, four
+values); post: ingest, activity or digest."""
 RANK_STATES = {"running": 0, "hung": 1, "gone": 2, "unknown": 3}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
 GUARDRAIL_STATES = {"ok": 0, "pending": 1, "firing": 2}
@@ -140,6 +141,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
     Metric("parwatch_sidecar_rules_reload_failures_total", "counter", (),
            "Rules reloads refused because the file was invalid"),
+    Metric("parwatch_posts_refused_total", "counter", ("post", "reason"),
+           "Posts this sidecar refused: its ranks' summaries (ingest) and activity, and node sidecars' digests "
+           "(at the leader), by reason (unauthorized: missing or wrong token; invalid; conflict; over_limit)"),
+    Metric("parwatch_leader_unreachable_since_timestamp_seconds", "gauge", (),
+           "Unix time since which this node sidecar's ranks reach no leader (its digests fail or are refused, or "
+           "it has no --leader-url in a larger run); 0 while they do, and at the leader", "seconds"),
 )
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}

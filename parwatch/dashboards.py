@@ -295,6 +295,15 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
                    desc="non-zero while a sidecar is away: the collector drops instead of blocking training"),
         stat("Rules reloads refused", [(rec.job("parwatch_sidecar_rules_reload_failures", "sum"), "refused")], w=8, h=6,
              limit=1, desc="SIGHUP reloads refused because the new rules file was invalid (the old rules stay)"),
+        stat("Leader unreachable since", [(rec.job("parwatch_leader_unreachable_since_timestamp_seconds", "max")
+                                           + " * 1000", "since")], unit="dateTimeAsIso", w=8, h=6,
+             mappings=[_value_map((0, "reachable", "green"))],
+             desc="a node sidecar whose digests fail or are refused, or that has no --leader-url in a larger run: "
+                  "its ranks are judged by nobody"),
+        timeseries("Posts refused per second", [(rate("post_reason", "parwatch_posts_refused_total"),
+                                                 "{{post}} {{reason}}")], w=16, h=6,
+                   desc="ranks' summaries and activity, and node digests at the leader, refused (unauthorized: a "
+                        "wrong or missing token)"),
     ]
 
 

@@ -204,6 +204,11 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         f"max {by('rule', 'action')} ({_m('parwatch_guardrail_actions_total')})")
     add(job("parwatch_sidecar_rules_reload_failures", "sum"),
         f"sum {by()} ({_m('parwatch_sidecar_rules_reload_failures_total')})")
+    # Who the leader cannot see: nodes that reach no leader, posts refused (a wrong token, a bad body).
+    add(job("parwatch_leader_unreachable_since_timestamp_seconds", "max"),
+        f"max {by()} ({_m('parwatch_leader_unreachable_since_timestamp_seconds')})")
+    refused = _m("parwatch_posts_refused_total")
+    add(rate_name("post_reason", refused, w), f"sum {by('post', 'reason')} (rate({refused}[{w}]))")
     return tuple(out)
 
 

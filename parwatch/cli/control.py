@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import getpass
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import click
@@ -81,6 +82,12 @@ def _status_text(s: dict) -> str:
     ranks = s.get("ranks", {})
     down = [r for r, v in ranks.items() if not v.get("up")]
     lines.append(f"ranks: {len(ranks)} reporting" + (f", down: {', '.join(down)}" if down else ""))
+    lines += _link_lines(s.get("leader_link"))
+    for r in s.get("refused") or ():
+        lines.append(f"WARNING: refused {r['count']} {r['post']} posts ({r['reason']}), last at "
+                     f"{_when(r['last_time'])}: {r['detail']}")
+    if s.get("rules") is None and s.get("rules_judged_by"):  # a node sidecar: its engine judges nothing
+        lines.append(f"rules: judged by the leader, {s['rules_judged_by']}")
     for name, st in sorted((s.get("rules") or {}).items()):
         lines.append(f"  rule {name}: {st.get('state')}")
     lines.append(_hang_line(s.get("hang")))
@@ -89,6 +96,20 @@ def _status_text(s: dict) -> str:
     for d in s.get("last_decisions") or []:
         lines.append("  " + _decision_line(d))
     return "\n".join(lines)
+
+
+def _when(t) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if t else "?"
+
+
+def _link_lines(link: dict | None) -> list[str]:
+    """A node sidecar's way to the leader (parwatch.sidecar.leader_link); nothing on a sidecar alone."""
+    if not link or link.get("role") != "node":
+        return []
+    if link.get("reachable"):
+        return [f"leader: {link.get('url')} (reachable)"]
+    return [f"WARNING: leader {link.get('url') or '(no --leader-url)'} unreachable since "
+            f"{_when(link.get('unreachable_since'))}: {link.get('error')}"]
 
 
 def _hang_line(h: dict | None) -> str:

@@ -22,6 +22,7 @@ handled it. Summaries are never held back for that.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -32,10 +33,11 @@ from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
 from parwatch.collector.causes import CauseSplitter
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
+from parwatch.collector.fallback import LocalGuard
 from parwatch.collector.instances import InstanceLog
 from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
-from parwatch.collector.shipper import Shipper
+from parwatch.collector.shipper import Delivery, Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
@@ -96,7 +98,7 @@ class Collector(Observer):
         self._theory = ctx.bubble_theoretical_ratio
         self.shipper = Shipper(
             endpoint=endpoint, token=token, log_path=log_path, spans_path=spans_path, queue_size=queue_size,
-            http=http, on_directive=self.directives.put,
+            http=http, on_directive=self._on_directive,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
             prepare=self.causes.add_causes if ctx.rank == 0 else None,
         ).start()
@@ -105,6 +107,9 @@ class Collector(Observer):
             stacks_path=os.path.join(os.path.dirname(log_path), f"stacks-rank{ctx.rank}.txt") if log_path else None,
         ).start()
         """Live activity for hang detection (its own thread; attach() points it at the registry)."""
+        self.guard = LocalGuard(ctx.run_id, time_fn, lambda: self.shipper.unreachable_since,
+                                os.path.dirname(log_path) if log_path else None) if ctx.rank == 0 and endpoint else None
+        """Rank 0: pauses the run on a non-finite loss its sidecar (the leader) never saw (fallback.py)."""
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
         self._model_flops: float | None = None  # this rank's model FLOPs per step (run_start event)
@@ -162,7 +167,19 @@ class Collector(Observer):
         self._overhead_ns += _now_ns() - t0
 
     def pending_directive(self):
-        return self.directives.take() if self.ctx.rank == 0 else None
+        if self.ctx.rank != 0:
+            return None
+        directive = self.directives.take()
+        if directive is None and self.guard is not None:
+            directive = self.guard.offer(self._checkpoints)
+        return directive
+
+    def _on_directive(self, raw) -> None:
+        """Shipper thread: the sidecar's reply's directive, for the training thread to take."""
+        self.directives.put(raw)
+        latest = self.directives.latest
+        if latest is not None and self.guard is not None:
+            self.guard.saw(latest.id)
 
     def during_boundary(self) -> None:
         # Host clocks: fold the period's spans while the all-reduce is in flight (on_boundary
@@ -186,6 +203,8 @@ class Collector(Observer):
             origin = gv.origin_of(slots)
             self._time_origin_s = origin - self._wall_offset if origin is not None else self._host_seconds(end)
         if self.ctx.rank == 0:
+            if info.directive is not None and self.guard is not None:
+                self.guard.saw(info.directive.id, handled=True)
             self._report_outcome(info)
         kind = info.kind
         if kind == BoundaryKind.HEARTBEAT:  # paused: nothing is accounted until the resume
@@ -244,7 +263,8 @@ class Collector(Observer):
         report = info.report
         if report.complete and report.directive_id > self._reported_id:
             self._reported_id = report.directive_id
-            self.shipper.put_outcome(outcome_record(report, self.ctx.run_id, info.step))
+            record = outcome_record(report, self.ctx.run_id, info.step)
+            self.shipper.put_outcome(self.guard.annotate(record) if self.guard is not None else record)
 
     def _finish_step(self, info: BoundaryInfo, end, slots: list, t0: int) -> None:
         try:
@@ -260,7 +280,12 @@ class Collector(Observer):
         summary["instances"] = self.instances.take()
         summary["overhead_seconds"] = (self._overhead_ns + _now_ns() - t0) * 1e-9
         self._overhead_ns = 0
-        self.shipper.put_summary(summary)
+        if self.guard is not None and not math.isfinite(info.loss):
+            delivery = Delivery()  # did the leader get this loss? (LocalGuard)
+            self.shipper.put_summary(summary, delivery)
+            self.guard.loss(info.step, info.loss, delivery)
+        else:
+            self.shipper.put_summary(summary)
         if self._records:
             origin = self._time_origin_s
             for record in self._records:

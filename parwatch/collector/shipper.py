@@ -9,6 +9,8 @@ response to `on_directive`.
 When the sidecar is away, summaries are dropped and counted (the JSONL file
 still gets them) and attempts back off exponentially up to `max_backoff_s`;
 the first success resets the backoff, so the shipper reconnects by itself.
+A summary put with a `Delivery` learns whether the sidecar took it (rank 0's local
+guardrail, parwatch/collector/fallback.py, acts on a loss its sidecar never saw).
 Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
 for `poll_interval_s`: while the run is paused no summaries flow, and the
 resume directive must still arrive. Rank 0's directive outcome records ride every
@@ -31,6 +33,17 @@ from parwatch.schema import SCHEMA_VERSION
 log = logging.getLogger("parwatch.collector")
 
 SUMMARY, SPANS = "summary", "spans"
+
+
+class Delivery:
+    """What became of one summary: `accepted` is None while queued, then True (the sidecar took it)
+    or False (dropped: the sidecar was away or refused it, or the queue overflowed). Written once by
+    the shipper thread, read by the training thread: one attribute store, no lock."""
+
+    __slots__ = ("accepted",)
+
+    def __init__(self) -> None:
+        self.accepted: bool | None = None
 
 
 def _finite(value):
@@ -110,6 +123,8 @@ class Shipper:
         """Summaries the sidecar accepted."""
         self.posts = 0
         """Successful POSTs, polls included."""
+        self.unreachable_since: float | None = None
+        """Wall-clock time of the first failed post of the current run of failures; None while posts succeed."""
 
     @property
     def enabled(self) -> bool:
@@ -126,21 +141,23 @@ class Shipper:
         return self
 
     # Training thread: never blocks beyond one uncontended lock.
-    def put_summary(self, summary: dict) -> None:
-        self._put((SUMMARY, summary))
+    def put_summary(self, summary: dict, delivery: Delivery | None = None) -> None:
+        self._put((SUMMARY, summary, delivery))
 
     def put_spans(self, records: list) -> None:
         if self._paths[SPANS]:
-            self._put((SPANS, records))
+            self._put((SPANS, records, None))
 
     def _put(self, item) -> None:
         if self._thread is None or self._stopping:
+            _settle([item[2]], False)
             return
         with self._lock:
             if len(self._queue) >= self._queue_size:
-                kind, payload = self._queue.popleft()
+                kind, _payload, delivery = self._queue.popleft()
                 if kind == SUMMARY:
                     self.dropped += 1
+                    _settle([delivery], False)
                 else:
                     self.dropped_span_batches += 1
             self._queue.append(item)
@@ -187,20 +204,24 @@ class Shipper:
             if not items:
                 return
             if self._prepare is not None:
-                for kind, payload in items:
+                for kind, payload, _ in items:
                     if kind == SUMMARY:
                         try:
                             self._prepare(payload)
                         except Exception:  # a summary without its extras beats no summary
                             self.prepare_errors += 1
             # Encode each summary once: the same text goes to the file and into the POST body.
-            summaries = [dumps(payload) for kind, payload in items if kind == SUMMARY]
+            summaries = [dumps(payload) for kind, payload, _ in items if kind == SUMMARY]
+            deliveries = [delivery for kind, _, delivery in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
             if self._paths[SPANS]:
-                self._write(SPANS, [dumps(r) for kind, payload in items if kind == SPANS for r in payload])
+                self._write(SPANS, [dumps(r) for kind, payload, _ in items if kind == SPANS for r in payload])
             if self.url:
                 for i in range(0, len(summaries), self._batch_size):
-                    self._post(summaries[i : i + self._batch_size])
+                    taken = self._post(summaries[i : i + self._batch_size])
+                    _settle(deliveries[i : i + self._batch_size], taken)
+            else:
+                _settle(deliveries, False)
 
     def _write(self, kind: str, lines: list) -> None:
         path = self._paths[kind]
@@ -266,12 +287,15 @@ class Shipper:
             if self._backoff == 0.0:
                 log.warning("parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back",
                             self.url, exc)
+            if self.unreachable_since is None:
+                self.unreachable_since = time.time()
             self._backoff = min(self._max_backoff_s, self._backoff * 2 if self._backoff else 0.25)
             self._retry_at = self._time() + self._backoff
             return False
         if self._backoff:
             log.warning("parwatch: sidecar at %s reachable again", self.url)
         self._backoff = self._retry_at = 0.0
+        self.unreachable_since = None
         self._last_post = self._time()
         self.sent += len(summaries)
         self.posts += 1
@@ -290,6 +314,8 @@ class Shipper:
                 self._outcomes.popleft()
 
     def _cleanup(self) -> None:
+        with self._lock:  # what was still queued at the end never reached the sidecar
+            _settle([delivery for *_, delivery in self._queue], False)
         for fd in self._files.values():
             try:
                 os.close(fd)
@@ -307,3 +333,9 @@ class Shipper:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _settle(deliveries, accepted: bool) -> None:
+    for delivery in deliveries:
+        if delivery is not None:
+            delivery.accepted = accepted

@@ -100,6 +100,11 @@ class DirectiveInbox:
         """Shipper thread: validate and keep the reply's directive, or None (ValueError if malformed)."""
         self._latest = None if raw is None else parse_directive(raw)
 
+    @property
+    def latest(self) -> Directive | None:
+        """The reply's directive last put (taken or not)."""
+        return self._latest
+
     def take(self) -> Directive | None:
         directive = self._latest
         if directive is None or directive.id in self._taken:

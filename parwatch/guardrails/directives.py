@@ -39,6 +39,27 @@ class Directives:
         self.next_id += 1
         return directive["id"]
 
+    def adopt(self, directive_id: int, action: str, run_id: str, reason: str, decision_id: int | None,
+              delivered_at: float) -> None:
+        """A directive rank 0 made itself and already handed to every rank (parwatch/collector/fallback.py):
+        outstanding until its outcome is recorded; later ids start above it."""
+        self.outstanding.append({"id": directive_id, "action": action, "run_id": run_id, "to_step": None,
+                                 "skip_batches": 0, "reason": reason, "decision_id": decision_id,
+                                 "delivered_at": delivered_at})
+        self.next_id = max(self.next_id, directive_id + 1)
+
+    def renumber(self, after: int, upto: int) -> dict[int, int]:
+        """Outstanding directives with after < id <= upto, which rank 0 never took and now would ignore
+        (its last id is `upto`): new ids above it, again undelivered. {old id: new id}."""
+        self.next_id = max(self.next_id, upto + 1)
+        changed = {}
+        for d in self.outstanding:
+            if after < d["id"] <= upto:
+                changed[d["id"]], d["id"] = self.next_id, self.next_id
+                d.pop("delivered_at", None)
+                self.next_id += 1
+        return changed
+
     def oldest(self, run_id: str | None, deliver_at: float | None = None) -> dict | None:
         """The oldest outstanding directive of `run_id` as the wire dict, or None. deliver_at: it goes
         out in a reply to the run now (from then on it can no longer be cancelled)."""

@@ -430,8 +430,45 @@ class GuardrailEngine:
         """The run's outcome of a directive (every rank counted): write it down and act on it.
 
         `outcome`: {directive_id, run_id, outcome: applied | substituted | failed | ignored | mixed,
-        step, loaded_step, counts, reasons, ranks}. A failed or mixed rollback escalates to a
-        pause and an alert instead of unpausing. Returns the records written (outcome first)."""
+        step, loaded_step, counts, reasons, ranks[, local]}. A failed or mixed rollback escalates to a
+        pause and an alert instead of unpausing. `local`: rank 0 made the directive itself while it could
+        not reach this sidecar (parwatch/collector/fallback.py): its decision is recorded first, and the
+        loss it acted on is judged after the outcome, as if its summary had arrived (the rules decide
+        what follows: one rollback). Returns the records written (outcome first, but after a local decision)."""
+        with self._lock:
+            local = outcome.get("local")
+            adopted = self._adopt_local(int(outcome["directive_id"]), local) if local else []
+            records = adopted + self._record_outcome(outcome)
+            if adopted and local.get("loss") is not None:
+                records += self.evaluate(Observation(
+                    step=int(local["step"]), time=self._now(), series={"loss": {"": float(local["loss"])}},
+                    checkpoints=tuple(int(c) for c in local.get("checkpoints") or ())))
+            return records
+
+    def _adopt_local(self, did: int, local: dict) -> list[dict]:
+        """Record rank 0's own decision (once: a resent record finds it in the log) and take its directive
+        as delivered. Directives of this sidecar that rank 0 never took (ids after `local.after`, up to
+        `did`) would be ignored by the ranks now: they get new ids above it."""
+        if self._run_id is None or any(r.get("local") and r.get("directive_id") == did
+                                       for r in self._log.recent):
+            return []
+        now = self._now()
+        renumbered = self._directives.renumber(int(local.get("after") or 0), did)
+        decided = local.get("time")
+        reason = str(local.get("reason") or f"{local['rule']}: decided by rank 0")
+        evidence = {"loss": encode_float(local.get("loss")), "decided_at": decided,
+                    "unreachable_since": local.get("unreachable_since"), "checkpoints": local.get("checkpoints")}
+        record = {"type": "decision", "id": self._next_decision_id, "time": now, "step": int(local["step"]),
+                  "rule": local["rule"], "action": local["action"], "source": "rank0", "requested_by": "",
+                  "enforced": True, "reason": reason + " (decided by rank 0 while this sidecar was unreachable)",
+                  "evidence": evidence, "checkpoint": None, "skip_batches": 0, "directive_id": did,
+                  "escalated": False, "local": True, **({"renumbered": renumbered} if renumbered else {})}
+        self._directives.adopt(did, local["action"], self._run_id, reason, self._next_decision_id,
+                               delivered_at=decided if isinstance(decided, (int, float)) else now)
+        self._next_decision_id += 1
+        return [self._log.append(record)]
+
+    def _record_outcome(self, outcome: dict) -> list[dict]:
         with self._lock:
             now, result = self._now(), str(outcome.get("outcome"))
             did = int(outcome["directive_id"])

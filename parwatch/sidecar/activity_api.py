@@ -5,10 +5,16 @@ the leader), GET /v1/hang; and the loop that judges liveness and hangs.
 a lifespan task for the loop, and the hang metrics to the sidecar's registry.
 
 Every second (`ActivityHub.tick`):
-- every sidecar feeds the rank-missing rule the ranks' liveness (summaries, and a pid that
-  ended), so that rule fires on time even when no rank reports any more;
+- every sidecar feeds the rank-missing rule (and parwatch_rank_up) the ranks' liveness, so that
+  rule fires on time even when no rank reports any more. Activity first: a rank whose activity
+  says it runs is up (computing, waiting on a peer, or paused), one whose process ended or went
+  silent is down, and only a rank without activity is judged by its summaries. The leader judges
+  every rank it has a digest of, so rank-missing sees the whole world and never names a rank that
+  merely waits on another (a hang is the hang rule's);
 - a sidecar that is not the leader forwards its node digest to --leader-url, then the collective
-  and p2p instances that span nodes, for the leader to match (parwatch/sidecar/crossnode.py).
+  and p2p instances that span nodes, for the leader to match (parwatch/sidecar/crossnode.py), and
+  says when the leader is unreachable, refuses it, or is not configured in a larger run
+  (parwatch/sidecar/leader_link.py).
 Every JUDGE_EVERY_SECONDS (0.25 s; `ActivityHub.judge`) the leader (it saw rank 0) asks the hang
 monitor whether anything is due, and only then runs it over its own ranks and every digest: the
 ask is two numbers, and asking often is what lets a hang be named within its bound.
@@ -35,6 +41,7 @@ from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report, layout_from, same_layout
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
+from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -67,7 +74,8 @@ class ActivityHub:
         self._node_of: dict[int, str] = {}  # rank -> node that digests it (leader)
         self._http = http
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
-        self._forward_failed = False
+        self.link = LeaderLink(self.leader_url, self.clock)
+        """This node's way to the leader: reachable, or since when not, and why."""
         self.leader_paused = False
         """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
@@ -133,7 +141,8 @@ class ActivityHub:
             name = _STATE_NAMES[value]
             counts[name] = counts.get(name, 0) + 1
         return {"leader": self.is_leader, "node": self.node, "leader_url": self.leader_url,
-                "hang": m.hang, "rank_states": counts, "bound_seconds": m.progress.bound(),
+                "leader_link": self.link.status(self.is_leader), "hang": m.hang, "rank_states": counts,
+                "bound_seconds": m.progress.bound(),
                 "stalled_seconds": m.progress.stalled_for(self.clock()), "last_step": m.progress.step,
                 "findings": m.findings[-5:]}
 
@@ -152,6 +161,8 @@ class ActivityHub:
         if self.is_leader and not self.sidecar.transfer.leading:
             self.sidecar.transfer.lead()  # match what the nodes forward (it may have seen rank 0's activity first)
         if not self.is_leader:
+            if self.book.layout is not None:
+                self.link.check_orphan(sorted(self.book.latest), self.book.layout.world)
             await self._forward()
             return []
         return self.judge(full=True)
@@ -205,16 +216,35 @@ class ActivityHub:
             store.ended = True
 
     def _feed_liveness(self) -> None:
-        """rank_up for the rank-missing rule, now: down when summaries stopped (grace) or the pid ended."""
+        """rank_up for the rank-missing rule and parwatch_rank_up, now (see liveness())."""
         store = self.sidecar.store
         if not store.ranks:
             return
         self._note_if_ended()
         if self.leader_paused:  # the run is paused on purpose (the leader says): no summaries, ranks up
             store.touch_all()
-        gone = {r for r, a in self.book.rows().items() if a.state in ENDED}
-        values = {f"rank={r}": 0.0 if (r in gone or not up) else 1.0 for r, up in store.liveness().items()}
+        up = self.liveness()
+        store.publish_liveness(store.run_id, up)
+        values = {f"rank={r}": 1.0 if u else 0.0 for r, u in up.items()}
         self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))
+
+    def liveness(self) -> dict[int, bool]:
+        """rank -> up, for this run's ranks this sidecar knows: the leader every rank of every digest, a node
+        its own. Activity first: running (computing, waiting on a peer, paused) is up; a process that ended,
+        a silent reporter, a node gone quiet is down; a rank without activity, or done, goes by its summaries
+        (within --rank-grace-seconds)."""
+        store = self.sidecar.store
+        up = store.summary_liveness()
+        books = [self.book.rows()] if self.book.run_id == store.run_id else []
+        if self.is_leader and self.view.run_id == store.run_id:
+            books.insert(0, self.view.rows())  # this node's own rows (checked pids) win over a digest's
+        for rows in books:
+            for rank, a in rows.items():
+                if a.state == "running":
+                    up[rank] = True
+                elif a.state != "done":
+                    up[rank] = False
+        return up
 
     def _act_on_hang(self, record: dict) -> None:
         culprit = record["evidence"]["culprit"]
@@ -248,11 +278,9 @@ class ActivityHub:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
             reply = response.json()
         except Exception as exc:
-            if not self._forward_failed:
-                log.warning("node digest to leader %s failing (%s); retrying every second", self.leader_url, exc)
-            self._forward_failed = True
+            self.link.failed(f"{type(exc).__name__}: {exc}"[:300])
         else:
-            self._forward_failed = False
+            self.link.ok()
             for pid in reply.get("signal") or ():
                 self._signal_own(pid)
             if reply.get("abort"):
@@ -284,6 +312,12 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     sidecar.activity = hub
     hub.metrics = HangMetrics(lambda: (hub.monitor, hub.rows()) if hub.is_leader else None)
     sidecar.registry.register(hub.metrics)
+    if previous is not None:
+        sidecar.registry.unregister(previous.link_metrics)
+    hub.link_metrics = LeaderLinkMetrics(lambda: hub.link.status(hub.is_leader))
+    sidecar.registry.register(hub.link_metrics)
+    if hasattr(app, "on_refused"):  # app.ControlApp: refused hot posts are counted and logged (refusals.py)
+        app.on_refused = sidecar.refusals.note
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -404,6 +404,8 @@ class ControlApp(FastAPI):
         super().__init__(*args, **kwargs)
         self.token, self.max_body_bytes = token, max_body_bytes
         self.fast_posts: dict[str, Callable[[bytes], Awaitable[tuple[int, Any]]]] = {}
+        self.on_refused: Callable[[str, int, Any], None] | None = None
+        """Told of every fast post answered 4xx/5xx: (path, status, detail) (parwatch.sidecar.refusals)."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -419,9 +421,16 @@ class ControlApp(FastAPI):
         try:
             check_bearer(self.token, authorization)
         except HTTPException as err:
+            self._refused(handler, err.status_code, err.detail)
             return err.status_code, {"detail": err.detail}, err.headers
         status, payload = await handler(raw)
+        if status >= 400:
+            self._refused(handler, status, payload.get("detail") if isinstance(payload, dict) else payload)
         return status, payload, None
+
+    def _refused(self, handler, status: int, detail) -> None:
+        if self.on_refused is not None:
+            self.on_refused(next((p for p, h in self.fast_posts.items() if h is handler), ""), status, detail)
 
     async def _fast_post(self, handler, scope, receive, send):
         raw = await read_body_or_413(scope, receive, send, self.max_body_bytes)

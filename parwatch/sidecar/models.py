@@ -127,6 +127,28 @@ OUTCOMES = ("applied", "substituted", "failed", "ignored", "mixed")
 SmallCount = Annotated[int, Field(strict=True, ge=0, le=2**31)]
 
 
+Timestamp = Annotated[float, Field(strict=True, ge=0, le=MAX_TIME, allow_inf_nan=False)]
+
+
+class LocalDecision(_Model):
+    """A decision rank 0 made itself while its sidecar was unreachable (parwatch/collector/fallback.py),
+    riding the outcome record of its directive: the leader records it and judges the loss."""
+
+    rule: Literal["nonfinite-loss"]
+    action: Literal["pause"]
+    step: MaxStep
+    """The step whose loss was non-finite."""
+    loss: WireFloat = None
+    time: Timestamp
+    """When rank 0 decided (its wall clock)."""
+    after: Annotated[int, Field(strict=True, ge=0, lt=2**53)] = 0
+    """The last directive id the ranks handled before it: the leader's later ones were never taken."""
+    checkpoints: list[MaxStep] = Field(default_factory=list, max_length=1000)
+    """Rank 0's complete checkpoints then (a rollback target must be one)."""
+    unreachable_since: Timestamp | None = None
+    reason: Annotated[Text, Field(max_length=1000)] = ""
+
+
 class OutcomeRecord(_Model):
     """Rank 0's report of what every rank did with one directive (counted in the boundary vector)."""
 
@@ -139,6 +161,8 @@ class OutcomeRecord(_Model):
     reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], SmallCount] = \
         Field(default_factory=dict, max_length=16)
     ranks: Annotated[int, Field(strict=True, ge=1, le=2**31)]
+    local: LocalDecision | None = None
+    """Set when rank 0 made this directive itself (its sidecar was unreachable)."""
 
 
 SignedCount = Annotated[int, Field(strict=True, ge=-MAX_COUNT, le=MAX_COUNT)]

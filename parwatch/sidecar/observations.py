@@ -59,6 +59,7 @@ def _per_rank_series(store: Store):
     rank_up: dict[str, float] = {}
     collective_mean: dict[str, float] = {}
     gpu_util: dict[str, float] = {}
+    live = store.liveness()  # activity first, where the hub knows it: the same view the tick feeds
     for i, (rank, rec) in enumerate(sorted(store.ranks.items())):
         if i and not i % RANKS_PER_SLICE:
             yield
@@ -67,8 +68,8 @@ def _per_rank_series(store: Store):
             key = f"rank={rank}"
             if len(_RANK_KEYS) < _RANK_KEYS_MAX:
                 _RANK_KEYS[rank] = key
+        rank_up[key] = 1.0 if live.get(rank, True) else 0.0
         up = store.is_up(rec)
-        rank_up[key] = 1.0 if up else 0.0
         if not up:
             continue  # a silent rank's last numbers are stale evidence
         s = rec.summary

@@ -29,6 +29,7 @@ from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.sidecar.observations import observation_steps
+from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
 
@@ -60,6 +61,9 @@ class Sidecar:
         self.counters = SidecarCounters()
         self.transfer = TransferTracker()
         self.registry = make_registry(self.store, engine, self.counters, self.transfer)
+        self.refusals = Refusals(clock)
+        """Posts refused (a wrong token, a bad body), counted, logged and in status (ControlApp.on_refused)."""
+        self.registry.register(self.refusals)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.alerts = AlertDedupe(state_dir / "alerts_acted.json")
@@ -127,6 +131,11 @@ class Sidecar:
             # Without this a long operator pause would read as dead ranks.
             self.store.touch_all()
         for outcome in body.outcomes:
+            if outcome.local is not None and self.engine.run_id is None:
+                try:  # a leader that lost its state: rank 0's own decision still belongs to a run
+                    self.engine.begin_run(outcome.run_id)
+                except ValueError as err:
+                    log.warning("rank 0's local decision refused: %s", err)
             if outcome.run_id == self.engine.run_id:
                 self._count(self.engine.record_outcome(outcome.model_dump()))
             else:
@@ -217,20 +226,28 @@ class Sidecar:
         run = None
         if head is not None:
             run = {k: getattr(head, k) for k in ("run_id", "schedule", "tp", "pp", "dp", "microbatches", "chunks")}
+        live = self.store.liveness()
         ranks = {
             str(rank): {
                 "last_step": rec.summary.step,
                 "age_seconds": round(self.store.age(rec), 3),
-                "up": self.store.is_up(rec),
+                "up": live.get(rank, self.store.is_up(rec)),
             }
             for rank, rec in sorted(self.store.ranks.items())
         }
+        hub = getattr(self, "activity", None)
+        link = hub.link.status(hub.is_leader) if hub is not None else None
+        # A node sidecar judges no rule (the leader does): its engine's states would read "ok" beside a NaN.
+        judged_here = link is None or link["role"] == "leader"
         return jsonable(
             {
                 "run": run,
                 "last_step": self.store.last_step,
                 "ranks": ranks,
-                "rules": self.engine.states(),
+                "leader_link": link,
+                "refused": self.refusals.status(),
+                "rules_judged_by": None if judged_here else (link["url"] or "the run's leader (no --leader-url)"),
+                "rules": self.engine.states() if judged_here else None,
                 "paused": self.engine.paused,
                 "pending_directive": self.engine.pending_directive(),
                 "directives": self.engine.directive_states(),

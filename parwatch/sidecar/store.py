@@ -152,6 +152,7 @@ class Store:
         self._token_key = (-1, -1)  # the (timeline, step) whose tokens were counted last
         self.ended = False
         """Every rank of the run that reports here said it finished or crashed, or its process is gone."""
+        self._published: dict[int, bool] | None = None  # publish_liveness(): the activity hub's view of the run
 
     def live_for(self) -> float | None:
         """Seconds since the live run last posted here; None when there is none (no run yet, it ended,
@@ -283,7 +284,18 @@ class Store:
     # The two below run over every rank once a second or per scrape: one clock read, not one per rank
     # (age(rec) <= x is now - rec.seen <= x, since x >= 0).
     def liveness(self) -> dict[int, bool]:
-        """Every rank ever seen this run -> up; down ranks stay listed (rank_up 0)."""
+        """rank -> up (rank_up): the activity hub's view of this run when it published one (every rank the
+        leader knows of, judged by their activity first: parwatch.sidecar.activity_api), else summary_liveness."""
+        published = self._published
+        return published if published is not None else self.summary_liveness()
+
+    def publish_liveness(self, run_id: str | None, up: dict[int, bool]) -> None:
+        """The activity hub's liveness of run `run_id` (once a second); ignored for another run than this one."""
+        if run_id == self.run_id:
+            self._published = up
+
+    def summary_liveness(self) -> dict[int, bool]:
+        """Every rank ever seen this run -> up from its summaries (within the grace period); down ranks stay listed."""
         now, grace = self.clock(), self.grace_seconds
         return {rank: now - rec.seen <= grace for rank, rec in sorted(list(self.ranks.items()))}
 

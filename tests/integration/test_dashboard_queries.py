@@ -43,7 +43,7 @@ RULES = [r["name"] for r in yaml.safe_load(dash.DEFAULT_RULES.read_text())["rule
 LABEL_VALUES = {
     "run_id": ["demo-1"], "schedule": ["1f1b"], "tp": ["2"], "pp": ["2"], "dp": ["1"], "microbatches": ["4"],
     "version": ["0.1.0"], "rule": RULES, "action": ["alert", "rollback"],
-    "op": ["send"], "group": ["pp"], "reason": ["remote"], "cause": ["slow-link"],
+    "op": ["send"], "group": ["pp"], "reason": ["remote"], "cause": ["slow-link"], "post": ["digest"],
 }
 
 

@@ -246,7 +246,8 @@ def test_only_the_collectors_newer_metrics_are_excused_from_data(exported):
              "parwatch_stage_bubble_wait_ratio", "parwatch_hang_detected", "parwatch_rank_state",
              "parwatch_collective_transfer_seconds", "parwatch_collective_wait_seconds_total",
              "parwatch_rank_straggler_seconds_total", "parwatch_collective_unmatched_total"}
-    assert {m.name for m in catalog.METRICS} - exported <= newer
+    only_when_wrong = {"parwatch_posts_refused_total"}  # a healthy run refuses nothing
+    assert {m.name for m in catalog.METRICS} - exported <= newer | only_when_wrong
     held = [expr for _, _, expr in PANEL_QUERIES if sources(expr) <= exported]
     assert len(held) >= 0.75 * len(PANEL_QUERIES)
 

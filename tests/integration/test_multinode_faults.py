@@ -1,0 +1,197 @@
+"""Faults across two loopback nodes told truly (issue 24): a lost leader, a long pause, a node the
+leader cannot see. Each node is its own `torchrun --nnodes 2 --node-rank K` with its own sidecar
+(test_multinode.py's Node): node 0's sidecar is the leader (it receives rank 0), node 1's forwards
+to it with --leader-url, or, where a test says so, has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e_util import TORCHRUN, read_jsonl, wait_until
+from test_multinode import HEADERS, TOKEN, Node, finish, torchrun_nodes
+
+from parwatch.cli.control import status as status_command
+from parwatch.collector.fallback import LOCAL_DECISIONS_FILE
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420),
+              pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")]
+UNREACHABLE = "parwatch_leader_unreachable_since_timestamp_seconds"
+
+
+@contextlib.contextmanager
+def nodes(base: Path, leader_args=(), node1_args=(), linked: bool = True):
+    leader = Node(base, "node0", *leader_args)
+    link = ("--leader-url", leader.control_url) if linked else ()
+    both = [leader, Node(base, "node1", *link, *node1_args)]
+    try:
+        yield [n.start() for n in both]
+    finally:
+        for n in both:
+            n.stop()
+
+
+def cli_status(node: Node) -> str:
+    result = CliRunner().invoke(status_command, ["--endpoint", node.control_url], env={"PARWATCH_TOKEN": TOKEN})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def gauge(node: Node, name: str) -> float | None:
+    return node.samples(name).get(())
+
+
+def refused(node: Node) -> dict:
+    """{(post, reason): count} of parwatch_posts_refused_total on the node's /metrics."""
+    return {(s.labels["post"], s.labels["reason"]): s.value for f in text_string_to_metric_families(node.metrics())
+            for s in f.samples if s.name == "parwatch_posts_refused_total"}
+
+
+def rank0_summary(base: Path, step: int) -> dict | None:
+    return next((s for s in read_jsonl(base / "log0" / "summaries.jsonl") if s["rank"] == 0 and s["step"] == step
+                 and s.get("timeline", 0) == 0), None)
+
+
+NAN_STEP = 24
+ACT_WITHIN_S = 15.0
+
+
+@pytest.mark.timing
+def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_once(tmp_path):
+    """The leader's sidecar SIGKILLed two steps before a NaN: rank 0 pauses the run itself within 15 s,
+    node 1 says the leader is unreachable (status, metric, `parwatch status`, which prints no rule
+    state it does not judge); the leader restarted adopts that decision and rolls back exactly once."""
+    slow = f"straggler:stage=0,ms=250,from_step={NAN_STEP - 3}"  # ~1 s steps around the NaN: a kill lands before it
+    with nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], NAN_STEP + 4, "--inject", f"nan:step={NAN_STEP}",
+                            "--inject", slow) as procs:
+            wait_until(lambda: (leader.status()["last_step"] or 0) >= NAN_STEP - 3, "the leader at the slow steps", 150)
+            leader.kill()
+            assert rank0_summary(tmp_path, NAN_STEP) is None, "killed too late: the NaN step had already run"
+
+            # Node 1 says its leader is gone: status, metric and the operator's command.
+            link = wait_until(lambda: (node1.status()["leader_link"] or {}).get("unreachable_since") and
+                              node1.status()["leader_link"], "node 1 to say the leader is unreachable", 30)
+            assert link["reachable"] is False and link["url"] == leader.control_url, link
+            assert gauge(node1, UNREACHABLE) == pytest.approx(link["unreachable_since"])
+            text = cli_status(node1)
+            assert "unreachable since" in text and "judged by the leader" in text, text
+            assert "rule nonfinite-loss" not in text, text  # node 1 judges no rule: it must not print "ok"
+
+            # Rank 0 acts on the NaN by itself: a pause every rank applies at one boundary.
+            (local,) = wait_until(lambda: read_jsonl(tmp_path / "log0" / LOCAL_DECISIONS_FILE),
+                                  "rank 0's local decision", 60)
+            nan = rank0_summary(tmp_path, NAN_STEP)
+            assert (local["step"], local["action"], local["rule"]) == (NAN_STEP, "pause", "nonfinite-loss"), local
+            assert local["time"] - nan["time"] <= ACT_WITHIN_S, (local["time"], nan["time"])
+            time.sleep(3.0)  # held: nobody trains past the boundary it paused at
+            for k in (0, 1):
+                steps = [s["step"] for s in read_jsonl(tmp_path / f"log{k}" / "summaries.jsonl")]
+                assert max(steps) <= NAN_STEP + 1, f"node {k} trained on after the local pause: {max(steps)}"
+
+            restarted = time.time()
+            leader.start()  # same state dir and ports
+            (rolled,) = wait_until(lambda: [r for r in leader.records("applied") if r.get("action") == "rollback"],
+                                   "the returning leader's rollback applied", 90)
+            print(f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - nan['time']:.2f} s; leader "
+                  f"restarted to the rollback applied: {rolled['time'] - restarted:.2f} s")
+            finish(tmp_path, procs)
+        decisions = leader.records("decision")
+        rollbacks = [d for d in decisions if d["action"] == "rollback"]
+        assert len(rollbacks) == 1, rollbacks  # one event, one rollback
+        assert rollbacks[0]["rule"] == "nonfinite-loss" and rollbacks[0]["checkpoint"] == NAN_STEP - 4, rollbacks
+        (adopted,) = [d for d in decisions if d.get("local")]
+        assert (adopted["source"], adopted["action"], adopted["directive_id"]) == ("rank0", "pause",
+                                                                                   local["directive_id"])
+        assert [r for r in leader.records("applied") if r["directive_id"] == local["directive_id"]]
+        wait_until(lambda: node1.status()["leader_link"]["reachable"], "node 1 to reach the leader again", 30)
+        assert gauge(node1, UNREACHABLE) == 0.0
+        assert gauge(leader, UNREACHABLE) == 0.0
+        assert node1.records() == []  # node 1 decides nothing, then or now
+
+
+def _short_rules(base: Path, for_seconds: int) -> Path:
+    """The packaged rules with rank-missing's for_seconds shortened (the test keeps the thresholds' ratio)."""
+    from parwatch.sidecar import config
+
+    text = (Path(config.__file__).parent / "default_rules.yaml").read_text()
+    assert "    for_seconds: 60\n" in text
+    path = base / "rules.yaml"
+    path.write_text(text.replace("    for_seconds: 60\n", f"    for_seconds: {for_seconds}\n"))
+    return path
+
+
+GRACE_S, MISSING_FOR_S, PAUSE_S = 6, 12, 20
+"""--rank-grace-seconds 30, rank-missing for_seconds 60 and a 100 s pause, scaled by 1/5."""
+
+
+def test_a_long_pause_and_a_hang_leave_every_rank_up_and_rank_missing_silent(tmp_path):
+    rules = _short_rules(tmp_path, MISSING_FOR_S)
+    args = ("--rank-grace-seconds", str(GRACE_S), "--rules", str(rules))
+    with nodes(tmp_path, args, args) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "hang:rank=3,step=30,where=compute"):
+            wait_until(lambda: (leader.status()["last_step"] or 0) >= 3, "training", 150)
+            leader.control("pause", reason="a long deliberate pause")
+            wait_until(lambda: leader.status()["paused"], "the pause applied", 60)
+            # The leader judges the whole world: its rank_up covers node 1's ranks too.
+            wait_until(lambda: set(leader.samples("parwatch_rank_up")) == {("0",), ("1",), ("2",), ("3",)},
+                       "the leader's rank_up over all four ranks", 15)
+            ends = time.monotonic() + PAUSE_S
+            while time.monotonic() < ends:
+                for node, ranks in ((leader, {"0", "1", "2", "3"}), (node1, {"2", "3"})):
+                    up = node.samples("parwatch_rank_up")
+                    assert {r for (r,) in up} == ranks and all(v == 1.0 for v in up.values()), (node.log, up)
+                    assert all(r["up"] for r in node.status()["ranks"].values()), node.status()["ranks"]
+                time.sleep(1.0)
+            leader.control("resume")
+            wait_until(lambda: not leader.status()["paused"], "the resume applied", 60)
+
+            # Rank 3 hangs: the others wait on it, alive. The hang rule names it; rank-missing names nobody.
+            hang = wait_until(lambda: [d for d in leader.records("decision") if d["rule"] == "hang"], "the hang", 120)
+            assert hang[0]["evidence"]["culprit"]["rank"] == 3, hang[0]["reason"]
+            time.sleep(max(0.0, GRACE_S + MISSING_FOR_S + 4 - (time.time() - hang[0]["evidence"]["stalled_since"])))
+            assert all(v == 1.0 for v in leader.samples("parwatch_rank_up").values())
+        assert not [d for d in leader.records("decision") if d["rule"] == "rank-missing"]
+        assert node1.records() == []
+
+
+def test_a_node_without_leader_url_is_told_and_no_unseen_rank_is_named(tmp_path):
+    """Node 1 started without --leader-url, rank 3 hung: the leader names no culprit among ranks it
+    cannot see and says it sees 2 of 4; node 1 warns (log, status, metric). Posts refused for a wrong
+    token are counted where they are refused: a digest at the leader, a rank's activity at node 1."""
+    with nodes(tmp_path, linked=False) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "hang:rank=3,step=8,where=compute"):
+            (hang,) = wait_until(lambda: [d for d in leader.records("decision") if d["rule"] == "hang"],
+                                 "the hang", 150)
+            evidence = hang["evidence"]
+            assert evidence["culprit"] is None, hang["reason"]  # it has no rows of ranks 2 and 3
+            assert evidence["points_at"]["rank"] in (2, 3) and evidence["coverage"]["ranks_seen"] == 2, evidence
+            assert "sees 2 of 4 ranks" in hang["reason"]
+            link = wait_until(lambda: node1.status()["leader_link"], "node 1's warning", 30)
+            assert link["url"] is None and "no --leader-url" in link["error"] and "[2, 3]" in link["error"], link
+            assert gauge(node1, UNREACHABLE) == pytest.approx(link["unreachable_since"])
+            assert "WARNING: leader (no --leader-url) unreachable since" in cli_status(node1)
+            assert "no --leader-url" in node1.log.read_text()
+            assert node1.status()["rules"] is None  # it judges nothing; it says so instead of "ok"
+
+            wrong = {"Authorization": "Bearer not-the-token"}
+            r = httpx.post(f"{leader.control_url}/v1/digest", json={"version": 1}, headers=wrong, timeout=10)
+            assert r.status_code == 401
+            r = httpx.post(f"{node1.control_url}/v1/activity", json={"version": 1}, headers=wrong, timeout=10)
+            assert r.status_code == 401
+            assert refused(leader)[("digest", "unauthorized")] == 1.0
+            assert refused(node1)[("activity", "unauthorized")] == 1.0
+            (told,) = node1.status()["refused"]
+            assert (told["post"], told["reason"], told["count"]) == ("activity", "unauthorized", 1)
+            assert "refused node sidecars' digests" in leader.log.read_text()
+            r = httpx.post(f"{leader.control_url}/v1/digest", json={"version": 7}, headers=HEADERS, timeout=10)
+            assert r.status_code == 422
+            assert refused(leader)[("digest", "invalid")] == 1.0
