@@ -39,7 +39,8 @@ from parwatch.schema import HANG_EXIT_CODE
 from parwatch.host import host_identity
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
-from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook, activity_from_report, layout_from, same_layout
+from parwatch.sidecar.digest import (BadActivity, LeaderView, NodeBook, StepPace, activity_from_report, layout_from,
+                                     same_layout)
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 
@@ -61,7 +62,9 @@ class ActivityHub:
         self.node = f"{socket.gethostname()}:{cfg.control_listen.port}"
         """This sidecar's name at the leader: its own hostname (a pod's name: unique where the host is shared)."""
         self.book = NodeBook(self.clock, cfg.activity_silent_seconds, self.hostname)
-        self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS))
+        self.pace = StepPace(self.clock)
+        """The run's highest step, shared by its ranks' activity and the nodes' digests."""
+        self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS), pace=self.pace)
         self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks,
                                      cfg.hang_abort)
         self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock)
@@ -91,8 +94,10 @@ class ActivityHub:
             raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
         a, layout, run_id = activity_from_report(body.get("activity"))
         self._check_layout(run_id, layout, "activity [tp, pp, dp]")
+        self.pace.check(run_id, a.step, "activity")
         new_run = self.book.run_id is not None and run_id != self.book.run_id
         self.book.add(a, layout, run_id)
+        self.pace.note(run_id, a.step)
         if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
             self.monitor.begin_run()
         self._run_id, self._layout = run_id, layout

@@ -165,6 +165,37 @@ def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
                             "cannot change (a new layout is a new run id)")
 
 
+MAX_STEPS_PER_SECOND = 1000.0
+"""Faster than any training run's steps: a report that moves its rank further ahead of the run's highest
+step than this pace allows since that step was first seen is refused (a forged step 10^9 would otherwise
+make every real rank look stalled behind it)."""
+
+
+class StepPace:
+    """Steps move only as a run can move them: backwards freely (a rollback replays), forwards at most at
+    MAX_STEPS_PER_SECOND from the run's highest step. The first report of a run sets the start."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.run_id: str | None = None
+        self.high: int | None = None
+        self.at = 0.0
+
+    def check(self, run_id: str, step: int, where: str) -> None:
+        if run_id != self.run_id or self.high is None or step <= self.high:
+            return
+        elapsed = max(0.0, self.clock() - self.at)
+        if step > self.high + 1 + int(elapsed * MAX_STEPS_PER_SECOND):
+            raise BadActivity(f"{where}.step={step} is ahead of the run: its highest step is {self.high}, first seen "
+                              f"{elapsed:.1f} s ago, and a run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second")
+
+    def note(self, run_id: str, step: int) -> None:
+        if run_id != self.run_id:
+            self.run_id, self.high = run_id, None
+        if self.high is None or step > self.high:
+            self.high, self.at = step, self.clock()
+
+
 class NodeBook:
     """The latest activity of the ranks that report to this sidecar, and their liveness."""
 
@@ -215,13 +246,16 @@ class LeaderView:
     """At the leader: the latest digest of every node, merged into one picture of the run. A node
     whose digests stopped for `grace_seconds` is missing: its ranks read `unknown`, never `running`."""
 
-    def __init__(self, clock: Callable[[], float], grace_seconds: float = 5.0):
+    def __init__(self, clock: Callable[[], float], grace_seconds: float = 5.0, pace: StepPace | None = None):
         self.clock = clock
         self.grace_seconds = grace_seconds
+        self.pace = pace or StepPace(clock)
         self.run_id: str | None = None
         self.layout: Layout | None = None
         self.nodes: dict[str, tuple[float, list]] = {}
         """node -> (leader clock at arrival, rows as sent)."""
+        self.owner: dict[int, str] = {}
+        """rank -> the node that reports it: another node's row for it is refused while that node is heard."""
         self.gone: set[int] = set()
         """Ranks the latest digests report gone: kept on ingest so the leader's once-a-second check
         need not look at every rank while none is."""
@@ -250,11 +284,15 @@ class LeaderView:
             seen.add(a.rank)
             rows.append(a)
         run_id = _run_id(body.get("run_id"), "digest")
-        if run_id != self.run_id:
-            self.nodes, self.gone = {}, set()
+        for i, a in enumerate(rows):
+            self.pace.check(run_id, a.step, f"digest.rows[{i}]")
+        if run_id == self.run_id:
+            same_layout(self.layout, layout, "digest.layout")
+            self._check_owners(node, rows)
+        else:
+            self.nodes, self.gone, self.owner = {}, set(), {}
             self.run_id = run_id
             self.layout = None
-        same_layout(self.layout, layout, "digest.layout")
         if node not in self.nodes and len(self.nodes) >= layout.world:
             raise BadActivity(f"digest.node {node!r}: this run already has {len(self.nodes)} nodes, as many as "
                               "its ranks")
@@ -262,11 +300,23 @@ class LeaderView:
         self.nodes[node] = (self.clock(), rows)
         gone = self.gone
         for a in rows:
+            self.owner[a.rank] = node
+            self.pace.note(run_id, a.step)
             if a.state in ENDED:
                 gone.add(a.rank)
             elif a.rank in gone:
                 gone.discard(a.rank)
         return node, rows
+
+    def _check_owners(self, node: str, rows: list) -> None:
+        """A rank is reported by one node: a row from another (a forged `gone`, a misconfigured node) is
+        refused while its own node is heard from; once that node is missing, another may take the rank over."""
+        now = self.clock()
+        for i, a in enumerate(rows):
+            owner = self.owner.get(a.rank)
+            if owner is not None and owner != node and owner in self.nodes \
+                    and now - self.nodes[owner][0] <= self.grace_seconds:
+                raise BadActivity(f"digest.rows[{i}]: rank {a.rank} is reported by node {owner!r}, not {node!r}")
 
     def rows(self) -> dict[int, Activity]:
         now, out = self.clock(), {}

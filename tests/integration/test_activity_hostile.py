@@ -118,8 +118,8 @@ def test_every_digest_row_field_is_checked(sidecar):
 def test_nodes_are_bounded_by_the_runs_world(sidecar):
     assert _post(sidecar, "/v1/activity", activity(0)).json()["ok"] is True
     for n in range(2):  # a world of 2 ranks has at most 2 nodes
-        assert _post(sidecar, "/v1/digest", digest([row(1)], node=f"node-{n}")).json()["ok"] is True
-    _refused(_post(sidecar, "/v1/digest", digest([row(1)], node="node-2")), "as many as its ranks")
+        assert _post(sidecar, "/v1/digest", digest([row(n)], node=f"node-{n}")).json()["ok"] is True
+    _refused(_post(sidecar, "/v1/digest", digest([], node="node-2")), "as many as its ranks")
     _still_serving(sidecar)
 
 
@@ -131,4 +131,25 @@ def test_activity_numbers_out_of_range_are_422_never_500(sidecar):
         r = _post(sidecar, "/v1/activity", content=_with_literal(body, "@", literal))
         _refused(r, f"activity.{field}")
     _refused(_post(sidecar, "/v1/activity", content=b"{not json"), "not valid JSON")
+    _still_serving(sidecar)
+
+
+def test_a_step_far_ahead_of_the_run_is_refused(sidecar):
+    """Issue 25 item 3: on 8fae0f2 one activity claiming step 10^9 was taken, every real rank then looked
+    stalled behind it, and with --hang-abort the run was killed. Steps move only as a run can move them."""
+    assert _post(sidecar, "/v1/activity", activity(0, step=12)).status_code == 200
+    _refused(_post(sidecar, "/v1/activity", activity(1, step=10**9)), "activity.step=1000000000 is ahead of the run")
+    _refused(_post(sidecar, "/v1/digest", digest([row(1, step=10**9)])), "digest.rows[0].step=1000000000")
+    assert _post(sidecar, "/v1/activity", activity(1, step=13)).status_code == 200  # the next step is fine
+    assert _post(sidecar, "/v1/activity", activity(0, step=2)).status_code == 200  # a rollback goes back freely
+    _still_serving(sidecar)
+
+
+def test_a_rank_is_reported_by_one_node(sidecar):
+    """Issue 25 item 3: on 8fae0f2 a digest row from any node saying a rank was `gone` was taken, and hang
+    detection for the run stopped. A rank's rows come from the node that reports it while that node is heard."""
+    assert _post(sidecar, "/v1/digest", digest([row(1)], node="node-b:9401")).status_code == 200
+    _refused(_post(sidecar, "/v1/digest", digest([row(1, state="gone")], node="node-c:9401")),
+             "rank 1 is reported by node 'node-b:9401', not 'node-c:9401'")
+    assert _post(sidecar, "/v1/digest", digest([row(1, state="gone")], node="node-b:9401")).status_code == 200
     _still_serving(sidecar)
