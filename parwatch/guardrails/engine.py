@@ -264,16 +264,23 @@ class GuardrailEngine:
         return [self._decide(rule.name, action, "rule", "", reason, evidence, step, now, checkpoint=checkpoint,
                              skip_batches=skip, escalated=escalated, extra=extra)]
 
-    def _plan_rollback(self, first_failing: int, step: int, skip_setting) -> tuple[str, int | None, int, str]:
-        """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help."""
+    def _plan_rollback(self, first_failing: int | None, step: int | None,
+                       skip_setting) -> tuple[str, int | None, int, str]:
+        """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help.
+        step is None when no step was evaluated since a rollback was applied (or the run began)."""
+        if first_failing is None:  # neither the failing run's start nor a step is known (a garbled state)
+            return "pause", None, 0, "; escalated to pause: the failing step is unknown"
         checkpoint = max((c for c in self._checkpoints if c < first_failing), default=None)
         if checkpoint is None:
             return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
+        if skip_setting == "window" and step is None:
+            return "pause", None, 0, ("; escalated to pause: no step evaluated since the last rollback, so the "
+                                      "failing window's batches cannot be counted")
         too_many = self._too_many_rollbacks()
         if too_many:
             return "pause", None, 0, too_many
         self._rollback_ticks.append(self._tick)
-        skip = step - checkpoint if skip_setting == "window" else int(skip_setting)
+        skip = step - checkpoint if skip_setting == "window" and step is not None else int(skip_setting)
         return "rollback", checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
 
     def _too_many_rollbacks(self) -> str:
