@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from typing import TextIO
 
 from parwatch.schema import ACTIVITY_VERSION, MAX_ERROR_CHARS
 
@@ -66,7 +67,7 @@ class ActivityReporter:
         self.stacks_path = stacks_path
         """faulthandler writes every thread's stack here on SIGUSR1 (the sidecar sends it on a hang); None:
         to stderr (registered whenever the reporter posts, so the signal never kills the rank)."""
-        self._stacks_file = None
+        self._stacks_file: TextIO | None = None
         self._on_abort = on_abort
         self.sent = 0
         """Reports the sidecar accepted."""

@@ -16,6 +16,7 @@ are approximations, stated here once:
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import yaml
 
@@ -87,16 +88,18 @@ def alert_expression(rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS,
             return f"{flag} > 0"
         return f"({series}) != ({series}) or abs({series}) == +Inf"
     if rule.check == "threshold":
-        op, line = (">", rule.above) if rule.above is not None else ("<", rule.below)
+        comparison, line = rule.bound()
+        op = ">" if comparison == "above" else "<"
         return f"{reduce} {per_run} ({series}) {op} {line:g}"
-    window = format_duration(rule.window_steps * step_seconds)
+    factor, window_steps = rule.baseline_terms()
+    window = format_duration(window_steps * step_seconds)
     step = format_duration(step_seconds)
     if rule.check == "spike":
         current = f"{reduce} {per_run} ({series})"
-        return f"{current} > {rule.factor:g} * quantile_over_time(0.5, ({current})[{window}:{step}] offset {step})"
+        return f"{current} > {factor:g} * quantile_over_time(0.5, ({current})[{window}:{step}] offset {step})"
     # regression: each series against its own median, then reduce the ratios
     return (f"{reduce} {per_run} (({series}) / quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})) "
-            f"> {rule.factor:g}")
+            f"> {factor:g}")
 
 
 def _summary(rule: Rule, step_seconds: float) -> str:
@@ -121,7 +124,7 @@ def render_alert_rules(rules: RuleSet, runbook_base: str = DEFAULT_RUNBOOK,
         expr = alert_expression(rule, step_seconds, rate_window)
         if expr is None:
             continue
-        alert = {"alert": alert_name(rule), "expr": expr}
+        alert: dict[str, Any] = {"alert": alert_name(rule), "expr": expr}
         duration = for_seconds(rule, step_seconds)
         if duration:
             alert["for"] = format_duration(duration)

@@ -18,6 +18,7 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule
 
@@ -143,10 +144,9 @@ class ThresholdCheck:
         value, key = series.reduce(self.rule.reduce)
         if math.isnan(value):
             return None
-        above = self.rule.above is not None
-        line = self.rule.above if above else self.rule.below
-        failing = value > line if above else value < line
-        word = ("" if failing else "not ") + ("above" if above else "below")
+        comparison, line = self.rule.bound()
+        failing = value > line if comparison == "above" else value < line
+        word = ("" if failing else "not ") + comparison
         text = f"{self.rule.reduce} {_label(self.rule.metric, key)} = {value:.4g}, {word} {line:g}"
         return Reading(value, failing, key, line, None, text)
 
@@ -160,8 +160,8 @@ class ThresholdCheck:
 class FiniteCheck(ThresholdCheck):
     def read(self, series: Series) -> Reading | None:
         if not series.all_finite():
-            key, value = min((k, v) for k, v in series.values.items() if not math.isfinite(v))
-            return Reading(value, True, key, None, None, f"{_label(self.rule.metric, key)} is {value}")
+            bad_key, bad = min((k, v) for k, v in series.values.items() if not math.isfinite(v))
+            return Reading(bad, True, bad_key, None, None, f"{_label(self.rule.metric, bad_key)} is {bad}")
         value, key = series.reduce("max")
         return Reading(value, False, key, None, None, f"{_label(self.rule.metric, key)} = {value:.4g} (finite)")
 
@@ -171,20 +171,21 @@ class SpikeCheck(ThresholdCheck):
 
     def __init__(self, rule: Rule):
         super().__init__(rule)
-        self.values = RollingWindow(rule.window_steps)
+        self.factor, self.window_steps = rule.baseline_terms()
+        self.values = RollingWindow(self.window_steps)
 
     def read(self, series: Series) -> Reading | None:
         value, key = series.reduce(self.rule.reduce)
         if not math.isfinite(value):
             return None  # not part of any baseline; the finite check is the one that judges it
-        baseline = _baseline(self.values, self.rule.window_steps)
+        baseline = _baseline(self.values, self.window_steps)
         self.values.append(value)
         label = _label(self.rule.metric, key)
         if baseline is None:
             return Reading(value, False, key, None, None, f"{label} = {value:.4g} (building baseline)")
-        line = self.rule.factor * baseline
+        line = self.factor * baseline
         failing = value > line
-        text = f"{label} = {value:.4g}, {value / baseline:.3g}x its median {baseline:.4g} (factor {self.rule.factor:g})"
+        text = f"{label} = {value:.4g}, {value / baseline:.3g}x its median {baseline:.4g} (factor {self.factor:g})"
         return Reading(value, failing, key, line, baseline, text)
 
     def history(self) -> dict:
@@ -199,13 +200,15 @@ class RegressionCheck(ThresholdCheck):
 
     def __init__(self, rule: Rule):
         super().__init__(rule)
+        self.factor, self.window_steps = rule.baseline_terms()
         self.values: dict[str, RollingWindow] = {}
 
     def read(self, series: Series) -> Reading | None:
         # Once per step over every path of a node (~900 at 1,024 ranks) on the sidecar's event loop:
         # _baseline and RollingWindow.append written out here, without a call per series.
-        ratios, baselines = {}, {}
-        windows, window_steps = self.values, self.rule.window_steps
+        ratios: dict[str, float] = {}
+        baselines: dict[str, float] = {}
+        windows, window_steps = self.values, self.window_steps
         enough = min(MIN_BASELINE_VALUES, window_steps)
         isfinite = math.isfinite
         for key, value in sorted(series.values.items()):
@@ -229,19 +232,19 @@ class RegressionCheck(ThresholdCheck):
             insort(ordered, value)
         if not ratios:
             return None
-        ratio, key = reduce_series(ratios, self.rule.reduce)
-        baseline = baselines.get(key)
-        failing = ratio > self.rule.factor
-        text = f"{self.rule.reduce} {_label(self.rule.metric, key)} at {ratio:.3g}x its median" + (
-            f" {baseline:.4g}" if baseline is not None else "") + f" (factor {self.rule.factor:g})"
-        return Reading(ratio, failing, key, self.rule.factor, baseline, text)
+        ratio, worst = reduce_series(ratios, self.rule.reduce)
+        median = baselines.get(worst) if worst is not None else None  # None: a mean over every series
+        failing = ratio > self.factor
+        text = f"{self.rule.reduce} {_label(self.rule.metric, worst)} at {ratio:.3g}x its median" + (
+            f" {median:.4g}" if median is not None else "") + f" (factor {self.factor:g})"
+        return Reading(ratio, failing, worst, self.factor, median, text)
 
     def history(self) -> dict:
         return {"values": {k: v.to_list() for k, v in self.values.items()}}
 
     def restore(self, saved: dict) -> None:
         for key, past in saved.get("values", {}).items():
-            self.values[key] = RollingWindow(self.rule.window_steps)
+            self.values[key] = RollingWindow(self.window_steps)
             self.values[key].extend(past)
 
 
@@ -357,7 +360,7 @@ class RuleMonitor:
     def evidence(self, step: int | None) -> dict:
         """What a decision record shows: the failing run's values, the line they crossed, the window."""
         rule = self.rule
-        evidence = {"metric": rule.metric, "check": rule.check, "series": self.last_series,
+        evidence: dict[str, Any] = {"metric": rule.metric, "check": rule.check, "series": self.last_series,
                     "reduce": rule.reduce, "values": list(self.window_values), "for_steps": rule.for_steps,
                     "window": [self.since_step, step]}
         evidence.update(where(self.last_series))
@@ -377,7 +380,10 @@ class RuleMonitor:
             return False
         rule = self.rule
         enough_steps = self.failing_steps >= rule.for_steps
-        long_enough = rule.for_seconds is None or now - self.since_time >= rule.for_seconds
+        long_enough = True
+        if rule.for_seconds is not None:
+            assert self.since_time is not None  # only failing readings lead here; the first one set it
+            long_enough = now - self.since_time >= rule.for_seconds
         if enough_steps and long_enough:
             self.state = "firing"
             return True

@@ -65,12 +65,14 @@ class DecisionLog:
     def _load_tail(self) -> None:
         if not self.path.exists():
             return
+        keep = self.recent.maxlen
+        assert keep is not None  # __init__ bounds it
         with open(self.path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             # Read backwards in chunks until enough whole lines are in hand.
             chunk, data = 1 << 16, b""
-            while size > 0 and data.count(b"\n") <= self.recent.maxlen:
+            while size > 0 and data.count(b"\n") <= keep:
                 start = max(0, size - chunk)
                 f.seek(start)
                 data = f.read(size - start) + data

@@ -11,6 +11,7 @@ acknowledgements). The directive is then done, whatever the outcome.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from parwatch.contract.directives import MAX_STEP, parse_directive
 
@@ -31,7 +32,7 @@ class Directives:
             decision_id: int | None = None) -> int:
         """Queue a directive; ValueError (naming the field) when the trainer could not parse it: the one
         parser (parwatch.contract.parse_directive) judges it here, so none that passes can block a run."""
-        directive = {"id": self.next_id, "action": action, "run_id": run_id, "to_step": to_step,
+        directive: dict[str, Any] = {"id": self.next_id, "action": action, "run_id": run_id, "to_step": to_step,
                      "skip_batches": skip_batches if action == "rollback" else 0, "reason": reason,
                      "decision_id": decision_id}
         parse_directive({k: directive[k] for k in WIRE_KEYS})

@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from parwatch.contract.directives import MAX_STEP
 
@@ -264,16 +264,23 @@ class GuardrailEngine:
         return [self._decide(rule.name, action, "rule", "", reason, evidence, step, now, checkpoint=checkpoint,
                              skip_batches=skip, escalated=escalated, extra=extra)]
 
-    def _plan_rollback(self, first_failing: int, step: int, skip_setting) -> tuple[str, int | None, int, str]:
-        """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help."""
+    def _plan_rollback(self, first_failing: int | None, step: int | None,
+                       skip_setting) -> tuple[str, int | None, int, str]:
+        """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help.
+        step is None when no step was evaluated since a rollback was applied (or the run began)."""
+        if first_failing is None:  # neither the failing run's start nor a step is known (a garbled state)
+            return "pause", None, 0, "; escalated to pause: the failing step is unknown"
         checkpoint = max((c for c in self._checkpoints if c < first_failing), default=None)
         if checkpoint is None:
             return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
+        if skip_setting == "window" and step is None:
+            return "pause", None, 0, ("; escalated to pause: no step evaluated since the last rollback, so the "
+                                      "failing window's batches cannot be counted")
         too_many = self._too_many_rollbacks()
         if too_many:
             return "pause", None, 0, too_many
         self._rollback_ticks.append(self._tick)
-        skip = step - checkpoint if skip_setting == "window" else int(skip_setting)
+        skip = step - checkpoint if skip_setting == "window" and step is not None else int(skip_setting)
         return "rollback", checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
 
     def _too_many_rollbacks(self) -> str:
@@ -296,7 +303,7 @@ class GuardrailEngine:
             suppress, reason = True, reason + " (not enforced: the run is already paused or a pause is pending)"
         enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
         directive_id = None
-        if enforced and action in DIRECTIVE_ACTIONS:
+        if enforced and self._run_id is not None and action in DIRECTIVE_ACTIONS:  # enforced implies a run
             directive_id = self._directives.add(action, self._run_id, checkpoint, skip_batches, reason,
                                                 decision_id=self._next_decision_id)
             if action in SWITCHES:
@@ -374,14 +381,14 @@ class GuardrailEngine:
             mirrored = self._monitors.get(rule) if rule else None
             suppress = (source == "alertmanager" and mirrored is not None and mirrored.acted_tick is not None
                         and self._tick - mirrored.acted_tick < mirrored.rule.cooldown_steps)
-            if suppress:
+            if suppress and mirrored is not None:
                 note = f" (not enforced: rule {rule} already acted at step {mirrored.acted_step})"
             elif action == "rollback" and source == "alertmanager" and (too_many := self._too_many_rollbacks()):
                 action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
             elif action == "rollback":
                 self._rollback_ticks.append(self._tick)
             evidence = {"to_step": to_step, "skip_batches": skip_batches}
-            extra = {"alert_rule": rule} if rule else {}
+            extra: dict[str, Any] = {"alert_rule": rule} if rule else {}
             if action == "resume":
                 # A rule that paused the run and still fails must be able to act again after the
                 # operator resumes (otherwise it stays "firing" and silent): firing -> pending, so
@@ -436,7 +443,7 @@ class GuardrailEngine:
         loss it acted on is judged after the outcome, as if its summary had arrived (the rules decide
         what follows: one rollback). Returns the records written (outcome first, but after a local decision)."""
         with self._lock:
-            local = outcome.get("local")
+            local: dict[str, Any] = outcome.get("local") or {}
             adopted = self._adopt_local(int(outcome["directive_id"]), local) if local else []
             records = adopted + self._record_outcome(outcome)
             if adopted and local.get("loss") is not None:
@@ -524,8 +531,10 @@ class GuardrailEngine:
     def _rearm_after_cancel(self, decision_id: int | None) -> list[str]:
         """The rule whose directive was cancelled acts again on its next failing step (firing -> pending);
         otherwise it would stay firing, acted on, and silent while it still fails."""
+        if decision_id is None:
+            return []
         made = next((r for r in reversed(self._log.recent) if r.get("type") == "decision"
-                     and r.get("id") == decision_id), None) if decision_id is not None else None
+                     and r.get("id") == decision_id), None)
         monitor = self._monitors.get(made.get("rule")) if made is not None and made.get("rule") else None
         if monitor is None or monitor.state != "firing" or monitor.reason == NO_DATA:
             return []

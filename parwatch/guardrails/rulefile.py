@@ -58,11 +58,11 @@ class _Reader:
             self.problem(line, rule, None, f"{what} must be a mapping of 'field: value' lines, "
                                            f"got {_describe(self.loader.construct_object(node, deep=True))}")
             return {}
-        out = {}
+        out: dict[str, tuple[int, yaml.Node]] = {}
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             key_line = key_node.start_mark.line + 1
-            if key not in allowed:
+            if key is None or key not in allowed:  # a non-scalar key is never allowed
                 self.problem(key_line, rule, str(key), f"unknown field in {what}" + suggest(key, allowed))
             elif key in out:
                 self.problem(key_line, rule, key, f"given twice (also on line {out[key][0]}); keep one")
@@ -117,7 +117,7 @@ class _Reader:
         elif not isinstance(fields["rules"][1], yaml.SequenceNode):
             self.problem(fields["rules"][0], None, "rules", "must be a list of rules, each starting with '- name:'")
         else:
-            first_line = {}
+            first_line: dict[str, int] = {}
             for index, node in enumerate(fields["rules"][1].value):
                 rule = self.rule(node, index, defaults)
                 name, line = self.name_of(node)

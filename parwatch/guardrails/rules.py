@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 KNOWN_METRICS = frozenset({
     "loss", "bubble_ratio", "bubble_excess_ratio", "pipeline_skew_ratio", "collective_seconds_mean",
@@ -57,7 +58,7 @@ class RulesError(Exception):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-def suggest(word: str, choices) -> str:
+def suggest(word: object, choices) -> str:
     """"; did you mean 'x'?" for a near miss, else the list of choices."""
     close = difflib.get_close_matches(str(word), sorted(choices), n=1, cutoff=0.6)
     if close:
@@ -98,17 +99,31 @@ class Rule:
     line: int = 0
     """Line of the rule in its file (0 when built in code)."""
 
+    def bound(self) -> tuple[str, float]:
+        """threshold: ("above" or "below", the line); validation guarantees exactly one is set."""
+        if self.above is not None:
+            return "above", self.above
+        if self.below is not None:
+            return "below", self.below
+        raise ValueError(f"rule {self.name!r} ({self.check}) has neither 'above' nor 'below'")
+
+    def baseline_terms(self) -> tuple[float, int]:
+        """spike/regression: (factor, window_steps); validation guarantees both are set."""
+        if self.factor is None or self.window_steps is None:
+            raise ValueError(f"rule {self.name!r} ({self.check}) has no factor and window_steps")
+        return self.factor, self.window_steps
+
     def __post_init__(self):
         problems = _rule_problems(self)
         if problems:
             raise RulesError([RuleProblem("<Rule>", self.line, self.name or None, f, m) for f, m in problems])
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -207,7 +222,7 @@ class RuleSet:
         if not _is_int(self.rollback_window_steps) or self.rollback_window_steps < 1:
             add(self.line_of.get("rollback.window_steps", 1), None, "rollback.window_steps",
                 f"must be an integer >= 1, got {self.rollback_window_steps!r}")
-        seen = {}
+        seen: dict[str, int] = {}
         for rule in self.rules:
             if rule.name in seen:
                 add(rule.line, rule.name, "name", f"duplicate name (first defined on line {seen[rule.name]}); "

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from parwatch.guardrails.decisions import move_aside
 from parwatch.sidecar.models import Alert, AlertmanagerPayload
@@ -71,7 +72,7 @@ class AlertDedupe:
             name = alert.labels.get("alertname", "alert")
             summary = alert.annotations.get("summary") or payload.commonAnnotations.get("summary", "")
             reason = f"{name}: {summary}" if summary else name
-            kw = {"reason": reason, "rule": alert.labels.get("rule"),
+            kw: dict[str, Any] = {"reason": reason, "rule": alert.labels.get("rule"),
                   "requested_by": f"alertmanager:{payload.receiver}" if payload.receiver else "alertmanager"}
             if action == "rollback":
                 skip = alert.labels.get("parwatch_skip_batches", "0")

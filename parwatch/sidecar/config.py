@@ -132,7 +132,13 @@ def ensure_token(state_dir: str | os.PathLike) -> tuple[str, Path, bool]:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return read_token(path, environ={}, private=True), path, False
+        return _file_token(path, private=True), path, False
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
-    return read_token(path, environ={}), path, True
+    return _file_token(path), path, True
+
+
+def _file_token(path: Path, private: bool = False) -> str:
+    token = read_token(path, environ={}, private=private)
+    assert token is not None  # a named file gives its token or raises TokenError, never None
+    return token

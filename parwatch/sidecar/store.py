@@ -28,7 +28,7 @@ import logging
 import operator
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
@@ -52,7 +52,7 @@ class CollectiveTotals(NamedTuple):
 
     buckets: tuple = (0,) * len(COLLECTIVE_BUCKETS)
     """Cumulative (le) counts, one per COLLECTIVE_BUCKETS bound; +Inf is count."""
-    count: int = 0
+    count: int = 0  # type: ignore[assignment]  # shadows tuple.count, which mypy forbids; read by name elsewhere
     seconds: float = 0.0
     bytes: int = 0
 
@@ -113,7 +113,7 @@ class RankRecord:
     totals: RankTotals = RankTotals()
     tokens_from: tuple[int, int] = (0, 0)
     """Count this rank's tokens from this (timeline, step) on (a lower rank taking over mid-run)."""
-    counted: Counted = None
+    counted: Counted = field(default_factory=Counted)
 
 
 _NO_COLLECTIVES = CollectiveTotals()
@@ -177,6 +177,7 @@ class Store:
                                        f"({s.run_id!r} after {run_id!r}); post each run separately")
                 quiet = self.live_for()
                 if quiet is not None:  # run identity is decided once per run: a stray post cannot end it
+                    assert run_id is not None  # live_for() is None while no run is here
                     raise Refused(409, f"{where}.run_id: run {_short(s.run_id)} refused: run {_short(run_id)} is "
                                        f"live here (it posted {quiet:.1f} s ago); another run may take over once "
                                        f"its ranks have ended or it has been silent for {self.grace_seconds:g} s")

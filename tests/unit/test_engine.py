@@ -209,6 +209,24 @@ def test_rollback_without_a_checkpoint_escalates_to_pause(tmp_path):
     assert run.engine.pending_directive()["action"] == "pause"
 
 
+def test_a_window_rollback_firing_by_time_after_a_rollback_pauses(tmp_path):
+    # Applying a rollback forgets the last step; a pending for_seconds rule that fires before the next
+    # step cannot count its window's batches (this raised TypeError: None - checkpoint).
+    rule = Rule(name="ranks", metric="rank_up", reduce="min", below=1, for_seconds=60, action="rollback",
+                skip_batches="window", cooldown_steps=50)
+    run = Run(ruleset(rule), tmp_path)
+    run.checkpoints = (4,)
+    for _ in range(9):
+        run.feed(rank_up={"rank=0": 1, "rank=1": 1})
+    run.feed(rank_up={"rank=0": 1, "rank=1": 0})  # step 10: pending
+    ordered = run.engine.request("rollback", "operator", to_step=4)
+    outcome(run.engine, ordered["directive_id"], step=4, loaded_step=4)
+    run.clock.t += 61
+    (record,) = run.engine.check_no_data()
+    assert record["rule"] == "ranks" and record["action"] == "pause" and record["escalated"] is True
+    assert "no step evaluated since the last rollback" in record["reason"]
+
+
 def test_repeated_rollbacks_escalate_after_max_rollbacks(tmp_path):
     run = Run(ruleset(nan_rule(), max_rollbacks=2, rollback_window_steps=100), tmp_path)
     run.checkpoints = (0,)

@@ -67,6 +67,17 @@ def test_builtin_cooldown_is_raised_to_for_steps():
     assert rs.rules[0].cooldown_steps == 80
 
 
+def test_a_validated_rule_names_its_bound_or_baseline_terms():
+    assert Rule(name="a", metric="loss", above=2.5).bound() == ("above", 2.5)
+    assert Rule(name="b", metric="loss", below=0.0).bound() == ("below", 0.0)
+    spike = Rule(name="c", metric="loss", check="spike", factor=3.0, window_steps=20)
+    assert spike.baseline_terms() == (3.0, 20)
+    with pytest.raises(ValueError, match="neither 'above' nor 'below'"):
+        spike.bound()
+    with pytest.raises(ValueError, match="no factor and window_steps"):
+        Rule(name="d", metric="loss", check="finite").baseline_terms()
+
+
 def test_unquoted_exponent_is_a_number():
     rs = parse_rules(rules_with("- {name: a, metric: loss, above: 1e-2, action: alert}\n"))
     assert rs.rules[0].above == 0.01
