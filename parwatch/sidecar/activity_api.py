@@ -41,7 +41,8 @@ from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import (BadActivity, LeaderView, NodeBook, StepPace, activity_from_report, layout_from,
                                      same_layout)
-from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
+from parwatch.sidecar.hang import (ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout,
+                                   coverage)
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,12 @@ class ActivityHub:
         self.leader_paused = False
         """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
-        self._layout = None
+        self._layout: Layout | None = None
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
         self._idle_due = False  # due, judged, nothing decided: re-judged once a second, not at every ask
+        self.metrics: HangMetrics | None = None
+        self.link_metrics: LeaderLinkMetrics | None = None
+        """Registered by install() (one set per sidecar)."""
         self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
             if self.leader_url else None
 
@@ -118,6 +122,7 @@ class ActivityHub:
             self.monitor.begin_run()  # the leader's picture started over for another run (LeaderView.ingest)
         self._run_id, self._layout = self.view.run_id, self.view.layout
         now, layout = self.clock(), self.view.layout
+        assert layout is not None  # ingest fixed it
         for a in rows:
             self._node_of[a.rank] = node
             if a.rank == 0:
@@ -266,7 +271,7 @@ class ActivityHub:
             self.abort = True
 
     async def _forward(self) -> None:
-        if not self.leader_url:
+        if not self.leader_url or self.forwarder is None:
             return
         if self._http is None:
             import httpx

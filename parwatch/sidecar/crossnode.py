@@ -61,6 +61,8 @@ def from_wire(body: InstancesForward, world: int) -> tuple[list[Pending], list[t
     for i, f in enumerate(body.instances):
         if max(f.members) >= world:
             _outside(("body", "instances", i, "members"), max(f.members), world)
+        key: tuple
+        path: tuple
         if f.link:
             src, dst = f.members
             key, path = ("p", src, dst, f.seq), ("link", src, dst)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from typing import Callable
+from typing import Callable, Literal, overload
 
 from parwatch.schema import MAX_ERROR_CHARS
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
@@ -59,6 +59,11 @@ REPORT_STATES = ("running", "done", "crashed")
 DIGEST_STATES = ("running", "done", "crashed", "gone", "silent")
 
 
+# Typed so that a required field reads as its type and an optional one as `type | None`.
+@overload
+def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: Literal[False] = ...) -> int: ...
+@overload
+def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: Literal[True]) -> int | None: ...
 def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: bool = False) -> int | None:
     x = values.get(field)
     if x is None and optional:
@@ -69,6 +74,10 @@ def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: bool 
     return x
 
 
+@overload
+def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[True] = ...) -> float | None: ...
+@overload
+def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[False]) -> float: ...
 def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: bool = True) -> float | None:
     x = values.get(field)
     if x is None and optional:
@@ -79,6 +88,10 @@ def _float(values: dict, field: str, where: str, lo: float, hi: float, optional:
     return float(x)
 
 
+@overload
+def _text(values: dict, field: str, where: str, limit: int, optional: Literal[True] = ...) -> str | None: ...
+@overload
+def _text(values: dict, field: str, where: str, limit: int, optional: Literal[False]) -> str: ...
 def _text(values: dict, field: str, where: str, limit: int, optional: bool = True) -> str | None:
     x = values.get(field)
     if x is None and optional:

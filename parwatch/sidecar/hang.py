@@ -199,13 +199,14 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
                         reached.add(w)
                         nxt.append(w)
             frontier = nxt
-        a = rows.get(sink)
-        since = a.since if a is not None and a.since is not None else float("inf")
+        row = rows.get(sink)
+        since = row.since if row is not None and row.since is not None else float("inf")
         # A sink whose activity predates the stall (fresh_after) may just be a late report: prefer fresh ones.
-        fresh = a is not None and (fresh_after is None or a.time >= fresh_after)
+        fresh = row is not None and (fresh_after is None or row.time >= fresh_after)
         score = (fresh, len(reached), -since, -sink)
         if best is None or score > best[0]:
             best = (score, sink, reached)
+    assert best is not None  # sinks is never empty here
     _, culprit, reached = best
     missing = None
     for rank in waiters.get(culprit, ()):  # name the collective it has not joined, if that is the wait
@@ -491,14 +492,15 @@ class HangMonitor:
                 if self.hang is None and (a is None or a.state not in (*ENDED, "done")):
                     waiting = found["waiting"]
                     seen = a is not None and a.state != "unknown"
-                    culprit = culprit_record(a, rank) if seen else None
-                    if seen:
-                        what = f"{_describe(culprit)} since {culprit['since']}" + _missing_text(found["missing"])
+                    named_culprit = culprit_record(a, rank) if seen else None
+                    if named_culprit is not None:
+                        what = (f"{_describe(named_culprit)} since {named_culprit['since']}"
+                                + _missing_text(found["missing"]))
                     else:  # the waits point at a rank this leader has no current report of: say so, name none
                         what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
                     reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
                               f"{len(waiting)} ranks wait for it" + _coverage_text(coverage))
-                    evidence = {"culprit": culprit, "points_at": None if seen else {"rank": rank, "seen": False},
+                    evidence = {"culprit": named_culprit, "points_at": None if seen else {"rank": rank, "seen": False},
                                 "waiting": waiting[:MAX_WAITING_LISTED],
                                 "waiting_count": len(waiting), "missing": found["missing"],
                                 "method": found["method"], "stalled_seconds": round(stalled, 3),
@@ -514,7 +516,8 @@ class HangMonitor:
 
     def _record(self, rule: str, reason: str, evidence: dict, step: int | None) -> dict:
         action = "alert"
-        record = dict(self.engine.record_finding(rule, action, reason, evidence, step if step >= 0 else None))
+        record = dict(self.engine.record_finding(rule, action, reason, evidence,
+                                                 step if step is not None and step >= 0 else None))
         self.findings.append(record)
         return record
 
