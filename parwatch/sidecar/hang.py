@@ -82,6 +82,11 @@ PEER_LOST_MARKS = ("connection closed by peer", "connection reset by peer", "bro
 failure, not the cause (gloo's and NCCL's messages)."""
 
 
+ECHO_WAIT_SECONDS = 8.0
+"""When every rank that ended says it lost a peer, the one that failed first is not told yet: wait this long
+(past a node's digest grace, 5 s) for it to be, or for its node to go missing, before naming an echo."""
+
+
 def lost_a_peer(a: Activity) -> bool:
     """A crashed rank whose exception says a peer went away first."""
     return a.state == "crashed" and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
@@ -391,13 +396,15 @@ class HangMonitor:
         """The current hang episode's decision record (None while the run progresses)."""
         self.gone_reported: set[int] = set()
         """Ranks a rank-gone decision already named."""
+        self._echoes_since: float | None = None
+        """When the leader first saw ranks end that only lost a peer (ECHO_WAIT_SECONDS)."""
         self.findings: list[dict] = []
         """Decision records made (newest last; also in the engine's log)."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
         self.progress = Progress(self.settings)
-        self.layout, self.hang, self.gone_reported = None, None, set()
+        self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
 
     def observe(self, a: Activity, layout: Layout, now: float) -> None:
         """Every activity row as it arrives (cheap: the progress clock only)."""
@@ -449,6 +456,15 @@ class HangMonitor:
         # one the rest last waited for went first, else the earliest to end.
         gone = sorted((a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
                       key=lambda a: (lost_a_peer(a), a.time, a.rank))
+        if gone and all(lost_a_peer(a) for a in gone):
+            unseen = sorted(r for r, a in rows.items() if a.state == "unknown")
+            unseen += list((coverage or {}).get("ranks_never_seen", ()))
+            self._echoes_since = self._echoes_since if self._echoes_since is not None else now
+            if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
+                records.append(self._unseen_cause(gone, unseen, coverage))
+                gone = []
+            elif now - self._echoes_since < ECHO_WAIT_SECONDS:
+                gone = []  # the rank that failed first may yet be told, or its node go missing
         if gone:
             first = gone[0]
             if len(gone) > 1 and self.layout is not None and not any(a.state == "crashed" and not lost_a_peer(a)
@@ -471,6 +487,7 @@ class HangMonitor:
             records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others,
                                                               "coverage": coverage}, first.step))
             self.gone_reported.update(a.rank for a in gone)
+            self._echoes_since = None
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
         crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
@@ -513,6 +530,20 @@ class HangMonitor:
                     self.hang = record
                     records.append(record)
         return records
+
+    def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
+        """rank-gone when the ranks that ended only lost a peer and some ranks are not seen (a node lost
+        whole): the failure is among those; no culprit is named."""
+        lost = [a.rank for a in echoes]
+        reason = (f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} lost a peer and the leader has no current report "
+                  f"of ranks {unseen[:MAX_WAITING_LISTED]}: the first failure is among those"
+                  + _coverage_text(coverage))
+        evidence = {"culprit": None, "points_at": {"rank": unseen[0], "seen": False}, "gone": lost,
+                    "unseen": unseen[:MAX_WAITING_LISTED], "coverage": coverage}
+        self.gone_reported.update(lost)
+        self.gone_reported.update(unseen)
+        self._echoes_since = None
+        return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
 
     def _record(self, rule: str, reason: str, evidence: dict, step: int | None) -> dict:
         action = "alert"

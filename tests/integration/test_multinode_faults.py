@@ -195,3 +195,29 @@ def test_a_node_without_leader_url_is_told_and_no_unseen_rank_is_named(tmp_path)
             r = httpx.post(f"{leader.control_url}/v1/digest", json={"version": 7}, headers=HEADERS, timeout=10)
             assert r.status_code == 422
             assert refused(leader)[("digest", "invalid")] == 1.0
+
+
+def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
+    """Issue 24 item 4: on 40e8301 a node lost whole (its ranks and its sidecar) was reported as a hang at
+    20 s. Node 1's launcher, ranks and sidecar SIGKILLed mid-run: the leader records rank-gone (no hang),
+    pointing at node 1's ranks, with its coverage (the node missing, since when)."""
+    from e2e_util import kill_tree
+
+    with nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 400) as procs:
+            wait_until(lambda: (leader.status().get("last_step") or 0) >= 6, "step 6 at the leader", 120)
+            killed_at = time.time()
+            kill_tree(procs[1].pid)
+            node1.kill()
+            (gone,) = wait_until(lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
+                                 "a finding about the lost node", 120)
+            time.sleep(12)  # a (wrong) hang finding would follow within its bound
+            findings = [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")]
+    assert gone["rule"] == "rank-gone", gone["reason"]
+    assert not [d for d in findings if d["rule"] == "hang"], [d["reason"] for d in findings]
+    evidence = gone["evidence"]
+    named = evidence["culprit"]["rank"] if evidence.get("culprit") else (evidence.get("points_at") or {}).get("rank")
+    assert named in (2, 3), evidence
+    missing = evidence["coverage"]["nodes_missing"]
+    assert [m["node"] for m in missing] == [f"127.0.0.1:{node1.control_port}"] or len(missing) == 1, evidence
+    assert gone["time"] - killed_at < 20, gone["time"] - killed_at

@@ -424,3 +424,41 @@ def test_a_second_run_starts_its_stall_clock_afresh():
     for r in (0, 1):
         monitor.observe(rows[r], lay, clock.t)
     assert monitor.check(rows) == [] and monitor.progress.step == -1
+
+
+PEER_LOST = "RuntimeError: [/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+
+
+def test_ranks_that_only_lost_a_peer_point_at_the_ranks_the_leader_cannot_see():
+    """A node lost whole: its ranks read `unknown` at the leader, the others crashed of a lost peer. The
+    failure is among the unseen ranks: rank-gone points there and names no culprit (issue 24 item 4)."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(2, 2, 1)
+    monitor.observe(act(0, lay, step=6), lay, clock.t)
+    rows = {r: act(r, lay, "forward", step=6, state="crashed")._replace(error=PEER_LOST) for r in (0, 1)}
+    rows.update({r: act(r, lay, "forward", step=6, state="unknown") for r in (2, 3)})
+    coverage = {"world": 4, "ranks_seen": 2, "ranks_never_seen": [], "nodes_missing": [{"node": "n1", "since": 990.0}]}
+    [record] = monitor.check(rows, coverage=coverage)
+    evidence = record["evidence"]
+    assert record["rule"] == "rank-gone" and evidence["culprit"] is None
+    assert evidence["points_at"] == {"rank": 2, "seen": False} and evidence["gone"] == [0, 1]
+    assert "no current report of ranks [2, 3]" in record["reason"]
+
+
+def test_echoes_alone_wait_for_the_first_failure_before_one_is_named():
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=6), lay, clock.t)
+    echo = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed")._replace(error=PEER_LOST),
+            1: act(1, lay, "forward", step=6)}
+    assert monitor.check(echo) == []  # the rank that failed first may yet say so
+    clock.t += 3
+    told = {**echo, 1: act(1, lay, "forward", step=6, state="crashed")._replace(error="InjectedError: boom")}
+    [record] = monitor.check(told)
+    assert record["evidence"]["culprit"]["rank"] == 1  # the cause, not the echo
+    monitor2, clock2, _ = _monitor()
+    monitor2.observe(act(0, lay, step=6), lay, clock2.t)
+    assert monitor2.check(echo) == []
+    clock2.t += 9  # past ECHO_WAIT_SECONDS with nothing more: the echo is named, as before
+    [record] = monitor2.check(echo)
+    assert record["evidence"]["culprit"]["rank"] == 0
