@@ -1,0 +1,60 @@
+"""The process at the other end of a loopback connection is proven from the kernel's socket table: the
+pid that holds the client socket owns it; any other pid (a parent, a stranger, init) does not."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from parwatch.sidecar.pid_owner import owns_connection, socket_inode
+
+
+def test_the_connecting_process_owns_its_connection_and_no_other_does():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, peer = server.accept()
+        try:
+            assert peer == client.getsockname()
+            assert socket_inode(*peer) == os.fstat(client.fileno()).st_ino
+            assert owns_connection(os.getpid(), peer)
+            assert not owns_connection(os.getppid(), peer) and not owns_connection(1, peer)
+            assert not owns_connection(os.getpid(), None) and not owns_connection(os.getpid(), ("127.0.0.1", 1))
+        finally:
+            accepted.close()
+            client.close()
+
+
+def test_a_child_that_connects_owns_its_connection_and_the_parent_does_not():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import socket, sys\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}))\n"
+            "sys.stdin.read()\n")], stdin=subprocess.PIPE)
+        try:
+            accepted, peer = server.accept()
+            assert owns_connection(child.pid, peer)
+            assert not owns_connection(os.getpid(), peer)
+            accepted.close()
+        finally:
+            child.stdin.close()
+            child.wait(10)
+
+
+def test_an_ipv6_loopback_connection():
+    try:
+        server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    with server:
+        client = socket.create_connection(server.getsockname()[:2])
+        accepted, peer = server.accept()
+        try:
+            assert owns_connection(os.getpid(), peer[:2])
+        finally:
+            accepted.close()
+            client.close()
