@@ -44,6 +44,7 @@ from parwatch.sidecar.digest import (BadActivity, LeaderView, NodeBook, StepPace
 from parwatch.sidecar.hang import (ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout,
                                    coverage)
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
+from parwatch.sidecar.pid_owner import owns_connection
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -75,6 +76,8 @@ class ActivityHub:
         self.abort = False
         """Set when the leader decided to abort the run: activity replies tell the ranks to exit."""
         self._signals: dict[str, list[int]] = {}  # node -> pids the leader wants signalled there
+        self._proven: dict[int, tuple[int, bool]] = {}
+        """rank -> (pid, whether that pid's own process sent the report): only a proven pid is ever signalled."""
         self._node_of: dict[int, str] = {}  # rank -> node that digests it (leader)
         self._http = http
         self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
@@ -93,7 +96,8 @@ class ActivityHub:
             if self.leader_url else None
 
     # -- requests (event loop) --------------------------------------------------------------
-    def activity(self, body) -> dict:
+    def activity(self, body, client: tuple[str, int] | None = None) -> dict:
+        """One rank's report; `client` (host, port) is the connection it came on, which proves its pid."""
         if not isinstance(body, dict) or body.get("version") != 1:
             raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
         a, layout, run_id = activity_from_report(body.get("activity"))
@@ -102,6 +106,8 @@ class ActivityHub:
         new_run = self.book.run_id is not None and run_id != self.book.run_id
         self.book.add(a, layout, run_id)
         self.pace.note(run_id, a.step)
+        if self._proven.get(a.rank, (None, False))[0] != a.pid or not self._proven[a.rank][1]:
+            self._proven[a.rank] = (a.pid, owns_connection(a.pid, client))
         if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
             self.monitor.begin_run()
         self._run_id, self._layout = run_id, layout
@@ -206,13 +212,14 @@ class ActivityHub:
         return records
 
     def _signal_own(self, pid) -> None:
-        """SIGUSR1 a pid only when it is a running rank of this run on this host, as its own reports
-        say: never a pid the leader or a report names that no rank here reported."""
-        own = any(a.pid == pid and a.host == self.hostname and a.state == "running" for a in self.book.rows().values())
+        """SIGUSR1 a pid only when it is a running rank of this run whose own process reported that pid over
+        its connection to this sidecar (pid_owner): never a pid a report or the leader merely names."""
+        own = any(a.pid == pid and a.state == "running" and self._proven.get(rank) == (pid, True)
+                  for rank, a in self.book.rows().items())
         if own and isinstance(pid, int) and pid > 1:
             _signal(pid)
         else:
-            log.warning("hang: not signalling pid %r: no running rank of this run reported it on this host", pid)
+            log.warning("hang: not signalling pid %r: no running rank of this run proved it its own here", pid)
 
     def _note_if_ended(self) -> None:
         """The run has ended here when every rank that reports here finished, crashed or is gone: then
@@ -347,7 +354,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     @router.post("/v1/activity", dependencies=auth, responses={401: {}, 422: {}})
     async def activity(request: Request):
         """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
-        status, payload = await handle_activity(await request.body())
+        client = (request.client.host, request.client.port) if request.client else None
+        status, payload = await handle_activity(await request.body(), client=client)
         return JSONResponse(payload, status_code=status)
 
     @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}})
@@ -376,13 +384,13 @@ def _json_post(handle):
     """A ControlApp fast-post handler answering as the routes above: 422 naming the problem (as every
     other endpoint answers a body it cannot use)."""
 
-    async def run(raw: bytes):
+    async def run(raw: bytes, **context):
         try:
             body = from_json(raw)  # pydantic-core's parser: a third of json.loads' time on a digest
         except ValueError as err:
             return 422, {"detail": f"body is not valid JSON: {err}"}
         try:
-            return 200, handle(body)
+            return 200, handle(body, **context)
         except BadActivity as err:
             return 422, {"detail": str(err)}
 

@@ -200,30 +200,34 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
     from parwatch.schema import HANG_EXIT_CODE
 
     stacks = tmp_path / "stacks-rank1.txt"
+    server = socket.create_server(("127.0.0.1", 0))  # the child's connection proves its pid (pid_owner)
     child = subprocess.Popen([sys.executable, "-c", (
-        "import faulthandler, signal, sys, time\n"
+        "import faulthandler, signal, socket, sys, time\n"
         f"f = open({str(stacks)!r}, 'a')\n"
         "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        f"s = socket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
         "print('ready', flush=True)\n"
         "def stuck_in_forward():\n    time.sleep(120)\n"
         "stuck_in_forward()\n")], stdout=subprocess.PIPE)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # rank 0: never signalled
     try:
         assert child.stdout.readline().strip() == b"ready"
+        accepted, child_end = server.accept()
         client, sidecar, clock = _client(tmp_path, "s", hang_dump_stacks=True, hang_abort=True)
         host, hub = socket.gethostname(), sidecar.activity
-        for step in (1, 2, 3):
-            clock.t += 1
+
+        def both(step):  # rank 0 names a stranger's pid (never proven); rank 1 reports over its own connection
             client.post("/v1/activity", json=report(0, step=step, kind="recv", op="recv", group="pp", peer=1,
                                                     host=host, pid=bystander.pid, time=clock.t))
-            client.post("/v1/activity", json=report(1, step=step, kind="forward", host=host, pid=child.pid,
-                                                    time=clock.t))
+            hub.activity(report(1, step=step, kind="forward", host=host, pid=child.pid, time=clock.t),
+                         client=child_end)
+
+        for step in (1, 2, 3):
+            clock.t += 1
+            both(step)
         for _ in range(12):
             clock.t += 1
-            client.post("/v1/activity", json=report(0, step=3, kind="recv", op="recv", group="pp", peer=1,
-                                                    host=host, pid=bystander.pid, time=clock.t))
-            client.post("/v1/activity", json=report(1, step=3, kind="forward", host=host, pid=child.pid,
-                                                    time=clock.t))
+            both(3)
             asyncio.run(hub.tick())
         assert hub.monitor.hang_detected
         deadline = time.monotonic() + 10
@@ -232,7 +236,9 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
             time.sleep(0.05)
         reply = client.post("/v1/activity", json=report(0, step=3, host=host, pid=bystander.pid, time=clock.t)).json()
         assert reply == {"ok": True, "abort": HANG_EXIT_CODE}
+        accepted.close()
     finally:
+        server.close()
         for p in (child, bystander):
             p.kill()
             p.wait()
@@ -266,19 +272,25 @@ def test_a_deliberate_pause_keeps_a_node_sidecars_ranks_up(tmp_path):
 
 
 def test_a_node_signals_only_pids_its_own_ranks_reported(tmp_path, monkeypatch):
-    """Issue 25, item 2 (in part): the leader's reply asks a node to SIGUSR1 pids; the node signals a pid
-    only when a running rank of this run reported it on this host."""
+    """Issue 25, item 2: the leader's reply asks a node to SIGUSR1 pids; the node signals a pid only when a
+    running rank of this run reported it over a connection that pid's own process holds (pid_owner)."""
+    import os
+    import socket
+
     from parwatch.sidecar import activity_api
 
     sent = []
     monkeypatch.setattr(activity_api, "_signal", sent.append)
     node, nsc, _ = _client(tmp_path, "node", leader_url="http://leader")
     hub = nsc.activity
-    import os
-
-    me = os.getpid()  # a live process standing in for rank 1
-    node.post("/v1/activity", json=report(1, host=hub.hostname, pid=me))
-    hub._signal_own(me)
-    hub._signal_own(1)  # init, or any stranger's pid
-    hub._signal_own(os.getppid())
+    me = os.getpid()  # this process stands in for rank 1 and holds its connection
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as mine:
+        accepted, my_end = server.accept()
+        hub.activity(report(1, host=hub.hostname, pid=me), client=my_end)
+        hub.activity(report(0, host=hub.hostname, pid=os.getppid()), client=my_end)  # a pid not holding it
+        accepted.close()
+    r = node.post("/v1/activity", json=report(0, host=hub.hostname, pid=os.getppid()))  # claimed, never proven
+    assert r.status_code == 200
+    for pid in (me, os.getppid(), 1):
+        hub._signal_own(pid)
     assert sent == [me]
