@@ -297,7 +297,6 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     auth = [Depends(bearer_dependency(sidecar.config.token))]
     router = APIRouter(lifespan=lifespan)
 
-    # One handler per post, run by ControlApp's fast path and by these routes (which document them).
     handle_activity, handle_digest = _json_post(hub.activity), _json_post(hub.digest)
 
     @router.post("/v1/activity", dependencies=auth, responses={401: {}, 422: {}})
@@ -321,16 +320,12 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         return JSONResponse(jsonable(hub.status()))
 
     app.include_router(router)
-    fast_posts = getattr(app, "fast_posts", None)  # app.ControlApp: the hot posts skip the framework
-    if fast_posts is not None:
-        fast_posts["/v1/activity"] = handle_activity
-        fast_posts["/v1/digest"] = handle_digest
     return hub
 
 
 def _json_post(handle):
-    """A ControlApp fast-post handler answering as the routes above: 422 naming the problem (as every
-    other endpoint answers a body it cannot use)."""
+    """A raw-body handler: (status, payload), 422 naming the problem (as every other endpoint answers
+    a body it cannot use)."""
 
     async def run(raw: bytes):
         try:

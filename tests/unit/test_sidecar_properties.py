@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar.config import SidecarConfig
-from parwatch.sidecar.exposition import encode_openmetrics, encode_text
+from prometheus_client.exposition import generate_latest as encode_text
+from prometheus_client.openmetrics.exposition import generate_latest as encode_openmetrics
 from parwatch.sidecar.models import (
     COLLECTIVE_GROUPS,
     COLLECTIVE_OPS,

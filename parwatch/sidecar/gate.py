@@ -1,0 +1,85 @@
+"""What a control request must pass before any of its body is read (ASGI middleware).
+
+FastAPI reads a route's body before it runs the route's dependencies, so a token checked there
+comes after an unauthenticated client's body is in memory. The gate answers first, from the
+head alone: 401 for a /v1/ path without the bearer token, 400 for a body framed two ways
+(Content-Length and Transfer-Encoding: a proxy in front may read it the other way), 413 for a
+declared length over --max-body-bytes. The body itself is counted as the app reads it, and
+reading past the cap raises BodyTooLarge (413) there, chunked bodies too.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import HTTPException
+
+from parwatch.sidecar.auth import check_bearer
+
+AUTHENTICATED_PREFIX = "/v1/"
+"""Every route under it needs the token (the routes say so too, for the OpenAPI document)."""
+
+
+class BodyTooLarge(HTTPException):
+    """The request body passed --max-body-bytes (an HTTPException, so FastAPI answers it as one)."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, too_large(max_bytes))
+
+
+def too_large(max_bytes: int) -> str:
+    return f"request body over {max_bytes} bytes (--max-body-bytes)"
+
+
+class RequestGate:
+    def __init__(self, app, token: str | None, max_body_bytes: int):
+        self.app, self.token, self.max_body_bytes = app, token, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = self.refusal(scope)
+        if refused is not None:
+            return await _send_json(send, *refused)
+        limit, seen = self.max_body_bytes, 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def refusal(self, scope) -> tuple[int, dict, dict] | None:
+        """(status, JSON payload, headers) when the head alone refuses the request."""
+        headers = _first_values(scope)
+        if scope["path"].startswith(AUTHENTICATED_PREFIX):
+            try:
+                check_bearer(self.token, headers.get(b"authorization"))
+            except HTTPException as err:
+                return err.status_code, {"detail": err.detail}, err.headers or {}
+        declared = headers.get(b"content-length")
+        if declared is not None and b"transfer-encoding" in headers:
+            return 400, {"detail": "Content-Length and Transfer-Encoding together: send one"}, {"connection": "close"}
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return 413, {"detail": too_large(self.max_body_bytes)}, {"connection": "close"}
+        return None
+
+
+def _first_values(scope) -> dict:
+    """Header name -> its first value, as Starlette's request.headers.get reads it."""
+    out: dict = {}
+    for key, value in scope.get("headers") or ():
+        out.setdefault(key, value.decode("latin-1") if key == b"authorization" else value)
+    return out
+
+
+async def _send_json(send, status: int, payload, headers: dict) -> None:
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
