@@ -276,7 +276,9 @@ def _signal(pid: int) -> None:
 
 
 def install(app: FastAPI, sidecar) -> ActivityHub:
-    """Add /v1/activity, /v1/digest, /v1/instances and /v1/hang to the control app, the loop, and the metrics."""
+    """Add /v1/activity, /v1/digest, /v1/instances and /v1/hang to the control app, the loop, and the metrics.
+
+    `hub.posts` maps the two posts to their handlers of the raw body (app.HotPosts serves them)."""
     previous = getattr(sidecar, "activity", None)
     if previous is not None:  # a second app over the same sidecar (tests): one set of hang metrics
         sidecar.registry.unregister(previous.metrics)
@@ -297,7 +299,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     auth = [Depends(bearer_dependency(sidecar.config.token))]
     router = APIRouter(lifespan=lifespan)
 
-    handle_activity, handle_digest = _json_post(hub.activity), _json_post(hub.digest)
+    hub.posts = {"/v1/activity": _json_post(hub.activity), "/v1/digest": _json_post(hub.digest)}
+    handle_activity, handle_digest = hub.posts["/v1/activity"], hub.posts["/v1/digest"]
 
     @router.post("/v1/activity", dependencies=auth, responses={401: {}, 422: {}})
     async def activity(request: Request):

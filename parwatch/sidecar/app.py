@@ -4,6 +4,11 @@ The control app turns every bad request into a 4xx whose reason names the field 
 for a body or query that fails validation), and its OpenAPI document lists exactly the
 answers it gives; the metrics app serves only /metrics and /healthz. The token, framing and
 declared size are checked before any body is read (gate.py).
+
+The posts a leader takes from every node each second (/v1/digest, and /v1/activity beside it)
+are answered by HotPosts, ahead of FastAPI's routing, dependency injection and response
+classes, which cost more than their handlers: at 2,048 digests a second the leader could not
+keep up without it (docs/benchmarks.md). The FastAPI routes of the same handlers document them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from parwatch import __version__
 from parwatch.guardrails.engine import DirectiveDelivered
 from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency
-from parwatch.sidecar.gate import RequestGate
+from parwatch.sidecar.gate import BodyTooLarge, RequestGate, send_json
 from parwatch.sidecar.models import (
     AlertmanagerPayload,
     CancelRequest,
@@ -99,6 +104,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         description="Ingest step summaries, steer the run (pause/resume/rollback), receive Alertmanager webhooks.",
         docs_url=None, redoc_url=None, lifespan=lifespan,
     )
+    hot: dict = {}
+    app.add_middleware(HotPosts, posts=hot)
     app.add_middleware(RequestGate, token=sidecar.config.token, max_body_bytes=sidecar.config.max_body_bytes)
     _healthz(app)
 
@@ -167,7 +174,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     async def status():
         return JSONResponse(sidecar.status())
 
-    activity_api.install(app, sidecar)  # /v1/activity, /v1/digest, /v1/hang and the hang loop
+    hub = activity_api.install(app, sidecar)  # /v1/activity, /v1/digest, /v1/hang and the hang loop
+    hot.update(hub.posts)
 
     @app.get("/v1/decisions", dependencies=auth, responses={**_AUTH, **_INVALID})
     async def decisions(limit: int = Query(50, ge=1, le=10_000)):
@@ -191,6 +199,31 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
 
     app.openapi = openapi
     return app
+
+
+class HotPosts:
+    """ASGI middleware: POSTs to a path in `posts` (path -> async handler of the raw body returning
+    (status, JSON payload)) are answered here, the rest go on to the app. Behind RequestGate, so
+    the token and the body cap hold as for every route."""
+
+    def __init__(self, app, posts: dict):
+        self.app, self.posts = app, posts
+
+    async def __call__(self, scope, receive, send):
+        handler = self.posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        try:
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+        except BodyTooLarge as err:
+            return await send_json(send, err.status_code, {"detail": err.detail}, {})
+        await send_json(send, *await handler(b"".join(chunks)), {})
 
 
 async def _no_data_ticker(sidecar: Sidecar) -> None:

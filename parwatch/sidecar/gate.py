@@ -24,7 +24,7 @@ class BodyTooLarge(HTTPException):
     """The request body passed --max-body-bytes (an HTTPException, so FastAPI answers it as one)."""
 
     def __init__(self, max_bytes: int):
-        super().__init__(413, too_large(max_bytes))
+        super().__init__(413, too_large(max_bytes), {"connection": "close"})
 
 
 def too_large(max_bytes: int) -> str:
@@ -40,7 +40,7 @@ class RequestGate:
             return await self.app(scope, receive, send)
         refused = self.refusal(scope)
         if refused is not None:
-            return await _send_json(send, *refused)
+            return await send_json(send, *refused)
         limit, seen = self.max_body_bytes, 0
 
         async def counted():
@@ -60,7 +60,7 @@ class RequestGate:
             try:
                 check_bearer(self.token, headers.get(b"authorization"))
             except HTTPException as err:
-                return err.status_code, {"detail": err.detail}, err.headers or {}
+                return err.status_code, {"detail": err.detail}, {**(err.headers or {}), "connection": "close"}
         declared = headers.get(b"content-length")
         if declared is not None and b"transfer-encoding" in headers:
             return 400, {"detail": "Content-Length and Transfer-Encoding together: send one"}, {"connection": "close"}
@@ -77,8 +77,9 @@ def _first_values(scope) -> dict:
     return out
 
 
-async def _send_json(send, status: int, payload, headers: dict) -> None:
-    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+async def send_json(send, status: int, payload, headers: dict) -> None:
+    """A JSON answer through ASGI, encoded as Starlette's JSONResponse encodes it."""
+    body = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     head += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": head})

@@ -4,9 +4,10 @@ One loop means the store and engine are only ever touched by one task at a time.
 the sockets ourselves so a port in use is a one-line error naming the flag, and we own
 the signals: SIGTERM/SIGINT stop both servers, SIGHUP reloads the rules file.
 
-Both listeners parse HTTP with h11, whose cap on an incomplete head (MAX_HEAD_BYTES) answers an
-oversized head with 400; httptools has no such cap (a 64 MB header was read whole). Connection
-counts and the time to send a request are bounded per listener (listener.py).
+Both listeners use uvicorn's httptools protocol (h11 where httptools is not installed), wrapped
+so that connection counts, the time to send a request's head and its size are bounded per
+listener (listener.py). h11 alone would cap the head, but took about twice httptools' CPU per
+request at the leader's 2,048 digests a second (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import signal
 import socket
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import TOKEN_ENV, Listen
@@ -64,7 +64,7 @@ def bind(listen: Listen, flag: str) -> socket.socket:
 
 
 MAX_HEAD_BYTES = 16 * 1024
-"""A request line and headers larger than this are refused (400) before they are read further."""
+"""A request line and headers larger than this are refused (431) before they are read further."""
 MAX_CONNECTIONS = 1024
 """Open connections per listener, fewer where the file limit needs it (connection_budget)."""
 FD_RESERVE = 64
@@ -90,11 +90,22 @@ def connection_budget(max_connections: int = MAX_CONNECTIONS) -> int:
     return max(budget, 16)
 
 
+def _http_protocol():
+    """uvicorn's protocol class for its `http` setting: httptools (C) when installed, else h11."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+
+
 def _uvicorn(app, lifespan: str, book: Book) -> _Server:
-    # proxy_headers off: nothing here reads the client address but the connection book, which needs
-    # the socket's own peer.
+    # proxy_headers off: the connection book matches requests to connections by the socket's own peer.
     config = uvicorn.Config(Watch(app, book), log_level="warning", access_log=False, lifespan=lifespan,
-                            timeout_graceful_shutdown=5, server_header=False, http=guarded(H11Protocol, book),
+                            timeout_graceful_shutdown=5, server_header=False, http=guarded(_http_protocol(), book),
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES, proxy_headers=False)
     return _Server(config)
 
@@ -119,8 +130,8 @@ def serve(sidecar: Sidecar) -> None:
         raise
     budget = connection_budget()
     head = cfg.head_timeout_seconds
-    servers = [_uvicorn(create_metrics_app(sidecar), "off", Book(budget, head)),
-               _uvicorn(create_control_app(sidecar), "on", Book(budget, head))]
+    servers = [_uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES)),
+               _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES))]
     log.info(
         "parwatch sidecar: metrics http://%s/metrics, control http://%s (token %s), rules %s, state %s",
         cfg.metrics_listen, cfg.control_listen,
