@@ -191,8 +191,7 @@ class TransferTracker:
         self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
         self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
         # The attribution's inputs, kept as rows arrive (a rank's once per summary, a path's once per
-        # step) rather than all computed at once when rank 0's summary is evaluated: at 1024 ranks that
-        # was ~60 ms on the event loop once a step, the sidecar's ingest p99 (benchmarks/sidecar_load.py).
+        # step) rather than all computed at once when rank 0's summary is evaluated.
         self._rank_figures: dict[int, RankFigures] = {}
         self._path_figures: dict[tuple, PathFigures] = {}
         self._rank_order: list[int] = []  # their keys sorted (keys are only ever added, until a reset)
@@ -257,8 +256,7 @@ class TransferTracker:
             if len(got) == len(entry.members) and is_pending:
                 del pending[key]
                 done.append(self._finish(entry))
-        # Expiry scans every pending instance: once per new step, not once per summary (at 1024 ranks
-        # per sidecar the per-summary scan was a quarter of the sidecar's CPU, benchmarks/sidecar_load.py).
+        # Expiry scans every pending instance: once per new step, not once per summary.
         dropped = self._expire() if new_step else 0
         if done or dropped:
             self._stale_view = True
