@@ -55,26 +55,25 @@ class RequestGate:
 
     def refusal(self, scope) -> tuple[int, dict, dict] | None:
         """(status, JSON payload, headers) when the head alone refuses the request."""
-        headers = _first_values(scope)
+        authorization = declared = None
+        chunked = False
+        for key, value in scope.get("headers") or ():  # the first of each, as Starlette's headers.get reads it
+            if key == b"authorization" and authorization is None:
+                authorization = value.decode("latin-1")
+            elif key == b"content-length" and declared is None:
+                declared = value
+            elif key == b"transfer-encoding":
+                chunked = True
         if scope["path"].startswith(AUTHENTICATED_PREFIX):
             try:
-                check_bearer(self.token, headers.get(b"authorization"))
+                check_bearer(self.token, authorization)
             except HTTPException as err:
                 return err.status_code, {"detail": err.detail}, {**(err.headers or {}), "connection": "close"}
-        declared = headers.get(b"content-length")
-        if declared is not None and b"transfer-encoding" in headers:
+        if declared is not None and chunked:
             return 400, {"detail": "Content-Length and Transfer-Encoding together: send one"}, {"connection": "close"}
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return 413, {"detail": too_large(self.max_body_bytes)}, {"connection": "close"}
         return None
-
-
-def _first_values(scope) -> dict:
-    """Header name -> its first value, as Starlette's request.headers.get reads it."""
-    out: dict = {}
-    for key, value in scope.get("headers") or ():
-        out.setdefault(key, value.decode("latin-1") if key == b"authorization" else value)
-    return out
 
 
 async def send_json(send, status: int, payload, headers: dict) -> None:
