@@ -46,8 +46,7 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from parwatch.catalog import metric
-from parwatch.guardrails.attribution import (CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute,
-                                             median_at)
+from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, median_at
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 
 HORIZON_STEPS = 8

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from fastapi.testclient import TestClient
 
 from parwatch.sidecar import synthetic as syn
