@@ -194,7 +194,7 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
     await asyncio.sleep(1.5)
     for t in tasks:
         t.cancel()
-    culprit = decision["evidence"]["culprit"]
+    culprit = decision["evidence"]["culprit"] or {"rank": None}  # None: the leader did not see the culprit's node
     return {"ranks": ranks, "nodes": nodes, "digests_per_second": nodes,
             "hang_named_seconds": round(named_after, 3), "culprit_rank": culprit["rank"],
             "named_right": culprit["rank"] == hung, "bound_seconds": decision["evidence"]["bound_seconds"],

@@ -6,10 +6,12 @@ connections). Measured: ingest latency (client-observed, p50/p99), /metrics scra
 with all ranks present, the sidecar's RSS, and GuardrailEngine.evaluate time with 20
 rules on an Observation of the same size.
 
-    python benchmarks/sidecar_load.py --ranks 1024 --duration 20 --out benchmarks/results/sidecar_load.json
+    python benchmarks/sidecar_load.py --ranks 64 --duration 20 --out benchmarks/results/sidecar_load.json
 
-Goals: p99 ingest <= 10 ms, scrape <= 250 ms (under load and idle), RSS <= 300 MB, evaluate
-(20 rules) <= 1 ms, in every one of --runs runs (3 by default; all are printed side by side).
+Goals per shape (GOALS), in every one of --runs runs (3 by default; all are printed side by side):
+a node sidecar serves its node's ranks, at most 64: ingest p99 <= 5 ms, scrape <= 50 ms (under load
+and idle), RSS <= 300 MB, evaluate (20 rules) <= 1 ms. Other shapes (--ranks 1024: every rank of a
+run posting to one sidecar, which no deployment does) are stress figures, printed without a goal.
 The load generator runs on the same machine as the sidecar, so both share its cores: run it on
 an otherwise idle machine (the table prints the load average after each run). On a virtual machine
 the host's other guests matter too: the table prints the share of CPU the hypervisor took during
@@ -46,7 +48,8 @@ from parwatch.sidecar.store import Store  # noqa: E402
 
 TIME_PLACEHOLDER = 1234567890.0625
 TIME_TEXT = repr(TIME_PLACEHOLDER).encode()
-GOALS = {"ingest_p99_ms": 10.0, "scrape_ms": 250.0, "rss_mb": 300.0, "evaluate_ms": 1.0}
+GOALS = {64: {"ingest_p99_ms": 5.0, "scrape_ms": 50.0, "rss_mb": 300.0, "evaluate_ms": 1.0}}
+"""ranks -> goals: the shapes that exist (a node sidecar); any other --ranks is a stress figure."""
 
 
 def layout(ranks: int) -> tuple[int, int, int]:
@@ -285,7 +288,7 @@ def one_run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--ranks", type=int, default=64)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load")
     p.add_argument("--connections", type=int, default=64, help="keep-alive connections the ranks share")
     p.add_argument("--scrape-every", type=float, default=5.0, help="seconds between /metrics scrapes under load")
@@ -308,26 +311,31 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
     }
     # Goals hold only if every run meets them (issue 12: "3 runs of 3").
-    result["goals"] = {
-        "ingest_p99_ms": [GOALS["ingest_p99_ms"], worst["ingest_ms_p99"] <= GOALS["ingest_p99_ms"]],
-        "scrape_ms_under_load": [GOALS["scrape_ms"], worst["scrape_ms_under_load_p50"] <= GOALS["scrape_ms"]],
-        "scrape_ms_idle": [GOALS["scrape_ms"], worst["scrape_ms_idle_p50"] <= GOALS["scrape_ms"]],
-        "rss_mb": [GOALS["rss_mb"], worst["rss_mb_peak"] <= GOALS["rss_mb"]],
-        "evaluate_ms": [GOALS["evaluate_ms"], result["evaluate_ms_p50"] <= GOALS["evaluate_ms"]],
-        "evaluate_ms_8_ranks": [GOALS["evaluate_ms"], result["evaluate_ms_p50_8_ranks"] <= GOALS["evaluate_ms"]],
+    goals = GOALS.get(args.ranks)
+    result["goals"] = {} if goals is None else {
+        "ingest_p99_ms": [goals["ingest_p99_ms"], worst["ingest_ms_p99"] <= goals["ingest_p99_ms"]],
+        "scrape_ms_under_load": [goals["scrape_ms"], worst["scrape_ms_under_load_p50"] <= goals["scrape_ms"]],
+        "scrape_ms_idle": [goals["scrape_ms"], worst["scrape_ms_idle_p50"] <= goals["scrape_ms"]],
+        "rss_mb": [goals["rss_mb"], worst["rss_mb_peak"] <= goals["rss_mb"]],
+        "evaluate_ms": [goals["evaluate_ms"], result["evaluate_ms_p50"] <= goals["evaluate_ms"]],
+        "evaluate_ms_8_ranks": [goals["evaluate_ms"], result["evaluate_ms_p50_8_ranks"] <= goals["evaluate_ms"]],
     }
+
+    def goal(key, fmt="<= {}"):
+        return fmt.format(f"{goals[key]:g}") if goals else ""
 
     def each(fmt, *keys):
         return " | ".join(fmt.format(*(r[k] for k in keys)) for r in runs)
 
     rows = [
-        ("ingest p50 / p99 (ms)", each("{:.2f} / {:.2f}", "ingest_ms_p50", "ingest_ms_p99"), "p99 <= 10"),
+        ("ingest p50 / p99 (ms)", each("{:.2f} / {:.2f}", "ingest_ms_p50", "ingest_ms_p99"),
+         goal("ingest_p99_ms", "p99 <= {}")),
         ("ingest p99 outside / during scrapes (ms)",
          each("{:.2f} / {:.1f}", "ingest_ms_p99_outside_scrapes", "ingest_ms_p99_during_scrapes"), ""),
         ("scrape under load p50 / max (ms)", each("{:.0f} / {:.0f}", "scrape_ms_under_load_p50",
-                                                   "scrape_ms_under_load_max"), "<= 250"),
-        ("scrape idle p50 (ms)", each("{:.0f}", "scrape_ms_idle_p50"), "<= 250"),
-        ("sidecar RSS start / peak (MB)", each("{:.0f} / {:.0f}", "rss_mb_start", "rss_mb_peak"), "<= 300"),
+                                                   "scrape_ms_under_load_max"), goal("scrape_ms", "p50 <= {}")),
+        ("scrape idle p50 (ms)", each("{:.0f}", "scrape_ms_idle_p50"), goal("scrape_ms")),
+        ("sidecar RSS start / peak (MB)", each("{:.0f} / {:.0f}", "rss_mb_start", "rss_mb_peak"), goal("rss_mb")),
         ("sidecar CPU ms/post, cores", each("{:.2f}, {:.2f}", "sidecar_cpu_ms_per_post", "sidecar_cpu_share"), ""),
         ("posts/s, errors", each("{:.0f}, {}", "posts_per_s", "errors"), ""),
         ("load average after the run", each("{:.1f}", "load_avg_after"), "idle machine"),
@@ -335,8 +343,9 @@ def main(argv=None) -> int:
          f"quiet host: < {STOLEN_NOISY:.0%}"),
         ("scrape size (samples, bytes)", f"{runs[-1]['scrape_samples']}, {runs[-1]['scrape_bytes']}", ""),
         ("evaluate, 20 rules, p50 / p99 (ms)",
-         f"{result['evaluate_ms_p50']:.3f} / {result['evaluate_ms_p99']:.3f}", "<= 1"),
-        ("evaluate, 20 rules, 8 ranks (one node) p50 (ms)", f"{result['evaluate_ms_p50_8_ranks']:.3f}", "<= 1"),
+         f"{result['evaluate_ms_p50']:.3f} / {result['evaluate_ms_p99']:.3f}", goal("evaluate_ms")),
+        ("evaluate, 20 rules, 8 ranks (one node) p50 (ms)", f"{result['evaluate_ms_p50_8_ranks']:.3f}",
+         goal("evaluate_ms")),
         ("build_observation, ranks / 8 ranks (ms)",
          f"{result['build_observation_ms']:.2f} / {result['build_observation_ms_8_ranks']:.3f}", ""),
     ]
@@ -346,8 +355,11 @@ def main(argv=None) -> int:
           f"{args.runs} runs (run 1 | run 2 | ...), {os.cpu_count()} CPUs")
     for name, value, goal in rows:
         print(f"  {name:<{width}}  {value:<{vwidth}}  {goal}")
-    met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items())
-    print(f"  goals met in every run: {met}")
+    if goals:
+        met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items())
+        print(f"  goals met in every run: {met}")
+    else:
+        print(f"  {args.ranks} ranks on one sidecar is a stress figure: no goal (the goals are for {sorted(GOALS)} ranks)")
     noisy = [i + 1 for i, r in enumerate(runs) if r["cpu_stolen_share"] >= STOLEN_NOISY]
     if noisy:
         print(f"  runs {noisy}: the hypervisor took >= {STOLEN_NOISY:.0%} of this machine's CPU (noisy neighbours); "

@@ -26,11 +26,7 @@ import statistics
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from parwatch.sliced import run_through
-
 CAUSES = ("slow-data", "host-contention", "slow-compute", "slow-link")
-SLICE = 256
-"""attribute_steps also yields every this many ranks or paths within a phase."""
 
 
 @dataclass(frozen=True)
@@ -221,13 +217,7 @@ def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
 
 
 def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()) -> list[Finding]:
-    """Every finding, the costliest first; [] for a healthy window (attribute_steps, run through)."""
-    return run_through(attribute_steps(ranks, paths, th))
-
-
-def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()):
-    """A generator that yields between its phases (each a few ms at 1024 ranks: the sidecar's event
-    loop serves posts there) and returns every finding, the costliest first; [] for a healthy window.
+    """Every finding, the costliest first; [] for a healthy window.
 
     Each comparison is with the median of the peers (the others of the same kind); those medians
     come from sorted lists (leave_one_out_medians), so the cost grows as n log n with ranks and paths."""
@@ -247,20 +237,15 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
                                     f"({ratio:.0%} of the {step * 1000:.0f} ms step)"))
             explained.update(culprits)
 
-    yield
     # 1. data: only ranks that fetch data are each other's peers.
     fetching = [r for r in ranks if r.data_seconds > 0]
     bases = leave_one_out_medians([r.data_seconds for r in fetching])
-    yield
-    for i, (r, base) in enumerate(zip(fetching, bases)):
-        if i % SLICE == SLICE - 1:
-            yield
+    for r, base in zip(fetching, bases):
         found = _stands_out(r.data_seconds, base, th, small=True)
         if found:
             keep("slow-data", {"rank": r.rank, "stage": r.stage, "host": r.host}, *found,
                  f"rank {r.rank} (stage {r.stage}) data fetch", {r.rank})
 
-    yield
     # 2. host contention: needs other hosts to compare with.
     if len(set(host_of.values())) > 1:
         _host_contention(ranks, paths, host_of, th, explained, keep)
@@ -271,7 +256,6 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
         stages.setdefault(r.stage, []).append(r)
     stage_compute = {s: statistics.median(r.compute_seconds for r in rs) for s, rs in stages.items()}
     for s, value in sorted(stage_compute.items()):
-        yield
         members = {r.rank for r in stages[s]}
         if members <= explained:
             continue
@@ -294,7 +278,6 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
             keep("slow-compute", {"stage": s, "ranks": sorted(slow)}, excess, base,
                  f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute", set(slow))
 
-    yield
     # 4. links and groups: against the other paths of the same role.
     roles: dict[tuple, list[PathFigures]] = {}
     for p in paths:
@@ -302,10 +285,7 @@ def attribute_steps(ranks: list[RankFigures], paths: list[PathFigures], th: Thre
     base_of = {}
     for role in roles.values():
         base_of.update(zip(map(id, role), leave_one_out_medians([q.transfer_seconds for q in role])))
-    yield
-    for i, p in enumerate(paths):
-        if i % SLICE == SLICE - 1:
-            yield
+    for p in paths:
         if set(p.ranks) & explained:
             continue  # its ranks are already explained (a host or a stage)
         if len(roles[(p.group, p.kind)]) < 2:

@@ -119,7 +119,8 @@ class ActivityHub:
             self.monitor.observe(a, layout, self.clock())
         return {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
 
-    def digest(self, body) -> dict:
+    def digest(self, body, client: tuple[str, int] | None = None) -> dict:
+        """A node's digest (`client` is not used: its rows' pids are proven, and signalled, at that node)."""
         if isinstance(body, dict):
             self._check_layout(body.get("run_id"), layout_from(body.get("layout"), "digest.layout"), "digest.layout")
         seen_run = self.view.run_id
@@ -321,7 +322,9 @@ def _signal(pid: int) -> None:
 
 
 def install(app: FastAPI, sidecar) -> ActivityHub:
-    """Add /v1/activity, /v1/digest, /v1/instances and /v1/hang to the control app, the loop, and the metrics."""
+    """Add /v1/activity, /v1/digest, /v1/instances and /v1/hang to the control app, the loop, and the metrics.
+
+    `hub.posts` maps the two posts to their handlers of the raw body (app.HotPosts serves them)."""
     previous = getattr(sidecar, "activity", None)
     if previous is not None:  # a second app over the same sidecar (tests): one set of hang metrics
         sidecar.registry.unregister(previous.metrics)
@@ -333,8 +336,6 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         sidecar.registry.unregister(previous.link_metrics)
     hub.link_metrics = LeaderLinkMetrics(lambda: hub.link.status(hub.is_leader))
     sidecar.registry.register(hub.link_metrics)
-    if hasattr(app, "on_refused"):  # app.ControlApp: refused hot posts are counted and logged (refusals.py)
-        app.on_refused = sidecar.refusals.note
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -348,8 +349,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     auth = [Depends(bearer_dependency(sidecar.config.token))]
     router = APIRouter(lifespan=lifespan)
 
-    # One handler per post, run by ControlApp's fast path and by these routes (which document them).
-    handle_activity, handle_digest = _json_post(hub.activity), _json_post(hub.digest)
+    hub.posts = {"/v1/activity": _json_post(hub.activity), "/v1/digest": _json_post(hub.digest)}
+    handle_activity, handle_digest = hub.posts["/v1/activity"], hub.posts["/v1/digest"]
 
     @router.post("/v1/activity", dependencies=auth, responses={401: {}, 422: {}})
     async def activity(request: Request):
@@ -361,7 +362,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}})
     async def digest(request: Request):
         """A node sidecar's digest of its ranks (parwatch.sidecar.digest)."""
-        status, payload = await handle_digest(await request.body())
+        status, payload = await handle_digest(await request.body(), client=None)
         return JSONResponse(payload, status_code=status)
 
     crossnode.add_route(router, sidecar, auth)  # POST /v1/instances
@@ -373,16 +374,12 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         return JSONResponse(jsonable(hub.status()))
 
     app.include_router(router)
-    fast_posts = getattr(app, "fast_posts", None)  # app.ControlApp: the hot posts skip the framework
-    if fast_posts is not None:
-        fast_posts["/v1/activity"] = handle_activity
-        fast_posts["/v1/digest"] = handle_digest
     return hub
 
 
 def _json_post(handle):
-    """A ControlApp fast-post handler answering as the routes above: 422 naming the problem (as every
-    other endpoint answers a body it cannot use)."""
+    """A raw-body handler: (status, payload), 422 naming the problem (as every other endpoint answers
+    a body it cannot use)."""
 
     async def run(raw: bytes, **context):
         try:

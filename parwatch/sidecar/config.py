@@ -58,6 +58,9 @@ class SidecarConfig:
     """A rank silent this long is reported down (parwatch_rank_up 0); its other series vanish after 2x."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Request bodies larger than this are refused with 413."""
+    head_timeout_seconds: float = 10.0
+    """A connection that has not sent its next request's head this long after connecting (or after its
+    last answer) is closed: slow or idle connections cannot hold the listener's file descriptors."""
     no_data_interval_seconds: float = 1.0
     """How often the engine is asked whether any rule's metric has gone silent."""
     leader_url: str | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -17,13 +16,11 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     InfoMetricFamily,
 )
-from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from parwatch import __version__
 from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.sidecar.exposition import RankFamily, chunks, go_float
 from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import transfer_families
@@ -129,33 +126,38 @@ class SidecarCollector(Collector):
         yield ckpt
 
     def _rank_families(self):
-        """Per-rank families, their samples generated lazily: an encoder that pauses between
-        samples (exposition.encode_async) never holds the event loop for a whole family."""
         st = self.store
-        up = [(str(rank), 1.0 if is_up else 0.0) for rank, is_up in st.liveness().items()]
-        yield RankFamily("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", "gauge",
-                         lambda: (Sample("parwatch_rank_up", {"rank": r}, v) for r, v in up),
-                         lambda: ("".join([f'parwatch_rank_up{{rank="{r}"}} {v!r}\n' for r, v in part])
-                                  for part in chunks(up)))
+        up = _g("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", ["rank"])
+        for rank, is_up in st.liveness().items():
+            up.add_metric([str(rank)], 1.0 if is_up else 0.0)
+        yield up
         records = st.visible()
-        for name, typ, doc, (labels_of, label_text), value_of in PER_RANK:
-            sample = name + _SUFFIX[typ]
-            yield RankFamily(name, doc, typ,
-                             partial(_rank_samples, sample, records, labels_of, value_of),
-                             partial(_rank_chunks, sample, records, label_text, value_of))
+        for name, typ, doc, labels, value_of in PER_RANK:
+            family = (_g if typ == "gauge" else _c)(name, doc, labels)
+            for rec in records:
+                value = value_of(rec)
+                if value is not None:
+                    s = rec.summary
+                    family.add_metric([str(s.rank)] if labels == RANK else [str(s.rank), str(s.stage)], value)
+            yield family
         # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
         # ranks share its period, and one copy per rank was 16 of a rank's 32 series.
         per_stage = {}
         for rec in records:  # by rank: the first of each stage is its lowest rank here
             per_stage.setdefault(rec.summary.stage, rec)
-        stage_records = [per_stage[stage] for stage in sorted(per_stage)]
         step = metric("parwatch_step_duration_seconds")
-        yield RankFamily(step.name, step.help, "histogram",
-                         partial(_step_histograms, stage_records), partial(_step_histogram_chunks, stage_records))
+        hist = HistogramMetricFamily(step.name, step.help, labels=["stage"])
+        for stage in sorted(per_stage):
+            t = per_stage[stage].totals  # one immutable value: buckets and count always agree
+            hist.add_metric([str(stage)], [*zip(_STEP_LE, t.step_buckets), ("+Inf", t.step_count)], t.step_sum)
+        yield hist
         for field_name, suffix, doc in GPU_GAUGES:
-            name = f"parwatch_gpu_{suffix}"
-            yield RankFamily(name, doc, "gauge", partial(_gpu_samples, name, records, field_name),
-                             partial(_gpu_chunks, name, records, field_name))
+            gauge = _g(f"parwatch_gpu_{suffix}", doc, ["rank", "gpu"])
+            for rec in records:
+                gpu = rec.summary.gpu
+                if gpu is not None and (value := getattr(gpu, field_name)) is not None:
+                    gauge.add_metric([str(rec.summary.rank), str(gpu.index)], value)
+            yield gauge
         theory = _g("parwatch_stage_bubble_theoretical_ratio", "The schedule's bubble, (p-1)/(v*m+p-1)", ["stage"])
         by_stage = {rec.summary.stage: rec.summary.bubble_theoretical_ratio for rec in records}
         for stage, ratio in sorted(by_stage.items()):
@@ -192,29 +194,7 @@ class SidecarCollector(Collector):
         yield failures
 
 
-_SUFFIX = {"gauge": "", "counter": "_total"}
-
-
-def _rank_labels(rec) -> dict:
-    return {"rank": str(rec.summary.rank)}
-
-
-def _rank_text(rec) -> str:
-    return f'rank="{rec.summary.rank}"'
-
-
-def _rank_stage_labels(rec) -> dict:
-    return {"rank": str(rec.summary.rank), "stage": str(rec.summary.stage)}
-
-
-def _rank_stage_text(rec) -> str:
-    """_rank_stage_labels as exposition text (labels sorted by name; digits need no escaping)."""
-    s = rec.summary
-    return f'rank="{s.rank}",stage="{s.stage}"'
-
-
-RANK = (_rank_labels, _rank_text)
-RANK_STAGE = (_rank_stage_labels, _rank_stage_text)
+RANK, RANK_STAGE = ("rank",), ("rank", "stage")
 
 
 def _overhead_ratio(rec):
@@ -240,57 +220,6 @@ PER_RANK = (
     ("parwatch_collector_dropped_summaries", "counter", "Summaries the rank's shipper dropped",
      RANK, lambda rec: rec.summary.dropped_total),
 )
-
-
-def _rank_samples(sample_name, records, labels_of, value_of):
-    for rec in records:
-        value = value_of(rec)
-        if value is not None:
-            yield Sample(sample_name, labels_of(rec), value)
-
-
-def _rank_chunks(sample_name, records, label_text, value_of):
-    for part in chunks(records):
-        yield "".join([f"{sample_name}{{{label_text(rec)}}} {go_float(value)}\n"
-                       for rec in part if (value := value_of(rec)) is not None])
-
-
-def _gpu_samples(sample_name, records, field_name):
-    for rec in records:
-        gpu = rec.summary.gpu
-        if gpu is not None and getattr(gpu, field_name) is not None:
-            yield Sample(sample_name, {"rank": str(rec.summary.rank), "gpu": str(gpu.index)}, getattr(gpu, field_name))
-
-
-def _gpu_chunks(sample_name, records, field_name):
-    for part in chunks(records):
-        yield "".join([f'{sample_name}{{gpu="{gpu.index}",rank="{rec.summary.rank}"}} {go_float(value)}\n'
-                       for rec in part if (gpu := rec.summary.gpu) is not None
-                       and (value := getattr(gpu, field_name)) is not None])
-
-
-def _step_histograms(records):
-    name = "parwatch_step_duration_seconds"
-    for rec in records:
-        t = rec.totals  # one immutable value: buckets and count always agree
-        labels = {"stage": str(rec.summary.stage)}
-        for le, n in zip(_STEP_LE, t.step_buckets):
-            yield Sample(name + "_bucket", {**labels, "le": le}, n)
-        yield Sample(name + "_bucket", {**labels, "le": "+Inf"}, t.step_count)
-        yield Sample(name + "_count", labels, t.step_count)
-        yield Sample(name + "_sum", labels, t.step_sum)
-
-
-def _step_histogram_chunks(records):
-    name = "parwatch_step_duration_seconds"
-    heads = [f'{name}_bucket{{le="{le}",' for le in (*_STEP_LE, "+Inf")]  # "le" sorts before "stage"
-    for rec in records:
-        t = rec.totals
-        labels = f'stage="{rec.summary.stage}"'
-        for head, n in zip(heads, (*t.step_buckets, t.step_count)):
-            yield f"{head}{labels}}} {go_float(n)}\n"
-        yield f"{name}_count{{{labels}}} {go_float(t.step_count)}\n"
-        yield f"{name}_sum{{{labels}}} {go_float(t.step_sum)}\n"
 
 
 def _latest_loss(store: Store) -> float | None:

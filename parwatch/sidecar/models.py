@@ -61,8 +61,7 @@ def _not_bool(x):
     """JSON true/false is not a number here (pydantic's lax mode would read it as 1/0).
 
     Integer fields say this with Field(strict=True) instead, which keeps their bounds checks in
-    pydantic-core: a Python validator in front of the bounds moved them to Python too, ~135 calls
-    per summary, most of the sidecar's validation time at 1024 posts/s (benchmarks/sidecar_load.py)."""
+    pydantic-core (a Python validator in front of the bounds would move them to Python too)."""
     if isinstance(x, bool):
         raise ValueError("Input should be a valid integer, not a boolean")
     return x

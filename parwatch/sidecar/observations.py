@@ -10,23 +10,10 @@ from __future__ import annotations
 from parwatch.bubble import excess
 from parwatch.guardrails.engine import Observation
 from parwatch.sidecar.store import Store
-from parwatch.sliced import run_through
-
-
-RANKS_PER_SLICE = 128
-"""observation_steps yields after this many ranks: at 1024 ranks the whole walk was ~9 ms on the
-sidecar's event loop once a step, and every post arriving meanwhile waited for it (the ingest p99)."""
 
 
 def build_observation(store: Store) -> Observation | None:
     """The Observation for the newest global step, or None before rank 0 sent one."""
-    return run_through(observation_steps(store))
-
-
-def observation_steps(store: Store):
-    """build_observation as a generator that yields between slices of ranks (the event loop may
-    run other work there); its return value is the Observation. The ranks are those present when
-    it starts; a rank's record may be replaced by its newer summary meanwhile (still its latest)."""
     view = store.global_view
     rank0 = store.ranks.get(0)
     if view is None or rank0 is None:
@@ -45,7 +32,7 @@ def observation_steps(store: Store):
         # Keyed by the slowest stage, so the rule's reason and evidence name it.
         slowest = max(view.stages, key=lambda st: st.compute_seconds).stage if view.stages else None
         series["pipeline_skew_ratio"] = {"" if slowest is None else f"stage={slowest}": view.pipeline_skew_ratio}
-    series.update((yield from _per_rank_series(store)))
+    series.update(_per_rank_series(store))
     return Observation(step=view.step, time=store.clock(), series=series, checkpoints=store.checkpoints)
 
 
@@ -54,15 +41,12 @@ _RANK_KEYS_MAX = 65_536
 _OP_KEYS: dict[tuple[str, str], str] = {}
 
 
-def _per_rank_series(store: Store):
-    """Generator (see observation_steps) returning the per-rank series."""
+def _per_rank_series(store: Store) -> dict[str, dict[str, float]]:
     rank_up: dict[str, float] = {}
     collective_mean: dict[str, float] = {}
     gpu_util: dict[str, float] = {}
     live = store.liveness()  # activity first, where the hub knows it: the same view the tick feeds
-    for i, (rank, rec) in enumerate(sorted(store.ranks.items())):
-        if i and not i % RANKS_PER_SLICE:
-            yield
+    for rank, rec in sorted(store.ranks.items()):
         key = _RANK_KEYS.get(rank)
         if key is None:
             key = f"rank={rank}"

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -68,6 +70,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"sidecar did not answer {url} within {timeout:g} s")
 
 
+def _limit_files(n: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
 def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -80,11 +86,13 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 
 
 @contextlib.contextmanager
-def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, timeout: float = 60.0, env=None):
+def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, timeout: float = 60.0, env=None,
+                    open_files: int | None = None):
     """Yield a SidecarProcess on free loopback ports; its stderr goes to state_dir/../sidecar-<port>.log.
 
     token None (and no --token-file in extra): the sidecar generates STATE_DIR/token, as it does by
-    default; either way the SidecarProcess carries the token and a file holding it."""
+    default; either way the SidecarProcess carries the token and a file holding it. open_files: the
+    child's soft and hard limit on open files (`ulimit -n`), as a host might set it."""
     metrics, control = free_port(), free_port()
     state_dir = Path(state_dir)
     state_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +106,8 @@ def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, time
     else:
         child_env.pop("PARWATCH_TOKEN", None)  # the sidecar's default: its own generated token
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env)
+        proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                preexec_fn=None if open_files is None else partial(_limit_files, open_files))
     try:
         sp = SidecarProcess(proc, f"http://127.0.0.1:{metrics}", f"http://127.0.0.1:{control}", log_path)
         try:

@@ -36,7 +36,7 @@ class Refusals(Collector):
         self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # (post, reason) -> (when, count then)
 
     def note(self, path: str, status: int, detail) -> None:
-        """One refused post (ControlApp.on_refused)."""
+        """One refused post (gate.RequestGate, for every POST answered 4xx/5xx)."""
         post = POSTS.get(path)
         if post is None:
             return

@@ -3,6 +3,11 @@
 One loop means the store and engine are only ever touched by one task at a time. We bind
 the sockets ourselves so a port in use is a one-line error naming the flag, and we own
 the signals: SIGTERM/SIGINT stop both servers, SIGHUP reloads the rules file.
+
+Both listeners use uvicorn's httptools protocol (h11 where httptools is not installed), wrapped
+so that connection counts, the time to send a request's head and its size are bounded per
+listener (listener.py). h11 alone would cap the head, but took about twice httptools' CPU per
+request at the leader's 2,048 digests a second (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -10,9 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
-import importlib.util
 import logging
+import resource
 import signal
 import socket
 
@@ -20,7 +24,7 @@ import uvicorn
 
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import TOKEN_ENV, Listen
-from parwatch.sidecar.gc_pacing import GcPacer
+from parwatch.sidecar.listener import Book, Watch, guarded
 from parwatch.sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
@@ -59,27 +63,50 @@ def bind(listen: Listen, flag: str) -> socket.socket:
     return sock
 
 
-HTTP_PARSER = "httptools" if importlib.util.find_spec("httptools") else "h11"
-"""httptools (C) parses a request in a fraction of h11's (pure Python) time: at 1024 posts/s the
-parser was a large share of the loop's busy time (issue 12). h11 is the fallback."""
+MAX_HEAD_BYTES = 16 * 1024
+"""A request line and headers larger than this are refused (431) before they are read further."""
+MAX_CONNECTIONS = 1024
+"""Open connections per listener, fewer where the file limit needs it (connection_budget)."""
+FD_RESERVE = 64
+"""File descriptors kept for everything but connections: state files, the writer, the leader client."""
 
 
-def _http_protocol(app):
-    """The control listener answers its hot POSTs at the protocol (fast_http) when httptools is
-    there; the metrics listener, and everything without httptools, uses uvicorn's own."""
-    if HTTP_PARSER == "httptools" and getattr(app, "fast_posts", None) is not None:
-        from parwatch.sidecar.fast_http import FastPostProtocol
+def connection_budget(max_connections: int = MAX_CONNECTIONS) -> int:
+    """Connections each of the two listeners may hold: the soft file limit is first raised as far as
+    the hard one allows (up to what two full listeners need), and the budget fits in it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        raised = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    budget = min(max_connections, (soft - FD_RESERVE) // 2)
+    if budget < max_connections:
+        log.warning("open file limit %d: each listener holds at most %d connections (raise `ulimit -n` for more)",
+                    soft, budget)
+    return max(budget, 16)
 
-        return FastPostProtocol
-    return HTTP_PARSER
+
+def _http_protocol():
+    """uvicorn's protocol class for its `http` setting: httptools (C) when installed, else h11."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
 
 
-def _uvicorn(app, lifespan: str) -> _Server:
-    # proxy_headers off: nothing here reads the client address, and uvicorn's middleware for it ran
-    # on every request (~4% of the leader's CPU at 2,048 digests/s).
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan,
-                            timeout_graceful_shutdown=5, server_header=False, http=_http_protocol(app),
-                            proxy_headers=False)
+def _uvicorn(app, lifespan: str, book: Book) -> _Server:
+    # proxy_headers off: the connection book matches requests to connections by the socket's own peer.
+    config = uvicorn.Config(Watch(app, book), log_level="warning", access_log=False, lifespan=lifespan,
+                            timeout_graceful_shutdown=5, server_header=False, http=guarded(_http_protocol(), book),
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES, proxy_headers=False)
     return _Server(config)
 
 
@@ -101,7 +128,10 @@ def serve(sidecar: Sidecar) -> None:
     except StartupError:
         metrics_sock.close()
         raise
-    servers = [_uvicorn(create_metrics_app(sidecar), "off"), _uvicorn(create_control_app(sidecar), "on")]
+    budget = connection_budget()
+    head = cfg.head_timeout_seconds
+    servers = [_uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES)),
+               _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES))]
     log.info(
         "parwatch sidecar: metrics http://%s/metrics, control http://%s (token %s), rules %s, state %s",
         cfg.metrics_listen, cfg.control_listen,
@@ -109,18 +139,7 @@ def serve(sidecar: Sidecar) -> None:
         if cfg.token_file else f"required, from {TOKEN_ENV}",
         cfg.rules_path or "packaged defaults", cfg.state_dir,
     )
-    tune_gc()
     _run(_serve_all(sidecar, servers, [metrics_sock, control_sock]))
-
-
-def tune_gc() -> None:
-    """Request garbage is freed by reference counting; at ~1000 posts/s the default cycle-collector
-    thresholds (700 allocations) run it hundreds of times a second, and its pauses showed as the
-    ingest p99 (benchmarks/sidecar_load.py: 7.5 -> 3.9 ms outside scrapes). Collect less often,
-    and keep the objects alive since startup (modules, rules) out of every full collection; while
-    serving, gc_pacing.GcPacer keeps each second's surviving records out of the young generation."""
-    gc.set_threshold(50_000, 20, 100)
-    gc.freeze()
 
 
 async def _serve_all(sidecar: Sidecar, servers, sockets) -> None:
@@ -134,11 +153,9 @@ async def _serve_all(sidecar: Sidecar, servers, sockets) -> None:
     loop.add_signal_handler(signal.SIGINT, stop)
     loop.add_signal_handler(signal.SIGHUP, sidecar.reload_rules)
     tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock in zip(servers, sockets)]
-    pacer = asyncio.create_task(GcPacer().run())
     # If one server stops (shutdown, or failed lifespan), stop the other too.
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     stop()
-    pacer.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     for t in done:
         t.result()

@@ -4,10 +4,10 @@ app.py maps requests onto these methods. They run on one event loop (or one test
 thread), so writes never race; a /metrics scrape interleaved with them reads only
 immutable values (store.py).
 
-The event loop never waits for a disk or a long post: the engine defers its writes and
-`persist()` puts them on disk in one writer thread (fsync'd before the request that made
-a decision is answered, so before any directive it made is handed out), and
-`ingest_async` hands the loop back every few ms while it works through a large post.
+The event loop never waits for a disk: the engine defers its writes and `persist()` puts
+them on disk in one writer thread (fsync'd before the request that made a decision is
+answered, so before any directive it made is handed out). A post of many summaries gives
+other requests a turn between its summaries.
 """
 
 from __future__ import annotations
@@ -28,27 +28,12 @@ from parwatch.sidecar.alerts import AlertDedupe
 from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
-from parwatch.sidecar.observations import observation_steps
+from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
 
 log = logging.getLogger(__name__)
-
-
-SLICE_SECONDS = 0.002
-"""Longest stretch a request holds the event loop while validating or storing summaries, or while
-rank 0's summary runs the once-a-step work over every rank (observation, attribution): posts
-arriving meanwhile wait for it, so it bounds their queueing (2 ms at 1024 posts/s, goal p99 10 ms)."""
-PAUSE_FACTOR = 2.0
-"""How long a long post's work (in practice rank 0's once-a-step work over every rank, ~20 ms at 1,024
-ranks) steps aside after each slice: this many times the slice's own length, so while it runs it takes
-at most a third of the loop and the posts arriving meanwhile (over half of the loop at 1,024 posts/s)
-are served as they come. With sleep(0) the slices came back as soon as the posts already queued were
-served: bursts of 10-25 ms of loop lag once a second. With a fixed 1 ms pause after 2 ms slices the
-work took two thirds of the loop, the posts' backlog grew all through it, and the posts right after
-rank 0's waited 10-16 ms (benchmarks/sidecar_load.py, 2026-12-01). Rank 0's own answer (one post a
-second) comes some tens of ms later."""
 
 
 class Sidecar:
@@ -62,7 +47,7 @@ class Sidecar:
         self.transfer = TransferTracker()
         self.registry = make_registry(self.store, engine, self.counters, self.transfer)
         self.refusals = Refusals(clock)
-        """Posts refused (a wrong token, a bad body), counted, logged and in status (ControlApp.on_refused)."""
+        """Posts refused (a wrong token, a bad body), counted, logged and in status (gate.RequestGate tells them)."""
         self.registry.register(self.refusals)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -100,30 +85,27 @@ class Sidecar:
     # -- writes -----------------------------------------------------------------------------
     def ingest(self, body: IngestBody) -> dict:
         """Store a post's summaries and evaluate; Refused (with the HTTP status) when the store
-        will not hold them. The answer's directive is read after the work (see ingest_async)."""
-        for _ in self._ingest_steps(body):
-            pass
+        will not hold them. The answer's directive is read after the work."""
+        self._admit(body)
+        for s in body.summaries:
+            self._ingest_one(s)
         return self.ingest_reply(body)
 
-    async def ingest_async(self, body: IngestBody, slice_seconds: float = SLICE_SECONDS,
-                           pause_factor: float = PAUSE_FACTOR) -> dict:
-        """ingest(), handing the event loop back after every `slice_seconds` of work for `pause_factor`
-        times the slice's length, then persisting what the engine decided before the answer (with any
-        directive) goes out."""
-        began = time.perf_counter()
-        for _ in self._ingest_steps(body):
-            now = time.perf_counter()
-            if now - began > slice_seconds:
-                await asyncio.sleep(pause_factor * (now - began))
-                began = time.perf_counter()
+    async def ingest_async(self, body: IngestBody) -> dict:
+        """ingest(), letting other requests in between summaries (a post may carry 10,000, each a step
+        to evaluate), then persisting what the engine decided before the answer (with any directive)."""
+        self._admit(body)
+        for i, s in enumerate(body.summaries):
+            if i:
+                await asyncio.sleep(0)
+            self._ingest_one(s)
         await self.persist()
         return self.ingest_reply(body)
 
     def ingest_reply(self, body: IngestBody) -> dict:
         return {"accepted": len(body.summaries), "directive": self.engine.pending_directive(deliver=True)}
 
-    def _ingest_steps(self, body: IngestBody):
-        """The work of one post, one summary per step of the generator."""
+    def _admit(self, body: IngestBody) -> None:
         self.store.admit(body.summaries)
         if body.alive and self.engine.paused:
             # A paused run sends no summaries; rank 0 polls instead, and says "alive" only when a
@@ -141,29 +123,26 @@ class Sidecar:
             else:
                 log.warning("outcome of directive %d for run %s, not the current run: ignored", outcome.directive_id,
                             _printable(outcome.run_id))
-        for s in body.summaries:
-            yield
-            if s.run_id != self.store.run_id:
-                self.store.admit([s])  # another post switched runs while this one waited
-            if s.rank == 0 and s.run_id != self.engine.run_id:
-                try:
-                    self.engine.begin_run(s.run_id)  # a new run: a clean engine (the old one archived)
-                except ValueError as err:
-                    log.warning("summary refused: %s", err)
-                    continue
-            if not self.store.add(s):
-                continue  # a retried post: already counted and evaluated
-            self.transfer.add(s)
-            # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
-            # global step (retries stopped above; the engine also ignores a repeated step).
-            if s.global_ is not None and self.store.global_view is s.global_:
-                obs = yield from observation_steps(self.store)
-                if obs is not None:
-                    # The loop may be handed back between the phases (each a few ms at 1024 ranks).
-                    yield
-                    obs.series.update((yield from self.transfer.take_series_steps()))
-                    yield
-                    self._count(self.engine.evaluate(obs))
+
+    def _ingest_one(self, s) -> None:
+        if s.run_id != self.store.run_id:
+            self.store.admit([s])  # another post switched runs while this one waited
+        if s.rank == 0 and s.run_id != self.engine.run_id:
+            try:
+                self.engine.begin_run(s.run_id)  # a new run: a clean engine (the old one archived)
+            except ValueError as err:
+                log.warning("summary refused: %s", err)
+                return
+        if not self.store.add(s):
+            return  # a retried post: already counted and evaluated
+        self.transfer.add(s)
+        # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
+        # global step (retries stopped above; the engine also ignores a repeated step).
+        if s.global_ is not None and self.store.global_view is s.global_:
+            obs = build_observation(self.store)
+            if obs is not None:
+                obs.series.update(self.transfer.take_series())
+                self._count(self.engine.evaluate(obs))
 
     def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:
         """Withdraw an outstanding directive; ValueError when there is none with that id."""

@@ -4,9 +4,7 @@ counters accumulated over the run, and whether each rank is still reporting.
 The store starts empty on every sidecar start (counters then restart from zero, which
 Prometheus' rate() handles); what must survive restarts lives in the guardrail engine.
 
-One writer (the event loop) and readers that may be interleaved with it: a scrape hands
-the loop back every few ms (exposition.encode_async), so ingests land between its samples.
-Every value a reader needs is an immutable object that a write replaces in one assignment,
+One writer (the event loop) and readers that may be interleaved with it. Every value a reader needs is an immutable object that a write replaces in one assignment,
 so a scrape never sees half an update (a histogram's buckets always agree with its count);
 that also makes reading from another thread safe.
 

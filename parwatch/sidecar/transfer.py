@@ -44,14 +44,10 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.samples import Sample
 
 from parwatch.catalog import metric
-from parwatch.guardrails.attribution import (CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute,
-                                             attribute_steps, median_at)
+from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, median_at
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
-from parwatch.sidecar.exposition import RankFamily, chunks, go_float
-from parwatch.sliced import run_through
 
 HORIZON_STEPS = 8
 """An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
@@ -194,8 +190,7 @@ class TransferTracker:
         self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
         self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
         # The attribution's inputs, kept as rows arrive (a rank's once per summary, a path's once per
-        # step) rather than all computed at once when rank 0's summary is evaluated: at 1024 ranks that
-        # was ~60 ms on the event loop once a step, the sidecar's ingest p99 (benchmarks/sidecar_load.py).
+        # step) rather than all computed at once when rank 0's summary is evaluated.
         self._rank_figures: dict[int, RankFigures] = {}
         self._path_figures: dict[tuple, PathFigures] = {}
         self._rank_order: list[int] = []  # their keys sorted (keys are only ever added, until a reset)
@@ -260,8 +255,7 @@ class TransferTracker:
             if len(got) == len(entry.members) and is_pending:
                 del pending[key]
                 done.append(self._finish(entry))
-        # Expiry scans every pending instance: once per new step, not once per summary (at 1024 ranks
-        # per sidecar the per-summary scan was a quarter of the sidecar's CPU, benchmarks/sidecar_load.py).
+        # Expiry scans every pending instance: once per new step, not once per summary.
         dropped = self._expire() if new_step else 0
         if done or dropped:
             self._stale_view = True
@@ -469,11 +463,7 @@ class TransferTracker:
 
     # -- guardrail series ---------------------------------------------------------------------
     def take_series(self) -> dict[str, dict[str, float]]:
-        """The observation's series from this tracker; call once per evaluated step (take_series_steps, run through)."""
-        return run_through(self.take_series_steps())
-
-    def take_series_steps(self):
-        """take_series as a generator that yields between the attribution's phases (sliced.py).
+        """The observation's series from this tracker; call once per evaluated step.
 
         collective_transfer_seconds: mean transfer per instance of each path, over the instances
         matched since the previous call (absent when none were: the rule then does not judge).
@@ -484,9 +474,8 @@ class TransferTracker:
         fresh, self._fresh = self._fresh, {}
         if fresh:
             out["collective_transfer_seconds"] = {k: total / n for k, (total, n) in fresh.items()}
-            yield
         if self._ranks:
-            findings = yield from attribute_steps(self.rank_figures(), self.path_figures(), self.thresholds)
+            findings = self.findings()
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
             causes = tuple((c, max((f.ratio for f in findings if f.cause == c), default=0.0)) for c in CAUSES)
             self._view = self.view._replace(causes=causes)
@@ -550,14 +539,9 @@ def transfer_families(tracker: TransferTracker):
     wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
     busbw = _family(GaugeMetricFamily, "parwatch_collective_busbw_bytes_per_second")
     unmatched = _family(CounterMetricFamily, "parwatch_collective_unmatched_total")
-    m = metric("parwatch_rank_straggler_seconds_total")
-    sample = m.family + "_total"
-    # One line per rank (1,024 at a node): generated a chunk at a time as the encoder runs, not built here whole.
-    ranks = view.straggler
-    straggler = RankFamily(m.family, m.help, "counter",
-                           lambda: (Sample(sample, {"rank": str(r)}, seconds) for r, seconds in ranks),
-                           lambda: ("".join([f'{sample}{{rank="{r}"}} {go_float(seconds)}\n' for r, seconds in part])
-                                    for part in chunks(ranks)))
+    straggler = _family(CounterMetricFamily, "parwatch_rank_straggler_seconds_total")
+    for rank, seconds in view.straggler:
+        straggler.add_metric([str(rank)], seconds)
     causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
         hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)

@@ -25,8 +25,9 @@ def test_decisions_reach_the_disk_before_the_answer(tmp_path):
     body = IngestBody.model_validate({"version": 1, "summaries": [
         syn.summary(0, step, global_stages=stages, checkpoints=[1], global_loss=float("nan") if step == 3 else 2.0)
         for step in range(1, 5)]})
-    for _ in sidecar._ingest_steps(body):
-        pass
+    sidecar._admit(body)
+    for s in body.summaries:  # the work of ingest_async, without its persist
+        sidecar._ingest_one(s)
     assert not any(r.get("type") == "decision" for r in lines(tmp_path / "decisions.jsonl"))  # only queued
     reply = asyncio.run(_persist_then_reply(sidecar, body))
     decisions = [r for r in lines(tmp_path / "decisions.jsonl") if r.get("type") == "decision"]

@@ -1,21 +1,17 @@
 """/metrics: every catalogue family with its labels, histograms and counters built from the
-summaries, liveness with an injected clock, OpenMetrics, and the fast encoders."""
+summaries, liveness with an injected clock, OpenMetrics, and label values that need escaping."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import random
 import threading
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.exposition import generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.sidecar import exposition
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import SidecarConfig
@@ -249,22 +245,19 @@ def test_metrics_app_serves_nothing_else(env):
     assert metrics.post("/v1/ingest", json={}).status_code in (404, 405)
 
 
-def test_fast_encoders_write_what_prometheus_client_writes(env):
-    sidecar, control, _, _ = env
+def test_label_values_that_need_escaping_survive_a_scrape(env):
+    _, control, metrics, _ = env
     # Quotes, backslashes and non-ASCII need escaping or encoding (control characters are refused at ingest).
-    awkward = [syn.summary(r, 1, tp=2, pp=2, run_id='run "7"\\x\u00e9z', global_stages=STAGES if r == 0 else None)
-               for r in range(4)]
-    awkward[1]["loss"] = "nan"
-    post(control, *awkward)
+    run_id = 'run "7"\\x\u00e9z'
+    post(control, *[syn.summary(r, 1, tp=2, pp=2, run_id=run_id, global_stages=STAGES if r == 0 else None)
+                    for r in range(4)])
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 
-    registry = sidecar.registry  # every encode collects afresh; nothing changes in between
-    assert exposition.encode_text(registry) == generate_latest(registry)
-    assert exposition.encode_openmetrics(registry) == generate_openmetrics(registry)
-    assert asyncio.run(exposition.encode_async(registry, exposition.encode_text)) == generate_latest(registry)
-    assert exposition.choose("")[0] is exposition.encode_text
-    assert exposition.choose("application/openmetrics-text; version=1.0.0")[0] is exposition.encode_openmetrics
-    encoder, content_type = exposition.choose("application/openmetrics-text; version=1.0.0; escaping=allow-utf-8")
-    assert encoder not in (exposition.encode_text, exposition.encode_openmetrics)  # library fallback
+    for accept, parse in (("", text_string_to_metric_families),
+                          ("application/openmetrics-text; version=1.0.0", openmetrics_families)):
+        text = metrics.get("/metrics", headers={"Accept": accept}).text
+        info = next(f for f in parse(text) if f.name in ("parwatch_run", "parwatch_run_info"))
+        assert info.samples[0].labels["run_id"] == run_id
 
 
 def test_scrapes_from_another_thread_see_whole_updates(env):
@@ -285,7 +278,7 @@ def test_scrapes_from_another_thread_see_whole_updates(env):
     scrapes = 0
     try:
         while not stop.is_set() or scrapes == 0:
-            text = exposition.encode_text(sidecar.registry).decode()
+            text = generate_latest(sidecar.registry).decode()
             scrapes += 1
             for fam in text_string_to_metric_families(text):
                 if fam.type != "histogram":
@@ -313,41 +306,3 @@ def test_the_bubble_causes_of_rank_0s_view_are_exported_per_stage(env):
     assert samples(fams["parwatch_stage_bubble_imbalance_ratio"]) == {(("stage", "0"),): 0.0,
                                                                       (("stage", "1"),): 0.05}
     assert samples(fams["parwatch_stage_bubble_wait_ratio"])[(("stage", "1"),)] == 0.01
-
-
-def test_fast_encoders_match_prometheus_client_across_chunks(env):
-    sidecar, control, _, _ = env
-    ranks = 2 * exposition.CHUNK_LINES + 6  # two whole chunks of per-rank lines and a short one
-    for first in range(0, ranks, 64):
-        post(control, *[syn.summary(r, 1, tp=2, pp=ranks // 2, global_stages=STAGES if r == 0 else None)
-                        for r in range(first, min(first + 64, ranks))])
-    registry = sidecar.registry
-    text = exposition.encode_text(registry)
-    assert text == generate_latest(registry)
-    assert text.count(b"\nparwatch_stage_bubble_ratio{") == ranks
-    assert asyncio.run(exposition.encode_async(registry, exposition.encode_text, slice_seconds=0.0)) == text
-
-
-def test_chunks_cover_a_sequence_in_order():
-    assert [list(c) for c in exposition.chunks(range(7), 3)] == [[0, 1, 2], [3, 4, 5], [6]]
-    assert list(exposition.chunks([], 3)) == []
-
-
-@pytest.mark.parametrize("value", [0, 1, -1, 999_999, 1_000_000, -999_999, -1_000_000, 123_456_789, 2**53, True,
-                                   0.5, 1e6, 1.5e7, 1e-9, float("nan"), float("inf"), float("-inf"),
-                                   999_999.5, -999_999.5, 123_456.789, 1e-5, 1e-4, -0.0, 0.0, 1e15, -1e6])
-def test_sample_values_are_written_as_prometheus_client_writes_them(value):
-    from prometheus_client.utils import floatToGoString
-
-    assert exposition.go_float(value) == floatToGoString(value)
-
-
-def test_sample_values_of_every_magnitude_are_written_as_prometheus_client_writes_them():
-    from prometheus_client.utils import floatToGoString
-
-    rng = random.Random(12)
-    for exponent in range(-12, 19):
-        for _ in range(300):
-            x = rng.uniform(-1, 1) * 10.0 ** exponent
-            for value in (x, round(x), float(round(x)), int(abs(x)) // 1000 * 1000):
-                assert exposition.go_float(value) == floatToGoString(value), value

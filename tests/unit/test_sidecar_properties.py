@@ -16,12 +16,13 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.exposition import generate_latest as encode_text
+from prometheus_client.openmetrics.exposition import generate_latest as encode_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar.config import SidecarConfig
-from parwatch.sidecar.exposition import encode_openmetrics, encode_text
 from parwatch.sidecar.models import (
     COLLECTIVE_GROUPS,
     COLLECTIVE_OPS,

@@ -1,0 +1,206 @@
+"""Bounds on one listener's connections, which uvicorn does not set: how many are open, how long
+one may take to send a request's head, and how large that head may be.
+
+uvicorn's `limit_concurrency` answers 503 only once a request's head has arrived, so connections
+that never send one hold their file descriptors (1,100 of them exhausted a 1,024 limit and every
+request on both listeners failed). Its keep-alive timeout starts only after an answer, and is
+cancelled by the first byte of the next request: nothing times a slowly sent head. Its httptools
+parser has no cap on a head's size (a 64 MB header was read whole).
+
+`Guarded` wraps uvicorn's protocol (composition: only asyncio.Protocol's public methods) and
+keeps a book of the listener's connections:
+- at most `max_connections` open: a new one closes the connection that has waited longest for
+  its next request (a slow or idle one; one being answered is never closed), or gets a 503 when
+  every connection is busy;
+- each connection must deliver a request's head within `head_seconds` of connecting or of its
+  last answer, else it is closed; a head over `max_head_bytes` (up to the blank line that ends
+  it) gets a 431 and the connection is closed.
+`Watch` (ASGI middleware) tells the book when a request reached the app (its head is in) and
+when its answer went out, by the client address both sides see (the socket's peer name). A
+request answered before its body was read closes its connection: what follows is body, not a head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: 32\r\nconnection: close\r\n\r\nevery connection is busy; retry\n")
+HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                  b"content-length: 31\r\nconnection: close\r\n\r\nrequest head over the size cap\n")
+
+
+class Book:
+    """The open connections of one listener, in order of how long they have waited for a request."""
+
+    def __init__(self, max_connections: int, head_seconds: float, max_head_bytes: int, clock=time.monotonic):
+        self.max_connections, self.head_seconds, self.clock = max_connections, head_seconds, clock
+        self.max_head_bytes = max_head_bytes
+        self.waiting: dict[Guarded, float] = {}
+        """Connections between requests -> since when (insertion order: the oldest first)."""
+        self.busy: set[Guarded] = set()
+        self.by_peer: dict[tuple, Guarded] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.busy)
+
+    def admit(self, conn: Guarded) -> bool:
+        """Room for `conn`, closing the longest-waiting connection if the listener is full; False
+        when every open connection is being answered."""
+        if len(self) >= self.max_connections:
+            if not self.waiting:
+                return False
+            next(iter(self.waiting)).close()
+        self.by_peer[conn.peer] = conn
+        self.wait(conn)
+        return True
+
+    def wait(self, conn: Guarded) -> None:
+        self.busy.discard(conn)
+        self.waiting.pop(conn, None)
+        self.waiting[conn] = self.clock()
+        conn.expect_head(self.head_seconds)
+
+    def serve(self, peer) -> None:
+        conn = self.by_peer.get(peer)
+        if conn is not None and self.waiting.pop(conn, None) is not None:
+            self.busy.add(conn)
+            conn.disarm()
+
+    def answered(self, peer, body_read: bool) -> None:
+        conn = self.by_peer.get(peer)
+        if conn is not None and conn in self.busy:
+            if body_read:
+                self.wait(conn)
+            else:
+                conn.close()
+
+    def leave(self, conn: Guarded) -> None:
+        self.waiting.pop(conn, None)
+        self.busy.discard(conn)
+        if self.by_peer.get(conn.peer) is conn:
+            del self.by_peer[conn.peer]
+
+
+class Guarded:
+    """asyncio.Protocol: uvicorn's protocol for one connection, admitted and timed by a Book."""
+
+    def __init__(self, book: Book, inner):
+        self.book, self.inner = book, inner
+        self.transport = self.timer = None
+        self.peer: tuple | None = None
+        self.head_bytes: int | None = None
+        """Bytes of the next request's head received so far; None once it is complete."""
+        self.tail = b""  # the last 3 bytes scanned: the blank line may be split across reads
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.peer = _peer(transport)
+        if not self.book.admit(self):
+            transport.write(BUSY)
+            transport.close()
+            self.inner = None
+            return
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is None:
+            return
+        if self.head_bytes is not None:
+            scanned = self.tail + data
+            end = scanned.find(b"\r\n\r\n")
+            size = self.head_bytes + (len(data) if end < 0 else end + 4 - len(self.tail))
+            if size > self.book.max_head_bytes:
+                self.transport.write(HEAD_TOO_LARGE)
+                return self.close()
+            self.head_bytes, self.tail = (size, scanned[-3:]) if end < 0 else (None, b"")
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc) -> None:
+        self.disarm()
+        self.book.leave(self)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def expect_head(self, seconds: float) -> None:
+        self.disarm()
+        self.head_bytes, self.tail = 0, b""
+        self.timer = asyncio.get_running_loop().call_later(seconds, self.close)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def close(self) -> None:
+        self.disarm()
+        self.book.leave(self)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+def guarded(protocol_class, book: Book):
+    """A protocol factory for uvicorn.Config(http=...): `protocol_class(**uvicorn's arguments)`, guarded."""
+
+    def make(**kwargs) -> Guarded:
+        return Guarded(book, protocol_class(**kwargs))
+
+    return make
+
+
+class Watch:
+    """ASGI middleware: tells the Book when a request reached the app and when its answer was sent."""
+
+    def __init__(self, app, book: Book):
+        self.app, self.book = app, book
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        peer = _key(scope.get("client"))
+        self.book.serve(peer)
+        body_read = not _has_body(scope)
+
+        async def received():
+            nonlocal body_read
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_read = True
+            return message
+
+        async def sent(message):
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.book.answered(peer, body_read)
+
+        await self.app(scope, received, sent)
+
+
+def _has_body(scope) -> bool:
+    for name, value in scope.get("headers") or ():
+        if name == b"transfer-encoding" or name == b"content-length" and value.strip() not in (b"0", b""):
+            return True
+    return False
+
+
+def _peer(transport) -> tuple | None:
+    return _key(transport.get_extra_info("peername"))
+
+
+def _key(address) -> tuple | None:
+    """(host, port) of a peer name (IPv6 peer names have four fields), as uvicorn puts it in the scope."""
+    if isinstance(address, (list, tuple)) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None
