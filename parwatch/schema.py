@@ -145,3 +145,15 @@ leader starts a stall's clock there, not at the report's arrival (parwatch.sidec
 
 MAX_ERROR_CHARS = 200
 """A crashed rank's error text is cut to this many characters by the rank and checked by the sidecar."""
+
+
+# How far a run can move: reports past these are refused, never taken as the run's newest state.
+MAX_STEPS_PER_SECOND = 1000.0
+"""Faster than any training run's steps: a summary or activity report that moves its rank further ahead of
+the run's highest step than this pace allows since that step was first seen is refused (a forged step
+10^9 would otherwise make every real rank look stalled behind it, or freeze the newest view)."""
+MAX_TIMELINE = 100_000
+"""Rollbacks applied in one run (a summary's timeline) at most."""
+MAX_ROLLBACKS_PER_SECOND = 1.0
+"""Faster than a run can load checkpoints: a timeline further ahead of the run's highest than this pace
+allows since that timeline was first seen is refused (2^31 would otherwise stand as the newest forever)."""

@@ -26,7 +26,7 @@ import os
 import socket
 from typing import Callable, Literal, overload
 
-from parwatch.schema import MAX_ERROR_CHARS
+from parwatch.schema import MAX_ERROR_CHARS, MAX_STEPS_PER_SECOND
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
 
@@ -176,12 +176,6 @@ def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
         raise LayoutChanged(f"{where} [{layout.tp}, {layout.pp}, {layout.dp}] differs from this run's "
                             f"[{known.tp}, {known.pp}, {known.dp}], fixed when it was first seen; a run's layout "
                             "cannot change (a new layout is a new run id)")
-
-
-MAX_STEPS_PER_SECOND = 1000.0
-"""Faster than any training run's steps: a report that moves its rank further ahead of the run's highest
-step than this pace allows since that step was first seen is refused (a forged step 10^9 would otherwise
-make every real rank look stalled behind it)."""
 
 
 class StepPace:

@@ -29,7 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.schema import (COLLECTIVE_BUCKETS, MAX_ROLLBACKS_PER_SECOND, MAX_STEPS_PER_SECOND, MAX_TIMELINE,
+                             STEP_BUCKETS)
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.models import GlobalView, StepSummary
 
@@ -151,6 +152,8 @@ class Store:
         self.ended = False
         """Every rank of the run that reports here said it finished or crashed, or its process is gone."""
         self._published: dict[int, bool] | None = None  # publish_liveness(): the activity hub's view of the run
+        self._high: tuple[int, float] | None = None  # the run's highest step and when it was first seen
+        self._timeline: tuple[int, float] | None = None  # the run's highest timeline, and when first seen
 
     def live_for(self) -> float | None:
         """Seconds since the live run last posted here; None when there is none (no run yet, it ended,
@@ -169,6 +172,8 @@ class Store:
         new_ranks: set[int] = set()
         for i, s in enumerate(summaries):
             where = f"{field}.{i}"
+            if s.timeline > MAX_TIMELINE:
+                raise Refused(422, f"{where}.timeline={s.timeline}: a run applies at most {MAX_TIMELINE} rollbacks")
             if s.run_id != run_id:
                 if i > 0:
                     raise Refused(422, f"{where}.run_id: one post carries one run's summaries "
@@ -181,6 +186,8 @@ class Store:
                                        f"its ranks have ended or it has been silent for {self.grace_seconds:g} s")
                 self._admit_run(s.run_id, where)
                 run_id, world, new_ranks = s.run_id, None, set()
+            if run_id == self.run_id:
+                self._admit_progress(s, where)
             if world is None:
                 world = s.world
             elif s.world != world:
@@ -194,6 +201,24 @@ class Store:
             if known + len(new_ranks) > self.max_ranks:
                 raise Refused(429, f"{where}.rank: this sidecar already serves {known} ranks of run {run_id!r}; "
                                    f"more than --max-ranks {self.max_ranks} are refused (one sidecar per node)")
+
+    def _admit_progress(self, s: StepSummary, where: str) -> None:
+        """Steps and timelines move only as a run can move them: a summary far ahead of the run, or a
+        global view past its own step, would otherwise stand as the newest and freeze what follows."""
+        now = self.clock()
+        if self._timeline is not None:
+            timeline, at = self._timeline
+            if s.timeline > timeline + 1 + int(max(0.0, now - at) * MAX_ROLLBACKS_PER_SECOND):
+                raise Refused(422, f"{where}.timeline={s.timeline} is ahead of the run: its timeline is {timeline}, "
+                                   f"and a run applies at most {MAX_ROLLBACKS_PER_SECOND:g} rollback a second")
+        if self._high is not None:
+            high, at = self._high
+            if s.step > high + 1 + int(max(0.0, now - at) * MAX_STEPS_PER_SECOND):
+                raise Refused(422, f"{where}.step={s.step} is ahead of the run: its highest step is {high}, and a "
+                                   f"run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second")
+        if s.global_ is not None and s.global_.step > s.step:
+            raise Refused(422, f"{where}.global.step={s.global_.step} is after the summary's own step {s.step}: "
+                               "rank 0's view describes a step that has ended")
 
     def _admit_run(self, run_id: str, where: str) -> None:
         now = self.clock()
@@ -234,6 +259,10 @@ class Store:
             rec.summary = s
         rec.counted.add(key)
         rec.seen = now
+        if self._high is None or s.step > self._high[0]:
+            self._high = (s.step, now)
+        if self._timeline is None or s.timeline > self._timeline[0]:
+            self._timeline = (s.timeline, now)
         # A plain tuple of numbers, not a WindowEntry: the garbage collector stops tracking those,
         # so 32 entries x 1024 ranks add nothing to a full collection's pause (recent() names them).
         rec.window.append((s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio))
