@@ -195,10 +195,11 @@ def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
         own_by_stage: dict[int, list[float]] = {}
         for r in by_host[host]:
             own_by_stage.setdefault(r.stage, []).append(r.compute_seconds)
-        stage_base = {s: median_without(stage_sorted[s], own) for s, own in own_by_stage.items()}
-        if None in stage_base.values():  # a stage with no one elsewhere: the run's compute elsewhere
+        own_base = {s: median_without(stage_sorted[s], own) for s, own in own_by_stage.items()}
+        elsewhere = None
+        if None in own_base.values():  # a stage with no one elsewhere: the run's compute elsewhere
             elsewhere = median_without(all_sorted, [r.compute_seconds for r in by_host[host]])
-            stage_base = {s: (elsewhere or 0.0) if b is None else b for s, b in stage_base.items()}
+        stage_base = {s: (elsewhere or 0.0) if b is None else b for s, b in own_base.items()}
         compute = [_stands_out(r.compute_seconds, stage_base[r.stage], th) for r in mine]
         transfer = []
         own_paths = touching.get(host, {})
@@ -209,9 +210,10 @@ def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
             if base is not None:
                 transfer.append(_stands_out(p.transfer_seconds, base, th, small=True,
                                             floor=th.min_seconds_per_transfer * p.count))
-        if all(compute) and transfer and all(transfer):
-            excess = statistics.median(c[0] for c in compute)
-            base = statistics.median(c[1] for c in compute)
+        hits = [c for c in compute if c is not None]
+        if len(hits) == len(compute) and transfer and all(transfer):
+            excess = statistics.median(c[0] for c in hits)
+            base = statistics.median(c[1] for c in hits)
             keep("host-contention", {"host": host}, excess, base,
                  f"host {host}: compute and transfers of its {len(mine)} ranks", {r.rank for r in mine})
 
@@ -282,7 +284,7 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     roles: dict[tuple, list[PathFigures]] = {}
     for p in paths:
         roles.setdefault((p.group, p.kind), []).append(p)
-    base_of = {}
+    base_of: dict[int, float] = {}  # id(path) -> its role peers' median
     for role in roles.values():
         base_of.update(zip(map(id, role), leave_one_out_medians([q.transfer_seconds for q in role])))
     for p in paths:

@@ -29,6 +29,8 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
 """Liveness, forwarding and cross-node expiry: once a second (a digest per node per second)."""
 _STATE_NAMES = {v: k for k, v in RANK_STATES.items()}
+RawPost = Callable[..., Awaitable[tuple[int, Any]]]
+"""A raw-body handler: raw bytes (and the connection's `client`) -> (status, JSON payload)."""
 
 
 class ActivityHub:
@@ -92,6 +96,8 @@ class ActivityHub:
         self.metrics: HangMetrics | None = None
         self.link_metrics: LeaderLinkMetrics | None = None
         """Registered by install() (one set per sidecar)."""
+        self.posts: dict[str, RawPost] = {}
+        """path -> raw-body handler of /v1/activity and /v1/digest, set by install() (app.HotPosts serves them)."""
         self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
             if self.leader_url else None
 
@@ -377,7 +383,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     return hub
 
 
-def _json_post(handle):
+def _json_post(handle: Callable[..., dict]) -> RawPost:
     """A raw-body handler: (status, payload), 422 naming the problem (as every other endpoint answers
     a body it cannot use)."""
 

@@ -22,7 +22,7 @@ from parwatch import __version__
 from parwatch.catalog import metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.sidecar.models import BUBBLE_CAUSES
-from parwatch.sidecar.store import Store
+from parwatch.sidecar.store import RankRecord, Store
 from parwatch.sidecar.transfer import transfer_families
 
 GUARDRAIL_STATE_CODES = {"ok": 0, "pending": 1, "firing": 2}
@@ -142,7 +142,7 @@ class SidecarCollector(Collector):
             yield family
         # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
         # ranks share its period, and one copy per rank was 16 of a rank's 32 series.
-        per_stage = {}
+        per_stage: dict[int, RankRecord] = {}
         for rec in records:  # by rank: the first of each stage is its lowest rank here
             per_stage.setdefault(rec.summary.stage, rec)
         step = metric("parwatch_step_duration_seconds")

@@ -217,7 +217,9 @@ class Sidecar:
         hub = getattr(self, "activity", None)
         link = hub.link.status(hub.is_leader) if hub is not None else None
         # A node sidecar judges no rule (the leader does): its engine's states would read "ok" beside a NaN.
-        judged_here = link is None or link["role"] == "leader"
+        judged_by = None if link is None or link["role"] == "leader" else \
+            (link["url"] or "the run's leader (no --leader-url)")
+        judged_here = judged_by is None
         return jsonable(
             {
                 "run": run,
@@ -225,7 +227,7 @@ class Sidecar:
                 "ranks": ranks,
                 "leader_link": link,
                 "refused": self.refusals.status(),
-                "rules_judged_by": None if judged_here else (link["url"] or "the run's leader (no --leader-url)"),
+                "rules_judged_by": judged_by,
                 "rules": self.engine.states() if judged_here else None,
                 "paused": self.engine.paused,
                 "pending_directive": self.engine.pending_directive(),

@@ -220,7 +220,8 @@ class TransferTracker:
             if self.forwarding and not self.leading:
                 self.outbox_ranks.append((s.rank, *row))
         done = []
-        groups = {}  # group -> (members, member set, path), once per summary, not once per record
+        # group -> (members, member set, path), once per summary, not once per record
+        groups: dict[str, tuple[tuple[int, ...], frozenset[int], tuple[str, str, tuple[int, ...]]]] = {}
         rank, step, pending, outbox = s.rank, s.step, self.pending, self.outbox
         for op, group, seq, peer, _start_us, dur_us, nbytes in inst.records:
             if peer < 0:
@@ -241,11 +242,11 @@ class TransferTracker:
                 path, label = ("link", src, dst), "send"
             entry = pending.get(key)
             is_pending = entry is not None
-            if not is_pending:
+            if entry is None:
                 entry = outbox.get(key)  # set aside for the leader, not posted yet
                 if entry is None:
                     if member_set is None:
-                        member_set = frozenset((key[1], key[2]))
+                        member_set = frozenset((src, dst))
                     entry = self._pending_entry(Pending(label, group, path, member_set, step, {}, self.clock(), key))
                     is_pending = pending.get(key) is entry
             got = entry.got
@@ -303,7 +304,8 @@ class TransferTracker:
 
     def _take_outbox(self, limit: int, max_members: int | None) -> tuple[list[Pending], list[tuple]]:
         self._set_aside()
-        out, listed = [], 0
+        out: list[Pending] = []
+        listed = 0
         for key in list(self.outbox)[:limit]:
             listed += len(self.outbox[key].members)
             if out and max_members is not None and listed > max_members:
@@ -382,7 +384,9 @@ class TransferTracker:
                 transfer, last = t, rank
         straggler, member_waits, nbytes = self.straggler, {}, 0
         group, label = e.group, e.op
-        waited, other_ops = 0.0, None  # summed under each member's own op: one for a collective, send/recv for p2p
+        # Waits summed under each member's own op: one for a collective, send/recv for p2p.
+        waited = 0.0
+        other_ops: dict[str, float] | None = None
         for rank, (op, t, b) in got.items():
             wait = t - transfer
             member_waits[rank] = (op, wait)
@@ -509,8 +513,8 @@ class TransferTracker:
         rows = self._paths.setdefault(path, deque(maxlen=self.window_steps))
         rows.append(row)
         if len(rows) >= min(MIN_WINDOW_STEPS, self.window_steps):
-            _, value, count = zip(*rows)
-            value, count = _median(value), _median(count)
+            _, values, counts = zip(*rows)
+            value, count = _median(values), _median(counts)
             if path[0] == "link":
                 self._path_figures[path] = PathFigures("link", "pp", (path[1], path[2]), value, count)
             else:
