@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Annotated
+from collections.abc import Awaitable, Mapping
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from parwatch import __version__
 from parwatch.guardrails.engine import DirectiveDelivered
@@ -62,10 +64,13 @@ def _reason(errors) -> str:
     return "; ".join(problems)[:4000]
 
 
-_PROBLEM = {"model": Problem}
-_AUTH = {401: {**_PROBLEM, "description": "missing or wrong bearer token"}}
-_INVALID = {422: {**_PROBLEM, "description": "invalid body or query; detail names the field"}}
-_TOO_LARGE = {413: {**_PROBLEM, "description": "body over --max-body-bytes"}}
+Responses = dict[int | str, dict[str, Any]]
+"""A route's documented answers (FastAPI's `responses`): status -> model and description."""
+
+_PROBLEM: dict[str, Any] = {"model": Problem}
+_AUTH: Responses = {401: {**_PROBLEM, "description": "missing or wrong bearer token"}}
+_INVALID: Responses = {422: {**_PROBLEM, "description": "invalid body or query; detail names the field"}}
+_TOO_LARGE: Responses = {413: {**_PROBLEM, "description": "body over --max-body-bytes"}}
 
 
 def _healthz(app: FastAPI) -> None:
@@ -104,7 +109,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         description="Ingest step summaries, steer the run (pause/resume/rollback), receive Alertmanager webhooks.",
         docs_url=None, redoc_url=None, lifespan=lifespan,
     )
-    hot: dict = {}
+    hot: dict[str, PostHandler] = {}
     app.add_middleware(HotPosts, posts=hot)
     app.add_middleware(RequestGate, token=sidecar.config.token, max_body_bytes=sidecar.config.max_body_bytes,
                        on_refused=sidecar.refusals.note)
@@ -198,8 +203,14 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             app.openapi_schema = doc
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
     return app
+
+
+class PostHandler(Protocol):
+    """A raw-body POST handler (activity_api's `hub.posts`): answers (status, JSON payload)."""
+
+    def __call__(self, raw: bytes, *, client: tuple[str, int] | None) -> Awaitable[tuple[int, object]]: ...
 
 
 class HotPosts:
@@ -207,14 +218,15 @@ class HotPosts:
     (status, JSON payload)) are answered here, the rest go on to the app. Behind RequestGate, so
     the token and the body cap hold as for every route."""
 
-    def __init__(self, app, posts: dict):
+    def __init__(self, app: ASGIApp, posts: Mapping[str, PostHandler]):
         self.app, self.posts = app, posts
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
             return await self.app(scope, receive, send)
-        chunks, more = [], True
+        chunks: list[bytes] = []
+        more = True
         try:
             while more:
                 message = await receive()
@@ -225,7 +237,8 @@ class HotPosts:
         except BodyTooLarge as err:
             return await send_json(send, err.status_code, {"detail": err.detail}, {})
         client = scope.get("client")  # the connection's (host, port): proves an activity report's pid
-        await send_json(send, *await handler(b"".join(chunks), client=tuple(client) if client else None), {})
+        status, payload = await handler(b"".join(chunks), client=(client[0], client[1]) if client else None)
+        await send_json(send, status, payload, {})
 
 
 async def _no_data_ticker(sidecar: Sidecar) -> None:

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+
+Peer = tuple[str, int]
+"""A connection's (host, port), as the socket's peer name and the ASGI scope's `client` both give it."""
 
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
         b"content-length: 32\r\nconnection: close\r\n\r\nevery connection is busy; retry\n")
@@ -34,13 +38,15 @@ HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type
 class Book:
     """The open connections of one listener, in order of how long they have waited for a request."""
 
-    def __init__(self, max_connections: int, head_seconds: float, max_head_bytes: int, clock=time.monotonic):
+    def __init__(self, max_connections: int, head_seconds: float, max_head_bytes: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.max_connections, self.head_seconds, self.clock = max_connections, head_seconds, clock
         self.max_head_bytes = max_head_bytes
         self.waiting: dict[Guarded, float] = {}
         """Connections between requests -> since when (insertion order: the oldest first)."""
         self.busy: set[Guarded] = set()
-        self.by_peer: dict[tuple, Guarded] = {}
+        self.by_peer: dict[Peer, Guarded] = {}
+        """Connections by peer name; one without a peer name cannot be matched to its requests."""
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.busy)
@@ -52,7 +58,8 @@ class Book:
             if not self.waiting:
                 return False
             next(iter(self.waiting)).close()
-        self.by_peer[conn.peer] = conn
+        if conn.peer is not None:
+            self.by_peer[conn.peer] = conn
         self.wait(conn)
         return True
 
@@ -62,13 +69,13 @@ class Book:
         self.waiting[conn] = self.clock()
         conn.expect_head(self.head_seconds)
 
-    def serve(self, peer) -> None:
+    def serve(self, peer: Peer) -> None:
         conn = self.by_peer.get(peer)
         if conn is not None and self.waiting.pop(conn, None) is not None:
             self.busy.add(conn)
             conn.disarm()
 
-    def answered(self, peer, body_read: bool) -> None:
+    def answered(self, peer: Peer, body_read: bool) -> None:
         conn = self.by_peer.get(peer)
         if conn is not None and conn in self.busy:
             if body_read:
@@ -79,22 +86,24 @@ class Book:
     def leave(self, conn: Guarded) -> None:
         self.waiting.pop(conn, None)
         self.busy.discard(conn)
-        if self.by_peer.get(conn.peer) is conn:
+        if conn.peer is not None and self.by_peer.get(conn.peer) is conn:
             del self.by_peer[conn.peer]
 
 
 class Guarded:
     """asyncio.Protocol: uvicorn's protocol for one connection, admitted and timed by a Book."""
 
-    def __init__(self, book: Book, inner):
-        self.book, self.inner = book, inner
-        self.transport = self.timer = None
-        self.peer: tuple | None = None
+    def __init__(self, book: Book, inner: asyncio.Protocol):
+        self.book = book
+        self.inner: asyncio.Protocol | None = inner
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.peer: Peer | None = None
         self.head_bytes: int | None = None
         """Bytes of the next request's head received so far; None once it is complete."""
         self.tail = b""  # the last 3 bytes scanned: the blank line may be split across reads
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.peer = _peer(transport)
         if not self.book.admit(self):
@@ -102,6 +111,7 @@ class Guarded:
             transport.close()
             self.inner = None
             return
+        assert self.inner is not None  # only a refused connection drops it, above
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -112,15 +122,16 @@ class Guarded:
             end = scanned.find(b"\r\n\r\n")
             size = self.head_bytes + (len(data) if end < 0 else end + 4 - len(self.tail))
             if size > self.book.max_head_bytes:
+                assert self.transport is not None  # connection_made, which set it, comes first
                 self.transport.write(HEAD_TOO_LARGE)
                 return self.close()
             self.head_bytes, self.tail = (size, scanned[-3:]) if end < 0 else (None, b"")
         self.inner.data_received(data)
 
-    def eof_received(self):
+    def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.inner is not None else None
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
         self.book.leave(self)
         if self.inner is not None:
@@ -170,6 +181,8 @@ class Watch:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         peer = _key(scope.get("client"))
+        if peer is None:  # no peer name: no connection in the book to tell
+            return await self.app(scope, receive, send)
         self.book.serve(peer)
         body_read = not _has_body(scope)
 
@@ -195,11 +208,11 @@ def _has_body(scope) -> bool:
     return False
 
 
-def _peer(transport) -> tuple | None:
+def _peer(transport: asyncio.BaseTransport) -> Peer | None:
     return _key(transport.get_extra_info("peername"))
 
 
-def _key(address) -> tuple | None:
+def _key(address: object) -> Peer | None:
     """(host, port) of a peer name (IPv6 peer names have four fields), as uvicorn puts it in the scope."""
     if isinstance(address, (list, tuple)) and len(address) >= 2:
         return str(address[0]), int(address[1])

@@ -13,16 +13,24 @@ from __future__ import annotations
 import math
 import operator
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from parwatch.guardrails.engine import MAX_CHECKPOINTS
 from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEMA_VERSION, decode_float
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
-COLLECTIVE_GROUPS = ("tp", "pp", "dp", "world", "ep", "cp")
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"]
+CollectiveGroup = Literal["tp", "pp", "dp", "world", "ep", "cp"]
 """Process groups a collective may name (the `group` label): a closed list bounds the series."""
+COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
+COLLECTIVE_GROUPS: tuple[str, ...] = get_args(CollectiveGroup)
+
+# Written out for the type checker (Literal takes no variables); the values stay those of schema.py.
+SchemaVersion = Literal[1]
+DirectiveAction = Literal["pause", "resume", "rollback"]
+if get_args(SchemaVersion) != (SCHEMA_VERSION,) or get_args(DirectiveAction) != DIRECTIVE_ACTIONS:
+    raise ImportError("sidecar/models.py: SchemaVersion or DirectiveAction differs from parwatch.schema")
 
 MAX_COUNT = 2**53
 """Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
@@ -88,8 +96,8 @@ class _Model(BaseModel):
 
 
 class Collective(_Model):
-    op: Literal[COLLECTIVE_OPS]
-    group: Literal[COLLECTIVE_GROUPS]
+    op: CollectiveOp
+    group: CollectiveGroup
     count: Count
     seconds: Seconds
     bytes: Count = 0
@@ -122,7 +130,8 @@ class Gpu(_Model):
 
 MaxStep = Annotated[int, Field(strict=True, ge=0, lt=2**53)]
 RunId = Annotated[Text, Field(min_length=1, max_length=200)]
-OUTCOMES = ("applied", "substituted", "failed", "ignored", "mixed")
+OutcomeName = Literal["applied", "substituted", "failed", "ignored", "mixed"]
+OUTCOMES: tuple[str, ...] = get_args(OutcomeName)
 SmallCount = Annotated[int, Field(strict=True, ge=0, le=2**31)]
 
 
@@ -153,10 +162,10 @@ class OutcomeRecord(_Model):
 
     directive_id: Annotated[int, Field(strict=True, gt=0, lt=2**53)]
     run_id: RunId
-    outcome: Literal[OUTCOMES]
+    outcome: OutcomeName
     step: MaxStep
     loaded_step: MaxStep | None = None
-    counts: dict[Literal[OUTCOMES], SmallCount] = Field(default_factory=dict)
+    counts: dict[OutcomeName, SmallCount] = Field(default_factory=dict)
     reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], SmallCount] = \
         Field(default_factory=dict, max_length=16)
     ranks: Annotated[int, Field(strict=True, ge=1, le=2**31)]
@@ -165,8 +174,7 @@ class OutcomeRecord(_Model):
 
 
 SignedCount = Annotated[int, Field(strict=True, ge=-MAX_COUNT, le=MAX_COUNT)]
-InstanceRecord = tuple[Literal[COLLECTIVE_OPS], Literal[COLLECTIVE_GROUPS], Count, SignedCount, SignedCount, Count,
-                       Count]
+InstanceRecord = tuple[CollectiveOp, CollectiveGroup, Count, SignedCount, SignedCount, Count, Count]
 """[op, group, seq, peer, start_us, dur_us, bytes] (parwatch/collector/instances.py)."""
 
 
@@ -175,7 +183,7 @@ class Instances(_Model):
 
     host: Annotated[Text, Field(max_length=255)] = ""
     data_seconds: Seconds = 0.0
-    groups: dict[Literal[COLLECTIVE_GROUPS], Annotated[list[Count], Field(max_length=100_000)]] = Field(
+    groups: dict[CollectiveGroup, Annotated[list[Count], Field(max_length=100_000)]] = Field(
         default_factory=dict, max_length=64)
     records: list[InstanceRecord] = Field(default_factory=list, max_length=20_000)
     capped: Count = 0
@@ -187,7 +195,7 @@ MAX_FORWARD_RANK_ROWS = 4096
 """Rank attribution rows per cross-node post."""
 MAX_NODE_RANKS = 4096
 """Members one node may report for one instance (a node runs a few to a few dozen ranks)."""
-ForwardedMember = tuple[Index, Literal[COLLECTIVE_OPS], Count, Count]
+ForwardedMember = tuple[Index, CollectiveOp, Count, Count]
 """[rank, op on that rank, duration microseconds, bytes]: one member's record of the instance."""
 ForwardedRankRow = tuple[Index, Count, Index, Annotated[Text, Field(max_length=255)], Seconds, Seconds, Seconds]
 """[rank, step, stage, host, compute seconds, data seconds, step seconds]: attribution figures."""
@@ -196,9 +204,9 @@ ForwardedRankRow = tuple[Index, Count, Index, Annotated[Text, Field(max_length=2
 class ForwardedInstance(_Model):
     """One node's members of a collective/p2p instance that spans nodes (sidecar/crossnode.py)."""
 
-    op: Literal[COLLECTIVE_OPS]
+    op: CollectiveOp
     """The instance's op label: the collective's op, or "send" for a p2p transfer."""
-    group: Literal[COLLECTIVE_GROUPS]
+    group: CollectiveGroup
     seq: Count
     link: Flag
     """true: a p2p transfer, members = [src, dst]; false: a collective, members = its group's ranks."""
@@ -254,7 +262,7 @@ class GlobalView(_Model):
 
 
 class StepSummary(_Model):
-    v: Literal[SCHEMA_VERSION]
+    v: SchemaVersion
     run_id: RunId
     rank: Index
     stage: Index
@@ -321,7 +329,7 @@ class StepSummary(_Model):
 
 
 class IngestBody(_Model):
-    version: Literal[SCHEMA_VERSION]
+    version: SchemaVersion
     summaries: list[StepSummary] = Field(max_length=10_000)
     outcomes: list[OutcomeRecord] = Field(default_factory=list, max_length=64)
     """Rank 0: directive outcome records, resent until a post carrying them is accepted."""
@@ -337,7 +345,7 @@ class Problem(BaseModel):
 
 class Directive(_Model):
     id: int
-    action: Literal[DIRECTIVE_ACTIONS]
+    action: DirectiveAction
     run_id: str
     to_step: int | None = None
     skip_batches: int = 0
@@ -351,7 +359,7 @@ class IngestResponse(BaseModel):
 
 class ControlRequest(_Model):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    action: Literal[DIRECTIVE_ACTIONS]
+    action: DirectiveAction
     to_step: MaxStep | None = None  # the contract's bound (parse_directive): what passes, the trainer takes
     skip_batches: MaxStep = 0
     reason: Annotated[str, Field(max_length=2000)] = ""

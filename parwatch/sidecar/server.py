@@ -19,6 +19,7 @@ import logging
 import resource
 import signal
 import socket
+from typing import Literal
 
 import uvicorn
 
@@ -102,7 +103,7 @@ def _http_protocol():
         return H11Protocol
 
 
-def _uvicorn(app, lifespan: str, book: Book) -> _Server:
+def _uvicorn(app, lifespan: Literal["auto", "on", "off"], book: Book) -> _Server:
     # proxy_headers off: the connection book matches requests to connections by the socket's own peer.
     config = uvicorn.Config(Watch(app, book), log_level="warning", access_log=False, lifespan=lifespan,
                             timeout_graceful_shutdown=5, server_header=False, http=guarded(_http_protocol(), book),
