@@ -34,17 +34,18 @@ WARMUP_STEPS = 20
 def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interval_s: float, token: str) -> dict:
     import time
 
+    from parwatch import contract
     from parwatch.collector.activity import ActivityReporter
     from parwatch.collector.attach import attach
     from parwatch.collector.collector import Collector
     from parwatch.collector.context import RunContext
     from parwatch.contract import BoundaryKind
-    from parwatch import contract
     from parwatch.trainer.config import TrainConfig
     from parwatch.trainer.train import Trainer
 
-    cfg = TrainConfig(pp=2, microbatches=4, steps=1, layers=4, hidden=64, heads=4, vocab=128, seq_len=32,
-                      micro_batch_size=2)
+    cfg = TrainConfig(
+        pp=2, microbatches=4, steps=1, layers=4, hidden=64, heads=4, vocab=128, seq_len=32, micro_batch_size=2
+    )
     trainer = Trainer(cfg, rank, world)
     ctx = RunContext.for_rank("bench", rank, tp=1, pp=2, dp=1, schedule=cfg.schedule, microbatches=4)
     collector = attach(Collector(ctx))  # no endpoint: its own activity thread stays off
@@ -56,8 +57,14 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
         mode = ("on", "off", "off", "on")[block % 4]  # ABBA: a drift in the machine's speed hits both alike
         reporter = None
         if mode == "on":
-            reporter = ActivityReporter(ctx, contract.registry, endpoint, token=token, interval_s=interval_s,
-                                        summary_fn=lambda: collector.last_summary).start()
+            reporter = ActivityReporter(
+                ctx,
+                contract.registry,
+                endpoint,
+                token=token,
+                interval_s=interval_s,
+                summary_fn=lambda: collector.last_summary,
+            ).start()
         for i in range(steps):
             t0 = time.perf_counter()
             loss = trainer.train_step()
@@ -69,7 +76,7 @@ def _rank(rank: int, world: int, endpoint: str, blocks: int, steps: int, interva
             clock = time.pthread_getcpuclockid(reporter._thread.ident)
             times["reporter_cpu_s"] += time.clock_gettime(clock)
             times["reporter_posts"] += reporter.sent
-            times["on_wall_s"] += sum(times["on"][-(steps - 1):])
+            times["on_wall_s"] += sum(times["on"][-(steps - 1) :])
             reporter.close()
     collector.close()
     return times
@@ -87,16 +94,23 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="parwatch-activity-") as tmp:
         with running_sidecar(Path(tmp) / "state") as sidecar:
-            results = run_ranks(_rank, 2, sidecar.control_url, args.blocks, args.steps, args.interval, sidecar.token,
-                                timeout=900)
+            results = run_ranks(
+                _rank, 2, sidecar.control_url, args.blocks, args.steps, args.interval, sidecar.token, timeout=900
+            )
     on = [t for r in results for t in r["on"]]
     off = [t for r in results for t in r["off"]]
     cpu, posts, wall = (sum(r[k] for r in results) for k in ("reporter_cpu_s", "reporter_posts", "on_wall_s"))
-    out = {"step_seconds_median_on": statistics.median(on), "step_seconds_median_off": statistics.median(off),
-           "ratio_on_off": statistics.median(on) / statistics.median(off), "steps_on": len(on), "steps_off": len(off),
-           "reporter_posts": posts, "reporter_cpu_ms_per_post": cpu / max(posts, 1) * 1e3,
-           "reporter_cpu_share_of_on_time": cpu / wall if wall else float("nan"),
-           "goal": "ratio <= 1.005"}
+    out = {
+        "step_seconds_median_on": statistics.median(on),
+        "step_seconds_median_off": statistics.median(off),
+        "ratio_on_off": statistics.median(on) / statistics.median(off),
+        "steps_on": len(on),
+        "steps_off": len(off),
+        "reporter_posts": posts,
+        "reporter_cpu_ms_per_post": cpu / max(posts, 1) * 1e3,
+        "reporter_cpu_share_of_on_time": cpu / wall if wall else float("nan"),
+        "goal": "ratio <= 1.005",
+    }
     for k, v in out.items():
         print(f"{k:<26} {v}")
     if args.out:

@@ -35,27 +35,65 @@ def main() -> int:
     for schedule in a.schedules.split(","):
         for p in map(int, a.pp.split(",")):
             for m in map(int, a.microbatches.split(",")):
-                s = run_trainer([
-                    "--nproc", str(p), "--pp", str(p), "--schedule", schedule, "--microbatches", str(m),
-                    "--steps", str(a.steps), "--layers", str(p), "--hidden", "32", "--seq-len", "16",
-                    "--synthetic-compute", f"fwd_ms={a.fwd_ms:g},bwd_ms={a.bwd_ms:g}", "--parwatch", "on",
-                ])
+                s = run_trainer(
+                    [
+                        "--nproc",
+                        str(p),
+                        "--pp",
+                        str(p),
+                        "--schedule",
+                        schedule,
+                        "--microbatches",
+                        str(m),
+                        "--steps",
+                        str(a.steps),
+                        "--layers",
+                        str(p),
+                        "--hidden",
+                        "32",
+                        "--seq-len",
+                        "16",
+                        "--synthetic-compute",
+                        f"fwd_ms={a.fwd_ms:g},bwd_ms={a.bwd_ms:g}",
+                        "--parwatch",
+                        "on",
+                    ]
+                )
                 theory = theoretical(schedule, p, m)
                 measured = [st["bubble_ratio"] for st in s["stages"]]
                 worst = max(abs(b - theory) for b in measured)
                 ok = worst <= a.tolerance
-                rows.append([schedule, p, m, theory, " ".join(f"{b:.4f}" for b in measured), worst,
-                             "ok" if ok else "FAIL"])
-                results.append({"schedule": schedule, "pp": p, "microbatches": m, "theory": theory,
-                                "measured": measured, "max_abs_error": worst, "within_tolerance": ok,
-                                "pipeline_skew_ratio": s["pipeline_skew_ratio"]})
+                rows.append(
+                    [schedule, p, m, theory, " ".join(f"{b:.4f}" for b in measured), worst, "ok" if ok else "FAIL"]
+                )
+                results.append(
+                    {
+                        "schedule": schedule,
+                        "pp": p,
+                        "microbatches": m,
+                        "theory": theory,
+                        "measured": measured,
+                        "max_abs_error": worst,
+                        "within_tolerance": ok,
+                        "pipeline_skew_ratio": s["pipeline_skew_ratio"],
+                    }
+                )
                 print(f"{schedule} p={p} m={m}: theory {theory:.4f} measured {measured}", flush=True)
     print()
     print_table(["schedule", "p", "m", "formula", "measured per stage", "max |err|", ""], rows)
     worst = max(r["max_abs_error"] for r in results)
     print(f"\nworst |measured - formula| = {worst:.4f} (goal <= {a.tolerance})")
-    write_json(a.out, {"fwd_ms": a.fwd_ms, "bwd_ms": a.bwd_ms, "steps": a.steps, "tolerance": a.tolerance,
-                       "results": results, "worst_abs_error": worst})
+    write_json(
+        a.out,
+        {
+            "fwd_ms": a.fwd_ms,
+            "bwd_ms": a.bwd_ms,
+            "steps": a.steps,
+            "tolerance": a.tolerance,
+            "results": results,
+            "worst_abs_error": worst,
+        },
+    )
     return 0 if all(r["within_tolerance"] for r in results) else 1
 
 

@@ -37,8 +37,12 @@ def main() -> int:
         order = ps.single_stage_order("1f1b", p, m) if name == "1F1B" else torch_order(name, p, m, v)
         splitter = CauseSplitter()
         splitter.set_order({r: [None if x is None else str(x) for x in acts] for r, acts in order.items()})
-        stage = {"bubble_ratio": 0.1, "forward_seconds": 0.04, "backward_seconds": 0.08,
-                 "backward_weight_seconds": 0.02 if name == "ZBVZeroBubble" else 0.0}
+        stage = {
+            "bubble_ratio": 0.1,
+            "forward_seconds": 0.04,
+            "backward_seconds": 0.08,
+            "backward_weight_seconds": 0.02 if name == "ZBVZeroBubble" else 0.0,
+        }
         summary = {"global": {"stages": [{"stage": s, **stage} for s in range(p)]}}
         times = []
         for _ in range(a.steps):
@@ -50,8 +54,17 @@ def main() -> int:
             raise SystemExit(f"{name}: the split did not run ({splitter.errors} errors)")
         actions = sum(len(acts) for acts in ps.normalize(order).values())
         rows.append([f"{name} p={p} m={m} v={v}", actions, statistics.mean(times) * 1e3])
-        results.append({"schedule": name, "p": p, "m": m, "v": v, "actions": actions,
-                        "mean_ms": statistics.mean(times) * 1e3, "steps": a.steps})
+        results.append(
+            {
+                "schedule": name,
+                "p": p,
+                "m": m,
+                "v": v,
+                "actions": actions,
+                "mean_ms": statistics.mean(times) * 1e3,
+                "steps": a.steps,
+            }
+        )
     print_table(["shape", "compute actions", "add_causes per step (ms, mean)"], rows)
     write_json(a.out, {"results": results})
     return 0

@@ -29,14 +29,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import ROOT, print_table, write_json  # noqa: E402
 
-TRAINER = ["-m", "parwatch", "train", "--nproc", "2", "--tp", "1", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2",
-           "--steps", "6", "--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq-len", "8",
-           "--synthetic-compute", "fwd_ms=40,bwd_ms=80"]
-EXAMPLE = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "{port}",
-           str(ROOT / "examples" / "torch_pipelining.py"), "--schedule", "1f1b", "--microbatches", "2",
-           "--synthetic-ms", "40,80", "--steps", "6"]
-CASES = ("trainer", "trainer-unreachable", "trainer-sidecar-killed", "trainer-off",
-         "example", "example-unreachable", "example-sidecar-killed", "example-off")
+TRAINER = [
+    "-m",
+    "parwatch",
+    "train",
+    "--nproc",
+    "2",
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "2",
+    "--steps",
+    "6",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--vocab",
+    "64",
+    "--seq-len",
+    "8",
+    "--synthetic-compute",
+    "fwd_ms=40,bwd_ms=80",
+]
+EXAMPLE = [
+    "-m",
+    "torch.distributed.run",
+    "--nproc-per-node",
+    "2",
+    "--master-port",
+    "{port}",
+    str(ROOT / "examples" / "torch_pipelining.py"),
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "2",
+    "--synthetic-ms",
+    "40,80",
+    "--steps",
+    "6",
+]
+CASES = (
+    "trainer",
+    "trainer-unreachable",
+    "trainer-sidecar-killed",
+    "trainer-off",
+    "example",
+    "example-unreachable",
+    "example-sidecar-killed",
+    "example-off",
+)
 RUN_TIMEOUT_S = 120.0
 KILL_AFTER_S = 1.0
 
@@ -66,8 +114,9 @@ def one_run(case: str, tmp: Path, index: int) -> tuple[int, str]:
 
     def launch(endpoint=None, token_file=None) -> tuple[int, str]:
         cmd = command(case, str(run_dir / "log"), endpoint, token_file, free_port())
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -112,11 +161,25 @@ def main(argv=None) -> int:
                     failures.append({"run": i, "code": code, "output": tail})
             seconds = time.monotonic() - t0
             aborts = sum(n for c, n in codes.items() if c in (-6, 134, 250))
-            results[case] = {"runs": args.runs, "exit_codes": {str(c): n for c, n in sorted(codes.items())},
-                             "clean": codes[0], "aborts": aborts, "seconds_per_run": seconds / args.runs,
-                             "failures": failures}
-            rows.append([case, args.runs, codes[0], args.runs - codes[0], aborts,
-                         " ".join(f"{c}:{n}" for c, n in sorted(codes.items())), seconds / args.runs])
+            results[case] = {
+                "runs": args.runs,
+                "exit_codes": {str(c): n for c, n in sorted(codes.items())},
+                "clean": codes[0],
+                "aborts": aborts,
+                "seconds_per_run": seconds / args.runs,
+                "failures": failures,
+            }
+            rows.append(
+                [
+                    case,
+                    args.runs,
+                    codes[0],
+                    args.runs - codes[0],
+                    aborts,
+                    " ".join(f"{c}:{n}" for c, n in sorted(codes.items())),
+                    seconds / args.runs,
+                ]
+            )
             print(f"{case}: {codes[0]}/{args.runs} exited 0 ({dict(codes)})", flush=True)
     print()
     print_table(["case", "runs", "exit 0", "non-zero", "SIGABRT", "exit codes", "s/run"], rows)

@@ -36,8 +36,8 @@ def main() -> int:
     a = ap.parse_args()
     import torch.distributed as dist
 
-    from parwatch.collector.attach import attach_from_config
     from parwatch import contract
+    from parwatch.collector.attach import attach_from_config
     from parwatch.trainer.config import TrainConfig
     from parwatch.trainer.train import Trainer
 
@@ -53,9 +53,20 @@ def main() -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as log_dir:
-        cfg = TrainConfig(steps=a.steps, layers=1, hidden=8, heads=1, vocab=8, seq_len=4, micro_batch_size=1,
-                          microbatches=1, synthetic_compute="fwd_ms=0,bwd_ms=0", parwatch="on",
-                          parwatch_log=log_dir, run_id="memory-bench")
+        cfg = TrainConfig(
+            steps=a.steps,
+            layers=1,
+            hidden=8,
+            heads=1,
+            vocab=8,
+            seq_len=4,
+            micro_batch_size=1,
+            microbatches=1,
+            synthetic_compute="fwd_ms=0,bwd_ms=0",
+            parwatch="on",
+            parwatch_log=log_dir,
+            run_id="memory-bench",
+        )
         collector = attach_from_config(cfg, 0, 1, 0, "gloo")
         contract.registry.register(Sampler())
         tracemalloc.start()
@@ -67,11 +78,15 @@ def main() -> int:
     rows = [[s, ours / 1024, (ours - base[1]) / 1024, heap / 1024, rss / 2**20] for s, ours, heap, rss in samples]
     print_table(["step", "parwatch heap (KiB)", "growth since first (KiB)", "whole heap (KiB)", "RSS (MiB)"], rows)
     growth = samples[-1][1] - base[1]
-    print(f"\nparwatch's heap growth from step {base[0]} to {samples[-1][0]}: {growth / 1024:.1f} KiB "
-          "(the whole heap also holds the trainer's per-step loss history, one entry a step, by design)")
+    print(
+        f"\nparwatch's heap growth from step {base[0]} to {samples[-1][0]}: {growth / 1024:.1f} KiB "
+        "(the whole heap also holds the trainer's per-step loss history, one entry a step, by design)"
+    )
     keys = ["step", "parwatch_heap_bytes", "heap_bytes", "rss_bytes"]
-    write_json(a.out, {"steps": a.steps, "samples": [dict(zip(keys, s)) for s in samples],
-                       "parwatch_heap_growth_bytes": growth})
+    write_json(
+        a.out,
+        {"steps": a.steps, "samples": [dict(zip(keys, s)) for s in samples], "parwatch_heap_growth_bytes": growth},
+    )
     return 0
 
 

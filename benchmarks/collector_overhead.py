@@ -22,12 +22,42 @@ from common import print_table, run_trainer, write_json
 
 WORKLOADS = {
     "real TP2xPP2 GPT (h=256, 8 layers, s=64, m=8)": [
-        "--nproc", "4", "--tp", "2", "--pp", "2", "--microbatches", "8", "--layers", "8", "--hidden", "256",
-        "--heads", "8", "--seq-len", "64", "--micro-batch-size", "4", "--vocab", "512",
+        "--nproc",
+        "4",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "8",
+        "--layers",
+        "8",
+        "--hidden",
+        "256",
+        "--heads",
+        "8",
+        "--seq-len",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--vocab",
+        "512",
     ],
     "synthetic PP2 (fwd 20 ms, bwd 40 ms, m=4)": [
-        "--nproc", "2", "--pp", "2", "--microbatches", "4", "--layers", "2", "--hidden", "32", "--seq-len", "16",
-        "--synthetic-compute", "fwd_ms=20,bwd_ms=40",
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--seq-len",
+        "16",
+        "--synthetic-compute",
+        "fwd_ms=20,bwd_ms=40",
     ],
 }
 WARMUP = 3
@@ -56,7 +86,7 @@ def main() -> int:
         times = {"off": [], "on": []}
         own = []
         for r in range(a.rounds):
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 with tempfile.TemporaryDirectory() as log_dir:
                     extra = ["--parwatch", mode] + (["--parwatch-log", log_dir] if mode == "on" else [])
                     s = run_trainer([*args, "--steps", str(a.steps), *extra])
@@ -67,8 +97,16 @@ def main() -> int:
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         own_ratio = statistics.median([o for o in own if o is not None]) if any(own) else None
         rows.append([name, off, on, on / off, own_ratio])
-        results.append({"workload": name, "median_step_off_s": off, "median_step_on_s": on, "ratio": on / off,
-                        "collector_self_reported_ratio": own_ratio, "steps_per_mode": len(times["on"])})
+        results.append(
+            {
+                "workload": name,
+                "median_step_off_s": off,
+                "median_step_on_s": on,
+                "ratio": on / off,
+                "collector_self_reported_ratio": own_ratio,
+                "steps_per_mode": len(times["on"]),
+            }
+        )
     print()
     print_table(["workload", "median step off (s)", "on (s)", "on/off", "collector's own time / step"], rows)
     write_json(a.out, {"rounds": a.rounds, "steps": a.steps, "warmup_steps_dropped": WARMUP, "results": results})

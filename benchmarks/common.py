@@ -18,8 +18,11 @@ def machine() -> dict:
     import torch
 
     return {
-        "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -56,10 +59,13 @@ def run_trainer(args: list[str], timeout: float = 600, env: dict | None = None) 
     """Run `python -m parwatch.trainer ARGS --summary-json TMP` and return the summary."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
-        launcher = ["parwatch", "train"] if watched(args) else ["parwatch.trainer"]  # only parwatch's attaches the collector
+        launcher = (
+            ["parwatch", "train"] if watched(args) else ["parwatch.trainer"]
+        )  # only parwatch's attaches the collector
         cmd = [sys.executable, "-m", *launcher, *args, "--summary-json", path]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         return json.loads(Path(path).read_text())

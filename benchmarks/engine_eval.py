@@ -57,8 +57,14 @@ def twenty_rules() -> RuleSet:
         Rule(name="skew-warn", metric="pipeline_skew_ratio", above=1.08, for_steps=5),
         Rule(name="step-slow", metric="step_seconds", above=1.05, for_steps=3),
         Rule(name="step-spike", metric="step_seconds", check="spike", factor=1.5, window_steps=50),
-        Rule(name="collective-regression-fast", metric="collective_seconds_mean", check="regression",
-             factor=1.5, window_steps=20, for_steps=2),
+        Rule(
+            name="collective-regression-fast",
+            metric="collective_seconds_mean",
+            check="regression",
+            factor=1.5,
+            window_steps=20,
+            for_steps=2,
+        ),
         Rule(name="collective-slow", metric="collective_seconds_mean", above=0.01),
         Rule(name="rank-missing-fast", metric="rank_up", reduce="min", below=1, for_steps=2),
         Rule(name="gpu-mean-low", metric="gpu_utilization_ratio", reduce="mean", below=0.6, for_steps=10),
@@ -66,8 +72,12 @@ def twenty_rules() -> RuleSet:
     ]
     rules = base.rules + tuple(variants)
     assert len(rules) == 20, len(rules)
-    return RuleSet(rules=rules, enforce=base.enforce, max_rollbacks=base.max_rollbacks,
-                   rollback_window_steps=base.rollback_window_steps)
+    return RuleSet(
+        rules=rules,
+        enforce=base.enforce,
+        max_rollbacks=base.max_rollbacks,
+        rollback_window_steps=base.rollback_window_steps,
+    )
 
 
 def base_series(ranks: int) -> dict[str, dict[str, float]]:
@@ -105,8 +115,9 @@ class Observations:
             "step_seconds": {"": 1.0 + g(0, 0.02)},
             "pipeline_skew_ratio": {"": 1.0 + abs(g(0, 0.03))},
             "rank_up": self.rank_up_one_missing if step % 500 in (0, 1, 2) else self.rank_up_all,
-            "collective_seconds_mean": {k: v * (1 + 0.1 * abs(g(0, 1))) * slow_link
-                                        for k, v in b["collective_seconds_mean"].items()},
+            "collective_seconds_mean": {
+                k: v * (1 + 0.1 * abs(g(0, 1))) * slow_link for k, v in b["collective_seconds_mean"].items()
+            },
             "gpu_utilization_ratio": self.gpu_pool[self.rng.randrange(len(self.gpu_pool))],
         }
         checkpoints = tuple(range(0, step, 100))
@@ -163,14 +174,23 @@ def run(ranks: int, steps: int, step_seconds: float, state_root: str | None) -> 
         os.fsync = fsyncs._real
     ms = [t * 1e3 for t in evaluate]
     tick_ms = [t * 1e3 for t in tick] or [float("nan")]
-    return {"ranks": ranks, "rules": 20, "steps": steps, "series": sum(len(v) for v in obs.series.values()),
-            "evaluate_ms_p50": percentile(ms, 50), "evaluate_ms_p99": percentile(ms, 99),
-            "evaluate_ms_mean": statistics.fmean(ms), "evaluate_ms_max": max(ms),
-            "check_no_data_calls": len(tick), "check_no_data_ms_p50": percentile(tick_ms, 50),
-            "check_no_data_ms_p99": percentile(tick_ms, 99),
-            "fsyncs_in_evaluate_per_1000_steps": fsync_evaluate * 1000 / steps,
-            "fsyncs_in_check_no_data_per_1000_steps": fsync_tick * 1000 / steps,
-            "decisions": decisions, "rules_not_ok_at_end": firing}
+    return {
+        "ranks": ranks,
+        "rules": 20,
+        "steps": steps,
+        "series": sum(len(v) for v in obs.series.values()),
+        "evaluate_ms_p50": percentile(ms, 50),
+        "evaluate_ms_p99": percentile(ms, 99),
+        "evaluate_ms_mean": statistics.fmean(ms),
+        "evaluate_ms_max": max(ms),
+        "check_no_data_calls": len(tick),
+        "check_no_data_ms_p50": percentile(tick_ms, 50),
+        "check_no_data_ms_p99": percentile(tick_ms, 99),
+        "fsyncs_in_evaluate_per_1000_steps": fsync_evaluate * 1000 / steps,
+        "fsyncs_in_check_no_data_per_1000_steps": fsync_tick * 1000 / steps,
+        "decisions": decisions,
+        "rules_not_ok_at_end": firing,
+    }
 
 
 def main(argv=None) -> int:
@@ -182,19 +202,58 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/engine_eval.json"))
     a = ap.parse_args(argv)
     results = [run(r, a.steps, a.step_seconds, a.state_root) for r in a.ranks]
-    print(f"GuardrailEngine.evaluate: 20 rules, {a.steps} steps of {a.step_seconds:g} s, "
-          f"load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print_table(["ranks", "rules", "series", "p50 ms", "p99 ms", "mean ms", "max ms", "tick p50 ms", "tick p99 ms",
-                 "eval fsyncs/1k steps", "tick fsyncs/1k steps", "decisions"],
-                [[r["ranks"], r["rules"], r["series"], r["evaluate_ms_p50"], r["evaluate_ms_p99"],
-                  r["evaluate_ms_mean"], r["evaluate_ms_max"], r["check_no_data_ms_p50"], r["check_no_data_ms_p99"],
-                  round(r["fsyncs_in_evaluate_per_1000_steps"]), round(r["fsyncs_in_check_no_data_per_1000_steps"]),
-                  r["decisions"]] for r in results])
+    print(
+        f"GuardrailEngine.evaluate: 20 rules, {a.steps} steps of {a.step_seconds:g} s, "
+        f"load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print_table(
+        [
+            "ranks",
+            "rules",
+            "series",
+            "p50 ms",
+            "p99 ms",
+            "mean ms",
+            "max ms",
+            "tick p50 ms",
+            "tick p99 ms",
+            "eval fsyncs/1k steps",
+            "tick fsyncs/1k steps",
+            "decisions",
+        ],
+        [
+            [
+                r["ranks"],
+                r["rules"],
+                r["series"],
+                r["evaluate_ms_p50"],
+                r["evaluate_ms_p99"],
+                r["evaluate_ms_mean"],
+                r["evaluate_ms_max"],
+                r["check_no_data_ms_p50"],
+                r["check_no_data_ms_p99"],
+                round(r["fsyncs_in_evaluate_per_1000_steps"]),
+                round(r["fsyncs_in_check_no_data_per_1000_steps"]),
+                r["decisions"],
+            ]
+            for r in results
+        ],
+    )
     goals = {f"evaluate_ms_p50_{r['ranks']}_ranks": [GOAL_MS, r["evaluate_ms_p50"] <= GOAL_MS] for r in results}
-    print("goal: p50 <= 1 ms per evaluate: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}"
-                                                         for k, (_, ok) in goals.items()))
-    write_json(a.out, {"steps": a.steps, "step_seconds": a.step_seconds, "load_avg": os.getloadavg(),
-                       "results": results, "goals": goals})
+    print(
+        "goal: p50 <= 1 ms per evaluate: "
+        + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, (_, ok) in goals.items())
+    )
+    write_json(
+        a.out,
+        {
+            "steps": a.steps,
+            "step_seconds": a.step_seconds,
+            "load_avg": os.getloadavg(),
+            "results": results,
+            "goals": goals,
+        },
+    )
     return 0
 
 

@@ -86,12 +86,17 @@ def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)  # on an H200 ~1 ms a layer forward
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
+    )
     try:
         torch.manual_seed(0)
-        stages = [PipelineStage(torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers))).to(device),
-                                i, 2, device) for i in range(2)]
+        stages = [
+            PipelineStage(
+                torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers))).to(device), i, 2, device
+            )
+            for i in range(2)
+        ]
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=lambda out, y: ((out - y) ** 2).mean())
         params = [p for st in stages for p in st.submod.parameters()]
         optimizer = torch.optim.SGD(params, lr=1e-4)
@@ -102,7 +107,7 @@ def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
         times = {"on": [], "off": []}
         step = 0
         for pair in range(pairs):
-            for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
+            for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
                 if mode == "on":
                     watch.attach()
                     attach(collector)
@@ -126,17 +131,25 @@ def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
                     watch.detach()
                     detach(collector)
         summary = collector.last_summary or {}
-        result = {"clock": type(collector.clock).__name__, "unresolved_spans": collector.unresolved_spans,
-                  "errors": collector.errors, "summaries": collector.summaries,
-                  "step_seconds": summary.get("step_seconds"), "compute_seconds": summary.get("compute_seconds"),
-                  "bubble_ratio": summary.get("bubble_ratio"), "overhead_seconds": summary.get("overhead_seconds")}
+        result = {
+            "clock": type(collector.clock).__name__,
+            "unresolved_spans": collector.unresolved_spans,
+            "errors": collector.errors,
+            "summaries": collector.summaries,
+            "step_seconds": summary.get("step_seconds"),
+            "compute_seconds": summary.get("compute_seconds"),
+            "bubble_ratio": summary.get("bubble_ratio"),
+            "overhead_seconds": summary.get("overhead_seconds"),
+        }
         watch.close()
         collector.close()
     finally:
         dist.destroy_process_group()
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
-    result.update(median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"]))
+    result.update(
+        median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
+    )
     print(f"\ntorch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {device}")
     print_table(["measure", "value"], [[k, v] for k, v in result.items()])
     return result
@@ -147,11 +160,32 @@ def clean_exit_check(args: list[str], runs: int = 10) -> dict:
     import subprocess
 
     codes, failures = [], []
-    small = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64", "--seq-len", "16", "--steps", "6",
-             "--microbatches", "4", "--parwatch", "on"]
+    small = [
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--vocab",
+        "64",
+        "--seq-len",
+        "16",
+        "--steps",
+        "6",
+        "--microbatches",
+        "4",
+        "--parwatch",
+        "on",
+    ]
     for _ in range(runs):
-        proc = subprocess.run([sys.executable, "-m", "parwatch", "train", *args, *small], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent.parent, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "parwatch", "train", *args, *small],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            timeout=300,
+        )
         codes.append(proc.returncode)
         if proc.returncode != 0:
             failures.append(proc.stderr[-1500:])
@@ -172,8 +206,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--peak-flops", type=float, default=None,
-                    help="device peak FLOP/s at fp32 for MFU (default: known for H100/H200, else none)")
+    ap.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="device peak FLOP/s at fp32 for MFU (default: known for H100/H200, else none)",
+    )
     a = ap.parse_args()
     import torch
 
@@ -184,9 +222,26 @@ def main() -> int:
     result["nvml"] = nvml_check()
     if cuda:
         result["cuda_clock"] = cuda_clock_check()
-    model = ["--layers", "8", "--hidden", "1024" if cuda else "64", "--heads", "16" if cuda else "4",
-             "--seq-len", "512" if cuda else "32", "--micro-batch-size", "4", "--vocab", "8192" if cuda else "64",
-             "--microbatches", "8", "--schedule", "1f1b", "--steps", str(a.steps)]
+    model = [
+        "--layers",
+        "8",
+        "--hidden",
+        "1024" if cuda else "64",
+        "--heads",
+        "16" if cuda else "4",
+        "--seq-len",
+        "512" if cuda else "32",
+        "--micro-batch-size",
+        "4",
+        "--vocab",
+        "8192" if cuda else "64",
+        "--microbatches",
+        "8",
+        "--schedule",
+        "1f1b",
+        "--steps",
+        str(a.steps),
+    ]
     args = layout(ngpus) + model + ["--backend", "nccl" if cuda else "gloo"]
     peak = a.peak_flops
     if peak is None and cuda and any(n in torch.cuda.get_device_name(0) for n in ("H100", "H200")):
@@ -197,7 +252,7 @@ def main() -> int:
     times = {"off": [], "on": []}
     summary_on = None
     for r in range(a.rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
             with tempfile.TemporaryDirectory() as log_dir:
                 # --parwatch off with a log directory is a usage error: an endpoint or log implies on.
                 watch = ["--parwatch-log", log_dir] if mode == "on" else ["--parwatch", "off"]
@@ -206,28 +261,50 @@ def main() -> int:
                 if mode == "on":
                     summary_on = s
                     lines = (Path(log_dir) / "summaries.jsonl").read_text().splitlines()
-                    result["last_summaries"] = [json.loads(x) for x in lines[-len(s["stages"]) * 2:]]
+                    result["last_summaries"] = [json.loads(x) for x in lines[-len(s["stages"]) * 2 :]]
     print("\nbubble per stage (collector on, real compute)")
-    print_table(["stage", "measured", "theory", "compute s", "idle s"],
-                [[st["stage"], st["bubble_ratio"], st["bubble_theoretical_ratio"], st["compute_seconds"],
-                  st["idle_seconds"]] for st in summary_on["stages"]])
+    print_table(
+        ["stage", "measured", "theory", "compute s", "idle s"],
+        [
+            [st["stage"], st["bubble_ratio"], st["bubble_theoretical_ratio"], st["compute_seconds"], st["idle_seconds"]]
+            for st in summary_on["stages"]
+        ],
+    )
     print("\ncollectives seen by rank 0")
-    print_table(["op", "group", "count", "mean s", "busbw B/s"],
-                [[c["op"], c["group"], c["count"], c["mean_seconds"], c["busbw_bytes_per_second"]]
-                 for c in summary_on["collectives_rank0"]])
+    print_table(
+        ["op", "group", "count", "mean s", "busbw B/s"],
+        [
+            [c["op"], c["group"], c["count"], c["mean_seconds"], c["busbw_bytes_per_second"]]
+            for c in summary_on["collectives_rank0"]
+        ],
+    )
     mfu = [x.get("model_flops_utilization_ratio") for x in result["last_summaries"]]
     if any(m is not None for m in mfu):
         print(f"\nMFU per rank (last summaries, peak {peak:g} FLOP/s): {mfu}")
     gpu = [x.get("gpu") for x in result["last_summaries"] if x.get("gpu")]
     if gpu:
         print("\nNVML per step (last summaries)")
-        print_table(["rank gpu", "util", "mem used B", "power W", "SM Hz", "temp C"],
-                    [[g.get("index"), g.get("utilization_ratio"), g.get("memory_used_bytes"), g.get("power_watts"),
-                      g.get("sm_clock_hertz"), g.get("temperature_celsius")] for g in gpu])
+        print_table(
+            ["rank gpu", "util", "mem used B", "power W", "SM Hz", "temp C"],
+            [
+                [
+                    g.get("index"),
+                    g.get("utilization_ratio"),
+                    g.get("memory_used_bytes"),
+                    g.get("power_watts"),
+                    g.get("sm_clock_hertz"),
+                    g.get("temperature_celsius"),
+                ]
+                for g in gpu
+            ],
+        )
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"\ncollector overhead: median step off {off:.4f} s, on {on:.4f} s, ratio {on / off:.4f}")
-    result.update(stages=summary_on["stages"], collectives=summary_on["collectives_rank0"],
-                  overhead={"median_off_s": off, "median_on_s": on, "ratio": on / off})
+    result.update(
+        stages=summary_on["stages"],
+        collectives=summary_on["collectives_rank0"],
+        overhead={"median_off_s": off, "median_on_s": on, "ratio": on / off},
+    )
     result["torch_pipelining"] = pipelining_check(cuda)
     result["clean_exit"] = clean_exit_check(layout(ngpus) + ["--backend", "nccl" if cuda else "gloo"])
     out = Path(a.out) / "gpu_check.json"

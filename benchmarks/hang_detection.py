@@ -52,15 +52,24 @@ PER_NODE = 8
 
 # ----------------------------------------------------------------------------- real runs
 
+
 def one_real_run(where: str, workdir: Path, timeout: float = 180.0) -> dict:
     from tests.integration.e2e_util import running_trainer, synthetic, token_args
 
     flags, nproc, rank, stage, kind = PLACES[where]
     state = workdir / "state"
     with running_sidecar(state) as sidecar:
-        with running_trainer(sidecar.control_url, workdir / "run", 1000, *synthetic(2, 4), *flags,
-                             *token_args(sidecar), "--inject", f"hang:rank={rank},step=5,where={where}",
-                             nproc=nproc) as run:
+        with running_trainer(
+            sidecar.control_url,
+            workdir / "run",
+            1000,
+            *synthetic(2, 4),
+            *flags,
+            *token_args(sidecar),
+            "--inject",
+            f"hang:rank={rank},step=5,where={where}",
+            nproc=nproc,
+        ) as run:
             deadline = time.monotonic() + timeout
             found = []
             while not found and time.monotonic() < deadline:
@@ -75,9 +84,17 @@ def one_real_run(where: str, workdir: Path, timeout: float = 180.0) -> dict:
     # From the block (logged by the injection); the culprit's span start if the log line is missing.
     seconds = round(d["time"] - (blocked_at if blocked_at is not None else c["since"]), 3)
     bound = d["evidence"].get("bound_seconds")
-    return {"where": where, "named": right, "seconds": seconds, "bound_seconds": bound,
-            "within_bound": bound is not None and seconds <= bound, "blocked_at": blocked_at,
-            "stalled_since": d["evidence"].get("stalled_since"), "culprit": c, "reason": d["reason"]}
+    return {
+        "where": where,
+        "named": right,
+        "seconds": seconds,
+        "bound_seconds": bound,
+        "within_bound": bound is not None and seconds <= bound,
+        "blocked_at": blocked_at,
+        "stalled_since": d["evidence"].get("stalled_since"),
+        "culprit": c,
+        "reason": d["reason"],
+    }
 
 
 def real_runs(runs: int) -> dict:
@@ -87,15 +104,23 @@ def real_runs(runs: int) -> dict:
             with tempfile.TemporaryDirectory(prefix="parwatch-hang-") as tmp:
                 r = one_real_run(where, Path(tmp))
             results.append(r)
-            print(f"{where:<11} run {i + 1}: named={r['named']} time_to_name={r['seconds']} s "
-                  f"(bound {r.get('bound_seconds')} s, within={r.get('within_bound')})", flush=True)
+            print(
+                f"{where:<11} run {i + 1}: named={r['named']} time_to_name={r['seconds']} s "
+                f"(bound {r.get('bound_seconds')} s, within={r.get('within_bound')})",
+                flush=True,
+            )
     by_place = {w: [r["seconds"] for r in results if r["where"] == w and r["seconds"] is not None] for w in PLACES}
-    return {"runs": results, "named_right": sum(r["named"] for r in results), "total": len(results),
-            "within_bound": sum(bool(r.get("within_bound")) for r in results),
-            "time_to_name_max_seconds": {w: max(v) if v else None for w, v in by_place.items()}}
+    return {
+        "runs": results,
+        "named_right": sum(r["named"] for r in results),
+        "total": len(results),
+        "within_bound": sum(bool(r.get("within_bound")) for r in results),
+        "time_to_name_max_seconds": {w: max(v) if v else None for w, v in by_place.items()},
+    }
 
 
 # ----------------------------------------------------------------------------- simulation
+
 
 def _layout(ranks: int) -> Layout:
     tp = 8 if ranks % 8 == 0 else 1
@@ -107,15 +132,41 @@ STEP_MARK, TIME_MARK, END_MARK = 987654321, 1234567890.0625, 1234567890.1875
 STEP_TEXT, TIME_TEXT, END_TEXT = str(STEP_MARK).encode(), repr(TIME_MARK).encode(), repr(END_MARK).encode()
 
 
-def _row(rank: int, lay: Layout, step: int, kind: str, op=None, group=None, since=0.0, now=0.0,
-         step_end=None) -> list:
+def _row(rank: int, lay: Layout, step: int, kind: str, op=None, group=None, since=0.0, now=0.0, step_end=None) -> list:
     tp, pp = lay.tp, lay.pp
-    return list(Activity(rank, "running", kind, op, group, None, None, since, step, 0.5, 100_000 + rank,
-                         f"node{rank // PER_NODE}", (rank // tp) % pp, rank % tp, rank // (tp * pp), now, step_end))
+    return list(
+        Activity(
+            rank,
+            "running",
+            kind,
+            op,
+            group,
+            None,
+            None,
+            since,
+            step,
+            0.5,
+            100_000 + rank,
+            f"node{rank // PER_NODE}",
+            (rank // tp) % pp,
+            rank % tp,
+            rank // (tp * pp),
+            now,
+            step_end,
+        )
+    )
 
 
-async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connections: int, hung: int,
-                   token: str = "", state_dir: Path | None = None) -> dict:
+async def simulate(
+    control_url: str,
+    pid: int,
+    ranks: int,
+    warmup: float,
+    connections: int,
+    hung: int,
+    token: str = "",
+    state_dir: Path | None = None,
+) -> dict:
     lay = _layout(ranks)
     nodes = ranks // PER_NODE
     host, port = control_url.removeprefix("http://").split(":")
@@ -135,10 +186,30 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
             elif r == hung:
                 rows.append(_row(r, lay, STEP_MARK, "backward", since=hang_at, now=TIME_MARK, step_end=END_MARK))
             else:
-                rows.append(_row(r, lay, STEP_MARK, "collective", "all_reduce", "world", since=hang_at, now=TIME_MARK,
-                                 step_end=END_MARK))
-        return json.dumps({"version": 1, "node": f"node{node}", "run_id": "sim", "time": TIME_MARK,
-                           "layout": [lay.tp, lay.pp, lay.dp], "rows": rows}, separators=(",", ":")).encode()
+                rows.append(
+                    _row(
+                        r,
+                        lay,
+                        STEP_MARK,
+                        "collective",
+                        "all_reduce",
+                        "world",
+                        since=hang_at,
+                        now=TIME_MARK,
+                        step_end=END_MARK,
+                    )
+                )
+        return json.dumps(
+            {
+                "version": 1,
+                "node": f"node{node}",
+                "run_id": "sim",
+                "time": TIME_MARK,
+                "layout": [lay.tp, lay.pp, lay.dp],
+                "rows": rows,
+            },
+            separators=(",", ":"),
+        ).encode()
 
     # Encoded before the clock starts: a node sidecar serialises its digest on its own machine, and
     # encoding 2,048 digests/s here took most of a core from the leader's two.
@@ -146,8 +217,11 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
 
     def body(node: int, now: float) -> bytes:
         raw = templates[(node, now >= hang_at)]
-        return (raw.replace(STEP_TEXT, str(state["step"]).encode()).replace(TIME_TEXT, repr(now).encode())
-                .replace(END_TEXT, repr(state["step_end"]).encode()))
+        return (
+            raw.replace(STEP_TEXT, str(state["step"]).encode())
+            .replace(TIME_TEXT, repr(now).encode())
+            .replace(END_TEXT, repr(state["step_end"]).encode())
+        )
 
     async def node_loop(node: int):
         await asyncio.sleep(node / nodes)  # spread the nodes over the second
@@ -195,13 +269,20 @@ async def simulate(control_url: str, pid: int, ranks: int, warmup: float, connec
     for t in tasks:
         t.cancel()
     culprit = decision["evidence"]["culprit"] or {"rank": None}  # None: the leader did not see the culprit's node
-    return {"ranks": ranks, "nodes": nodes, "digests_per_second": nodes,
-            "hang_named_seconds": round(named_after, 3), "culprit_rank": culprit["rank"],
-            "named_right": culprit["rank"] == hung, "bound_seconds": decision["evidence"]["bound_seconds"],
-            "leader_hang_status_seconds": round(status_seconds, 4),
-            "leader_ingest_seconds_p50": percentile(latencies, 50),
-            "leader_ingest_seconds_p99": percentile(latencies, 99), "digests_sent": len(latencies),
-            "leader_rss_bytes": int(max(rss) * 1024 * 1024) if rss else None}
+    return {
+        "ranks": ranks,
+        "nodes": nodes,
+        "digests_per_second": nodes,
+        "hang_named_seconds": round(named_after, 3),
+        "culprit_rank": culprit["rank"],
+        "named_right": culprit["rank"] == hung,
+        "bound_seconds": decision["evidence"]["bound_seconds"],
+        "leader_hang_status_seconds": round(status_seconds, 4),
+        "leader_ingest_seconds_p50": percentile(latencies, 50),
+        "leader_ingest_seconds_p99": percentile(latencies, 99),
+        "digests_sent": len(latencies),
+        "leader_rss_bytes": int(max(rss) * 1024 * 1024) if rss else None,
+    }
 
 
 def handler_timing(ranks: int, rounds: int = 3) -> dict:
@@ -217,10 +298,20 @@ def handler_timing(ranks: int, rounds: int = 3) -> dict:
         for step in range(1, rounds + 1):
             now = time.time()
             for node in range(ranks // PER_NODE):
-                rows = [_row(r, lay, step, "forward", since=now, now=now)
-                        for r in range(node * PER_NODE, (node + 1) * PER_NODE)]
-                body = json.dumps({"version": 1, "node": f"node{node}", "run_id": "sim", "time": now,
-                                   "layout": [lay.tp, lay.pp, lay.dp], "rows": rows}).encode()
+                rows = [
+                    _row(r, lay, step, "forward", since=now, now=now)
+                    for r in range(node * PER_NODE, (node + 1) * PER_NODE)
+                ]
+                body = json.dumps(
+                    {
+                        "version": 1,
+                        "node": f"node{node}",
+                        "run_id": "sim",
+                        "time": now,
+                        "layout": [lay.tp, lay.pp, lay.dp],
+                        "rows": rows,
+                    }
+                ).encode()
                 t0 = time.perf_counter()
                 hub.digest(json.loads(body))
                 times.append(time.perf_counter() - t0)
@@ -230,10 +321,13 @@ def handler_timing(ranks: int, rounds: int = 3) -> dict:
         t0 = time.perf_counter()
         found = hub.monitor.check(hub.rows())  # the full analysis over every rank, as on a stall
         analysis = time.perf_counter() - t0
-    return {"leader_digest_handler_seconds_p50": percentile(times, 50),
-            "leader_digest_handler_seconds_p99": percentile(times, 99),
-            "leader_tick_seconds_max": max(check), "leader_hang_analysis_seconds": analysis,
-            "analysis_findings": len(found)}
+    return {
+        "leader_digest_handler_seconds_p50": percentile(times, 50),
+        "leader_digest_handler_seconds_p99": percentile(times, 99),
+        "leader_tick_seconds_max": max(check),
+        "leader_hang_analysis_seconds": analysis,
+        "analysis_findings": len(found),
+    }
 
 
 def simulation(ranks: int, warmup: float, connections: int) -> dict:
@@ -247,8 +341,18 @@ def simulation(ranks: int, warmup: float, connections: int) -> dict:
     gc.freeze()
     with tempfile.TemporaryDirectory(prefix="parwatch-hang-sim-") as tmp:
         with running_sidecar(Path(tmp) / "state") as sidecar:
-            return asyncio.run(simulate(sidecar.control_url, sidecar.pid, ranks, warmup, connections,
-                                        hung=ranks * 9 // 16 + 3, token=sidecar.token, state_dir=Path(tmp) / "state"))
+            return asyncio.run(
+                simulate(
+                    sidecar.control_url,
+                    sidecar.pid,
+                    ranks,
+                    warmup,
+                    connections,
+                    hung=ranks * 9 // 16 + 3,
+                    token=sidecar.token,
+                    state_dir=Path(tmp) / "state",
+                )
+            )
 
 
 def main(argv=None) -> int:

@@ -129,15 +129,35 @@ def main() -> int:
         warm = cold(cases, a.calls, 0.0, sink.spans.clear)
     finally:
         dist.destroy_process_group()
-    pairs = {"compute: with registry.span": "compute: bare call", "compute: integration wrapper": "compute: bare call",
-             "send: integration wrappers": "send: bare builder, post, wait"}
+    pairs = {
+        "compute: with registry.span": "compute: bare call",
+        "compute: integration wrapper": "compute: bare call",
+        "send: integration wrappers": "send: bare builder, post, wait",
+    }
     added = {name: medians[name] - medians[bare] for name, bare in pairs.items()}
     added_warm = {name: warm[name] - warm[bare] for name, bare in pairs.items()}
     rows = [[name, value, added.get(name, ""), warm[name], added_warm.get(name, "")] for name, value in medians.items()]
-    print_table(["case", f"thread CPU per call after a {a.sleep_ms:g} ms sleep (us, median)", "added over bare (us)",
-                 "warm: no sleep (us)", "added, warm (us)"], rows)
-    write_json(a.out, {"calls": a.calls, "sleep_ms": a.sleep_ms, "median_us": medians, "added_us": added,
-                       "warm_median_us": warm, "warm_added_us": added_warm})
+    print_table(
+        [
+            "case",
+            f"thread CPU per call after a {a.sleep_ms:g} ms sleep (us, median)",
+            "added over bare (us)",
+            "warm: no sleep (us)",
+            "added, warm (us)",
+        ],
+        rows,
+    )
+    write_json(
+        a.out,
+        {
+            "calls": a.calls,
+            "sleep_ms": a.sleep_ms,
+            "median_us": medians,
+            "added_us": added,
+            "warm_median_us": warm,
+            "warm_added_us": added_warm,
+        },
+    )
     return 0
 
 

@@ -53,8 +53,14 @@ from tests.distutil import run_ranks  # noqa: E402
 WORKLOADS = {  # name -> example argv
     "1f1b p=2 m=8, 5/10 ms": ["--schedule", "1f1b", "--microbatches", "8", "--synthetic-ms", "5,10"],
     "zbv p=2 m=8, 5/10 ms (F, I, W split)": ["--schedule", "zbv", "--microbatches", "8", "--synthetic-ms", "5,10"],
-    "interleaved1f1b p=2 m=8 v=2, 5/10 ms": ["--schedule", "interleaved1f1b", "--microbatches", "8",
-                                             "--synthetic-ms", "5,10"],
+    "interleaved1f1b p=2 m=8 v=2, 5/10 ms": [
+        "--schedule",
+        "interleaved1f1b",
+        "--microbatches",
+        "8",
+        "--synthetic-ms",
+        "5,10",
+    ],
 }
 WARMUP = 3  # pairs dropped at the start
 VARIANTS = {  # --breakdown: what "on" keeps
@@ -68,8 +74,9 @@ VARIANTS = {  # --breakdown: what "on" keeps
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("torch_pipelining_example",
-                                                  os.path.join(ROOT, "examples", "torch_pipelining.py"))
+    spec = importlib.util.spec_from_file_location(
+        "torch_pipelining_example", os.path.join(ROOT, "examples", "torch_pipelining.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -89,8 +96,9 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
     watch = PipelineWatch(schedule, run_id="overhead")
     watch.detach()
     if variant in ("full", "no_shipper"):
-        collector = Collector(watch.run_context(),
-                              log_path=os.path.join(log_dir, "summaries.jsonl") if variant == "full" else None)
+        collector = Collector(
+            watch.run_context(), log_path=os.path.join(log_dir, "summaries.jsonl") if variant == "full" else None
+        )
     else:
         collector = Observer() if variant == "null_observer" else None
 
@@ -101,12 +109,13 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
         def detach(observer):  # noqa: F811
             if observer is not None:
                 registry.unregister(observer)
+
     times = {"on": [], "off": []}
     cpu = {"on": [], "off": []}
     boundary_cpu, boundary_wall, schedule_cpu = [], [], {"on": [], "off": []}
     step = 0
     for pair in range(pairs):
-        for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
+        for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
             on = mode == "on" and variant != "a_a"
             if on:
                 if variant != "boundary_only":
@@ -141,8 +150,13 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
     watch.close()
     if hasattr(collector, "close"):
         collector.close()
-    return {"times": times, "cpu": cpu, "boundary_cpu": boundary_cpu, "boundary_wall": boundary_wall,
-            "schedule_cpu": schedule_cpu}
+    return {
+        "times": times,
+        "cpu": cpu,
+        "boundary_cpu": boundary_cpu,
+        "boundary_wall": boundary_wall,
+        "schedule_cpu": schedule_cpu,
+    }
 
 
 def workloads(synthetic_ms: str = "") -> dict:
@@ -174,14 +188,39 @@ def overhead(pairs: int, only: str = "", synthetic_ms: str = "") -> tuple[list, 
         # step_done's time includes waiting for the other rank's flush; its least is the all-reduce's own.
         bnd = min(b for r in per_rank for b in r["boundary_wall"])
         paired, low, high = paired_ratio(per_rank)
-        rows.append([name, off, on, on / off, f"{paired:.4f} [{low:.4f}, {high:.4f}]", cpu_off * 1e6, cpu_on * 1e6,
-                     (cpu_on - cpu_off) * 1e6, bnd_cpu * 1e6, bnd, f"{stolen:.0%}"])
-        results.append({"workload": name, "median_step_off_s": off, "median_step_on_s": on, "ratio": on / off,
-                        "paired_ratio_median": paired, "paired_ratio_95ci": [low, high],
-                        "step_off_s": slower_rank_steps(per_rank, "off"), "step_on_s": slower_rank_steps(per_rank, "on"),
-                        "thread_cpu_per_step_off_us": cpu_off * 1e6, "thread_cpu_per_step_on_us": cpu_on * 1e6,
-                        "step_done_thread_cpu_us": bnd_cpu * 1e6, "least_step_done_s": bnd,
-                        "steps_per_mode": len(per_rank[0]["times"]["on"]), "cpu_stolen_share": stolen})
+        rows.append(
+            [
+                name,
+                off,
+                on,
+                on / off,
+                f"{paired:.4f} [{low:.4f}, {high:.4f}]",
+                cpu_off * 1e6,
+                cpu_on * 1e6,
+                (cpu_on - cpu_off) * 1e6,
+                bnd_cpu * 1e6,
+                bnd,
+                f"{stolen:.0%}",
+            ]
+        )
+        results.append(
+            {
+                "workload": name,
+                "median_step_off_s": off,
+                "median_step_on_s": on,
+                "ratio": on / off,
+                "paired_ratio_median": paired,
+                "paired_ratio_95ci": [low, high],
+                "step_off_s": slower_rank_steps(per_rank, "off"),
+                "step_on_s": slower_rank_steps(per_rank, "on"),
+                "thread_cpu_per_step_off_us": cpu_off * 1e6,
+                "thread_cpu_per_step_on_us": cpu_on * 1e6,
+                "step_done_thread_cpu_us": bnd_cpu * 1e6,
+                "least_step_done_s": bnd,
+                "steps_per_mode": len(per_rank[0]["times"]["on"]),
+                "cpu_stolen_share": stolen,
+            }
+        )
         print(f"{name}: done", flush=True)
     return rows, results
 
@@ -201,7 +240,7 @@ def paired_ratio(per_rank: list) -> tuple[float, float, float]:
     (order statistics n/2 -+ 0.98 sqrt(n))."""
     ratios = sorted(on / off for on, off in zip(slower_rank_steps(per_rank, "on"), slower_rank_steps(per_rank, "off")))
     n = len(ratios)
-    k = max(0, int((n - 1.96 * n ** 0.5) / 2))
+    k = max(0, int((n - 1.96 * n**0.5) / 2))
     return statistics.median(ratios), ratios[k], ratios[n - 1 - k]
 
 
@@ -215,19 +254,44 @@ def breakdown(pairs: int, only: str = "", synthetic_ms: str = "") -> tuple[list,
             with tempfile.TemporaryDirectory() as log_dir:
                 per_rank = run_ranks(alternate, 2, argv, pairs, log_dir, variant, timeout=600)
             # Per rank: median on - median off of the schedule's CPU; the larger rank's.
-            added = max(statistics.median(r["schedule_cpu"]["on"]) - statistics.median(r["schedule_cpu"]["off"])
-                        for r in per_rank)
+            added = max(
+                statistics.median(r["schedule_cpu"]["on"]) - statistics.median(r["schedule_cpu"]["off"])
+                for r in per_rank
+            )
             bnd_cpu = max(statistics.median(r["boundary_cpu"]) for r in per_rank)
             ratio = slower_rank_median(per_rank, "on") / slower_rank_median(per_rank, "off")
             paired, low, high = paired_ratio(per_rank)
-            rows.append([name, variant, ratio, f"{paired:.4f} [{low:.4f}, {high:.4f}]", added * 1e6, bnd_cpu * 1e6,
-                         (added + bnd_cpu) * 1e6])
-            results.append({"workload": name, "variant": variant, "what_on_keeps": VARIANTS[variant],
-                            "wall_ratio": ratio, "paired_ratio_median": paired, "paired_ratio_95ci": [low, high],
-                            "schedule_thread_cpu_added_us": added * 1e6, "step_done_thread_cpu_us": bnd_cpu * 1e6,
-                            "per_rank": [{"schedule_cpu_on_s": r["schedule_cpu"]["on"],
-                                          "schedule_cpu_off_s": r["schedule_cpu"]["off"],
-                                          "step_done_cpu_s": r["boundary_cpu"]} for r in per_rank]})
+            rows.append(
+                [
+                    name,
+                    variant,
+                    ratio,
+                    f"{paired:.4f} [{low:.4f}, {high:.4f}]",
+                    added * 1e6,
+                    bnd_cpu * 1e6,
+                    (added + bnd_cpu) * 1e6,
+                ]
+            )
+            results.append(
+                {
+                    "workload": name,
+                    "variant": variant,
+                    "what_on_keeps": VARIANTS[variant],
+                    "wall_ratio": ratio,
+                    "paired_ratio_median": paired,
+                    "paired_ratio_95ci": [low, high],
+                    "schedule_thread_cpu_added_us": added * 1e6,
+                    "step_done_thread_cpu_us": bnd_cpu * 1e6,
+                    "per_rank": [
+                        {
+                            "schedule_cpu_on_s": r["schedule_cpu"]["on"],
+                            "schedule_cpu_off_s": r["schedule_cpu"]["off"],
+                            "step_done_cpu_s": r["boundary_cpu"],
+                        }
+                        for r in per_rank
+                    ],
+                }
+            )
             print(f"{name} / {variant}: done", flush=True)
     return rows, results
 
@@ -253,11 +317,28 @@ def fidelity() -> tuple[list, list]:
                 deviations = [measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values()]
                 plain = [measured[rank] - mean_replay[rank] for measured, _, _, _ in steps.values()]
                 host = statistics.median(h[rank] for _, _, h, _ in steps.values())
-                rows.append([schedule, rank, min(deviations), statistics.median(deviations), max(deviations),
-                             statistics.median(plain), host * 1e3, "-" if formula is None else formula])
-                results.append({"schedule": schedule, "rank": rank, "deviation_per_step": deviations,
-                                "deviation_from_mean_time_replay_per_step": plain,
-                                "host_s_per_action_median": host, "formula": formula})
+                rows.append(
+                    [
+                        schedule,
+                        rank,
+                        min(deviations),
+                        statistics.median(deviations),
+                        max(deviations),
+                        statistics.median(plain),
+                        host * 1e3,
+                        "-" if formula is None else formula,
+                    ]
+                )
+                results.append(
+                    {
+                        "schedule": schedule,
+                        "rank": rank,
+                        "deviation_per_step": deviations,
+                        "deviation_from_mean_time_replay_per_step": plain,
+                        "host_s_per_action_median": host,
+                        "formula": formula,
+                    }
+                )
     return rows, results
 
 
@@ -273,11 +354,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=40, help=f"on/off step pairs (the first {WARMUP} are dropped)")
     ap.add_argument("--only", default="", help="run the workloads whose name contains this")
-    ap.add_argument("--synthetic-ms", default="",
-                    help="F,B: every stage's forward/backward ms per microbatch instead of 5,10 (the added cost is "
-                         "mostly fixed per action and per step, so the ratio falls as they grow)")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="also the added CPU per component (on cut down in turn, see VARIANTS)")
+    ap.add_argument(
+        "--synthetic-ms",
+        default="",
+        help="F,B: every stage's forward/backward ms per microbatch instead of 5,10 (the added cost is "
+        "mostly fixed per action and per step, so the ratio falls as they grow)",
+    )
+    ap.add_argument(
+        "--breakdown", action="store_true", help="also the added CPU per component (on cut down in turn, see VARIANTS)"
+    )
     ap.add_argument("--fidelity", action="store_true", help="also the bubble-vs-replay table (every class)")
     ap.add_argument("--out", default="benchmarks/results/integration_overhead.json")
     a = ap.parse_args()
@@ -287,23 +372,55 @@ def main() -> int:
         ap.error(f"--synthetic-ms {a.synthetic_ms!r}: give forward,backward ms per microbatch, both > 0 (e.g. 20,40)")
     rows, results = overhead(a.pairs, a.only, a.synthetic_ms)
     print()
-    print_table(["workload", "median step off (s)", "on (s)", "on/off", "paired on/off [95% CI]",
-                 "thread CPU/step off (us)", "on (us)",
-                 "added (us)", "step_done CPU (us)", "boundary all-reduce (s, least)",
-                 "CPU stolen by the hypervisor"], rows)
+    print_table(
+        [
+            "workload",
+            "median step off (s)",
+            "on (s)",
+            "on/off",
+            "paired on/off [95% CI]",
+            "thread CPU/step off (us)",
+            "on (us)",
+            "added (us)",
+            "step_done CPU (us)",
+            "boundary all-reduce (s, least)",
+            "CPU stolen by the hypervisor",
+        ],
+        rows,
+    )
     payload = {"pairs": a.pairs, "warmup_pairs": WARMUP, "results": results}
     if a.breakdown:
         brows, bresults = breakdown(a.pairs, a.only, a.synthetic_ms)
         print()
-        print_table(["workload", "on keeps", "on/off (wall)", "paired on/off [95% CI]",
-                     "schedule step: added thread CPU (us)", "step_done CPU (us)",
-                     "total added (us)"], brows)
+        print_table(
+            [
+                "workload",
+                "on keeps",
+                "on/off (wall)",
+                "paired on/off [95% CI]",
+                "schedule step: added thread CPU (us)",
+                "step_done CPU (us)",
+                "total added (us)",
+            ],
+            brows,
+        )
         payload["breakdown"] = bresults
     if a.fidelity:
         frows, fresults = fidelity()
         print()
-        print_table(["schedule", "rank", "measured - replay: least", "median", "most",
-                     "median - mean-time replay (no host, no p2p)", "host ms/action", "formula"], frows)
+        print_table(
+            [
+                "schedule",
+                "rank",
+                "measured - replay: least",
+                "median",
+                "most",
+                "median - mean-time replay (no host, no p2p)",
+                "host ms/action",
+                "formula",
+            ],
+            frows,
+        )
         payload["fidelity"] = fresults
     write_json(a.out, payload)
     return 0

@@ -31,10 +31,21 @@ from parwatch.sidecar.process import running_sidecar  # noqa: E402
 
 def _digest(node: int, step: int, now: float) -> bytes:
     lay = _layout(16384)
-    rows = [_row(r, lay, step, "forward", since=now, now=now, step_end=now)
-            for r in range(node * PER_NODE, (node + 1) * PER_NODE)]
-    return json.dumps({"version": 1, "node": f"node{node}", "run_id": "sim", "time": now,
-                       "layout": [lay.tp, lay.pp, lay.dp], "rows": rows}, separators=(",", ":")).encode()
+    rows = [
+        _row(r, lay, step, "forward", since=now, now=now, step_end=now)
+        for r in range(node * PER_NODE, (node + 1) * PER_NODE)
+    ]
+    return json.dumps(
+        {
+            "version": 1,
+            "node": f"node{node}",
+            "run_id": "sim",
+            "time": now,
+            "layout": [lay.tp, lay.pp, lay.dp],
+            "rows": rows,
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 async def _drive(url: str, token: str, pid: int, posts: int, connections: int) -> dict:
@@ -58,8 +69,11 @@ async def _drive(url: str, token: str, pid: int, posts: int, connections: int) -
     cpu, t0, jiffies = cpu_seconds(pid), time.perf_counter(), cpu_jiffies()
     await asyncio.gather(*(worker(c) for c in conns))
     elapsed = time.perf_counter() - t0
-    return {"posts_per_s": posts / elapsed, "sidecar_cpu_ms_per_post": (cpu_seconds(pid) - cpu) / posts * 1e3,
-            "cpu_stolen_share": stolen_share(jiffies, cpu_jiffies())}
+    return {
+        "posts_per_s": posts / elapsed,
+        "sidecar_cpu_ms_per_post": (cpu_seconds(pid) - cpu) / posts * 1e3,
+        "cpu_stolen_share": stolen_share(jiffies, cpu_jiffies()),
+    }
 
 
 def main(argv=None) -> int:
@@ -74,8 +88,11 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp, running_sidecar(Path(tmp) / "state") as sp:
             runs.append(asyncio.run(_drive(sp.control_url, sp.token, sp.pid, args.posts, args.connections)))
         r = runs[-1]
-        print(f"run {i + 1}/{args.runs}: {r['sidecar_cpu_ms_per_post']:.3f} ms of sidecar CPU per digest, "
-              f"{r['posts_per_s']:.0f} posts/s, stolen CPU {r['cpu_stolen_share']:.0%}", flush=True)
+        print(
+            f"run {i + 1}/{args.runs}: {r['sidecar_cpu_ms_per_post']:.3f} ms of sidecar CPU per digest, "
+            f"{r['posts_per_s']:.0f} posts/s, stolen CPU {r['cpu_stolen_share']:.0%}",
+            flush=True,
+        )
     write_json(args.out, {"posts": args.posts, "connections": args.connections, "runs": runs})
     return 0
 

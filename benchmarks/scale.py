@@ -37,8 +37,9 @@ from parwatch.contract import BoundaryKind, HookRegistry, SpanKind, StepBoundary
 
 
 def _rank(rank: int, a, registry: HookRegistry, reduce) -> tuple[StepBoundary, Collector]:
-    ctx = RunContext.for_rank("scale-run", rank, tp=a.tp, pp=a.pp, dp=a.ranks // (a.tp * a.pp), schedule="1f1b",
-                              microbatches=a.microbatches)
+    ctx = RunContext.for_rank(
+        "scale-run", rank, tp=a.tp, pp=a.pp, dp=a.ranks // (a.tp * a.pp), schedule="1f1b", microbatches=a.microbatches
+    )
     collector = attach(Collector(ctx, span_sample_steps=None), registry)
     last = ctx.stage == a.pp - 1 and ctx.tp_rank == 0
     return StepBoundary(rank, ctx.world_size, ctx.run_id, reduce, reports_loss=last, registry=registry), collector
@@ -90,9 +91,12 @@ def rank0_boundary(a) -> dict:
     assert g is not None and sum(s["ranks"] for s in g["stages"]) == world, "every rank must be in the view"
     collector.close(timeout=1)
     times.sort()
-    return {"rank0_boundary_seconds_p50": statistics.median(times),
-            "rank0_boundary_seconds_p99": times[int(0.99 * (len(times) - 1))],
-            "boundary_bytes_per_rank": width * 8, "boundary_floats": width}
+    return {
+        "rank0_boundary_seconds_p50": statistics.median(times),
+        "rank0_boundary_seconds_p99": times[int(0.99 * (len(times) - 1))],
+        "boundary_bytes_per_rank": width * 8,
+        "boundary_floats": width,
+    }
 
 
 LEADER_GOALS = {"leader_ingest_seconds_p99": 0.010, "leader_rss_bytes": 250e6, "hang_named_seconds": 10.0}
@@ -114,10 +118,13 @@ def leader(a) -> dict:
         run["load_avg_after"] = os.getloadavg()[0]
         run.pop("ranks", None)
         runs.append(run)
-        print(f"leader run {i + 1}/{a.runs}: ingest p99 {run['leader_ingest_seconds_p99'] * 1e3:.1f} ms, "
-              f"hang named after {run['hang_named_seconds']} s (right rank: {run['named_right']}), "
-              f"RSS {run['leader_rss_bytes'] / 1e6:.0f} MB, stolen CPU {run['leader_cpu_stolen_share']:.0%}, "
-              f"load average {run['load_avg_after']:.1f}", flush=True)
+        print(
+            f"leader run {i + 1}/{a.runs}: ingest p99 {run['leader_ingest_seconds_p99'] * 1e3:.1f} ms, "
+            f"hang named after {run['hang_named_seconds']} s (right rank: {run['named_right']}), "
+            f"RSS {run['leader_rss_bytes'] / 1e6:.0f} MB, stolen CPU {run['leader_cpu_stolen_share']:.0%}, "
+            f"load average {run['load_avg_after']:.1f}",
+            flush=True,
+        )
     goals = {k: [limit, all(r[k] is not None and r[k] <= limit for r in runs)] for k, limit in LEADER_GOALS.items()}
     goals["named_right"] = [True, all(r["named_right"] for r in runs)]
     result = {"leader_runs": runs, "leader_goals": goals, **hang_detection.handler_timing(a.ranks)}
@@ -145,8 +152,11 @@ def main() -> None:
     if not a.leader_only:
         result.update(rank0_boundary(a))
     result.update(leader(a))
-    rows = [[k, f"{v * 1e3:.3f} ms" if isinstance(v, float) and ("_seconds_p" in k or k.endswith("_max")) else v]
-            for k, v in result.items() if k not in ("leader_runs", "leader_goals")]
+    rows = [
+        [k, f"{v * 1e3:.3f} ms" if isinstance(v, float) and ("_seconds_p" in k or k.endswith("_max")) else v]
+        for k, v in result.items()
+        if k not in ("leader_runs", "leader_goals")
+    ]
     print_table(["measure", "value"], rows)
     met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["leader_goals"].items())
     print(f"leader goals met in every run ({a.runs}): {met}")

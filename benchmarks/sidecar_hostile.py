@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmarks.sidecar_load import percentile, rss_mb  # noqa: E402
 from common import write_json  # noqa: E402
+
+from benchmarks.sidecar_load import percentile, rss_mb  # noqa: E402
 from parwatch.sidecar import synthetic as syn  # noqa: E402
 from parwatch.sidecar.process import running_sidecar  # noqa: E402
 
@@ -46,8 +47,22 @@ GOALS = {"healthz_p99_ms": 100.0, "rss_mb": 300.0}
 def minimal(rank: int, step: int, **kw) -> dict:
     """A valid summary without the optional blocks (GPU, collectives): the most summaries per body."""
     s = syn.summary(rank, step, gpu=False, **kw)
-    for key in ("collectives", "instances", "gpu", "checkpoints", "tp_rank", "dp_rank", "chunks", "other_seconds",
-                "memory_max_allocated_bytes", "nvml_up", "overhead_seconds", "dropped_total", "paused", "tokens"):
+    for key in (
+        "collectives",
+        "instances",
+        "gpu",
+        "checkpoints",
+        "tp_rank",
+        "dp_rank",
+        "chunks",
+        "other_seconds",
+        "memory_max_allocated_bytes",
+        "nvml_up",
+        "overhead_seconds",
+        "dropped_total",
+        "paused",
+        "tokens",
+    ):
         s.pop(key, None)  # all optional
     return s
 
@@ -55,8 +70,10 @@ def minimal(rank: int, step: int, **kw) -> dict:
 def worst_body(n: int) -> bytes:
     """n rank-0 summaries of one run, steps 1..n, the global loss NaN on every other step."""
     stages = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
-    summaries = [minimal(0, step, run_id="worst", global_stages=stages,
-                         global_loss=float("nan") if step % 2 else 2.0) for step in range(1, n + 1)]
+    summaries = [
+        minimal(0, step, run_id="worst", global_stages=stages, global_loss=float("nan") if step % 2 else 2.0)
+        for step in range(1, n + 1)
+    ]
     return json.dumps({"version": 1, "summaries": summaries}).encode()
 
 
@@ -71,18 +88,19 @@ def _hostile_summary(rng: random.Random, i: int) -> dict:
         return minimal(1, 1, run_id="big", tp=2, pp=2, dp=1)
     if kind == 3:  # numbers beyond float precision or range
         s = minimal(0, 1, run_id="big", tp=8, pp=64, dp=64)
-        s[rng.choice(["tokens", "dropped_total", "step", "memory_max_allocated_bytes"])] = 10 ** 400
+        s[rng.choice(["tokens", "dropped_total", "step", "memory_max_allocated_bytes"])] = 10**400
         return s
     if kind == 4:  # unknown group names (label cardinality)
         s = minimal(0, 1, run_id="big", tp=8, pp=64, dp=64)
         s["collectives"] = [syn.collective("all_reduce", f"g{i}", 1, 0.001, 1024, 2)]
         return s
     if kind == 5:  # retries of one step in any order, with any clock
-        return minimal(rng.randrange(64), rng.randrange(1, 4), run_id="big", tp=8, pp=64, dp=64,
-                       time=rng.uniform(0, 1e10))
+        return minimal(
+            rng.randrange(64), rng.randrange(1, 4), run_id="big", tp=8, pp=64, dp=64, time=rng.uniform(0, 1e10)
+        )
     if kind == 6:  # control characters in the run id (log forging)
         return minimal(0, 1, run_id=f"run\nERROR forged {i}")
-    return minimal(rng.randrange(8 * 64 * 64), rng.randrange(1, 10 ** 6), run_id="big", tp=8, pp=64, dp=64)
+    return minimal(rng.randrange(8 * 64 * 64), rng.randrange(1, 10**6), run_id="big", tp=8, pp=64, dp=64)
 
 
 def flood(control_url: str, headers: dict, n: int, per_post: int = 200, seed: int = 11) -> Counter:
@@ -111,16 +129,22 @@ def run(worst: int, hostile: int, probe_interval: float = 0.005) -> dict:
             # 1. The worst accepted ingest, with both listeners probed and a scrape under way.
             results = ctx.Queue()
             deadline_file = Path(tmp) / "done"
-            probers = [ctx.Process(target=_probe_until_file, args=(f"{url}/healthz", deadline_file, probe_interval,
-                                                                   results), daemon=True)
-                       for url in (sp.control_url, sp.metrics_url)]
+            probers = [
+                ctx.Process(
+                    target=_probe_until_file,
+                    args=(f"{url}/healthz", deadline_file, probe_interval, results),
+                    daemon=True,
+                )
+                for url in (sp.control_url, sp.metrics_url)
+            ]
             for p in probers:
                 p.start()
             time.sleep(1.0)  # the probers' baseline
             with httpx.Client(timeout=600, headers=sp.headers) as client:
                 t0 = time.monotonic()
-                r = client.post(f"{sp.control_url}/v1/ingest", content=body,
-                                headers={"content-type": "application/json"})
+                r = client.post(
+                    f"{sp.control_url}/v1/ingest", content=body, headers={"content-type": "application/json"}
+                )
                 ingest_seconds = time.monotonic() - t0
                 ingest_status = r.status_code
                 t1 = time.monotonic()
@@ -142,18 +166,26 @@ def run(worst: int, hostile: int, probe_interval: float = 0.005) -> dict:
             status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=60).json()
             log_lines = sp.log().splitlines()
     return {
-        "worst_summaries": worst, "worst_body_bytes": len(body), "worst_ingest_status": ingest_status,
+        "worst_summaries": worst,
+        "worst_body_bytes": len(body),
+        "worst_ingest_status": ingest_status,
         "worst_ingest_seconds": ingest_seconds,
         "healthz_control_ms_p50": percentile(during[0], 50) * 1e3,
         "healthz_control_ms_p99": percentile(during[0], 99) * 1e3,
         "healthz_control_ms_max": max(during[0], default=float("nan")) * 1e3,
         "healthz_metrics_ms_p99": percentile(during[1], 99) * 1e3,
         "healthz_probes_during": [len(d) for d in during],
-        "scrape_after_worst_ms": scrape_seconds * 1e3, "scrape_after_worst_status": scrape.status_code,
-        "hostile_summaries": hostile, "hostile_statuses": {str(k): v for k, v in sorted(statuses.items())},
-        "hostile_seconds": flood_seconds, "rss_mb_before_flood": rss_before, "rss_mb_after_flood": rss_after,
-        "metrics_after_flood_status": after.status_code, "metrics_after_flood_bytes": len(after.content),
-        "ranks_held": len(status["ranks"]), "forged_log_lines": sum("ERROR forged" in line for line in log_lines),
+        "scrape_after_worst_ms": scrape_seconds * 1e3,
+        "scrape_after_worst_status": scrape.status_code,
+        "hostile_summaries": hostile,
+        "hostile_statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "hostile_seconds": flood_seconds,
+        "rss_mb_before_flood": rss_before,
+        "rss_mb_after_flood": rss_after,
+        "metrics_after_flood_status": after.status_code,
+        "metrics_after_flood_bytes": len(after.content),
+        "ranks_held": len(status["ranks"]),
+        "forged_log_lines": sum("ERROR forged" in line for line in log_lines),
     }
 
 
@@ -179,27 +211,43 @@ def main(argv=None) -> int:
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()}
     five_xx = sum(v for k, v in result["hostile_statuses"].items() if k.startswith("5"))
     result["goals"] = {
-        "healthz_p99_ms": [GOALS["healthz_p99_ms"], max(result["healthz_control_ms_p99"],
-                                                        result["healthz_metrics_ms_p99"]) <= GOALS["healthz_p99_ms"]],
+        "healthz_p99_ms": [
+            GOALS["healthz_p99_ms"],
+            max(result["healthz_control_ms_p99"], result["healthz_metrics_ms_p99"]) <= GOALS["healthz_p99_ms"],
+        ],
         "rss_mb": [GOALS["rss_mb"], result["rss_mb_after_flood"] <= GOALS["rss_mb"]],
-        "no_5xx": [0, five_xx == 0 and result["worst_ingest_status"] == 200
-                   and result["metrics_after_flood_status"] == 200],
+        "no_5xx": [
+            0,
+            five_xx == 0 and result["worst_ingest_status"] == 200 and result["metrics_after_flood_status"] == 200,
+        ],
     }
     rows = [
-        ("worst ingest: summaries, bytes, status, seconds",
-         f"{args.worst}, {result['worst_body_bytes']}, {result['worst_ingest_status']}, "
-         f"{result['worst_ingest_seconds']:.2f}", ""),
-        ("/healthz during it: control p50 / p99 / max (ms)",
-         f"{result['healthz_control_ms_p50']:.1f} / {result['healthz_control_ms_p99']:.1f} / "
-         f"{result['healthz_control_ms_max']:.1f}", "p99 <= 100"),
+        (
+            "worst ingest: summaries, bytes, status, seconds",
+            f"{args.worst}, {result['worst_body_bytes']}, {result['worst_ingest_status']}, "
+            f"{result['worst_ingest_seconds']:.2f}",
+            "",
+        ),
+        (
+            "/healthz during it: control p50 / p99 / max (ms)",
+            f"{result['healthz_control_ms_p50']:.1f} / {result['healthz_control_ms_p99']:.1f} / "
+            f"{result['healthz_control_ms_max']:.1f}",
+            "p99 <= 100",
+        ),
         ("/healthz during it: metrics listener p99 (ms)", f"{result['healthz_metrics_ms_p99']:.1f}", "p99 <= 100"),
         ("scrape right after it (ms)", f"{result['scrape_after_worst_ms']:.0f}", ""),
         ("hostile flood: summaries, seconds", f"{args.hostile}, {result['hostile_seconds']:.1f}", ""),
         ("hostile flood: answers by status", json.dumps(result["hostile_statuses"]), "no 5xx"),
-        ("RSS before / after the flood (MB)",
-         f"{result['rss_mb_before_flood']:.0f} / {result['rss_mb_after_flood']:.0f}", "<= 300"),
-        ("/metrics after the flood: status, bytes",
-         f"{result['metrics_after_flood_status']}, {result['metrics_after_flood_bytes']}", "200"),
+        (
+            "RSS before / after the flood (MB)",
+            f"{result['rss_mb_before_flood']:.0f} / {result['rss_mb_after_flood']:.0f}",
+            "<= 300",
+        ),
+        (
+            "/metrics after the flood: status, bytes",
+            f"{result['metrics_after_flood_status']}, {result['metrics_after_flood_bytes']}",
+            "200",
+        ),
         ("ranks held, forged log lines", f"{result['ranks_held']}, {result['forged_log_lines']}", "0 forged"),
     ]
     width = max(len(r[0]) for r in rows)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
+
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
 from parwatch.sidecar import synthetic as syn  # noqa: E402
@@ -90,8 +91,10 @@ class Connection:
     async def post(self, path: str, body: bytes) -> int:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Authorization: Bearer {self.token}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {self.token}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
         length = 0
@@ -106,8 +109,16 @@ class Connection:
         return int(status_line.split()[1])
 
 
-async def drive(control_url: str, metrics_url: str, ranks: int, duration: float, connections: int,
-                scrape_every: float, pid: int, token: str = "") -> dict:
+async def drive(
+    control_url: str,
+    metrics_url: str,
+    ranks: int,
+    duration: float,
+    connections: int,
+    scrape_every: float,
+    pid: int,
+    token: str = "",
+) -> dict:
     host, port = control_url.removeprefix("http://").split(":")
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
@@ -120,10 +131,28 @@ async def drive(control_url: str, metrics_url: str, ranks: int, duration: float,
     # a rank serialises its summary on its own core, not on the sidecar's, and encoding 1024 posts/s
     # here took a third of a core from the two this machine has.
     steps = int(duration) + 1
-    bodies = {(rank, step): json.dumps({"version": 1, "summaries": [syn.summary(
-        rank, step, tp=tp, pp=pp, dp=dp, time=TIME_PLACEHOLDER, step_seconds=1.0,
-        checkpoints=[1] if step > 1 else [], global_stages=stages if rank == 0 else None)]}).encode()
-        for rank in range(ranks) for step in range(1, steps + 1)}
+    bodies = {
+        (rank, step): json.dumps(
+            {
+                "version": 1,
+                "summaries": [
+                    syn.summary(
+                        rank,
+                        step,
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        time=TIME_PLACEHOLDER,
+                        step_seconds=1.0,
+                        checkpoints=[1] if step > 1 else [],
+                        global_stages=stages if rank == 0 else None,
+                    )
+                ],
+            }
+        ).encode()
+        for rank in range(ranks)
+        for step in range(1, steps + 1)
+    }
     start = time.monotonic() + 0.5
 
     async def rank_loop(rank: int):
@@ -160,13 +189,21 @@ async def drive(control_url: str, metrics_url: str, ranks: int, duration: float,
     # would delay the simulated ranks and inflate the latencies they observe.
     results = multiprocessing.get_context("fork").Queue()
     scraper = multiprocessing.get_context("fork").Process(
-        target=scrape_loop, args=(metrics_url, start, duration, scrape_every, results), daemon=True)
+        target=scrape_loop, args=(metrics_url, start, duration, scrape_every, results), daemon=True
+    )
     scraper.start()
     await asyncio.gather(*(rank_loop(r) for r in range(ranks)), rss_sampler())
     scrapes = results.get(timeout=120)
     scraper.join(10)
-    return {"latencies": latencies, "sent_at": sent_at, "queued": queued, "errors": errors, "scrapes": scrapes,
-            "rss": rss, "elapsed": time.monotonic() - start}
+    return {
+        "latencies": latencies,
+        "sent_at": sent_at,
+        "queued": queued,
+        "errors": errors,
+        "scrapes": scrapes,
+        "rss": rss,
+        "elapsed": time.monotonic() - start,
+    }
 
 
 def scrape_loop(metrics_url: str, start: float, duration: float, every: float, results) -> None:
@@ -193,9 +230,11 @@ def overlap_split(latencies, sent_at, scrapes) -> dict:
     for lat, t in zip(latencies, sent_at):
         busy = any(began <= t + lat and t <= began + took for began, took in scrapes)
         (during if busy else other).append(lat)
-    return {"ingest_ms_p99_outside_scrapes": percentile(other, 99) * 1e3,
-            "ingest_ms_p99_during_scrapes": percentile(during, 99) * 1e3,
-            "posts_during_scrapes_share": len(during) / max(len(latencies), 1)}
+    return {
+        "ingest_ms_p99_outside_scrapes": percentile(other, 99) * 1e3,
+        "ingest_ms_p99_during_scrapes": percentile(during, 99) * 1e3,
+        "posts_during_scrapes_share": len(during) / max(len(latencies), 1),
+    }
 
 
 def idle_scrapes(metrics_url: str, n: int = 5) -> tuple[list[float], int, int]:
@@ -211,19 +250,44 @@ def idle_scrapes(metrics_url: str, n: int = 5) -> tuple[list[float], int, int]:
 
 
 def twenty_rules() -> RuleSet:
-    metrics = ["loss", "bubble_excess_ratio", "bubble_ratio", "pipeline_skew_ratio", "step_seconds",
-               "gpu_utilization_ratio", "rank_up", "collective_seconds_mean"]
-    rules = [Rule(name="nan-loss", metric="loss", check="finite", action="alert"),
-             Rule(name="loss-spike", metric="loss", check="spike", factor=3.0, window_steps=50, action="alert"),
-             Rule(name="coll-regression", metric="collective_seconds_mean", check="regression", factor=2.0,
-                  window_steps=50, action="alert")]
+    metrics = [
+        "loss",
+        "bubble_excess_ratio",
+        "bubble_ratio",
+        "pipeline_skew_ratio",
+        "step_seconds",
+        "gpu_utilization_ratio",
+        "rank_up",
+        "collective_seconds_mean",
+    ]
+    rules = [
+        Rule(name="nan-loss", metric="loss", check="finite", action="alert"),
+        Rule(name="loss-spike", metric="loss", check="spike", factor=3.0, window_steps=50, action="alert"),
+        Rule(
+            name="coll-regression",
+            metric="collective_seconds_mean",
+            check="regression",
+            factor=2.0,
+            window_steps=50,
+            action="alert",
+        ),
+    ]
     i = 0
     while len(rules) < 20:
         metric = metrics[i % len(metrics)]
         below = metric in ("gpu_utilization_ratio", "rank_up")
-        rules.append(Rule(name=f"rule-{i}", metric=metric, reduce="min" if below else "max",
-                          below=0.01 if below else None, above=None if below else 1e9,
-                          for_steps=5, cooldown_steps=5, action="alert"))
+        rules.append(
+            Rule(
+                name=f"rule-{i}",
+                metric=metric,
+                reduce="min" if below else "max",
+                below=0.01 if below else None,
+                above=None if below else 1e9,
+                for_steps=5,
+                cooldown_steps=5,
+                action="alert",
+            )
+        )
         i += 1
     return RuleSet(rules=tuple(rules))
 
@@ -262,27 +326,46 @@ def one_run(args) -> dict:
         with running_sidecar(Path(tmp) / "state", "--log-level", "warning") as sp:
             rss_start = rss_mb(sp.pid)
             cpu_start, client_start, jiffies = cpu_seconds(sp.pid), time.process_time(), cpu_jiffies()
-            load = asyncio.run(drive(sp.control_url, sp.metrics_url, args.ranks, args.duration, args.connections,
-                                     args.scrape_every, sp.pid, sp.token))
+            load = asyncio.run(
+                drive(
+                    sp.control_url,
+                    sp.metrics_url,
+                    args.ranks,
+                    args.duration,
+                    args.connections,
+                    args.scrape_every,
+                    sp.pid,
+                    sp.token,
+                )
+            )
             cpu_load, client_cpu = cpu_seconds(sp.pid) - cpu_start, time.process_time() - client_start
             stolen = stolen_share(jiffies, cpu_jiffies())
             idle, size, series = idle_scrapes(sp.metrics_url)
             rss_end = rss_mb(sp.pid)
     lat = load["latencies"]
     return {
-        "posts": len(lat), "posts_per_s": len(lat) / load["elapsed"],
-        "errors": len(load["errors"]), "error_samples": [str(e) for e in load["errors"][:5]],
-        "ingest_ms_p50": percentile(lat, 50) * 1e3, "ingest_ms_p99": percentile(lat, 99) * 1e3,
+        "posts": len(lat),
+        "posts_per_s": len(lat) / load["elapsed"],
+        "errors": len(load["errors"]),
+        "error_samples": [str(e) for e in load["errors"][:5]],
+        "ingest_ms_p50": percentile(lat, 50) * 1e3,
+        "ingest_ms_p99": percentile(lat, 99) * 1e3,
         "ingest_ms_max": max(lat) * 1e3 if lat else float("nan"),
         "client_queue_ms_p99": percentile(load["queued"], 99) * 1e3,
-        "sidecar_cpu_share": cpu_load / load["elapsed"], "sidecar_cpu_ms_per_post": cpu_load / max(len(lat), 1) * 1e3,
+        "sidecar_cpu_share": cpu_load / load["elapsed"],
+        "sidecar_cpu_ms_per_post": cpu_load / max(len(lat), 1) * 1e3,
         "client_cpu_share": client_cpu / load["elapsed"],
         "scrape_ms_under_load_p50": percentile([d for _, d in load["scrapes"]], 50) * 1e3,
         "scrape_ms_under_load_max": max((d for _, d in load["scrapes"]), default=float("nan")) * 1e3,
         **overlap_split(lat, load["sent_at"], load["scrapes"]),
-        "scrape_ms_idle_p50": percentile(idle, 50) * 1e3, "scrape_bytes": size, "scrape_samples": series,
-        "rss_mb_start": rss_start, "rss_mb_peak": max(load["rss"] + [rss_end]), "rss_mb_end": rss_end,
-        "load_avg_after": os.getloadavg()[0], "cpu_stolen_share": stolen,
+        "scrape_ms_idle_p50": percentile(idle, 50) * 1e3,
+        "scrape_bytes": size,
+        "scrape_samples": series,
+        "rss_mb_start": rss_start,
+        "rss_mb_peak": max(load["rss"] + [rss_end]),
+        "rss_mb_end": rss_end,
+        "load_avg_after": os.getloadavg()[0],
+        "cpu_stolen_share": stolen,
     }
 
 
@@ -299,27 +382,40 @@ def main(argv=None) -> int:
     runs = []
     for i in range(args.runs):
         runs.append(one_run(args))
-        print(f"run {i + 1}/{args.runs}: ingest p99 {runs[-1]['ingest_ms_p99']:.1f} ms, "
-              f"scrape under load {runs[-1]['scrape_ms_under_load_p50']:.0f} ms", flush=True)
-    worst = {k: max(r[k] for r in runs) for k in ("ingest_ms_p99", "scrape_ms_under_load_p50", "scrape_ms_idle_p50",
-                                                    "rss_mb_peak")}
+        print(
+            f"run {i + 1}/{args.runs}: ingest p99 {runs[-1]['ingest_ms_p99']:.1f} ms, "
+            f"scrape under load {runs[-1]['scrape_ms_under_load_p50']:.0f} ms",
+            flush=True,
+        )
+    worst = {
+        k: max(r[k] for r in runs)
+        for k in ("ingest_ms_p99", "scrape_ms_under_load_p50", "scrape_ms_idle_p50", "rss_mb_peak")
+    }
     result = {
-        "ranks": args.ranks, "layout_tp_pp_dp": layout(args.ranks), "duration_s": args.duration,
-        "connections": args.connections, "runs": runs, "worst_of_runs": worst,
+        "ranks": args.ranks,
+        "layout_tp_pp_dp": layout(args.ranks),
+        "duration_s": args.duration,
+        "connections": args.connections,
+        "runs": runs,
+        "worst_of_runs": worst,
         **evaluate_timing(args.ranks),
         **{f"{k}_8_ranks": v for k, v in evaluate_timing(8).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
     }
     # Goals hold only if every run meets them (issue 12: "3 runs of 3").
     goals = GOALS.get(args.ranks)
-    result["goals"] = {} if goals is None else {
-        "ingest_p99_ms": [goals["ingest_p99_ms"], worst["ingest_ms_p99"] <= goals["ingest_p99_ms"]],
-        "scrape_ms_under_load": [goals["scrape_ms"], worst["scrape_ms_under_load_p50"] <= goals["scrape_ms"]],
-        "scrape_ms_idle": [goals["scrape_ms"], worst["scrape_ms_idle_p50"] <= goals["scrape_ms"]],
-        "rss_mb": [goals["rss_mb"], worst["rss_mb_peak"] <= goals["rss_mb"]],
-        "evaluate_ms": [goals["evaluate_ms"], result["evaluate_ms_p50"] <= goals["evaluate_ms"]],
-        "evaluate_ms_8_ranks": [goals["evaluate_ms"], result["evaluate_ms_p50_8_ranks"] <= goals["evaluate_ms"]],
-    }
+    result["goals"] = (
+        {}
+        if goals is None
+        else {
+            "ingest_p99_ms": [goals["ingest_p99_ms"], worst["ingest_ms_p99"] <= goals["ingest_p99_ms"]],
+            "scrape_ms_under_load": [goals["scrape_ms"], worst["scrape_ms_under_load_p50"] <= goals["scrape_ms"]],
+            "scrape_ms_idle": [goals["scrape_ms"], worst["scrape_ms_idle_p50"] <= goals["scrape_ms"]],
+            "rss_mb": [goals["rss_mb"], worst["rss_mb_peak"] <= goals["rss_mb"]],
+            "evaluate_ms": [goals["evaluate_ms"], result["evaluate_ms_p50"] <= goals["evaluate_ms"]],
+            "evaluate_ms_8_ranks": [goals["evaluate_ms"], result["evaluate_ms_p50_8_ranks"] <= goals["evaluate_ms"]],
+        }
+    )
 
     def goal(key, fmt="<= {}"):
         return fmt.format(f"{goals[key]:g}") if goals else ""
@@ -328,42 +424,69 @@ def main(argv=None) -> int:
         return " | ".join(fmt.format(*(r[k] for k in keys)) for r in runs)
 
     rows = [
-        ("ingest p50 / p99 (ms)", each("{:.2f} / {:.2f}", "ingest_ms_p50", "ingest_ms_p99"),
-         goal("ingest_p99_ms", "p99 <= {}")),
-        ("ingest p99 outside / during scrapes (ms)",
-         each("{:.2f} / {:.1f}", "ingest_ms_p99_outside_scrapes", "ingest_ms_p99_during_scrapes"), ""),
-        ("scrape under load p50 / max (ms)", each("{:.0f} / {:.0f}", "scrape_ms_under_load_p50",
-                                                   "scrape_ms_under_load_max"), goal("scrape_ms", "p50 <= {}")),
+        (
+            "ingest p50 / p99 (ms)",
+            each("{:.2f} / {:.2f}", "ingest_ms_p50", "ingest_ms_p99"),
+            goal("ingest_p99_ms", "p99 <= {}"),
+        ),
+        (
+            "ingest p99 outside / during scrapes (ms)",
+            each("{:.2f} / {:.1f}", "ingest_ms_p99_outside_scrapes", "ingest_ms_p99_during_scrapes"),
+            "",
+        ),
+        (
+            "scrape under load p50 / max (ms)",
+            each("{:.0f} / {:.0f}", "scrape_ms_under_load_p50", "scrape_ms_under_load_max"),
+            goal("scrape_ms", "p50 <= {}"),
+        ),
         ("scrape idle p50 (ms)", each("{:.0f}", "scrape_ms_idle_p50"), goal("scrape_ms")),
         ("sidecar RSS start / peak (MB)", each("{:.0f} / {:.0f}", "rss_mb_start", "rss_mb_peak"), goal("rss_mb")),
         ("sidecar CPU ms/post, cores", each("{:.2f}, {:.2f}", "sidecar_cpu_ms_per_post", "sidecar_cpu_share"), ""),
         ("posts/s, errors", each("{:.0f}, {}", "posts_per_s", "errors"), ""),
         ("load average after the run", each("{:.1f}", "load_avg_after"), "idle machine"),
-        ("CPU stolen by the hypervisor during the load", each("{:.0%}", "cpu_stolen_share"),
-         f"quiet host: < {STOLEN_NOISY:.0%}"),
+        (
+            "CPU stolen by the hypervisor during the load",
+            each("{:.0%}", "cpu_stolen_share"),
+            f"quiet host: < {STOLEN_NOISY:.0%}",
+        ),
         ("scrape size (samples, bytes)", f"{runs[-1]['scrape_samples']}, {runs[-1]['scrape_bytes']}", ""),
-        ("evaluate, 20 rules, p50 / p99 (ms)",
-         f"{result['evaluate_ms_p50']:.3f} / {result['evaluate_ms_p99']:.3f}", goal("evaluate_ms")),
-        ("evaluate, 20 rules, 8 ranks (one node) p50 (ms)", f"{result['evaluate_ms_p50_8_ranks']:.3f}",
-         goal("evaluate_ms")),
-        ("build_observation, ranks / 8 ranks (ms)",
-         f"{result['build_observation_ms']:.2f} / {result['build_observation_ms_8_ranks']:.3f}", ""),
+        (
+            "evaluate, 20 rules, p50 / p99 (ms)",
+            f"{result['evaluate_ms_p50']:.3f} / {result['evaluate_ms_p99']:.3f}",
+            goal("evaluate_ms"),
+        ),
+        (
+            "evaluate, 20 rules, 8 ranks (one node) p50 (ms)",
+            f"{result['evaluate_ms_p50_8_ranks']:.3f}",
+            goal("evaluate_ms"),
+        ),
+        (
+            "build_observation, ranks / 8 ranks (ms)",
+            f"{result['build_observation_ms']:.2f} / {result['build_observation_ms_8_ranks']:.3f}",
+            "",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     vwidth = max(len(r[1]) for r in rows)
-    print(f"sidecar load: {args.ranks} ranks x 1 post/s for {args.duration:g} s, {args.connections} connections, "
-          f"{args.runs} runs (run 1 | run 2 | ...), {os.cpu_count()} CPUs")
+    print(
+        f"sidecar load: {args.ranks} ranks x 1 post/s for {args.duration:g} s, {args.connections} connections, "
+        f"{args.runs} runs (run 1 | run 2 | ...), {os.cpu_count()} CPUs"
+    )
     for name, value, goal in rows:
         print(f"  {name:<{width}}  {value:<{vwidth}}  {goal}")
     if goals:
         met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["goals"].items())
         print(f"  goals met in every run: {met}")
     else:
-        print(f"  {args.ranks} ranks on one sidecar is a stress figure: no goal (the goals are for {sorted(GOALS)} ranks)")
+        print(
+            f"  {args.ranks} ranks on one sidecar is a stress figure: no goal (the goals are for {sorted(GOALS)} ranks)"
+        )
     noisy = [i + 1 for i, r in enumerate(runs) if r["cpu_stolen_share"] >= STOLEN_NOISY]
     if noisy:
-        print(f"  runs {noisy}: the hypervisor took >= {STOLEN_NOISY:.0%} of this machine's CPU (noisy neighbours); "
-              "their latencies measure the host more than the sidecar")
+        print(
+            f"  runs {noisy}: the hypervisor took >= {STOLEN_NOISY:.0%} of this machine's CPU (noisy neighbours); "
+            "their latencies measure the host more than the sidecar"
+        )
     write_json(args.out, result)
     return 0
 

@@ -59,7 +59,7 @@ class SyntheticStage(torch.nn.Module):
     def __init__(self, hidden: int, fwd_s: float, bwd_s: float, first: bool, seed: int) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        self.weight = torch.nn.Parameter(torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5)
+        self.weight = torch.nn.Parameter(torch.randn(hidden, hidden, generator=gen) / hidden**0.5)
         self.bias = torch.nn.Parameter(torch.zeros(hidden))
         self.fwd_s, self.bwd_s, self.first = fwd_s, bwd_s, first
 
@@ -73,14 +73,20 @@ class SyntheticStage(torch.nn.Module):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4, help="m, microbatches per step")
-    ap.add_argument("--chunks", type=int, default=None,
-                    help="v, stages per rank (gpipe/1f1b: 1; zbv/dualpipev: 2; interleaved: default 2)")
-    ap.add_argument("--synthetic-ms", default="40,80",
-                    help="F,B: forward and backward ms per microbatch per virtual stage")
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="v, stages per rank (gpipe/1f1b: 1; zbv/dualpipev: 2; interleaved: default 2)",
+    )
+    ap.add_argument(
+        "--synthetic-ms", default="40,80", help="F,B: forward and backward ms per microbatch per virtual stage"
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--microbatch-size", type=int, default=2)
@@ -193,8 +199,9 @@ def train(args) -> dict:
         torch.save({"model": [m.state_dict() for m in modules], "optimizer": optimizer.state_dict()}, path)
 
     def load_checkpoint(step):  # parwatch: rollback directives call this on every rank
-        steps = sorted(int(f.split("-")[0][4:]) for f in os.listdir(args.checkpoint_dir)
-                       if f.endswith(f"-rank{rank}.pt"))
+        steps = sorted(
+            int(f.split("-")[0][4:]) for f in os.listdir(args.checkpoint_dir) if f.endswith(f"-rank{rank}.pt")
+        )
         target = step if step in steps else max([s for s in steps if step is None or s < step], default=None)
         if target is None:
             raise FileNotFoundError(f"no checkpoint at or before step {step} in {args.checkpoint_dir}")
@@ -209,14 +216,20 @@ def train(args) -> dict:
         from parwatch.collector import Collector, attach  # parwatch
         from parwatch.integrations.torch_pipelining import PipelineWatch  # parwatch
 
-        watch = PipelineWatch(schedule, run_id=_run_id(args),  # parwatch
-                              load_checkpoint=load_checkpoint if args.checkpoint_dir else None)
-        collector = attach(Collector(  # parwatch
-            watch.run_context(),
-            endpoint=args.parwatch_endpoint or None, token=_token(args),
-            log_path=os.path.join(args.parwatch_log, "summaries.jsonl") if args.parwatch_log else None,
-            spans_path=os.path.join(args.parwatch_log, "spans.jsonl") if args.parwatch_log else None,
-        ))
+        watch = PipelineWatch(
+            schedule,
+            run_id=_run_id(args),  # parwatch
+            load_checkpoint=load_checkpoint if args.checkpoint_dir else None,
+        )
+        collector = attach(
+            Collector(  # parwatch
+                watch.run_context(),
+                endpoint=args.parwatch_endpoint or None,
+                token=_token(args),
+                log_path=os.path.join(args.parwatch_log, "summaries.jsonl") if args.parwatch_log else None,
+                spans_path=os.path.join(args.parwatch_log, "spans.jsonl") if args.parwatch_log else None,
+            )
+        )
     if args.checkpoint_dir:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
     losses: dict[int, float] = {}  # step -> loss of the surviving timeline
@@ -249,8 +262,12 @@ def train(args) -> dict:
     if args.losses_out and holds_last:
         with open(args.losses_out, "w") as f:
             json.dump({str(s): repr(v) for s, v in sorted(losses.items())}, f)
-    return {"losses": losses if holds_last else {}, "history": history if holds_last else [], "rank": rank,
-            "applied": watch.applied if watch else []}
+    return {
+        "losses": losses if holds_last else {},
+        "history": history if holds_last else [],
+        "rank": rank,
+        "applied": watch.applied if watch else [],
+    }
 
 
 def _run_id(args) -> str:

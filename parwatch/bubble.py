@@ -63,8 +63,10 @@ def theoretical(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> f
     one (zero bubble, DualPipeV: replay its order with `replayed_theory`) or impossible sizes."""
     key = schedule_key(schedule)
     if key not in CLOSED_FORM_SCHEDULES:
-        raise ValueError(f"no closed form for schedule {schedule!r} (have {', '.join(CLOSED_FORM_SCHEDULES)}); "
-                         "replay its action lists instead (parwatch.bubble.replayed_theory)")
+        raise ValueError(
+            f"no closed form for schedule {schedule!r} (have {', '.join(CLOSED_FORM_SCHEDULES)}); "
+            "replay its action lists instead (parwatch.bubble.replayed_theory)"
+        )
     for label, value in (("pp", pp), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{label}={value!r} must be a positive integer")

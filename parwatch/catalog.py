@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 
 KINDS = ("gauge", "counter", "histogram", "info")
-BOUNDED_LABELS = frozenset({"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action",
-                            "reason", "cause", "post"})
+BOUNDED_LABELS = frozenset(
+    {"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action", "reason", "cause", "post"}
+)
 """reason: why a collective instance was not split (remote, incomplete, unsent), or why a post was refused
 (parwatch.sidecar.refusals.REASONS); cause: a straggler's cause (parwatch.guardrails.attribution.CAUSES, four
 values); post: ingest, activity or digest."""
@@ -73,49 +74,111 @@ _R, _RS, _RG, _OG, _S = ("rank",), ("rank", "stage"), ("rank", "gpu"), ("op", "g
 
 METRICS: tuple[Metric, ...] = (
     # The run.
-    Metric("parwatch_run_info", "info", ("run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"),
-           "The run this sidecar watches"),
+    Metric(
+        "parwatch_run_info",
+        "info",
+        ("run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"),
+        "The run this sidecar watches",
+    ),
     Metric("parwatch_train_step", "gauge", (), "Newest optimizer step any rank reported"),
     Metric("parwatch_loss", "gauge", (), "Training loss of the newest step (NaN when non-finite)"),
-    Metric("parwatch_loss_nonfinite", "gauge", (),
-           "1 while the newest loss is NaN or infinite, else 0 (stores that drop NaN samples keep this)"),
+    Metric(
+        "parwatch_loss_nonfinite",
+        "gauge",
+        (),
+        "1 while the newest loss is NaN or infinite, else 0 (stores that drop NaN samples keep this)",
+    ),
     Metric("parwatch_tokens_total", "counter", (), "Tokens the run consumed (all DP replicas); rate() is tokens/s"),
     Metric("parwatch_model_flops_utilization_ratio", "gauge", _R, "Model FLOPs utilisation", "ratio"),
-    Metric("parwatch_torch_memory_max_allocated_bytes", "gauge", _RS, "Peak torch allocated memory in the step",
-           "bytes"),
-    Metric("parwatch_step_duration_seconds", "histogram", _S,
-           "Step period, boundary to boundary, of each stage's lowest rank at this sidecar (a step's boundary "
-           "collective ends it on every rank, so its ranks share the period)", "seconds", tuple(STEP_BUCKETS)),
+    Metric(
+        "parwatch_torch_memory_max_allocated_bytes", "gauge", _RS, "Peak torch allocated memory in the step", "bytes"
+    ),
+    Metric(
+        "parwatch_step_duration_seconds",
+        "histogram",
+        _S,
+        "Step period, boundary to boundary, of each stage's lowest rank at this sidecar (a step's boundary "
+        "collective ends it on every rank, so its ranks share the period)",
+        "seconds",
+        tuple(STEP_BUCKETS),
+    ),
     # The pipeline.
     Metric("parwatch_stage_compute_seconds_total", "counter", _RS, "Forward + backward seconds", "seconds"),
-    Metric("parwatch_stage_idle_seconds_total", "counter", _RS, "Seconds waiting on neighbours and the flush",
-           "seconds"),
+    Metric(
+        "parwatch_stage_idle_seconds_total", "counter", _RS, "Seconds waiting on neighbours and the flush", "seconds"
+    ),
     Metric("parwatch_stage_bubble_ratio", "gauge", _RS, "idle / (step - other) in the newest step", "ratio"),
     Metric("parwatch_stage_bubble_theoretical_ratio", "gauge", _S, "The schedule's bubble, (p-1)/(v*m+p-1)", "ratio"),
-    Metric("parwatch_stage_bubble_schedule_ratio", "gauge", _S,
-           "Bubble the schedule causes at uniform stage times (formula or simulation)", "ratio"),
-    Metric("parwatch_stage_bubble_imbalance_ratio", "gauge", _S,
-           "Bubble from unequal stage times: simulated with this step's stage times, minus schedule", "ratio"),
-    Metric("parwatch_stage_bubble_wait_ratio", "gauge", _S,
-           "Bubble from waiting (p2p, collectives, host): measured minus simulated", "ratio"),
-    Metric("parwatch_pipeline_skew_ratio", "gauge", (), "Max over stages of compute seconds / mean over stages",
-           "ratio"),
+    Metric(
+        "parwatch_stage_bubble_schedule_ratio",
+        "gauge",
+        _S,
+        "Bubble the schedule causes at uniform stage times (formula or simulation)",
+        "ratio",
+    ),
+    Metric(
+        "parwatch_stage_bubble_imbalance_ratio",
+        "gauge",
+        _S,
+        "Bubble from unequal stage times: simulated with this step's stage times, minus schedule",
+        "ratio",
+    ),
+    Metric(
+        "parwatch_stage_bubble_wait_ratio",
+        "gauge",
+        _S,
+        "Bubble from waiting (p2p, collectives, host): measured minus simulated",
+        "ratio",
+    ),
+    Metric(
+        "parwatch_pipeline_skew_ratio", "gauge", (), "Max over stages of compute seconds / mean over stages", "ratio"
+    ),
     # Collectives.
-    Metric("parwatch_collective_duration_seconds", "histogram", _OG, "Collective latency", "seconds",
-           tuple(COLLECTIVE_BUCKETS)),
-    Metric("parwatch_collective_transfer_seconds", "histogram", _OG,
-           "Collective transfer time with the wait for the last rank's arrival removed", "seconds",
-           tuple(COLLECTIVE_BUCKETS)),
-    Metric("parwatch_collective_wait_seconds_total", "counter", _OG,
-           "Seconds ranks waited in collectives for the last rank to arrive", "seconds"),
+    Metric(
+        "parwatch_collective_duration_seconds",
+        "histogram",
+        _OG,
+        "Collective latency",
+        "seconds",
+        tuple(COLLECTIVE_BUCKETS),
+    ),
+    Metric(
+        "parwatch_collective_transfer_seconds",
+        "histogram",
+        _OG,
+        "Collective transfer time with the wait for the last rank's arrival removed",
+        "seconds",
+        tuple(COLLECTIVE_BUCKETS),
+    ),
+    Metric(
+        "parwatch_collective_wait_seconds_total",
+        "counter",
+        _OG,
+        "Seconds ranks waited in collectives for the last rank to arrive",
+        "seconds",
+    ),
     Metric("parwatch_collective_bytes_total", "counter", _OG, "Bytes moved by collectives", "bytes"),
-    Metric("parwatch_collective_busbw_bytes_per_second", "gauge", _OG,
-           "Bus bandwidth (nccl-tests definition) from transfer time only, waiting excluded", "bytes_per_second"),
-    Metric("parwatch_collective_unmatched_total", "counter", ("op", "group", "reason"),
-           "Collective/p2p instances not split into wait and transfer: a member's record never reached the "
-           "sidecar that matches it (remote), was lost (incomplete), or could not be forwarded to the leader (unsent)"),
-    Metric("parwatch_straggler_ratio", "gauge", ("cause",),
-           "Share of the step the costliest straggler of each cause adds over its peers (0: none)", "ratio"),
+    Metric(
+        "parwatch_collective_busbw_bytes_per_second",
+        "gauge",
+        _OG,
+        "Bus bandwidth (nccl-tests definition) from transfer time only, waiting excluded",
+        "bytes_per_second",
+    ),
+    Metric(
+        "parwatch_collective_unmatched_total",
+        "counter",
+        ("op", "group", "reason"),
+        "Collective/p2p instances not split into wait and transfer: a member's record never reached the "
+        "sidecar that matches it (remote), was lost (incomplete), or could not be forwarded to the leader (unsent)",
+    ),
+    Metric(
+        "parwatch_straggler_ratio",
+        "gauge",
+        ("cause",),
+        "Share of the step the costliest straggler of each cause adds over its peers (0: none)",
+        "ratio",
+    ),
     # GPUs.
     Metric("parwatch_gpu_utilization_ratio", "gauge", _RG, "GPU busy share over the step (NVML)", "ratio"),
     Metric("parwatch_gpu_memory_used_bytes", "gauge", _RG, "GPU memory in use (NVML)", "bytes"),
@@ -125,28 +188,56 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_nvml_up", "gauge", _R, "1 when NVML answered for this rank"),
     # Liveness and hangs.
     Metric("parwatch_rank_up", "gauge", _R, "1 while a rank reports within the grace period, 0 after"),
-    Metric("parwatch_rank_state", "gauge", _R, "Rank state: 0 running, 1 hung, 2 gone, 3 unknown (its node's reports stopped)"),
+    Metric(
+        "parwatch_rank_state",
+        "gauge",
+        _R,
+        "Rank state: 0 running, 1 hung, 2 gone, 3 unknown (its node's reports stopped)",
+    ),
     Metric("parwatch_hang_detected", "gauge", (), "1 while a hang is named (a rank stuck while others wait on it)"),
-    Metric("parwatch_rank_straggler_seconds_total", "counter", _R,
-           "Straggler effect (DeepSpeed): this rank's collective time beyond each instance's shortest, i.e. its "
-           "wait for later arrivals; the rank the others wait for has the least", "seconds"),
+    Metric(
+        "parwatch_rank_straggler_seconds_total",
+        "counter",
+        _R,
+        "Straggler effect (DeepSpeed): this rank's collective time beyond each instance's shortest, i.e. its "
+        "wait for later arrivals; the rank the others wait for has the least",
+        "seconds",
+    ),
     # Guardrails.
     Metric("parwatch_guardrail_state", "gauge", ("rule",), "Guardrail rule state: 0 ok, 1 pending, 2 firing"),
     Metric("parwatch_guardrail_actions_total", "counter", ("rule", "action"), "Guardrail decisions that acted"),
     Metric("parwatch_run_paused", "gauge", (), "1 while the run is paused by a directive"),
     Metric("parwatch_checkpoint_last_good_step", "gauge", (), "Newest step with a complete checkpoint"),
     # parwatch's own health.
-    Metric("parwatch_collector_overhead_ratio", "gauge", _R, "Share of the step the collector spent on the training thread",
-           "ratio"),
+    Metric(
+        "parwatch_collector_overhead_ratio",
+        "gauge",
+        _R,
+        "Share of the step the collector spent on the training thread",
+        "ratio",
+    ),
     Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
-    Metric("parwatch_sidecar_rules_reload_failures_total", "counter", (),
-           "Rules reloads refused because the file was invalid"),
-    Metric("parwatch_posts_refused_total", "counter", ("post", "reason"),
-           "Posts this sidecar refused: its ranks' summaries (ingest) and activity, and node sidecars' digests "
-           "(at the leader), by reason (unauthorized: missing or wrong token; invalid; conflict; over_limit)"),
-    Metric("parwatch_leader_unreachable_since_timestamp_seconds", "gauge", (),
-           "Unix time since which this node sidecar's ranks reach no leader (its digests fail or are refused, or "
-           "it has no --leader-url in a larger run); 0 while they do, and at the leader", "seconds"),
+    Metric(
+        "parwatch_sidecar_rules_reload_failures_total",
+        "counter",
+        (),
+        "Rules reloads refused because the file was invalid",
+    ),
+    Metric(
+        "parwatch_posts_refused_total",
+        "counter",
+        ("post", "reason"),
+        "Posts this sidecar refused: its ranks' summaries (ingest) and activity, and node sidecars' digests "
+        "(at the leader), by reason (unauthorized: missing or wrong token; invalid; conflict; over_limit)",
+    ),
+    Metric(
+        "parwatch_leader_unreachable_since_timestamp_seconds",
+        "gauge",
+        (),
+        "Unix time since which this node sidecar's ranks reach no leader (its digests fail or are refused, or "
+        "it has no --leader-url in a larger run); 0 while they do, and at the leader",
+        "seconds",
+    ),
 )
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
@@ -172,5 +263,4 @@ def metric(name: str) -> Metric:
 
 def per_rank_series(gpu: bool = True) -> int:
     """Series one rank adds: one label set of every metric labelled by rank (GPU ones only with a GPU)."""
-    return sum(m.series_per_label_set() for m in METRICS
-               if "rank" in m.labels and (gpu or "gpu" not in m.labels))
+    return sum(m.series_per_label_set() for m in METRICS if "rank" in m.labels and (gpu or "gpu" not in m.labels))

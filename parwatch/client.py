@@ -5,7 +5,6 @@ The httpx session is injectable, so tests can hand in FastAPI's TestClient.
 
 from __future__ import annotations
 
-
 import httpx
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:9401"
@@ -20,8 +19,13 @@ class SidecarError(RuntimeError):
 
 
 class SidecarClient:
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, token: str | None = None, timeout: float = 5.0,
-                 session: httpx.Client | None = None):
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        token: str | None = None,
+        timeout: float = 5.0,
+        session: httpx.Client | None = None,
+    ):
         self.endpoint = endpoint.rstrip("/")
         self.session = session or httpx.Client(timeout=timeout)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -41,7 +45,8 @@ class SidecarClient:
             r = self.session.request(method, url, headers=self.headers, **kw)
         except httpx.HTTPError as err:
             raise SidecarError(
-                f"cannot reach the sidecar at {self.endpoint} ({err}); is `parwatch sidecar` running?") from err
+                f"cannot reach the sidecar at {self.endpoint} ({err}); is `parwatch sidecar` running?"
+            ) from err
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
@@ -59,8 +64,9 @@ class SidecarClient:
     def decisions(self, limit: int = 50) -> list:
         return self._call("GET", "/v1/decisions", params={"limit": limit})
 
-    def control(self, action: str, reason: str = "", to_step: int | None = None, skip_batches: int = 0,
-                requested_by: str = "") -> dict:
+    def control(
+        self, action: str, reason: str = "", to_step: int | None = None, skip_batches: int = 0, requested_by: str = ""
+    ) -> dict:
         body = {"action": action, "reason": reason, "to_step": to_step, "skip_batches": skip_batches}
         if requested_by:
             body["requested_by"] = requested_by

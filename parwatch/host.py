@@ -22,6 +22,8 @@ def host_identity() -> str:
     if not value:
         return socket.gethostname()
     if not _HOST_NAME.match(value):
-        raise ValueError(f"${HOST_ENV}={value!r} must be a host name (letters, digits, '.', '-', '_', ':'; "
-                         f"at most 253), e.g. the node's name; unset it to use the hostname")
+        raise ValueError(
+            f"${HOST_ENV}={value!r} must be a host name (letters, digits, '.', '-', '_', ':'; "
+            f"at most 253), e.g. the node's name; unset it to use the hostname"
+        )
     return value

@@ -31,8 +31,9 @@ the schedule implies, the part stage imbalance adds, and the rest (waiting).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
 
@@ -141,8 +142,9 @@ def _duration_fn(durations: Mapping):
     for key, value in durations.items():
         kind = key.type if isinstance(key, Action) else key[1] if isinstance(key, tuple) else key
         if kind not in COMPUTE_TYPES or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"durations[{key!r}] = {value!r}: keys are F/B/I/W, (stage, F/B/I/W) or an Action, "
-                             "values seconds >= 0")
+            raise ValueError(
+                f"durations[{key!r}] = {value!r}: keys are F/B/I/W, (stage, F/B/I/W) or an Action, values seconds >= 0"
+            )
 
     def lookup(stage: int, kind: str) -> float | None:
         value = durations.get((stage, kind))
@@ -157,8 +159,10 @@ def _duration_fn(durations: Mapping):
             i, w = lookup(action.stage, I), lookup(action.stage, W)
             value = None if i is None or w is None else i + w
         if value is None:
-            raise ValueError(f"no duration for {action.type} on stage {action.stage}; "
-                             f"give durations[{action.type!r}] or durations[({action.stage}, {action.type!r})]")
+            raise ValueError(
+                f"no duration for {action.type} on stage {action.stage}; "
+                f"give durations[{action.type!r}] or durations[({action.stage}, {action.type!r})]"
+            )
         return float(value)
 
     return duration
@@ -178,8 +182,9 @@ def _dependencies(action: Action, stages: Mapping[tuple[int, int], str], n_stage
     return [Action(s, I, mb)]  # W
 
 
-def simulate(order: Mapping | Replay, durations: Mapping, p2p_s: float = 0.0,
-             host_s: float | Mapping[int, float] = 0.0) -> SimResult:
+def simulate(
+    order: Mapping | Replay, durations: Mapping, p2p_s: float = 0.0, host_s: float | Mapping[int, float] = 0.0
+) -> SimResult:
     """Replay `order` (see the module docstring) with `durations` in seconds.
 
     durations: {"F": s, "B": s} for uniform stages, {(stage, "F"): s, ...} per virtual stage, or
@@ -228,16 +233,28 @@ class Replay:
                     absent = [d for d in deps if d not in present]
                     if absent:
                         action = next(a for a in group if absent[0] in _dependencies(a, bwd_type, n_stages))
-                        raise ValueError(f"rank {rank}: {action} depends on {absent[0]}, which no rank runs; "
-                                         "the order is incomplete")
+                        raise ValueError(
+                            f"rank {rank}: {action} depends on {absent[0]}, which no rank runs; the order is incomplete"
+                        )
                     if any(d not in index for d in deps):
                         break
                     for action in group:
                         index[action] = len(index)
-                    plan.append((rank, tuple(
-                        (index[action], tuple((index[dep], dep not in group and rank_of[dep.stage] != rank)
-                                              for dep in _dependencies(action, bwd_type, n_stages)))
-                        for action in group)))
+                    plan.append(
+                        (
+                            rank,
+                            tuple(
+                                (
+                                    index[action],
+                                    tuple(
+                                        (index[dep], dep not in group and rank_of[dep.stage] != rank)
+                                        for dep in _dependencies(action, bwd_type, n_stages)
+                                    ),
+                                )
+                                for action in group
+                            ),
+                        )
+                    )
                     cursor[rank] += 1
                     remaining -= len(group)
                     progressed = True
@@ -285,8 +302,7 @@ class Replay:
         busy = {r: sum(end[i] - start[i] for i in indices) for r, indices in ranks.items()}
         idle = {r: makespan - busy[r] for r in ranks}
         bubble = {r: (idle[r] / makespan if makespan > 0 else 0.0) for r in ranks}
-        return SimResult(makespan, busy, idle, bubble,
-                         {a: (start[i], end[i]) for i, a in enumerate(self._actions)})
+        return SimResult(makespan, busy, idle, bubble, {a: (start[i], end[i]) for i, a in enumerate(self._actions)})
 
 
 def _host_fn(host_s, blocks: Mapping[int, list]):
@@ -343,8 +359,12 @@ def bubble_causes(
     for rank in ranks:
         given &= set(per_stage_type_seconds[rank])
     mean = {kind: sum(float(per_stage_type_seconds[r][kind]) for r in ranks) / len(ranks) for kind in given}
-    measured = {(stage, kind): float(per_stage_type_seconds[r][kind])
-                for r, stages in replay.stages.items() for stage in stages for kind in given}
+    measured = {
+        (stage, kind): float(per_stage_type_seconds[r][kind])
+        for r, stages in replay.stages.items()
+        for stage in stages
+        for kind in given
+    }
     uniform = replay.run(mean, p2p_s).bubble
     actual = replay.run(measured, p2p_s).bubble
     out = {}
@@ -474,8 +494,11 @@ def _p2p_latency(order: Mapping, spans, stages: Mapping[int, list]) -> float:
             continue
         attrs = r["attrs"]
         vstage = attrs["vstage"] if "vstage" in attrs else stages[r["rank"]][attrs["chunk"]]
-        key = (vstage - 1, F, attrs["microbatch"]) if attrs["what"] == "activation" else \
-            (vstage + 1, B, attrs["microbatch"])
+        key = (
+            (vstage - 1, F, attrs["microbatch"])
+            if attrs["what"] == "activation"
+            else (vstage + 1, B, attrs["microbatch"])
+        )
         produced = ends.get(key)
         if produced is not None and r["start_s"] < produced:  # it waited: its end is the data's arrival
             latencies.append(max(0.0, r["end_s"] - produced))
@@ -499,4 +522,3 @@ def _covered(intervals, lo: float, hi: float) -> float:
 def stages_of(order: Mapping | Replay) -> dict[int, list[int]]:
     """rank -> the virtual stages it runs, in ascending order."""
     return {r: sorted({a.stage for a in acts}) for r, acts in normalize(order).items()}
-

@@ -94,8 +94,9 @@ def stragglers_top(window: str = RATE_WINDOW) -> str:
 # Names the dashboard and the alerts refer to (one definition; the rules below produce them).
 # Names with a rate window in them come from the functions above, given the same window.
 STAGE_BUBBLE_THEORY = "stage:parwatch_stage_bubble_theoretical_ratio:max"
-STAGE_BUBBLE_CAUSES = {cause: f"stage:parwatch_stage_bubble_{cause}_ratio:max"
-                       for cause in ("schedule", "imbalance", "wait")}
+STAGE_BUBBLE_CAUSES = {
+    cause: f"stage:parwatch_stage_bubble_{cause}_ratio:max" for cause in ("schedule", "imbalance", "wait")
+}
 STAGE_MEMORY = "stage:parwatch_torch_memory_max_allocated_bytes:max"
 JOB_STEP_P99 = f"job:parwatch_step_duration_seconds:p99_{QUANTILE_WINDOW}"
 JOB_STEP_P50 = f"job:parwatch_step_duration_seconds:p50_{QUANTILE_WINDOW}"
@@ -133,8 +134,14 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         out.append(Recording(record, expr))
 
     # Run-wide gauges every sidecar exports alike: max over sidecars is the run's value.
-    for name in ("parwatch_train_step", "parwatch_loss", "parwatch_pipeline_skew_ratio", "parwatch_run_paused",
-                 "parwatch_checkpoint_last_good_step", "parwatch_hang_detected"):
+    for name in (
+        "parwatch_train_step",
+        "parwatch_loss",
+        "parwatch_pipeline_skew_ratio",
+        "parwatch_run_paused",
+        "parwatch_checkpoint_last_good_step",
+        "parwatch_hang_detected",
+    ):
         add(job(name, "max"), f"max {by()} ({_m(name)})")
     # Any non-finite loss makes the sum non-finite (max and min skip NaN).
     add(job("parwatch_loss", "sum"), f"sum {by()} (parwatch_loss)")
@@ -173,16 +180,23 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         add(rate_name("op_group", counter, w), f"sum {og} (rate({_m(counter)}[{w}]))")
     unmatched = _m("parwatch_collective_unmatched_total")
     add(rate_name("op_group_reason", unmatched, w), f"sum {by('op', 'group', 'reason')} (rate({unmatched}[{w}]))")
-    add("op_group:parwatch_collective_busbw_bytes_per_second:avg",
-        f"avg {og} ({_m('parwatch_collective_busbw_bytes_per_second')})")
+    add(
+        "op_group:parwatch_collective_busbw_bytes_per_second:avg",
+        f"avg {og} ({_m('parwatch_collective_busbw_bytes_per_second')})",
+    )
 
     # Per-rank gauges, reduced over ranks (each reduce a guardrail may ask for), plus short top-k lists.
-    for name, ops in (("parwatch_rank_up", (*GUARDRAIL_REDUCES, "sum", "count")), ("parwatch_nvml_up", ("min", "sum")),
-                      ("parwatch_gpu_utilization_ratio", GUARDRAIL_REDUCES),
-                      ("parwatch_model_flops_utilization_ratio", ("min", "avg")),
-                      ("parwatch_gpu_power_watts", ("sum", "max")), ("parwatch_gpu_memory_used_bytes", ("max",)),
-                      ("parwatch_gpu_temperature_celsius", ("max",)), ("parwatch_gpu_sm_clock_hertz", ("min",)),
-                      ("parwatch_collector_overhead_ratio", ("max", "avg"))):
+    for name, ops in (
+        ("parwatch_rank_up", (*GUARDRAIL_REDUCES, "sum", "count")),
+        ("parwatch_nvml_up", ("min", "sum")),
+        ("parwatch_gpu_utilization_ratio", GUARDRAIL_REDUCES),
+        ("parwatch_model_flops_utilization_ratio", ("min", "avg")),
+        ("parwatch_gpu_power_watts", ("sum", "max")),
+        ("parwatch_gpu_memory_used_bytes", ("max",)),
+        ("parwatch_gpu_temperature_celsius", ("max",)),
+        ("parwatch_gpu_sm_clock_hertz", ("min",)),
+        ("parwatch_collector_overhead_ratio", ("max", "avg")),
+    ):
         for op in ops:
             add(job(name, op), f"{op} {by()} ({_m(name)})")
     # Short lists of the ranks that are wrong (a healthy run records none): which rank, not just how many.
@@ -200,13 +214,19 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
 
     # Guardrails: the leader's states and counters, one series per rule (and action).
     add("rule:parwatch_guardrail_state:max", f"max {by('rule')} ({_m('parwatch_guardrail_state')})")
-    add("rule_action:parwatch_guardrail_actions:max",
-        f"max {by('rule', 'action')} ({_m('parwatch_guardrail_actions_total')})")
-    add(job("parwatch_sidecar_rules_reload_failures", "sum"),
-        f"sum {by()} ({_m('parwatch_sidecar_rules_reload_failures_total')})")
+    add(
+        "rule_action:parwatch_guardrail_actions:max",
+        f"max {by('rule', 'action')} ({_m('parwatch_guardrail_actions_total')})",
+    )
+    add(
+        job("parwatch_sidecar_rules_reload_failures", "sum"),
+        f"sum {by()} ({_m('parwatch_sidecar_rules_reload_failures_total')})",
+    )
     # Who the leader cannot see: nodes that reach no leader, posts refused (a wrong token, a bad body).
-    add(job("parwatch_leader_unreachable_since_timestamp_seconds", "max"),
-        f"max {by()} ({_m('parwatch_leader_unreachable_since_timestamp_seconds')})")
+    add(
+        job("parwatch_leader_unreachable_since_timestamp_seconds", "max"),
+        f"max {by()} ({_m('parwatch_leader_unreachable_since_timestamp_seconds')})",
+    )
     refused = _m("parwatch_posts_refused_total")
     add(rate_name("post_reason", refused, w), f"sum {by('post', 'reason')} (rate({refused}[{w}]))")
     return tuple(out)
@@ -214,7 +234,9 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
 
 def render_recording_rules(window: str = RATE_WINDOW) -> dict:
     """A Prometheus / vmalert rules file ({groups: [...]}) with every recording rule."""
-    return {"groups": [{"name": GROUP_NAME, "rules": [{"record": r.record, "expr": r.expr} for r in recordings(window)]}]}
+    return {
+        "groups": [{"name": GROUP_NAME, "rules": [{"record": r.record, "expr": r.expr} for r in recordings(window)]}]
+    }
 
 
 def render_recording_rules_yaml(window: str = RATE_WINDOW) -> str:

@@ -88,7 +88,23 @@ SCHEMA_VERSION = 1
 # Histogram upper bounds (seconds) for collective latency: 10 us .. 10 s, denser
 # near the 1-50 ms range where TP all-reduces and p2p live and alert thresholds sit.
 COLLECTIVE_BUCKETS = (
-    1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+    1e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
 )
 
 # Step duration histogram bounds (seconds).
@@ -135,8 +151,29 @@ def decode_float(x) -> float | None:
 ACTIVITY_VERSION = 1
 HANG_EXIT_CODE = 75
 """Exit status of a rank the leader aborted for a hang (EX_TEMPFAIL): restart from the last checkpoint."""
-ACTIVITY_FIELDS = ("run_id", "rank", "pid", "host", "stage", "tp_rank", "dp_rank", "tp", "pp", "dp", "state",
-                   "step", "step_seconds", "kind", "op", "group", "peer", "seq", "since", "time", "step_end")
+ACTIVITY_FIELDS = (
+    "run_id",
+    "rank",
+    "pid",
+    "host",
+    "stage",
+    "tp_rank",
+    "dp_rank",
+    "tp",
+    "pp",
+    "dp",
+    "state",
+    "step",
+    "step_seconds",
+    "kind",
+    "op",
+    "group",
+    "peer",
+    "seq",
+    "since",
+    "time",
+    "step_end",
+)
 """kind/op/group/peer/seq: the open span (kind null: between spans); since: wall seconds it opened;
 step: the last completed step (-1 before the first); state: "running" or "done"; time: when sampled;
 step_end: wall seconds when this rank ended `step` (its step boundary; null before the first). The

@@ -21,12 +21,14 @@ def check_private(path: str | os.PathLike, flag: str = "--token-file") -> None:
     except OSError as err:
         raise TokenError(f"{flag} {path}: cannot read it ({err.strerror})") from err
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise TokenError(f"{flag} {path} is readable by group or others (mode {stat.filemode(mode)}); "
-                          f"fix: chmod 600 {path}")
+        raise TokenError(
+            f"{flag} {path} is readable by group or others (mode {stat.filemode(mode)}); fix: chmod 600 {path}"
+        )
 
 
-def read_token(token_file: str | os.PathLike | None, environ=os.environ, flag: str = "--token-file",
-               private: bool = False) -> str | None:
+def read_token(
+    token_file: str | os.PathLike | None, environ=os.environ, flag: str = "--token-file", private: bool = False
+) -> str | None:
     """The token from the file (stripped) or else PARWATCH_TOKEN; None when neither is set.
 
     The one token reader of the sidecar, the CLI clients and the collector; `flag` names
@@ -38,8 +40,10 @@ def read_token(token_file: str | os.PathLike | None, environ=os.environ, flag: s
         try:
             token = Path(token_file).read_text().strip()
         except OSError as err:
-            raise TokenError(f"{flag} {token_file}: cannot read it ({err.strerror}); "
-                              "point it at a readable file holding the sidecar's token") from err
+            raise TokenError(
+                f"{flag} {token_file}: cannot read it ({err.strerror}); "
+                "point it at a readable file holding the sidecar's token"
+            ) from err
         if not token:
             raise TokenError(f"{flag} {token_file} is empty; write the sidecar's token into it")
         return token

@@ -58,13 +58,17 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s"
+                )
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
                 if dead:
-                    raise AssertionError(f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}")
+                    raise AssertionError(
+                        f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}"
+                    ) from None
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{payload}")

@@ -35,8 +35,7 @@ _other: list[str] = []
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not report.failed:
         return
-    wall_clock = ("timing" in report.keywords and report.when == "call"
-                  and TIMEOUT_MARK not in report.longreprtext)
+    wall_clock = "timing" in report.keywords and report.when == "call" and TIMEOUT_MARK not in report.longreprtext
     if wall_clock:
         _first[report.nodeid] = report
     else:
@@ -58,14 +57,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     say = reporter.write_line if reporter else print
     nodeids = sorted(_first)
     if session.shouldfail or session.shouldstop:
-        say(f"no timing re-run: the session stopped early ({session.shouldfail or session.shouldstop}); "
-            "tests after the stop never ran")
+        say(
+            f"no timing re-run: the session stopped early ({session.shouldfail or session.shouldstop}); "
+            "tests after the stop never ran"
+        )
         return
-    say(f"{len(nodeids)} timing test(s) failed, nothing else: running them once more in a fresh process "
-        f"(the host may have taken CPU meanwhile): {', '.join(nodeids)}")
+    say(
+        f"{len(nodeids)} timing test(s) failed, nothing else: running them once more in a fresh process "
+        f"(the host may have taken CPU meanwhile): {', '.join(nodeids)}"
+    )
     config = session.config
-    rerun = subprocess.run([sys.executable, "-m", "pytest", *_caller_options(config), "-p", "no:cacheprovider",
-                            *nodeids], cwd=str(config.rootpath), env={**os.environ, RERUN_ENV: "1"})
+    rerun = subprocess.run(
+        [sys.executable, "-m", "pytest", *_caller_options(config), "-p", "no:cacheprovider", *nodeids],
+        cwd=str(config.rootpath),
+        env={**os.environ, RERUN_ENV: "1"},
+    )
     passed = rerun.returncode == 0
     say(f"timing re-run: {'passed' if passed else 'failed again'}")
     _log(config, nodeids, passed)
@@ -144,5 +150,14 @@ def _log(config: pytest.Config, nodeids: list[str], passed: bool) -> None:
         for nodeid in nodeids:
             crash = getattr(_first[nodeid].longrepr, "reprcrash", None)
             message = crash.message if crash else _first[nodeid].longreprtext
-            out.write(json.dumps({"time": round(time.time(), 3), "test": nodeid, "rerun": "passed" if passed else
-                                  "failed", "first_failure": message[:500]}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "time": round(time.time(), 3),
+                        "test": nodeid,
+                        "rerun": "passed" if passed else "failed",
+                        "first_failure": message[:500],
+                    }
+                )
+                + "\n"
+            )

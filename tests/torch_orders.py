@@ -11,15 +11,20 @@ import types
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-ALL_CLASSES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-               "DualPipeV")
+ALL_CLASSES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 V_STYLE = ("ZBVZeroBubble", "DualPipeV")
 
 
 def _fake_stage(index: int, num_stages: int, p: int):
-    return types.SimpleNamespace(stage_index=index, num_stages=num_stages, group_size=p, group_rank=0,
-                                 submod=torch.nn.Linear(1, 1), is_first=index == 0,
-                                 is_last=index == num_stages - 1)
+    return types.SimpleNamespace(
+        stage_index=index,
+        num_stages=num_stages,
+        group_size=p,
+        group_rank=0,
+        submod=torch.nn.Linear(1, 1),
+        is_first=index == 0,
+        is_last=index == num_stages - 1,
+    )
 
 
 def torch_order(name: str, p: int, m: int, v: int = 1) -> dict:

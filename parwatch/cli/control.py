@@ -21,11 +21,20 @@ CTX = {"help_option_names": ["-h", "--help"]}
 
 
 def _connection(f):
-    @click.option("--endpoint", envvar="PARWATCH_ENDPOINT", default=DEFAULT_ENDPOINT, show_default=True,
-                  help="The sidecar's control listener (env PARWATCH_ENDPOINT).")
-    @click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
-                  help=f"File with the bearer token (else env PARWATCH_TOKEN, else ./{DEFAULT_TOKEN_FILE} "
-                       "if there: what `parwatch sidecar` generates in its default --state-dir).")
+    @click.option(
+        "--endpoint",
+        envvar="PARWATCH_ENDPOINT",
+        default=DEFAULT_ENDPOINT,
+        show_default=True,
+        help="The sidecar's control listener (env PARWATCH_ENDPOINT).",
+    )
+    @click.option(
+        "--token-file",
+        type=click.Path(dir_okay=False, exists=True),
+        default=None,
+        help=f"File with the bearer token (else env PARWATCH_TOKEN, else ./{DEFAULT_TOKEN_FILE} "
+        "if there: what `parwatch sidecar` generates in its default --state-dir).",
+    )
     @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON answer.")
     @functools.wraps(f)
     def wrapper(endpoint, token_file, as_json, **kw):
@@ -47,11 +56,15 @@ def _connection(f):
 def _with_fix(err: SidecarError, endpoint: str) -> str:
     """The client's message, plus what to change on this command line."""
     if err.status is None:  # not an HTTP answer: the connection itself failed
-        return (f"cannot reach the sidecar at {endpoint} ({err.__cause__ or err}); start `parwatch sidecar` there, "
-                "or point --endpoint (env PARWATCH_ENDPOINT) at its --control-listen address")
+        return (
+            f"cannot reach the sidecar at {endpoint} ({err.__cause__ or err}); start `parwatch sidecar` there, "
+            "or point --endpoint (env PARWATCH_ENDPOINT) at its --control-listen address"
+        )
     if err.status == 401:
-        return (f"{err}; pass the sidecar's token with --token-file FILE or the PARWATCH_TOKEN environment variable "
-                "(a sidecar started without --token-file wrote one to STATE_DIR/token)")
+        return (
+            f"{err}; pass the sidecar's token with --token-file FILE or the PARWATCH_TOKEN environment variable "
+            "(a sidecar started without --token-file wrote one to STATE_DIR/token)"
+        )
     return str(err)
 
 
@@ -66,8 +79,19 @@ def _human(out) -> str:
 def _decision_line(d: dict) -> str:
     keys: tuple[str, ...]
     if d.get("type") not in (None, "decision"):  # an outcome (applied, substituted, failed, ...) or a cancel
-        keys = ("time", "step", "type", "action", "directive_id", "requested_step", "loaded_step", "ranks",
-                "reasons", "requested_by", "note")
+        keys = (
+            "time",
+            "step",
+            "type",
+            "action",
+            "directive_id",
+            "requested_step",
+            "loaded_step",
+            "ranks",
+            "reasons",
+            "requested_by",
+            "note",
+        )
     else:
         keys = ("time", "step", "rule", "action", "source", "reason", "to_step", "skip_batches", "directive_id")
     return "  ".join(f"{k}={d[k]}" for k in keys if d.get(k) not in (None, "", {})) or json.dumps(d)
@@ -84,8 +108,10 @@ def _status_text(s: dict) -> str:
     lines.append(f"ranks: {len(ranks)} reporting" + (f", down: {', '.join(down)}" if down else ""))
     lines += _link_lines(s.get("leader_link"))
     for r in s.get("refused") or ():
-        lines.append(f"WARNING: refused {r['count']} {r['post']} posts ({r['reason']}), last at "
-                     f"{_when(r['last_time'])}: {r['detail']}")
+        lines.append(
+            f"WARNING: refused {r['count']} {r['post']} posts ({r['reason']}), last at "
+            f"{_when(r['last_time'])}: {r['detail']}"
+        )
     if s.get("rules") is None and s.get("rules_judged_by"):  # a node sidecar: its engine judges nothing
         lines.append(f"rules: judged by the leader, {s['rules_judged_by']}")
     for name, st in sorted((s.get("rules") or {}).items()):
@@ -108,8 +134,10 @@ def _link_lines(link: dict | None) -> list[str]:
         return []
     if link.get("reachable"):
         return [f"leader: {link.get('url')} (reachable)"]
-    return [f"WARNING: leader {link.get('url') or '(no --leader-url)'} unreachable since "
-            f"{_when(link.get('unreachable_since'))}: {link.get('error')}"]
+    return [
+        f"WARNING: leader {link.get('url') or '(no --leader-url)'} unreachable since "
+        f"{_when(link.get('unreachable_since'))}: {link.get('error')}"
+    ]
 
 
 def _hang_line(h: dict | None) -> str:
@@ -125,9 +153,11 @@ def _hang_line(h: dict | None) -> str:
     c = record["evidence"]["culprit"]
     if c is None:  # the waits point at a rank the leader cannot see
         return f"HANG: {record['reason'].removeprefix('hang: ')} (ranks: {states})"
-    return (f"HANG: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in {c['kind'] or 'between spans'}"
-            f"{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
-            f"{record['evidence'].get('waiting_count', 0)} ranks wait for it (ranks: {states})")
+    return (
+        f"HANG: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in {c['kind'] or 'between spans'}"
+        f"{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
+        f"{record['evidence'].get('waiting_count', 0)} ranks wait for it (ranks: {states})"
+    )
 
 
 def _who() -> str:
@@ -165,12 +195,23 @@ def resume(client, reason):
     return client.control("resume", reason=reason, requested_by=_who())
 
 
-@click.command(context_settings=CTX,
-               epilog="\b\nExamples:\n  parwatch rollback\n  parwatch rollback --to-step 1200 --skip-batches 50")
-@click.option("--to-step", type=click.IntRange(min=0), default=None,
-              help="Checkpoint step to load (default: the newest good one).")
-@click.option("--skip-batches", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Data batches to skip after loading.")
+@click.command(
+    context_settings=CTX,
+    epilog="\b\nExamples:\n  parwatch rollback\n  parwatch rollback --to-step 1200 --skip-batches 50",
+)
+@click.option(
+    "--to-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Checkpoint step to load (default: the newest good one).",
+)
+@click.option(
+    "--skip-batches",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Data batches to skip after loading.",
+)
 @click.option("--reason", default="", help="Recorded with the decision.")
 @_connection
 def rollback(client, to_step, skip_batches, reason):

@@ -7,7 +7,10 @@ import sys
 import click
 
 from parwatch.guardrails.alerts import (
-    DEFAULT_RATE_WINDOW, DEFAULT_RUNBOOK, DEFAULT_STEP_SECONDS, render_alert_rules_yaml,
+    DEFAULT_RATE_WINDOW,
+    DEFAULT_RUNBOOK,
+    DEFAULT_STEP_SECONDS,
+    render_alert_rules_yaml,
 )
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
 
@@ -23,13 +26,16 @@ def rules():
     """
 
 
-@rules.command("check", epilog="""\b
+@rules.command(
+    "check",
+    epilog="""\b
 Example:
   $ parwatch rules check rules.yaml
   ok: 7 rules (enforce=true)
   $ parwatch rules check broken.yaml
   broken.yaml:12: rule 'bubble-excess': field 'abov': unknown field in a rule; did you mean 'above'?
-""")
+""",
+)
 @click.argument("file", type=click.Path(dir_okay=False))
 def check(file):
     """Validate a rules FILE: print every problem with its line, exit 1 if there is any."""
@@ -42,20 +48,33 @@ def check(file):
     click.echo(f"ok: {len(ruleset.rules)} rules (enforce={str(ruleset.enforce).lower()})")
 
 
-@rules.command("render-alerts", epilog="""\b
+@rules.command(
+    "render-alerts",
+    epilog="""\b
 Example:
   parwatch rules render-alerts                        # the packaged default rules, to stdout
   parwatch rules render-alerts rules.yaml -o alerts.yaml --step-seconds 2.5
   promtool check rules alerts.yaml
-""")
+""",
+)
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
-@click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_STEP_SECONDS,
-              show_default=True, help="Assumed training step period: turns for_steps and window_steps into time.")
-@click.option("--rate-window", default=DEFAULT_RATE_WINDOW, show_default=True,
-              help="Range of the rate() behind histogram means (step_seconds, collective_seconds_mean).")
-@click.option("--runbook-base", default=DEFAULT_RUNBOOK, show_default=True,
-              help="runbook_url is this plus '#<rule name>'.")
+@click.option(
+    "--step-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_STEP_SECONDS,
+    show_default=True,
+    help="Assumed training step period: turns for_steps and window_steps into time.",
+)
+@click.option(
+    "--rate-window",
+    default=DEFAULT_RATE_WINDOW,
+    show_default=True,
+    help="Range of the rate() behind histogram means (step_seconds, collective_seconds_mean).",
+)
+@click.option(
+    "--runbook-base", default=DEFAULT_RUNBOOK, show_default=True, help="runbook_url is this plus '#<rule name>'."
+)
 def render_alerts(file, out, step_seconds, rate_window, runbook_base):
     """Render Prometheus alert rules from a rules FILE (default: the packaged default rules)."""
     try:

@@ -51,46 +51,135 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 
 
 @click.command(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--rules", "rules", type=click.Path(dir_okay=False), default=None,
-              help="Guardrail rules YAML (default: the packaged rules). e.g. --rules rules.yaml")
-@click.option("--state-dir", default="./parwatch-state", show_default=True, type=click.Path(file_okay=False),
-              help="Engine state and decisions.jsonl; the only place the sidecar writes. "
-                   "e.g. --state-dir /var/lib/parwatch")
-@click.option("--metrics-listen", default=DEFAULT_METRICS_LISTEN, show_default=True, metavar="HOST:PORT",
-              help="HOST:PORT for the read-only GET /metrics and /healthz. e.g. --metrics-listen 0.0.0.0:9400")
-@click.option("--control-listen", default=DEFAULT_CONTROL_LISTEN, show_default=True, metavar="HOST:PORT",
-              help="HOST:PORT for ingest, control, alerts and status; non-loopback needs a token. "
-                   "e.g. --control-listen 127.0.0.1:9401")
-@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
-              help="File (mode 0600) holding the bearer token ingest, control, alerts, status and decisions "
-                   "require (else env PARWATCH_TOKEN; else STATE_DIR/token, generated on first start). "
-                   "e.g. --token-file /run/secrets/parwatch-token")
-@click.option("--rank-grace-seconds", type=float, default=30.0, show_default=True, metavar="SECONDS",
-              help="A rank silent this long gets parwatch_rank_up 0; its other series vanish after twice this. "
-                   "e.g. --rank-grace-seconds 60")
-@click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True, metavar="BYTES",
-              help="Larger request bodies are refused with 413. e.g. --max-body-bytes 1048576")
-@click.option("--max-ranks", type=click.IntRange(min=1), default=DEFAULT_MAX_RANKS, show_default=True,
-              metavar="N", help="Ranks of the run this sidecar serves; summaries from more are refused (429). "
-                                "e.g. --max-ranks 64")
-@click.option("--max-runs", type=click.IntRange(min=1), default=DEFAULT_MAX_RUNS, show_default=True, metavar="N",
-              help="Run ids accepted within twice --rank-grace-seconds; more are refused (429). e.g. --max-runs 2")
-@click.option("--leader-url", default=None, metavar="URL",
-              help="The run's leader sidecar (control listener) to forward this node's digest to; omit on the "
-                   "leader and on single-node runs. e.g. --leader-url http://parwatch-leader.ns.svc:9401")
-@click.option("--hang-min-seconds", type=float, default=10.0, show_default=True, metavar="SECONDS",
-              help="A hang needs at least this long without a step boundary. e.g. --hang-min-seconds 30")
-@click.option("--hang-step-factor", type=float, default=3.0, show_default=True, metavar="N",
-              help="... and at least N median step times. e.g. --hang-step-factor 5")
-@click.option("--hang-dump-stacks/--no-hang-dump-stacks", default=False, show_default=True,
-              help="On a hang, have the culprit write its Python stacks into the run directory (SIGUSR1).")
-@click.option("--hang-abort/--no-hang-abort", default=False, show_default=True,
-              help="On a hang, make every rank exit with code 75 so the launcher restarts from a checkpoint.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True, help="Log verbosity on stderr. e.g. --log-level debug")
-def sidecar(rules, state_dir, metrics_listen, control_listen, token_file, rank_grace_seconds, max_body_bytes,
-            max_ranks, max_runs, leader_url, hang_min_seconds, hang_step_factor, hang_dump_stacks, hang_abort,
-            log_level):
+@click.option(
+    "--rules",
+    "rules",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Guardrail rules YAML (default: the packaged rules). e.g. --rules rules.yaml",
+)
+@click.option(
+    "--state-dir",
+    default="./parwatch-state",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Engine state and decisions.jsonl; the only place the sidecar writes. e.g. --state-dir /var/lib/parwatch",
+)
+@click.option(
+    "--metrics-listen",
+    default=DEFAULT_METRICS_LISTEN,
+    show_default=True,
+    metavar="HOST:PORT",
+    help="HOST:PORT for the read-only GET /metrics and /healthz. e.g. --metrics-listen 0.0.0.0:9400",
+)
+@click.option(
+    "--control-listen",
+    default=DEFAULT_CONTROL_LISTEN,
+    show_default=True,
+    metavar="HOST:PORT",
+    help="HOST:PORT for ingest, control, alerts and status; non-loopback needs a token. "
+    "e.g. --control-listen 127.0.0.1:9401",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="File (mode 0600) holding the bearer token ingest, control, alerts, status and decisions "
+    "require (else env PARWATCH_TOKEN; else STATE_DIR/token, generated on first start). "
+    "e.g. --token-file /run/secrets/parwatch-token",
+)
+@click.option(
+    "--rank-grace-seconds",
+    type=float,
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="A rank silent this long gets parwatch_rank_up 0; its other series vanish after twice this. "
+    "e.g. --rank-grace-seconds 60",
+)
+@click.option(
+    "--max-body-bytes",
+    type=int,
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    metavar="BYTES",
+    help="Larger request bodies are refused with 413. e.g. --max-body-bytes 1048576",
+)
+@click.option(
+    "--max-ranks",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_RANKS,
+    show_default=True,
+    metavar="N",
+    help="Ranks of the run this sidecar serves; summaries from more are refused (429). e.g. --max-ranks 64",
+)
+@click.option(
+    "--max-runs",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_RUNS,
+    show_default=True,
+    metavar="N",
+    help="Run ids accepted within twice --rank-grace-seconds; more are refused (429). e.g. --max-runs 2",
+)
+@click.option(
+    "--leader-url",
+    default=None,
+    metavar="URL",
+    help="The run's leader sidecar (control listener) to forward this node's digest to; omit on the "
+    "leader and on single-node runs. e.g. --leader-url http://parwatch-leader.ns.svc:9401",
+)
+@click.option(
+    "--hang-min-seconds",
+    type=float,
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="A hang needs at least this long without a step boundary. e.g. --hang-min-seconds 30",
+)
+@click.option(
+    "--hang-step-factor",
+    type=float,
+    default=3.0,
+    show_default=True,
+    metavar="N",
+    help="... and at least N median step times. e.g. --hang-step-factor 5",
+)
+@click.option(
+    "--hang-dump-stacks/--no-hang-dump-stacks",
+    default=False,
+    show_default=True,
+    help="On a hang, have the culprit write its Python stacks into the run directory (SIGUSR1).",
+)
+@click.option(
+    "--hang-abort/--no-hang-abort",
+    default=False,
+    show_default=True,
+    help="On a hang, make every rank exit with code 75 so the launcher restarts from a checkpoint.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="Log verbosity on stderr. e.g. --log-level debug",
+)
+def sidecar(
+    rules,
+    state_dir,
+    metrics_listen,
+    control_listen,
+    token_file,
+    rank_grace_seconds,
+    max_body_bytes,
+    max_ranks,
+    max_runs,
+    leader_url,
+    hang_min_seconds,
+    hang_step_factor,
+    hang_dump_stacks,
+    hang_abort,
+    log_level,
+):
     """Export Prometheus metrics for a run's ranks, evaluate guardrails, hand directives back."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -39,10 +39,22 @@ class ActivityReporter:
     "step_seconds") or None. time_fn: wall clock. http: an httpx.Client-like object (tests).
     """
 
-    def __init__(self, ctx, registry, endpoint: str | None, token: str | None = None, interval_s: float = 1.0,
-                 http=None, time_fn=time.time, summary_fn=None, pid: int | None = None,
-                 perf_ns=time.perf_counter_ns, max_backoff_s: float = 5.0, stacks_path: str | None = None,
-                 on_abort=os._exit):
+    def __init__(
+        self,
+        ctx,
+        registry,
+        endpoint: str | None,
+        token: str | None = None,
+        interval_s: float = 1.0,
+        http=None,
+        time_fn=time.time,
+        summary_fn=None,
+        pid: int | None = None,
+        perf_ns=time.perf_counter_ns,
+        max_backoff_s: float = 5.0,
+        stacks_path: str | None = None,
+        on_abort=os._exit,
+    ):
         if not interval_s > 0:
             raise ValueError(f"ActivityReporter interval_s={interval_s!r} must be > 0 (1.0 suits most runs)")
         self.ctx = ctx
@@ -80,16 +92,39 @@ class ActivityReporter:
         ctx, now = self.ctx, self._time()
         span = self.registry.current  # one read: the training thread may replace it right after
         summary = self._summary_fn() or {}
-        record = {"run_id": ctx.run_id, "rank": ctx.rank, "pid": self._pid, "host": ctx.hostname,
-                  "stage": ctx.stage, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank,
-                  "tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "state": state,
-                  "step": int(summary.get("step", -1)), "step_seconds": summary.get("step_seconds"),
-                  "kind": None, "op": None, "group": None, "peer": None, "seq": None, "since": None, "time": now,
-                  "step_end": summary.get("time")}
+        record = {
+            "run_id": ctx.run_id,
+            "rank": ctx.rank,
+            "pid": self._pid,
+            "host": ctx.hostname,
+            "stage": ctx.stage,
+            "tp_rank": ctx.tp_rank,
+            "dp_rank": ctx.dp_rank,
+            "tp": ctx.tp,
+            "pp": ctx.pp,
+            "dp": ctx.dp,
+            "state": state,
+            "step": int(summary.get("step", -1)),
+            "step_seconds": summary.get("step_seconds"),
+            "kind": None,
+            "op": None,
+            "group": None,
+            "peer": None,
+            "seq": None,
+            "since": None,
+            "time": now,
+            "step_end": summary.get("time"),
+        }
         if span is not None:
             attrs = span.attrs
-            record.update(kind=str(span.kind), op=attrs.get("op"), group=attrs.get("group"),
-                          peer=attrs.get("peer"), seq=attrs.get("seq"), since=self._since(span, now))
+            record.update(
+                kind=str(span.kind),
+                op=attrs.get("op"),
+                group=attrs.get("group"),
+                peer=attrs.get("peer"),
+                seq=attrs.get("seq"),
+                since=self._since(span, now),
+            )
         return record
 
     def _since(self, span, now: float) -> float:
@@ -146,7 +181,7 @@ class ActivityReporter:
             except Exception as exc:  # never let a bad sample end the thread
                 log.warning("parwatch: activity sample failed (%s)", exc)
 
-    def start(self) -> "ActivityReporter":
+    def start(self) -> ActivityReporter:
         if self._stacks_file is None and (self.stacks_path or self.url):
             # Always when reporting: the sidecar may send SIGUSR1 for a dump, which must never kill the rank.
             self._register_stack_dump()
@@ -163,7 +198,9 @@ class ActivityReporter:
         try:
             if self.stacks_path:
                 os.makedirs(os.path.dirname(os.path.abspath(self.stacks_path)), exist_ok=True)
-                self._stacks_file = open(self.stacks_path, "a")  # open for the process's life: the handler writes its fd
+                self._stacks_file = open(
+                    self.stacks_path, "a"
+                )  # open for the process's life: the handler writes its fd
             else:
                 import sys
 

@@ -54,18 +54,27 @@ def attach_from_config(cfg, rank: int, world_size: int, local_rank: int, backend
     clock are used only when the backend is NCCL (this rank then owns GPU `local_rank`).
     """
     ctx = RunContext.for_rank(
-        cfg.run_id, rank, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, schedule=cfg.schedule,
-        microbatches=cfg.microbatches, chunks=cfg.chunks, tokens_per_step=cfg.tokens_per_step,
+        cfg.run_id,
+        rank,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        dp=cfg.dp,
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        chunks=cfg.chunks,
+        tokens_per_step=cfg.tokens_per_step,
         local_gpu=local_rank if backend == "nccl" else None,
     )
     if ctx.world_size != world_size:
         raise AttachError(f"tp*pp*dp = {ctx.world_size} but the world has {world_size} ranks; fix --tp/--pp/--dp")
     log_dir = cfg.parwatch_log
-    return attach(Collector(
-        ctx,
-        endpoint=cfg.parwatch_endpoint or None,
-        token=read_token(cfg.parwatch_token_file),
-        log_path=os.path.join(log_dir, "summaries.jsonl") if log_dir else None,
-        spans_path=os.path.join(log_dir, "spans.jsonl") if log_dir else None,
-        peak_flops=getattr(cfg, "parwatch_peak_flops", 0.0) or None,
-    ))
+    return attach(
+        Collector(
+            ctx,
+            endpoint=cfg.parwatch_endpoint or None,
+            token=read_token(cfg.parwatch_token_file),
+            log_path=os.path.join(log_dir, "summaries.jsonl") if log_dir else None,
+            spans_path=os.path.join(log_dir, "spans.jsonl") if log_dir else None,
+            peak_flops=getattr(cfg, "parwatch_peak_flops", 0.0) or None,
+        )
+    )

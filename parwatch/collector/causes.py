@@ -9,7 +9,7 @@ training thread: the shipper calls `add_causes` before it writes or sends a summ
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from parwatch.bubble import replayed_theory
 from parwatch.pipeline_sim import Replay, bubble_causes, per_action_seconds
@@ -50,8 +50,9 @@ class CauseSplitter:
         if set(stages) != set(self.order.ranks):
             return  # a stage did not report this step: no replay of a partial pipeline
         try:
-            causes = bubble_causes(self.order, per_action_seconds(self.order, stages),
-                                   {st: s["bubble_ratio"] for st, s in stages.items()})
+            causes = bubble_causes(
+                self.order, per_action_seconds(self.order, stages), {st: s["bubble_ratio"] for st, s in stages.items()}
+            )
         except (ValueError, ZeroDivisionError):
             self.errors += 1
             return

@@ -27,11 +27,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from parwatch.collector import global_view as gv
 from parwatch.bubble import CLOSED_FORM_SCHEDULES
+from parwatch.collector import global_view as gv
 from parwatch.collector.activity import ActivityReporter
-from parwatch.collector.context import RunContext
 from parwatch.collector.causes import CauseSplitter
+from parwatch.collector.context import RunContext
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
 from parwatch.collector.fallback import LocalGuard
 from parwatch.collector.instances import InstanceLog
@@ -97,18 +97,36 @@ class Collector(Observer):
         """Rank 0: splits each global view's bubble into schedule, imbalance and wait (shipper thread)."""
         self._theory = ctx.bubble_theoretical_ratio
         self.shipper = Shipper(
-            endpoint=endpoint, token=token, log_path=log_path, spans_path=spans_path, queue_size=queue_size,
-            http=http, on_directive=self._on_directive,
+            endpoint=endpoint,
+            token=token,
+            log_path=log_path,
+            spans_path=spans_path,
+            queue_size=queue_size,
+            http=http,
+            on_directive=self._on_directive,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
             prepare=self.causes.add_causes if ctx.rank == 0 else None,
         ).start()
         self.activity = ActivityReporter(
-            ctx, default_registry, endpoint, token, time_fn=time_fn, summary_fn=lambda: self.last_summary,
+            ctx,
+            default_registry,
+            endpoint,
+            token,
+            time_fn=time_fn,
+            summary_fn=lambda: self.last_summary,
             stacks_path=os.path.join(os.path.dirname(log_path), f"stacks-rank{ctx.rank}.txt") if log_path else None,
         ).start()
         """Live activity for hang detection (its own thread; attach() points it at the registry)."""
-        self.guard = LocalGuard(ctx.run_id, time_fn, lambda: self.shipper.unreachable_since,
-                                os.path.dirname(log_path) if log_path else None) if ctx.rank == 0 and endpoint else None
+        self.guard = (
+            LocalGuard(
+                ctx.run_id,
+                time_fn,
+                lambda: self.shipper.unreachable_since,
+                os.path.dirname(log_path) if log_path else None,
+            )
+            if ctx.rank == 0 and endpoint
+            else None
+        )
         """Rank 0: pauses the run on a non-finite loss its sidecar (the leader) never saw (fallback.py)."""
         self.peak_flops = peak_flops or None
         """Device peak FLOP/s for MFU; None: unknown, no MFU in the summaries."""
@@ -119,8 +137,7 @@ class Collector(Observer):
         self._wall_offset = time_fn() - self._host_seconds(mark)
         self._release_marks([mark])
         self._stats = StepStats()
-        self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds,
-                                     duration_of=self.clock.seconds)
+        self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds, duration_of=self.clock.seconds)
         """Per-instance collective/p2p records and data seconds for the sidecar's wait/transfer split."""
         self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
         """Whole-run figures (rank 0) added to the trainer's summary at run_end."""
@@ -162,8 +179,15 @@ class Collector(Observer):
         t0 = _now_ns()
         valid = self._previous is not None and self._previous_step == step - 1
         origin = self._time_fn() if self._time_origin_s is None and self.ctx.rank == 0 else None
-        gv.fill_slots(slots, rank=self.ctx.rank, stage=self.ctx.stage, previous=self._previous if valid else None,
-                      previous_step=self._previous_step, by_kind=self._previous_by_kind, origin=origin)
+        gv.fill_slots(
+            slots,
+            rank=self.ctx.rank,
+            stage=self.ctx.stage,
+            previous=self._previous if valid else None,
+            previous_step=self._previous_step,
+            by_kind=self._previous_by_kind,
+            origin=origin,
+        )
         self._overhead_ns += _now_ns() - t0
 
     def pending_directive(self):
@@ -254,8 +278,9 @@ class Collector(Observer):
     # --- internals ----------------------------------------------------------------------------
     def _count_error(self, where: str, exc: Exception) -> None:
         if not self.errors:
-            log.warning("parwatch: collector %s error (%s: %s); counting further ones silently",
-                        where, type(exc).__name__, exc)
+            log.warning(
+                "parwatch: collector %s error (%s: %s); counting further ones silently", where, type(exc).__name__, exc
+            )
         self.errors += 1
 
     def _report_outcome(self, info: BoundaryInfo) -> None:
@@ -309,13 +334,22 @@ class Collector(Observer):
             self.totals.add_collectives(collectives)
         pausing = info.directive is not None and getattr(info.directive, "action", None) == "pause"
         return build_summary(
-            ctx, step=info.step, time=self._time_fn(), result=result, loss=info.loss,
-            collectives=collectives, memory_max_allocated_bytes=self._memory_fn(), gpu=self.nvml.take(),
-            nvml_up=self.nvml.up, dropped_total=self.shipper.dropped,
+            ctx,
+            step=info.step,
+            time=self._time_fn(),
+            result=result,
+            loss=info.loss,
+            collectives=collectives,
+            memory_max_allocated_bytes=self._memory_fn(),
+            gpu=self.nvml.take(),
+            nvml_up=self.nvml.up,
+            dropped_total=self.shipper.dropped,
             # Only this timeline's: after a rollback, checkpoints past the current step on disk
             # belong to the abandoned one and must not be rollback targets.
             checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [],
-            paused=self._paused or pausing, global_view=global_view, timeline=self.timeline,
+            paused=self._paused or pausing,
+            global_view=global_view,
+            timeline=self.timeline,
             bubble_theoretical_ratio=self._theory,
         )
 
@@ -377,8 +411,16 @@ class Collector(Observer):
 
     def _record(self, span: Span, start_s: float, end_s: float) -> dict:
         ctx = self.ctx
-        return {"run_id": ctx.run_id, "rank": ctx.rank, "stage": ctx.stage, "step": self._step,
-                "kind": span.kind, "start_s": start_s, "end_s": end_s, "attrs": dict(span.attrs)}
+        return {
+            "run_id": ctx.run_id,
+            "rank": ctx.rank,
+            "stage": ctx.stage,
+            "step": self._step,
+            "kind": span.kind,
+            "start_s": start_s,
+            "end_s": end_s,
+            "attrs": dict(span.attrs),
+        }
 
     def _host_seconds(self, mark) -> float:
         host_seconds = getattr(self.clock, "host_seconds", None)

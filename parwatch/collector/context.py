@@ -16,6 +16,8 @@ from parwatch.bubble import closed_form
 from parwatch.host import host_identity
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
 @dataclass(frozen=True)
 class RunContext:
     run_id: str
@@ -67,8 +69,10 @@ class RunContext:
             if not isinstance(value, int) or not 0 <= value < limit:
                 raise ValueError(f"RunContext.{name}={value!r} must be in 0..{limit - 1} ({size}={limit})")
         if not isinstance(self.schedule, str) or not _SCHEDULE_NAME.match(self.schedule):
-            raise ValueError(f"RunContext.schedule={self.schedule!r} must be a schedule name of letters, digits, "
-                             "'_', '.', '-' (at most 64), e.g. 1f1b or ZBVZeroBubble")
+            raise ValueError(
+                f"RunContext.schedule={self.schedule!r} must be a schedule name of letters, digits, "
+                "'_', '.', '-' (at most 64), e.g. 1f1b or ZBVZeroBubble"
+            )
         if self.chunks > 1 and self.schedule in ("gpipe", "1f1b"):
             raise ValueError(
                 f"RunContext.chunks={self.chunks} needs an interleaved schedule (got {self.schedule!r}); "
@@ -92,7 +96,7 @@ class RunContext:
         tokens_per_step: int = 0,
         local_gpu: int | None = None,
         hostname: str | None = None,
-    ) -> "RunContext":
+    ) -> RunContext:
         """Derive tp_rank, stage and dp_rank from the rank and the layout."""
         return cls(
             run_id=run_id,

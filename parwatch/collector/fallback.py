@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from parwatch.collector.shipper import Delivery
 from parwatch.contract.directives import Action, Directive
@@ -44,8 +44,13 @@ class LocalGuard:
 
     Training thread only (the boundary hooks); the shipper thread writes the Delivery it reads."""
 
-    def __init__(self, run_id: str, time_fn: Callable[[], float], unreachable_since: Callable[[], float | None],
-                 log_dir: str | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        time_fn: Callable[[], float],
+        unreachable_since: Callable[[], float | None],
+        log_dir: str | None = None,
+    ):
         self.run_id = run_id
         self._time = time_fn
         self._unreachable_since = unreachable_since
@@ -80,13 +85,23 @@ class LocalGuard:
         step, loss, _ = watch
         self._local_id = max(self._seen_id, self._handled_id) + 1
         since = self._unreachable_since()
-        reason = (f"{LOCAL_RULE}: loss {encode_float(loss)} at step {step} and the sidecar did not take its "
-                  f"summary{'' if since is None else f' (unreachable since {since:.3f})'}: rank 0 pauses the run "
-                  "until the leader judges it")
+        reason = (
+            f"{LOCAL_RULE}: loss {encode_float(loss)} at step {step} and the sidecar did not take its "
+            f"summary{'' if since is None else f' (unreachable since {since:.3f})'}: rank 0 pauses the run "
+            "until the leader judges it"
+        )
         usable = [c for c in checkpoints if c <= step][-1000:]  # later ones belong to a timeline rolled back
-        self._local = {"rule": LOCAL_RULE, "action": Action.PAUSE.value, "step": step, "loss": encode_float(loss),
-                       "time": self._time(), "after": self._handled_id, "checkpoints": usable,
-                       "unreachable_since": since, "reason": reason}
+        self._local = {
+            "rule": LOCAL_RULE,
+            "action": Action.PAUSE.value,
+            "step": step,
+            "loss": encode_float(loss),
+            "time": self._time(),
+            "after": self._handled_id,
+            "checkpoints": usable,
+            "unreachable_since": since,
+            "reason": reason,
+        }
         self.decisions += 1
         log.error("parwatch: %s (directive %d)", reason, self._local_id)
         self._write({"directive_id": self._local_id, "run_id": self.run_id, **self._local})

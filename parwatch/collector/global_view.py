@@ -13,7 +13,7 @@ STAGE_SLOTS per stage.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from parwatch.bubble import stage_bubble
 from parwatch.collector.stats import StepBreakdown
@@ -24,8 +24,13 @@ HEADER = 2
 # One stage's block: ranks that reported, then sums over them.
 COUNT, STEP_SECONDS, COMPUTE, OTHER, IDLE, FORWARD, BACKWARD, BACKWARD_WEIGHT, LOSS = range(9)
 STAGE_SLOTS = 9
-PER_KIND = {"forward": FORWARD, "backward": BACKWARD, "backward_input": BACKWARD, "backward_weight": BACKWARD_WEIGHT,
-            "loss": LOSS}
+PER_KIND = {
+    "forward": FORWARD,
+    "backward": BACKWARD,
+    "backward_input": BACKWARD,
+    "backward_weight": BACKWARD_WEIGHT,
+    "loss": LOSS,
+}
 """Compute span kinds -> the block slot that sums them (a split backward's input half counts as backward)."""
 
 
@@ -34,8 +39,16 @@ def slots_for(pp: int) -> int:
     return HEADER + pp * STAGE_SLOTS
 
 
-def fill_slots(slots: list, *, rank: int, stage: int, previous: StepBreakdown | None, previous_step: int,
-               by_kind: dict | None = None, origin: float | None = None) -> None:
+def fill_slots(
+    slots: list,
+    *,
+    rank: int,
+    stage: int,
+    previous: StepBreakdown | None,
+    previous_step: int,
+    by_kind: dict | None = None,
+    origin: float | None = None,
+) -> None:
     """Add this rank's figures of `previous_step` to its stage's block (nothing when previous is None)."""
     if rank == 0:
         if origin is not None:
@@ -78,19 +91,21 @@ def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> di
         if n <= 0:
             continue
         step_s, compute, other, idle = (slots[base + i] / n for i in (STEP_SECONDS, COMPUTE, OTHER, IDLE))
-        stages.append({
-            "stage": stage,
-            "compute_seconds": compute,
-            "idle_seconds": idle,
-            "other_seconds": other,
-            "step_seconds": step_s,
-            "bubble_ratio": stage_bubble(idle, compute),
-            "forward_seconds": slots[base + FORWARD] / n,
-            "backward_seconds": slots[base + BACKWARD] / n,
-            "backward_weight_seconds": slots[base + BACKWARD_WEIGHT] / n,
-            "loss_seconds": slots[base + LOSS] / n,
-            "ranks": int(n),
-        })
+        stages.append(
+            {
+                "stage": stage,
+                "compute_seconds": compute,
+                "idle_seconds": idle,
+                "other_seconds": other,
+                "step_seconds": step_s,
+                "bubble_ratio": stage_bubble(idle, compute),
+                "forward_seconds": slots[base + FORWARD] / n,
+                "backward_seconds": slots[base + BACKWARD] / n,
+                "backward_weight_seconds": slots[base + BACKWARD_WEIGHT] / n,
+                "loss_seconds": slots[base + LOSS] / n,
+                "ranks": int(n),
+            }
+        )
     if not stages:
         return None
     computes = [s["compute_seconds"] for s in stages]

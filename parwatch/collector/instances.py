@@ -24,8 +24,9 @@ Use (the collector, on the training thread):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from parwatch.contract import SpanKind
 
@@ -49,8 +50,10 @@ class InstanceSampling:
 
     def __post_init__(self):
         if self.every < 0 or self.per_group < 1:
-            raise ValueError(f"InstanceSampling(every={self.every}, per_group={self.per_group}): "
-                             "every must be >= 0 and per_group >= 1")
+            raise ValueError(
+                f"InstanceSampling(every={self.every}, per_group={self.per_group}): "
+                "every must be >= 0 and per_group >= 1"
+            )
 
     def __call__(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
@@ -59,11 +62,26 @@ class InstanceSampling:
 class InstanceLog:
     """One rank's records for the current step period."""
 
-    __slots__ = ("host", "_seconds_of", "_duration_of", "_sampling", "_records", "_counts", "_groups", "_data", "_capped",
-                 "_sampled")
+    __slots__ = (
+        "host",
+        "_seconds_of",
+        "_duration_of",
+        "_sampling",
+        "_records",
+        "_counts",
+        "_groups",
+        "_data",
+        "_capped",
+        "_sampled",
+    )
 
-    def __init__(self, host: str, seconds_of: Callable[[Any], float], duration_of: Callable[[Any, Any], float],
-                 sampling: InstanceSampling = InstanceSampling()):
+    def __init__(
+        self,
+        host: str,
+        seconds_of: Callable[[Any], float],
+        duration_of: Callable[[Any, Any], float],
+        sampling: InstanceSampling = InstanceSampling(),
+    ):
         """seconds_of(mark): host-monotonic seconds of a mark (the arrival); duration_of(start, end):
         the clock's own span length (on CUDA, device time between the events)."""
         self.host = host
@@ -111,13 +129,26 @@ class InstanceLog:
             return
         self._counts[key] = n + 1
         start = self._seconds_of(span.start)
-        self._records.append([op, group, int(seq), int(peer), round(start * 1e6),
-                              round(self._duration_of(span.start, span.end) * 1e6),
-                              int(attrs.get("bytes", 0))])
+        self._records.append(
+            [
+                op,
+                group,
+                int(seq),
+                int(peer),
+                round(start * 1e6),
+                round(self._duration_of(span.start, span.end) * 1e6),
+                int(attrs.get("bytes", 0)),
+            ]
+        )
 
     def take(self) -> dict:
         """The summary's `instances` payload for the period that just ended (parwatch/schema.py)."""
-        out = {"host": self.host, "data_seconds": self._data, "groups": self._groups, "records": self._records,
-               "capped": self._capped}
+        out = {
+            "host": self.host,
+            "data_seconds": self._data,
+            "groups": self._groups,
+            "records": self._records,
+            "capped": self._capped,
+        }
         self._reset()
         return out

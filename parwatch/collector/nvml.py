@@ -62,7 +62,7 @@ class NvmlSampler:
         self._reset()
         self._last: dict | None = None
 
-    def start(self) -> "NvmlSampler":
+    def start(self) -> NvmlSampler:
         """Initialise NVML and start the sampling thread; on any failure stay absent."""
         if self.open():
             self._thread = threading.Thread(target=self._run, name="parwatch-nvml", daemon=True)
@@ -169,8 +169,16 @@ class NvmlSampler:
             self._reset()
         return {
             key: gpu[key]
-            for key in ("index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts",
-                        "sm_clock_hertz", "temperature_celsius", "throttle_reasons")
+            for key in (
+                "index",
+                "utilization_ratio",
+                "memory_used_bytes",
+                "memory_total_bytes",
+                "power_watts",
+                "sm_clock_hertz",
+                "temperature_celsius",
+                "throttle_reasons",
+            )
         }
 
     def close(self, timeout: float = 1.0) -> None:

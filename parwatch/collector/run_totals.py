@@ -14,7 +14,6 @@ from collections import defaultdict, deque
 
 from parwatch.bubble import closed_form, stage_bubble
 
-
 PER_STEP_KEPT = 1000
 _KEYS = ("compute_seconds", "idle_seconds", "other_seconds", "step_seconds")
 
@@ -46,8 +45,9 @@ class RunTotals:
 
     def add_collectives(self, entries: list[dict]) -> None:
         for e in entries:
-            acc = self._ops.setdefault((e["op"], e["group"]), {"count": 0, "seconds": 0.0, "bytes": 0,
-                                                               "busbw_weighted": 0.0})
+            acc = self._ops.setdefault(
+                (e["op"], e["group"]), {"count": 0, "seconds": 0.0, "bytes": 0, "busbw_weighted": 0.0}
+            )
             acc["count"] += e["count"]
             acc["seconds"] += e["seconds"]
             acc["bytes"] += e["bytes"]
@@ -60,20 +60,32 @@ class RunTotals:
             means = {key: sums[i] / n for i, key in enumerate(_KEYS)}
             # Over the steps too, the bubble is time-weighted (parwatch.bubble), not a mean of ratios.
             means = {"bubble_ratio": stage_bubble(means["idle_seconds"], means["compute_seconds"]), **means}
-            stages.append({"stage": stage, **means, "bubble_theoretical_ratio": self.theory,
-                           "bubble_ratio_per_step": list(self._per_step[stage]), "steps_measured": n})
+            stages.append(
+                {
+                    "stage": stage,
+                    **means,
+                    "bubble_theoretical_ratio": self.theory,
+                    "bubble_ratio_per_step": list(self._per_step[stage]),
+                    "steps_measured": n,
+                }
+            )
         collectives = []
         for (op, group), acc in sorted(self._ops.items()):
             seconds = acc["seconds"]
-            collectives.append({
-                "op": op, "group": group, "count": acc["count"], "seconds": seconds, "bytes": acc["bytes"],
-                "mean_seconds": seconds / acc["count"] if acc["count"] else None,
-                "algbw_bytes_per_second": acc["bytes"] / seconds if seconds > 0 else None,
-                "busbw_bytes_per_second": acc["busbw_weighted"] / seconds if seconds > 0 else None,
-            })
+            collectives.append(
+                {
+                    "op": op,
+                    "group": group,
+                    "count": acc["count"],
+                    "seconds": seconds,
+                    "bytes": acc["bytes"],
+                    "mean_seconds": seconds / acc["count"] if acc["count"] else None,
+                    "algbw_bytes_per_second": acc["bytes"] / seconds if seconds > 0 else None,
+                    "busbw_bytes_per_second": acc["busbw_weighted"] / seconds if seconds > 0 else None,
+                }
+            )
         return {
             "stages": stages,
             "pipeline_skew_ratio": self._skew_sum / self._skew_n if self._skew_n else None,
             "collectives_rank0": collectives,
         }
-

@@ -130,7 +130,7 @@ class Shipper:
     def enabled(self) -> bool:
         return bool(self.url or self._paths[SUMMARY] or self._paths[SPANS])
 
-    def start(self) -> "Shipper":
+    def start(self) -> Shipper:
         if self.url and self._http is None:
             # Import the HTTP stack now, at attach time: imported lazily on this thread at the
             # first post, it held the GIL long enough to stretch a training step (docs/benchmarks.md).
@@ -236,7 +236,7 @@ class Shipper:
             # and whole lines never interleave.
             data = ("\n".join(lines) + "\n").encode()
             while data:
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
         except OSError as exc:
             log.warning("parwatch: cannot write %s (%s); %s writing stops for this rank", path, exc, kind)
             self._paths[kind] = None
@@ -274,8 +274,9 @@ class Shipper:
             response = self._client().post(self.url, content=body, headers=self._headers)
             if outcomes and 400 <= response.status_code < 500 and not summaries:
                 # Refused as invalid: retrying the same records cannot succeed; say so and move on.
-                log.warning("parwatch: sidecar refused outcome records (HTTP %s: %s)", response.status_code,
-                            response.text[:200])
+                log.warning(
+                    "parwatch: sidecar refused outcome records (HTTP %s: %s)", response.status_code, response.text[:200]
+                )
                 self._forget_outcomes(len(outcomes))
                 return False
             if response.status_code >= 400:
@@ -285,8 +286,9 @@ class Shipper:
             with self._lock:
                 self.dropped += len(summaries)
             if self._backoff == 0.0:
-                log.warning("parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back",
-                            self.url, exc)
+                log.warning(
+                    "parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back", self.url, exc
+                )
             if self.unreachable_since is None:
                 self.unreachable_since = time.time()
             self._backoff = min(self._max_backoff_s, self._backoff * 2 if self._backoff else 0.25)

@@ -16,8 +16,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from parwatch.bubble import stage_bubble
-from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
+from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 
 P2P_KINDS = frozenset({SpanKind.SEND, SpanKind.RECV})
 # The ops DESIGN.md names; the sidecar refuses a summary with any other, so others are skipped.
@@ -114,11 +114,21 @@ class StepStats:
         elif kind in OTHER_KINDS:
             self.other_seconds += seconds
         elif kind == SpanKind.COLLECTIVE:
-            self._add_op(attrs.get("op", "unknown"), attrs.get("group", "unknown"), attrs.get("group_size", 1),
-                         seconds, attrs.get("bytes", 0))
+            self._add_op(
+                attrs.get("op", "unknown"),
+                attrs.get("group", "unknown"),
+                attrs.get("group_size", 1),
+                seconds,
+                attrs.get("bytes", 0),
+            )
         elif kind in P2P_KINDS:
-            self._add_op(attrs.get("op", kind), attrs.get("group", "pp"), attrs.get("group_size", 2),
-                         seconds, attrs.get("bytes", 0))
+            self._add_op(
+                attrs.get("op", kind),
+                attrs.get("group", "pp"),
+                attrs.get("group_size", 2),
+                seconds,
+                attrs.get("bytes", 0),
+            )
         # Other kinds are neither compute nor other: they are idle time. The boundary all-reduce
         # is mostly the wait for the pipeline's flush, not a transfer: it is no collective sample.
 

@@ -53,7 +53,8 @@ def build_summary(
         "other_seconds": result.other_seconds,
         "idle_seconds": result.idle_seconds,
         "bubble_ratio": result.bubble_ratio,
-        "bubble_theoretical_ratio": ctx.bubble_theoretical_ratio if bubble_theoretical_ratio is None
+        "bubble_theoretical_ratio": ctx.bubble_theoretical_ratio
+        if bubble_theoretical_ratio is None
         else bubble_theoretical_ratio,
         "loss": None if loss is None else encode_float(float(loss)),
         "tokens": ctx.tokens_per_step,

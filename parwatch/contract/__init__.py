@@ -43,7 +43,25 @@ from parwatch.contract.spans import (
 from parwatch.contract.torch_all_reduce import TorchAllReduce
 
 __all__ = [
-    "Action", "BoundaryInfo", "BoundaryKind", "COMPUTE_KINDS", "Clock", "Directive", "Event", "FailReason",
-    "HEADER_SLOTS", "HookRegistry", "OTHER_KINDS", "Observer", "Outcome", "OutcomeReport", "PerfCounterClock",
-    "Span", "SpanKind", "StepBoundary", "TorchAllReduce", "registry", "run_key",
+    "Action",
+    "BoundaryInfo",
+    "BoundaryKind",
+    "COMPUTE_KINDS",
+    "Clock",
+    "Directive",
+    "Event",
+    "FailReason",
+    "HEADER_SLOTS",
+    "HookRegistry",
+    "OTHER_KINDS",
+    "Observer",
+    "Outcome",
+    "OutcomeReport",
+    "PerfCounterClock",
+    "Span",
+    "SpanKind",
+    "StepBoundary",
+    "TorchAllReduce",
+    "registry",
+    "run_key",
 ]

@@ -29,20 +29,46 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from parwatch.contract.directives import Action, Directive, FailReason, Outcome
 from parwatch.contract.spans import BoundaryKind, Event, HookRegistry, SpanKind
 from parwatch.contract.spans import registry as default_registry
 
-(LOSS_SUM, LOSS_WEIGHT, ACTION, DIRECTIVE_ID, TO_STEP, SKIP, RUN_KEY, REPORT_ID, APPLIED, FAILED, SUBSTITUTED,
- IGNORED, LOADED_SUM, NO_CHECKPOINT, CHECKPOINT_CORRUPT, LOAD_ERROR, OTHER_RUN, RANKS) = range(18)
+(
+    LOSS_SUM,
+    LOSS_WEIGHT,
+    ACTION,
+    DIRECTIVE_ID,
+    TO_STEP,
+    SKIP,
+    RUN_KEY,
+    REPORT_ID,
+    APPLIED,
+    FAILED,
+    SUBSTITUTED,
+    IGNORED,
+    LOADED_SUM,
+    NO_CHECKPOINT,
+    CHECKPOINT_CORRUPT,
+    LOAD_ERROR,
+    OTHER_RUN,
+    RANKS,
+) = range(18)
 HEADER_SLOTS = 18
-_OUTCOME_SLOT = {Outcome.APPLIED: APPLIED, Outcome.FAILED: FAILED, Outcome.SUBSTITUTED: SUBSTITUTED,
-                 Outcome.IGNORED: IGNORED}
-_REASON_SLOT = {FailReason.NO_CHECKPOINT: NO_CHECKPOINT, FailReason.CHECKPOINT_CORRUPT: CHECKPOINT_CORRUPT,
-                FailReason.LOAD_ERROR: LOAD_ERROR, FailReason.OTHER_RUN: OTHER_RUN}
+_OUTCOME_SLOT = {
+    Outcome.APPLIED: APPLIED,
+    Outcome.FAILED: FAILED,
+    Outcome.SUBSTITUTED: SUBSTITUTED,
+    Outcome.IGNORED: IGNORED,
+}
+_REASON_SLOT = {
+    FailReason.NO_CHECKPOINT: NO_CHECKPOINT,
+    FailReason.CHECKPOINT_CORRUPT: CHECKPOINT_CORRUPT,
+    FailReason.LOAD_ERROR: LOAD_ERROR,
+    FailReason.OTHER_RUN: OTHER_RUN,
+}
 
 
 AllReduceSum = Callable[[list[float]], Sequence[float] | Callable[[], Sequence[float]]]
@@ -127,8 +153,16 @@ class StepBoundary:
     of shutdown (TorchAllReduce's waits until torch has let go of its tensors).
     """
 
-    def __init__(self, rank: int, world_size: int, run_id: str, all_reduce_sum: AllReduceSum,
-                 *, reports_loss: bool, registry: HookRegistry = default_registry):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        all_reduce_sum: AllReduceSum,
+        *,
+        reports_loss: bool,
+        registry: HookRegistry = default_registry,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"StepBoundary: rank={rank} must be in 0..{world_size - 1}")
         if not run_id:
@@ -150,16 +184,20 @@ class StepBoundary:
         observed = reg.boundary_slots if reg.active else 0
         vec = [0.0] * (HEADER_SLOTS + observed)
         # Directives ride only on step and heartbeat boundaries, whose callers act on them.
-        offer = reg.pending_directive() if self.rank == 0 and kind in (BoundaryKind.STEP, BoundaryKind.HEARTBEAT) \
-            and reg.active else None
+        offer = (
+            reg.pending_directive()
+            if self.rank == 0 and kind in (BoundaryKind.STEP, BoundaryKind.HEARTBEAT) and reg.active
+            else None
+        )
         self._pack(vec, loss, offer)
         if observed:
             part = vec[HEADER_SLOTS:]
             reg.fill_boundary(step, part)
             vec[HEADER_SLOTS:] = part
         start = reg.mark()
-        with reg.span(SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=len(vec) * 8,
-                      group_size=self.world_size):
+        with reg.span(
+            SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=len(vec) * 8, group_size=self.world_size
+        ):
             out = self._all_reduce(vec)
             if callable(out):  # in flight: the observers' work meanwhile is free
                 if reg.active:
@@ -192,16 +230,34 @@ class StepBoundary:
         if close is not None:
             close(timeout_s)
 
-    def report(self, directive: Directive, outcome: Outcome, *, loaded_step: int | None = None,
-               reason: FailReason | None = None, step: int | None = None) -> None:
+    def report(
+        self,
+        directive: Directive,
+        outcome: Outcome,
+        *,
+        loaded_step: int | None = None,
+        reason: FailReason | None = None,
+        step: int | None = None,
+    ) -> None:
         """This rank's outcome of `directive`; it rides every boundary until the next directive."""
         self._handled = _Handled(directive.id, Outcome(outcome), loaded_step, reason)
-        self.registry.emit_event(Event.DIRECTIVE_APPLIED, id=directive.id, action=directive.action.value,
-                                 step=step, outcome=Outcome(outcome).wire, loaded_step=loaded_step,
-                                 reason=None if reason is None else reason.wire)
+        self.registry.emit_event(
+            Event.DIRECTIVE_APPLIED,
+            id=directive.id,
+            action=directive.action.value,
+            step=step,
+            outcome=Outcome(outcome).wire,
+            loaded_step=loaded_step,
+            reason=None if reason is None else reason.wire,
+        )
 
-    def hold(self, step: int, poll_s: float, sleep: Callable[[float], None] = time.sleep,
-             report: Callable[[Directive, Outcome], None] | None = None) -> Directive | None:
+    def hold(
+        self,
+        step: int,
+        poll_s: float,
+        sleep: Callable[[float], None] = time.sleep,
+        report: Callable[[Directive, Outcome], None] | None = None,
+    ) -> Directive | None:
         """Paused: join heartbeat boundaries until a resume (reported, then a resume boundary;
         returns None) or a rollback (returned unreported: the caller applies it).
 
@@ -251,9 +307,13 @@ class StepBoundary:
             return None
         to_step = int(out[TO_STEP])
         key = out[RUN_KEY]
-        return Directive(id=int(out[DIRECTIVE_ID]), action=action,
-                         run_id=self.run_id if key == self._key else f"<run key {int(key):012x}>",
-                         to_step=None if to_step < 0 else to_step, skip_batches=int(out[SKIP]))
+        return Directive(
+            id=int(out[DIRECTIVE_ID]),
+            action=action,
+            run_id=self.run_id if key == self._key else f"<run key {int(key):012x}>",
+            to_step=None if to_step < 0 else to_step,
+            skip_batches=int(out[SKIP]),
+        )
 
     @staticmethod
     def _report(out: Sequence[float]) -> OutcomeReport:
@@ -261,7 +321,9 @@ class StepBoundary:
         loaders = counts[Outcome.APPLIED] + counts[Outcome.SUBSTITUTED]
         loaded = out[LOADED_SUM]
         return OutcomeReport(
-            directive_id=int(out[REPORT_ID]), counts=counts,
+            directive_id=int(out[REPORT_ID]),
+            counts=counts,
             reasons={r: int(round(out[slot])) for r, slot in _REASON_SLOT.items() if out[slot]},
             loaded_step=int(round(loaded / loaders)) - 1 if loaders and loaded else None,
-            ranks=int(round(out[RANKS])))
+            ranks=int(round(out[RANKS])),
+        )

@@ -24,7 +24,7 @@ class Action(str, Enum):
         return _ACTION_CODES[self]
 
     @classmethod
-    def from_code(cls, code: int) -> "Action | None":
+    def from_code(cls, code: int) -> Action | None:
         return _CODE_ACTIONS.get(code)
 
 
@@ -100,8 +100,14 @@ def parse_directive(raw: object) -> Directive:
         raise ValueError(f"directive to_step={to_step!r} must be null or an integer in 0..2**53-1")
     if not _is_int(skip) or not 0 <= skip < MAX_STEP:
         raise ValueError(f"directive skip_batches={skip!r} must be an integer in 0..2**53-1")
-    return Directive(id=did, action=Action(action), run_id=run_id, to_step=to_step, skip_batches=skip,
-                     reason=str(raw.get("reason", "")))
+    return Directive(
+        id=did,
+        action=Action(action),
+        run_id=run_id,
+        to_step=to_step,
+        skip_batches=skip,
+        reason=str(raw.get("reason", "")),
+    )
 
 
 def _is_int(x: object) -> TypeGuard[int]:

@@ -55,8 +55,9 @@ class SpanKind(str, Enum):
         return self.value
 
 
-COMPUTE_KINDS = frozenset({SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.BACKWARD_INPUT, SpanKind.BACKWARD_WEIGHT,
-                           SpanKind.LOSS})
+COMPUTE_KINDS = frozenset(
+    {SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.BACKWARD_INPUT, SpanKind.BACKWARD_WEIGHT, SpanKind.LOSS}
+)
 """Count as compute (the pipeline's work)."""
 OTHER_KINDS = frozenset({SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOINT, SpanKind.DATA})
 """Work that is not the pipeline's and must not read as bubble. Everything else is communication or waiting."""
@@ -139,7 +140,7 @@ class Span:
     start: Any
     end: Any = None
     attrs: dict[str, Any] = field(default_factory=dict)
-    parent: "Span | None" = None
+    parent: Span | None = None
     """The span that was open when this one began (a TP collective inside a forward)."""
 
 
@@ -298,7 +299,7 @@ class HookRegistry:
             if n:
                 slots = [0.0] * n
                 obs.fill_boundary(step, slots)
-                part[offset:offset + n] = slots
+                part[offset : offset + n] = slots
                 offset += n
 
     def pending_directive(self) -> Directive | None:
@@ -318,7 +319,7 @@ class HookRegistry:
         offset = 0
         for obs in self.observers:
             n = obs.boundary_slots
-            obs.on_boundary(info, part[offset:offset + n])
+            obs.on_boundary(info, part[offset : offset + n])
             offset += n
 
     def emit_event(self, name: Event, **attrs: Any) -> None:

@@ -25,8 +25,9 @@ import ctypes
 import logging
 import time
 from array import array
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # for the checker only: importing the contract must not import torch
     import torch
@@ -109,8 +110,10 @@ class TorchAllReduce:
             if time.monotonic() >= deadline:
                 for t in held:
                     ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))  # never freed: no GIL needed to drop it
-                log.warning("torch still holds %d boundary tensor(s) %.1f s after the last all-reduce; kept "
-                            "alive until exit", len(held), timeout_s)
+                log.warning(
+                    "torch still holds %d boundary tensor(s) %.1f s after the last all-reduce; kept alive until exit",
+                    len(held),
+                    timeout_s,
+                )
                 return False
             time.sleep(0.001)  # hands the GIL to the collective thread that wants it
-

@@ -68,8 +68,10 @@ def status_line(tail: SummaryTail, status: dict | None) -> str:
     rules = status.get("rules", {}) if status else {}
     hot = [f"{n}:{r.get('state')}" for n, r in sorted(rules.items()) if r.get("state") != "ok"]
     paused = " PAUSED" if status and status.get("paused") else ""
-    return (f"step {tail.step:4d}  loss {_fmt_loss(tail.loss):>8}  bubble measured/theory {stages}"
-            f"  guardrails {' '.join(hot) or 'all ok'}{paused}")
+    return (
+        f"step {tail.step:4d}  loss {_fmt_loss(tail.loss):>8}  bubble measured/theory {stages}"
+        f"  guardrails {' '.join(hot) or 'all ok'}{paused}"
+    )
 
 
 class LiveView:
@@ -100,8 +102,10 @@ class LiveView:
     def _table(self, tail: SummaryTail, status: dict | None):
         from rich.table import Table
 
-        t = Table(title=f"parwatch demo: step {tail.step}/{self.total}, loss {_fmt_loss(tail.loss)}"
-                        + ("  [bold red]PAUSED[/]" if status and status.get("paused") else ""))
+        t = Table(
+            title=f"parwatch demo: step {tail.step}/{self.total}, loss {_fmt_loss(tail.loss)}"
+            + ("  [bold red]PAUSED[/]" if status and status.get("paused") else "")
+        )
         t.add_column("stage")
         t.add_column("bubble measured", justify="right")
         t.add_column("theory (p-1)/(m+p-1)", justify="right")

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 
-
 class Child:
     """A child process in its own session and process group: stop_all() stops it with its ranks."""
 
@@ -18,8 +17,9 @@ class Child:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
 
     def poll(self):
         return self.proc.poll()
@@ -66,7 +66,7 @@ def live_group_members(pgid: int) -> list[int] | None:
         except OSError:
             continue
         # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members

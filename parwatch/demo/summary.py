@@ -7,9 +7,9 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from parwatch.bubble import closed_form, excess
 from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
-from parwatch.bubble import closed_form, excess
 
 
 def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price: float) -> dict:
@@ -19,19 +19,26 @@ def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price:
     theory = closed_form(pp, microbatches, chunks)
     collectives = []
     for c in collective_totals(run.summaries):
-        collectives.append({
-            "op": c.op, "group": c.group, "count": int(c.count),
-            "p50_seconds": c.quantile(0.5) if c.has_buckets else None,
-            "p99_seconds": c.quantile(0.99) if c.has_buckets else None,
-            "mean_seconds": c.mean(), "busbw_bytes_per_second": c.busbw(),
-        })
+        collectives.append(
+            {
+                "op": c.op,
+                "group": c.group,
+                "count": int(c.count),
+                "p50_seconds": c.quantile(0.5) if c.has_buckets else None,
+                "p99_seconds": c.quantile(0.99) if c.has_buckets else None,
+                "mean_seconds": c.mean(),
+                "busbw_bytes_per_second": c.busbw(),
+            }
+        )
     cost = cost_estimate(run.summaries, pp, microbatches, chunks, price)
     trainer_summary = {}
     if (run_dir / "summary.json").exists():
         trainer_summary = json.loads((run_dir / "summary.json").read_text())
     return {
-        "stages": [{"stage": b.stage, "bubble_ratio": b.measured, "bubble_theoretical_ratio": theory,
-                    "steps": b.steps} for b in bubbles],
+        "stages": [
+            {"stage": b.stage, "bubble_ratio": b.measured, "bubble_theoretical_ratio": theory, "steps": b.steps}
+            for b in bubbles
+        ],
         "collectives": collectives,
         "decisions": [d for d in run.decisions],
         "cost": {**asdict(cost), "idle_cost": cost.idle_cost, "recoverable_cost": cost.recoverable_cost},
@@ -53,31 +60,55 @@ def print_summary(console, summary: dict) -> None:
         t.add_column(col, justify="right")
     for s in summary["stages"]:
         m, th = s["bubble_ratio"], s["bubble_theoretical_ratio"]
-        t.add_row(str(s["stage"]), "-" if m is None else f"{m:.3f}", f"{th:.3f}",
-                  "-" if m is None else f"{excess(m, th):+.3f}")
+        t.add_row(
+            str(s["stage"]),
+            "-" if m is None else f"{m:.3f}",
+            f"{th:.3f}",
+            "-" if m is None else f"{excess(m, th):+.3f}",
+        )
     console.print(t)
     ranks, cores = summary.get("world_size"), os.cpu_count() or 1
     if ranks and cores < ranks:
-        console.print(f"note: {ranks} ranks share {cores} CPU cores here, so ranks wait for the CPU as well as for "
-                      "their neighbours; that shows as excess bubble, truthfully.", highlight=False)
+        console.print(
+            f"note: {ranks} ranks share {cores} CPU cores here, so ranks wait for the CPU as well as for "
+            "their neighbours; that shows as excess bubble, truthfully.",
+            highlight=False,
+        )
     t = Table(title="Collectives (all ranks, all steps)")
     for col in ("op", "group", "count", "p50 ms", "p99 ms", "mean ms", "busbw MB/s"):
         t.add_column(col, justify="right")
     for c in summary["collectives"]:
         bw = c["busbw_bytes_per_second"]
-        t.add_row(c["op"], c["group"], str(c["count"]), _ms(c["p50_seconds"]), _ms(c["p99_seconds"]),
-                  _ms(c["mean_seconds"]), "-" if not bw else f"{bw / 1e6:.1f}")
+        t.add_row(
+            c["op"],
+            c["group"],
+            str(c["count"]),
+            _ms(c["p50_seconds"]),
+            _ms(c["p99_seconds"]),
+            _ms(c["mean_seconds"]),
+            "-" if not bw else f"{bw / 1e6:.1f}",
+        )
     console.print(t)
-    console.print("send spans run from posting the isend to its completion, so they include the receiver's "
-                  "readiness; recv is the p2p latency to read.", highlight=False)
+    console.print(
+        "send spans run from posting the isend to its completion, so they include the receiver's "
+        "readiness; recv is the p2p latency to read.",
+        highlight=False,
+    )
     decisions = [d for d in summary["decisions"] if d.get("type", "decision") == "decision"]
     if decisions:
         t = Table(title="Guardrail decisions")
         for col in ("step", "rule", "action", "source", "enforced", "checkpoint", "reason"):
             t.add_column(col)
         for d in decisions:
-            t.add_row(str(d.get("step")), str(d.get("rule")), str(d.get("action")), str(d.get("source")),
-                      str(d.get("enforced")), str(d.get("checkpoint")), str(d.get("reason", ""))[:60])
+            t.add_row(
+                str(d.get("step")),
+                str(d.get("rule")),
+                str(d.get("action")),
+                str(d.get("source")),
+                str(d.get("enforced")),
+                str(d.get("checkpoint")),
+                str(d.get("reason", ""))[:60],
+            )
         console.print(t)
     else:
         console.print("Guardrail decisions: none (every rule stayed ok)")

@@ -11,8 +11,25 @@ alerts.py     the same rules as Prometheus alert rules
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import (
-    KNOWN_METRICS, Rule, RuleProblem, RuleSet, RulesError, default_rules, load_rules, parse_rules,
+    KNOWN_METRICS,
+    Rule,
+    RuleProblem,
+    RulesError,
+    RuleSet,
+    default_rules,
+    load_rules,
+    parse_rules,
 )
 
-__all__ = ["GuardrailEngine", "Observation", "KNOWN_METRICS", "Rule", "RuleProblem", "RuleSet", "RulesError",
-           "default_rules", "load_rules", "parse_rules"]
+__all__ = [
+    "GuardrailEngine",
+    "Observation",
+    "KNOWN_METRICS",
+    "Rule",
+    "RuleProblem",
+    "RuleSet",
+    "RulesError",
+    "default_rules",
+    "load_rules",
+    "parse_rules",
+]

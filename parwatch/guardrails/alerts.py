@@ -39,8 +39,9 @@ METRIC_EXPRESSIONS = {
     "bubble_excess_ratio": lambda reduce, w: rec.stage_bubble_excess(w),
     "pipeline_skew_ratio": lambda reduce, w: rec.job("parwatch_pipeline_skew_ratio", "max"),
     "collective_seconds_mean": lambda reduce, w: rec.mean_name("op_group", "parwatch_collective_duration_seconds", w),
-    "collective_transfer_seconds": lambda reduce, w: rec.mean_name("op_group", "parwatch_collective_transfer_seconds",
-                                                                   w),
+    "collective_transfer_seconds": lambda reduce, w: rec.mean_name(
+        "op_group", "parwatch_collective_transfer_seconds", w
+    ),
     "straggler_ratio": lambda reduce, w: rec.job("parwatch_straggler_ratio", "max"),
     "rank_up": lambda reduce, w: rec.job("parwatch_rank_up", reduce),
     "gpu_utilization_ratio": lambda reduce, w: rec.job("parwatch_gpu_utilization_ratio", reduce),
@@ -73,8 +74,9 @@ def for_seconds(rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS) -> float
     return max((rule.for_steps - 1) * step_seconds, rule.for_seconds or 0.0)
 
 
-def alert_expression(rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS,
-                     rate_window: str = DEFAULT_RATE_WINDOW) -> str | None:
+def alert_expression(
+    rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS, rate_window: str = DEFAULT_RATE_WINDOW
+) -> str | None:
     """The rule's condition in PromQL, or None when Prometheus has no such metric."""
     pick = METRIC_EXPRESSIONS.get(rule.metric)
     if pick is None:
@@ -98,8 +100,10 @@ def alert_expression(rule: Rule, step_seconds: float = DEFAULT_STEP_SECONDS,
         current = f"{reduce} {per_run} ({series})"
         return f"{current} > {factor:g} * quantile_over_time(0.5, ({current})[{window}:{step}] offset {step})"
     # regression: each series against its own median, then reduce the ratios
-    return (f"{reduce} {per_run} (({series}) / quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})) "
-            f"> {factor:g}")
+    return (
+        f"{reduce} {per_run} (({series}) / quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})) "
+        f"> {factor:g}"
+    )
 
 
 def _summary(rule: Rule, step_seconds: float) -> str:
@@ -110,14 +114,20 @@ def _summary(rule: Rule, step_seconds: float) -> str:
         what = f"{rule.reduce} {rule.metric} {word} {line:g}"
     else:
         whose = "its" if rule.check == "spike" else "each series' own"
-        what = (f"{rule.reduce} {rule.metric} above {rule.factor:g}x {whose} median of the previous "
-                f"{rule.window_steps} steps")
+        what = (
+            f"{rule.reduce} {rule.metric} above {rule.factor:g}x {whose} median of the previous "
+            f"{rule.window_steps} steps"
+        )
     duration = for_seconds(rule, step_seconds)
     return what + (f" for {format_duration(duration)}" if duration else "")
 
 
-def render_alert_rules(rules: RuleSet, runbook_base: str = DEFAULT_RUNBOOK,
-                       step_seconds: float = DEFAULT_STEP_SECONDS, rate_window: str = DEFAULT_RATE_WINDOW) -> dict:
+def render_alert_rules(
+    rules: RuleSet,
+    runbook_base: str = DEFAULT_RUNBOOK,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
+    rate_window: str = DEFAULT_RATE_WINDOW,
+) -> dict:
     """A Prometheus rules file ({groups: [...]}) with one alert per rule Prometheus can express."""
     alerts = []
     for rule in rules.rules:
@@ -128,10 +138,15 @@ def render_alert_rules(rules: RuleSet, runbook_base: str = DEFAULT_RUNBOOK,
         duration = for_seconds(rule, step_seconds)
         if duration:
             alert["for"] = format_duration(duration)
-        alert["labels"] = {"severity": "warning" if rule.action == "alert" else "page",
-                           "parwatch_action": rule.action, "rule": rule.name}
-        description = (f"parwatch guardrail '{rule.name}' ({rule.check} check on {rule.metric}) is failing; "
-                       f"the sidecar's own action for it is {rule.action}.")
+        alert["labels"] = {
+            "severity": "warning" if rule.action == "alert" else "page",
+            "parwatch_action": rule.action,
+            "rule": rule.name,
+        }
+        description = (
+            f"parwatch guardrail '{rule.name}' ({rule.check} check on {rule.metric}) is failing; "
+            f"the sidecar's own action for it is {rule.action}."
+        )
         if rule.for_steps > 1 or rule.check in ("spike", "regression"):
             description += f" Step counts assume a {step_seconds:g} s training step."
         alert["annotations"] = {
@@ -149,30 +164,47 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
 
     They read recorded series (parwatch/recording.py), so their cost does not grow with ranks."""
     found = [
-        ("ParwatchHang", rec.job("parwatch_hang_detected", "max"), "hang",
-         "a rank hangs: no step boundary past the hang bound",
-         "The leader sidecar names the culprit (rank, stage, host, what it is blocked in) and the ranks "
-         "waiting on it: parwatch status, parwatch decisions (rule hang)."),
-        ("ParwatchRankGone", rec.job("parwatch_rank_state_gone", "count"), "rank-gone",
-         "a rank's process ended",
-         "A trainer process is gone from its host (crash, OOM kill): parwatch decisions (rule rank-gone) "
-         "names it and the rank the others were waiting for."),
+        (
+            "ParwatchHang",
+            rec.job("parwatch_hang_detected", "max"),
+            "hang",
+            "a rank hangs: no step boundary past the hang bound",
+            "The leader sidecar names the culprit (rank, stage, host, what it is blocked in) and the ranks "
+            "waiting on it: parwatch status, parwatch decisions (rule hang).",
+        ),
+        (
+            "ParwatchRankGone",
+            rec.job("parwatch_rank_state_gone", "count"),
+            "rank-gone",
+            "a rank's process ended",
+            "A trainer process is gone from its host (crash, OOM kill): parwatch decisions (rule rank-gone) "
+            "names it and the rank the others were waiting for.",
+        ),
     ]
-    return [{"alert": name, "expr": f"max {rec.by()} ({series}) > 0",
-             "labels": {"severity": "page", "parwatch_action": "alert", "rule": rule},
-             "annotations": {"summary": summary, "description": description,
-                             "runbook_url": f"{runbook_base}#hang"}}
-            for name, series, rule, summary, description in found]
+    return [
+        {
+            "alert": name,
+            "expr": f"max {rec.by()} ({series}) > 0",
+            "labels": {"severity": "page", "parwatch_action": "alert", "rule": rule},
+            "annotations": {"summary": summary, "description": description, "runbook_url": f"{runbook_base}#hang"},
+        }
+        for name, series, rule, summary, description in found
+    ]
 
 
-def render_alert_rules_yaml(rules: RuleSet, runbook_base: str = DEFAULT_RUNBOOK,
-                            step_seconds: float = DEFAULT_STEP_SECONDS, rate_window: str = DEFAULT_RATE_WINDOW) -> str:
+def render_alert_rules_yaml(
+    rules: RuleSet,
+    runbook_base: str = DEFAULT_RUNBOOK,
+    step_seconds: float = DEFAULT_STEP_SECONDS,
+    rate_window: str = DEFAULT_RATE_WINDOW,
+) -> str:
     """The rules file as written to disk: a do-not-edit header, why any rule was skipped, the YAML."""
-    lines = [HEADER, f"# source: {rules.source}; assumed step period: {step_seconds:g} s; "
-                     f"rate window: {rate_window}\n"]
+    lines = [HEADER, f"# source: {rules.source}; assumed step period: {step_seconds:g} s; rate window: {rate_window}\n"]
     for rule in rules.rules:
         if alert_expression(rule, step_seconds, rate_window) is None:
-            lines.append(f"# rule '{rule.name}' skipped: no Prometheus metric carries {rule.metric}; "
-                         "the sidecar still enforces it\n")
+            lines.append(
+                f"# rule '{rule.name}' skipped: no Prometheus metric carries {rule.metric}; "
+                "the sidecar still enforces it\n"
+            )
     doc = render_alert_rules(rules, runbook_base, step_seconds, rate_window)
     return "".join(lines) + yaml.safe_dump(doc, sort_keys=False, width=1000)

@@ -94,8 +94,9 @@ class Finding:
         return ",".join(parts)
 
 
-def _stands_out(value: float, base: float, th: Thresholds, small: bool = False,
-                floor: float = 0.0) -> tuple[float, float] | None:
+def _stands_out(
+    value: float, base: float, th: Thresholds, small: bool = False, floor: float = 0.0
+) -> tuple[float, float] | None:
     """(excess, baseline) when value stands out from its peers' median `base`, else None
     (small: data/transfer)."""
     excess = value - base
@@ -104,8 +105,9 @@ def _stands_out(value: float, base: float, th: Thresholds, small: bool = False,
     return None
 
 
-def _excess(value: float, peers: list[float], th: Thresholds, small: bool = False,
-            floor: float = 0.0) -> tuple[float, float] | None:
+def _excess(
+    value: float, peers: list[float], th: Thresholds, small: bool = False, floor: float = 0.0
+) -> tuple[float, float] | None:
     """_stands_out against the median of `peers` (0 when there are none)."""
     return _stands_out(value, statistics.median(peers) if peers else 0.0, th, small, floor)
 
@@ -203,19 +205,27 @@ def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
         compute = [_stands_out(r.compute_seconds, stage_base[r.stage], th) for r in mine]
         transfer = []
         own_paths = touching.get(host, {})
-        group_base = {g: median_without(group_sorted[g], own_paths.get(g, []))
-                      for g in {p.group for p in inside.get(host, ())}}
+        group_base = {
+            g: median_without(group_sorted[g], own_paths.get(g, [])) for g in {p.group for p in inside.get(host, ())}
+        }
         for p in inside.get(host, ()):
             base = group_base[p.group]
             if base is not None:
-                transfer.append(_stands_out(p.transfer_seconds, base, th, small=True,
-                                            floor=th.min_seconds_per_transfer * p.count))
+                transfer.append(
+                    _stands_out(p.transfer_seconds, base, th, small=True, floor=th.min_seconds_per_transfer * p.count)
+                )
         hits = [c for c in compute if c is not None]
         if len(hits) == len(compute) and transfer and all(transfer):
             excess = statistics.median(c[0] for c in hits)
             base = statistics.median(c[1] for c in hits)
-            keep("host-contention", {"host": host}, excess, base,
-                 f"host {host}: compute and transfers of its {len(mine)} ranks", {r.rank for r in mine})
+            keep(
+                "host-contention",
+                {"host": host},
+                excess,
+                base,
+                f"host {host}: compute and transfers of its {len(mine)} ranks",
+                {r.rank for r in mine},
+            )
 
 
 def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()) -> list[Finding]:
@@ -234,9 +244,16 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     def keep(cause, where, excess, base, what, culprits):
         ratio = excess / step
         if ratio >= th.min_ratio:
-            findings.append(Finding(cause, where, excess, ratio,
-                                    f"{what}: +{excess * 1000:.1f} ms per step over its peers' {base * 1000:.1f} ms "
-                                    f"({ratio:.0%} of the {step * 1000:.0f} ms step)"))
+            findings.append(
+                Finding(
+                    cause,
+                    where,
+                    excess,
+                    ratio,
+                    f"{what}: +{excess * 1000:.1f} ms per step over its peers' {base * 1000:.1f} ms "
+                    f"({ratio:.0%} of the {step * 1000:.0f} ms step)",
+                )
+            )
             explained.update(culprits)
 
     # 1. data: only ranks that fetch data are each other's peers.
@@ -245,8 +262,13 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     for r, base in zip(fetching, bases):
         found = _stands_out(r.data_seconds, base, th, small=True)
         if found:
-            keep("slow-data", {"rank": r.rank, "stage": r.stage, "host": r.host}, *found,
-                 f"rank {r.rank} (stage {r.stage}) data fetch", {r.rank})
+            keep(
+                "slow-data",
+                {"rank": r.rank, "stage": r.stage, "host": r.host},
+                *found,
+                f"rank {r.rank} (stage {r.stage}) data fetch",
+                {r.rank},
+            )
 
     # 2. host contention: needs other hosts to compare with.
     if len(set(host_of.values())) > 1:
@@ -277,8 +299,14 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
         if slow:
             excess = statistics.median(h[0] for h in slow.values())
             base = statistics.median(h[1] for h in slow.values())
-            keep("slow-compute", {"stage": s, "ranks": sorted(slow)}, excess, base,
-                 f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute", set(slow))
+            keep(
+                "slow-compute",
+                {"stage": s, "ranks": sorted(slow)},
+                excess,
+                base,
+                f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute",
+                set(slow),
+            )
 
     # 4. links and groups: against the other paths of the same role.
     roles: dict[tuple, list[PathFigures]] = {}
@@ -292,14 +320,19 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
             continue  # its ranks are already explained (a host or a stage)
         if len(roles[(p.group, p.kind)]) < 2:
             continue  # no peers
-        found = _stands_out(p.transfer_seconds, base_of[id(p)], th, small=True,
-                            floor=th.min_seconds_per_transfer * p.count)
+        found = _stands_out(
+            p.transfer_seconds, base_of[id(p)], th, small=True, floor=th.min_seconds_per_transfer * p.count
+        )
         if found:
             if p.kind == "link":
-                where, what = {"src": p.ranks[0], "dst": p.ranks[1], "group": p.group}, \
-                    f"p2p link {p.ranks[0]}->{p.ranks[1]} transfer"
+                where, what = (
+                    {"src": p.ranks[0], "dst": p.ranks[1], "group": p.group},
+                    f"p2p link {p.ranks[0]}->{p.ranks[1]} transfer",
+                )
             else:
-                where, what = {"group": p.group, "ranks": list(p.ranks)}, \
-                    f"{p.group} group {'+'.join(map(str, p.ranks))} transfer"
+                where, what = (
+                    {"group": p.group, "ranks": list(p.ranks)},
+                    f"{p.group} group {'+'.join(map(str, p.ranks))} transfer",
+                )
             keep("slow-link", where, *found, what, set())
     return sorted(findings, key=lambda f: -f.ratio)

@@ -94,7 +94,8 @@ class Series:
         if self._all_finite is None:
             # A finite sum proves every term finite; otherwise look value by value.
             self._all_finite = math.isfinite(sum(self.values.values())) or all(
-                math.isfinite(v) for v in self.values.values())
+                math.isfinite(v) for v in self.values.values()
+            )
         return self._all_finite
 
 
@@ -103,7 +104,7 @@ def as_series(values) -> Series:
 
 
 def series_labels(key: str | None) -> dict:
-    """"cause=slow-link,src=0,dst=2" -> {"cause": "slow-link", "src": 0, "dst": 2}; '+'-joined
+    """ "cause=slow-link,src=0,dst=2" -> {"cause": "slow-link", "src": 0, "dst": 2}; '+'-joined
     values become lists of ints ("ranks=0+1"); a key without '=' gives {}."""
     out: dict = {}
     for part in (key or "").split(","):
@@ -235,8 +236,11 @@ class RegressionCheck(ThresholdCheck):
         ratio, worst = reduce_series(ratios, self.rule.reduce)
         median = baselines.get(worst) if worst is not None else None  # None: a mean over every series
         failing = ratio > self.factor
-        text = f"{self.rule.reduce} {_label(self.rule.metric, worst)} at {ratio:.3g}x its median" + (
-            f" {median:.4g}" if median is not None else "") + f" (factor {self.factor:g})"
+        text = (
+            f"{self.rule.reduce} {_label(self.rule.metric, worst)} at {ratio:.3g}x its median"
+            + (f" {median:.4g}" if median is not None else "")
+            + f" (factor {self.factor:g})"
+        )
         return Reading(ratio, failing, worst, self.factor, median, text)
 
     def history(self) -> dict:
@@ -290,8 +294,7 @@ def _baseline(past: RollingWindow, window_steps: int) -> float | None:
     return median if median > 0 else None
 
 
-CHECK_KINDS = {"threshold": ThresholdCheck, "finite": FiniteCheck, "spike": SpikeCheck,
-               "regression": RegressionCheck}
+CHECK_KINDS = {"threshold": ThresholdCheck, "finite": FiniteCheck, "spike": SpikeCheck, "regression": RegressionCheck}
 
 
 def make_check(rule: Rule):
@@ -305,8 +308,21 @@ BASELINE_IDENTITY = ("metric", "check", "window_steps")
 class RuleMonitor:
     """One rule's state: ok, pending or firing, with the evidence of the current failing run."""
 
-    SAVED = ("state", "reason", "failing_steps", "since_step", "since_time", "last_value", "last_series",
-             "threshold", "baseline", "last_seen_time", "window_values", "acted_tick", "acted_step")
+    SAVED = (
+        "state",
+        "reason",
+        "failing_steps",
+        "since_step",
+        "since_time",
+        "last_value",
+        "last_series",
+        "threshold",
+        "baseline",
+        "last_seen_time",
+        "window_values",
+        "acted_tick",
+        "acted_step",
+    )
 
     def __init__(self, rule: Rule):
         self.rule = rule
@@ -360,9 +376,15 @@ class RuleMonitor:
     def evidence(self, step: int | None) -> dict:
         """What a decision record shows: the failing run's values, the line they crossed, the window."""
         rule = self.rule
-        evidence: dict[str, Any] = {"metric": rule.metric, "check": rule.check, "series": self.last_series,
-                    "reduce": rule.reduce, "values": list(self.window_values), "for_steps": rule.for_steps,
-                    "window": [self.since_step, step]}
+        evidence: dict[str, Any] = {
+            "metric": rule.metric,
+            "check": rule.check,
+            "series": self.last_series,
+            "reduce": rule.reduce,
+            "values": list(self.window_values),
+            "for_steps": rule.for_steps,
+            "window": [self.since_step, step],
+        }
         evidence.update(where(self.last_series))
         if rule.for_seconds is not None:
             evidence["for_seconds"] = rule.for_seconds

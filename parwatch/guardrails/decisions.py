@@ -21,8 +21,8 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from parwatch.schema import encode_float
 
@@ -243,8 +243,14 @@ class StateFile:
 class Batch:
     """Writes owed by one burst of engine work: decision lines, then the state that follows them."""
 
-    def __init__(self, log_path: Path, lines: list[bytes], states: list[tuple[Path, tuple[bytes, bool] | None]],
-                 then: Callable[[], None] | None = None, earlier: list["Batch"] | None = None):
+    def __init__(
+        self,
+        log_path: Path,
+        lines: list[bytes],
+        states: list[tuple[Path, tuple[bytes, bool] | None]],
+        then: Callable[[], None] | None = None,
+        earlier: list[Batch] | None = None,
+    ):
         self.log_path, self.lines = log_path, lines
         self.states = [(path, owed) for path, owed in states if owed is not None]
         """(path, StateFile.take()) of each state file owed a write."""

@@ -28,25 +28,48 @@ class Directives:
         its state dir starts from the clock (milliseconds), so its first directive is still newer than
         anything the running trainer saw; float64-exact in the boundary slot."""
 
-    def add(self, action: str, run_id: str, to_step: int | None, skip_batches: int, reason: str,
-            decision_id: int | None = None) -> int:
+    def add(
+        self,
+        action: str,
+        run_id: str,
+        to_step: int | None,
+        skip_batches: int,
+        reason: str,
+        decision_id: int | None = None,
+    ) -> int:
         """Queue a directive; ValueError (naming the field) when the trainer could not parse it: the one
         parser (parwatch.contract.parse_directive) judges it here, so none that passes can block a run."""
-        directive: dict[str, Any] = {"id": self.next_id, "action": action, "run_id": run_id, "to_step": to_step,
-                     "skip_batches": skip_batches if action == "rollback" else 0, "reason": reason,
-                     "decision_id": decision_id}
+        directive: dict[str, Any] = {
+            "id": self.next_id,
+            "action": action,
+            "run_id": run_id,
+            "to_step": to_step,
+            "skip_batches": skip_batches if action == "rollback" else 0,
+            "reason": reason,
+            "decision_id": decision_id,
+        }
         parse_directive({k: directive[k] for k in WIRE_KEYS})
         self.outstanding.append(directive)
         self.next_id += 1
         return directive["id"]
 
-    def adopt(self, directive_id: int, action: str, run_id: str, reason: str, decision_id: int | None,
-              delivered_at: float) -> None:
+    def adopt(
+        self, directive_id: int, action: str, run_id: str, reason: str, decision_id: int | None, delivered_at: float
+    ) -> None:
         """A directive rank 0 made itself and already handed to every rank (parwatch/collector/fallback.py):
         outstanding until its outcome is recorded; later ids start above it."""
-        self.outstanding.append({"id": directive_id, "action": action, "run_id": run_id, "to_step": None,
-                                 "skip_batches": 0, "reason": reason, "decision_id": decision_id,
-                                 "delivered_at": delivered_at})
+        self.outstanding.append(
+            {
+                "id": directive_id,
+                "action": action,
+                "run_id": run_id,
+                "to_step": None,
+                "skip_batches": 0,
+                "reason": reason,
+                "decision_id": decision_id,
+                "delivered_at": delivered_at,
+            }
+        )
         self.next_id = max(self.next_id, directive_id + 1)
 
     def renumber(self, after: int, upto: int) -> dict[int, int]:
@@ -114,6 +137,8 @@ class Directives:
         ids = [saved.get("next_id", self.next_id), min_next_id, 1 + max((d["id"] for d in self.outstanding), default=0)]
         usable = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 < i < MAX_STEP]
         if len(usable) < len(ids):
-            log.warning("state.json/decisions.jsonl: directive ids %s are not usable (1..2**53-1); ignored",
-                        [i for i in ids if i not in usable])
+            log.warning(
+                "state.json/decisions.jsonl: directive ids %s are not usable (1..2**53-1); ignored",
+                [i for i in ids if i not in usable],
+            )
         self.next_id = max(usable, default=self.next_id)

@@ -32,15 +32,12 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from parwatch.contract.directives import MAX_STEP
-
-SWITCHES = ("rollback", "resume")
-"""Directives after which the run's next boundary may be long in coming (a checkpoint load, a restart of
-the step loop): the hang clock is re-armed when one is decided and when it is applied."""
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.decisions import Batch, DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
@@ -48,6 +45,10 @@ from parwatch.guardrails.rules import RuleSet
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
 
 log = logging.getLogger(__name__)
+
+SWITCHES = ("rollback", "resume")
+"""Directives after which the run's next boundary may be long in coming (a checkpoint load, a restart of
+the step loop): the hang clock is re-armed when one is decided and when it is applied."""
 
 REQUEST_SOURCES = ("operator", "alertmanager")
 MAX_CHECKPOINTS = 1000
@@ -77,13 +78,19 @@ class DirectiveDelivered(ValueError):
 
 
 class GuardrailEngine:
-    def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time,
-                 counter_flush_seconds: float = 1.0):
+    def __init__(
+        self,
+        rules: RuleSet,
+        state_dir: str | Path,
+        now: Callable[[], float] = time.time,
+        counter_flush_seconds: float = 1.0,
+    ):
         """counter_flush_seconds: how stale counter-only state on disk may get (see Durability);
         0 writes it at every evaluation."""
         if not counter_flush_seconds >= 0:
-            raise ValueError(f"counter_flush_seconds must be >= 0 (0 writes them at every evaluation), "
-                             f"got {counter_flush_seconds!r}")
+            raise ValueError(
+                f"counter_flush_seconds must be >= 0 (0 writes them at every evaluation), got {counter_flush_seconds!r}"
+            )
         self._lock = threading.RLock()
         self._rules = rules
         self._now = now
@@ -220,16 +227,22 @@ class GuardrailEngine:
         if monitor.tick(now):
             return self._act(monitor, self._last_step, now)
         # A paused run reports nothing on purpose: silence is a finding only while it runs.
-        reference = max((t for t in (monitor.last_seen_time or self._first_seen_time, self._resumed_time)
-                         if t is not None), default=None)
+        reference = max(
+            (t for t in (monitor.last_seen_time or self._first_seen_time, self._resumed_time) if t is not None),
+            default=None,
+        )
         if not self._paused and monitor.no_data(now, reference):
             rule = monitor.rule
             seen = monitor.last_seen_time
-            reason = (f"no data for metric {rule.metric} for {rule.no_data_seconds:g} s "
-                      + ("(never reported)" if seen is None else f"(last reported at {seen:.0f})"))
+            reason = f"no data for metric {rule.metric} for {rule.no_data_seconds:g} s " + (
+                "(never reported)" if seen is None else f"(last reported at {seen:.0f})"
+            )
             evidence = {"metric": rule.metric, "last_seen_time": seen, "no_data_seconds": rule.no_data_seconds}
-            return [self._decide(rule.name, "alert", "rule", "", reason, evidence, self._last_step, now,
-                                 extra={"finding": NO_DATA})]
+            return [
+                self._decide(
+                    rule.name, "alert", "rule", "", reason, evidence, self._last_step, now, extra={"finding": NO_DATA}
+                )
+            ]
         return []
 
     # -- acting ---------------------------------------------------------------------------------------
@@ -248,8 +261,10 @@ class GuardrailEngine:
                 return []
             # Failing again so soon means the rollback did not cure it: stop instead of looping.
             action, escalated = "pause", True
-            reason += (f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
-                       f"{monitor.acted_step}: pausing instead of rolling back again")
+            reason += (
+                f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
+                f"{monitor.acted_step}: pausing instead of rolling back again"
+            )
         elif rule.action == "rollback":
             first = monitor.since_step if monitor.since_step is not None else step
             action, checkpoint, skip, note = self._plan_rollback(first, step, rule.skip_batches)
@@ -261,11 +276,26 @@ class GuardrailEngine:
             del self._rearmed[rule.name]
             reason += f" (re-armed by the operator's resume or cancel, decision {rearmed_by}: still failing)"
             extra = {"rearmed": True, "rearmed_by": rearmed_by}
-        return [self._decide(rule.name, action, "rule", "", reason, evidence, step, now, checkpoint=checkpoint,
-                             skip_batches=skip, escalated=escalated, extra=extra)]
+        return [
+            self._decide(
+                rule.name,
+                action,
+                "rule",
+                "",
+                reason,
+                evidence,
+                step,
+                now,
+                checkpoint=checkpoint,
+                skip_batches=skip,
+                escalated=escalated,
+                extra=extra,
+            )
+        ]
 
-    def _plan_rollback(self, first_failing: int | None, step: int | None,
-                       skip_setting) -> tuple[str, int | None, int, str]:
+    def _plan_rollback(
+        self, first_failing: int | None, step: int | None, skip_setting
+    ) -> tuple[str, int | None, int, str]:
         """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help.
         step is None when no step was evaluated since a rollback was applied (or the run began)."""
         if first_failing is None:  # neither the failing run's start nor a step is known (a garbled state)
@@ -274,8 +304,15 @@ class GuardrailEngine:
         if checkpoint is None:
             return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
         if skip_setting == "window" and step is None:
-            return "pause", None, 0, ("; escalated to pause: no step evaluated since the last rollback, so the "
-                                      "failing window's batches cannot be counted")
+            return (
+                "pause",
+                None,
+                0,
+                (
+                    "; escalated to pause: no step evaluated since the last rollback, so the "
+                    "failing window's batches cannot be counted"
+                ),
+            )
         too_many = self._too_many_rollbacks()
         if too_many:
             return "pause", None, 0, too_many
@@ -289,11 +326,27 @@ class GuardrailEngine:
         self._rollback_ticks = [t for t in self._rollback_ticks if self._tick - t < window]
         if len(self._rollback_ticks) < limit:
             return ""
-        return (f"; escalated to pause: {len(self._rollback_ticks)} rollbacks within the last {window} steps "
-                f"(max_rollbacks={limit})")
+        return (
+            f"; escalated to pause: {len(self._rollback_ticks)} rollbacks within the last {window} steps "
+            f"(max_rollbacks={limit})"
+        )
 
-    def _decide(self, rule, action, source, requested_by, reason, evidence, step, now, checkpoint=None,
-                skip_batches=0, escalated=False, suppress=False, extra=None) -> dict:
+    def _decide(
+        self,
+        rule,
+        action,
+        source,
+        requested_by,
+        reason,
+        evidence,
+        step,
+        now,
+        checkpoint=None,
+        skip_batches=0,
+        escalated=False,
+        suppress=False,
+        extra=None,
+    ) -> dict:
         # (A decision that becomes a directive belongs to the current run: see begin_run.)
         """Write one decision record; when enforcing, a directive action also becomes a directive."""
         if action == "pause" and not suppress and self._pause_in_force():
@@ -304,15 +357,30 @@ class GuardrailEngine:
         enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
         directive_id = None
         if enforced and self._run_id is not None and action in DIRECTIVE_ACTIONS:  # enforced implies a run
-            directive_id = self._directives.add(action, self._run_id, checkpoint, skip_batches, reason,
-                                                decision_id=self._next_decision_id)
+            directive_id = self._directives.add(
+                action, self._run_id, checkpoint, skip_batches, reason, decision_id=self._next_decision_id
+            )
             if action in SWITCHES:
                 self.last_switch = now
-        record = {"type": "decision", "id": self._next_decision_id, "run_id": self._run_id, "time": now,
-                  "step": step, "rule": rule,
-                  "action": action, "source": source, "requested_by": requested_by, "enforced": enforced,
-                  "reason": reason, "evidence": evidence, "checkpoint": checkpoint, "skip_batches": skip_batches,
-                  "directive_id": directive_id, "escalated": escalated, **(extra or {})}
+        record = {
+            "type": "decision",
+            "id": self._next_decision_id,
+            "run_id": self._run_id,
+            "time": now,
+            "step": step,
+            "rule": rule,
+            "action": action,
+            "source": source,
+            "requested_by": requested_by,
+            "enforced": enforced,
+            "reason": reason,
+            "evidence": evidence,
+            "checkpoint": checkpoint,
+            "skip_batches": skip_batches,
+            "directive_id": directive_id,
+            "escalated": escalated,
+            **(extra or {}),
+        }
         self._next_decision_id += 1
         return self._log.append(record)
 
@@ -360,8 +428,16 @@ class GuardrailEngine:
 
     # -- requests and directives ----------------------------------------------------------------------
 
-    def request(self, action: str, source: str, reason: str = "", to_step: int | None = None,
-                skip_batches: int = 0, requested_by: str = "", rule: str | None = None) -> dict:
+    def request(
+        self,
+        action: str,
+        source: str,
+        reason: str = "",
+        to_step: int | None = None,
+        skip_batches: int = 0,
+        requested_by: str = "",
+        rule: str | None = None,
+    ) -> dict:
         """An operator's or Alertmanager's pause/resume/rollback; returns the decision record.
 
         A rollback without to_step goes to the newest known checkpoint. Alertmanager rollbacks
@@ -372,15 +448,21 @@ class GuardrailEngine:
         _validate_request(action, source, to_step, skip_batches)
         with self._lock:
             if self._run_id is None:
-                raise ValueError("no run has reported to this sidecar yet, so there is nothing to "
-                                 f"{action}; send the request once the run's rank 0 is shipping summaries here")
+                raise ValueError(
+                    "no run has reported to this sidecar yet, so there is nothing to "
+                    f"{action}; send the request once the run's rank 0 is shipping summaries here"
+                )
             now, step = self._now(), self._last_step
             reason, note, escalated = reason or f"{action} requested by {source}", "", False
             if action == "rollback":
                 to_step = self._resolve_checkpoint(to_step)
             mirrored = self._monitors.get(rule) if rule else None
-            suppress = (source == "alertmanager" and mirrored is not None and mirrored.acted_tick is not None
-                        and self._tick - mirrored.acted_tick < mirrored.rule.cooldown_steps)
+            suppress = (
+                source == "alertmanager"
+                and mirrored is not None
+                and mirrored.acted_tick is not None
+                and self._tick - mirrored.acted_tick < mirrored.rule.cooldown_steps
+            )
             if suppress and mirrored is not None:
                 note = f" (not enforced: rule {rule} already acted at step {mirrored.acted_step})"
             elif action == "rollback" and source == "alertmanager" and (too_many := self._too_many_rollbacks()):
@@ -393,30 +475,46 @@ class GuardrailEngine:
                 # A rule that paused the run and still fails must be able to act again after the
                 # operator resumes (otherwise it stays "firing" and silent): firing -> pending, so
                 # its next failing step fires it again, within its cooldown.
-                rearm = sorted(name for name, m in self._monitors.items()
-                               if m.state == "firing" and m.reason != NO_DATA)
+                rearm = sorted(
+                    name for name, m in self._monitors.items() if m.state == "firing" and m.reason != NO_DATA
+                )
                 for name in rearm:
                     self._monitors[name].state = "pending"
                     self._rearmed[name] = self._next_decision_id
                 if rearm:
                     extra["rearmed_rules"] = rearm
                     note += f" (re-armed still-firing rules: {', '.join(rearm)})"
-            record = self._decide(None, action, source, requested_by, reason + note, evidence, step, now,
-                                  checkpoint=to_step, skip_batches=skip_batches, escalated=escalated,
-                                  suppress=suppress, extra=extra or None)
+            record = self._decide(
+                None,
+                action,
+                source,
+                requested_by,
+                reason + note,
+                evidence,
+                step,
+                now,
+                checkpoint=to_step,
+                skip_batches=skip_batches,
+                escalated=escalated,
+                suppress=suppress,
+                extra=extra or None,
+            )
             self._state_file.write_now()
             return record
 
     def _resolve_checkpoint(self, to_step: int | None) -> int:
         known = sorted(self._checkpoints)
         if not known:
-            raise ValueError("no checkpoint is known yet, so there is nothing to roll back to; "
-                             "wait for the run's first checkpoint (--checkpoint-every)")
+            raise ValueError(
+                "no checkpoint is known yet, so there is nothing to roll back to; "
+                "wait for the run's first checkpoint (--checkpoint-every)"
+            )
         if to_step is None:
             return known[-1]
         if to_step not in self._checkpoints:
-            raise ValueError(f"to_step {to_step} is not a known verified checkpoint; the newest known are "
-                             f"{known[-10:]}")
+            raise ValueError(
+                f"to_step {to_step} is not a known verified checkpoint; the newest known are {known[-10:]}"
+            )
         return to_step
 
     def pending_directive(self, deliver: bool = False) -> dict | None:
@@ -430,8 +528,15 @@ class GuardrailEngine:
     def directive_states(self) -> list[dict]:
         """Every outstanding directive: {id, action, state: created | delivered, delivered_at}."""
         with self._lock:
-            return [{"id": d["id"], "action": d["action"], "state": Directives.state(d),
-                     "delivered_at": d.get("delivered_at")} for d in self._directives.outstanding]
+            return [
+                {
+                    "id": d["id"],
+                    "action": d["action"],
+                    "state": Directives.state(d),
+                    "delivered_at": d.get("delivered_at"),
+                }
+                for d in self._directives.outstanding
+            ]
 
     def record_outcome(self, outcome: dict) -> list[dict]:
         """The run's outcome of a directive (every rank counted): write it down and act on it.
@@ -447,31 +552,59 @@ class GuardrailEngine:
             adopted = self._adopt_local(int(outcome["directive_id"]), local) if local else []
             records = adopted + self._record_outcome(outcome)
             if adopted and local.get("loss") is not None:
-                records += self.evaluate(Observation(
-                    step=int(local["step"]), time=self._now(), series={"loss": {"": float(local["loss"])}},
-                    checkpoints=tuple(int(c) for c in local.get("checkpoints") or ())))
+                records += self.evaluate(
+                    Observation(
+                        step=int(local["step"]),
+                        time=self._now(),
+                        series={"loss": {"": float(local["loss"])}},
+                        checkpoints=tuple(int(c) for c in local.get("checkpoints") or ()),
+                    )
+                )
             return records
 
     def _adopt_local(self, did: int, local: dict) -> list[dict]:
         """Record rank 0's own decision (once: a resent record finds it in the log) and take its directive
         as delivered. Directives of this sidecar that rank 0 never took (ids after `local.after`, up to
         `did`) would be ignored by the ranks now: they get new ids above it."""
-        if self._run_id is None or any(r.get("local") and r.get("directive_id") == did
-                                       for r in self._log.recent):
+        if self._run_id is None or any(r.get("local") and r.get("directive_id") == did for r in self._log.recent):
             return []
         now = self._now()
         renumbered = self._directives.renumber(int(local.get("after") or 0), did)
         decided = local.get("time")
         reason = str(local.get("reason") or f"{local['rule']}: decided by rank 0")
-        evidence = {"loss": encode_float(local.get("loss")), "decided_at": decided,
-                    "unreachable_since": local.get("unreachable_since"), "checkpoints": local.get("checkpoints")}
-        record = {"type": "decision", "id": self._next_decision_id, "time": now, "step": int(local["step"]),
-                  "rule": local["rule"], "action": local["action"], "source": "rank0", "requested_by": "",
-                  "enforced": True, "reason": reason + " (decided by rank 0 while this sidecar was unreachable)",
-                  "evidence": evidence, "checkpoint": None, "skip_batches": 0, "directive_id": did,
-                  "escalated": False, "local": True, **({"renumbered": renumbered} if renumbered else {})}
-        self._directives.adopt(did, local["action"], self._run_id, reason, self._next_decision_id,
-                               delivered_at=decided if isinstance(decided, (int, float)) else now)
+        evidence = {
+            "loss": encode_float(local.get("loss")),
+            "decided_at": decided,
+            "unreachable_since": local.get("unreachable_since"),
+            "checkpoints": local.get("checkpoints"),
+        }
+        record = {
+            "type": "decision",
+            "id": self._next_decision_id,
+            "time": now,
+            "step": int(local["step"]),
+            "rule": local["rule"],
+            "action": local["action"],
+            "source": "rank0",
+            "requested_by": "",
+            "enforced": True,
+            "reason": reason + " (decided by rank 0 while this sidecar was unreachable)",
+            "evidence": evidence,
+            "checkpoint": None,
+            "skip_batches": 0,
+            "directive_id": did,
+            "escalated": False,
+            "local": True,
+            **({"renumbered": renumbered} if renumbered else {}),
+        }
+        self._directives.adopt(
+            did,
+            local["action"],
+            self._run_id,
+            reason,
+            self._next_decision_id,
+            delivered_at=decided if isinstance(decided, (int, float)) else now,
+        )
         self._next_decision_id += 1
         return [self._log.append(record)]
 
@@ -481,8 +614,12 @@ class GuardrailEngine:
             did = int(outcome["directive_id"])
             done = self._directives.remove(did)
             if done is None:
-                log.warning("outcome %s of directive %d, which is not outstanding (cancelled, or reported "
-                            "twice): recorded, not acted on", result, did)
+                log.warning(
+                    "outcome %s of directive %d, which is not outstanding (cancelled, or reported "
+                    "twice): recorded, not acted on",
+                    result,
+                    did,
+                )
                 return [self._log.append(self._outcome_record(did, None, outcome, now))]
             records = [self._log.append(self._outcome_record(did, done, outcome, now))]
             action = done["action"]
@@ -502,26 +639,61 @@ class GuardrailEngine:
                     self._last_step = None
             elif result in ("failed", "mixed") and action == "rollback":
                 why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
-                reason = (f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
-                          "so the run is paused for an operator")
+                reason = (
+                    f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
+                    "so the run is paused for an operator"
+                )
                 evidence = {"directive_id": did, "outcome": result, "reasons": outcome.get("reasons") or {}}
-                records.append(self._decide(None, "pause", "engine", "", reason, evidence, self._last_step, now,
-                                            escalated=True, extra={"failed_directive_id": did}))
-                records.append(self._decide(None, "alert", "engine", "", reason, evidence, self._last_step, now,
-                                            escalated=True, extra={"failed_directive_id": did}))
+                records.append(
+                    self._decide(
+                        None,
+                        "pause",
+                        "engine",
+                        "",
+                        reason,
+                        evidence,
+                        self._last_step,
+                        now,
+                        escalated=True,
+                        extra={"failed_directive_id": did},
+                    )
+                )
+                records.append(
+                    self._decide(
+                        None,
+                        "alert",
+                        "engine",
+                        "",
+                        reason,
+                        evidence,
+                        self._last_step,
+                        now,
+                        escalated=True,
+                        extra={"failed_directive_id": did},
+                    )
+                )
             self._state_file.write_now(sync_dir=True)
             return records
 
     def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> dict:
         ranks = int(outcome.get("ranks") or 0)
-        record = {"type": str(outcome.get("outcome")), "directive_id": did,
-                  "action": self._action_of(did) if directive is None else directive["action"],
-                  "decision_id": None if directive is None else directive.get("decision_id"),
-                  "step": outcome.get("step"), "time": now, "ranks": f"0-{ranks - 1}" if ranks else "",
-                  "rank_count": ranks, "counts": outcome.get("counts") or {}}
+        record = {
+            "type": str(outcome.get("outcome")),
+            "directive_id": did,
+            "action": self._action_of(did) if directive is None else directive["action"],
+            "decision_id": None if directive is None else directive.get("decision_id"),
+            "step": outcome.get("step"),
+            "time": now,
+            "ranks": f"0-{ranks - 1}" if ranks else "",
+            "rank_count": ranks,
+            "counts": outcome.get("counts") or {},
+        }
         if directive is not None and directive["action"] == "rollback":
-            record.update(requested_step=directive["to_step"], loaded_step=outcome.get("loaded_step"),
-                          substituted=outcome.get("outcome") == "substituted")
+            record.update(
+                requested_step=directive["to_step"],
+                loaded_step=outcome.get("loaded_step"),
+                substituted=outcome.get("outcome") == "substituted",
+            )
         if outcome.get("reasons"):
             record["reasons"] = outcome["reasons"]
         if directive is None:
@@ -533,8 +705,9 @@ class GuardrailEngine:
         otherwise it would stay firing, acted on, and silent while it still fails."""
         if decision_id is None:
             return []
-        made = next((r for r in reversed(self._log.recent) if r.get("type") == "decision"
-                     and r.get("id") == decision_id), None)
+        made = next(
+            (r for r in reversed(self._log.recent) if r.get("type") == "decision" and r.get("id") == decision_id), None
+        )
         monitor = self._monitors.get(made.get("rule")) if made is not None and made.get("rule") else None
         if monitor is None or monitor.state != "firing" or monitor.reason == NO_DATA:
             return []
@@ -545,8 +718,10 @@ class GuardrailEngine:
 
     def _action_of(self, did: int) -> str:
         """The action of a directive no longer outstanding, from the decision that made it."""
-        made = next((r for r in reversed(self._log.recent) if r.get("type") == "decision"
-                     and r.get("directive_id") == did), None)
+        made = next(
+            (r for r in reversed(self._log.recent) if r.get("type") == "decision" and r.get("directive_id") == did),
+            None,
+        )
         return str(made["action"]) if made is not None else "unknown"
 
     def cancel(self, directive_id: int, requested_by: str = "") -> dict:
@@ -559,18 +734,33 @@ class GuardrailEngine:
                     f"directive {directive_id} ({pending['action']}) was delivered to the run at "
                     f"{pending['delivered_at']:.3f}: every rank applies it at its next step boundary and it can no "
                     "longer be cancelled; undo it once applied (e.g. resume after a pause)",
-                    {"id": directive_id, "action": pending["action"], "state": "delivered",
-                     "delivered_at": pending["delivered_at"]})
+                    {
+                        "id": directive_id,
+                        "action": pending["action"],
+                        "state": "delivered",
+                        "delivered_at": pending["delivered_at"],
+                    },
+                )
             done = self._directives.remove(directive_id)
             if done is None:
                 outstanding = [d["id"] for d in self._directives.outstanding]
-                raise ValueError(f"directive {directive_id} is not outstanding (outstanding: {outstanding or 'none'})"
-                                 "; it may already have been applied: see parwatch decisions")
+                raise ValueError(
+                    f"directive {directive_id} is not outstanding (outstanding: {outstanding or 'none'})"
+                    "; it may already have been applied: see parwatch decisions"
+                )
             rearmed = self._rearm_after_cancel(done.get("decision_id"))
-            record = self._log.append({"type": "cancelled", "directive_id": directive_id, "action": done["action"],
-                                       "decision_id": done.get("decision_id"), "time": self._now(),
-                                       "requested_by": requested_by, "step": self._last_step,
-                                       **({"rearmed_rules": rearmed} if rearmed else {})})
+            record = self._log.append(
+                {
+                    "type": "cancelled",
+                    "directive_id": directive_id,
+                    "action": done["action"],
+                    "decision_id": done.get("decision_id"),
+                    "time": self._now(),
+                    "requested_by": requested_by,
+                    "step": self._last_step,
+                    **({"rearmed_rules": rearmed} if rearmed else {}),
+                }
+            )
             self._state_file.write_now(sync_dir=True)
             return record
 
@@ -584,8 +774,10 @@ class GuardrailEngine:
             if run_id == self._run_id:
                 return False
             if run_id in self._archived_runs:
-                raise ValueError(f"run {run_id!r} already ended here (its state is archived); "
-                                 "a trainer of that run must not report any more")
+                raise ValueError(
+                    f"run {run_id!r} already ended here (its state is archived); "
+                    "a trainer of that run must not report any more"
+                )
             if self._run_id is not None:
                 self._archive(self._run_id)
             self._run_id = run_id
@@ -628,8 +820,9 @@ class GuardrailEngine:
         self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
         self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
         self._archived_runs = archived
-        log.warning("run %s ended here; its decisions and state are in %s", run_id.encode("unicode_escape").decode(),
-                    target)
+        log.warning(
+            "run %s ended here; its decisions and state are in %s", run_id.encode("unicode_escape").decode(), target
+        )
 
     # -- rules, state and views -----------------------------------------------------------------------
 
@@ -659,11 +852,21 @@ class GuardrailEngine:
     def states(self) -> dict[str, dict]:
         """name -> the rule's state (NaN/inf values as the schema's strings, so it is JSON-safe)."""
         with self._lock:
-            return {name: {"state": m.state, "reason": m.reason, "failing_steps": m.failing_steps,
-                           "since_step": m.since_step, "last_value": encode_float(m.last_value),
-                           "threshold": encode_float(m.threshold), "last_seen_time": m.last_seen_time,
-                           "metric": m.rule.metric, "action": m.rule.action, "series": m.last_series}
-                    for name, m in self._monitors.items()}
+            return {
+                name: {
+                    "state": m.state,
+                    "reason": m.reason,
+                    "failing_steps": m.failing_steps,
+                    "since_step": m.since_step,
+                    "last_value": encode_float(m.last_value),
+                    "threshold": encode_float(m.threshold),
+                    "last_seen_time": m.last_seen_time,
+                    "metric": m.rule.metric,
+                    "action": m.rule.action,
+                    "series": m.last_series,
+                }
+                for name, m in self._monitors.items()
+            }
 
     def decisions(self, limit: int = 100) -> list[dict]:
         """The newest `limit` records of the decision log (decisions and applied), newest last."""
@@ -671,17 +874,29 @@ class GuardrailEngine:
             return self._log.records(limit)
 
     def _state(self) -> dict:
-        return {"version": 1, "run_id": self._run_id, "archived_runs": self._archived_runs,
-                "paused": self._paused, "next_decision_id": self._next_decision_id,
-                "directives": self._directives.to_dict(), "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
-                "rollback_ticks": self._rollback_ticks, "tick": self._tick, "last_step": self._last_step,
-                "first_seen_time": self._first_seen_time, "resumed_time": self._resumed_time,
-                "rearmed": self._rearmed,
-                "rules": {name: m.to_dict(history=False) for name, m in self._monitors.items()}}
+        return {
+            "version": 1,
+            "run_id": self._run_id,
+            "archived_runs": self._archived_runs,
+            "paused": self._paused,
+            "next_decision_id": self._next_decision_id,
+            "directives": self._directives.to_dict(),
+            "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
+            "rollback_ticks": self._rollback_ticks,
+            "tick": self._tick,
+            "last_step": self._last_step,
+            "first_seen_time": self._first_seen_time,
+            "resumed_time": self._resumed_time,
+            "rearmed": self._rearmed,
+            "rules": {name: m.to_dict(history=False) for name, m in self._monitors.items()},
+        }
 
     def _baselines(self) -> dict:
-        return {"version": 1, "run_id": self._run_id,
-                "rules": {name: m.baseline_dict() for name, m in self._monitors.items()}}
+        return {
+            "version": 1,
+            "run_id": self._run_id,
+            "rules": {name: m.baseline_dict() for name, m in self._monitors.items()},
+        }
 
     def _load(self) -> None:
         present = self._state_file.path.exists()
@@ -710,8 +925,12 @@ class GuardrailEngine:
                     self._monitors[name].restore(monitor_state)
                 except (AttributeError, KeyError, TypeError, ValueError) as err:  # edited by hand, or garbled
                     self._monitors[name] = RuleMonitor(self._monitors[name].rule)
-                    log.warning("%s: rule %s's saved state is not usable (%s): it starts afresh",
-                                self._state_file.path, name, err)
+                    log.warning(
+                        "%s: rule %s's saved state is not usable (%s): it starts afresh",
+                        self._state_file.path,
+                        name,
+                        err,
+                    )
                     continue
                 if isinstance(monitor_state, dict) and "history" in monitor_state:  # from before baselines.json
                     with_history.add(name)
@@ -723,9 +942,12 @@ class GuardrailEngine:
                         self._monitors[name].restore_baseline(saved_baseline)
                     except (AttributeError, TypeError, ValueError) as err:  # edited by hand, or garbled
                         self._monitors[name].reset_baseline()
-                        log.warning("ignoring rule %s's saved baseline in %s (%s): it starts afresh", name,
-                                    self._baselines_file.path, err)
-
+                        log.warning(
+                            "ignoring rule %s's saved baseline in %s (%s): it starts afresh",
+                            name,
+                            self._baselines_file.path,
+                            err,
+                        )
 
     def _recovered_from_log(self) -> dict:
         """What decisions.jsonl still says when state.json is gone bad: the run, and the directives decided
@@ -734,13 +956,29 @@ class GuardrailEngine:
         records = list(self._log.recent)
         run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
         ended = {r.get("directive_id") for r in records if r.get("type") != "decision"}
-        outstanding = [{"id": r["directive_id"], "action": r.get("action"), "run_id": run_id,
-                        "to_step": r.get("checkpoint"), "skip_batches": r.get("skip_batches") or 0,
-                        "reason": str(r.get("reason") or ""), "decision_id": r.get("id")}
-                       for r in records if r.get("type") == "decision" and r.get("directive_id") is not None
-                       and r["directive_id"] not in ended and r.get("run_id") == run_id]
-        log.warning("%s: recovered from %s: run %s, outstanding directives %s", self._state_file.path,
-                    self._log.path.name, run_id, [d["id"] for d in outstanding] or "none")
+        outstanding = [
+            {
+                "id": r["directive_id"],
+                "action": r.get("action"),
+                "run_id": run_id,
+                "to_step": r.get("checkpoint"),
+                "skip_batches": r.get("skip_batches") or 0,
+                "reason": str(r.get("reason") or ""),
+                "decision_id": r.get("id"),
+            }
+            for r in records
+            if r.get("type") == "decision"
+            and r.get("directive_id") is not None
+            and r["directive_id"] not in ended
+            and r.get("run_id") == run_id
+        ]
+        log.warning(
+            "%s: recovered from %s: run %s, outstanding directives %s",
+            self._state_file.path,
+            self._log.path.name,
+            run_id,
+            [d["id"] for d in outstanding] or "none",
+        )
         return {"run_id": run_id, "directives": {"outstanding": outstanding}}
 
 
@@ -812,8 +1050,9 @@ def _validate_request(action, source, to_step, skip_batches) -> None:
         raise ValueError(f"source {source!r} is not one of {', '.join(REQUEST_SOURCES)}")
     if isinstance(skip_batches, bool) or not isinstance(skip_batches, int) or not 0 <= skip_batches < MAX_STEP:
         raise ValueError(f"skip_batches must be an integer in 0..2**53-1, got {skip_batches!r}")
-    if to_step is not None and (isinstance(to_step, bool) or not isinstance(to_step, int)
-                                or not 0 <= to_step < MAX_STEP):
+    if to_step is not None and (
+        isinstance(to_step, bool) or not isinstance(to_step, int) or not 0 <= to_step < MAX_STEP
+    ):
         raise ValueError(f"to_step must be a checkpoint step (an integer in 0..2**53-1) or None, got {to_step!r}")
     if action != "rollback" and (to_step is not None or skip_batches):
         raise ValueError(f"to_step and skip_batches apply to rollback only, not to {action}")

@@ -10,22 +10,42 @@ from __future__ import annotations
 import yaml
 
 from parwatch.guardrails.rules import (
-    BUILTIN_COOLDOWN_STEPS, Rule, RuleProblem, RuleSet, RulesError, suggest,
+    BUILTIN_COOLDOWN_STEPS,
+    Rule,
+    RuleProblem,
+    RulesError,
+    RuleSet,
+    suggest,
 )
 
 TOP_FIELDS = ("version", "enforce", "defaults", "rollback", "rules")
 DEFAULTS_FIELDS = ("cooldown_steps", "no_data_seconds")
 ROLLBACK_FIELDS = ("max_rollbacks", "window_steps")
 RULE_TYPES = {
-    "name": "text", "metric": "text", "check": "text", "above": "number", "below": "number",
-    "factor": "number", "window_steps": "int", "reduce": "text", "for_steps": "int",
-    "for_seconds": "number", "action": "text", "cooldown_steps": "int",
-    "no_data_seconds": "number or null", "skip_batches": "int or window",
+    "name": "text",
+    "metric": "text",
+    "check": "text",
+    "above": "number",
+    "below": "number",
+    "factor": "number",
+    "window_steps": "int",
+    "reduce": "text",
+    "for_steps": "int",
+    "for_seconds": "number",
+    "action": "text",
+    "cooldown_steps": "int",
+    "no_data_seconds": "number or null",
+    "skip_batches": "int or window",
 }
 REQUIRED_RULE_FIELDS = ("name", "metric", "action")
-_EXAMPLES = {"text": "a word", "int": "a whole number such as 10", "number": "a number such as 0.5",
-             "number or null": "a number such as 120, or null to disable",
-             "int or window": "a whole number such as 0, or window", "bool": "true or false"}
+_EXAMPLES = {
+    "text": "a word",
+    "int": "a whole number such as 10",
+    "number": "a number such as 0.5",
+    "number or null": "a number such as 120, or null to disable",
+    "int or window": "a whole number such as 0, or window",
+    "bool": "true or false",
+}
 
 
 def _describe(value) -> str:
@@ -55,8 +75,13 @@ class _Reader:
         """field -> (key line, value node); reports non-mappings, duplicates and unknown fields."""
         line = node.start_mark.line + 1
         if not isinstance(node, yaml.MappingNode):
-            self.problem(line, rule, None, f"{what} must be a mapping of 'field: value' lines, "
-                                           f"got {_describe(self.loader.construct_object(node, deep=True))}")
+            self.problem(
+                line,
+                rule,
+                None,
+                f"{what} must be a mapping of 'field: value' lines, "
+                f"got {_describe(self.loader.construct_object(node, deep=True))}",
+            )
             return {}
         out: dict[str, tuple[int, yaml.Node]] = {}
         for key_node, value_node in node.value:
@@ -85,8 +110,9 @@ class _Reader:
                     pass
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif kind == "int" or kind == "int or window":
-            ok = (isinstance(value, int) and not isinstance(value, bool)) or (kind == "int or window"
-                                                                             and value == "window")
+            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+                kind == "int or window" and value == "window"
+            )
         elif kind == "bool":
             ok = isinstance(value, bool)
         else:
@@ -106,10 +132,12 @@ class _Reader:
                     settings[key] = value
         if "version" not in fields and isinstance(root, yaml.MappingNode):
             self.problem(1, None, "version", "missing; add 'version: 1' at the top of the file")
-        defaults = self.section(fields, "defaults", DEFAULTS_FIELDS,
-                                {"cooldown_steps": "int", "no_data_seconds": "number or null"}, line_of)
-        rollback = self.section(fields, "rollback", ROLLBACK_FIELDS,
-                                {"max_rollbacks": "int", "window_steps": "int"}, line_of)
+        defaults = self.section(
+            fields, "defaults", DEFAULTS_FIELDS, {"cooldown_steps": "int", "no_data_seconds": "number or null"}, line_of
+        )
+        rollback = self.section(
+            fields, "rollback", ROLLBACK_FIELDS, {"max_rollbacks": "int", "window_steps": "int"}, line_of
+        )
         rules = []
         if "rules" not in fields:
             if isinstance(root, yaml.MappingNode):
@@ -122,18 +150,29 @@ class _Reader:
                 rule = self.rule(node, index, defaults)
                 name, line = self.name_of(node)
                 if name in first_line:
-                    self.problem(line, name, "name", f"duplicate name (first defined on line {first_line[name]}); "
-                                                     "give each rule its own name")
+                    self.problem(
+                        line,
+                        name,
+                        "name",
+                        f"duplicate name (first defined on line {first_line[name]}); give each rule its own name",
+                    )
                 elif rule is not None:
                     rules.append(rule)
                 if name is not None:
                     first_line.setdefault(name, line)
         try:
-            limits = {"max_rollbacks": rollback.get("max_rollbacks"),
-                      "rollback_window_steps": rollback.get("window_steps")}
-            ruleset = RuleSet(version=settings.get("version", 1), enforce=settings.get("enforce", True),
-                              rules=tuple(rules), source=self.source, line_of=line_of,
-                              **{k: v[0] for k, v in limits.items() if v is not None})
+            limits = {
+                "max_rollbacks": rollback.get("max_rollbacks"),
+                "rollback_window_steps": rollback.get("window_steps"),
+            }
+            ruleset = RuleSet(
+                version=settings.get("version", 1),
+                enforce=settings.get("enforce", True),
+                rules=tuple(rules),
+                source=self.source,
+                line_of=line_of,
+                **{k: v[0] for k, v in limits.items() if v is not None},
+            )
             return None if self.problems else ruleset
         except RulesError as e:
             self.problems.extend(e.problems)
@@ -185,8 +224,9 @@ class _Reader:
                 kwargs[key], lines[key] = defaults[key]
                 inherited.add(key)
         if "cooldown_steps" not in kwargs:
-            kwargs["cooldown_steps"] = max(BUILTIN_COOLDOWN_STEPS, kwargs.get("for_steps", 1)
-                                           if isinstance(kwargs.get("for_steps"), int) else 1)
+            kwargs["cooldown_steps"] = max(
+                BUILTIN_COOLDOWN_STEPS, kwargs.get("for_steps", 1) if isinstance(kwargs.get("for_steps"), int) else 1
+            )
         # Stand-ins for missing or mistyped fields let the Rule report every other problem too;
         # problems about the stand-ins themselves are already reported above.
         for key, stand_in in (("name", "unnamed"), ("metric", "loss"), ("action", "alert")):
@@ -200,8 +240,7 @@ class _Reader:
             for p in e.problems:
                 if p.field in unusable:
                     continue
-                note = f" (inherited from defaults.{p.field}; override it in this rule)" if p.field in inherited \
-                    else ""
+                note = f" (inherited from defaults.{p.field}; override it in this rule)" if p.field in inherited else ""
                 self.problem(lines.get(p.field, line), label, p.field, p.message + note)
             return None
 
@@ -214,13 +253,15 @@ def parse_ruleset(text: str, source: str) -> RuleSet:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else 1
         column = f" at column {mark.column + 1}" if mark else ""
-        raise RulesError([RuleProblem(source, line, None, None,
-                                      f"not valid YAML: {e.problem}{column}; fix the syntax there")]) from e
+        raise RulesError(
+            [RuleProblem(source, line, None, None, f"not valid YAML: {e.problem}{column}; fix the syntax there")]
+        ) from e
     except yaml.YAMLError as e:
         raise RulesError([RuleProblem(source, 1, None, None, f"not valid YAML: {e}")]) from e
     if root is None:
-        raise RulesError([RuleProblem(source, 1, None, None,
-                                      "the file is empty; start with 'version: 1' and a 'rules:' list")])
+        raise RulesError(
+            [RuleProblem(source, 1, None, None, "the file is empty; start with 'version: 1' and a 'rules:' list")]
+        )
     ruleset = reader.top(root)
     reader.loader.dispose()
     if reader.problems or ruleset is None:

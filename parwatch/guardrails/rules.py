@@ -16,13 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
-KNOWN_METRICS = frozenset({
-    "loss", "bubble_ratio", "bubble_excess_ratio", "pipeline_skew_ratio", "collective_seconds_mean",
-    "rank_up", "gpu_utilization_ratio", "step_seconds",
-    # parwatch.sidecar.transfer: transfer time with waiting excluded (per p2p link / collective group),
-    # and the straggler attribution's findings (share of the step, cause and place in the series key).
-    "collective_transfer_seconds", "straggler_ratio",
-})
+KNOWN_METRICS = frozenset(
+    {
+        "loss",
+        "bubble_ratio",
+        "bubble_excess_ratio",
+        "pipeline_skew_ratio",
+        "collective_seconds_mean",
+        "rank_up",
+        "gpu_utilization_ratio",
+        "step_seconds",
+        # parwatch.sidecar.transfer: transfer time with waiting excluded (per p2p link / collective group),
+        # and the straggler attribution's findings (share of the step, cause and place in the series key).
+        "collective_transfer_seconds",
+        "straggler_ratio",
+    }
+)
 CHECKS = ("threshold", "finite", "spike", "regression")
 ACTIONS = ("alert", "pause", "rollback")
 REDUCES = ("max", "min", "mean")
@@ -59,7 +68,7 @@ class RulesError(Exception):
 
 
 def suggest(word: object, choices) -> str:
-    """"; did you mean 'x'?" for a near miss, else the list of choices."""
+    """ "; did you mean 'x'?" for a near miss, else the list of choices."""
     close = difflib.get_close_matches(str(word), sorted(choices), n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{close[0]}'?"
@@ -131,8 +140,9 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
     """(field, message) for every value or relation of a rule that cannot work."""
     out = []
     if not isinstance(r.name, str) or not _NAME_RE.match(r.name):
-        out.append(("name", f"{r.name!r} is not a valid name; use lowercase letters, digits, '-' and '_', "
-                            "e.g. 'loss-spike'"))
+        out.append(
+            ("name", f"{r.name!r} is not a valid name; use lowercase letters, digits, '-' and '_', e.g. 'loss-spike'")
+        )
     if r.metric not in KNOWN_METRICS:
         out.append(("metric", f"unknown metric {r.metric!r}" + suggest(r.metric, KNOWN_METRICS)))
     if r.check not in CHECKS:
@@ -153,19 +163,30 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
     if r.check == "threshold":
         if (r.above is None) == (r.below is None):
             which = "both are set" if r.above is not None else "neither is set"
-            out.append(("above", f"a threshold check needs exactly one of 'above' or 'below' ({which}); "
-                                 "e.g. above: 0.1"))
+            out.append(
+                ("above", f"a threshold check needs exactly one of 'above' or 'below' ({which}); e.g. above: 0.1")
+            )
     else:
         for name in ("above", "below"):
             if getattr(r, name) is not None:
                 out.append((name, f"only the threshold check uses '{name}'; remove it, or set check: threshold"))
     if r.check in ("spike", "regression"):
         if not _is_number(r.factor) or r.factor <= 1:
-            out.append(("factor", f"{r.check} needs factor > 1 (how many times the baseline median fails), "
-                                  f"got {r.factor!r}; e.g. factor: 2.0"))
+            out.append(
+                (
+                    "factor",
+                    f"{r.check} needs factor > 1 (how many times the baseline median fails), "
+                    f"got {r.factor!r}; e.g. factor: 2.0",
+                )
+            )
         if not _is_int(r.window_steps) or r.window_steps < 2:
-            out.append(("window_steps", f"{r.check} needs window_steps >= 2 (values in the baseline), "
-                                        f"got {r.window_steps!r}; e.g. window_steps: 50"))
+            out.append(
+                (
+                    "window_steps",
+                    f"{r.check} needs window_steps >= 2 (values in the baseline), "
+                    f"got {r.window_steps!r}; e.g. window_steps: 50",
+                )
+            )
     else:
         for name in ("factor", "window_steps"):
             if getattr(r, name) is not None:
@@ -177,12 +198,17 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
     if not _is_int(r.cooldown_steps) or r.cooldown_steps < 0:
         out.append(("cooldown_steps", f"must be an integer >= 0, got {r.cooldown_steps!r}"))
     elif _is_int(r.for_steps) and r.cooldown_steps < r.for_steps:
-        out.append(("cooldown_steps", f"cooldown_steps ({r.cooldown_steps}) is less than for_steps "
-                                      f"({r.for_steps}): the rule could act again on the same failure; "
-                                      f"set cooldown_steps: {r.for_steps} or more"))
+        out.append(
+            (
+                "cooldown_steps",
+                f"cooldown_steps ({r.cooldown_steps}) is less than for_steps "
+                f"({r.for_steps}): the rule could act again on the same failure; "
+                f"set cooldown_steps: {r.for_steps} or more",
+            )
+        )
     skip = r.skip_batches
     if not ((_is_int(skip) and skip >= 0) or skip == "window"):
-        out.append(("skip_batches", f"must be an integer >= 0 or \"window\", got {skip!r}"))
+        out.append(("skip_batches", f'must be an integer >= 0 or "window", got {skip!r}'))
     elif r.action != "rollback" and skip != 0:
         out.append(("skip_batches", "only a rollback skips batches; remove it or set action: rollback"))
     return out
@@ -212,21 +238,37 @@ class RuleSet:
             problems.append(RuleProblem(self.source, line, rule, fld, msg))
 
         if self.version != 1:
-            add(self.line_of.get("version", 1), None, "version",
-                f"unsupported version {self.version!r}; this parwatch reads version: 1")
+            add(
+                self.line_of.get("version", 1),
+                None,
+                "version",
+                f"unsupported version {self.version!r}; this parwatch reads version: 1",
+            )
         if not isinstance(self.enforce, bool):
             add(self.line_of.get("enforce", 1), None, "enforce", f"must be true or false, got {self.enforce!r}")
         if not _is_int(self.max_rollbacks) or self.max_rollbacks < 0:
-            add(self.line_of.get("rollback.max_rollbacks", 1), None, "rollback.max_rollbacks",
-                f"must be an integer >= 0, got {self.max_rollbacks!r}")
+            add(
+                self.line_of.get("rollback.max_rollbacks", 1),
+                None,
+                "rollback.max_rollbacks",
+                f"must be an integer >= 0, got {self.max_rollbacks!r}",
+            )
         if not _is_int(self.rollback_window_steps) or self.rollback_window_steps < 1:
-            add(self.line_of.get("rollback.window_steps", 1), None, "rollback.window_steps",
-                f"must be an integer >= 1, got {self.rollback_window_steps!r}")
+            add(
+                self.line_of.get("rollback.window_steps", 1),
+                None,
+                "rollback.window_steps",
+                f"must be an integer >= 1, got {self.rollback_window_steps!r}",
+            )
         seen: dict[str, int] = {}
         for rule in self.rules:
             if rule.name in seen:
-                add(rule.line, rule.name, "name", f"duplicate name (first defined on line {seen[rule.name]}); "
-                                                  "give each rule its own name")
+                add(
+                    rule.line,
+                    rule.name,
+                    "name",
+                    f"duplicate name (first defined on line {seen[rule.name]}); give each rule its own name",
+                )
             seen.setdefault(rule.name, rule.line)
         if problems:
             raise RulesError(problems)
@@ -247,8 +289,9 @@ def load_rules(path) -> RuleSet:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise RulesError([RuleProblem(str(path), 0, None, None, f"cannot read the rules file: {e.strerror}; "
-                                                                 "check the path")]) from e
+        raise RulesError(
+            [RuleProblem(str(path), 0, None, None, f"cannot read the rules file: {e.strerror}; check the path")]
+        ) from e
     return parse_rules(text, str(path))
 
 

@@ -11,11 +11,23 @@ from __future__ import annotations
 from parwatch.contract import Span, SpanKind, registry
 from parwatch.integrations._p2p import TAG
 
-STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad",
-                 "get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops")
+STAGE_METHODS = (
+    "forward_one_chunk",
+    "backward_one_chunk",
+    "backward_weight_one_chunk",
+    "perform_reduce_grad",
+    "get_fwd_recv_ops",
+    "get_bwd_recv_ops",
+    "get_fwd_send_ops",
+    "get_bwd_send_ops",
+)
 SCHEDULE_METHODS = ("_maybe_compute_loss",)
-_P2P = {"get_fwd_recv_ops": ("recv", "activation"), "get_bwd_recv_ops": ("recv", "grad"),
-        "get_fwd_send_ops": ("send", "activation"), "get_bwd_send_ops": ("send", "grad")}
+_P2P = {
+    "get_fwd_recv_ops": ("recv", "activation"),
+    "get_bwd_recv_ops": ("recv", "grad"),
+    "get_fwd_send_ops": ("send", "activation"),
+    "get_bwd_send_ops": ("send", "grad"),
+}
 
 
 class Patches:
@@ -58,10 +70,14 @@ def instrument_stage(stage, base: dict, patches: Patches, *, p2p: bool) -> None:
     """Wrap one stage's compute methods (and its op builders when `p2p`); `base` = stage/chunk attrs."""
     attrs_of = _AttrsByMicrobatch(base)
     patches.set(stage, "forward_one_chunk", _timed(stage.forward_one_chunk, SpanKind.FORWARD, attrs_of))
-    patches.set(stage, "backward_one_chunk", _timed(stage.backward_one_chunk, SpanKind.BACKWARD, attrs_of,
-                                                    input_kind=SpanKind.BACKWARD_INPUT))
-    patches.set(stage, "backward_weight_one_chunk",
-                _timed(stage.backward_weight_one_chunk, SpanKind.BACKWARD_WEIGHT, attrs_of))
+    patches.set(
+        stage,
+        "backward_one_chunk",
+        _timed(stage.backward_one_chunk, SpanKind.BACKWARD, attrs_of, input_kind=SpanKind.BACKWARD_INPUT),
+    )
+    patches.set(
+        stage, "backward_weight_one_chunk", _timed(stage.backward_weight_one_chunk, SpanKind.BACKWARD_WEIGHT, attrs_of)
+    )
     reduce_grad = stage.perform_reduce_grad
 
     def perform_reduce_grad(grad_scale_factor, *args, **kwargs):
@@ -108,8 +124,11 @@ def _timed(call, kind: SpanKind, attrs_of: _AttrsByMicrobatch, *, input_kind: Sp
         if not reg.active:
             return call(chunk_id, *args, **kwargs)
         span = _new(Span)
-        span.kind = kind if input_kind is None or kwargs.get("full_backward", args[1] if len(args) > 1 else True) \
+        span.kind = (
+            kind
+            if input_kind is None or kwargs.get("full_backward", args[1] if len(args) > 1 else True)
             else input_kind
+        )
         span.attrs = attrs_of[chunk_id]
         span.parent = reg.current
         span.end = None
@@ -138,8 +157,10 @@ def _tagging(build, base: dict, op: str, what: str):
         if ops and registry.active:
             tag = tags.get(chunk_id)
             if tag is None:
-                tag = tags[chunk_id] = (kind, {**base, "microbatch": chunk_id, "op": op, "what": what,
-                                               "group": "pp", "group_size": 2})
+                tag = tags[chunk_id] = (
+                    kind,
+                    {**base, "microbatch": chunk_id, "op": op, "what": what, "group": "pp", "group_size": 2},
+                )
             for p2p_op in ops:
                 setattr(p2p_op, TAG, tag)
         return ops
@@ -165,7 +186,8 @@ def instrument_loss(schedule, stage_attrs: dict, patches: Patches, sink: list) -
         timed = timed_by_stage.get(stage.stage_index)
         if timed is None:
             timed = timed_by_stage[stage.stage_index] = _timed(
-                loss_of, SpanKind.LOSS, _AttrsByMicrobatch(stage_attrs[stage.stage_index]))
+                loss_of, SpanKind.LOSS, _AttrsByMicrobatch(stage_attrs[stage.stage_index])
+            )
         before = len(schedule._internal_losses)
         result = timed(mb_index, stage, output, target_mbs, *args, **kwargs)
         if len(schedule._internal_losses) > before:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from parwatch import pipeline_sim
 from parwatch.contract import (
@@ -77,8 +78,10 @@ def schedule_name(schedule) -> str:
     for cls in type(schedule).__mro__:
         if cls.__name__ in SCHEDULE_NAMES:
             return SCHEDULE_NAMES[cls.__name__]
-    raise IntegrationError(f"{type(schedule).__name__} is not one of torch's schedule classes "
-                           f"({', '.join(SCHEDULE_NAMES)}); parwatch cannot name its bubble theory")
+    raise IntegrationError(
+        f"{type(schedule).__name__} is not one of torch's schedule classes "
+        f"({', '.join(SCHEDULE_NAMES)}); parwatch cannot name its bubble theory"
+    )
 
 
 def stages_of(schedule) -> list:
@@ -88,8 +91,10 @@ def stages_of(schedule) -> list:
         stage = getattr(schedule, "_stage", None)
         stages = [stage] if stage is not None else None
     if not stages:
-        raise IntegrationError(f"{type(schedule).__name__} has neither _stages nor _stage: not a "
-                               "torch.distributed.pipelining schedule this integration knows")
+        raise IntegrationError(
+            f"{type(schedule).__name__} has neither _stages nor _stage: not a "
+            "torch.distributed.pipelining schedule this integration knows"
+        )
     return sorted(stages, key=lambda s: s.stage_index)
 
 
@@ -132,8 +137,9 @@ class PipelineWatch:
         import torch.distributed as dist
 
         if not run_id:
-            raise IntegrationError("PipelineWatch: run_id must be the run's id "
-                                   "(the same non-empty string on every rank)")
+            raise IntegrationError(
+                "PipelineWatch: run_id must be the run's id (the same non-empty string on every rank)"
+            )
         self.schedule = schedule
         self.run_id = run_id
         self.name = schedule_name(schedule)
@@ -141,13 +147,16 @@ class PipelineWatch:
         for stage in self.stages:
             missing = [m for m in STAGE_METHODS if not callable(getattr(stage, m, None))]
             if missing:
-                raise IntegrationError(f"stage {stage.stage_index} ({type(stage).__name__}) lacks "
-                                       f"{', '.join(missing)}: this torch's PipelineStage differs from "
-                                       "the torch 2.13 API parwatch wraps")
+                raise IntegrationError(
+                    f"stage {stage.stage_index} ({type(stage).__name__}) lacks "
+                    f"{', '.join(missing)}: this torch's PipelineStage differs from "
+                    "the torch 2.13 API parwatch wraps"
+                )
         missing = [m for m in SCHEDULE_METHODS if not callable(getattr(schedule, m, None))]
         if missing:
-            raise IntegrationError(f"{type(schedule).__name__} lacks {', '.join(missing)}: cannot time the loss "
-                                   "on this torch version")
+            raise IntegrationError(
+                f"{type(schedule).__name__} lacks {', '.join(missing)}: cannot time the loss on this torch version"
+            )
         first = self.stages[0]
         self.pp_rank = first.group_rank
         self.pp = first.group_size
@@ -157,10 +166,13 @@ class PipelineWatch:
         self.load_checkpoint = load_checkpoint
         self.p2p = p2p
         self.pause_poll_s = pause_poll_s
-        self.boundary = StepBoundary(dist.get_rank(boundary_group), dist.get_world_size(boundary_group), run_id,
-                                     TorchAllReduce(boundary_group, device if device is not None
-                                                    else getattr(first, "device", None)),
-                                     reports_loss=self.is_last)
+        self.boundary = StepBoundary(
+            dist.get_rank(boundary_group),
+            dist.get_world_size(boundary_group),
+            run_id,
+            TorchAllReduce(boundary_group, device if device is not None else getattr(first, "device", None)),
+            reports_loss=self.is_last,
+        )
         """The contract's step-boundary driver (one small SUM all-reduce per step)."""
         self._patches = Patches()
         self._losses: list = []
@@ -174,7 +186,7 @@ class PipelineWatch:
         self.attach()
 
     # ------------------------------------------------------------------ instrumentation
-    def attach(self) -> "PipelineWatch":
+    def attach(self) -> PipelineWatch:
         """Instrument the schedule (the constructor does; after `detach`, again)."""
         if self.attached:
             return self
@@ -213,10 +225,21 @@ class PipelineWatch:
 
         world = dist.get_world_size()
         if world != self.pp:
-            raise IntegrationError(f"the world has {world} ranks but the pipeline group {self.pp}: build the "
-                                   "RunContext yourself with your tp/pp/dp layout")
-        return RunContext.for_rank(self.run_id, dist.get_rank(), tp=1, pp=self.pp, dp=1, schedule=self.name,
-                                   microbatches=self.microbatches, chunks=self.chunks, **extra)
+            raise IntegrationError(
+                f"the world has {world} ranks but the pipeline group {self.pp}: build the "
+                "RunContext yourself with your tp/pp/dp layout"
+            )
+        return RunContext.for_rank(
+            self.run_id,
+            dist.get_rank(),
+            tp=1,
+            pp=self.pp,
+            dp=1,
+            schedule=self.name,
+            microbatches=self.microbatches,
+            chunks=self.chunks,
+            **extra,
+        )
 
     def action_order(self) -> dict:
         """Every rank's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""
@@ -227,9 +250,13 @@ class PipelineWatch:
         """The run's first boundary, on every rank; `step`: where training resumes (0: fresh)."""
         self.step = step
         order = {rank: [str(a) for a in acts] for rank, acts in self.action_order().items()}
-        registry.emit_event(Event.RUN_START, rank=self.pp_rank, config={"schedule": self.name, "pp": self.pp,
-                            "microbatches": self.microbatches, "chunks": self.chunks},
-                            model_flops_per_step=None, pipeline_order=order)
+        registry.emit_event(
+            Event.RUN_START,
+            rank=self.pp_rank,
+            config={"schedule": self.name, "pp": self.pp, "microbatches": self.microbatches, "chunks": self.chunks},
+            model_flops_per_step=None,
+            pipeline_order=order,
+        )
         self.boundary.exchange(BoundaryKind.START, self.step)
         return self.step
 
@@ -285,9 +312,15 @@ class PipelineWatch:
             self._report(directive, Outcome.APPLIED)
 
     def _report(self, directive, outcome, **extra) -> None:
-        self.applied.append({"id": directive.id, "action": str(getattr(directive.action, "value", directive.action)),
-                             "step": self.step, "outcome": outcome.name.lower(),
-                             **{k: getattr(v, "name", v) for k, v in extra.items()}})
+        self.applied.append(
+            {
+                "id": directive.id,
+                "action": str(getattr(directive.action, "value", directive.action)),
+                "step": self.step,
+                "outcome": outcome.name.lower(),
+                **{k: getattr(v, "name", v) for k, v in extra.items()},
+            }
+        )
         self.boundary.report(directive, outcome, step=self.step, **extra)
 
     def _rollback(self, directive) -> None:

@@ -29,18 +29,23 @@ def _timeline_notes(run: RunData, step: int | None) -> tuple[int | None, list]:
     sampled = steps_with_spans(run)
     if step is not None:
         if step not in sampled:
-            raise StepNotSampled(f"step {step} has no spans in {run.run_dir / SPANS}; "
-                                 f"steps with spans: {sampled or 'none'}")
+            raise StepNotSampled(
+                f"step {step} has no spans in {run.run_dir / SPANS}; steps with spans: {sampled or 'none'}"
+            )
         return step, []
     if not run.spans:
-        return None, [f"No timeline could be drawn: {SPANS} holds no spans (the collector samples spans "
-                      "only on some steps; run longer or sample more often)."]
+        return None, [
+            f"No timeline could be drawn: {SPANS} holds no spans (the collector samples spans "
+            "only on some steps; run longer or sample more often)."
+        ]
     chosen = choose_step(run)
     if chosen is None:
         have = sorted({sp["stage"] for sp in run.spans})
-        return None, [f"No timeline could be drawn: no sampled step has spans from every stage's "
-                      f"tp 0 / dp 0 rank (p={run.config.pp}; stages seen in spans: {have}). "
-                      f"Pass --step with one of {sampled} to draw what there is."]
+        return None, [
+            f"No timeline could be drawn: no sampled step has spans from every stage's "
+            f"tp 0 / dp 0 rank (p={run.config.pp}; stages seen in spans: {have}). "
+            f"Pass --step with one of {sampled} to draw what there is."
+        ]
     return chosen, []
 
 
@@ -58,37 +63,54 @@ def build_report(run_dir, step: int | None = None, out_dir=None, options: Report
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     images: dict[str, tuple] = {}
-    notes = [f"Skipped {i.skipped} malformed line(s) in {name}: {'; '.join(i.reasons)}."
-             for name, i in run.issues.items() if i.skipped]
-    notes += [f"{name} is missing." for name, i in run.issues.items()
-              if not i.skipped and i.reasons == ["file not found"] and name != "decisions.jsonl"]
+    notes = [
+        f"Skipped {i.skipped} malformed line(s) in {name}: {'; '.join(i.reasons)}."
+        for name, i in run.issues.items()
+        if i.skipped
+    ]
+    notes += [
+        f"{name} is missing."
+        for name, i in run.issues.items()
+        if not i.skipped and i.reasons == ["file not found"] and name != "decisions.jsonl"
+    ]
     notes += timeline_notes
     if chosen is not None:
         written["timeline_png"], written["timeline_svg"] = out / "timeline.png", out / "timeline.svg"
-        drawn = draw_timeline(run, chosen, written["timeline_png"], written["timeline_svg"],
-                              width_px=options.timeline_width_px)
-        missing = [s for s in drawn["stages"] if not any(sp["stage"] == s and sp["step"] == chosen
-                                                          for sp in run.spans)]
+        drawn = draw_timeline(
+            run, chosen, written["timeline_png"], written["timeline_svg"], width_px=options.timeline_width_px
+        )
+        missing = [s for s in drawn["stages"] if not any(sp["stage"] == s and sp["step"] == chosen for sp in run.spans)]
         if missing:
             notes.append(f"Step {chosen} has no spans from stage(s) {missing}; their lanes are empty.")
-        images["timeline"] = ("timeline.png", f"Measured pipeline schedule of step {chosen} (click for SVG)",
-                              "timeline.svg")
+        images["timeline"] = (
+            "timeline.png",
+            f"Measured pipeline schedule of step {chosen} (click for SVG)",
+            "timeline.svg",
+        )
     if run.spans:
         written["trace"] = write_trace(run, out / "trace.json")
 
-    written["bubble"], written["loss"], written["collectives"] = (out / "bubble.png", out / "loss.png",
-                                                                  out / "collectives.png")
+    written["bubble"], written["loss"], written["collectives"] = (
+        out / "bubble.png",
+        out / "loss.png",
+        out / "collectives.png",
+    )
     plot_bubble(run, written["bubble"])
     plot_loss(run, written["loss"])
     p99 = plot_collectives(run, written["collectives"])
     images["bubble"] = ("bubble.png", "Bubble per stage over steps; dashed: the schedule's formula", None)
     images["loss"] = ("loss.png", "Loss over steps; dotted lines: guardrail decisions", None)
-    images["collectives"] = ("collectives.png", "Collective latency per op and group: " +
-                             ("p99 estimated from histogram buckets" if p99 else "mean seconds per op"), None)
+    images["collectives"] = (
+        "collectives.png",
+        "Collective latency per op and group: "
+        + ("p99 estimated from histogram buckets" if p99 else "mean seconds per op"),
+        None,
+    )
 
     title = f"parwatch report: {run.config.run_id}"
-    sections = build_sections(run, images, notes, options.price_per_gpu_hour,
-                              "trace.json" if "trace" in written else None)
+    sections = build_sections(
+        run, images, notes, options.price_per_gpu_hour, "trace.json" if "trace" in written else None
+    )
     written["html"], written["markdown"] = out / "index.html", out / "summary.md"
     written["html"].write_text(render_html(sections, title), encoding="utf-8")
     written["markdown"].write_text(render_markdown(sections, title), encoding="utf-8")

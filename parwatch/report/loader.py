@@ -20,8 +20,17 @@ SPANS = "spans.jsonl"
 DECISIONS = "decisions.jsonl"
 
 # Summary fields that are numbers on the wire (NaN/inf may arrive as strings).
-_SUMMARY_FLOATS = ("time", "step_seconds", "compute_seconds", "other_seconds", "idle_seconds", "bubble_ratio",
-                   "bubble_theoretical_ratio", "loss", "overhead_seconds")
+_SUMMARY_FLOATS = (
+    "time",
+    "step_seconds",
+    "compute_seconds",
+    "other_seconds",
+    "idle_seconds",
+    "bubble_ratio",
+    "bubble_theoretical_ratio",
+    "loss",
+    "overhead_seconds",
+)
 _SUMMARY_INTS = ("rank", "stage", "step")
 _KEEP_REASONS = 5
 
@@ -76,8 +85,9 @@ class RunData:
     def stage_ranks(self) -> dict[int, int]:
         """stage -> the rank drawn for it: tp_rank 0 and dp_rank 0 (lowest rank as a fallback)."""
         best: dict[int, tuple] = {}
-        candidates = [((s.get("tp_rank", 0) != 0 or s.get("dp_rank", 0) != 0), s["rank"], s["stage"])
-                      for s in self.summaries]
+        candidates = [
+            ((s.get("tp_rank", 0) != 0 or s.get("dp_rank", 0) != 0), s["rank"], s["stage"]) for s in self.summaries
+        ]
         # Ranks known only from spans have no layout: they rank after any tp 0 / dp 0 rank.
         candidates += [(True, sp["rank"], sp["stage"]) for sp in self.spans]
         for not_first, rank, stage in candidates:
@@ -87,8 +97,11 @@ class RunData:
 
     def replay_gap_seconds(self) -> float:
         """Half the median step period: a hole this long within one step number means a replay."""
-        periods = sorted(s["step_seconds"] for s in self.summaries
-                         if isinstance(s.get("step_seconds"), float) and s["step_seconds"] > 0)
+        periods = sorted(
+            s["step_seconds"]
+            for s in self.summaries
+            if isinstance(s.get("step_seconds"), float) and s["step_seconds"] > 0
+        )
         return 0.5 * periods[len(periods) // 2] if periods else 1.0
 
     def rank_info(self) -> dict[int, dict]:

@@ -27,8 +27,16 @@ def _figure(size_px=_SIZE_PX):
 
 
 def _no_data(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} in this run directory", ha="center", va="center", transform=ax.transAxes,
-            fontsize=12, color="#666666")
+    ax.text(
+        0.5,
+        0.5,
+        f"no {what} in this run directory",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize=12,
+        color="#666666",
+    )
 
 
 def _save(fig, path) -> None:
@@ -48,12 +56,24 @@ def plot_bubble(run: RunData, path, size_px=_SIZE_PX) -> None:
         ax.plot([s for s, _ in pts], [100 * v for _, v in pts], color=c, marker=".", label=f"stage {stage}")
         th = theory.get(stage)
         if th and not shared:
-            ax.plot([s for s, _ in th], [100 * v for _, v in th], color=c, linestyle="--", linewidth=1.2,
-                    label=f"stage {stage} theory")
+            ax.plot(
+                [s for s, _ in th],
+                [100 * v for _, v in th],
+                color=c,
+                linestyle="--",
+                linewidth=1.2,
+                label=f"stage {stage} theory",
+            )
     if shared:
         th = next(iter(theory.values()))
-        ax.plot([s for s, _ in th], [100 * v for _, v in th], color="#333333", linestyle="--", linewidth=1.3,
-                label="schedule formula\n(all stages)")
+        ax.plot(
+            [s for s, _ in th],
+            [100 * v for _, v in th],
+            color="#333333",
+            linestyle="--",
+            linewidth=1.3,
+            label="schedule formula\n(all stages)",
+        )
     if not measured:
         _no_data(ax, "bubble_ratio values")
     else:
@@ -99,17 +119,40 @@ def plot_loss(run: RunData, path, size_px=_SIZE_PX) -> None:
         finite = [(s, v) for s, v in seg if math.isfinite(v)]
         nonfinite += [s for s, v in seg if not math.isfinite(v)]
         label = "loss" if i == 0 else f"loss after rollback {i}"
-        ax.plot([s for s, _ in finite], [v for _, v in finite], marker=".", label=label,
-                color=_SEGMENT_COLORS[i % len(_SEGMENT_COLORS)], linewidth=1.6 if i == 0 else 1.3)
+        ax.plot(
+            [s for s, _ in finite],
+            [v for _, v in finite],
+            marker=".",
+            label=label,
+            color=_SEGMENT_COLORS[i % len(_SEGMENT_COLORS)],
+            linewidth=1.6 if i == 0 else 1.3,
+        )
     if nonfinite:
-        ax.scatter(nonfinite, [0.02] * len(nonfinite), transform=ax.get_xaxis_transform(), marker="X", s=80,
-                   color="#C62828", label="non-finite loss", zorder=5)
+        ax.scatter(
+            nonfinite,
+            [0.02] * len(nonfinite),
+            transform=ax.get_xaxis_transform(),
+            marker="X",
+            s=80,
+            color="#C62828",
+            label="non-finite loss",
+            zorder=5,
+        )
     for d in run.decisions:
         action = str(d.get("action", "?"))
         color = _ACTION_COLORS.get(action, "#555555")
         ax.axvline(d["step"], color=color, linestyle=":", linewidth=1.4)
-        ax.text(d["step"], 0.98, f" {action} ({d.get('rule', '?')})", transform=ax.get_xaxis_transform(),
-                rotation=90, va="top", ha="right", fontsize=9, color=color)
+        ax.text(
+            d["step"],
+            0.98,
+            f" {action} ({d.get('rule', '?')})",
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=9,
+            color=color,
+        )
     if not segments:
         _no_data(ax, "loss values")
     else:
@@ -133,8 +176,9 @@ def plot_collectives(run: RunData, path, size_px=_SIZE_PX) -> bool:
     else:
         ax.set_yscale("log")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
-    what = ("p99 latency (ms), estimated from histogram buckets" if use_p99
-            else "mean latency per op (ms); buckets absent")
+    what = (
+        "p99 latency (ms), estimated from histogram buckets" if use_p99 else "mean latency per op (ms); buckets absent"
+    )
     ax.set_ylabel(what)
     ax.set_xlabel("step")
     ax.set_title("Collective latency per op and group, all ranks")

@@ -77,7 +77,11 @@ class CollectiveStats:
         return self.seconds / self.count if self.count else None
 
     def quantile(self, q: float) -> float | None:
-        return quantile_from_buckets(q, self.buckets, self.count) if self.has_buckets and self.buckets is not None else None
+        return (
+            quantile_from_buckets(q, self.buckets, self.count)
+            if self.has_buckets and self.buckets is not None
+            else None
+        )
 
     def busbw(self) -> float | None:
         return self.busbw_seconds / self.seconds if self.seconds > 0 else None
@@ -120,8 +124,9 @@ def per_stage_series(summaries: list, key: str) -> dict[int, list]:
         v = s.get(key)
         if isinstance(v, float) and math.isfinite(v):
             acc[s["stage"]][s["step"]].append(v)
-    return {stage: [(step, sum(v) / len(v)) for step, v in sorted(steps.items())]
-            for stage, steps in sorted(acc.items())}
+    return {
+        stage: [(step, sum(v) / len(v)) for step, v in sorted(steps.items())] for stage, steps in sorted(acc.items())
+    }
 
 
 def _finite(x) -> bool:
@@ -142,8 +147,10 @@ def _idle_compute(summaries: list) -> dict[int, dict[int, list]]:
 
 def stage_bubble_series(summaries: list) -> dict[int, list]:
     """{stage: [(step, the stage's bubble over its ranks in that step)]}, parwatch.bubble's."""
-    return {stage: [(step, stage_bubble(*sums)) for step, sums in sorted(steps.items())]
-            for stage, steps in sorted(_idle_compute(summaries).items())}
+    return {
+        stage: [(step, stage_bubble(*sums)) for step, sums in sorted(steps.items())]
+        for stage, steps in sorted(_idle_compute(summaries).items())
+    }
 
 
 @dataclass
@@ -173,8 +180,9 @@ def bubble_table(summaries: list, stages: list) -> list[StageBubble]:
         idle = sum(i for i, _ in steps.values())
         compute = sum(c for _, c in steps.values())
         th = theory.get(stage, [])
-        rows.append(StageBubble(stage, stage_bubble(idle, compute) if steps else None,
-                                th[-1][1] if th else None, len(steps)))
+        rows.append(
+            StageBubble(stage, stage_bubble(idle, compute) if steps else None, th[-1][1] if th else None, len(steps))
+        )
     return rows
 
 

@@ -48,100 +48,178 @@ def _when(t) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def build_sections(run: RunData, images: dict, notes: list, price_per_gpu_hour: float,
-                   trace_name: str | None) -> list[Section]:
+def build_sections(
+    run: RunData, images: dict, notes: list, price_per_gpu_hour: float, trace_name: str | None
+) -> list[Section]:
     """images: key -> (file name, caption, link or None); notes: plain sentences for the top."""
     cfg = run.config
     steps = sorted({s["step"] for s in run.summaries})
     stages = sorted(run.stage_ranks())
     ranks = sorted({s["rank"] for s in run.summaries} | {sp["rank"] for sp in run.spans})
-    out = [Section("Run", headers=["setting", "value"], rows=[
-        ["run id", cfg.run_id], ["schedule", cfg.schedule],
-        ["tp x pp x dp", f"{cfg.tp} x {cfg.pp} x {cfg.dp} ({len(ranks)} ranks seen)"],
-        ["microbatches (m)", str(cfg.microbatches)], ["chunks per stage (v)", str(cfg.chunks)],
-        ["steps", f"{steps[0]}..{steps[-1]} ({len(steps)} distinct)" if steps else "none"],
-        ["summaries / spans read", f"{len(run.summaries)} / {len(run.spans)}"],
-    ])]
+    out = [
+        Section(
+            "Run",
+            headers=["setting", "value"],
+            rows=[
+                ["run id", cfg.run_id],
+                ["schedule", cfg.schedule],
+                ["tp x pp x dp", f"{cfg.tp} x {cfg.pp} x {cfg.dp} ({len(ranks)} ranks seen)"],
+                ["microbatches (m)", str(cfg.microbatches)],
+                ["chunks per stage (v)", str(cfg.chunks)],
+                ["steps", f"{steps[0]}..{steps[-1]} ({len(steps)} distinct)" if steps else "none"],
+                ["summaries / spans read", f"{len(run.summaries)} / {len(run.spans)}"],
+            ],
+        )
+    ]
     if notes:
         out.append(Section("Notes", paragraphs=list(notes)))
 
     rows = []
     for b in bubble_table(run.summaries, stages):
-        rows.append([f"stage {b.stage}", f"rank {run.stage_ranks()[b.stage]}", _pct(b.measured),
-                     _pct(b.theoretical), _pct(b.excess), str(b.steps)])
-    out.append(Section("Bubble per stage", headers=["stage", "drawn rank", "measured", "theoretical",
-                                                     "excess", "steps"], rows=rows, paragraphs=[
-        "Idle over idle + compute, summed over the stage's ranks and the steps after the first (it carries "
-        "warm-up): the figure the guardrail, the dashboard and the alerts use. Theoretical is (p-1)/(v*m+p-1); "
-        "the excess is what balance, p2p or the executor cost beyond the schedule."]))
+        rows.append(
+            [
+                f"stage {b.stage}",
+                f"rank {run.stage_ranks()[b.stage]}",
+                _pct(b.measured),
+                _pct(b.theoretical),
+                _pct(b.excess),
+                str(b.steps),
+            ]
+        )
+    out.append(
+        Section(
+            "Bubble per stage",
+            headers=["stage", "drawn rank", "measured", "theoretical", "excess", "steps"],
+            rows=rows,
+            paragraphs=[
+                "Idle over idle + compute, summed over the stage's ranks and the steps after the first (it carries "
+                "warm-up): the figure the guardrail, the dashboard and the alerts use. Theoretical is (p-1)/(v*m+p-1); "
+                "the excess is what balance, p2p or the executor cost beyond the schedule."
+            ],
+        )
+    )
 
     if run.summaries:
         c = cost_estimate(run.summaries, cfg.pp, cfg.microbatches, cfg.chunks, price_per_gpu_hour)
         p = f"${price_per_gpu_hour:.2f}/GPU-hour"
-        out.append(Section("Idle accelerator time and cost", headers=["quantity", "GPU-hours", f"cost at {p}"],
-                           rows=[["idle (sum over ranks of idle_seconds)", _hours(c.idle_gpu_hours),
-                                  _money(c.idle_cost)],
-                                 ["idle beyond the schedule's bubble", _hours(c.excess_idle_gpu_hours),
-                                  _money(c.excess_cost)],
-                                 [f"recoverable by doubling microbatches (m={cfg.microbatches} -> "
-                                  f"{2 * cfg.microbatches})", _hours(c.recoverable_gpu_hours),
-                                  _money(c.recoverable_cost)]],
-                           paragraphs=[f"Schedule bubble share: {_pct(c.bubble_now)} at m={cfg.microbatches}, "
-                                       f"{_pct(c.bubble_doubled)} at m={2 * cfg.microbatches} (same work split "
-                                       "into twice as many half-size microbatches; compute unchanged)."]))
+        out.append(
+            Section(
+                "Idle accelerator time and cost",
+                headers=["quantity", "GPU-hours", f"cost at {p}"],
+                rows=[
+                    ["idle (sum over ranks of idle_seconds)", _hours(c.idle_gpu_hours), _money(c.idle_cost)],
+                    ["idle beyond the schedule's bubble", _hours(c.excess_idle_gpu_hours), _money(c.excess_cost)],
+                    [
+                        f"recoverable by doubling microbatches (m={cfg.microbatches} -> {2 * cfg.microbatches})",
+                        _hours(c.recoverable_gpu_hours),
+                        _money(c.recoverable_cost),
+                    ],
+                ],
+                paragraphs=[
+                    f"Schedule bubble share: {_pct(c.bubble_now)} at m={cfg.microbatches}, "
+                    f"{_pct(c.bubble_doubled)} at m={2 * cfg.microbatches} (same work split "
+                    "into twice as many half-size microbatches; compute unchanged)."
+                ],
+            )
+        )
 
     colls = collective_totals(run.summaries)
-    out.append(Section("Collectives (all ranks, all steps)", headers=[
-        "op", "group", "count", "mean", "p50", "p99", "total bytes", "busbw"], rows=[
-        [c.op, c.group, f"{c.count:.0f}", _ms(c.mean()), _ms(c.quantile(0.5)), _ms(c.quantile(0.99)),
-         f"{c.bytes:.3g}", _rate(c.busbw())] for c in colls],
-        paragraphs=[] if colls else ["No collective records in the summaries."]))
+    out.append(
+        Section(
+            "Collectives (all ranks, all steps)",
+            headers=["op", "group", "count", "mean", "p50", "p99", "total bytes", "busbw"],
+            rows=[
+                [
+                    c.op,
+                    c.group,
+                    f"{c.count:.0f}",
+                    _ms(c.mean()),
+                    _ms(c.quantile(0.5)),
+                    _ms(c.quantile(0.99)),
+                    f"{c.bytes:.3g}",
+                    _rate(c.busbw()),
+                ]
+                for c in colls
+            ],
+            paragraphs=[] if colls else ["No collective records in the summaries."],
+        )
+    )
 
     applied = {a.get("directive_id"): a for a in run.applied}
     dec_rows = []
     for d in run.decisions:
         a = applied.get(d.get("directive_id")) if d.get("directive_id") is not None else None
-        done = (_outcome_text(a) if a else ("not applied" if d.get("directive_id") is not None else "-"))
-        dec_rows.append([str(d["step"]), _when(d.get("time")), str(d.get("rule", "?")), str(d.get("action", "?")),
-                         str(d.get("source", "?")), "yes" if d.get("enforced", True) else "no (dry run)",
-                         str(d.get("checkpoint") if d.get("checkpoint") is not None else "-"),
-                         str(d.get("skip_batches", 0)), done, str(d.get("reason", ""))])
-    out.append(Section("Guardrail decisions", headers=[
-        "step", "time", "rule", "action", "source", "enforced", "checkpoint", "skip batches", "outcome",
-        "reason"], rows=dec_rows, paragraphs=[] if dec_rows else ["No decisions recorded."]))
+        done = _outcome_text(a) if a else ("not applied" if d.get("directive_id") is not None else "-")
+        dec_rows.append(
+            [
+                str(d["step"]),
+                _when(d.get("time")),
+                str(d.get("rule", "?")),
+                str(d.get("action", "?")),
+                str(d.get("source", "?")),
+                "yes" if d.get("enforced", True) else "no (dry run)",
+                str(d.get("checkpoint") if d.get("checkpoint") is not None else "-"),
+                str(d.get("skip_batches", 0)),
+                done,
+                str(d.get("reason", "")),
+            ]
+        )
+    out.append(
+        Section(
+            "Guardrail decisions",
+            headers=[
+                "step",
+                "time",
+                "rule",
+                "action",
+                "source",
+                "enforced",
+                "checkpoint",
+                "skip batches",
+                "outcome",
+                "reason",
+            ],
+            rows=dec_rows,
+            paragraphs=[] if dec_rows else ["No decisions recorded."],
+        )
+    )
 
-    pics = Section("Pictures", images=[images[k] for k in ("timeline", "bubble", "loss", "collectives")
-                                       if k in images])
+    pics = Section("Pictures", images=[images[k] for k in ("timeline", "bubble", "loss", "collectives") if k in images])
     if trace_name:
-        pics.paragraphs.append("The full span trace opens in Perfetto (drag the file onto the page) or "
-                               "chrome://tracing; one process per rank.")
-        pics.links += [(trace_name, f"{trace_name} (Chrome trace JSON)"),
-                       ("https://ui.perfetto.dev", "ui.perfetto.dev")]
+        pics.paragraphs.append(
+            "The full span trace opens in Perfetto (drag the file onto the page) or "
+            "chrome://tracing; one process per rank."
+        )
+        pics.links += [
+            (trace_name, f"{trace_name} (Chrome trace JSON)"),
+            ("https://ui.perfetto.dev", "ui.perfetto.dev"),
+        ]
     out.append(pics)
     return out
 
 
 def render_html(sections: list[Section], title: str) -> str:
     e = html.escape
-    parts = [f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
-             "<style>body{font-family:system-ui,sans-serif;max-width:1640px;margin:2em auto;padding:0 1em;"
-             "color:#222}table{border-collapse:collapse;margin:.5em 0 1em}td,th{border:1px solid #ccc;"
-             "padding:.25em .6em;text-align:left;font-size:.92em}th{background:#f3f3f3}img{max-width:100%;"
-             "border:1px solid #ddd}figure{margin:1em 0}figcaption{color:#555;font-size:.9em}</style>",
-             f"</head><body><h1>{e(title)}</h1>"]
+    parts = [
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>',
+        "<style>body{font-family:system-ui,sans-serif;max-width:1640px;margin:2em auto;padding:0 1em;"
+        "color:#222}table{border-collapse:collapse;margin:.5em 0 1em}td,th{border:1px solid #ccc;"
+        "padding:.25em .6em;text-align:left;font-size:.92em}th{background:#f3f3f3}img{max-width:100%;"
+        "border:1px solid #ddd}figure{margin:1em 0}figcaption{color:#555;font-size:.9em}</style>",
+        f"</head><body><h1>{e(title)}</h1>",
+    ]
     for s in sections:
         parts.append(f"<h2>{e(s.title)}</h2>")
         parts += [f"<p>{e(p)}</p>" for p in s.paragraphs]
         if s.links:
-            parts.append("<p>" + " · ".join(f"<a href=\"{e(t)}\">{e(x)}</a>" for t, x in s.links) + "</p>")
+            parts.append("<p>" + " · ".join(f'<a href="{e(t)}">{e(x)}</a>' for t, x in s.links) + "</p>")
         if s.headers and s.rows:
             parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in s.headers) + "</tr>")
             parts += ["<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in s.rows]
             parts.append("</table>")
         for name, caption, link in s.images:
-            img = f"<img src=\"{e(name)}\" alt=\"{e(caption)}\">"
-            parts.append(f"<figure><a href=\"{e(link or name)}\">{img}</a><figcaption>{e(caption)}</figcaption>"
-                         "</figure>")
+            img = f'<img src="{e(name)}" alt="{e(caption)}">'
+            parts.append(f'<figure><a href="{e(link or name)}">{img}</a><figcaption>{e(caption)}</figcaption></figure>')
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 

@@ -30,8 +30,15 @@ LABELS = {
     "other": "optimizer / DP sync / checkpoint",
     "idle": "idle, flush wait (bubble)",
 }
-_CATEGORY = {"forward": "forward", "backward": "backward", "recv": "comm", "collective": "comm",
-             "optimizer": "other", "dp_sync": "other", "checkpoint": "other"}
+_CATEGORY = {
+    "forward": "forward",
+    "backward": "backward",
+    "recv": "comm",
+    "collective": "comm",
+    "optimizer": "other",
+    "dp_sync": "other",
+    "checkpoint": "other",
+}
 _DRAW_ORDER = ("comm", "other", "forward", "backward")  # later ones on top: nested TP collectives hide
 _DPI = 100
 _MARGIN_PX = {"left": 120, "right": 170, "top": 66, "bottom": 96}
@@ -84,8 +91,13 @@ def _bubbles(run: RunData, step: int, lanes: dict, t0: float, t1: float) -> dict
         if summ is not None and summ.get("bubble_ratio") is not None:
             out[stage] = LaneBubble(summ["bubble_ratio"], summ.get("bubble_theoretical_ratio"))
             continue
-        busy = _union([(s["start_s"], s["end_s"]) for s in lanes[stage]
-                       if _CATEGORY.get(s["kind"]) in ("forward", "backward", "other")])
+        busy = _union(
+            [
+                (s["start_s"], s["end_s"])
+                for s in lanes[stage]
+                if _CATEGORY.get(s["kind"]) in ("forward", "backward", "other")
+            ]
+        )
         other = sum(s["end_s"] - s["start_s"] for s in lanes[stage] if _CATEGORY.get(s["kind"]) == "other")
         denom = (t1 - t0) - other
         out[stage] = LaneBubble((t1 - t0 - busy) / denom if lanes[stage] and denom > 0 else None, None)
@@ -105,8 +117,9 @@ def _pct(x) -> str:
     return "?" if x is None else f"{100 * x:.1f}%"
 
 
-def draw_timeline(run: RunData, step: int, png_path, svg_path=None, width_px: int = 1600,
-                  height_px: int | None = None) -> dict:
+def draw_timeline(
+    run: RunData, step: int, png_path, svg_path=None, width_px: int = 1600, height_px: int | None = None
+) -> dict:
     """Draw `step`; write the PNG (exactly width_px x height_px) and the SVG. Returns what it drew."""
     lanes = lane_spans(run, step)
     drawn = [sp for spans in lanes.values() for sp in spans]
@@ -119,8 +132,12 @@ def draw_timeline(run: RunData, step: int, png_path, svg_path=None, width_px: in
     margin = _MARGIN_PX
     height_px = height_px or (margin["top"] + margin["bottom"] + _LANE_PX * len(stages))
     fig = Figure(figsize=(width_px / _DPI, height_px / _DPI), dpi=_DPI)
-    fig.subplots_adjust(left=margin["left"] / width_px, right=1 - margin["right"] / width_px,
-                        top=1 - margin["top"] / height_px, bottom=margin["bottom"] / height_px)
+    fig.subplots_adjust(
+        left=margin["left"] / width_px,
+        right=1 - margin["right"] / width_px,
+        top=1 - margin["top"] / height_px,
+        bottom=margin["bottom"] / height_px,
+    )
     ax = fig.add_subplot()
     axes_px = (width_px - margin["left"] - margin["right"], height_px - margin["top"] - margin["bottom"])
     span_ms = (t1 - t0) * 1e3
@@ -132,9 +149,14 @@ def draw_timeline(run: RunData, step: int, png_path, svg_path=None, width_px: in
     if svg_path is not None:
         fig.savefig(svg_path, format="svg", facecolor="white")
     ranks = run.stage_ranks()
-    return {"step": step, "stages": stages, "ranks": {s: ranks[s] for s in stages},
-            "bubble": {s: (bubbles[s].measured, bubbles[s].theoretical) for s in stages},
-            "width_ms": span_ms, "size_px": (width_px, height_px)}
+    return {
+        "step": step,
+        "stages": stages,
+        "ranks": {s: ranks[s] for s in stages},
+        "bubble": {s: (bubbles[s].measured, bubbles[s].theoretical) for s in stages},
+        "width_ms": span_ms,
+        "size_px": (width_px, height_px),
+    }
 
 
 def _draw_lane(ax, row: int, spans: list, t0: float, span_ms: float, axes_width_px: float) -> None:
@@ -154,11 +176,18 @@ def _draw_lane(ax, row: int, spans: list, t0: float, span_ms: float, axes_width_
 
 def _annotate_bubble(ax, row: int, b: LaneBubble) -> None:
     """Measured vs theoretical bubble right of the lane; red beyond the guardrail's excess threshold."""
-    flagged = (b.measured is not None and b.theoretical is not None
-               and excess(b.measured, b.theoretical) > _EXCESS_FLAG)
-    ax.text(1.012, row, f"bubble {_pct(b.measured)}\ntheory {_pct(b.theoretical)}",
-            transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=10,
-            color="#B22222" if flagged else "#222222", linespacing=1.3)
+    flagged = b.measured is not None and b.theoretical is not None and excess(b.measured, b.theoretical) > _EXCESS_FLAG
+    ax.text(
+        1.012,
+        row,
+        f"bubble {_pct(b.measured)}\ntheory {_pct(b.theoretical)}",
+        transform=ax.get_yaxis_transform(),
+        ha="left",
+        va="center",
+        fontsize=10,
+        color="#B22222" if flagged else "#222222",
+        linespacing=1.3,
+    )
 
 
 def _axes_and_titles(fig, ax, run, step, stages, span_ms, bubbles, width_px, height_px, axes_px) -> None:
@@ -178,15 +207,32 @@ def _axes_and_titles(fig, ax, run, step, stages, span_ms, bubbles, width_px, hei
     known = [b for b in bubbles.values() if b.measured is not None]
     mean_m = sum(b.measured for b in known) / len(known) if known else None
     theo = next((b.theoretical for b in known if b.theoretical is not None), None)
-    fig.suptitle(f"{cfg.schedule.upper()} pipeline, p={cfg.pp}, m={cfg.microbatches}{chunks}, "
-                 f"tp={cfg.tp}, dp={cfg.dp}: measured schedule of step {step}", fontsize=13,
-                 y=1 - 8 / height_px, va="top", x=(_MARGIN_PX["left"] + axes_px[0] / 2) / width_px)
-    ax.set_title(f"bubble (mean over stages): measured {_pct(mean_m)}, schedule formula {_pct(theo)}"
-                 f"   ·   run {cfg.run_id}", fontsize=10, color="#444444", pad=6)
+    fig.suptitle(
+        f"{cfg.schedule.upper()} pipeline, p={cfg.pp}, m={cfg.microbatches}{chunks}, "
+        f"tp={cfg.tp}, dp={cfg.dp}: measured schedule of step {step}",
+        fontsize=13,
+        y=1 - 8 / height_px,
+        va="top",
+        x=(_MARGIN_PX["left"] + axes_px[0] / 2) / width_px,
+    )
+    ax.set_title(
+        f"bubble (mean over stages): measured {_pct(mean_m)}, schedule formula {_pct(theo)}   ·   run {cfg.run_id}",
+        fontsize=10,
+        color="#444444",
+        pad=6,
+    )
     handles = [Patch(facecolor=COLORS[k], edgecolor="#999999", linewidth=0.5, label=LABELS[k]) for k in COLORS]
     # 48 px below the axes: under the tick labels and the axis label.
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -48 / axes_px[1]),
-              ncol=len(handles), frameon=False, fontsize=10, handlelength=1.6, columnspacing=1.8)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -48 / axes_px[1]),
+        ncol=len(handles),
+        frameon=False,
+        fontsize=10,
+        handlelength=1.6,
+        columnspacing=1.8,
+    )
 
 
 def _block_label(sp: dict) -> str | None:
@@ -210,6 +256,16 @@ def _label_blocks(ax, spans: list, bars: list, row: int, px_per_ms: float) -> No
         if narrowest >= char_px * longest + 3:
             for label, (x, w) in zip(labels, bars):
                 if label:
-                    ax.text(x + w / 2, row, label, ha="center", va="center", fontsize=size, color="white",
-                            fontweight="bold", zorder=7, clip_on=True)
+                    ax.text(
+                        x + w / 2,
+                        row,
+                        label,
+                        ha="center",
+                        va="center",
+                        fontsize=size,
+                        color="white",
+                        fontweight="bold",
+                        zorder=7,
+                        clip_on=True,
+                    )
             return

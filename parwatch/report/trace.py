@@ -25,6 +25,7 @@ LANES = {
     "send": (5, "p2p sends in flight"),
 }
 
+
 def overflow_tid(base_tid: int, k: int) -> int:
     """Thread id of sub-lane k (k >= 1) of a lane: above every base tid, so no two lanes collide."""
     return 1000 + 100 * base_tid + k
@@ -87,9 +88,17 @@ def _step_slices(spans: list, gap_s: float) -> list[dict]:
     out = []
     for (rank, step), group in by_key.items():
         for i, execution in enumerate(split_replays(group, gap_s)):
-            out.append({"rank": rank, "stage": None, "step": step, "kind": "step",
-                        "start_s": min(sp["start_s"] for sp in execution),
-                        "end_s": max(sp["end_s"] for sp in execution), "attrs": {"replay": i} if i else {}})
+            out.append(
+                {
+                    "rank": rank,
+                    "stage": None,
+                    "step": step,
+                    "kind": "step",
+                    "start_s": min(sp["start_s"] for sp in execution),
+                    "end_s": max(sp["end_s"] for sp in execution),
+                    "attrs": {"replay": i} if i else {},
+                }
+            )
     return out
 
 
@@ -110,15 +119,30 @@ def build_trace(run: RunData) -> dict:
         for sp, (a, b), k in zip(spans, times, _partition(times)):
             tid = base_tid if k == 0 else overflow_tid(base_tid, k)
             threads[(rank, tid)] = (base_name if k == 0 else f"{base_name} #{k + 1}", 1000 * base_tid + k)
-            events.append({
-                "name": f"step {sp['step']}" if lane == "steps" else event_name(sp),
-                "cat": sp["kind"], "ph": "X", "ts": a / 1000, "dur": (b - a) / 1000, "pid": rank, "tid": tid,
-                "args": {"step": sp["step"], **{k2: v for k2, v in sp["attrs"].items() if _plain(v)}},
-            })
-    return {"traceEvents": _metadata(run, threads) + events, "displayTimeUnit": "ms",
-            "otherData": {"run_id": run.config.run_id, "schedule": run.config.schedule,
-                          "tp": run.config.tp, "pp": run.config.pp, "dp": run.config.dp,
-                          "microbatches": run.config.microbatches}}
+            events.append(
+                {
+                    "name": f"step {sp['step']}" if lane == "steps" else event_name(sp),
+                    "cat": sp["kind"],
+                    "ph": "X",
+                    "ts": a / 1000,
+                    "dur": (b - a) / 1000,
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"step": sp["step"], **{k2: v for k2, v in sp["attrs"].items() if _plain(v)}},
+                }
+            )
+    return {
+        "traceEvents": _metadata(run, threads) + events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "run_id": run.config.run_id,
+            "schedule": run.config.schedule,
+            "tp": run.config.tp,
+            "pp": run.config.pp,
+            "dp": run.config.dp,
+            "microbatches": run.config.microbatches,
+        },
+    }
 
 
 def _plain(v) -> bool:

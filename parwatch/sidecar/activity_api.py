@@ -37,14 +37,20 @@ from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 
 from parwatch.catalog import RANK_STATES
-from parwatch.schema import HANG_EXIT_CODE
 from parwatch.host import host_identity
+from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
-from parwatch.sidecar.digest import (BadActivity, LeaderView, NodeBook, StepPace, activity_from_report, layout_from,
-                                     same_layout)
-from parwatch.sidecar.hang import (ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout,
-                                   coverage)
+from parwatch.sidecar.digest import (
+    BadActivity,
+    LeaderView,
+    NodeBook,
+    StepPace,
+    activity_from_report,
+    layout_from,
+    same_layout,
+)
+from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.pid_owner import owns_connection
 
@@ -71,8 +77,7 @@ class ActivityHub:
         self.pace = StepPace(self.clock)
         """The run's highest step, shared by its ranks' activity and the nodes' digests."""
         self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS), pace=self.pace)
-        self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks,
-                                     cfg.hang_abort)
+        self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks, cfg.hang_abort)
         self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock)
         self.leader_url = cfg.leader_url.rstrip("/") if cfg.leader_url else None
         self.is_leader = False
@@ -98,14 +103,17 @@ class ActivityHub:
         """Registered by install() (one set per sidecar)."""
         self.posts: dict[str, RawPost] = {}
         """path -> raw-body handler of /v1/activity and /v1/digest, set by install() (app.HotPosts serves them)."""
-        self.forwarder = crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers) \
-            if self.leader_url else None
+        self.forwarder = (
+            crossnode.Forwarder(sidecar.transfer, self.leader_url, self.node, self._headers)
+            if self.leader_url
+            else None
+        )
 
     # -- requests (event loop) --------------------------------------------------------------
     def activity(self, body, client: tuple[str, int] | None = None) -> dict:
         """One rank's report; `client` (host, port) is the connection it came on, which proves its pid."""
         if not isinstance(body, dict) or body.get("version") != 1:
-            raise BadActivity("body must be {\"version\": 1, \"activity\": {...}}")
+            raise BadActivity('body must be {"version": 1, "activity": {...}}')
         a, layout, run_id = activity_from_report(body.get("activity"))
         self._check_layout(run_id, layout, "activity [tp, pp, dp]")
         self.pace.check(run_id, a.step, "activity")
@@ -163,11 +171,18 @@ class ActivityHub:
         for value in m.rank_states(self.rows()).values():
             name = _STATE_NAMES[value]
             counts[name] = counts.get(name, 0) + 1
-        return {"leader": self.is_leader, "node": self.node, "leader_url": self.leader_url,
-                "leader_link": self.link.status(self.is_leader), "hang": m.hang, "rank_states": counts,
-                "bound_seconds": m.progress.bound(),
-                "stalled_seconds": m.progress.stalled_for(self.clock()), "last_step": m.progress.step,
-                "findings": m.findings[-5:]}
+        return {
+            "leader": self.is_leader,
+            "node": self.node,
+            "leader_url": self.leader_url,
+            "leader_link": self.link.status(self.is_leader),
+            "hang": m.hang,
+            "rank_states": counts,
+            "bound_seconds": m.progress.bound(),
+            "stalled_seconds": m.progress.stalled_for(self.clock()),
+            "last_step": m.progress.step,
+            "findings": m.findings[-5:],
+        }
 
     # -- the loop ---------------------------------------------------------------------------
     def rows(self) -> dict:
@@ -196,7 +211,8 @@ class ActivityHub:
             return []
         local = self.book.rows()  # this node's ranks: a handful, pids checked
         gone = bool(self.view.gone - self.monitor.gone_reported) or any(
-            a.state in ENDED and r not in self.monitor.gone_reported for r, a in local.items())
+            a.state in ENDED and r not in self.monitor.gone_reported for r, a in local.items()
+        )
         paused = self.sidecar.engine.paused
         switched = self.sidecar.engine.last_switch
         if switched is not None and switched != self._switch_seen:  # a rollback or resume: the stall restarts
@@ -221,8 +237,10 @@ class ActivityHub:
     def _signal_own(self, pid) -> None:
         """SIGUSR1 a pid only when it is a running rank of this run whose own process reported that pid over
         its connection to this sidecar (pid_owner): never a pid a report or the leader merely names."""
-        own = any(a.pid == pid and a.state == "running" and self._proven.get(rank) == (pid, True)
-                  for rank, a in self.book.rows().items())
+        own = any(
+            a.pid == pid and a.state == "running" and self._proven.get(rank) == (pid, True)
+            for rank, a in self.book.rows().items()
+        )
         if own and isinstance(pid, int) and pid > 1:
             _signal(pid)
         else:
@@ -235,8 +253,11 @@ class ActivityHub:
         if store.run_id is None or store.ended or self.book.run_id != store.run_id:
             return
         rows = self.book.rows()
-        if rows and store.ranks.keys() <= rows.keys() and all(a.state == "done" or a.state in ENDED
-                                                             for a in rows.values()):
+        if (
+            rows
+            and store.ranks.keys() <= rows.keys()
+            and all(a.state == "done" or a.state in ENDED for a in rows.values())
+        ):
             store.ended = True
 
     def _feed_liveness(self) -> None:
@@ -280,8 +301,9 @@ class ActivityHub:
                 if node:
                     self._signals.setdefault(node, []).append(culprit["pid"])
         if self.settings.abort:
-            log.error("hang: aborting the run (ranks exit with %d) so it restarts from its last checkpoint",
-                      HANG_EXIT_CODE)
+            log.error(
+                "hang: aborting the run (ranks exit with %d) so it restarts from its last checkpoint", HANG_EXIT_CODE
+            )
             self.abort = True
 
     async def _forward(self) -> None:
@@ -296,8 +318,11 @@ class ActivityHub:
             await self.forwarder.post(self._http)  # summaries may flow before any activity report
             return
         try:
-            response = await self._http.post(self.leader_url + "/v1/digest", content=json.dumps(body),
-                                             headers={**self._headers, "Content-Type": "application/json"})
+            response = await self._http.post(
+                self.leader_url + "/v1/digest",
+                content=json.dumps(body),
+                headers={**self._headers, "Content-Type": "application/json"},
+            )
             if response.status_code >= 400:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
             reply = response.json()

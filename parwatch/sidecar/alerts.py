@@ -72,8 +72,11 @@ class AlertDedupe:
             name = alert.labels.get("alertname", "alert")
             summary = alert.annotations.get("summary") or payload.commonAnnotations.get("summary", "")
             reason = f"{name}: {summary}" if summary else name
-            kw: dict[str, Any] = {"reason": reason, "rule": alert.labels.get("rule"),
-                  "requested_by": f"alertmanager:{payload.receiver}" if payload.receiver else "alertmanager"}
+            kw: dict[str, Any] = {
+                "reason": reason,
+                "rule": alert.labels.get("rule"),
+                "requested_by": f"alertmanager:{payload.receiver}" if payload.receiver else "alertmanager",
+            }
             if action == "rollback":
                 skip = alert.labels.get("parwatch_skip_batches", "0")
                 kw["skip_batches"] = int(skip) if skip.isascii() and skip.isdigit() and len(skip) <= 9 else 0

@@ -107,26 +107,42 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         title="parwatch sidecar control",
         version=__version__,
         description="Ingest step summaries, steer the run (pause/resume/rollback), receive Alertmanager webhooks.",
-        docs_url=None, redoc_url=None, lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
     )
     hot: dict[str, PostHandler] = {}
     app.add_middleware(HotPosts, posts=hot)
-    app.add_middleware(RequestGate, token=sidecar.config.token, max_body_bytes=sidecar.config.max_body_bytes,
-                       on_refused=sidecar.refusals.note)
+    app.add_middleware(
+        RequestGate,
+        token=sidecar.config.token,
+        max_body_bytes=sidecar.config.max_body_bytes,
+        on_refused=sidecar.refusals.note,
+    )
     _healthz(app)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
         return JSONResponse({"detail": _reason(exc.errors())}, status_code=422)
 
-    ingest_body = {"required": True,
-                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBody"}}}}
+    ingest_body = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBody"}}},
+    }
 
-    @app.post("/v1/ingest", dependencies=auth, response_model=IngestResponse,
-              openapi_extra={"requestBody": ingest_body},
-              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
-                         409: {**_PROBLEM, "description": "the summary does not fit the run's world (tp, pp, dp)"},
-                         429: {**_PROBLEM, "description": "more ranks or run ids than --max-ranks / --max-runs"}})
+    @app.post(
+        "/v1/ingest",
+        dependencies=auth,
+        response_model=IngestResponse,
+        openapi_extra={"requestBody": ingest_body},
+        responses={
+            **_AUTH,
+            **_TOO_LARGE,
+            **_INVALID,
+            409: {**_PROBLEM, "description": "the summary does not fit the run's world (tp, pp, dp)"},
+            429: {**_PROBLEM, "description": "more ranks or run ids than --max-ranks / --max-runs"},
+        },
+    )
     async def ingest(request: Request):
         """Store step summaries; answer with the directive rank 0 should apply, if any."""
         raw = await request.body()
@@ -142,9 +158,16 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         except Refused as err:
             return JSONResponse({"detail": str(err)}, status_code=err.status)
 
-    @app.post("/v1/control", dependencies=auth,
-              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
-                         400: {**_PROBLEM, "description": "the engine refused it (e.g. no such checkpoint)"}})
+    @app.post(
+        "/v1/control",
+        dependencies=auth,
+        responses={
+            **_AUTH,
+            **_TOO_LARGE,
+            **_INVALID,
+            400: {**_PROBLEM, "description": "the engine refused it (e.g. no such checkpoint)"},
+        },
+    )
     async def control(body: ControlRequest):
         """Operator pause / resume / rollback; returns the decision record."""
         try:
@@ -154,10 +177,17 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         await sidecar.persist()
         return JSONResponse(jsonable(decision))
 
-    @app.post("/v1/directives/{directive_id}/cancel", dependencies=auth,
-              responses={**_AUTH, **_TOO_LARGE, **_INVALID,
-                         404: {**_PROBLEM, "description": "no outstanding directive with that id"},
-                         409: {**_PROBLEM, "description": "already delivered to the run: it will be applied"}})
+    @app.post(
+        "/v1/directives/{directive_id}/cancel",
+        dependencies=auth,
+        responses={
+            **_AUTH,
+            **_TOO_LARGE,
+            **_INVALID,
+            404: {**_PROBLEM, "description": "no outstanding directive with that id"},
+            409: {**_PROBLEM, "description": "already delivered to the run: it will be applied"},
+        },
+    )
     async def cancel(directive_id: Annotated[int, Path(ge=1, lt=2**53)], body: CancelRequest):
         """Withdraw a directive not yet delivered to the run; returns the cancel record."""
         try:

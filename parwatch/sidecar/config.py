@@ -8,7 +8,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,18 +78,22 @@ class SidecarConfig:
 
     def __post_init__(self):
         if self.leader_url is not None and not self.leader_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--leader-url {self.leader_url!r} must be an http(s) URL of the leader sidecar's "
-                              "control listener, e.g. --leader-url http://parwatch-leader.ns.svc:9401")
-        if not self.hang_min_seconds > 0 or not self.hang_step_factor >= 1:
-            raise ConfigError(f"--hang-min-seconds must be > 0 and --hang-step-factor >= 1 (got "
-                              f"{self.hang_min_seconds}, {self.hang_step_factor}); 10 and 3 suit most runs")
-        if not self.activity_silent_seconds >= 2:
-            raise ConfigError(f"--activity-silent-seconds must be >= 2 (got {self.activity_silent_seconds}): "
-                              "ranks report once a second")
-        if self.rank_grace_seconds <= 0:
             raise ConfigError(
-                f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs"
+                f"--leader-url {self.leader_url!r} must be an http(s) URL of the leader sidecar's "
+                "control listener, e.g. --leader-url http://parwatch-leader.ns.svc:9401"
             )
+        if not self.hang_min_seconds > 0 or not self.hang_step_factor >= 1:
+            raise ConfigError(
+                f"--hang-min-seconds must be > 0 and --hang-step-factor >= 1 (got "
+                f"{self.hang_min_seconds}, {self.hang_step_factor}); 10 and 3 suit most runs"
+            )
+        if not self.activity_silent_seconds >= 2:
+            raise ConfigError(
+                f"--activity-silent-seconds must be >= 2 (got {self.activity_silent_seconds}): "
+                "ranks report once a second"
+            )
+        if self.rank_grace_seconds <= 0:
+            raise ConfigError(f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs")
         if self.max_ranks < 1 or self.max_runs < 1:
             raise ConfigError(f"--max-ranks and --max-runs must be >= 1 (got {self.max_ranks}, {self.max_runs})")
         if self.max_body_bytes < 1024:

@@ -49,10 +49,24 @@ def to_wire(entries: list[Pending], rows: list[tuple], node: str, run_id: str) -
         link = e.key[0] == "p"
         members = [e.key[1], e.key[2]] if link else list(e.key[2])
         got = [[rank, m.op, round(m.seconds * 1e6), m.bytes] for rank, m in e.got.items()]
-        out.append({"op": e.op, "group": e.group, "seq": e.key[3], "link": link, "members": members,
-                    "step": e.first_step, "got": got})
-    return {"version": FORWARD_VERSION, "node": node, "run_id": run_id, "instances": out,
-            "ranks": [list(r) for r in rows]}
+        out.append(
+            {
+                "op": e.op,
+                "group": e.group,
+                "seq": e.key[3],
+                "link": link,
+                "members": members,
+                "step": e.first_step,
+                "got": got,
+            }
+        )
+    return {
+        "version": FORWARD_VERSION,
+        "node": node,
+        "run_id": run_id,
+        "instances": out,
+        "ranks": [list(r) for r in rows],
+    }
 
 
 def from_wire(body: InstancesForward, world: int) -> tuple[list[Pending], list[tuple]]:
@@ -78,9 +92,15 @@ def from_wire(body: InstancesForward, world: int) -> tuple[list[Pending], list[t
 
 
 def _outside(loc: tuple, rank: int, world: int):
-    raise RequestValidationError([{"type": "value_error", "loc": loc,
-                                   "msg": f"rank {rank} is outside this run's world of {world} ranks "
-                                          "(tp*pp*dp of the leader's run)"}])
+    raise RequestValidationError(
+        [
+            {
+                "type": "value_error",
+                "loc": loc,
+                "msg": f"rank {rank} is outside this run's world of {world} ranks (tp*pp*dp of the leader's run)",
+            }
+        ]
+    )
 
 
 class Forwarder:
@@ -110,8 +130,9 @@ class Forwarder:
         except Exception as exc:
             t.count_unsent(entries)
             if not self._failing:
-                log.warning("cross-node instances to leader %s failing (%s); counted as unmatched reason=unsent",
-                            self.url, exc)
+                log.warning(
+                    "cross-node instances to leader %s failing (%s); counted as unmatched reason=unsent", self.url, exc
+                )
             self._failing = True
             return 0
         self._failing = False

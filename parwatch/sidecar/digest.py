@@ -24,7 +24,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from typing import Callable, Literal, overload
+from collections.abc import Callable
+from typing import Literal, overload
 
 from parwatch.schema import MAX_ERROR_CHARS, MAX_STEPS_PER_SECOND
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
@@ -69,13 +70,16 @@ def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: bool 
     if x is None and optional:
         return None
     if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
-        raise BadActivity(f"{where}.{field} must be {'null or ' if optional else ''}an integer in {lo}..{hi}, "
-                          f"got {x!r}")
+        raise BadActivity(
+            f"{where}.{field} must be {'null or ' if optional else ''}an integer in {lo}..{hi}, got {x!r}"
+        )
     return x
 
 
 @overload
-def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[True] = ...) -> float | None: ...
+def _float(
+    values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[True] = ...
+) -> float | None: ...
 @overload
 def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[False]) -> float: ...
 def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: bool = True) -> float | None:
@@ -83,8 +87,9 @@ def _float(values: dict, field: str, where: str, lo: float, hi: float, optional:
     if x is None and optional:
         return None
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:  # NaN fails both
-        raise BadActivity(f"{where}.{field} must be {'null or ' if optional else ''}a number in {lo:g}..{hi:g}, "
-                          f"got {x!r}")
+        raise BadActivity(
+            f"{where}.{field} must be {'null or ' if optional else ''}a number in {lo:g}..{hi:g}, got {x!r}"
+        )
     return float(x)
 
 
@@ -97,20 +102,25 @@ def _text(values: dict, field: str, where: str, limit: int, optional: bool = Tru
     if x is None and optional:
         return None
     if not isinstance(x, str) or len(x) > limit or not x.isprintable():
-        raise BadActivity(f"{where}.{field} must be {'null or ' if optional else ''}a printable string of at most "
-                          f"{limit} characters")
+        raise BadActivity(
+            f"{where}.{field} must be {'null or ' if optional else ''}a printable string of at most {limit} characters"
+        )
     return x
 
 
 def layout_from(value, where: str) -> Layout:
     """[tp, pp, dp] -> Layout, each >= 1 and tp*pp*dp <= MAX_WORLD; BadActivity names the field."""
-    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value):
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 3
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
+    ):
         raise BadActivity(f"{where} must be [tp, pp, dp], three integers >= 1, got {value!r}")
     layout = Layout(*value)
     if layout.world > MAX_WORLD:
-        raise BadActivity(f"{where} {list(value)} is a world of {layout.world} ranks, over the {MAX_WORLD} "
-                          "a sidecar accepts")
+        raise BadActivity(
+            f"{where} {list(value)} is a world of {layout.world} ranks, over the {MAX_WORLD} a sidecar accepts"
+        )
     return layout
 
 
@@ -123,20 +133,33 @@ def activity_row(values: dict, layout: Layout, where: str, states: tuple[str, ..
     dp_rank = _int(values, "dp_rank", where, 0, layout.dp - 1)
     expected = layout.rank_of(stage, tp_rank, dp_rank)
     if rank != expected:
-        raise BadActivity(f"{where}: rank {rank} is not (stage {stage}, tp_rank {tp_rank}, dp_rank {dp_rank}) "
-                          f"of layout [{layout.tp}, {layout.pp}, {layout.dp}] (that is rank {expected})")
+        raise BadActivity(
+            f"{where}: rank {rank} is not (stage {stage}, tp_rank {tp_rank}, dp_rank {dp_rank}) "
+            f"of layout [{layout.tp}, {layout.pp}, {layout.dp}] (that is rank {expected})"
+        )
     state = values.get("state")
     if state not in states:
         raise BadActivity(f"{where}.state must be one of {', '.join(states)}, got {state!r}")
     return Activity(
-        rank=rank, state=state, kind=_text(values, "kind", where, MAX_TEXT), op=_text(values, "op", where, MAX_TEXT),
-        group=_text(values, "group", where, MAX_TEXT), peer=_int(values, "peer", where, 0, world - 1, optional=True),
+        rank=rank,
+        state=state,
+        kind=_text(values, "kind", where, MAX_TEXT),
+        op=_text(values, "op", where, MAX_TEXT),
+        group=_text(values, "group", where, MAX_TEXT),
+        peer=_int(values, "peer", where, 0, world - 1, optional=True),
         seq=_int(values, "seq", where, 0, MAX_SEQ, optional=True),
-        since=_float(values, "since", where, 0.0, MAX_TIME), step=_int(values, "step", where, -1, MAX_STEP),
-        step_seconds=_float(values, "step_seconds", where, 0.0, 1e7), pid=_int(values, "pid", where, 0, MAX_PID),
-        host=_text(values, "host", where, MAX_HOST, optional=False), stage=stage, tp_rank=tp_rank, dp_rank=dp_rank,
+        since=_float(values, "since", where, 0.0, MAX_TIME),
+        step=_int(values, "step", where, -1, MAX_STEP),
+        step_seconds=_float(values, "step_seconds", where, 0.0, 1e7),
+        pid=_int(values, "pid", where, 0, MAX_PID),
+        host=_text(values, "host", where, MAX_HOST, optional=False),
+        stage=stage,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
         time=_float(values, "time", where, 0.0, MAX_TIME, optional=False),
-        step_end=_float(values, "step_end", where, 0.0, MAX_TIME), error=_error(values, where))
+        step_end=_float(values, "step_end", where, 0.0, MAX_TIME),
+        error=_error(values, where),
+    )
 
 
 def _error(values: dict, where: str) -> str | None:
@@ -173,9 +196,11 @@ class LayoutChanged(BadActivity):
 
 def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
     if known is not None and known != layout:
-        raise LayoutChanged(f"{where} [{layout.tp}, {layout.pp}, {layout.dp}] differs from this run's "
-                            f"[{known.tp}, {known.pp}, {known.dp}], fixed when it was first seen; a run's layout "
-                            "cannot change (a new layout is a new run id)")
+        raise LayoutChanged(
+            f"{where} [{layout.tp}, {layout.pp}, {layout.dp}] differs from this run's "
+            f"[{known.tp}, {known.pp}, {known.dp}], fixed when it was first seen; a run's layout "
+            "cannot change (a new layout is a new run id)"
+        )
 
 
 class StepPace:
@@ -193,8 +218,10 @@ class StepPace:
             return
         elapsed = max(0.0, self.clock() - self.at)
         if step > self.high + 1 + int(elapsed * MAX_STEPS_PER_SECOND):
-            raise BadActivity(f"{where}.step={step} is ahead of the run: its highest step is {self.high}, first seen "
-                              f"{elapsed:.1f} s ago, and a run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second")
+            raise BadActivity(
+                f"{where}.step={step} is ahead of the run: its highest step is {self.high}, first seen "
+                f"{elapsed:.1f} s ago, and a run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second"
+            )
 
     def note(self, run_id: str, step: int) -> None:
         if run_id != self.run_id:
@@ -206,8 +233,13 @@ class StepPace:
 class NodeBook:
     """The latest activity of the ranks that report to this sidecar, and their liveness."""
 
-    def __init__(self, clock: Callable[[], float], silent_seconds: float = 5.0, hostname: str | None = None,
-                 alive: Callable[[int], bool] = pid_alive):
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        silent_seconds: float = 5.0,
+        hostname: str | None = None,
+        alive: Callable[[int], bool] = pid_alive,
+    ):
         self.clock = clock
         self.silent_seconds = silent_seconds
         self.hostname = hostname or socket.gethostname()
@@ -245,8 +277,14 @@ class NodeBook:
         if self.layout is None:
             return None
         layout = self.layout
-        return {"version": DIGEST_VERSION, "node": node, "run_id": self.run_id, "time": self.clock(),
-                "layout": [layout.tp, layout.pp, layout.dp], "rows": [list(a) for a in self.rows().values()]}
+        return {
+            "version": DIGEST_VERSION,
+            "node": node,
+            "run_id": self.run_id,
+            "time": self.clock(),
+            "layout": [layout.tp, layout.pp, layout.dp],
+            "rows": [list(a) for a in self.rows().values()],
+        }
 
 
 class LeaderView:
@@ -273,8 +311,10 @@ class LeaderView:
             raise BadActivity(f"digest.version must be {DIGEST_VERSION}")
         node = body.get("node")
         if not isinstance(node, str) or not node or len(node) > MAX_HOST + 6 or not node.isprintable():
-            raise BadActivity(f"digest.node must be a non-empty printable string of at most {MAX_HOST + 6} "
-                              "characters (the sending node's name)")
+            raise BadActivity(
+                f"digest.node must be a non-empty printable string of at most {MAX_HOST + 6} "
+                "characters (the sending node's name)"
+            )
         layout = layout_from(body.get("layout"), "digest.layout")
         raw = body.get("rows")
         if not isinstance(raw, list) or len(raw) > layout.world:
@@ -283,8 +323,9 @@ class LeaderView:
         for i, r in enumerate(raw):
             # step_end and error, the last fields, may be absent (an older node)
             if not isinstance(r, list) or not len(ACTIVITY_ROW) - 2 <= len(r) <= len(ACTIVITY_ROW):
-                raise BadActivity(f"digest.rows[{i}] must be a list of the {len(ACTIVITY_ROW)} fields "
-                                  f"{', '.join(ACTIVITY_ROW)}")
+                raise BadActivity(
+                    f"digest.rows[{i}] must be a list of the {len(ACTIVITY_ROW)} fields {', '.join(ACTIVITY_ROW)}"
+                )
             a = activity_row(dict(zip(ACTIVITY_ROW, r)), layout, f"digest.rows[{i}]", DIGEST_STATES)
             if a.rank in seen:
                 raise BadActivity(f"digest.rows[{i}]: rank {a.rank} appears twice")
@@ -301,8 +342,9 @@ class LeaderView:
             self.run_id = run_id
             self.layout = None
         if node not in self.nodes and len(self.nodes) >= layout.world:
-            raise BadActivity(f"digest.node {node!r}: this run already has {len(self.nodes)} nodes, as many as "
-                              "its ranks")
+            raise BadActivity(
+                f"digest.node {node!r}: this run already has {len(self.nodes)} nodes, as many as its ranks"
+            )
         self.layout = layout
         self.nodes[node] = (self.clock(), rows)
         gone = self.gone
@@ -321,8 +363,12 @@ class LeaderView:
         now = self.clock()
         for i, a in enumerate(rows):
             owner = self.owner.get(a.rank)
-            if owner is not None and owner != node and owner in self.nodes \
-                    and now - self.nodes[owner][0] <= self.grace_seconds:
+            if (
+                owner is not None
+                and owner != node
+                and owner in self.nodes
+                and now - self.nodes[owner][0] <= self.grace_seconds
+            ):
                 raise BadActivity(f"digest.rows[{i}]: rank {a.rank} is reported by node {owner!r}, not {node!r}")
 
     def rows(self) -> dict[int, Activity]:
@@ -336,5 +382,11 @@ class LeaderView:
     def missing_nodes(self) -> list[dict]:
         """Nodes whose digests stopped: [{"node", "since": their last digest's arrival}], oldest first."""
         now = self.clock()
-        return sorted(({"node": n, "since": round(seen, 3)} for n, (seen, _) in self.nodes.items()
-                       if now - seen > self.grace_seconds), key=lambda m: m["since"])
+        return sorted(
+            (
+                {"node": n, "since": round(seen, 3)}
+                for n, (seen, _) in self.nodes.items()
+                if now - seen > self.grace_seconds
+            ),
+            key=lambda m: m["since"],
+        )

@@ -77,14 +77,19 @@ class SidecarCollector(Collector):
     def _run_families(self):
         st = self.store
         info = InfoMetricFamily(
-            "parwatch_run", "The run this sidecar watches",
+            "parwatch_run",
+            "The run this sidecar watches",
             labels=["run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"],
         )
         head = st.run_summary()
         if head is not None:
             info.add_metric(
-                [head.run_id, head.schedule, *(str(n) for n in (head.tp, head.pp, head.dp, head.microbatches)),
-                 __version__],
+                [
+                    head.run_id,
+                    head.schedule,
+                    *(str(n) for n in (head.tp, head.pp, head.dp, head.microbatches)),
+                    __version__,
+                ],
                 {},
             )
         yield info
@@ -114,7 +119,7 @@ class SidecarCollector(Collector):
         for cause in BUBBLE_CAUSES:
             name = f"parwatch_stage_bubble_{cause}_ratio"
             family = _g(name, metric(name).help, ["stage"])
-            for stage in (view.stages if view is not None else ()):
+            for stage in view.stages if view is not None else ():
                 value = getattr(stage, f"bubble_{cause}_ratio")
                 if value is not None:
                     family.add_metric([str(stage.stage)], value)
@@ -204,21 +209,56 @@ def _overhead_ratio(rec):
 
 # (family name, type, help, labels, value of a rank record or None to leave the rank out)
 PER_RANK = (
-    ("parwatch_model_flops_utilization_ratio", "gauge", "Model FLOPs utilisation (device peak known or configured)",
-     RANK, lambda rec: rec.summary.model_flops_utilization_ratio),
-    ("parwatch_torch_memory_max_allocated_bytes", "gauge", "Peak torch allocated memory in the step",
-     RANK_STAGE, lambda rec: rec.summary.memory_max_allocated_bytes),
-    ("parwatch_stage_compute_seconds", "counter", "Forward + backward seconds",
-     RANK_STAGE, lambda rec: rec.totals.compute_total),
-    ("parwatch_stage_idle_seconds", "counter", "Seconds waiting on neighbours and the flush (bubble)",
-     RANK_STAGE, lambda rec: rec.totals.idle_total),
-    ("parwatch_stage_bubble_ratio", "gauge", "idle / (step - other) in the newest step",
-     RANK_STAGE, lambda rec: rec.summary.bubble_ratio),
+    (
+        "parwatch_model_flops_utilization_ratio",
+        "gauge",
+        "Model FLOPs utilisation (device peak known or configured)",
+        RANK,
+        lambda rec: rec.summary.model_flops_utilization_ratio,
+    ),
+    (
+        "parwatch_torch_memory_max_allocated_bytes",
+        "gauge",
+        "Peak torch allocated memory in the step",
+        RANK_STAGE,
+        lambda rec: rec.summary.memory_max_allocated_bytes,
+    ),
+    (
+        "parwatch_stage_compute_seconds",
+        "counter",
+        "Forward + backward seconds",
+        RANK_STAGE,
+        lambda rec: rec.totals.compute_total,
+    ),
+    (
+        "parwatch_stage_idle_seconds",
+        "counter",
+        "Seconds waiting on neighbours and the flush (bubble)",
+        RANK_STAGE,
+        lambda rec: rec.totals.idle_total,
+    ),
+    (
+        "parwatch_stage_bubble_ratio",
+        "gauge",
+        "idle / (step - other) in the newest step",
+        RANK_STAGE,
+        lambda rec: rec.summary.bubble_ratio,
+    ),
     ("parwatch_nvml_up", "gauge", "1 when NVML answered for this rank", RANK, lambda rec: rec.summary.nvml_up),
-    ("parwatch_collector_overhead_ratio", "gauge", "Share of the step the collector spent on the training thread",
-     RANK, _overhead_ratio),
-    ("parwatch_collector_dropped_summaries", "counter", "Summaries the rank's shipper dropped",
-     RANK, lambda rec: rec.summary.dropped_total),
+    (
+        "parwatch_collector_overhead_ratio",
+        "gauge",
+        "Share of the step the collector spent on the training thread",
+        RANK,
+        _overhead_ratio,
+    ),
+    (
+        "parwatch_collector_dropped_summaries",
+        "counter",
+        "Summaries the rank's shipper dropped",
+        RANK,
+        lambda rec: rec.summary.dropped_total,
+    ),
 )
 
 

@@ -34,8 +34,9 @@ def too_large(max_bytes: int) -> str:
 
 
 class RequestGate:
-    def __init__(self, app, token: str | None, max_body_bytes: int,
-                 on_refused: Callable[[str, int, Any], None] | None = None):
+    def __init__(
+        self, app, token: str | None, max_body_bytes: int, on_refused: Callable[[str, int, Any], None] | None = None
+    ):
         self.app, self.token, self.max_body_bytes = app, token, max_body_bytes
         self.on_refused = on_refused
         """Told (path, status, detail) of every POST answered 4xx/5xx, here or by the app (refusals.py)."""

@@ -25,9 +25,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -76,8 +77,16 @@ ACTIVITY_ROW = Activity._fields
 ENDED = ("gone", "crashed")
 """States of a rank whose process ended without finishing: a crash, told by the rank (crashed, with
 its exception) or seen by its node (gone: the pid vanished, or its node stopped hearing from it)."""
-PEER_LOST_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
-                   "communicator was aborted", "nccl communicator", "socket timeout", "timed out")
+PEER_LOST_MARKS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "econnreset",
+    "communicator was aborted",
+    "nccl communicator",
+    "socket timeout",
+    "timed out",
+)
 """Words in a crashed rank's error that say it failed because a peer went away: an echo of the first
 failure, not the cause (gloo's and NCCL's messages)."""
 
@@ -148,6 +157,7 @@ class HangSettings:
 
 # --------------------------------------------------------------------------- pure analysis
 
+
 def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
     """The node `a` waits for: ("rank", peer) in a recv, ("group", key) in a collective; None if it waits for nobody."""
     if a.state not in ("running", *ENDED) or a.kind is None:  # an ended rank's last wait still tells who went first
@@ -155,8 +165,12 @@ def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
     if a.kind == "recv" and a.peer is not None:
         return ("rank", int(a.peer))
     if a.kind in ("collective", "boundary") and a.group:  # the boundary: an all-reduce over the world
-        key = (a.group, layout.instance(a.group, a), a.op,
-               a.seq if a.seq is not None else ("step", a.step))  # no seq (the boundary): line up by step
+        key = (
+            a.group,
+            layout.instance(a.group, a),
+            a.op,
+            a.seq if a.seq is not None else ("step", a.step),
+        )  # no seq (the boundary): line up by step
         arrived.setdefault(key, set()).add(a.rank)
         return ("group", key)
     return None
@@ -185,7 +199,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
     # Reverse edges, waited-for -> waiters, for counting who depends on whom.
     waiters: dict[int, list[int]] = {}
     for rank, (kind, target) in blocked.items():
-        for t in ([target] if kind == "rank" else absent[target]):
+        for t in [target] if kind == "rank" else absent[target]:
             waiters.setdefault(t, []).append(rank)
     sinks = [r for r in waiters if r not in blocked]
     if not sinks:
@@ -218,8 +232,12 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
         kind, target = blocked[rank]
         if kind == "group":
             group, _instance, op, seq = target
-            missing = {"kind": "collective", "op": op, "group": group,
-                       "seq": seq if not isinstance(seq, tuple) else None}
+            missing = {
+                "kind": "collective",
+                "op": op,
+                "group": group,
+                "seq": seq if not isinstance(seq, tuple) else None,
+            }
             break
         missing = {"kind": "recv", "by": rank}
     return {"culprit": culprit, "waiting": sorted(reached), "missing": missing, "method": "dependency"}
@@ -251,8 +269,14 @@ class Progress:
         """Set by rearm() (a rollback or resume): judged with the start-up bound until the next boundary."""
         self._seconds: deque = deque(maxlen=window)
 
-    def observe(self, step: int, step_seconds: float | None, now: float, sampled: float | None = None,
-                step_end: float | None = None) -> bool:
+    def observe(
+        self,
+        step: int,
+        step_seconds: float | None,
+        now: float,
+        sampled: float | None = None,
+        step_end: float | None = None,
+    ) -> bool:
         """now: the leader's clock at arrival; sampled: the rank's wall clock when it sampled the step;
         step_end: the rank's wall clock when it ended that step (its boundary). True on a new boundary."""
         if self.time is None:
@@ -331,8 +355,7 @@ def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[dict]
     digests stopped; ranks never reported (first MAX_LISTED)."""
     seen = sum(1 for a in rows.values() if a.state != "unknown")
     never = list(islice((r for r in range(world) if r not in rows), MAX_LISTED)) if len(rows) < world else []
-    return {"ranks_seen": seen, "world": world, "nodes_missing": missing_nodes[:MAX_LISTED],
-            "ranks_never_seen": never}
+    return {"ranks_seen": seen, "world": world, "nodes_missing": missing_nodes[:MAX_LISTED], "ranks_never_seen": never}
 
 
 def _coverage_text(cov: dict | None) -> str:
@@ -340,7 +363,9 @@ def _coverage_text(cov: dict | None) -> str:
         return ""
     text = f"; sees {cov['ranks_seen']} of {cov['world']} ranks"
     if cov["nodes_missing"]:
-        text += " (nodes missing: " + ", ".join(f"{m['node']} since {m['since']:.0f}" for m in cov["nodes_missing"]) + ")"
+        text += (
+            " (nodes missing: " + ", ".join(f"{m['node']} since {m['since']:.0f}" for m in cov["nodes_missing"]) + ")"
+        )
     if cov["ranks_never_seen"]:
         text += f" (never reported: ranks {cov['ranks_never_seen']})"
     return text
@@ -348,12 +373,38 @@ def _coverage_text(cov: dict | None) -> str:
 
 def culprit_record(a: Activity | None, rank: int) -> dict:
     if a is None:
-        return {"rank": rank, "state": "unknown", "stage": None, "tp_rank": None, "dp_rank": None, "host": None,
-                "pid": None, "kind": None, "op": None, "group": None, "peer": None, "seq": None, "since": None,
-                "step": None}
-    return {"rank": a.rank, "state": a.state, "stage": a.stage, "tp_rank": a.tp_rank, "dp_rank": a.dp_rank,
-            "host": a.host, "pid": a.pid, "kind": a.kind, "op": a.op, "group": a.group, "peer": a.peer,
-            "seq": a.seq, "since": a.since, "step": a.step}
+        return {
+            "rank": rank,
+            "state": "unknown",
+            "stage": None,
+            "tp_rank": None,
+            "dp_rank": None,
+            "host": None,
+            "pid": None,
+            "kind": None,
+            "op": None,
+            "group": None,
+            "peer": None,
+            "seq": None,
+            "since": None,
+            "step": None,
+        }
+    return {
+        "rank": a.rank,
+        "state": a.state,
+        "stage": a.stage,
+        "tp_rank": a.tp_rank,
+        "dp_rank": a.dp_rank,
+        "host": a.host,
+        "pid": a.pid,
+        "kind": a.kind,
+        "op": a.op,
+        "group": a.group,
+        "peer": a.peer,
+        "seq": a.seq,
+        "since": a.since,
+        "step": a.step,
+    }
 
 
 def _describe(c: dict) -> str:
@@ -364,8 +415,10 @@ def _describe(c: dict) -> str:
         what += f" group={c['group']}"
     if c["peer"] is not None:
         what += f" peer={c['peer']}"
-    return (f"rank {c['rank']} (stage {c['stage']}, tp_rank {c['tp_rank']}, dp_rank {c['dp_rank']}, "
-            f"host {c['host']}, pid {c['pid']}) in {what}")
+    return (
+        f"rank {c['rank']} (stage {c['stage']}, tp_rank {c['tp_rank']}, dp_rank {c['dp_rank']}, "
+        f"host {c['host']}, pid {c['pid']}) in {what}"
+    )
 
 
 def _missing_text(missing: dict | None) -> str:
@@ -410,17 +463,28 @@ class HangMonitor:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout
         if a.state == "running":
-            if self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end) and self.hang is not None \
-                    and (a.step_end is not None or a.step > self.hang["step_at"]):
+            if (
+                self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end)
+                and self.hang is not None
+                and (a.step_end is not None or a.step > self.hang["step_at"])
+            ):
                 self.hang = None  # boundaries again: the episode is over
 
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
         named = self.hang["evidence"]["culprit"] if self.hang is not None else None
         culprit = named["rank"] if named else None
-        return {r: RANK_STATES["gone"] if a.state in ENDED else RANK_STATES["unknown"] if a.state == "unknown" else
-                RANK_STATES["hung"] if a.state == "silent" or r == culprit else RANK_STATES["running"]
-                for r, a in rows.items() if a.state != "done"}
+        return {
+            r: RANK_STATES["gone"]
+            if a.state in ENDED
+            else RANK_STATES["unknown"]
+            if a.state == "unknown"
+            else RANK_STATES["hung"]
+            if a.state == "silent" or r == culprit
+            else RANK_STATES["running"]
+            for r, a in rows.items()
+            if a.state != "done"
+        }
 
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
         """Whether check() has anything to judge: a rank reported gone, or a stall past the bound
@@ -454,8 +518,10 @@ class HangMonitor:
         records = []
         # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
         # one the rest last waited for went first, else the earliest to end.
-        gone = sorted((a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
-                      key=lambda a: (lost_a_peer(a), a.time, a.rank))
+        gone = sorted(
+            (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
+            key=lambda a: (lost_a_peer(a), a.time, a.rank),
+        )
         if gone and all(lost_a_peer(a) for a in gone):
             unseen = sorted(r for r, a in rows.items() if a.state == "unknown")
             unseen += list((coverage or {}).get("ranks_never_seen", ()))
@@ -467,8 +533,11 @@ class HangMonitor:
                 gone = []  # the rank that failed first may yet be told, or its node go missing
         if gone:
             first = gone[0]
-            if len(gone) > 1 and self.layout is not None and not any(a.state == "crashed" and not lost_a_peer(a)
-                                                                     for a in gone):
+            if (
+                len(gone) > 1
+                and self.layout is not None
+                and not any(a.state == "crashed" and not lost_a_peer(a) for a in gone)
+            ):
                 found = find_culprit(rows, self.layout)
                 named = rows.get(found["culprit"]) if found else None
                 if named is not None and named in gone:
@@ -484,8 +553,14 @@ class HangMonitor:
             if others:
                 reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
             reason += _coverage_text(coverage)
-            records.append(self._record("rank-gone", reason, {"culprit": culprit, "gone": [first.rank] + others,
-                                                              "coverage": coverage}, first.step))
+            records.append(
+                self._record(
+                    "rank-gone",
+                    reason,
+                    {"culprit": culprit, "gone": [first.rank] + others, "coverage": coverage},
+                    first.step,
+                )
+            )
             self.gone_reported.update(a.rank for a in gone)
             self._echoes_since = None
         stalled = self.progress.stalled_for(now)
@@ -511,20 +586,30 @@ class HangMonitor:
                     seen = a is not None and a.state != "unknown"
                     named_culprit = culprit_record(a, rank) if seen else None
                     if named_culprit is not None:
-                        what = (f"{_describe(named_culprit)} since {named_culprit['since']}"
-                                + _missing_text(found["missing"]))
+                        what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(
+                            found["missing"]
+                        )
                     else:  # the waits point at a rank this leader has no current report of: say so, name none
                         what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
-                    reason = (f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
-                              f"{len(waiting)} ranks wait for it" + _coverage_text(coverage))
-                    evidence = {"culprit": named_culprit, "points_at": None if seen else {"rank": rank, "seen": False},
-                                "waiting": waiting[:MAX_WAITING_LISTED],
-                                "waiting_count": len(waiting), "missing": found["missing"],
-                                "method": found["method"], "stalled_seconds": round(stalled, 3),
-                                "stalled_since": self.progress.time,
-                                "bound_seconds": round(bound, 3),
-                                "median_step_seconds": self.progress.median_step_seconds(),
-                                "last_step": self.progress.step, "stale_ranks": stale, "coverage": coverage}
+                    reason = (
+                        f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
+                        f"{len(waiting)} ranks wait for it" + _coverage_text(coverage)
+                    )
+                    evidence = {
+                        "culprit": named_culprit,
+                        "points_at": None if seen else {"rank": rank, "seen": False},
+                        "waiting": waiting[:MAX_WAITING_LISTED],
+                        "waiting_count": len(waiting),
+                        "missing": found["missing"],
+                        "method": found["method"],
+                        "stalled_seconds": round(stalled, 3),
+                        "stalled_since": self.progress.time,
+                        "bound_seconds": round(bound, 3),
+                        "median_step_seconds": self.progress.median_step_seconds(),
+                        "last_step": self.progress.step,
+                        "stale_ranks": stale,
+                        "coverage": coverage,
+                    }
                     record = self._record("hang", reason, evidence, self.progress.step)
                     record["step_at"] = self.progress.step
                     self.hang = record
@@ -535,11 +620,17 @@ class HangMonitor:
         """rank-gone when the ranks that ended only lost a peer and some ranks are not seen (a node lost
         whole): the failure is among those; no culprit is named."""
         lost = [a.rank for a in echoes]
-        reason = (f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} lost a peer and the leader has no current report "
-                  f"of ranks {unseen[:MAX_WAITING_LISTED]}: the first failure is among those"
-                  + _coverage_text(coverage))
-        evidence = {"culprit": None, "points_at": {"rank": unseen[0], "seen": False}, "gone": lost,
-                    "unseen": unseen[:MAX_WAITING_LISTED], "coverage": coverage}
+        reason = (
+            f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} lost a peer and the leader has no current report "
+            f"of ranks {unseen[:MAX_WAITING_LISTED]}: the first failure is among those" + _coverage_text(coverage)
+        )
+        evidence = {
+            "culprit": None,
+            "points_at": {"rank": unseen[0], "seen": False},
+            "gone": lost,
+            "unseen": unseen[:MAX_WAITING_LISTED],
+            "coverage": coverage,
+        }
         self.gone_reported.update(lost)
         self.gone_reported.update(unseen)
         self._echoes_since = None
@@ -547,8 +638,9 @@ class HangMonitor:
 
     def _record(self, rule: str, reason: str, evidence: dict, step: int | None) -> dict:
         action = "alert"
-        record = dict(self.engine.record_finding(rule, action, reason, evidence,
-                                                 step if step is not None and step >= 0 else None))
+        record = dict(
+            self.engine.record_finding(rule, action, reason, evidence, step if step is not None and step >= 0 else None)
+        )
         self.findings.append(record)
         return record
 

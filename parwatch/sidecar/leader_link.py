@@ -11,7 +11,7 @@ The leader itself says 0; a sidecar that has seen no run exports nothing.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -45,8 +45,12 @@ class LeaderLink:
     def failed(self, error: str) -> None:
         if self.since is None:
             self.since = self.clock()
-            log.error("leader %s unreachable (%s): this node's ranks are judged by nobody until it is back; "
-                      "retrying every second", self.url, error)
+            log.error(
+                "leader %s unreachable (%s): this node's ranks are judged by nobody until it is back; "
+                "retrying every second",
+                self.url,
+                error,
+            )
         self.error = error
 
     def check_orphan(self, ranks_here: list[int], world: int) -> None:
@@ -62,10 +66,12 @@ class LeaderLink:
             self._orphan_seen = now
         if self.since is None and now - self._orphan_seen >= ORPHAN_GRACE_SECONDS:
             shown = ranks_here[:16]
-            self.error = (f"this sidecar receives ranks {shown}{' ...' if len(ranks_here) > 16 else ''} of a "
-                          f"{world}-rank run whose rank 0 reports elsewhere, and it has no --leader-url: the run's "
-                          "leader never sees these ranks (no hang, crash or liveness judgement covers them); "
-                          "restart it with --leader-url http://LEADER-SIDECAR:PORT")
+            self.error = (
+                f"this sidecar receives ranks {shown}{' ...' if len(ranks_here) > 16 else ''} of a "
+                f"{world}-rank run whose rank 0 reports elsewhere, and it has no --leader-url: the run's "
+                "leader never sees these ranks (no hang, crash or liveness judgement covers them); "
+                "restart it with --leader-url http://LEADER-SIDECAR:PORT"
+            )
             self.since = self._orphan_seen
             log.error("%s", self.error)
 
@@ -74,8 +80,13 @@ class LeaderLink:
             return {"role": "leader", "reachable": True, "unreachable_since": None, "error": None}
         if self.url is None and self.since is None:
             return None  # alone (a one-node run, or nothing seen yet): there is no leader to reach
-        return {"role": "node", "url": self.url, "reachable": self.reachable, "unreachable_since": self.since,
-                "error": self.error}
+        return {
+            "role": "node",
+            "url": self.url,
+            "reachable": self.reachable,
+            "unreachable_since": self.since,
+            "error": self.error,
+        }
 
 
 class LeaderLinkMetrics(Collector):

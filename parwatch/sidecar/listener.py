@@ -29,17 +29,26 @@ from collections.abc import Callable
 Peer = tuple[str, int]
 """A connection's (host, port), as the socket's peer name and the ASGI scope's `client` both give it."""
 
-BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-        b"content-length: 32\r\nconnection: close\r\n\r\nevery connection is busy; retry\n")
-HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                  b"content-length: 31\r\nconnection: close\r\n\r\nrequest head over the size cap\n")
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 32\r\nconnection: close\r\n\r\nevery connection is busy; retry\n"
+)
+HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 31\r\nconnection: close\r\n\r\nrequest head over the size cap\n"
+)
 
 
 class Book:
     """The open connections of one listener, in order of how long they have waited for a request."""
 
-    def __init__(self, max_connections: int, head_seconds: float, max_head_bytes: int,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_connections: int,
+        head_seconds: float,
+        max_head_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_connections, self.head_seconds, self.clock = max_connections, head_seconds, clock
         self.max_head_bytes = max_head_bytes
         self.waiting: dict[Guarded, float] = {}

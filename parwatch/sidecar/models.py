@@ -166,8 +166,9 @@ class OutcomeRecord(_Model):
     step: MaxStep
     loaded_step: MaxStep | None = None
     counts: dict[OutcomeName, SmallCount] = Field(default_factory=dict)
-    reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], SmallCount] = \
-        Field(default_factory=dict, max_length=16)
+    reasons: dict[Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")], SmallCount] = Field(
+        default_factory=dict, max_length=16
+    )
     ranks: Annotated[int, Field(strict=True, ge=1, le=2**31)]
     local: LocalDecision | None = None
     """Set when rank 0 made this directive itself (its sidecar was unreachable)."""
@@ -184,7 +185,8 @@ class Instances(_Model):
     host: Annotated[Text, Field(max_length=255)] = ""
     data_seconds: Seconds = 0.0
     groups: dict[CollectiveGroup, Annotated[list[Count], Field(max_length=100_000)]] = Field(
-        default_factory=dict, max_length=64)
+        default_factory=dict, max_length=64
+    )
     records: list[InstanceRecord] = Field(default_factory=list, max_length=20_000)
     capped: Count = 0
 
@@ -298,7 +300,9 @@ class StepSummary(_Model):
     global_: GlobalView | None = Field(default=None, alias="global")
     instances: Instances | None = None
     # Not in schema v1's list; exported as parwatch_model_flops_utilization_ratio when a collector sends it.
-    model_flops_utilization_ratio: Annotated[float, Field(strict=True, ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None = None
+    model_flops_utilization_ratio: (
+        Annotated[float, Field(strict=True, ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None
+    ) = None
 
     @property
     def world_size(self) -> int:

@@ -24,7 +24,9 @@ def build_observation(store: Store) -> Observation | None:
     theoretical = rank0.summary.bubble_theoretical_ratio
     if view.stages:
         series["bubble_ratio"] = {f"stage={st.stage}": st.bubble_ratio for st in view.stages}
-        series["bubble_excess_ratio"] = {f"stage={st.stage}": excess(st.bubble_ratio, theoretical) for st in view.stages}
+        series["bubble_excess_ratio"] = {
+            f"stage={st.stage}": excess(st.bubble_ratio, theoretical) for st in view.stages
+        }
         series["step_seconds"] = {"": max(st.step_seconds for st in view.stages)}
     else:
         series["step_seconds"] = {"": rank0.summary.step_seconds}

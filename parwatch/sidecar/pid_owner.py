@@ -19,7 +19,7 @@ TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 def _address(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An address as the kernel's table writes it: 32-bit words in host (little-endian) order."""
     raw = bytes.fromhex(hex_ip)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     address = ipaddress.ip_address(words)
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped

@@ -86,8 +86,14 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 
 
 @contextlib.contextmanager
-def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, timeout: float = 60.0, env=None,
-                    open_files: int | None = None):
+def running_sidecar(
+    state_dir: Path,
+    *extra: str,
+    token: str | None = None,
+    timeout: float = 60.0,
+    env=None,
+    open_files: int | None = None,
+):
     """Yield a SidecarProcess on free loopback ports; its stderr goes to state_dir/../sidecar-<port>.log.
 
     token None (and no --token-file in extra): the sidecar generates STATE_DIR/token, as it does by
@@ -97,8 +103,15 @@ def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, time
     state_dir = Path(state_dir)
     state_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = state_dir.parent / f"sidecar-{control}.log"
-    args = ["--state-dir", str(state_dir), "--metrics-listen", f"127.0.0.1:{metrics}",
-            "--control-listen", f"127.0.0.1:{control}", *extra]
+    args = [
+        "--state-dir",
+        str(state_dir),
+        "--metrics-listen",
+        f"127.0.0.1:{metrics}",
+        "--control-listen",
+        f"127.0.0.1:{control}",
+        *extra,
+    ]
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
     if token is not None:
@@ -106,8 +119,13 @@ def running_sidecar(state_dir: Path, *extra: str, token: str | None = None, time
     else:
         child_env.pop("PARWATCH_TOKEN", None)  # the sidecar's default: its own generated token
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                preexec_fn=None if open_files is None else partial(_limit_files, open_files))
+        proc = subprocess.Popen(
+            sidecar_command(*args),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            preexec_fn=None if open_files is None else partial(_limit_files, open_files),
+        )
     try:
         sp = SidecarProcess(proc, f"http://127.0.0.1:{metrics}", f"http://127.0.0.1:{control}", log_path)
         try:

@@ -10,7 +10,7 @@ LOG_EVERY_SECONDS for each post and reason (with how many since), and summarised
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -47,14 +47,27 @@ class Refusals(Collector):
         self._last[key] = (now, text)
         when, before = self._logged.get(key, (None, 0))
         if when is None or now - when >= LOG_EVERY_SECONDS:
-            log.warning("refused %s (HTTP %d, %d since the last such line): %s", WHO[post], status,
-                        self.counts[key] - before, text)
+            log.warning(
+                "refused %s (HTTP %d, %d since the last such line): %s",
+                WHO[post],
+                status,
+                self.counts[key] - before,
+                text,
+            )
             self._logged[key] = (now, self.counts[key])
 
     def status(self) -> list[dict]:
         """[{post, reason, count, last_time, detail}], for /v1/status."""
-        return [{"post": post, "reason": reason, "count": n, "last_time": self._last[(post, reason)][0],
-                 "detail": self._last[(post, reason)][1]} for (post, reason), n in sorted(self.counts.items())]
+        return [
+            {
+                "post": post,
+                "reason": reason,
+                "count": n,
+                "last_time": self._last[(post, reason)][0],
+                "detail": self._last[(post, reason)][1],
+            }
+            for (post, reason), n in sorted(self.counts.items())
+        ]
 
     def collect(self):
         if not self.counts:

@@ -86,8 +86,9 @@ def connection_budget(max_connections: int = MAX_CONNECTIONS) -> int:
         return max_connections
     budget = min(max_connections, (soft - FD_RESERVE) // 2)
     if budget < max_connections:
-        log.warning("open file limit %d: each listener holds at most %d connections (raise `ulimit -n` for more)",
-                    soft, budget)
+        log.warning(
+            "open file limit %d: each listener holds at most %d connections (raise `ulimit -n` for more)", soft, budget
+        )
     return max(budget, 16)
 
 
@@ -105,9 +106,17 @@ def _http_protocol():
 
 def _uvicorn(app, lifespan: Literal["auto", "on", "off"], book: Book) -> _Server:
     # proxy_headers off: the connection book matches requests to connections by the socket's own peer.
-    config = uvicorn.Config(Watch(app, book), log_level="warning", access_log=False, lifespan=lifespan,
-                            timeout_graceful_shutdown=5, server_header=False, http=guarded(_http_protocol(), book),
-                            h11_max_incomplete_event_size=MAX_HEAD_BYTES, proxy_headers=False)
+    config = uvicorn.Config(
+        Watch(app, book),
+        log_level="warning",
+        access_log=False,
+        lifespan=lifespan,
+        timeout_graceful_shutdown=5,
+        server_header=False,
+        http=guarded(_http_protocol(), book),
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        proxy_headers=False,
+    )
     return _Server(config)
 
 
@@ -131,14 +140,19 @@ def serve(sidecar: Sidecar) -> None:
         raise
     budget = connection_budget()
     head = cfg.head_timeout_seconds
-    servers = [_uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES)),
-               _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES))]
+    servers = [
+        _uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES)),
+        _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES)),
+    ]
     log.info(
         "parwatch sidecar: metrics http://%s/metrics, control http://%s (token %s), rules %s, state %s",
-        cfg.metrics_listen, cfg.control_listen,
+        cfg.metrics_listen,
+        cfg.control_listen,
         f"required, in {cfg.token_file}: give it to trainers with --parwatch-token-file, to the CLI with --token-file"
-        if cfg.token_file else f"required, from {TOKEN_ENV}",
-        cfg.rules_path or "packaged defaults", cfg.state_dir,
+        if cfg.token_file
+        else f"required, from {TOKEN_ENV}",
+        cfg.rules_path or "packaged defaults",
+        cfg.state_dir,
     )
     _run(_serve_all(sidecar, servers, [metrics_sock, control_sock]))
 

@@ -18,8 +18,8 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
@@ -41,8 +41,7 @@ class Sidecar:
         self.config = config
         self.engine = engine
         self.clock = clock
-        self.store = Store(config.rank_grace_seconds, clock=clock, max_ranks=config.max_ranks,
-                           max_runs=config.max_runs)
+        self.store = Store(config.rank_grace_seconds, clock=clock, max_ranks=config.max_ranks, max_runs=config.max_runs)
         self.counters = SidecarCounters()
         self.transfer = TransferTracker()
         self.registry = make_registry(self.store, engine, self.counters, self.transfer)
@@ -121,8 +120,11 @@ class Sidecar:
             if outcome.run_id == self.engine.run_id:
                 self._count(self.engine.record_outcome(outcome.model_dump()))
             else:
-                log.warning("outcome of directive %d for run %s, not the current run: ignored", outcome.directive_id,
-                            _printable(outcome.run_id))
+                log.warning(
+                    "outcome of directive %d for run %s, not the current run: ignored",
+                    outcome.directive_id,
+                    _printable(outcome.run_id),
+                )
 
     def _ingest_one(self, s) -> None:
         if s.run_id != self.store.run_id:
@@ -153,8 +155,10 @@ class Sidecar:
         node sidecar (its guardrails are the leader's: the message names it)."""
         hub = getattr(self, "activity", None)
         if self.config.leader_url and hub is not None and not hub.is_leader:
-            raise ValueError(f"this sidecar forwards to the run's leader and does not steer the run; send "
-                             f"{req.action} to the leader: parwatch {req.action} --endpoint {self.config.leader_url}")
+            raise ValueError(
+                f"this sidecar forwards to the run's leader and does not steer the run; send "
+                f"{req.action} to the leader: parwatch {req.action} --endpoint {self.config.leader_url}"
+            )
         decision = self.engine.request(
             req.action,
             source="operator",
@@ -217,8 +221,9 @@ class Sidecar:
         hub = getattr(self, "activity", None)
         link = hub.link.status(hub.is_leader) if hub is not None else None
         # A node sidecar judges no rule (the leader does): its engine's states would read "ok" beside a NaN.
-        judged_by = None if link is None or link["role"] == "leader" else \
-            (link["url"] or "the run's leader (no --leader-url)")
+        judged_by = (
+            None if link is None or link["role"] == "leader" else (link["url"] or "the run's leader (no --leader-url)")
+        )
         judged_here = judged_by is None
         return jsonable(
             {

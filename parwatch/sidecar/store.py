@@ -26,11 +26,17 @@ import logging
 import operator
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from parwatch.schema import (COLLECTIVE_BUCKETS, MAX_ROLLBACKS_PER_SECOND, MAX_STEPS_PER_SECOND, MAX_TIMELINE,
-                             STEP_BUCKETS)
+from parwatch.schema import (
+    COLLECTIVE_BUCKETS,
+    MAX_ROLLBACKS_PER_SECOND,
+    MAX_STEPS_PER_SECOND,
+    MAX_TIMELINE,
+    STEP_BUCKETS,
+)
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.models import GlobalView, StepSummary
 
@@ -125,8 +131,14 @@ def _short(run_id: str) -> str:
 
 
 class Store:
-    def __init__(self, grace_seconds: float = 30.0, window: int = 32, clock: Callable[[], float] = time.time,
-                 max_ranks: int = DEFAULT_MAX_RANKS, max_runs: int = DEFAULT_MAX_RUNS):
+    def __init__(
+        self,
+        grace_seconds: float = 30.0,
+        window: int = 32,
+        clock: Callable[[], float] = time.time,
+        max_ranks: int = DEFAULT_MAX_RANKS,
+        max_runs: int = DEFAULT_MAX_RUNS,
+    ):
         self.grace_seconds = grace_seconds
         self.window = window
         self.clock = clock
@@ -176,14 +188,20 @@ class Store:
                 raise Refused(422, f"{where}.timeline={s.timeline}: a run applies at most {MAX_TIMELINE} rollbacks")
             if s.run_id != run_id:
                 if i > 0:
-                    raise Refused(422, f"{where}.run_id: one post carries one run's summaries "
-                                       f"({s.run_id!r} after {run_id!r}); post each run separately")
+                    raise Refused(
+                        422,
+                        f"{where}.run_id: one post carries one run's summaries "
+                        f"({s.run_id!r} after {run_id!r}); post each run separately",
+                    )
                 quiet = self.live_for()
                 if quiet is not None:  # run identity is decided once per run: a stray post cannot end it
                     assert run_id is not None  # live_for() is None while no run is here
-                    raise Refused(409, f"{where}.run_id: run {_short(s.run_id)} refused: run {_short(run_id)} is "
-                                       f"live here (it posted {quiet:.1f} s ago); another run may take over once "
-                                       f"its ranks have ended or it has been silent for {self.grace_seconds:g} s")
+                    raise Refused(
+                        409,
+                        f"{where}.run_id: run {_short(s.run_id)} refused: run {_short(run_id)} is "
+                        f"live here (it posted {quiet:.1f} s ago); another run may take over once "
+                        f"its ranks have ended or it has been silent for {self.grace_seconds:g} s",
+                    )
                 self._admit_run(s.run_id, where)
                 run_id, world, new_ranks = s.run_id, None, set()
             if run_id == self.run_id:
@@ -191,16 +209,22 @@ class Store:
             if world is None:
                 world = s.world
             elif s.world != world:
-                raise Refused(409, f"{where}: run {run_id!r} has tp={world[0]}, pp={world[1]}, dp={world[2]} "
-                                   f"(fixed by its first summary), this summary says tp={s.tp}, pp={s.pp}, "
-                                   f"dp={s.dp}; a new layout needs a new run id")
+                raise Refused(
+                    409,
+                    f"{where}: run {run_id!r} has tp={world[0]}, pp={world[1]}, dp={world[2]} "
+                    f"(fixed by its first summary), this summary says tp={s.tp}, pp={s.pp}, "
+                    f"dp={s.dp}; a new layout needs a new run id",
+                )
             if run_id == self.run_id and s.rank in self.ranks:
                 continue
             new_ranks.add(s.rank)
             known = len(self.ranks) if run_id == self.run_id else 0
             if known + len(new_ranks) > self.max_ranks:
-                raise Refused(429, f"{where}.rank: this sidecar already serves {known} ranks of run {run_id!r}; "
-                                   f"more than --max-ranks {self.max_ranks} are refused (one sidecar per node)")
+                raise Refused(
+                    429,
+                    f"{where}.rank: this sidecar already serves {known} ranks of run {run_id!r}; "
+                    f"more than --max-ranks {self.max_ranks} are refused (one sidecar per node)",
+                )
 
     def _admit_progress(self, s: StepSummary, where: str) -> None:
         """Steps and timelines move only as a run can move them: a summary far ahead of the run, or a
@@ -209,16 +233,25 @@ class Store:
         if self._timeline is not None:
             timeline, at = self._timeline
             if s.timeline > timeline + 1 + int(max(0.0, now - at) * MAX_ROLLBACKS_PER_SECOND):
-                raise Refused(422, f"{where}.timeline={s.timeline} is ahead of the run: its timeline is {timeline}, "
-                                   f"and a run applies at most {MAX_ROLLBACKS_PER_SECOND:g} rollback a second")
+                raise Refused(
+                    422,
+                    f"{where}.timeline={s.timeline} is ahead of the run: its timeline is {timeline}, "
+                    f"and a run applies at most {MAX_ROLLBACKS_PER_SECOND:g} rollback a second",
+                )
         if self._high is not None:
             high, at = self._high
             if s.step > high + 1 + int(max(0.0, now - at) * MAX_STEPS_PER_SECOND):
-                raise Refused(422, f"{where}.step={s.step} is ahead of the run: its highest step is {high}, and a "
-                                   f"run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second")
+                raise Refused(
+                    422,
+                    f"{where}.step={s.step} is ahead of the run: its highest step is {high}, and a "
+                    f"run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second",
+                )
         if s.global_ is not None and s.global_.step > s.step:
-            raise Refused(422, f"{where}.global.step={s.global_.step} is after the summary's own step {s.step}: "
-                               "rank 0's view describes a step that has ended")
+            raise Refused(
+                422,
+                f"{where}.global.step={s.global_.step} is after the summary's own step {s.step}: "
+                "rank 0's view describes a step that has ended",
+            )
 
     def _admit_run(self, run_id: str, where: str) -> None:
         now = self.clock()
@@ -226,9 +259,12 @@ class Store:
             if now - seen > 2 * self.grace_seconds:
                 del self.runs[old]
         if run_id not in self.runs and len(self.runs) >= self.max_runs:
-            raise Refused(429, f"{where}.run_id: {len(self.runs)} run ids posted here within the last "
-                               f"{2 * self.grace_seconds:g} s; more than --max-runs {self.max_runs} are refused "
-                               f"(one sidecar watches one run)")
+            raise Refused(
+                429,
+                f"{where}.run_id: {len(self.runs)} run ids posted here within the last "
+                f"{2 * self.grace_seconds:g} s; more than --max-runs {self.max_runs} are refused "
+                f"(one sidecar watches one run)",
+            )
 
     # -- writing --------------------------------------------------------------------------
     def add(self, s: StepSummary) -> bool:
@@ -246,8 +282,9 @@ class Store:
         key = s.key
         rec = self.ranks.get(s.rank)
         if rec is None:
-            rec = self.ranks[s.rank] = RankRecord(summary=s, seen=now, window=deque(maxlen=self.window),
-                                                  counted=Counted())
+            rec = self.ranks[s.rank] = RankRecord(
+                summary=s, seen=now, window=deque(maxlen=self.window), counted=Counted()
+            )
             if self._token_rank is None or s.rank < self._token_rank:
                 # A lower rank takes over counting tokens after the last step already counted.
                 rec.tokens_from = (self._token_key[0], self._token_key[1] + 1)
@@ -288,7 +325,8 @@ class Store:
             tot = self.collectives.get((c.op, c.group), _NO_COLLECTIVES)
             buckets = tuple(map(operator.add, tot.buckets, c.buckets)) if c.buckets else tot.buckets
             self.collectives[(c.op, c.group)] = CollectiveTotals(
-                buckets, tot.count + c.count, tot.seconds + c.seconds, tot.bytes + c.bytes)
+                buckets, tot.count + c.count, tot.seconds + c.seconds, tot.bytes + c.bytes
+            )
         if s.rank == 0:
             if s.key >= self._checkpoints_key:  # a late post does not bring back an older list
                 self.checkpoints, self._checkpoints_key = tuple(s.checkpoints), s.key

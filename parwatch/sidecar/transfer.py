@@ -152,9 +152,16 @@ class _OpTotals:
 class TransferTracker:
     """Matches instances as summaries arrive (one writer: the sidecar's event loop)."""
 
-    def __init__(self, horizon_steps: int = HORIZON_STEPS, max_pending: int = MAX_PENDING,
-                 window_steps: int = WINDOW_STEPS, thresholds: Thresholds = Thresholds(),
-                 remote_seconds: float = REMOTE_SECONDS, max_outbox: int = MAX_OUTBOX, clock=time.monotonic):
+    def __init__(
+        self,
+        horizon_steps: int = HORIZON_STEPS,
+        max_pending: int = MAX_PENDING,
+        window_steps: int = WINDOW_STEPS,
+        thresholds: Thresholds = Thresholds(),
+        remote_seconds: float = REMOTE_SECONDS,
+        max_outbox: int = MAX_OUTBOX,
+        clock=time.monotonic,
+    ):
         self.horizon_steps, self.max_pending, self.window_steps = horizon_steps, max_pending, window_steps
         self.thresholds = thresholds
         self.remote_seconds, self.max_outbox, self.clock = remote_seconds, max_outbox, clock
@@ -370,8 +377,14 @@ class TransferTracker:
                 if spent > 0:
                     busbw.append((key, moved / spent * busbw_factor(key[0], self.sizes.get(key, 2))))
             waits.append((key, tot.wait))
-        return TransferView(tuple(hist), tuple(busbw), tuple(waits), tuple(sorted(self.unmatched.items())),
-                            tuple(sorted(self.straggler.items())), self._view.causes)
+        return TransferView(
+            tuple(hist),
+            tuple(busbw),
+            tuple(waits),
+            tuple(sorted(self.unmatched.items())),
+            tuple(sorted(self.straggler.items())),
+            self._view.causes,
+        )
 
     def _finish(self, e: Pending) -> Split:
         # Called ~4 times per summary at 1024 ranks: split_instance's definition written out, two
@@ -506,8 +519,7 @@ class TransferTracker:
         if len(rows) >= min(MIN_WINDOW_STEPS, self.window_steps):
             _, stage, host, *_ = row
             _, _, _, compute, data, period = zip(*rows)
-            self._rank_figures[rank] = RankFigures(rank, stage, host, _median(compute), _median(data),
-                                                   _median(period))
+            self._rank_figures[rank] = RankFigures(rank, stage, host, _median(compute), _median(data), _median(period))
 
     def _add_path_row(self, path: tuple, row: tuple) -> None:
         rows = self._paths.setdefault(path, deque(maxlen=self.window_steps))

@@ -24,9 +24,9 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any, Callable, cast
+from typing import IO, Any, cast
 
 import torch
 
@@ -126,8 +126,16 @@ def _remove_stale_manifest(directory: Path) -> None:
         pass
 
 
-def save_checkpoint(root: str | Path, step: int, rank: int, world_size: int, state: dict, meta: dict,
-                    barrier: Callable[[], None], keep_last: int = 3) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    rank: int,
+    world_size: int,
+    state: dict,
+    meta: dict,
+    barrier: Callable[[], None],
+    keep_last: int = 3,
+) -> Path:
     """Save this rank's shard; rank 0 then writes the manifest and prunes old checkpoints.
 
     Every rank must call it with the same step, world_size and keep_last. `barrier` is
@@ -155,15 +163,18 @@ def save_checkpoint(root: str | Path, step: int, rank: int, world_size: int, sta
 
     _atomic_write(directory / _shard_name(rank), write_shard)
     writer = writer_box["w"]
-    _atomic_write_json(directory / _shard_info_name(rank), {
-        "step": step,
-        "rank": rank,
-        "world_size": world_size,
-        "file": _shard_name(rank),
-        "sha256": writer.sha256.hexdigest(),
-        "bytes": writer.bytes,
-        "tensors": tensor_table(state),
-    })
+    _atomic_write_json(
+        directory / _shard_info_name(rank),
+        {
+            "step": step,
+            "rank": rank,
+            "world_size": world_size,
+            "file": _shard_name(rank),
+            "sha256": writer.sha256.hexdigest(),
+            "bytes": writer.bytes,
+            "tensors": tensor_table(state),
+        },
+    )
     barrier()
     if rank == 0:
         _write_manifest(Path(root), directory, step, world_size, meta)
@@ -177,32 +188,41 @@ def _read_shard_info(directory: Path, rank: int, step: int, world_size: int) -> 
     try:
         info = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint shard info {path}: missing: rank {rank} did not finish saving; "
-                              f"step_{step:08d} stays incomplete") from None
+        raise CheckpointError(
+            f"checkpoint shard info {path}: missing: rank {rank} did not finish saving; "
+            f"step_{step:08d} stays incomplete"
+        ) from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint shard info {path}: unreadable ({e})") from None
     if info.get("step") != step or info.get("world_size") != world_size:
-        raise CheckpointError(f"checkpoint shard info {path}: from step {info.get('step')} with world size "
-                              f"{info.get('world_size')}, expected step {step} with world size {world_size}: "
-                              f"a stale file from another save; step_{step:08d} stays incomplete")
+        raise CheckpointError(
+            f"checkpoint shard info {path}: from step {info.get('step')} with world size "
+            f"{info.get('world_size')}, expected step {step} with world size {world_size}: "
+            f"a stale file from another save; step_{step:08d} stays incomplete"
+        )
     shard = directory / info["file"]
     size = shard.stat().st_size if shard.exists() else None
     if size != info["bytes"]:
-        raise CheckpointError(f"checkpoint shard {shard}: {size} bytes on disk but {info['bytes']} written: "
-                              f"the file was altered or truncated; step_{step:08d} stays incomplete")
+        raise CheckpointError(
+            f"checkpoint shard {shard}: {size} bytes on disk but {info['bytes']} written: "
+            f"the file was altered or truncated; step_{step:08d} stays incomplete"
+        )
     return {key: info[key] for key in ("rank", "file", "sha256", "bytes", "tensors")}
 
 
 def _write_manifest(root: Path, directory: Path, step: int, world_size: int, meta: dict) -> None:
     shards = [_read_shard_info(directory, r, step, world_size) for r in range(world_size)]
-    _atomic_write_json(directory / MANIFEST, {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "world_size": world_size,
-        "time": time.time(),
-        "meta": meta,
-        "shards": shards,
-    })
+    _atomic_write_json(
+        directory / MANIFEST,
+        {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "time": time.time(),
+            "meta": meta,
+            "shards": shards,
+        },
+    )
     _fsync_dir(root)
     # Shards of a larger earlier world size, or temp files of a killed writer, are not
     # part of this checkpoint; every rank is past the first barrier, so none is writing.
@@ -252,16 +272,23 @@ def read_manifest(root: str | Path, step: int) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        what = "incomplete checkpoint (a rank failed or the save was interrupted)" \
-            if path.parent.is_dir() else "no such checkpoint"
-        raise CheckpointError(f"checkpoint manifest {path}: missing: {what}; complete steps in {root}: "
-                              f"{list_checkpoints(root)}") from None
+        what = (
+            "incomplete checkpoint (a rank failed or the save was interrupted)"
+            if path.parent.is_dir()
+            else "no such checkpoint"
+        )
+        raise CheckpointError(
+            f"checkpoint manifest {path}: missing: {what}; complete steps in {root}: {list_checkpoints(root)}"
+        ) from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint manifest {path}: unreadable ({e}); delete step_{step:08d} "
-                              f"or load another step") from None
+        raise CheckpointError(
+            f"checkpoint manifest {path}: unreadable ({e}); delete step_{step:08d} or load another step"
+        ) from None
     if manifest.get("step") != step or "shards" not in manifest:
-        raise CheckpointError(f"checkpoint manifest {path}: says step {manifest.get('step')} "
-                              f"with {len(manifest.get('shards', []))} shards: not a manifest for step {step}")
+        raise CheckpointError(
+            f"checkpoint manifest {path}: says step {manifest.get('step')} "
+            f"with {len(manifest.get('shards', []))} shards: not a manifest for step {step}"
+        )
     return manifest
 
 
@@ -276,9 +303,11 @@ def _verified_bytes(root: str | Path, step: int, rank: int, world_size: int) -> 
     directory = step_dir(root, step)
     fix = f"delete {directory.name} or load another step"
     if manifest["world_size"] != world_size:
-        raise CheckpointError(f"checkpoint {directory}: saved with world size {manifest['world_size']} "
-                              f"but this run has world size {world_size}: resume with the same --tp/--pp/--dp "
-                              f"as the saving run{_layout_note(manifest)}")
+        raise CheckpointError(
+            f"checkpoint {directory}: saved with world size {manifest['world_size']} "
+            f"but this run has world size {world_size}: resume with the same --tp/--pp/--dp "
+            f"as the saving run{_layout_note(manifest)}"
+        )
     if not 0 <= rank < world_size:
         raise CheckpointError(f"load_checkpoint: rank={rank} is outside world_size={world_size}")
     entry = manifest["shards"][rank]
@@ -290,12 +319,16 @@ def _verified_bytes(root: str | Path, step: int, rank: int, world_size: int) -> 
     except OSError as e:
         raise CheckpointError(f"checkpoint shard {path}: unreadable ({e}); {fix}") from None
     if len(data) != entry["bytes"]:
-        raise CheckpointError(f"checkpoint shard {path}: size mismatch (expected {entry['bytes']} bytes, "
-                              f"got {len(data)}): the file was truncated or altered; {fix}")
+        raise CheckpointError(
+            f"checkpoint shard {path}: size mismatch (expected {entry['bytes']} bytes, "
+            f"got {len(data)}): the file was truncated or altered; {fix}"
+        )
     digest = hashlib.sha256(data).hexdigest()
     if digest != entry["sha256"]:
-        raise CheckpointError(f"checkpoint shard {path}: sha256 mismatch (expected {entry['sha256'][:12]}.., "
-                              f"got {digest[:12]}..): the file was altered or truncated; {fix}")
+        raise CheckpointError(
+            f"checkpoint shard {path}: sha256 mismatch (expected {entry['sha256'][:12]}.., "
+            f"got {digest[:12]}..): the file was altered or truncated; {fix}"
+        )
     return data, manifest
 
 
@@ -308,8 +341,7 @@ def verify_checkpoint(root: str | Path, step: int, rank: int, world_size: int) -
     return None
 
 
-def load_checkpoint(root: str | Path, step: int, rank: int, world_size: int,
-                    map_location="cpu") -> tuple[dict, dict]:
+def load_checkpoint(root: str | Path, step: int, rank: int, world_size: int, map_location="cpu") -> tuple[dict, dict]:
     """This rank's (state, manifest) for `step`, after checking the shard's size and sha256.
 
     A world-size mismatch quotes manifest["meta"]["parallel"] when the saver put its layout there.
@@ -321,6 +353,8 @@ def load_checkpoint(root: str | Path, step: int, rank: int, world_size: int,
         # sha256 that this trainer recorded when it wrote them, so this is our own pickle.
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
     except Exception as e:
-        raise CheckpointError(f"checkpoint shard {path}: unreadable by torch.load ({type(e).__name__}: {e}); "
-                              f"delete {path.parent.name} or load another step") from None
+        raise CheckpointError(
+            f"checkpoint shard {path}: unreadable by torch.load ({type(e).__name__}: {e}); "
+            f"delete {path.parent.name} or load another step"
+        ) from None
     return state, manifest

@@ -64,7 +64,7 @@ class _PendingSend:
 class _SendLane:
     """Sends to one destination, in posting order: post (after an injected link delay), wait, stamp."""
 
-    def __init__(self, comm: "Comm", dst: int, delay_s: float):
+    def __init__(self, comm: Comm, dst: int, delay_s: float):
         self.comm, self.dst, self.delay_s = comm, dst, delay_s
         self._queue: queue.SimpleQueue[tuple[_PendingSend, int, float] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"send-lane-{dst}", daemon=True)
@@ -149,7 +149,11 @@ class Comm:
         if self.faults is not None and role == "tp":
             self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
         with self.registry.span(
-            contract.SpanKind.COLLECTIVE, op="all_reduce", group=role, bytes=tensor.numel() * tensor.element_size(), group_size=n,
+            contract.SpanKind.COLLECTIVE,
+            op="all_reduce",
+            group=role,
+            bytes=tensor.numel() * tensor.element_size(),
+            group_size=n,
             ranks=self.group_ranks(role),
         ):
             self._delay(role)
@@ -180,8 +184,9 @@ class Comm:
         self._delay("pp")
         span_attrs = None
         if active:
-            span_attrs = dict(attrs, peer=dst, op="send", group="pp", bytes=tensor.numel() * tensor.element_size(),
-                              group_size=2)
+            span_attrs = dict(
+                attrs, peer=dst, op="send", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2
+            )
             span_attrs["seq"] = self.registry.next_seq(contract.SpanKind.SEND, span_attrs)  # numbered when posted
         lane = self._lane(dst)
         if lane is None:
@@ -196,8 +201,13 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs: Any) -> torch.Tensor:
         with self.registry.span(
-            contract.SpanKind.RECV, peer=src, op="recv", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2,
-            **attrs
+            contract.SpanKind.RECV,
+            peer=src,
+            op="recv",
+            group="pp",
+            bytes=tensor.numel() * tensor.element_size(),
+            group_size=2,
+            **attrs,
         ):
             self._delay("pp")
             dist.recv(tensor, src=src, group=self.groups.pp, tag=tag)

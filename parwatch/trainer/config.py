@@ -87,18 +87,38 @@ class TrainConfig:
         """Raise ConfigError naming the setting and the fix; the world check needs world_size."""
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule={self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-        for name in ("tp", "pp", "dp", "micro_batch_size", "steps", "layers", "hidden", "heads", "vocab", "seq_len", "chunks"):
+        for name in (
+            "tp",
+            "pp",
+            "dp",
+            "micro_batch_size",
+            "steps",
+            "layers",
+            "hidden",
+            "heads",
+            "vocab",
+            "seq_len",
+            "chunks",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
         if self.microbatches < 1:
-            raise ConfigError(f"--microbatches={self.microbatches} must be at least 1; a pipeline needs work to fill it")
+            raise ConfigError(
+                f"--microbatches={self.microbatches} must be at least 1; a pipeline needs work to fill it"
+            )
         if self.heads % self.tp:
             ok = [t for t in range(1, self.heads + 1) if self.heads % t == 0]
-            raise ConfigError(f"--heads={self.heads} is not divisible by --tp={self.tp}; choose tp in {ok} or change --heads")
+            raise ConfigError(
+                f"--heads={self.heads} is not divisible by --tp={self.tp}; choose tp in {ok} or change --heads"
+            )
         if self.hidden % self.heads:
-            raise ConfigError(f"--hidden={self.hidden} is not divisible by --heads={self.heads}; choose a multiple of {self.heads}")
+            raise ConfigError(
+                f"--hidden={self.hidden} is not divisible by --heads={self.heads}; choose a multiple of {self.heads}"
+            )
         if self.vocab % self.tp:
-            raise ConfigError(f"--vocab={self.vocab} is not divisible by --tp={self.tp}; choose a multiple of {self.tp}")
+            raise ConfigError(
+                f"--vocab={self.vocab} is not divisible by --tp={self.tp}; choose a multiple of {self.tp}"
+            )
         if self.layers < self.pp * self.chunks:
             raise ConfigError(
                 f"--layers={self.layers} is fewer than pp*chunks={self.pp * self.chunks} pipeline chunks; "
@@ -123,8 +143,10 @@ class TrainConfig:
             raise ConfigError(f"--parwatch={self.parwatch!r}; choose on, off or auto")
         if self.parwatch == "off" and (self.parwatch_endpoint or self.parwatch_log):
             given = "--parwatch-endpoint" if self.parwatch_endpoint else "--parwatch-log"
-            raise ConfigError(f"{given} is given but --parwatch=off watches nothing; drop --parwatch off "
-                              f"(an endpoint or log implies on) or drop {given}")
+            raise ConfigError(
+                f"{given} is given but --parwatch=off watches nothing; drop --parwatch off "
+                f"(an endpoint or log implies on) or drop {given}"
+            )
         for spec in self.inject:
             parse_fault(spec)
         parse_synthetic(self.synthetic_compute)
@@ -159,8 +181,12 @@ def field_docs() -> dict[str, str]:
     body = cls.body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
@@ -183,11 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if name == "inject":
-            p.add_argument(flag, action="append", default=[], metavar="SPEC",
-                           help="fault to inject, repeatable: straggler:stage=1,ms=30,from_step=3 | nan:step=5 | "
-                                "slow-collective:group=tp,ms=5 | crash:rank=2,step=7 | "
-                                "hang:rank=1,step=5[,where=compute|collective|send] | slow-link:src=0,dst=2,ms=30 | "
-                                "slow-data:rank=0,ms=15")
+            p.add_argument(
+                flag,
+                action="append",
+                default=[],
+                metavar="SPEC",
+                help="fault to inject, repeatable: straggler:stage=1,ms=30,from_step=3 | nan:step=5 | "
+                "slow-collective:group=tp,ms=5 | crash:rank=2,step=7 | "
+                "hang:rank=1,step=5[,where=compute|collective|send] | slow-link:src=0,dst=2,ms=30 | "
+                "slow-data:rank=0,ms=15",
+            )
         elif isinstance(value, bool):
             p.add_argument(flag, action="store_true", help=docs.get(name))
         else:

@@ -36,8 +36,15 @@ class StepShape:
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: list, instrs: list[Instr], comm: Comm, shape: StepShape, faults: Faults,
-                 registry: contract.HookRegistry = contract.registry):
+    def __init__(
+        self,
+        chunks: list,
+        instrs: list[Instr],
+        comm: Comm,
+        shape: StepShape,
+        faults: Faults,
+        registry: contract.HookRegistry = contract.registry,
+    ):
         self.chunks = chunks
         self.instrs = instrs
         self.comm = comm
@@ -65,8 +72,9 @@ class PipelineExecutor:
 
     def _data(self, step_data: int, mb: int):
         s = self.shape
-        ids, targets = microbatch(s.seed, step_data, global_index(self.dp_rank, s.microbatches, mb),
-                                  s.micro_batch_size, s.seq_len, s.vocab)
+        ids, targets = microbatch(
+            s.seed, step_data, global_index(self.dp_rank, s.microbatches, mb), s.micro_batch_size, s.seq_len, s.vocab
+        )
         return ids.to(s.device, non_blocking=True), targets.to(s.device, non_blocking=True)
 
     # --------------------------------------------------------------------- step

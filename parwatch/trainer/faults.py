@@ -1,22 +1,22 @@
 """Fault injection: `--inject KIND:key=value,...`, repeatable.
 
-    straggler:stage=1,ms=30[,from_step=3]   extra time per microbatch forward on that stage
-    straggler:rank=0,ms=30                  ... on that rank only (stage and rank together: both must match)
-    nan:step=5                              the loss of that step becomes NaN (once per process:
-                                            a transient fault; a rollback that replays step 5 is clean)
-    slow-collective:group=tp,ms=5           extra latency on every collective of that group
-    crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
-    raise:rank=2,step=7                     that rank raises InjectedError at that step (a crash by
-                                            exception: OOM, bad data, a library's error)
-    slow-link:src=0,dst=2,ms=20             every p2p send from rank 0 to rank 2 takes 20 ms longer: posted
-                                            on time, it leaves 20 ms later (inside the transfer, as a slow
-                                            link would be; not a sleep before the post)
-    slow-data:rank=0,ms=15                  every data fetch of rank 0 takes 15 ms longer (only the first
-                                            and last pipeline stages fetch data)
-    hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, process alive:
-                                            where=compute inside its first forward, where=collective
-                                            before its first TP all-reduce (needs tp >= 2), where=send
-                                            before its first p2p send (needs pp >= 2)
+straggler:stage=1,ms=30[,from_step=3]   extra time per microbatch forward on that stage
+straggler:rank=0,ms=30                  ... on that rank only (stage and rank together: both must match)
+nan:step=5                              the loss of that step becomes NaN (once per process:
+                                        a transient fault; a rollback that replays step 5 is clean)
+slow-collective:group=tp,ms=5           extra latency on every collective of that group
+crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
+raise:rank=2,step=7                     that rank raises InjectedError at that step (a crash by
+                                        exception: OOM, bad data, a library's error)
+slow-link:src=0,dst=2,ms=20             every p2p send from rank 0 to rank 2 takes 20 ms longer: posted
+                                        on time, it leaves 20 ms later (inside the transfer, as a slow
+                                        link would be; not a sleep before the post)
+slow-data:rank=0,ms=15                  every data fetch of rank 0 takes 15 ms longer (only the first
+                                        and last pipeline stages fetch data)
+hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, process alive:
+                                        where=compute inside its first forward, where=collective
+                                        before its first TP all-reduce (needs tp >= 2), where=send
+                                        before its first p2p send (needs pp >= 2)
 """
 
 from __future__ import annotations
@@ -37,11 +37,20 @@ _SPECS: dict[str, dict[str, type[int | float | str]]] = {
     "slow-data": {"rank": int, "ms": float},
     "hang": {"rank": int, "step": int, "where": str},
 }
-_REQUIRED = {"straggler": {"ms"}, "nan": {"step"}, "slow-collective": {"group", "ms"}, "crash": {"rank", "step"},
-             "raise": {"rank", "step"}, "slow-link": {"src", "dst", "ms"}, "slow-data": {"rank", "ms"},
-             "hang": {"rank", "step"}}
-_EXAMPLE = ("straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
-            " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective")
+_REQUIRED = {
+    "straggler": {"ms"},
+    "nan": {"step"},
+    "slow-collective": {"group", "ms"},
+    "crash": {"rank", "step"},
+    "raise": {"rank", "step"},
+    "slow-link": {"src", "dst", "ms"},
+    "slow-data": {"rank", "ms"},
+    "hang": {"rank", "step"},
+}
+_EXAMPLE = (
+    "straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
+    " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective"
+)
 HANG_PLACES = ("compute", "collective", "send")
 """Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
 
@@ -87,8 +96,10 @@ def parse_fault(spec: str) -> Fault:
     if kind == "hang":
         params.setdefault("where", "compute")
         if params["where"] not in HANG_PLACES:
-            raise ConfigError(f"--inject {spec!r}: where={params['where']!r} is not one of "
-                              f"{', '.join(HANG_PLACES)}; e.g. hang:rank=1,step=5,where=send")
+            raise ConfigError(
+                f"--inject {spec!r}: where={params['where']!r} is not one of "
+                f"{', '.join(HANG_PLACES)}; e.g. hang:rank=1,step=5,where=send"
+            )
     return Fault(kind, params)
 
 
@@ -99,15 +110,19 @@ class Faults:
         self.faults = faults
         self.rank, self.stage = rank, stage
         self._nan_done: set[int] = set()
-        self._hangs = {f.params["step"]: f.params["where"] for f in faults if f.kind == "hang" and f.params["rank"] == rank}
+        self._hangs = {
+            f.params["step"]: f.params["where"] for f in faults if f.kind == "hang" and f.params["rank"] == rank
+        }
         self._step = 0  # the step being executed (begin_step), for the hang points in parwatch.trainer.comm
 
     def straggler_ms(self, step: int) -> float:
         return sum(
             f.params["ms"]
             for f in self.faults
-            if f.kind == "straggler" and f.params.get("stage", self.stage) == self.stage
-            and f.params.get("rank", self.rank) == self.rank and step >= f.params.get("from_step", 1)
+            if f.kind == "straggler"
+            and f.params.get("stage", self.stage) == self.stage
+            and f.params.get("rank", self.rank) == self.rank
+            and step >= f.params.get("from_step", 1)
         )
 
     def nan_now(self, step: int) -> bool:
@@ -145,6 +160,7 @@ class Faults:
     def data_delay_ms(self) -> float:
         """Extra ms inside every data fetch of this rank."""
         return sum(f.params["ms"] for f in self.faults if f.kind == "slow-data" and f.params["rank"] == self.rank)
+
     # -- hang faults: the rank blocks for good, its process (and its threads) alive -------------
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -156,10 +172,10 @@ class Faults:
         """Block forever if a hang is injected here (`where` in HANG_PLACES) at the current step."""
         if self.hang_due(where):
             import logging
-
             import time
 
             # The wall time it blocks: tests and benchmarks time the leader's decision from here.
-            logging.getLogger("trainer").error("rank %d: injected hang (%s) at step %d, blocking at %.3f",
-                                               self.rank, where, self._step, time.time())
+            logging.getLogger("trainer").error(
+                "rank %d: injected hang (%s) at step %d, blocking at %.3f", self.rank, where, self._step, time.time()
+            )
             threading.Event().wait()  # releases the GIL: the collector's threads keep reporting

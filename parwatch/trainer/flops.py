@@ -17,11 +17,16 @@ from parwatch.trainer.tensor_parallel import ColumnParallelLinear, RowParallelLi
 
 def matmul_params(chunks: list[nn.Module]) -> int:
     """Weights of this rank's column- and row-parallel linears (its TP slice)."""
-    return sum(m.weight.numel() for c in chunks for m in c.modules()
-               if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    return sum(
+        m.weight.numel()
+        for c in chunks
+        for m in c.modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    )
 
 
-def model_flops_per_step(chunks: list[nn.Module], layers_local: int, hidden: int, tp: int, seq_len: int,
-                         tokens_per_replica: int) -> int:
+def model_flops_per_step(
+    chunks: list[nn.Module], layers_local: int, hidden: int, tp: int, seq_len: int, tokens_per_replica: int
+) -> int:
     per_token = 6 * matmul_params(chunks) + 12 * layers_local * (hidden // tp) * seq_len
     return per_token * tokens_per_replica

@@ -29,8 +29,10 @@ Attach = Callable[[TrainConfig, int, int, int, str], Any]
 """Builds and attaches one rank's observer: (cfg, rank, world_size, local_rank, backend) -> an object with
 close(error=None); a ValueError names the setting to fix. The trainer knows nothing of the observer:
 parwatch's launcher (`parwatch train`) passes its collector's (parwatch.collector.attach)."""
-UNWATCHED = ("--parwatch on (or --parwatch-endpoint / --parwatch-log) needs parwatch's launcher, which attaches "
-             "the collector: run `parwatch train ...` (under torchrun: `torchrun ... -m parwatch train ...`)")
+UNWATCHED = (
+    "--parwatch on (or --parwatch-endpoint / --parwatch-log) needs parwatch's launcher, which attaches "
+    "the collector: run `parwatch train ...` (under torchrun: `torchrun ... -m parwatch train ...`)"
+)
 
 
 def _free_port() -> int:
@@ -39,8 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, progress=None,
-             attach: Attach | None = None) -> dict:
+def run_rank(
+    cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, progress=None, attach: Attach | None = None
+) -> dict:
     """Body of one rank: init the process group, attach the observer, train, shut down in order.
 
     progress: a RankProgress the launcher reads (its `step` after each boundary), or None."""
@@ -55,8 +58,9 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int = 0, 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+    )
     observer = trainer = error = None
     failed = True
     try:
@@ -103,10 +107,12 @@ def shutdown(trainer, observer, failed: bool, error: BaseException | None = None
 
     from parwatch import contract
 
-    steps = [lambda: trainer is not None and trainer.close(failed),
-             lambda: observer is not None and observer.close(error=error),
-             contract.registry.clear,
-             lambda: dist.is_initialized() and dist.destroy_process_group()]
+    steps = [
+        lambda: trainer is not None and trainer.close(failed),
+        lambda: observer is not None and observer.close(error=error),
+        contract.registry.clear,
+        lambda: dist.is_initialized() and dist.destroy_process_group(),
+    ]
     first = None
     for step in steps:
         try:
@@ -119,8 +125,9 @@ def shutdown(trainer, observer, failed: bool, error: BaseException | None = None
 
 
 def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig, shared, attach: Attach | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     _setup_logging(rank)
     progress = RankProgress(shared, rank)
     try:
@@ -135,8 +142,9 @@ def _spawned(rank: int, world_size: int, port: int, cfg: TrainConfig, shared, at
 
 
 def _setup_logging(rank: int) -> None:
-    logging.basicConfig(level=os.environ.get("TRAINER_LOG", "WARNING"),
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("TRAINER_LOG", "WARNING"), format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
@@ -176,8 +184,9 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
             exitcode = procs[rank].exitcode
             assert exitcode is not None  # joined above
             code = exit_status(exitcode) or 1
-            print(f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks",
-                  file=sys.stderr)
+            print(
+                f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks", file=sys.stderr
+            )
             break
     finally:
         for p in procs:

@@ -42,7 +42,7 @@ class ParallelDims:
                 f"{self.world_size}; {fix}"
             )
 
-    def coords(self, rank: int) -> "RankCoords":
+    def coords(self, rank: int) -> RankCoords:
         tp_rank = rank % self.tp
         pp_rank = (rank // self.tp) % self.pp
         dp_rank = rank // (self.tp * self.pp)
@@ -52,19 +52,13 @@ class ParallelDims:
         return dp_rank * self.pp * self.tp + pp_rank * self.tp + tp_rank
 
     def tp_group_ranks(self) -> list[list[int]]:
-        return [
-            [self.rank_of(t, p, d) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)
-        ]
+        return [[self.rank_of(t, p, d) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
 
     def pp_group_ranks(self) -> list[list[int]]:
-        return [
-            [self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
-        ]
+        return [[self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
     def dp_group_ranks(self) -> list[list[int]]:
-        return [
-            [self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
-        ]
+        return [[self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
 
 
 @dataclass(frozen=True)

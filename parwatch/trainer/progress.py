@@ -10,8 +10,12 @@ from __future__ import annotations
 import signal
 
 STARTING, TRAINING, TEARDOWN, DONE = range(4)
-_PHASE_NAMES = {STARTING: "while starting", TRAINING: "while training", TEARDOWN: "during teardown",
-                DONE: "after its teardown"}
+_PHASE_NAMES = {
+    STARTING: "while starting",
+    TRAINING: "while training",
+    TEARDOWN: "during teardown",
+    DONE: "after its teardown",
+}
 
 
 class RankProgress:

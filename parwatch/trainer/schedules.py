@@ -62,7 +62,7 @@ class ScheduleError(ConfigError, ValueError):
 class DeadlockError(TrainerError):
     """The simulation stopped with unfinished stages; `stuck` maps stage -> next Instr."""
 
-    def __init__(self, message: str, stuck: dict[int, "Instr"]):
+    def __init__(self, message: str, stuck: dict[int, Instr]):
         super().__init__(message)
         self.stuck = stuck
 
@@ -282,7 +282,9 @@ def pipeline_order(name: str, num_stages: int, microbatches: int, chunks: int = 
     what an observer replays to split the bubble into its causes."""
     order = {}
     for stage in range(num_stages):
-        order[stage] = [f"{i.chunk * num_stages + stage}{'F' if i.op == 'forward' else 'B'}{i.microbatch}"
-                        for i in build_schedule(name, stage, num_stages, microbatches, chunks)
-                        if i.op in ("forward", "backward")]
+        order[stage] = [
+            f"{i.chunk * num_stages + stage}{'F' if i.op == 'forward' else 'B'}{i.microbatch}"
+            for i in build_schedule(name, stage, num_stages, microbatches, chunks)
+            if i.op in ("forward", "backward")
+        ]
     return order

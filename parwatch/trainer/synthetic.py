@@ -78,8 +78,18 @@ class _TimedIdentity(torch.autograd.Function):
 class SyntheticChunk(nn.Module):
     """Stands in for a Chunk: same inputs and outputs, timed sleeps instead of math."""
 
-    def __init__(self, layers: int, hidden: int, vocab: int, comm: Comm, fwd_s: float, bwd_s: float,
-                 first: bool, last: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        layers: int,
+        hidden: int,
+        vocab: int,
+        comm: Comm,
+        fwd_s: float,
+        bwd_s: float,
+        first: bool,
+        last: bool,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.layers, self.hidden, self.vocab, self.comm = layers, hidden, vocab, comm
         self.fwd_s, self.bwd_s = fwd_s, bwd_s

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from parwatch import contract
 from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, TorchAllReduce
 from parwatch.trainer import checkpoint as ckpt
-from parwatch import contract
 from parwatch.trainer.comm import Comm
 from parwatch.trainer.config import TrainConfig
 from parwatch.trainer.errors import CheckpointError
@@ -39,15 +39,21 @@ log = logging.getLogger("trainer")
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, registry: contract.HookRegistry = contract.registry):
+    def __init__(
+        self, cfg: TrainConfig, rank: int, world_size: int, registry: contract.HookRegistry = contract.registry
+    ):
         cfg.validate(world_size)
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.registry = registry
         self.dims = ParallelDims(cfg.tp, cfg.pp, cfg.dp, world_size)
         self.groups = build_groups(self.dims, rank)
         self.faults = Faults([parse_fault(s) for s in cfg.inject], rank, self.groups.stage)
-        self.comm = Comm(self.groups, slow_ms=self.faults.slow_collectives(), registry=registry,
-                         link_delay_ms=self.faults.link_delays_ms())
+        self.comm = Comm(
+            self.groups,
+            slow_ms=self.faults.slow_collectives(),
+            registry=registry,
+            link_delay_ms=self.faults.link_delays_ms(),
+        )
         self.dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
         self.device = self._device
         self.chunks = [c.to(self.device) for c in self._build_chunks()]
@@ -58,8 +64,16 @@ class Trainer:
         else:
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         instrs = build_schedule(cfg.schedule, self.groups.stage, cfg.pp, cfg.microbatches, cfg.chunks)
-        shape = StepShape(cfg.microbatches, cfg.micro_batch_size, cfg.seq_len, cfg.hidden, cfg.vocab, cfg.seed,
-                          self.dtype, self.device)
+        shape = StepShape(
+            cfg.microbatches,
+            cfg.micro_batch_size,
+            cfg.seq_len,
+            cfg.hidden,
+            cfg.vocab,
+            cfg.seed,
+            self.dtype,
+            self.device,
+        )
         self.executor = PipelineExecutor(self.chunks, instrs, self.comm, shape, self.faults, registry)
         self.model_flops_per_step = self._model_flops()
         self.step = 0
@@ -72,8 +86,13 @@ class Trainer:
         self.run_id = cfg.run_id or "unnamed-run"
         """Named in every directive it follows and every checkpoint it writes."""
         self.steps_boundary = StepBoundary(
-            rank, world_size, self.run_id, TorchAllReduce(device=self.device), registry=registry,
-            reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0)
+            rank,
+            world_size,
+            self.run_id,
+            TorchAllReduce(device=self.device),
+            registry=registry,
+            reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0,
+        )
         self._last_boundary_t: float | None = None
         self.on_step: Callable[[int], None] | None = None
         """Called with the step after each step boundary (the launcher's progress), or None."""
@@ -92,9 +111,19 @@ class Trainer:
             pieces = ranges[vstage]
             if synthetic:
                 blocks = sum(1 for i in pieces if 1 <= i <= cfg.layers)
-                chunks.append(SyntheticChunk(
-                    blocks, cfg.hidden, cfg.vocab, self.comm, synthetic.fwd_ms / 1000 / cfg.chunks,
-                    synthetic.bwd_ms / 1000 / cfg.chunks, vstage == 0, vstage == parts - 1, self.dtype))
+                chunks.append(
+                    SyntheticChunk(
+                        blocks,
+                        cfg.hidden,
+                        cfg.vocab,
+                        self.comm,
+                        synthetic.fwd_ms / 1000 / cfg.chunks,
+                        synthetic.bwd_ms / 1000 / cfg.chunks,
+                        vstage == 0,
+                        vstage == parts - 1,
+                        self.dtype,
+                    )
+                )
             else:
                 chunks.append(Chunk(build_pieces(gpt, self.comm, pieces)))
         return chunks
@@ -107,8 +136,14 @@ class Trainer:
         from parwatch.trainer.model import Block
 
         layers_local = sum(1 for c in self.chunks for m in c.modules() if isinstance(m, Block))
-        return model_flops_per_step(self.chunks, layers_local, cfg.hidden, cfg.tp, cfg.seq_len,
-                                    cfg.microbatches * cfg.micro_batch_size * cfg.seq_len)
+        return model_flops_per_step(
+            self.chunks,
+            layers_local,
+            cfg.hidden,
+            cfg.tp,
+            cfg.seq_len,
+            cfg.microbatches * cfg.micro_batch_size * cfg.seq_len,
+        )
 
     # --------------------------------------------------------------- boundary
     def boundary(self, kind: BoundaryKind, loss: float | None = None):
@@ -117,7 +152,9 @@ class Trainer:
 
     @property
     def _device(self):
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
 
     # -------------------------------------------------------------- one step
     def train_step(self) -> float | None:
@@ -149,7 +186,7 @@ class Trainer:
             flat /= self.dims.dp  # SUM then divide: gloo has no ReduceOp.AVG
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
     # ------------------------------------------------------------ checkpoints
@@ -160,11 +197,24 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
-        meta = {"run_id": self.run_id, "step": self.step, "data_offset": self.data_offset,
-                "parallel": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "chunks": cfg.chunks}, "config": cfg.to_dict()}
+        meta = {
+            "run_id": self.run_id,
+            "step": self.step,
+            "data_offset": self.data_offset,
+            "parallel": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "chunks": cfg.chunks},
+            "config": cfg.to_dict(),
+        }
         with self.registry.span(SpanKind.CHECKPOINT, stage=self.groups.stage, step=self.step):
-            ckpt.save_checkpoint(cfg.checkpoint_dir, self.step, self.rank, self.world, state, meta, dist.barrier,
-                                 keep_last=cfg.keep_checkpoints)
+            ckpt.save_checkpoint(
+                cfg.checkpoint_dir,
+                self.step,
+                self.rank,
+                self.world,
+                state,
+                meta,
+                dist.barrier,
+                keep_last=cfg.keep_checkpoints,
+            )
         self.bad_checkpoints.discard(self.step)  # written anew
         self.registry.emit_event(Event.CHECKPOINT_SAVED, step=self.step, checkpoints=self._usable_checkpoints())
 
@@ -199,11 +249,17 @@ class Trainer:
         else:  # resume while running: nothing to do, but say it was seen
             self._report(directive, Outcome.APPLIED)
 
-    def _report(self, directive, outcome: Outcome, *, loaded_step: int | None = None, reason: FailReason | None = None,
-                **noted) -> None:
+    def _report(
+        self, directive, outcome: Outcome, *, loaded_step: int | None = None, reason: FailReason | None = None, **noted
+    ) -> None:
         """Tell every rank's boundary (and so rank 0) this rank's outcome; note it in the run summary."""
-        record = {"id": directive.id, "action": directive.action.value, "step": self.step, "outcome": outcome.wire,
-                  **noted}
+        record = {
+            "id": directive.id,
+            "action": directive.action.value,
+            "step": self.step,
+            "outcome": outcome.wire,
+            **noted,
+        }
         if loaded_step is not None:
             record["loaded_step"] = loaded_step
         if reason is not None:
@@ -249,12 +305,21 @@ class Trainer:
                 loaded = candidate
                 break
             self.bad_checkpoints.add(candidate)
-            self.registry.emit_event(Event.CHECKPOINT_CORRUPT, step=candidate, rank=self.rank, error=problem or "",
-                                     checkpoints=self._usable_checkpoints())
+            self.registry.emit_event(
+                Event.CHECKPOINT_CORRUPT,
+                step=candidate,
+                rank=self.rank,
+                error=problem or "",
+                checkpoints=self._usable_checkpoints(),
+            )
         if loaded is None:
             reason = FailReason.CHECKPOINT_CORRUPT if candidates else FailReason.NO_CHECKPOINT
-            log.error("rank %d: rollback requested at step %d but no %s checkpoint exists; continuing",
-                      self.rank, from_step, "intact" if candidates else "complete")
+            log.error(
+                "rank %d: rollback requested at step %d but no %s checkpoint exists; continuing",
+                self.rank,
+                from_step,
+                "intact" if candidates else "complete",
+            )
             self._report(directive, Outcome.FAILED, reason=reason)
             return
         self.load_checkpoint(loaded)
@@ -264,18 +329,29 @@ class Trainer:
         outcome = Outcome.APPLIED if asked is None or loaded == asked else Outcome.SUBSTITUTED
         if outcome == Outcome.SUBSTITUTED:
             log.warning("rank %d: checkpoint %d unusable; rolled back to %d instead", self.rank, asked, loaded)
-        self._report(directive, outcome, loaded_step=loaded, from_step=from_step, to_step=loaded,
-                     skip_batches=directive.skip_batches)
-        self.registry.emit_event(Event.ROLLBACK, from_step=from_step, to_step=loaded,
-                                 skip_batches=directive.skip_batches)
+        self._report(
+            directive,
+            outcome,
+            loaded_step=loaded,
+            from_step=from_step,
+            to_step=loaded,
+            skip_batches=directive.skip_batches,
+        )
+        self.registry.emit_event(
+            Event.ROLLBACK, from_step=from_step, to_step=loaded, skip_batches=directive.skip_batches
+        )
         self.boundary(BoundaryKind.RESUME)
 
     # -------------------------------------------------------------------- run
     def run(self) -> dict:
         cfg = self.cfg
-        self.registry.emit_event(Event.RUN_START, config=cfg.to_dict(), rank=self.rank,
-                                 model_flops_per_step=self.model_flops_per_step,
-                                 pipeline_order=pipeline_order(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
+        self.registry.emit_event(
+            Event.RUN_START,
+            config=cfg.to_dict(),
+            rank=self.rank,
+            model_flops_per_step=self.model_flops_per_step,
+            pipeline_order=pipeline_order(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks),
+        )
         self.boundary(BoundaryKind.START)
         self._last_boundary_t = time.perf_counter()
         while self.step < cfg.steps:
@@ -313,7 +389,7 @@ class Trainer:
             "steps_completed": self.step,
             "losses": [_json_float(self.losses[s]) for s in steps],
             "step_seconds": [self.step_seconds.get(s) for s in steps],
-            "loss_history": [[s, _json_float(l)] for s, l in self.loss_history],
+            "loss_history": [[s, _json_float(loss)] for s, loss in self.loss_history],
             "directives_applied": self.applied,
             "tokens_per_step": self.cfg.tokens_per_step,
         }

@@ -132,11 +132,26 @@ def token_args(sidecar) -> tuple[str, ...]:
     return ("--parwatch-token-file", str(sidecar.token_file))
 
 
-def trainer_command(endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2,
-                    checkpoint_every: int = 0) -> list[str]:
+def trainer_command(
+    endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2, checkpoint_every: int = 0
+) -> list[str]:
     run_dir = Path(run_dir)
-    cmd = [sys.executable, "-m", "parwatch", "train", "--nproc", str(nproc), "--steps", str(steps),
-           "--parwatch", "on", "--parwatch-log", str(run_dir / "log"), "--summary-json", str(run_dir / "summary.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "parwatch",
+        "train",
+        "--nproc",
+        str(nproc),
+        "--steps",
+        str(steps),
+        "--parwatch",
+        "on",
+        "--parwatch-log",
+        str(run_dir / "log"),
+        "--summary-json",
+        str(run_dir / "summary.json"),
+    ]
     if endpoint:
         cmd += ["--parwatch-endpoint", endpoint]
     if checkpoint_every:
@@ -145,8 +160,9 @@ def trainer_command(endpoint: str | None, run_dir: Path, steps: int, *extra: str
 
 
 @contextlib.contextmanager
-def running_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2,
-                    checkpoint_every: int = 0):
+def running_trainer(
+    endpoint: str | None, run_dir: Path, steps: int, *extra: str, nproc: int = 2, checkpoint_every: int = 0
+):
     """Start the trainer in its own process group; yield a TrainerRun; kill the group on the way out."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,8 +180,12 @@ def running_trainer(endpoint: str | None, run_dir: Path, steps: int, *extra: str
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def launch_nodes(out_paths: list[Path], node_args: list[list[str]], envs: list[dict], nproc_per_node: int = 2,
-                 ) -> list[subprocess.Popen]:
+def launch_nodes(
+    out_paths: list[Path],
+    node_args: list[list[str]],
+    envs: list[dict],
+    nproc_per_node: int = 2,
+) -> list[subprocess.Popen]:
     """Several "nodes" of one run on this machine: a `torchrun --nnodes N --node-rank K` launcher per
     entry (static rendezvous on loopback) running `-m parwatch train` with that node's args, environment and
     output file. Each in its own process group (kill_group)."""
@@ -173,14 +193,29 @@ def launch_nodes(out_paths: list[Path], node_args: list[list[str]], envs: list[d
 
     port, procs = free_port(), []
     for k, (out_path, args, env) in enumerate(zip(out_paths, node_args, envs)):
-        cmd = [TORCHRUN, "--nnodes", str(len(node_args)), "--node-rank", str(k), "--nproc-per-node",
-               str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "parwatch", "train",
-               *args]
+        cmd = [
+            TORCHRUN,
+            "--nnodes",
+            str(len(node_args)),
+            "--node-rank",
+            str(k),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "parwatch",
+            "train",
+            *args,
+        ]
         env = dict(env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         with open(out_path, "wb") as out:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            )
     return procs
 
 
@@ -197,17 +232,31 @@ def wait_nodes(procs: list[subprocess.Popen], out_paths: list[Path], timeout: fl
         assert code == 0, f"node {k}'s launcher ({out_path}) exited with {code}\n{out}"
 
 
-def run_on_hosts(endpoint: str, run_dir: Path, steps: int, hosts: tuple[str, ...], *extra: str,
-                 nproc_per_host: int = 2) -> None:
+def run_on_hosts(
+    endpoint: str, run_dir: Path, steps: int, hosts: tuple[str, ...], *extra: str, nproc_per_host: int = 2
+) -> None:
     """One run on several "hosts" of this machine (launch_nodes), each with $PARWATCH_HOST set to its
     name, all shipping to `endpoint`. Host k holds ranks k*nproc_per_host ... (k+1)*nproc_per_host - 1.
     Waits for every launcher to exit 0."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     outs = [run_dir / f"{host}.out" for host in hosts]
-    args = [["--steps", str(steps), "--parwatch", "on", "--parwatch-endpoint", endpoint,
-             "--parwatch-log", str(run_dir / f"log-{host}"), "--summary-json", str(run_dir / "summary.json"), *extra]
-            for host in hosts]
+    args = [
+        [
+            "--steps",
+            str(steps),
+            "--parwatch",
+            "on",
+            "--parwatch-endpoint",
+            endpoint,
+            "--parwatch-log",
+            str(run_dir / f"log-{host}"),
+            "--summary-json",
+            str(run_dir / "summary.json"),
+            *extra,
+        ]
+        for host in hosts
+    ]
     envs = [dict(os.environ, TRAINER_THREADS="1", PARWATCH_HOST=host) for host in hosts]
     procs = launch_nodes(outs, args, envs, nproc_per_host)
     try:

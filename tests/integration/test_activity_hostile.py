@@ -21,18 +21,52 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def activity(rank=0, tp=1, pp=2, dp=1, **change) -> dict:
-    a = {"run_id": "r1", "rank": rank, "pid": 10_000 + rank, "host": "elsewhere", "stage": rank, "tp_rank": 0,
-         "dp_rank": 0, "tp": tp, "pp": pp, "dp": dp, "state": "running", "step": 3, "step_seconds": 0.1,
-         "kind": "forward", "op": None, "group": None, "peer": None, "seq": None, "since": time.time() - 1,
-         "time": time.time()}
+    a = {
+        "run_id": "r1",
+        "rank": rank,
+        "pid": 10_000 + rank,
+        "host": "elsewhere",
+        "stage": rank,
+        "tp_rank": 0,
+        "dp_rank": 0,
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "state": "running",
+        "step": 3,
+        "step_seconds": 0.1,
+        "kind": "forward",
+        "op": None,
+        "group": None,
+        "peer": None,
+        "seq": None,
+        "since": time.time() - 1,
+        "time": time.time(),
+    }
     a.update(change)
     return {"version": 1, "activity": a}
 
 
 def row(rank=1, **change) -> list:
-    r = {"rank": rank, "state": "running", "kind": "forward", "op": None, "group": None, "peer": None, "seq": None,
-         "since": time.time() - 1, "step": 3, "step_seconds": 0.1, "pid": 20_000 + rank, "host": "node-b",
-         "stage": rank, "tp_rank": 0, "dp_rank": 0, "time": time.time(), "step_end": time.time() - 2}
+    r = {
+        "rank": rank,
+        "state": "running",
+        "kind": "forward",
+        "op": None,
+        "group": None,
+        "peer": None,
+        "seq": None,
+        "since": time.time() - 1,
+        "step": 3,
+        "step_seconds": 0.1,
+        "pid": 20_000 + rank,
+        "host": "node-b",
+        "stage": rank,
+        "tp_rank": 0,
+        "dp_rank": 0,
+        "time": time.time(),
+        "step_end": time.time() - 2,
+    }
     r.update(change)
     return list(r.values())
 
@@ -76,9 +110,10 @@ def _rss_mb(pid: int) -> float:
 
 def test_a_claimed_world_of_10_to_the_18_is_refused_and_the_leader_stays_small(sidecar):
     assert _post(sidecar, "/v1/activity", activity(0)).json()["ok"] is True  # the leader: it saw rank 0
-    huge = 10 ** 6
-    _refused(_post(sidecar, "/v1/activity", activity(0, tp=huge, pp=huge, dp=huge, run_id="r2")),
-             "activity [tp, pp, dp]")
+    huge = 10**6
+    _refused(
+        _post(sidecar, "/v1/activity", activity(0, tp=huge, pp=huge, dp=huge, run_id="r2")), "activity [tp, pp, dp]"
+    )
     _refused(_post(sidecar, "/v1/digest", digest([row(1)], layout=(huge, huge, huge), run_id="r2")), "digest.layout")
     time.sleep(1.5)  # a hang tick or two over whatever was accepted
     _still_serving(sidecar)
@@ -97,7 +132,7 @@ def test_every_digest_row_field_is_checked(sidecar):
     assert _post(sidecar, "/v1/activity", activity(0)).json()["ok"] is True
     cases = [  # (a bad row, the field the 422 names)
         (row(time="soon"), "digest.rows[0].time"),
-        (row(step=10 ** 400), "digest.rows[0].step"),
+        (row(step=10**400), "digest.rows[0].step"),
         (row(pid=-5), "digest.rows[0].pid"),
         (row(state="exploded"), "digest.rows[0].state"),
         (row(host="x" * 10_000), "digest.rows[0].host"),
@@ -107,8 +142,10 @@ def test_every_digest_row_field_is_checked(sidecar):
     ]
     for bad, field in cases:
         _refused(_post(sidecar, "/v1/digest", digest([bad])), field)
-    _refused(_post(sidecar, "/v1/digest", content=_with_literal(digest([row(time="@")]), "@", "1e400")),
-             "digest.rows[0].time")
+    _refused(
+        _post(sidecar, "/v1/digest", content=_with_literal(digest([row(time="@")]), "@", "1e400")),
+        "digest.rows[0].time",
+    )
     _refused(_post(sidecar, "/v1/digest", digest([row(1), row(1)])), "appears twice")
     _refused(_post(sidecar, "/v1/digest", digest([row(1), row(0, host="node-b"), row(1)])), "digest.rows")
     time.sleep(1.5)
@@ -124,8 +161,15 @@ def test_nodes_are_bounded_by_the_runs_world(sidecar):
 
 
 def test_activity_numbers_out_of_range_are_422_never_500(sidecar):
-    for field, literal in (("step", "1e400"), ("time", "1e400"), ("rank", "1" + "0" * 400), ("since", '"yesterday"'),
-                           ("seq", "-1"), ("kind", json.dumps("k" * 65)), ("pid", "true")):
+    for field, literal in (
+        ("step", "1e400"),
+        ("time", "1e400"),
+        ("rank", "1" + "0" * 400),
+        ("since", '"yesterday"'),
+        ("seq", "-1"),
+        ("kind", json.dumps("k" * 65)),
+        ("pid", "true"),
+    ):
         body = activity(0)
         body["activity"][field] = "@"
         r = _post(sidecar, "/v1/activity", content=_with_literal(body, "@", literal))
@@ -149,7 +193,9 @@ def test_a_rank_is_reported_by_one_node(sidecar):
     """Issue 25 item 3: on 8fae0f2 a digest row from any node saying a rank was `gone` was taken, and hang
     detection for the run stopped. A rank's rows come from the node that reports it while that node is heard."""
     assert _post(sidecar, "/v1/digest", digest([row(1)], node="node-b:9401")).status_code == 200
-    _refused(_post(sidecar, "/v1/digest", digest([row(1, state="gone")], node="node-c:9401")),
-             "rank 1 is reported by node 'node-b:9401', not 'node-c:9401'")
+    _refused(
+        _post(sidecar, "/v1/digest", digest([row(1, state="gone")], node="node-c:9401")),
+        "rank 1 is reported by node 'node-b:9401', not 'node-c:9401'",
+    )
     assert _post(sidecar, "/v1/digest", digest([row(1, state="gone")], node="node-b:9401")).status_code == 200
     _still_serving(sidecar)

@@ -31,7 +31,8 @@ def test_alerts_file_is_a_fresh_render_of_the_default_rules():
     with open(ALERTS, encoding="utf-8") as f:
         text = f.read()
     assert text == render_alert_rules_yaml(default_rules()), (
-        "dashboards/alerts.yaml is stale: run `parwatch rules render-alerts -o dashboards/alerts.yaml`")
+        "dashboards/alerts.yaml is stale: run `parwatch rules render-alerts -o dashboards/alerts.yaml`"
+    )
 
 
 def test_every_default_rule_has_an_alert_with_its_threshold():
@@ -66,11 +67,20 @@ def test_promtool_check_rules():
 @pytest.mark.integration
 @needs_promtool
 def test_promtool_test_rules_fire_and_stay_quiet():
-    result = subprocess.run([PROMTOOL, "test", "rules", os.path.basename(ALERTS_TEST)], capture_output=True,
-                            text=True, timeout=120, cwd=os.path.dirname(ALERTS_TEST))
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", os.path.basename(ALERTS_TEST)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(ALERTS_TEST),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    tested = {c["alertname"] for t in yaml.safe_load(open(ALERTS_TEST))["tests"] for c in t["alert_rule_test"]
-              if c.get("exp_alerts")}
+    tested = {
+        c["alertname"]
+        for t in yaml.safe_load(open(ALERTS_TEST))["tests"]
+        for c in t["alert_rule_test"]
+        if c.get("exp_alerts")
+    }
     assert {"ParwatchBubbleExcess", "ParwatchStageSkew", "ParwatchRankMissing"} <= tested
 
 
@@ -87,7 +97,12 @@ def test_promtool_check_recording_rules():
 @pytest.mark.integration
 @needs_promtool
 def test_promtool_test_recording_rules():
-    result = subprocess.run([PROMTOOL, "test", "rules", os.path.basename(RECORDING_TEST)], capture_output=True,
-                            text=True, timeout=120, cwd=os.path.dirname(RECORDING_TEST))
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", os.path.basename(RECORDING_TEST)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(RECORDING_TEST),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout

@@ -23,7 +23,8 @@ ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-a
 TOKEN = "am-webhook-token"
 
 needs_alertmanager = pytest.mark.skipif(
-    not os.path.exists(ALERTMANAGER), reason="prometheus-alertmanager is not installed (Debian package)")
+    not os.path.exists(ALERTMANAGER), reason="prometheus-alertmanager is not installed (Debian package)"
+)
 
 
 @contextlib.contextmanager
@@ -50,9 +51,15 @@ receivers:
     log = open(tmp_path / "alertmanager.log", "wb")
     started = time.monotonic()
     proc = subprocess.Popen(
-        [ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            ALERTMANAGER,
+            f"--config.file={config}",
+            f"--storage.path={tmp_path / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -97,10 +104,16 @@ def test_firing_alert_pauses_the_run_through_the_webhook(tmp_path, record_proper
             record_property("alertmanager_startup_seconds", round(startup_seconds, 2))
             print(f"\nAlertmanager took {startup_seconds:.2f} s to become ready")
             now = dt.datetime.now(dt.timezone.utc)
-            alert = {"labels": {"alertname": "ParwatchBubbleExcess", "parwatch_action": "pause",
-                                "rule": "bubble-excess", "severity": "page"},
-                     "annotations": {"summary": "max bubble_excess_ratio above 0.1"},
-                     "startsAt": iso(now)}
+            alert = {
+                "labels": {
+                    "alertname": "ParwatchBubbleExcess",
+                    "parwatch_action": "pause",
+                    "rule": "bubble-excess",
+                    "severity": "page",
+                },
+                "annotations": {"summary": "max bubble_excess_ratio above 0.1"},
+                "startsAt": iso(now),
+            }
             posted = time.monotonic()
             r = httpx.post(f"{am}/api/v2/alerts", json=[alert], timeout=10)
             assert r.status_code == 200, r.text

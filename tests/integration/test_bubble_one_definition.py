@@ -74,8 +74,20 @@ EXTRA_RULES = [  # max and min over two stages: each stage's value reported by t
 
 
 def contexts() -> dict[int, RunContext]:
-    return {r: RunContext.for_rank("bubble-run", r, tp=TP, pp=PP, dp=1, schedule=SCHEDULE, microbatches=M,
-                                   tokens_per_step=4096, hostname="test-host") for r in RANKS}
+    return {
+        r: RunContext.for_rank(
+            "bubble-run",
+            r,
+            tp=TP,
+            pp=PP,
+            dp=1,
+            schedule=SCHEDULE,
+            microbatches=M,
+            tokens_per_step=4096,
+            hostname="test-host",
+        )
+        for r in RANKS
+    }
 
 
 def step_summaries(step: int) -> list[dict]:
@@ -90,10 +102,24 @@ def step_summaries(step: int) -> list[dict]:
             gv.fill_slots(slots, rank=r, stage=ctx.stage, previous=results[r], previous_step=step - 1)
             summed = [x + y for x, y in zip(summed, slots)]
         view = gv.build_global_view(summed, PP, loss=2.0)
-    return [build_summary(ctx, step=step, time=time.time(), result=results[r], loss=2.0 if ctx.stage == PP - 1 else None,
-                          collectives=[], memory_max_allocated_bytes=None, gpu=None, nvml_up=False, dropped_total=0,
-                          checkpoints=[], paused=False, global_view=view if r == 0 else None)
-            for r, ctx in ctxs.items()]
+    return [
+        build_summary(
+            ctx,
+            step=step,
+            time=time.time(),
+            result=results[r],
+            loss=2.0 if ctx.stage == PP - 1 else None,
+            collectives=[],
+            memory_max_allocated_bytes=None,
+            gpu=None,
+            nvml_up=False,
+            dropped_total=0,
+            checkpoints=[],
+            paused=False,
+            global_view=view if r == 0 else None,
+        )
+        for r, ctx in ctxs.items()
+    ]
 
 
 def expected() -> tuple[dict, dict]:
@@ -139,8 +165,12 @@ class FeedingProxy:
                 return
             self.step += 1
             summaries = step_summaries(self.step)
-            r = httpx.post(f"{self.sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries},
-                           headers=self.sp.headers, timeout=30)
+            r = httpx.post(
+                f"{self.sp.control_url}/v1/ingest",
+                json={"version": 1, "summaries": summaries},
+                headers=self.sp.headers,
+                timeout=30,
+            )
             assert r.status_code == 200, r.text
             with open(self.run_log, "a") as f:  # what the collectors' shippers write
                 f.writelines(json.dumps(s) + "\n" for s in summaries)
@@ -163,14 +193,27 @@ class FeedingProxy:
 def prometheus(tmp_path: Path, target: str, rule_files: list[Path]):
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "parwatch", "static_configs": [{"targets": [target]}]}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(p) for p in rule_files],
+                "scrape_configs": [{"job_name": "parwatch", "static_configs": [{"targets": [target]}]}],
+            }
+        )
+    )
     log_path = tmp_path / "prometheus.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         yield f"http://127.0.0.1:{port}", proc, log_path
     finally:
@@ -210,15 +253,24 @@ def test_the_five_consumers_of_the_stage_bubble_agree(tmp_path):
     rules = load_rules(rules_path)
     alerts_path = tmp_path / "alerts.yaml"
     alerts_path.write_text(render_alert_rules_yaml(rules))
-    shipped = {a["alert"]: a["expr"] for a in yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"][0]["rules"]}
+    shipped = {
+        a["alert"]: a["expr"]
+        for a in yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"][0]["rules"]
+    }
     rendered = {a["alert"]: a["expr"] for a in yaml.safe_load(alerts_path.read_text())["groups"][0]["rules"]}
     assert rendered["ParwatchBubbleExcess"] == shipped["ParwatchBubbleExcess"]
     run_dir = tmp_path / "run"
     run_dir.mkdir()
 
-    with running_sidecar(tmp_path / "state", "--rules", str(rules_path)) as sp, \
-            FeedingProxy(sp, run_dir / "summaries.jsonl") as proxy, \
-            prometheus(tmp_path, proxy.target, [ROOT / "dashboards" / "recording_rules.yaml", alerts_path]) as (prom, proc, log):
+    with (
+        running_sidecar(tmp_path / "state", "--rules", str(rules_path)) as sp,
+        FeedingProxy(sp, run_dir / "summaries.jsonl") as proxy,
+        prometheus(tmp_path, proxy.target, [ROOT / "dashboards" / "recording_rules.yaml", alerts_path]) as (
+            prom,
+            proc,
+            log,
+        ),
+    ):
         alert_names = {alert_name(r) for r in rules.rules}
 
         def everything():
@@ -229,8 +281,9 @@ def test_the_five_consumers_of_the_stage_bubble_agree(tmp_path):
             # A few steps in the rate window, every stage recorded, every bubble alert raised.
             return (proxy.step >= 5 and len(recorded) == PP and alert_names <= set(alerts)) and alerts
 
-        alerts = wait_until(everything, "Prometheus to record the stage bubble and raise every bubble alert", timeout=120,
-                            interval=0.5)
+        alerts = wait_until(
+            everything, "Prometheus to record the stage bubble and raise every bubble alert", timeout=120, interval=0.5
+        )
         recorded = per_stage(api(prom, "query", query=rec.stage_bubble()))
         recorded_excess = per_stage(api(prom, "query", query=rec.stage_bubble_excess()))
         panel = per_stage(api(prom, "query", query=panel_query("Bubble ratio per stage vs theoretical")))

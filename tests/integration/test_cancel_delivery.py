@@ -24,8 +24,11 @@ STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
 
 
 def _ingest(sp, client, step: int | None) -> dict:
-    summaries = [] if step is None else [syn.summary(r, step, global_stages=STAGES if r == 0 else None,
-                                                     checkpoints=[1]) for r in (0, 1)]
+    summaries = (
+        []
+        if step is None
+        else [syn.summary(r, step, global_stages=STAGES if r == 0 else None, checkpoints=[1]) for r in (0, 1)]
+    )
     r = client.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers)
     assert r.status_code == 200, r.text
     return r.json()
@@ -38,13 +41,17 @@ def _pause(sp, client) -> int:
 
 
 def _cancel(sp, client, did: int) -> httpx.Response:
-    return client.post(f"{sp.control_url}/v1/directives/{did}/cancel", json={"requested_by": "test"},
-                       headers=sp.headers)
+    return client.post(
+        f"{sp.control_url}/v1/directives/{did}/cancel", json={"requested_by": "test"}, headers=sp.headers
+    )
 
 
 def _handled(sp, client, did: int) -> None:
-    r = client.post(f"{sp.control_url}/v1/ingest", headers=sp.headers,
-                    json={"version": 1, "summaries": [], "outcomes": [syn.outcome(did)]})
+    r = client.post(
+        f"{sp.control_url}/v1/ingest",
+        headers=sp.headers,
+        json={"version": 1, "summaries": [], "outcomes": [syn.outcome(did)]},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -67,8 +74,11 @@ def test_cancel_before_delivery_succeeds_and_after_it_is_a_409_with_the_state(tm
 def test_cancel_raced_against_delivery_always_answers_true(tmp_path):
     """20 races of a cancel against rank 0's poll: 200 exactly when the poll did not carry it."""
     outcomes = []
-    with running_sidecar(tmp_path / "state") as sp, httpx.Client(timeout=30) as client, \
-            httpx.Client(timeout=30) as poller:
+    with (
+        running_sidecar(tmp_path / "state") as sp,
+        httpx.Client(timeout=30) as client,
+        httpx.Client(timeout=30) as poller,
+    ):
         _ingest(sp, client, 1)
         for i in range(20):
             did = _pause(sp, client)
@@ -77,7 +87,7 @@ def test_cancel_raced_against_delivery_always_answers_true(tmp_path):
 
             lag = random.Random(i).uniform(-0.004, 0.004)  # either side may go first
 
-            def poll():
+            def poll(start=start, lag=lag, got=got):
                 start.wait()
                 time.sleep(max(lag, 0.0))
                 got["reply"] = _ingest(sp, poller, None)
@@ -93,8 +103,9 @@ def test_cancel_raced_against_delivery_always_answers_true(tmp_path):
             outcomes.append(answer.status_code)
             if delivered:  # the run applies it (rank 0 reports it), then a resume, delivered and applied
                 _handled(sp, client, did)
-                resume = client.post(f"{sp.control_url}/v1/control", headers=sp.headers,
-                                     json={"action": "resume", "reason": "race"}).json()["directive_id"]
+                resume = client.post(
+                    f"{sp.control_url}/v1/control", headers=sp.headers, json={"action": "resume", "reason": "race"}
+                ).json()["directive_id"]
                 assert _ingest(sp, client, None)["directive"]["id"] == resume
                 _handled(sp, client, resume)
         decisions = client.get(f"{sp.control_url}/v1/decisions", headers=sp.headers).json()

@@ -18,8 +18,15 @@ pytestmark = pytest.mark.integration
 def parwatch(*args: str, env: dict | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "parwatch.cli.main", *args], capture_output=True, text=True,
-                          env=child_env, stdin=subprocess.DEVNULL, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "parwatch.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def without_token() -> dict:
@@ -51,8 +58,11 @@ def sidecar_with_token(tmp_path_factory):
 def test_wrong_token_from_a_file(sidecar_with_token, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("not-the-token\n")
-    line = one_line_error(parwatch("pause", "--endpoint", sidecar_with_token.control_url,
-                                   "--token-file", str(token_file), env=without_token()))
+    line = one_line_error(
+        parwatch(
+            "pause", "--endpoint", sidecar_with_token.control_url, "--token-file", str(token_file), env=without_token()
+        )
+    )
     assert "401" in line and "token" in line
     assert "--token-file" in line and "PARWATCH_TOKEN" in line  # the fix
 
@@ -72,8 +82,9 @@ def test_right_token_from_the_environment_or_a_file(sidecar_with_token, tmp_path
     assert "rule nonfinite-loss: ok" in result.stdout
     token_file = tmp_path / "token"
     token_file.write_text("the-right-token\n")
-    result = parwatch("decisions", "--endpoint", sidecar_with_token.control_url, "--token-file", str(token_file),
-                      env=without_token())
+    result = parwatch(
+        "decisions", "--endpoint", sidecar_with_token.control_url, "--token-file", str(token_file), env=without_token()
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "no decisions yet"
 
@@ -99,8 +110,17 @@ def test_invalid_rules_name_file_line_and_field(tmp_path):
 def test_sidecar_refuses_invalid_rules_in_one_line(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text(BAD_RULES)
-    result = parwatch("sidecar", "--rules", str(rules), "--state-dir", str(tmp_path / "state"),
-                      "--metrics-listen", f"127.0.0.1:{free_port()}", "--control-listen", f"127.0.0.1:{free_port()}")
+    result = parwatch(
+        "sidecar",
+        "--rules",
+        str(rules),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--metrics-listen",
+        f"127.0.0.1:{free_port()}",
+        "--control-listen",
+        f"127.0.0.1:{free_port()}",
+    )
     line = one_line_error(result)
     assert f"{rules}:6:" in line and "for_stepz" in line
 
@@ -110,8 +130,15 @@ def test_metrics_port_in_use(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = parwatch("sidecar", "--state-dir", str(tmp_path / "state"), "--metrics-listen", f"127.0.0.1:{port}",
-                          "--control-listen", f"127.0.0.1:{free_port()}")
+        result = parwatch(
+            "sidecar",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+            "--control-listen",
+            f"127.0.0.1:{free_port()}",
+        )
     line = one_line_error(result)
     assert f"port {port}" in line and "in use" in line and "--metrics-listen" in line
 

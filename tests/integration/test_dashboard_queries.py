@@ -37,13 +37,31 @@ RECORDING_RULES = Path(__file__).resolve().parents[2] / "dashboards" / "recordin
 START_TIMEOUT_S = 60
 
 RANKS = {0: 0, 1: 0, 2: 1, 3: 1}  # rank -> stage (tp=2, pp=2)
-OPS = [("all_reduce", "tp"), ("all_gather", "tp"), ("reduce_scatter", "tp"), ("send", "pp"), ("recv", "pp"),
-       ("all_reduce", "dp"), ("broadcast", "dp")]
+OPS = [
+    ("all_reduce", "tp"),
+    ("all_gather", "tp"),
+    ("reduce_scatter", "tp"),
+    ("send", "pp"),
+    ("recv", "pp"),
+    ("all_reduce", "dp"),
+    ("broadcast", "dp"),
+]
 RULES = [r["name"] for r in yaml.safe_load(dash.DEFAULT_RULES.read_text())["rules"]]
 LABEL_VALUES = {
-    "run_id": ["demo-1"], "schedule": ["1f1b"], "tp": ["2"], "pp": ["2"], "dp": ["1"], "microbatches": ["4"],
-    "version": ["0.1.0"], "rule": RULES, "action": ["alert", "rollback"],
-    "op": ["send"], "group": ["pp"], "reason": ["remote"], "cause": ["slow-link"], "post": ["digest"],
+    "run_id": ["demo-1"],
+    "schedule": ["1f1b"],
+    "tp": ["2"],
+    "pp": ["2"],
+    "dp": ["1"],
+    "microbatches": ["4"],
+    "version": ["0.1.0"],
+    "rule": RULES,
+    "action": ["alert", "rollback"],
+    "op": ["send"],
+    "group": ["pp"],
+    "reason": ["remote"],
+    "cause": ["slow-link"],
+    "post": ["digest"],
 }
 
 
@@ -86,7 +104,10 @@ class RealisticRun(Collector):
             elif m.kind == "counter":
                 fam = CounterMetricFamily(m.name, m.name, labels=names)
                 for i, ls in enumerate(sets):
-                    fam.add_metric([ls[k] for k in names], t * (1000.0 if "bytes" in m.name or "tokens" in m.name else 0.1) * (i + 1))
+                    fam.add_metric(
+                        [ls[k] for k in names],
+                        t * (1000.0 if "bytes" in m.name or "tokens" in m.name else 0.1) * (i + 1),
+                    )
             elif m.kind == "histogram":
                 fam = HistogramMetricFamily(m.name, m.name, labels=names)
                 edges, mean = (STEP_BUCKETS, 0.5) if "step" in m.name else (COLLECTIVE_BUCKETS, 0.002)
@@ -108,10 +129,19 @@ class RealisticRun(Collector):
         if name == "parwatch_rank_up":
             return 0.0 if i == 2 else 1.0  # the rank that is hung has stopped reporting
         if name.endswith("_ratio"):
-            return {"parwatch_pipeline_skew_ratio": 1.1, "parwatch_stage_bubble_theoretical_ratio": 0.2}.get(name, 0.2 + 0.01 * i)
-        return {"parwatch_loss": 2.3, "parwatch_run_paused": 0.0, "parwatch_hang_detected": 1.0, "parwatch_nvml_up": 1.0, "parwatch_rank_up": 1.0,
-                "parwatch_gpu_power_watts": 420.0, "parwatch_gpu_temperature_celsius": 61.0,
-                "parwatch_gpu_sm_clock_hertz": 1.98e9}.get(name, 4.0e10 + i)
+            return {"parwatch_pipeline_skew_ratio": 1.1, "parwatch_stage_bubble_theoretical_ratio": 0.2}.get(
+                name, 0.2 + 0.01 * i
+            )
+        return {
+            "parwatch_loss": 2.3,
+            "parwatch_run_paused": 0.0,
+            "parwatch_hang_detected": 1.0,
+            "parwatch_nvml_up": 1.0,
+            "parwatch_rank_up": 1.0,
+            "parwatch_gpu_power_watts": 420.0,
+            "parwatch_gpu_temperature_celsius": 61.0,
+            "parwatch_gpu_sm_clock_hertz": 1.98e9,
+        }.get(name, 4.0e10 + i)
 
 
 def free_port() -> int:
@@ -136,7 +166,11 @@ def wait_for_scrapes(base, n, proc):
         try:
             # Recorded rates need two scrapes, then n evaluations of the recording rules.
             res = api(base, "query", query="count_over_time(job:parwatch_tokens:rate1m[1m])")
-            if res["status"] == "success" and res["data"]["result"] and float(res["data"]["result"][0]["value"][1]) >= n:
+            if (
+                res["status"] == "success"
+                and res["data"]["result"]
+                and float(res["data"]["result"][0]["value"][1]) >= n
+            ):
                 return
         except OSError:
             pass  # not listening yet
@@ -153,16 +187,23 @@ def prometheus(tmp_path_factory):
     registry.register(RealisticRun())
     target_port = free_port()
     server, thread = start_http_server(target_port, addr="127.0.0.1", registry=registry)
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "rule_files": [str(RECORDING_RULES)],
-              "scrape_configs": [{"job_name": "parwatch", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}]}
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RECORDING_RULES)],
+        "scrape_configs": [{"job_name": "parwatch", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+    }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(tmp / "prometheus.log", "wb")
     proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            PROMETHEUS,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         base = f"http://127.0.0.1:{port}"

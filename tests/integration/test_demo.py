@@ -44,9 +44,15 @@ def default_sigint():
 
 
 def start_demo(run_dir: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(demo_argv(run_dir, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, env=child_env(),
-                            preexec_fn=default_sigint)  # noqa: PLW1509 - it only resets a signal
+    return subprocess.Popen(
+        demo_argv(run_dir, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=child_env(),
+        preexec_fn=default_sigint,
+    )  # noqa: PLW1509 - it only resets a signal
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -94,7 +100,7 @@ def proc_stat(pid: int) -> list[str] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2:].split()
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def process_tree(root: int) -> dict[int, str]:
@@ -222,8 +228,9 @@ def test_straggler_scenario_records_a_stage_skew_decision(run_dir):
     assert "stage-skew" in out
 
 
-def interrupt_and_check(run_dir: Path, proc: subprocess.Popen, sig: int, expected_code: int,
-                        with_summaries: bool = True) -> str:
+def interrupt_and_check(
+    run_dir: Path, proc: subprocess.Popen, sig: int, expected_code: int, with_summaries: bool = True
+) -> str:
     tree = process_tree(proc.pid)
     # sidecar + trainer launcher + 4 ranks at least: the ranks are what a careless stop leaves behind
     assert len(tree) >= 6, tree
@@ -260,9 +267,11 @@ def test_sigterm_stops_every_process_too(run_dir):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
 def test_stop_all_kills_a_group_whose_leader_ignores_sigterm(tmp_path):
     # The leader ignores SIGTERM and has a child of its own: after the grace period both die.
-    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-              "print('ready', flush=True); time.sleep(120)")
+    script = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
     child = Child("stubborn", [sys.executable, "-c", script], tmp_path / "stubborn.log")
     deadline = time.monotonic() + 60
     while len(live_group_members(child.proc.pid)) < 2 and time.monotonic() < deadline:

@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def _ingest(sp, step: int) -> dict:
     stages = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
     summaries = [syn.summary(r, step, global_stages=stages if r == 0 else None, checkpoints=[1]) for r in (0, 1)]
-    r = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers,
-                   timeout=30)
+    r = httpx.post(
+        f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers, timeout=30
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -32,12 +33,18 @@ def _ingest(sp, step: int) -> dict:
 def test_a_skip_count_the_trainer_would_refuse_is_a_422(tmp_path):
     with running_sidecar(tmp_path / "state") as sp:
         _ingest(sp, 1)
-        for field, value in (("skip_batches", MAX_STEP), ("to_step", MAX_STEP), ("skip_batches", 2 ** 60)):
-            r = httpx.post(f"{sp.control_url}/v1/control", headers=sp.headers,
-                           json={"action": "rollback", field: value, "reason": "test"})
+        for field, value in (("skip_batches", MAX_STEP), ("to_step", MAX_STEP), ("skip_batches", 2**60)):
+            r = httpx.post(
+                f"{sp.control_url}/v1/control",
+                headers=sp.headers,
+                json={"action": "rollback", field: value, "reason": "test"},
+            )
             assert r.status_code == 422 and field in r.text, r.text
-        r = httpx.post(f"{sp.control_url}/v1/control", headers=sp.headers,
-                       json={"action": "rollback", "skip_batches": MAX_STEP - 1, "reason": "the largest"})
+        r = httpx.post(
+            f"{sp.control_url}/v1/control",
+            headers=sp.headers,
+            json={"action": "rollback", "skip_batches": MAX_STEP - 1, "reason": "the largest"},
+        )
         assert r.status_code == 200, r.text
         directive = _ingest(sp, 2)["directive"]
         assert parse_directive(directive).skip_batches == MAX_STEP - 1
@@ -46,8 +53,17 @@ def test_a_skip_count_the_trainer_would_refuse_is_a_422(tmp_path):
 def test_a_directive_id_past_2_53_in_the_log_does_not_block_later_directives(tmp_path):
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
-    forged = {"type": "decision", "id": 2 ** 60, "time": 1.0, "step": 1, "rule": "operator", "action": "pause",
-              "source": "operator", "reason": "forged", "directive_id": 2 ** 60}
+    forged = {
+        "type": "decision",
+        "id": 2**60,
+        "time": 1.0,
+        "step": 1,
+        "rule": "operator",
+        "action": "pause",
+        "source": "operator",
+        "reason": "forged",
+        "directive_id": 2**60,
+    }
     (state / "decisions.jsonl").write_text(json.dumps(forged) + "\n")
     with running_sidecar(state) as sp:
         _ingest(sp, 1)

@@ -35,8 +35,14 @@ HOLD_S = 2.5  # how long the test watches a paused run for steps that should not
 
 def parwatch_cli(*args: str) -> dict:
     """Run `parwatch ARGS --json` as a subprocess; its JSON answer."""
-    done = subprocess.run([sys.executable, "-m", "parwatch.cli.main", *args, "--json"], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "parwatch.cli.main", *args, "--json"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)
 
@@ -61,9 +67,20 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
     token_file.chmod(0o600)  # the sidecar refuses a token file others can read
     state = tmp_path / "state"
     steps = 60
-    with running_sidecar(state, "--token-file", str(token_file)) as sp, \
-            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
-                            "--parwatch-token-file", str(token_file)) as run:
+    with (
+        running_sidecar(state, "--token-file", str(token_file)) as sp,
+        running_trainer(
+            sp.control_url,
+            tmp_path / "run",
+            steps,
+            *SMALL_MODEL,
+            "--pp",
+            "2",
+            *synthetic(5, 10),
+            "--parwatch-token-file",
+            str(token_file),
+        ) as run,
+    ):
         control = Control(sp.control_url, TOKEN)
         wait_until(lambda: (control.status()["last_step"] or 0) >= 3, "the run's first steps at the sidecar")
 
@@ -98,30 +115,49 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
         assert status["paused"] is True and run.proc.poll() is None
         assert metric_value(sp.metrics_url, "parwatch_run_paused") == 1
         assert metric_value(sp.metrics_url, "parwatch_train_step") == paused_at
-        print(f"\npause: decided on the sidecar's view of step {decision['step']}, every rank held at "
-              f"step {paused_at}; {applied['time'] - decision['time']:.2f} s from the decision to every rank's "
-              f"acknowledgement, {latency_s:.2f} s from starting the CLI")
+        print(
+            f"\npause: decided on the sidecar's view of step {decision['step']}, every rank held at "
+            f"step {paused_at}; {applied['time'] - decision['time']:.2f} s from the decision to every rank's "
+            f"acknowledgement, {latency_s:.2f} s from starting the CLI"
+        )
 
         resumed = parwatch_cli("resume", "--reason", "e2e: go on", *cli)
         summary = run.wait()
         assert resumed["action"] == "resume" and resumed["directive_id"] > decision["directive_id"]
 
-    assert [(a["action"], a["step"]) for a in summary["directives_applied"]] == [("pause", paused_at),
-                                                                              ("resume", paused_at)]
+    assert [(a["action"], a["step"]) for a in summary["directives_applied"]] == [
+        ("pause", paused_at),
+        ("resume", paused_at),
+    ]
     assert summary["steps_completed"] == steps
     assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"])
     assert [s for s, _ in summary["loss_history"]] == list(range(1, steps + 1))  # continued from the pause
     (applied_resume,) = [a for a in applied_records(state) if a["directive_id"] == resumed["directive_id"]]
     assert every_rank(applied_resume) and applied_resume["step"] == paused_at
-    assert [(d["action"], d["source"]) for d in operator_decisions(state)] == [("pause", "operator"),
-                                                                               ("resume", "operator")]
+    assert [(d["action"], d["source"]) for d in operator_decisions(state)] == [
+        ("pause", "operator"),
+        ("resume", "operator"),
+    ]
 
 
 def test_operator_rollback_to_step_loads_that_checkpoint_on_every_rank(tmp_path):
     state, steps, target = tmp_path / "state", 50, 4
-    with running_sidecar(state) as sp, \
-            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
-                            "--keep-checkpoints", "0", *token_args(sp), checkpoint_every=2) as run:
+    with (
+        running_sidecar(state) as sp,
+        running_trainer(
+            sp.control_url,
+            tmp_path / "run",
+            steps,
+            *SMALL_MODEL,
+            "--pp",
+            "2",
+            *synthetic(5, 10),
+            "--keep-checkpoints",
+            "0",
+            *token_args(sp),
+            checkpoint_every=2,
+        ) as run,
+    ):
         control = Control(sp.control_url, sp.token)
         wait_until(lambda: (control.status()["last_step"] or 0) >= 8, "step 8 at the sidecar (checkpoints 2..8)")
         with SidecarClient(sp.control_url, sp.token) as client:
@@ -153,9 +189,22 @@ def test_a_rollback_replaying_3x_the_hang_bound_with_hang_abort_completes(tmp_pa
     Here the bound is 3 s (activity is sampled once a second: three reports per bound) and the replay
     lasts over 9 s: the run completes, no hang is recorded."""
     state, steps, target = tmp_path / "state", 160, 12
-    with running_sidecar(state, "--hang-min-seconds", "3", "--hang-abort") as sp, \
-            running_trainer(sp.control_url, tmp_path / "run", steps, *SMALL_MODEL, "--pp", "2", *synthetic(5, 10),
-                            "--keep-checkpoints", "0", *token_args(sp), checkpoint_every=12) as run:
+    with (
+        running_sidecar(state, "--hang-min-seconds", "3", "--hang-abort") as sp,
+        running_trainer(
+            sp.control_url,
+            tmp_path / "run",
+            steps,
+            *SMALL_MODEL,
+            "--pp",
+            "2",
+            *synthetic(5, 10),
+            "--keep-checkpoints",
+            "0",
+            *token_args(sp),
+            checkpoint_every=12,
+        ) as run,
+    ):
         control = Control(sp.control_url, sp.token)  # the sidecar knows the newest 10 checkpoints: 12..120
         wait_until(lambda: (control.status()["last_step"] or 0) >= 121, "step 121 at the sidecar", timeout=150)
         with SidecarClient(sp.control_url, sp.token) as client:

@@ -39,9 +39,20 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
     nan_step, steps, every = 6, 14, 2
     # keep every checkpoint: the default (3) with --checkpoint-every 2 would prune the target 4 at
     # step 10, and the rollback's travel time in steps depends on this machine's load.
-    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
-                               "--inject", f"nan:step={nan_step}", "--keep-checkpoints", "0",
-                               checkpoint_every=every)
+    run, summary = run_trainer(
+        sidecar.control_url,
+        tmp_path / "run",
+        steps,
+        *token_args(sidecar),
+        *SMALL_MODEL,
+        "--pp",
+        "2",
+        "--inject",
+        f"nan:step={nan_step}",
+        "--keep-checkpoints",
+        "0",
+        checkpoint_every=every,
+    )
 
     decisions = decision_records(tmp_path / "state")
     rollbacks = [d for d in decisions if d["rule"] == "nonfinite-loss"]
@@ -84,8 +95,10 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
     replay = summary["loss_history"][trainer_applied["from_step"]]
     assert replay[0] == decision["checkpoint"] + 1 and is_finite_loss(replay[1])
     assert lag >= 1
-    print(f"\nNaN at step {nan_step}: rollback applied at the boundary of step {trainer_applied['from_step']} "
-          f"({lag} steps later) to checkpoint {trainer_applied['to_step']}, skipping {trainer_applied['skip_batches']}")
+    print(
+        f"\nNaN at step {nan_step}: rollback applied at the boundary of step {trainer_applied['from_step']} "
+        f"({lag} steps later) to checkpoint {trainer_applied['to_step']}, skipping {trainer_applied['skip_batches']}"
+    )
 
     assert summary["steps_completed"] == steps
     assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"]), summary["losses"]
@@ -95,8 +108,18 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
 def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path):
     start, steps = 5, 9
     # Stage 1 computes 4 x (10 + 30 + 20) ms against stage 0's 4 x (10 + 20): skew 240/180 = 1.33.
-    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
-                               *synthetic(10, 20), "--inject", f"straggler:stage=1,ms=30,from_step={start}")
+    run, summary = run_trainer(
+        sidecar.control_url,
+        tmp_path / "run",
+        steps,
+        *token_args(sidecar),
+        *SMALL_MODEL,
+        "--pp",
+        "2",
+        *synthetic(10, 20),
+        "--inject",
+        f"straggler:stage=1,ms=30,from_step={start}",
+    )
     assert summary["steps_completed"] == steps
 
     views = {s["global"]["step"]: s["global"] for s in run.summaries(0) if s.get("global")}
@@ -134,16 +157,31 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     CPU, and the rule fired. At 20 / 40 ms the same hops are a quarter of that share.
     """
     steps = 150
-    run, summary = run_trainer(sidecar.control_url, tmp_path / "run", steps, *token_args(sidecar), *SMALL_MODEL, "--pp", "2",
-                               "--microbatches", "4", *synthetic(20, 40))
+    run, summary = run_trainer(
+        sidecar.control_url,
+        tmp_path / "run",
+        steps,
+        *token_args(sidecar),
+        *SMALL_MODEL,
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        *synthetic(20, 40),
+    )
     assert summary["steps_completed"] == steps
 
     status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
-    excess = [max(st["bubble_ratio"] for st in s["global"]["stages"]) - s["bubble_theoretical_ratio"]
-              for s in run.summaries(0) if s.get("global")]
+    excess = [
+        max(st["bubble_ratio"] for st in s["global"]["stages"]) - s["bubble_theoretical_ratio"]
+        for s in run.summaries(0)
+        if s.get("global")
+    ]
     skew = [s["global"]["pipeline_skew_ratio"] for s in run.summaries(0) if s.get("global")]
-    print(f"\nhealthy run: bubble excess median {statistics.median(excess):.3f} max {max(excess):.3f}; "
-          f"skew max {max(skew):.3f}; rules {({k: v['state'] for k, v in status['rules'].items()})}")
+    print(
+        f"\nhealthy run: bubble excess median {statistics.median(excess):.3f} max {max(excess):.3f}; "
+        f"skew max {max(skew):.3f}; rules { ({k: v['state'] for k, v in status['rules'].items()}) }"
+    )
     assert decision_records(tmp_path / "state") == []
     assert {name: rule["state"] for name, rule in status["rules"].items() if rule["state"] == "firing"} == {}
     # The guardrails did see the run: every rank's steps and rank 0's global views arrived.

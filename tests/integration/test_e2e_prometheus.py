@@ -36,15 +36,26 @@ def prometheus(tmp_path: Path, target: str):
     """Prometheus on a free loopback port scraping `target` every second; yields its URL."""
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                      "scrape_configs:\n  - job_name: parwatch\n    static_configs:\n"
-                      f"      - targets: ['{target}']\n")
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: parwatch\n    static_configs:\n"
+        f"      - targets: ['{target}']\n"
+    )
     log_path = tmp_path / "prometheus.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready():
             assert proc.poll() is None, log_path.read_text()
             with contextlib.suppress(httpx.HTTPError):
@@ -69,17 +80,32 @@ def scrape_view(url: str) -> dict:
     return {
         "step": float(step[0]["value"][1]) if step else None,
         "bubble_stages": {s["metric"]["stage"] for s in query(url, "parwatch_stage_bubble_ratio")},
-        "collectives": {(s["metric"]["group"], s["metric"]["op"])
-                        for s in query(url, 'count by (group, op) (parwatch_collective_duration_seconds_bucket)')},
+        "collectives": {
+            (s["metric"]["group"], s["metric"]["op"])
+            for s in query(url, "count by (group, op) (parwatch_collective_duration_seconds_bucket)")
+        },
     }
 
 
 def test_prometheus_scrapes_the_sidecar_during_a_real_run(tmp_path):
     steps = 60
-    with running_sidecar(tmp_path / "state") as sp, \
-            prometheus(tmp_path, sp.metrics_url.removeprefix("http://")) as prom, \
-            running_trainer(sp.control_url, tmp_path / "run", steps, *token_args(sp), *SMALL_MODEL, "--tp", "2", "--pp", "2",
-                            *synthetic(5, 10), nproc=4) as run:
+    with (
+        running_sidecar(tmp_path / "state") as sp,
+        prometheus(tmp_path, sp.metrics_url.removeprefix("http://")) as prom,
+        running_trainer(
+            sp.control_url,
+            tmp_path / "run",
+            steps,
+            *token_args(sp),
+            *SMALL_MODEL,
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            *synthetic(5, 10),
+            nproc=4,
+        ) as run,
+    ):
         during = []  # Prometheus' answers while the trainer was still running
         while run.proc.poll() is None:
             view = scrape_view(prom)
@@ -108,4 +134,6 @@ def test_prometheus_scrapes_the_sidecar_during_a_real_run(tmp_path):
     assert all(0.0 < ratio < 1.0 for _, ratio in by_rank.values()), by_rank
     counts = {(s["metric"]["group"], s["metric"]["op"]): float(s["value"][1]) for s in buckets}
     assert counts[("tp", "all_reduce")] > 0 and counts[("pp", "send")] > 0 and counts[("pp", "recv")] > 0, counts
-    print(f"\nPrometheus during the run: steps seen {[v['step'] for v in seen]} ({len(during)} polls); collective counts {counts}")
+    print(
+        f"\nPrometheus during the run: steps seen {[v['step'] for v in seen]} ({len(during)} polls); collective counts {counts}"
+    )

@@ -18,11 +18,16 @@ print("RESULT " + json.dumps(result))
 
 
 def test_the_pipelining_section_runs_watched_and_unwatched_steps_and_resolves_every_span():
-    proc = subprocess.run([sys.executable, "-c", PROGRAM], cwd=os.path.join(ROOT, "benchmarks"),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROGRAM],
+        cwd=os.path.join(ROOT, "benchmarks"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["clock"] == "PerfCounterClock"  # CudaClock on a GPU
     assert result["summaries"] == 4 and result["unresolved_spans"] == 0 and result["errors"] == 0
     assert result["steps_per_mode"] == 2  # 4 pairs, the first 2 dropped

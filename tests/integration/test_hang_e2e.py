@@ -31,16 +31,27 @@ def _findings(state_dir, *rules):
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize("where", [pytest.param(w, marks=[] if w == "compute" else [pytest.mark.slow])
-                                   for w in sorted(PLACES)])
+@pytest.mark.parametrize(
+    "where", [pytest.param(w, marks=[] if w == "compute" else [pytest.mark.slow]) for w in sorted(PLACES)]
+)
 def test_hang_is_named_within_the_bound(tmp_path, where):
     flags, rank, stage, kind = PLACES[where]
     nproc = 4 if "--tp" in flags else 2
     with running_sidecar(tmp_path / "state") as sidecar:
-        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), *flags, *token_args(sidecar),
-                             "--inject", f"hang:rank={rank},step={HANG_STEP},where={where}", nproc=nproc) as run:
-            [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone"), "a hang finding",
-                                  timeout=150)
+        with running_trainer(
+            sidecar.control_url,
+            tmp_path / "run",
+            1000,
+            *synthetic(2, 4),
+            *flags,
+            *token_args(sidecar),
+            "--inject",
+            f"hang:rank={rank},step={HANG_STEP},where={where}",
+            nproc=nproc,
+        ) as run:
+            [record] = wait_until(
+                lambda: _findings(tmp_path / "state", "hang", "rank-gone"), "a hang finding", timeout=150
+            )
             assert run.proc.poll() is None  # the ranks are alive and stuck, not gone
             blocked_at = run.hang_blocked_at()
             status = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
@@ -66,11 +77,22 @@ def test_hang_is_named_within_the_bound(tmp_path, where):
 def test_crash_is_told_from_a_hang(tmp_path):
     with running_sidecar(tmp_path / "state") as sidecar:
         # Stage 1 slow: rank 0 spends its time waiting on rank 1, as a real pipeline's idle stage does.
-        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), "--pp", "2",
-                             *token_args(sidecar),
-                             "--inject", "straggler:stage=1,ms=300", "--inject", "crash:rank=1,step=4") as run:
-            [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1],
-                                  "a rank-gone finding", timeout=120)
+        with running_trainer(
+            sidecar.control_url,
+            tmp_path / "run",
+            1000,
+            *synthetic(2, 4),
+            "--pp",
+            "2",
+            *token_args(sidecar),
+            "--inject",
+            "straggler:stage=1,ms=300",
+            "--inject",
+            "crash:rank=1,step=4",
+        ) as run:
+            [record] = wait_until(
+                lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1], "a rank-gone finding", timeout=120
+            )
             run.proc.wait(60)
             crashed_at = run.fault_at()
             time.sleep(BOUND_S + REPORT_SLACK_S)  # long enough for a (wrong) hang finding to show up
@@ -91,10 +113,20 @@ def test_a_crash_by_exception_is_crashed_not_done(tmp_path):
     (the trainer's `finally` closed the observer as after a clean end): no rank-gone, no decision.
     Now it says `crashed`, with its exception, and rank-gone names it within 5 s."""
     with running_sidecar(tmp_path / "state") as sidecar:
-        with running_trainer(sidecar.control_url, tmp_path / "run", 1000, *synthetic(2, 4), "--pp", "2",
-                             *token_args(sidecar), "--inject", "raise:rank=1,step=4") as run:
-            [record] = wait_until(lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1],
-                                  "a rank-gone finding", timeout=120)
+        with running_trainer(
+            sidecar.control_url,
+            tmp_path / "run",
+            1000,
+            *synthetic(2, 4),
+            "--pp",
+            "2",
+            *token_args(sidecar),
+            "--inject",
+            "raise:rank=1,step=4",
+        ) as run:
+            [record] = wait_until(
+                lambda: _findings(tmp_path / "state", "hang", "rank-gone")[:1], "a rank-gone finding", timeout=120
+            )
             code = run.proc.wait(60)
             raised_at = run.fault_at()
             output = run.output()

@@ -33,8 +33,14 @@ CONFIGS = {
     "trainjob": [CHART / "ci" / "trainjob-values.yaml"],
 }
 CRD_GROUPS = ("monitoring.coreos.com/", "trainer.kubeflow.org/")
-STANDARD_LABELS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
-                   "app.kubernetes.io/component", "app.kubernetes.io/managed-by", "helm.sh/chart"}
+STANDARD_LABELS = {
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+}
 SELECTOR = {"app.kubernetes.io/name": "parwatch", "app.kubernetes.io/instance": RELEASE}
 
 
@@ -122,8 +128,8 @@ def test_chart_alerts_are_the_rendered_alerts():
 
 def test_chart_recording_rules_are_the_rendered_recording_rules():
     assert (CHART / "files" / "recording_rules.yaml").read_bytes() == (
-        ROOT / "dashboards" / "recording_rules.yaml").read_bytes(), (
-        "copy dashboards/recording_rules.yaml to helm/parwatch/files/recording_rules.yaml")
+        ROOT / "dashboards" / "recording_rules.yaml"
+    ).read_bytes(), "copy dashboards/recording_rules.yaml to helm/parwatch/files/recording_rules.yaml"
 
 
 def test_values_schema_closes_every_object():
@@ -168,11 +174,19 @@ def test_trainingruntime_templates_validate_as_job_and_pod(rendered):
     (rt,) = of_kind(rendered["trainjob"], "TrainingRuntime")
     for rj in rt["spec"]["template"]["spec"]["replicatedJobs"]:
         job_spec = rj["template"]["spec"]
-        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"]},
-               "spec": {**job_spec, "template": job_spec["template"]}}
+        job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": rj["name"]},
+            "spec": {**job_spec, "template": job_spec["template"]},
+        }
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": job_spec["template"]["metadata"],
-               "spec": {**job_spec["template"]["spec"], "restartPolicy": "Never"}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": job_spec["template"]["metadata"],
+            "spec": {**job_spec["template"]["spec"], "restartPolicy": "Never"},
+        }
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
@@ -251,7 +265,7 @@ def test_control_stays_on_loopback_behind_a_generated_token(rendered):
     docs = rendered["default"]
     (secret,) = of_kind(docs, "Secret")
     assert set(secret["data"]) == {"token"} and len(base64.b64decode(secret["data"]["token"])) == 48
-    for where, pod in pod_specs(docs):
+    for _where, pod in pod_specs(docs):
         sc = container(pod, "parwatch-sidecar", init=True)
         assert "--control-listen=127.0.0.1:9401" in sc["args"]
         # By environment: the sidecar refuses group-readable token files, and fsGroup makes mounted ones so.
@@ -294,7 +308,7 @@ def test_own_trainer_gets_the_endpoint_by_environment_only(helm):
 @pytest.mark.parametrize("config", ["all-features", "trainjob"])
 def test_exposed_control_uses_the_token_secret(rendered, config):
     docs = rendered[config]
-    for where, pod in pod_specs(docs):
+    for _where, pod in pod_specs(docs):
         sc = container(pod, "parwatch-sidecar", init=True)
         assert "--control-listen=0.0.0.0:9401" in sc["args"]
         token_file = "/var/run/secrets/parwatch/token"
@@ -314,7 +328,7 @@ def test_exposed_control_uses_the_token_secret(rendered, config):
 def test_exposing_control_without_a_token_of_yours_uses_the_generated_one(helm):
     docs = render(helm, sets=["sidecar.exposeControl=true"])
     (secret,) = of_kind(docs, "Secret")
-    for where, pod in pod_specs(docs):
+    for _where, pod in pod_specs(docs):
         assert token_env(container(pod, "parwatch-sidecar", init=True))["name"] == secret["metadata"]["name"]
 
 
@@ -323,7 +337,9 @@ def test_rules_configmap_defaults_to_the_packaged_rules_and_accepts_a_file(helm,
     packaged = (ROOT / "parwatch" / "sidecar" / "default_rules.yaml").read_text()
     assert yaml.safe_load(cm["data"]["rules.yaml"]) == yaml.safe_load(packaged)
     custom = tmp_path / "rules.yaml"
-    custom.write_text("version: 1\nrules:\n  - {name: stage-skew, metric: pipeline_skew_ratio, above: 1.5, action: alert}\n")
+    custom.write_text(
+        "version: 1\nrules:\n  - {name: stage-skew, metric: pipeline_skew_ratio, above: 1.5, action: alert}\n"
+    )
     proc = run_helm(helm, "template", RELEASE, CHART, "--set-file", f"sidecar.rules.content={custom}")
     assert proc.returncode == 0, proc.stderr
     (cm,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "ConfigMap"]
@@ -333,14 +349,17 @@ def test_rules_configmap_defaults_to_the_packaged_rules_and_accepts_a_file(helm,
 # --- the schema catches typos -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("setting,complaint", [
-    ("sidecar.metricPort=9400", "metricPort"),  # misspelt sidecar.metricsPort
-    ("monitoring.podMonitor.enable=true", "enable"),
-    ("workload.kind=PyTorchJob", "kind"),
-    ("training.nnodes=0", "nnodes"),
-    ("monitoring.agentConfig.remoteWrite[0].url=victoria:8428", "url"),  # no scheme
-    ("monitoring.agentConfig.scrapeInterval=often", "scrapeInterval"),
-])
+@pytest.mark.parametrize(
+    "setting,complaint",
+    [
+        ("sidecar.metricPort=9400", "metricPort"),  # misspelt sidecar.metricsPort
+        ("monitoring.podMonitor.enable=true", "enable"),
+        ("workload.kind=PyTorchJob", "kind"),
+        ("training.nnodes=0", "nnodes"),
+        ("monitoring.agentConfig.remoteWrite[0].url=victoria:8428", "url"),  # no scheme
+        ("monitoring.agentConfig.scrapeInterval=often", "scrapeInterval"),
+    ],
+)
 def test_schema_rejects_bad_values(helm, setting, complaint):
     for command in (["template", RELEASE], ["lint", "--strict"]):
         proc = run_helm(helm, *command, CHART, "--set", setting)
@@ -370,7 +389,7 @@ def test_indexed_job_runs_torchrun_with_rendezvous_on_pod_zero(rendered):
     assert f"--master-addr={master}" in args and "--master-port=29500" in args
     user_args = yaml.safe_load(CONFIGS["all-features"][0].read_text())["training"]["args"]
     m = args.index("-m")
-    assert args[m + 1:m + 3 + len(user_args)] == ["parwatch", "train", *user_args]
+    assert args[m + 1 : m + 3 + len(user_args)] == ["parwatch", "train", *user_args]
     env = {e["name"]: e for e in trainer["env"]}
     assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -399,8 +418,10 @@ def test_prometheusrule_carries_exactly_the_rendered_alert_groups(rendered, tmp_
     (rule,) = of_kind(rendered["all-features"], "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     # The alerts read recorded series: the recording group comes with them.
-    expected = (yaml.safe_load((CHART / "files" / "recording_rules.yaml").read_text())["groups"]
-                + yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"])
+    expected = (
+        yaml.safe_load((CHART / "files" / "recording_rules.yaml").read_text())["groups"]
+        + yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"]
+    )
     assert rule["spec"]["groups"] == expected
     for group in rule["spec"]["groups"]:
         assert group["name"] and group["rules"]
@@ -415,7 +436,9 @@ def test_prometheusrule_carries_exactly_the_rendered_alert_groups(rendered, tmp_
 
 
 def test_prometheusrule_can_leave_recording_to_another_evaluator(helm):
-    docs = render(helm, sets=["monitoring.prometheusRule.enabled=true", "monitoring.prometheusRule.recordingRules=false"])
+    docs = render(
+        helm, sets=["monitoring.prometheusRule.enabled=true", "monitoring.prometheusRule.recordingRules=false"]
+    )
     (rule,) = of_kind(docs, "PrometheusRule")
     assert [g["name"] for g in rule["spec"]["groups"]] == ["parwatch-guardrails"]
 
@@ -438,8 +461,9 @@ def test_rule_files_configmap_passes_promtool_and_vmalert(rendered, tmp_path):
         proc = subprocess.run([promtool, "check", "rules", *paths], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     if vmalert:  # MetricsQL is PromQL's superset, but vmalert parses every expression itself
-        proc = subprocess.run([vmalert, "-dryRun", *(f"-rule={p}" for p in paths)], capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [vmalert, "-dryRun", *(f"-rule={p}" for p in paths)], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -451,14 +475,22 @@ def test_agent_config_scrapes_this_release_and_remote_writes(rendered, tmp_path)
     config = yaml.safe_load(_configmap(docs, "-prometheus-agent")["data"]["prometheus.yml"])
     values = yaml.safe_load(CONFIGS["all-features"][0].read_text())["monitoring"]["agentConfig"]
     assert config["remote_write"] == values["remoteWrite"]
-    assert config["global"]["scrape_interval"] == "10s" and config["global"]["external_labels"] == {"cluster": "train-a"}
+    assert config["global"]["scrape_interval"] == "10s" and config["global"]["external_labels"] == {
+        "cluster": "train-a"
+    }
     (job,) = config["scrape_configs"]
     assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": [NAMESPACE]}}]
     keep = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
     selector = ";".join(SELECTOR[k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance"))
     assert keep[0]["regex"] == selector and keep[0]["source_labels"] == [
-        "__meta_kubernetes_pod_label_app_kubernetes_io_name", "__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
-    assert keep[1] == {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics", "action": "keep"}
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name",
+        "__meta_kubernetes_pod_label_app_kubernetes_io_instance",
+    ]
+    assert keep[1] == {
+        "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+        "regex": "metrics",
+        "action": "keep",
+    }
     # The port it keeps is the sidecar's, on the pods the selector picks.
     for _, pod in pod_specs(docs):
         assert "metrics" in [p["name"] for p in container(pod, "parwatch-sidecar", init=True)["ports"]]
@@ -468,8 +500,9 @@ def test_agent_config_scrapes_this_release_and_remote_writes(rendered, tmp_path)
         del job["kubernetes_sd_configs"]
         path = tmp_path / "prometheus.yml"
         path.write_text(yaml.safe_dump(dict(config, scrape_configs=[job])))
-        proc = subprocess.run([promtool, "check", "config", "--agent", str(path)], capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [promtool, "check", "config", "--agent", str(path)], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -484,8 +517,11 @@ def test_trainjob_references_its_runtime(rendered):
     (rt,) = of_kind(docs, "TrainingRuntime")
     for obj in (tj, rt):
         assert obj["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
-    assert tj["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
-                                        "name": rt["metadata"]["name"]}
+    assert tj["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+        "name": rt["metadata"]["name"],
+    }
     assert tj["spec"]["trainer"]["numNodes"] == rt["spec"]["mlPolicy"]["numNodes"] == 2
     assert tj["spec"]["trainer"]["numProcPerNode"] == 4 and tj["spec"]["suspend"] is True
     assert tj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "user-queue"

@@ -17,12 +17,16 @@ from parwatch.schema import ACTIVITY_FIELDS
 from parwatch.sidecar.process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-EXAMPLES = settings(max_examples=150, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+EXAMPLES = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 HEALTHZ_P99_S, RSS_MB = 0.100, 300.0
 
-numbers = st.one_of(st.integers(-(2**64), 2**64), st.floats(allow_nan=False, allow_infinity=False),
-                    st.sampled_from([0, 1, -1, 2**31, 2**53, 10**18, 1e308]))
+numbers = st.one_of(
+    st.integers(-(2**64), 2**64),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, 1, -1, 2**31, 2**53, 10**18, 1e308]),
+)
 scalars = st.one_of(st.none(), st.booleans(), numbers, st.text(max_size=80))
 values = st.one_of(scalars, st.lists(scalars, max_size=4), st.dictionaries(st.text(max_size=8), scalars, max_size=3))
 layouts = st.lists(st.one_of(st.integers(-2, 8), st.sampled_from([10**6, 2**40])), min_size=0, max_size=4)
@@ -34,23 +38,38 @@ def activity_bodies(draw):
     if draw(st.booleans()):  # near a real report: a small layout and a rank in it
         tp, pp, dp = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 2))
         rank = draw(st.integers(0, tp * pp * dp - 1))
-        row.update(run_id="prop", tp=tp, pp=pp, dp=dp, rank=rank, state=draw(st.sampled_from(["running", "done",
-                   "crashed", "x"])), step=draw(st.integers(-2, 10**12)), time=time.time())
+        row.update(
+            run_id="prop",
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            rank=rank,
+            state=draw(st.sampled_from(["running", "done", "crashed", "x"])),
+            step=draw(st.integers(-2, 10**12)),
+            time=time.time(),
+        )
     return {"version": draw(st.sampled_from([1, 1, 2, "1", None])), "activity": row}
 
 
 @st.composite
 def digest_bodies(draw):
     rows = draw(st.lists(st.lists(values, max_size=20), max_size=6))
-    return {"version": draw(st.sampled_from([1, 1, 0])), "node": draw(st.one_of(st.text(max_size=40), values)),
-            "run_id": draw(st.one_of(st.just("prop"), values)), "time": draw(values), "layout": draw(layouts),
-            "rows": rows}
+    return {
+        "version": draw(st.sampled_from([1, 1, 0])),
+        "node": draw(st.one_of(st.text(max_size=40), values)),
+        "run_id": draw(st.one_of(st.just("prop"), values)),
+        "time": draw(values),
+        "layout": draw(layouts),
+        "rows": rows,
+    }
 
 
 @st.composite
 def control_bodies(draw):
-    body = {"action": draw(st.one_of(st.sampled_from(["pause", "resume", "rollback"]), values)),
-            "reason": draw(st.one_of(st.text(max_size=200), values))}
+    body = {
+        "action": draw(st.one_of(st.sampled_from(["pause", "resume", "rollback"]), values)),
+        "reason": draw(st.one_of(st.text(max_size=200), values)),
+    }
     for key in ("to_step", "skip_batches", "requested_by"):
         if draw(st.booleans()):
             body[key] = draw(values)
@@ -64,8 +83,11 @@ class Watch:
         self.sp, self.client, self.healthz = sp, httpx.Client(timeout=10), []
 
     def post(self, path: str, body) -> int:
-        r = self.client.post(f"{self.sp.control_url}{path}", content=json.dumps(body), headers={
-            **self.sp.headers, "content-type": "application/json"})
+        r = self.client.post(
+            f"{self.sp.control_url}{path}",
+            content=json.dumps(body),
+            headers={**self.sp.headers, "content-type": "application/json"},
+        )
         t0 = time.perf_counter()
         assert self.client.get(f"{self.sp.control_url}/healthz").status_code == 200
         self.healthz.append(time.perf_counter() - t0)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from e2e_util import ROOT, TORCHRUN, kill_group, launch_nodes, read_jsonl, synthetic, wait_nodes, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,14 +51,24 @@ class Node:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}"
 
-    def start(self) -> "Node":
+    def start(self) -> Node:
         env = dict(os.environ, PARWATCH_TOKEN=TOKEN)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(sidecar_command(
-                "--state-dir", str(self.state_dir), "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
-                "--control-listen", f"127.0.0.1:{self.control_port}", *self.args),
-                stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                sidecar_command(
+                    "--state-dir",
+                    str(self.state_dir),
+                    "--metrics-listen",
+                    f"127.0.0.1:{self.metrics_port}",
+                    "--control-listen",
+                    f"127.0.0.1:{self.control_port}",
+                    *self.args,
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         wait_healthy(f"{self.control_url}/healthz", self.proc, 60)
         return self
 
@@ -97,8 +106,11 @@ class Node:
             for s in family.samples:
                 if s.name == name:
                     labels = s.labels
-                    key = (labels["rank"],) if "rank" in labels else \
-                        tuple(labels[k] for k in ("op", "group", "reason") if k in labels)
+                    key = (
+                        (labels["rank"],)
+                        if "rank" in labels
+                        else tuple(labels[k] for k in ("op", "group", "reason") if k in labels)
+                    )
                     out[key] = s.value
         return out
 
@@ -120,11 +132,37 @@ def torchrun_nodes(base: Path, nodes: list[Node], steps: int, *extra: str, run_i
     env = dict(os.environ, PARWATCH_TOKEN=TOKEN, TRAINER_THREADS="1")
     if run_id:
         env["PARWATCH_RUN_ID"] = run_id
-    args = [["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-             "--steps", str(steps), *synthetic(10, 20), "--pause-poll-s", "0.2",
-             "--parwatch-endpoint", node.control_url, "--parwatch-log", str(base / f"log{k}"),
-             "--checkpoint-dir", str(base / "ckpt"), "--checkpoint-every", "4", "--timeout-s", "120",
-             "--summary-json", str(base / f"summary{k}.json"), *extra] for k, node in enumerate(nodes)]
+    args = [
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+            "--steps",
+            str(steps),
+            *synthetic(10, 20),
+            "--pause-poll-s",
+            "0.2",
+            "--parwatch-endpoint",
+            node.control_url,
+            "--parwatch-log",
+            str(base / f"log{k}"),
+            "--checkpoint-dir",
+            str(base / "ckpt"),
+            "--checkpoint-every",
+            "4",
+            "--timeout-s",
+            "120",
+            "--summary-json",
+            str(base / f"summary{k}.json"),
+            *extra,
+        ]
+        for k, node in enumerate(nodes)
+    ]
     procs = launch_nodes(_outs(base, len(nodes)), args, [env] * len(nodes))
     try:
         yield procs
@@ -171,8 +209,11 @@ def cross_node_instances(base: Path, killed_at: float) -> tuple[int, int]:
 
 
 def rank_series(text: str, name: str) -> set[str]:
-    return {line.split('rank="')[1].split('"')[0] for line in text.splitlines()
-            if line.startswith(name + "{") and 'rank="' in line}
+    return {
+        line.split('rank="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith(name + "{") and 'rank="' in line
+    }
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
@@ -208,11 +249,17 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
             killed_at = time.time()
             node1.kill()
             before = max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl"))
-            wait_until(lambda: max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl")) >= before + 3,
-                       "training to go on without node 1's sidecar", 60)
+            wait_until(
+                lambda: max(s["step"] for s in read_jsonl(tmp_path / "log0" / "summaries.jsonl")) >= before + 3,
+                "training to go on without node 1's sidecar",
+                60,
+            )
             node1.start()
-            wait_until(lambda: rank_series(node1.metrics(), "parwatch_rank_up") == {"2", "3"},
-                       "node 1's ranks on its restarted sidecar", 60)
+            wait_until(
+                lambda: rank_series(node1.metrics(), "parwatch_rank_up") == {"2", "3"},
+                "node 1's ranks on its restarted sidecar",
+                60,
+            )
             promtool_clean(node1.metrics())
             finish(tmp_path, procs)
         promtool_clean(leader.metrics())
@@ -233,14 +280,19 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
 
         with contextlib.suppress(AssertionError):  # the last second's forward; the figures say what came
             wait_until(lambda: matched() >= total - lost_at_most, "the cross-node sends matched at the leader", 15)
-        figures = {"instances": total, "in dropped summaries": lost_at_most, "matched": matched(),
-                   "unmatched at the leader": {k: v for k, v in leader.samples(
-                       "parwatch_collective_unmatched_total").items() if k[:2] == pp},
-                   "node 1 unmatched": node1.samples("parwatch_collective_unmatched_total"),
-                   "transfer_s": leader.samples("parwatch_collective_transfer_seconds_sum").get(pp),
-                   "wait_s": leader.samples("parwatch_collective_wait_seconds_total"),
-                   "busbw": leader.samples("parwatch_collective_busbw_bytes_per_second").get(pp),
-                   "straggler_s": leader.samples("parwatch_rank_straggler_seconds_total")}
+        figures = {
+            "instances": total,
+            "in dropped summaries": lost_at_most,
+            "matched": matched(),
+            "unmatched at the leader": {
+                k: v for k, v in leader.samples("parwatch_collective_unmatched_total").items() if k[:2] == pp
+            },
+            "node 1 unmatched": node1.samples("parwatch_collective_unmatched_total"),
+            "transfer_s": leader.samples("parwatch_collective_transfer_seconds_sum").get(pp),
+            "wait_s": leader.samples("parwatch_collective_wait_seconds_total"),
+            "busbw": leader.samples("parwatch_collective_busbw_bytes_per_second").get(pp),
+            "straggler_s": leader.samples("parwatch_rank_straggler_seconds_total"),
+        }
         print(f"cross-node figures ({time.monotonic() - started:.1f} s to gather):", figures)
         assert total >= 16 * 90, figures  # 16 a step: m=4 each way, 2 stage pairs
         assert total - lost_at_most <= figures["matched"] <= total, figures
@@ -270,8 +322,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_a_second_run_starts_clean(tm
             finish(tmp_path, procs)
         (decision,) = [r for r in leader.records("decision") if r["action"] == "rollback"]
         assert decision["checkpoint"] == 8
-        (outcome,) = [r for r in leader.records() if r.get("directive_id") == decision["directive_id"]
-                      and r["type"] != "decision"]
+        (outcome,) = [
+            r for r in leader.records() if r.get("directive_id") == decision["directive_id"] and r["type"] != "decision"
+        ]
         assert (outcome["type"], outcome["requested_step"], outcome["loaded_step"]) == ("substituted", 8, 4)
         assert outcome["rank_count"] == 4
         assert leader.status()["pending_directive"] is None

@@ -14,16 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
-from prometheus_client.parser import text_string_to_metric_families
-
 from e2e_util import TORCHRUN, read_jsonl, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from test_multinode import HEADERS, TOKEN, Node, finish, torchrun_nodes
 
 from parwatch.cli.control import status as status_command
 from parwatch.collector.fallback import LOCAL_DECISIONS_FILE
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420),
-              pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python"),
+]
 UNREACHABLE = "parwatch_leader_unreachable_since_timestamp_seconds"
 
 
@@ -51,13 +53,23 @@ def gauge(node: Node, name: str) -> float | None:
 
 def refused(node: Node) -> dict:
     """{(post, reason): count} of parwatch_posts_refused_total on the node's /metrics."""
-    return {(s.labels["post"], s.labels["reason"]): s.value for f in text_string_to_metric_families(node.metrics())
-            for s in f.samples if s.name == "parwatch_posts_refused_total"}
+    return {
+        (s.labels["post"], s.labels["reason"]): s.value
+        for f in text_string_to_metric_families(node.metrics())
+        for s in f.samples
+        if s.name == "parwatch_posts_refused_total"
+    }
 
 
 def rank0_summary(base: Path, step: int) -> dict | None:
-    return next((s for s in read_jsonl(base / "log0" / "summaries.jsonl") if s["rank"] == 0 and s["step"] == step
-                 and s.get("timeline", 0) == 0), None)
+    return next(
+        (
+            s
+            for s in read_jsonl(base / "log0" / "summaries.jsonl")
+            if s["rank"] == 0 and s["step"] == step and s.get("timeline", 0) == 0
+        ),
+        None,
+    )
 
 
 NAN_STEP = 24
@@ -71,15 +83,21 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
     state it does not judge); the leader restarted adopts that decision and rolls back exactly once."""
     slow = f"straggler:stage=0,ms=250,from_step={NAN_STEP - 3}"  # ~1 s steps around the NaN: a kill lands before it
     with nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], NAN_STEP + 4, "--inject", f"nan:step={NAN_STEP}",
-                            "--inject", slow) as procs:
+        with torchrun_nodes(
+            tmp_path, [leader, node1], NAN_STEP + 4, "--inject", f"nan:step={NAN_STEP}", "--inject", slow
+        ) as procs:
             wait_until(lambda: (leader.status()["last_step"] or 0) >= NAN_STEP - 3, "the leader at the slow steps", 150)
             leader.kill()
             assert rank0_summary(tmp_path, NAN_STEP) is None, "killed too late: the NaN step had already run"
 
             # Node 1 says its leader is gone: status, metric and the operator's command.
-            link = wait_until(lambda: (node1.status()["leader_link"] or {}).get("unreachable_since") and
-                              node1.status()["leader_link"], "node 1 to say the leader is unreachable", 30)
+            link = wait_until(
+                lambda: (
+                    (node1.status()["leader_link"] or {}).get("unreachable_since") and node1.status()["leader_link"]
+                ),
+                "node 1 to say the leader is unreachable",
+                30,
+            )
             assert link["reachable"] is False and link["url"] == leader.control_url, link
             assert gauge(node1, UNREACHABLE) == pytest.approx(link["unreachable_since"])
             text = cli_status(node1)
@@ -87,8 +105,9 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
             assert "rule nonfinite-loss" not in text, text  # node 1 judges no rule: it must not print "ok"
 
             # Rank 0 acts on the NaN by itself: a pause every rank applies at one boundary.
-            (local,) = wait_until(lambda: read_jsonl(tmp_path / "log0" / LOCAL_DECISIONS_FILE),
-                                  "rank 0's local decision", 60)
+            (local,) = wait_until(
+                lambda: read_jsonl(tmp_path / "log0" / LOCAL_DECISIONS_FILE), "rank 0's local decision", 60
+            )
             nan = rank0_summary(tmp_path, NAN_STEP)
             assert (local["step"], local["action"], local["rule"]) == (NAN_STEP, "pause", "nonfinite-loss"), local
             assert local["time"] - nan["time"] <= ACT_WITHIN_S, (local["time"], nan["time"])
@@ -99,18 +118,26 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
 
             restarted = time.time()
             leader.start()  # same state dir and ports
-            (rolled,) = wait_until(lambda: [r for r in leader.records("applied") if r.get("action") == "rollback"],
-                                   "the returning leader's rollback applied", 90)
-            print(f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - nan['time']:.2f} s; leader "
-                  f"restarted to the rollback applied: {rolled['time'] - restarted:.2f} s")
+            (rolled,) = wait_until(
+                lambda: [r for r in leader.records("applied") if r.get("action") == "rollback"],
+                "the returning leader's rollback applied",
+                90,
+            )
+            print(
+                f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - nan['time']:.2f} s; leader "
+                f"restarted to the rollback applied: {rolled['time'] - restarted:.2f} s"
+            )
             finish(tmp_path, procs)
         decisions = leader.records("decision")
         rollbacks = [d for d in decisions if d["action"] == "rollback"]
         assert len(rollbacks) == 1, rollbacks  # one event, one rollback
         assert rollbacks[0]["rule"] == "nonfinite-loss" and rollbacks[0]["checkpoint"] == NAN_STEP - 4, rollbacks
         (adopted,) = [d for d in decisions if d.get("local")]
-        assert (adopted["source"], adopted["action"], adopted["directive_id"]) == ("rank0", "pause",
-                                                                                   local["directive_id"])
+        assert (adopted["source"], adopted["action"], adopted["directive_id"]) == (
+            "rank0",
+            "pause",
+            local["directive_id"],
+        )
         assert [r for r in leader.records("applied") if r["directive_id"] == local["directive_id"]]
         wait_until(lambda: node1.status()["leader_link"]["reachable"], "node 1 to reach the leader again", 30)
         assert gauge(node1, UNREACHABLE) == 0.0
@@ -142,8 +169,11 @@ def test_a_long_pause_and_a_hang_leave_every_rank_up_and_rank_missing_silent(tmp
             leader.control("pause", reason="a long deliberate pause")
             wait_until(lambda: leader.status()["paused"], "the pause applied", 60)
             # The leader judges the whole world: its rank_up covers node 1's ranks too.
-            wait_until(lambda: set(leader.samples("parwatch_rank_up")) == {("0",), ("1",), ("2",), ("3",)},
-                       "the leader's rank_up over all four ranks", 15)
+            wait_until(
+                lambda: set(leader.samples("parwatch_rank_up")) == {("0",), ("1",), ("2",), ("3",)},
+                "the leader's rank_up over all four ranks",
+                15,
+            )
             ends = time.monotonic() + PAUSE_S
             while time.monotonic() < ends:
                 for node, ranks in ((leader, {"0", "1", "2", "3"}), (node1, {"2", "3"})):
@@ -169,8 +199,9 @@ def test_a_node_without_leader_url_is_told_and_no_unseen_rank_is_named(tmp_path)
     token are counted where they are refused: a digest at the leader, a rank's activity at node 1."""
     with nodes(tmp_path, linked=False) as (leader, node1):
         with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "hang:rank=3,step=8,where=compute"):
-            (hang,) = wait_until(lambda: [d for d in leader.records("decision") if d["rule"] == "hang"],
-                                 "the hang", 150)
+            (hang,) = wait_until(
+                lambda: [d for d in leader.records("decision") if d["rule"] == "hang"], "the hang", 150
+            )
             evidence = hang["evidence"]
             assert evidence["culprit"] is None, hang["reason"]  # it has no rows of ranks 2 and 3
             assert evidence["points_at"]["rank"] in (2, 3) and evidence["coverage"]["ranks_seen"] == 2, evidence
@@ -209,8 +240,11 @@ def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
             killed_at = time.time()
             kill_tree(procs[1].pid)
             node1.kill()
-            (gone,) = wait_until(lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
-                                 "a finding about the lost node", 120)
+            (gone,) = wait_until(
+                lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
+                "a finding about the lost node",
+                120,
+            )
             time.sleep(12)  # a (wrong) hang finding would follow within its bound
             findings = [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")]
     assert gone["rule"] == "rank-gone", gone["reason"]

@@ -46,10 +46,30 @@ stuck_in_forward()
 
 
 def report(rank: int, step: int, pid: int, ended: float, **more) -> dict:
-    a = {"run_id": "r1", "rank": rank, "pid": pid, "host": socket.gethostname(), "stage": rank, "tp_rank": 0,
-         "dp_rank": 0, "tp": 1, "pp": 2, "dp": 1, "state": "running", "step": step, "step_seconds": 0.1,
-         "kind": "forward", "op": None, "group": None, "peer": None, "seq": None, "since": ended,
-         "time": time.time(), "step_end": ended, **more}
+    a = {
+        "run_id": "r1",
+        "rank": rank,
+        "pid": pid,
+        "host": socket.gethostname(),
+        "stage": rank,
+        "tp_rank": 0,
+        "dp_rank": 0,
+        "tp": 1,
+        "pp": 2,
+        "dp": 1,
+        "state": "running",
+        "step": step,
+        "step_seconds": 0.1,
+        "kind": "forward",
+        "op": None,
+        "group": None,
+        "peer": None,
+        "seq": None,
+        "since": ended,
+        "time": time.time(),
+        "step_end": ended,
+        **more,
+    }
     return {"version": 1, "activity": a}
 
 
@@ -111,8 +131,10 @@ def test_the_hung_rank_that_reports_for_itself_has_its_stacks_dumped(tmp_path):
     stacks = tmp_path / "stacks.txt"
     with running_sidecar(tmp_path / "state", "--hang-dump-stacks", "--hang-min-seconds", "2") as sp:
         token = sp.headers["Authorization"].split()[1]
-        rank1 = subprocess.Popen([sys.executable, "-c", RANK_1, sp.control_url, token, str(stacks),
-                                  socket.gethostname()], stdout=subprocess.PIPE)
+        rank1 = subprocess.Popen(
+            [sys.executable, "-c", RANK_1, sp.control_url, token, str(stacks), socket.gethostname()],
+            stdout=subprocess.PIPE,
+        )
         try:
             assert rank1.stdout.readline().strip() == b"ready"
             with Poster(sp, forged_rank1_pid=None):

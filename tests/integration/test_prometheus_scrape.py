@@ -22,18 +22,29 @@ STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.3)]
 
 
 def needs(binary):
-    return pytest.mark.skipif(not shutil.which(binary) and not shutil.os.path.exists(binary),
-                              reason=f"{binary} is not installed (Debian package prometheus)")
+    return pytest.mark.skipif(
+        not shutil.which(binary) and not shutil.os.path.exists(binary),
+        reason=f"{binary} is not installed (Debian package prometheus)",
+    )
 
 
 def post_step(sp, step: int) -> None:
     """One step of a 2-stage run: both ranks, rank 0 with the fast-path global view; stage 1
     computes half as long as the schedule allows, so its bubble is 0.6 against 0.2 in theory."""
-    summaries = [syn.summary(r, step, time=time.time(), checkpoints=[1] if step > 1 else [],
-                             compute_scale=0.5 if r == 1 else 1.0,
-                             global_stages=STAGES if r == 0 else None) for r in (0, 1)]
-    r = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers,
-                   timeout=10)
+    summaries = [
+        syn.summary(
+            r,
+            step,
+            time=time.time(),
+            checkpoints=[1] if step > 1 else [],
+            compute_scale=0.5 if r == 1 else 1.0,
+            global_stages=STAGES if r == 0 else None,
+        )
+        for r in (0, 1)
+    ]
+    r = httpx.post(
+        f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers, timeout=10
+    )
     assert r.status_code == 200, r.text
 
 
@@ -66,9 +77,14 @@ def prometheus(tmp_path, target: str):
     )
     log = open(tmp_path / "prometheus.log", "wb")
     proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -116,11 +132,14 @@ def test_prometheus_scrapes_and_answers_queries(sidecar, tmp_path):
             bubble = query(url, "parwatch_stage_bubble_ratio")
             assert {(s["metric"]["rank"], s["metric"]["stage"]) for s in bubble} == {("0", "0"), ("1", "1")}
             assert float(query(url, "parwatch_train_step")[0]["value"][1]) >= 4
-            excess = query(url, "max(parwatch_stage_bubble_ratio - on(stage) group_left "
-                                "max by (stage) (parwatch_stage_bubble_theoretical_ratio))")
+            excess = query(
+                url,
+                "max(parwatch_stage_bubble_ratio - on(stage) group_left "
+                "max by (stage) (parwatch_stage_bubble_theoretical_ratio))",
+            )
             assert float(excess[0]["value"][1]) == pytest.approx(0.6 - 0.2, abs=1e-9)
             assert query(url, "rate(parwatch_tokens_total[5s])"), "tokens counter has no rate"
-            assert query(url, 'histogram_quantile(0.5, sum by (le) (rate(parwatch_step_duration_seconds_bucket[5s])))')
+            assert query(url, "histogram_quantile(0.5, sum by (le) (rate(parwatch_step_duration_seconds_bucket[5s])))")
             up = query(url, 'up{job="parwatch"}')
             assert up and up[0]["value"][1] == "1"
     finally:

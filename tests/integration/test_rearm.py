@@ -23,23 +23,47 @@ NAN = {"global_loss": float("nan")}
 
 
 def _post(sp, steps, outcomes=(), **kw) -> dict:
-    summaries = [syn.summary(r, step, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
-                 for step in steps for r in (0, 1)]
-    r = httpx.post(f"{sp.control_url}/v1/ingest", headers=sp.headers, timeout=30,
-                   json={"version": 1, "summaries": summaries, "outcomes": list(outcomes)})
+    summaries = [
+        syn.summary(r, step, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
+        for step in steps
+        for r in (0, 1)
+    ]
+    r = httpx.post(
+        f"{sp.control_url}/v1/ingest",
+        headers=sp.headers,
+        timeout=30,
+        json={"version": 1, "summaries": summaries, "outcomes": list(outcomes)},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _rule_decisions(sp, rule="nonfinite-loss") -> list[dict]:
-    return [d for d in httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
-            if d.get("rule") == rule]
+    return [
+        d
+        for d in httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
+        if d.get("rule") == rule
+    ]
 
 
 def _rules(tmp_path, action: str):
     path = tmp_path / "rules.yaml"
-    path.write_text(json.dumps({"version": 1, "rules": [
-        {"name": "nonfinite-loss", "metric": "loss", "check": "finite", "action": action, "cooldown_steps": 2}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "rules": [
+                    {
+                        "name": "nonfinite-loss",
+                        "metric": "loss",
+                        "check": "finite",
+                        "action": action,
+                        "cooldown_steps": 2,
+                    }
+                ],
+            }
+        )
+    )
     return str(path)
 
 
@@ -48,8 +72,12 @@ def test_a_rule_failing_while_a_resume_is_on_its_way_pauses_the_run_again(tmp_pa
         pause = _post(sp, [1, 2, 3], **NAN)["directive"]
         assert pause["action"] == "pause"
         _post(sp, [], outcomes=[syn.outcome(pause["id"], step=3)])  # every rank paused
-        resume = httpx.post(f"{sp.control_url}/v1/control", headers=sp.headers, timeout=10,
-                            json={"action": "resume", "reason": "weights look fine"}).json()
+        resume = httpx.post(
+            f"{sp.control_url}/v1/control",
+            headers=sp.headers,
+            timeout=10,
+            json={"action": "resume", "reason": "weights look fine"},
+        ).json()
         assert resume["rearmed_rules"] == ["nonfinite-loss"]
         # The ranks resumed and train on NaN weights before rank 0's outcome of the resume arrives.
         reply = _post(sp, [4, 5, 6], **NAN)

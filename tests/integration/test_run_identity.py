@@ -17,10 +17,14 @@ STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
 
 
 def _post(sp, steps, run_id="live", **kw):
-    summaries = [syn.summary(r, step, run_id=run_id, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
-                 for step in steps for r in (0, 1)]
-    return httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries},
-                      headers=sp.headers, timeout=30)
+    summaries = [
+        syn.summary(r, step, run_id=run_id, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
+        for step in steps
+        for r in (0, 1)
+    ]
+    return httpx.post(
+        f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers, timeout=30
+    )
 
 
 def test_a_stray_summary_of_another_run_cannot_end_the_live_one(tmp_path):
@@ -43,16 +47,20 @@ def _forged(sp, rank: int, at_step: int, **change) -> httpx.Response:
             s["global"]["step"] = value
         else:
             s[key] = value
-    return httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": [s]}, headers=sp.headers,
-                      timeout=30)
+    return httpx.post(
+        f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": [s]}, headers=sp.headers, timeout=30
+    )
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"step": 2**52}, "summaries.0.step=4503599627370496 is ahead of the run"),
-    ({"global_step": 2**52}, "summaries.0.global.step=4503599627370496 is after the summary's own step"),
-    ({"timeline": 2**31}, "summaries.0.timeline=2147483648"),
-    ({"timeline": 50}, "summaries.0.timeline=50 is ahead of the run"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"step": 2**52}, "summaries.0.step=4503599627370496 is ahead of the run"),
+        ({"global_step": 2**52}, "summaries.0.global.step=4503599627370496 is after the summary's own step"),
+        ({"timeline": 2**31}, "summaries.0.timeline=2147483648"),
+        ({"timeline": 50}, "summaries.0.timeline=50 is ahead of the run"),
+    ],
+)
 def test_a_forged_step_timeline_or_view_cannot_freeze_the_live_run(tmp_path, change, field):
     """Issue 25, item 4: on 8fae0f2 one rank-0 summary with global.step 2^52 or timeline 2^31 stood as the run's
     newest view and state, and the real NaN at the next steps was never judged. Steps and timelines only move

@@ -28,10 +28,29 @@ SCHEMATHESIS = ROOT / ".tools" / "schemathesis" / "bin" / "python"
 @pytest.mark.skipif(not SCHEMATHESIS.exists(), reason="schemathesis not installed: run scripts/setup.sh test")
 def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(tmp_path):
     with running_sidecar(tmp_path / "state") as sp:
-        cmd = [str(SCHEMATHESIS), "-m", "schemathesis.cli", "run", f"{sp.control_url}/openapi.json",
-               "--header", f"Authorization: Bearer {sp.token}", "--checks", "all",
-               "--exclude-checks", "positive_data_acceptance", "--max-examples", "8", "--seed", "11",
-               "--workers", "1", "--request-timeout", "30", "--continue-on-failure", "--no-color"]
+        cmd = [
+            str(SCHEMATHESIS),
+            "-m",
+            "schemathesis.cli",
+            "run",
+            f"{sp.control_url}/openapi.json",
+            "--header",
+            f"Authorization: Bearer {sp.token}",
+            "--checks",
+            "all",
+            "--exclude-checks",
+            "positive_data_acceptance",
+            "--max-examples",
+            "8",
+            "--seed",
+            "11",
+            "--workers",
+            "1",
+            "--request-timeout",
+            "30",
+            "--continue-on-failure",
+            "--no-color",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
         log = sp.log()
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]

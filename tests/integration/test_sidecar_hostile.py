@@ -27,13 +27,20 @@ STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
 
 
 def post(sp, summaries, headers=None, **kw):
-    return httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries, **kw},
-                      headers=sp.headers if headers is None else headers, timeout=60)
+    return httpx.post(
+        f"{sp.control_url}/v1/ingest",
+        json={"version": 1, "summaries": summaries, **kw},
+        headers=sp.headers if headers is None else headers,
+        timeout=60,
+    )
 
 
 def two_rank_steps(steps, **kw):
-    return [syn.summary(r, step, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
-            for step in steps for r in (0, 1)]
+    return [
+        syn.summary(r, step, global_stages=STAGES if r == 0 else None, checkpoints=[1], **kw)
+        for step in steps
+        for r in (0, 1)
+    ]
 
 
 def metrics(sp) -> str:
@@ -65,10 +72,18 @@ def test_writes_need_the_token_the_sidecar_generated(sidecar, tmp_path):
         assert post(sidecar, forged, headers=headers).status_code == 401
         for path in ("/v1/status", "/v1/decisions"):
             assert httpx.get(f"{sidecar.control_url}{path}", headers=headers).status_code == 401
-        assert httpx.post(f"{sidecar.control_url}/v1/control", json={"action": "rollback"},
-                          headers=headers).status_code == 401
-        assert httpx.post(f"{sidecar.control_url}/v1/alerts", headers=headers,
-                          json={"version": "4", "status": "firing", "alerts": []}).status_code == 401
+        assert (
+            httpx.post(f"{sidecar.control_url}/v1/control", json={"action": "rollback"}, headers=headers).status_code
+            == 401
+        )
+        assert (
+            httpx.post(
+                f"{sidecar.control_url}/v1/alerts",
+                headers=headers,
+                json={"version": "4", "status": "firing", "alerts": []},
+            ).status_code
+            == 401
+        )
     status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers).json()
     assert status["last_step"] == 1 and status["pending_directive"] is None
 
@@ -78,10 +93,26 @@ def test_a_token_file_others_can_read_is_refused_with_the_fix(tmp_path):
     token_file.write_text("s3cret\n")
     token_file.chmod(0o644)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "parwatch.cli.main", "sidecar", "--state-dir", str(tmp_path / "s"),
-                             "--metrics-listen", f"127.0.0.1:{free_port()}", "--control-listen",
-                             f"127.0.0.1:{free_port()}", "--token-file", str(token_file)],
-                            capture_output=True, text=True, timeout=60, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parwatch.cli.main",
+            "sidecar",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--metrics-listen",
+            f"127.0.0.1:{free_port()}",
+            "--control-listen",
+            f"127.0.0.1:{free_port()}",
+            "--token-file",
+            str(token_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     lines = [x for x in result.stderr.splitlines() if x.strip()]
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert f"chmod 600 {token_file}" in lines[0] and "readable by group or others" in lines[0]
@@ -91,7 +122,7 @@ def test_a_number_beyond_float_range_is_a_422_and_metrics_stay_up(sidecar):
     assert post(sidecar, two_rank_steps([1])).status_code == 200
     for field in ("tokens", "dropped_total", "memory_max_allocated_bytes", "step", "checkpoints"):
         s = syn.summary(0, 2, checkpoints=[1])
-        s[field] = [10 ** 400] if field == "checkpoints" else 10 ** 400
+        s[field] = [10**400] if field == "checkpoints" else 10**400
         r = post(sidecar, [s])
         assert r.status_code == 422 and r.json()["detail"].startswith(f"summaries.0.{field}"), r.text
     assert sample(metrics(sidecar), "parwatch_tokens_total") == 4096  # step 1, counted once
@@ -100,12 +131,31 @@ def test_a_number_beyond_float_range_is_a_422_and_metrics_stay_up(sidecar):
 def finished(sp, run_id: str, ranks) -> None:
     """The ranks' activity reporters say they are done (as at a clean end of training)."""
     for rank in ranks:
-        activity = {"run_id": run_id, "rank": rank, "pid": 10_000 + rank, "host": "elsewhere", "stage": rank,
-                    "tp_rank": 0, "dp_rank": 0, "tp": 1, "pp": 2, "dp": 1, "state": "done", "step": 2,
-                    "step_seconds": 0.1, "kind": None, "op": None, "group": None, "peer": None, "seq": None,
-                    "since": None, "time": time.time()}
-        r = httpx.post(f"{sp.control_url}/v1/activity", json={"version": 1, "activity": activity},
-                       headers=sp.headers, timeout=30)
+        activity = {
+            "run_id": run_id,
+            "rank": rank,
+            "pid": 10_000 + rank,
+            "host": "elsewhere",
+            "stage": rank,
+            "tp_rank": 0,
+            "dp_rank": 0,
+            "tp": 1,
+            "pp": 2,
+            "dp": 1,
+            "state": "done",
+            "step": 2,
+            "step_seconds": 0.1,
+            "kind": None,
+            "op": None,
+            "group": None,
+            "peer": None,
+            "seq": None,
+            "since": None,
+            "time": time.time(),
+        }
+        r = httpx.post(
+            f"{sp.control_url}/v1/activity", json={"version": 1, "activity": activity}, headers=sp.headers, timeout=30
+        )
         assert r.status_code == 200, r.text
 
 
@@ -144,14 +194,20 @@ def test_the_worst_accepted_ingest_does_not_hold_the_event_loop(sidecar, tmp_pat
 
     ctx = multiprocessing.get_context("fork")
     stop_file, results = tmp_path / "stop", ctx.Queue()
-    probers = [ctx.Process(target=_probe_until_file, args=(f"{url}/healthz", stop_file, 0.01, results), daemon=True)
-               for url in (sidecar.control_url, sidecar.metrics_url)]
+    probers = [
+        ctx.Process(target=_probe_until_file, args=(f"{url}/healthz", stop_file, 0.01, results), daemon=True)
+        for url in (sidecar.control_url, sidecar.metrics_url)
+    ]
     for p in probers:
         p.start()
     body = worst_body(10_000)
     t0 = time.monotonic()
-    r = httpx.post(f"{sidecar.control_url}/v1/ingest", content=body, timeout=300,
-                   headers={**sidecar.headers, "content-type": "application/json"})
+    r = httpx.post(
+        f"{sidecar.control_url}/v1/ingest",
+        content=body,
+        timeout=300,
+        headers={**sidecar.headers, "content-type": "application/json"},
+    )
     t1 = time.monotonic()
     stop_file.write_text("")
     probes = [results.get(timeout=60) for _ in probers]
@@ -160,8 +216,9 @@ def test_the_worst_accepted_ingest_does_not_hold_the_event_loop(sidecar, tmp_pat
         answered_during = [d for started, d in times if t0 < started and started + d < t1]
         assert len(answered_during) >= 3, (t1 - t0, times[-5:])
     assert sample(metrics(sidecar), "parwatch_train_step") == 10_000
-    decisions = httpx.get(f"{sidecar.control_url}/v1/decisions", params={"limit": 10_000},
-                          headers=sidecar.headers).json()
+    decisions = httpx.get(
+        f"{sidecar.control_url}/v1/decisions", params={"limit": 10_000}, headers=sidecar.headers
+    ).json()
     assert decisions and (tmp_path / "state" / "decisions.jsonl").read_text().count("\n") >= len(decisions) - 1
 
 
@@ -189,14 +246,19 @@ def test_control_characters_cannot_forge_log_lines(sidecar):
         r = post(sidecar, [syn.summary(0, 1, run_id=run_id)])
         assert r.status_code == 422 and "summaries.0.run_id" in r.json()["detail"]
     log = sidecar.log()
-    assert "forged" not in log and all(line[:4].isdigit() or line.startswith(("WARNING", "INFO")) for line in
-                                       log.splitlines() if line.strip())
+    assert "forged" not in log and all(
+        line[:4].isdigit() or line.startswith(("WARNING", "INFO")) for line in log.splitlines() if line.strip()
+    )
 
 
 def test_validation_errors_are_422_as_the_openapi_document_says(sidecar):
     doc = httpx.get(f"{sidecar.control_url}/openapi.json").json()
-    for path, method in (("/v1/ingest", "post"), ("/v1/control", "post"), ("/v1/alerts", "post"),
-                         ("/v1/decisions", "get")):
+    for path, method in (
+        ("/v1/ingest", "post"),
+        ("/v1/control", "post"),
+        ("/v1/alerts", "post"),
+        ("/v1/decisions", "get"),
+    ):
         answers = doc["paths"][path][method]["responses"]
         assert answers["422"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Problem"}
         assert "400" not in answers or path == "/v1/control"  # the engine's refusal of a valid request
@@ -208,17 +270,35 @@ def test_validation_errors_are_422_as_the_openapi_document_says(sidecar):
 
 def test_a_rule_still_failing_after_an_operator_resume_acts_again(tmp_path):
     rules = tmp_path / "rules.yaml"
-    rules.write_text(json.dumps({"version": 1, "rules": [
-        {"name": "nonfinite-loss", "metric": "loss", "check": "finite", "action": "alert", "cooldown_steps": 2}]}))
+    rules.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "rules": [
+                    {
+                        "name": "nonfinite-loss",
+                        "metric": "loss",
+                        "check": "finite",
+                        "action": "alert",
+                        "cooldown_steps": 2,
+                    }
+                ],
+            }
+        )
+    )
     with running_sidecar(tmp_path / "state", "--rules", str(rules)) as sp:
         nan = dict(global_loss=float("nan"))
         assert post(sp, two_rank_steps([1, 2, 3], **nan)).status_code == 200  # fires and acts once
-        control = httpx.post(f"{sp.control_url}/v1/control", headers=sp.headers,
-                             json={"action": "resume", "reason": "weights look fine"}).json()
+        control = httpx.post(
+            f"{sp.control_url}/v1/control", headers=sp.headers, json={"action": "resume", "reason": "weights look fine"}
+        ).json()
         assert control["rearmed_rules"] == ["nonfinite-loss"]
         assert post(sp, two_rank_steps([4, 5], **nan)).status_code == 200
-        decisions = [d for d in httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers).json()
-                     if d.get("rule") == "nonfinite-loss"]
+        decisions = [
+            d
+            for d in httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers).json()
+            if d.get("rule") == "nonfinite-loss"
+        ]
     assert len(decisions) == 2, decisions
     assert decisions[1]["rearmed"] is True and decisions[1]["rearmed_by"] == control["id"]
     assert "re-armed by the operator's resume or cancel" in decisions[1]["reason"]

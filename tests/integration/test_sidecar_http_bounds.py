@@ -53,8 +53,10 @@ def _status(sock: socket.socket) -> int:
 
 def _post_head(length: int, token: str | None = None) -> bytes:
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
-    return (f"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
-            f"Content-Length: {length}\r\n\r\n").encode()
+    return (
+        f"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -95,8 +97,12 @@ def test_a_body_without_the_token_is_refused_before_it_is_read(tmp_path):
         assert grown < BODY / 1e6 * 3, (grown, answers)
         assert len(answers) == 30 and set(answers) <= {401, "ConnectionResetError", "BrokenPipeError"}, answers
         assert 401 in answers
-        r = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": [syn.summary(0, 1)]},
-                       headers=sp.headers, timeout=10)
+        r = httpx.post(
+            f"{sp.control_url}/v1/ingest",
+            json={"version": 1, "summaries": [syn.summary(0, 1)]},
+            headers=sp.headers,
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
 
 
@@ -169,8 +175,11 @@ def test_1100_slow_connections_starve_neither_healthz_nor_ingest(tmp_path):
                 for step in range(1, 4):
                     assert client.get(f"{sp.control_url}/healthz").status_code == 200
                     assert client.get(f"{sp.metrics_url}/healthz").status_code == 200
-                    r = client.post(f"{sp.control_url}/v1/ingest", headers=sp.headers,
-                                    json={"version": 1, "summaries": [syn.summary(0, step)]})
+                    r = client.post(
+                        f"{sp.control_url}/v1/ingest",
+                        headers=sp.headers,
+                        json={"version": 1, "summaries": [syn.summary(0, step)]},
+                    )
                     assert r.status_code == 200, r.text
             held = len(os.listdir(f"/proc/{sp.pid}/fd"))
             assert held < HOST_FILE_LIMIT

@@ -23,19 +23,27 @@ rules:
     above: 1.5
     action: alert
 """
-RULES_B = RULES_A + """  - name: nan-loss
+RULES_B = (
+    RULES_A
+    + """  - name: nan-loss
     metric: loss
     check: finite
     action: rollback
 """
+)
 
 
 def post_steps(url, steps, token=None):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     stages = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
     for step in steps:
-        body = {"version": 1, "summaries": [syn.summary(r, step, checkpoints=[1], time=float(step),
-                                                        global_stages=stages if r == 0 else None) for r in (0, 1)]}
+        body = {
+            "version": 1,
+            "summaries": [
+                syn.summary(r, step, checkpoints=[1], time=float(step), global_stages=stages if r == 0 else None)
+                for r in (0, 1)
+            ],
+        }
         r = httpx.post(f"{url}/v1/ingest", json=body, headers=headers, timeout=10)
         assert r.status_code == 200, r.text
 
@@ -69,21 +77,43 @@ def test_port_in_use_is_a_one_line_error(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         proc = subprocess.run(
-            sidecar_command("--state-dir", str(tmp_path), "--metrics-listen", f"127.0.0.1:{port}",
-                            "--control-listen", f"127.0.0.1:{free_port()}"),
-            capture_output=True, text=True, timeout=60, cwd=ROOT, env=CHILD_ENV,
+            sidecar_command(
+                "--state-dir",
+                str(tmp_path),
+                "--metrics-listen",
+                f"127.0.0.1:{port}",
+                "--control-listen",
+                f"127.0.0.1:{free_port()}",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=CHILD_ENV,
         )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error")]
-    assert errors == [f"Error: port {port} is already in use (--metrics-listen 127.0.0.1:{port}); stop the other "
-                      f"process or pick another port with --metrics-listen HOST:PORT"]
+    assert errors == [
+        f"Error: port {port} is already in use (--metrics-listen 127.0.0.1:{port}); stop the other "
+        f"process or pick another port with --metrics-listen HOST:PORT"
+    ]
 
 
 def test_refuses_public_control_listener_without_token(tmp_path):
     proc = subprocess.run(
-        sidecar_command("--state-dir", str(tmp_path), "--metrics-listen", f"127.0.0.1:{free_port()}",
-                        "--control-listen", f"0.0.0.0:{free_port()}"),
-        capture_output=True, text=True, timeout=60, cwd=ROOT, env=CHILD_ENV,
+        sidecar_command(
+            "--state-dir",
+            str(tmp_path),
+            "--metrics-listen",
+            f"127.0.0.1:{free_port()}",
+            "--control-listen",
+            f"0.0.0.0:{free_port()}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=CHILD_ENV,
     )
     assert proc.returncode != 0 and "no token is set" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -97,8 +127,10 @@ def test_sighup_reloads_rules_and_keeps_them_when_invalid(tmp_path):
         assert set(status()["rules"]) == {"skew"}
         rules.write_text(RULES_B.replace("finite", "finit"))
         sp.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: "parwatch_sidecar_rules_reload_failures_total 1.0"
-                 in httpx.get(f"{sp.metrics_url}/metrics").text, what="the reload failure to be counted")
+        wait_for(
+            lambda: "parwatch_sidecar_rules_reload_failures_total 1.0" in httpx.get(f"{sp.metrics_url}/metrics").text,
+            what="the reload failure to be counted",
+        )
         assert set(status()["rules"]) == {"skew"}
         assert "did you mean 'finite'" in sp.log()
         rules.write_text(RULES_B)
@@ -111,8 +143,9 @@ def test_decisions_and_pending_directive_survive_a_restart(tmp_path):
     state = tmp_path / "state"
     with running_sidecar(state) as sp:
         post_steps(sp.control_url, [1, 2], sp.token)
-        r = httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause", "reason": "before restart"},
-                       headers=sp.headers)
+        r = httpx.post(
+            f"{sp.control_url}/v1/control", json={"action": "pause", "reason": "before restart"}, headers=sp.headers
+        )
         directive_id = r.json()["directive_id"]
     with running_sidecar(state) as sp:
         status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()
@@ -120,8 +153,10 @@ def test_decisions_and_pending_directive_survive_a_restart(tmp_path):
         assert status["last_decisions"][-1]["reason"] == "before restart"
         assert status["ranks"] == {}  # the store starts empty; the engine's state does not
         summaries = [syn.summary(r, 3) for r in (0, 1)]
-        reply = httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries,
-                                                                "outcomes": [syn.outcome(directive_id, step=3)]},
-                           headers=sp.headers).json()
+        reply = httpx.post(
+            f"{sp.control_url}/v1/ingest",
+            json={"version": 1, "summaries": summaries, "outcomes": [syn.outcome(directive_id, step=3)]},
+            headers=sp.headers,
+        ).json()
         assert reply["directive"] is None
         assert httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()["paused"] is True

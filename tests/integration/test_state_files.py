@@ -19,9 +19,23 @@ RUN = "run-kept"
 
 
 def _decision(did: int, directive_id: int | None, action: str = "pause", run_id: str = RUN) -> dict:
-    return {"type": "decision", "id": did, "run_id": run_id, "time": 1.0, "step": 3, "rule": None,
-            "action": action, "source": "operator", "requested_by": "test", "enforced": True, "reason": "kept",
-            "evidence": {}, "checkpoint": None, "skip_batches": 0, "directive_id": directive_id}
+    return {
+        "type": "decision",
+        "id": did,
+        "run_id": run_id,
+        "time": 1.0,
+        "step": 3,
+        "rule": None,
+        "action": action,
+        "source": "operator",
+        "requested_by": "test",
+        "enforced": True,
+        "reason": "kept",
+        "evidence": {},
+        "checkpoint": None,
+        "skip_batches": 0,
+        "directive_id": directive_id,
+    }
 
 
 def _seed(state, **files) -> None:
@@ -55,9 +69,20 @@ def test_a_json_list_state_is_moved_aside_with_a_warning(tmp_path):
 def test_wrong_typed_fields_cost_only_themselves(tmp_path):
     state = tmp_path / "state"
     kept = {"id": 3, "action": "pause", "run_id": RUN, "to_step": None, "skip_batches": 0, "reason": "kept"}
-    _seed(state, state_json=json.dumps({"run_id": RUN, "directives": {"outstanding": [kept], "next_id": 4},
-                                        "paused": "yes", "tick": "x", "rules": [], "rearmed": 5,
-                                        "checkpoints": {"a": 1}}))
+    _seed(
+        state,
+        state_json=json.dumps(
+            {
+                "run_id": RUN,
+                "directives": {"outstanding": [kept], "next_id": 4},
+                "paused": "yes",
+                "tick": "x",
+                "rules": [],
+                "rearmed": 5,
+                "checkpoints": {"a": 1},
+            }
+        ),
+    )
     with running_sidecar(state) as sp:
         status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=5).json()
         reply = _poll(sp)
@@ -70,7 +95,7 @@ def test_wrong_typed_fields_cost_only_themselves(tmp_path):
 
 def test_a_line_that_is_not_a_record_is_skipped(tmp_path):
     state = tmp_path / "state"
-    _seed(state, decisions_jsonl="[1, 2]\n" + json.dumps(_decision(1, None, "alert")) + "\n\"text\"\n")
+    _seed(state, decisions_jsonl="[1, 2]\n" + json.dumps(_decision(1, None, "alert")) + '\n"text"\n')
     with running_sidecar(state) as sp:
         decisions = httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=5).json()
         log = sp.log()
@@ -89,10 +114,16 @@ def test_an_object_in_alerts_acted_is_moved_aside(tmp_path):
 
 def test_a_garbled_state_keeps_the_directive_the_log_records(tmp_path):
     state = tmp_path / "state"
-    log_lines = [_decision(1, 7, "pause"), _decision(2, 8, "rollback"),
-                 {"type": "applied", "directive_id": 8, "action": "rollback", "time": 2.0}]
-    _seed(state, state_json='{"run_id": "run-kept", "directives": {"outs',
-          decisions_jsonl="".join(json.dumps(r) + "\n" for r in log_lines))
+    log_lines = [
+        _decision(1, 7, "pause"),
+        _decision(2, 8, "rollback"),
+        {"type": "applied", "directive_id": 8, "action": "rollback", "time": 2.0},
+    ]
+    _seed(
+        state,
+        state_json='{"run_id": "run-kept", "directives": {"outs',
+        decisions_jsonl="".join(json.dumps(r) + "\n" for r in log_lines),
+    )
     with running_sidecar(state) as sp:
         reply = _poll(sp)
         log = sp.log()

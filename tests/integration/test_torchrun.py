@@ -27,10 +27,38 @@ def test_torchrun_ranks_train_together_under_one_run_id(tmp_path):
         pytest.skip("torchrun is not installed next to this Python")
     summary = tmp_path / "summary.json"
     proc = subprocess.run(
-        [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-         "-m", "parwatch", "train", "--pp", "2", "--steps", "3", "--layers", "2", "--hidden", "32", "--seq-len", "16",
-         "--parwatch", "on", "--parwatch-log", str(tmp_path), "--summary-json", str(summary)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "parwatch",
+            "train",
+            "--pp",
+            "2",
+            "--steps",
+            "3",
+            "--layers",
+            "2",
+            "--hidden",
+            "32",
+            "--seq-len",
+            "16",
+            "--parwatch",
+            "on",
+            "--parwatch-log",
+            str(tmp_path),
+            "--summary-json",
+            str(summary),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(summary.read_text())

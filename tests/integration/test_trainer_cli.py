@@ -20,8 +20,9 @@ TINY = ["--layers", "2", "--hidden", "32", "--seq-len", "16"]
 
 
 def _trainer(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parwatch.trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "parwatch.trainer", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 BAD = {
@@ -38,8 +39,11 @@ BAD = {
     # The trainer knows nothing of the collector: parwatch's launcher attaches it.
     "watched-alone": (["--parwatch-log", "runs/x"], "--parwatch on", "parwatch train"),
     # Checked only inside each rank today (see the report): one line per rank, after spawning.
-    "partition-method": (["--nproc", "2", "--pp", "2", "--partition", "even"], "--partition='even'",
-                         "'uniform' or 'parameters'"),
+    "partition-method": (
+        ["--nproc", "2", "--pp", "2", "--partition", "even"],
+        "--partition='even'",
+        "'uniform' or 'parameters'",
+    ),
 }
 
 

@@ -45,8 +45,10 @@ RECORDED = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
 
 missing = [name for name, path in BINARIES.items() if path is None]
 if missing:
-    pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh test: Debian packages prometheus, "
-                "victoria-metrics)", allow_module_level=True)
+    pytest.skip(
+        f"{', '.join(missing)} not installed (scripts/setup.sh test: Debian packages prometheus, victoria-metrics)",
+        allow_module_level=True,
+    )
 
 
 FEED = {"loss": 2.0}
@@ -54,13 +56,22 @@ FEED = {"loss": 2.0}
 
 
 def post_step(control_url: str, step: int, headers: dict) -> None:
-    summaries = [syn.summary(r, step, tp=TP, pp=PP, time=time.time(), checkpoints=[1] if step > 1 else [],
-                             loss=FEED["loss"],
-                             compute_scale=0.5 if r == 3 else 1.0, global_stages=STAGES if r == 0 else None)
-                 for r in range(TP * PP)]
+    summaries = [
+        syn.summary(
+            r,
+            step,
+            tp=TP,
+            pp=PP,
+            time=time.time(),
+            checkpoints=[1] if step > 1 else [],
+            loss=FEED["loss"],
+            compute_scale=0.5 if r == 3 else 1.0,
+            global_stages=STAGES if r == 0 else None,
+        )
+        for r in range(TP * PP)
+    ]
     summaries[0]["model_flops_utilization_ratio"] = 0.41
-    r = httpx.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=headers,
-                   timeout=10)
+    r = httpx.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=headers, timeout=10)
     r.raise_for_status()
 
 
@@ -127,32 +138,65 @@ def path(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(running_sidecar(tmp / "state"))
         errors = stack.enter_context(feeding(sidecar.control_url, sidecar.headers))
-        httpx.post(f"{sidecar.control_url}/v1/control", json={"action": "pause"}, headers=sidecar.headers,
-                   timeout=10)  # an action counter
+        httpx.post(
+            f"{sidecar.control_url}/v1/control", json={"action": "pause"}, headers=sidecar.headers, timeout=10
+        )  # an action counter
         # -search.latencyOffset=0s: answer with samples up to now (default: hide the newest 30 s).
         vm_log = tmp / "victoria-metrics.log"
-        vm_proc = stack.enter_context(process(
-            [BINARIES["victoria-metrics"], f"-storageDataPath={tmp / 'vm-data'}", f"-httpListenAddr=127.0.0.1:{vm_port}",
-             "-search.latencyOffset=0s", "-search.disableCache", "-loggerLevel=WARN"], vm_log))
+        vm_proc = stack.enter_context(
+            process(
+                [
+                    BINARIES["victoria-metrics"],
+                    f"-storageDataPath={tmp / 'vm-data'}",
+                    f"-httpListenAddr=127.0.0.1:{vm_port}",
+                    "-search.latencyOffset=0s",
+                    "-search.disableCache",
+                    "-loggerLevel=WARN",
+                ],
+                vm_log,
+            )
+        )
         wait_ready(f"{vm_url}/health", vm_proc, vm_log)
         agent_config = {
             "global": {"scrape_interval": "1s"},
-            "scrape_configs": [{"job_name": "parwatch",
-                                "static_configs": [{"targets": [sidecar.metrics_url.removeprefix("http://")]}]}],
-            "remote_write": [{"url": f"{vm_url}/api/v1/write",
-                              "queue_config": {"batch_send_deadline": "1s", "min_backoff": "100ms"}}],
+            "scrape_configs": [
+                {"job_name": "parwatch", "static_configs": [{"targets": [sidecar.metrics_url.removeprefix("http://")]}]}
+            ],
+            "remote_write": [
+                {"url": f"{vm_url}/api/v1/write", "queue_config": {"batch_send_deadline": "1s", "min_backoff": "100ms"}}
+            ],
         }
         (tmp / "agent.yml").write_text(yaml.safe_dump(agent_config))
         agent_log = tmp / "prometheus-agent.log"
-        agent = stack.enter_context(process(
-            [BINARIES["prometheus"], "--enable-feature=agent", f"--config.file={tmp / 'agent.yml'}",
-             f"--storage.agent.path={tmp / 'agent-wal'}", f"--web.listen-address=127.0.0.1:{agent_port}"], agent_log))
+        agent = stack.enter_context(
+            process(
+                [
+                    BINARIES["prometheus"],
+                    "--enable-feature=agent",
+                    f"--config.file={tmp / 'agent.yml'}",
+                    f"--storage.agent.path={tmp / 'agent-wal'}",
+                    f"--web.listen-address=127.0.0.1:{agent_port}",
+                ],
+                agent_log,
+            )
+        )
         wait_ready(f"http://127.0.0.1:{agent_port}/-/ready", agent, agent_log)
         vmalert_log = tmp / "vmalert.log"
-        vmalert = stack.enter_context(process(
-            [BINARIES["vmalert"], f"-rule={RECORDING_RULES}", f"-datasource.url={vm_url}", f"-remoteWrite.url={vm_url}",
-             "-evaluationInterval=1s", "-remoteWrite.flushInterval=500ms", f"-httpListenAddr=127.0.0.1:{vmalert_port}",
-             "-loggerLevel=WARN"], vmalert_log))
+        vmalert = stack.enter_context(
+            process(
+                [
+                    BINARIES["vmalert"],
+                    f"-rule={RECORDING_RULES}",
+                    f"-datasource.url={vm_url}",
+                    f"-remoteWrite.url={vm_url}",
+                    "-evaluationInterval=1s",
+                    "-remoteWrite.flushInterval=500ms",
+                    f"-httpListenAddr=127.0.0.1:{vmalert_port}",
+                    "-loggerLevel=WARN",
+                ],
+                vmalert_log,
+            )
+        )
         wait_ready(f"http://127.0.0.1:{vmalert_port}/health", vmalert, vmalert_log)
         # Recorded rates need two scrapes in VictoriaMetrics, then a few evaluations written back.
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -163,7 +207,8 @@ def path(tmp_path_factory):
                 break
             assert time.monotonic() < deadline, (
                 f"no recorded series in VictoriaMetrics after {START_TIMEOUT_S} s\n--- vmalert ---\n"
-                f"{vmalert_log.read_text()[-2000:]}\n--- agent ---\n{agent_log.read_text()[-2000:]}")
+                f"{vmalert_log.read_text()[-2000:]}\n--- agent ---\n{agent_log.read_text()[-2000:]}"
+            )
             time.sleep(0.5)
         yield vm_url, sidecar.metrics_url
 
@@ -180,8 +225,11 @@ RECORDINGS = {r.record: r.expr for r in rec.recordings()}
 
 def sources(expr: str) -> set[str]:
     """Catalogue metrics behind an expression over recorded series."""
-    return {catalog.metric(n).name for name in RECORDED.findall(expr)
-            for n in re.findall(r"\bparwatch_[a-z0-9_]+", RECORDINGS[name])}
+    return {
+        catalog.metric(n).name
+        for name in RECORDED.findall(expr)
+        for n in re.findall(r"\bparwatch_[a-z0-9_]+", RECORDINGS[name])
+    }
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +251,13 @@ ONLY_WHEN_WRONG = {rec.RANKS_NOT_RUNNING, rec.RANKS_DOWN}
 
 
 def test_the_sidecars_metrics_reached_victoriametrics_through_the_agent(exported):
-    assert {"parwatch_stage_bubble_ratio", "parwatch_step_duration_seconds", "parwatch_rank_up",
-            "parwatch_collective_duration_seconds", "parwatch_guardrail_actions_total"} <= exported
+    assert {
+        "parwatch_stage_bubble_ratio",
+        "parwatch_step_duration_seconds",
+        "parwatch_rank_up",
+        "parwatch_collective_duration_seconds",
+        "parwatch_guardrail_actions_total",
+    } <= exported
 
 
 @pytest.mark.parametrize("title,ref,expr", PANEL_QUERIES, ids=[f"{t}:{r}" for t, r, _ in PANEL_QUERIES])
@@ -233,8 +286,10 @@ def test_run_variable_lists_the_scrape_job(vm):
 def test_the_recorded_stage_bubble_is_the_bubble_modules(vm):
     """One bubble per stage, end to end: what vmalert recorded is parwatch.bubble's PromQL."""
     recorded = {r["metric"]["stage"]: float(r["value"][1]) for r in query(vm, rec.stage_bubble())["data"]["result"]}
-    raw = {r["metric"]["stage"]: float(r["value"][1])
-           for r in query(vm, bubble.promql(rec.RATE_WINDOW, ("stage",)))["data"]["result"]}
+    raw = {
+        r["metric"]["stage"]: float(r["value"][1])
+        for r in query(vm, bubble.promql(rec.RATE_WINDOW, ("stage",)))["data"]["result"]
+    }
     assert set(recorded) == {"0", "1"} and recorded == pytest.approx(raw, abs=1e-9)
     assert recorded["1"] > recorded["0"]  # rank 3 computes half as long: stage 1 idles more
 
@@ -242,10 +297,17 @@ def test_the_recorded_stage_bubble_is_the_bubble_modules(vm):
 def test_only_the_collectors_newer_metrics_are_excused_from_data(exported):
     """A panel may come back empty only for metrics the exporter does not write yet (issue 12's
     hang, straggler, transfer/wait and bubble-cause families), never for one it does."""
-    newer = {"parwatch_stage_bubble_schedule_ratio", "parwatch_stage_bubble_imbalance_ratio",
-             "parwatch_stage_bubble_wait_ratio", "parwatch_hang_detected", "parwatch_rank_state",
-             "parwatch_collective_transfer_seconds", "parwatch_collective_wait_seconds_total",
-             "parwatch_rank_straggler_seconds_total", "parwatch_collective_unmatched_total"}
+    newer = {
+        "parwatch_stage_bubble_schedule_ratio",
+        "parwatch_stage_bubble_imbalance_ratio",
+        "parwatch_stage_bubble_wait_ratio",
+        "parwatch_hang_detected",
+        "parwatch_rank_state",
+        "parwatch_collective_transfer_seconds",
+        "parwatch_collective_wait_seconds_total",
+        "parwatch_rank_straggler_seconds_total",
+        "parwatch_collective_unmatched_total",
+    }
     only_when_wrong = {"parwatch_posts_refused_total"}  # a healthy run refuses nothing
     assert {m.name for m in catalog.METRICS} - exported <= newer | only_when_wrong
     held = [expr for _, _, expr in PANEL_QUERIES if sources(expr) <= exported]

@@ -30,8 +30,21 @@ def venv(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "parwatch", src / "parwatch", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"),
-         str(src)], cwd=base)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(base / "dist"),
+            str(src),
+        ],
+        cwd=base,
+    )
     [wheel] = (base / "dist").glob("parwatch-*.whl")
     env_dir = base / "venv"
     run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], cwd=base)
@@ -44,19 +57,42 @@ def clean_env() -> dict:
 
 
 def test_the_wheel_installs_one_top_level_package(venv):
-    code = ("import importlib.metadata as m, json; d = m.distribution('parwatch'); "
-            "print(json.dumps(sorted({f.parts[0] for f in d.files if not f.parts[0].endswith('.dist-info') "
-            "and f.parts[0] not in ('..', 'bin')})))")
+    code = (
+        "import importlib.metadata as m, json; d = m.distribution('parwatch'); "
+        "print(json.dumps(sorted({f.parts[0] for f in d.files if not f.parts[0].endswith('.dist-info') "
+        "and f.parts[0] not in ('..', 'bin')})))"
+    )
     out = run([str(venv / "bin" / "python"), "-c", code], cwd=venv, env=clean_env()).stdout
     assert json.loads(out) == ["parwatch"]
 
 
 def test_parwatch_train_runs_from_the_installed_wheel(venv, tmp_path):
     log = tmp_path / "log"
-    run([str(venv / "bin" / "parwatch"), "train", "--nproc", "1", "--steps", "2", "--layers", "2", "--hidden", "32",
-         "--seq-len", "16", "--parwatch-log", str(log)], cwd=tmp_path, env=clean_env())
-    where = run([str(venv / "bin" / "python"), "-c", "import parwatch.trainer as t; print(t.__file__)"],
-                cwd=tmp_path, env=clean_env()).stdout.strip()
+    run(
+        [
+            str(venv / "bin" / "parwatch"),
+            "train",
+            "--nproc",
+            "1",
+            "--steps",
+            "2",
+            "--layers",
+            "2",
+            "--hidden",
+            "32",
+            "--seq-len",
+            "16",
+            "--parwatch-log",
+            str(log),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+    )
+    where = run(
+        [str(venv / "bin" / "python"), "-c", "import parwatch.trainer as t; print(t.__file__)"],
+        cwd=tmp_path,
+        env=clean_env(),
+    ).stdout.strip()
     assert where.startswith(str(venv)), where  # the installed copy, not this checkout
     rows = [json.loads(line) for line in (log / "summaries.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from parwatch.collector.activity import ActivityReporter
-from parwatch.schema import ACTIVITY_FIELDS, HANG_EXIT_CODE
-from parwatch.collector.context import RunContext
 from parwatch import contract
+from parwatch.collector.activity import ActivityReporter
+from parwatch.collector.context import RunContext
+from parwatch.schema import ACTIVITY_FIELDS, HANG_EXIT_CODE
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import Faults, parse_fault
 
@@ -56,8 +56,15 @@ def test_snapshot_names_the_open_span_and_since_when():
     reg = contract.HookRegistry()
     reg.register(contract.Observer())
     now_ns = [10_000_000_000]
-    rep = ActivityReporter(_ctx(), reg, "http://x", time_fn=lambda: 500.0, perf_ns=lambda: now_ns[0],
-                           summary_fn=lambda: {"step": 41, "step_seconds": 0.25}, pid=4242)
+    rep = ActivityReporter(
+        _ctx(),
+        reg,
+        "http://x",
+        time_fn=lambda: 500.0,
+        perf_ns=lambda: now_ns[0],
+        summary_fn=lambda: {"step": 41, "step_seconds": 0.25},
+        pid=4242,
+    )
     idle = rep.snapshot()
     assert set(idle) == set(ACTIVITY_FIELDS) and idle["kind"] is None and idle["step"] == 41
     assert idle["step_end"] is None  # this summary has no time: the leader falls back on the sample's
@@ -104,7 +111,7 @@ def test_unreachable_sidecar_backs_off_without_raising():
 
 def test_stack_dump_on_sigusr1(tmp_path):
     path = tmp_path / "run" / "stacks-rank3.txt"
-    rep = ActivityReporter(_ctx(), contract.HookRegistry(), None, stacks_path=str(path)).start()
+    ActivityReporter(_ctx(), contract.HookRegistry(), None, stacks_path=str(path)).start()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         deadline = time.monotonic() + 5
@@ -135,8 +142,13 @@ def test_hang_fault_specs():
 def test_snapshot_carries_when_the_step_ended():
     """step_end is the summary's time: the rank's wall clock at its step boundary, where the leader
     starts a stall's clock (parwatch.sidecar.hang.Progress.boundary_time)."""
-    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", time_fn=lambda: 500.9,
-                           summary_fn=lambda: {"step": 7, "step_seconds": 0.25, "time": 500.125})
+    rep = ActivityReporter(
+        _ctx(),
+        contract.HookRegistry(),
+        "http://x",
+        time_fn=lambda: 500.9,
+        summary_fn=lambda: {"step": 7, "step_seconds": 0.25, "time": 500.125},
+    )
     a = rep.snapshot()
     assert (a["step"], a["step_end"], a["time"]) == (7, 500.125, 500.9)
     assert rep.snapshot()["step_end"] <= a["time"]

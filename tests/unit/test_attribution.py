@@ -16,8 +16,9 @@ LINKS = [(0, 2), (2, 0), (1, 3), (3, 1)]
 
 def ranks(compute=None, data=None, hosts=None) -> list[RankFigures]:
     compute, data, hosts = compute or {}, data or {}, hosts or {}
-    return [RankFigures(r, r // 2, hosts.get(r, "h0"), compute.get(r, 0.30), data.get(r, 0.004), STEP)
-            for r in range(4)]
+    return [
+        RankFigures(r, r // 2, hosts.get(r, "h0"), compute.get(r, 0.30), data.get(r, 0.004), STEP) for r in range(4)
+    ]
 
 
 def paths(link=None, group=None) -> list[PathFigures]:
@@ -73,8 +74,7 @@ def test_host_contention_needs_compute_and_transfer_slow_across_the_host():
         return [RankFigures(r, (r // 2) % 2, hosts[r], compute.get(r, 0.30), 0.004, STEP) for r in range(8)]
 
     def tp_groups(slow):
-        return [PathFigures("group", "tp", g, 0.010 if g in slow else 0.004)
-                for g in ((0, 1), (2, 3), (4, 5), (6, 7))]
+        return [PathFigures("group", "tp", g, 0.010 if g in slow else 0.004) for g in ((0, 1), (2, 3), (4, 5), (6, 7))]
 
     slow_host = {r: 0.40 for r in range(4, 8)}
     (f,) = attribute(figures(slow_host), tp_groups({(4, 5), (6, 7)}))
@@ -82,17 +82,25 @@ def test_host_contention_needs_compute_and_transfer_slow_across_the_host():
     # compute slow on that host but its transfers normal: slow compute of those ranks (against
     # their stage's other DP replica), not contention
     found = attribute(figures(slow_host), tp_groups(set()))
-    assert causes(found) == [("slow-compute", {"stage": 0, "ranks": [4, 5]}),
-                             ("slow-compute", {"stage": 1, "ranks": [6, 7]})]
+    assert causes(found) == [
+        ("slow-compute", {"stage": 0, "ranks": [4, 5]}),
+        ("slow-compute", {"stage": 1, "ranks": [6, 7]}),
+    ]
     # one host alone cannot be contended against anything
     assert all(f.cause != "host-contention" for f in attribute(ranks(compute={r: 0.4 for r in range(4)}), paths()))
 
 
 def test_series_keys_become_evidence_naming_where():
-    assert series_labels("cause=slow-link,src=0,dst=2,group=pp") == {"cause": "slow-link", "src": 0, "dst": 2,
-                                                                     "group": "pp"}
+    assert series_labels("cause=slow-link,src=0,dst=2,group=pp") == {
+        "cause": "slow-link",
+        "src": 0,
+        "dst": 2,
+        "group": "pp",
+    }
     assert where("cause=slow-compute,stage=1,ranks=2+3") == {
-        "stage": 1, "culprit": {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]}}
+        "stage": 1,
+        "culprit": {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]},
+    }
     assert where("") == {} and where(None) == {}
 
 
@@ -114,7 +122,7 @@ def test_leave_one_out_medians_equal_the_median_of_the_others():
     for n in range(12):
         for _ in range(50):
             values = [rng.choice([1.0, 2.0, 3.0, rng.random()]) for _ in range(n)]  # ties included
-            expected = [statistics.median(values[:i] + values[i + 1:]) if n > 1 else 0.0 for i in range(n)]
+            expected = [statistics.median(values[:i] + values[i + 1 :]) if n > 1 else 0.0 for i in range(n)]
             assert leave_one_out_medians(values) == pytest.approx(expected, abs=1e-12)
 
 
@@ -143,8 +151,11 @@ def _host_contention_naive(ranks_, paths_, th=Thresholds()):
         for p, hs in zip(paths_, hosts_of):
             if host not in hs and None not in hs:
                 elsewhere.setdefault(p.group, []).append(p.transfer_seconds)
-        transfer = [excess(p.transfer_seconds, elsewhere[p.group], True, th.min_seconds_per_transfer * p.count)
-                    for p, hs in zip(paths_, hosts_of) if hs == {host} and p.group in elsewhere]
+        transfer = [
+            excess(p.transfer_seconds, elsewhere[p.group], True, th.min_seconds_per_transfer * p.count)
+            for p, hs in zip(paths_, hosts_of)
+            if hs == {host} and p.group in elsewhere
+        ]
         if all(compute) and transfer and all(transfer):
             found.append((host, statistics.median(c[0] for c in compute)))
     return found

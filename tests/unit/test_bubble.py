@@ -33,15 +33,20 @@ def test_theory_closed_forms_and_errors():
 
 def test_replayed_theory_is_the_closed_form_where_there_is_one():
     assert bubble.replayed_theory(ps.Replay(ps.single_stage_order("1f1b", 4, 8))) == pytest.approx(
-        bubble.theoretical("1f1b", 4, 8))
+        bubble.theoretical("1f1b", 4, 8)
+    )
     assert bubble.replayed_theory(ps.Replay(torch_order("Interleaved1F1B", 4, 8, 2))) == pytest.approx(
-        bubble.theoretical("interleaved1f1b", 4, 8, 2))
+        bubble.theoretical("interleaved1f1b", 4, 8, 2)
+    )
 
 
 def test_promql_reads_the_catalogue_counters_per_stage():
     expr = bubble.promql("1m", ("job", "stage"))
-    assert expr == ("sum by (job, stage) (rate(parwatch_stage_idle_seconds_total[1m])) / "
-                    "(sum by (job, stage) (rate(parwatch_stage_idle_seconds_total[1m])) + "
-                    "sum by (job, stage) (rate(parwatch_stage_compute_seconds_total[1m])) > 0)")
+    assert expr == (
+        "sum by (job, stage) (rate(parwatch_stage_idle_seconds_total[1m])) / "
+        "(sum by (job, stage) (rate(parwatch_stage_idle_seconds_total[1m])) + "
+        "sum by (job, stage) (rate(parwatch_stage_compute_seconds_total[1m])) > 0)"
+    )
     assert bubble.excess_promql("1m", ("job", "stage")) == (
-        f"{expr} - on (job, stage) max by (job, stage) (parwatch_stage_bubble_theoretical_ratio)")
+        f"{expr} - on (job, stage) max by (job, stage) (parwatch_stage_bubble_theoretical_ratio)"
+    )

@@ -33,7 +33,9 @@ def test_names_follow_prometheus_conventions():
                 assert m.unit == unit, m.name
         assert m.help, f"{m.name} has no help text"
         if m.kind != "info":
-            assert set(m.labels) <= catalog.BOUNDED_LABELS, f"{m.name}: unbounded label {set(m.labels) - catalog.BOUNDED_LABELS}"
+            assert set(m.labels) <= catalog.BOUNDED_LABELS, (
+                f"{m.name}: unbounded label {set(m.labels) - catalog.BOUNDED_LABELS}"
+            )
     assert len({m.name for m in catalog.METRICS}) == len(catalog.METRICS), "a metric is defined twice"
 
 
@@ -84,9 +86,20 @@ def scrape(tmp_path, ranks: int, tp: int = 2, pp: int = 2, gpu: bool = True) -> 
     control = TestClient(create_control_app(sidecar), headers=auth)
     metrics = TestClient(create_metrics_app(sidecar))
     for step in (1, 2, 3):
-        summaries = [syn.summary(r, step, tp=tp, pp=pp, dp=ranks // (tp * pp), time=float(step), gpu=gpu,
-                                 checkpoints=[1] if step > 1 else [], global_stages=STAGES if r == 0 else None)
-                     for r in range(ranks)]
+        summaries = [
+            syn.summary(
+                r,
+                step,
+                tp=tp,
+                pp=pp,
+                dp=ranks // (tp * pp),
+                time=float(step),
+                gpu=gpu,
+                checkpoints=[1] if step > 1 else [],
+                global_stages=STAGES if r == 0 else None,
+            )
+            for r in range(ranks)
+        ]
         summaries[0]["model_flops_utilization_ratio"] = 0.41
         r = control.post("/v1/ingest", json={"version": 1, "summaries": summaries})
         assert r.status_code == 200, r.text
@@ -140,8 +153,11 @@ def test_series_without_a_rank_label_do_not_grow_with_ranks(tmp_path):
     small, large = scrape(tmp_path, 4), scrape(tmp_path, 8)
 
     def unranked(text):
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "dp")))
-                for _, s in samples(text) if "rank" not in s.labels}  # run_info names dp
+        return {
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "dp")))
+            for _, s in samples(text)
+            if "rank" not in s.labels
+        }  # run_info names dp
 
     assert unranked(small) == unranked(large)
     total = sum(1 for _ in samples(large))

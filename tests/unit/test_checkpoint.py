@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import parwatch.trainer.checkpoint as ckpt
-from parwatch.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint
+from parwatch.trainer.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 from parwatch.trainer.errors import CheckpointError
 
 
@@ -21,16 +27,26 @@ def rank_state(rank: int, step: int) -> dict:
     weight = torch.randn(4, 3, generator=gen)
     return {
         "model": {"layer.weight": weight, "layer.bias": torch.arange(3, dtype=torch.bfloat16) + rank},
-        "optimizer": {"state": {0: {"exp_avg": weight * 0.5, "step": torch.tensor(float(step))}},
-                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "optimizer": {
+            "state": {0: {"exp_avg": weight * 0.5, "step": torch.tensor(float(step))}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
         "rng": {"torch": torch.get_rng_state(), "python": ("v", rank)},
     }
 
 
 def save_all(root, step, world_size=3, keep_last=3, meta=None):
     for rank in [*range(1, world_size), 0]:
-        out = save_checkpoint(root, step, rank, world_size, rank_state(rank, step),
-                              meta or {"data_position": step * 8}, no_barrier, keep_last=keep_last)
+        out = save_checkpoint(
+            root,
+            step,
+            rank,
+            world_size,
+            rank_state(rank, step),
+            meta or {"data_position": step * 8},
+            no_barrier,
+            keep_last=keep_last,
+        )
     return out
 
 

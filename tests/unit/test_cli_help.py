@@ -9,8 +9,19 @@ from click.testing import CliRunner
 from parwatch.cli.main import COMMANDS, cli
 
 # What the issue promises the CLI offers (the root registers one module per name).
-PROMISED = {"demo", "sidecar", "train", "rules", "status", "pause", "resume", "rollback", "decisions", "report",
-            "dashboards"}
+PROMISED = {
+    "demo",
+    "sidecar",
+    "train",
+    "rules",
+    "status",
+    "pause",
+    "resume",
+    "rollback",
+    "decisions",
+    "report",
+    "dashboards",
+}
 
 
 def command_paths() -> list[tuple[str, ...]]:
@@ -42,8 +53,9 @@ def test_the_root_registers_every_promised_command():
 
 
 def test_groups_list_their_subcommands():
-    assert {("rules", "check"), ("rules", "render-alerts"), ("dashboards", "export"),
-            ("dashboards", "push")} <= set(PATHS)
+    assert {("rules", "check"), ("rules", "render-alerts"), ("dashboards", "export"), ("dashboards", "push")} <= set(
+        PATHS
+    )
 
 
 @pytest.mark.parametrize("path", PATHS, ids=" ".join)
@@ -84,8 +96,9 @@ def test_no_command_takes_a_token_on_the_command_line():
             assert flag == "--token-file" or "token" not in flag.lower().replace("-file", ""), (path, flag)
 
 
-@pytest.mark.parametrize("path", [("status",), ("pause",), ("resume",), ("rollback",), ("decisions",),
-                                  ("sidecar",)], ids=" ".join)
+@pytest.mark.parametrize(
+    "path", [("status",), ("pause",), ("resume",), ("rollback",), ("decisions",), ("sidecar",)], ids=" ".join
+)
 def test_commands_that_need_a_token_read_it_from_a_file_or_the_environment(path):
     flags = {flag for p, option in all_options() if p == path for flag in option.opts}
     assert "--token-file" in flags

@@ -9,8 +9,14 @@ from parwatch.trainer.schedules import pipeline_order
 
 
 def stage(s, bubble, fwd, bwd):
-    return {"stage": s, "bubble_ratio": bubble, "forward_seconds": fwd, "backward_seconds": bwd,
-            "backward_weight_seconds": 0.0, "loss_seconds": 0.0}
+    return {
+        "stage": s,
+        "bubble_ratio": bubble,
+        "forward_seconds": fwd,
+        "backward_seconds": bwd,
+        "backward_weight_seconds": 0.0,
+        "loss_seconds": 0.0,
+    }
 
 
 def test_a_uniform_pipeline_has_only_the_schedules_bubble_and_a_slow_stage_adds_imbalance():

@@ -11,9 +11,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 from parwatch.collector.cuda_clock import CudaClock
-from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 
 class FakeDevice:

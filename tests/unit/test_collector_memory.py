@@ -7,8 +7,9 @@ import gc
 import time
 import tracemalloc
 
-from parwatch.collector import SpanSampling
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
+
+from parwatch.collector import SpanSampling
 
 STEPS = 4_000
 SPANS_PER_STEP = 4 + 4 + 4 + 2 + 1 + 1  # fwd, tp all_reduce, bwd, dp_sync + its all_reduce, optimizer, boundary
@@ -30,8 +31,10 @@ class _Reply:
     text = ""
 
     def json(self):
-        return {"accepted": 1, "directive": {"id": 1, "action": "resume", "run_id": "sim-run", "to_step": None,
-                                             "skip_batches": 0}}
+        return {
+            "accepted": 1,
+            "directive": {"id": 1, "action": "resume", "run_id": "sim-run", "to_step": None, "skip_batches": 0},
+        }
 
 
 def drained(collector, poster: CountingPoster) -> None:
@@ -45,9 +48,15 @@ def drained(collector, poster: CountingPoster) -> None:
 
 def test_four_thousand_steps_keep_buffers_bounded_and_memory_flat(tmp_path):
     poster = CountingPoster()
-    rank = SimRank(ctx_for(0, pp=1, m=4), endpoint="http://sidecar.invalid", http=poster, queue_size=64,
-                   log_path=str(tmp_path / "summaries.jsonl"), spans_path=str(tmp_path / "spans.jsonl"),
-                   span_sample_steps=SpanSampling(first=5, every=50))
+    rank = SimRank(
+        ctx_for(0, pp=1, m=4),
+        endpoint="http://sidecar.invalid",
+        http=poster,
+        queue_size=64,
+        log_path=str(tmp_path / "summaries.jsonl"),
+        spans_path=str(tmp_path / "spans.jsonl"),
+        span_sample_steps=SpanSampling(first=5, every=50),
+    )
     run = SimRun([rank])
     collector = rank.collector
     step_kw = dict(tp_allreduce=0.001, dp_sync=0.004)
@@ -59,7 +68,7 @@ def test_four_thousand_steps_keep_buffers_bounded_and_memory_flat(tmp_path):
         gc.collect()
         before = tracemalloc.get_traced_memory()[0]
         step = 201
-        for chunk in range(STEPS // 100):
+        for _chunk in range(STEPS // 100):
             t = run_steps(run, 100, t, first_step=step, **step_kw)
             step += 100
             rank.registry.emit_event("checkpoint_saved", step=step - 1)

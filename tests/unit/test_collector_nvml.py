@@ -6,9 +6,9 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 from parwatch.collector.nvml import NvmlSampler
-from test_collector_sim import SimRun, SimRank, ctx_for, run_steps
 
 
 class FakeNvml:
@@ -64,8 +64,7 @@ class FakeNvml:
 
 
 def sample(util, used, power_mw, clock_mhz, temp, throttle, total=80 * 2**30):
-    return dict(util=util, used=used, total=total, power_mw=power_mw, clock_mhz=clock_mhz, temp=temp,
-                throttle=throttle)
+    return dict(util=util, used=used, total=total, power_mw=power_mw, clock_mhz=clock_mhz, temp=temp, throttle=throttle)
 
 
 def test_one_sample_maps_fields_to_base_units():
@@ -73,14 +72,26 @@ def test_one_sample_maps_fields_to_base_units():
     sampler = NvmlSampler(0, nvml=fake)
     assert sampler.open() and sampler.up
     s = sampler.sample_once()
-    assert s == {"utilization_ratio": 0.87, "memory_used_bytes": 3 * 2**30, "memory_total_bytes": 80 * 2**30,
-                 "power_watts": 312.5, "sm_clock_hertz": 1.98e9, "temperature_celsius": 71.0,
-                 "throttle_reasons": 0x4}
+    assert s == {
+        "utilization_ratio": 0.87,
+        "memory_used_bytes": 3 * 2**30,
+        "memory_total_bytes": 80 * 2**30,
+        "power_watts": 312.5,
+        "sm_clock_hertz": 1.98e9,
+        "temperature_celsius": 71.0,
+        "throttle_reasons": 0x4,
+    }
 
 
 def test_step_summary_means_maxima_and_or_of_throttle_reasons():
-    fake = FakeNvml([sample(50, 10, 200_000, 1000, 60, 0x1), sample(100, 30, 300_000, 2000, 75, 0x4),
-                     sample(90, 20, None, 1500, 70, 0x0)], throttle_name="nvmlDeviceGetCurrentClocksThrottleReasons")
+    fake = FakeNvml(
+        [
+            sample(50, 10, 200_000, 1000, 60, 0x1),
+            sample(100, 30, 300_000, 2000, 75, 0x4),
+            sample(90, 20, None, 1500, 70, 0x0),
+        ],
+        throttle_name="nvmlDeviceGetCurrentClocksThrottleReasons",
+    )
     sampler = NvmlSampler(0, nvml=fake)
     sampler.open()
     for _ in range(3):
@@ -119,8 +130,9 @@ def test_failing_nvml_init_is_absent_without_a_thread():
 
 def test_collector_reports_the_gpu_from_the_sampling_thread_and_stops_it():
     fake = FakeNvml([sample(40 + i % 10, 2**30, 100_000, 1400, 50, 0) for i in range(100_000)])
-    run = SimRun([SimRank(ctx_for(r, local_gpu=r), nvml=fake, nvml_interval_s=0.001, memory_fn=lambda: 123)
-                  for r in range(2)])
+    run = SimRun(
+        [SimRank(ctx_for(r, local_gpu=r), nvml=fake, nvml_interval_s=0.001, memory_fn=lambda: 123) for r in range(2)]
+    )
     collector = run.ranks[0].collector
     deadline = time.monotonic() + 30
     while fake.i < 0 and time.monotonic() < deadline:
@@ -129,8 +141,16 @@ def test_collector_reports_the_gpu_from_the_sampling_thread_and_stops_it():
     run_steps(run, 1, 0.1)
     s = collector.last_summary
     assert s["nvml_up"] == 1 and s["memory_max_allocated_bytes"] == 123
-    assert set(s["gpu"]) == {"index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes",
-                             "power_watts", "sm_clock_hertz", "temperature_celsius", "throttle_reasons"}
+    assert set(s["gpu"]) == {
+        "index",
+        "utilization_ratio",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "power_watts",
+        "sm_clock_hertz",
+        "temperature_celsius",
+        "throttle_reasons",
+    }
     assert 0.4 <= s["gpu"]["utilization_ratio"] <= 0.49 and s["gpu"]["power_watts"] == 100.0
     for rank in run.ranks:
         rank.collector.close(timeout=30)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_collector_sim import P2P_BYTES, SEND_S, pipeline, run_steps
 
 from parwatch.collector import SpanSampling
 from parwatch.schema import COLLECTIVE_BUCKETS
-from test_collector_sim import P2P_BYTES, SEND_S, pipeline, run_steps
 
 TF, TB, TOPT = 0.010, 0.020, 0.005
 STEP = 5 * (TF + TB) + TOPT  # (m+p-1)(tf+tb) + optimizer: 0.155 s
@@ -158,8 +158,18 @@ def test_rank_0_reports_one_outcome_record_once_every_rank_handled_the_directive
     run.boundary(1, "heartbeat", t + 0.2, t + 0.3, report=done)
     run.boundary(1, "heartbeat", t + 0.4, t + 0.5, report=done)  # sticky: reported once only
     assert outcomes[1] == []  # rank 0 only
-    assert outcomes[0] == [{"directive_id": 7, "run_id": "sim-run", "outcome": "substituted", "step": 1,
-                            "loaded_step": 12, "counts": {"substituted": 2}, "reasons": {}, "ranks": 2}]
+    assert outcomes[0] == [
+        {
+            "directive_id": 7,
+            "run_id": "sim-run",
+            "outcome": "substituted",
+            "step": 1,
+            "loaded_step": 12,
+            "counts": {"substituted": 2},
+            "reasons": {},
+            "ranks": 2,
+        }
+    ]
     failed = OutcomeReport(8, {Outcome.FAILED: 1, Outcome.APPLIED: 1}, {FailReason.CHECKPOINT_CORRUPT: 1}, None, 2)
     run.boundary(1, "heartbeat", t + 0.6, t + 0.7, report=failed)
     assert outcomes[0][-1]["outcome"] == "mixed"
@@ -229,10 +239,14 @@ def test_pending_directive_is_returned_once_per_id_and_only_on_rank_0():
 
 @pytest.mark.parametrize(
     "raw, field",
-    [({"id": 0, "action": "pause"}, "id"), ({"id": 1, "action": "stop"}, "action"),
-     ({"id": 1, "action": "pause"}, "run_id"), ({"id": 2**60, "action": "pause", "run_id": "r"}, "id"),
-     ({"id": 1, "action": "rollback", "run_id": "r", "to_step": -3}, "to_step"),
-     ({"id": 1, "action": "rollback", "run_id": "r", "skip_batches": -1}, "skip_batches")],
+    [
+        ({"id": 0, "action": "pause"}, "id"),
+        ({"id": 1, "action": "stop"}, "action"),
+        ({"id": 1, "action": "pause"}, "run_id"),
+        ({"id": 2**60, "action": "pause", "run_id": "r"}, "id"),
+        ({"id": 1, "action": "rollback", "run_id": "r", "to_step": -3}, "to_step"),
+        ({"id": 1, "action": "rollback", "run_id": "r", "skip_batches": -1}, "skip_batches"),
+    ],
 )
 def test_malformed_directive_is_refused_naming_the_field(raw, field):
     run = started()
@@ -242,8 +256,11 @@ def test_malformed_directive_is_refused_naming_the_field(raw, field):
 
 
 def test_jsonl_files_hold_every_summary_and_the_sampled_steps_spans(tmp_path):
-    run = started(log_path=str(tmp_path / "r{}" / "summaries.jsonl"), spans_path=str(tmp_path / "spans.jsonl"),
-                  span_sample_steps=SpanSampling(first=2, every=5))
+    run = started(
+        log_path=str(tmp_path / "r{}" / "summaries.jsonl"),
+        spans_path=str(tmp_path / "spans.jsonl"),
+        span_sample_steps=SpanSampling(first=2, every=5),
+    )
     run_steps(run, 6, 0.1)
     for rank in run.ranks:
         rank.collector.close(timeout=30)
@@ -253,8 +270,9 @@ def test_jsonl_files_hold_every_summary_and_the_sampled_steps_spans(tmp_path):
     assert {r["step"] for r in records} == {1, 2, 5}
     assert set(records[0]) == {"run_id", "rank", "stage", "step", "kind", "start_s", "end_s", "attrs"}
     # both ranks filled the start boundary at t=0: that is the origin; step 1 starts at 0.1
-    first_forward = min((r for r in records if r["kind"] == "forward" and r["rank"] == 0 and r["step"] == 1),
-                        key=lambda r: r["start_s"])
+    first_forward = min(
+        (r for r in records if r["kind"] == "forward" and r["rank"] == 0 and r["step"] == 1), key=lambda r: r["start_s"]
+    )
     assert first_forward["start_s"] == pytest.approx(0.1, abs=1e-9)
     assert first_forward["end_s"] == pytest.approx(0.1 + TF, abs=1e-9)
     assert first_forward["attrs"] == {"stage": 0, "microbatch": 0, "chunk": 0}
@@ -263,8 +281,9 @@ def test_jsonl_files_hold_every_summary_and_the_sampled_steps_spans(tmp_path):
 
 
 def test_attach_installs_the_clock_on_the_trainers_registry_and_close_restores_it(hook_registry):
-    from parwatch.collector import Collector, attach
     from test_collector_sim import FakeClock, ctx_for
+
+    from parwatch.collector import Collector, attach
     from parwatch.contract import PerfCounterClock
 
     clock = FakeClock()
@@ -294,8 +313,12 @@ def test_folding_while_the_boundary_all_reduce_is_in_flight_changes_no_figure(tm
     outputs = {}
     for overlapped in (False, True):
         out = tmp_path / str(overlapped)
-        run = started(overlapped=overlapped, log_path=str(out / "summaries.jsonl"),
-                      spans_path=str(out / "spans.jsonl"), span_sample_steps=SpanSampling(first=2, every=0))
+        run = started(
+            overlapped=overlapped,
+            log_path=str(out / "summaries.jsonl"),
+            spans_path=str(out / "spans.jsonl"),
+            span_sample_steps=SpanSampling(first=2, every=0),
+        )
         run_steps(run, 4, 0.1, tp_allreduce=0.002, dp_sync=0.008)
         for rank in run.ranks:
             rank.collector.close(timeout=30)

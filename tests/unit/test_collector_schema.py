@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import re
 
-import parwatch.schema as schema
 from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
+
+import parwatch.schema as schema
 
 NUMBER = (int, float)
 LOSS_STRINGS = ("nan", "inf", "-inf")
@@ -26,17 +27,45 @@ def is_loss(x):
 
 
 COLLECTIVE_KEYS = {"op", "group", "count", "seconds", "bytes", "buckets", "algbw", "busbw"}
-GPU_KEYS = {"index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts",
-            "sm_clock_hertz", "temperature_celsius", "throttle_reasons"}
-STAGE_KEYS = {"stage", "compute_seconds", "idle_seconds", "other_seconds", "step_seconds", "bubble_ratio",
-              "forward_seconds", "backward_seconds", "backward_weight_seconds", "loss_seconds", "ranks"}
+GPU_KEYS = {
+    "index",
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "power_watts",
+    "sm_clock_hertz",
+    "temperature_celsius",
+    "throttle_reasons",
+}
+STAGE_KEYS = {
+    "stage",
+    "compute_seconds",
+    "idle_seconds",
+    "other_seconds",
+    "step_seconds",
+    "bubble_ratio",
+    "forward_seconds",
+    "backward_seconds",
+    "backward_weight_seconds",
+    "loss_seconds",
+    "ranks",
+}
 
 
 def valid_collective(c):
-    return (set(c) == COLLECTIVE_KEYS and isinstance(c["op"], str) and isinstance(c["group"], str)
-            and is_int(c["count"]) and is_float(c["seconds"]) and is_int(c["bytes"])
-            and len(c["buckets"]) == len(schema.COLLECTIVE_BUCKETS) + 1 and c["buckets"][-1] == c["count"]
-            and all(is_int(b) for b in c["buckets"]) and is_float(c["algbw"]) and is_float(c["busbw"]))
+    return (
+        set(c) == COLLECTIVE_KEYS
+        and isinstance(c["op"], str)
+        and isinstance(c["group"], str)
+        and is_int(c["count"])
+        and is_float(c["seconds"])
+        and is_int(c["bytes"])
+        and len(c["buckets"]) == len(schema.COLLECTIVE_BUCKETS) + 1
+        and c["buckets"][-1] == c["count"]
+        and all(is_int(b) for b in c["buckets"])
+        and is_float(c["algbw"])
+        and is_float(c["busbw"])
+    )
 
 
 def valid_gpu(g):
@@ -44,15 +73,22 @@ def valid_gpu(g):
 
 
 def valid_instances(x):
-    return (set(x) == {"host", "data_seconds", "groups", "records", "capped"} and isinstance(x["host"], str)
-            and is_float(x["data_seconds"]) and is_int(x["capped"]) and isinstance(x["groups"], dict)
-            and all(isinstance(r, list) and len(r) == 7 for r in x["records"]))
+    return (
+        set(x) == {"host", "data_seconds", "groups", "records", "capped"}
+        and isinstance(x["host"], str)
+        and is_float(x["data_seconds"])
+        and is_int(x["capped"])
+        and isinstance(x["groups"], dict)
+        and all(isinstance(r, list) and len(r) == 7 for r in x["records"])
+    )
 
 
 def valid_global(g):
     return g is None or (
-        set(g) == {"step", "loss", "pipeline_skew_ratio", "slowest_stage", "stages"} and is_int(g["step"])
-        and is_loss(g["loss"]) and is_int(g["slowest_stage"])
+        set(g) == {"step", "loss", "pipeline_skew_ratio", "slowest_stage", "stages"}
+        and is_int(g["step"])
+        and is_loss(g["loss"])
+        and is_int(g["slowest_stage"])
         and is_float(g["pipeline_skew_ratio"])
         and all(set(s) == STAGE_KEYS and is_int(s["stage"]) for s in g["stages"])
     )
@@ -61,11 +97,38 @@ def valid_global(g):
 FIELD_CHECKS = {
     "v": lambda x: x == schema.SCHEMA_VERSION,
     "run_id": lambda x: isinstance(x, str),
-    **{k: is_int for k in ("rank", "stage", "tp_rank", "dp_rank", "tp", "pp", "dp", "microbatches", "chunks",
-                            "step", "timeline", "tokens", "dropped_total")},
+    **{
+        k: is_int
+        for k in (
+            "rank",
+            "stage",
+            "tp_rank",
+            "dp_rank",
+            "tp",
+            "pp",
+            "dp",
+            "microbatches",
+            "chunks",
+            "step",
+            "timeline",
+            "tokens",
+            "dropped_total",
+        )
+    },
     "schedule": lambda x: isinstance(x, str) and x in ("gpipe", "1f1b", "interleaved"),
-    **{k: is_float for k in ("time", "step_seconds", "compute_seconds", "other_seconds", "idle_seconds",
-                              "bubble_ratio", "bubble_theoretical_ratio", "overhead_seconds")},
+    **{
+        k: is_float
+        for k in (
+            "time",
+            "step_seconds",
+            "compute_seconds",
+            "other_seconds",
+            "idle_seconds",
+            "bubble_ratio",
+            "bubble_theoretical_ratio",
+            "overhead_seconds",
+        )
+    },
     "loss": is_loss,
     "memory_max_allocated_bytes": lambda x: x is None or is_int(x),
     "collectives": lambda x: isinstance(x, list) and all(valid_collective(c) for c in x),
@@ -93,8 +156,17 @@ def schema_fields(optional: bool = False) -> set[str]:
 
 def produced_summaries(tmp_path):
     fake = FakeNvml([sample(60, 2**30, 150_000, 1500, 60, 0)] * 1000)
-    run = SimRun([SimRank(ctx_for(r, local_gpu=r), nvml=fake, memory_fn=lambda: 4096,
-                          log_path=str(tmp_path / f"summaries-{r}.jsonl")) for r in range(2)])
+    run = SimRun(
+        [
+            SimRank(
+                ctx_for(r, local_gpu=r),
+                nvml=fake,
+                memory_fn=lambda: 4096,
+                log_path=str(tmp_path / f"summaries-{r}.jsonl"),
+            )
+            for r in range(2)
+        ]
+    )
     for rank in run.ranks:
         rank.collector.nvml.sample_once()  # a sample now, not at the sampling thread's whim
     run.boundary(0, "start", 0.0, 0.1)
@@ -113,7 +185,7 @@ def test_the_field_table_covers_the_schema_exactly():
 
 def test_every_summary_has_every_field_with_its_type(tmp_path):
     run = produced_summaries(tmp_path)
-    for r, rank in enumerate(run.ranks):
+    for r, _rank in enumerate(run.ranks):
         lines = (tmp_path / f"summaries-{r}.jsonl").read_text().splitlines()
         assert len(lines) == 3
         for line in lines:

@@ -9,7 +9,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from test_collector_sim import SimRank, SimRun, ctx_for, pipeline, run_steps
 
 WAIT_S = 30.0  # generous: other helpers load this 2-core machine
@@ -78,8 +77,14 @@ def started(**kw):
 
 
 def test_summaries_reach_the_sidecar_with_the_token_and_its_directive_reaches_rank_0(sidecar):
-    sidecar.directive = {"id": 5, "action": "pause", "run_id": "sim-run", "to_step": None, "skip_batches": 0,
-                         "reason": "operator"}
+    sidecar.directive = {
+        "id": 5,
+        "action": "pause",
+        "run_id": "sim-run",
+        "to_step": None,
+        "skip_batches": 0,
+        "reason": "operator",
+    }
     run = started(endpoint=sidecar.url, token="s3cret")
     run_steps(run, 3, 0.1)
     wait_for(lambda: len(sidecar.ingested()) == 6, "6 summaries at the sidecar")
@@ -104,8 +109,14 @@ def test_rank_0_polls_with_empty_ingests_while_no_summaries_flow(sidecar):
     for i in range(3):
         run.boundary(0, "heartbeat", 1.0 + i, 1.5 + i)
     wait_for(lambda: any(body["summaries"] == [] for _, _, body in sidecar.requests), "an empty poll")
-    sidecar.directive = {"id": 8, "action": "resume", "run_id": "sim-run", "to_step": None, "skip_batches": 0,
-                         "reason": ""}
+    sidecar.directive = {
+        "id": 8,
+        "action": "resume",
+        "run_id": "sim-run",
+        "to_step": None,
+        "skip_batches": 0,
+        "reason": "",
+    }
     rank0 = run.ranks[0].collector
     wait_for(lambda: rank0.directives._latest is not None, "the resume directive")
     assert run.boundary(0, "resume", 5.0, 5.5).action == "resume"
@@ -144,8 +155,9 @@ class HungPoster:
 @pytest.mark.timeout(120)
 def test_hung_sidecar_never_blocks_boundaries_and_the_queue_drops_the_oldest():
     poster = HungPoster()
-    run = SimRun([SimRank(ctx_for(0), endpoint="http://sidecar.invalid", http=poster, queue_size=4),
-                  SimRank(ctx_for(1))])
+    run = SimRun(
+        [SimRank(ctx_for(0), endpoint="http://sidecar.invalid", http=poster, queue_size=4), SimRank(ctx_for(1))]
+    )
     run.boundary(0, "start", 0.0, 0.1)
     t = run_steps(run, 1, 0.1)
     assert poster.entered.wait(WAIT_S)  # rank 0's shipper thread is stuck inside its first POST

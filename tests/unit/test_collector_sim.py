@@ -32,8 +32,17 @@ class FakeClock(PerfCounterClock):
 
 def ctx_for(rank: int, *, tp=1, pp=2, dp=1, m=4, schedule="gpipe", chunks=1, hostname="simhost", local_gpu=None):
     return RunContext.for_rank(
-        "sim-run", rank, tp=tp, pp=pp, dp=dp, schedule=schedule, microbatches=m, chunks=chunks,
-        tokens_per_step=2048, local_gpu=local_gpu, hostname=hostname,
+        "sim-run",
+        rank,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        schedule=schedule,
+        microbatches=m,
+        chunks=chunks,
+        tokens_per_step=2048,
+        local_gpu=local_gpu,
+        hostname=hostname,
     )
 
 
@@ -65,8 +74,17 @@ class SimRun:
         """Call the observers' during_boundary inside the boundary span, as StepBoundary does when the
         trainer's all-reduce is asynchronous."""
 
-    def boundary(self, step: int, kind: str, enter: dict | float, exit_t: float, loss: float = 2.5,
-                 on_collective=None, share_marks: bool = False, report: OutcomeReport | None = None):
+    def boundary(
+        self,
+        step: int,
+        kind: str,
+        enter: dict | float,
+        exit_t: float,
+        loss: float = 2.5,
+        on_collective=None,
+        share_marks: bool = False,
+        report: OutcomeReport | None = None,
+    ):
         """One boundary: each rank enters at enter[rank] (or `enter`), all leave at exit_t.
 
         share_marks: info.start/end are the collective span's own marks (a trainer may do that).
@@ -86,8 +104,9 @@ class SimRun:
         for r, rank in enumerate(self.ranks):
             rank.clock.at(enter[r])
             start = rank.registry.mark()
-            with rank.registry.span(SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=nbytes,
-                                    group_size=self.world) as span:
+            with rank.registry.span(
+                SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=nbytes, group_size=self.world
+            ) as span:
                 if self.overlapped:
                     rank.registry.during_boundary()
                 rank.clock.at(exit_t)
@@ -95,9 +114,16 @@ class SimRun:
         if on_collective is not None:
             on_collective()
         for r, rank in enumerate(self.ranks):
-            info = BoundaryInfo(step=step, kind=kind, loss=loss, directive=directive,
-                                report=report or OutcomeReport(0, {}, {}, None, self.world), start=marks[r][0],
-                                end=marks[r][1], world_size=self.world)
+            info = BoundaryInfo(
+                step=step,
+                kind=kind,
+                loss=loss,
+                directive=directive,
+                report=report or OutcomeReport(0, {}, {}, None, self.world),
+                start=marks[r][0],
+                end=marks[r][1],
+                world_size=self.world,
+            )
             rank.registry.emit_boundary(info, list(summed))
         return directive
 
@@ -118,12 +144,19 @@ def gpipe_step(t0, stage, *, p=2, m=4, tf=0.010, tb=0.020, topt=0.005, dp_sync=0
         if stage > 0:
             spans.append(("recv", prev_end, fs, {**pp, "op": "recv", "what": "activation", "microbatch": i}))
         if tp_allreduce:
-            spans.append(("collective", fs + tf - tp_allreduce, fs + tf,
-                          {"op": "all_reduce", "group": "tp", "bytes": 1024, "group_size": 2}))
+            spans.append(
+                (
+                    "collective",
+                    fs + tf - tp_allreduce,
+                    fs + tf,
+                    {"op": "all_reduce", "group": "tp", "bytes": 1024, "group_size": 2},
+                )
+            )
         spans.append(("forward", fs, fs + tf, {"stage": stage, "microbatch": i, "chunk": 0}))
         if stage < p - 1:
-            spans.append(("send", fs + tf, fs + tf + SEND_S, {**pp, "op": "send", "what": "activation",
-                                                              "microbatch": i}))
+            spans.append(
+                ("send", fs + tf, fs + tf + SEND_S, {**pp, "op": "send", "what": "activation", "microbatch": i})
+            )
         prev_end = fs + tf
     for i in range(m):
         bs = t0 + (m + p - 1) * tf + (p - 1 - stage + i) * tb
@@ -131,12 +164,17 @@ def gpipe_step(t0, stage, *, p=2, m=4, tf=0.010, tb=0.020, topt=0.005, dp_sync=0
             spans.append(("recv", prev_end, bs, {**pp, "op": "recv", "what": "grad", "microbatch": i}))
         spans.append(("backward", bs, bs + tb, {"stage": stage, "microbatch": i, "chunk": 0}))
         if stage > 0:
-            spans.append(("send", bs + tb, bs + tb + SEND_S, {**pp, "op": "send", "what": "grad",
-                                                              "microbatch": i}))
+            spans.append(("send", bs + tb, bs + tb + SEND_S, {**pp, "op": "send", "what": "grad", "microbatch": i}))
         prev_end = bs + tb
     if dp_sync:
-        spans.append(("collective", prev_end + dp_sync / 4, prev_end + dp_sync * 3 / 4,
-                      {"op": "all_reduce", "group": "dp", "bytes": 1 << 20, "group_size": 2}))
+        spans.append(
+            (
+                "collective",
+                prev_end + dp_sync / 4,
+                prev_end + dp_sync * 3 / 4,
+                {"op": "all_reduce", "group": "dp", "bytes": 1 << 20, "group_size": 2},
+            )
+        )
         spans.append(("dp_sync", prev_end, prev_end + dp_sync, {"stage": stage}))
         prev_end += dp_sync
     spans.append(("optimizer", prev_end, prev_end + topt, {"stage": stage}))
@@ -147,8 +185,9 @@ def pipeline(p=2, m=4, overlapped=False, **collector_kwargs) -> SimRun:
     return SimRun([SimRank(ctx_for(r, pp=p, m=m), **collector_kwargs) for r in range(p)], overlapped=overlapped)
 
 
-def run_steps(run: SimRun, steps, t0: float, *, first_step: int = 1, loss=lambda step: 2.5, gap: float = 0.0,
-              **step_kw) -> float:
+def run_steps(
+    run: SimRun, steps, t0: float, *, first_step: int = 1, loss=lambda step: 2.5, gap: float = 0.0, **step_kw
+) -> float:
     """GPipe steps first_step.. on every rank, each closed by a "step" boundary; returns the last exit time.
 
     gap: host time between a boundary and the step's first span (data loading), idle on every stage.

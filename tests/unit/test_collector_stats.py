@@ -44,8 +44,13 @@ def test_histogram_buckets_are_cumulative_with_le_semantics():
 
 @pytest.mark.parametrize(
     "op, n, factor",
-    [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_gather", 4, 0.75), ("reduce_scatter", 2, 0.5),
-     ("broadcast", 4, 1.0)],
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 4, 1.5),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 2, 0.5),
+        ("broadcast", 4, 1.0),
+    ],
 )
 def test_busbw_uses_the_nccl_tests_factor(op, n, factor):
     stats = StepStats()
@@ -102,11 +107,29 @@ def test_slots_do_not_grow_with_tp_or_dp():
 
 def test_global_view_means_per_stage_and_skew_over_stages():
     summed = [0.0] * gv.slots_for(2)
-    contribute(summed, rank=0, stage=0, step=7, step_s=1.0, compute=0.1, other=0.1, idle=0.8,
-               by_kind={"forward": 0.04, "backward": 0.06})
+    contribute(
+        summed,
+        rank=0,
+        stage=0,
+        step=7,
+        step_s=1.0,
+        compute=0.1,
+        other=0.1,
+        idle=0.8,
+        by_kind={"forward": 0.04, "backward": 0.06},
+    )
     contribute(summed, rank=1, stage=1, step=7, step_s=1.0, compute=0.4, other=0.1, idle=0.5)
-    contribute(summed, rank=2, stage=0, step=7, step_s=1.0, compute=0.3, other=0.1, idle=0.6,
-               by_kind={"forward": 0.1, "backward": 0.2})
+    contribute(
+        summed,
+        rank=2,
+        stage=0,
+        step=7,
+        step_s=1.0,
+        compute=0.3,
+        other=0.1,
+        idle=0.6,
+        by_kind={"forward": 0.1, "backward": 0.2},
+    )
     contribute(summed, rank=3, stage=1, step=7, step_s=1.0, compute=0.4, other=0.1, idle=0.5)
     g = gv.build_global_view(summed, 2, 2.25)
     assert g["step"] == 7 and g["loss"] == 2.25
@@ -163,18 +186,47 @@ def test_run_context_derives_coordinates_like_parallel_dims():
 
 @pytest.mark.parametrize(
     "change, message",
-    [({"world_size": 5}, "world_size=5"), ({"stage": 2}, "stage=2"), ({"tp_rank": -1}, "tp_rank"),
-     ({"schedule": "zb v"}, "schedule"), ({"chunks": 2}, "interleaved"), ({"microbatches": 0}, "microbatches")],
+    [
+        ({"world_size": 5}, "world_size=5"),
+        ({"stage": 2}, "stage=2"),
+        ({"tp_rank": -1}, "tp_rank"),
+        ({"schedule": "zb v"}, "schedule"),
+        ({"chunks": 2}, "interleaved"),
+        ({"microbatches": 0}, "microbatches"),
+    ],
 )
 def test_run_context_refuses_inconsistent_settings_naming_them(change, message):
-    base = dict(run_id="r", rank=0, world_size=4, tp=2, pp=2, dp=1, tp_rank=0, dp_rank=0, stage=0,
-                schedule="gpipe", microbatches=4)
+    base = dict(
+        run_id="r",
+        rank=0,
+        world_size=4,
+        tp=2,
+        pp=2,
+        dp=1,
+        tp_rank=0,
+        dp_rank=0,
+        stage=0,
+        schedule="gpipe",
+        microbatches=4,
+    )
     with pytest.raises(ValueError, match=message):
         RunContext(**{**base, **change})
 
 
 def test_run_context_takes_any_mesh_order_and_schedule_name():
     """Coordinates are given, not derived: e.g. a mesh with PP outermost and torch pipelining's names."""
-    ctx = RunContext(run_id="r", rank=1, world_size=4, tp=2, pp=2, dp=1, tp_rank=0, dp_rank=0, stage=1,
-                     schedule="ZBVZeroBubble", microbatches=4, chunks=2)
+    ctx = RunContext(
+        run_id="r",
+        rank=1,
+        world_size=4,
+        tp=2,
+        pp=2,
+        dp=1,
+        tp_rank=0,
+        dp_rank=0,
+        stage=1,
+        schedule="ZBVZeroBubble",
+        microbatches=4,
+        chunks=2,
+    )
     assert (ctx.stage, ctx.tp_rank) == (1, 0)

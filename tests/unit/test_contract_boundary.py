@@ -13,7 +13,15 @@ import threading
 import pytest
 
 from parwatch.contract import (
-    HEADER_SLOTS, Action, BoundaryKind, Directive, FailReason, HookRegistry, Observer, Outcome, StepBoundary,
+    HEADER_SLOTS,
+    Action,
+    BoundaryKind,
+    Directive,
+    FailReason,
+    HookRegistry,
+    Observer,
+    Outcome,
+    StepBoundary,
 )
 
 
@@ -218,11 +226,14 @@ def test_the_contract_and_the_collector_import_no_trainer_and_the_contract_nothi
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys, parwatch.contract; heavy = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'trainer', 'httpx', 'fastapi', 'pydantic') or m.startswith(('parwatch.collector', "
-            "'parwatch.sidecar'))]; assert not heavy, heavy; import parwatch.collector; "
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'trainer']")
+    code = (
+        "import sys, parwatch.contract; heavy = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'trainer', 'httpx', 'fastapi', 'pydantic') or m.startswith(('parwatch.collector', "
+        "'parwatch.sidecar'))]; assert not heavy, heavy; import parwatch.collector; "
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'trainer']"
+    )
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 from fastapi.testclient import TestClient
+from test_digest_api import _Bridge  # the node-to-leader HTTP client stand-in
+from test_transfer import MS, ar, families, p2p, samples, summary
 
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
@@ -16,8 +18,6 @@ from parwatch.sidecar.crossnode import Forwarder, from_wire, to_wire
 from parwatch.sidecar.models import MAX_FORWARD_HALVES, InstancesForward
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.transfer import TransferTracker
-from test_transfer import MS, ar, families, p2p, samples, summary
-from test_digest_api import _Bridge  # the node-to-leader HTTP client stand-in
 
 
 class Clock:
@@ -56,14 +56,16 @@ def test_a_cross_node_send_is_matched_at_the_leader_and_split_like_a_local_one()
     assert transfer[(("group", "pp"), ("op", "send"))] == pytest.approx(3 * MS)
     waits = samples(fams["parwatch_collective_wait_seconds"], "_total")
     assert waits[(("group", "pp"), ("op", "recv"))] == pytest.approx(7 * MS)
-    assert samples(fams["parwatch_collective_busbw_bytes_per_second"])[(("group", "pp"), ("op", "send"))] == \
-        pytest.approx((1 << 16) / (3 * MS))
+    assert samples(fams["parwatch_collective_busbw_bytes_per_second"])[
+        (("group", "pp"), ("op", "send"))
+    ] == pytest.approx((1 << 16) / (3 * MS))
     assert samples(fams["parwatch_rank_straggler_seconds"], "_total")[(("rank", "2"),)] == pytest.approx(7 * MS)
     assert leader.take_series()["collective_transfer_seconds"]["op=send,group=pp,src=0,dst=2"] == pytest.approx(3 * MS)
     # the TP all-reduce of each node stays on its node: one matched instance each, nothing unmatched
     node_fams = families(node)
     assert samples(node_fams["parwatch_collective_transfer_seconds"], "_count") == {
-        (("group", "tp"), ("op", "all_reduce")): 1}
+        (("group", "tp"), ("op", "all_reduce")): 1
+    }
     assert samples(node_fams["parwatch_collective_unmatched"], "_total") == {}
     assert samples(fams["parwatch_collective_unmatched"], "_total") == {}
 
@@ -80,7 +82,8 @@ def test_the_leader_waits_for_a_forwarded_half_by_time_not_steps_then_counts_it_
     leader.tick()  # no summary needed: the activity loop ticks once a second (the run may have ended)
     assert leader.pending == {}
     assert samples(families(leader)["parwatch_collective_unmatched"], "_total") == {
-        (("group", "pp"), ("op", "send"), ("reason", "remote")): 1}
+        (("group", "pp"), ("op", "send"), ("reason", "remote")): 1
+    }
 
 
 def test_a_tp_peer_that_reports_a_moment_late_is_still_matched_on_its_node():
@@ -91,7 +94,8 @@ def test_a_tp_peer_that_reports_a_moment_late_is_still_matched_on_its_node():
     entries, _ = node.take_outbox(100)
     assert entries == []  # nothing set aside: both members report here
     assert samples(families(node)["parwatch_collective_transfer_seconds"], "_count") == {
-        (("group", "tp"), ("op", "all_reduce")): 1}
+        (("group", "tp"), ("op", "all_reduce")): 1
+    }
 
 
 def test_a_group_spanning_nodes_completes_from_two_forwards_and_rank_rows_reach_attribution():
@@ -147,9 +151,15 @@ def test_the_forwarding_side_is_bounded_and_counts_what_it_could_not_send():
 
 # --- over HTTP, two real sidecar objects --------------------------------------------------------
 
+
 def _sidecar(tmp_path, name, clock, **cfg):
-    config = SidecarConfig(state_dir=tmp_path / name, token="tok", control_listen=Listen("127.0.0.1", 9401),
-                           metrics_listen=Listen("127.0.0.1", 9400), **cfg)
+    config = SidecarConfig(
+        state_dir=tmp_path / name,
+        token="tok",
+        control_listen=Listen("127.0.0.1", 9401),
+        metrics_listen=Listen("127.0.0.1", 9400),
+        **cfg,
+    )
     sidecar = build_sidecar(config, clock=clock)
     sidecar.transfer.clock = clock
     return TestClient(create_control_app(sidecar), headers={"Authorization": "Bearer tok"}), sidecar
@@ -157,8 +167,12 @@ def _sidecar(tmp_path, name, clock, **cfg):
 
 def _ingest(client, *ranks, step):
     stages = [syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)]
-    body = {"version": 1, "summaries": [syn.summary(r, step, run_id="r1", tp=2, pp=2, time=float(step),
-                                                    global_stages=stages) for r in ranks]}
+    body = {
+        "version": 1,
+        "summaries": [
+            syn.summary(r, step, run_id="r1", tp=2, pp=2, time=float(step), global_stages=stages) for r in ranks
+        ],
+    }
     r = client.post("/v1/ingest", json=body)
     assert r.status_code == 200, r.text
 
@@ -186,8 +200,15 @@ def test_the_instances_endpoint_needs_the_token_and_names_bad_fields(tmp_path):
     clock = Clock()
     leader, lsc = _sidecar(tmp_path, "leader", clock)
     _ingest(leader, 0, 1, step=1)
-    half = {"op": "send", "group": "pp", "seq": 1, "link": True, "members": [0, 2], "step": 1,
-            "got": [[2, "recv", 4000, 64]]}
+    half = {
+        "op": "send",
+        "group": "pp",
+        "seq": 1,
+        "link": True,
+        "members": [0, 2],
+        "step": 1,
+        "got": [[2, "recv", 4000, 64]],
+    }
     good = {"version": 1, "node": "n1", "run_id": "r1", "instances": [half], "ranks": []}
     assert leader.post("/v1/instances", json=good, headers={"Authorization": "Bearer nope"}).status_code == 401
 
@@ -197,8 +218,9 @@ def test_the_instances_endpoint_needs_the_token_and_names_bad_fields(tmp_path):
 
     refused({**good, "instances": [{**half, "members": [0, 2, 3]}]}, "instances.0")  # a link has two ends
     refused({**good, "instances": [{**half, "got": [[1, "recv", 4000, 64]]}]}, "instances.0")  # not a member
-    refused({**good, "instances": [{**half, "members": [0, 9], "got": [[9, "recv", 4000, 64]]}]},
-            "instances.0.members")  # outside the world of 4
+    refused(
+        {**good, "instances": [{**half, "members": [0, 9], "got": [[9, "recv", 4000, 64]]}]}, "instances.0.members"
+    )  # outside the world of 4
     refused({**good, "instances": [half] * (MAX_FORWARD_HALVES + 1)}, "instances")
     refused({**good, "instances": [{**half, "got": [[2, "recv", -1, 64]]}]}, "instances.0.got.0.2")
     refused({**good, "node": ""}, "node")
@@ -207,4 +229,5 @@ def test_the_instances_endpoint_needs_the_token_and_names_bad_fields(tmp_path):
     r = leader.post("/v1/instances", json=good)
     assert r.status_code == 200 and r.json() == {"matched": 1, "ignored": 0}
     assert samples(families(lsc.transfer)["parwatch_collective_wait_seconds"], "_total")[
-        (("group", "pp"), ("op", "recv"))] == pytest.approx(3.5 * MS)  # 4 ms recv - the 0.5 ms synthetic send
+        (("group", "pp"), ("op", "recv"))
+    ] == pytest.approx(3.5 * MS)  # 4 ms recv - the 0.5 ms synthetic send

@@ -117,7 +117,7 @@ def test_every_recorded_series_is_read_for_the_chosen_run(board):
     assert job["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and job["multi"] is False
     for expr in exprs(board):
         for m in RECORDED.finditer(expr):
-            assert expr[m.end():].startswith('{job=~"$job"}'), expr
+            assert expr[m.end() :].startswith('{job=~"$job"}'), expr
 
 
 def test_every_catalogue_metric_reaches_a_panel(board):
@@ -137,7 +137,9 @@ def test_bubble_panels_and_alerts_read_the_recorded_stage_bubble(board):
     """One bubble per stage: the panel draws and the alert judges the same recorded series."""
     excess = _panel(board, "Bubble excess (measured - theoretical)")
     assert [t["expr"] for t in excess["targets"]] == [dash.for_run(rec.stage_bubble_excess())]
-    assert _panel(board, "Bubble ratio per stage vs theoretical")["targets"][0]["expr"] == dash.for_run(rec.stage_bubble())
+    assert _panel(board, "Bubble ratio per stage vs theoretical")["targets"][0]["expr"] == dash.for_run(
+        rec.stage_bubble()
+    )
     alerts = yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())["groups"][0]["rules"]
     (alert,) = [a for a in alerts if a["labels"]["rule"] == "bubble-excess"]
     assert rec.stage_bubble_excess() in alert["expr"]
@@ -267,7 +269,8 @@ def test_cli_push_reads_the_token_file_and_uses_the_folder(tmp_path):
     token = tmp_path / "token"
     token.write_text("glsa_abc\n")
     result = CliRunner().invoke(
-        dashboards_cli, ["push", "--url", "http://g:3000", "--token-file", str(token), "--folder-uid", "team"],
+        dashboards_cli,
+        ["push", "--url", "http://g:3000", "--token-file", str(token), "--folder-uid", "team"],
         obj={"grafana_connect": connect},
     )
     assert result.exit_code == 0, result.output
@@ -283,9 +286,14 @@ def test_cli_push_token_from_env_and_clear_error_without_one(monkeypatch):
         return FakeGrafanaApi()
 
     runner = CliRunner()
-    ok = runner.invoke(dashboards_cli, ["push", "--url", "http://g:3000"], obj={"grafana_connect": connect},
-                       env={"GRAFANA_TOKEN": "from-env"})
+    ok = runner.invoke(
+        dashboards_cli,
+        ["push", "--url", "http://g:3000"],
+        obj={"grafana_connect": connect},
+        env={"GRAFANA_TOKEN": "from-env"},
+    )
     assert ok.exit_code == 0 and tokens == ["from-env"]
-    missing = runner.invoke(dashboards_cli, ["push", "--url", "http://g:3000"], obj={"grafana_connect": connect},
-                            env={"GRAFANA_TOKEN": ""})
+    missing = runner.invoke(
+        dashboards_cli, ["push", "--url", "http://g:3000"], obj={"grafana_connect": connect}, env={"GRAFANA_TOKEN": ""}
+    )
     assert missing.exit_code == 2 and "--token-file" in missing.output and tokens == ["from-env"]

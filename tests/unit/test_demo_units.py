@@ -9,15 +9,15 @@ import os
 import pytest
 from rich.console import Console
 
+from parwatch.bubble import closed_form
 from parwatch.demo.live import SummaryTail, status_line
 from parwatch.demo.processes import live_group_members
 from parwatch.demo.runner import pause_hint
 from parwatch.demo.scenario import SCENARIOS, DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
-from parwatch.bubble import closed_form
-from tests.fixtures.make_run_dir import make_run_dir
 from parwatch.trainer.config import parse_args
 from parwatch.trainer.faults import parse_fault
+from tests.fixtures.make_run_dir import make_run_dir
 
 
 def trainer_config(cfg: DemoConfig, tmp_path):
@@ -71,8 +71,17 @@ def test_straggler_slows_stage_1_from_mid_run(steps, tmp_path):
 
 
 def summary_line(rank, step, stage, bubble=0.25, loss=None, glob=None):
-    return json.dumps({"rank": rank, "stage": stage, "step": step, "bubble_ratio": bubble,
-                       "bubble_theoretical_ratio": 0.2, "loss": loss, "global": glob})
+    return json.dumps(
+        {
+            "rank": rank,
+            "stage": stage,
+            "step": step,
+            "bubble_ratio": bubble,
+            "bubble_theoretical_ratio": 0.2,
+            "loss": loss,
+            "global": glob,
+        }
+    )
 
 
 def view(*bubbles):
@@ -100,8 +109,13 @@ def test_tail_reads_only_complete_lines_and_keeps_the_rest_for_later(tmp_path):
 
 def test_tail_skips_garbage_and_falls_back_to_the_fast_path_loss(tmp_path):
     path = tmp_path / "summaries.jsonl"
-    path.write_text("not json\n" + summary_line(1, 3, 0) + "\n"
-                    + summary_line(0, 3, 0, loss=None, glob={"step": 2, "loss": "nan"}) + "\n")
+    path.write_text(
+        "not json\n"
+        + summary_line(1, 3, 0)
+        + "\n"
+        + summary_line(0, 3, 0, loss=None, glob={"step": 2, "loss": "nan"})
+        + "\n"
+    )
     tail = SummaryTail(path)
     assert tail.poll() is True
     assert (tail.step, tail.loss) == (3, "nan")  # only rank 0 moves the step
@@ -121,15 +135,22 @@ def test_status_line_without_a_sidecar_answer(tmp_path):
     tail = SummaryTail(tmp_path / "none.jsonl")
     tail.step, tail.loss = 7, 3.14159
     tail.bubble, tail.theory = {1: 0.31, 0: 0.2534}, {0: 0.2, 1: 0.2}
-    assert status_line(tail, None) == ("step    7  loss   3.1416  bubble measured/theory s0=0.253/0.200 "
-                                       "s1=0.310/0.200  guardrails all ok")
+    assert status_line(tail, None) == (
+        "step    7  loss   3.1416  bubble measured/theory s0=0.253/0.200 s1=0.310/0.200  guardrails all ok"
+    )
 
 
 def test_status_line_names_rules_not_ok_and_a_pause(tmp_path):
     tail = SummaryTail(tmp_path / "none.jsonl")
     tail.step, tail.loss = 12, "nan"
-    status = {"paused": True, "rules": {"stage-skew": {"state": "firing"}, "loss-spike": {"state": "ok"},
-                                        "bubble-excess": {"state": "pending"}}}
+    status = {
+        "paused": True,
+        "rules": {
+            "stage-skew": {"state": "firing"},
+            "loss-spike": {"state": "ok"},
+            "bubble-excess": {"state": "pending"},
+        },
+    }
     line = status_line(tail, status)
     assert "loss      nan" in line
     assert line.endswith("guardrails bubble-excess:pending stage-skew:firing PAUSED")
@@ -141,9 +162,13 @@ def test_status_line_before_the_first_loss(tmp_path):
 
 
 def test_pause_hint_names_the_reason_and_the_resume_command():
-    status = {"paused": True, "last_decisions": [
-        {"action": "alert", "reason": "skew"},
-        {"action": "pause", "reason": "nonfinite-loss: no checkpoint before step 5"}]}
+    status = {
+        "paused": True,
+        "last_decisions": [
+            {"action": "alert", "reason": "skew"},
+            {"action": "pause", "reason": "nonfinite-loss: no checkpoint before step 5"},
+        ],
+    }
     hint = pause_hint(status, "http://127.0.0.1:9999")
     assert "(nonfinite-loss: no checkpoint before step 5)" in hint
     assert "parwatch resume --endpoint http://127.0.0.1:9999" in hint

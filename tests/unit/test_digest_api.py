@@ -22,17 +22,41 @@ class Clock:
 
 
 def report(rank, step=3, kind="forward", pid=None, state="running", host="elsewhere", **kw):
-    a = {"run_id": "r1", "rank": rank, "pid": pid or 10_000 + rank, "host": host, "stage": rank, "tp_rank": 0,
-         "dp_rank": 0, "tp": 1, "pp": 2, "dp": 1, "state": state, "step": step, "step_seconds": 0.1,
-         "kind": kind, "op": None, "group": None, "peer": None, "seq": None, "since": 990.0, "time": 1000.0}
+    a = {
+        "run_id": "r1",
+        "rank": rank,
+        "pid": pid or 10_000 + rank,
+        "host": host,
+        "stage": rank,
+        "tp_rank": 0,
+        "dp_rank": 0,
+        "tp": 1,
+        "pp": 2,
+        "dp": 1,
+        "state": state,
+        "step": step,
+        "step_seconds": 0.1,
+        "kind": kind,
+        "op": None,
+        "group": None,
+        "peer": None,
+        "seq": None,
+        "since": 990.0,
+        "time": 1000.0,
+    }
     a.update(kw)
     return {"version": 1, "activity": a}
 
 
 def _client(tmp_path, name, **cfg):
     clock = Clock()
-    config = SidecarConfig(state_dir=tmp_path / name, token="tok", control_listen=Listen("127.0.0.1", 9401),
-                           metrics_listen=Listen("127.0.0.1", 9400), **cfg)
+    config = SidecarConfig(
+        state_dir=tmp_path / name,
+        token="tok",
+        control_listen=Listen("127.0.0.1", 9401),
+        metrics_listen=Listen("127.0.0.1", 9400),
+        **cfg,
+    )
     sidecar = build_sidecar(config, clock=clock)
     app = create_control_app(sidecar)
     return TestClient(app, headers={"Authorization": "Bearer tok"}), sidecar, clock
@@ -64,17 +88,56 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
     hub = lsc.activity
     for step in (1, 2, 3):
         clock.t += 1
-        leader.post("/v1/activity", json=report(0, step=step, kind="forward", host="leader-host",
-                                                time=clock.t - 0.6, step_end=clock.t - 1.6))
+        leader.post(
+            "/v1/activity",
+            json=report(0, step=step, kind="forward", host="leader-host", time=clock.t - 0.6, step_end=clock.t - 1.6),
+        )
     boundary = clock.t - 1.6
 
     def reports():  # once a second, as the ranks and the node do while rank 1 hangs
-        old_row = [1, "running", "forward", None, None, None, None, boundary + 0.01, 3, 0.1, 10_001, "node-b",
-                   1, 0, 0, clock.t]  # a node sidecar of the previous version: no step_end
-        assert leader.post("/v1/digest", json={"version": 1, "node": "node-b:9401", "run_id": "r1", "time": clock.t,
-                                               "layout": [1, 2, 1], "rows": [old_row]}).json() == {"ok": True}
-        leader.post("/v1/activity", json=report(0, step=3, kind="recv", peer=1, op="recv", group="pp",
-                                                host="leader-host", time=clock.t, step_end=boundary))
+        old_row = [
+            1,
+            "running",
+            "forward",
+            None,
+            None,
+            None,
+            None,
+            boundary + 0.01,
+            3,
+            0.1,
+            10_001,
+            "node-b",
+            1,
+            0,
+            0,
+            clock.t,
+        ]  # a node sidecar of the previous version: no step_end
+        assert leader.post(
+            "/v1/digest",
+            json={
+                "version": 1,
+                "node": "node-b:9401",
+                "run_id": "r1",
+                "time": clock.t,
+                "layout": [1, 2, 1],
+                "rows": [old_row],
+            },
+        ).json() == {"ok": True}
+        leader.post(
+            "/v1/activity",
+            json=report(
+                0,
+                step=3,
+                kind="recv",
+                peer=1,
+                op="recv",
+                group="pp",
+                host="leader-host",
+                time=clock.t,
+                step_end=boundary,
+            ),
+        )
 
     reports()
     assert hub.status()["stalled_seconds"] == pytest.approx(1.6)
@@ -111,8 +174,10 @@ def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
     for step in (1, 2, 3):
         lclock.t += 1
         nclock.t += 1
-        leader.post("/v1/activity", json=report(0, step=step, kind="recv", peer=1, op="recv", group="pp",
-                                                host="leader-host", time=lclock.t))
+        leader.post(
+            "/v1/activity",
+            json=report(0, step=step, kind="recv", peer=1, op="recv", group="pp", host="leader-host", time=lclock.t),
+        )
         node.post("/v1/activity", json=report(1, step=step, kind="forward", time=nclock.t))
         asyncio.run(hub_node.tick())
     assert lsc.activity.is_leader and not hub_node.is_leader
@@ -120,8 +185,10 @@ def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
         lclock.t += 1
         nclock.t += 1
         node.post("/v1/activity", json=report(1, step=3, kind="forward", time=nclock.t))
-        leader.post("/v1/activity", json=report(0, step=3, kind="recv", peer=1, op="recv", group="pp",
-                                                host="leader-host", time=lclock.t))
+        leader.post(
+            "/v1/activity",
+            json=report(0, step=3, kind="recv", peer=1, op="recv", group="pp", host="leader-host", time=lclock.t),
+        )
         asyncio.run(hub_node.tick())
         asyncio.run(lsc.activity.tick())
     status = leader.get("/v1/hang").json()
@@ -161,10 +228,22 @@ def test_crash_then_rank_missing_fires_sixty_seconds_after_the_pid_ended(tmp_pat
     host = socket.gethostname()
     for step in (1, 2, 3):
         clock.t += 1
-        r = client.post("/v1/ingest", json={"version": 1, "summaries": [
-            syn.summary(0, step, run_id="r1", time=float(step),
-                        global_stages=[syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)]),
-            syn.summary(1, step, run_id="r1", time=float(step))]})
+        r = client.post(
+            "/v1/ingest",
+            json={
+                "version": 1,
+                "summaries": [
+                    syn.summary(
+                        0,
+                        step,
+                        run_id="r1",
+                        time=float(step),
+                        global_stages=[syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)],
+                    ),
+                    syn.summary(1, step, run_id="r1", time=float(step)),
+                ],
+            },
+        )
         assert r.status_code == 200, r.text
         client.post("/v1/activity", json=report(0, step=step, host=host, pid=os.getpid()))
         client.post("/v1/activity", json=report(1, step=step, host=host, pid=dead.pid))  # rank 1's pid: gone
@@ -201,14 +280,22 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
 
     stacks = tmp_path / "stacks-rank1.txt"
     server = socket.create_server(("127.0.0.1", 0))  # the child's connection proves its pid (pid_owner)
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import faulthandler, signal, socket, sys, time\n"
-        f"f = open({str(stacks)!r}, 'a')\n"
-        "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
-        f"s = socket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
-        "print('ready', flush=True)\n"
-        "def stuck_in_forward():\n    time.sleep(120)\n"
-        "stuck_in_forward()\n")], stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import faulthandler, signal, socket, sys, time\n"
+                f"f = open({str(stacks)!r}, 'a')\n"
+                "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+                f"s = socket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
+                "print('ready', flush=True)\n"
+                "def stuck_in_forward():\n    time.sleep(120)\n"
+                "stuck_in_forward()\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+    )
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # rank 0: never signalled
     try:
         assert child.stdout.readline().strip() == b"ready"
@@ -217,10 +304,13 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
         host, hub = socket.gethostname(), sidecar.activity
 
         def both(step):  # rank 0 names a stranger's pid (never proven); rank 1 reports over its own connection
-            client.post("/v1/activity", json=report(0, step=step, kind="recv", op="recv", group="pp", peer=1,
-                                                    host=host, pid=bystander.pid, time=clock.t))
-            hub.activity(report(1, step=step, kind="forward", host=host, pid=child.pid, time=clock.t),
-                         client=child_end)
+            client.post(
+                "/v1/activity",
+                json=report(
+                    0, step=step, kind="recv", op="recv", group="pp", peer=1, host=host, pid=bystander.pid, time=clock.t
+                ),
+            )
+            hub.activity(report(1, step=step, kind="forward", host=host, pid=child.pid, time=clock.t), client=child_end)
 
         for step in (1, 2, 3):
             clock.t += 1
@@ -284,7 +374,7 @@ def test_a_node_signals_only_pids_its_own_ranks_reported(tmp_path, monkeypatch):
     node, nsc, _ = _client(tmp_path, "node", leader_url="http://leader")
     hub = nsc.activity
     me = os.getpid()  # this process stands in for rank 1 and holds its connection
-    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as mine:
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()):
         accepted, my_end = server.accept()
         hub.activity(report(1, host=hub.hostname, pid=me), client=my_end)
         hub.activity(report(0, host=hub.hostname, pid=os.getppid()), client=my_end)  # a pid not holding it

@@ -22,13 +22,31 @@ def ruleset(*rules, **kw):
 
 
 def skew_rule(**kw):
-    return Rule(**{"name": "skew", "metric": "pipeline_skew_ratio", "above": 1.25, "for_steps": 3,
-                   "cooldown_steps": 10, "action": "alert", **kw})
+    return Rule(
+        **{
+            "name": "skew",
+            "metric": "pipeline_skew_ratio",
+            "above": 1.25,
+            "for_steps": 3,
+            "cooldown_steps": 10,
+            "action": "alert",
+            **kw,
+        }
+    )
 
 
 def nan_rule(**kw):
-    return Rule(**{"name": "nan", "metric": "loss", "check": "finite", "action": "rollback",
-                   "skip_batches": "window", "cooldown_steps": 1, **kw})
+    return Rule(
+        **{
+            "name": "nan",
+            "metric": "loss",
+            "check": "finite",
+            "action": "rollback",
+            "skip_batches": "window",
+            "cooldown_steps": 1,
+            **kw,
+        }
+    )
 
 
 RUN_ID = "run-1"
@@ -36,8 +54,17 @@ RUN_ID = "run-1"
 
 def outcome(engine, directive_id, result="applied", step=1, ranks=1, **extra):
     """What rank 0 reports once every rank handled a directive (parwatch.contract's counts)."""
-    return engine.record_outcome({"directive_id": directive_id, "run_id": RUN_ID, "outcome": result, "step": step,
-                                  "counts": {result: ranks}, "ranks": ranks, **extra})
+    return engine.record_outcome(
+        {
+            "directive_id": directive_id,
+            "run_id": RUN_ID,
+            "outcome": result,
+            "step": step,
+            "counts": {result: ranks},
+            "ranks": ranks,
+            **extra,
+        }
+    )
 
 
 class Run:
@@ -53,8 +80,12 @@ class Run:
     def feed(self, **series):
         self.step += 1
         self.clock.t += 1
-        obs = Observation(self.step, self.clock.t, {m: v if isinstance(v, dict) else {"": v}
-                                                     for m, v in series.items()}, self.checkpoints)
+        obs = Observation(
+            self.step,
+            self.clock.t,
+            {m: v if isinstance(v, dict) else {"": v} for m, v in series.items()},
+            self.checkpoints,
+        )
         return self.engine.evaluate(obs)
 
     def state(self, name):
@@ -99,12 +130,17 @@ def test_a_passing_step_resets_pending(tmp_path):
 
 
 def test_reduce_over_series(tmp_path):
-    rules = ruleset(Rule(name="excess", metric="bubble_excess_ratio", above=0.1, action="alert"),
-                    Rule(name="ranks", metric="rank_up", reduce="min", below=1, action="alert"),
-                    Rule(name="mean", metric="bubble_ratio", reduce="mean", above=0.3, action="alert"))
+    rules = ruleset(
+        Rule(name="excess", metric="bubble_excess_ratio", above=0.1, action="alert"),
+        Rule(name="ranks", metric="rank_up", reduce="min", below=1, action="alert"),
+        Rule(name="mean", metric="bubble_ratio", reduce="mean", above=0.3, action="alert"),
+    )
     run = Run(rules, tmp_path)
-    records = run.feed(bubble_excess_ratio={"stage=0": 0.01, "stage=1": 0.2},
-                       rank_up={"rank=0": 1, "rank=3": 0}, bubble_ratio={"stage=0": 0.2, "stage=1": 0.35})
+    records = run.feed(
+        bubble_excess_ratio={"stage=0": 0.01, "stage=1": 0.2},
+        rank_up={"rank=0": 1, "rank=3": 0},
+        bubble_ratio={"stage=0": 0.2, "stage=1": 0.35},
+    )
     assert {r["rule"]: r["evidence"]["series"] for r in records} == {"excess": "stage=1", "ranks": "rank=3"}
 
 
@@ -176,8 +212,9 @@ def test_dry_run_records_but_hands_out_nothing(tmp_path):
 
 
 def test_rollback_goes_before_the_failing_window_and_skips_it(tmp_path):
-    rule = Rule(name="high", metric="loss", above=10, for_steps=3, cooldown_steps=3, action="rollback",
-                skip_batches="window")
+    rule = Rule(
+        name="high", metric="loss", above=10, for_steps=3, cooldown_steps=3, action="rollback", skip_batches="window"
+    )
     run = Run(ruleset(rule), tmp_path)
     for _ in range(4):
         run.feed(loss=2.0)
@@ -189,8 +226,14 @@ def test_rollback_goes_before_the_failing_window_and_skips_it(tmp_path):
     assert record["evidence"]["window"] == [5, 7]
     assert (record["action"], record["checkpoint"], record["skip_batches"]) == ("rollback", 4, 3)
     directive = run.engine.pending_directive()
-    assert directive == {"id": record["directive_id"], "action": "rollback", "run_id": RUN_ID, "to_step": 4,
-                         "skip_batches": 3, "reason": record["reason"]}
+    assert directive == {
+        "id": record["directive_id"],
+        "action": "rollback",
+        "run_id": RUN_ID,
+        "to_step": 4,
+        "skip_batches": 3,
+        "reason": record["reason"],
+    }
 
 
 def test_fixed_skip_batches(tmp_path):
@@ -212,8 +255,16 @@ def test_rollback_without_a_checkpoint_escalates_to_pause(tmp_path):
 def test_a_window_rollback_firing_by_time_after_a_rollback_pauses(tmp_path):
     # Applying a rollback forgets the last step; a pending for_seconds rule that fires before the next
     # step cannot count its window's batches (this raised TypeError: None - checkpoint).
-    rule = Rule(name="ranks", metric="rank_up", reduce="min", below=1, for_seconds=60, action="rollback",
-                skip_batches="window", cooldown_steps=50)
+    rule = Rule(
+        name="ranks",
+        metric="rank_up",
+        reduce="min",
+        below=1,
+        for_seconds=60,
+        action="rollback",
+        skip_batches="window",
+        cooldown_steps=50,
+    )
     run = Run(ruleset(rule), tmp_path)
     run.checkpoints = (4,)
     for _ in range(9):
@@ -272,8 +323,9 @@ def test_spike_needs_a_baseline_then_fires(tmp_path):
 
 
 def test_regression_judges_each_series_against_its_own_baseline(tmp_path):
-    rule = Rule(name="coll", metric="collective_seconds_mean", check="regression", factor=2.0, window_steps=5,
-                action="alert")
+    rule = Rule(
+        name="coll", metric="collective_seconds_mean", check="regression", factor=2.0, window_steps=5, action="alert"
+    )
     run = Run(ruleset(rule), tmp_path)
     for _ in range(5):
         run.feed(collective_seconds_mean={"op=all_reduce,group=tp": 0.002, "op=send,group=pp": 0.0001})
@@ -294,12 +346,19 @@ def test_operator_requests(tmp_path):
     run.feed(pipeline_skew_ratio=1.0)
     record = run.engine.request("rollback", "operator", reason="bad data", requested_by="alice")
     assert (record["action"], record["checkpoint"], record["source"], record["requested_by"]) == (
-        "rollback", 20, "operator", "alice")
+        "rollback",
+        20,
+        "operator",
+        "alice",
+    )
     assert run.engine.request("rollback", "operator", to_step=10, skip_batches=5)["checkpoint"] == 10
-    for bad in (dict(action="explode", source="operator"), dict(action="pause", source="someone"),
-                dict(action="rollback", source="operator", to_step=15),
-                dict(action="pause", source="operator", skip_batches=3),
-                dict(action="rollback", source="operator", skip_batches=-1)):
+    for bad in (
+        dict(action="explode", source="operator"),
+        dict(action="pause", source="someone"),
+        dict(action="rollback", source="operator", to_step=15),
+        dict(action="pause", source="operator", skip_batches=3),
+        dict(action="rollback", source="operator", skip_batches=-1),
+    ):
         with pytest.raises(ValueError):
             run.engine.request(**bad)
 
@@ -322,8 +381,17 @@ def test_one_outcome_record_completes_a_directive_for_every_rank(tmp_path):
     outcome(run.engine, pause, step=2, ranks=4)
     assert run.engine.paused and run.engine.pending_directive()["id"] == resume
     applied = run.engine.decisions(1)[0]
-    assert applied == {"type": "applied", "directive_id": pause, "action": "pause", "decision_id": 1, "step": 2,
-                       "time": run.clock.t, "ranks": "0-3", "rank_count": 4, "counts": {"applied": 4}}
+    assert applied == {
+        "type": "applied",
+        "directive_id": pause,
+        "action": "pause",
+        "decision_id": 1,
+        "step": 2,
+        "time": run.clock.t,
+        "ranks": "0-3",
+        "rank_count": 4,
+        "counts": {"applied": 4},
+    }
     outcome(run.engine, resume, step=3, ranks=4)
     assert not run.engine.paused and run.engine.pending_directive() is None
     (late,) = outcome(run.engine, resume, step=3, ranks=4)  # reported twice: recorded, not acted on
@@ -340,7 +408,11 @@ def test_a_substituted_rollback_records_the_step_loaded_and_forgets_later_checkp
     assert decision["checkpoint"] == 8
     (record,) = outcome(run.engine, decision["directive_id"], "substituted", step=4, ranks=4, loaded_step=4)
     assert (record["type"], record["requested_step"], record["loaded_step"], record["substituted"]) == (
-        "substituted", 8, 4, True)
+        "substituted",
+        8,
+        4,
+        True,
+    )
     assert run.engine.pending_directive() is None
     with pytest.raises(ValueError, match="not a known verified checkpoint"):
         run.engine.request("rollback", "operator", to_step=8)  # the abandoned timeline's
@@ -353,11 +425,15 @@ def test_a_failed_rollback_pauses_and_alerts_instead_of_unpausing(tmp_path):
         run.feed(loss=1.0)
     (decision,) = run.feed(loss=math.nan)
     assert decision["action"] == "rollback"
-    failed, pause, alert = outcome(run.engine, decision["directive_id"], "failed", step=2, ranks=4,
-                                   reasons={"checkpoint_corrupt": 4})
+    failed, pause, alert = outcome(
+        run.engine, decision["directive_id"], "failed", step=2, ranks=4, reasons={"checkpoint_corrupt": 4}
+    )
     assert failed["type"] == "failed" and failed["reasons"] == {"checkpoint_corrupt": 4}
-    assert (pause["action"], pause["escalated"], pause["failed_directive_id"]) == ("pause", True,
-                                                                                   decision["directive_id"])
+    assert (pause["action"], pause["escalated"], pause["failed_directive_id"]) == (
+        "pause",
+        True,
+        decision["directive_id"],
+    )
     assert alert["action"] == "alert" and "checkpoint_corrupt on 4 ranks" in alert["reason"]
     assert run.engine.pending_directive()["id"] == pause["directive_id"]
     assert not run.engine.paused  # until the run reports the pause applied
@@ -406,8 +482,22 @@ def test_log_is_strict_json_with_nan_as_strings(tmp_path):
     run.feed(loss=math.nan)
     (record,) = log_lines(tmp_path)
     assert record["evidence"]["values"] == ["nan"]
-    assert set(record) >= {"type", "id", "time", "step", "rule", "action", "source", "requested_by", "enforced",
-                           "reason", "evidence", "checkpoint", "skip_batches", "directive_id"}
+    assert set(record) >= {
+        "type",
+        "id",
+        "time",
+        "step",
+        "rule",
+        "action",
+        "source",
+        "requested_by",
+        "enforced",
+        "reason",
+        "evidence",
+        "checkpoint",
+        "skip_batches",
+        "directive_id",
+    }
 
 
 def test_restart_continues_from_persisted_state(tmp_path):
@@ -472,8 +562,7 @@ def test_states_are_json_safe(tmp_path):
     run.feed(loss=math.inf)
     st = run.state("nan")
     assert st["last_value"] == "inf" and json.dumps(st, allow_nan=False)
-    assert set(st) >= {"state", "reason", "failing_steps", "since_step", "last_value", "threshold",
-                       "last_seen_time"}
+    assert set(st) >= {"state", "reason", "failing_steps", "since_step", "last_value", "threshold", "last_seen_time"}
 
 
 def test_unusable_values_are_dropped_and_schema_strings_decoded(tmp_path):

@@ -17,8 +17,17 @@ def _engine(tmp_path):
 
 def _apply(engine, world=2, step=5):
     d = engine.pending_directive()
-    engine.record_outcome({"directive_id": d["id"], "run_id": "r", "outcome": "applied", "step": step,
-                           "loaded_step": d["to_step"], "counts": {"applied": world}, "ranks": world})
+    engine.record_outcome(
+        {
+            "directive_id": d["id"],
+            "run_id": "r",
+            "outcome": "applied",
+            "step": step,
+            "loaded_step": d["to_step"],
+            "counts": {"applied": world},
+            "ranks": world,
+        }
+    )
     return d
 
 
@@ -65,8 +74,7 @@ def test_a_sidecar_that_lost_its_state_still_issues_ids_newer_than_the_trainer_s
 def test_a_cancelled_rule_directive_lets_the_rule_act_again(tmp_path):
     """Issue 25, item 6: on 40e8301 a cancelled rule rollback left the rule firing, acted on, silent."""
     rules = RULES + "    cooldown_steps: 5\n"
-    engine = GuardrailEngine(parse_rules(rules.replace("action: alert", "action: pause")), tmp_path,
-                             now=lambda: 1000.0)
+    engine = GuardrailEngine(parse_rules(rules.replace("action: alert", "action: pause")), tmp_path, now=lambda: 1000.0)
     engine.begin_run("r")
     bad = {"pipeline_skew_ratio": {"": 3.0}}
     for step in (1, 2, 3):

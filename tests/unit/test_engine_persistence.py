@@ -50,8 +50,17 @@ class Fsyncs:
 
 
 def skew_rule(**kw):
-    return Rule(**{"name": "skew", "metric": "pipeline_skew_ratio", "above": 1.25, "for_steps": 5,
-                   "cooldown_steps": 10, "action": "alert", **kw})
+    return Rule(
+        **{
+            "name": "skew",
+            "metric": "pipeline_skew_ratio",
+            "above": 1.25,
+            "for_steps": 5,
+            "cooldown_steps": 10,
+            "action": "alert",
+            **kw,
+        }
+    )
 
 
 def nan_rule(**kw):
@@ -124,15 +133,13 @@ def test_baselines_are_written_apart_from_the_state_and_at_most_a_minute_stale(t
     run.engine.close()  # close writes them
     state = json.loads((tmp_path / "state.json").read_text())
     assert "history" not in state["rules"]["spike"]  # the state written every second stays small
-    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {
-        "values": [2.0] * 4}
+    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {"values": [2.0] * 4}
     for _ in range(3):
         run.clock.t += 1.0
         run.feed(loss=3.0)
         run.engine.check_no_data()  # counters once a second; baselines not yet
     assert run.restarted().states()["spike"]["last_value"] == 3.0
-    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {
-        "values": [2.0] * 4}
+    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {"values": [2.0] * 4}
     run.clock.t += BASELINES_FLUSH_SECONDS
     run.engine.check_no_data()
     again = run.restarted()  # a crash: the windows as of the last minute's write
@@ -243,8 +250,16 @@ def test_what_each_write_syncs(tmp_path, monkeypatch):
 
 
 def applied(engine, directive_id, step=2, ranks=2):
-    return engine.record_outcome({"directive_id": directive_id, "run_id": "r", "outcome": "applied", "step": step,
-                                  "counts": {"applied": ranks}, "ranks": ranks})
+    return engine.record_outcome(
+        {
+            "directive_id": directive_id,
+            "run_id": "r",
+            "outcome": "applied",
+            "step": step,
+            "counts": {"applied": ranks},
+            "ranks": ranks,
+        }
+    )
 
 
 def test_restart_after_a_crash_keeps_states_and_directives(tmp_path):
@@ -279,6 +294,7 @@ def test_an_outcome_is_durable_before_the_call_returns(tmp_path, monkeypatch):
 
 
 # -- the per-step fast paths agree with the plain definitions -----------------------------------------
+
 
 def plain_reduce(values, how):
     usable = {k: v for k, v in values.items() if not math.isnan(v)}
@@ -326,12 +342,22 @@ def test_regression_read_matches_the_plain_definition(window_steps):
     """Each series' ratio to the median of its own previous window_steps finite values (judged once
     it has min(MIN_BASELINE_VALUES, window) of them and the median is positive), reduced by max."""
     rng = random.Random(window_steps)
-    check = RegressionCheck(Rule(name="r", metric="collective_transfer_seconds", check="regression", factor=2.0,
-                                 window_steps=window_steps, action="alert"))
+    check = RegressionCheck(
+        Rule(
+            name="r",
+            metric="collective_transfer_seconds",
+            check="regression",
+            factor=2.0,
+            window_steps=window_steps,
+            action="alert",
+        )
+    )
     past: dict[str, list[float]] = {}
     for _ in range(300):
-        values = {f"path={rng.randrange(6)}": rng.choice([0.0, 1.0, 2.0, math.nan, math.inf, rng.random()])
-                  for _ in range(rng.randrange(0, 5))}
+        values = {
+            f"path={rng.randrange(6)}": rng.choice([0.0, 1.0, 2.0, math.nan, math.inf, rng.random()])
+            for _ in range(rng.randrange(0, 5))
+        }
         ratios, medians = {}, {}
         for key, value in values.items():
             if not math.isfinite(value):

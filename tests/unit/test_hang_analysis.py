@@ -4,15 +4,51 @@ naming one hung rank among 16,384 simulated ranks from node digests."""
 import pytest
 
 from parwatch.sidecar.digest import LeaderView, NodeBook
-from parwatch.sidecar.hang import (JUDGE_EVERY_SECONDS, MAX_REPORT_LATENCY_SECONDS, Activity, HangMonitor,
-                                   HangSettings, Layout, Progress, find_culprit)
+from parwatch.sidecar.hang import (
+    JUDGE_EVERY_SECONDS,
+    MAX_REPORT_LATENCY_SECONDS,
+    Activity,
+    HangMonitor,
+    HangSettings,
+    Layout,
+    Progress,
+    find_culprit,
+)
 
 
-def act(rank, layout, kind=None, op=None, group=None, peer=None, seq=None, step=4, state="running", since=100.0,
-        host="h0", time=1e10):
+def act(
+    rank,
+    layout,
+    kind=None,
+    op=None,
+    group=None,
+    peer=None,
+    seq=None,
+    step=4,
+    state="running",
+    since=100.0,
+    host="h0",
+    time=1e10,
+):
     tp, pp = layout.tp, layout.pp
-    return Activity(rank, state, kind, op, group, peer, seq, since, step, 0.1, 1000 + rank, host,
-                    (rank // tp) % pp, rank % tp, rank // (tp * pp), time)
+    return Activity(
+        rank,
+        state,
+        kind,
+        op,
+        group,
+        peer,
+        seq,
+        since,
+        step,
+        0.1,
+        1000 + rank,
+        host,
+        (rank // tp) % pp,
+        rank % tp,
+        rank // (tp * pp),
+        time,
+    )
 
 
 class FakeEngine:
@@ -35,16 +71,24 @@ class Clock:
 
 def test_recv_chain_names_the_rank_in_compute():
     lay = Layout(1, 4, 1)
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1), 1: act(1, lay, "recv", "recv", "pp", peer=2),
-            2: act(2, lay, "forward"), 3: act(3, lay, "recv", "recv", "pp", peer=2)}
+    rows = {
+        0: act(0, lay, "recv", "recv", "pp", peer=1),
+        1: act(1, lay, "recv", "recv", "pp", peer=2),
+        2: act(2, lay, "forward"),
+        3: act(3, lay, "recv", "recv", "pp", peer=2),
+    }
     found = find_culprit(rows, lay)
     assert found["culprit"] == 2 and found["waiting"] == [0, 1, 3] and found["method"] == "dependency"
 
 
 def test_tp_collective_names_the_member_that_has_not_joined():
     lay = Layout(2, 2, 1)  # ranks 0,1 stage 0; 2,3 stage 1
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=2), 1: act(1, lay, "recv", "recv", "pp", peer=3),
-            2: act(2, lay, "collective", "all_reduce", "tp", seq=7), 3: act(3, lay, "forward")}
+    rows = {
+        0: act(0, lay, "recv", "recv", "pp", peer=2),
+        1: act(1, lay, "recv", "recv", "pp", peer=3),
+        2: act(2, lay, "collective", "all_reduce", "tp", seq=7),
+        3: act(3, lay, "forward"),
+    }
     found = find_culprit(rows, lay)
     assert found["culprit"] == 3
     assert found["waiting"] == [0, 1, 2]
@@ -53,7 +97,10 @@ def test_tp_collective_names_the_member_that_has_not_joined():
 
 def test_a_member_in_an_earlier_collective_is_behind():
     lay = Layout(2, 1, 1)
-    rows = {0: act(0, lay, "collective", "all_reduce", "tp", seq=8), 1: act(1, lay, "collective", "all_reduce", "tp", seq=7)}
+    rows = {
+        0: act(0, lay, "collective", "all_reduce", "tp", seq=8),
+        1: act(1, lay, "collective", "all_reduce", "tp", seq=7),
+    }
     found = find_culprit(rows, lay)
     # Each waits in a different collective: a mismatch, both blocked; the longest open is named.
     assert found["culprit"] in (0, 1)
@@ -188,8 +235,14 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
                     if r == hung:
                         a = act(r, lay, "backward", step=step, host=f"n{node}", since=1234.0)
                 rows.append(list(a))
-            yield {"version": 1, "node": f"n{node}", "run_id": "r", "time": clock.t, "layout": [8, 16, 128],
-                   "rows": rows}
+            yield {
+                "version": 1,
+                "node": f"n{node}",
+                "run_id": "r",
+                "time": clock.t,
+                "layout": [8, 16, 128],
+                "rows": rows,
+            }
 
     for step in (1, 2):
         clock.t += 1
@@ -211,8 +264,10 @@ def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
     monitor, clock, engine = _monitor()
     lay = Layout(1, 2, 1)
     monitor.observe(act(0, lay, step=3), lay, clock.t)
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", time=9.0),
-            1: act(1, lay, "backward", step=3, state="gone", time=5.0)}
+    rows = {
+        0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", time=9.0),
+        1: act(1, lay, "backward", step=3, state="gone", time=5.0),
+    }
     rows[0], rows[1] = rows[0]._replace(time=1.0), rows[1]._replace(time=2.0)  # sampling order says nothing
     [record] = monitor.check(rows)
     assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
@@ -236,14 +291,17 @@ def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
 
 def test_between_equal_sinks_the_one_reporting_after_the_stall_is_named():
     lay = Layout(1, 1, 3)
-    rows = {0: act(0, lay, "forward", since=10.0, time=50.0),  # a late report from before the stall
-            1: act(1, lay, "backward", since=60.0, time=95.0),
-            2: act(2, lay, "boundary", "all_reduce", "world", time=95.0)}
+    rows = {
+        0: act(0, lay, "forward", since=10.0, time=50.0),  # a late report from before the stall
+        1: act(1, lay, "backward", since=60.0, time=95.0),
+        2: act(2, lay, "boundary", "all_reduce", "world", time=95.0),
+    }
     assert find_culprit(rows, lay)["culprit"] == 0  # without timing, the oldest span wins the tie
     assert find_culprit(rows, lay, fresh_after=90.0)["culprit"] == 1
 
 
 # --------------------------------------------------------------------------- when the stall began
+
 
 def test_stall_starts_at_the_ranks_step_boundary_not_at_the_reports_arrival():
     p = Progress(HangSettings())
@@ -295,11 +353,16 @@ def _stalled_monitor(step_end_skew):
     for step in range(1, 6):
         clock.t += 1.0
         end = clock.t - 1.0  # the boundary ended 1 s before the report arrived
-        monitor.observe(act(0, lay, "forward", step=step, time=end + 0.5 + step_end_skew)._replace(
-            step_end=end + step_end_skew), lay, clock.t)
+        monitor.observe(
+            act(0, lay, "forward", step=step, time=end + 0.5 + step_end_skew)._replace(step_end=end + step_end_skew),
+            lay,
+            clock.t,
+        )
     boundary = clock.t - 1.0
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t + step_end_skew),
-            1: act(1, lay, "forward", step=5, since=boundary + 0.01, time=clock.t + step_end_skew)}
+    rows = {
+        0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t + step_end_skew),
+        1: act(1, lay, "forward", step=5, since=boundary + 0.01, time=clock.t + step_end_skew),
+    }
     return monitor, clock, engine, rows, boundary
 
 
@@ -385,8 +448,10 @@ def test_a_hang_pointing_at_ranks_the_leader_cannot_see_names_no_culprit_and_sta
         for r in (0, 1):
             monitor.observe(act(r, lay, "forward", step=step, time=clock.t)._replace(step_end=clock.t), lay, clock.t)
     clock.t += 30.0
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t),
-            1: act(1, lay, "recv", "recv", "pp", peer=2, step=5, time=clock.t)}  # rank 2: never reported
+    rows = {
+        0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t),
+        1: act(1, lay, "recv", "recv", "pp", peer=2, step=5, time=clock.t),
+    }  # rank 2: never reported
     [record] = monitor.check(rows, coverage=coverage(rows, lay.world, []))
     evidence = record["evidence"]
     assert record["rule"] == "hang" and evidence["culprit"] is None
@@ -403,8 +468,9 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     view = LeaderView(clock, grace_seconds=5.0)
     lay = Layout(1, 2, 1)
     rows = [list(act(r, lay, "forward", step=3)) for r in (0, 1)]
-    view.ingest({"version": 1, "node": "pw-node1:9401", "run_id": "r", "time": clock.t, "layout": [1, 2, 1],
-                 "rows": rows})
+    view.ingest(
+        {"version": 1, "node": "pw-node1:9401", "run_id": "r", "time": clock.t, "layout": [1, 2, 1], "rows": rows}
+    )
     assert {a.state for a in view.rows().values()} == {"running"} and view.missing_nodes() == []
     clock.t += 6.0
     assert {a.state for a in view.rows().values()} == {"unknown"}
@@ -449,8 +515,10 @@ def test_echoes_alone_wait_for_the_first_failure_before_one_is_named():
     monitor, clock, engine = _monitor()
     lay = Layout(1, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
-    echo = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed")._replace(error=PEER_LOST),
-            1: act(1, lay, "forward", step=6)}
+    echo = {
+        0: act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed")._replace(error=PEER_LOST),
+        1: act(1, lay, "forward", step=6),
+    }
     assert monitor.check(echo) == []  # the rank that failed first may yet say so
     clock.t += 3
     told = {**echo, 1: act(1, lay, "forward", step=6, state="crashed")._replace(error="InjectedError: boom")}

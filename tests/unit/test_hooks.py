@@ -3,8 +3,7 @@
 import pytest
 
 from parwatch import contract
-from parwatch.contract import OutcomeReport
-from parwatch.contract import BoundaryInfo, HookRegistry, Observer
+from parwatch.contract import BoundaryInfo, HookRegistry, Observer, OutcomeReport
 
 
 class CountingClock:
@@ -114,8 +113,9 @@ def test_boundary_slots_are_filled_and_sliced_per_observer(reg):
 
     # The summed vector (every rank's part added up), as the boundary all-reduce returns it.
     summed = [11.0, 22.0, 33.0, 44.0, 55.0]
-    info = BoundaryInfo(step=7, kind="step", loss=1.5, directive=None,
-                        report=OutcomeReport(0, {}, {}, None, 2), world_size=2)
+    info = BoundaryInfo(
+        step=7, kind="step", loss=1.5, directive=None, report=OutcomeReport(0, {}, {}, None, 2), world_size=2
+    )
     reg.emit_boundary(info, summed)
     assert two.boundaries[0][1] == [11.0, 22.0]
     assert none.boundaries[0][1] == []

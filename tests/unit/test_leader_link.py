@@ -71,17 +71,26 @@ def test_refusals_are_counted_by_post_and_reason_and_logged_once_a_minute(caplog
     with caplog.at_level(logging.WARNING):
         refusals.note("/v1/digest", 401, "wrong bearer token")
     assert "3 since the last such line" in caplog.text  # the three after the first line, and this one
-    assert refusals.status() == [{"post": "digest", "reason": "unauthorized", "count": 4, "last_time": 1_061.0,
-                                  "detail": "wrong bearer token"}]
+    assert refusals.status() == [
+        {"post": "digest", "reason": "unauthorized", "count": 4, "last_time": 1_061.0, "detail": "wrong bearer token"}
+    ]
 
 
 def test_the_control_app_counts_hot_posts_it_refuses(tmp_path):
-    config = SidecarConfig(state_dir=tmp_path / "s", token="tok", control_listen=Listen("127.0.0.1", 9401),
-                           metrics_listen=Listen("127.0.0.1", 9400))
+    config = SidecarConfig(
+        state_dir=tmp_path / "s",
+        token="tok",
+        control_listen=Listen("127.0.0.1", 9401),
+        metrics_listen=Listen("127.0.0.1", 9400),
+    )
     sidecar = build_sidecar(config, clock=Clock())
     client = TestClient(create_control_app(sidecar))
-    assert client.post("/v1/ingest", json={"version": 1, "summaries": []},
-                       headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert (
+        client.post(
+            "/v1/ingest", json={"version": 1, "summaries": []}, headers={"Authorization": "Bearer nope"}
+        ).status_code
+        == 401
+    )
     assert client.post("/v1/digest", json={"version": 9}, headers={"Authorization": "Bearer tok"}).status_code == 422
     assert sidecar.refusals.counts == {("ingest", "unauthorized"): 1, ("digest", "invalid"): 1}
     assert [r["post"] for r in sidecar.status()["refused"]] == ["digest", "ingest"]

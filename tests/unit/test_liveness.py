@@ -8,18 +8,31 @@ import asyncio
 import os
 import socket
 
+from test_digest_api import _client, report
+
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.hang import ACTIVITY_ROW
-
-from test_digest_api import _client, report
 
 HOST = socket.gethostname()
 
 
 def _activity(rank, step, t, **kw):
     # dp 2 x pp 2: ranks 0 and 1 on this node (stage 0 and 1 of replica 0), ranks 2 and 3 on node-b
-    return report(rank, step=step, host=HOST, pid=os.getpid(), stage=rank % 2, dp_rank=rank // 2, dp=2,
-                  kind="collective", op="all_reduce", group="dp", seq=7, time=t, **kw)
+    return report(
+        rank,
+        step=step,
+        host=HOST,
+        pid=os.getpid(),
+        stage=rank % 2,
+        dp_rank=rank // 2,
+        dp=2,
+        kind="collective",
+        op="all_reduce",
+        group="dp",
+        seq=7,
+        time=t,
+        **kw,
+    )
 
 
 def _digest(t, state="running"):
@@ -35,10 +48,23 @@ def test_waiting_ranks_stay_up_at_the_leader_and_a_quiet_node_goes_down(tmp_path
     client, sidecar, clock = _client(tmp_path, "leader", rank_grace_seconds=5.0)
     for step in (1, 2, 3, 4, 5):  # summaries, then nothing: every rank blocks in the DP all-reduce
         clock.t += 1
-        r = client.post("/v1/ingest", json={"version": 1, "summaries": [
-            syn.summary(0, step, run_id="r1", dp=2, time=clock.t,
-                        global_stages=[syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)]),
-            syn.summary(1, step, run_id="r1", dp=2, time=clock.t)]})
+        r = client.post(
+            "/v1/ingest",
+            json={
+                "version": 1,
+                "summaries": [
+                    syn.summary(
+                        0,
+                        step,
+                        run_id="r1",
+                        dp=2,
+                        time=clock.t,
+                        global_stages=[syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)],
+                    ),
+                    syn.summary(1, step, run_id="r1", dp=2, time=clock.t),
+                ],
+            },
+        )
         assert r.status_code == 200, r.text
     hub = sidecar.activity
     for _ in range(90):  # 18 grace periods without a summary; activity and digests every second

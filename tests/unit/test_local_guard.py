@@ -67,11 +67,27 @@ def _engine(tmp_path):
 
 
 def _local_outcome(did, step=7, after=0, checkpoints=(4,)):
-    return {"directive_id": did, "run_id": "r", "outcome": "applied", "step": step + 1, "loaded_step": None,
-            "counts": {"applied": 4}, "reasons": {}, "ranks": 4,
-            "local": {"rule": "nonfinite-loss", "action": "pause", "step": step, "loss": float("nan"),
-                      "time": 2990.0, "after": after, "checkpoints": list(checkpoints), "unreachable_since": 2980.0,
-                      "reason": "nonfinite-loss: loss nan at step 7"}}
+    return {
+        "directive_id": did,
+        "run_id": "r",
+        "outcome": "applied",
+        "step": step + 1,
+        "loaded_step": None,
+        "counts": {"applied": 4},
+        "reasons": {},
+        "ranks": 4,
+        "local": {
+            "rule": "nonfinite-loss",
+            "action": "pause",
+            "step": step,
+            "loss": float("nan"),
+            "time": 2990.0,
+            "after": after,
+            "checkpoints": list(checkpoints),
+            "unreachable_since": 2980.0,
+            "reason": "nonfinite-loss: loss nan at step 7",
+        },
+    }
 
 
 def test_the_leader_records_a_local_pause_and_rolls_back_once(tmp_path):

@@ -40,8 +40,10 @@ def _best_max_load(counts, layers, parts):
         bounds = (0, *cuts, layers)
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         starts = [1 + sum(sizes[:k]) for k in range(parts)]
-        ranges = [range(0 if k == 0 else s, s + n + (1 if k == parts - 1 else 0)) for k, (s, n) in
-                  enumerate(zip(starts, sizes))]
+        ranges = [
+            range(0 if k == 0 else s, s + n + (1 if k == parts - 1 else 0))
+            for k, (s, n) in enumerate(zip(starts, sizes))
+        ]
         load = max(_loads(ranges, counts))
         best = load if best is None else min(best, load)
     return best

@@ -31,10 +31,14 @@ def test_the_connecting_process_owns_its_connection_and_no_other_does():
 def test_a_child_that_connects_owns_its_connection_and_the_parent_does_not():
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        child = subprocess.Popen([sys.executable, "-c", (
-            "import socket, sys\n"
-            f"s = socket.create_connection(('127.0.0.1', {port}))\n"
-            "sys.stdin.read()\n")], stdin=subprocess.PIPE)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                (f"import socket, sys\ns = socket.create_connection(('127.0.0.1', {port}))\nsys.stdin.read()\n"),
+            ],
+            stdin=subprocess.PIPE,
+        )
         try:
             accepted, peer = server.accept()
             assert owns_connection(child.pid, peer)

@@ -13,7 +13,7 @@ def test_every_schedule_class_is_covered():
     """The classes this suite replays are the ones the installed torch ships (and no fewer)."""
     import torch.distributed.pipelining as pipelining
 
-    shipped = {n[len("Schedule"):] for n in pipelining.__all__ if n.startswith("Schedule")}
+    shipped = {n[len("Schedule") :] for n in pipelining.__all__ if n.startswith("Schedule")}
     assert shipped == set(ALL_CLASSES)
 
 
@@ -117,8 +117,9 @@ def test_host_time_is_idle_before_each_action():
     assert hosted.finish[ps.Action(0, "F", 0)] == pytest.approx((0.001, 0.041))
     assert hosted.finish[ps.Action(1, "F", 0)] == pytest.approx((0.041, 0.081))
     assert hosted.makespan > base.makespan and all(hosted.bubble[r] > base.bubble[r] for r in (0, 1))
-    assert ps.simulate(order, {"F": 0.04, "B": 0.08}, host_s=0.001).finish[ps.Action(0, "F", 1)][0] == \
-        pytest.approx(0.042)  # one figure for every rank
+    assert ps.simulate(order, {"F": 0.04, "B": 0.08}, host_s=0.001).finish[ps.Action(0, "F", 1)][0] == pytest.approx(
+        0.042
+    )  # one figure for every rank
     with pytest.raises(ValueError, match=r"host_s\[5\]"):
         ps.simulate(order, {"F": 1}, host_s={5: 0.1})
     with pytest.raises(ValueError, match="host_s=-1"):
@@ -140,20 +141,21 @@ def test_timings_from_spans_separate_host_from_waiting():
     less compute, receive waits and other work, per executor block."""
     order = {0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}
     spans = [
-        _record(0, "data", 10.0, 10.5, microbatch=0, chunk=0),        # other work: not host
-        _record(0, "forward", 11.0, 12.0, microbatch=0, chunk=0),     # 0.5 s host before it
+        _record(0, "data", 10.0, 10.5, microbatch=0, chunk=0),  # other work: not host
+        _record(0, "forward", 11.0, 12.0, microbatch=0, chunk=0),  # 0.5 s host before it
         _record(0, "recv", 12.5, 16.0, microbatch=0, chunk=0, what="grad"),  # waiting: not host
-        _record(0, "backward", 16.5, 18.5, microbatch=0, chunk=0),    # 1.0 s host before it in all
-        _record(0, "optimizer", 18.5, 19.0),                           # after the last compute span
+        _record(0, "backward", 16.5, 18.5, microbatch=0, chunk=0),  # 1.0 s host before it in all
+        _record(0, "optimizer", 18.5, 19.0),  # after the last compute span
         _record(1, "recv", 10.0, 12.25, microbatch=0, vstage=1, what="activation"),  # 0.25 s after 0F0
         _record(1, "recv", 10.0, 12.2, microbatch=0, vstage=1, what="activation"),  # (a second rank's, say)
         _record(1, "forward", 12.25, 13.0, microbatch=0, vstage=1),
-        _record(1, "loss", 13.0, 13.5, microbatch=0, vstage=1),       # added to the forward
+        _record(1, "loss", 13.0, 13.5, microbatch=0, vstage=1),  # added to the forward
         _record(1, "backward", 13.5, 15.5, microbatch=0, vstage=1),
     ]
     durations, host, p2p = ps.timings_from_spans(order, spans, {0: 10.0, 1: 10.0})
-    assert durations == pytest.approx({ps.Action(0, "F", 0): 1.0, ps.Action(0, "B", 0): 2.0,
-                                       ps.Action(1, "F", 0): 1.25, ps.Action(1, "B", 0): 2.0})
+    assert durations == pytest.approx(
+        {ps.Action(0, "F", 0): 1.0, ps.Action(0, "B", 0): 2.0, ps.Action(1, "F", 0): 1.25, ps.Action(1, "B", 0): 2.0}
+    )
     assert host == pytest.approx({0: 1.5 / 2, 1: 0.0})
     assert p2p == pytest.approx(0.25)  # the median of 0.25, 0.2 (activations), 0.5 (1B0 ends at 15.5, its grad at 16)
     with pytest.raises(ValueError, match="no span for actions 1B0"):
@@ -173,17 +175,25 @@ def test_accepted_action_forms_agree():
 
 def test_overlap_f_b_runs_its_sub_actions():
     order = torch_order("DualPipeV", 2, 4, 2)
-    overlaps = [a for acts in order.values() for a in acts
-                if a is not None and a.computation_type.value == "OVERLAP_F_B"]
+    overlaps = [
+        a for acts in order.values() for a in acts if a is not None and a.computation_type.value == "OVERLAP_F_B"
+    ]
     assert overlaps
-    compute = sum(len(a.sub_actions) if a in overlaps else 1 for acts in order.values() for a in acts
-                  if a is not None and a.is_compute_op)
+    compute = sum(
+        len(a.sub_actions) if a in overlaps else 1
+        for acts in order.values()
+        for a in acts
+        if a is not None and a.is_compute_op
+    )
     flat = ps.normalize(order)
     assert sum(len(a) for a in flat.values()) == compute
     first = overlaps[0]
     rank = next(r for r, acts in order.items() if first in acts)
-    at = [i for i, a in enumerate(flat[rank]) if a == ps.Action(first.sub_actions[0].stage_index, "F",
-                                                                    first.sub_actions[0].microbatch_index)][0]
+    at = [
+        i
+        for i, a in enumerate(flat[rank])
+        if a == ps.Action(first.sub_actions[0].stage_index, "F", first.sub_actions[0].microbatch_index)
+    ][0]
     assert str(flat[rank][at + 1]) == str(first.sub_actions[1])  # sub-actions back to back, in order
     done = {}
     for acts in flat.values():
@@ -198,17 +208,20 @@ def test_b_defaults_to_i_plus_w():
     assert ps.simulate(order, {"F": 1.0, "I": 0.5, "W": 0.25}).makespan == pytest.approx(1.75)
 
 
-@pytest.mark.parametrize("order,durations,match", [
-    ({0: ["0F0", "0B0"], 1: ["1B0"]}, {"F": 1, "B": 1}, "1B0 depends on 1F0, which no rank runs"),
-    ({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, {"F": 1, "B": 1}, "deadlocks"),
-    ({0: ["0F0", "0F0"]}, {"F": 1}, "appears twice"),
-    ({0: ["0F0", "0B0"]}, {"F": 1}, r"no duration for B on stage 0"),
-    ({0: ["0X0"]}, {"F": 1}, None),  # unknown non-compute type: dropped
-    ({0: ["zero"]}, {"F": 1}, "is not like '2F0'"),
-    ({"a": ["0F0"]}, {"F": 1}, "must be a rank"),
-    ({0: ["0F0"], 1: ["2F0"]}, {"F": 1}, r"virtual stages \[1\] appear on no rank"),
-    ({0: ["0F0"]}, {"Q": 1}, r"durations\['Q'\]"),
-])
+@pytest.mark.parametrize(
+    "order,durations,match",
+    [
+        ({0: ["0F0", "0B0"], 1: ["1B0"]}, {"F": 1, "B": 1}, "1B0 depends on 1F0, which no rank runs"),
+        ({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, {"F": 1, "B": 1}, "deadlocks"),
+        ({0: ["0F0", "0F0"]}, {"F": 1}, "appears twice"),
+        ({0: ["0F0", "0B0"]}, {"F": 1}, r"no duration for B on stage 0"),
+        ({0: ["0X0"]}, {"F": 1}, None),  # unknown non-compute type: dropped
+        ({0: ["zero"]}, {"F": 1}, "is not like '2F0'"),
+        ({"a": ["0F0"]}, {"F": 1}, "must be a rank"),
+        ({0: ["0F0"], 1: ["2F0"]}, {"F": 1}, r"virtual stages \[1\] appear on no rank"),
+        ({0: ["0F0"]}, {"Q": 1}, r"durations\['Q'\]"),
+    ],
+)
 def test_bad_input_is_named(order, durations, match):
     if match is None:
         assert ps.simulate(order, durations).makespan == 0.0
@@ -257,9 +270,14 @@ def test_per_action_seconds_from_global_view_totals():
     totals = {}
     for rank, actions in acts.items():
         n = {k: sum(1 for a in actions if a.type == k) for k in "FBIW"}
-        totals[rank] = {"forward_seconds": n["F"] * f - 0.001, "loss_seconds": 0.001 if rank == 0 else 0.0,
-                        "backward_seconds": n["B"] * (i + w) + n["I"] * i, "backward_weight_seconds": n["W"] * w,
-                        "stage": rank, "bubble_ratio": 0.1}
+        totals[rank] = {
+            "forward_seconds": n["F"] * f - 0.001,
+            "loss_seconds": 0.001 if rank == 0 else 0.0,
+            "backward_seconds": n["B"] * (i + w) + n["I"] * i,
+            "backward_weight_seconds": n["W"] * w,
+            "stage": rank,
+            "bubble_ratio": 0.1,
+        }
     means = ps.per_action_seconds(order, totals)
     for rank in acts:
         assert means[rank]["I"] == pytest.approx(i) and means[rank]["W"] == pytest.approx(w)
@@ -271,8 +289,9 @@ def test_per_action_seconds_from_global_view_totals():
         ps.per_action_seconds(order, {0: totals[0]})
 
 
-@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
-                                        ("interleaved", 4, 8, 2)])
+@pytest.mark.parametrize(
+    "name,p,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2)]
+)
 def test_reference_trainer_order_replays_to_the_formula(name, p, m, v):
     """The bundled trainer announces its order at run_start in this module's notation."""
     from parwatch.trainer.schedules import pipeline_order
@@ -292,7 +311,7 @@ def _recurrence_replay(order, durations: dict, p2p_s: float, host: dict) -> dict
     n_stages = 1 + max(a.stage for a in where)
     bwd = {(a.stage, a.microbatch): a.type for a in where if a.type in ("B", "I")}
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def block_times(rank: int, k: int) -> dict:
         t = (block_end(rank, k - 1) if k else 0.0) + host.get(rank, 0.0)
         out = {}

@@ -25,15 +25,18 @@ from parwatch.guardrails.rules import REDUCES, Rule, RuleSet, default_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES_FILE = ROOT / "dashboards" / "recording_rules.yaml"
-NAME = re.compile(r"^(job|stage|op_group|op_group_reason|cause|rank|rank_gpu|rule|rule_action|post_reason)"
-                  r":parwatch_[a-z0-9_]+:[a-z0-9_]+$")
+NAME = re.compile(
+    r"^(job|stage|op_group|op_group_reason|cause|rank|rank_gpu|rule|rule_action|post_reason)"
+    r":parwatch_[a-z0-9_]+:[a-z0-9_]+$"
+)
 RECORDED = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
 
 
 def test_checked_in_file_is_a_fresh_render():
     assert RULES_FILE.read_text() == rec.render_recording_rules_yaml(), (
         "dashboards/recording_rules.yaml is stale: run "
-        "`parwatch dashboards recording-rules -o dashboards/recording_rules.yaml`")
+        "`parwatch dashboards recording-rules -o dashboards/recording_rules.yaml`"
+    )
 
 
 def test_names_are_level_metric_operations_and_unique():
@@ -59,14 +62,19 @@ def test_recorded_series_do_not_keep_the_rank_label_except_short_lists():
     for r in rec.recordings():
         level = r.record.split(":")[0]
         if level.startswith("rank"):
-            assert r.record in {rec.RANKS_NOT_RUNNING, rec.RANKS_DOWN, rec.stragglers_top(), rec.GPU_UTIL_BOTTOM}, r.record
+            assert r.record in {rec.RANKS_NOT_RUNNING, rec.RANKS_DOWN, rec.stragglers_top(), rec.GPU_UTIL_BOTTOM}, (
+                r.record
+            )
         else:
             assert "rank" not in level
 
 
 def test_rate_window_follows_the_argument_and_is_checked():
     two = {r.record for r in rec.recordings("2m")}
-    assert "stage:parwatch_stage_idle_seconds:rate2m" in two and "op_group:parwatch_collective_duration_seconds:mean2m" in two
+    assert (
+        "stage:parwatch_stage_idle_seconds:rate2m" in two
+        and "op_group:parwatch_collective_duration_seconds:mean2m" in two
+    )
     with pytest.raises(ValueError, match="Prometheus duration"):
         rec.recordings("two minutes")
 
@@ -74,9 +82,23 @@ def test_rate_window_follows_the_argument_and_is_checked():
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_every_alert_reads_recorded_series_that_exist(reduce):
     """Any metric a guardrail may name, with any reduce and window, renders to recorded series."""
-    rules = [Rule(name=f"r{i}", metric=m, reduce=reduce, above=1.0) for i, m in enumerate(sorted(
-        ("loss", "bubble_ratio", "bubble_excess_ratio", "pipeline_skew_ratio", "collective_seconds_mean",
-         "rank_up", "gpu_utilization_ratio", "step_seconds")))]
+    rules = [
+        Rule(name=f"r{i}", metric=m, reduce=reduce, above=1.0)
+        for i, m in enumerate(
+            sorted(
+                (
+                    "loss",
+                    "bubble_ratio",
+                    "bubble_excess_ratio",
+                    "pipeline_skew_ratio",
+                    "collective_seconds_mean",
+                    "rank_up",
+                    "gpu_utilization_ratio",
+                    "step_seconds",
+                )
+            )
+        )
+    ]
     rules.append(Rule(name="nan", metric="loss", check="finite", action="rollback"))
     for window in ("1m", "30s"):
         recorded = rec.recorded_names(window)
@@ -112,8 +134,12 @@ def test_recorded_stage_bubble_is_the_one_the_guardrail_judges():
     vector) is parwatch.bubble's, idle over idle + compute summed over the stage's ranks, which is
     what the recording rule computes from the same counters; with a rank whose optimizer runs long
     (other seconds) it is not the mean of the per-rank ratios."""
-    ranks = {0: (0, breakdown(1.0, 0.5, 0.1)), 1: (0, breakdown(1.0, 0.5, 0.4)),   # stage 0: tp ranks 0, 1
-             2: (1, breakdown(1.0, 0.8, 0.1)), 3: (1, breakdown(1.0, 0.6, 0.1))}   # stage 1: tp ranks 2, 3
+    ranks = {
+        0: (0, breakdown(1.0, 0.5, 0.1)),
+        1: (0, breakdown(1.0, 0.5, 0.4)),  # stage 0: tp ranks 0, 1
+        2: (1, breakdown(1.0, 0.8, 0.1)),
+        3: (1, breakdown(1.0, 0.6, 0.1)),
+    }  # stage 1: tp ranks 2, 3
     summed = [0.0] * gv.slots_for(2)
     for rank, (stage, b) in ranks.items():  # what the SUM all-reduce of every rank's slots gives
         slots = [0.0] * gv.slots_for(2)

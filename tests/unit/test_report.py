@@ -27,16 +27,18 @@ PP, M, TP, DP = 4, 8, 2, 2
 @pytest.fixture(scope="module")
 def run_1f1b(tmp_path_factory):
     """p=4, m=8, tp=2, dp=2 (16 ranks), a slow stage; the report built once for the module."""
-    info = make_run_dir(tmp_path_factory.mktemp("run") / "run", pp=PP, microbatches=M, tp=TP, dp=DP,
-                        steps=6, slow_stage=2)
+    info = make_run_dir(
+        tmp_path_factory.mktemp("run") / "run", pp=PP, microbatches=M, tp=TP, dp=DP, steps=6, slow_stage=2
+    )
     return info, build_report(info.path)
 
 
 @pytest.fixture(scope="module")
 def trace_gpipe(tmp_path_factory):
     """GPipe with p=2: the first stage posts many sends that are in flight together."""
-    info = make_run_dir(tmp_path_factory.mktemp("gpipe") / "run", pp=2, microbatches=12, schedule="gpipe",
-                        steps=2, sampled_steps=[2])
+    info = make_run_dir(
+        tmp_path_factory.mktemp("gpipe") / "run", pp=2, microbatches=12, schedule="gpipe", steps=2, sampled_steps=[2]
+    )
     return build_trace(load_run(info.path))
 
 
@@ -81,9 +83,18 @@ def test_trace_lanes_never_overlap_for_arbitrary_spans(tmp_path):
     for i in range(300):
         a = rng.uniform(0, 1)
         kind = rng.choice(["forward", "backward", "send", "recv", "collective", "optimizer"])
-        lines.append({"run_id": "r", "rank": rng.randrange(2), "stage": 0, "step": 1 + i % 2, "kind": kind,
-                      "start_s": a, "end_s": a + rng.uniform(0, 0.2),
-                      "attrs": {"microbatch": i, "op": "all_reduce", "group": rng.choice(["tp", "dp"])}})
+        lines.append(
+            {
+                "run_id": "r",
+                "rank": rng.randrange(2),
+                "stage": 0,
+                "step": 1 + i % 2,
+                "kind": kind,
+                "start_s": a,
+                "end_s": a + rng.uniform(0, 0.2),
+                "attrs": {"microbatch": i, "op": "all_reduce", "group": rng.choice(["tp", "dp"])},
+            }
+        )
     (tmp_path / "spans.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     trace = build_trace(load_run(tmp_path))
     assert len(_x_events(trace)) == 300 + 4  # every span, plus one step slice per rank and step
@@ -95,8 +106,11 @@ def test_trace_has_2m_compute_spans_per_stage_and_step(run_1f1b):
     trace = json.loads(written["trace"].read_text())
     for step in info.sampled_steps:
         for rank in range(info.world_size):
-            n = sum(1 for e in _x_events(trace)
-                    if e["pid"] == rank and e["args"]["step"] == step and e["cat"] in ("forward", "backward"))
+            n = sum(
+                1
+                for e in _x_events(trace)
+                if e["pid"] == rank and e["args"]["step"] == step and e["cat"] in ("forward", "backward")
+            )
             assert n == 2 * M, f"rank {rank} step {step}: {n} compute spans"
 
 
@@ -207,8 +221,9 @@ def test_cli_rejects_a_step_without_spans_and_writes_elsewhere_with_out(tmp_path
     with pytest.raises(StepNotSampled):
         build_report(info.path, step=3)
     out = tmp_path / "elsewhere"
-    result = CliRunner().invoke(report, [str(info.path), "--step", "2", "--out", str(out),
-                                         "--price-per-gpu-hour", "3.5"])
+    result = CliRunner().invoke(
+        report, [str(info.path), "--step", "2", "--out", str(out), "--price-per-gpu-hour", "3.5"]
+    )
     assert result.exit_code == 0, result.output
     assert (out / "timeline.png").exists() and not (info.path / "report").exists()
     page = (out / "index.html").read_text()
@@ -226,8 +241,14 @@ def test_quantile_from_buckets_interpolates_like_prometheus():
 
 
 def test_collective_series_falls_back_to_the_mean_without_buckets():
-    rows = [{"rank": 0, "stage": 0, "step": 1, "collectives": [
-        {"op": "all_reduce", "group": "tp", "count": 4, "seconds": 0.02, "bytes": 100}]}]
+    rows = [
+        {
+            "rank": 0,
+            "stage": 0,
+            "step": 1,
+            "collectives": [{"op": "all_reduce", "group": "tp", "count": 4, "seconds": 0.02, "bytes": 100}],
+        }
+    ]
     series, p99 = collective_series(rows)
     assert p99 is False and series[("all_reduce", "tp")] == [(1, pytest.approx(0.005))]
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from parwatch.cli.main import cli
 from parwatch.guardrails import alerts
-from parwatch.guardrails.rules import Rule, RuleSet, RulesError, default_rules, load_rules, parse_rules
+from parwatch.guardrails.rules import Rule, RulesError, RuleSet, default_rules, load_rules, parse_rules
 
 GOOD = """\
 version: 1
@@ -53,11 +53,21 @@ def rules_with(body, top="version: 1\nrules:\n"):
 
 def test_good_file_parses_with_defaults_applied():
     rs = parse_rules(GOOD, "good.yaml")
-    assert (rs.version, rs.enforce, rs.max_rollbacks, rs.rollback_window_steps, rs.source) == (1, False, 2, 200,
-                                                                                               "good.yaml")
+    assert (rs.version, rs.enforce, rs.max_rollbacks, rs.rollback_window_steps, rs.source) == (
+        1,
+        False,
+        2,
+        200,
+        "good.yaml",
+    )
     skew, nan = rs.rules
     assert (skew.check, skew.reduce, skew.for_steps, skew.cooldown_steps, skew.no_data_seconds) == (
-        "threshold", "max", 3, 30, 90)
+        "threshold",
+        "max",
+        3,
+        30,
+        90,
+    )
     assert skew.line == 10 and nan.line == 15
     assert (nan.check, nan.skip_batches, nan.no_data_seconds) == ("finite", "window", None)
 
@@ -135,8 +145,11 @@ def test_missing_required_field(missing):
 
 
 def test_duplicate_names_point_at_both_lines():
-    p = only(rules_with("- {name: a, metric: loss, above: 1, action: alert}\n"
-                        "- {name: a, metric: loss, below: 0, action: alert}\n"))
+    p = only(
+        rules_with(
+            "- {name: a, metric: loss, above: 1, action: alert}\n- {name: a, metric: loss, below: 0, action: alert}\n"
+        )
+    )
     assert (p.line, p.rule, p.field) == (4, "a", "name") and "line 3" in p.message
 
 
@@ -145,12 +158,15 @@ def test_duplicate_key_in_a_rule():
     assert (p.line, p.field) == (7, "action") and "line 6" in p.message
 
 
-@pytest.mark.parametrize("field,value,hint", [
-    ("metric", "bubble_excess", "did you mean 'bubble_excess_ratio'"),
-    ("check", "finit", "did you mean 'finite'"),
-    ("action", "rolback", "did you mean 'rollback'"),
-    ("reduce", "avg", "did you mean 'mean'"),
-])
+@pytest.mark.parametrize(
+    "field,value,hint",
+    [
+        ("metric", "bubble_excess", "did you mean 'bubble_excess_ratio'"),
+        ("check", "finit", "did you mean 'finite'"),
+        ("action", "rolback", "did you mean 'rollback'"),
+        ("reduce", "avg", "did you mean 'mean'"),
+    ],
+)
 def test_unknown_choice_suggests(field, value, hint):
     rule = {"name": "a", "metric": "loss", "above": 1, "action": "alert", field: value}
     if field == "check":
@@ -170,8 +186,9 @@ def test_threshold_needs_exactly_one_of_above_below():
 
 @pytest.mark.parametrize("check", ["spike", "regression"])
 def test_spike_and_regression_need_factor_and_window(check):
-    found = problems(rules_with(f"- name: a\n  metric: loss\n  check: {check}\n  factor: 1.0\n"
-                                "  window_steps: 1\n  action: alert\n"))
+    found = problems(
+        rules_with(f"- name: a\n  metric: loss\n  check: {check}\n  factor: 1.0\n  window_steps: 1\n  action: alert\n")
+    )
     assert {(p.field, p.line) for p in found} == {("factor", 6), ("window_steps", 7)}
     found = problems(rules_with(f"- name: a\n  metric: loss\n  check: {check}\n  action: alert\n"))
     assert {p.field for p in found} == {"factor", "window_steps"}
@@ -190,24 +207,30 @@ def test_for_steps_at_least_one():
 
 
 def test_cooldown_must_cover_for_steps():
-    p = only(rules_with("- name: a\n  metric: loss\n  above: 1\n  for_steps: 10\n  cooldown_steps: 5\n"
-                        "  action: alert\n"))
+    p = only(
+        rules_with("- name: a\n  metric: loss\n  above: 1\n  for_steps: 10\n  cooldown_steps: 5\n  action: alert\n")
+    )
     assert (p.field, p.line) == ("cooldown_steps", 7) and "cooldown_steps: 10" in p.message
 
 
 def test_cooldown_inherited_from_defaults_points_at_defaults():
-    p = only("version: 1\ndefaults:\n  cooldown_steps: 5\nrules:\n"
-             "  - {name: a, metric: loss, above: 1, for_steps: 10, action: alert}\n")
+    p = only(
+        "version: 1\ndefaults:\n  cooldown_steps: 5\nrules:\n"
+        "  - {name: a, metric: loss, above: 1, for_steps: 10, action: alert}\n"
+    )
     assert (p.field, p.line, p.rule) == ("cooldown_steps", 3, "a") and "inherited from defaults" in p.message
 
 
-@pytest.mark.parametrize("field,value,expected", [
-    ("for_steps", '"ten"', "whole number"),
-    ("above", "high", "number"),
-    ("name", "[a, b]", "a word"),
-    ("no_data_seconds", "soon", "or null"),
-    ("skip_batches", "all", "or window"),
-])
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("for_steps", '"ten"', "whole number"),
+        ("above", "high", "number"),
+        ("name", "[a, b]", "a word"),
+        ("no_data_seconds", "soon", "or null"),
+        ("skip_batches", "all", "or window"),
+    ],
+)
 def test_wrong_types(field, value, expected):
     rule = {"name": "a", "metric": "loss", "above": "1", "action": "rollback", field: value}
     body = "- " + "\n  ".join(f"{k}: {v}" for k, v in rule.items()) + "\n"
@@ -237,9 +260,11 @@ def test_rollback_section_values_checked():
 
 
 def test_all_problems_are_collected_and_formatted():
-    text = rules_with("- {name: a, metric: los, above: 1, action: alert}\n"
-                      "- {name: b, metric: loss, above: 1, action: explode}\n"
-                      "- {name: c, metric: loss, above: 1, for_steps: 0, action: alert}\n")
+    text = rules_with(
+        "- {name: a, metric: los, above: 1, action: alert}\n"
+        "- {name: b, metric: loss, above: 1, action: explode}\n"
+        "- {name: c, metric: loss, above: 1, for_steps: 0, action: alert}\n"
+    )
     with pytest.raises(RulesError) as info:
         parse_rules(text, "f.yaml")
     lines = str(info.value).splitlines()
@@ -275,8 +300,11 @@ def test_cli_check_ok(tmp_path):
 
 def test_cli_check_prints_every_problem_and_exits_1(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text(rules_with("- {name: a, metric: los, above: 1, action: alert}\n"
-                               "- {name: b, metric: loss, above: 1, action: explode}\n"))
+    path.write_text(
+        rules_with(
+            "- {name: a, metric: los, above: 1, action: alert}\n- {name: b, metric: loss, above: 1, action: explode}\n"
+        )
+    )
     result = CliRunner().invoke(cli, ["rules", "check", str(path)])
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
@@ -334,5 +362,8 @@ def test_render_skips_a_rule_without_prometheus_metric_with_a_comment(monkeypatc
     text = alerts.render_alert_rules_yaml(parse_rules(GOOD))
     assert text.startswith(alerts.HEADER)
     assert "# rule 'skew' skipped: no Prometheus metric carries pipeline_skew_ratio" in text
-    assert [r["alert"] for r in yaml.safe_load(text)["groups"][0]["rules"]] == ["ParwatchNan", "ParwatchHang",
-                                                                               "ParwatchRankGone"]
+    assert [r["alert"] for r in yaml.safe_load(text)["groups"][0]["rules"]] == [
+        "ParwatchNan",
+        "ParwatchHang",
+        "ParwatchRankGone",
+    ]

@@ -2,9 +2,21 @@ from parwatch.collector.run_totals import PER_STEP_KEPT, RunTotals
 
 
 def _view(step, bubbles, computes, skew):
-    return {"step": step, "pipeline_skew_ratio": skew, "stages": [
-        {"stage": i, "bubble_ratio": b, "compute_seconds": c, "idle_seconds": c * b / (1 - b), "other_seconds": 0.0,
-         "step_seconds": c / (1 - b)} for i, (b, c) in enumerate(zip(bubbles, computes))]}
+    return {
+        "step": step,
+        "pipeline_skew_ratio": skew,
+        "stages": [
+            {
+                "stage": i,
+                "bubble_ratio": b,
+                "compute_seconds": c,
+                "idle_seconds": c * b / (1 - b),
+                "other_seconds": 0.0,
+                "step_seconds": c / (1 - b),
+            }
+            for i, (b, c) in enumerate(zip(bubbles, computes))
+        ],
+    }
 
 
 def test_means_leave_out_the_warm_up_step_and_report_theory():

@@ -25,9 +25,7 @@ from parwatch.trainer.schedules import (
 STAGES = (1, 2, 3, 4)
 MICROBATCHES = (1, 2, 3, 4, 8)
 PLAIN = [(name, p, m, 1) for name in ("gpipe", "1f1b") for p in STAGES for m in MICROBATCHES]
-INTERLEAVED = [
-    ("interleaved", p, m, v) for p in STAGES if p >= 2 for m in MICROBATCHES if m % p == 0 for v in (2, 3)
-]
+INTERLEAVED = [("interleaved", p, m, v) for p in STAGES if p >= 2 for m in MICROBATCHES if m % p == 0 for v in (2, 3)]
 ALL = PLAIN + INTERLEAVED
 
 

@@ -46,8 +46,16 @@ def _summary(step):
     return {"run_id": "r", "rank": 0, "step": step}
 
 
-OUTCOME = {"directive_id": 7, "run_id": "r", "outcome": "applied", "step": 3, "loaded_step": None,
-           "counts": {"applied": 4}, "reasons": {}, "ranks": 4}
+OUTCOME = {
+    "directive_id": 7,
+    "run_id": "r",
+    "outcome": "applied",
+    "step": 3,
+    "loaded_step": None,
+    "counts": {"applied": 4},
+    "reasons": {},
+    "ranks": 4,
+}
 
 
 def test_an_outcome_that_fails_to_post_is_retried_until_accepted_even_with_no_summaries():

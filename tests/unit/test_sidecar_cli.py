@@ -25,10 +25,12 @@ TOKEN = "cli-token"
 def served(tmp_path):
     """A control app with a token, under uvicorn in a thread; yields (endpoint, token file)."""
     port = free_port()
-    sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state", token=TOKEN,
-                                          control_listen=Listen("127.0.0.1", port)))
-    server = uvicorn.Server(uvicorn.Config(create_control_app(sidecar), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    sidecar = build_sidecar(
+        SidecarConfig(state_dir=tmp_path / "state", token=TOKEN, control_listen=Listen("127.0.0.1", port))
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_control_app(sidecar), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -10,12 +10,15 @@ from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig, is_loopb
 from parwatch.tokens import TokenError, read_token
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("127.0.0.1:9401", Listen("127.0.0.1", 9401)),
-    ("0.0.0.0:9400", Listen("0.0.0.0", 9400)),
-    ("[::1]:9401", Listen("::1", 9401)),
-    ("localhost:80", Listen("localhost", 80)),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("127.0.0.1:9401", Listen("127.0.0.1", 9401)),
+        ("0.0.0.0:9400", Listen("0.0.0.0", 9400)),
+        ("[::1]:9401", Listen("::1", 9401)),
+        ("localhost:80", Listen("localhost", 80)),
+    ],
+)
 def test_parse_listen(value, expected):
     assert parse_listen(value, "--control-listen") == expected
 
@@ -26,9 +29,18 @@ def test_parse_listen_errors_name_the_flag(value):
         parse_listen(value, "--metrics-listen")
 
 
-@pytest.mark.parametrize("host, loop", [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True),
-                                         ("localhost", True), ("0.0.0.0", False), ("10.0.0.5", False),
-                                         ("example.com", False)])
+@pytest.mark.parametrize(
+    "host, loop",
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("10.0.0.5", False),
+        ("example.com", False),
+    ],
+)
 def test_is_loopback(host, loop):
     assert is_loopback(host) is loop
 
@@ -40,11 +52,14 @@ def test_non_loopback_control_needs_a_token():
     assert SidecarConfig().token is None  # loopback, no token: fine
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"rank_grace_seconds": 0}, "--rank-grace-seconds must be > 0"),
-    ({"max_body_bytes": 10}, "--max-body-bytes must be >= 1024"),
-    ({"metrics_listen": Listen("127.0.0.1", 9401)}, "give them different ports"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"rank_grace_seconds": 0}, "--rank-grace-seconds must be > 0"),
+        ({"max_body_bytes": 10}, "--max-body-bytes must be >= 1024"),
+        ({"metrics_listen": Listen("127.0.0.1", 9401)}, "give them different ports"),
+    ],
+)
 def test_settings_are_checked(kw, message):
     with pytest.raises(ConfigError, match=message):
         SidecarConfig(**kw)
@@ -65,8 +80,15 @@ def test_read_token(tmp_path):
 
 def test_help_documents_every_flag_with_an_example():
     out = CliRunner().invoke(sidecar_cmd, ["--help"], terminal_width=200).output
-    for flag in ("--rules", "--state-dir", "--metrics-listen", "--control-listen", "--token-file",
-                 "--rank-grace-seconds", "--max-body-bytes"):
+    for flag in (
+        "--rules",
+        "--state-dir",
+        "--metrics-listen",
+        "--control-listen",
+        "--token-file",
+        "--rank-grace-seconds",
+        "--max-body-bytes",
+    ):
         assert flag in out
         assert f"e.g. {flag}" in " ".join(out.split()), f"{flag} has no example"
     assert "PARWATCH_TOKEN" in out and "SIGHUP" in out

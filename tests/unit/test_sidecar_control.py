@@ -26,10 +26,17 @@ def setup(tmp_path):
 
 def ingest_step(client, step, checkpoints=(), outcomes=(), global_loss=None) -> dict:
     """Both ranks of a 2-stage run report `step`; rank 0 carries the global view of step-1 and any outcomes."""
-    r = client.post("/v1/ingest", json={"version": 1, "outcomes": list(outcomes), "summaries": [
-        syn.summary(0, step, checkpoints=checkpoints, global_stages=STAGES, global_loss=global_loss),
-        syn.summary(1, step),
-    ]})
+    r = client.post(
+        "/v1/ingest",
+        json={
+            "version": 1,
+            "outcomes": list(outcomes),
+            "summaries": [
+                syn.summary(0, step, checkpoints=checkpoints, global_stages=STAGES, global_loss=global_loss),
+                syn.summary(1, step),
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -46,8 +53,14 @@ def test_operator_pause_reaches_the_next_ingest_and_its_outcome_applies_it(setup
     decision = r.json()
     assert decision["action"] == "pause" and decision["source"] == "operator" and decision["enforced"]
     directive = ingest_step(client, 2)["directive"]
-    assert directive == {"id": decision["directive_id"], "action": "pause", "run_id": "synthetic", "to_step": None,
-                         "skip_batches": 0, "reason": "look at the loss"}
+    assert directive == {
+        "id": decision["directive_id"],
+        "action": "pause",
+        "run_id": "synthetic",
+        "to_step": None,
+        "skip_batches": 0,
+        "reason": "look at the loss",
+    }
     assert client.get("/v1/status").json()["paused"] is False  # not applied yet
     after = ingest_step(client, 3, outcomes=[syn.outcome(directive["id"], step=2)])
     assert after["directive"] is None
@@ -106,17 +119,25 @@ def test_rollback_needs_a_known_checkpoint(setup):
     r = client.post("/v1/control", json={"action": "rollback", "to_step": 1, "skip_batches": 3})
     assert r.status_code == 200
     assert ingest_step(client, 3)["directive"] | {"reason": ""} == {
-        "id": r.json()["directive_id"], "action": "rollback", "run_id": "synthetic", "to_step": 1,
-        "skip_batches": 3, "reason": ""}
+        "id": r.json()["directive_id"],
+        "action": "rollback",
+        "run_id": "synthetic",
+        "to_step": 1,
+        "skip_batches": 3,
+        "reason": "",
+    }
 
 
-@pytest.mark.parametrize("payload, status, expected", [
-    ({"action": "explode"}, 422, "action: Input should be 'pause', 'resume' or 'rollback'"),
-    ({"action": "pause", "to_step": 3}, 400, "to_step and skip_batches apply to rollback only"),
-    ({"action": "rollback", "skip_batches": -1}, 422, "skip_batches: Input should be greater than or equal to 0"),
-    ({"action": "pause", "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
-    ({"action": "rollback", "to_step": 10**400}, 422, "to_step: Input should be less than 9007199254740992"),
-])
+@pytest.mark.parametrize(
+    "payload, status, expected",
+    [
+        ({"action": "explode"}, 422, "action: Input should be 'pause', 'resume' or 'rollback'"),
+        ({"action": "pause", "to_step": 3}, 400, "to_step and skip_batches apply to rollback only"),
+        ({"action": "rollback", "skip_batches": -1}, 422, "skip_batches: Input should be greater than or equal to 0"),
+        ({"action": "pause", "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
+        ({"action": "rollback", "to_step": 10**400}, 422, "to_step: Input should be less than 9007199254740992"),
+    ],
+)
 def test_bad_control_requests_get_422_or_the_engines_400(setup, payload, status, expected):
     """422: the body fails validation (as the OpenAPI document says); 400: the engine refuses it."""
     _, client = setup
@@ -151,14 +172,26 @@ def test_engine_evaluates_once_per_new_global_step(setup):
 
 
 def alert(status="firing", action="pause", fingerprint="fp1", name="ParwatchBubbleExcess", **labels):
-    return {"status": status, "fingerprint": fingerprint, "startsAt": "2026-01-01T00:00:00Z",
-            "labels": {"alertname": name, "parwatch_action": action, **labels},
-            "annotations": {"summary": "bubble above 0.1"}}
+    return {
+        "status": status,
+        "fingerprint": fingerprint,
+        "startsAt": "2026-01-01T00:00:00Z",
+        "labels": {"alertname": name, "parwatch_action": action, **labels},
+        "annotations": {"summary": "bubble above 0.1"},
+    }
 
 
 def webhook(*alerts, status="firing"):
-    return {"version": "4", "status": status, "receiver": "parwatch", "groupLabels": {}, "commonLabels": {},
-            "commonAnnotations": {}, "externalURL": "http://am", "alerts": list(alerts)}
+    return {
+        "version": "4",
+        "status": status,
+        "receiver": "parwatch",
+        "groupLabels": {},
+        "commonLabels": {},
+        "commonAnnotations": {},
+        "externalURL": "http://am",
+        "alerts": list(alerts),
+    }
 
 
 def test_alert_acts_once_per_firing_fingerprint_until_resolved(setup):

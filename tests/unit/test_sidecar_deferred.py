@@ -22,9 +22,17 @@ def test_decisions_reach_the_disk_before_the_answer(tmp_path):
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path))
     sidecar.defer_writes()
     stages = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
-    body = IngestBody.model_validate({"version": 1, "summaries": [
-        syn.summary(0, step, global_stages=stages, checkpoints=[1], global_loss=float("nan") if step == 3 else 2.0)
-        for step in range(1, 5)]})
+    body = IngestBody.model_validate(
+        {
+            "version": 1,
+            "summaries": [
+                syn.summary(
+                    0, step, global_stages=stages, checkpoints=[1], global_loss=float("nan") if step == 3 else 2.0
+                )
+                for step in range(1, 5)
+            ],
+        }
+    )
     sidecar._admit(body)
     for s in body.summaries:  # the work of ingest_async, without its persist
         sidecar._ingest_one(s)

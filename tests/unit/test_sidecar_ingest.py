@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import Listen, SidecarConfig
-from parwatch.tokens import TokenError
 from parwatch.sidecar.service import build_sidecar
+from parwatch.tokens import TokenError
 
 TOKEN = "s3cret-token"
 
@@ -64,13 +64,27 @@ def _broken(change):
         (_broken(lambda s: s.update(stage=3)), "stage 3 is outside pp = 2"),
         (_broken(lambda s: s.update(step_seconds=-1.0)), "summaries.0.step_seconds"),
         (_broken(lambda s: s["collectives"][0].update(op="all_to_all")), "summaries.0.collectives.0.op"),
-        (_broken(lambda s: s["collectives"][0].update(buckets=[1, 2])),
-         "summaries.0.collectives.0: Value error, buckets has 2"),
+        (
+            _broken(lambda s: s["collectives"][0].update(buckets=[1, 2])),
+            "summaries.0.collectives.0: Value error, buckets has 2",
+        ),
         (_broken(lambda s: s["gpu"].update(utilization_ratio=1.5)), "summaries.0.gpu.utilization_ratio"),
-        ({"version": 1, "summaries": [], "outcomes": [{"directive_id": 0, "run_id": "r", "outcome": "applied",
-                                                       "step": 1, "ranks": 2}]}, "outcomes.0.directive_id"),
-        ({"version": 1, "summaries": [], "outcomes": [{"directive_id": 3, "run_id": "r", "outcome": "done",
-                                                       "step": 1, "ranks": 2}]}, "outcomes.0.outcome"),
+        (
+            {
+                "version": 1,
+                "summaries": [],
+                "outcomes": [{"directive_id": 0, "run_id": "r", "outcome": "applied", "step": 1, "ranks": 2}],
+            },
+            "outcomes.0.directive_id",
+        ),
+        (
+            {
+                "version": 1,
+                "summaries": [],
+                "outcomes": [{"directive_id": 3, "run_id": "r", "outcome": "done", "step": 1, "ranks": 2}],
+            },
+            "outcomes.0.outcome",
+        ),
         (_broken(lambda s: s.update({"global": {"step": 1, "loss": "nope"}})), "summaries.0.global.loss"),
         ({"version": 2, "summaries": []}, "version: Input should be 1"),
         ({"version": 1, "summaries": "all of them"}, "summaries: Input should be a valid array"),
@@ -84,8 +98,10 @@ def _broken(change):
         (_broken(lambda s: s.update(step_seconds=1e300)), "summaries.0.step_seconds"),
         (_broken(lambda s: s.update(loss=10**400)), "summaries.0.loss"),
         (_broken(lambda s: s.update(time=1e300)), "summaries.0.time"),
-        (_broken(lambda s: s.update(run_id="run\nINFO forged line")), "summaries.0.run_id: Value error, must not "
-                                                                      "contain control characters"),
+        (
+            _broken(lambda s: s.update(run_id="run\nINFO forged line")),
+            "summaries.0.run_id: Value error, must not contain control characters",
+        ),
         (_broken(lambda s: s["collectives"][0].update(group="g123")), "summaries.0.collectives.0.group"),
         (_broken(lambda s: s.update(tp=1 << 20, dp=1 << 20)), "over the 1048576 a sidecar accepts"),
     ],
@@ -97,8 +113,9 @@ def test_invalid_bodies_get_422_naming_the_field(client, payload, expected):
 
 
 def test_malformed_json_is_a_422_with_the_reason(client):
-    r = client.post("/v1/ingest", content=b'{"version": 1, "summaries": [',
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/ingest", content=b'{"version": 1, "summaries": [', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 422
     assert "not valid JSON" in r.json()["detail"]
 
@@ -111,8 +128,11 @@ def test_bodies_over_the_cap_get_413(tmp_path):
     assert r.status_code == 413
     assert "--max-body-bytes" in r.json()["detail"]
     # A chunked body (no Content-Length) is counted as it arrives.
-    r = client.post("/v1/ingest", content=iter([json.dumps(big).encode()[i:i + 1000] for i in range(0, 20000, 1000)]),
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/ingest",
+        content=iter([json.dumps(big).encode()[i : i + 1000] for i in range(0, 20000, 1000)]),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413
     assert client.post("/v1/ingest", json=body(syn.summary(0, 1))).status_code == 200
 
@@ -166,8 +186,20 @@ def test_openapi_documents_ingest_and_control(client):
     assert "global" in schemas["StepSummary"]["properties"]
 
 
-@pytest.mark.parametrize("text", ['{"summaries": [1,]}', '{"summaries": [1 2]}', '{"a": 1,}', '{"a" 1}',
-                                  '{"summaries": [1]} x', '{"summaries": [', '{1: 2}', '{"a": 1', ''])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"summaries": [1,]}',
+        '{"summaries": [1 2]}',
+        '{"a": 1,}',
+        '{"a" 1}',
+        '{"summaries": [1]} x',
+        '{"summaries": [',
+        "{1: 2}",
+        '{"a": 1',
+        "",
+    ],
+)
 def test_invalid_json_small_or_large_is_a_422(client, text):
     padded = '{"pad": "' + "x" * 70_000 + '", ' + text[1:] if text.startswith("{") else text
     for raw in (text, padded):

@@ -67,9 +67,11 @@ def test_a_head_split_anywhere_within_the_cap_passes_and_its_body_is_not_counted
 def test_a_head_over_the_cap_gets_431_and_the_connection_closes():
     async def main():
         book = Book(8, 10.0, max_head_bytes=64)
-        for pieces in ([b"GET / HTTP/1.1\r\nX: " + b"a" * 100],
-                       [b"GET / HTTP/1.1\r\n", b"X: " + b"a" * 60, b"\r\n\r\n"],
-                       [b"GET / HTTP/1.1\r\nX: " + b"a" * 100 + b"\r\n\r\n"]):
+        for pieces in (
+            [b"GET / HTTP/1.1\r\nX: " + b"a" * 100],
+            [b"GET / HTTP/1.1\r\n", b"X: " + b"a" * 60, b"\r\n\r\n"],
+            [b"GET / HTTP/1.1\r\nX: " + b"a" * 100 + b"\r\n\r\n"],
+        ):
             conn, transport = _connect(book, 2000 + len(pieces))
             for piece in pieces:
                 conn.data_received(piece)

@@ -8,8 +8,15 @@ from parwatch.cli.sidecar import EscapingFormatter, escape_controls
 
 
 def test_control_characters_are_escaped_one_record_one_line():
-    record = logging.LogRecord("parwatch.sidecar.store", logging.WARNING, __file__, 1,
-                               "run %r replaced by run %s", ("a", "b\n2026-01-01 ERROR forged\r\x1b[2K\u2028x"), None)
+    record = logging.LogRecord(
+        "parwatch.sidecar.store",
+        logging.WARNING,
+        __file__,
+        1,
+        "run %r replaced by run %s",
+        ("a", "b\n2026-01-01 ERROR forged\r\x1b[2K\u2028x"),
+        None,
+    )
     line = EscapingFormatter("%(levelname)s %(name)s: %(message)s").format(record)
     assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\u2028" not in line
     assert line.endswith(r"b\n2026-01-01 ERROR forged\r\x1b[2K\u2028x")

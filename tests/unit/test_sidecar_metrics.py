@@ -68,7 +68,12 @@ def env(tmp_path):
     clock = Clock()
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path / "state", rank_grace_seconds=GRACE), clock=clock)
     auth = {"Authorization": f"Bearer {sidecar.config.token}"}
-    return sidecar, TestClient(create_control_app(sidecar), headers=auth), TestClient(create_metrics_app(sidecar)), clock
+    return (
+        sidecar,
+        TestClient(create_control_app(sidecar), headers=auth),
+        TestClient(create_metrics_app(sidecar)),
+        clock,
+    )
 
 
 def post(control, *summaries):
@@ -78,8 +83,19 @@ def post(control, *summaries):
 
 def run_steps(control, steps, tp=2, pp=2, **kw):
     for step in steps:
-        summaries = [syn.summary(r, step, tp=tp, pp=pp, time=float(step), checkpoints=[1] if step > 1 else [],
-                                 global_stages=STAGES if r == 0 else None, **kw) for r in range(tp * pp)]
+        summaries = [
+            syn.summary(
+                r,
+                step,
+                tp=tp,
+                pp=pp,
+                time=float(step),
+                checkpoints=[1] if step > 1 else [],
+                global_stages=STAGES if r == 0 else None,
+                **kw,
+            )
+            for r in range(tp * pp)
+        ]
         summaries[0]["model_flops_utilization_ratio"] = 0.41
         post(control, *summaries)
 
@@ -140,14 +156,14 @@ def test_values_follow_the_summaries(env):
     hist = fams["parwatch_step_duration_seconds"]
     assert {s.labels["stage"] for s in hist.samples} == {"0", "1"}
     assert sum(1 for s in hist.samples if s.name.endswith("_count")) == 2
-    buckets = {s.labels["le"]: s.value for s in hist.samples
-               if s.name.endswith("_bucket") and s.labels["stage"] == "0"}
+    buckets = {s.labels["le"]: s.value for s in hist.samples if s.name.endswith("_bucket") and s.labels["stage"] == "0"}
     assert len(buckets) == len(STEP_BUCKETS) + 1
     assert buckets["0.25"] == 0 and buckets["0.5"] == 3 and buckets["+Inf"] == 3
     # collective histogram sums over the 4 ranks: 8 all-reduces of 2 ms per rank and step
     coll = fams["parwatch_collective_duration_seconds"]
-    ar = {s.labels["le"]: s.value for s in coll.samples
-          if s.name.endswith("_bucket") and s.labels["op"] == "all_reduce"}
+    ar = {
+        s.labels["le"]: s.value for s in coll.samples if s.name.endswith("_bucket") and s.labels["op"] == "all_reduce"
+    }
     assert len(ar) == len(COLLECTIVE_BUCKETS) + 1
     assert ar["0.001"] == 0 and ar["0.0025"] == 3 * 4 * 8 and ar["+Inf"] == 96
     count = [s.value for s in coll.samples if s.name.endswith("_count") and s.labels["op"] == "all_reduce"]
@@ -175,20 +191,30 @@ def test_silent_rank_goes_down_then_its_series_vanish(env):
     post(control, *[syn.summary(r, 2, tp=2, pp=2) for r in (0, 1, 2)])  # rank 3 stops reporting
     clock.t += GRACE - 4  # rank 3 silent for GRACE + 1 s, the others for 6 s
     fams = families(metrics)
-    assert samples(fams["parwatch_rank_up"]) == {(("rank", "0"),): 1, (("rank", "1"),): 1,
-                                                 (("rank", "2"),): 1, (("rank", "3"),): 0}
+    assert samples(fams["parwatch_rank_up"]) == {
+        (("rank", "0"),): 1,
+        (("rank", "1"),): 1,
+        (("rank", "2"),): 1,
+        (("rank", "3"),): 0,
+    }
     assert (("rank", "3"), ("stage", "1")) in samples(fams["parwatch_stage_bubble_ratio"])  # still there
     clock.t += GRACE  # rank 3 silent for 2x grace + 1
     post(control, *[syn.summary(r, 3, tp=2, pp=2) for r in (0, 1, 2)])
     fams = families(metrics)
     assert samples(fams["parwatch_rank_up"])[(("rank", "3"),)] == 0
-    for name in ("parwatch_stage_bubble_ratio", "parwatch_stage_idle_seconds_total", "parwatch_gpu_power_watts",
-                 "parwatch_nvml_up", "parwatch_collector_dropped_summaries_total"):
+    for name in (
+        "parwatch_stage_bubble_ratio",
+        "parwatch_stage_idle_seconds_total",
+        "parwatch_gpu_power_watts",
+        "parwatch_nvml_up",
+        "parwatch_collector_dropped_summaries_total",
+    ):
         suffix = "_total" if name.endswith("_total") else ""
         assert all(dict(k).get("rank") != "3" for k in samples(fams[name], suffix)), name
     # Stage 1's step histogram is its lowest rank's here, rank 2 (3 steps), before and after rank 3 left.
-    counts = {s.labels["stage"]: s.value for s in fams["parwatch_step_duration_seconds"].samples
-              if s.name.endswith("_count")}
+    counts = {
+        s.labels["stage"]: s.value for s in fams["parwatch_step_duration_seconds"].samples if s.name.endswith("_count")
+    }
     assert counts == {"0": 3, "1": 3}
     assert samples(fams["parwatch_stage_bubble_ratio"])  # the live ranks remain
 
@@ -205,8 +231,14 @@ def test_guardrail_families_follow_the_engine(env, tmp_path):
     sidecar, control, metrics, _ = env
     run_steps(control, [1])
     directive_id = control.post("/v1/control", json={"action": "pause"}).json()["directive_id"]
-    r = control.post("/v1/ingest", json={"version": 1, "summaries": [syn.summary(r, 2, tp=2, pp=2) for r in range(4)],
-                                         "outcomes": [syn.outcome(directive_id, step=2, ranks=4)]})
+    r = control.post(
+        "/v1/ingest",
+        json={
+            "version": 1,
+            "summaries": [syn.summary(r, 2, tp=2, pp=2) for r in range(4)],
+            "outcomes": [syn.outcome(directive_id, step=2, ranks=4)],
+        },
+    )
     assert r.status_code == 200, r.text
     fams = families(metrics)
     assert samples(fams["parwatch_run_paused"]) == {(): 1}
@@ -219,8 +251,9 @@ def test_guardrail_families_follow_the_engine(env, tmp_path):
     assert samples(families(metrics)["parwatch_sidecar_rules_reload_failures_total"], "_total") == {(): 1}
     assert "nonfinite-loss" in sidecar.engine.states()  # old rules kept
     good = tmp_path / "good.yaml"
-    good.write_text("version: 1\nrules:\n  - name: only-skew\n    metric: pipeline_skew_ratio\n"
-                    "    above: 2\n    action: alert\n")
+    good.write_text(
+        "version: 1\nrules:\n  - name: only-skew\n    metric: pipeline_skew_ratio\n    above: 2\n    action: alert\n"
+    )
     sidecar.config = dataclasses.replace(sidecar.config, rules_path=good)
     assert sidecar.reload_rules() is True
     assert set(samples(families(metrics)["parwatch_guardrail_state"])) == {(("rule", "only-skew"),)}
@@ -249,12 +282,16 @@ def test_label_values_that_need_escaping_survive_a_scrape(env):
     _, control, metrics, _ = env
     # Quotes, backslashes and non-ASCII need escaping or encoding (control characters are refused at ingest).
     run_id = 'run "7"\\x\u00e9z'
-    post(control, *[syn.summary(r, 1, tp=2, pp=2, run_id=run_id, global_stages=STAGES if r == 0 else None)
-                    for r in range(4)])
+    post(
+        control,
+        *[syn.summary(r, 1, tp=2, pp=2, run_id=run_id, global_stages=STAGES if r == 0 else None) for r in range(4)],
+    )
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 
-    for accept, parse in (("", text_string_to_metric_families),
-                          ("application/openmetrics-text; version=1.0.0", openmetrics_families)):
+    for accept, parse in (
+        ("", text_string_to_metric_families),
+        ("application/openmetrics-text; version=1.0.0", openmetrics_families),
+    ):
         text = metrics.get("/metrics", headers={"Accept": accept}).text
         info = next(f for f in parse(text) if f.name in ("parwatch_run", "parwatch_run_info"))
         assert info.samples[0].labels["run_id"] == run_id
@@ -263,9 +300,18 @@ def test_label_values_that_need_escaping_survive_a_scrape(env):
 def test_scrapes_from_another_thread_see_whole_updates(env):
     """/metrics encodes on a worker thread while the loop ingests: histograms must stay consistent."""
     sidecar, _, _, _ = env
-    bodies = [IngestBody.model_validate({"version": 1, "summaries": [
-        syn.summary(r, step, tp=2, pp=2, time=float(step), step_seconds=0.05 * (1 + step % 7)) for r in range(4)]})
-        for step in range(1, 400)]
+    bodies = [
+        IngestBody.model_validate(
+            {
+                "version": 1,
+                "summaries": [
+                    syn.summary(r, step, tp=2, pp=2, time=float(step), step_seconds=0.05 * (1 + step % 7))
+                    for r in range(4)
+                ],
+            }
+        )
+        for step in range(1, 400)
+    ]
     stop = threading.Event()
 
     def writer():
@@ -298,11 +344,12 @@ def test_scrapes_from_another_thread_see_whole_updates(env):
 
 def test_the_bubble_causes_of_rank_0s_view_are_exported_per_stage(env):
     sidecar, control, metrics, _ = env
-    stages = [dict(st, bubble_schedule_ratio=0.2, bubble_imbalance_ratio=0.05 * i, bubble_wait_ratio=0.01)
-              for i, st in enumerate(STAGES)]
+    stages = [
+        dict(st, bubble_schedule_ratio=0.2, bubble_imbalance_ratio=0.05 * i, bubble_wait_ratio=0.01)
+        for i, st in enumerate(STAGES)
+    ]
     post(control, *[syn.summary(r, 2, tp=2, pp=2, global_stages=stages if r == 0 else None) for r in range(4)])
     fams = families(metrics)
     assert samples(fams["parwatch_stage_bubble_schedule_ratio"]) == {(("stage", "0"),): 0.2, (("stage", "1"),): 0.2}
-    assert samples(fams["parwatch_stage_bubble_imbalance_ratio"]) == {(("stage", "0"),): 0.0,
-                                                                      (("stage", "1"),): 0.05}
+    assert samples(fams["parwatch_stage_bubble_imbalance_ratio"]) == {(("stage", "0"),): 0.0, (("stage", "1"),): 0.05}
     assert samples(fams["parwatch_stage_bubble_wait_ratio"])[(("stage", "1"),)] == 0.01

@@ -52,8 +52,26 @@ CASES = [  # (path, raw body, headers)
 def test_each_path_answers_every_case_as_documented(tmp_path):
     client = _client(tmp_path, "s")
     answers = [client.post(path, content=raw, headers=headers) for path, raw, headers in CASES]
-    assert [a.status_code for a in answers] == [200, 200, 422, 409, 422, 422, 422, 422, 413, 401, 401, 401, 422,
-                                                422, 401, 422, 422, 413]
+    assert [a.status_code for a in answers] == [
+        200,
+        200,
+        422,
+        409,
+        422,
+        422,
+        422,
+        422,
+        413,
+        401,
+        401,
+        401,
+        422,
+        422,
+        401,
+        422,
+        422,
+        413,
+    ]
     for a in answers:
         assert a.headers["content-type"] == "application/json"
         assert not a.is_error or a.json()["detail"]

@@ -48,40 +48,82 @@ run_ids = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, 
 @st.composite
 def collective(draw):
     count = draw(counts)
-    buckets = sorted(draw(st.lists(st.integers(0, count), min_size=len(COLLECTIVE_BUCKETS),
-                                   max_size=len(COLLECTIVE_BUCKETS))))
-    return {"op": draw(st.sampled_from(COLLECTIVE_OPS)), "group": draw(st.sampled_from(COLLECTIVE_GROUPS)),
-            "count": count, "seconds": draw(seconds), "bytes": draw(counts),
-            "buckets": draw(st.sampled_from([buckets, []])),
-            # The model takes bandwidths below MAX_COUNT (2**53), not equal to it.
-            "algbw": draw(st.floats(0, MAX_COUNT, exclude_max=True)),
-            "busbw": draw(st.floats(0, MAX_COUNT, exclude_max=True))}
+    buckets = sorted(
+        draw(st.lists(st.integers(0, count), min_size=len(COLLECTIVE_BUCKETS), max_size=len(COLLECTIVE_BUCKETS)))
+    )
+    return {
+        "op": draw(st.sampled_from(COLLECTIVE_OPS)),
+        "group": draw(st.sampled_from(COLLECTIVE_GROUPS)),
+        "count": count,
+        "seconds": draw(seconds),
+        "bytes": draw(counts),
+        "buckets": draw(st.sampled_from([buckets, []])),
+        # The model takes bandwidths below MAX_COUNT (2**53), not equal to it.
+        "algbw": draw(st.floats(0, MAX_COUNT, exclude_max=True)),
+        "busbw": draw(st.floats(0, MAX_COUNT, exclude_max=True)),
+    }
 
 
 @st.composite
 def summary(draw, run_id, world):
     tp, pp, dp = world
     rank = draw(st.integers(0, tp * pp * dp - 1))
-    s = {"v": 1, "run_id": run_id, "rank": rank, "stage": (rank // tp) % pp, "tp_rank": rank % tp,
-         "dp_rank": rank // (tp * pp), "tp": tp, "pp": pp, "dp": dp, "microbatches": draw(st.integers(1, 64)),
-         "schedule": draw(st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb-h1"])), "step": draw(counts),
-         "timeline": draw(st.integers(0, 3)),
-         "time": draw(st.floats(0, MAX_TIME)), "step_seconds": draw(seconds), "compute_seconds": draw(seconds),
-         "other_seconds": draw(seconds), "idle_seconds": draw(signed), "bubble_ratio": draw(ratios),
-         "bubble_theoretical_ratio": draw(ratios), "loss": draw(losses), "tokens": draw(counts),
-         "memory_max_allocated_bytes": draw(st.one_of(st.none(), counts)),
-         "collectives": draw(st.lists(collective(), max_size=3)), "dropped_total": draw(counts),
-         "overhead_seconds": draw(seconds), "nvml_up": draw(st.sampled_from([0, 1])),
-         "checkpoints": draw(st.lists(counts, max_size=3)),
-         "model_flops_utilization_ratio": draw(st.one_of(st.none(), st.floats(0, MAX_RATIO)))}
+    s = {
+        "v": 1,
+        "run_id": run_id,
+        "rank": rank,
+        "stage": (rank // tp) % pp,
+        "tp_rank": rank % tp,
+        "dp_rank": rank // (tp * pp),
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "microbatches": draw(st.integers(1, 64)),
+        "schedule": draw(st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb-h1"])),
+        "step": draw(counts),
+        "timeline": draw(st.integers(0, 3)),
+        "time": draw(st.floats(0, MAX_TIME)),
+        "step_seconds": draw(seconds),
+        "compute_seconds": draw(seconds),
+        "other_seconds": draw(seconds),
+        "idle_seconds": draw(signed),
+        "bubble_ratio": draw(ratios),
+        "bubble_theoretical_ratio": draw(ratios),
+        "loss": draw(losses),
+        "tokens": draw(counts),
+        "memory_max_allocated_bytes": draw(st.one_of(st.none(), counts)),
+        "collectives": draw(st.lists(collective(), max_size=3)),
+        "dropped_total": draw(counts),
+        "overhead_seconds": draw(seconds),
+        "nvml_up": draw(st.sampled_from([0, 1])),
+        "checkpoints": draw(st.lists(counts, max_size=3)),
+        "model_flops_utilization_ratio": draw(st.one_of(st.none(), st.floats(0, MAX_RATIO))),
+    }
     if draw(st.booleans()):
-        s["gpu"] = {"index": draw(st.integers(0, 1024)), "utilization_ratio": draw(st.floats(0, 1)),
-                    "memory_used_bytes": draw(counts), "power_watts": draw(st.floats(0, 1e6)),
-                    "sm_clock_hertz": draw(st.floats(0, 1e12)), "temperature_celsius": draw(st.floats(-300, 1e4))}
+        s["gpu"] = {
+            "index": draw(st.integers(0, 1024)),
+            "utilization_ratio": draw(st.floats(0, 1)),
+            "memory_used_bytes": draw(counts),
+            "power_watts": draw(st.floats(0, 1e6)),
+            "sm_clock_hertz": draw(st.floats(0, 1e12)),
+            "temperature_celsius": draw(st.floats(-300, 1e4)),
+        }
     if rank == 0 and draw(st.booleans()):
-        s["global"] = {"step": draw(counts), "loss": draw(losses), "pipeline_skew_ratio": draw(st.none() | ratios),
-                       "stages": [{"stage": i, "compute_seconds": draw(seconds), "idle_seconds": draw(signed),
-                                   "step_seconds": draw(seconds), "bubble_ratio": draw(ratios)} for i in range(pp)]}
+        s["global"] = {
+            "step": draw(counts),
+            "loss": draw(losses),
+            "pipeline_skew_ratio": draw(st.none() | ratios),
+            "stages": [
+                {
+                    "stage": i,
+                    "compute_seconds": draw(seconds),
+                    "idle_seconds": draw(signed),
+                    "step_seconds": draw(seconds),
+                    "bubble_ratio": draw(ratios),
+                }
+                for i in range(pp)
+            ],
+        }
     return s
 
 
@@ -89,15 +131,21 @@ def summary(draw, run_id, world):
 def posts(draw):
     world = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 2)))
     ids = draw(st.lists(run_ids, min_size=1, max_size=2))
-    return [[draw(summary(draw(st.sampled_from(ids)), world))] * draw(st.integers(1, 2))  # retries too
-            for _ in range(draw(st.integers(1, 6)))]
+    return [
+        [draw(summary(draw(st.sampled_from(ids)), world))] * draw(st.integers(1, 2))  # retries too
+        for _ in range(draw(st.integers(1, 6)))
+    ]
 
 
 def _check_exposition(sidecar) -> str:
     text = encode_text(sidecar.registry).decode()
     families = list(text_string_to_metric_families(text))
-    assert families and all(math.isfinite(s.value) or s.name == "parwatch_loss" or "bubble" in s.name
-                            for f in families for s in f.samples if f.type in ("counter", "histogram"))
+    assert families and all(
+        math.isfinite(s.value) or s.name == "parwatch_loss" or "bubble" in s.name
+        for f in families
+        for s in f.samples
+        if f.type in ("counter", "histogram")
+    )
     assert encode_openmetrics(sidecar.registry).endswith(b"# EOF\n")
     return text
 
@@ -115,13 +163,22 @@ def test_any_accepted_input_leaves_metrics_readable(batches):
         assert sidecar.store.ranks  # something was accepted and stored
         text = _check_exposition(sidecar)
         if PROMTOOL:
-            lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
-                                  timeout=60)
+            lint = subprocess.run(
+                [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+            )
             assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
-@pytest.mark.parametrize("field, value", [("tokens", 10**400), ("step", 2**64), ("dropped_total", 2**63),
-                                          ("memory_max_allocated_bytes", 10**400), ("checkpoints", [10**400])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tokens", 10**400),
+        ("step", 2**64),
+        ("dropped_total", 2**63),
+        ("memory_max_allocated_bytes", 10**400),
+        ("checkpoints", [10**400]),
+    ],
+)
 def test_numbers_beyond_a_metric_are_refused_not_stored(field, value, tmp_path):
     """Issue 11: one such post used to be accepted and break every later scrape (500)."""
     from parwatch.sidecar import synthetic as syn

@@ -55,8 +55,13 @@ def test_compute_wrappers_emit_one_span_each_with_shared_attrs_and_the_split_bac
     stage.backward_one_chunk(5)
     stage.backward_weight_one_chunk(5)
     kinds = [k for k, _, _, _ in seen]
-    assert kinds == [SpanKind.FORWARD, SpanKind.FORWARD, SpanKind.BACKWARD_INPUT, SpanKind.BACKWARD,
-                     SpanKind.BACKWARD_WEIGHT]
+    assert kinds == [
+        SpanKind.FORWARD,
+        SpanKind.FORWARD,
+        SpanKind.BACKWARD_INPUT,
+        SpanKind.BACKWARD,
+        SpanKind.BACKWARD_WEIGHT,
+    ]
     assert seen[0][1] == {"stage": 1, "chunk": 0, "vstage": 3, "microbatch": 5}
     assert seen[0][1] is seen[1][1]  # built once per microbatch
     assert all(ordered and current is None for _, _, ordered, current in seen)  # current restored
@@ -73,8 +78,10 @@ def test_the_step_loss_is_the_float64_mean_of_the_microbatch_losses():
     rng = random.Random(3)
     for spread in (1, 9):  # microbatch losses within a decade of each other, then up to 1e9 apart
         for _ in range(500):
-            losses = [torch.tensor(rng.uniform(1, 10) * 10.0 ** rng.randint(0, spread - 1), dtype=torch.float32)
-                      for _ in range(rng.randint(1, 32))]
+            losses = [
+                torch.tensor(rng.uniform(1, 10) * 10.0 ** rng.randint(0, spread - 1), dtype=torch.float32)
+                for _ in range(rng.randint(1, 32))
+            ]
             torch_mean = float(torch.stack(losses).to(torch.float64).mean())
             if spread == 1:
                 assert _mean_loss(losses) == torch_mean

@@ -4,6 +4,7 @@ last line, JUnit XML and the re-run log agree."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
 
-FLAKY = '''
+FLAKY = """
 import os, pytest
 
 @pytest.mark.timing
@@ -24,27 +25,27 @@ def test_fails_the_first_time():
     first = not os.path.exists(flag)
     open(flag, "w").close()
     assert not first, "a host that took the CPU"
-'''
-ALWAYS_FAILS = '''
+"""
+ALWAYS_FAILS = """
 import pytest
 
 @pytest.mark.timing
 def test_always_slow():
     assert False, "a real regression"
-'''
-PLAIN_FAILURE = '''
+"""
+PLAIN_FAILURE = """
 def test_logic():
     assert 1 + 1 == 3
-'''
-TIMES_OUT = '''
+"""
+TIMES_OUT = """
 import time, pytest
 
 @pytest.mark.timing
 @pytest.mark.timeout(1)
 def test_deadlocks():
     time.sleep(30)
-'''
-SETUP_ERROR = '''
+"""
+SETUP_ERROR = """
 import pytest
 
 @pytest.fixture
@@ -54,22 +55,29 @@ def broken():
 @pytest.mark.timing
 def test_needs_it(broken):
     pass
-'''
+"""
 SLOW_FLAKY = FLAKY.replace("@pytest.mark.timing", "@pytest.mark.timing\n@pytest.mark.slow")
 
 
 def run(tmp_path: Path, files: dict, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text(
-        "from timing_rerun import pytest_collectreport, pytest_runtest_logreport, pytest_sessionfinish  # noqa\n")
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -m 'not slow'\nmarkers =\n    timing: wall-clock\n"
-                                         "    slow: slow\n")
+        "from timing_rerun import pytest_collectreport, pytest_runtest_logreport, pytest_sessionfinish  # noqa\n"
+    )
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\naddopts = -m 'not slow'\nmarkers =\n    timing: wall-clock\n    slow: slow\n"
+    )
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "PARWATCH_TIMING_RERUN"}
     env.update(FLAG_DIR=str(tmp_path), PYTHONPATH=str(TESTS), PARWATCH_RERUN_LOG=str(tmp_path / "reruns.jsonl"))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={tmp_path / 'junit.xml'}", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={tmp_path / 'junit.xml'}", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def last_line(proc) -> str:
@@ -93,8 +101,9 @@ def test_a_timing_test_that_passes_its_rerun_passes_everywhere(tmp_path):
     assert "a host that took the CPU" in out  # the first failure stays in the output
     assert "1 rerun" in last_line(proc) and "failed" not in last_line(proc), last_line(proc)
     assert junit_failures(tmp_path) == 0
-    assert [(r["test"], r["rerun"]) for r in reruns(tmp_path)] == [("test_flaky.py::test_fails_the_first_time",
-                                                                     "passed")]
+    assert [(r["test"], r["rerun"]) for r in reruns(tmp_path)] == [
+        ("test_flaky.py::test_fails_the_first_time", "passed")
+    ]
     assert "a host that took the CPU" in reruns(tmp_path)[0]["first_failure"]
 
 
@@ -105,13 +114,16 @@ def test_a_timing_test_failing_twice_fails_and_is_logged(tmp_path):
     assert [r["rerun"] for r in reruns(tmp_path)] == ["failed"]
 
 
-@pytest.mark.parametrize("files,args,why", [
-    ({"test_flaky.py": FLAKY, "test_plain.py": PLAIN_FAILURE}, (), "another test failed"),
-    ({"test_a_flaky.py": FLAKY, "test_b_plain.py": PLAIN_FAILURE}, ("-x",), "the session stopped early"),
-    ({"test_a_flaky.py": FLAKY, "test_b_plain.py": PLAIN_FAILURE}, ("--maxfail=1",), "the session stopped early"),
-    ({"test_timeout.py": TIMES_OUT}, (), "a timeout is not a slow host"),
-    ({"test_setup.py": SETUP_ERROR}, (), "a setup error is not a figure of time"),
-])
+@pytest.mark.parametrize(
+    "files,args,why",
+    [
+        ({"test_flaky.py": FLAKY, "test_plain.py": PLAIN_FAILURE}, (), "another test failed"),
+        ({"test_a_flaky.py": FLAKY, "test_b_plain.py": PLAIN_FAILURE}, ("-x",), "the session stopped early"),
+        ({"test_a_flaky.py": FLAKY, "test_b_plain.py": PLAIN_FAILURE}, ("--maxfail=1",), "the session stopped early"),
+        ({"test_timeout.py": TIMES_OUT}, (), "a timeout is not a slow host"),
+        ({"test_setup.py": SETUP_ERROR}, (), "a setup error is not a figure of time"),
+    ],
+)
 def test_no_second_chance(tmp_path, files, args, why):
     proc = run(tmp_path, files, *args)
     assert proc.returncode == 1, (why, proc.stdout[-2000:])
@@ -131,6 +143,11 @@ def test_the_callers_marker_expression_reaches_the_rerun(tmp_path):
 
 def test_timing_marks_single_tests_never_a_module():
     """A module-wide mark would give correctness tests of that module (bitwise losses, delivery) a second chance."""
-    modules = [p for p in TESTS.rglob("test_*.py") if "pytestmark" in (text := p.read_text())
-               and "mark.timing" in text.split("pytestmark", 1)[1].split("\n", 1)[0]]
+    modules = []
+    for path in TESTS.rglob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+                if "timing" in ast.unparse(node.value):
+                    modules.append(path.name)
     assert modules == []

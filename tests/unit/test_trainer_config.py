@@ -51,11 +51,14 @@ def test_group_members_share_all_other_coordinates(tp, pp, dp):
             assert [getattr(c, f"{role}_rank") for c in coords] == list(range(len(group)))
 
 
-@pytest.mark.parametrize("tp,pp,dp,world,fix", [
-    (2, 2, 1, 2, "use --pp 1 or --nproc 4"),
-    (2, 3, 1, 4, "use --pp 2 or --nproc 6"),
-    (3, 1, 1, 4, "use --nproc 3"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,dp,world,fix",
+    [
+        (2, 2, 1, 2, "use --pp 1 or --nproc 4"),
+        (2, 3, 1, 4, "use --pp 2 or --nproc 6"),
+        (3, 1, 1, 4, "use --nproc 3"),
+    ],
+)
 def test_world_size_mismatch_names_the_product_and_the_fix(tp, pp, dp, world, fix):
     with pytest.raises(ConfigError) as err:
         ParallelDims(tp, pp, dp, world)
@@ -78,54 +81,83 @@ def test_defaults_validate():
     TrainConfig().validate(world_size=1)
 
 
-@pytest.mark.parametrize("changes,world,expected", [
-    (dict(schedule="zigzag"), None, "--schedule='zigzag' is unknown; choose one of gpipe, 1f1b, interleaved"),
-    (dict(tp=0), None, "--tp=0 must be at least 1"),
-    (dict(micro_batch_size=0), None, "--micro-batch-size=0 must be at least 1"),
-    (dict(seq_len=0), None, "--seq-len=0 must be at least 1"),
-    (dict(microbatches=0), None, "--microbatches=0 must be at least 1"),
-    (dict(tp=3), None, "--heads=4 is not divisible by --tp=3; choose tp in [1, 2, 4]"),
-    (dict(hidden=66), None, "--hidden=66 is not divisible by --heads=4; choose a multiple of 4"),
-    (dict(tp=4, heads=4, vocab=66), None, "--vocab=66 is not divisible by --tp=4; choose a multiple of 4"),
-    (dict(pp=4, layers=2), None, "--layers=2 is fewer than pp*chunks=4 pipeline chunks; raise --layers to 4"),
-    (dict(pp=2, layers=3, schedule="interleaved", chunks=2), None, "raise --layers to 4 or lower --pp"),
-    (dict(optimizer="lion"), None, "--optimizer='lion'; choose adamw or sgd"),
-    (dict(dtype="bfloat16"), None, "--dtype='bfloat16'; choose float32 or float64"),
-    (dict(checkpoint_every=5), None, "--checkpoint-every needs --checkpoint-dir DIR"),
-    (dict(parwatch="maybe"), None, "--parwatch='maybe'; choose on, off or auto"),
-    (dict(parwatch="off", parwatch_endpoint="http://127.0.0.1:9401"), None,
-     "--parwatch-endpoint is given but --parwatch=off watches nothing"),
-    (dict(parwatch="off", parwatch_log="run"), None, "--parwatch-log is given but --parwatch=off"),
-    (dict(inject=["nan:step=x"]), None, "--inject 'nan:step=x': step='x' is not a int"),
-    (dict(inject=["slow-collective:group=world,ms=1"]), None, "group must be tp, pp or dp"),
-    (dict(synthetic_compute="fwd_ms=-1,bwd_ms=2"), None, ">= 0"),
-    (dict(chunks=2), None, "chunks=2 needs schedule='interleaved'"),
-    (dict(pp=2, schedule="interleaved", chunks=2, microbatches=3), None,
-     "microbatches=3 is not a multiple of num_stages=2 (interleaved needs it, as in Megatron); use microbatches=2 or 4"),
-    (dict(tp=2), 4, "tp*pp*dp = 2*1*1 = 2 does not equal the world size 4; use --pp 2 or --nproc 2"),
-])
+@pytest.mark.parametrize(
+    "changes,world,expected",
+    [
+        (dict(schedule="zigzag"), None, "--schedule='zigzag' is unknown; choose one of gpipe, 1f1b, interleaved"),
+        (dict(tp=0), None, "--tp=0 must be at least 1"),
+        (dict(micro_batch_size=0), None, "--micro-batch-size=0 must be at least 1"),
+        (dict(seq_len=0), None, "--seq-len=0 must be at least 1"),
+        (dict(microbatches=0), None, "--microbatches=0 must be at least 1"),
+        (dict(tp=3), None, "--heads=4 is not divisible by --tp=3; choose tp in [1, 2, 4]"),
+        (dict(hidden=66), None, "--hidden=66 is not divisible by --heads=4; choose a multiple of 4"),
+        (dict(tp=4, heads=4, vocab=66), None, "--vocab=66 is not divisible by --tp=4; choose a multiple of 4"),
+        (dict(pp=4, layers=2), None, "--layers=2 is fewer than pp*chunks=4 pipeline chunks; raise --layers to 4"),
+        (dict(pp=2, layers=3, schedule="interleaved", chunks=2), None, "raise --layers to 4 or lower --pp"),
+        (dict(optimizer="lion"), None, "--optimizer='lion'; choose adamw or sgd"),
+        (dict(dtype="bfloat16"), None, "--dtype='bfloat16'; choose float32 or float64"),
+        (dict(checkpoint_every=5), None, "--checkpoint-every needs --checkpoint-dir DIR"),
+        (dict(parwatch="maybe"), None, "--parwatch='maybe'; choose on, off or auto"),
+        (
+            dict(parwatch="off", parwatch_endpoint="http://127.0.0.1:9401"),
+            None,
+            "--parwatch-endpoint is given but --parwatch=off watches nothing",
+        ),
+        (dict(parwatch="off", parwatch_log="run"), None, "--parwatch-log is given but --parwatch=off"),
+        (dict(inject=["nan:step=x"]), None, "--inject 'nan:step=x': step='x' is not a int"),
+        (dict(inject=["slow-collective:group=world,ms=1"]), None, "group must be tp, pp or dp"),
+        (dict(synthetic_compute="fwd_ms=-1,bwd_ms=2"), None, ">= 0"),
+        (dict(chunks=2), None, "chunks=2 needs schedule='interleaved'"),
+        (
+            dict(pp=2, schedule="interleaved", chunks=2, microbatches=3),
+            None,
+            "microbatches=3 is not a multiple of num_stages=2 (interleaved needs it, as in Megatron); use microbatches=2 or 4",
+        ),
+        (dict(tp=2), 4, "tp*pp*dp = 2*1*1 = 2 does not equal the world size 4; use --pp 2 or --nproc 2"),
+    ],
+)
 def test_validate_names_the_setting_and_the_fix(changes, world, expected):
     with pytest.raises(ConfigError) as err:
         TrainConfig(**changes).validate(world)
     assert expected in str(err.value)
 
 
-@pytest.mark.parametrize("changes,setting", [
-    # Settings validate() does not check today (see the report): each fails later, inside
-    # every rank (partition, backend) or after training for a while (checkpoints).
-    (dict(partition="even"), "--partition"),
-    (dict(keep_checkpoints=-1, checkpoint_dir="/tmp/x"), "--keep-checkpoints"),
-    (dict(checkpoint_every=-3, checkpoint_dir="/tmp/x"), "--checkpoint-every"),
-    (dict(backend="mpi2"), "--backend"),
-], ids=["partition", "keep-checkpoints", "checkpoint-every", "backend"])
+@pytest.mark.parametrize(
+    "changes,setting",
+    [
+        # Settings validate() does not check today (see the report): each fails later, inside
+        # every rank (partition, backend) or after training for a while (checkpoints).
+        (dict(partition="even"), "--partition"),
+        (dict(keep_checkpoints=-1, checkpoint_dir="/tmp/x"), "--keep-checkpoints"),
+        (dict(checkpoint_every=-3, checkpoint_dir="/tmp/x"), "--checkpoint-every"),
+        (dict(backend="mpi2"), "--backend"),
+    ],
+    ids=["partition", "keep-checkpoints", "checkpoint-every", "backend"],
+)
 def test_validate_rejects_settings_that_would_fail_later(changes, setting):
     with pytest.raises(ConfigError, match=setting):
         TrainConfig(**changes).validate(1)
 
 
 def test_every_field_is_a_flag_and_parses_back():
-    cfg = parse_args(["--tp", "2", "--pp", "2", "--micro-batch-size", "3", "--lr", "0.01", "--dtype", "float64",
-                      "--inject", "nan:step=2", "--inject", "crash:rank=1,step=3"])
+    cfg = parse_args(
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batch-size",
+            "3",
+            "--lr",
+            "0.01",
+            "--dtype",
+            "float64",
+            "--inject",
+            "nan:step=2",
+            "--inject",
+            "crash:rank=1,step=3",
+        ]
+    )
     assert (cfg.tp, cfg.pp, cfg.micro_batch_size, cfg.lr, cfg.dtype) == (2, 2, 3, 0.01, "float64")
     assert cfg.inject == ["nan:step=2", "crash:rank=1,step=3"]
     flags = {a.dest for a in build_parser()._actions} - {"help"}

@@ -6,20 +6,36 @@ from __future__ import annotations
 import pytest
 
 from parwatch.collector.instances import InstanceLog, InstanceSampling
+from parwatch.contract import Span
 from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.transfer import TransferTracker, split_instance, transfer_families
-from parwatch.contract import Span
 
 MS = 1e-3
 
 
-def summary(rank: int, step: int, records: list, groups: dict | None = None, *, tp: int = 2, pp: int = 2,
-            dp: int = 1, host: str = "h0", data_seconds: float = 0.0, compute: float | None = None) -> StepSummary:
+def summary(
+    rank: int,
+    step: int,
+    records: list,
+    groups: dict | None = None,
+    *,
+    tp: int = 2,
+    pp: int = 2,
+    dp: int = 1,
+    host: str = "h0",
+    data_seconds: float = 0.0,
+    compute: float | None = None,
+) -> StepSummary:
     raw = syn.summary(rank, step, tp=tp, pp=pp, dp=dp)
-    raw["instances"] = {"host": host, "data_seconds": data_seconds, "groups": groups or {}, "records": records,
-                        "capped": 0}
+    raw["instances"] = {
+        "host": host,
+        "data_seconds": data_seconds,
+        "groups": groups or {},
+        "records": records,
+        "capped": 0,
+    }
     if compute is not None:
         raw["compute_seconds"] = compute
     return StepSummary.model_validate(raw)
@@ -52,7 +68,7 @@ def test_the_trackers_split_is_split_instance_on_random_instances():
     import random
 
     rng = random.Random(5)
-    for trial in range(200):
+    for _trial in range(200):
         width = rng.choice([2, 3, 4, 8])
         group = {"tp": list(range(width))}
         durations = {r: rng.choice([1000, 2000, 2000, rng.randrange(1, 9000)]) for r in range(width)}
@@ -76,16 +92,24 @@ def test_a_tp_all_reduce_splits_into_wait_and_transfer():
     assert split.waits == {0: ("all_reduce", pytest.approx(3 * MS)), 1: ("all_reduce", 0.0)}
     fams = families(t)
     assert samples(fams["parwatch_collective_transfer_seconds"], "_sum") == {
-        (("group", "tp"), ("op", "all_reduce")): pytest.approx(2 * MS)}
+        (("group", "tp"), ("op", "all_reduce")): pytest.approx(2 * MS)
+    }
     assert samples(fams["parwatch_collective_wait_seconds"], "_total") == {
-        (("group", "tp"), ("op", "all_reduce")): pytest.approx(3 * MS)}
+        (("group", "tp"), ("op", "all_reduce")): pytest.approx(3 * MS)
+    }
     assert samples(fams["parwatch_rank_straggler_seconds"], "_total") == {
-        (("rank", "0"),): pytest.approx(3 * MS), (("rank", "1"),): 0.0}
+        (("rank", "0"),): pytest.approx(3 * MS),
+        (("rank", "1"),): 0.0,
+    }
     # busbw from the transfer only: 1 MiB in 2 ms, all_reduce factor 2(n-1)/n = 1 at n=2
     assert samples(fams["parwatch_collective_busbw_bytes_per_second"]) == {
-        (("group", "tp"), ("op", "all_reduce")): pytest.approx((1 << 20) / (2 * MS))}
-    buckets = {s.labels["le"]: s.value for s in fams["parwatch_collective_transfer_seconds"].samples
-               if s.name.endswith("_bucket")}
+        (("group", "tp"), ("op", "all_reduce")): pytest.approx((1 << 20) / (2 * MS))
+    }
+    buckets = {
+        s.labels["le"]: s.value
+        for s in fams["parwatch_collective_transfer_seconds"].samples
+        if s.name.endswith("_bucket")
+    }
     assert len(buckets) == len(COLLECTIVE_BUCKETS) + 1
     assert buckets["0.001"] == 0 and buckets["0.0025"] == 1 and buckets["+Inf"] == 1
 
@@ -115,7 +139,8 @@ def test_the_observation_series_name_each_link_and_group_once_per_new_match():
     series = t.take_series()
     assert series["collective_transfer_seconds"] == {
         "op=all_reduce,group=tp,ranks=0+1": pytest.approx(2.5 * MS),
-        "op=send,group=pp,src=0,dst=2": pytest.approx(1 * MS)}
+        "op=send,group=pp,src=0,dst=2": pytest.approx(1 * MS),
+    }
     assert "collective_transfer_seconds" not in t.take_series()  # nothing new: the rule does not judge
 
 
@@ -131,8 +156,10 @@ def test_instances_with_a_member_elsewhere_are_unmatched_remote_and_lost_ones_in
         t.add(summary(0, step, [], dp=2))
     assert t.pending == {}
     unmatched = samples(families(t)["parwatch_collective_unmatched"], "_total")
-    assert unmatched == {(("group", "dp"), ("op", "all_reduce"), ("reason", "remote")): 1,
-                         (("group", "pp"), ("op", "send"), ("reason", "incomplete")): 1}
+    assert unmatched == {
+        (("group", "dp"), ("op", "all_reduce"), ("reason", "remote")): 1,
+        (("group", "pp"), ("op", "send"), ("reason", "incomplete")): 1,
+    }
     assert samples(families(t)["parwatch_collective_transfer_seconds"], "_count") == {}
 
 
@@ -160,13 +187,18 @@ def test_synthetic_summaries_match_completely():
 
 # --- the collector's side ----------------------------------------------------------------------------
 
+
 def span(kind, start_ms, end_ms, **attrs):
     return Span(kind, int(start_ms * 1e6), int(end_ms * 1e6), attrs)
 
 
 def log_for(**sampling) -> InstanceLog:
-    return InstanceLog("h0", seconds_of=lambda ns: ns * 1e-9, duration_of=lambda a, b: (b - a) * 1e-9,
-                       sampling=InstanceSampling(**sampling))
+    return InstanceLog(
+        "h0",
+        seconds_of=lambda ns: ns * 1e-9,
+        duration_of=lambda a, b: (b - a) * 1e-9,
+        sampling=InstanceSampling(**sampling),
+    )
 
 
 def test_instance_log_records_sampled_steps_within_the_budget():
@@ -174,8 +206,7 @@ def test_instance_log_records_sampled_steps_within_the_budget():
     log.start(1)  # not sampled: only data seconds
     log.add(span("collective", 0, 1, op="all_reduce", group="tp", seq=1, ranks=(0, 1), bytes=8))
     log.add(span("data", 1, 4))
-    assert log.take() == {"host": "h0", "data_seconds": pytest.approx(3 * MS), "groups": {}, "records": [],
-                          "capped": 0}
+    assert log.take() == {"host": "h0", "data_seconds": pytest.approx(3 * MS), "groups": {}, "records": [], "capped": 0}
     log.start(2)
     for seq in (2, 3, 4):
         log.add(span("collective", seq, seq + 0.5, op="all_reduce", group="tp", seq=seq, ranks=(0, 1), bytes=8))
@@ -186,8 +217,12 @@ def test_instance_log_records_sampled_steps_within_the_budget():
     log.add(span("forward", 0, 30, stage=0))
     out = log.take()
     assert out["groups"] == {"tp": [0, 1]} and out["capped"] == 1  # the third tp all-reduce is over budget
-    assert out["records"] == [["all_reduce", "tp", 2, -1, 2000, 500, 8], ["all_reduce", "tp", 3, -1, 3000, 500, 8],
-                              ["send", "pp", 7, 2, 10000, 2000, 16], ["recv", "pp", 5, 2, 12000, 1000, 16]]
+    assert out["records"] == [
+        ["all_reduce", "tp", 2, -1, 2000, 500, 8],
+        ["all_reduce", "tp", 3, -1, 3000, 500, 8],
+        ["send", "pp", 7, 2, 10000, 2000, 16],
+        ["recv", "pp", 5, 2, 12000, 1000, 16],
+    ]
     assert StepSummary.model_validate({**syn.summary(0, 2), "instances": out}).instances.records[0][2] == 2
 
 

@@ -21,13 +21,16 @@ def test_slow_data_slows_one_rank():
     assert Faults([fault], rank=0, stage=0).data_delay_ms() == 0.0
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("slow-link:src=1,dst=1,ms=5", "two different ranks"),
-    ("slow-link:src=0,dst=1", "missing ms"),
-    ("slow-link:src=0,dst=1,ms=-1", "ms must be >= 0"),
-    ("slow-data:rank=0,ms=x", "not a float"),
-    ("slow-data:ms=3", "missing rank"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("slow-link:src=1,dst=1,ms=5", "two different ranks"),
+        ("slow-link:src=0,dst=1", "missing ms"),
+        ("slow-link:src=0,dst=1,ms=-1", "ms must be >= 0"),
+        ("slow-data:rank=0,ms=x", "not a float"),
+        ("slow-data:ms=3", "missing rank"),
+    ],
+)
 def test_bad_specs_name_the_field(spec, message):
     with pytest.raises(ConfigError, match=message):
         parse_fault(spec)
