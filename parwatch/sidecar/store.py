@@ -206,6 +206,7 @@ class Store:
                 run_id, world, new_ranks = s.run_id, None, set()
             if run_id == self.run_id:
                 self._admit_progress(s, where)
+            _admit_instances(s, where)
             if world is None:
                 world = s.world
             elif s.world != world:
@@ -283,7 +284,7 @@ class Store:
         rec = self.ranks.get(s.rank)
         if rec is None:
             rec = self.ranks[s.rank] = RankRecord(
-                summary=s, seen=now, window=deque(maxlen=self.window), counted=Counted()
+                summary=_kept(s), seen=now, window=deque(maxlen=self.window), counted=Counted()
             )
             if self._token_rank is None or s.rank < self._token_rank:
                 # A lower rank takes over counting tokens after the last step already counted.
@@ -293,7 +294,7 @@ class Store:
             rec.seen = now
             return False
         elif key > rec.summary.key:
-            rec.summary = s
+            rec.summary = _kept(s)
         rec.counted.add(key)
         rec.seen = now
         if self._high is None or s.step > self._high[0]:
@@ -383,3 +384,24 @@ class Store:
     def recent(self, rank: int) -> list[WindowEntry]:
         rec = self.ranks.get(rank)
         return [WindowEntry._make(e) for e in rec.window] if rec else []
+
+
+def _admit_instances(s: StepSummary, where: str) -> None:
+    """A rank's instance records name groups of this run's world: a group of more members than the world, or a
+    member outside it, is refused (the model alone allowed 64 groups of 100,000 members)."""
+    if s.instances is None:
+        return
+    world = s.tp * s.pp * s.dp
+    for group, members in s.instances.groups.items():
+        if len(members) > world or any(m >= world for m in members):
+            raise Refused(
+                422,
+                f"{where}.instances.groups.{group}: {len(members)} members up to "
+                f"{max(members, default=0)}, outside this run's world of {world} ranks",
+            )
+
+
+def _kept(s: StepSummary) -> StepSummary:
+    """The summary as the store keeps it: without its instance records, which the transfer tracker takes
+    once (held whole, 20 ranks of 3.9 MB summaries kept 24 MB each)."""
+    return s if s.instances is None else s.model_copy(update={"instances": None})
