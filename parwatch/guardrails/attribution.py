@@ -39,6 +39,10 @@ class RankFigures:
     data_seconds: float
     """Data-fetch seconds per step."""
     step_seconds: float
+    own_compute_seconds: float | None = None
+    """Compute less the rank's own TP collectives nested in it (their waits for a slow peer included): what
+    it computed itself. A slow TP rank makes its whole stage slow (its peers wait inside their compute);
+    this figure tells which one it is. None when its summaries carry no instance records."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,21 @@ def median_at(n: int, at) -> float:
     """The median of n sorted values, element j being at(j): the one formula every median here uses."""
     half = n // 2
     return at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+
+
+def _slowest_own_compute(stage: list[RankFigures], th: Thresholds) -> tuple[int, tuple[float, float]] | None:
+    """(rank, (excess, base)) of the one rank of a slow stage whose own compute stands out from its stage
+    peers' (leave-one-out median); None when none does, or more than one does (the stage as a whole is slow)."""
+    own = [r for r in stage if r.own_compute_seconds is not None]
+    if len(own) < 2 or len(own) < len(stage):
+        return None
+    bases = leave_one_out_medians([r.own_compute_seconds or 0.0 for r in own])
+    hits = [
+        (r.rank, hit)
+        for r, base in zip(own, bases)
+        if (hit := _stands_out(r.own_compute_seconds or 0.0, base, th)) is not None
+    ]
+    return hits[0] if len(hits) == 1 else None
 
 
 def leave_one_out_medians(values: list[float]) -> list[float]:
@@ -285,7 +304,13 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
             continue
         found = _excess(value, [v for t, v in stage_compute.items() if t != s], th)
         if found and len(stage_compute) > 1:
-            keep("slow-compute", {"stage": s, "ranks": sorted(members)}, *found, f"stage {s} compute", members)
+            where, what = {"stage": s, "ranks": sorted(members)}, f"stage {s} compute"
+            slowest = _slowest_own_compute(stages[s], th)
+            if slowest is not None:
+                rank, (excess, base) = slowest
+                where["rank"] = rank
+                what += f" (rank {rank}: +{excess * 1000:.1f} ms of its own compute over its stage peers' {base * 1000:.1f} ms)"
+            keep("slow-compute", where, *found, what, members)
             continue
         # Within the stage (its DP replicas): some of its ranks slower than the others.
         slow = {}

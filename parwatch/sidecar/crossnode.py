@@ -10,7 +10,7 @@ oldest of them to --leader-url:
   POST /v1/instances  {"version": 1, "node": NAME, "run_id": ID,
                        "instances": [{"op", "group", "seq", "link", "members", "step",
                                       "got": [[rank, op, dur_us, bytes], ...]}, ...],
-                       "ranks": [[rank, step, stage, host, compute_s, data_s, step_s], ...]}
+                       "ranks": [[rank, step, stage, host, compute_s, data_s, step_s, own_compute_s], ...]}
 
 at most MAX_FORWARD_HALVES instances, MAX_FORWARD_MEMBERS members listed in all, and
 MAX_FORWARD_RANK_ROWS rank rows a post (models.py); the rest wait in the node's bounded outbox.

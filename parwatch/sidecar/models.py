@@ -199,8 +199,11 @@ MAX_NODE_RANKS = 4096
 """Members one node may report for one instance (a node runs a few to a few dozen ranks)."""
 ForwardedMember = tuple[Index, CollectiveOp, Count, Count]
 """[rank, op on that rank, duration microseconds, bytes]: one member's record of the instance."""
-ForwardedRankRow = tuple[Index, Count, Index, Annotated[Text, Field(max_length=255)], Seconds, Seconds, Seconds]
-"""[rank, step, stage, host, compute seconds, data seconds, step seconds]: attribution figures."""
+ForwardedRankRow = tuple[
+    Index, Count, Index, Annotated[Text, Field(max_length=255)], Seconds, Seconds, Seconds, Seconds | None
+]
+"""[rank, step, stage, host, compute seconds, data seconds, step seconds, own compute seconds or null]:
+attribution figures (own compute: compute less the rank's TP collectives; null when its records were capped)."""
 
 
 class ForwardedInstance(_Model):

@@ -222,7 +222,7 @@ class TransferTracker:
         if inst is None:
             return []
         if s.step > WARMUP_STEPS:
-            row = (s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds)
+            row = (s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds, _own_compute(s))
             self._add_rank_row(s.rank, row)
             if self.forwarding and not self.leading:
                 self.outbox_ranks.append((s.rank, *row))
@@ -518,8 +518,11 @@ class TransferTracker:
         rows.append(row)
         if len(rows) >= min(MIN_WINDOW_STEPS, self.window_steps):
             _, stage, host, *_ = row
-            _, _, _, compute, data, period = zip(*rows)
-            self._rank_figures[rank] = RankFigures(rank, stage, host, _median(compute), _median(data), _median(period))
+            compute, data, period = (_median([r[k] for r in rows]) for k in (3, 4, 5))
+            own = [r[6] for r in rows if r[6] is not None]
+            self._rank_figures[rank] = RankFigures(
+                rank, stage, host, compute, data, period, _median(own) if len(own) == len(rows) else None
+            )
 
     def _add_path_row(self, path: tuple, row: tuple) -> None:
         rows = self._paths.setdefault(path, deque(maxlen=self.window_steps))
@@ -531,6 +534,16 @@ class TransferTracker:
                 self._path_figures[path] = PathFigures("link", "pp", (path[1], path[2]), value, count)
             else:
                 self._path_figures[path] = PathFigures("group", path[1], tuple(path[2]), value, count)
+
+
+def _own_compute(s) -> float | None:
+    """Compute seconds less the rank's own TP collectives (nested in its forward and backward): None when its
+    records were capped (their sum would fall short)."""
+    inst = s.instances
+    if inst is None or inst.capped:
+        return None
+    tp = sum(r[5] for r in inst.records if r[1] == "tp") * 1e-6
+    return max(s.compute_seconds - tp, 0.0)
 
 
 def _median(values) -> float:

@@ -71,6 +71,18 @@ def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_pat
     assert_everyone_names_where(decisions)
 
 
+@pytest.mark.timing
+def test_one_slow_tp_rank_is_named_not_only_its_stage(tmp_path):
+    """Issue 24 item 7: rank 3 alone slowed (TP2 x PP2): its TP peer rank 2 waits for it inside its own
+    compute, so the stage reads slow; the finding names rank 3 (on 8fae0f2 it said ranks [2, 3])."""
+    decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "straggler:rank=3,ms=20")
+    found = culprits(decisions)
+    assert found and all(c == {"cause": "slow-compute", "stage": 1, "ranks": [2, 3], "rank": 3} for c in found), [
+        d["reason"] for d in decisions
+    ]
+    assert_everyone_names_where(decisions)
+
+
 HOSTS = ("host-a", "host-b")
 HOST_LAYOUT = ("--pp", "2", "--dp", "2", "--schedule", "1f1b", "--microbatches", "4", "--layers", "4",
                "--hidden", "32", "--seq-len", "16")

@@ -196,3 +196,24 @@ def test_median_without_takes_one_occurrence_per_removed_value():
         for v in removed:
             rest.remove(v)
         assert median_without(values, removed) == (statistics.median(rest) if rest else None)
+
+
+def _with_own(compute: dict, own: dict) -> list[RankFigures]:
+    return [RankFigures(r, r // 2, "h0", compute.get(r, 0.30), 0.004, STEP, own.get(r, 0.26)) for r in range(4)]
+
+
+def test_one_slow_tp_rank_is_named_within_its_slow_stage():
+    """Issue 24 item 7: rank 3 computes 80 ms more; rank 2, its TP peer, waits that long inside its own TP
+    all-reduces, so both ranks' compute reads +80 ms (the stage is slow) and only their own compute (compute
+    less their TP collectives) tells them apart. On 8fae0f2 the finding named ranks [2, 3]."""
+    found = attribute(_with_own({2: 0.38, 3: 0.38}, {2: 0.26, 3: 0.34}), paths())
+    [(cause, where)] = causes(found)
+    assert (cause, where) == ("slow-compute", {"stage": 1, "ranks": [2, 3], "rank": 3})
+    assert "rank 3: +80.0 ms of its own compute" in found[0].text
+
+
+def test_a_stage_slow_as_a_whole_names_no_single_rank():
+    found = attribute(_with_own({2: 0.38, 3: 0.38}, {2: 0.34, 3: 0.34}), paths())
+    assert causes(found) == [("slow-compute", {"stage": 1, "ranks": [2, 3]})]
+    unknown = [RankFigures(r, r // 2, "h0", 0.38 if r > 1 else 0.30, 0.004, STEP) for r in range(4)]
+    assert causes(attribute(unknown, paths())) == [("slow-compute", {"stage": 1, "ranks": [2, 3]})]
