@@ -24,6 +24,7 @@ WATCHED_RUN = [sys.executable, "-m", "parwatch", "train", "--nproc", "2", "--tp"
                "--heads", "2", "--vocab", "64", "--seq-len", "8", "--synthetic-compute", "fwd_ms=40,bwd_ms=80"]
 
 
+@pytest.mark.slow  # 20 runs (~2 min); every watched run of the default tier must exit 0 as well
 def test_watched_runs_exit_cleanly_20_in_a_row(tmp_path):
     """The reproduction of issue 26, kept: 20 consecutive watched runs (the issue's command), each
     must exit 0; no re-run. On 40e8301 a run aborted with probability ~1/7 (20 in a row: ~5%)."""
