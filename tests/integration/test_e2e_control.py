@@ -183,6 +183,7 @@ def test_operator_rollback_to_step_loads_that_checkpoint_on_every_rank(tmp_path)
     print(f"\noperator rollback to {target} applied at the boundary of step {came_from}")
 
 
+@pytest.mark.slow  # on one node; test_multinode_faults.py runs the same across two nodes in the default tier
 def test_a_rollback_replaying_3x_the_hang_bound_with_hang_abort_completes(tmp_path):
     """Issue 24, item 1: on 40e8301 the hang clock moved only on a new highest step, so an operator
     rollback 102 -> 24 read as a stall and --hang-abort killed a healthy run (every rank exited 75).

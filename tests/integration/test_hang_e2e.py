@@ -108,6 +108,7 @@ def test_crash_is_told_from_a_hang(tmp_path):
 # (test_healthy_run_fires_nothing) runs them once for every rule and finding.
 
 
+@pytest.mark.slow  # on one node; test_multinode_faults.py runs the same across two nodes in the default tier
 def test_a_crash_by_exception_is_crashed_not_done(tmp_path):
     """Issue 24, item 3: on 40e8301 a rank that died of a Python exception said `done` on its way out
     (the trainer's `finally` closed the observer as after a clean end): no rank-gone, no decision.

@@ -7,7 +7,9 @@ to it with --leader-url, or, where a test says so, has none.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -255,3 +257,54 @@ def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
     missing = evidence["coverage"]["nodes_missing"]
     assert [m["node"] for m in missing] == [f"127.0.0.1:{node1.control_port}"] or len(missing) == 1, evidence
     assert gone["time"] - killed_at < 20, gone["time"] - killed_at
+
+
+def _logged_time(path: Path, pattern: str) -> float | None:
+    match = re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
+    return float(match.group(1)) if match else None
+
+
+def test_an_exception_on_another_node_is_named_crashed_with_its_error(tmp_path):
+    """Issue 24 item 3 across nodes: rank 3 (node 1) dies of an exception; the leader's rank-gone names it,
+    `crashed` with its exception, within 5 s (the ranks that lost it are echoes, not the cause)."""
+    with nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "raise:rank=3,step=6"):
+            (gone,) = wait_until(
+                lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
+                "a finding about rank 3",
+                120,
+            )
+            raised = wait_until(
+                lambda: _logged_time(
+                    tmp_path / "node1-trainer.out", r"injected exception at step \d+, raising at ([0-9.]+)"
+                ),
+                "rank 3's logged exception",
+                30,
+            )
+    culprit = gone["evidence"]["culprit"]
+    assert gone["rule"] == "rank-gone" and (culprit["rank"], culprit["state"]) == (3, "crashed"), gone["reason"]
+    assert culprit["error"] == "InjectedError: injected exception on rank 3 at step 6"
+    assert gone["time"] - raised < 5, gone["time"] - raised
+
+
+@pytest.mark.timing
+def test_a_rollback_replaying_3x_the_hang_bound_across_nodes_completes(tmp_path):
+    """Issue 24 item 1 across nodes: the leader with a 3 s hang bound and --hang-abort; an operator rollback
+    replays over 9 s on both nodes. The run completes on both, and no hang (or rank-gone) is recorded."""
+    steps, target = 100, 8
+    with nodes(tmp_path, leader_args=("--hang-min-seconds", "3", "--hang-abort")) as (leader, node1):
+        with torchrun_nodes(
+            tmp_path, [leader, node1], steps, "--checkpoint-every", "8", "--keep-checkpoints", "0"
+        ) as procs:
+            wait_until(lambda: (leader.status().get("last_step") or 0) >= 72, "step 72 at the leader", 150)
+            leader.control("rollback", to_step=target, reason="two-node replay")
+            t0 = time.monotonic()
+            finish(tmp_path, procs)
+            replay_s = time.monotonic() - t0
+            hang = httpx.get(f"{leader.control_url}/v1/hang", headers=HEADERS, timeout=10).json()
+        findings = [d for d in leader.records("decision") if d["rule"] in ("hang", "rank-gone")]
+    assert not findings, [d["reason"] for d in findings]
+    assert hang["bound_seconds"] <= 4 and replay_s > 3 * hang["bound_seconds"], (replay_s, hang["bound_seconds"])
+    summary = json.loads((tmp_path / "summary0.json").read_text())
+    (applied,) = summary["directives_applied"]
+    assert applied["action"] == "rollback" and applied["to_step"] == target and summary["steps_completed"] == steps
