@@ -72,6 +72,7 @@ def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_pat
 
 
 @pytest.mark.timing
+@pytest.mark.slow  # on one node; test_multinode_faults.py names the rank across two nodes in the default tier
 def test_one_slow_tp_rank_is_named_not_only_its_stage(tmp_path):
     """Issue 24 item 7: rank 3 alone slowed (TP2 x PP2): its TP peer rank 2 waits for it inside its own
     compute, so the stage reads slow; the finding names rank 3 (on 8fae0f2 it said ranks [2, 3])."""

@@ -308,3 +308,53 @@ def test_a_rollback_replaying_3x_the_hang_bound_across_nodes_completes(tmp_path)
     summary = json.loads((tmp_path / "summary0.json").read_text())
     (applied,) = summary["directives_applied"]
     assert applied["action"] == "rollback" and applied["to_step"] == target and summary["steps_completed"] == steps
+
+
+@pytest.mark.timing
+def test_one_slow_rank_on_another_node_is_named(tmp_path):
+    """Issue 24 item 7 across nodes: rank 3 (node 1) computes 20 ms more per microbatch; node 1 forwards its
+    ranks' figures (own compute included) and the leader's straggler finding names rank 3, not stage 1 alone."""
+    with nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 40, "--inject", "straggler:rank=3,ms=20") as procs:
+            finish(tmp_path, procs)
+        found = [d["evidence"].get("culprit") for d in leader.records("decision") if d["rule"] == "straggler"]
+    assert found and all(c == {"cause": "slow-compute", "stage": 1, "ranks": [2, 3], "rank": 3} for c in found), found
+
+
+def test_cancel_raced_against_delivery_across_nodes_is_always_true(tmp_path):
+    """Issue 24 item 2 across nodes: 20 pauses each cancelled after a random lag while both nodes' ranks run.
+    A cancel answers 200 only when no rank applied the pause; otherwise it refuses (409 delivered, or 404 once
+    handled) and the pause was applied by every rank (then resumed)."""
+    import random
+
+    def outcome_of(did):
+        return next((r for r in leader.records() if r.get("type") != "decision" and r.get("directive_id") == did), None)
+
+    answers = []
+    with nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 2000):
+            wait_until(lambda: (leader.status().get("last_step") or 0) >= 4, "step 4 at the leader", 120)
+            for i in range(20):
+                did = leader.control("pause", reason=f"race {i}")["directive_id"]
+                time.sleep(random.Random(i).uniform(0.0, 0.4))
+                r = httpx.post(
+                    f"{leader.control_url}/v1/directives/{did}/cancel",
+                    json={"requested_by": "race"},
+                    headers=HEADERS,
+                    timeout=10,
+                )
+                answers.append((did, r.status_code))
+                if r.status_code != 200:
+                    wait_until(lambda d=did: outcome_of(d), f"pause {did} applied", 30)
+                    resume = leader.control("resume", reason=f"race {i}")["directive_id"]
+                    wait_until(lambda d=resume: outcome_of(d), f"resume {resume} applied", 30)
+            time.sleep(1.0)  # a cancelled pause that was delivered anyway would show its outcome by now
+            records = leader.records()
+    for did, status in answers:
+        outcome = next((r for r in records if r.get("type") != "decision" and r.get("directive_id") == did), None)
+        if status == 200:
+            assert outcome is not None and outcome["type"] == "cancelled", (did, outcome)
+        else:
+            assert status in (404, 409) and outcome is not None and outcome["type"] == "applied", (did, status, outcome)
+            assert outcome["rank_count"] == 4, outcome
+    assert {s for _, s in answers} & {200} and {s for _, s in answers} - {200}, answers  # both sides of the race
