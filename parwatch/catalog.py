@@ -187,7 +187,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_gpu_temperature_celsius", "gauge", _RG, "GPU temperature (NVML)", "celsius"),
     Metric("parwatch_nvml_up", "gauge", _R, "1 when NVML answered for this rank"),
     # Liveness and hangs.
-    Metric("parwatch_rank_up", "gauge", _R, "1 while a rank reports within the grace period, 0 after"),
+    Metric(
+        "parwatch_rank_up",
+        "gauge",
+        _R,
+        "1 while a rank is alive (its activity, else its summaries within the grace period), 0 after",
+    ),
     Metric(
         "parwatch_rank_state",
         "gauge",

@@ -29,13 +29,8 @@ GUARDRAIL_STATE_CODES = {"ok": 0, "pending": 1, "firing": 2}
 _STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]
 _COLLECTIVE_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
 
-GPU_GAUGES = (  # (summary field, metric suffix, help)
-    ("utilization_ratio", "utilization_ratio", "GPU busy share over the step (NVML)"),
-    ("memory_used_bytes", "memory_used_bytes", "GPU memory in use (NVML)"),
-    ("power_watts", "power_watts", "GPU power draw (NVML)"),
-    ("sm_clock_hertz", "sm_clock_hertz", "GPU SM clock (NVML)"),
-    ("temperature_celsius", "temperature_celsius", "GPU temperature (NVML)"),
-)
+GPU_GAUGES = ("utilization_ratio", "memory_used_bytes", "power_watts", "sm_clock_hertz", "temperature_celsius")
+"""A step summary's gpu fields, each exported as parwatch_gpu_<field>."""
 
 
 @dataclass
@@ -48,12 +43,13 @@ class SidecarCounters:
     """SIGHUP reloads refused because the new rules file was invalid."""
 
 
-def _g(name, doc, labels=()):
-    return GaugeMetricFamily(name, doc, labels=list(labels))
+def _g(name, labels=()):
+    """A gauge family with the catalogue's HELP (parwatch/catalog.py: the one place a metric is described)."""
+    return GaugeMetricFamily(name, metric(name).help, labels=list(labels))
 
 
-def _c(name, doc, labels=()):
-    return CounterMetricFamily(name, doc, labels=list(labels))
+def _c(name, labels=()):
+    return CounterMetricFamily(name, metric(name + "_total").help, labels=list(labels))
 
 
 class SidecarCollector(Collector):
@@ -93,38 +89,38 @@ class SidecarCollector(Collector):
                 {},
             )
         yield info
-        step = _g("parwatch_train_step", "Newest optimizer step any rank reported")
+        step = _g("parwatch_train_step")
         last_step = st.last_step
         if last_step is not None:
             step.add_metric([], last_step)
         yield step
-        loss = _g("parwatch_loss", "Training loss of the newest step (mean over DP replicas; NaN when non-finite)")
+        loss = _g("parwatch_loss")
         value = _latest_loss(st)
-        nonfinite = _g("parwatch_loss_nonfinite", metric("parwatch_loss_nonfinite").help)
+        nonfinite = _g("parwatch_loss_nonfinite")
         if value is not None:
             loss.add_metric([], value)
             # VictoriaMetrics drops NaN samples at ingestion: a NaN loss reaches it only as this flag.
             nonfinite.add_metric([], 0.0 if math.isfinite(value) else 1.0)
         yield loss
         yield nonfinite
-        tokens = _c("parwatch_tokens", "Tokens the run consumed (all DP replicas); rate() is tokens/s")
+        tokens = _c("parwatch_tokens")
         if head is not None:
             tokens.add_metric([], st.tokens_total)
         yield tokens
-        skew = _g("parwatch_pipeline_skew_ratio", "Max over stages of compute seconds / mean over stages")
+        skew = _g("parwatch_pipeline_skew_ratio")
         view = st.global_view
         if view is not None and view.pipeline_skew_ratio is not None:
             skew.add_metric([], view.pipeline_skew_ratio)
         yield skew
         for cause in BUBBLE_CAUSES:
             name = f"parwatch_stage_bubble_{cause}_ratio"
-            family = _g(name, metric(name).help, ["stage"])
+            family = _g(name, ["stage"])
             for stage in view.stages if view is not None else ():
                 value = getattr(stage, f"bubble_{cause}_ratio")
                 if value is not None:
                     family.add_metric([str(stage.stage)], value)
             yield family
-        ckpt = _g("parwatch_checkpoint_last_good_step", "Newest step with a complete checkpoint (rank 0)")
+        ckpt = _g("parwatch_checkpoint_last_good_step")
         checkpoints = st.checkpoints
         if checkpoints:
             ckpt.add_metric([], max(checkpoints))
@@ -132,13 +128,13 @@ class SidecarCollector(Collector):
 
     def _rank_families(self):
         st = self.store
-        up = _g("parwatch_rank_up", "1 while a rank reports within the grace period, 0 after", ["rank"])
+        up = _g("parwatch_rank_up", ["rank"])
         for rank, is_up in st.liveness().items():
             up.add_metric([str(rank)], 1.0 if is_up else 0.0)
         yield up
         records = st.visible()
-        for name, typ, doc, labels, value_of in PER_RANK:
-            family = (_g if typ == "gauge" else _c)(name, doc, labels)
+        for name, typ, labels, value_of in PER_RANK:
+            family = (_g if typ == "gauge" else _c)(name, labels)
             for rec in records:
                 value = value_of(rec)
                 if value is not None:
@@ -156,14 +152,14 @@ class SidecarCollector(Collector):
             t = per_stage[stage].totals  # one immutable value: buckets and count always agree
             hist.add_metric([str(stage)], [*zip(_STEP_LE, t.step_buckets), ("+Inf", t.step_count)], t.step_sum)
         yield hist
-        for field_name, suffix, doc in GPU_GAUGES:
-            gauge = _g(f"parwatch_gpu_{suffix}", doc, ["rank", "gpu"])
+        for field_name in GPU_GAUGES:
+            gauge = _g(f"parwatch_gpu_{field_name}", ["rank", "gpu"])
             for rec in records:
                 gpu = rec.summary.gpu
                 if gpu is not None and (value := getattr(gpu, field_name)) is not None:
                     gauge.add_metric([str(rec.summary.rank), str(gpu.index)], value)
             yield gauge
-        theory = _g("parwatch_stage_bubble_theoretical_ratio", "The schedule's bubble, (p-1)/(v*m+p-1)", ["stage"])
+        theory = _g("parwatch_stage_bubble_theoretical_ratio", ["stage"])
         by_stage = {rec.summary.stage: rec.summary.bubble_theoretical_ratio for rec in records}
         for stage, ratio in sorted(by_stage.items()):
             theory.add_metric([str(stage)], ratio)
@@ -174,7 +170,7 @@ class SidecarCollector(Collector):
         hist = HistogramMetricFamily(
             "parwatch_collective_duration_seconds", "Collective latency, summed over this sidecar's ranks", labels=og
         )
-        nbytes = _c("parwatch_collective_bytes", "Bytes moved by collectives", og)
+        nbytes = _c("parwatch_collective_bytes", og)
         for (op, group), tot in sorted(list(self.store.collectives.items())):
             hist.add_metric([op, group], [*zip(_COLLECTIVE_LE, tot.buckets), ("+Inf", tot.count)], tot.seconds)
             nbytes.add_metric([op, group], tot.bytes)
@@ -183,18 +179,18 @@ class SidecarCollector(Collector):
         yield from (hist, nbytes)
 
     def _guardrail_families(self):
-        state = _g("parwatch_guardrail_state", "Guardrail rule state: 0 ok, 1 pending, 2 firing", ["rule"])
+        state = _g("parwatch_guardrail_state", ["rule"])
         for name, info in sorted(self.engine.states().items()):
             state.add_metric([name], GUARDRAIL_STATE_CODES.get(info.get("state"), 0))
         yield state
-        actions = _c("parwatch_guardrail_actions", "Guardrail decisions that acted", ["rule", "action"])
+        actions = _c("parwatch_guardrail_actions", ["rule", "action"])
         for (rule, action), n in sorted(dict(self.counters.actions).items()):
             actions.add_metric([rule, action], n)
         yield actions
-        paused = _g("parwatch_run_paused", "1 while the run is paused by a directive")
+        paused = _g("parwatch_run_paused")
         paused.add_metric([], 1.0 if self.engine.paused else 0.0)
         yield paused
-        failures = _c("parwatch_sidecar_rules_reload_failures", "Rules reloads refused because the file was invalid")
+        failures = _c("parwatch_sidecar_rules_reload_failures")
         failures.add_metric([], self.counters.rules_reload_failures)
         yield failures
 
@@ -212,50 +208,43 @@ PER_RANK = (
     (
         "parwatch_model_flops_utilization_ratio",
         "gauge",
-        "Model FLOPs utilisation (device peak known or configured)",
         RANK,
         lambda rec: rec.summary.model_flops_utilization_ratio,
     ),
     (
         "parwatch_torch_memory_max_allocated_bytes",
         "gauge",
-        "Peak torch allocated memory in the step",
         RANK_STAGE,
         lambda rec: rec.summary.memory_max_allocated_bytes,
     ),
     (
         "parwatch_stage_compute_seconds",
         "counter",
-        "Forward + backward seconds",
         RANK_STAGE,
         lambda rec: rec.totals.compute_total,
     ),
     (
         "parwatch_stage_idle_seconds",
         "counter",
-        "Seconds waiting on neighbours and the flush (bubble)",
         RANK_STAGE,
         lambda rec: rec.totals.idle_total,
     ),
     (
         "parwatch_stage_bubble_ratio",
         "gauge",
-        "idle / (step - other) in the newest step",
         RANK_STAGE,
         lambda rec: rec.summary.bubble_ratio,
     ),
-    ("parwatch_nvml_up", "gauge", "1 when NVML answered for this rank", RANK, lambda rec: rec.summary.nvml_up),
+    ("parwatch_nvml_up", "gauge", RANK, lambda rec: rec.summary.nvml_up),
     (
         "parwatch_collector_overhead_ratio",
         "gauge",
-        "Share of the step the collector spent on the training thread",
         RANK,
         _overhead_ratio,
     ),
     (
         "parwatch_collector_dropped_summaries",
         "counter",
-        "Summaries the rank's shipper dropped",
         RANK,
         lambda rec: rec.summary.dropped_total,
     ),
