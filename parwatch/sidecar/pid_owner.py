@@ -41,8 +41,11 @@ def socket_inode(host: str, port: int, tables: tuple[str, ...] = TABLES) -> int 
                 for line in f:
                     fields = line.split()
                     hex_ip, _, hex_port = fields[1].partition(":")
-                    if int(hex_port, 16) == port and _address(hex_ip) == wanted:
-                        return int(fields[9])
+                    inode = int(fields[9])
+                    # inode 0: a socket no process holds any more (TIME_WAIT of an earlier connection
+                    # that had the same ephemeral port); the live one is listed too.
+                    if inode and int(hex_port, 16) == port and _address(hex_ip) == wanted:
+                        return inode
         except (OSError, ValueError, IndexError):
             continue
     return None

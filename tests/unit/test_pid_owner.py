@@ -62,3 +62,13 @@ def test_an_ipv6_loopback_connection():
         finally:
             accepted.close()
             client.close()
+
+
+def test_a_closed_socket_of_the_same_address_is_not_taken_for_the_live_one(tmp_path):
+    """Found by CI: an earlier connection's TIME_WAIT entry (inode 0) with the same ephemeral port came first
+    in the table and was returned; only a socket a process holds has an inode."""
+    table = tmp_path / "tcp"
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    row = "   {sl}: 0100007F:B7B2 0100007F:A4C1 {st} 00000000:00000000 00:00000000 00000000     0        0 {inode}\n"
+    table.write_text(header + row.format(sl=0, st="06", inode=0) + row.format(sl=1, st="01", inode=713250))
+    assert socket_inode("127.0.0.1", 0xB7B2, tables=(str(table),)) == 713250
