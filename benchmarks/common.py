@@ -48,11 +48,10 @@ def stolen_share(before: tuple[int, int], after: tuple[int, int]) -> float:
 
 
 def watched(args: list[str]) -> bool:
-    """Whether trainer ARGS ask for the collector (the trainer's --parwatch auto|on|off)."""
-    mode = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--parwatch"), "auto")
-    mode = next((a.split("=", 1)[1] for a in args if a.startswith("--parwatch=")), mode)
-    asked = any(a.startswith(("--parwatch-endpoint", "--parwatch-log")) for a in args)
-    return mode == "on" or (mode == "auto" and asked)
+    """Whether trainer ARGS ask for the collector: the trainer's own reading of --parwatch auto|on|off."""
+    from parwatch.trainer.config import parse_args
+
+    return parse_args(args).watched
 
 
 def run_trainer(args: list[str], timeout: float = 600, env: dict | None = None) -> dict:

@@ -120,7 +120,7 @@ class ActivityHub:
         new_run = self.book.run_id is not None and run_id != self.book.run_id
         self.book.add(a, layout, run_id)
         self.pace.note(run_id, a.step)
-        if self._proven.get(a.rank, (None, False))[0] != a.pid or not self._proven[a.rank][1]:
+        if self._proven.get(a.rank) != (a.pid, True):  # proven once per rank and pid
             self._proven[a.rank] = (a.pid, owns_connection(a.pid, client))
         if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
             self.monitor.begin_run()

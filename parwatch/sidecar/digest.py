@@ -30,6 +30,7 @@ from typing import Literal, overload
 from parwatch.schema import MAX_ERROR_CHARS, MAX_STEPS_PER_SECOND
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
+from parwatch.sidecar.pace import Pace
 
 DIGEST_VERSION = 1
 
@@ -203,31 +204,16 @@ def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
         )
 
 
-class StepPace:
-    """Steps move only as a run can move them: backwards freely (a rollback replays), forwards at most at
-    MAX_STEPS_PER_SECOND from the run's highest step. The first report of a run sets the start."""
+class StepPace(Pace):
+    """A run's step pace (pace.Pace), refusing with BadActivity."""
 
     def __init__(self, clock: Callable[[], float]):
-        self.clock = clock
-        self.run_id: str | None = None
-        self.high: int | None = None
-        self.at = 0.0
+        super().__init__(clock, MAX_STEPS_PER_SECOND, "step")
 
     def check(self, run_id: str, step: int, where: str) -> None:
-        if run_id != self.run_id or self.high is None or step <= self.high:
-            return
-        elapsed = max(0.0, self.clock() - self.at)
-        if step > self.high + 1 + int(elapsed * MAX_STEPS_PER_SECOND):
-            raise BadActivity(
-                f"{where}.step={step} is ahead of the run: its highest step is {self.high}, first seen "
-                f"{elapsed:.1f} s ago, and a run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second"
-            )
-
-    def note(self, run_id: str, step: int) -> None:
-        if run_id != self.run_id:
-            self.run_id, self.high = run_id, None
-        if self.high is None or step > self.high:
-            self.high, self.at = step, self.clock()
+        why = self.too_far(run_id, step)
+        if why is not None:
+            raise BadActivity(f"{where}.step{why}")
 
 
 class NodeBook:

@@ -39,6 +39,7 @@ from parwatch.schema import (
 )
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.models import GlobalView, StepSummary
+from parwatch.sidecar.pace import Pace
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,8 @@ class Store:
         self.ended = False
         """Every rank of the run that reports here said it finished or crashed, or its process is gone."""
         self._published: dict[int, bool] | None = None  # publish_liveness(): the activity hub's view of the run
-        self._high: tuple[int, float] | None = None  # the run's highest step and when it was first seen
-        self._timeline: tuple[int, float] | None = None  # the run's highest timeline, and when first seen
+        self._steps = Pace(self.clock, MAX_STEPS_PER_SECOND, "step")
+        self._timelines = Pace(self.clock, MAX_ROLLBACKS_PER_SECOND, "timeline")
 
     def live_for(self) -> float | None:
         """Seconds since the live run last posted here; None when there is none (no run yet, it ended,
@@ -230,23 +231,10 @@ class Store:
     def _admit_progress(self, s: StepSummary, where: str) -> None:
         """Steps and timelines move only as a run can move them: a summary far ahead of the run, or a
         global view past its own step, would otherwise stand as the newest and freeze what follows."""
-        now = self.clock()
-        if self._timeline is not None:
-            timeline, at = self._timeline
-            if s.timeline > timeline + 1 + int(max(0.0, now - at) * MAX_ROLLBACKS_PER_SECOND):
-                raise Refused(
-                    422,
-                    f"{where}.timeline={s.timeline} is ahead of the run: its timeline is {timeline}, "
-                    f"and a run applies at most {MAX_ROLLBACKS_PER_SECOND:g} rollback a second",
-                )
-        if self._high is not None:
-            high, at = self._high
-            if s.step > high + 1 + int(max(0.0, now - at) * MAX_STEPS_PER_SECOND):
-                raise Refused(
-                    422,
-                    f"{where}.step={s.step} is ahead of the run: its highest step is {high}, and a "
-                    f"run moves at most {MAX_STEPS_PER_SECOND:.0f} steps a second",
-                )
+        for name, pace, value in (("timeline", self._timelines, s.timeline), ("step", self._steps, s.step)):
+            why = pace.too_far(s.run_id, value)
+            if why is not None:
+                raise Refused(422, f"{where}.{name}{why}")
         if s.global_ is not None and s.global_.step > s.step:
             raise Refused(
                 422,
@@ -297,10 +285,8 @@ class Store:
             rec.summary = _kept(s)
         rec.counted.add(key)
         rec.seen = now
-        if self._high is None or s.step > self._high[0]:
-            self._high = (s.step, now)
-        if self._timeline is None or s.timeline > self._timeline[0]:
-            self._timeline = (s.timeline, now)
+        self._steps.note(s.run_id, s.step)
+        self._timelines.note(s.run_id, s.timeline)
         # A plain tuple of numbers, not a WindowEntry: the garbage collector stops tracking those,
         # so 32 entries x 1024 ranks add nothing to a full collection's pause (recent() names them).
         rec.window.append((s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio))
