@@ -42,6 +42,7 @@ from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
+from parwatch.vocabulary import Action
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
@@ -332,7 +333,7 @@ class Collector(Observer):
                 global_view["loss"] = None  # the loss rank 0 holds is another step's
             self.totals.add_global(global_view)
             self.totals.add_collectives(collectives)
-        pausing = info.directive is not None and getattr(info.directive, "action", None) == "pause"
+        pausing = info.directive is not None and getattr(info.directive, "action", None) == Action.PAUSE
         return build_summary(
             ctx,
             step=info.step,
