@@ -304,8 +304,13 @@ class Schedule:
     aliases: tuple[str, ...] = ()
     """Other names users type or older summaries carry."""
 
+    @property
+    def one_chunk(self) -> bool:
+        """One model chunk per stage: torch builds it on one stage (GPipe, 1F1B)."""
+        return self.chunks == (1,)
 
-SCHEDULES: dict[ScheduleName, Schedule] = {
+
+SCHEDULES: dict[str, Schedule] = {  # keyed by ScheduleName (a str)
     s.name: s
     for s in (
         Schedule(ScheduleName.GPIPE, "ScheduleGPipe", True, (1,), 1, reference=True),
@@ -346,4 +351,4 @@ def schedule(name: str) -> Schedule | None:
 def canonical_schedule(name: str) -> str:
     """The registry's name for `name`, or `name` itself when the registry does not know it."""
     entry = schedule(name)
-    return entry.name if entry is not None else name
+    return entry.name.value if entry is not None else name

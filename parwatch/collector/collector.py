@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from parwatch.bubble import CLOSED_FORM_SCHEDULES
+from parwatch.bubble import has_closed_form
 from parwatch.collector import global_view as gv
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.causes import CauseSplitter
@@ -261,7 +261,7 @@ class Collector(Observer):
         if name == Event.RUN_START:
             self._model_flops = attrs.get("model_flops_per_step")
             simulated = self.causes.set_order(attrs.get("pipeline_order"))
-            if simulated is not None and self.ctx.schedule not in CLOSED_FORM_SCHEDULES:
+            if simulated is not None and not has_closed_form(self.ctx.schedule):
                 self._theory = simulated  # zero-bubble and V schedules: the replay at equal action times
         elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_CORRUPT) and self.ctx.rank == 0:
             # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.

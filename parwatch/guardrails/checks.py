@@ -295,7 +295,7 @@ def _baseline(past: RollingWindow, window_steps: int) -> float | None:
     return median if median > 0 else None
 
 
-CHECK_KINDS = {
+CHECK_KINDS: dict[str, type] = {
     CheckKind.THRESHOLD: ThresholdCheck,
     CheckKind.FINITE: FiniteCheck,
     CheckKind.SPIKE: SpikeCheck,
