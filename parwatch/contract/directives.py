@@ -1,8 +1,8 @@
 """Directives (what the leader sidecar asks of a run) and outcomes (what every rank did about one).
 
 One definition for every process: the trainer, the collector, the sidecar and the
-guardrail engine all import these enums (Action from parwatch.vocabulary); the boundary vector and the wire carry their
-codes and names.
+guardrail engine all import these enums (Action and the outcomes' wire names live in
+parwatch.vocabulary); the boundary vector and the wire carry their codes and names.
 """
 
 from __future__ import annotations
