@@ -25,18 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.pipelining import schedules as torch_schedules
 
-SCHEDULES = {  # --schedule -> (torch class name, allowed --chunks, default --chunks)
-    "gpipe": ("GPipe", (1,), 1),
-    "1f1b": ("1F1B", (1,), 1),
-    "interleaved1f1b": ("Interleaved1F1B", None, 2),
-    "loopedbfs": ("LoopedBFS", None, 2),
-    "interleavedzb": ("InterleavedZeroBubble", None, 2),
-    "zbv": ("ZBVZeroBubble", (2,), 2),
-    "dualpipev": ("DualPipeV", (2,), 2),
-}
-V_STYLE = ("zbv", "dualpipev")
+from parwatch.vocabulary import SCHEDULES as REGISTRY  # parwatch: its schedule names
+
+SCHEDULES = {s.name: s for s in REGISTRY.values() if s.torch_class is not None}
+"""--schedule -> parwatch's registry entry: torch class, allowed and default --chunks, stage layout."""
+ALIASES = {alias: s.name for s in SCHEDULES.values() for alias in s.aliases}
 
 
 class SleepInBackward(torch.autograd.Function):
@@ -76,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    ap.add_argument("--schedule", choices=sorted([*SCHEDULES, *ALIASES]), default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4, help="m, microbatches per step")
     ap.add_argument(
         "--chunks",
@@ -102,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slow-stage", default="", help="RANK:FACTOR: that rank's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="RANK:MS: that rank stalls MS before each activation send")
     args = ap.parse_args(argv)
-    allowed, default = SCHEDULES[args.schedule][1], SCHEDULES[args.schedule][2]
+    args.schedule = ALIASES.get(args.schedule, args.schedule)
+    allowed, default = SCHEDULES[args.schedule].chunks, SCHEDULES[args.schedule].default_chunks
     args.chunks = default if args.chunks is None else args.chunks
     if allowed is not None and args.chunks not in allowed:
         ap.error(f"--chunks {args.chunks}: --schedule {args.schedule} needs --chunks {allowed[0]}")
@@ -129,7 +125,7 @@ def _rank_value(ap, flag: str, text: str):
 
 def stage_indices(schedule: str, rank: int, pp: int, chunks: int) -> list[int]:
     """Virtual stages this rank holds: rank, rank+p, ... (looped) or rank and 2p-1-rank (V)."""
-    if schedule in V_STYLE:
+    if SCHEDULES[schedule].v_shape:
         return [rank, 2 * pp - 1 - rank]
     return [rank + c * pp for c in range(chunks)]
 
@@ -147,9 +143,9 @@ def build(args, rank: int, pp: int):
     if args.send_delay and args.send_delay[0] == rank:
         for stage in stages:
             _delay_sends(stage, args.send_delay[1] / 1000)
-    cls = get_schedule_class(SCHEDULES[args.schedule][0])
+    cls = getattr(torch_schedules, SCHEDULES[args.schedule].torch_class)
     loss_fn = lambda output, target: F.mse_loss(output, target)  # noqa: E731
-    if args.schedule in ("gpipe", "1f1b"):
+    if SCHEDULES[args.schedule].one_chunk:
         schedule = cls(stages[0], args.microbatches, loss_fn=loss_fn)
     else:
         schedule = cls(stages, args.microbatches, loss_fn=loss_fn)

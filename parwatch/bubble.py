@@ -16,16 +16,16 @@ this module; tests/integration/test_bubble_one_definition.py checks they agree o
 
 from __future__ import annotations
 
+from parwatch import vocabulary
 from parwatch.catalog import metric
 
 IDLE_COUNTER = metric("parwatch_stage_idle_seconds_total").name
 COMPUTE_COUNTER = metric("parwatch_stage_compute_seconds_total").name
 THEORY_GAUGE = metric("parwatch_stage_bubble_theoretical_ratio").name
 
-CLOSED_FORM_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved1f1b", "loopedbfs")
-"""Schedules whose bubble at uniform stages is (p-1)/(v*m+p-1); any other's theory is its replay
-at equal action times (`replayed_theory`)."""
-_ONE_CHUNK = frozenset({"gpipe", "1f1b"})
+CLOSED_FORM_SCHEDULES = tuple(s.name for s in vocabulary.SCHEDULES.values() if s.closed_form)
+"""Schedules whose bubble at uniform stages is (p-1)/(v*m+p-1) (their aliases too: see `has_closed_form`);
+any other's theory is its replay at equal action times (`replayed_theory`)."""
 EQUAL_ACTION_SECONDS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 """Action times of the uniform replay: a backward costs two forwards, split evenly into I and W."""
 
@@ -48,9 +48,10 @@ def excess(measured: float, theoretical: float) -> float:
 # --- theory -----------------------------------------------------------------------------------
 
 
-def schedule_key(name: str) -> str:
-    """ScheduleInterleaved1F1B, interleaved-1f1b -> interleaved1f1b."""
-    return name.lower().replace("schedule", "").replace("_", "").replace("-", "")
+def has_closed_form(name: str) -> bool:
+    """Whether `name` (any spelling the registry knows) has a closed-form bubble."""
+    entry = vocabulary.schedule(name)
+    return entry is not None and entry.closed_form
 
 
 def closed_form(pp: int, microbatches: int, chunks: int = 1) -> float:
@@ -61,8 +62,8 @@ def closed_form(pp: int, microbatches: int, chunks: int = 1) -> float:
 def theoretical(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     """The closed-form bubble of `schedule` with uniform stages; ValueError for a schedule without
     one (zero bubble, DualPipeV: replay its order with `replayed_theory`) or impossible sizes."""
-    key = schedule_key(schedule)
-    if key not in CLOSED_FORM_SCHEDULES:
+    entry = vocabulary.schedule(schedule)
+    if entry is None or not entry.closed_form:
         raise ValueError(
             f"no closed form for schedule {schedule!r} (have {', '.join(CLOSED_FORM_SCHEDULES)}); "
             "replay its action lists instead (parwatch.bubble.replayed_theory)"
@@ -70,7 +71,7 @@ def theoretical(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> f
     for label, value in (("pp", pp), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{label}={value!r} must be a positive integer")
-    if key in _ONE_CHUNK and chunks != 1:
+    if entry.one_chunk and chunks != 1:
         raise ValueError(f"chunks={chunks} needs an interleaved schedule; {schedule} has one chunk per stage")
     return closed_form(pp, microbatches, chunks)
 

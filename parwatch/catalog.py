@@ -12,17 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.vocabulary import MetricKind, RankState, RuleState
 
-KINDS = ("gauge", "counter", "histogram", "info")
+KINDS = tuple(MetricKind)
 BOUNDED_LABELS = frozenset(
     {"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action", "reason", "cause", "post"}
 )
 """reason: why a collective instance was not split (remote, incomplete, unsent), or why a post was refused
 (parwatch.sidecar.refusals.REASONS); cause: a straggler's cause (parwatch.guardrails.attribution.CAUSES, four
 values); post: ingest, activity or digest."""
-RANK_STATES = {"running": 0, "hung": 1, "gone": 2, "unknown": 3}
+RANK_STATES = {RankState.RUNNING: 0, RankState.HUNG: 1, RankState.GONE: 2, RankState.UNKNOWN: 3}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
-GUARDRAIL_STATES = {"ok": 0, "pending": 1, "firing": 2}
+GUARDRAIL_STATES = {RuleState.OK: 0, RuleState.PENDING: 1, RuleState.FIRING: 2}
 """parwatch_guardrail_state's value per state."""
 
 
@@ -46,9 +47,9 @@ class Metric:
             raise ValueError(f"metric {self.name}: kind {self.kind!r} is not one of {KINDS}")
         if not self.name.startswith("parwatch_"):
             raise ValueError(f"metric {self.name}: names start with 'parwatch_'")
-        if self.name.endswith("_total") != (self.kind == "counter"):
+        if self.name.endswith("_total") != (self.kind == MetricKind.COUNTER):
             raise ValueError(f"metric {self.name}: '_total' is for counters and every counter ends in it")
-        if self.kind == "histogram" and not self.buckets:
+        if self.kind == MetricKind.HISTOGRAM and not self.buckets:
             raise ValueError(f"metric {self.name}: a histogram needs its bucket edges")
 
     @property
@@ -61,13 +62,13 @@ class Metric:
 
     def series(self) -> tuple[str, ...]:
         """The sample names this metric exposes."""
-        if self.kind == "histogram":
+        if self.kind == MetricKind.HISTOGRAM:
             return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
         return (self.name,)
 
     def series_per_label_set(self) -> int:
         """Series one label set costs: a histogram pays a bucket per edge, +Inf, _sum and _count."""
-        return len(self.buckets) + 3 if self.kind == "histogram" else 1
+        return len(self.buckets) + 3 if self.kind == MetricKind.HISTOGRAM else 1
 
 
 _R, _RS, _RG, _OG, _S = ("rank",), ("rank", "stage"), ("rank", "gpu"), ("op", "group"), ("stage",)

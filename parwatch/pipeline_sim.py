@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
+from parwatch.vocabulary import P2PPayload, ScheduleName, canonical_schedule
 
 F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backward weight
 COMPUTE_TYPES = (F, B, I, W)
@@ -413,14 +414,14 @@ def single_stage_order(schedule_name: str, p: int, m: int) -> dict[int, list[Act
     Their `pipeline_order` is descriptive only, and in torch 2.13 Schedule1F1B's is off by one
     microbatch on the last rank, so the replay uses what `_step_microbatches` runs: GPipe all
     forwards then all backwards; 1F1B min(m, p-s) warm-up forwards, then B/F alternating."""
-    name = schedule_name.lower()
+    name = canonical_schedule(schedule_name)
     if p < 1 or m < 1:
         raise ValueError(f"single_stage_order: p={p} and m={m} must be >= 1")
     order: dict[int, list[Action]] = {}
     for s in range(p):
-        if name == "gpipe":
+        if name == ScheduleName.GPIPE:
             order[s] = [Action(s, F, i) for i in range(m)] + [Action(s, B, i) for i in range(m)]
-        elif name == "1f1b":
+        elif name == ScheduleName.ONE_F_ONE_B:
             warmup = min(m, p - s)
             acts = [Action(s, F, i) for i in range(warmup)]
             for i in range(m):
@@ -490,13 +491,13 @@ def _p2p_latency(order: Mapping, spans, stages: Mapping[int, list]) -> float:
             ends[(vstage, F if r["kind"] == SpanKind.FORWARD else B, attrs["microbatch"])] = r["end_s"]
     latencies = []
     for r in spans:
-        if r["kind"] != SpanKind.RECV or r["attrs"].get("what") not in ("activation", "grad"):
+        if r["kind"] != SpanKind.RECV or r["attrs"].get("what") not in (P2PPayload.ACTIVATION, P2PPayload.GRAD):
             continue
         attrs = r["attrs"]
         vstage = attrs["vstage"] if "vstage" in attrs else stages[r["rank"]][attrs["chunk"]]
         key = (
             (vstage - 1, F, attrs["microbatch"])
-            if attrs["what"] == "activation"
+            if attrs["what"] == P2PPayload.ACTIVATION
             else (vstage + 1, B, attrs["microbatch"])
         )
         produced = ends.get(key)

@@ -83,6 +83,8 @@ from __future__ import annotations
 
 import math
 
+from parwatch.vocabulary import CollectiveOp
+
 SCHEMA_VERSION = 1
 
 # Histogram upper bounds (seconds) for collective latency: 10 us .. 10 s, denser
@@ -116,10 +118,10 @@ from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS  # noqa: E
 def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' bus bandwidth factor for an op over n ranks."""
     if n <= 1:
-        return 1.0 if op in ("send", "recv", "broadcast") else 0.0
-    if op == "all_reduce":
+        return 1.0 if op in (CollectiveOp.SEND, CollectiveOp.RECV, CollectiveOp.BROADCAST) else 0.0
+    if op == CollectiveOp.ALL_REDUCE:
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in (CollectiveOp.ALL_GATHER, CollectiveOp.REDUCE_SCATTER):
         return (n - 1) / n
     return 1.0
 

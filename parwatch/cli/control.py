@@ -13,6 +13,7 @@ import click
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.tokens import TokenError, read_token
+from parwatch.vocabulary import RecordType, SidecarRole
 
 DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
 """The token a `parwatch sidecar` started here with its default --state-dir generated."""
@@ -78,7 +79,7 @@ def _human(out) -> str:
 
 def _decision_line(d: dict) -> str:
     keys: tuple[str, ...]
-    if d.get("type") not in (None, "decision"):  # an outcome (applied, substituted, failed, ...) or a cancel
+    if d.get("type") not in (None, RecordType.DECISION):  # an outcome (applied, substituted, failed, ...) or a cancel
         keys = (
             "time",
             "step",
@@ -130,7 +131,7 @@ def _when(t) -> str:
 
 def _link_lines(link: dict | None) -> list[str]:
     """A node sidecar's way to the leader (parwatch.sidecar.leader_link); nothing on a sidecar alone."""
-    if not link or link.get("role") != "node":
+    if not link or link.get("role") != SidecarRole.NODE:
         return []
     if link.get("reachable"):
         return [f"leader: {link.get('url')} (reachable)"]

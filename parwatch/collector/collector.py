@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from parwatch.bubble import CLOSED_FORM_SCHEDULES
+from parwatch.bubble import has_closed_form
 from parwatch.collector import global_view as gv
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.causes import CauseSplitter
@@ -42,6 +42,7 @@ from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
+from parwatch.vocabulary import Action
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
@@ -260,7 +261,7 @@ class Collector(Observer):
         if name == Event.RUN_START:
             self._model_flops = attrs.get("model_flops_per_step")
             simulated = self.causes.set_order(attrs.get("pipeline_order"))
-            if simulated is not None and self.ctx.schedule not in CLOSED_FORM_SCHEDULES:
+            if simulated is not None and not has_closed_form(self.ctx.schedule):
                 self._theory = simulated  # zero-bubble and V schedules: the replay at equal action times
         elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_CORRUPT) and self.ctx.rank == 0:
             # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.
@@ -332,7 +333,7 @@ class Collector(Observer):
                 global_view["loss"] = None  # the loss rank 0 holds is another step's
             self.totals.add_global(global_view)
             self.totals.add_collectives(collectives)
-        pausing = info.directive is not None and getattr(info.directive, "action", None) == "pause"
+        pausing = info.directive is not None and getattr(info.directive, "action", None) == Action.PAUSE
         return build_summary(
             ctx,
             step=info.step,

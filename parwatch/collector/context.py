@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from parwatch.bubble import closed_form
 from parwatch.host import host_identity
+from parwatch.vocabulary import canonical_schedule, schedule
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -39,8 +40,8 @@ class RunContext:
     stage: int
     """This rank's pipeline stage (0..pp-1); with several chunks per rank, the rank's position in the pipeline."""
     schedule: str
-    """Pipeline schedule name: the reference trainer's gpipe / 1f1b / interleaved, or any other
-    (e.g. torch.distributed.pipelining's ZBVZeroBubble); a label, letters, digits, _ . -."""
+    """Pipeline schedule name: one of parwatch.vocabulary.SCHEDULES (an alias or torch class name of one
+    becomes its name), or any other label of letters, digits, _ . -."""
     microbatches: int
     """Microbatches per step (m)."""
     chunks: int = 1
@@ -73,7 +74,9 @@ class RunContext:
                 f"RunContext.schedule={self.schedule!r} must be a schedule name of letters, digits, "
                 "'_', '.', '-' (at most 64), e.g. 1f1b or ZBVZeroBubble"
             )
-        if self.chunks > 1 and self.schedule in ("gpipe", "1f1b"):
+        object.__setattr__(self, "schedule", canonical_schedule(self.schedule))  # one name per schedule
+        entry = schedule(self.schedule)
+        if self.chunks > 1 and entry is not None and entry.one_chunk:
             raise ValueError(
                 f"RunContext.chunks={self.chunks} needs an interleaved schedule (got {self.schedule!r}); "
                 "use chunks=1 for gpipe and 1f1b"

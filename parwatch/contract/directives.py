@@ -1,35 +1,19 @@
 """Directives (what the leader sidecar asks of a run) and outcomes (what every rank did about one).
 
 One definition for every process: the trainer, the collector, the sidecar and the
-guardrail engine all import these enums; the boundary vector and the wire carry their
-codes and names.
+guardrail engine all import these enums (Action and the outcomes' wire names live in
+parwatch.vocabulary); the boundary vector and the wire carry their codes and names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import TypeGuard
 
+from parwatch.vocabulary import Action as Action  # the contract's name, defined with the vocabulary
+from parwatch.vocabulary import OutcomeName
 
-class Action(str, Enum):
-    """What a directive asks. The value is the wire name; `code` the boundary slot value."""
-
-    PAUSE = "pause"
-    RESUME = "resume"
-    ROLLBACK = "rollback"
-
-    @property
-    def code(self) -> int:
-        return _ACTION_CODES[self]
-
-    @classmethod
-    def from_code(cls, code: int) -> Action | None:
-        return _CODE_ACTIONS.get(code)
-
-
-_ACTION_CODES = {Action.PAUSE: 1, Action.RESUME: 2, Action.ROLLBACK: 3}
-_CODE_ACTIONS = {v: k for k, v in _ACTION_CODES.items()}
 ACTIONS = tuple(a.value for a in Action)
 """The wire names, in order: what APIs and rule files accept."""
 
@@ -47,8 +31,8 @@ class Outcome(IntEnum):
     """Not for this run (another run id): never applied."""
 
     @property
-    def wire(self) -> str:
-        return self.name.lower()
+    def wire(self) -> OutcomeName:
+        return OutcomeName[self.name]
 
 
 class FailReason(IntEnum):

@@ -16,43 +16,17 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from parwatch.contract.directives import Directive
+from parwatch.vocabulary import BoundaryKind as BoundaryKind  # the contract's names, defined with the vocabulary
+from parwatch.vocabulary import Event as Event
+from parwatch.vocabulary import SpanKind as SpanKind
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's own from 3.11
 
     from parwatch.contract.boundary import BoundaryInfo  # boundary imports this module
-
-
-class SpanKind(str, Enum):
-    """What a span measures. A str Enum: `SpanKind.FORWARD == "forward"` and it hashes the same."""
-
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    """A full backward (input and weight gradients together)."""
-    BACKWARD_INPUT = "backward_input"
-    """Zero-bubble schedules: the input-gradient half (I)."""
-    BACKWARD_WEIGHT = "backward_weight"
-    """Zero-bubble schedules: the weight-gradient half (W)."""
-    LOSS = "loss"
-    """The loss computed outside the last stage's forward (torch pipelining)."""
-    SEND = "send"
-    RECV = "recv"
-    COLLECTIVE = "collective"
-    OPTIMIZER = "optimizer"
-    DP_SYNC = "dp_sync"
-    """Data-parallel gradient sync, and gradient scaling after the last backward."""
-    CHECKPOINT = "checkpoint"
-    DATA = "data"
-    """Fetching the next batch (data loading)."""
-    BOUNDARY = "boundary"
-    """The step-boundary all-reduce: mostly the wait for the pipeline's flush."""
-
-    def __str__(self) -> str:  # f-strings and logs show the plain name
-        return self.value
 
 
 COMPUTE_KINDS = frozenset(
@@ -63,44 +37,6 @@ OTHER_KINDS = frozenset({SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOI
 """Work that is not the pipeline's and must not read as bubble. Everything else is communication or waiting."""
 SEQUENCED_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
 """Spans the registry numbers per group (collectives) or per peer (send, recv) in `attrs["seq"]`."""
-
-
-class Event(str, Enum):
-    """Rare events, with their attrs."""
-
-    RUN_START = "run_start"
-    """config (dict), rank, model_flops_per_step (int | None), pipeline_order (see parwatch.pipeline_sim)."""
-    CHECKPOINT_SAVED = "checkpoint_saved"
-    """step; checkpoints: every complete, verified step on disk now."""
-    CHECKPOINT_SKIPPED = "checkpoint_skipped"
-    """step, reason (the loss was not finite)."""
-    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
-    """step, rank, error: a shard failed verification; checkpoints: the steps still usable."""
-    DIRECTIVE_APPLIED = "directive_applied"
-    """id, action, step, outcome (Outcome name), loaded_step, reason."""
-    PAUSED = "paused"
-    """step."""
-    ROLLBACK = "rollback"
-    """from_step, to_step, skip_batches: a new timeline begins."""
-    RUN_END = "run_end"
-    """steps_completed, summary (dict; observers may add to it)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class BoundaryKind(str, Enum):
-    START = "start"
-    """Before the first step (step 0)."""
-    STEP = "step"
-    """After a step; the step number is the step just finished."""
-    HEARTBEAT = "heartbeat"
-    """While paused: the step repeats, nothing is accounted."""
-    RESUME = "resume"
-    """After a pause or a rollback: a new period begins."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Clock(Protocol):

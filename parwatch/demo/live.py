@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from parwatch.vocabulary import RuleState
+
 
 class SummaryTail:
     """Follows summaries.jsonl as the collectors append to it; keeps the latest per stage."""
@@ -66,7 +68,7 @@ def _fmt_loss(loss) -> str:
 def status_line(tail: SummaryTail, status: dict | None) -> str:
     stages = " ".join(f"s{s}={b:.3f}/{tail.theory.get(s) or 0:.3f}" for s, b in sorted(tail.bubble.items()))
     rules = status.get("rules", {}) if status else {}
-    hot = [f"{n}:{r.get('state')}" for n, r in sorted(rules.items()) if r.get("state") != "ok"]
+    hot = [f"{n}:{r.get('state')}" for n, r in sorted(rules.items()) if r.get("state") != RuleState.OK]
     paused = " PAUSED" if status and status.get("paused") else ""
     return (
         f"step {tail.step:4d}  loss {_fmt_loss(tail.loss):>8}  bubble measured/theory {stages}"

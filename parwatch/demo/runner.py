@@ -20,6 +20,7 @@ from parwatch.demo.summary import build_summary, print_summary
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.sidecar.process import free_port
 from parwatch.tokens import read_token
+from parwatch.vocabulary import Action
 
 
 class DemoFailed(RuntimeError):
@@ -29,7 +30,7 @@ class DemoFailed(RuntimeError):
 def pause_hint(status: dict, control: str, token_file: Path | None = None) -> str:
     """What to do when a guardrail (or an operator) paused the run: the demo would wait forever."""
     why = next(
-        (d.get("reason") for d in reversed(status.get("last_decisions") or []) if d.get("action") == "pause"), None
+        (d.get("reason") for d in reversed(status.get("last_decisions") or []) if d.get("action") == Action.PAUSE), None
     )
     auth = f" --token-file {token_file}" if token_file else ""
     return (

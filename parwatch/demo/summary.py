@@ -10,6 +10,7 @@ from pathlib import Path
 from parwatch.bubble import closed_form, excess
 from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
+from parwatch.vocabulary import RecordType
 
 
 def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price: float) -> dict:
@@ -94,7 +95,7 @@ def print_summary(console, summary: dict) -> None:
         "readiness; recv is the p2p latency to read.",
         highlight=False,
     )
-    decisions = [d for d in summary["decisions"] if d.get("type", "decision") == "decision"]
+    decisions = [d for d in summary["decisions"] if d.get("type", "decision") == RecordType.DECISION]
     if decisions:
         t = Table(title="Guardrail decisions")
         for col in ("step", "rule", "action", "source", "enforced", "checkpoint", "reason"):

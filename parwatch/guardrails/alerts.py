@@ -22,6 +22,7 @@ import yaml
 
 from parwatch import recording as rec
 from parwatch.guardrails.rules import Rule, RuleSet
+from parwatch.vocabulary import CheckKind, Comparison, RuleAction
 
 DEFAULT_RUNBOOK = "https://github.com/parwatch/parwatch/blob/main/docs/runbook.md"
 DEFAULT_STEP_SECONDS = 10.0
@@ -84,19 +85,19 @@ def alert_expression(
     reduce = PROMQL_REDUCE[rule.reduce]
     series = pick(reduce, rate_window)
     per_run = rec.by()  # one alert per run (scrape job), never one reduced over every run
-    if rule.check == "finite":
+    if rule.check == CheckKind.FINITE:
         flag = NONFINITE_FLAGS.get(rule.metric)
         if flag is not None:
             return f"{flag} > 0"
         return f"({series}) != ({series}) or abs({series}) == +Inf"
-    if rule.check == "threshold":
+    if rule.check == CheckKind.THRESHOLD:
         comparison, line = rule.bound()
-        op = ">" if comparison == "above" else "<"
+        op = ">" if comparison == Comparison.ABOVE else "<"
         return f"{reduce} {per_run} ({series}) {op} {line:g}"
     factor, window_steps = rule.baseline_terms()
     window = format_duration(window_steps * step_seconds)
     step = format_duration(step_seconds)
-    if rule.check == "spike":
+    if rule.check == CheckKind.SPIKE:
         current = f"{reduce} {per_run} ({series})"
         return f"{current} > {factor:g} * quantile_over_time(0.5, ({current})[{window}:{step}] offset {step})"
     # regression: each series against its own median, then reduce the ratios
@@ -107,13 +108,13 @@ def alert_expression(
 
 
 def _summary(rule: Rule, step_seconds: float) -> str:
-    if rule.check == "finite":
+    if rule.check == CheckKind.FINITE:
         what = f"{rule.metric} is NaN or infinite"
-    elif rule.check == "threshold":
+    elif rule.check == CheckKind.THRESHOLD:
         word, line = ("above", rule.above) if rule.above is not None else ("below", rule.below)
         what = f"{rule.reduce} {rule.metric} {word} {line:g}"
     else:
-        whose = "its" if rule.check == "spike" else "each series' own"
+        whose = "its" if rule.check == CheckKind.SPIKE else "each series' own"
         what = (
             f"{rule.reduce} {rule.metric} above {rule.factor:g}x {whose} median of the previous "
             f"{rule.window_steps} steps"
@@ -139,7 +140,7 @@ def render_alert_rules(
         if duration:
             alert["for"] = format_duration(duration)
         alert["labels"] = {
-            "severity": "warning" if rule.action == "alert" else "page",
+            "severity": "warning" if rule.action == RuleAction.ALERT else "page",
             "parwatch_action": rule.action,
             "rule": rule.name,
         }
@@ -147,7 +148,7 @@ def render_alert_rules(
             f"parwatch guardrail '{rule.name}' ({rule.check} check on {rule.metric}) is failing; "
             f"the sidecar's own action for it is {rule.action}."
         )
-        if rule.for_steps > 1 or rule.check in ("spike", "regression"):
+        if rule.for_steps > 1 or rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION):
             description += f" Step counts assume a {step_seconds:g} s training step."
         alert["annotations"] = {
             "summary": _summary(rule, step_seconds),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule
+from parwatch.vocabulary import CheckKind, Comparison, Reduce, RuleState
 
 NO_DATA = "no-data"
 MAX_WINDOW_VALUES = 200
@@ -57,10 +58,10 @@ def reduce_series(values: dict[str, float], how: str) -> tuple[float, str | None
         if not values:
             return math.nan, None
         total = sum(values.values())
-    if how == "mean":
+    if how == Reduce.MEAN:
         return total / len(values), None
     numbers = list(values.values())
-    best = max(numbers) if how == "max" else min(numbers)
+    best = max(numbers) if how == Reduce.MAX else min(numbers)
     ties = numbers.count(best)
     if ties == 1:
         key = list(values)[numbers.index(best)]
@@ -146,7 +147,7 @@ class ThresholdCheck:
         if math.isnan(value):
             return None
         comparison, line = self.rule.bound()
-        failing = value > line if comparison == "above" else value < line
+        failing = value > line if comparison == Comparison.ABOVE else value < line
         word = ("" if failing else "not ") + comparison
         text = f"{self.rule.reduce} {_label(self.rule.metric, key)} = {value:.4g}, {word} {line:g}"
         return Reading(value, failing, key, line, None, text)
@@ -294,7 +295,12 @@ def _baseline(past: RollingWindow, window_steps: int) -> float | None:
     return median if median > 0 else None
 
 
-CHECK_KINDS = {"threshold": ThresholdCheck, "finite": FiniteCheck, "spike": SpikeCheck, "regression": RegressionCheck}
+CHECK_KINDS: dict[str, type] = {
+    CheckKind.THRESHOLD: ThresholdCheck,
+    CheckKind.FINITE: FiniteCheck,
+    CheckKind.SPIKE: SpikeCheck,
+    CheckKind.REGRESSION: RegressionCheck,
+}
 
 
 def make_check(rule: Rule):
@@ -363,12 +369,12 @@ class RuleMonitor:
 
     def tick(self, now: float) -> bool:
         """Time passed without a reading: a pending for_seconds rule may now fire."""
-        return self.state == "pending" and self._advance(now)
+        return self.state == RuleState.PENDING and self._advance(now)
 
     def no_data(self, now: float, reference: float | None) -> bool:
         """True when the metric's absence (since `reference`) just became a finding."""
         limit = self.rule.no_data_seconds
-        if limit is None or reference is None or self.state == "firing" or now - reference < limit:
+        if limit is None or reference is None or self.state == RuleState.FIRING or now - reference < limit:
             return False
         self._clear("firing", NO_DATA)
         return True
@@ -388,17 +394,17 @@ class RuleMonitor:
         evidence.update(where(self.last_series))
         if rule.for_seconds is not None:
             evidence["for_seconds"] = rule.for_seconds
-        if rule.check == "threshold":
+        if rule.check == CheckKind.THRESHOLD:
             evidence["threshold"] = rule.above if rule.above is not None else rule.below
             evidence["comparison"] = "above" if rule.above is not None else "below"
-        elif rule.check in ("spike", "regression"):
+        elif rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION):
             evidence.update(factor=rule.factor, baseline=self.baseline, window_steps=rule.window_steps)
-            if rule.check == "regression":
+            if rule.check == CheckKind.REGRESSION:
                 evidence["values_are"] = "ratios of each series to its own baseline median"
         return evidence
 
     def _advance(self, now: float) -> bool:
-        if self.state == "firing":
+        if self.state == RuleState.FIRING:
             return False
         rule = self.rule
         enough_steps = self.failing_steps >= rule.for_steps

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from parwatch.contract.directives import MAX_STEP, parse_directive
+from parwatch.vocabulary import Action
 
 log = logging.getLogger("parwatch.guardrails")
 WIRE_KEYS = ("id", "action", "run_id", "to_step", "skip_batches", "reason")
@@ -44,7 +45,7 @@ class Directives:
             "action": action,
             "run_id": run_id,
             "to_step": to_step,
-            "skip_batches": skip_batches if action == "rollback" else 0,
+            "skip_batches": skip_batches if action == Action.ROLLBACK else 0,
             "reason": reason,
             "decision_id": decision_id,
         }

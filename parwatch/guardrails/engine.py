@@ -43,14 +43,15 @@ from parwatch.guardrails.decisions import Batch, DecisionLog, StateFile
 from parwatch.guardrails.directives import Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
+from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState
 
 log = logging.getLogger(__name__)
 
-SWITCHES = ("rollback", "resume")
+SWITCHES = (Action.ROLLBACK, Action.RESUME)
 """Directives after which the run's next boundary may be long in coming (a checkpoint load, a restart of
 the step loop): the hang clock is re-armed when one is decided and when it is applied."""
 
-REQUEST_SOURCES = ("operator", "alertmanager")
+REQUEST_SOURCES = (DecisionSource.OPERATOR, DecisionSource.ALERTMANAGER)
 MAX_CHECKPOINTS = 1000
 """Known checkpoint steps kept (the newest)."""
 BASELINES_FLUSH_SECONDS = 60.0
@@ -157,7 +158,7 @@ class GuardrailEngine:
                 if values:
                     if monitor.observe(obs.step, now, values):
                         records += self._act(monitor, obs.step, now)
-                    elif monitor.state == "ok":
+                    elif monitor.state == RuleState.OK:
                         self._rearmed.pop(monitor.rule.name, None)
                 else:
                     records += self._judge_time(monitor, now)
@@ -254,7 +255,7 @@ class GuardrailEngine:
         checkpoint, skip = None, 0
         rearmed_by = self._rearmed.get(rule.name)
         if monitor.acted_tick is not None and self._tick - monitor.acted_tick < rule.cooldown_steps:
-            if rule.action != "rollback":
+            if rule.action != Action.ROLLBACK:
                 monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
                 if rearmed_by is not None:
                     monitor.state = "pending"  # still armed: act once the cooldown is over
@@ -265,10 +266,10 @@ class GuardrailEngine:
                 f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
                 f"{monitor.acted_step}: pausing instead of rolling back again"
             )
-        elif rule.action == "rollback":
+        elif rule.action == Action.ROLLBACK:
             first = monitor.since_step if monitor.since_step is not None else step
             action, checkpoint, skip, note = self._plan_rollback(first, step, rule.skip_batches)
-            escalated = action != "rollback"
+            escalated = action != Action.ROLLBACK
             reason += note
         monitor.acted_tick, monitor.acted_step = self._tick, step
         extra = None
@@ -349,7 +350,7 @@ class GuardrailEngine:
     ) -> dict:
         # (A decision that becomes a directive belongs to the current run: see begin_run.)
         """Write one decision record; when enforcing, a directive action also becomes a directive."""
-        if action == "pause" and not suppress and self._pause_in_force():
+        if action == Action.PAUSE and not suppress and self._pause_in_force():
             # Paused, and staying so once what is outstanding is applied: a second pause changes nothing.
             # (Paused with a resume outstanding is not: the pause queues behind the resume and holds
             # the run again, so a rule still failing after an operator resume is never silenced.)
@@ -389,7 +390,7 @@ class GuardrailEngine:
         paused = self._paused
         for d in self._directives.outstanding:
             if d["run_id"] == self._run_id:
-                paused = d["action"] == "pause" or (paused and d["action"] not in SWITCHES)
+                paused = d["action"] == Action.PAUSE or (paused and d["action"] not in SWITCHES)
         return paused
 
     # -- findings from outside the step rules (the hang detector) -------------------------------------
@@ -398,7 +399,7 @@ class GuardrailEngine:
         """Record a decision made outside the rules (e.g. rule "hang" from parwatch.sidecar.hang).
 
         Only "alert" is accepted: such findings never steer the run through directives."""
-        if action != "alert":
+        if action != RuleAction.ALERT:
             raise ValueError(f"record_finding: action must be 'alert', got {action!r}")
         with self._lock:
             record = self._decide(rule, action, "rule", "", reason, evidence, step, self._now())
@@ -454,29 +455,33 @@ class GuardrailEngine:
                 )
             now, step = self._now(), self._last_step
             reason, note, escalated = reason or f"{action} requested by {source}", "", False
-            if action == "rollback":
+            if action == Action.ROLLBACK:
                 to_step = self._resolve_checkpoint(to_step)
             mirrored = self._monitors.get(rule) if rule else None
             suppress = (
-                source == "alertmanager"
+                source == DecisionSource.ALERTMANAGER
                 and mirrored is not None
                 and mirrored.acted_tick is not None
                 and self._tick - mirrored.acted_tick < mirrored.rule.cooldown_steps
             )
             if suppress and mirrored is not None:
                 note = f" (not enforced: rule {rule} already acted at step {mirrored.acted_step})"
-            elif action == "rollback" and source == "alertmanager" and (too_many := self._too_many_rollbacks()):
+            elif (
+                action == Action.ROLLBACK
+                and source == DecisionSource.ALERTMANAGER
+                and (too_many := self._too_many_rollbacks())
+            ):
                 action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
-            elif action == "rollback":
+            elif action == Action.ROLLBACK:
                 self._rollback_ticks.append(self._tick)
             evidence = {"to_step": to_step, "skip_batches": skip_batches}
             extra: dict[str, Any] = {"alert_rule": rule} if rule else {}
-            if action == "resume":
+            if action == Action.RESUME:
                 # A rule that paused the run and still fails must be able to act again after the
                 # operator resumes (otherwise it stays "firing" and silent): firing -> pending, so
                 # its next failing step fires it again, within its cooldown.
                 rearm = sorted(
-                    name for name, m in self._monitors.items() if m.state == "firing" and m.reason != NO_DATA
+                    name for name, m in self._monitors.items() if m.state == RuleState.FIRING and m.reason != NO_DATA
                 )
                 for name in rearm:
                     self._monitors[name].state = "pending"
@@ -623,21 +628,21 @@ class GuardrailEngine:
                 return [self._log.append(self._outcome_record(did, None, outcome, now))]
             records = [self._log.append(self._outcome_record(did, done, outcome, now))]
             action = done["action"]
-            if result in ("applied", "substituted"):
-                if action == "pause":
+            if result in (OutcomeName.APPLIED, OutcomeName.SUBSTITUTED):
+                if action == Action.PAUSE:
                     self._paused = True
                 elif action in SWITCHES:
                     # A rollback applied during a pause ends it: the trainer trains on after loading.
                     self._paused, self._resumed_time = False, now
                     self.last_switch = now
-                if action == "rollback":
+                if action == Action.ROLLBACK:
                     # The trainer now replays from the checkpoint it loaded: later checkpoints belong to
                     # the abandoned timeline, and the next step number may be one just evaluated.
                     loaded = outcome.get("loaded_step")
                     if loaded is not None:
                         self._checkpoints = {c for c in self._checkpoints if c <= int(loaded)}
                     self._last_step = None
-            elif result in ("failed", "mixed") and action == "rollback":
+            elif result in (OutcomeName.FAILED, OutcomeName.MIXED) and action == Action.ROLLBACK:
                 why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
                 reason = (
                     f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
@@ -688,11 +693,11 @@ class GuardrailEngine:
             "rank_count": ranks,
             "counts": outcome.get("counts") or {},
         }
-        if directive is not None and directive["action"] == "rollback":
+        if directive is not None and directive["action"] == Action.ROLLBACK:
             record.update(
                 requested_step=directive["to_step"],
                 loaded_step=outcome.get("loaded_step"),
-                substituted=outcome.get("outcome") == "substituted",
+                substituted=outcome.get("outcome") == OutcomeName.SUBSTITUTED,
             )
         if outcome.get("reasons"):
             record["reasons"] = outcome["reasons"]
@@ -706,10 +711,15 @@ class GuardrailEngine:
         if decision_id is None:
             return []
         made = next(
-            (r for r in reversed(self._log.recent) if r.get("type") == "decision" and r.get("id") == decision_id), None
+            (
+                r
+                for r in reversed(self._log.recent)
+                if r.get("type") == RecordType.DECISION and r.get("id") == decision_id
+            ),
+            None,
         )
         monitor = self._monitors.get(made.get("rule")) if made is not None and made.get("rule") else None
-        if monitor is None or monitor.state != "firing" or monitor.reason == NO_DATA:
+        if monitor is None or monitor.state != RuleState.FIRING or monitor.reason == NO_DATA:
             return []
         monitor.state = "pending"
         monitor.acted_tick = None  # the cancelled action did not happen: no cooldown from it
@@ -719,7 +729,11 @@ class GuardrailEngine:
     def _action_of(self, did: int) -> str:
         """The action of a directive no longer outstanding, from the decision that made it."""
         made = next(
-            (r for r in reversed(self._log.recent) if r.get("type") == "decision" and r.get("directive_id") == did),
+            (
+                r
+                for r in reversed(self._log.recent)
+                if r.get("type") == RecordType.DECISION and r.get("directive_id") == did
+            ),
             None,
         )
         return str(made["action"]) if made is not None else "unknown"
@@ -955,7 +969,7 @@ class GuardrailEngine:
         again is safe). Rule states, checkpoints and counters start afresh."""
         records = list(self._log.recent)
         run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
-        ended = {r.get("directive_id") for r in records if r.get("type") != "decision"}
+        ended = {r.get("directive_id") for r in records if r.get("type") != RecordType.DECISION}
         outstanding = [
             {
                 "id": r["directive_id"],
@@ -967,7 +981,7 @@ class GuardrailEngine:
                 "decision_id": r.get("id"),
             }
             for r in records
-            if r.get("type") == "decision"
+            if r.get("type") == RecordType.DECISION
             and r.get("directive_id") is not None
             and r["directive_id"] not in ended
             and r.get("run_id") == run_id
@@ -1054,5 +1068,5 @@ def _validate_request(action, source, to_step, skip_batches) -> None:
         isinstance(to_step, bool) or not isinstance(to_step, int) or not 0 <= to_step < MAX_STEP
     ):
         raise ValueError(f"to_step must be a checkpoint step (an integer in 0..2**53-1) or None, got {to_step!r}")
-    if action != "rollback" and (to_step is not None or skip_batches):
+    if action != Action.ROLLBACK and (to_step is not None or skip_batches):
         raise ValueError(f"to_step and skip_batches apply to rollback only, not to {action}")

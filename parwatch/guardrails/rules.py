@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
+from parwatch.vocabulary import CheckKind, Reduce, RuleAction
+
 KNOWN_METRICS = frozenset(
     {
         "loss",
@@ -32,9 +34,9 @@ KNOWN_METRICS = frozenset(
         "straggler_ratio",
     }
 )
-CHECKS = ("threshold", "finite", "spike", "regression")
-ACTIONS = ("alert", "pause", "rollback")
-REDUCES = ("max", "min", "mean")
+CHECKS = tuple(CheckKind)
+ACTIONS = tuple(RuleAction)
+REDUCES = tuple(Reduce)
 BUILTIN_COOLDOWN_STEPS = 50
 """Cooldown when neither the rule nor `defaults` sets one (raised to the rule's for_steps)."""
 MIN_BASELINE_VALUES = 5
@@ -160,7 +162,7 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
         value = getattr(r, name)
         if _is_number(value) and value <= 0:
             out.append((name, f"must be > 0, got {value}; remove the field to disable it"))
-    if r.check == "threshold":
+    if r.check == CheckKind.THRESHOLD:
         if (r.above is None) == (r.below is None):
             which = "both are set" if r.above is not None else "neither is set"
             out.append(
@@ -170,7 +172,7 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
         for name in ("above", "below"):
             if getattr(r, name) is not None:
                 out.append((name, f"only the threshold check uses '{name}'; remove it, or set check: threshold"))
-    if r.check in ("spike", "regression"):
+    if r.check in (CheckKind.SPIKE, CheckKind.REGRESSION):
         if not _is_number(r.factor) or r.factor <= 1:
             out.append(
                 (
@@ -191,7 +193,7 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
         for name in ("factor", "window_steps"):
             if getattr(r, name) is not None:
                 out.append((name, f"only spike and regression checks use '{name}'; remove it"))
-    if r.check == "finite" and r.reduce != "max":
+    if r.check == CheckKind.FINITE and r.reduce != Reduce.MAX:
         out.append(("reduce", "a finite check fails on any non-finite series, so 'reduce' has no effect; remove it"))
     if not _is_int(r.for_steps) or r.for_steps < 1:
         out.append(("for_steps", f"must be an integer >= 1 (1 = fire at once), got {r.for_steps!r}"))
@@ -209,7 +211,7 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
     skip = r.skip_batches
     if not ((_is_int(skip) and skip >= 0) or skip == "window"):
         out.append(("skip_batches", f'must be an integer >= 0 or "window", got {skip!r}'))
-    elif r.action != "rollback" and skip != 0:
+    elif r.action != RuleAction.ROLLBACK and skip != 0:
         out.append(("skip_batches", "only a rollback skips batches; remove it or set action: rollback"))
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from parwatch.contract import Span, SpanKind, registry
 from parwatch.integrations._p2p import TAG
+from parwatch.vocabulary import CollectiveOp
 
 STAGE_METHODS = (
     "forward_one_chunk",
@@ -149,7 +150,7 @@ def _tagging(build, base: dict, op: str, what: str):
     """Wrap an op builder so each P2POp it returns carries `(kind, attrs)`: the span's attrs
     that do not change from step to step, built once per microbatch (`_p2p` adds peer, bytes
     and seq when the op is posted)."""
-    kind = SpanKind.RECV if op == "recv" else SpanKind.SEND
+    kind = SpanKind.RECV if op == CollectiveOp.RECV else SpanKind.SEND
     tags: dict = {}
 
     def builder(chunk_id, *args, **kwargs):

@@ -54,19 +54,12 @@ from parwatch.integrations._stage_spans import (
     instrument_loss,
     instrument_stage,
 )
+from parwatch.vocabulary import SCHEDULES
 
 log = logging.getLogger("parwatch.integrations.torch_pipelining")
 
-# torch class name -> parwatch's schedule name (the example's --schedule values).
-SCHEDULE_NAMES = {
-    "ScheduleGPipe": "gpipe",
-    "Schedule1F1B": "1f1b",
-    "ScheduleInterleaved1F1B": "interleaved1f1b",
-    "ScheduleLoopedBFS": "loopedbfs",
-    "ScheduleInterleavedZeroBubble": "interleavedzb",
-    "ScheduleZBVZeroBubble": "zbv",
-    "ScheduleDualPipeV": "dualpipev",
-}
+SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
+"""torch class name -> parwatch's schedule name (parwatch.vocabulary's registry)."""
 
 
 class IntegrationError(RuntimeError):
@@ -104,7 +97,7 @@ def action_order(schedule) -> dict:
     Multi-stage schedules run their `pipeline_order`; the one-stage ones (GPipe, 1F1B) run
     what their `_step_microbatches` codes, which `pipeline_sim.single_stage_order` mirrors."""
     name = schedule_name(schedule)
-    if name in ("gpipe", "1f1b"):
+    if SCHEDULES[name].one_chunk:
         stage = stages_of(schedule)[0]
         return pipeline_sim.single_stage_order(name, stage.num_stages, schedule._n_microbatches)
     return pipeline_sim.normalize(schedule.pipeline_order)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parwatch.schema import decode_float
+from parwatch.vocabulary import OUTCOME_TYPES, RecordType
 
 SUMMARIES = "summaries.jsonl"
 SPANS = "spans.jsonl"
@@ -169,15 +170,14 @@ def _span(rec: dict) -> dict:
     return {**rec, "start_s": start, "end_s": end, "attrs": attrs}
 
 
-OUTCOME_TYPES = ("applied", "substituted", "failed", "ignored", "mixed")
-RECORD_TYPES = ("decision", "cancelled", *OUTCOME_TYPES)
+RECORD_TYPES = tuple(RecordType)
 
 
 def _decision(rec: dict) -> dict:
     kind = rec.get("type", "decision")
     if kind not in RECORD_TYPES:
         raise BadRecord(f"unknown record type {kind!r}")
-    if kind == "decision":
+    if kind == RecordType.DECISION:
         _int(rec, "step")
     return {**rec, "type": kind}
 
@@ -227,7 +227,7 @@ def load_run(run_dir) -> RunData:
         run_dir=run_dir,
         summaries=summaries,
         spans=spans,
-        decisions=[r for r in records if r["type"] == "decision"],
+        decisions=[r for r in records if r["type"] == RecordType.DECISION],
         applied=[r for r in records if r["type"] in OUTCOME_TYPES],
         issues=issues,
         config=_config(summaries, spans),

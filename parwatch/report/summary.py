@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from parwatch.report.loader import RunData
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
+from parwatch.vocabulary import RecordType
 
 
 @dataclass
@@ -250,7 +251,7 @@ def _outcome_text(record: dict) -> str:
     kind = record.get("type", "?")
     ranks = record.get("rank_count")
     text = f"{kind} at step {record.get('step')}" + (f" ({ranks} ranks)" if ranks else "")
-    if kind == "substituted":
+    if kind == RecordType.SUBSTITUTED:
         text += f": loaded {record.get('loaded_step')} instead of {record.get('requested_step')}"
     elif record.get("reasons"):
         text += ": " + ", ".join(f"{k} x{v}" for k, v in record["reasons"].items())

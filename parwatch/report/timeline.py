@@ -15,6 +15,7 @@ from matplotlib.patches import Patch
 
 from parwatch.bubble import excess
 from parwatch.report.loader import RunData, split_replays
+from parwatch.vocabulary import SpanKind
 
 COLORS = {
     "forward": "#3B75AF",
@@ -31,13 +32,13 @@ LABELS = {
     "idle": "idle, flush wait (bubble)",
 }
 _CATEGORY = {
-    "forward": "forward",
-    "backward": "backward",
-    "recv": "comm",
-    "collective": "comm",
-    "optimizer": "other",
-    "dp_sync": "other",
-    "checkpoint": "other",
+    SpanKind.FORWARD: "forward",
+    SpanKind.BACKWARD: "backward",
+    SpanKind.RECV: "comm",
+    SpanKind.COLLECTIVE: "comm",
+    SpanKind.OPTIMIZER: "other",
+    SpanKind.DP_SYNC: "other",
+    SpanKind.CHECKPOINT: "other",
 }
 _DRAW_ORDER = ("comm", "other", "forward", "backward")  # later ones on top: nested TP collectives hide
 _DPI = 100
@@ -95,7 +96,7 @@ def _bubbles(run: RunData, step: int, lanes: dict, t0: float, t1: float) -> dict
             [
                 (s["start_s"], s["end_s"])
                 for s in lanes[stage]
-                if _CATEGORY.get(s["kind"]) in ("forward", "backward", "other")
+                if _CATEGORY.get(s["kind"]) in (SpanKind.FORWARD, SpanKind.BACKWARD, "other")
             ]
         )
         other = sum(s["end_s"] - s["start_s"] for s in lanes[stage] if _CATEGORY.get(s["kind"]) == "other")
@@ -170,7 +171,7 @@ def _draw_lane(ax, row: int, spans: list, t0: float, span_ms: float, axes_width_
         bars = [((sp["start_s"] - t0) * 1e3, (sp["end_s"] - sp["start_s"]) * 1e3) for sp in mine]
         if bars:
             ax.broken_barh(bars, (y, 0.8), facecolors=COLORS[cat], edgecolor="white", linewidth=0.6, zorder=z)
-        if cat in ("forward", "backward") and bars and span_ms:
+        if cat in (SpanKind.FORWARD, SpanKind.BACKWARD) and bars and span_ms:
             _label_blocks(ax, mine, bars, row, axes_width_px / span_ms)
 
 

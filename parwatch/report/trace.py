@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from parwatch.report.loader import RunData, split_replays
+from parwatch.vocabulary import GroupRole, SpanKind
 
 # tid, thread name; the order is the display order in Perfetto.
 LANES = {
@@ -33,13 +34,13 @@ def overflow_tid(base_tid: int, k: int) -> int:
 
 def lane_of(span: dict) -> str:
     kind, attrs = span["kind"], span["attrs"]
-    if kind in ("forward", "backward"):
+    if kind in (SpanKind.FORWARD, SpanKind.BACKWARD):
         return "compute"
-    if kind in ("optimizer", "dp_sync", "checkpoint"):
+    if kind in (SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOINT):
         return "other"
-    if kind == "send":
+    if kind == SpanKind.SEND:
         return "send"
-    if kind == "collective" and attrs.get("group") == "tp":
+    if kind == SpanKind.COLLECTIVE and attrs.get("group") == GroupRole.TP:
         return "tp"  # nested inside forward/backward: a lane of their own
     return "comm"
 
@@ -48,12 +49,12 @@ def event_name(span: dict) -> str:
     kind, a = span["kind"], span["attrs"]
     mb = a.get("microbatch")
     chunk = f" c{a['chunk']}" if a.get("chunk") else ""
-    if kind in ("forward", "backward"):
-        return f"{'F' if kind == 'forward' else 'B'} mb{mb}{chunk}"
-    if kind in ("send", "recv"):
-        way = "to" if kind == "send" else "from"
+    if kind in (SpanKind.FORWARD, SpanKind.BACKWARD):
+        return f"{'F' if kind == SpanKind.FORWARD else 'B'} mb{mb}{chunk}"
+    if kind in (SpanKind.SEND, SpanKind.RECV):
+        way = "to" if kind == SpanKind.SEND else "from"
         return f"{kind} {a.get('what', '')} mb{mb}{chunk} {way} stage {a.get('peer', '?')}".replace("  ", " ")
-    if kind == "collective":
+    if kind == SpanKind.COLLECTIVE:
         return f"{a.get('op', 'collective')} {a.get('group', '')}".strip()
     return kind
 

@@ -53,6 +53,7 @@ from parwatch.sidecar.digest import (
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.pid_owner import owns_connection
+from parwatch.vocabulary import RankState
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -125,7 +126,7 @@ class ActivityHub:
         if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
             self.monitor.begin_run()
         self._run_id, self._layout = run_id, layout
-        if a.state != "running":
+        if a.state != RankState.RUNNING:
             self._note_if_ended()
         if a.rank == 0:
             self.is_leader = True
@@ -238,7 +239,7 @@ class ActivityHub:
         """SIGUSR1 a pid only when it is a running rank of this run whose own process reported that pid over
         its connection to this sidecar (pid_owner): never a pid a report or the leader merely names."""
         own = any(
-            a.pid == pid and a.state == "running" and self._proven.get(rank) == (pid, True)
+            a.pid == pid and a.state == RankState.RUNNING and self._proven.get(rank) == (pid, True)
             for rank, a in self.book.rows().items()
         )
         if own and isinstance(pid, int) and pid > 1:
@@ -256,7 +257,7 @@ class ActivityHub:
         if (
             rows
             and store.ranks.keys() <= rows.keys()
-            and all(a.state == "done" or a.state in ENDED for a in rows.values())
+            and all(a.state == RankState.DONE or a.state in ENDED for a in rows.values())
         ):
             store.ended = True
 
@@ -285,9 +286,9 @@ class ActivityHub:
             books.insert(0, self.view.rows())  # this node's own rows (checked pids) win over a digest's
         for rows in books:
             for rank, a in rows.items():
-                if a.state == "running":
+                if a.state == RankState.RUNNING:
                     up[rank] = True
-                elif a.state != "done":
+                elif a.state != RankState.DONE:
                     up[rank] = False
         return up
 

@@ -17,10 +17,11 @@ from typing import Any
 
 from parwatch.guardrails.decisions import move_aside
 from parwatch.sidecar.models import Alert, AlertmanagerPayload
+from parwatch.vocabulary import RuleAction
 
 log = logging.getLogger(__name__)
 
-ALERT_ACTIONS = ("pause", "rollback")
+ALERT_ACTIONS = (RuleAction.PAUSE, RuleAction.ROLLBACK)
 ACTION_LABEL = "parwatch_action"
 MAX_ACTED = 10_000
 """Firing alerts remembered as acted on; the oldest are forgotten beyond this (bounded memory and file)."""
@@ -77,13 +78,13 @@ class AlertDedupe:
                 "rule": alert.labels.get("rule"),
                 "requested_by": f"alertmanager:{payload.receiver}" if payload.receiver else "alertmanager",
             }
-            if action == "rollback":
+            if action == RuleAction.ROLLBACK:
                 skip = alert.labels.get("parwatch_skip_batches", "0")
                 kw["skip_batches"] = int(skip) if skip.isascii() and skip.isdigit() and len(skip) <= 9 else 0
             try:
                 decision = request(action, **kw)
             except ValueError as err:
-                if action != "rollback":
+                if action != RuleAction.ROLLBACK:
                     log.warning("alert %s (%s) refused by the engine: %s", name, fp, err)
                     continue
                 # No checkpoint to go back to: stopping is the safe half of what the alert asked for.

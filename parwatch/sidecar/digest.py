@@ -31,6 +31,7 @@ from parwatch.schema import MAX_ERROR_CHARS, MAX_STEPS_PER_SECOND
 from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
 from parwatch.sidecar.models import MAX_TIME
 from parwatch.sidecar.pace import Pace
+from parwatch.vocabulary import RankState
 
 DIGEST_VERSION = 1
 
@@ -57,8 +58,8 @@ MAX_STEP = (1 << 31) - 1
 MAX_SEQ = 1 << 53
 MAX_TEXT = 64  # kind, op, group
 MAX_HOST = 253  # a DNS name
-REPORT_STATES = ("running", "done", "crashed")
-DIGEST_STATES = ("running", "done", "crashed", "gone", "silent")
+REPORT_STATES = (RankState.RUNNING, RankState.DONE, RankState.CRASHED)
+DIGEST_STATES = (*REPORT_STATES, RankState.GONE, RankState.SILENT)
 
 
 # Typed so that a required field reads as its type and an optional one as `type | None`.
@@ -250,7 +251,7 @@ class NodeBook:
         out = {}
         for rank, (a, seen) in list(self.latest.items()):
             state = a.state
-            if state == "running":
+            if state == RankState.RUNNING:
                 local = a.host == self.hostname
                 if local and not self._alive(a.pid):
                     state = "gone"
@@ -362,7 +363,9 @@ class LeaderView:
         for seen, rows in list(self.nodes.values()):
             stale = now - seen > self.grace_seconds
             for a in rows:
-                out[a.rank] = a._replace(state="unknown") if stale and a.state in ("running", "silent") else a
+                out[a.rank] = (
+                    a._replace(state="unknown") if stale and a.state in (RankState.RUNNING, RankState.SILENT) else a
+                )
         return out
 
     def missing_nodes(self) -> list[dict]:

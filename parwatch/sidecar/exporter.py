@@ -19,13 +19,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from parwatch import __version__
-from parwatch.catalog import metric
+from parwatch.catalog import GUARDRAIL_STATES, metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import RankRecord, Store
 from parwatch.sidecar.transfer import transfer_families
+from parwatch.vocabulary import MetricKind
 
-GUARDRAIL_STATE_CODES = {"ok": 0, "pending": 1, "firing": 2}
 _STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]
 _COLLECTIVE_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
 
@@ -134,7 +134,7 @@ class SidecarCollector(Collector):
         yield up
         records = st.visible()
         for name, typ, labels, value_of in PER_RANK:
-            family = (_g if typ == "gauge" else _c)(name, labels)
+            family = (_g if typ == MetricKind.GAUGE else _c)(name, labels)
             for rec in records:
                 value = value_of(rec)
                 if value is not None:
@@ -181,7 +181,7 @@ class SidecarCollector(Collector):
     def _guardrail_families(self):
         state = _g("parwatch_guardrail_state", ["rule"])
         for name, info in sorted(self.engine.states().items()):
-            state.add_metric([name], GUARDRAIL_STATE_CODES.get(info.get("state"), 0))
+            state.add_metric([name], GUARDRAIL_STATES.get(info.get("state"), 0))
         yield state
         actions = _c("parwatch_guardrail_actions", ["rule", "action"])
         for (rule, action), n in sorted(dict(self.counters.actions).items()):
@@ -270,4 +270,4 @@ def make_registry(store: Store, engine, counters: SidecarCounters, transfer=None
     return registry
 
 
-__all__ = ["SidecarCollector", "SidecarCounters", "make_registry", "GUARDRAIL_STATE_CODES"]
+__all__ = ["SidecarCollector", "SidecarCounters", "make_registry"]

@@ -34,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from parwatch.catalog import RANK_STATES, metric
+from parwatch.vocabulary import GroupRole, RankState, SpanKind
 
 STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
@@ -74,7 +75,7 @@ class Activity(NamedTuple):
 
 
 ACTIVITY_ROW = Activity._fields
-ENDED = ("gone", "crashed")
+ENDED = (RankState.GONE, RankState.CRASHED)
 """States of a rank whose process ended without finishing: a crash, told by the rank (crashed, with
 its exception) or seen by its node (gone: the pid vanished, or its node stopped hearing from it)."""
 PEER_LOST_MARKS = (
@@ -98,7 +99,7 @@ ECHO_WAIT_SECONDS = 8.0
 
 def lost_a_peer(a: Activity) -> bool:
     """A crashed rank whose exception says a peer went away first."""
-    return a.state == "crashed" and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
+    return a.state == RankState.CRASHED and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
 
 
 @dataclass(frozen=True)
@@ -119,20 +120,20 @@ class Layout:
         """Global ranks of `a`'s instance of group role `group` (parwatch.trainer.parallel_dims' rank order)."""
         tp, pp = self.tp, self.pp
         base = self.rank_of(0, 0, a.dp_rank)
-        if group == "tp":
+        if group == GroupRole.TP:
             return range(base + a.stage * tp, base + a.stage * tp + tp)
-        if group == "pp":
+        if group == GroupRole.PP:
             return range(base + a.tp_rank, base + pp * tp, tp)
-        if group == "dp":
+        if group == GroupRole.DP:
             return range(a.stage * tp + a.tp_rank, self.world, pp * tp)
         return range(self.world)
 
     def instance(self, group: str, a: Activity) -> tuple:
-        if group == "tp":
+        if group == GroupRole.TP:
             return (a.dp_rank, a.stage)
-        if group == "pp":
+        if group == GroupRole.PP:
             return (a.dp_rank, a.tp_rank)
-        if group == "dp":
+        if group == GroupRole.DP:
             return (a.stage, a.tp_rank)
         return ()
 
@@ -160,11 +161,12 @@ class HangSettings:
 
 def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
     """The node `a` waits for: ("rank", peer) in a recv, ("group", key) in a collective; None if it waits for nobody."""
-    if a.state not in ("running", *ENDED) or a.kind is None:  # an ended rank's last wait still tells who went first
+    # An ended rank's last wait still tells who went first.
+    if a.state not in (RankState.RUNNING, *ENDED) or a.kind is None:
         return None
-    if a.kind == "recv" and a.peer is not None:
+    if a.kind == SpanKind.RECV and a.peer is not None:
         return ("rank", int(a.peer))
-    if a.kind in ("collective", "boundary") and a.group:  # the boundary: an all-reduce over the world
+    if a.kind in (SpanKind.COLLECTIVE, SpanKind.BOUNDARY) and a.group:  # the boundary: an all-reduce over the world
         key = (
             a.group,
             layout.instance(a.group, a),
@@ -353,7 +355,7 @@ MAX_LISTED = 16
 def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[dict]) -> dict:
     """What the leader sees of the run: ranks with a current report, of the world; the nodes whose
     digests stopped; ranks never reported (first MAX_LISTED)."""
-    seen = sum(1 for a in rows.values() if a.state != "unknown")
+    seen = sum(1 for a in rows.values() if a.state != RankState.UNKNOWN)
     never = list(islice((r for r in range(world) if r not in rows), MAX_LISTED)) if len(rows) < world else []
     return {"ranks_seen": seen, "world": world, "nodes_missing": missing_nodes[:MAX_LISTED], "ranks_never_seen": never}
 
@@ -424,7 +426,7 @@ def _describe(c: dict) -> str:
 def _missing_text(missing: dict | None) -> str:
     if not missing:
         return ""
-    if missing["kind"] == "collective":
+    if missing["kind"] == SpanKind.COLLECTIVE:
         seq = f" #{missing['seq']}" if missing["seq"] is not None else ""
         return f"; it has not joined {missing['op']} group={missing['group']}{seq}"
     return f"; rank {missing['by']} waits in a recv from it"
@@ -462,7 +464,7 @@ class HangMonitor:
     def observe(self, a: Activity, layout: Layout, now: float) -> None:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout
-        if a.state == "running":
+        if a.state == RankState.RUNNING:
             if (
                 self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end)
                 and self.hang is not None
@@ -475,15 +477,15 @@ class HangMonitor:
         named = self.hang["evidence"]["culprit"] if self.hang is not None else None
         culprit = named["rank"] if named else None
         return {
-            r: RANK_STATES["gone"]
+            r: RANK_STATES[RankState.GONE]
             if a.state in ENDED
-            else RANK_STATES["unknown"]
-            if a.state == "unknown"
-            else RANK_STATES["hung"]
-            if a.state == "silent" or r == culprit
-            else RANK_STATES["running"]
+            else RANK_STATES[RankState.UNKNOWN]
+            if a.state == RankState.UNKNOWN
+            else RANK_STATES[RankState.HUNG]
+            if a.state == RankState.SILENT or r == culprit
+            else RANK_STATES[RankState.RUNNING]
             for r, a in rows.items()
-            if a.state != "done"
+            if a.state != RankState.DONE
         }
 
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
@@ -523,7 +525,7 @@ class HangMonitor:
             key=lambda a: (lost_a_peer(a), a.time, a.rank),
         )
         if gone and all(lost_a_peer(a) for a in gone):
-            unseen = sorted(r for r, a in rows.items() if a.state == "unknown")
+            unseen = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
             unseen += list((coverage or {}).get("ranks_never_seen", ()))
             self._echoes_since = self._echoes_since if self._echoes_since is not None else now
             if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
@@ -536,7 +538,7 @@ class HangMonitor:
             if (
                 len(gone) > 1
                 and self.layout is not None
-                and not any(a.state == "crashed" and not lost_a_peer(a) for a in gone)
+                and not any(a.state == RankState.CRASHED and not lost_a_peer(a) for a in gone)
             ):
                 found = find_culprit(rows, self.layout)
                 named = rows.get(found["culprit"]) if found else None
@@ -545,10 +547,10 @@ class HangMonitor:
                     gone.remove(named)
                     gone.insert(0, named)
             culprit = culprit_record(first, first.rank)
-            if first.state == "crashed":
+            if first.state == RankState.CRASHED:
                 culprit["error"] = first.error
             others = [a.rank for a in gone[1:]]
-            how = f"crashed ({first.error})" if first.state == "crashed" else "ended (its process is gone)"
+            how = f"crashed ({first.error})" if first.state == RankState.CRASHED else "ended (its process is gone)"
             reason = f"rank-gone: {_describe(culprit)} {how}, last step {first.step}"
             if others:
                 reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
@@ -573,7 +575,7 @@ class HangMonitor:
         past = self.stalled_past_bound(stalled)
         if self.progress.sampled is not None and past:
             fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
-            stale = sum(1 for a in rows.values() if a.state == "running" and a.time < fresh_after)
+            stale = sum(1 for a in rows.values() if a.state == RankState.RUNNING and a.time < fresh_after)
         if stale and stalled < 2 * bound:
             return records
         if not paused and not crashed and past and self.layout is not None and rows:
@@ -581,9 +583,9 @@ class HangMonitor:
             if found is not None:
                 rank = found["culprit"]
                 a = rows.get(rank)
-                if self.hang is None and (a is None or a.state not in (*ENDED, "done")):
+                if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
                     waiting = found["waiting"]
-                    seen = a is not None and a.state != "unknown"
+                    seen = a is not None and a.state != RankState.UNKNOWN
                     named_culprit = culprit_record(a, rank) if seen else None
                     if named_culprit is not None:
                         what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(

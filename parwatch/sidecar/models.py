@@ -17,6 +17,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from parwatch import vocabulary
 from parwatch.guardrails.engine import MAX_CHECKPOINTS
 from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEMA_VERSION, decode_float
 
@@ -26,11 +27,17 @@ CollectiveGroup = Literal["tp", "pp", "dp", "world", "ep", "cp"]
 COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
 COLLECTIVE_GROUPS: tuple[str, ...] = get_args(CollectiveGroup)
 
-# Written out for the type checker (Literal takes no variables); the values stay those of schema.py.
+# Written out for the type checker (Literal takes no variables); the values stay those of schema.py
+# and parwatch.vocabulary.
 SchemaVersion = Literal[1]
 DirectiveAction = Literal["pause", "resume", "rollback"]
-if get_args(SchemaVersion) != (SCHEMA_VERSION,) or get_args(DirectiveAction) != DIRECTIVE_ACTIONS:
-    raise ImportError("sidecar/models.py: SchemaVersion or DirectiveAction differs from parwatch.schema")
+if (
+    get_args(SchemaVersion) != (SCHEMA_VERSION,)
+    or get_args(DirectiveAction) != DIRECTIVE_ACTIONS
+    or COLLECTIVE_OPS != tuple(vocabulary.CollectiveOp)
+    or COLLECTIVE_GROUPS != tuple(vocabulary.GroupRole)
+):
+    raise ImportError("sidecar/models.py: a Literal differs from parwatch.schema or parwatch.vocabulary")
 
 MAX_COUNT = 2**53
 """Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""

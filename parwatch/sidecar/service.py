@@ -32,6 +32,7 @@ from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
+from parwatch.vocabulary import RecordType, SidecarRole
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class Sidecar:
 
     def _count(self, decisions) -> None:
         for d in decisions or ():
-            if d and d.get("type", "decision") == "decision" and d.get("action"):  # not outcome records
+            if d and d.get("type", "decision") == RecordType.DECISION and d.get("action"):  # not outcome records
                 self.counters.actions[(str(d.get("rule") or d.get("source") or "operator"), str(d["action"]))] += 1
 
     # -- reads ------------------------------------------------------------------------------
@@ -222,7 +223,9 @@ class Sidecar:
         link = hub.link.status(hub.is_leader) if hub is not None else None
         # A node sidecar judges no rule (the leader does): its engine's states would read "ok" beside a NaN.
         judged_by = (
-            None if link is None or link["role"] == "leader" else (link["url"] or "the run's leader (no --leader-url)")
+            None
+            if link is None or link["role"] == SidecarRole.LEADER
+            else (link["url"] or "the run's leader (no --leader-url)")
         )
         judged_here = judged_by is None
         return jsonable(

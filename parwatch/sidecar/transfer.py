@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from parwatch.catalog import metric
 from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, median_at
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 HORIZON_STEPS = 8
 """An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
@@ -243,7 +244,7 @@ class TransferTracker:
                 key = ("c", group, members, seq)
                 label = op
             else:
-                src, dst = (rank, peer) if op == "send" else (peer, rank)
+                src, dst = (rank, peer) if op == CollectiveOp.SEND else (peer, rank)
                 key = ("p", src, dst, seq)
                 member_set = None
                 path, label = ("link", src, dst), "send"
@@ -542,7 +543,7 @@ def _own_compute(s) -> float | None:
     inst = s.instances
     if inst is None or inst.capped:
         return None
-    tp = sum(r[5] for r in inst.records if r[1] == "tp") * 1e-6
+    tp = sum(r[5] for r in inst.records if r[1] == GroupRole.TP) * 1e-6
     return max(s.compute_seconds - tp, 0.0)
 
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from parwatch import contract
 from parwatch.trainer.parallel_dims import ProcessGroups
+from parwatch.vocabulary import GroupRole
 
 if TYPE_CHECKING:
     from parwatch.trainer.faults import Faults
@@ -125,7 +126,7 @@ class Comm:
         )
 
     def _group(self, role: str) -> dist.ProcessGroup | None:
-        return None if role == "world" else getattr(self.groups, role)
+        return None if role == GroupRole.WORLD else getattr(self.groups, role)
 
     def group_ranks(self, role: str) -> tuple[int, ...]:
         """The global ranks of this rank's `role` group (one shared tuple per role)."""
@@ -146,7 +147,7 @@ class Comm:
         n = self.size(role)
         if n == 1:
             return tensor
-        if self.faults is not None and role == "tp":
+        if self.faults is not None and role == GroupRole.TP:
             self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
         with self.registry.span(
             contract.SpanKind.COLLECTIVE,

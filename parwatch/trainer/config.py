@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import parse_fault
-from parwatch.trainer.schedules import SCHEDULES
+from parwatch.trainer.schedules import SCHEDULE_CHOICES, SCHEDULES
 from parwatch.trainer.synthetic import parse_synthetic
 
 
@@ -22,9 +22,9 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel replicas."""
     schedule: str = "1f1b"
-    """gpipe, 1f1b or interleaved."""
+    """gpipe, 1f1b or interleaved1f1b (alias: interleaved)."""
     chunks: int = 1
-    """Model chunks per stage (v); >= 2 only with --schedule interleaved."""
+    """Model chunks per stage (v); >= 2 only with --schedule interleaved1f1b."""
     microbatches: int = 4
     """Microbatches per step per DP replica (m)."""
     micro_batch_size: int = 2
@@ -85,7 +85,7 @@ class TrainConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError naming the setting and the fix; the world check needs world_size."""
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in SCHEDULE_CHOICES:
             raise ConfigError(f"--schedule={self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
         for name in (
             "tp",
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kwargs = {"type": type(value), "default": value, "help": f"{docs.get(name, '')} (default: %(default)s)"}
             if name == "schedule":
-                kwargs["choices"] = SCHEDULES
+                kwargs["choices"] = SCHEDULE_CHOICES
             if name == "parwatch":
                 kwargs["choices"] = ("on", "off", "auto")
             p.add_argument(flag, **kwargs)

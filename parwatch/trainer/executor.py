@@ -21,6 +21,7 @@ from parwatch.trainer.comm import Comm
 from parwatch.trainer.data import global_index, microbatch
 from parwatch.trainer.faults import Faults
 from parwatch.trainer.schedules import Instr, message_of, peer_stage
+from parwatch.vocabulary import InstrOp, P2PPayload
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class PipelineExecutor:
 
     def _tag(self, instr: Instr) -> int:
         msg = message_of(instr, self.stage, self.p)
-        return (msg.dst_vstage * self.shape.microbatches + msg.microbatch) * 2 + (msg.kind == "grad")
+        return (msg.dst_vstage * self.shape.microbatches + msg.microbatch) * 2 + (msg.kind == P2PPayload.GRAD)
 
     def _peer(self, instr: Instr) -> int:
         return self.pp_ranks[peer_stage(instr, self.stage, self.p)]
@@ -98,15 +99,15 @@ class PipelineExecutor:
             vstage = self._vstage(instr.chunk)
             attrs = dict(stage=self.stage, microbatch=instr.microbatch, chunk=instr.chunk)
             op = instr.op
-            if op == "recv_act":
+            if op == InstrOp.RECV_ACT:
                 buf = torch.empty(act_shape, dtype=s.dtype, device=s.device)
                 self.comm.recv(buf, self._peer(instr), self._tag(instr), what="activation", **attrs)
                 inputs[key] = buf.requires_grad_()
-            elif op == "recv_grad":
+            elif op == InstrOp.RECV_GRAD:
                 buf = torch.empty(act_shape, dtype=s.dtype, device=s.device)
                 self.comm.recv(buf, self._peer(instr), self._tag(instr), what="grad", **attrs)
                 grads[key] = buf
-            elif op == "forward":
+            elif op == InstrOp.FORWARD:
                 if vstage == 0 or vstage == self.last_vstage:
                     # Its own span, outside the forward: slow input must not read as slow compute.
                     with reg.span(contract.SpanKind.DATA, **attrs):
@@ -127,16 +128,16 @@ class PipelineExecutor:
                     if straggle_s and instr.chunk == 0:
                         time.sleep(straggle_s)
                 outputs[key] = out
-            elif op == "send_act":
+            elif op == InstrOp.SEND_ACT:
                 self.comm.isend(outputs[key].detach(), self._peer(instr), self._tag(instr), what="activation", **attrs)
-            elif op == "backward":
+            elif op == InstrOp.BACKWARD:
                 with reg.span(contract.SpanKind.BACKWARD, **attrs):
                     out = outputs.pop(key)
                     if vstage == self.last_vstage:
                         torch.autograd.backward(out)
                     else:
                         torch.autograd.backward(out, grads.pop(key))
-            elif op == "send_grad":
+            elif op == InstrOp.SEND_GRAD:
                 x = inputs.pop(key)
                 self.comm.isend(x.grad, self._peer(instr), self._tag(instr), what="grad", **attrs)
             self.comm.poll_sends()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parwatch.trainer.errors import ConfigError
+from parwatch.vocabulary import GroupRole
 
 _SPECS: dict[str, dict[str, type[int | float | str]]] = {
     "straggler": {"stage": int, "ms": float, "from_step": int, "rank": int},
@@ -86,7 +87,7 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}; e.g. {_EXAMPLE}")
     if kind == "straggler" and "stage" not in params and "rank" not in params:
         raise ConfigError(f"--inject {spec!r}: missing stage (or rank); e.g. straggler:stage=1,ms=30")
-    if kind == "slow-collective" and params["group"] not in ("tp", "pp", "dp"):
+    if kind == "slow-collective" and params["group"] not in (GroupRole.TP, GroupRole.PP, GroupRole.DP):
         raise ConfigError(f"--inject {spec!r}: group must be tp, pp or dp")
     if kind == "slow-link" and params["src"] == params["dst"]:
         raise ConfigError(f"--inject {spec!r}: src and dst must be two different ranks (a pipeline neighbour pair)")

@@ -47,12 +47,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from parwatch.trainer.errors import ConfigError, TrainerError
+from parwatch.vocabulary import REFERENCE_SCHEDULES, InstrOp, P2PPayload, ScheduleName, canonical_schedule
+from parwatch.vocabulary import SCHEDULES as REGISTRY
 
-COMPUTE_OPS = ("forward", "backward")
-RECV_OPS = ("recv_act", "recv_grad")
-SEND_OPS = ("send_act", "send_grad")
-OPS = frozenset(COMPUTE_OPS + RECV_OPS + SEND_OPS)
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+COMPUTE_OPS = (InstrOp.FORWARD, InstrOp.BACKWARD)
+RECV_OPS = (InstrOp.RECV_ACT, InstrOp.RECV_GRAD)
+SEND_OPS = (InstrOp.SEND_ACT, InstrOp.SEND_GRAD)
+OPS = frozenset(InstrOp)
+SCHEDULES = REFERENCE_SCHEDULES
+"""What this trainer runs."""
+SCHEDULE_CHOICES = (*SCHEDULES, *(a for name in SCHEDULES for a in REGISTRY[name].aliases))
+"""What --schedule and `build_schedule` take: the names and their aliases ("interleaved")."""
 
 
 class ScheduleError(ConfigError, ValueError):
@@ -78,7 +83,7 @@ class Instr:
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
-            raise ValueError(f"Instr op={self.op!r} is not one of {sorted(OPS)}")
+            raise ValueError(f"Instr op={self.op!r} is not one of {sorted(map(str, OPS))}")
 
     def __str__(self) -> str:
         return f"{self.op}(mb={self.microbatch}, chunk={self.chunk})"
@@ -87,7 +92,7 @@ class Instr:
 class Message(NamedTuple):
     """One p2p message, named the same way by its sender and its receiver."""
 
-    kind: str  # "act" or "grad"
+    kind: P2PPayload
     microbatch: int
     src_vstage: int
     dst_vstage: int
@@ -97,11 +102,15 @@ def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
     return chunk * num_stages + stage
 
 
+_DIRECTION: dict[str, int] = {InstrOp.SEND_ACT: 1, InstrOp.RECV_ACT: -1, InstrOp.SEND_GRAD: -1, InstrOp.RECV_GRAD: 1}
+"""Where a p2p op's message goes, in virtual stages (+1: to the next)."""
+
+
 def message_of(instr: Instr, stage: int, num_stages: int) -> Message:
     """The message a send/recv instruction on `stage` moves; its ranks are vstage % p."""
     vs = virtual_stage(stage, instr.chunk, num_stages)
-    kind = "act" if instr.op.endswith("_act") else "grad"
-    step = {"send_act": 1, "recv_act": -1, "send_grad": -1, "recv_grad": 1}[instr.op]
+    kind = P2PPayload.ACTIVATION if instr.op.endswith("_act") else P2PPayload.GRAD
+    step = _DIRECTION[instr.op]
     src, dst = (vs, vs + step) if instr.op in SEND_OPS else (vs + step, vs)
     return Message(kind, instr.microbatch, src, dst)
 
@@ -117,16 +126,17 @@ def peak_inflight(instrs: list[Instr]) -> int:
     live: set[tuple[int, int]] = set()
     peak = 0
     for ins in instrs:
-        if ins.op == "forward":
+        if ins.op == InstrOp.FORWARD:
             live.add((ins.microbatch, ins.chunk))
             peak = max(peak, len(live))
-        elif ins.op == "backward":
+        elif ins.op == InstrOp.BACKWARD:
             live.discard((ins.microbatch, ins.chunk))
     return peak
 
 
 def build_schedule(name: str, stage: int, num_stages: int, microbatches: int, chunks: int = 1) -> list[Instr]:
-    """The instruction list stage `stage` runs for one step of schedule `name`."""
+    """The instruction list stage `stage` runs for one step of schedule `name` (or an alias of it)."""
+    name = canonical_schedule(name)
     _check_args(name, stage, num_stages, microbatches, chunks)
     order = _compute_order(name, stage, num_stages, microbatches, chunks)
     return _with_p2p(order, stage, num_stages, chunks)
@@ -145,9 +155,9 @@ def _check_args(name: str, stage: int, p: int, m: int, v: int) -> None:
             raise ScheduleError(f"{setting}={value!r} must be a positive integer")
     if not isinstance(stage, int) or not 0 <= stage < p:
         raise ScheduleError(f"stage={stage!r} is out of range for num_stages={p}; use 0..{p - 1}")
-    if name != "interleaved" and v != 1:
-        raise ScheduleError(f"chunks={v} needs schedule='interleaved'; use chunks=1 with {name!r}")
-    if name == "interleaved":
+    if name != ScheduleName.INTERLEAVED_1F1B and v != 1:
+        raise ScheduleError(f"chunks={v} needs schedule='interleaved1f1b'; use chunks=1 with {name!r}")
+    if name == ScheduleName.INTERLEAVED_1F1B:
         if v < 2:
             raise ScheduleError(f"chunks={v}: interleaved needs chunks >= 2 (chunks=1 is plain '1f1b')")
         if p < 2:
@@ -162,21 +172,21 @@ def _check_args(name: str, stage: int, p: int, m: int, v: int) -> None:
 
 def _compute_order(name: str, s: int, p: int, m: int, v: int) -> list[Instr]:
     """The forwards and backwards of stage s, in the order it runs them."""
-    if name == "gpipe":  # backward in forward order, as Megatron and torch.distributed.pipelining do
-        return [Instr("forward", i) for i in range(m)] + [Instr("backward", i) for i in range(m)]
-    if name == "1f1b":
-        fwd = [Instr("forward", i) for i in range(m)]
-        bwd = [Instr("backward", i) for i in range(m)]
+    if name == ScheduleName.GPIPE:  # backward in forward order, as Megatron and torch.distributed.pipelining do
+        return [Instr(InstrOp.FORWARD, i) for i in range(m)] + [Instr(InstrOp.BACKWARD, i) for i in range(m)]
+    if name == ScheduleName.ONE_F_ONE_B:
+        fwd = [Instr(InstrOp.FORWARD, i) for i in range(m)]
+        bwd = [Instr(InstrOp.BACKWARD, i) for i in range(m)]
         warmup = min(p - s - 1, m)
     else:  # interleaved: Megatron's warmup count and virtual-microbatch -> (mb, chunk) map
 
         def unit(op: str, k: int) -> Instr:
             chunk = (k % (p * v)) // p
             mb = (k // (p * v)) * p + k % p
-            return Instr(op, mb, chunk if op == "forward" else v - 1 - chunk)
+            return Instr(op, mb, chunk if op == InstrOp.FORWARD else v - 1 - chunk)
 
-        fwd = [unit("forward", k) for k in range(m * v)]
-        bwd = [unit("backward", k) for k in range(m * v)]
+        fwd = [unit(InstrOp.FORWARD, k) for k in range(m * v)]
+        bwd = [unit(InstrOp.BACKWARD, k) for k in range(m * v)]
         warmup = min(2 * (p - s - 1) + (v - 1) * p, m * v)
     steady = [ins for pair in zip(fwd[warmup:], bwd) for ins in pair]
     return fwd[:warmup] + steady + bwd[len(fwd) - warmup :]
@@ -188,10 +198,10 @@ def _with_p2p(order: list[Instr], s: int, p: int, v: int) -> list[Instr]:
     for ins in order:
         vs = virtual_stage(s, ins.chunk, p)
         first, last = vs == 0, vs == p * v - 1
-        if ins.op == "forward":
-            recv, send = (None if first else "recv_act"), (None if last else "send_act")
+        if ins.op == InstrOp.FORWARD:
+            recv, send = (None if first else InstrOp.RECV_ACT), (None if last else InstrOp.SEND_ACT)
         else:
-            recv, send = (None if last else "recv_grad"), (None if first else "send_grad")
+            recv, send = (None if last else InstrOp.RECV_GRAD), (None if first else InstrOp.SEND_GRAD)
         if recv:
             out.append(Instr(recv, ins.microbatch, ins.chunk))
         out.append(ins)
@@ -242,7 +252,7 @@ def simulate(
             while pc[s] < len(schedules[s]):
                 ins = schedules[s][pc[s]]
                 if ins.op in COMPUTE_OPS:
-                    cost = fwd if ins.op == "forward" else bwd
+                    cost = fwd if ins.op == InstrOp.FORWARD else bwd
                     spans[s].append((clock[s], clock[s] + cost, ins))
                     clock[s] += cost
                     busy[s] += cost
@@ -283,8 +293,8 @@ def pipeline_order(name: str, num_stages: int, microbatches: int, chunks: int = 
     order = {}
     for stage in range(num_stages):
         order[stage] = [
-            f"{i.chunk * num_stages + stage}{'F' if i.op == 'forward' else 'B'}{i.microbatch}"
+            f"{i.chunk * num_stages + stage}{'F' if i.op == InstrOp.FORWARD else 'B'}{i.microbatch}"
             for i in build_schedule(name, stage, num_stages, microbatches, chunks)
-            if i.op in ("forward", "backward")
+            if i.op in COMPUTE_OPS
         ]
     return order

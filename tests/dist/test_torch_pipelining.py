@@ -120,8 +120,9 @@ def action_seconds(run_dir: str, key) -> dict:
 
 def order_of(schedule: str, p: int, m: int) -> dict:
     """The schedule's action lists, as the integration reports them (torch's own IR)."""
-    torch_name = _example().SCHEDULES[schedule][0]
-    if schedule in ("gpipe", "1f1b"):
+    entry = _example().SCHEDULES[schedule]
+    torch_name = entry.torch_class.removeprefix("Schedule")  # get_schedule_class's spelling
+    if entry.one_chunk:
         return ps.single_stage_order(schedule, p, m)
     return torch_order(torch_name, p, m, 2)
 

@@ -9,6 +9,7 @@ from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 import parwatch.schema as schema
+from parwatch.vocabulary import REFERENCE_SCHEDULES
 
 NUMBER = (int, float)
 LOSS_STRINGS = ("nan", "inf", "-inf")
@@ -115,7 +116,7 @@ FIELD_CHECKS = {
             "dropped_total",
         )
     },
-    "schedule": lambda x: isinstance(x, str) and x in ("gpipe", "1f1b", "interleaved"),
+    "schedule": lambda x: isinstance(x, str) and x in REFERENCE_SCHEDULES,
     **{
         k: is_float
         for k in (

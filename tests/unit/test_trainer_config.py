@@ -107,7 +107,7 @@ def test_defaults_validate():
         (dict(inject=["nan:step=x"]), None, "--inject 'nan:step=x': step='x' is not a int"),
         (dict(inject=["slow-collective:group=world,ms=1"]), None, "group must be tp, pp or dp"),
         (dict(synthetic_compute="fwd_ms=-1,bwd_ms=2"), None, ">= 0"),
-        (dict(chunks=2), None, "chunks=2 needs schedule='interleaved'"),
+        (dict(chunks=2), None, "chunks=2 needs schedule='interleaved1f1b'"),
         (
             dict(pp=2, schedule="interleaved", chunks=2, microbatches=3),
             None,

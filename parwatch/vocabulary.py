@@ -1,0 +1,354 @@
+"""parwatch's vocabulary: every closed set of names the code compares against, defined once.
+
+Standard library only, so every layer imports it (the contract, the trainer, the collector, the
+sidecar, report/). Each set is a `StrEnum`: a member equals its string and hashes the same, so the
+wire, the JSONL files and the rule files keep their plain names; code writes `Action.PAUSE`, never
+`"pause"` (tests/unit/test_vocabulary.py fails on a comparison against a member's string elsewhere).
+
+The schedule registry (`SCHEDULES`, `schedule()`) is the one list of pipeline schedules: the
+reference trainer, the torch.distributed.pipelining integration, the bubble theory and the example
+all read it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from enum import Enum
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10: what 3.11's StrEnum does for these uses
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return format(str(self.value), spec)
+
+# --- directives and what ranks did with them -----------------------------------------------------
+
+
+class Action(StrEnum):
+    """What a directive asks. The value is the wire name; `code` the boundary slot value."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    ROLLBACK = "rollback"
+
+    @property
+    def code(self) -> int:
+        return _ACTION_CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> Action | None:
+        return _CODE_ACTIONS.get(code)
+
+
+_ACTION_CODES = {Action.PAUSE: 1, Action.RESUME: 2, Action.ROLLBACK: 3}
+_CODE_ACTIONS = {v: k for k, v in _ACTION_CODES.items()}
+
+
+class OutcomeName(StrEnum):
+    """An outcome record's `outcome`: contract.Outcome's wire names, and MIXED when ranks differ."""
+
+    APPLIED = "applied"
+    SUBSTITUTED = "substituted"
+    """A rollback loaded an older verified checkpoint than asked."""
+    FAILED = "failed"
+    IGNORED = "ignored"
+    """Another run's directive."""
+    MIXED = "mixed"
+
+
+class RecordType(StrEnum):
+    """The `type` of a decisions.jsonl record: a decision, a directive cancelled, or an outcome."""
+
+    DECISION = "decision"
+    CANCELLED = "cancelled"
+    APPLIED = "applied"
+    SUBSTITUTED = "substituted"
+    FAILED = "failed"
+    IGNORED = "ignored"
+    MIXED = "mixed"
+
+
+OUTCOME_TYPES = tuple(RecordType(o) for o in OutcomeName)
+"""The record types that are outcomes (every type but decision and cancelled)."""
+
+
+class DirectiveState(StrEnum):
+    """Where a directive is: created by a decision, or handed to rank 0."""
+
+    CREATED = "created"
+    DELIVERED = "delivered"
+
+
+# --- guardrail rules and decisions ----------------------------------------------------------------
+
+
+class RuleAction(StrEnum):
+    """What a rule does when it fires: alert only, or a directive."""
+
+    ALERT = "alert"
+    PAUSE = "pause"
+    ROLLBACK = "rollback"
+
+
+class RuleState(StrEnum):
+    OK = "ok"
+    PENDING = "pending"
+    """Failing, not yet for its for_steps / for_seconds."""
+    FIRING = "firing"
+
+
+class CheckKind(StrEnum):
+    THRESHOLD = "threshold"
+    FINITE = "finite"
+    SPIKE = "spike"
+    """Against the series' own rolling baseline."""
+    REGRESSION = "regression"
+    """Against a baseline frozen from a reference window."""
+
+
+class Reduce(StrEnum):
+    """How a rule reduces a metric's series (ranks, stages) to one number."""
+
+    MAX = "max"
+    MIN = "min"
+    MEAN = "mean"
+
+
+class Comparison(StrEnum):
+    """Which side of a threshold fails."""
+
+    ABOVE = "above"
+    BELOW = "below"
+
+
+class DecisionSource(StrEnum):
+    """Who made a decision."""
+
+    RULE = "rule"
+    OPERATOR = "operator"
+    ALERTMANAGER = "alertmanager"
+    ENGINE = "engine"
+    """The engine itself (e.g. escalating a failed rollback)."""
+    RANK0 = "rank0"
+    """Rank 0's local guard (a non-finite loss seen before the sidecar's view)."""
+
+
+# --- ranks' activity -----------------------------------------------------------------------------
+
+
+class RankState(StrEnum):
+    """A rank's live state: what it reports (running, done, crashed), what its node adds (gone,
+    silent), what the leader adds (unknown: never or no longer heard), and HUNG, the metric's."""
+
+    RUNNING = "running"
+    DONE = "done"
+    CRASHED = "crashed"
+    GONE = "gone"
+    SILENT = "silent"
+    UNKNOWN = "unknown"
+    HUNG = "hung"
+
+
+class SidecarRole(StrEnum):
+    LEADER = "leader"
+    NODE = "node"
+
+
+# --- parallelism and communication ---------------------------------------------------------------
+
+
+class GroupRole(StrEnum):
+    """The process groups a collective may name (the `group` label)."""
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+    WORLD = "world"
+    """The step boundary's all-reduce."""
+    EP = "ep"
+    CP = "cp"
+
+
+class CollectiveOp(StrEnum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+
+
+class P2PPayload(StrEnum):
+    """What a pipeline send/recv carries (a span's `what`)."""
+
+    ACTIVATION = "activation"
+    GRAD = "grad"
+
+
+# --- spans, events, boundaries (the contract re-exports these) -----------------------------------
+
+
+class SpanKind(StrEnum):
+    """What a span measures."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    """A full backward (input and weight gradients together)."""
+    BACKWARD_INPUT = "backward_input"
+    """Zero-bubble schedules: the input-gradient half (I)."""
+    BACKWARD_WEIGHT = "backward_weight"
+    """Zero-bubble schedules: the weight-gradient half (W)."""
+    LOSS = "loss"
+    """The loss computed outside the last stage's forward (torch pipelining)."""
+    SEND = "send"
+    RECV = "recv"
+    COLLECTIVE = "collective"
+    OPTIMIZER = "optimizer"
+    DP_SYNC = "dp_sync"
+    """Data-parallel gradient sync, and gradient scaling after the last backward."""
+    CHECKPOINT = "checkpoint"
+    DATA = "data"
+    """Fetching the next batch (data loading)."""
+    BOUNDARY = "boundary"
+    """The step-boundary all-reduce: mostly the wait for the pipeline's flush."""
+
+
+class Event(StrEnum):
+    """Rare events, with their attrs."""
+
+    RUN_START = "run_start"
+    """config (dict), rank, model_flops_per_step (int | None), pipeline_order (see parwatch.pipeline_sim)."""
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    """step; checkpoints: every complete, verified step on disk now."""
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    """step, reason (the loss was not finite)."""
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    """step, rank, error: a shard failed verification; checkpoints: the steps still usable."""
+    DIRECTIVE_APPLIED = "directive_applied"
+    """id, action, step, outcome (Outcome name), loaded_step, reason."""
+    PAUSED = "paused"
+    """step."""
+    ROLLBACK = "rollback"
+    """from_step, to_step, skip_batches: a new timeline begins."""
+    RUN_END = "run_end"
+    """steps_completed, summary (dict; observers may add to it)."""
+
+
+class BoundaryKind(StrEnum):
+    START = "start"
+    """Before the first step (step 0)."""
+    STEP = "step"
+    """After a step; the step number is the step just finished."""
+    HEARTBEAT = "heartbeat"
+    """While paused: the step repeats, nothing is accounted."""
+    RESUME = "resume"
+    """After a pause or a rollback: a new period begins."""
+
+
+class InstrOp(StrEnum):
+    """The reference trainer's pipeline instructions (parwatch.trainer.schedules)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECV_ACT = "recv_act"
+    RECV_GRAD = "recv_grad"
+    SEND_ACT = "send_act"
+    SEND_GRAD = "send_grad"
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+class MetricKind(StrEnum):
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+    INFO = "info"
+
+
+# --- pipeline schedules --------------------------------------------------------------------------
+
+
+class ScheduleName(StrEnum):
+    """parwatch's name of a pipeline schedule (a summary's `schedule`)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved1f1b"
+    LOOPED_BFS = "loopedbfs"
+    INTERLEAVED_ZB = "interleavedzb"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: ScheduleName
+    torch_class: str | None
+    """torch.distributed.pipelining's class name, or None when torch has none."""
+    closed_form: bool
+    """Its bubble at uniform stages is (p-1)/(v*m+p-1); else the theory is its replay (parwatch.bubble)."""
+    chunks: tuple[int, ...] | None
+    """Allowed chunks (v, model chunks per stage); None: any v >= 1."""
+    default_chunks: int
+    reference: bool
+    """The reference trainer (parwatch.trainer) runs it."""
+    v_shape: bool = False
+    """Stage indices run in a V: rank r holds stages r and 2p-1-r (else r, r+p, r+2p, ...)."""
+    aliases: tuple[str, ...] = ()
+    """Other names users type or older summaries carry."""
+
+    @property
+    def one_chunk(self) -> bool:
+        """One model chunk per stage: torch builds it on one stage (GPipe, 1F1B)."""
+        return self.chunks == (1,)
+
+
+SCHEDULES: dict[str, Schedule] = {  # keyed by ScheduleName (a str)
+    s.name: s
+    for s in (
+        Schedule(ScheduleName.GPIPE, "ScheduleGPipe", True, (1,), 1, reference=True),
+        Schedule(ScheduleName.ONE_F_ONE_B, "Schedule1F1B", True, (1,), 1, reference=True),
+        Schedule(
+            ScheduleName.INTERLEAVED_1F1B,
+            "ScheduleInterleaved1F1B",
+            True,
+            None,
+            2,
+            reference=True,
+            aliases=("interleaved",),
+        ),
+        Schedule(ScheduleName.LOOPED_BFS, "ScheduleLoopedBFS", True, None, 2, reference=False),
+        Schedule(ScheduleName.INTERLEAVED_ZB, "ScheduleInterleavedZeroBubble", False, None, 2, reference=False),
+        Schedule(ScheduleName.ZBV, "ScheduleZBVZeroBubble", False, (2,), 2, reference=False, v_shape=True),
+        Schedule(ScheduleName.DUALPIPEV, "ScheduleDualPipeV", False, (2,), 2, reference=False, v_shape=True),
+    )
+}
+REFERENCE_SCHEDULES = tuple(s.name for s in SCHEDULES.values() if s.reference)
+"""What the reference trainer runs (its --schedule choices, besides the aliases)."""
+
+
+def schedule_key(name: str) -> str:
+    """ScheduleInterleaved1F1B, interleaved-1f1b -> interleaved1f1b."""
+    return name.lower().replace("schedule", "").replace("_", "").replace("-", "")
+
+
+_BY_KEY = {schedule_key(k): s for s in SCHEDULES.values() for k in (s.name, *s.aliases, s.torch_class or s.name)}
+
+
+def schedule(name: str) -> Schedule | None:
+    """The registry entry a name means: its name, an alias, or its torch class name, in any case and
+    with or without separators ("interleaved", "ScheduleInterleaved1F1B"); None if none."""
+    return _BY_KEY.get(schedule_key(name))
+
+
+def canonical_schedule(name: str) -> str:
+    """The registry's name for `name`, or `name` itself when the registry does not know it."""
+    entry = schedule(name)
+    return entry.name.value if entry is not None else name
