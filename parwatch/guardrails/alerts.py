@@ -161,7 +161,8 @@ def render_alert_rules(
 
 
 def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
-    """Pages for what the leader finds outside the rules file: a hung rank, a rank whose process ended.
+    """Pages for what the sidecars find outside the rules file: a hung rank, a rank whose process ended,
+    a node whose ranks the leader cannot judge.
 
     They read recorded series (parwatch/recording.py), so their cost does not grow with ranks."""
     found = [
@@ -169,6 +170,8 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
             "ParwatchHang",
             rec.job("parwatch_hang_detected", "max"),
             "hang",
+            "hang",
+            None,
             "a rank hangs: no step boundary past the hang bound",
             "The leader sidecar names the culprit (rank, stage, host, what it is blocked in) and the ranks "
             "waiting on it: parwatch status, parwatch decisions (rule hang).",
@@ -177,20 +180,36 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
             "ParwatchRankGone",
             rec.job("parwatch_rank_state_gone", "count"),
             "rank-gone",
+            "hang",
+            None,
             "a rank's process ended",
             "A trainer process is gone from its host (crash, OOM kill): parwatch decisions (rule rank-gone) "
             "names it and the rank the others were waiting for.",
         ),
+        (
+            "ParwatchLeaderUnreachable",
+            rec.job("parwatch_leader_unreachable_since_timestamp_seconds", "max"),
+            "leader-unreachable",
+            "leader-unreachable",
+            30.0,  # a leader restart takes seconds; 30 s of silence is a leader that is gone or misconfigured
+            "a node sidecar's digests do not reach the run's leader",
+            "Nobody judges this node's ranks (hang, NaN, stragglers): its sidecar has no --leader-url, or the "
+            "leader is down, unreachable or refuses its token. parwatch status on that node says why.",
+        ),
     ]
-    return [
-        {
-            "alert": name,
-            "expr": f"max {rec.by()} ({series}) > 0",
-            "labels": {"severity": "page", "parwatch_action": "alert", "rule": rule},
-            "annotations": {"summary": summary, "description": description, "runbook_url": f"{runbook_base}#hang"},
+    alerts = []
+    for name, series, rule, runbook_anchor, for_seconds, summary, description in found:
+        alert: dict = {"alert": name, "expr": f"max {rec.by()} ({series}) > 0"}
+        if for_seconds:
+            alert["for"] = format_duration(for_seconds)
+        alert["labels"] = {"severity": "page", "parwatch_action": "alert", "rule": rule}
+        alert["annotations"] = {
+            "summary": summary,
+            "description": description,
+            "runbook_url": f"{runbook_base}#{runbook_anchor}",
         }
-        for name, series, rule, summary, description in found
-    ]
+        alerts.append(alert)
+    return alerts
 
 
 def render_alert_rules_yaml(

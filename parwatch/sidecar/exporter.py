@@ -56,11 +56,13 @@ class SidecarCollector(Collector):
     """Reads only whole, immutable values from the store (see store.py), so a scrape may be
     interleaved with ingests."""
 
-    def __init__(self, store: Store, engine, counters: SidecarCounters, transfer=None):
+    def __init__(self, store: Store, engine, counters: SidecarCounters, transfer=None, judges_rules=lambda: True):
         self.store = store
         self.engine = engine
         self.counters = counters
         self.transfer = transfer  # parwatch.sidecar.transfer.TransferTracker: wait/transfer families
+        self.judges_rules = judges_rules
+        """False on a node sidecar: the leader judges the run, and this engine's idle "ok" would mislead."""
 
     def collect(self):
         yield from self._run_families()
@@ -180,8 +182,9 @@ class SidecarCollector(Collector):
 
     def _guardrail_families(self):
         state = _g("parwatch_guardrail_state", ["rule"])
-        for name, info in sorted(self.engine.states().items()):
-            state.add_metric([name], GUARDRAIL_STATES.get(info.get("state"), 0))
+        if self.judges_rules():
+            for name, info in sorted(self.engine.states().items()):
+                state.add_metric([name], GUARDRAIL_STATES.get(info.get("state"), 0))
         yield state
         actions = _c("parwatch_guardrail_actions", ["rule", "action"])
         for (rule, action), n in sorted(dict(self.counters.actions).items()):
@@ -264,9 +267,11 @@ def _latest_loss(store: Store) -> float | None:
     return None if newest is None else newest.loss
 
 
-def make_registry(store: Store, engine, counters: SidecarCounters, transfer=None) -> CollectorRegistry:
+def make_registry(
+    store: Store, engine, counters: SidecarCounters, transfer=None, judges_rules=lambda: True
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SidecarCollector(store, engine, counters, transfer))
+    registry.register(SidecarCollector(store, engine, counters, transfer, judges_rules))
     return registry
 
 

@@ -45,7 +45,9 @@ class Sidecar:
         self.store = Store(config.rank_grace_seconds, clock=clock, max_ranks=config.max_ranks, max_runs=config.max_runs)
         self.counters = SidecarCounters()
         self.transfer = TransferTracker()
-        self.registry = make_registry(self.store, engine, self.counters, self.transfer)
+        self.registry = make_registry(
+            self.store, engine, self.counters, self.transfer, judges_rules=lambda: self.rules_judged_by() is None
+        )
         self.refusals = Refusals(clock)
         """Posts refused (a wrong token, a bad body), counted, logged and in status (gate.RequestGate tells them)."""
         self.registry.register(self.refusals)
@@ -205,6 +207,15 @@ class Sidecar:
                 self.counters.actions[(str(d.get("rule") or d.get("source") or "operator"), str(d["action"]))] += 1
 
     # -- reads ------------------------------------------------------------------------------
+    def rules_judged_by(self) -> str | None:
+        """None where this sidecar judges the run's rules; else who does (a node sidecar's leader). A node
+        judges no rule: its engine's states would read "ok" beside a NaN, in status and on /metrics."""
+        hub = getattr(self, "activity", None)
+        link = hub.link.status(hub.is_leader) if hub is not None else None
+        if link is None or link["role"] == SidecarRole.LEADER:
+            return None  # the leader, or a sidecar alone (a one-node run)
+        return link["url"] or "the run's leader (no --leader-url)"
+
     def status(self, decisions: int = 10) -> dict:
         head = self.store.run_summary()
         run = None
@@ -221,12 +232,7 @@ class Sidecar:
         }
         hub = getattr(self, "activity", None)
         link = hub.link.status(hub.is_leader) if hub is not None else None
-        # A node sidecar judges no rule (the leader does): its engine's states would read "ok" beside a NaN.
-        judged_by = (
-            None
-            if link is None or link["role"] == SidecarRole.LEADER
-            else (link["url"] or "the run's leader (no --leader-url)")
-        )
+        judged_by = self.rules_judged_by()
         judged_here = judged_by is None
         return jsonable(
             {

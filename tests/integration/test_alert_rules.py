@@ -38,7 +38,11 @@ def test_alerts_file_is_a_fresh_render_of_the_default_rules():
 def test_every_default_rule_has_an_alert_with_its_threshold():
     rules = default_rules()
     alerts = {a["labels"]["rule"]: a for a in render_alert_rules(rules)["groups"][0]["rules"]}
-    assert set(alerts) == {r.name for r in rules.rules} | {"hang", "rank-gone"}  # + the leader's findings
+    assert set(alerts) == {r.name for r in rules.rules} | {
+        "hang",
+        "rank-gone",
+        "leader-unreachable",
+    }  # + the sidecars' findings
     for rule in rules.rules:
         line = rule.above if rule.above is not None else rule.below if rule.below is not None else rule.factor
         if line is not None:

@@ -109,7 +109,7 @@ class Node:
                     key = (
                         (labels["rank"],)
                         if "rank" in labels
-                        else tuple(labels[k] for k in ("op", "group", "reason") if k in labels)
+                        else tuple(labels[k] for k in ("op", "group", "reason", "rule") if k in labels)
                     )
                     out[key] = s.value
         return out

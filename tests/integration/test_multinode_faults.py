@@ -193,6 +193,7 @@ def test_a_long_pause_and_a_hang_leave_every_rank_up_and_rank_missing_silent(tmp
             assert hang[0]["evidence"]["culprit"]["rank"] == 3, hang[0]["reason"]
             time.sleep(max(0.0, GRACE_S + MISSING_FOR_S + 4 - (time.time() - hang[0]["evidence"]["stalled_since"])))
             assert all(v == 1.0 for v in leader.samples("parwatch_rank_up").values())
+            assert node1.samples("parwatch_guardrail_state") == {} and leader.samples("parwatch_guardrail_state")
         assert not [d for d in leader.records("decision") if d["rule"] == "rank-missing"]
         assert node1.records() == []
 
@@ -216,6 +217,8 @@ def test_a_node_without_leader_url_is_told_and_no_unseen_rank_is_named(tmp_path)
             assert "WARNING: leader (no --leader-url) unreachable since" in cli_status(node1)
             assert "no --leader-url" in node1.log.read_text()
             assert node1.status()["rules"] is None  # it judges nothing; it says so instead of "ok"
+            assert node1.samples("parwatch_guardrail_state") == {}  # nor an idle "ok" on its /metrics
+            assert ("nonfinite-loss",) in leader.samples("parwatch_guardrail_state")  # the leader judges
 
             wrong = {"Authorization": "Bearer not-the-token"}
             r = httpx.post(f"{leader.control_url}/v1/digest", json={"version": 1}, headers=wrong, timeout=10)
