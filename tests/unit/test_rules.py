@@ -334,12 +334,15 @@ def test_cli_render_alerts_writes_the_rendered_rules(tmp_path):
 def test_render_maps_rules_to_promql_with_severity_and_for():
     rs = parse_rules(GOOD)
     doc = alerts.render_alert_rules(rs, runbook_base="https://x/runbook.md", step_seconds=10)
-    skew, nan, hang, gone = doc["groups"][0]["rules"]
+    skew, nan, hang, gone, unreachable = doc["groups"][0]["rules"]
     assert skew["alert"] == "ParwatchSkew"
-    # Then the leader's findings outside the rules file, on recorded series too.
+    # Then the sidecars' findings outside the rules file, on recorded series too.
     assert (hang["alert"], gone["alert"]) == ("ParwatchHang", "ParwatchRankGone")
     assert hang["expr"] == "max by (job) (job:parwatch_hang_detected:max) > 0"
-    assert hang["annotations"]["runbook_url"] == "https://x/runbook.md#hang"
+    assert hang["annotations"]["runbook_url"] == "https://x/runbook.md#hang" and "for" not in hang
+    assert unreachable["expr"] == "max by (job) (job:parwatch_leader_unreachable_since_timestamp_seconds:max) > 0"
+    assert unreachable["for"] == "30s"
+    assert unreachable["annotations"]["runbook_url"] == "https://x/runbook.md#leader-unreachable"
     # Alerts read recorded series (parwatch/recording.py), never per-rank ones.
     assert skew["expr"] == "max by (job) (job:parwatch_pipeline_skew_ratio:max) > 1.5"
     assert skew["for"] == "20s"
@@ -366,4 +369,5 @@ def test_render_skips_a_rule_without_prometheus_metric_with_a_comment(monkeypatc
         "ParwatchNan",
         "ParwatchHang",
         "ParwatchRankGone",
+        "ParwatchLeaderUnreachable",
     ]
