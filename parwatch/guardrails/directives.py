@@ -85,15 +85,9 @@ class Directives:
                 self.next_id += 1
         return changed
 
-    def oldest(self, run_id: str | None, deliver_at: float | None = None) -> dict | None:
-        """The oldest outstanding directive of `run_id` as the wire dict, or None. deliver_at: it goes
-        out in a reply to the run now (from then on it can no longer be cancelled)."""
-        d = next((d for d in self.outstanding if d["run_id"] == run_id), None)
-        if d is None:
-            return None
-        if deliver_at is not None and d.get("delivered_at") is None:
-            d["delivered_at"] = deliver_at
-        return {k: d[k] for k in WIRE_KEYS}
+    def oldest(self, run_id: str | None) -> dict | None:
+        """The oldest outstanding directive of `run_id` (its delivered_at set once it went out), or None."""
+        return next((d for d in self.outstanding if d["run_id"] == run_id), None)
 
     @staticmethod
     def state(d: dict) -> str:
@@ -110,36 +104,20 @@ class Directives:
             self.outstanding.remove(d)
         return d
 
-    def drop_other_runs(self, run_id: str) -> list[dict]:
-        """Directives of any other run: they can never be applied by this one."""
-        dropped = [d for d in self.outstanding if d["run_id"] != run_id]
-        self.outstanding = [d for d in self.outstanding if d["run_id"] == run_id]
-        return dropped
-
-    def to_dict(self) -> dict:
-        return {"next_id": self.next_id, "outstanding": self.outstanding}
-
-    def restore(self, saved: dict, min_next_id: int = 1) -> None:
-        """From state.json (and the largest id in decisions.jsonl). What a trainer could never parse (an
-        id or step past 2**53, a wrong type) is dropped with a warning, never handed out to block the
-        directives after it."""
+    def restore(self, items: list[dict], next_id: int | None) -> None:
+        """Saved outstanding directives, and the next id (at least; None: none saved, the clock's stays). What a trainer could never parse (an id
+        or step past 2**53, a wrong type: a log edited by hand) is dropped with a warning, never handed out
+        to block the directives after it."""
         self.outstanding = []
-        items = saved.get("outstanding", [])
-        if not isinstance(items, list):
-            log.warning("state.json: outstanding directives are a %s, not a list: none restored", type(items).__name__)
-            items = []
         for d in items:
             try:
-                parse_directive({k: d.get(k) for k in WIRE_KEYS} if isinstance(d, dict) else d)
+                parse_directive({k: d.get(k) for k in WIRE_KEYS})
             except ValueError as err:
-                log.warning("state.json: outstanding directive dropped: %s", err)
+                log.warning("saved directive dropped: %s", err)
                 continue
             self.outstanding.append(dict(d))
-        ids = [saved.get("next_id", self.next_id), min_next_id, 1 + max((d["id"] for d in self.outstanding), default=0)]
-        usable = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 < i < MAX_STEP]
-        if len(usable) < len(ids):
-            log.warning(
-                "state.json/decisions.jsonl: directive ids %s are not usable (1..2**53-1); ignored",
-                [i for i in ids if i not in usable],
-            )
-        self.next_id = max(usable, default=self.next_id)
+        if next_id is not None and not (type(next_id) is int and 0 < next_id < MAX_STEP):
+            log.warning("directive id %s is not usable (1..2**53-1); ignored", next_id)
+            next_id = None
+        after = 1 + max((d["id"] for d in self.outstanding), default=0)
+        self.next_id = max(self.next_id if next_id is None else next_id, after)

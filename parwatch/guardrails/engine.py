@@ -5,33 +5,35 @@ every second; operators and Alertmanager go through request(). Every decision is
 record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enforcing,
 also becomes a directive of the current run that rank 0 fetches (pending_directive) until
 the run reports its outcome (record_outcome: applied, substituted, failed or ignored, for
-every rank at once). The rest of the state lives in STATE_DIR/state.json (baseline windows in
-baselines.json), so a restarted sidecar continues where it stopped. A new run id starts a
-clean engine (begin_run): the previous run's state and decisions move to
+every rank at once). The state lives in STATE_DIR/parwatch.db (store.py), so a restarted
+sidecar continues where it stopped. A new run id starts a clean engine (begin_run): the
+previous run's rows stay, marked archived, and its decisions.jsonl moves to
 STATE_DIR/runs/RUN_ID/. Methods are thread-safe (one lock).
 
 Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
 step numbers, because step numbers repeat after a rollback and a loop must still count.
 
-Durability: decisions and outcome records are fsync'd to decisions.jsonl, and directives,
-outcomes, the paused flag and each decision's bookkeeping to state.json, before the call that made
-them returns; rule states and checkpoints reach state.json then too, without the directory fsync.
-Counters and baselines are written less often (a crash loses at most ~1 s of counters and a minute
-of baselines). The tiers in full: docs/architecture.md, "The engine's durability".
+Durability: each call that changes the state commits it, with its records, in one transaction
+before it returns (a decision, an outcome, a delivery: synchronous=FULL; counters: NORMAL); the
+baseline windows go with it at most once a minute (BASELINES_SAVE_SECONDS). In full:
+docs/architecture.md, "The engine's durability".
 
-Deferred writes (defer_writes(), the sidecar's mode): "before the call returns" above
-becomes "before take_writes()'s batch is written", which the sidecar does in a writer
-thread before it answers the request (so before it hands out any directive the request
-made). A burst of evaluations (one post of many summaries) then costs one write.
+Deferred writes (defer_writes(), the sidecar's mode): "before it returns" becomes "before
+take_writes()'s batch is written", which the sidecar does in a writer thread before it answers
+the request (so before it hands out any directive the request made). A burst of evaluations (one
+post of many summaries) then costs one transaction.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +41,9 @@ from typing import Any
 
 from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
-from parwatch.guardrails.decisions import Batch, DecisionLog, StateFile
-from parwatch.guardrails.directives import Directives
+from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
+from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, json_safe, read_log
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
 from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState
 
@@ -54,10 +56,10 @@ the step loop): the hang clock is re-armed when one is decided and when it is ap
 REQUEST_SOURCES = (DecisionSource.OPERATOR, DecisionSource.ALERTMANAGER)
 MAX_CHECKPOINTS = 1000
 """Known checkpoint steps kept (the newest)."""
-BASELINES_FLUSH_SECONDS = 60.0
-"""How stale the baseline windows in baselines.json may get (see Durability)."""
-EVALUATE_FLUSH_FACTOR = 5
-"""evaluate() writes deferred counters only if none were written for this many counter_flush_seconds."""
+BASELINES_SAVE_SECONDS = 60.0
+"""How stale the saved baseline windows may get: they are most of the state's bytes (see Durability)."""
+RECENT_RECORDS = 1000
+"""Records held in memory for decisions(limit); the store and decisions.jsonl hold them all."""
 
 
 @dataclass(frozen=True)
@@ -79,28 +81,19 @@ class DirectiveDelivered(ValueError):
 
 
 class GuardrailEngine:
-    def __init__(
-        self,
-        rules: RuleSet,
-        state_dir: str | Path,
-        now: Callable[[], float] = time.time,
-        counter_flush_seconds: float = 1.0,
-    ):
-        """counter_flush_seconds: how stale counter-only state on disk may get (see Durability);
-        0 writes it at every evaluation."""
-        if not counter_flush_seconds >= 0:
-            raise ValueError(
-                f"counter_flush_seconds must be >= 0 (0 writes them at every evaluation), got {counter_flush_seconds!r}"
-            )
+    def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time):
         self._lock = threading.RLock()
         self._rules = rules
         self._now = now
-        self._flush_seconds = counter_flush_seconds
         self._dir = Path(state_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
-        self._log = DecisionLog(self._dir / "decisions.jsonl")
-        self._state_file = StateFile(self._dir / "state.json", self._state, now)
-        self._baselines_file = StateFile(self._dir / "baselines.json", self._baselines, now)
+        self._store = StateStore(self._dir)
+        self._batch = Batch(self._store)
+        """Writes owed since the last take_writes(): records as they are made, the state when dirty."""
+        self._dirty = self._deferred = False
+        self._baselines_saved = -math.inf
+        """When the baseline windows were last saved (this clock); -inf: owed with the next save."""
+        self._recent: deque[dict] = deque(maxlen=RECENT_RECORDS)
         self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
         self._metrics = {r.metric for r in rules.rules}
         self._directives = Directives(first_id=max(1, int(now() * 1000)))
@@ -119,7 +112,7 @@ class GuardrailEngine:
         self._run_id: str | None = None
         self._archived_runs: list[str] = []
         self._queued_batches: list[Batch] = []
-        """Deferred mode: writes of an archived run, with the move of its files, for take_writes()."""
+        """Deferred mode: writes of an archived run, with the move of its log, for take_writes()."""
         self._load()
 
     # -- observations ---------------------------------------------------------------------------------
@@ -132,26 +125,22 @@ class GuardrailEngine:
         """
         with self._lock:
             now = self._now()
-            durable = False
             if self._first_seen_time is None:
-                self._first_seen_time, durable = now, True
+                self._first_seen_time = now
             if obs.checkpoints:
                 # The trainer lists the checkpoints complete on disk now; pruned ones (keep_checkpoints)
                 # are gone, and a rollback to one would fail on every rank.
-                checkpoints = set(map(int, obs.checkpoints))
-                if checkpoints != self._checkpoints:
-                    self._checkpoints, durable = checkpoints, True
+                self._checkpoints = set(map(int, obs.checkpoints))
             # Each metric's values are checked and reduced once, however many rules read them.
             usable = {metric: Series(_numbers(obs.series.get(metric))) for metric in self._metrics}
             if obs.step == self._last_step:
                 for monitor in self._monitors.values():
                     if usable[monitor.rule.metric]:
                         monitor.last_seen_time = now
-                self._changed(durable)
+                self._save()
                 return []
             self._last_step = obs.step
             self._tick += 1
-            states = self._rule_states()
             records = []
             for monitor in self._monitors.values():
                 values = usable[monitor.rule.metric]
@@ -162,8 +151,7 @@ class GuardrailEngine:
                         self._rearmed.pop(monitor.rule.name, None)
                 else:
                     records += self._judge_time(monitor, now)
-            # A decision's bookkeeping must survive a power loss; a rule's state, a process crash.
-            self._changed(durable or bool(records) or self._rule_states() != states, sync_dir=bool(records))
+            self._save()
             return records
 
     def check_no_data(self) -> list[dict]:
@@ -177,52 +165,73 @@ class GuardrailEngine:
             records = []
             for monitor in self._monitors.values():
                 records += self._judge_time(monitor, now)
-            if records or self._rule_states() != states:
-                self._state_file.write_now(sync_dir=bool(records))
-            else:  # the sidecar calls this every second: the place for deferred counters
-                self._state_file.flush_if_due(self._flush_seconds)
-            self._baselines_file.flush_if_due(BASELINES_FLUSH_SECONDS)
+            if records or self._rule_states() != states:  # the sidecar calls this every second
+                self._save()
             return records
 
-    def flush(self) -> None:
-        """Write deferred counter-only state now (see Durability in the module docstring)."""
-        with self._lock:
-            self._state_file.flush()
-            self._baselines_file.flush_if_due(0)  # a crash, not a power loss, is what they guard against
-
     def close(self) -> None:
-        """Flush before shutdown. The engine holds no open files, so it stays usable."""
-        self.flush()
-        batch = self.take_writes()
-        if batch:
-            batch.write()
+        """Save everything, the baseline windows included, before shutdown; the engine stays usable."""
+        with self._lock:
+            self._baselines_saved = -math.inf
+            self._dirty = True
+            batch = self.take_writes()
+        batch.write()
 
     def defer_writes(self) -> None:
-        """From now on, collect disk writes for take_writes() instead of writing them (see Deferred writes)."""
+        """From now on, collect writes for take_writes() instead of committing them (see Deferred writes)."""
         with self._lock:
-            self._log.deferred = self._state_file.deferred = self._baselines_file.deferred = True
+            self._deferred = True
 
     def take_writes(self) -> Batch:
         """The writes owed so far (deferred mode), as one batch to write in order; empty when none."""
         with self._lock:
-            earlier, self._queued_batches = self._queued_batches, []
-            return Batch(self._log.path, self._log.take_lines(), self._owed_states(), earlier=earlier)
+            batch, self._batch = self._batch, Batch(self._store)
+            if self._dirty and self._run_id is not None:  # nothing of a run to keep before one begins
+                self._snapshot(batch)
+            self._dirty = False
+            batch.earlier, self._queued_batches = self._queued_batches, []
+            return batch
 
-    def _owed_states(self) -> list:
-        return [(f.path, f.take()) for f in (self._state_file, self._baselines_file)]
+    def _save(self, full: bool = False) -> None:
+        """The state changed: commit it now, or with take_writes()'s batch (deferred). full: a change that
+        must survive a power loss too (records make a batch full by themselves)."""
+        self._dirty = True
+        self._batch.full |= full
+        if not self._deferred:
+            self.take_writes().write()
+
+    def _snapshot(self, batch: Batch) -> None:
+        assert self._run_id is not None  # take_writes checks
+        now = self._now()
+        batch.run(
+            self._run_id,
+            {
+                "paused": self._paused,
+                "tick": self._tick,
+                "last_step": self._last_step,
+                "first_seen_time": self._first_seen_time,
+                "resumed_time": self._resumed_time,
+                "next_directive_id": self._directives.next_id,
+                "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
+                "rollback_ticks": self._rollback_ticks,
+                "rearmed": self._rearmed,
+            },
+            {name: m.to_dict(history=False) for name, m in self._monitors.items()},
+            self._directives.outstanding,
+        )
+        if not 0 <= now - self._baselines_saved < BASELINES_SAVE_SECONDS:  # a clock gone back: due
+            batch.per_rule("baselines", self._run_id, {name: m.baseline_dict() for name, m in self._monitors.items()})
+            self._baselines_saved = now
+
+    def _append(self, record: dict) -> dict:
+        """Add a record to the log (with the next commit); returns it JSON-safe, as written."""
+        record = json_safe(record)
+        self._batch.record(self._run_id, record)
+        self._recent.append(record)
+        return record
 
     def _rule_states(self) -> list[str]:
         return [m.state for m in self._monitors.values()]
-
-    def _changed(self, durable: bool, sync_dir: bool = False) -> None:
-        """After an evaluation: durable changes go to disk now, counter-only ones when due."""
-        self._baselines_file.mark_dirty()
-        self._baselines_file.flush_if_due(BASELINES_FLUSH_SECONDS)
-        if durable:
-            self._state_file.write_now(sync_dir)
-        else:
-            self._state_file.mark_dirty()
-            self._state_file.flush_if_due(EVALUATE_FLUSH_FACTOR * self._flush_seconds)
 
     def _judge_time(self, monitor: RuleMonitor, now: float) -> list[dict]:
         if monitor.tick(now):
@@ -383,7 +392,7 @@ class GuardrailEngine:
             **(extra or {}),
         }
         self._next_decision_id += 1
-        return self._log.append(record)
+        return self._append(record)
 
     def _pause_in_force(self) -> bool:
         """Whether the run is paused once the outstanding directives (oldest first) are applied."""
@@ -403,7 +412,7 @@ class GuardrailEngine:
             raise ValueError(f"record_finding: action must be 'alert', got {action!r}")
         with self._lock:
             record = self._decide(rule, action, "rule", "", reason, evidence, step, self._now())
-            self._state_file.write_now(sync_dir=True)
+            self._save()
             return record
 
     def observe_now(self, metric: str, values: dict[str, float]) -> list[dict]:
@@ -420,11 +429,7 @@ class GuardrailEngine:
                 if monitor.rule.metric == metric and series:
                     if monitor.observe(self._last_step if self._last_step is not None else -1, now, series):
                         records += self._act(monitor, self._last_step, now)
-            if records:
-                self._state_file.write_now(sync_dir=True)
-            else:
-                self._state_file.mark_dirty()
-            self._baselines_file.mark_dirty()
+            self._save()
             return records
 
     # -- requests and directives ----------------------------------------------------------------------
@@ -504,7 +509,7 @@ class GuardrailEngine:
                 suppress=suppress,
                 extra=extra or None,
             )
-            self._state_file.write_now()
+            self._save()
             return record
 
     def _resolve_checkpoint(self, to_step: int | None) -> int:
@@ -528,7 +533,11 @@ class GuardrailEngine:
         with self._lock:
             if not self._rules.enforce:
                 return None
-            return self._directives.oldest(self._run_id, self._now() if deliver else None)
+            directive = self._directives.oldest(self._run_id)
+            if deliver and directive is not None and directive.get("delivered_at") is None:
+                directive["delivered_at"] = self._now()
+                self._save(full=True)  # once delivered it cannot be cancelled, also after a power loss
+            return None if directive is None else {k: directive[k] for k in WIRE_KEYS}
 
     def directive_states(self) -> list[dict]:
         """Every outstanding directive: {id, action, state: created | delivered, delivered_at}."""
@@ -571,7 +580,7 @@ class GuardrailEngine:
         """Record rank 0's own decision (once: a resent record finds it in the log) and take its directive
         as delivered. Directives of this sidecar that rank 0 never took (ids after `local.after`, up to
         `did`) would be ignored by the ranks now: they get new ids above it."""
-        if self._run_id is None or any(r.get("local") and r.get("directive_id") == did for r in self._log.recent):
+        if self._run_id is None or any(r.get("local") and r.get("directive_id") == did for r in self._recent):
             return []
         now = self._now()
         renumbered = self._directives.renumber(int(local.get("after") or 0), did)
@@ -611,7 +620,7 @@ class GuardrailEngine:
             delivered_at=decided if isinstance(decided, (int, float)) else now,
         )
         self._next_decision_id += 1
-        return [self._log.append(record)]
+        return [self._append(record)]
 
     def _record_outcome(self, outcome: dict) -> list[dict]:
         with self._lock:
@@ -625,8 +634,10 @@ class GuardrailEngine:
                     result,
                     did,
                 )
-                return [self._log.append(self._outcome_record(did, None, outcome, now))]
-            records = [self._log.append(self._outcome_record(did, done, outcome, now))]
+                record = self._append(self._outcome_record(did, None, outcome, now))
+                self._save()
+                return [record]
+            records = [self._append(self._outcome_record(did, done, outcome, now))]
             action = done["action"]
             if result in (OutcomeName.APPLIED, OutcomeName.SUBSTITUTED):
                 if action == Action.PAUSE:
@@ -677,7 +688,7 @@ class GuardrailEngine:
                         extra={"failed_directive_id": did},
                     )
                 )
-            self._state_file.write_now(sync_dir=True)
+            self._save()
             return records
 
     def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> dict:
@@ -711,11 +722,7 @@ class GuardrailEngine:
         if decision_id is None:
             return []
         made = next(
-            (
-                r
-                for r in reversed(self._log.recent)
-                if r.get("type") == RecordType.DECISION and r.get("id") == decision_id
-            ),
+            (r for r in reversed(self._recent) if r.get("type") == RecordType.DECISION and r.get("id") == decision_id),
             None,
         )
         monitor = self._monitors.get(made.get("rule")) if made is not None and made.get("rule") else None
@@ -731,7 +738,7 @@ class GuardrailEngine:
         made = next(
             (
                 r
-                for r in reversed(self._log.recent)
+                for r in reversed(self._recent)
                 if r.get("type") == RecordType.DECISION and r.get("directive_id") == did
             ),
             None,
@@ -763,7 +770,7 @@ class GuardrailEngine:
                     "; it may already have been applied: see parwatch decisions"
                 )
             rearmed = self._rearm_after_cancel(done.get("decision_id"))
-            record = self._log.append(
+            record = self._append(
                 {
                     "type": "cancelled",
                     "directive_id": directive_id,
@@ -775,15 +782,16 @@ class GuardrailEngine:
                     **({"rearmed_rules": rearmed} if rearmed else {}),
                 }
             )
-            self._state_file.write_now(sync_dir=True)
+            self._save()
             return record
 
     def begin_run(self, run_id: str) -> bool:
         """The run whose rank 0 reports here is `run_id`; a new one starts a clean engine.
 
-        The previous run's state.json, baselines.json and decisions.jsonl move to STATE_DIR/runs/RUN_ID/; its
-        outstanding directives go with it (never handed to the new run). Returns True when the
-        run changed. A run already archived is not taken back (a late post of an old run)."""
+        The previous run's rows stay in the store, marked archived (its outstanding directives with
+        them: never handed to the new run), and its decisions.jsonl moves to STATE_DIR/runs/RUN_ID/.
+        Returns True when the run changed. A run already archived is not taken back (a late post of an
+        old run)."""
         with self._lock:
             if run_id == self._run_id:
                 return False
@@ -794,8 +802,10 @@ class GuardrailEngine:
                 )
             if self._run_id is not None:
                 self._archive(self._run_id)
+            else:
+                self._batch.claim_records(run_id)
             self._run_id = run_id
-            self._state_file.write_now(sync_dir=True)
+            self._save(full=True)
             return True
 
     @property
@@ -808,26 +818,22 @@ class GuardrailEngine:
 
         def move():
             target.mkdir(parents=True, exist_ok=True)
-            for name in ("decisions.jsonl", "state.json", "baselines.json"):
-                path = self._dir / name
-                if path.exists():
-                    os.replace(path, target / name)
+            if (self._dir / LOG_NAME).exists():
+                os.replace(self._dir / LOG_NAME, target / LOG_NAME)
 
-        deferred = self._log.deferred
-        if deferred:
-            # The old run's owed writes, then the move, in order on the writer thread.
-            self._state_file.write_now(sync_dir=True)
-            self._baselines_file.write_now(sync_dir=False)
-            self._queued_batches.append(Batch(self._log.path, self._log.take_lines(), self._owed_states(), then=move))
+        # The old run's last state and records, its archiving, then the move of its log, in that order.
+        self._baselines_saved, self._dirty = -math.inf, True
+        batch = self.take_writes()
+        batch.archive(run_id, self._now())
+        batch.then = move
+        if self._deferred:
+            self._queued_batches.append(batch)
         else:
-            self._baselines_file.flush_if_due(0)
-            move()
+            batch.write()
         keep_ids = (self._next_decision_id, self._directives.next_id)
-        archived = self._archived_runs[-99:] + [run_id]
-        rules = self._rules
-        self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
-        self._log = DecisionLog(self._dir / "decisions.jsonl") if not deferred else self._log
-        self._log.recent.clear()
+        archived = self._archived_runs + [run_id]
+        self._monitors = {r.name: RuleMonitor(r) for r in self._rules.rules}
+        self._recent.clear()
         self._directives = Directives(first_id=keep_ids[1])
         self._rearmed = {}
         self._next_decision_id = keep_ids[0]
@@ -835,7 +841,10 @@ class GuardrailEngine:
         self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
         self._archived_runs = archived
         log.warning(
-            "run %s ended here; its decisions and state are in %s", run_id.encode("unicode_escape").decode(), target
+            "run %s ended here; its state stays in %s (archived), its decisions.jsonl moves to %s",
+            run_id.encode("unicode_escape").decode(),
+            self._store.path.name,
+            target,
         )
 
     # -- rules, state and views -----------------------------------------------------------------------
@@ -851,8 +860,8 @@ class GuardrailEngine:
                     monitors[rule.name].restore(old.to_dict())
             self._rules, self._monitors = rules, monitors
             self._metrics = {r.metric for r in rules.rules}
-            self._state_file.write_now()
-            self._baselines_file.write_now(sync_dir=False)
+            self._baselines_saved = -math.inf
+            self._save(full=True)
 
     @property
     def rules(self) -> RuleSet:
@@ -885,91 +894,66 @@ class GuardrailEngine:
     def decisions(self, limit: int = 100) -> list[dict]:
         """The newest `limit` records of the decision log (decisions and applied), newest last."""
         with self._lock:
-            return self._log.records(limit)
+            return list(self._recent)[-limit:] if limit > 0 else []
 
-    def _state(self) -> dict:
-        return {
-            "version": 1,
-            "run_id": self._run_id,
-            "archived_runs": self._archived_runs,
-            "paused": self._paused,
-            "next_decision_id": self._next_decision_id,
-            "directives": self._directives.to_dict(),
-            "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
-            "rollback_ticks": self._rollback_ticks,
-            "tick": self._tick,
-            "last_step": self._last_step,
-            "first_seen_time": self._first_seen_time,
-            "resumed_time": self._resumed_time,
-            "rearmed": self._rearmed,
-            "rules": {name: m.to_dict(history=False) for name, m in self._monitors.items()},
-        }
+    def acted_alerts(self) -> list[str]:
+        """Fingerprints of the Alertmanager alerts acted on (sidecar/alerts.py), oldest first."""
+        return self._store.acted_alerts()
 
-    def _baselines(self) -> dict:
-        return {
-            "version": 1,
-            "run_id": self._run_id,
-            "rules": {name: m.baseline_dict() for name, m in self._monitors.items()},
-        }
+    def note_alert(self, fingerprint: str, acted: bool) -> None:
+        """An alert acted on (or resolved): saved with the decision it made, in one transaction (deferred)."""
+        with self._lock:
+            self._batch.alert(fingerprint, acted)
+            self._save()
 
     def _load(self) -> None:
-        present = self._state_file.path.exists()
-        saved = self._state_file.read(kept="recovering the run and its outstanding directives from decisions.jsonl")
-        if saved is None and present:
+        saved = self._store.load(RECENT_RECORDS)
+        recovered = saved is None
+        if saved is None:  # no database yet (a first start, or one moved aside): what the log says
             saved = self._recovered_from_log()
-        saved = saved or {}
-        field = _FieldReader(saved, self._state_file.path)
-        self._run_id = field("run_id", lambda v: v if v is None else str(v), None)
-        self._archived_runs = field("archived_runs", lambda v: [str(r) for r in v], [])
-        self._paused = field("paused", _boolean, False)
-        # Ids never repeat, even if state.json was lost while the log survived.
-        self._next_decision_id = max(field("next_decision_id", int, 1), self._log.max_value("id") + 1)
-        self._directives.restore(field("directives", _mapping, {}), self._log.max_value("directive_id") + 1)
-        self._checkpoints = field("checkpoints", lambda v: {int(c) for c in v}, set())
-        self._rollback_ticks = field("rollback_ticks", lambda v: [int(t) for t in v], [])
-        self._tick = field("tick", int, 0)
-        self._last_step = field("last_step", _optional(int), None)
-        self._first_seen_time = field("first_seen_time", _optional(float), None)
-        self._resumed_time = field("resumed_time", _optional(float), None)
-        self._rearmed = field("rearmed", lambda v: {str(k): int(x) for k, x in _mapping(v).items()}, {})
-        with_history = set()
-        for name, monitor_state in field("rules", _mapping, {}).items():
-            if name in self._monitors:
-                try:
-                    self._monitors[name].restore(monitor_state)
-                except (AttributeError, KeyError, TypeError, ValueError) as err:  # edited by hand, or garbled
-                    self._monitors[name] = RuleMonitor(self._monitors[name].rule)
-                    log.warning(
-                        "%s: rule %s's saved state is not usable (%s): it starts afresh",
-                        self._state_file.path,
-                        name,
-                        err,
-                    )
+        run = saved.get("run") or {}
+        self._run_id, self._archived_runs = run.get("run_id"), saved.get("archived", [])
+        self._paused, self._tick = bool(run.get("paused")), run.get("tick") or 0
+        self._last_step, self._first_seen_time, self._resumed_time = (
+            run.get(k) for k in ("last_step", "first_seen_time", "resumed_time")
+        )
+        self._checkpoints = set(run.get("checkpoints", ()))
+        self._rollback_ticks = list(run.get("rollback_ticks", ()))
+        self._rearmed = dict(run.get("rearmed", {}))
+        self._recent.extend(saved.get("records", ()))
+        self._next_decision_id = saved.get("next_decision_id", 1)
+        self._directives.restore(saved.get("directives", []), saved.get("next_directive_id"))
+        for table in ("rules", "baselines"):
+            for name, text in saved.get(table, {}).items():
+                monitor = self._monitors.get(name)
+                if monitor is None:
                     continue
-                if isinstance(monitor_state, dict) and "history" in monitor_state:  # from before baselines.json
-                    with_history.add(name)
-        baselines = self._baselines_file.read(kept="every rule's baseline starts afresh") or {}
-        if baselines.get("run_id") == self._run_id:
-            for name, saved_baseline in (baselines.get("rules") or {}).items():
-                if name in self._monitors and name not in with_history:
-                    try:
-                        self._monitors[name].restore_baseline(saved_baseline)
-                    except (AttributeError, TypeError, ValueError) as err:  # edited by hand, or garbled
-                        self._monitors[name].reset_baseline()
-                        log.warning(
-                            "ignoring rule %s's saved baseline in %s (%s): it starts afresh",
-                            name,
-                            self._baselines_file.path,
-                            err,
-                        )
+                try:
+                    (monitor.restore if table == "rules" else monitor.restore_baseline)(json.loads(text))
+                except (AttributeError, KeyError, TypeError, ValueError) as err:  # edited by hand
+                    what = "state" if table == "rules" else "baseline"
+                    log.warning("rule %s's saved %s in %s is not usable (%s): it starts afresh", name, what, table, err)
+                    if table == "rules":
+                        self._monitors[name] = RuleMonitor(monitor.rule)
+                    else:
+                        monitor.reset_baseline()
+        if not recovered:
+            self._store.repair_log(self._run_id)
+        elif self._recent:  # the store starts from what the log says
+            for record in self._recent:
+                self._batch.record(self._run_id, record, logged=True)
+            self._save(full=True)
 
     def _recovered_from_log(self) -> dict:
-        """What decisions.jsonl still says when state.json is gone bad: the run, and the directives decided
-        and neither handled nor cancelled (a trainer ignores an id it already handled, so handing one out
-        again is safe). Rule states, checkpoints and counters start afresh."""
-        records = list(self._log.recent)
+        """What decisions.jsonl says when there is no database: the run, its records, and the directives
+        decided and neither handled nor cancelled (a trainer ignores an id it already handled, so handing
+        one out again is safe). Rule states, checkpoints and counters start afresh."""
+        records = [json_safe(r) for r in read_log(self._dir / LOG_NAME, RECENT_RECORDS)]
+        if not records:
+            return {}
         run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
         ended = {r.get("directive_id") for r in records if r.get("type") != RecordType.DECISION}
+        made = [r for r in records if r.get("type") == RecordType.DECISION]
         outstanding = [
             {
                 "id": r["directive_id"],
@@ -980,54 +964,26 @@ class GuardrailEngine:
                 "reason": str(r.get("reason") or ""),
                 "decision_id": r.get("id"),
             }
-            for r in records
-            if r.get("type") == RecordType.DECISION
-            and r.get("directive_id") is not None
-            and r["directive_id"] not in ended
-            and r.get("run_id") == run_id
+            for r in made
+            if r.get("directive_id") is not None and r["directive_id"] not in ended and r.get("run_id") == run_id
         ]
         log.warning(
-            "%s: recovered from %s: run %s, outstanding directives %s",
-            self._state_file.path,
-            self._log.path.name,
+            "%s: no usable database: recovered from %s: run %s, outstanding directives %s",
+            self._store.path,
+            LOG_NAME,
             run_id,
             [d["id"] for d in outstanding] or "none",
         )
-        return {"run_id": run_id, "directives": {"outstanding": outstanding}}
-
-
-class _FieldReader:
-    """Each field of a saved state converted on its own: one unusable field (a wrong type, edited by hand)
-    falls back to its default with a warning naming it, and the rest of the state is kept."""
-
-    def __init__(self, saved: dict, path: Path):
-        self.saved, self.path = saved, path
-
-    def __call__(self, key: str, convert: Callable, default):
-        if key not in self.saved:
-            return default
-        value = self.saved[key]
-        try:
-            return convert(value)
-        except (AttributeError, TypeError, ValueError) as err:
-            log.warning("%s: %s=%.80r is not usable (%s); using %r", self.path, key, value, err, default)
-            return default
-
-
-def _mapping(value) -> dict:
-    if not isinstance(value, dict):
-        raise TypeError(f"a {type(value).__name__}, not an object")
-    return value
-
-
-def _boolean(value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"a {type(value).__name__}, not true or false")
-    return value
-
-
-def _optional(convert: Callable) -> Callable:
-    return lambda value: None if value is None else convert(value)
+        ids = [r.get("id") for r in made if type(r.get("id")) is int and 0 < r["id"] < MAX_STEP]
+        return {
+            "run": {"run_id": run_id},
+            "records": records,
+            "directives": outstanding,
+            "next_decision_id": 1 + max(ids, default=0),
+            "next_directive_id": max(
+                (r["directive_id"] + 1 for r in made if type(r.get("directive_id")) is int), default=None
+            ),
+        }
 
 
 def _safe_name(run_id: str) -> str:

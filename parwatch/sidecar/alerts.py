@@ -1,9 +1,9 @@
 """Alertmanager webhook -> guardrail requests, at most once per firing alert.
 
 Alertmanager re-sends a firing alert every repeat_interval and after its own restarts;
-the fingerprint set (kept in the state directory, so a sidecar restart does not act
-twice either) makes each firing alert act once. A resolved notification clears it, so
-the same alert firing again later acts again.
+the fingerprint set (saved in the engine's store with the decisions the alerts made, so a
+sidecar restart does not act twice either) makes each firing alert act once. A resolved
+notification clears it, so the same alert firing again later acts again.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from parwatch.guardrails.decisions import move_aside
 from parwatch.sidecar.models import Alert, AlertmanagerPayload
 from parwatch.vocabulary import RuleAction
 
@@ -24,7 +22,7 @@ log = logging.getLogger(__name__)
 ALERT_ACTIONS = (RuleAction.PAUSE, RuleAction.ROLLBACK)
 ACTION_LABEL = "parwatch_action"
 MAX_ACTED = 10_000
-"""Firing alerts remembered as acted on; the oldest are forgotten beyond this (bounded memory and file)."""
+"""Firing alerts remembered as acted on; the oldest are forgotten beyond this (bounded memory and table)."""
 
 
 def fingerprint(alert: Alert) -> str:
@@ -35,37 +33,21 @@ def fingerprint(alert: Alert) -> str:
 
 
 class AlertDedupe:
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.acted: dict[str, None] = {}  # insertion-ordered: the oldest go first when over MAX_ACTED
-        if path is not None and path.exists():
-            try:
-                saved = json.loads(path.read_text())
-            except (OSError, ValueError) as err:
-                move_aside(path, str(err)[:200], "alerts may act once more")
-                return
-            if not isinstance(saved, list) or not all(isinstance(fp, str) for fp in saved):
-                move_aside(path, "not a list of alert fingerprints", "alerts may act once more")
-                return
-            self.acted = dict.fromkeys(saved[-MAX_ACTED:])
-
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(list(self.acted)))
-        os.replace(tmp, self.path)
+    def __init__(self, acted: list[str], save: Callable[[str, bool], None]):
+        """acted: the fingerprints saved, oldest first; save(fingerprint, acted): keep the change."""
+        self.acted = dict.fromkeys(acted)  # insertion-ordered: the oldest go first when over MAX_ACTED
+        self.save = save
 
     def handle(self, payload: AlertmanagerPayload, request) -> list[dict]:
         """Call request(action, reason=, rule=, requested_by=[, skip_batches=]) once for each new firing
         alert that asks for pause or rollback; return the decisions made."""
-        decisions, changed = [], False
+        decisions = []
         for alert in payload.alerts:
             fp = fingerprint(alert)
             if alert.status == "resolved":
                 if fp in self.acted:
                     del self.acted[fp]
-                    changed = True
+                    self.save(fp, False)
                 continue
             action = alert.labels.get(ACTION_LABEL)
             if action not in ALERT_ACTIONS or fp in self.acted:
@@ -91,10 +73,10 @@ class AlertDedupe:
                 kw.update(reason=f"{reason} (rollback impossible: {err}; pausing instead)", skip_batches=0)
                 decision = request("pause", **kw)
             self.acted[fp] = None
+            self.save(fp, True)
             while len(self.acted) > MAX_ACTED:
-                del self.acted[next(iter(self.acted))]
-            changed = True
+                oldest = next(iter(self.acted))
+                del self.acted[oldest]
+                self.save(oldest, False)
             decisions.append(decision)
-        if changed:
-            self._save()
         return decisions

@@ -4,10 +4,10 @@ app.py maps requests onto these methods. They run on one event loop (or one test
 thread), so writes never race; a /metrics scrape interleaved with them reads only
 immutable values (store.py).
 
-The event loop never waits for a disk: the engine defers its writes and `persist()` puts
-them on disk in one writer thread (fsync'd before the request that made a decision is
-answered, so before any directive it made is handed out). A post of many summaries gives
-other requests a turn between its summaries.
+The event loop never waits for a disk: the engine defers its writes and `persist()` commits
+them in one writer thread (before the request that made a decision is answered, so before any
+directive it made is handed out). A post of many summaries gives other requests a turn between
+its summaries.
 """
 
 from __future__ import annotations
@@ -51,9 +51,7 @@ class Sidecar:
         self.refusals = Refusals(clock)
         """Posts refused (a wrong token, a bad body), counted, logged and in status (gate.RequestGate tells them)."""
         self.registry.register(self.refusals)
-        state_dir = Path(config.state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.alerts = AlertDedupe(state_dir / "alerts_acted.json")
+        self.alerts = AlertDedupe(engine.acted_alerts(), engine.note_alert)
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_write: asyncio.Future | None = None
 
@@ -64,7 +62,7 @@ class Sidecar:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parwatch-writer")
 
     async def persist(self) -> None:
-        """Everything the engine decided so far is on disk (fsync'd) when this returns, including
+        """Everything the engine decided so far is committed when this returns, including
         batches another request handed to the writer before us (the writer is one FIFO thread, so
         waiting for the newest submitted write waits for all)."""
         while self._writer is not None:
@@ -95,14 +93,17 @@ class Sidecar:
 
     async def ingest_async(self, body: IngestBody) -> dict:
         """ingest(), letting other requests in between summaries (a post may carry 10,000, each a step
-        to evaluate), then persisting what the engine decided before the answer (with any directive)."""
+        to evaluate), then persisting what the engine decided before the answer, and the delivery of the
+        directive the answer carries (from then on it cannot be cancelled)."""
         self._admit(body)
         for i, s in enumerate(body.summaries):
             if i:
                 await asyncio.sleep(0)
             self._ingest_one(s)
         await self.persist()
-        return self.ingest_reply(body)
+        reply = self.ingest_reply(body)
+        await self.persist()
+        return reply
 
     def ingest_reply(self, body: IngestBody) -> dict:
         return {"accepted": len(body.summaries), "directive": self.engine.pending_directive(deliver=True)}

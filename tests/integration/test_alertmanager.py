@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 
@@ -124,12 +124,16 @@ def test_firing_alert_pauses_the_run_through_the_webhook(tmp_path, record_proper
             decision = [d for d in status()["last_decisions"] if d["type"] == "decision"][-1]
             assert decision["source"] == "alertmanager" and decision["requested_by"] == "alertmanager:parwatch"
             assert decision["reason"] == "ParwatchBubbleExcess: max bubble_excess_ratio above 0.1"
-            acted = state / "alerts_acted.json"
-            assert len(json.loads(acted.read_text())) == 1
+
+            def acted() -> int:
+                with sqlite3.connect(state / "parwatch.db") as db:
+                    return db.execute("SELECT count(*) FROM alerts_acted").fetchone()[0]
+
+            assert acted() == 1
 
             # Resolve it: Alertmanager sends "resolved" and the sidecar forgets the fingerprint.
             alert["endsAt"] = iso(dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1))
             assert httpx.post(f"{am}/api/v2/alerts", json=[alert], timeout=10).status_code == 200
-            wait_for(lambda: json.loads(acted.read_text()) == [], 30, "the resolved notification")
+            wait_for(lambda: acted() == 0, 30, "the resolved notification")
             decisions = [d for d in status()["last_decisions"] if d["type"] == "decision"]
             assert len(decisions) == 1  # resolution does not act

@@ -527,10 +527,12 @@ def test_ids_continue_from_the_log_if_state_is_lost(tmp_path):
     run = Run(ruleset(skew_rule()), tmp_path)
     run.feed(pipeline_skew_ratio=1.0)
     first = run.engine.request("pause", "operator")
-    (tmp_path / "state.json").unlink()
+    for name in ("parwatch.db", "parwatch.db-wal", "parwatch.db-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
     again = Run(ruleset(skew_rule()), tmp_path)
-    record = again.engine.request("pause", "operator")
-    # decision ids continue from the log; directive ids only ever grow (clock-seeded when fresh)
+    assert again.engine.pending_directive()["id"] == first["directive_id"]  # the log says it is outstanding
+    record = again.engine.request("resume", "operator")
+    # decision ids continue from the log; directive ids only ever grow
     assert record["id"] == 2 and record["directive_id"] > first["directive_id"]
 
 

@@ -1,4 +1,4 @@
-"""What the guardrail engine puts on disk, and when (the Durability contract: engine.py, in full in docs/architecture.md).
+"""What the guardrail engine saves, and when (the Durability contract: engine.py, in full in docs/architecture.md).
 
 A "crash" here is an engine dropped without close(): a new engine on the same state dir
 must see everything the contract calls durable. The fast reducers and rolling medians the
@@ -9,13 +9,13 @@ import json
 import math
 import os
 import random
-import stat
+import sqlite3
 import statistics
 
 import pytest
 
 from parwatch.guardrails.checks import RegressionCheck, RollingWindow, Series
-from parwatch.guardrails.engine import BASELINES_FLUSH_SECONDS, GuardrailEngine, Observation
+from parwatch.guardrails.engine import BASELINES_SAVE_SECONDS, GuardrailEngine, Observation
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule, RuleSet
 
 
@@ -28,25 +28,20 @@ class Clock:
 
 
 class Fsyncs:
-    """os.fsync, counting which files and directories were synced (by inode)."""
+    """os.fsync, counting which files were synced (by inode)."""
 
     def __init__(self, monkeypatch):
-        self.synced: list[tuple[int, bool]] = []
+        self.synced: list[int] = []
         real = os.fsync
 
         def fsync(fd):
-            st = os.fstat(fd)
-            self.synced.append((st.st_ino, stat.S_ISDIR(st.st_mode)))
+            self.synced.append(os.fstat(fd).st_ino)
             return real(fd)
 
         monkeypatch.setattr(os, "fsync", fsync)
 
     def of(self, path) -> int:
-        ino = os.stat(path).st_ino
-        return sum(1 for i, _ in self.synced if i == ino)
-
-    def dirs(self) -> int:
-        return sum(1 for _, is_dir in self.synced if is_dir)
+        return self.synced.count(os.stat(path).st_ino)
 
 
 def skew_rule(**kw):
@@ -104,123 +99,84 @@ def test_a_state_transition_is_on_disk_at_once(tmp_path):
     assert [d["rule"] for d in again.decisions()] == ["skew"]
 
 
-def test_counters_are_deferred_until_due_or_flushed(tmp_path):
+def test_counters_are_saved_with_every_evaluation(tmp_path):
     run = Run(tmp_path, skew_rule(), spike_rule())
-    run.feed(pipeline_skew_ratio=1.5, loss=2.0)  # pending: written with its count of 1
+    for _ in range(3):
+        run.feed(pipeline_skew_ratio=1.5, loss=2.0)
+    assert run.restarted().states()["skew"]["failing_steps"] == 3  # a crash keeps every counter
     run.feed(pipeline_skew_ratio=1.5, loss=2.0)
-    run.feed(pipeline_skew_ratio=1.5, loss=2.0)
-    stale = run.restarted().states()["skew"]
-    assert (stale["state"], stale["failing_steps"]) == ("pending", 1)  # the clock has not moved: deferred
-    run.engine.flush()
-    assert run.restarted().states()["skew"]["failing_steps"] == 3
-
-    run.feed(pipeline_skew_ratio=1.5, loss=2.0)
-    run.engine.close()
+    run.engine.close()  # the baseline windows too
     again = run.restarted()
     assert again.states()["skew"]["failing_steps"] == 4
-    # The spike baseline (counters) came along: 4 values saved + 1 more make a baseline to judge by.
+    # The spike baseline came along: 4 values saved + 1 more make a baseline to judge by.
     assert again.evaluate(Observation(5, run.clock.t, {"loss": {"": 2.0}})) == []
     (spike,) = again.evaluate(Observation(6, run.clock.t, {"loss": {"": 7.0}}))
     assert spike["rule"] == "spike" and spike["evidence"]["baseline"] == 2.0
 
 
-def test_baselines_are_written_apart_from_the_state_and_at_most_a_minute_stale(tmp_path):
-    """The spike and regression windows go to baselines.json once BASELINES_FLUSH_SECONDS passed (not
-    with the counters every second); a crash loses at most that long of them, nothing else."""
+def saved(state_dir, sql, *args):
+    with sqlite3.connect(state_dir / "parwatch.db") as db:
+        return db.execute(sql, args).fetchall()
+
+
+def saved_windows(state_dir, rule, run_id="r"):
+    (row,) = saved(state_dir, "SELECT windows FROM baselines WHERE run_id = ? AND rule = ?", run_id, rule)
+    return json.loads(row[0])["history"]
+
+
+def test_baselines_are_saved_apart_from_the_state_and_at_most_a_minute_stale(tmp_path):
+    """The spike and regression windows are saved once BASELINES_SAVE_SECONDS passed (not with the counters
+    at every step); a crash loses at most that long of them, nothing else."""
     run = Run(tmp_path, spike_rule())
     for _ in range(4):
         run.feed(loss=2.0)
-    run.engine.close()  # close writes them
-    state = json.loads((tmp_path / "state.json").read_text())
-    assert "history" not in state["rules"]["spike"]  # the state written every second stays small
-    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {"values": [2.0] * 4}
+    run.engine.close()  # close saves them
+    ((state,),) = saved(tmp_path, "SELECT state FROM rules WHERE rule = 'spike'")
+    assert "history" not in json.loads(state)  # the state saved every step stays small
+    assert saved_windows(tmp_path, "spike") == {"values": [2.0] * 4}
     for _ in range(3):
         run.clock.t += 1.0
         run.feed(loss=3.0)
-        run.engine.check_no_data()  # counters once a second; baselines not yet
     assert run.restarted().states()["spike"]["last_value"] == 3.0
-    assert json.loads((tmp_path / "baselines.json").read_text())["rules"]["spike"]["history"] == {"values": [2.0] * 4}
-    run.clock.t += BASELINES_FLUSH_SECONDS
-    run.engine.check_no_data()
-    again = run.restarted()  # a crash: the windows as of the last minute's write
-    assert again._monitors["spike"].check.history() == {"values": [2.0] * 4 + [3.0] * 3}
+    assert saved_windows(tmp_path, "spike") == {"values": [2.0] * 4}
+    run.clock.t += BASELINES_SAVE_SECONDS
+    run.feed(loss=3.0)
+    again = run.restarted()  # a crash: the windows as of the last minute's save
+    assert again._monitors["spike"].check.history() == {"values": [2.0] * 4 + [3.0] * 4}
 
 
-def test_a_state_file_with_baselines_inside_still_restores_them(tmp_path):
-    """state.json written before baselines.json existed held the windows itself."""
-    run = Run(tmp_path, spike_rule())
+def test_a_garbled_rule_row_costs_that_rule_not_the_start(tmp_path, caplog):
+    run = Run(tmp_path, spike_rule(), skew_rule())
     for _ in range(4):
-        run.feed(loss=2.0)
+        run.feed(loss=2.0, pipeline_skew_ratio=1.5)
     run.engine.close()
-    state = json.loads((tmp_path / "state.json").read_text())
-    state["rules"]["spike"]["history"] = {"values": [5.0] * 6}
-    (tmp_path / "state.json").write_text(json.dumps(state))
-    assert run.restarted()._monitors["spike"].check.history() == {"values": [5.0] * 6}
-    (tmp_path / "state.json").unlink()  # another run's baselines are not this one's
-    assert run.restarted()._monitors["spike"].check.history() == {"values": []}
-
-
-def test_a_garbled_baselines_file_costs_its_windows_not_the_start(tmp_path, caplog):
-    run = Run(tmp_path, spike_rule())
-    for _ in range(4):
-        run.feed(loss=2.0)
-    run.engine.close()
-    saved = json.loads((tmp_path / "baselines.json").read_text())
-    saved["rules"]["spike"]["history"] = {"values": [1.0, "not a number"]}
-    (tmp_path / "baselines.json").write_text(json.dumps(saved))
+    with sqlite3.connect(tmp_path / "parwatch.db") as db:
+        db.execute("UPDATE baselines SET windows = ? WHERE rule = 'spike'", ('{"history": {"values": [1, "x"]}',))
+        db.execute("UPDATE rules SET state = '[1' WHERE rule = 'skew'")
     again = run.restarted()
     assert again._monitors["spike"].check.history() == {"values": []}
-    assert "ignoring rule spike's saved baseline" in caplog.text
+    assert "rule spike's saved baseline in baselines is not usable" in caplog.text
+    assert "rule skew's saved state in rules is not usable" in caplog.text
+    assert again.states()["skew"]["failing_steps"] == 0
     assert again.states()["spike"]["last_value"] == 2.0  # the rest of the state is kept
 
 
-def test_a_new_run_archives_the_baselines_with_the_state(tmp_path):
+def test_a_new_run_keeps_the_old_runs_rows_archived(tmp_path):
     run = Run(tmp_path, spike_rule())
     for _ in range(4):
         run.feed(loss=2.0)
     run.engine.begin_run("next")
-    archived = json.loads((tmp_path / "runs" / "r" / "baselines.json").read_text())
-    assert archived["run_id"] == "r" and archived["rules"]["spike"]["history"] == {"values": [2.0] * 4}
+    assert saved_windows(tmp_path, "spike") == {"values": [2.0] * 4}
     assert run.engine._monitors["spike"].check.history() == {"values": []}
-
-
-def test_check_no_data_writes_counters_once_a_second(tmp_path):
-    run = Run(tmp_path, skew_rule())
-    run.feed(pipeline_skew_ratio=1.5)
-    run.feed(pipeline_skew_ratio=1.5)
-    run.clock.t += 0.5
-    run.engine.check_no_data()
-    assert run.restarted().states()["skew"]["failing_steps"] == 1  # not due yet
-    run.clock.t += 0.5
-    run.engine.check_no_data()
-    assert run.restarted().states()["skew"]["failing_steps"] == 2
-
-
-def test_evaluate_writes_counters_itself_when_nothing_else_does(tmp_path):
-    run = Run(tmp_path, skew_rule(for_steps=100, cooldown_steps=100))
-    run.feed(pipeline_skew_ratio=1.5)
-    for _ in range(3):
-        run.clock.t += 1.0  # without check_no_data, evaluate waits 5 x counter_flush_seconds
-        run.feed(pipeline_skew_ratio=1.5)
-    assert run.restarted().states()["skew"]["failing_steps"] == 1
-    run.clock.t += 2.0
-    run.feed(pipeline_skew_ratio=1.5)
-    assert run.restarted().states()["skew"]["failing_steps"] == 5
-
-
-def test_counter_flush_seconds_zero_writes_every_evaluation(tmp_path):
-    engine = GuardrailEngine(RuleSet(rules=(skew_rule(),)), tmp_path, now=Clock(), counter_flush_seconds=0)
-    for step in (1, 2, 3):
-        engine.evaluate(Observation(step, 0.0, {"pipeline_skew_ratio": {"": 1.5}}))
-    assert GuardrailEngine(engine.rules, tmp_path).states()["skew"]["failing_steps"] == 3
-    with pytest.raises(ValueError, match="counter_flush_seconds"):
-        GuardrailEngine(engine.rules, tmp_path, counter_flush_seconds=-1)
+    runs = saved(tmp_path, "SELECT run_id, archived_at IS NOT NULL, tick FROM runs ORDER BY run_id")
+    assert runs == [("next", 0, 0), ("r", 1, 4)]  # archiving is a query: the rows stay
+    assert run.restarted().run_id == "next"
 
 
 def test_every_record_is_fsynced_on_append(tmp_path, monkeypatch):
     run = Run(tmp_path, nan_rule())
     run.feed(loss=1.0, checkpoints=(0,))
-    # Counted from here: files are told apart by inode, and an earlier state.json's may be reused.
+    # Counted from here: files are told apart by inode.
     fsyncs = Fsyncs(monkeypatch)
     log = tmp_path / "decisions.jsonl"
     (record,) = run.feed(loss=math.nan, checkpoints=(0,))  # a rule's rollback
@@ -232,21 +188,31 @@ def test_every_record_is_fsynced_on_append(tmp_path, monkeypatch):
     assert len(log.read_text().splitlines()) == 3
 
 
-def test_what_each_write_syncs(tmp_path, monkeypatch):
+def test_what_each_commit_syncs(tmp_path):
+    """Counters and rule states commit with synchronous=NORMAL (no fsync: a process crash keeps them); a
+    decision, a delivery and an outcome with FULL (the WAL fsync'd: a power loss keeps them too)."""
     run = Run(tmp_path, skew_rule(), nan_rule())
+    run.engine.defer_writes()
+
+    def committed() -> str:
+        """How the owed batch committed: its synchronous level as SQLite reports it."""
+        run.engine.take_writes().write()
+        (level,) = run.engine._store._db.execute("PRAGMA synchronous").fetchone()
+        return {1: "NORMAL", 2: "FULL"}[level]
+
     run.feed(pipeline_skew_ratio=1.0, loss=1.0, checkpoints=(0,))
-    fsyncs = Fsyncs(monkeypatch)
-    run.feed(pipeline_skew_ratio=1.0, loss=1.0, checkpoints=(0,))
-    assert fsyncs.synced == []  # counters only: nothing written
-    run.feed(pipeline_skew_ratio=1.5, loss=1.0, checkpoints=(0,))  # a state change: the file, not the directory
-    assert fsyncs.of(tmp_path / "state.json") == 1 and fsyncs.dirs() == 0
-    run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))  # a directive: must survive a power loss
-    assert fsyncs.dirs() == 1
-    run.engine.close()  # the state-change rename gets its directory fsync on close
-    assert fsyncs.dirs() == 1  # ... already had it here, with the directive's write
-    run.feed(pipeline_skew_ratio=1.0, loss=1.0, checkpoints=(0,))  # back to ok: file only
-    run.engine.close()
-    assert fsyncs.dirs() == 2
+    assert committed() == "NORMAL"
+    run.feed(pipeline_skew_ratio=1.5, loss=1.0, checkpoints=(0,))  # ok -> pending
+    assert committed() == "NORMAL"
+    (rollback,) = run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))
+    assert committed() == "FULL"
+    run.engine.pending_directive(deliver=True)  # from now on it cannot be cancelled
+    assert committed() == "FULL"
+    run.engine.pending_directive(deliver=True)
+    assert not run.engine.take_writes()  # delivered once
+    applied(run.engine, rollback["directive_id"])
+    assert committed() == "FULL"
+    assert run.restarted().pending_directive() is None
 
 
 def applied(engine, directive_id, step=2, ranks=2):
@@ -267,11 +233,11 @@ def test_restart_after_a_crash_keeps_states_and_directives(tmp_path):
     run.feed(pipeline_skew_ratio=1.5, loss=1.0, checkpoints=(0,))
     (rollback,) = run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))
     pause = run.engine.request("pause", "operator")
-    run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))  # counters only: lost in the crash
+    run.feed(pipeline_skew_ratio=1.5, loss=math.nan, checkpoints=(0,))  # counters only
 
     again = run.restarted()  # no close(): a crash
     states = again.states()
-    assert (states["skew"]["state"], states["skew"]["failing_steps"]) == ("pending", 2)
+    assert (states["skew"]["state"], states["skew"]["failing_steps"]) == ("pending", 3)
     assert states["nan"]["state"] == "firing"
     assert again.run_id == "r"
     assert again.pending_directive()["id"] == rollback["directive_id"]
@@ -288,8 +254,7 @@ def test_an_outcome_is_durable_before_the_call_returns(tmp_path, monkeypatch):
     pause = run.engine.request("pause", "operator")["directive_id"]
     fsyncs = Fsyncs(monkeypatch)
     applied(run.engine, pause)
-    assert fsyncs.of(tmp_path / "decisions.jsonl") == 1 and fsyncs.of(tmp_path / "state.json") == 1
-    assert fsyncs.dirs() == 1
+    assert fsyncs.of(tmp_path / "decisions.jsonl") == 1
     assert run.restarted().paused
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import Rule, RuleSet
@@ -41,16 +42,20 @@ def test_decisions_reach_the_disk_before_the_answer(tmp_path):
     decisions = [r for r in lines(tmp_path / "decisions.jsonl") if r.get("type") == "decision"]
     assert decisions and decisions[-1]["rule"] == "nonfinite-loss"
     assert reply["directive"]["id"] == decisions[-1]["directive_id"]
-    assert json.loads((tmp_path / "state.json").read_text())["directives"]["outstanding"]
+    with sqlite3.connect(tmp_path / "parwatch.db") as db:
+        assert db.execute("SELECT id FROM directives").fetchall() == [(reply["directive"]["id"],)]
+        assert db.execute("SELECT delivered_at IS NOT NULL FROM directives").fetchone() == (1,)  # delivered: saved
     sidecar.close()
 
 
 async def _persist_then_reply(sidecar, body):
     await sidecar.persist()
-    return sidecar.ingest_reply(body)
+    reply = sidecar.ingest_reply(body)
+    await sidecar.persist()  # as ingest_async does: the delivery is saved before the answer
+    return reply
 
 
-def test_a_new_run_archives_the_old_runs_files_in_order(tmp_path):
+def test_a_new_run_archives_the_old_run_in_order(tmp_path):
     rules = RuleSet(rules=(Rule(name="nan", metric="loss", check="finite", action="alert"),))
     engine = GuardrailEngine(rules, tmp_path)
     engine.defer_writes()
@@ -62,4 +67,7 @@ def test_a_new_run_archives_the_old_runs_files_in_order(tmp_path):
     old = [r for r in lines(tmp_path / "runs" / "a" / "decisions.jsonl") if r.get("type") == "decision"]
     assert [r["rule"] for r in old] == ["nan"]
     assert not [r for r in lines(tmp_path / "decisions.jsonl") if r.get("type") == "decision"]
-    assert json.loads((tmp_path / "state.json").read_text())["run_id"] == "b"
+    with sqlite3.connect(tmp_path / "parwatch.db") as db:
+        runs = db.execute("SELECT run_id, archived_at IS NOT NULL FROM runs ORDER BY run_id").fetchall()
+        assert runs == [("a", 1), ("b", 0)]
+        assert [json.loads(line)["run_id"] for (line,) in db.execute("SELECT line FROM records")] == ["a"]
