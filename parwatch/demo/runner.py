@@ -1,7 +1,7 @@
 """Run the demo: a sidecar and a TP2xPP2 trainer on this machine, wired together.
 
 The run directory ends up holding everything a later `parwatch report` needs:
-summaries.jsonl and spans.jsonl (collectors), decisions.jsonl and state.json
+summaries.jsonl and spans.jsonl (collectors), decisions.jsonl and parwatch.db
 (the sidecar's state dir is the run dir), summary.json (trainer rank 0),
 checkpoints/, the two processes' logs, demo-summary.json and report/.
 """

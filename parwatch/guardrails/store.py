@@ -41,9 +41,9 @@ SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, archived_at REAL, paused INTEGER, tick INTEGER,
     last_step INTEGER, first_seen_time REAL, resumed_time REAL, next_directive_id INTEGER,
     {", ".join(f"{c} TEXT" for c in RUN_LISTS)});
-CREATE TABLE IF NOT EXISTS rules (run_id TEXT, rule TEXT, state TEXT, PRIMARY KEY (run_id, rule));
-CREATE TABLE IF NOT EXISTS baselines (run_id TEXT, rule TEXT, windows TEXT, PRIMARY KEY (run_id, rule));
-CREATE TABLE IF NOT EXISTS directives (run_id TEXT, {", ".join(DIRECTIVE_FIELDS)}, PRIMARY KEY (run_id, id));
+CREATE TABLE IF NOT EXISTS rules (run_id TEXT, rule TEXT, state TEXT, PRIMARY KEY (run_id, rule)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS baselines (run_id TEXT, rule TEXT, windows TEXT, PRIMARY KEY (run_id, rule)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS directives (run_id TEXT, {", ".join(DIRECTIVE_FIELDS)}, PRIMARY KEY (run_id, id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, run_id TEXT, type TEXT, decision_id INTEGER,
     line TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS records_of_run ON records (run_id, seq);

@@ -69,7 +69,7 @@ MAX_HEAD_BYTES = 16 * 1024
 MAX_CONNECTIONS = 1024
 """Open connections per listener, fewer where the file limit needs it (connection_budget)."""
 FD_RESERVE = 64
-"""File descriptors kept for everything but connections: state files, the writer, the leader client."""
+"""File descriptors kept for everything but connections: the state store, the writer, the leader client."""
 
 
 def connection_budget(max_connections: int = MAX_CONNECTIONS) -> int:

@@ -298,7 +298,7 @@ def test_rolling_window_median_matches_statistics_median():
         recent = (recent + [value])[-7:]
         assert window.median() == statistics.median(recent) and window.to_list() == recent
     restored = RollingWindow(3)
-    restored.extend(["1.5", 2, float("nan"), 4.0, 8.0])  # as read back from state.json; NaN never enters
+    restored.extend(["1.5", 2, float("nan"), 4.0, 8.0])  # as read back from the store; NaN never enters
     assert restored.to_list() == [2.0, 4.0, 8.0] and restored.median() == 4.0
 
 
