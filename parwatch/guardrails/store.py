@@ -156,6 +156,7 @@ class StateStore:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA temp_store=MEMORY")  # no temporary files: the sidecar's root file system is read-only
             (check,) = db.execute("PRAGMA quick_check").fetchone()
             if check != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {check}")
