@@ -14,6 +14,7 @@ import statistics
 
 import pytest
 
+from parwatch.guardrails import store
 from parwatch.guardrails.checks import RegressionCheck, RollingWindow, Series
 from parwatch.guardrails.engine import BASELINES_SAVE_SECONDS, GuardrailEngine, Observation
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule, RuleSet
@@ -213,6 +214,24 @@ def test_what_each_commit_syncs(tmp_path):
     applied(run.engine, rollback["directive_id"])
     assert committed() == "FULL"
     assert run.restarted().pending_directive() is None
+
+
+def test_a_crash_between_a_commit_and_its_log_append_is_repaired_at_the_next_start(tmp_path, monkeypatch):
+    run = Run(tmp_path, skew_rule())
+    run.engine.request("pause", "operator")
+
+    def killed(path, lines):
+        with open(path, "ab") as f:
+            f.write(lines[0][:12])  # a line cut short, then nothing: the kill
+
+    monkeypatch.setattr(store, "append_lines", killed)
+    run.engine.request("resume", "operator")  # committed, its line cut short
+    monkeypatch.undo()
+    run.restarted()
+    lines = (tmp_path / "decisions.jsonl").read_text().splitlines()
+    assert lines[1] == '{"type":"dec' and [json.loads(line)["id"] for line in lines[::2]] == [1, 2]
+    run.restarted()  # nothing more to add
+    assert len((tmp_path / "decisions.jsonl").read_text().splitlines()) == 3
 
 
 def applied(engine, directive_id, step=2, ranks=2):
