@@ -105,9 +105,9 @@ class Directives:
         return d
 
     def restore(self, items: list[dict], next_id: int | None) -> None:
-        """Saved outstanding directives, and the next id (at least; None: none saved, the clock's stays). What a trainer could never parse (an id
-        or step past 2**53, a wrong type: a log edited by hand) is dropped with a warning, never handed out
-        to block the directives after it."""
+        """Saved outstanding directives, and the next id (at least; None: none saved, the clock's stays).
+        What a trainer could never parse (an id or step past 2**53, a wrong type: a log edited by hand) is
+        dropped with a warning, never handed out to block the directives after it."""
         self.outstanding = []
         for d in items:
             try:

@@ -37,15 +37,19 @@ RUN_FIELDS = ("paused", "tick", "last_step", "first_seen_time", "resumed_time", 
 RUN_LISTS = ("checkpoints", "rollback_ticks", "rearmed")
 """The runs columns held as JSON."""
 DIRECTIVE_FIELDS = ("id", "action", "to_step", "skip_batches", "reason", "decision_id", "delivered_at")
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, archived_at REAL, paused INTEGER, tick INTEGER,
-    last_step INTEGER, first_seen_time REAL, resumed_time REAL, next_directive_id INTEGER,
-    {", ".join(f"{c} TEXT" for c in RUN_LISTS)});
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, archived_at REAL, paused INTEGER, tick INTEGER, last_step INTEGER,
+    first_seen_time REAL, resumed_time REAL, next_directive_id INTEGER,
+    checkpoints TEXT, rollback_ticks TEXT, rearmed TEXT);
 CREATE TABLE IF NOT EXISTS rules (run_id TEXT, rule TEXT, state TEXT, PRIMARY KEY (run_id, rule)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS baselines (run_id TEXT, rule TEXT, windows TEXT, PRIMARY KEY (run_id, rule)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS directives (run_id TEXT, {", ".join(DIRECTIVE_FIELDS)}, PRIMARY KEY (run_id, id)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, run_id TEXT, type TEXT, decision_id INTEGER,
-    line TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS baselines (
+    run_id TEXT, rule TEXT, windows TEXT, PRIMARY KEY (run_id, rule)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS directives (
+    run_id TEXT, id INTEGER, action TEXT, to_step INTEGER, skip_batches INTEGER, reason TEXT,
+    decision_id INTEGER, delivered_at REAL, PRIMARY KEY (run_id, id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS records (
+    seq INTEGER PRIMARY KEY, run_id TEXT, type TEXT, decision_id INTEGER, line TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS records_of_run ON records (run_id, seq);
 CREATE TABLE IF NOT EXISTS alerts_acted (fingerprint TEXT PRIMARY KEY);
 """
