@@ -5,6 +5,7 @@ must see everything the contract calls durable. The fast reducers and rolling me
 engine uses per step are checked against their plain definitions at the end.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -116,7 +117,8 @@ def test_counters_are_saved_with_every_evaluation(tmp_path):
 
 
 def saved(state_dir, sql, *args):
-    with sqlite3.connect(state_dir / "parwatch.db") as db:
+    """The rows of a query (or a change, committed) on the store."""
+    with contextlib.closing(sqlite3.connect(state_dir / "parwatch.db")) as db, db:
         return db.execute(sql, args).fetchall()
 
 
@@ -151,9 +153,8 @@ def test_a_garbled_rule_row_costs_that_rule_not_the_start(tmp_path, caplog):
     for _ in range(4):
         run.feed(loss=2.0, pipeline_skew_ratio=1.5)
     run.engine.close()
-    with sqlite3.connect(tmp_path / "parwatch.db") as db:
-        db.execute("UPDATE baselines SET windows = ? WHERE rule = 'spike'", ('{"history": {"values": [1, "x"]}',))
-        db.execute("UPDATE rules SET state = '[1' WHERE rule = 'skew'")
+    saved(tmp_path, "UPDATE baselines SET windows = ? WHERE rule = 'spike'", '{"history": {"values": [1, "x"]}')
+    saved(tmp_path, "UPDATE rules SET state = '[1' WHERE rule = 'skew'")
     again = run.restarted()
     assert again._monitors["spike"].check.history() == {"values": []}
     assert "rule spike's saved baseline in baselines is not usable" in caplog.text

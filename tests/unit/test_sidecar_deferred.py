@@ -4,6 +4,7 @@ everything a request decided is on disk before its answer (so before any directi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 
@@ -42,7 +43,7 @@ def test_decisions_reach_the_disk_before_the_answer(tmp_path):
     decisions = [r for r in lines(tmp_path / "decisions.jsonl") if r.get("type") == "decision"]
     assert decisions and decisions[-1]["rule"] == "nonfinite-loss"
     assert reply["directive"]["id"] == decisions[-1]["directive_id"]
-    with sqlite3.connect(tmp_path / "parwatch.db") as db:
+    with contextlib.closing(sqlite3.connect(tmp_path / "parwatch.db")) as db:
         assert db.execute("SELECT id FROM directives").fetchall() == [(reply["directive"]["id"],)]
         assert db.execute("SELECT delivered_at IS NOT NULL FROM directives").fetchone() == (1,)  # delivered: saved
     sidecar.close()
@@ -67,7 +68,7 @@ def test_a_new_run_archives_the_old_run_in_order(tmp_path):
     old = [r for r in lines(tmp_path / "runs" / "a" / "decisions.jsonl") if r.get("type") == "decision"]
     assert [r["rule"] for r in old] == ["nan"]
     assert not [r for r in lines(tmp_path / "decisions.jsonl") if r.get("type") == "decision"]
-    with sqlite3.connect(tmp_path / "parwatch.db") as db:
+    with contextlib.closing(sqlite3.connect(tmp_path / "parwatch.db")) as db:
         runs = db.execute("SELECT run_id, archived_at IS NOT NULL FROM runs ORDER BY run_id").fetchall()
         assert runs == [("a", 1), ("b", 0)]
         assert [json.loads(line)["run_id"] for (line,) in db.execute("SELECT line FROM records")] == ["a"]
