@@ -5,7 +5,7 @@ checks.py     one object per check kind (threshold, finite, spike, regression) +
               ok/pending/firing state machine of one rule
 engine.py     GuardrailEngine: observations in, decision records and directives out
 directives.py directives handed to the trainer until every rank has applied them
-decisions.py  the append-only decision log and the atomically replaced state file
+store.py      the engine's state in one SQLite database; decisions.jsonl, the log people read
 alerts.py     the same rules as Prometheus alert rules
 """
 
