@@ -30,9 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from parwatch.schema import encode_float
+from parwatch.vocabulary import RecordType
 
 log = logging.getLogger(__name__)
 DB_NAME, LOG_NAME = "parwatch.db", "decisions.jsonl"
+SOUND = "ok"
+"""What SQLite's quick_check answers for a sound database."""
 RUN_FIELDS = ("paused", "tick", "last_step", "first_seen_time", "resumed_time", "next_directive_id")
 RUN_LISTS = ("checkpoints", "rollback_ticks", "rearmed")
 """The runs columns held as JSON."""
@@ -94,7 +97,7 @@ class Batch:
     def record(self, run_id: str | None, record: dict, logged: bool = False) -> None:
         """A JSON-safe decision, outcome or cancel record; logged: decisions.jsonl has it already."""
         line = json.dumps(record, allow_nan=False, separators=(",", ":"))
-        did = record.get("id") if record.get("type") == "decision" else None
+        did = record.get("id") if record.get("type") == RecordType.DECISION else None
         row = (run_id, str(record.get("type")), did if type(did) is int and 0 < did < 2**63 else None, line)
         self.add("INSERT INTO records (run_id, type, decision_id, line) VALUES (?, ?, ?, ?)", row)
         if not logged:
@@ -162,7 +165,7 @@ class StateStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA temp_store=MEMORY")  # no temporary files: the sidecar's root file system is read-only
             (check,) = db.execute("PRAGMA quick_check").fetchone()
-            if check != "ok":
+            if check != SOUND:
                 raise sqlite3.DatabaseError(f"quick_check: {check}")
             db.executescript(SCHEMA)
         except sqlite3.Error:
