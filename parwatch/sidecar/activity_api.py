@@ -386,7 +386,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
     @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=_body(NodeDigest))
     async def digest(request: Request):
-        """A node sidecar's digest of its ranks (parwatch.sidecar.digest)."""
+        """A node sidecar's digest of its ranks (parwatch.records.NodeDigest)."""
         status, payload = await handle_digest(await request.body(), client=None)
         return JSONResponse(payload, status_code=status)
 

@@ -222,7 +222,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
 
 
 def _seconds_or_none(x) -> float | None:
-    """A finite number as float, else None: rows are validated at ingest (parwatch.sidecar.digest), and
+    """A finite number as float, else None: rows are validated at ingest (parwatch.records), and
     the stall clock still checks what it uses, for callers that build Activity rows themselves."""
     if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
         return float(x)
