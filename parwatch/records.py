@@ -61,7 +61,7 @@ ReportState = Literal["running", "done", "crashed"]
 RowState = Literal["running", "done", "crashed", "gone", "silent"]
 """A digest row's state adds what the node judged: gone (its pid ended), silent (alive, no reports)."""
 STATES = {"activity": get_args(ReportState), "digest": get_args(RowState)}
-if STATES["digest"] != (RankState.RUNNING, RankState.DONE, RankState.CRASHED, RankState.GONE, RankState.SILENT):
+if (STATES["activity"], STATES["digest"]) != (tuple(RankState)[:3], tuple(RankState)[:5]):
     raise ImportError("parwatch/records.py: a state differs from parwatch.vocabulary.RankState")
 
 
@@ -115,26 +115,10 @@ class ActivityReport(Struct, kw_only=True):
     error: Error | None = None
 
     def row(self) -> Activity:
-        return Activity(
-            self.rank,
-            self.state,
-            self.kind,
-            self.op,
-            self.group,
-            self.peer,
-            self.seq,
-            self.since,
-            self.step,
-            self.step_seconds,
-            self.pid,
-            self.host or "",
-            self.stage,
-            self.tp_rank,
-            self.dp_rank,
-            self.time,
-            self.step_end,
-            self.error,
-        )
+        """This report as its node's digest row (a missing host reads as "")."""
+        values = {f: getattr(self, f) for f in Activity._fields}
+        values["host"] = self.host or ""
+        return Activity(**values)
 
 
 ACTIVITY_FIELDS = ActivityReport.__struct_fields__
