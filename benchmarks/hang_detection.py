@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
+from parwatch.records import NodeDigest, decode  # noqa: E402
 from parwatch.sidecar.hang import Activity, Layout  # noqa: E402
 from parwatch.sidecar.process import running_sidecar  # noqa: E402
 from tests.integration.e2e_util import decision_records  # noqa: E402
@@ -313,7 +314,7 @@ def handler_timing(ranks: int, rounds: int = 3) -> dict:
                     }
                 ).encode()
                 t0 = time.perf_counter()
-                hub.digest(json.loads(body))
+                hub.digest(decode(body, NodeDigest, "digest"))
                 times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             asyncio.run(hub.tick())  # the once-a-second tick of a healthy run: no rank gone, no stall

@@ -149,37 +149,12 @@ def decode_float(x) -> float | None:
     return float(x)
 
 
-# The activity report (parwatch.collector.activity -> parwatch.sidecar.activity_api), a rank's live state.
-ACTIVITY_VERSION = 1
+# The activity report (parwatch.collector.activity -> parwatch.sidecar.activity_api), a rank's live state:
+# its typed records are in parwatch/records.py.
 HANG_EXIT_CODE = 75
 """Exit status of a rank the leader aborted for a hang (EX_TEMPFAIL): restart from the last checkpoint."""
-ACTIVITY_FIELDS = (
-    "run_id",
-    "rank",
-    "pid",
-    "host",
-    "stage",
-    "tp_rank",
-    "dp_rank",
-    "tp",
-    "pp",
-    "dp",
-    "state",
-    "step",
-    "step_seconds",
-    "kind",
-    "op",
-    "group",
-    "peer",
-    "seq",
-    "since",
-    "time",
-    "step_end",
-)
-"""kind/op/group/peer/seq: the open span (kind null: between spans); since: wall seconds it opened;
-step: the last completed step (-1 before the first); state: "running" or "done"; time: when sampled;
-step_end: wall seconds when this rank ended `step` (its step boundary; null before the first). The
-leader starts a stall's clock there, not at the report's arrival (parwatch.sidecar.hang.Progress)."""
+MAX_TIME = 1e11
+"""Largest unix time accepted (year 5138)."""
 
 
 MAX_ERROR_CHARS = 200

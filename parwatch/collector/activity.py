@@ -7,21 +7,22 @@ training thread; nothing else is asked of it): kind, op, group, peer and the col
 per-group `seq`, since when (wall clock), plus pid, host, coordinates and the last completed
 step. The sidecar's hang detector lines these up across ranks (parwatch.sidecar.hang).
 
-Payload (POST /v1/activity, ~300 bytes): {"version": 1, "activity": ACTIVITY}; see
-`ACTIVITY_FIELDS`. On close a last report says `state: "done"`, so a rank that finished is not
-taken for one that crashed when its pid disappears.
+Payload (POST /v1/activity, ~300 bytes): parwatch.records.ActivityPost, the record the sidecar decodes.
+On close a last report says `state: "done"` (or "crashed", with the exception), so a rank that finished
+is not taken for one that crashed when its pid disappears.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 import threading
 import time
 from typing import TextIO
 
-from parwatch.schema import ACTIVITY_VERSION, MAX_ERROR_CHARS
+from parwatch.records import CONTROL_CHARS, ActivityPost, ActivityReport, ReportState, encode
+from parwatch.schema import MAX_ERROR_CHARS
 
 log = logging.getLogger("parwatch.collector")
 
@@ -29,7 +30,7 @@ log = logging.getLogger("parwatch.collector")
 def describe_error(error: BaseException) -> str:
     """'ExceptionType: first line of the message', at most MAX_ERROR_CHARS (what the sidecar keeps)."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:MAX_ERROR_CHARS]
+    return re.sub(CONTROL_CHARS, " ", f"{type(error).__name__}: {text[0] if text else ''}")[:MAX_ERROR_CHARS]
 
 
 class ActivityReporter:
@@ -87,45 +88,36 @@ class ActivityReporter:
         """Reports lost (sidecar away or refusing)."""
 
     # -- sampling (reporter thread) ---------------------------------------------------------
-    def snapshot(self, state: str = "running") -> dict:
+    def snapshot(self, state: ReportState = "running", error: str | None = None) -> ActivityReport:
         """This rank's activity now: only reads; safe from any thread."""
         ctx, now = self.ctx, self._time()
         span = self.registry.current  # one read: the training thread may replace it right after
         summary = self._summary_fn() or {}
-        record = {
-            "run_id": ctx.run_id,
-            "rank": ctx.rank,
-            "pid": self._pid,
-            "host": ctx.hostname,
-            "stage": ctx.stage,
-            "tp_rank": ctx.tp_rank,
-            "dp_rank": ctx.dp_rank,
-            "tp": ctx.tp,
-            "pp": ctx.pp,
-            "dp": ctx.dp,
-            "state": state,
-            "step": int(summary.get("step", -1)),
-            "step_seconds": summary.get("step_seconds"),
-            "kind": None,
-            "op": None,
-            "group": None,
-            "peer": None,
-            "seq": None,
-            "since": None,
-            "time": now,
-            "step_end": summary.get("time"),
-        }
-        if span is not None:
-            attrs = span.attrs
-            record.update(
-                kind=str(span.kind),
-                op=attrs.get("op"),
-                group=attrs.get("group"),
-                peer=attrs.get("peer"),
-                seq=attrs.get("seq"),
-                since=self._since(span, now),
-            )
-        return record
+        attrs = span.attrs if span is not None else {}
+        return ActivityReport(
+            run_id=ctx.run_id,
+            rank=ctx.rank,
+            pid=self._pid,
+            host=ctx.hostname,
+            stage=ctx.stage,
+            tp_rank=ctx.tp_rank,
+            dp_rank=ctx.dp_rank,
+            tp=ctx.tp,
+            pp=ctx.pp,
+            dp=ctx.dp,
+            state=state,
+            step=int(summary.get("step", -1)),
+            step_seconds=summary.get("step_seconds"),
+            kind=str(span.kind) if span is not None else None,
+            op=attrs.get("op"),
+            group=attrs.get("group"),
+            peer=attrs.get("peer"),
+            seq=attrs.get("seq"),
+            since=self._since(span, now) if span is not None else None,
+            time=now,
+            step_end=summary.get("time"),
+            error=error,
+        )
 
     def _since(self, span, now: float) -> float:
         """Wall time the span opened: exact for host-clock marks (perf_counter_ns integers); for
@@ -138,14 +130,14 @@ class ActivityReporter:
         return self._seen_since
 
     # -- shipping ---------------------------------------------------------------------------
-    def post(self, record: dict) -> bool:
+    def post(self, record: ActivityReport) -> bool:
         if not self.url:
             return False
         now = time.monotonic()
         if now < self._retry_at:
             self.failed += 1
             return False
-        body = json.dumps({"version": ACTIVITY_VERSION, "activity": record}, separators=(",", ":")).encode()
+        body = encode(ActivityPost(1, record))
         try:
             response = self._client().post(self.url, content=body, headers=self._headers)
             if response.status_code >= 400:
@@ -219,10 +211,10 @@ class ActivityReporter:
         self._thread = None
         self._retry_at = 0.0  # the last word is worth one try even after failures
         try:
-            last = self.snapshot(state="done" if error is None else "crashed")
-            if error is not None:
-                last["error"] = describe_error(error)
-            self.post(last)
+            if error is None:
+                self.post(self.snapshot(state="done"))
+            else:
+                self.post(self.snapshot(state="crashed", error=describe_error(error)))
         except Exception:
             pass
         if self._own_http and self._http is not None:

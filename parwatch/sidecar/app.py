@@ -27,7 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from parwatch import __version__
+from parwatch import __version__, records
 from parwatch.guardrails.engine import DirectiveDelivered
 from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency
@@ -225,6 +225,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             components = doc.setdefault("components", {}).setdefault("schemas", {})
             components.update(schema.pop("$defs", {}))
             components["IngestBody"] = schema
+            components.update(records.openapi_components())  # /v1/activity and /v1/digest (activity_api)
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for operations in doc["paths"].values():
                 for op in operations.values():

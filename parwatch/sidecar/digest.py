@@ -11,12 +11,8 @@ this host is `gone` (a crash); one alive but silent for `silent_seconds` is `sil
 said it finished is `done`; one that said it ended by an exception is `crashed`, with the exception. Activity keeps flowing from a hung rank (its reporter thread is
 independent of the blocked training thread), so a hang reads as `running` with the same span open.
 
-Digest body (POST /v1/digest), one per node per second:
-  {"version": 1, "node": NAME, "run_id": ID, "time": T, "layout": [tp, pp, dp],
-   "rows": [[...ACTIVITY_ROW fields in order...], ...]}
-(a node of an older version sends rows without the last fields, step_end and error: read as null.)
-The reply may carry {"signal": [pid, ...]}: the leader asks this node to signal (SIGUSR1) its
-culprit for a stack dump.
+The digest body and the activity report are typed records (parwatch/records.py), decoded with every
+field checked; what depends on the run (a rank inside its layout) is checked here.
 """
 
 from __future__ import annotations
@@ -25,19 +21,16 @@ import errno
 import os
 import socket
 from collections.abc import Callable
-from typing import Literal, overload
 
-from parwatch.schema import MAX_ERROR_CHARS, MAX_STEPS_PER_SECOND
-from parwatch.sidecar.hang import ACTIVITY_ROW, ENDED, Activity, Layout
-from parwatch.sidecar.models import MAX_TIME
+from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
+from parwatch.schema import MAX_STEPS_PER_SECOND
+from parwatch.sidecar.hang import ENDED, Layout
 from parwatch.sidecar.pace import Pace
 from parwatch.vocabulary import RankState
 
-DIGEST_VERSION = 1
 
-
-class BadActivity(ValueError):
-    """An activity report or digest is malformed; the message names the field."""
+class BadActivity(BadRecord):
+    """An activity report or digest does not fit its run; the message names the field."""
 
 
 def pid_alive(pid: int) -> bool:
@@ -49,147 +42,59 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# Bounds on what a report may claim. Every loop the leader runs over a run's ranks is bounded by
-# the layout, so the layout is bounded (MAX_WORLD, above the largest runs published) and fixed per
-# run at first contact; every other number is bounded by what a real run can have.
-MAX_WORLD = 1 << 17
-MAX_PID = 1 << 22  # Linux's pid_max ceiling
-MAX_STEP = (1 << 31) - 1
-MAX_SEQ = 1 << 53
-MAX_TEXT = 64  # kind, op, group
-MAX_HOST = 253  # a DNS name
-REPORT_STATES = (RankState.RUNNING, RankState.DONE, RankState.CRASHED)
-DIGEST_STATES = (*REPORT_STATES, RankState.GONE, RankState.SILENT)
-
-
-# Typed so that a required field reads as its type and an optional one as `type | None`.
-@overload
-def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: Literal[False] = ...) -> int: ...
-@overload
-def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: Literal[True]) -> int | None: ...
-def _int(values: dict, field: str, where: str, lo: int, hi: int, optional: bool = False) -> int | None:
-    x = values.get(field)
-    if x is None and optional:
-        return None
-    if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
-        raise BadActivity(
-            f"{where}.{field} must be {'null or ' if optional else ''}an integer in {lo}..{hi}, got {x!r}"
-        )
-    return x
-
-
-@overload
-def _float(
-    values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[True] = ...
-) -> float | None: ...
-@overload
-def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: Literal[False]) -> float: ...
-def _float(values: dict, field: str, where: str, lo: float, hi: float, optional: bool = True) -> float | None:
-    x = values.get(field)
-    if x is None and optional:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:  # NaN fails both
-        raise BadActivity(
-            f"{where}.{field} must be {'null or ' if optional else ''}a number in {lo:g}..{hi:g}, got {x!r}"
-        )
-    return float(x)
-
-
-@overload
-def _text(values: dict, field: str, where: str, limit: int, optional: Literal[True] = ...) -> str | None: ...
-@overload
-def _text(values: dict, field: str, where: str, limit: int, optional: Literal[False]) -> str: ...
-def _text(values: dict, field: str, where: str, limit: int, optional: bool = True) -> str | None:
-    x = values.get(field)
-    if x is None and optional:
-        return None
-    if not isinstance(x, str) or len(x) > limit or not x.isprintable():
-        raise BadActivity(
-            f"{where}.{field} must be {'null or ' if optional else ''}a printable string of at most {limit} characters"
-        )
-    return x
-
-
-def layout_from(value, where: str) -> Layout:
-    """[tp, pp, dp] -> Layout, each >= 1 and tp*pp*dp <= MAX_WORLD; BadActivity names the field."""
-    if (
-        not isinstance(value, (list, tuple))
-        or len(value) != 3
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
-    ):
-        raise BadActivity(f"{where} must be [tp, pp, dp], three integers >= 1, got {value!r}")
-    layout = Layout(*value)
+def layout_of(tp_pp_dp: tuple[int, int, int], where: str) -> Layout:
+    """[tp, pp, dp] (each 1..MAX_WORLD by its type) -> Layout, refused when tp*pp*dp > MAX_WORLD."""
+    layout = Layout(*tp_pp_dp)
     if layout.world > MAX_WORLD:
         raise BadActivity(
-            f"{where} {list(value)} is a world of {layout.world} ranks, over the {MAX_WORLD} a sidecar accepts"
+            f"{where} {list(tp_pp_dp)} is a world of {layout.world} ranks, over the {MAX_WORLD} a sidecar accepts"
         )
     return layout
 
 
-def activity_row(values: dict, layout: Layout, where: str, states: tuple[str, ...]) -> Activity:
-    """One rank's activity, every field checked against the run's layout and a real run's bounds."""
-    world = layout.world
-    rank = _int(values, "rank", where, 0, world - 1)
-    stage = _int(values, "stage", where, 0, layout.pp - 1)
-    tp_rank = _int(values, "tp_rank", where, 0, layout.tp - 1)
-    dp_rank = _int(values, "dp_rank", where, 0, layout.dp - 1)
-    expected = layout.rank_of(stage, tp_rank, dp_rank)
-    if rank != expected:
+def in_layout(a: Activity, layout: Layout, where: str) -> Activity:
+    """A decoded row checked against its run's layout: rank, coordinates and peer inside it, and agreeing."""
+    for field, value, top in (
+        ("rank", a.rank, layout.world - 1),
+        ("stage", a.stage, layout.pp - 1),
+        ("tp_rank", a.tp_rank, layout.tp - 1),
+        ("dp_rank", a.dp_rank, layout.dp - 1),
+        ("peer", a.peer or 0, layout.world - 1),
+    ):
+        if value > top:
+            raise BadActivity(f"{where}.{field} must be an integer in 0..{top}, got {value}")
+    expected = layout.rank_of(a.stage, a.tp_rank, a.dp_rank)
+    if a.rank != expected:
         raise BadActivity(
-            f"{where}: rank {rank} is not (stage {stage}, tp_rank {tp_rank}, dp_rank {dp_rank}) "
+            f"{where}: rank {a.rank} is not (stage {a.stage}, tp_rank {a.tp_rank}, dp_rank {a.dp_rank}) "
             f"of layout [{layout.tp}, {layout.pp}, {layout.dp}] (that is rank {expected})"
         )
-    state = values.get("state")
-    if state not in states:
-        raise BadActivity(f"{where}.state must be one of {', '.join(states)}, got {state!r}")
-    return Activity(
-        rank=rank,
-        state=state,
-        kind=_text(values, "kind", where, MAX_TEXT),
-        op=_text(values, "op", where, MAX_TEXT),
-        group=_text(values, "group", where, MAX_TEXT),
-        peer=_int(values, "peer", where, 0, world - 1, optional=True),
-        seq=_int(values, "seq", where, 0, MAX_SEQ, optional=True),
-        since=_float(values, "since", where, 0.0, MAX_TIME),
-        step=_int(values, "step", where, -1, MAX_STEP),
-        step_seconds=_float(values, "step_seconds", where, 0.0, 1e7),
-        pid=_int(values, "pid", where, 0, MAX_PID),
-        host=_text(values, "host", where, MAX_HOST, optional=False),
-        stage=stage,
-        tp_rank=tp_rank,
-        dp_rank=dp_rank,
-        time=_float(values, "time", where, 0.0, MAX_TIME, optional=False),
-        step_end=_float(values, "step_end", where, 0.0, MAX_TIME),
-        error=_error(values, where),
-    )
+    return a
 
 
-def _error(values: dict, where: str) -> str | None:
-    error = values.get("error")
-    if error is None:
-        return None
-    if not isinstance(error, str):
-        raise BadActivity(f"{where}.error must be null or a string (the exception a crashed rank ended with)")
-    return "".join(c if c.isprintable() else " " for c in error[:MAX_ERROR_CHARS])
+def digest_rows(rows: list[Activity], layout: Layout) -> list[Activity]:
+    """A digest's rows checked against its layout: at most its world, each inside it, each rank once."""
+    tp, pp, dp, world = layout.tp, layout.pp, layout.dp, layout.world
+    if len(rows) > world:
+        raise BadActivity(f"digest.rows must be a list of at most {world} rows (the layout's world)")
+    seen: set[int] = set()
+    for i, a in enumerate(rows):  # one expression a row: the leader takes 2,048 digests a second
+        if (
+            a.stage >= pp
+            or a.tp_rank >= tp
+            or a.dp_rank >= dp
+            or a.rank != (a.dp_rank * pp + a.stage) * tp + a.tp_rank
+            or (a.peer is not None and a.peer >= world)
+            or a.rank in seen
+        ):
+            _refuse_row(a, layout, f"digest.rows[{i}]")
+        seen.add(a.rank)
+    return rows
 
 
-def activity_from_report(report) -> tuple[Activity, Layout, str]:
-    """A rank's POSTed activity -> (Activity, Layout, run_id); BadActivity names what is wrong."""
-    if not isinstance(report, dict):
-        raise BadActivity("activity must be an object with the fields of parwatch.collector.activity")
-    layout = layout_from([report.get("tp"), report.get("pp"), report.get("dp")], "activity [tp, pp, dp]")
-    values = dict(report)
-    values.setdefault("state", "running")
-    values["host"] = values.get("host") or ""
-    return activity_row(values, layout, "activity", REPORT_STATES), layout, _run_id(report.get("run_id"), "activity")
-
-
-def _run_id(x, where: str) -> str:
-    if x is None:
-        return ""
-    if not isinstance(x, str) or len(x) > 128 or not x.isprintable():
-        raise BadActivity(f"{where}.run_id must be a printable string of at most 128 characters")
-    return x
+def _refuse_row(a: Activity, layout: Layout, where: str) -> None:
+    in_layout(a, layout, where)
+    raise BadActivity(f"{where}: rank {a.rank} appears twice")
 
 
 class LayoutChanged(BadActivity):
@@ -260,18 +165,13 @@ class NodeBook:
             out[rank] = a if state == a.state else a._replace(state=state)
         return out
 
-    def digest(self, node: str) -> dict | None:
+    def digest(self, node: str) -> NodeDigest | None:
         if self.layout is None:
             return None
         layout = self.layout
-        return {
-            "version": DIGEST_VERSION,
-            "node": node,
-            "run_id": self.run_id,
-            "time": self.clock(),
-            "layout": [layout.tp, layout.pp, layout.dp],
-            "rows": [list(a) for a in self.rows().values()],
-        }
+        return NodeDigest(
+            1, node, self.run_id, self.clock(), (layout.tp, layout.pp, layout.dp), list(self.rows().values())
+        )
 
 
 class LeaderView:
@@ -292,33 +192,11 @@ class LeaderView:
         """Ranks the latest digests report gone: kept on ingest so the leader's once-a-second check
         need not look at every rank while none is."""
 
-    def ingest(self, body: dict) -> tuple[str, list]:
-        """Store one digest; (node, its rows as Activity). BadActivity names a malformed field."""
-        if not isinstance(body, dict) or body.get("version") != DIGEST_VERSION:
-            raise BadActivity(f"digest.version must be {DIGEST_VERSION}")
-        node = body.get("node")
-        if not isinstance(node, str) or not node or len(node) > MAX_HOST + 6 or not node.isprintable():
-            raise BadActivity(
-                f"digest.node must be a non-empty printable string of at most {MAX_HOST + 6} "
-                "characters (the sending node's name)"
-            )
-        layout = layout_from(body.get("layout"), "digest.layout")
-        raw = body.get("rows")
-        if not isinstance(raw, list) or len(raw) > layout.world:
-            raise BadActivity(f"digest.rows must be a list of at most {layout.world} rows (the layout's world)")
-        rows, seen = [], set()
-        for i, r in enumerate(raw):
-            # step_end and error, the last fields, may be absent (an older node)
-            if not isinstance(r, list) or not len(ACTIVITY_ROW) - 2 <= len(r) <= len(ACTIVITY_ROW):
-                raise BadActivity(
-                    f"digest.rows[{i}] must be a list of the {len(ACTIVITY_ROW)} fields {', '.join(ACTIVITY_ROW)}"
-                )
-            a = activity_row(dict(zip(ACTIVITY_ROW, r)), layout, f"digest.rows[{i}]", DIGEST_STATES)
-            if a.rank in seen:
-                raise BadActivity(f"digest.rows[{i}]: rank {a.rank} appears twice")
-            seen.add(a.rank)
-            rows.append(a)
-        run_id = _run_id(body.get("run_id"), "digest")
+    def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity]]:
+        """Store one digest; (node, its rows). BadActivity names what does not fit the run."""
+        node, layout = digest.node, layout_of(digest.layout, "digest.layout")
+        rows = digest_rows(digest.rows, layout)
+        run_id = digest.run_id or ""
         for i, a in enumerate(rows):
             self.pace.check(run_id, a.step, f"digest.rows[{i}]")
         if run_id == self.run_id:

@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from parwatch.catalog import RANK_STATES, metric
+from parwatch.records import Activity
 from parwatch.vocabulary import GroupRole, RankState, SpanKind
 
 STARTUP_FACTOR = 6.0
@@ -51,30 +51,6 @@ MAX_WAITING_LISTED = 64
 """evidence.waiting lists at most this many ranks (waiting_count has them all)."""
 
 
-class Activity(NamedTuple):
-    """One rank's latest activity as the leader sees it (a node digest row, in this field order)."""
-
-    rank: int
-    state: str  # running | done | crashed (ended by an exception) | gone (process ended) | silent (alive, no reports)
-    kind: str | None
-    op: str | None
-    group: str | None
-    peer: int | None
-    seq: int | None
-    since: float | None
-    step: int
-    step_seconds: float | None
-    pid: int
-    host: str
-    stage: int
-    tp_rank: int
-    dp_rank: int
-    time: float  # when the rank sampled it (wall clock)
-    step_end: float | None = None  # when the rank ended `step` (its wall clock); absent in older rows
-    error: str | None = None  # crashed: "ExceptionType: message" (bounded); absent in older rows
-
-
-ACTIVITY_ROW = Activity._fields
 ENDED = (RankState.GONE, RankState.CRASHED)
 """States of a rank whose process ended without finishing: a crash, told by the rank (crashed, with
 its exception) or seen by its node (gone: the pid vanished, or its node stopped hearing from it)."""
@@ -246,7 +222,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
 
 
 def _seconds_or_none(x) -> float | None:
-    """A finite number as float, else None: rows are validated at ingest (parwatch.sidecar.digest), and
+    """A finite number as float, else None: rows are validated at ingest (parwatch.records), and
     the stall clock still checks what it uses, for callers that build Activity rows themselves."""
     if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
         return float(x)

@@ -19,7 +19,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from parwatch import vocabulary
 from parwatch.guardrails.engine import MAX_CHECKPOINTS
-from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, SCHEMA_VERSION, decode_float
+from parwatch.records import CONTROL_CHARS
+from parwatch.schema import COLLECTIVE_BUCKETS, DIRECTIVE_ACTIONS, MAX_TIME, SCHEMA_VERSION, decode_float
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"]
 CollectiveGroup = Literal["tp", "pp", "dp", "world", "ep", "cp"]
@@ -43,8 +44,6 @@ MAX_COUNT = 2**53
 """Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
 MAX_SECONDS = 1e9
 """Largest duration accepted (about 31 years): finite, and a sum of many stays finite."""
-MAX_TIME = 1e11
-"""Largest unix time accepted (year 5138)."""
 MAX_RATIO = 1e6
 MAX_PARALLEL = 1 << 20
 """Largest tp, pp, dp (and their product, the world) a summary may claim."""
@@ -58,7 +57,7 @@ def _finite_loss(x):
     return decode_float(x)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL = re.compile(CONTROL_CHARS)
 
 
 def _printable(x: str) -> str:

@@ -111,8 +111,10 @@ def _rss_mb(pid: int) -> float:
 def test_a_claimed_world_of_10_to_the_18_is_refused_and_the_leader_stays_small(sidecar):
     assert _post(sidecar, "/v1/activity", activity(0)).json()["ok"] is True  # the leader: it saw rank 0
     huge = 10**6
-    _refused(
-        _post(sidecar, "/v1/activity", activity(0, tp=huge, pp=huge, dp=huge, run_id="r2")), "activity [tp, pp, dp]"
+    _refused(_post(sidecar, "/v1/activity", activity(0, tp=huge, pp=huge, dp=huge, run_id="r2")), "activity.tp")
+    _refused(  # each within bounds, their product not
+        _post(sidecar, "/v1/activity", activity(0, tp=1000, pp=1000, dp=1, run_id="r2")),
+        "activity [tp, pp, dp] [1000, 1000, 1] is a world of 1000000 ranks",
     )
     _refused(_post(sidecar, "/v1/digest", digest([row(1)], layout=(huge, huge, huge), run_id="r2")), "digest.layout")
     time.sleep(1.5)  # a hang tick or two over whatever was accepted
@@ -138,7 +140,7 @@ def test_every_digest_row_field_is_checked(sidecar):
         (row(host="x" * 10_000), "digest.rows[0].host"),
         (row(stage=0), "is not (stage 0"),  # rank 1 claiming stage 0's coordinates
         (row(rank=7, stage=7), "digest.rows[0].rank"),
-        (row()[:-3], "digest.rows[0] must be a list"),
+        (row()[:-3], "digest.rows[0]: Expected `array` of length 16 to 18"),
     ]
     for bad, field in cases:
         _refused(_post(sidecar, "/v1/digest", digest([bad])), field)

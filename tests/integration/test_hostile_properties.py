@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parwatch.schema import ACTIVITY_FIELDS
+from parwatch.records import ACTIVITY_FIELDS
 from parwatch.sidecar.process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

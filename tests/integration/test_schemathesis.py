@@ -1,7 +1,8 @@
 """Schemathesis against a real sidecar's own OpenAPI document (issue 11): whatever it generates --
 valid bodies, bodies that violate the schema, odd headers -- the sidecar never answers 5xx, every
 answer is one the document lists, with the documented content type and schema, and a request the
-schema forbids is refused.
+schema forbids is refused. Every body is fuzzed, the hot posts' too (/v1/activity and /v1/digest: their
+schemas come from parwatch/records.py).
 
 Schemathesis lives in its own virtual environment (scripts/setup.sh test puts it in
 .tools/schemathesis: its pins clash with ours); bounded: loopback only, a fixed seed, a few
@@ -15,7 +16,9 @@ schema-valid body may rightly get a 4xx naming the rule.
 from __future__ import annotations
 
 import subprocess
+from xml.etree import ElementTree
 
+import httpx
 import pytest
 
 from parwatch.sidecar.process import ROOT, running_sidecar
@@ -50,8 +53,21 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(tmp_path):
             "30",
             "--continue-on-failure",
             "--no-color",
+            "--report",
+            "junit",
+            "--report-junit-path",
+            str(tmp_path / "junit.xml"),
         ]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
         log = sp.log()
+        refused = httpx.get(f"{sp.metrics_url}/metrics", timeout=10).text
+        doc = httpx.get(f"{sp.control_url}/openapi.json", timeout=10).json()
+    for path, record in (("/v1/activity", "ActivityPost"), ("/v1/digest", "NodeDigest")):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{record}"} and record in doc["components"]["schemas"]
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+    tested = {case.get("name") for case in ElementTree.parse(tmp_path / "junit.xml").iter("testcase")}
+    assert {"POST /v1/activity", "POST /v1/digest", "POST /v1/ingest"} <= tested, tested
+    for post in ("activity", "digest"):  # their bodies reached the decoder (schema-breaking ones refused there)
+        assert f'parwatch_posts_refused_total{{post="{post}",reason="invalid"}}' in refused, post
     assert "Traceback" not in log, log[-4000:]  # no unhandled exception behind a 4xx either

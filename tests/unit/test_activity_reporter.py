@@ -11,7 +11,8 @@ import pytest
 from parwatch import contract
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
-from parwatch.schema import ACTIVITY_FIELDS, HANG_EXIT_CODE
+from parwatch.records import ActivityPost, decode
+from parwatch.schema import HANG_EXIT_CODE
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import Faults, parse_fault
 
@@ -66,14 +67,14 @@ def test_snapshot_names_the_open_span_and_since_when():
         pid=4242,
     )
     idle = rep.snapshot()
-    assert set(idle) == set(ACTIVITY_FIELDS) and idle["kind"] is None and idle["step"] == 41
-    assert idle["step_end"] is None  # this summary has no time: the leader falls back on the sample's
+    assert idle.kind is None and idle.step == 41 and idle.error is None
+    assert idle.step_end is None  # this summary has no time: the leader falls back on the sample's
     with reg.span(contract.SpanKind.COLLECTIVE, op="all_reduce", group="tp", seq=17) as span:
         span.start = now_ns[0] - 2_500_000_000  # opened 2.5 s ago
         a = rep.snapshot()
-    assert (a["kind"], a["op"], a["group"], a["seq"]) == ("collective", "all_reduce", "tp", 17)
-    assert a["since"] == pytest.approx(497.5)
-    assert (a["rank"], a["stage"], a["tp_rank"], a["dp_rank"], a["host"], a["pid"]) == (3, 1, 1, 0, "node-a", 4242)
+    assert (a.kind, a.op, a.group, a.seq) == ("collective", "all_reduce", "tp", 17)
+    assert a.since == pytest.approx(497.5)
+    assert (a.rank, a.stage, a.tp_rank, a.dp_rank, a.host, a.pid) == (3, 1, 1, 0, "node-a", 4242)
 
 
 def test_post_body_token_and_abort_reply():
@@ -87,6 +88,25 @@ def test_post_body_token_and_abort_reply():
     assert headers["Authorization"] == "Bearer s3cret"
     assert exits == [HANG_EXIT_CODE]
     assert len(json.dumps(body)) < 600  # tiny
+
+
+def test_what_the_reporter_posts_decodes_as_the_sidecar_reads_it():
+    """The collector encodes parwatch.records.ActivityPost; the sidecar decodes the same type, every bound
+    checked: a span's report, and the last word of a rank that crashed with a multi-line, tabbed error."""
+    http = FakeHttp()
+    reg = contract.HookRegistry()
+    reg.register(contract.Observer())
+    rep = ActivityReporter(
+        _ctx(), reg, "http://x", http=http, interval_s=600, summary_fn=lambda: {"step": 4, "time": 12.5}
+    ).start()
+    with reg.span(contract.SpanKind.RECV, op="recv", group="pp", peer=1, seq=2):
+        assert rep.post(rep.snapshot())
+    rep.close(error=RuntimeError("NCCL\terror:\x1b[31m boom\nsecond line"))
+    (_, first, _), (_, last, _) = http.posts
+    a = decode(json.dumps(first).encode(), ActivityPost, "").activity
+    assert (a.kind, a.peer, a.seq, a.step, a.step_end, a.state) == ("recv", 1, 2, 4, 12.5, "running")
+    crashed = decode(json.dumps(last).encode(), ActivityPost, "").activity
+    assert crashed.state == "crashed" and crashed.error == "RuntimeError: NCCL error: [31m boom"
 
 
 def test_thread_reports_about_once_a_second_and_says_done_on_close():
@@ -150,8 +170,8 @@ def test_snapshot_carries_when_the_step_ended():
         summary_fn=lambda: {"step": 7, "step_seconds": 0.25, "time": 500.125},
     )
     a = rep.snapshot()
-    assert (a["step"], a["step_end"], a["time"]) == (7, 500.125, 500.9)
-    assert rep.snapshot()["step_end"] <= a["time"]
+    assert (a.step, a.step_end, a.time) == (7, 500.125, 500.9)
+    assert rep.snapshot().step_end <= a.time
 
 
 def test_parwatch_host_overrides_the_host_a_rank_reports(monkeypatch):
@@ -168,7 +188,7 @@ def test_parwatch_host_overrides_the_host_a_rank_reports(monkeypatch):
     ctx = RunContext.for_rank("run-1", 0, tp=1, pp=2, dp=1, schedule="1f1b", microbatches=4)
     assert ctx.hostname == "gpu-node-17"
     rep = ActivityReporter(ctx, contract.HookRegistry(), "http://x")
-    assert rep.snapshot()["host"] == "gpu-node-17"
+    assert rep.snapshot().host == "gpu-node-17"
     monkeypatch.setenv("PARWATCH_HOST", "two words")
     with pytest.raises(ValueError, match=r"\$PARWATCH_HOST='two words' must be a host name"):
         host_identity()

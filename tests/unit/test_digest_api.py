@@ -3,9 +3,11 @@ authentication, field-naming 422s, a node forwarding its digest to the leader, r
 
 import asyncio
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from parwatch.records import ActivityPost
 from parwatch.sidecar.activity_api import _next_ask
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
@@ -46,6 +48,10 @@ def report(rank, step=3, kind="forward", pid=None, state="running", host="elsewh
     }
     a.update(kw)
     return {"version": 1, "activity": a}
+
+
+def typed(body: dict) -> ActivityPost:
+    return msgspec.convert(body, ActivityPost)
 
 
 def _client(tmp_path, name, **cfg):
@@ -310,7 +316,9 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
                     0, step=step, kind="recv", op="recv", group="pp", peer=1, host=host, pid=bystander.pid, time=clock.t
                 ),
             )
-            hub.activity(report(1, step=step, kind="forward", host=host, pid=child.pid, time=clock.t), client=child_end)
+            hub.activity(
+                typed(report(1, step=step, kind="forward", host=host, pid=child.pid, time=clock.t)), client=child_end
+            )
 
         for step in (1, 2, 3):
             clock.t += 1
@@ -376,8 +384,8 @@ def test_a_node_signals_only_pids_its_own_ranks_reported(tmp_path, monkeypatch):
     me = os.getpid()  # this process stands in for rank 1 and holds its connection
     with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()):
         accepted, my_end = server.accept()
-        hub.activity(report(1, host=hub.hostname, pid=me), client=my_end)
-        hub.activity(report(0, host=hub.hostname, pid=os.getppid()), client=my_end)  # a pid not holding it
+        hub.activity(typed(report(1, host=hub.hostname, pid=me)), client=my_end)
+        hub.activity(typed(report(0, host=hub.hostname, pid=os.getppid())), client=my_end)  # a pid not holding it
         accepted.close()
     r = node.post("/v1/activity", json=report(0, host=hub.hostname, pid=os.getppid()))  # claimed, never proven
     assert r.status_code == 200

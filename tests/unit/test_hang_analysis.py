@@ -1,8 +1,10 @@
 """Hang analysis over activity pictures: who is the culprit, who waits, crash vs hang, and the leader
 naming one hung rank among 16,384 simulated ranks from node digests."""
 
+import msgspec
 import pytest
 
+from parwatch.records import NodeDigest
 from parwatch.sidecar.digest import LeaderView, NodeBook
 from parwatch.sidecar.hang import (
     JUDGE_EVERY_SECONDS,
@@ -247,12 +249,12 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
     for step in (1, 2):
         clock.t += 1
         for body in digests(step, False):
-            _, rows = view.ingest(body)
+            _, rows = view.ingest(msgspec.convert(body, NodeDigest))
             for a in rows:
                 monitor.observe(a, view.layout, clock.t)
     clock.t += 11
     for body in digests(2, True):
-        view.ingest(body)
+        view.ingest(msgspec.convert(body, NodeDigest))
     [record] = monitor.check(view.rows())
     culprit = record["evidence"]["culprit"]
     assert culprit["rank"] == hung and culprit["kind"] == "backward" and culprit["host"] == f"n{hung // per_node}"
@@ -467,10 +469,8 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     clock = Clock()
     view = LeaderView(clock, grace_seconds=5.0)
     lay = Layout(1, 2, 1)
-    rows = [list(act(r, lay, "forward", step=3)) for r in (0, 1)]
-    view.ingest(
-        {"version": 1, "node": "pw-node1:9401", "run_id": "r", "time": clock.t, "layout": [1, 2, 1], "rows": rows}
-    )
+    rows = [act(r, lay, "forward", step=3) for r in (0, 1)]
+    view.ingest(NodeDigest(1, "pw-node1:9401", "r", clock.t, (1, 2, 1), rows))
     assert {a.state for a in view.rows().values()} == {"running"} and view.missing_nodes() == []
     clock.t += 6.0
     assert {a.state for a in view.rows().values()} == {"unknown"}

@@ -10,8 +10,8 @@ import socket
 
 from test_digest_api import _client, report
 
+from parwatch.records import Activity
 from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.hang import ACTIVITY_ROW
 
 HOST = socket.gethostname()
 
@@ -40,7 +40,7 @@ def _digest(t, state="running"):
     for rank in (2, 3):
         a = _activity(rank, 5, t)["activity"]
         a["state"] = state
-        rows.append([a.get(f) for f in ACTIVITY_ROW])
+        rows.append([a.get(f) for f in Activity._fields])
     return {"version": 1, "node": "node-b:9401", "run_id": "r1", "time": t, "layout": [1, 2, 2], "rows": rows}
 
 

@@ -1,0 +1,203 @@
+"""Typed wire records of live activity (msgspec): a rank's report to its node sidecar and a node's
+digest to the run's leader. The collector and the node sidecar encode these types; the sidecar
+decodes them in one call that checks every field and bound (`decode`), and the OpenAPI document is
+generated from them. What a type cannot say, because it depends on the run (a rank inside this run's
+[tp, pp, dp], a node's rows within its world), the sidecar checks after decoding (sidecar/digest.py).
+
+POST /v1/activity  ActivityPost: {"version": 1, "activity": ActivityReport}, ~300 bytes a second a rank.
+POST /v1/digest    NodeDigest: {"version": 1, "node", "run_id", "time", "layout": [tp, pp, dp],
+                   "rows": [Activity as an array, ...]}, one a second per node. Its reply may carry
+                   {"signal": [pid, ...]}: the leader asks that node to signal its culprit for a stack dump.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar, get_args
+
+import msgspec
+from msgspec import Meta, Struct
+
+from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME
+from parwatch.vocabulary import RankState
+
+# Bounds on what a report may claim. Every loop the leader runs over a run's ranks is bounded by the
+# layout, so the layout is bounded (MAX_WORLD, above the largest runs published) and fixed per run at
+# first contact; every other number is bounded by what a real run can have.
+MAX_WORLD = 1 << 17
+MAX_PID = 1 << 22  # Linux's pid_max ceiling
+MAX_STEP = (1 << 31) - 1
+MAX_SEQ = 1 << 53
+MAX_STEP_SECONDS = 1e7
+MAX_TEXT = 64  # kind, op, group
+MAX_HOST = 253  # a DNS name
+MAX_NODE = MAX_HOST + 6  # host:port
+MAX_RUN_ID = 128
+CONTROL_CHARS = r"[\x00-\x1f\x7f-\x9f\u2028\u2029]"
+"""Text that reaches logs and labels has none of these (the summaries' text too, sidecar/models.py)."""
+
+
+_PRINTABLE = "^[^" + CONTROL_CHARS[1:-1] + "]*"
+_PYTHON_END, _ECMA_END = r"\Z", "$"
+"""Python's re (msgspec checks with it) also matches $ before a final newline; the schema's ECMA regex has no \\Z."""
+
+
+def _text(max_length: int, min_length: int = 0, description: str | None = None) -> Meta:
+    return Meta(min_length=min_length, max_length=max_length, pattern=_PRINTABLE + _PYTHON_END, description=description)
+
+
+Rank = Annotated[int, Meta(ge=0, lt=MAX_WORLD)]
+Parallel = Annotated[int, Meta(ge=1, le=MAX_WORLD, description="tp, pp or dp: at least 1")]
+Pid = Annotated[int, Meta(ge=0, le=MAX_PID)]
+Step = Annotated[int, Meta(ge=-1, le=MAX_STEP, description="the last completed step (-1 before the first)")]
+Seq = Annotated[int, Meta(ge=0, le=MAX_SEQ)]
+Time = Annotated[float, Meta(ge=0.0, le=MAX_TIME, description="unix seconds")]
+StepSeconds = Annotated[float, Meta(ge=0.0, le=MAX_STEP_SECONDS)]
+Text = Annotated[str, _text(MAX_TEXT)]
+Host = Annotated[str, _text(MAX_HOST)]
+RunId = Annotated[str, _text(MAX_RUN_ID)]
+Error = Annotated[str, _text(MAX_ERROR_CHARS, description="crashed: 'ExceptionType: message'")]
+ReportState = Literal["running", "done", "crashed"]
+RowState = Literal["running", "done", "crashed", "gone", "silent"]
+"""A digest row's state adds what the node judged: gone (its pid ended), silent (alive, no reports)."""
+STATES = {"activity": get_args(ReportState), "digest": get_args(RowState)}
+if (STATES["activity"], STATES["digest"]) != (tuple(RankState)[:3], tuple(RankState)[:5]):
+    raise ImportError("parwatch/records.py: a state differs from parwatch.vocabulary.RankState")
+
+
+class Activity(NamedTuple):
+    """One rank's latest activity: a node digest's row (an array, in this field order) and the leader's record."""
+
+    rank: Rank
+    state: RowState  # the leader adds `unknown` for a node gone quiet
+    kind: Text | None  # the open span (null: between spans)
+    op: Text | None
+    group: Text | None
+    peer: Rank | None
+    seq: Seq | None  # the collective's number on its group
+    since: Time | None  # when the span opened (the rank's wall clock)
+    step: Step
+    step_seconds: StepSeconds | None
+    pid: Pid
+    host: Host
+    stage: Rank
+    tp_rank: Rank
+    dp_rank: Rank
+    time: Time  # when the rank sampled it
+    step_end: Time | None = None  # when the rank ended `step`: the leader times a stall from there
+    error: Error | None = None  # crashed: the exception it ended with
+
+
+class ActivityReport(Struct, kw_only=True):
+    """What a rank is doing now (parwatch.collector.activity): its open span, coordinates and last step."""
+
+    run_id: RunId | None = None
+    rank: Rank
+    pid: Pid
+    host: Host | None = None
+    stage: Rank
+    tp_rank: Rank
+    dp_rank: Rank
+    tp: Parallel
+    pp: Parallel
+    dp: Parallel
+    state: ReportState = "running"
+    step: Step
+    step_seconds: StepSeconds | None = None
+    kind: Text | None = None
+    op: Text | None = None
+    group: Text | None = None
+    peer: Rank | None = None
+    seq: Seq | None = None
+    since: Time | None = None
+    time: Time
+    step_end: Time | None = None
+    error: Error | None = None
+
+    def row(self) -> Activity:
+        """This report as its node's digest row (a missing host reads as "")."""
+        values = {f: getattr(self, f) for f in Activity._fields}
+        values["host"] = self.host or ""
+        return Activity(**values)
+
+
+ACTIVITY_FIELDS = ActivityReport.__struct_fields__
+
+
+class ActivityPost(Struct):
+    """POST /v1/activity."""
+
+    version: Literal[1]
+    activity: ActivityReport
+
+
+class NodeDigest(Struct):
+    """POST /v1/digest: a node sidecar's ranks, their liveness judged on the node."""
+
+    version: Literal[1]
+    node: Annotated[str, _text(MAX_NODE, min_length=1, description="the sending node sidecar's name")]
+    run_id: RunId | None
+    time: Time
+    layout: tuple[Parallel, Parallel, Parallel]
+    rows: Annotated[list[Activity], Meta(max_length=MAX_WORLD)]
+
+
+class BadRecord(ValueError):
+    """A body that does not decode into its record; the message names the field and the bound."""
+
+
+T = TypeVar("T")
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+
+def decode(raw: bytes, record: type[T], root: str) -> T:
+    """Raw JSON -> `record`, every field checked; BadRecord names the field as `root`.field[.field...]."""
+    decoder = _decoders.get(record) or _decoders.setdefault(record, msgspec.json.Decoder(record))
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as err:
+        raise BadRecord(_where(str(err), root)) from None
+    except msgspec.DecodeError as err:
+        raise BadRecord(f"body is not valid JSON: {err}") from None
+
+
+_ROW_FIELD = re.compile(r"(\.rows\[\d+\])\[(\d+)\]")
+_ROW = re.compile(r"\.rows\[\d+\]")
+
+
+def _where(message: str, root: str) -> str:
+    """msgspec's 'Expected ... - at `$.rows[0][10]`' -> 'digest.rows[0].pid: Expected ...' (a row's array
+    index read as its field name)."""
+    text, at, path = message.rpartition(" - at `")
+    if not at:
+        text, path = message, ""
+    path = path.rstrip("`").removeprefix("$")
+    if m := _ROW_FIELD.fullmatch(path):
+        path = f"{m[1]}.{Activity._fields[int(m[2])]}"
+    elif _ROW.fullmatch(path):
+        text += f" (a row is [{', '.join(Activity._fields)}], the last two optional)"
+    text = text.replace(f"matching regex {_PRINTABLE + _PYTHON_END!r}", "without control characters")
+    if path.endswith(".state") and text.startswith("Invalid enum value"):
+        text += f" (one of {', '.join(STATES[root or 'activity'])})"
+    return f"{(root + path).lstrip('.') or 'body'}: {text}"
+
+
+def encode(record: Struct) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def openapi_components() -> dict[str, Any]:
+    """The JSON schemas of the posts' records, named as their classes, for the OpenAPI document."""
+    _, components = msgspec.json.schema_components(
+        (ActivityPost, NodeDigest), ref_template="#/components/schemas/{name}"
+    )
+    return _ecma(components)
+
+
+def _ecma(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {
+            k: v.removesuffix(_PYTHON_END) + _ECMA_END if k == "pattern" and v.endswith(_PYTHON_END) else _ecma(v)
+            for k, v in schema.items()
+        }
+    return [_ecma(v) for v in schema] if isinstance(schema, list) else schema
