@@ -36,7 +36,9 @@ def sidecar(tmp_path):
 
 
 def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path):
-    nan_step, steps, every = 6, 14, 2
+    # 40 steps: the rollback must reach the ranks before the run ends. With 14, CI (its machine loaded)
+    # once ran every step before the decision's directive came back, and nothing was applied.
+    nan_step, steps, every = 6, 40, 2
     # keep every checkpoint: the default (3) with --checkpoint-every 2 would prune the target 4 at
     # step 10, and the rollback's travel time in steps depends on this machine's load.
     run, summary = run_trainer(
@@ -69,6 +71,7 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
     assert decision["skip_batches"] == nan_step - decision["checkpoint"]  # skip_batches: window
 
     applied = [a for a in applied_records(tmp_path / "state") if a["directive_id"] == decision["directive_id"]]
+    assert applied, f"the rollback never reached the ranks: {summary['directives_applied']}"
     assert len(applied) == 1 and applied[0]["ranks"] == "0-1" and applied[0]["step"] == decision["checkpoint"]
     assert applied[0]["loaded_step"] == decision["checkpoint"] and applied[0]["counts"] == {"applied": 2}
 
