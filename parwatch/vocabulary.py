@@ -7,7 +7,7 @@ wire, the JSONL files and the rule files keep their plain names; code writes `Ac
 
 The schedule registry (`SCHEDULES`, `schedule()`) is the one list of pipeline schedules: the
 reference trainer, the torch.distributed.pipelining integration, the bubble theory and the example
-all read it.
+all read it. `coords` and `rank_of` are the one rank layout (rank <-> tp_rank, stage, dp_rank).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -352,3 +353,25 @@ def canonical_schedule(name: str) -> str:
     """The registry's name for `name`, or `name` itself when the registry does not know it."""
     entry = schedule(name)
     return entry.name.value if entry is not None else name
+
+
+# --- the rank layout -----------------------------------------------------------------------------
+
+
+class Coords(NamedTuple):
+    """Where a rank sits in a tp x pp x dp run: TP ranks adjacent (they share an NVLink node), PP
+    stages next, DP outermost, so rank = (dp_rank * pp + stage) * tp + tp_rank."""
+
+    tp_rank: int
+    stage: int
+    dp_rank: int
+
+
+def coords(rank: int, tp: int, pp: int) -> Coords:
+    """The coordinates of `rank` (the one place the layout is read)."""
+    return Coords(rank % tp, rank // tp % pp, rank // (tp * pp))
+
+
+def rank_of(tp_rank: int, stage: int, dp_rank: int, tp: int, pp: int) -> int:
+    """The rank at these coordinates: `coords` read backwards."""
+    return (dp_rank * pp + stage) * tp + tp_rank

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from parwatch.bubble import closed_form, stage_bubble
 from parwatch.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, busbw_factor, encode_float
+from parwatch.vocabulary import coords
 
 
 def collective(op: str, group: str, count: int, seconds_each: float, nbytes_each: int, n: int) -> dict:
@@ -49,9 +50,7 @@ def summary(
     instances: bool = True,
 ) -> dict:
     """One rank's summary; rank 0 carries `global` for step-1 when global_stages is given."""
-    stage = (rank // tp) % pp
-    tp_rank = rank % tp
-    dp_rank = rank // (tp * pp)
+    tp_rank, stage, dp_rank = coords(rank, tp, pp)
     theory = closed_form(pp, microbatches)
     compute = (step_seconds - other_seconds) * (1 - theory) * compute_scale
     idle = step_seconds - compute - other_seconds
@@ -118,7 +117,7 @@ def summary(
 def _instances(rank: int, step: int, tp: int, pp: int, microbatches: int) -> dict:
     """Instance records matching `collectives`: 8 TP all-reduces of 2 ms with no wait, and the
     p2p activations to the next stage (0.5 ms, no wait), numbered per group from step 1."""
-    stage, tp_rank = (rank // tp) % pp, rank % tp
+    tp_rank, stage, _ = coords(rank, tp, pp)
     records, groups = [], {}
     if tp > 1:
         groups["tp"] = [rank - tp_rank + t for t in range(tp)]
