@@ -29,6 +29,7 @@ import time
 from collections import deque
 
 from parwatch.schema import SCHEMA_VERSION
+from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("parwatch.collector")
 
@@ -46,22 +47,11 @@ class Delivery:
         self.accepted: bool | None = None
 
 
-def _finite(value):
-    """Replace NaN/inf anywhere in a JSON-able value by the schema's strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 def dumps(value) -> str:
     try:
         return json.dumps(value, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float the producer did not encode
-        return json.dumps(_finite(value), allow_nan=False, separators=(",", ":"))
+        return json.dumps(jsonable(value), allow_nan=False, separators=(",", ":"))
 
 
 class Shipper:

@@ -7,8 +7,8 @@ theoretical bubble as parwatch.bubble defines them.
 from __future__ import annotations
 
 from parwatch.bubble import closed_form, stage_bubble
-from parwatch.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, busbw_factor, encode_float
-from parwatch.vocabulary import coords
+from parwatch.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, busbw_factor
+from parwatch.vocabulary import coords, jsonable
 
 
 def collective(op: str, group: str, count: int, seconds_each: float, nbytes_each: int, n: int) -> dict:
@@ -76,7 +76,7 @@ def summary(
         "idle_seconds": idle,
         "bubble_ratio": stage_bubble(idle, compute),
         "bubble_theoretical_ratio": theory,
-        "loss": encode_float(loss) if stage == pp - 1 and tp_rank == 0 else None,
+        "loss": jsonable(loss) if stage == pp - 1 and tp_rank == 0 else None,
         "tokens": 4096,
         "memory_max_allocated_bytes": 1 << 30,
         "collectives": [
@@ -107,7 +107,7 @@ def summary(
     if rank == 0 and global_stages is not None:
         s["global"] = {
             "step": step - 1,
-            "loss": encode_float(global_loss if global_loss is not None else loss),
+            "loss": jsonable(global_loss if global_loss is not None else loss),
             "pipeline_skew_ratio": _skew(global_stages),
             "stages": global_stages,
         }
