@@ -8,7 +8,6 @@ on every rank at the same step, and rank 0 learns what every rank did.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -394,13 +393,6 @@ class Trainer:
             "directives_applied": self.applied,
             "tokens_per_step": self.cfg.tokens_per_step,
         }
-
-
-def write_summary(path: str, summary: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(tmp, path)
 
 
 def new_run_id() -> str:
