@@ -78,10 +78,6 @@ class ProcessGroups:
         return self.coords.stage
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.coords.stage == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.coords.stage == self.dims.pp - 1
 

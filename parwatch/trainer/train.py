@@ -120,7 +120,6 @@ class Trainer:
                         synthetic.fwd_ms / 1000 / cfg.chunks,
                         synthetic.bwd_ms / 1000 / cfg.chunks,
                         vstage == 0,
-                        vstage == parts - 1,
                         self.dtype,
                     )
                 )
