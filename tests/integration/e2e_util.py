@@ -189,7 +189,7 @@ def launch_nodes(
     """Several "nodes" of one run on this machine: a `torchrun --nnodes N --node-rank K` launcher per
     entry (static rendezvous on loopback) running `-m parwatch train` with that node's args, environment and
     output file. Each in its own process group (kill_group)."""
-    from parwatch.sidecar.process import free_port
+    from tests.sidecar_process import free_port
 
     port, procs = free_port(), []
     for k, (out_path, args, env) in enumerate(zip(out_paths, node_args, envs)):
