@@ -1,5 +1,5 @@
 """Shared pieces of the end-to-end tests: the real trainer (`python -m parwatch.trainer --nproc N`) in its
-own process group, talking to a real `parwatch sidecar` (parwatch.sidecar.process.running_sidecar).
+own process group, talking to a real `parwatch sidecar` (tests/sidecar_process.py, running_sidecar).
 
 Every wait has a deadline and every trainer is killed (its whole process group) when a test
 leaves, so a hang fails the test instead of holding the machine.
