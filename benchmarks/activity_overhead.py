@@ -89,8 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="activity report interval (s)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from parwatch.sidecar.process import running_sidecar
     from tests.distutil import run_ranks
+    from tests.sidecar_process import running_sidecar
 
     with tempfile.TemporaryDirectory(prefix="parwatch-activity-") as tmp:
         with running_sidecar(Path(tmp) / "state") as sidecar:

@@ -105,7 +105,7 @@ def command(case: str, log_dir: str, endpoint: str | None, token_file: str | Non
 
 def one_run(case: str, tmp: Path, index: int) -> tuple[int, str]:
     """(exit code, the output's last lines) of one run."""
-    from parwatch.sidecar.process import free_port, running_sidecar
+    from tests.sidecar_process import free_port, running_sidecar
 
     run_dir = tmp / f"{case}-{index}"
     run_dir.mkdir(parents=True)

@@ -38,10 +38,10 @@ from common import print_table, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet, default_rules  # noqa: E402
-from parwatch.sidecar import synthetic as syn  # noqa: E402
 from parwatch.sidecar.models import StepSummary  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
+from tests.fixtures import synthetic as syn  # noqa: E402
 
 GOAL_MS = 1.0
 LAYOUTS = {8: (2, 4, 1), 1024: (8, 4, 32)}

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
 from parwatch.records import NodeDigest, decode  # noqa: E402
 from parwatch.sidecar.hang import Activity, Layout  # noqa: E402
-from parwatch.sidecar.process import running_sidecar  # noqa: E402
 from tests.integration.e2e_util import decision_records  # noqa: E402
+from tests.sidecar_process import running_sidecar  # noqa: E402
 
 PLACES = {  # where -> (layout flags, nproc, hung rank, its stage, the kind it is in)
     "compute": (("--pp", "2"), 2, 1, 1, "forward"),

@@ -26,7 +26,7 @@ from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
 
 from benchmarks.hang_detection import PER_NODE, _layout, _row  # noqa: E402
 from benchmarks.sidecar_load import Connection, cpu_seconds  # noqa: E402
-from parwatch.sidecar.process import running_sidecar  # noqa: E402
+from tests.sidecar_process import running_sidecar  # noqa: E402
 
 
 def _digest(node: int, step: int, now: float) -> bytes:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import write_json  # noqa: E402
 
 from benchmarks.sidecar_load import percentile, rss_mb  # noqa: E402
-from parwatch.sidecar import synthetic as syn  # noqa: E402
-from parwatch.sidecar.process import running_sidecar  # noqa: E402
+from tests.fixtures import synthetic as syn  # noqa: E402
+from tests.sidecar_process import running_sidecar  # noqa: E402
 
 GOALS = {"healthz_p99_ms": 100.0, "rss_mb": 300.0}
 

@@ -41,11 +41,11 @@ from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
-from parwatch.sidecar import synthetic as syn  # noqa: E402
 from parwatch.sidecar.models import StepSummary  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
-from parwatch.sidecar.process import running_sidecar  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
+from tests.fixtures import synthetic as syn  # noqa: E402
+from tests.sidecar_process import running_sidecar  # noqa: E402
 
 TIME_PLACEHOLDER = 1234567890.0625
 TIME_TEXT = repr(TIME_PLACEHOLDER).encode()

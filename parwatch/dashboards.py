@@ -577,13 +577,6 @@ def dashboard_json(dashboard: dict | None = None) -> str:
     return json.dumps(build_dashboard() if dashboard is None else dashboard, indent=2) + "\n"
 
 
-def export_dashboard(path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dashboard_json())
-    return path
-
-
 # --- Grafana HTTP API ------------------------------------------------------------------------------
 
 

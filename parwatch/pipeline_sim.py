@@ -35,8 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
-from parwatch.vocabulary import P2PPayload, ScheduleName, canonical_schedule
+from parwatch.vocabulary import ScheduleName, canonical_schedule
 
 F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backward weight
 COMPUTE_TYPES = (F, B, I, W)
@@ -432,92 +431,6 @@ def single_stage_order(schedule_name: str, p: int, m: int) -> dict[int, list[Act
         else:
             raise ValueError(f"single_stage_order: schedule {schedule_name!r} must be gpipe or 1f1b")
     return order
-
-
-_SPAN_TYPES = {SpanKind.FORWARD: F, SpanKind.BACKWARD: B, SpanKind.BACKWARD_INPUT: I, SpanKind.BACKWARD_WEIGHT: W}
-# Not the executor's host work: compute (loss included), waiting on a neighbour's data (idle the
-# schedule explains) and work that is not the pipeline's (optimizer, gradient sync, data, checkpoint).
-_NOT_HOST_KINDS = COMPUTE_KINDS | OTHER_KINDS | {SpanKind.RECV}
-
-
-def timings_from_spans(order: Mapping, spans, period_start: Mapping[int, float]) -> tuple[dict, dict, float]:
-    """One measured step as `simulate` inputs: `(durations {Action: s}, host_s {rank: s}, p2p_s)`.
-
-    spans: the step's span records of every rank, as the collector writes them to spans.jsonl
-        (rank, kind, start_s, end_s, attrs with microbatch and vstage, or chunk: the rank's
-        chunk-th virtual stage of `order`), on one clock.
-    period_start: {rank: where the step's period began (the previous boundary's end)}.
-    A loss span is added to its stage's forward (torch computes the loss right after it).
-    Host seconds: what each rank spent, from its period start to its last compute span,
-    neither computing nor blocked in a receive nor in other work (optimizer, gradient sync,
-    data, checkpoint), spread over its executor's blocks: the runtime's own cost per action.
-    p2p_s: the median, over the receives that waited for their data, of the wait's end minus
-    the end of the action that produced the data on the other rank (posting the send, the
-    transfer, waking the receiver); 0 when no receive waited."""
-    blocks = _groups(order)
-    stages = stages_of(order)
-    by_rank: dict[int, list] = {}
-    for span in spans:
-        by_rank.setdefault(span["rank"], []).append(span)
-    durations: dict[Action, float] = {}
-    host: dict[int, float] = {}
-    for rank, group in blocks.items():
-        if rank not in period_start:
-            raise ValueError(f"period_start lacks rank {rank}: give every rank's step start")
-        records = sorted(by_rank.get(rank, []), key=lambda r: r["start_s"])
-        busy = [r for r in records if r["kind"] in COMPUTE_KINDS]
-        if not busy:
-            raise ValueError(f"rank {rank} has no compute spans in this step")
-        start, end = period_start[rank], max(r["end_s"] for r in busy)
-        for r in busy:
-            attrs = r["attrs"]
-            vstage = attrs["vstage"] if "vstage" in attrs else stages[rank][attrs["chunk"]]
-            action = Action(vstage, _SPAN_TYPES.get(r["kind"], F), attrs["microbatch"])  # loss: F
-            durations[action] = durations.get(action, 0.0) + (r["end_s"] - r["start_s"])
-        not_host = [(r["start_s"], r["end_s"]) for r in records if r["kind"] in _NOT_HOST_KINDS]
-        host[rank] = max(0.0, (end - start) - _covered(not_host, start, end)) / len(group)
-    missing = sorted({str(a) for g in blocks.values() for b in g for a in b} - {str(a) for a in durations})
-    if missing:
-        raise ValueError(f"no span for actions {', '.join(missing[:5])}: the spans do not cover the order")
-    return durations, host, _p2p_latency(order, spans, stages)
-
-
-def _p2p_latency(order: Mapping, spans, stages: Mapping[int, list]) -> float:
-    ends: dict = {}  # (stage, "F" | "B", microbatch) -> end of the compute span producing that output
-    for r in spans:
-        if r["kind"] in _SPAN_TYPES and _SPAN_TYPES[r["kind"]] != W:
-            attrs = r["attrs"]
-            vstage = attrs["vstage"] if "vstage" in attrs else stages[r["rank"]][attrs["chunk"]]
-            ends[(vstage, F if r["kind"] == SpanKind.FORWARD else B, attrs["microbatch"])] = r["end_s"]
-    latencies = []
-    for r in spans:
-        if r["kind"] != SpanKind.RECV or r["attrs"].get("what") not in (P2PPayload.ACTIVATION, P2PPayload.GRAD):
-            continue
-        attrs = r["attrs"]
-        vstage = attrs["vstage"] if "vstage" in attrs else stages[r["rank"]][attrs["chunk"]]
-        key = (
-            (vstage - 1, F, attrs["microbatch"])
-            if attrs["what"] == P2PPayload.ACTIVATION
-            else (vstage + 1, B, attrs["microbatch"])
-        )
-        produced = ends.get(key)
-        if produced is not None and r["start_s"] < produced:  # it waited: its end is the data's arrival
-            latencies.append(max(0.0, r["end_s"] - produced))
-    if not latencies:
-        return 0.0
-    latencies.sort()
-    return latencies[len(latencies) // 2]
-
-
-def _covered(intervals, lo: float, hi: float) -> float:
-    """Seconds of [lo, hi] inside the union of `intervals`."""
-    total, reach = 0.0, lo
-    for a, b in sorted(intervals):
-        a, b = max(a, reach), min(b, hi)
-        if b > a:
-            total += b - a
-            reach = b
-    return total
 
 
 def stages_of(order: Mapping | Replay) -> dict[int, list[int]]:

@@ -81,8 +81,6 @@ SpanRecord: {run_id, rank, stage, step, kind, start_s, end_s, attrs}
 
 from __future__ import annotations
 
-import math
-
 from parwatch.vocabulary import CollectiveOp
 
 SCHEMA_VERSION = 1
@@ -126,18 +124,8 @@ def busbw_factor(op: str, n: int) -> float:
     return 1.0
 
 
-def encode_float(x: float | None):
-    """JSON has no NaN/inf: encode them as strings, keep finite floats as numbers."""
-    if x is None:
-        return None
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return x
-
-
 def decode_float(x) -> float | None:
+    """A number as the wire carries it (parwatch.vocabulary.jsonable writes NaN/inf as strings)."""
     if x is None:
         return None
     if isinstance(x, str):

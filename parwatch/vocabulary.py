@@ -7,14 +7,17 @@ wire, the JSONL files and the rule files keep their plain names; code writes `Ac
 
 The schedule registry (`SCHEDULES`, `schedule()`) is the one list of pipeline schedules: the
 reference trainer, the torch.distributed.pipelining integration, the bubble theory and the example
-all read it.
+all read it. `coords` and `rank_of` are the one rank layout (rank <-> tp_rank, stage, dp_rank);
+`jsonable` the one way NaN and inf are written (the strings "nan", "inf", "-inf").
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, NamedTuple
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -352,3 +355,42 @@ def canonical_schedule(name: str) -> str:
     """The registry's name for `name`, or `name` itself when the registry does not know it."""
     entry = schedule(name)
     return entry.name.value if entry is not None else name
+
+
+# --- the rank layout -----------------------------------------------------------------------------
+
+
+class Coords(NamedTuple):
+    """Where a rank sits in a tp x pp x dp run: TP ranks adjacent (they share an NVLink node), PP
+    stages next, DP outermost, so rank = (dp_rank * pp + stage) * tp + tp_rank."""
+
+    tp_rank: int
+    stage: int
+    dp_rank: int
+
+
+def coords(rank: int, tp: int, pp: int) -> Coords:
+    """The coordinates of `rank` (the one place the layout is read)."""
+    return Coords(rank % tp, rank // tp % pp, rank // (tp * pp))
+
+
+def rank_of(tp_rank: int, stage: int, dp_rank: int, tp: int, pp: int) -> int:
+    """The rank at these coordinates: `coords` read backwards."""
+    return (dp_rank * pp + stage) * tp + tp_rank
+
+
+# --- the numbers JSON has no words for -----------------------------------------------------------
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as strict JSON (allow_nan=False) takes it: NaN and inf at any depth become the wire's
+    strings "nan", "inf", "-inf" (float() reads them back), and tuples lists."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value

@@ -3,8 +3,8 @@
 One frozen object per rank, built once by the trainer (or by any other trainer
 that uses the collector), so the collector never has to ask torch.distributed.
 The coordinates are given, not derived: a trainer may order its mesh any way it
-likes. `for_rank` derives them for the common order (TP ranks adjacent, then PP
-stages, then DP outermost: rank = dp_rank * pp * tp + stage * tp + tp_rank).
+likes. `for_rank` derives them for the common order (parwatch.vocabulary's `coords`:
+TP ranks adjacent, then PP stages, then DP outermost).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from parwatch.bubble import closed_form
 from parwatch.host import host_identity
-from parwatch.vocabulary import canonical_schedule, schedule
+from parwatch.vocabulary import canonical_schedule, coords, schedule
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -108,9 +108,7 @@ class RunContext:
             tp=tp,
             pp=pp,
             dp=dp,
-            tp_rank=rank % tp,
-            dp_rank=rank // (tp * pp),
-            stage=(rank // tp) % pp,
+            **coords(rank, tp, pp)._asdict(),
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,

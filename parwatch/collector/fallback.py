@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from parwatch.collector.shipper import Delivery
 from parwatch.contract.directives import Action, Directive
-from parwatch.schema import encode_float
+from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("parwatch.collector")
 
@@ -86,7 +86,7 @@ class LocalGuard:
         self._local_id = max(self._seen_id, self._handled_id) + 1
         since = self._unreachable_since()
         reason = (
-            f"{LOCAL_RULE}: loss {encode_float(loss)} at step {step} and the sidecar did not take its "
+            f"{LOCAL_RULE}: loss {jsonable(loss)} at step {step} and the sidecar did not take its "
             f"summary{'' if since is None else f' (unreachable since {since:.3f})'}: rank 0 pauses the run "
             "until the leader judges it"
         )
@@ -95,7 +95,7 @@ class LocalGuard:
             "rule": LOCAL_RULE,
             "action": Action.PAUSE.value,
             "step": step,
-            "loss": encode_float(loss),
+            "loss": jsonable(loss),
             "time": self._time(),
             "after": self._handled_id,
             "checkpoints": usable,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from parwatch.bubble import stage_bubble
 from parwatch.collector.stats import StepBreakdown
-from parwatch.schema import encode_float
+from parwatch.vocabulary import jsonable
 
 STEP, ORIGIN = 0, 1
 HEADER = 2
@@ -115,7 +115,7 @@ def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> di
     slowest = max(stages, key=lambda s: s["compute_seconds"])["stage"]
     return {
         "step": described - 1,
-        "loss": None if loss is None else encode_float(float(loss)),
+        "loss": None if loss is None else jsonable(float(loss)),
         "pipeline_skew_ratio": skew,
         "slowest_stage": slowest,
         "stages": stages,

@@ -29,6 +29,7 @@ import time
 from collections import deque
 
 from parwatch.schema import SCHEMA_VERSION
+from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("parwatch.collector")
 
@@ -46,22 +47,11 @@ class Delivery:
         self.accepted: bool | None = None
 
 
-def _finite(value):
-    """Replace NaN/inf anywhere in a JSON-able value by the schema's strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 def dumps(value) -> str:
     try:
         return json.dumps(value, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float the producer did not encode
-        return json.dumps(_finite(value), allow_nan=False, separators=(",", ":"))
+        return json.dumps(jsonable(value), allow_nan=False, separators=(",", ":"))
 
 
 class Shipper:
@@ -106,7 +96,6 @@ class Shipper:
         self._on_directive = on_directive
         self.poll_interval_s = poll_interval_s
         self._prepare = prepare  # called on each summary on this thread, before it is written or sent
-        self.prepare_errors = 0
         self._batch_size = batch_size
         self._timeouts = (connect_timeout_s, timeout_s)
         self._max_backoff_s = max_backoff_s
@@ -117,8 +106,6 @@ class Shipper:
         self._thread: threading.Thread | None = None
         self.dropped = 0
         """Summaries that never reached the sidecar: queue overflow, sidecar away or refusing."""
-        self.dropped_span_batches = 0
-        """Sampled steps' span lists lost to queue overflow."""
         self.sent = 0
         """Summaries the sidecar accepted."""
         self.posts = 0
@@ -155,11 +142,9 @@ class Shipper:
         with self._lock:
             if len(self._queue) >= self._queue_size:
                 kind, _payload, delivery = self._queue.popleft()
-                if kind == SUMMARY:
+                if kind == SUMMARY:  # (a dropped span list is just lost)
                     self.dropped += 1
                     _settle([delivery], False)
-                else:
-                    self.dropped_span_batches += 1
             self._queue.append(item)
         self._wake.set()
 
@@ -209,7 +194,7 @@ class Shipper:
                         try:
                             self._prepare(payload)
                         except Exception:  # a summary without its extras beats no summary
-                            self.prepare_errors += 1
+                            pass
             # Encode each summary once: the same text goes to the file and into the POST body.
             summaries = [dumps(payload) for kind, payload, _ in items if kind == SUMMARY]
             deliveries = [delivery for kind, _, delivery in items if kind == SUMMARY]

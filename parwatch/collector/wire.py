@@ -9,7 +9,8 @@ from parwatch.collector.context import RunContext
 from parwatch.collector.stats import StepBreakdown
 from parwatch.contract import Directive, OutcomeReport
 from parwatch.contract.directives import parse_directive
-from parwatch.schema import SCHEMA_VERSION, encode_float
+from parwatch.schema import SCHEMA_VERSION
+from parwatch.vocabulary import jsonable
 
 
 def build_summary(
@@ -56,7 +57,7 @@ def build_summary(
         "bubble_theoretical_ratio": ctx.bubble_theoretical_ratio
         if bubble_theoretical_ratio is None
         else bubble_theoretical_ratio,
-        "loss": None if loss is None else encode_float(float(loss)),
+        "loss": None if loss is None else jsonable(float(loss)),
         "tokens": ctx.tokens_per_step,
         "memory_max_allocated_bytes": memory_max_allocated_bytes,
         "collectives": collectives,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 
 class Child:
@@ -76,14 +79,26 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def wait_healthy(url: str, child: Child, timeout_s: float = 60.0) -> None:
-    """Wait for the child's health endpoint; on failure say why, with the end of its log."""
-    from parwatch.sidecar.process import wait_healthy as wait_for_url
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
-    try:
-        wait_for_url(url, child.proc, timeout_s)
-    except (RuntimeError, TimeoutError) as err:
-        raise RuntimeError(f"the {child.name}: {err}:\n{child.tail()}") from None
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until `url` answers 200; RuntimeError if `proc` exits first, TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited with {proc.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"sidecar did not answer {url} within {timeout:g} s")
 
 
 def stop_all(children: list[Child], grace_s: float = 10.0) -> None:

@@ -14,11 +14,10 @@ from pathlib import Path
 
 from parwatch.client import SidecarClient, SidecarError
 from parwatch.demo.live import LiveView, SummaryTail
-from parwatch.demo.processes import Child, python_module, stop_all, wait_healthy
+from parwatch.demo.processes import Child, free_port, python_module, stop_all, wait_healthy
 from parwatch.demo.scenario import DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
 from parwatch.sidecar.config import TOKEN_FILE_NAME
-from parwatch.sidecar.process import free_port
 from parwatch.tokens import read_token
 from parwatch.vocabulary import Action
 
@@ -60,7 +59,10 @@ def run_demo(cfg: DemoConfig, run_dir: Path, console, interactive: bool) -> dict
             run_dir / "sidecar.log",
         )
         children.append(sidecar)
-        wait_healthy(f"{control}/healthz", sidecar)
+        try:
+            wait_healthy(f"{control}/healthz", sidecar.proc, 60.0)
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(f"the {sidecar.name}: {err}:\n{sidecar.tail()}") from None
         token_file = run_dir / TOKEN_FILE_NAME  # the sidecar's generated token (its state dir is the run dir)
         console.print(
             f"sidecar: metrics http://127.0.0.1:{metrics_port}/metrics   control {control}  "

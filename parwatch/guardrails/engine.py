@@ -43,9 +43,9 @@ from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
-from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, json_safe, read_log
-from parwatch.schema import DIRECTIVE_ACTIONS, decode_float, encode_float
-from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState
+from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
+from parwatch.schema import DIRECTIVE_ACTIONS, decode_float
+from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState, jsonable
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class GuardrailEngine:
 
     def _append(self, record: dict) -> dict:
         """Add a record to the log (with the next commit); returns it JSON-safe, as written."""
-        record = json_safe(record)
+        record = jsonable(record)
         self._batch.record(self._run_id, record)
         self._recent.append(record)
         return record
@@ -587,7 +587,7 @@ class GuardrailEngine:
         decided = local.get("time")
         reason = str(local.get("reason") or f"{local['rule']}: decided by rank 0")
         evidence = {
-            "loss": encode_float(local.get("loss")),
+            "loss": jsonable(local.get("loss")),
             "decided_at": decided,
             "unreachable_since": local.get("unreachable_since"),
             "checkpoints": local.get("checkpoints"),
@@ -881,8 +881,8 @@ class GuardrailEngine:
                     "reason": m.reason,
                     "failing_steps": m.failing_steps,
                     "since_step": m.since_step,
-                    "last_value": encode_float(m.last_value),
-                    "threshold": encode_float(m.threshold),
+                    "last_value": jsonable(m.last_value),
+                    "threshold": jsonable(m.threshold),
                     "last_seen_time": m.last_seen_time,
                     "metric": m.rule.metric,
                     "action": m.rule.action,
@@ -948,7 +948,7 @@ class GuardrailEngine:
         """What decisions.jsonl says when there is no database: the run, its records, and the directives
         decided and neither handled nor cancelled (a trainer ignores an id it already handled, so handing
         one out again is safe). Rule states, checkpoints and counters start afresh."""
-        records = [json_safe(r) for r in read_log(self._dir / LOG_NAME, RECENT_RECORDS)]
+        records = [jsonable(r) for r in read_log(self._dir / LOG_NAME, RECENT_RECORDS)]
         if not records:
             return {}
         run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sqlite3
 import time
@@ -29,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from parwatch.schema import encode_float
 from parwatch.vocabulary import RecordType
 
 log = logging.getLogger(__name__)
@@ -56,17 +54,6 @@ CREATE TABLE IF NOT EXISTS records (
 CREATE INDEX IF NOT EXISTS records_of_run ON records (run_id, seq);
 CREATE TABLE IF NOT EXISTS alerts_acted (fingerprint TEXT PRIMARY KEY);
 """
-
-
-def json_safe(value):
-    """A copy with NaN/inf as the schema's strings ("nan", "inf", "-inf"): the log is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return encode_float(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 class Batch:

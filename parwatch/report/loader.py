@@ -79,10 +79,6 @@ class RunData:
     """File name -> FileIssues; missing files appear with skipped 0 and a reason."""
     config: RunConfig
 
-    @property
-    def skipped_total(self) -> int:
-        return sum(i.skipped for i in self.issues.values())
-
     def stage_ranks(self) -> dict[int, int]:
         """stage -> the rank drawn for it: tp_rank 0 and dp_rank 0 (lowest rank as a fallback)."""
         best: dict[int, tuple] = {}

@@ -40,8 +40,9 @@ from parwatch.sidecar.models import (
     IngestResponse,
     Problem,
 )
-from parwatch.sidecar.service import Sidecar, jsonable
+from parwatch.sidecar.service import Sidecar
 from parwatch.sidecar.store import Refused
+from parwatch.vocabulary import jsonable
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
-from parwatch.schema import encode_float
 from parwatch.sidecar.alerts import AlertDedupe
 from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
@@ -32,7 +30,7 @@ from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
-from parwatch.vocabulary import RecordType, SidecarRole
+from parwatch.vocabulary import RecordType, SidecarRole, jsonable
 
 log = logging.getLogger(__name__)
 
@@ -258,17 +256,6 @@ class Sidecar:
 def _printable(text: str) -> str:
     """Control characters escaped: a client's string must not forge log lines."""
     return text.encode("unicode_escape").decode("ascii")
-
-
-def jsonable(obj):
-    """JSON has no NaN/inf: encode them as the schema does ("nan", "inf", "-inf")."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else encode_float(obj)
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj
 
 
 def build_sidecar(config: SidecarConfig, clock: Callable[[], float] = time.time) -> Sidecar:

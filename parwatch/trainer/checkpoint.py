@@ -59,8 +59,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], object]) -> None:
-    """Write `path` via a temp file in the same directory, so readers never see a partial file."""
+def atomic_write(path: Path, write: Callable[[io.BufferedWriter], object]) -> None:
+    """Write `path` via a temp file in the same directory, so readers never see a partial file
+    and a crash leaves the old file or the new one (the trainer's one way to write a file)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -77,9 +78,9 @@ def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], object]) -> N
     _fsync_dir(path.parent)
 
 
-def _atomic_write_json(path: Path, obj: dict) -> None:
+def atomic_write_json(path: str | Path, obj: dict) -> None:
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write(Path(path), lambda f: f.write(data))
 
 
 class _HashingWriter:
@@ -161,9 +162,9 @@ def save_checkpoint(
         writer_box["w"] = writer = _HashingWriter(f)
         torch.save(state, cast(IO[bytes], writer))  # the writer is file-like where torch.save needs it
 
-    _atomic_write(directory / _shard_name(rank), write_shard)
+    atomic_write(directory / _shard_name(rank), write_shard)
     writer = writer_box["w"]
-    _atomic_write_json(
+    atomic_write_json(
         directory / _shard_info_name(rank),
         {
             "step": step,
@@ -212,7 +213,7 @@ def _read_shard_info(directory: Path, rank: int, step: int, world_size: int) -> 
 
 def _write_manifest(root: Path, directory: Path, step: int, world_size: int, meta: dict) -> None:
     shards = [_read_shard_info(directory, r, step, world_size) for r in range(world_size)]
-    _atomic_write_json(
+    atomic_write_json(
         directory / MANIFEST,
         {
             "format": FORMAT_VERSION,

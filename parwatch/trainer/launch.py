@@ -50,7 +50,8 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
-    from parwatch.trainer.train import Trainer, new_run_id, write_summary
+    from parwatch.trainer.checkpoint import atomic_write_json
+    from parwatch.trainer.train import Trainer, new_run_id
 
     torch.set_num_threads(int(os.environ.get("TRAINER_THREADS", "1")))
     backend = cfg.backend
@@ -82,7 +83,7 @@ def run_rank(
             trainer.on_step = progress.step
         summary = trainer.run()
         if rank == 0 and cfg.summary_json:
-            write_summary(cfg.summary_json, summary)
+            atomic_write_json(cfg.summary_json, summary)
         failed = False
         return summary
     except BaseException as exc:  # told to the sidecar (crashed, and why), then raised on

@@ -115,7 +115,6 @@ class Chunk(nn.Module):
     def __init__(self, pieces: list[nn.Module]):
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
-        self.has_head = isinstance(pieces[-1], Head)
 
     def forward(self, x):
         for piece in self.pieces:

@@ -1,7 +1,6 @@
 """The parallel layout (tp, pp, dp) as one object, checked when it is built.
 
-Rank order: TP ranks are adjacent (they share an NVLink node), PP stages
-next, DP outermost:  rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank.
+Rank order: parwatch.vocabulary's `coords` (TP ranks adjacent, PP stages next, DP outermost).
 """
 
 from __future__ import annotations
@@ -9,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from parwatch import vocabulary
 from parwatch.trainer.errors import ConfigError
+from parwatch.vocabulary import Coords
 
 if TYPE_CHECKING:  # torch is imported when the groups are built
     from torch.distributed import ProcessGroup
@@ -42,14 +43,11 @@ class ParallelDims:
                 f"{self.world_size}; {fix}"
             )
 
-    def coords(self, rank: int) -> RankCoords:
-        tp_rank = rank % self.tp
-        pp_rank = (rank // self.tp) % self.pp
-        dp_rank = rank // (self.tp * self.pp)
-        return RankCoords(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    def coords(self, rank: int) -> Coords:
+        return vocabulary.coords(rank, self.tp, self.pp)
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        return dp_rank * self.pp * self.tp + pp_rank * self.tp + tp_rank
+        return vocabulary.rank_of(tp_rank, pp_rank, dp_rank, self.tp, self.pp)
 
     def tp_group_ranks(self) -> list[list[int]]:
         return [[self.rank_of(t, p, d) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
@@ -61,20 +59,12 @@ class ParallelDims:
         return [[self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
 
 
-@dataclass(frozen=True)
-class RankCoords:
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-
-
 @dataclass
 class ProcessGroups:
     """The process groups this rank belongs to, named by role."""
 
     dims: ParallelDims
-    coords: RankCoords
+    coords: Coords
     tp: ProcessGroup | None = None
     """None: a group of one."""
     pp: ProcessGroup | None = None
@@ -85,15 +75,11 @@ class ProcessGroups:
 
     @property
     def stage(self) -> int:
-        return self.coords.pp_rank
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coords.pp_rank == 0
+        return self.coords.stage
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coords.pp_rank == self.dims.pp - 1
+        return self.coords.stage == self.dims.pp - 1
 
 
 def build_groups(dims: ParallelDims, rank: int) -> ProcessGroups:

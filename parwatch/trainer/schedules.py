@@ -1,4 +1,4 @@
-"""Pipeline schedules as data, and a discrete-event simulator that checks them.
+"""Pipeline schedules as data: the instruction list each stage runs.
 
 A schedule is, per stage, the list of `Instr` the executor runs in order. Builders
 choose the order of forwards and backwards; each compute then gets its recv right
@@ -7,8 +7,9 @@ these orders every (src rank -> dst rank) pair sends its messages in the order t
 receiver receives them (tests check it), so the lists run on a transport without
 tags: NCCL p2p is FIFO per pair.
 
-p=2, m=4, forward 1 unit, backward 2 units, as `simulate` lays them out. Digit n =
-forward of microbatch n, letter pair = its backward (aa = mb 0), . = idle:
+p=2, m=4, forward 1 unit, backward 2 units, as parwatch.pipeline_sim replays
+`pipeline_order`. Digit n = forward of microbatch n, letter pair = its backward
+(aa = mb 0), . = idle:
 
   GPipe: all forwards, then all backwards in forward order (as Megatron and
   torch.distributed.pipelining do). Bubble (p-1)/(m+p-1) = 1/5 on every stage;
@@ -31,22 +32,20 @@ forward of microbatch n, letter pair = its backward (aa = mb 0), . = idle:
     stage 0 |01452.ee3ff6aa7bb.gg.hhccdd|
     stage 1 |.014ee5ff2aa3bb6gg7hhccdd..|
 
-Blocking sends. The executor posts sends with isend. With rendezvous sends instead
-(a send returns once the receiver has posted the matching recv;
-`simulate(..., blocking_sends=True)`) GPipe still finishes, but 1F1B deadlocks once
-p >= 2 and m >= 2, and so does interleaved: in steady state stage s sends an
-activation and then waits for a gradient, while stage s+1 sends that gradient and
-then waits for the next activation, so both sit in their send. Megatron posts such
-pairs together (send_forward_recv_backward via batch_isend_irecv); an executor on
-blocking sends would have to do the same.
+Why isend. With rendezvous sends (a send returns once the receiver has posted the
+matching recv) GPipe still finishes, but 1F1B and interleaved deadlock once p >= 2 and
+m >= 2: in steady state stage s sends an activation and then waits for a gradient, while
+stage s+1 sends that gradient and then waits for the next activation, so both sit in
+their send. Megatron posts such pairs together (send_forward_recv_backward via
+batch_isend_irecv); an executor on blocking sends would have to do the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from parwatch.trainer.errors import ConfigError, TrainerError
+from parwatch.trainer.errors import ConfigError
 from parwatch.vocabulary import REFERENCE_SCHEDULES, InstrOp, P2PPayload, ScheduleName, canonical_schedule
 from parwatch.vocabulary import SCHEDULES as REGISTRY
 
@@ -62,14 +61,6 @@ SCHEDULE_CHOICES = (*SCHEDULES, *(a for name in SCHEDULES for a in REGISTRY[name
 
 class ScheduleError(ConfigError, ValueError):
     """A schedule setting that cannot work (also a ValueError for plain callers)."""
-
-
-class DeadlockError(TrainerError):
-    """The simulation stopped with unfinished stages; `stuck` maps stage -> next Instr."""
-
-    def __init__(self, message: str, stuck: dict[int, Instr]):
-        super().__init__(message)
-        self.stuck = stuck
 
 
 @dataclass(frozen=True)
@@ -121,30 +112,12 @@ def peer_stage(instr: Instr, stage: int, num_stages: int) -> int:
     return (msg.dst_vstage if instr.op in SEND_OPS else msg.src_vstage) % num_stages
 
 
-def peak_inflight(instrs: list[Instr]) -> int:
-    """Most (microbatch, chunk) pairs whose forward has run and backward not yet."""
-    live: set[tuple[int, int]] = set()
-    peak = 0
-    for ins in instrs:
-        if ins.op == InstrOp.FORWARD:
-            live.add((ins.microbatch, ins.chunk))
-            peak = max(peak, len(live))
-        elif ins.op == InstrOp.BACKWARD:
-            live.discard((ins.microbatch, ins.chunk))
-    return peak
-
-
 def build_schedule(name: str, stage: int, num_stages: int, microbatches: int, chunks: int = 1) -> list[Instr]:
     """The instruction list stage `stage` runs for one step of schedule `name` (or an alias of it)."""
     name = canonical_schedule(name)
     _check_args(name, stage, num_stages, microbatches, chunks)
     order = _compute_order(name, stage, num_stages, microbatches, chunks)
     return _with_p2p(order, stage, num_stages, chunks)
-
-
-def build_all(name: str, num_stages: int, microbatches: int, chunks: int = 1) -> list[list[Instr]]:
-    """Every stage's list (what `simulate` takes)."""
-    return [build_schedule(name, s, num_stages, microbatches, chunks) for s in range(num_stages)]
 
 
 def _check_args(name: str, stage: int, p: int, m: int, v: int) -> None:
@@ -208,83 +181,6 @@ def _with_p2p(order: list[Instr], s: int, p: int, v: int) -> list[Instr]:
         if send:
             out.append(Instr(send, ins.microbatch, ins.chunk))
     return out
-
-
-@dataclass
-class SimResult:
-    makespan: float
-    """Time until the last stage finishes (the step period: a pipeline flushes every step)."""
-    busy: list[float]
-    """Per stage: forward + backward time."""
-    idle: list[float] = field(default_factory=list)
-    """Per stage: makespan - busy (waiting on neighbours and for the flush)."""
-    bubble: list[float] = field(default_factory=list)
-    """Per stage: idle / makespan."""
-    spans: list[list[tuple[float, float, Instr]]] = field(default_factory=list)
-    """Per stage: (start, end, instr) of every compute instruction."""
-
-
-def simulate(
-    schedules: list[list[Instr]],
-    fwd: float = 1.0,
-    bwd: float = 2.0,
-    p2p: float = 0.0,
-    blocking_sends: bool = False,
-) -> SimResult:
-    """Run all stages' lists on an ideal machine; raise DeadlockError if they cannot finish.
-
-    Compute takes fwd/bwd. A send is posted and the stage goes on (or, with
-    blocking_sends, waits until the receiver has posted the matching recv); a message
-    arrives p2p after it leaves; a recv blocks until its message (matched by name,
-    not by order) has arrived.
-    """
-    p = len(schedules)
-    clock = [0.0] * p
-    pc = [0] * p
-    busy = [0.0] * p
-    spans: list[list[tuple[float, float, Instr]]] = [[] for _ in range(p)]
-    arrival: dict[Message, float] = {}  # message -> time it is at the receiver
-    posted: dict[Message, float] = {}  # blocking mode: message -> time its recv was posted
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(p):
-            while pc[s] < len(schedules[s]):
-                ins = schedules[s][pc[s]]
-                if ins.op in COMPUTE_OPS:
-                    cost = fwd if ins.op == InstrOp.FORWARD else bwd
-                    spans[s].append((clock[s], clock[s] + cost, ins))
-                    clock[s] += cost
-                    busy[s] += cost
-                else:
-                    msg = message_of(ins, s, p)
-                    if ins.op in SEND_OPS and not blocking_sends:
-                        arrival[msg] = clock[s] + p2p
-                    elif ins.op in SEND_OPS:  # rendezvous: leaves once the recv is posted
-                        if msg not in posted:
-                            break
-                        arrival[msg] = max(clock[s], posted[msg]) + p2p
-                        clock[s] = arrival[msg]
-                    else:
-                        posted.setdefault(msg, clock[s])
-                        if msg not in arrival:
-                            break
-                        clock[s] = max(clock[s], arrival[msg])
-                pc[s] += 1
-                progressed = True
-    stuck = {s: schedules[s][pc[s]] for s in range(p) if pc[s] < len(schedules[s])}
-    if stuck:
-        where = "; ".join(f"stage {s} waits at {ins}" for s, ins in stuck.items())
-        raise DeadlockError(
-            f"schedule deadlocks: {where}. Each of these waits on a message its peer only sends "
-            f"after one of these waits (or never); reorder so a stage's sends come before the recv "
-            f"that depends on them.",
-            stuck,
-        )
-    makespan = max(clock, default=0.0)
-    idle = [makespan - b for b in busy]
-    bubble = [i / makespan if makespan else 0.0 for i in idle]
-    return SimResult(makespan, busy, idle, bubble, spans)
 
 
 def pipeline_order(name: str, num_stages: int, microbatches: int, chunks: int = 1) -> dict[int, list[str]]:

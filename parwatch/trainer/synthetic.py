@@ -87,13 +87,12 @@ class SyntheticChunk(nn.Module):
         fwd_s: float,
         bwd_s: float,
         first: bool,
-        last: bool,
         dtype: torch.dtype,
     ):
         super().__init__()
         self.layers, self.hidden, self.vocab, self.comm = layers, hidden, vocab, comm
         self.fwd_s, self.bwd_s = fwd_s, bwd_s
-        self.first, self.has_head = first, last
+        self.first = first
         self.weight = nn.Parameter(torch.ones(1, dtype=dtype))
         self.dtype = dtype
 

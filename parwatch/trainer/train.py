@@ -8,7 +8,6 @@ on every rank at the same step, and rank 0 learns what every rank did.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -34,6 +33,7 @@ from parwatch.trainer.parallel_dims import ParallelDims, build_groups
 from parwatch.trainer.partition import partition, piece_param_counts
 from parwatch.trainer.schedules import build_schedule, pipeline_order
 from parwatch.trainer.synthetic import SyntheticChunk, parse_synthetic
+from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("trainer")
 
@@ -120,7 +120,6 @@ class Trainer:
                         synthetic.fwd_ms / 1000 / cfg.chunks,
                         synthetic.bwd_ms / 1000 / cfg.chunks,
                         vstage == 0,
-                        vstage == parts - 1,
                         self.dtype,
                     )
                 )
@@ -387,23 +386,12 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "world_size": self.world,
             "steps_completed": self.step,
-            "losses": [_json_float(self.losses[s]) for s in steps],
+            "losses": [jsonable(self.losses[s]) for s in steps],
             "step_seconds": [self.step_seconds.get(s) for s in steps],
-            "loss_history": [[s, _json_float(loss)] for s, loss in self.loss_history],
+            "loss_history": [[s, jsonable(loss)] for s, loss in self.loss_history],
             "directives_applied": self.applied,
             "tokens_per_step": self.cfg.tokens_per_step,
         }
-
-
-def _json_float(x: float):
-    return x if x == x and abs(x) != float("inf") else str(x)
-
-
-def write_summary(path: str, summary: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(tmp, path)
 
 
 def new_run_id() -> str:

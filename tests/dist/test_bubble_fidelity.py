@@ -67,7 +67,8 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     from parwatch.collector.attach import attach_from_config
     from parwatch import contract
     from parwatch.trainer.config import TrainConfig
-    from parwatch.trainer.train import Trainer, write_summary
+    from parwatch.trainer.checkpoint import atomic_write_json
+    from parwatch.trainer.train import Trainer
 
     results = {}
     for name, settings in runs.items():
@@ -85,7 +86,7 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
                 observer.close()
             contract.registry.clear()
         if rank == 0:
-            write_summary(cfg.summary_json, summary)
+            atomic_write_json(cfg.summary_json, summary)
         results[name] = {
             "losses": summary["losses"], "step_seconds": summary["step_seconds"],
             "last_summary": observer.last_summary if observer is not None else None,

@@ -97,7 +97,7 @@ def test_comm_close_completes_sends_and_joins_lanes():
 
 def test_example_with_integration_exits_cleanly(tmp_path):
     """examples/torch_pipelining.py watched, under torchrun: exit 0, 3 in a row."""
-    from parwatch.sidecar.process import free_port
+    from tests.sidecar_process import free_port
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     for i in range(3):

@@ -33,10 +33,10 @@ import pytest
 from parwatch.demo.scenario import DemoConfig
 from parwatch.guardrails.rules import default_rules
 from parwatch.sidecar.models import StepSummary
-from parwatch.sidecar.process import running_sidecar
 from parwatch.sidecar.transfer import TransferTracker
 from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
                                         token_args)
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
 

@@ -107,35 +107,13 @@ def test_the_straggling_stage_computes_x_more_per_microbatch(runs, p, k):
 
 def ideal_idle(p: int, k: int, extra_fwd: float) -> list[float]:
     """Each stage's idle seconds per step on an ideal machine (no latency), stage k's forwards
-    extra_fwd longer: the 1F1B lists the executor runs, timed as parwatch.trainer.schedules.simulate
-    times them (which takes one forward time for every stage)."""
-    from parwatch.trainer.schedules import SEND_OPS, build_schedule, message_of
+    extra_fwd longer: the 1F1B lists the executor runs, replayed by parwatch.pipeline_sim."""
+    from parwatch import pipeline_sim as ps
+    from parwatch.trainer.schedules import pipeline_order
 
-    lists = [build_schedule("1f1b", s, p, M, 1) for s in range(p)]
-    clock, busy, pc, arrival = [0.0] * p, [0.0] * p, [0] * p, {}
-    while any(pc[s] < len(lists[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while pc[s] < len(lists[s]):
-                ins = lists[s][pc[s]]
-                cost = 0.0
-                if ins.op == "forward":
-                    cost = FWD_MS / 1000 + (extra_fwd if s == k else 0.0)
-                elif ins.op == "backward":
-                    cost = BWD_MS / 1000
-                elif ins.op in SEND_OPS:
-                    arrival[message_of(ins, s, p)] = clock[s]
-                else:  # a recv waits for its message
-                    msg = message_of(ins, s, p)
-                    if msg not in arrival:
-                        break
-                    clock[s] = max(clock[s], arrival[msg])
-                clock[s] += cost
-                busy[s] += cost
-                pc[s] += 1
-                progressed = True
-        assert progressed, "the 1F1B lists deadlocked"
-    return [max(clock) - b for b in busy]
+    durations = {"F": FWD_MS / 1000, "B": BWD_MS / 1000, (k, "F"): FWD_MS / 1000 + extra_fwd}
+    idle = ps.simulate(pipeline_order("1f1b", p, M), durations).idle
+    return [idle[s] for s in range(p)]
 
 
 @pytest.mark.timing

@@ -1,5 +1,5 @@
 """Shared pieces of the end-to-end tests: the real trainer (`python -m parwatch.trainer --nproc N`) in its
-own process group, talking to a real `parwatch sidecar` (parwatch.sidecar.process.running_sidecar).
+own process group, talking to a real `parwatch sidecar` (tests/sidecar_process.py, running_sidecar).
 
 Every wait has a deadline and every trainer is killed (its whole process group) when a test
 leaves, so a hang fails the test instead of holding the machine.
@@ -189,7 +189,7 @@ def launch_nodes(
     """Several "nodes" of one run on this machine: a `torchrun --nnodes N --node-rank K` launcher per
     entry (static rendezvous on loopback) running `-m parwatch train` with that node's args, environment and
     output file. Each in its own process group (kill_group)."""
-    from parwatch.sidecar.process import free_port
+    from tests.sidecar_process import free_port
 
     port, procs = free_port(), []
     for k, (out_path, args, env) in enumerate(zip(out_paths, node_args, envs)):

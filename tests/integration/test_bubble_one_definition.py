@@ -47,8 +47,8 @@ from parwatch.guardrails.alerts import alert_name, render_alert_rules_yaml
 from parwatch.guardrails.rules import load_rules
 from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table
-from parwatch.sidecar.process import free_port, running_sidecar, stop
 from tests.integration.e2e_util import wait_until
+from tests.sidecar_process import free_port, running_sidecar, stop
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 ROOT = Path(__file__).resolve().parents[2]

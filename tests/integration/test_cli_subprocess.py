@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from parwatch.sidecar.process import ROOT, free_port, running_sidecar
+from tests.sidecar_process import ROOT, free_port, running_sidecar
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from parwatch.demo.processes import Child, live_group_members, stop_all
-from parwatch.sidecar.process import ROOT
+from tests.sidecar_process import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

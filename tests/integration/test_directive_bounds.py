@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from parwatch.contract.directives import MAX_STEP, parse_directive
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import running_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from parwatch.client import SidecarClient, SidecarError
-from parwatch.sidecar.process import running_sidecar
 from tests.integration.e2e_util import (
     ROOT,
     SMALL_MODEL,
@@ -26,6 +25,7 @@ from tests.integration.e2e_util import (
     token_args,
     wait_until,
 )
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

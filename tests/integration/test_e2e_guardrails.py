@@ -15,7 +15,6 @@ import statistics
 import httpx
 import pytest
 
-from parwatch.sidecar.process import running_sidecar
 from tests.integration.e2e_util import (
     SMALL_MODEL,
     applied_records,
@@ -25,6 +24,7 @@ from tests.integration.e2e_util import (
     synthetic,
     token_args,
 )
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from parwatch.sidecar.process import free_port, running_sidecar, stop
 from tests.integration.e2e_util import (
     SMALL_MODEL,
     is_finite_loss,
@@ -21,6 +20,7 @@ from tests.integration.e2e_util import (
     token_args,
     wait_until,
 )
+from tests.sidecar_process import free_port, running_sidecar, stop
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 

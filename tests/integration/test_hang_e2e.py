@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from parwatch.sidecar.process import running_sidecar
 from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args, wait_until
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parwatch.records import ACTIVITY_FIELDS
-from parwatch.sidecar.process import running_sidecar
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 EXAMPLES = settings(

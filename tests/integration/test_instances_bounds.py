@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import running_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 RANKS = 20  # tp 1 x pp 2 x dp 10

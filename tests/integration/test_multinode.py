@@ -24,7 +24,7 @@ import pytest
 from e2e_util import ROOT, TORCHRUN, kill_group, launch_nodes, read_jsonl, synthetic, wait_nodes, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from parwatch.sidecar.process import free_port, sidecar_command, stop, wait_healthy
+from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
 TOKEN = "multinode-test-token"

@@ -12,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from parwatch.sidecar.process import running_sidecar
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import free_port, running_sidecar, stop
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import free_port, running_sidecar, stop
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import running_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]

@@ -21,7 +21,7 @@ from xml.etree import ElementTree
 import httpx
 import pytest
 
-from parwatch.sidecar.process import ROOT, running_sidecar
+from tests.sidecar_process import ROOT, running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

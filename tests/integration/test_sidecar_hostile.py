@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from benchmarks.sidecar_hostile import _probe_until_file, worst_body
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import ROOT, free_port, running_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import ROOT, free_port, running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

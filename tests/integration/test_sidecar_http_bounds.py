@@ -20,8 +20,8 @@ import time
 import httpx
 import pytest
 
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import running_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

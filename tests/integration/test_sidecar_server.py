@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import ROOT, free_port, running_sidecar, sidecar_command
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import ROOT, free_port, running_sidecar, sidecar_command
 
 pytestmark = pytest.mark.integration
 CHILD_ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}  # and no PARWATCH_TOKEN

@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import running_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 RUN = "run-kept"

@@ -28,8 +28,8 @@ import yaml
 from parwatch import bubble, catalog
 from parwatch import dashboards as dash
 from parwatch import recording as rec
-from parwatch.sidecar import synthetic as syn
-from parwatch.sidecar.process import free_port, running_sidecar, stop
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import free_port, running_sidecar, stop
 
 pytestmark = pytest.mark.integration
 

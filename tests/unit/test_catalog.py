@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from parwatch import catalog
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
+from tests.fixtures import synthetic as syn
 
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.3)]
 

@@ -11,13 +11,13 @@ from fastapi.testclient import TestClient
 from test_digest_api import _Bridge  # the node-to-leader HTTP client stand-in
 from test_transfer import MS, ar, families, p2p, samples, summary
 
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import Listen, SidecarConfig
 from parwatch.sidecar.crossnode import Forwarder, from_wire, to_wire
 from parwatch.sidecar.models import MAX_FORWARD_HALVES, InstancesForward
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.transfer import TransferTracker
+from tests.fixtures import synthetic as syn
 
 
 class Clock:

@@ -226,7 +226,7 @@ def test_crash_then_rank_missing_fires_sixty_seconds_after_the_pid_ended(tmp_pat
     import subprocess
     import sys
 
-    from parwatch.sidecar import synthetic as syn
+    from tests.fixtures import synthetic as syn
 
     client, sidecar, clock = _client(tmp_path, "s", rank_grace_seconds=30.0)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -353,7 +353,7 @@ def test_a_deliberate_pause_keeps_a_node_sidecars_ranks_up(tmp_path):
     """Issue 24, item 5: on 40e8301 the other node reported its ranks down 30 s into a pause (no summaries
     flow while paused), and ParwatchRankMissing paged after ~90 s. The leader's digest reply now says
     the run is paused, and the node keeps its ranks up."""
-    from parwatch.sidecar import synthetic as syn
+    from tests.fixtures import synthetic as syn
 
     leader, lsc, lclock = _client(tmp_path, "leader")
     node, nsc, nclock = _client(tmp_path, "node", leader_url="http://leader", rank_grace_seconds=30.0)

@@ -11,7 +11,7 @@ import socket
 from test_digest_api import _client, report
 
 from parwatch.records import Activity
-from parwatch.sidecar import synthetic as syn
+from tests.fixtures import synthetic as syn
 
 HOST = socket.gethostname()
 

@@ -6,6 +6,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import theoretical
+from tests.bubble_replay import timings_from_spans
 from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
 
 
@@ -152,16 +153,16 @@ def test_timings_from_spans_separate_host_from_waiting():
         _record(1, "loss", 13.0, 13.5, microbatch=0, vstage=1),  # added to the forward
         _record(1, "backward", 13.5, 15.5, microbatch=0, vstage=1),
     ]
-    durations, host, p2p = ps.timings_from_spans(order, spans, {0: 10.0, 1: 10.0})
+    durations, host, p2p = timings_from_spans(order, spans, {0: 10.0, 1: 10.0})
     assert durations == pytest.approx(
         {ps.Action(0, "F", 0): 1.0, ps.Action(0, "B", 0): 2.0, ps.Action(1, "F", 0): 1.25, ps.Action(1, "B", 0): 2.0}
     )
     assert host == pytest.approx({0: 1.5 / 2, 1: 0.0})
     assert p2p == pytest.approx(0.25)  # the median of 0.25, 0.2 (activations), 0.5 (1B0 ends at 15.5, its grad at 16)
     with pytest.raises(ValueError, match="no span for actions 1B0"):
-        ps.timings_from_spans(order, spans[:-1], {0: 10.0, 1: 10.0})
+        timings_from_spans(order, spans[:-1], {0: 10.0, 1: 10.0})
     with pytest.raises(ValueError, match="period_start lacks rank 1"):
-        ps.timings_from_spans(order, spans, {0: 10.0})
+        timings_from_spans(order, spans, {0: 10.0})
 
 
 def test_accepted_action_forms_agree():

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: structure, memory, timing (by simulation) and deadlock checks."""
+"""Pipeline schedules as data: structure, memory, and timing (replayed by parwatch.pipeline_sim)."""
 
 import subprocess
 import sys
@@ -7,18 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from parwatch import pipeline_sim as ps
 from parwatch.trainer.schedules import (
     COMPUTE_OPS,
     RECV_OPS,
     SEND_OPS,
-    DeadlockError,
     Instr,
-    build_all,
     build_schedule,
     message_of,
-    peak_inflight,
     peer_stage,
-    simulate,
+    pipeline_order,
     virtual_stage,
 )
 
@@ -27,6 +25,26 @@ MICROBATCHES = (1, 2, 3, 4, 8)
 PLAIN = [(name, p, m, 1) for name in ("gpipe", "1f1b") for p in STAGES for m in MICROBATCHES]
 INTERLEAVED = [("interleaved", p, m, v) for p in STAGES if p >= 2 for m in MICROBATCHES if m % p == 0 for v in (2, 3)]
 ALL = PLAIN + INTERLEAVED
+
+
+def build_all(name, p, m, v=1):
+    return [build_schedule(name, s, p, m, v) for s in range(p)]
+
+
+def peak_inflight(instrs):
+    """Most (microbatch, chunk) pairs whose forward has run and backward not yet."""
+    live, peak = set(), 0
+    for ins in instrs:
+        if ins.op == "forward":
+            live.add((ins.microbatch, ins.chunk))
+            peak = max(peak, len(live))
+        elif ins.op == "backward":
+            live.discard((ins.microbatch, ins.chunk))
+    return peak
+
+
+def replay(name, p, m, v=1, fwd=1.0, bwd=2.0, p2p=0.0):
+    return ps.simulate(pipeline_order(name, p, m, v), {"F": fwd, "B": bwd}, p2p_s=p2p)
 
 
 def _ids(case):
@@ -96,7 +114,7 @@ def test_peak_inflight_counts_chunks_separately():
 @pytest.mark.parametrize("case", PLAIN, ids=_ids)
 def test_simulated_bubble_matches_the_formula(case):
     name, p, m, _ = case
-    result = simulate(build_all(name, p, m), fwd=1.0, bwd=2.0, p2p=0.0)
+    result = replay(name, p, m)
     assert result.makespan == pytest.approx((m + p - 1) * 3.0)
     for s in range(p):
         assert result.busy[s] == pytest.approx(3.0 * m)
@@ -107,7 +125,7 @@ def test_simulated_bubble_matches_the_formula(case):
 @pytest.mark.parametrize("case", INTERLEAVED, ids=_ids)
 def test_interleaved_bubble_shrinks_by_the_number_of_chunks(case):
     name, p, m, v = case
-    result = simulate(build_all(name, p, m, v), fwd=1.0 / v, bwd=2.0 / v)
+    result = replay(name, p, m, v, fwd=1.0 / v, bwd=2.0 / v)
     for s in range(p):
         assert result.busy[s] == pytest.approx(3.0 * m)
         assert result.bubble[s] == pytest.approx((p - 1) / (v * m + p - 1))
@@ -115,7 +133,7 @@ def test_interleaved_bubble_shrinks_by_the_number_of_chunks(case):
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
 def test_gpipe_pays_p2p_latency_once_per_hop_each_way(p, m):
-    result = simulate(build_all("gpipe", p, m), fwd=1.0, bwd=2.0, p2p=0.25)
+    result = replay("gpipe", p, m, p2p=0.25)
     assert result.makespan == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * 0.25)
 
 
@@ -146,60 +164,6 @@ def test_interleaved_wraps_from_the_last_rank_to_rank_0_next_chunk():
     assert peer_stage(Instr("send_grad", 2, chunk=1), 0, p) == p - 1
     assert peer_stage(Instr("send_act", 2, chunk=1), 0, p) == 1
     assert peer_stage(Instr("recv_grad", 2, chunk=0), 3, p) == 0
-
-
-def test_simulator_timing_of_sends_and_receives():
-    stage0 = [Instr("forward", 0), Instr("send_act", 0), Instr("forward", 1)]
-    stage1 = [Instr("backward", 7), Instr("recv_act", 0), Instr("forward", 0)]
-    free = simulate([stage0, stage1], fwd=1.0, bwd=2.0, p2p=0.5)
-    # stage 1 is busy until 2; the activation (sent at 1) has arrived by then.
-    assert free.makespan == pytest.approx(3.0)
-    assert [s[-1][1] for s in free.spans] == pytest.approx([2.0, 3.0])
-    # A rendezvous send leaves when stage 1 posts its recv at 2 and takes 0.5 more.
-    blocking = simulate([stage0, stage1], fwd=1.0, bwd=2.0, p2p=0.5, blocking_sends=True)
-    assert [s[-1][1] for s in blocking.spans] == pytest.approx([3.5, 3.5])
-    assert blocking.idle == pytest.approx([3.5 - 2.0, 3.5 - 3.0])
-
-
-def test_recv_moved_before_the_send_it_depends_on_deadlocks():
-    lists = build_all("1f1b", 2, 2)
-    stage0 = lists[0]
-    # Stage 0 now waits for grad 0 before sending activation 0, which that grad needs.
-    stage0.remove(Instr("recv_grad", 0))
-    stage0.insert(stage0.index(Instr("send_act", 0)), Instr("recv_grad", 0))
-    with pytest.raises(DeadlockError) as err:
-        simulate(lists)
-    assert err.value.stuck == {0: Instr("recv_grad", 0), 1: Instr("recv_act", 0)}
-    assert "stage 0 waits at recv_grad(mb=0, chunk=0)" in str(err.value)
-    assert "stage 1 waits at recv_act(mb=0, chunk=0)" in str(err.value)
-
-
-def test_missing_send_deadlocks():
-    lists = build_all("gpipe", 3, 2)
-    lists[1].remove(Instr("send_act", 1))
-    with pytest.raises(DeadlockError) as err:
-        simulate(lists)
-    assert set(err.value.stuck) == {0, 1, 2}
-    assert err.value.stuck[2] == Instr("recv_act", 1)
-
-
-@pytest.mark.parametrize("case", [c for c in PLAIN if c[0] == "gpipe"], ids=_ids)
-def test_gpipe_survives_blocking_sends(case):
-    name, p, m, _ = case
-    result = simulate(build_all(name, p, m), blocking_sends=True)
-    assert result.busy == pytest.approx([3.0 * m] * p)
-
-
-@pytest.mark.parametrize("case", [c for c in ALL if c[0] != "gpipe"], ids=_ids)
-def test_1f1b_deadlocks_on_blocking_sends_once_it_has_a_steady_state(case):
-    # Documented in the module: the executor must post sends with isend.
-    name, p, m, v = case
-    lists = build_all(name, p, m, v)
-    if p >= 2 and m >= 2:
-        with pytest.raises(DeadlockError):
-            simulate(lists, blocking_sends=True)
-    else:
-        simulate(lists, blocking_sends=True)
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from parwatch.cli.control import decisions, pause, resume, rollback, status
 from parwatch.client import SidecarClient, SidecarError
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import Listen, SidecarConfig
-from parwatch.sidecar.process import free_port
 from parwatch.sidecar.service import build_sidecar
+from tests.fixtures import synthetic as syn
+from tests.sidecar_process import free_port
 
 TOKEN = "cli-token"
 

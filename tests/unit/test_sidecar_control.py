@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
+from tests.fixtures import synthetic as syn
 
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
 

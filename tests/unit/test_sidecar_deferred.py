@@ -10,10 +10,10 @@ import sqlite3
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import Rule, RuleSet
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.models import IngestBody
 from parwatch.sidecar.service import build_sidecar
+from tests.fixtures import synthetic as syn
 
 
 def lines(path) -> list[dict]:

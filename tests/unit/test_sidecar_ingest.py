@@ -7,11 +7,11 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import Listen, SidecarConfig
 from parwatch.sidecar.service import build_sidecar
 from parwatch.tokens import TokenError
+from tests.fixtures import synthetic as syn
 
 TOKEN = "s3cret-token"
 

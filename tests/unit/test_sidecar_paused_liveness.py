@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
+from tests.fixtures import synthetic as syn
 
 
 class Clock:

@@ -7,10 +7,10 @@ import json
 
 from fastapi.testclient import TestClient
 
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
+from tests.fixtures import synthetic as syn
 
 TOKEN = "fast-and-framework"
 

@@ -181,7 +181,7 @@ def test_any_accepted_input_leaves_metrics_readable(batches):
 )
 def test_numbers_beyond_a_metric_are_refused_not_stored(field, value, tmp_path):
     """Issue 11: one such post used to be accepted and break every later scrape (500)."""
-    from parwatch.sidecar import synthetic as syn
+    from tests.fixtures import synthetic as syn
 
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path))
     s = syn.summary(0, 1)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
+from tests.fixtures import synthetic as syn
 
 
 class Clock:

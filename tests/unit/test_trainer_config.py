@@ -7,6 +7,7 @@ import pytest
 from parwatch.trainer.config import TrainConfig, build_parser, parse_args
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.parallel_dims import ParallelDims
+from parwatch.vocabulary import Coords
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (4, 2, 3), (3, 1, 2)]
 
@@ -18,9 +19,9 @@ def test_coords_and_rank_of_round_trip(tp, pp, dp):
     seen = set()
     for rank in range(dims.world_size):
         c = dims.coords(rank)
-        assert (0 <= c.tp_rank < tp, 0 <= c.pp_rank < pp, 0 <= c.dp_rank < dp) == (True, True, True)
-        assert dims.rank_of(c.tp_rank, c.pp_rank, c.dp_rank) == rank
-        seen.add((c.tp_rank, c.pp_rank, c.dp_rank))
+        assert (0 <= c.tp_rank < tp, 0 <= c.stage < pp, 0 <= c.dp_rank < dp) == (True, True, True)
+        assert dims.rank_of(c.tp_rank, c.stage, c.dp_rank) == rank
+        seen.add(c)
     assert len(seen) == dims.world_size  # a bijection between ranks and coordinates
 
 
@@ -37,7 +38,7 @@ def test_tp_ranks_are_adjacent_pp_next_dp_outermost():
     assert dims.tp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.pp_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.dp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert dims.coords(6) == dims.coords(6).__class__(rank=6, tp_rank=0, pp_rank=1, dp_rank=1)
+    assert dims.coords(6) == Coords(tp_rank=0, stage=1, dp_rank=1)
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
@@ -46,9 +47,10 @@ def test_group_members_share_all_other_coordinates(tp, pp, dp):
     for role, groups in (("tp", dims.tp_group_ranks()), ("pp", dims.pp_group_ranks()), ("dp", dims.dp_group_ranks())):
         for group in groups:
             coords = [dims.coords(r) for r in group]
-            others = {tuple(getattr(c, f"{k}_rank") for k in ("tp", "pp", "dp") if k != role) for c in coords}
+            field = {"tp": "tp_rank", "pp": "stage", "dp": "dp_rank"}[role]
+            others = {c._replace(**{field: 0}) for c in coords}
             assert len(others) == 1, f"{role} group {group} mixes other coordinates"
-            assert [getattr(c, f"{role}_rank") for c in coords] == list(range(len(group)))
+            assert [getattr(c, field) for c in coords] == list(range(len(group)))
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import pytest
 from parwatch.collector.instances import InstanceLog, InstanceSampling
 from parwatch.contract import Span
 from parwatch.schema import COLLECTIVE_BUCKETS
-from parwatch.sidecar import synthetic as syn
 from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.transfer import TransferTracker, split_instance, transfer_families
+from tests.fixtures import synthetic as syn
 
 MS = 1e-3
 

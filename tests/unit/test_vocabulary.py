@@ -121,11 +121,11 @@ def test_the_old_name_interleaved_still_works_everywhere_and_summaries_carry_one
     from parwatch.bubble import has_closed_form, theoretical
     from parwatch.collector.context import RunContext
     from parwatch.trainer.config import parse_args
-    from parwatch.trainer.schedules import build_all
+    from parwatch.trainer.schedules import pipeline_order
 
     cfg = parse_args(["--schedule", "interleaved", "--pp", "2", "--chunks", "2"])  # what users typed before
     cfg.validate()
-    assert build_all(cfg.schedule, 2, 4, 2) == build_all("interleaved1f1b", 2, 4, 2)
+    assert pipeline_order(cfg.schedule, 2, 4, 2) == pipeline_order("interleaved1f1b", 2, 4, 2)
     ctx = RunContext.for_rank("r", 0, tp=1, pp=2, dp=1, schedule=cfg.schedule, microbatches=4, chunks=2)
     assert ctx.schedule == "interleaved1f1b"  # what its summaries say
     # A stored summary of the old name gets the same theory.

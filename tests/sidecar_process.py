@@ -1,4 +1,4 @@
-"""Start `parwatch sidecar` as a child process and wait until it answers (tests, benchmarks, demo).
+"""Start `parwatch sidecar` as a child process and wait until it answers (tests, benchmarks).
 
 The context manager always stops the child (SIGTERM, then SIGKILL), even when the body fails.
 """
@@ -9,24 +9,15 @@ import contextlib
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import httpx
+from parwatch.demo.processes import free_port, wait_healthy
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -54,20 +45,6 @@ class SidecarProcess:
 
 def sidecar_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "parwatch.cli.main", "sidecar", *args]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with {proc.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"sidecar did not answer {url} within {timeout:g} s")
 
 
 def _limit_files(n: int) -> None:
