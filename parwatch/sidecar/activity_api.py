@@ -44,7 +44,7 @@ from parwatch.sidecar.digest import LeaderView, NodeBook, StepPace, in_layout, l
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.pid_owner import owns_connection
-from parwatch.vocabulary import RankState
+from parwatch.vocabulary import RankState, jsonable
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -394,8 +394,6 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
     @router.get("/v1/hang", dependencies=auth)
     async def hang():
-        from parwatch.sidecar.service import jsonable
-
         return JSONResponse(jsonable(hub.status()))
 
     app.include_router(router)
