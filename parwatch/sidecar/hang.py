@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from parwatch.catalog import RANK_STATES, metric
 from parwatch.records import Activity
 from parwatch.vocabulary import GroupRole, RankState, SpanKind
+from parwatch.vocabulary import rank_of as vocabulary_rank_of
 
 STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
@@ -89,8 +90,8 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     def rank_of(self, stage: int, tp_rank: int, dp_rank: int) -> int:
-        """The global rank at these coordinates (parwatch.trainer.parallel_dims' order: TP inner, DP outer)."""
-        return (dp_rank * self.pp + stage) * self.tp + tp_rank
+        """The global rank at these coordinates (the vocabulary's one layout: TP inner, DP outer)."""
+        return vocabulary_rank_of(tp_rank, stage, dp_rank, self.tp, self.pp)
 
     def members(self, group: str, a: Activity) -> range | list:
         """Global ranks of `a`'s instance of group role `group` (parwatch.trainer.parallel_dims' rank order)."""
