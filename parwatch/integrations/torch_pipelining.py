@@ -28,23 +28,11 @@ the newest checkpoint) on every rank and continues from the step it returns.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
-from typing import Any
 
 from parwatch import pipeline_sim
-from parwatch.contract import (
-    Action,
-    BoundaryKind,
-    Event,
-    FailReason,
-    Outcome,
-    SpanKind,
-    StepBoundary,
-    TorchAllReduce,
-    registry,
-)
+from parwatch.contract import StepBoundary, TorchAllReduce
 from parwatch.integrations import _p2p
 from parwatch.integrations._p2p import P2PHookMissing  # noqa: F401  (part of this module's API)
 from parwatch.integrations._stage_spans import (
@@ -54,9 +42,8 @@ from parwatch.integrations._stage_spans import (
     instrument_loss,
     instrument_stage,
 )
+from parwatch.integrations._steploop import StepLoop
 from parwatch.vocabulary import SCHEDULES
-
-log = logging.getLogger("parwatch.integrations.torch_pipelining")
 
 SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
 """torch class name -> parwatch's schedule name (parwatch.vocabulary's registry)."""
@@ -103,7 +90,7 @@ def action_order(schedule) -> dict:
     return pipeline_sim.normalize(schedule.pipeline_order)
 
 
-class PipelineWatch:
+class PipelineWatch(StepLoop):
     """Instruments one schedule on this rank and drives its step boundary. See the module docstring.
 
     schedule: a torch.distributed.pipelining schedule, built as usual (the process group is up).
@@ -156,26 +143,22 @@ class PipelineWatch:
         self.microbatches = schedule._n_microbatches
         self.chunks = len(self.stages)
         self.is_last = any(s.is_last for s in self.stages)
-        self.load_checkpoint = load_checkpoint
         self.p2p = p2p
-        self.pause_poll_s = pause_poll_s
-        self.boundary = StepBoundary(
-            dist.get_rank(boundary_group),
-            dist.get_world_size(boundary_group),
-            run_id,
-            TorchAllReduce(boundary_group, device if device is not None else getattr(first, "device", None)),
-            reports_loss=self.is_last,
+        super().__init__(
+            pp_rank=self.pp_rank,
+            boundary=StepBoundary(
+                dist.get_rank(boundary_group),
+                dist.get_world_size(boundary_group),
+                run_id,
+                TorchAllReduce(boundary_group, device if device is not None else getattr(first, "device", None)),
+                reports_loss=self.is_last,
+            ),
+            load_checkpoint=load_checkpoint,
+            pause_poll_s=pause_poll_s,
         )
-        """The contract's step-boundary driver (one small SUM all-reduce per step)."""
         self._patches = Patches()
         self._losses: list = []
         self.attached = False
-        self.step = 0
-        """The last optimizer step finished (the boundary's step number)."""
-        self.timeline = 0
-        """Rollbacks applied so far in this run."""
-        self.applied: list[dict] = []
-        """Directives this rank handled: {id, action, step, outcome, ...} (a resume ending a pause: no id)."""
         self.attach()
 
     # ------------------------------------------------------------------ instrumentation
@@ -241,22 +224,8 @@ class PipelineWatch:
     # ------------------------------------------------------------------ the step loop
     def start(self, step: int = 0) -> int:
         """The run's first boundary, on every rank; `step`: where training resumes (0: fresh)."""
-        self.step = step
-        order = {rank: [str(a) for a in acts] for rank, acts in self.action_order().items()}
-        registry.emit_event(
-            Event.RUN_START,
-            rank=self.pp_rank,
-            config={"schedule": self.name, "pp": self.pp, "microbatches": self.microbatches, "chunks": self.chunks},
-            model_flops_per_step=None,
-            pipeline_order=order,
-        )
-        self.boundary.exchange(BoundaryKind.START, self.step)
-        return self.step
-
-    def optimizer_step(self, optimizer, *args, **kwargs):
-        """`optimizer.step()` inside an optimizer span (other time, not bubble)."""
-        with registry.span(SpanKind.OPTIMIZER, stage=self.pp_rank):
-            return optimizer.step(*args, **kwargs)
+        config = {"schedule": self.name, "pp": self.pp, "microbatches": self.microbatches, "chunks": self.chunks}
+        return self.begin(step, config, self.action_order())
 
     def step_done(self, loss: float | None = None) -> int:
         """Call after each optimizer step, on every rank: the step boundary, then any directive.
@@ -264,82 +233,16 @@ class PipelineWatch:
         loss: this rank's loss for the step; default: the mean of the microbatch losses the
         schedule computed here (last stage only). Returns the step training continues from:
         the step just finished, or the loaded one after a rollback."""
-        self.step += 1
         if loss is None and self._losses:
             loss = _mean_loss(self._losses)
         self._losses.clear()
-        _, directive = self.boundary.exchange(BoundaryKind.STEP, self.step, loss)
-        if directive is not None:
-            self._apply(directive)
-        return self.step
-
-    def checkpoint_saved(self, step: int, checkpoints: list[int] | None = None) -> None:
-        """Tell the collector a complete checkpoint of `step` exists (a rollback target);
-        `checkpoints`: every complete step on disk now, if known."""
-        attrs: dict[str, Any] = {"step": step}
-        if checkpoints is not None:
-            attrs["checkpoints"] = list(checkpoints)
-        registry.emit_event(Event.CHECKPOINT_SAVED, **attrs)
+        return self.boundary_step(loss)
 
     def close(self, summary: dict | None = None) -> None:
         """run_end (observers may add their run totals to `summary`), then detach, and release the
         boundary's all-reduce (see TorchAllReduce.close): call it before destroy_process_group."""
-        registry.emit_event(Event.RUN_END, steps_completed=self.step, summary={} if summary is None else summary)
+        self.end(summary)
         self.detach()
-        self.boundary.close()
-
-    # ------------------------------------------------------------------ directives
-    def _apply(self, directive) -> None:
-        if directive.action == Action.PAUSE:
-            self._report(directive, Outcome.APPLIED)
-            registry.emit_event(Event.PAUSED, step=self.step)
-            log.warning("rank %d: paused at step %d", self.pp_rank, self.step)
-            rollback = self.boundary.hold(self.step, self.pause_poll_s)  # reports the resume itself
-            if rollback is not None:
-                self._rollback(rollback)
-            else:
-                self.applied.append({"action": Action.RESUME.value, "step": self.step, "outcome": "applied"})
-        elif directive.action == Action.ROLLBACK:
-            self._rollback(directive)
-        else:  # resume while running: seen, nothing to do
-            self._report(directive, Outcome.APPLIED)
-
-    def _report(self, directive, outcome, **extra) -> None:
-        self.applied.append(
-            {
-                "id": directive.id,
-                "action": str(getattr(directive.action, "value", directive.action)),
-                "step": self.step,
-                "outcome": outcome.name.lower(),
-                **{k: getattr(v, "name", v) for k, v in extra.items()},
-            }
-        )
-        self.boundary.report(directive, outcome, step=self.step, **extra)
-
-    def _rollback(self, directive) -> None:
-        from_step, asked = self.step, directive.to_step
-        loaded, reason = None, FailReason.NO_CHECKPOINT
-        if self.load_checkpoint is not None:
-            try:
-                loaded = self.load_checkpoint(asked)
-            except FileNotFoundError as exc:
-                log.error("rank %d: rollback to %s: %s", self.pp_rank, asked, exc)
-            except Exception as exc:  # the user's loader failed: report it, keep training as we are
-                log.error("rank %d: load_checkpoint(%s) failed: %s", self.pp_rank, asked, exc)
-                reason = FailReason.LOAD_ERROR
-            if loaded is not None and (not isinstance(loaded, int) or loaded < 0):
-                log.error("rank %d: load_checkpoint returned %r, not a step", self.pp_rank, loaded)
-                loaded, reason = None, FailReason.LOAD_ERROR
-        # agree() is a collective every rank joins; when it holds, this rank loaded a step too.
-        if not self.boundary.agree(loaded is not None) or loaded is None:
-            self._report(directive, Outcome.FAILED, reason=reason)
-            return
-        self.step = loaded
-        self.timeline += 1
-        outcome = Outcome.APPLIED if asked is None or loaded == asked else Outcome.SUBSTITUTED
-        self._report(directive, outcome, loaded_step=loaded)
-        registry.emit_event(Event.ROLLBACK, from_step=from_step, to_step=loaded, skip_batches=directive.skip_batches)
-        self.boundary.exchange(BoundaryKind.RESUME, self.step)
 
 
 def _mean_loss(losses: list) -> float:

@@ -1,0 +1,145 @@
+"""The step loop every framework integration shares: the run's first boundary, one boundary
+per optimizer step, and the directives (pause, resume, rollback) that come back through it.
+
+An integration builds one `StepLoop` with its rank's pipeline position, a contract
+`StepBoundary` and the user's checkpoint loader, and calls `begin` / `step_done` / `end` at
+the framework's own step edges. What a directive does is decided here, once, for every
+framework: pause holds the run in heartbeat boundaries until resume; rollback calls
+`load_checkpoint(step) -> loaded_step` on every rank and continues from the step it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, registry
+
+log = logging.getLogger("parwatch.integrations")
+
+
+class StepLoop:
+    """Boundaries and directives for one rank.
+
+    pp_rank: this rank's pipeline stage (span and event attrs).
+    boundary: the contract's step-boundary driver (one small SUM all-reduce per step).
+    load_checkpoint: `f(step or None) -> loaded step`, called on every rank for a rollback
+        directive (None asks for the newest checkpoint). It must load the same step on every
+        rank or raise on every rank; without it rollbacks are reported failed (no_checkpoint).
+    pause_poll_s: seconds between heartbeat boundaries while paused."""
+
+    def __init__(
+        self,
+        *,
+        pp_rank: int,
+        boundary: StepBoundary,
+        load_checkpoint: Callable[[int | None], int] | None = None,
+        pause_poll_s: float = 0.2,
+    ) -> None:
+        self.pp_rank = pp_rank
+        self.boundary = boundary
+        self.load_checkpoint = load_checkpoint
+        self.pause_poll_s = pause_poll_s
+        self.step = 0
+        """The last optimizer step finished (the boundary's step number)."""
+        self.timeline = 0
+        """Rollbacks applied so far in this run."""
+        self.applied: list[dict] = []
+        """Directives this rank handled: {id, action, step, outcome, ...} (a resume ending a pause: no id)."""
+
+    def begin(self, step: int, config: dict, pipeline_order: dict, model_flops_per_step: float | None = None) -> int:
+        """run_start (with the schedule's action order for the bubble theory), then the run's
+        first boundary on every rank; `step`: where training resumes (0: fresh)."""
+        self.step = step
+        order = {rank: [str(a) for a in acts] for rank, acts in pipeline_order.items()}
+        registry.emit_event(
+            Event.RUN_START,
+            rank=self.pp_rank,
+            config=config,
+            model_flops_per_step=model_flops_per_step,
+            pipeline_order=order,
+        )
+        self.boundary.exchange(BoundaryKind.START, self.step)
+        return self.step
+
+    def optimizer_step(self, optimizer, *args, **kwargs):
+        """`optimizer.step()` inside an optimizer span (other time, not bubble)."""
+        with registry.span(SpanKind.OPTIMIZER, stage=self.pp_rank):
+            return optimizer.step(*args, **kwargs)
+
+    def boundary_step(self, loss: float | None) -> int:
+        """The boundary after an optimizer step, on every rank, then any directive it brought.
+        Returns the step training continues from: the one just finished, or the loaded one."""
+        self.step += 1
+        _, directive = self.boundary.exchange(BoundaryKind.STEP, self.step, loss)
+        if directive is not None:
+            self._apply(directive)
+        return self.step
+
+    def checkpoint_saved(self, step: int, checkpoints: list[int] | None = None) -> None:
+        """Tell the collector a complete checkpoint of `step` exists (a rollback target);
+        `checkpoints`: every complete step on disk now, if known."""
+        attrs: dict[str, Any] = {"step": step}
+        if checkpoints is not None:
+            attrs["checkpoints"] = list(checkpoints)
+        registry.emit_event(Event.CHECKPOINT_SAVED, **attrs)
+
+    def end(self, summary: dict | None = None) -> None:
+        """run_end (observers may add their run totals to `summary`), then release the boundary's
+        all-reduce (see TorchAllReduce.close): before destroy_process_group."""
+        registry.emit_event(Event.RUN_END, steps_completed=self.step, summary={} if summary is None else summary)
+        self.boundary.close()
+
+    # ------------------------------------------------------------------ directives
+    def _apply(self, directive) -> None:
+        if directive.action == Action.PAUSE:
+            self._report(directive, Outcome.APPLIED)
+            registry.emit_event(Event.PAUSED, step=self.step)
+            log.warning("rank %d: paused at step %d", self.pp_rank, self.step)
+            rollback = self.boundary.hold(self.step, self.pause_poll_s)  # reports the resume itself
+            if rollback is not None:
+                self._rollback(rollback)
+            else:
+                self.applied.append({"action": Action.RESUME.value, "step": self.step, "outcome": "applied"})
+        elif directive.action == Action.ROLLBACK:
+            self._rollback(directive)
+        else:  # resume while running: seen, nothing to do
+            self._report(directive, Outcome.APPLIED)
+
+    def _report(self, directive, outcome, **extra) -> None:
+        self.applied.append(
+            {
+                "id": directive.id,
+                "action": str(getattr(directive.action, "value", directive.action)),
+                "step": self.step,
+                "outcome": outcome.name.lower(),
+                **{k: getattr(v, "name", v) for k, v in extra.items()},
+            }
+        )
+        self.boundary.report(directive, outcome, step=self.step, **extra)
+
+    def _rollback(self, directive) -> None:
+        from_step, asked = self.step, directive.to_step
+        loaded, reason = None, FailReason.NO_CHECKPOINT
+        if self.load_checkpoint is not None:
+            try:
+                loaded = self.load_checkpoint(asked)
+            except FileNotFoundError as exc:
+                log.error("rank %d: rollback to %s: %s", self.pp_rank, asked, exc)
+            except Exception as exc:  # the user's loader failed: report it, keep training as we are
+                log.error("rank %d: load_checkpoint(%s) failed: %s", self.pp_rank, asked, exc)
+                reason = FailReason.LOAD_ERROR
+            if loaded is not None and (not isinstance(loaded, int) or loaded < 0):
+                log.error("rank %d: load_checkpoint returned %r, not a step", self.pp_rank, loaded)
+                loaded, reason = None, FailReason.LOAD_ERROR
+        # agree() is a collective every rank joins; when it holds, this rank loaded a step too.
+        if not self.boundary.agree(loaded is not None) or loaded is None:
+            self._report(directive, Outcome.FAILED, reason=reason)
+            return
+        self.step = loaded
+        self.timeline += 1
+        outcome = Outcome.APPLIED if asked is None or loaded == asked else Outcome.SUBSTITUTED
+        self._report(directive, outcome, loaded_step=loaded)
+        registry.emit_event(Event.ROLLBACK, from_step=from_step, to_step=loaded, skip_batches=directive.skip_batches)
+        self.boundary.exchange(BoundaryKind.RESUME, self.step)
