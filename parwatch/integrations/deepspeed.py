@@ -1,0 +1,384 @@
+"""Watch a DeepSpeed pipeline (`deepspeed.pipe.PipelineModule` / `PipelineEngine`) with parwatch.
+
+    from parwatch.collector import Collector, attach
+    from parwatch.integrations import deepspeed as pw
+
+    engine, *_ = deepspeed.initialize(model=pipeline_module, config=cfg, optimizer=opt)
+    watch = pw.watch(engine, run_id=run_id, checkpoint_dir="ckpt")   # spans + boundary
+    attach(Collector(watch.run_context(), log_path="run/summaries.jsonl"))
+    step = watch.start()
+    while step < steps:
+        engine.train_batch(data_iter)                               # unchanged
+        step = watch.step_done()                                    # boundary; may pause or roll back
+    watch.close()
+
+How: the engine runs each instruction of its schedule through `self._INSTRUCTION_MAP[type(cmd)]`,
+looked up on the instance. `watch` shadows that map on this one engine (the class and other
+engines are untouched; `detach` removes it) with timed versions:
+
+- ForwardPass / BackwardPass -> forward / backward spans (the last stage's loss runs inside its
+  forward), numbered by microbatch in the order TrainSchedule runs them;
+- SendActivation, RecvActivation, SendGrad, RecvGrad -> send / recv spans (DeepSpeed's p2p is
+  blocking: a recv is the time the stage waited, a send the time until the peer took it);
+- LoadMicroBatch -> data; ReduceGrads -> dp_sync (with dp = 1 a no-op);
+- OptimizerStep -> optimizer, *except* gradient clipping (`engine.clip_fp32_gradients`, on by
+  default): its norm all-reduce spans the pipeline, so on the last stage it is the wait for stage
+  0's last backward. That part is left untimed: idle, i.e. bubble, as the schedule implies.
+- ReduceTiedGrads and the loss broadcast after the schedule: untimed (idle).
+
+`engine.eval_batch` runs unwatched (eval steps are not training steps). `engine.save_checkpoint`
+gets a checkpoint span and tells the collector the step is a rollback target.
+
+The theory is the replay of DeepSpeed's own TrainSchedule (its instruction stream for every
+stage, read from deepspeed.runtime.pipe.schedule) by parwatch.pipeline_sim, with measured times;
+TrainSchedule is 1F1B, so its closed form is (p-1)/(m+p-1).
+
+Directives arrive through the step boundary: pause holds the run; rollback loads through
+`load_checkpoint(step) -> loaded step`, or, given `checkpoint_dir`, through the engine's own
+`load_checkpoint(checkpoint_dir, tag="global_step<N>")` (the tags `save_checkpoint` writes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from parwatch import pipeline_sim
+from parwatch.contract import SpanKind, StepBoundary, TorchAllReduce, registry
+from parwatch.integrations._stage_spans import Patches
+from parwatch.integrations._steploop import StepLoop
+from parwatch.vocabulary import CollectiveOp, ScheduleName
+
+SCHEDULE = ScheduleName.ONE_F_ONE_B
+"""DeepSpeed's TrainSchedule is 1F1B (PipeDream-flush)."""
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+class IntegrationError(RuntimeError):
+    """The engine cannot be watched as given; the message says what to change."""
+
+
+def watch(
+    engine,
+    *,
+    run_id: str,
+    load_checkpoint: Callable[[int | None], int] | None = None,
+    checkpoint_dir: str | None = None,
+    pause_poll_s: float = 0.2,
+) -> DeepSpeedWatch:
+    """Instrument a DeepSpeed PipelineEngine on this rank; see the module docstring.
+
+    run_id: the same non-empty string on every rank. load_checkpoint: `f(step or None) -> loaded
+    step` for rollbacks; or checkpoint_dir: where `engine.save_checkpoint` writes (the engine
+    loads from it). With neither, rollbacks are reported failed (no_checkpoint)."""
+    return DeepSpeedWatch(
+        engine,
+        run_id=run_id,
+        load_checkpoint=load_checkpoint,
+        checkpoint_dir=checkpoint_dir,
+        pause_poll_s=pause_poll_s,
+    )
+
+
+def train_schedule_order(pp: int, microbatches: int) -> dict[int, list[pipeline_sim.Action]]:
+    """`{stage: [Action, ...]}`: the forwards and backwards DeepSpeed's TrainSchedule runs on
+    every stage, in its order (read from DeepSpeed's schedule class itself)."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+
+    order: dict[int, list[pipeline_sim.Action]] = {}
+    for stage in range(pp):
+        counts = {pipeline_sim.F: 0, pipeline_sim.B: 0}
+        actions = order[stage] = []
+        sched = ds_schedule.TrainSchedule(micro_batches=microbatches, stages=pp, stage_id=stage)
+        for cmds in sched.steps():
+            for cmd in cmds:
+                kind = {ds_schedule.ForwardPass: pipeline_sim.F, ds_schedule.BackwardPass: pipeline_sim.B}.get(
+                    type(cmd)
+                )
+                if kind is not None:  # each stage runs both in microbatch order
+                    actions.append(pipeline_sim.Action(stage, kind, counts[kind]))
+                    counts[kind] += 1
+    return order
+
+
+class DeepSpeedWatch(StepLoop):
+    """One engine, instrumented, and its step boundary. Build it with `watch()`."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        run_id: str,
+        load_checkpoint: Callable[[int | None], int] | None,
+        checkpoint_dir: str | None,
+        pause_poll_s: float,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not run_id:
+            raise IntegrationError("run_id must be the run's id (the same non-empty string on every rank)")
+        for attr in ("_INSTRUCTION_MAP", "stage_id", "num_stages", "micro_batches", "grid", "train_batch"):
+            if not hasattr(engine, attr):
+                raise IntegrationError(
+                    f"{type(engine).__name__} has no {attr}: not a deepspeed PipelineEngine "
+                    "(build the model as a deepspeed.pipe.PipelineModule)"
+                )
+        if load_checkpoint is not None and checkpoint_dir is not None:
+            raise IntegrationError("give load_checkpoint or checkpoint_dir, not both")
+        self.engine = engine
+        self.run_id = run_id
+        self.pp = engine.num_stages
+        self.microbatches = engine.micro_batches
+        self.checkpoint_dir = checkpoint_dir
+        super().__init__(
+            pp_rank=engine.stage_id,
+            boundary=StepBoundary(
+                dist.get_rank(),
+                dist.get_world_size(),
+                run_id,
+                TorchAllReduce(None, getattr(engine, "device", None)),
+                reports_loss=engine.is_last_stage(),
+            ),
+            load_checkpoint=load_checkpoint or (self._load_from_dir if checkpoint_dir else None),
+            pause_poll_s=pause_poll_s,
+        )
+        self._patches = Patches()
+        self._counts: dict[str, int] = {}
+        self._training = False
+        self.attached = False
+        self.attach()
+
+    # ------------------------------------------------------------------ instrumentation
+    def attach(self) -> DeepSpeedWatch:
+        """Instrument the engine (the constructor does; after `detach`, again)."""
+        if self.attached:
+            return self
+        if not self._patches.redo():
+            self._instrument()
+        self.attached = True
+        return self
+
+    def detach(self) -> None:
+        """Take every shadow off: the engine runs exactly as DeepSpeed ships it."""
+        if self.attached:
+            self._patches.undo()
+            self.attached = False
+
+    def _instrument(self) -> None:
+        from deepspeed.runtime.pipe import schedule as ds
+
+        engine, stage = self.engine, self.pp_rank
+        base = {"stage": stage, "chunk": 0, "vstage": stage}
+        peer = {"prev": _global_rank(engine, stage - 1), "next": _global_rank(engine, stage + 1)}
+        p2p = {  # instruction -> (span kind, op, what, neighbour)
+            ds.SendActivation: (SpanKind.SEND, CollectiveOp.SEND, "activation", "next"),
+            ds.RecvActivation: (SpanKind.RECV, CollectiveOp.RECV, "activation", "prev"),
+            ds.SendGrad: (SpanKind.SEND, CollectiveOp.SEND, "grad", "prev"),
+            ds.RecvGrad: (SpanKind.RECV, CollectiveOp.RECV, "grad", "next"),
+        }
+        timed = {
+            ds.ForwardPass: SpanKind.FORWARD,
+            ds.BackwardPass: SpanKind.BACKWARD,
+            ds.LoadMicroBatch: SpanKind.DATA,
+            ds.ReduceGrads: SpanKind.DP_SYNC,
+        }
+        shadow: dict[type, Callable[..., Any]] = {}
+        for cls, fn in engine._INSTRUCTION_MAP.items():  # the instance's own shadows, if any, stay inside ours
+            if cls in timed:
+                shadow[cls] = self._timed(fn, timed[cls], base, cls.__name__)
+            elif cls in p2p:
+                kind, op, what, side = p2p[cls]
+                attrs = {**base, "op": op, "what": what, "group": "pp", "group_size": 2, "peer": peer[side]}
+                shadow[cls] = self._timed(fn, kind, attrs, cls.__name__, _PAYLOAD[cls.__name__])
+            elif cls is ds.OptimizerStep:
+                shadow[cls] = self._optimizer_step(fn)
+            else:
+                shadow[cls] = fn  # ReduceTiedGrads and anything newer: run as is (idle)
+        self._patches.set(engine, "_INSTRUCTION_MAP", shadow)
+        self._patches.set(engine, "train_batch", self._marking(engine.train_batch, training=True))
+        self._patches.set(engine, "eval_batch", self._marking(engine.eval_batch, training=False))
+        self._patches.set(engine, "save_checkpoint", self._saving(engine.save_checkpoint))
+        self._patches.set(engine, "clip_fp32_gradients", self._clipping(engine.clip_fp32_gradients))
+        self._clip: list = []
+
+    def _timed(self, fn, kind: SpanKind, attrs: dict, counter: str, payload=None):
+        """An instruction in a span of `kind`, numbered by microbatch (per instruction type and step);
+        `payload(engine, buffer_id)`: the tensors a send/recv moved (their bytes go in the span)."""
+        counts = self._counts
+        by_mb: dict[int, dict] = {}
+
+        def instruction(engine, **kwargs):
+            if not (self._training and registry.active):
+                return fn(engine, **kwargs)
+            mb = counts.get(counter, 0)
+            counts[counter] = mb + 1
+            span_attrs = by_mb.get(mb)
+            if span_attrs is None:
+                span_attrs = by_mb[mb] = {**attrs, "microbatch": mb}
+            with registry.span(kind, **span_attrs) as span:
+                if payload is None or span is None:
+                    return fn(engine, **kwargs)
+                if kind == SpanKind.SEND:  # a send frees its buffer: read it first
+                    span.attrs["bytes"] = _nbytes(payload, engine, kwargs)
+                    return fn(engine, **kwargs)
+                result = fn(engine, **kwargs)
+                span.attrs["bytes"] = _nbytes(payload, engine, kwargs)
+                return result
+
+        return instruction
+
+    def _optimizer_step(self, fn):
+        """OptimizerStep as optimizer spans around, not over, gradient clipping (see module docstring)."""
+
+        def instruction(engine, **kwargs):
+            if not (self._training and registry.active):
+                return fn(engine, **kwargs)
+            clock = registry.clock
+            start = clock.mark()
+            self._clip = []
+            result = fn(engine, **kwargs)
+            end = clock.mark()
+            edges = [start, *self._clip, end] if len(self._clip) == 2 else [start, end]
+            for begin, finish in zip(edges[::2], edges[1::2]):
+                registry.emit_span(SpanKind.OPTIMIZER, begin, finish, stage=self.pp_rank)
+            return result
+
+        return instruction
+
+    def _clipping(self, clip):
+        def clip_fp32_gradients(*args, **kwargs):
+            marks = self._clip
+            if registry.active:
+                marks.append(registry.clock.mark())
+            try:
+                return clip(*args, **kwargs)
+            finally:
+                if marks:
+                    marks.append(registry.clock.mark())
+
+        return clip_fp32_gradients
+
+    def _marking(self, call, *, training: bool):
+        def batch(*args, **kwargs):
+            self._training = training
+            self._counts.clear()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._training = False
+
+        return batch
+
+    def _saving(self, save):
+        def save_checkpoint(*args, **kwargs):
+            with registry.span(SpanKind.CHECKPOINT, stage=self.pp_rank):
+                result = save(*args, **kwargs)
+            self.checkpoint_saved(self.engine.global_steps)
+            return result
+
+        return save_checkpoint
+
+    # ------------------------------------------------------------------ the run
+    def run_context(self, **extra):
+        """A collector RunContext for this rank, with DeepSpeed's own coordinates (its topology
+        orders ranks its way; the context carries them as given). `extra`: RunContext fields
+        (tokens_per_step, local_gpu, hostname)."""
+        import torch.distributed as dist
+
+        from parwatch.collector import RunContext
+
+        grid = self.engine.grid
+        tp, dp = grid.get_slice_parallel_world_size(), grid.data_parallel_size
+        return RunContext(
+            run_id=self.run_id,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            tp=tp,
+            pp=self.pp,
+            dp=dp,
+            tp_rank=grid.get_slice_parallel_rank(),
+            stage=self.pp_rank,
+            dp_rank=grid.get_data_parallel_id(),
+            schedule=SCHEDULE,
+            microbatches=self.microbatches,
+            **extra,
+        )
+
+    def action_order(self) -> dict:
+        """Every stage's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""
+        return train_schedule_order(self.pp, self.microbatches)
+
+    def start(self, step: int | None = None) -> int:
+        """The run's first boundary, on every rank; `step`: where training resumes (default: the
+        engine's global_steps, 0 on a fresh run, the loaded step after `engine.load_checkpoint`)."""
+        step = self.engine.global_steps if step is None else step
+        config = {"schedule": SCHEDULE, "framework": "deepspeed", "pp": self.pp, "microbatches": self.microbatches}
+        return self.begin(step, config, self.action_order())
+
+    def step_done(self, loss: float | None = None) -> int:
+        """Call after each `engine.train_batch`, on every rank: the step boundary, then any directive.
+
+        loss: default, the batch's mean loss the engine computed (reported by the last stage).
+        Returns the step training continues from: the step just finished, or the loaded one."""
+        if loss is None and self.engine.is_last_stage() and self.engine.agg_train_loss is not None:
+            loss = float(self.engine.agg_train_loss)
+        return self.boundary_step(loss)
+
+    def close(self, summary: dict | None = None) -> None:
+        """run_end, detach, and release the boundary's all-reduce: before destroy_process_group."""
+        self.end(summary)
+        self.detach()
+
+    def _load_from_dir(self, step: int | None) -> int:
+        """The newest `global_step<N>` checkpoint at or before `step` (None: the newest), loaded by
+        the engine; its step."""
+        assert self.checkpoint_dir is not None
+        steps = (
+            sorted(int(m.group(1)) for m in map(_TAG.match, os.listdir(self.checkpoint_dir)) if m)
+            if os.path.isdir(self.checkpoint_dir)
+            else []
+        )
+        target = max((s for s in steps if step is None or s <= step), default=None)
+        if target is None:
+            raise FileNotFoundError(f"no global_step<N> checkpoint at or before step {step} in {self.checkpoint_dir}")
+        path, _ = self.engine.load_checkpoint(self.checkpoint_dir, tag=f"global_step{target}")
+        if path is None:
+            raise FileNotFoundError(f"deepspeed could not load global_step{target} from {self.checkpoint_dir}")
+        return int(self.engine.global_steps)
+
+
+_PAYLOAD = {  # where each transfer's tensors are once it is done (deepspeed.runtime.pipe.engine)
+    "SendActivation": lambda engine, buffer: engine.pipe_buffers["outputs"][buffer],
+    "RecvActivation": lambda engine, buffer: engine.pipe_buffers["inputs"][buffer],
+    "SendGrad": lambda engine, buffer: _grads(engine.pipe_buffers["inputs"][buffer]),
+    "RecvGrad": lambda engine, buffer: engine.grad_layer,
+}
+
+
+def _grads(inputs):
+    if isinstance(inputs, tuple | list):
+        return [t.grad for t in inputs if getattr(t, "grad", None) is not None]
+    return inputs.grad
+
+
+def _nbytes(payload, engine, kwargs: dict) -> int:
+    """Bytes of the tensors `payload` finds; 0 when it finds none (a byte count never stops a run)."""
+    try:
+        return _size(payload(engine, kwargs.get("buffer_id")))
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return 0
+
+
+def _size(value) -> int:
+    if isinstance(value, tuple | list):
+        return sum(_size(v) for v in value)
+    return int(value.nbytes) if hasattr(value, "nbytes") else 0
+
+
+def _global_rank(engine, stage: int) -> int | None:
+    """The global rank of `stage` in this rank's pipeline (None past either end)."""
+    if not 0 <= stage < engine.num_stages:
+        return None
+    return int(engine.grid.stage_to_global(stage_id=stage))

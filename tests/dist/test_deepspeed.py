@@ -1,0 +1,198 @@
+"""DeepSpeed's pipeline engine watched by parwatch: the real deepspeed package, on gloo.
+
+Real ranks run examples/deepspeed_pipe.py's `train()` (synthetic compute: each stage sleeps
+F ms forward and B ms backward per microbatch) with the integration and the collector
+attached, writing summaries.jsonl and spans.jsonl as a user's run would. One spawn of 2 ranks
+runs every configuration in turn.
+
+- bubble: each step's measured bubble on each rank against the replay of DeepSpeed's own
+  TrainSchedule at that step's measured times (tests/bubble_replay.py, as for torch's
+  schedules), and the replay at uniform times against 1F1B's closed form;
+- numerics: losses with the integration attached are bitwise those without it;
+- causes: a slow stage shows as imbalance, a delayed send as wait;
+- directives: pause, resume, and a rollback loaded by the engine's own load_checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+
+import pytest
+
+from parwatch import pipeline_sim as ps
+from parwatch.bubble import theoretical
+from tests.bubble_replay import replayed_steps
+from tests.dist.test_torch_pipelining import Director, action_seconds, measured_bubble
+from tests.distutil import ROOT, run_ranks
+
+pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+P, M, STEPS = 2, 4, 5
+MS = "40,80"
+TOLERANCE = 0.02
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("deepspeed_pipe_example",
+                                                  os.path.join(ROOT, "examples", "deepspeed_pipe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
+    """Every rank: each named run of the example in turn; returns {name: losses}. The run named
+    "directives" also gets a Director (tests/dist/test_torch_pipelining.py) on the registry."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import logging
+
+    import deepspeed
+
+    from parwatch.contract import registry
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # adopts the group distutil made
+    example = _example()
+    results = {}
+    for name, argv in runs.items():
+        log_dir = os.path.join(out_dir, name)
+        args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
+                                                                ["--parwatch-log", log_dir]))
+        director = Director(rank, name) if name == "directives" else None
+        if director:
+            registry.register(director)
+        result = example.train(args)
+        results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
+        if director:
+            registry.unregister(director)
+            results[name] = {"seen": director.seen, "applied": result["applied"], "losses": results[name]}
+    return results
+
+
+def run_argv(*extra: str, ms: str = MS, steps: int = STEPS) -> list[str]:
+    return ["--pp", str(P), "--microbatches", str(M), "--synthetic-ms", ms, "--steps", str(steps), *extra]
+
+
+def order() -> dict:
+    from parwatch.integrations.deepspeed import train_schedule_order
+
+    return train_schedule_order(P, M)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("deepspeed"))
+    runs = {
+        "1f1b": run_argv(),
+        "fast-on": run_argv(ms="1,2", steps=3),
+        "fast-off": run_argv("--no-parwatch", ms="1,2", steps=3),
+        "slow-stage": run_argv("--slow-stage", "1:1.5"),
+        "send-delay": run_argv("--send-delay-ms", "0:15"),
+        "directives": run_argv("--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6),
+    }
+    return out, run_ranks(runs_body, P, runs, out, timeout=280)
+
+
+def test_the_theory_is_deepspeeds_own_schedule():
+    # DeepSpeed's TrainSchedule is 1F1B: each stage's order, and the closed form at uniform times.
+    assert [str(a) for a in order()[0]] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+    assert [str(a) for a in order()[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
+    bubble = ps.simulate(order(), {"F": 0.04, "B": 0.08}).bubble
+    assert bubble == pytest.approx({r: theoretical("1f1b", P, M) for r in range(P)}, abs=1e-12)
+
+
+@pytest.mark.timing
+def test_bubble_matches_the_replayed_schedule(grid):
+    out, _ = grid
+    run_dir = os.path.join(out, "1f1b")
+    steps = replayed_steps(run_dir, order())
+    assert len(steps) == STEPS - 1
+    print("\ndeepspeed: measured - replayed bubble per step (host ms per action; p2p ms)")
+    for step, (measured, replay, host, p2p) in steps.items():
+        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
+                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
+    for rank in range(P):
+        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
+        assert abs(deviation) <= TOLERANCE, f"rank {rank}: median step {deviation:+.4f} off the replay"
+    times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
+    for bubble in ps.simulate(order(), times).bubble.values():
+        assert bubble == pytest.approx(theoretical("1f1b", P, M), abs=TOLERANCE)
+
+
+def test_spans_cover_every_instruction(grid):
+    out, _ = grid
+    seen: dict = {}
+    kinds: set = set()
+    with open(os.path.join(out, "1f1b", "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            kinds.add(span["kind"])
+            kind = {"forward": "F", "backward": "B"}.get(span["kind"])
+            if kind is not None and span["step"] == 2:
+                a = span["attrs"]
+                assert a["stage"] == span["rank"] == a["vstage"] and a["chunk"] == 0
+                seen.setdefault(span["rank"], []).append(str(ps.Action(a["vstage"], kind, a["microbatch"])))
+            if span["kind"] in ("send", "recv"):
+                assert span["attrs"]["peer"] == 1 - span["rank"] and span["attrs"]["bytes"] > 0, span
+    assert seen == {r: [str(a) for a in acts] for r, acts in order().items()}  # in the schedule's order
+    assert {"send", "recv", "optimizer", "dp_sync", "data", "boundary"} <= kinds
+
+
+def test_losses_are_bitwise_unchanged(grid):
+    _, losses = grid
+    last = losses[P - 1]
+    assert len(last["fast-on"]) == 3
+    assert last["fast-on"] == last["fast-off"]
+
+
+def _causes(run_dir: str) -> dict:
+    """Bubble causes from each rank's median F and B times and its median bubble over steps >= 2
+    (one action stalled by a loaded machine moves a mean or a minimum, not a median)."""
+    samples: dict = {}
+    with open(os.path.join(run_dir, "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            kind = {"forward": "F", "backward": "B"}.get(span["kind"])
+            if kind is not None and span["step"] >= 2:
+                samples.setdefault(span["rank"], {}).setdefault(kind, []).append(span["end_s"] - span["start_s"])
+    times = {rank: {kind: statistics.median(v) for kind, v in kinds.items()} for rank, kinds in samples.items()}
+    return ps.bubble_causes(order(), times, measured_bubble(run_dir, pick=statistics.median))
+
+
+@pytest.mark.timing
+def test_a_slow_stage_shows_as_imbalance(grid):
+    out, _ = grid
+    causes = _causes(os.path.join(out, "slow-stage"))
+    # Stage 1 computes 1.5x longer: stage 0 waits for it, by the schedule's own dependencies.
+    assert causes[0].imbalance > 0.08, causes
+    assert causes[0].imbalance > 3 * abs(causes[0].wait), causes
+    assert causes[0].schedule == pytest.approx(theoretical("1f1b", P, M), abs=1e-9)
+
+
+@pytest.mark.timing
+def test_a_delayed_send_shows_as_wait(grid):
+    out, _ = grid
+    causes = _causes(os.path.join(out, "send-delay"))
+    baseline = _causes(os.path.join(out, "1f1b"))
+    # Stage 0 stalls 15 ms before each of its 4 activation sends: idle no stage time explains.
+    for rank in range(P):
+        assert abs(causes[rank].imbalance) < 0.02, causes
+        assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
+
+
+def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid):
+    _, results = grid
+    ranks = [r["directives"] for r in results]
+    seen = ranks[0]["seen"]
+    assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
+    assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
+    for r in ranks:
+        assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
+            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+        assert r["applied"][2]["step"] == 2  # engine.load_checkpoint(tag="global_step2")
+    # After the rollback steps 3.. trained again from the restored state on the same batches.
+    assert sorted(map(int, ranks[P - 1]["losses"])) == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,111 @@
+"""A DeepSpeed pipeline under torchrun against a real `parwatch sidecar` (packaged default rules):
+a NaN loss is rolled back through DeepSpeed's own checkpoint and the run completes; a hung stage
+is named (rank, stage, what it is in) within the hang bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.e2e_util import (
+    ROOT,
+    TORCHRUN,
+    applied_records,
+    decision_records,
+    kill_group,
+    token_args,
+    wait_until,
+)
+from tests.sidecar_process import running_sidecar
+
+pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+EXAMPLE = str(ROOT / "examples" / "deepspeed_pipe.py")
+BOUND_S = 10.0  # the default hang bound: max(3 x median step, 10 s); these steps are ~50 ms
+
+
+def _start(run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        EXAMPLE,
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--synthetic-ms",
+        "3,6",
+        "--parwatch-log",
+        str(run_dir / "log"),
+        "--parwatch-endpoint",
+        sidecar.control_url,
+        *token_args(sidecar),
+        *flags,
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(run_dir / "out.txt", "wb") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_nan_is_rolled_back_through_deepspeeds_checkpoint(tmp_path):
+    nan_step, steps = 5, 30
+    with running_sidecar(tmp_path / "state") as sidecar:
+        proc = _start(
+            tmp_path / "run",
+            sidecar,
+            "--steps",
+            str(steps),
+            "--nan-at-step",
+            str(nan_step),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--losses-out",
+            str(tmp_path / "losses.json"),
+        )
+        try:
+            code = proc.wait(200)
+        finally:
+            kill_group(proc)
+        output = (tmp_path / "run" / "out.txt").read_text(errors="replace")
+        assert code == 0, output[-4000:]
+    [decision] = [d for d in decision_records(tmp_path / "state") if d["rule"] == "nonfinite-loss"]
+    assert decision["action"] == "rollback" and decision["step"] == nan_step
+    assert decision["checkpoint"] == nan_step - 1  # the newest global_step<N> saved before the NaN
+    [applied] = [a for a in applied_records(tmp_path / "state") if a["directive_id"] == decision["directive_id"]]
+    assert applied["counts"] == {"applied": 2} and applied["loaded_step"] == nan_step - 1
+    losses = {int(s): float(v) for s, v in json.loads((tmp_path / "losses.json").read_text()).items()}
+    assert sorted(losses) == list(range(1, steps + 1))  # the run completed, on the new timeline
+    assert all(v == v for v in losses.values()), losses  # no NaN survives the rollback
+
+
+@pytest.mark.timing
+def test_a_hung_stage_is_named_within_the_bound(tmp_path):
+    hang_step = 6
+    with running_sidecar(tmp_path / "state") as sidecar:
+        proc = _start(tmp_path / "run", sidecar, "--steps", "1000", "--hang-at", f"1:{hang_step}")
+        try:
+            [record] = wait_until(
+                lambda: [d for d in decision_records(tmp_path / "state") if d["rule"] in ("hang", "rank-gone")],
+                "a hang finding",
+                timeout=150,
+            )
+            assert proc.poll() is None  # stuck, not gone
+            text = (tmp_path / "run" / "out.txt").read_text(errors="replace")
+        finally:
+            kill_group(proc)
+    blocked_at = float(re.search(r"injected hang at step \d+, blocking at ([0-9.]+)", text).group(1))
+    assert record["rule"] == "hang", record
+    culprit = record["evidence"]["culprit"]
+    assert (culprit["rank"], culprit["stage"], culprit["kind"], culprit["state"]) == (1, 1, "forward", "running")
+    assert record["evidence"]["waiting"] == [0]
+    elapsed = record["time"] - blocked_at
+    assert elapsed <= BOUND_S + 1.0, (elapsed, record["evidence"])
+    print(f"\nhung stage named {elapsed:.1f} s after it blocked (bound {BOUND_S:g} s)")
