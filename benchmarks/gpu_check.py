@@ -15,7 +15,9 @@ What it exercises:
    matmul compute, steps alternately watched and not: on/off, the spans resolved from CUDA events,
    the collector's per-step compute and bubble. Local stages hand tensors over without send/recv,
    so this exercises the compute, loss and boundary hooks, not the p2p ones.
-6. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
+6. The DeepSpeed integration on one device: a one-stage PipelineModule (m=8), steps alternately
+   watched and not (instruction spans on the CUDA-event clock, no added synchronization).
+7. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
    boundary's device tensor is released by NCCL's watchdog thread, not gloo's worker, so the
    teardown order is checked there too.
 Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
@@ -151,6 +153,82 @@ def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
         median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
     )
     print(f"\ntorch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {device}")
+    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
+    return result
+
+
+def deepspeed_check(cuda: bool, pairs: int = 20) -> dict:
+    """Section 6: the DeepSpeed integration on one rank (a one-stage PipelineModule: NCCL refuses two
+    ranks on one GPU), alternating watched and unwatched steps in one process."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    from parwatch.collector import Collector, attach, detach
+    from parwatch.integrations import deepspeed as pw
+    from tests.distutil import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)
+    torch.manual_seed(0)
+    module = PipelineModule(
+        layers=[torch.nn.Linear(hidden, hidden) for _ in range(layers)],
+        num_stages=1,
+        loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+        partition_method="uniform",
+    )
+    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 8, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-4), config=config
+    )
+    device = engine.device
+    batch = (torch.randn(rows, hidden, device=device), torch.randn(rows, hidden, device=device))
+    data = iter(lambda: batch, None)
+    watch = pw.watch(engine, run_id="gpu-check-deepspeed")
+    watch.detach()
+    collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
+    times: dict = {"on": [], "off": []}
+    step = 0
+    try:
+        for pair in range(pairs):
+            for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+                if mode == "on":
+                    watch.attach()
+                    attach(collector)
+                    watch.start(step)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.train_batch(data)
+                step = watch.step_done() if mode == "on" else step + 1
+                if cuda:
+                    torch.cuda.synchronize()
+                if pair >= 2:
+                    times[mode].append(time.perf_counter() - t0)
+                if mode == "on":
+                    watch.detach()
+                    detach(collector)
+        summary = collector.last_summary or {}
+        result = {
+            "clock": type(collector.clock).__name__,
+            "unresolved_spans": collector.unresolved_spans,
+            "errors": collector.errors,
+            "summaries": collector.summaries,
+            "step_seconds": summary.get("step_seconds"),
+            "compute_seconds": summary.get("compute_seconds"),
+            "bubble_ratio": summary.get("bubble_ratio"),
+        }
+        watch.close()
+        collector.close()
+    finally:
+        torch.distributed.destroy_process_group()
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
+    result.update(
+        median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
+    )
+    print(f"\nDeepSpeed integration, one rank, one stage, m=8 on {device}")
     print_table(["measure", "value"], [[k, v] for k, v in result.items()])
     return result
 
@@ -306,6 +384,10 @@ def main() -> int:
         overhead={"median_off_s": off, "median_on_s": on, "ratio": on / off},
     )
     result["torch_pipelining"] = pipelining_check(cuda)
+    try:
+        result["deepspeed"] = deepspeed_check(cuda)
+    except ImportError as exc:  # the extra is not installed on this machine: say so, run the rest
+        result["deepspeed"] = {"skipped": f"{exc} (pip install parwatch[deepspeed])"}
     result["clean_exit"] = clean_exit_check(layout(ngpus) + ["--backend", "nccl" if cuda else "gloo"])
     out = Path(a.out) / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
