@@ -58,7 +58,9 @@ class Hooks:
         self._owner: Any = WeakIdKeyDictionary()  # tensor -> compute attrs of the action that made it
         self._recv: Any = WeakIdKeyDictionary()  # receive buffer -> its span, until a compute consumes it
         self._open_recv: list[Span] = []  # this step's receive spans not emitted yet
+        self._unwaited: list[_TimedWork] = []  # this step's works no wait has ended yet
         self._forward: Span | None = None  # the forward span forward_step opened, until the loss starts
+        self.computes = 0  # forward and backward calls so far: tells whether a compute ran between two waits
         self._eval = 0  # depth of forward_only calls: nothing is observed inside
         self._counts: dict[tuple[str, int], int] = {}  # microbatch counters, for calls that name none
         self.losses: list = []  # the step's scaled microbatch losses (detached), for step_done
@@ -124,6 +126,14 @@ class Hooks:
         return n
 
     def _reset_step(self) -> None:
+        if self._unwaited:  # sends the schedule never waited for: complete by the step's end at the latest
+            end = registry.clock.mark()
+            for work in self._unwaited:
+                for span in work.close():
+                    if span.kind is _SEND:  # a receive never waited for has no wait to time
+                        span.start, span.end = work._posted, end
+                        registry.emit(span)
+            self._unwaited.clear()
         for span in self._open_recv:  # received but never consumed by a watched compute: emit as is
             if span.end is not None:
                 if span.attrs.get("microbatch") is None:
@@ -168,6 +178,7 @@ class Hooks:
             attrs = self.attrs(chunk, mb)
             self._consumed(args[4] if len(args) > 4 else kwargs.get("input_tensor"), attrs)
             span = _new(Span)
+            self.computes += 1
             span.kind, span.attrs, span.parent, span.end = SpanKind.FORWARD, attrs, reg.current, None
             span.start = reg.clock.mark()
             reg.current = span
@@ -240,6 +251,7 @@ class Hooks:
                 attrs = self.attrs(0, self._next("B", 0))
             self._consumed(output_tensor_grad, attrs)
             span = _new(Span)
+            self.computes += 1
             span.kind, span.attrs, span.parent, span.end = SpanKind.BACKWARD, attrs, reg.current, None
             span.start = reg.clock.mark()
             reg.current = span
@@ -321,10 +333,11 @@ class Hooks:
             spans = [span for _, span in self._spans(kwargs)]
             if not spans or not works:
                 return works
+            batch = _Batch()
             if len(works) == len(spans):  # one work per op (gloo)
-                return [_TimedWork(w, [s], posted, self) for w, s in zip(works, spans)]
+                return [_TimedWork(w, [s], posted, self, batch) for w, s in zip(works, spans)]
             # coalesced (NCCL): one work for the whole batch, every op ends with it
-            return [_TimedWork(w, spans, posted, self) for w in works[:1]] + list(works[1:])
+            return [_TimedWork(w, spans, posted, self, batch) for w in works[:1]] + list(works[1:])
 
         return _batched_p2p_ops
 
@@ -336,21 +349,40 @@ class Hooks:
                 return original(**kwargs)
             posted = reg.clock.mark()
             works = original(**kwargs)
+            batch = _Batch()
             for key, span in self._spans(kwargs):
                 if key in works:
-                    works[key] = _TimedWork(works[key], [span], posted, self)
+                    works[key] = _TimedWork(works[key], [span], posted, self, batch)
             return works
 
         return _p2p_ops
 
 
+class _Batch:
+    """The works of one p2p call. A receive's span starts at the first wait on any of them when no
+    compute ran since: gloo's send completes only once the peer posts its receive, so a rank that
+    waits on its send first is blocked there for the data it then receives at once."""
+
+    __slots__ = ("first", "computes")
+
+    def __init__(self) -> None:
+        self.first = None
+        self.computes = -1
+
+
 class _TimedWork:
     """A torch distributed work whose first `wait()` ends its spans (everything else passes through)."""
 
-    __slots__ = ("_work", "_spans", "_posted", "_hooks")
+    __slots__ = ("_work", "_spans", "_posted", "_hooks", "_batch")
 
-    def __init__(self, work, spans: list[Span], posted, hooks: Hooks) -> None:
-        self._work, self._spans, self._posted, self._hooks = work, spans, posted, hooks
+    def __init__(self, work, spans: list[Span], posted, hooks: Hooks, batch: _Batch) -> None:
+        self._work, self._spans, self._posted, self._hooks, self._batch = work, spans, posted, hooks, batch
+        hooks._unwaited.append(self)
+
+    def close(self) -> list[Span]:
+        """Its spans, if no wait has ended them (then never again)."""
+        spans, self._spans = self._spans, []
+        return spans
 
     def wait(self, *args, **kwargs):
         spans = self._spans
@@ -358,13 +390,20 @@ class _TimedWork:
             return self._work.wait(*args, **kwargs)
         mark = registry.clock.mark
         start = mark()
+        batch, computes = self._batch, self._hooks.computes
+        if batch.first is None or batch.computes != computes:
+            batch.first, batch.computes = start, computes
         result = self._work.wait(*args, **kwargs)
         end = mark()
         self._spans = []
+        try:
+            self._hooks._unwaited.remove(self)
+        except ValueError:
+            pass
         for span in spans:
             span.end = end
             if span.kind is _RECV:
-                span.start = start
+                span.start = batch.first
                 if span.attrs.get("microbatch") is not None:  # its consumer already named it
                     self._hooks._emit_recv(span)
             else:
