@@ -14,7 +14,7 @@ model chunk each virtual microbatch is). Virtual stage of chunk c on pipeline ra
 
 from __future__ import annotations
 
-from parwatch.pipeline_sim import B, F, Action, single_stage_order
+from parwatch.pipeline_sim import Action, B, F, single_stage_order
 
 
 def schedule_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
