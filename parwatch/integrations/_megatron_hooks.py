@@ -14,6 +14,10 @@ patched over ours alone). No torch attribute is touched.
   to its end. A send is named by the tensor it sends (a forward's output or a backward's input
   gradient); a receive by the forward or backward that consumes the buffer it filled, and is
   emitted once both are known;
+- tensor_parallel.mappings' _reduce, _gather_along_*_dim and _reduce_scatter_along_*_dim (tp > 1):
+  a collective span (group "tp") per call on the tensor-parallel group, nested in its forward or
+  backward. Megatron's linear layers also call torch.distributed directly (the column-parallel
+  input-gradient all-reduce, sequence-parallel gathers inside the layer): those are not seen;
 - schedules.forward_backward_*: the step context; `forward_only=True` (evaluation) runs
   unobserved. `get_forward_backward_func()` returns the wrapped functions while attached.
 """
@@ -21,6 +25,7 @@ patched over ours alone). No torch attribute is touched.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 from parwatch.contract import Span, SpanKind, registry
@@ -32,6 +37,13 @@ FORWARD_BACKWARD = (
 )
 SCHEDULE_FUNCS = ("forward_step", "forward_step_calc_loss", "backward_step", *FORWARD_BACKWARD)
 P2P_FUNCS = ("_batched_p2p_ops", "_p2p_ops")
+TP_FUNCS = {
+    "_reduce": "all_reduce",
+    "_gather_along_last_dim": "all_gather",
+    "_gather_along_first_dim": "all_gather",
+    "_reduce_scatter_along_first_dim": "reduce_scatter",
+    "_reduce_scatter_along_last_dim": "reduce_scatter",
+}
 
 _new = object.__new__
 _RECV, _SEND = SpanKind.RECV, SpanKind.SEND
@@ -50,10 +62,13 @@ class Hooks:
     chunk_of: id(model chunk) -> its index on this rank (non-interleaved calls pass no vp_stage).
     pp_rank, pp: this rank's pipeline position and the pipeline's size (vstage = chunk * pp + pp_rank)."""
 
-    def __init__(self, chunk_of: dict[int, int], pp_rank: int, pp: int, *, p2p: bool = True) -> None:
+    def __init__(
+        self, chunk_of: dict[int, int], pp_rank: int, pp: int, *, p2p: bool = True, tp_group=None, tp_ranks=()
+    ) -> None:
         from torch.utils.weak import WeakIdKeyDictionary
 
         self.chunk_of, self.pp_rank, self.pp, self.p2p = chunk_of, pp_rank, pp, p2p
+        self.tp_group, self.tp_ranks = tp_group, list(tp_ranks)
         self._attrs: dict[tuple[int, int], dict] = {}
         self._owner: Any = WeakIdKeyDictionary()  # tensor -> compute attrs of the action that made it
         self._recv: Any = WeakIdKeyDictionary()  # receive buffer -> its span, until a compute consumes it
@@ -69,10 +84,13 @@ class Hooks:
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         from megatron.core.pipeline_parallel import p2p_communication, schedules
+        from megatron.core.tensor_parallel import mappings
 
         targets = [(schedules, name) for name in SCHEDULE_FUNCS]
         if self.p2p:
             targets += [(p2p_communication, name) for name in P2P_FUNCS]
+        if self.tp_group is not None and len(self.tp_ranks) > 1:
+            targets += [(mappings, name) for name in TP_FUNCS]
         missing = [f"{m.__name__}.{n}" for m, n in targets if not callable(getattr(m, n, None))]
         if missing:
             raise AttributeError(f"megatron-core lacks {', '.join(missing)}")
@@ -92,6 +110,8 @@ class Hooks:
     def _wrap(self, name: str, original):
         if name in FORWARD_BACKWARD:
             make = self._forward_backward
+        elif name in TP_FUNCS:
+            make = partial(self._tp_collective, TP_FUNCS[name])
         else:
             make = {
                 "forward_step": self._forward_step,
@@ -268,6 +288,27 @@ class Hooks:
             return grad
 
         return backward_step
+
+    # ------------------------------------------------------------------ tensor parallel
+    def _tp_collective(self, op: str, original):
+        reg = registry
+
+        def collective(input_, group=None, *args, **kwargs):
+            if not reg.active or self._eval or group is not self.tp_group:
+                return original(input_, group, *args, **kwargs)
+            nbytes = input_.nbytes
+            with reg.span(
+                SpanKind.COLLECTIVE,
+                op=op,
+                group="tp",
+                bytes=nbytes,
+                group_size=len(self.tp_ranks),
+                ranks=self.tp_ranks,
+                stage=self.pp_rank,
+            ):
+                return original(input_, group, *args, **kwargs)
+
+        return collective
 
     # ------------------------------------------------------------------ point to point
     def _consumed(self, tensors, attrs: dict) -> None:

@@ -18,13 +18,15 @@
 What it emits, per pipeline stage (this rank's pipeline rank), chunk (model chunk on this rank),
 vstage (chunk * pp + stage) and microbatch: forward, loss (Megatron computes it inside
 forward_step: the forward span ends where the loss starts), backward, send and recv (activation
-and grad, with peer, bytes and seq), Megatron's gradient finalisation (dp_sync: not bubble), the
+and grad, with peer, bytes and seq), the tensor-parallel collectives Megatron issues through
+tensor_parallel.mappings (nested in the compute spans), Megatron's gradient finalisation (dp_sync: not bubble), the
 optimizer step, and one step-boundary all-reduce per step. The theory is Megatron's own order
 (`action_order`, replayed by the collector with the measured times).
 
 How: while attached, Megatron's own module attributes are replaced by timing wrappers
 (`_megatron_hooks`: schedules.forward_step, forward_step_calc_loss, backward_step, the
-forward_backward_* functions, p2p_communication._batched_p2p_ops and _p2p_ops); `detach()`
+forward_backward_* functions, p2p_communication._batched_p2p_ops and _p2p_ops,
+tensor_parallel.mappings' collective helpers); `detach()`
 restores them. No torch attribute is touched, and importing parwatch never imports Megatron.
 
 Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
@@ -157,7 +159,15 @@ class MegatronWatch(StepLoop):
             load_checkpoint=load_checkpoint,
             pause_poll_s=pause_poll_s,
         )
-        self._hooks = Hooks({id(c): i for i, c in enumerate(chunks)}, pp_rank, self.pp, p2p=p2p)
+        tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        self._hooks = Hooks(
+            {id(c): i for i, c in enumerate(chunks)},
+            pp_rank,
+            self.pp,
+            p2p=p2p,
+            tp_group=tp_group,
+            tp_ranks=dist.get_process_group_ranks(tp_group) if tp_group is not None else (),
+        )
         self._patches = Patches()
         self.attached = False
         self.attach()
