@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--parwatch-token-file", default="", help="file holding the sidecar's token")
     ap.add_argument("--no-parwatch", action="store_true", help="run the same training without parwatch")
     ap.add_argument("--losses-out", default="", help="the last stage's first rank writes its losses (JSON)")
+    ap.add_argument("--checkpoint-dir", default="", help="per-rank checkpoints after every step (rollback)")
+    ap.add_argument("--eval", action="store_true", help="after each step, a forward-only pass (unobserved)")
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
     args = ap.parse_args(argv)
     if min(args.tp, args.pp, args.chunks, args.microbatches, args.steps) < 1:
@@ -178,7 +180,9 @@ def main(argv=None) -> int:
 
 def train(args) -> dict:
     """One run on this rank (the process group is up; Megatron's parallel state is set up here and
-    torn down by the caller). Returns {"losses": {step: loss}} on the last stage's ranks, else {}."""
+    torn down by the caller). Returns {"losses": {step: loss} of the surviving timeline, "history":
+    [(step, loss)] of every step run (both on the last stage's ranks only), "applied": the directives
+    handled}."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -202,13 +206,37 @@ def train(args) -> dict:
         add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor)
     optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=args.lr)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    rank = dist.get_rank()
+
+    def save(step: int) -> None:
+        path = os.path.join(args.checkpoint_dir, f"step{step}-rank{rank}.pt")
+        torch.save({"model": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict()}, path)
+
+    def load_checkpoint(step):  # parwatch: rollback directives call this on every rank
+        steps = sorted(
+            int(f.split("-")[0][4:]) for f in os.listdir(args.checkpoint_dir) if f.endswith(f"-rank{rank}.pt")
+        )
+        target = step if step in steps else max([s for s in steps if step is None or s < step], default=None)
+        if target is None:
+            raise FileNotFoundError(f"no checkpoint at or before step {step} in {args.checkpoint_dir}")
+        state = torch.load(os.path.join(args.checkpoint_dir, f"step{target}-rank{rank}.pt"))
+        for chunk, sd in zip(chunks, state["model"]):
+            chunk.load_state_dict(sd)
+        optimizer.load_state_dict(state["optimizer"])
+        return target
 
     watch = collector = None
     if not args.no_parwatch:
         from parwatch.collector import Collector, attach  # parwatch
         from parwatch.integrations import megatron as pw_megatron  # parwatch
 
-        watch = pw_megatron.watch(chunks, config, run_id=_run_id(args), microbatches=args.microbatches)  # parwatch
+        watch = pw_megatron.watch(  # parwatch
+            chunks,
+            config,
+            run_id=_run_id(args),
+            microbatches=args.microbatches,
+            load_checkpoint=load_checkpoint if args.checkpoint_dir else None,
+        )
         collector = attach(
             Collector(  # parwatch
                 watch.run_context(),
@@ -218,37 +246,58 @@ def train(args) -> dict:
                 spans_path=os.path.join(args.parwatch_log, "spans.jsonl") if args.parwatch_log else None,
             )
         )
-    forward_backward = get_forward_backward_func()
-    losses: dict[int, float] = {}
-    step = watch.start() if watch else 0  # parwatch
-    while step < args.steps:
-        trained = step + 1
-        optimizer.zero_grad()
-        data = microbatches(args, trained)
-        out = forward_backward(
+    forward_backward = get_forward_backward_func()  # after watch(): the watched schedule
+
+    def run(step: int, forward_only: bool) -> list:
+        data = microbatches(args, step)
+        return forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=args.microbatches,
             seq_length=args.seq,
             micro_batch_size=args.microbatch_size,
-            forward_only=False,
+            forward_only=forward_only,
         )
+
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+    losses: dict[int, float] = {}  # step -> loss of the surviving timeline
+    history: list = []  # (step, loss) of every step run, rolled back or not
+    step = watch.start() if watch else 0  # parwatch
+    while step < args.steps:
+        trained = step + 1
+        optimizer.zero_grad()
+        out = run(trained, forward_only=False)
         if last:
             losses[trained] = float(torch.stack([d["lm loss"] for d in out]).mean())
+            history.append((trained, losses[trained]))
         if watch:
             watch.optimizer_step(optimizer)  # parwatch (optimizer.step() in a span)
             step = watch.step_done()  # parwatch: the step boundary; may pause or roll back
         else:
             optimizer.step()
             step = trained
+        if step != trained:  # rolled back: the steps after the loaded one are gone
+            losses = {s: v for s, v in losses.items() if s <= step}
+        elif args.checkpoint_dir:
+            save(step)
+            if watch:
+                watch.checkpoint_saved(step)  # parwatch
+        if args.eval:
+            with torch.no_grad():
+                run(10_000 + step, forward_only=True)  # evaluation: not a training step, no boundary
     if watch:
         watch.close()  # parwatch
         collector.close()  # parwatch
     if args.losses_out and last and ps.get_tensor_model_parallel_rank() == 0:
         with open(args.losses_out, "w") as f:
             json.dump({str(s): repr(v) for s, v in sorted(losses.items())}, f)
-    return {"losses": losses if last else {}}
+    return {
+        "losses": losses if last else {},
+        "history": history if last else [],
+        "applied": watch.applied if watch else [],
+    }
 
 
 def _run_id(args) -> str:

@@ -10,8 +10,11 @@ summaries.jsonl and spans.jsonl as any user's run would. One spawn runs every co
   interleaved 1F1B;
 - the order itself against Megatron's schedule tables and warm-up counts, and its replay at
   uniform times against the closed form;
-- numerics: losses with the integration attached are bitwise those without it (TP1);
-- a slow stage shows as imbalance.
+- numerics: losses with the integration attached are bitwise those without it (TP1), with a
+  forward-only evaluation after every step that emits nothing;
+- detach puts Megatron's own functions back;
+- a slow stage shows as imbalance;
+- pause, resume and rollback directives reach every rank (load_checkpoint).
 """
 
 from __future__ import annotations
@@ -48,18 +51,44 @@ def _example():
     return module
 
 
+def megatron_functions() -> dict:
+    """The Megatron module attributes the integration wraps while attached."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import mappings
+
+    from parwatch.integrations._megatron_hooks import P2P_FUNCS, SCHEDULE_FUNCS, TP_FUNCS
+
+    return {**{n: getattr(schedules, n) for n in SCHEDULE_FUNCS}, **{n: getattr(p2p_communication, n) for n in P2P_FUNCS},
+            **{n: getattr(mappings, n) for n in TP_FUNCS}}
+
+
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
-    """Every rank: each named run of the example in turn; returns {name: losses} (last stage's)."""
+    """Every rank: each named run of the example in turn; returns {name: losses} (last stage's).
+
+    The run named "directives" also gets a Director on the registry and returns what it saw."""
     from megatron.core import parallel_state
 
+    from parwatch.contract import registry
+    from tests.dist.test_torch_pipelining import Director
+
     example = _example()
+    shipped = megatron_functions()
     results = {}
     try:
         for name, argv in runs.items():
             extra = [] if "--no-parwatch" in argv else ["--parwatch-log", os.path.join(out_dir, name)]
             args = example.parse_args(argv + ["--run-id", name, *extra])
+            director = Director(rank, name) if name == "directives" else None
+            if director:
+                registry.register(director)
             result = example.train(args)
             results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
+            if director:
+                registry.unregister(director)
+                results[name] = {"seen": director.seen, "applied": result["applied"], "history": result["history"],
+                                 "losses": result["losses"]}
+            changed = [n for n, f in megatron_functions().items() if f is not shipped[n]]
+            assert not changed, f"{name}: still wrapped after close: {changed}"
     finally:
         parallel_state.destroy_model_parallel()
     return results
@@ -81,9 +110,10 @@ def grid(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("megatron"))
     runs = {c: run_argv(c) for c in CONFIGS}
     for c in CONFIGS:  # numerics: the same training, quickly, with and without parwatch
-        runs[f"{c}-fast-on"] = run_argv(c, ms="0,0", steps=3)
-        runs[f"{c}-fast-off"] = run_argv(c, "--no-parwatch", ms="0,0", steps=3)
+        runs[f"{c}-fast-on"] = run_argv(c, "--eval", ms="0,0", steps=3)
+        runs[f"{c}-fast-off"] = run_argv(c, "--eval", "--no-parwatch", ms="0,0", steps=3)
     runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
+    runs["directives"] = run_argv("1f1b", "--checkpoint-dir", os.path.join(out, "ckpt"), ms="0,0", steps=6)
     losses = run_ranks(runs_body, P, runs, out, timeout=110)
     return out, losses
 
@@ -168,6 +198,23 @@ def test_losses_are_bitwise_unchanged(grid):
         assert on == off, config
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_evaluation_is_not_observed(grid, config):
+    """forward_only passes (an eval after every step) emit no span: each step has its training
+    actions only, and no step of its own."""
+    out, _ = grid
+    counts: dict = {}
+    with open(os.path.join(out, f"{config}-fast-on", "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            if span["kind"] in TYPES or span["kind"] == "boundary":
+                key = (span["rank"], span["step"], span["kind"])
+                counts[key] = counts.get(key, 0) + 1
+    v = 2 if config == "interleaved" else 1
+    assert counts == {(r, s, k): (1 if k == "boundary" else M * v)
+                      for r in range(P) for s in (1, 2, 3) for k in ("forward", "backward", "boundary")}
+
+
 def test_summaries_report_the_loss_and_the_layout(grid):
     out, losses = grid
     last = next(r["1f1b"] for r in losses if r["1f1b"])
@@ -199,3 +246,20 @@ def test_a_slow_stage_shows_as_imbalance(grid):
     # Rank 1 computes 1.5x longer: rank 0 waits for it, by the schedule's own dependencies.
     assert causes[0].imbalance > 0.08, causes
     assert causes[0].imbalance > 3 * abs(causes[0].wait), causes
+
+
+def test_pause_resume_and_rollback_reach_every_rank(grid):
+    _, results = grid
+    ranks = [r["directives"] for r in results]
+    seen = ranks[0]["seen"]
+    assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
+    assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
+    for r in ranks:
+        assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
+            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+        assert r["applied"][2]["step"] == 2  # the loaded step
+    last = next(r for r in ranks if r["history"])
+    assert [s for s, _ in last["history"]] == [1, 2, 3, 4, 5, 3, 4, 5, 6]  # step 5 rolled back to 2
+    first, replayed = dict(last["history"][:5]), dict(last["history"][5:])
+    assert all(replayed[s] == first[s] for s in (3, 4, 5))  # same batches, restored state: same losses
+    assert sorted(last["losses"]) == [1, 2, 3, 4, 5, 6]
