@@ -118,6 +118,14 @@ def grid(tmp_path_factory):
     return out, losses
 
 
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """TP2 x PP2 on 4 ranks: 3 quick steps with parwatch."""
+    out = str(tmp_path_factory.mktemp("megatron-tp2"))
+    runs = {"tp2": ["--tp", "2", *run_argv("1f1b", ms="0,0", steps=3)]}
+    return out, run_ranks(runs_body, 4, runs, out, timeout=110)
+
+
 # ------------------------------------------------------------------------------ the theory
 def test_order_is_megatrons_schedule():
     """The interleaved order reads Megatron's own tables: the (microbatch, chunk) table and the
@@ -263,3 +271,24 @@ def test_pause_resume_and_rollback_reach_every_rank(grid):
     first, replayed = dict(last["history"][:5]), dict(last["history"][5:])
     assert all(replayed[s] == first[s] for s in (3, 4, 5))  # same batches, restored state: same losses
     assert sorted(last["losses"]) == [1, 2, 3, 4, 5, 6]
+
+
+def test_tensor_parallel_run_is_watched(grid, tp2):
+    """TP2 x PP2: the layout from Megatron's parallel_state, tensor-parallel all-reduces inside the
+    compute spans, and the losses of the TP1 run (the same model, its weights split)."""
+    out, losses = tp2
+    with open(os.path.join(out, "tp2", "summaries.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert {(r["rank"], r["tp_rank"], r["stage"]) for r in rows} == {(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)}
+    tp_spans = 0
+    with open(os.path.join(out, "tp2", "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            if span["kind"] == "collective" and span["attrs"]["group"] == "tp":
+                assert span["attrs"]["group_size"] == 2 and span["attrs"]["op"] == "all_reduce"
+                tp_spans += 1
+    assert tp_spans > 0
+    tp1 = next(r["1f1b-fast-on"] for r in grid[1] if r["1f1b-fast-on"])
+    last = [r["tp2"] for r in losses if r["tp2"]]
+    assert len(last) == 2 and last[0] == last[1]  # both TP ranks of the last stage
+    assert {s: float(v) for s, v in last[0].items()} == pytest.approx({s: float(v) for s, v in tp1.items()}, rel=1e-6)
