@@ -168,7 +168,9 @@ def forward_step_func(data_iterator, model):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     train(args)
     dist.barrier()
     from megatron.core import parallel_state
@@ -200,6 +202,8 @@ def train(args) -> dict:
     )
     config = megatron_config(args)
     chunks = build_model(args, config)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    chunks = [chunk.to(device) for chunk in chunks]
     pp_rank = ps.get_pipeline_model_parallel_rank()
     factor = args.slow[1] if args.slow and args.slow[0] == pp_rank else 1.0
     for chunk in chunks:
@@ -249,7 +253,7 @@ def train(args) -> dict:
     forward_backward = get_forward_backward_func()  # after watch(): the watched schedule
 
     def run(step: int, forward_only: bool) -> list:
-        data = microbatches(args, step)
+        data = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(args, step)]
         return forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),

@@ -147,6 +147,7 @@ class MegatronWatch(StepLoop):
         param = next((p for c in chunks for p in c.parameters()), None)
         if device is None and param is not None and param.device.type != "cpu":
             device = param.device
+        self.device = device
         super().__init__(
             pp_rank=pp_rank,
             boundary=StepBoundary(
@@ -201,10 +202,18 @@ class MegatronWatch(StepLoop):
 
     def run_context(self, **extra):
         """A collector RunContext for this rank: tp, pp, dp and coordinates from Megatron's
-        parallel_state. `extra` goes to RunContext (tokens_per_step, local_gpu, hostname)."""
+        parallel_state. `extra` goes to RunContext (tokens_per_step, local_gpu, hostname);
+        local_gpu defaults to the CUDA device of the model's parameters (its clock: CUDA events)."""
         import torch.distributed as dist
 
         from parwatch.collector import RunContext
+
+        if "local_gpu" not in extra and self.device is not None:
+            import torch
+
+            device = torch.device(self.device)
+            if device.type == "cuda":
+                extra["local_gpu"] = device.index if device.index is not None else torch.cuda.current_device()
 
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != self.tp * self.pp * self.dp:
