@@ -94,6 +94,8 @@ class Hooks:
         missing = [f"{m.__name__}.{n}" for m, n in targets if not callable(getattr(m, n, None))]
         if missing:
             raise AttributeError(f"megatron-core lacks {', '.join(missing)}")
+        if any(hasattr(getattr(m, n), "_parwatch_hooks") for m, n in targets):
+            raise RuntimeError("another MegatronWatch is attached in this process: close or detach it first")
         for module, name in targets:
             original = getattr(module, name)
             self._originals[(module, name)] = original

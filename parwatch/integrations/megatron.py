@@ -180,8 +180,9 @@ class MegatronWatch(StepLoop):
             return self
         try:
             self._hooks.install()
+        except RuntimeError as exc:
+            raise IntegrationError(str(exc)) from exc
         except AttributeError as exc:
-            self._hooks.uninstall()
             raise IntegrationError(
                 f"{exc}: parwatch wraps megatron-core 0.16's schedules and p2p functions; "
                 "this version differs (watch with p2p=False if only the p2p functions are missing)"

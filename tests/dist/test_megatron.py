@@ -292,3 +292,19 @@ def test_tensor_parallel_run_is_watched(grid, tp2):
     last = [r["tp2"] for r in losses if r["tp2"]]
     assert len(last) == 2 and last[0] == last[1]  # both TP ranks of the last stage
     assert {s: float(v) for s, v in last[0].items()} == pytest.approx({s: float(v) for s, v in tp1.items()}, rel=1e-6)
+
+
+def test_hooks_install_once_and_restore_megatron():
+    from parwatch.integrations._megatron_hooks import Hooks
+
+    shipped = megatron_functions()
+    first, second = Hooks({}, 0, 2), Hooks({}, 0, 2)
+    first.install()
+    try:
+        wrapped = megatron_functions()
+        assert all(wrapped[n] is not shipped[n] for n in ("forward_step", "backward_step", "_p2p_ops"))
+        with pytest.raises(RuntimeError, match="another MegatronWatch"):
+            second.install()
+    finally:
+        first.uninstall()
+    assert megatron_functions() == shipped
