@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--parwatch-token-file", default="", help="file holding the sidecar's token")
     ap.add_argument("--no-parwatch", action="store_true", help="run the same training without parwatch")
     ap.add_argument("--losses-out", default="", help="the last stage's first rank writes its losses (JSON)")
+    ap.add_argument(
+        "--batch-p2p", action="store_true", help="interleaved: batched p2p instead of overlapped (needs --pp >= 3)"
+    )
     ap.add_argument("--checkpoint-dir", default="", help="per-rank checkpoints after every step (rollback)")
     ap.add_argument("--eval", action="store_true", help="after each step, a forward-only pass (unobserved)")
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.fwd_ms, args.bwd_ms = (float(x) for x in args.synthetic_ms.split(","))
     except ValueError:
         ap.error(f"--synthetic-ms {args.synthetic_ms!r}: give F,B in ms, e.g. 40,80")
+    if args.batch_p2p and args.chunks > 1 and args.pp < 3:
+        ap.error("--batch-p2p with --chunks > 1 needs --pp >= 3 (Megatron 0.16 swaps tensors at pp=2)")
     args.slow = None
     if args.slow_stage:
         try:
@@ -87,8 +92,8 @@ def megatron_config(args):
         microbatch_group_size_per_vp_stage=(args.group_size or args.pp) if interleaved else None,
         # Interleaved at pp=2 with batched p2p, Megatron 0.16 swaps activations and gradients
         # between the two peers: overlapped unbatched p2p is what is correct there.
-        batch_p2p_comm=not interleaved,
-        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved or args.batch_p2p,
+        overlap_p2p_comm=interleaved and not args.batch_p2p,
         batch_p2p_sync=torch.cuda.is_available(),
         hidden_dropout=0.0,
         attention_dropout=0.0,
