@@ -12,15 +12,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.vocabulary import MetricKind, RankState, RuleState
+from parwatch.vocabulary import MetricKind, RankState, RuleState, TimeCategory
 
 KINDS = tuple(MetricKind)
 BOUNDED_LABELS = frozenset(
-    {"stage", "rank", "tp_rank", "dp_rank", "op", "group", "gpu", "rule", "action", "reason", "cause", "post"}
+    {
+        "stage",
+        "rank",
+        "tp_rank",
+        "dp_rank",
+        "op",
+        "group",
+        "gpu",
+        "rule",
+        "action",
+        "reason",
+        "cause",
+        "post",
+        "category",
+    }
 )
 """reason: why a collective instance was not split (remote, incomplete, unsent), or why a post was refused
 (parwatch.sidecar.refusals.REASONS); cause: a straggler's cause (parwatch.guardrails.attribution.CAUSES, four
-values); post: ingest, activity or digest."""
+values); post: ingest, activity or digest; category: where a second went (parwatch.vocabulary.TimeCategory, 15
+values)."""
 RANK_STATES = {RankState.RUNNING: 0, RankState.HUNG: 1, RankState.GONE: 2, RankState.UNKNOWN: 3}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
 GUARDRAIL_STATES = {RuleState.OK: 0, RuleState.PENDING: 1, RuleState.FIRING: 2}
@@ -69,6 +84,10 @@ class Metric:
     def series_per_label_set(self) -> int:
         """Series one label set costs: a histogram pays a bucket per edge, +Inf, _sum and _count."""
         return len(self.buckets) + 3 if self.kind == MetricKind.HISTOGRAM else 1
+
+    def label_sets_per_rank(self) -> int:
+        """Label sets one rank adds: one, or one per time category for the ledger's counters."""
+        return len(TimeCategory) if "category" in self.labels else 1
 
 
 _R, _RS, _RG, _OG, _S = ("rank",), ("rank", "stage"), ("rank", "gpu"), ("op", "group"), ("stage",)
@@ -224,6 +243,14 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
     Metric(
+        "parwatch_time_seconds_total",
+        "counter",
+        ("rank", "stage", "category"),
+        "Where this rank's wall time went since its process started, one category per second (the goodput "
+        "ledger, docs/goodput.md); the categories sum to the process's wall time",
+        "seconds",
+    ),
+    Metric(
         "parwatch_sidecar_rules_reload_failures_total",
         "counter",
         (),
@@ -250,10 +277,11 @@ BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 SERIES: dict[str, Metric] = {s: m for m in METRICS for s in m.series()}
 """Sample name (including _bucket/_sum/_count) -> its metric."""
 
-SERIES_BUDGET_PER_RANK = 24
+SERIES_BUDGET_PER_RANK = 40
 """Most series one rank may add to a sidecar's /metrics (with a GPU; docs/deploy.md, "Series budget").
 
-per_rank_series() is what the catalogue implies today (16 with a GPU, 11 without; the step histogram,
+per_rank_series() is what the catalogue implies today (31 with a GPU, 26 without, 15 of them the goodput
+ledger's per-category counters; the step histogram,
 16 series, is exported once per stage, not per rank); tests/unit/test_catalog.py counts a real /metrics
 against this number, so a new per-rank series is a decision, not an accident.
 """
@@ -269,4 +297,8 @@ def metric(name: str) -> Metric:
 
 def per_rank_series(gpu: bool = True) -> int:
     """Series one rank adds: one label set of every metric labelled by rank (GPU ones only with a GPU)."""
-    return sum(m.series_per_label_set() for m in METRICS if "rank" in m.labels and (gpu or "gpu" not in m.labels))
+    return sum(
+        m.series_per_label_set() * m.label_sets_per_rank()
+        for m in METRICS
+        if "rank" in m.labels and (gpu or "gpu" not in m.labels)
+    )

@@ -27,7 +27,7 @@ DEFAULT_FOLDER_UID = "parwatch"
 DEFAULT_PRICE_PER_GPU_HOUR = 2.5
 DEFAULT_RULES = Path(__file__).parent / "sidecar" / "default_rules.yaml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-RECORDED_NAME = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
+RECORDED_NAME = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+(\{[^}]*\})?")
 RUN_FILTER = f'{{{rec.RUN_LABEL}=~"$job"}}'
 """Recorded series keep the scrape job (one per run); the job variable picks the run."""
 RUN_VARIABLE_QUERY = f"label_values({rec.job('parwatch_train_step', 'max')}, {rec.RUN_LABEL})"
@@ -48,7 +48,15 @@ def rule_threshold(rule: str, key: str, rules_path: Path = DEFAULT_RULES) -> flo
 
 def for_run(expr: str) -> str:
     """Every recorded series in expr restricted to the run chosen in the dashboard's job variable."""
-    return RECORDED_NAME.sub(lambda m: m.group(0) + RUN_FILTER, expr)
+    return RECORDED_NAME.sub(_with_run_filter, expr)
+
+
+def _with_run_filter(match: re.Match) -> str:
+    """name -> name{job=~"$job"}; name{a="b"} -> name{job=~"$job",a="b"}."""
+    selector = match.group(1)
+    if not selector:
+        return match.group(0) + RUN_FILTER
+    return match.group(0)[: -len(selector)] + RUN_FILTER[:-1] + "," + selector[1:]
 
 
 def _targets(exprs) -> list[dict]:
@@ -171,6 +179,18 @@ def _right_axis(name_regex: str) -> dict:
     return {
         "matcher": {"id": "byRegexp", "options": name_regex},
         "properties": [{"id": "custom.axisPlacement", "value": "right"}, {"id": "unit", "value": "none"}],
+    }
+
+
+def _stacked(panel: dict) -> dict:
+    panel["fieldConfig"]["defaults"]["custom"].update(stacking={"mode": "normal", "group": "A"}, fillOpacity=60)
+    return panel
+
+
+def _unstacked(name_regex: str) -> dict:
+    return {
+        "matcher": {"id": "byRegexp", "options": name_regex},
+        "properties": [{"id": "custom.stacking", "value": {"mode": "none"}}, {"id": "custom.fillOpacity", "value": 0}],
     }
 
 
@@ -322,6 +342,26 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
             unit="percentunit",
             desc="schedule: the formula or simulation at uniform stage times; imbalance: this step's stage "
             "times simulated, minus schedule; wait: measured minus simulated (p2p, collectives, host)",
+        ),
+        _stacked(
+            timeseries(
+                "Where the time went (goodput ledger)",
+                [
+                    (f'{rate("category", "parwatch_time_seconds_total")}{{category!="wasted"}}', "{{category}}"),
+                    (f'{rate("category", "parwatch_time_seconds_total")}{{category="wasted"}}', "of which wasted"),
+                ],
+                unit="short",
+                overrides=[_unstacked("of which wasted")],
+                desc="seconds per second over all ranks, by category; stacked they are the ranks' wall time. "
+                "productive counts every step as it ran; 'of which wasted' is the part rollbacks discarded "
+                "(docs/goodput.md)",
+            )
+        ),
+        stat(
+            "Goodput / ETTR",
+            [(rec.goodput(window), "goodput"), (rec.ettr(window), "ETTR")],
+            unit="percentunit",
+            desc="goodput: net productive / wall time; ETTR: the share of wall time in training steps that count",
         ),
         timeseries(
             "Pipeline skew",

@@ -26,6 +26,7 @@ import yaml
 
 from parwatch import bubble
 from parwatch.catalog import metric
+from parwatch.vocabulary import OUTSIDE_TRAINING
 
 RATE_WINDOW = "1m"
 """Range of rate() in the recorded rates and means (name suffix `rate1m`, `mean1m`)."""
@@ -85,6 +86,16 @@ def stage_bubble(window: str = RATE_WINDOW) -> str:
 def stage_bubble_excess(window: str = RATE_WINDOW) -> str:
     """The stage bubble's excess over the schedule's theory (parwatch.bubble.excess_promql), as recorded."""
     return f"stage:parwatch_stage_bubble_excess_ratio:ratio_rate{window}"
+
+
+def goodput(window: str = RATE_WINDOW) -> str:
+    """The run's productive share of its ranks' wall time over the window (the goodput ledger)."""
+    return f"job:parwatch_time_seconds:goodput_rate{window}"
+
+
+def ettr(window: str = RATE_WINDOW) -> str:
+    """The run's effective training time ratio over the window (docs/goodput.md)."""
+    return f"job:parwatch_time_seconds:ettr_rate{window}"
 
 
 def stragglers_top(window: str = RATE_WINDOW) -> str:
@@ -170,6 +181,18 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     add(mean_name("stage", step, w), f"sum {stage} (rate({step}_sum[{w}])) / sum {stage} (rate({step}_count[{w}]))")
     for q, record in ((0.5, JOB_STEP_P50), (0.99, JOB_STEP_P99)):
         add(record, f"histogram_quantile({q}, sum {by('le')} (rate({step}_bucket[{QUANTILE_WINDOW}])))")
+
+    # The goodput ledger: where the ranks' seconds went, per category (seconds per second: ranks).
+    spent = _m("parwatch_time_seconds_total")
+    add(rate_name("category", spent, w), f"sum {by('category')} (rate({spent}[{w}]))")
+    add(rate_name("stage_category", spent, w), f"sum {by('stage', 'category')} (rate({spent}[{w}]))")
+    # Counters only grow: productive is gross and wasted counts the discarded part again, so the wall
+    # time is the sum less wasted, and net productive is productive less wasted (parwatch.collector.ledger).
+    wall = f'(sum {by()} (rate({spent}[{w}])) - sum {by()} (rate({spent}{{category="wasted"}}[{w}])))'
+    net = f'(sum {by()} (rate({spent}{{category="productive"}}[{w}])) - sum {by()} (rate({spent}{{category="wasted"}}[{w}])))'
+    add(goodput(w), f"{net} / {wall}")
+    outside = "|".join(c.value for c in OUTSIDE_TRAINING)
+    add(ettr(w), f'1 - sum {by()} (rate({spent}{{category=~"{outside}"}}[{w}])) / {wall}')
 
     # Collectives, per op and group.
     og = by("op", "group")

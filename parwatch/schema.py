@@ -43,6 +43,9 @@ StepSummary (a dict; JSON object), one per rank and step:
                               collectives; seq the call's number on its group, or per direction and peer
                               for p2p); capped int (instances over the per-group budget, not recorded)
     overhead_seconds          float, time the collector itself spent on the training thread this step
+    time_seconds              {category: float}, this rank's goodput ledger since its process started
+                              (cumulative seconds per parwatch.vocabulary.TimeCategory; they sum to the
+                              process's wall time at this boundary; parwatch/collector/ledger.py)
     dropped_total             int, summaries this rank's shipper dropped so far
     checkpoints               list[int], steps with a complete checkpoint (rank 0; [] elsewhere)
     paused                    bool

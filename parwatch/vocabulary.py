@@ -220,6 +220,54 @@ class SpanKind(StrEnum):
     """Fetching the next batch (data loading)."""
     BOUNDARY = "boundary"
     """The step-boundary all-reduce: mostly the wait for the pipeline's flush."""
+    EVAL = "eval"
+    """An evaluation the trainer runs between training steps (not a training step's work)."""
+
+
+class TimeCategory(StrEnum):
+    """Where a second of a rank's wall time went: the goodput ledger (docs/goodput.md). Every second
+    from process start to exit lands in exactly one."""
+
+    PRODUCTIVE = "productive"
+    """Forward, backward (input, weight) and loss of training steps that still count."""
+    BUBBLE_SCHEDULE = "bubble_schedule"
+    """Pipeline idle the schedule implies."""
+    BUBBLE_IMBALANCE = "bubble_imbalance"
+    """Pipeline idle that unequal stage times add."""
+    BUBBLE_WAIT = "bubble_wait"
+    """The rest of the pipeline idle: late transfers, stalls, the host."""
+    EXPOSED_COMM = "exposed_comm"
+    """TP and DP collectives the rank waited in (not overlapped with compute)."""
+    OPTIMIZER = "optimizer"
+    DATA_WAIT = "data_wait"
+    """Blocking on the next batch."""
+    CHECKPOINT_SAVE = "checkpoint_save"
+    CHECKPOINT_LOAD = "checkpoint_load"
+    """Loading a checkpoint for a rollback (the gap until training resumes)."""
+    STARTUP = "startup"
+    """Process start to the run's first step boundary."""
+    PAUSED = "paused"
+    """Held by a pause directive (a guardrail's or an operator's)."""
+    WASTED = "wasted"
+    """Productive time of steps a rollback discarded (moved out of productive when it is applied)."""
+    DOWN = "down"
+    """A rank's process absent between a crash and its restart under the same run id (the sidecar's)."""
+    EVAL = "eval"
+    UNATTRIBUTED = "unattributed"
+    """What no span or gap explains (host work between spans, shutdown)."""
+
+
+OUTSIDE_TRAINING: tuple[TimeCategory, ...] = (
+    TimeCategory.STARTUP,
+    TimeCategory.CHECKPOINT_SAVE,
+    TimeCategory.CHECKPOINT_LOAD,
+    TimeCategory.PAUSED,
+    TimeCategory.WASTED,
+    TimeCategory.DOWN,
+    TimeCategory.EVAL,
+    TimeCategory.UNATTRIBUTED,
+)
+"""What ETTR counts as not training: everything but the training steps that count (docs/goodput.md)."""
 
 
 class Event(StrEnum):

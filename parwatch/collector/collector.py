@@ -21,6 +21,7 @@ handled it. Summaries are never held back for that.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from parwatch.collector.context import RunContext
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
 from parwatch.collector.fallback import LocalGuard
 from parwatch.collector.instances import InstanceLog
+from parwatch.collector.ledger import Ledger, process_start_monotonic, shares_of
 from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Delivery, Shipper
@@ -46,6 +48,8 @@ from parwatch.vocabulary import Action
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
+_VIEW = "_view"
+"""A summary's key, never sent, for another rank's copy of the global view (see Collector._prepare)."""
 
 KEEP_CHECKPOINTS = 20
 
@@ -106,7 +110,7 @@ class Collector(Observer):
             http=http,
             on_directive=self._on_directive,
             poll_interval_s=poll_interval_s if ctx.rank == 0 else None,
-            prepare=self.causes.add_causes if ctx.rank == 0 else None,
+            prepare=self._prepare,
         ).start()
         self.activity = ActivityReporter(
             ctx,
@@ -138,6 +142,9 @@ class Collector(Observer):
         self._wall_offset = time_fn() - self._host_seconds(mark)
         self._release_marks([mark])
         self._stats = StepStats()
+        self.ledger = Ledger(process_start_monotonic() or time.monotonic(), theory=ctx.bubble_theoretical_ratio)
+        """Where every second of this rank's wall time went (the goodput ledger)."""
+        self._ledger_path = os.path.join(os.path.dirname(log_path), f"ledger-rank{ctx.rank}.json") if log_path else None
         self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds, duration_of=self.clock.seconds)
         """Per-instance collective/p2p records and data seconds for the sidecar's wait/transfer split."""
         self.totals = RunTotals(ctx.pp, ctx.microbatches, ctx.chunks)
@@ -232,7 +239,9 @@ class Collector(Observer):
                 self.guard.saw(info.directive.id, handled=True)
             self._report_outcome(info)
         kind = info.kind
+        end_s = self._host_seconds(end)
         if kind == BoundaryKind.HEARTBEAT:  # paused: nothing is accounted until the resume
+            self.ledger.gap(end_s, holding=True)
             self.shipper.heartbeat_seen = True  # every rank joined it: the next poll vouches for them
             self._begin_period(None, info.step, sample=False)
             done += (info.start, end)
@@ -240,6 +249,8 @@ class Collector(Observer):
             if kind == BoundaryKind.STEP and self._origin_mark is not None:
                 self._finish_step(info, end, slots, t0)
                 t0 = _now_ns()
+            else:
+                self.ledger.gap(end_s)
             if kind != BoundaryKind.STEP:  # start, resume (or a kind this collector does not know): a new origin
                 self._previous = None
                 self._paused = False
@@ -263,6 +274,7 @@ class Collector(Observer):
             simulated = self.causes.set_order(attrs.get("pipeline_order"))
             if simulated is not None and not has_closed_form(self.ctx.schedule):
                 self._theory = simulated  # zero-bubble and V schedules: the replay at equal action times
+                self.ledger.theory = simulated
         elif name in (Event.CHECKPOINT_SAVED, Event.CHECKPOINT_CORRUPT) and self.ctx.rank == 0:
             # The trainer may pass the complete checkpoints on disk (pruned ones gone): prefer that list.
             listed = attrs.get("checkpoints")
@@ -270,13 +282,42 @@ class Collector(Observer):
             self._checkpoints = sorted(set(steps))[-KEEP_CHECKPOINTS:]
         elif name == Event.PAUSED:
             self._paused = True
+            self.ledger.paused(time.monotonic())
         elif name == Event.RUN_END and self.ctx.rank == 0 and isinstance(attrs.get("summary"), dict):
-            attrs["summary"].update(self.totals.as_dict())
+            attrs["summary"].update(self.totals.as_dict(), time_seconds=self.ledger.snapshot())
         elif name == Event.ROLLBACK:
             self._previous = None
             self.timeline += 1
+            self.ledger.rollback(int(attrs["to_step"]), time.monotonic())
 
     # --- internals ----------------------------------------------------------------------------
+    def _prepare(self, summary: dict) -> None:
+        """Shipper thread, before a summary is written or sent: the bubble's causes (rank 0's global
+        view; another rank's own copy of the view, which is not sent) and this stage's shares of
+        them for the ledger's next steps."""
+        view = summary.get("global") if self.ctx.rank == 0 else summary.pop(_VIEW, None)
+        if not view:
+            return
+        self.causes.add_causes(summary if self.ctx.rank == 0 else {"global": view})
+        for stage in view.get("stages", ()):
+            if stage.get("stage") == self.ctx.stage:
+                shares = shares_of(stage)
+                if shares is not None:
+                    self.ledger.split = shares
+
+    def _write_ledger(self) -> None:
+        """The ledger as JSON next to the summaries (ledger-rank<N>.json), at close."""
+        if self._ledger_path is None:
+            return
+        record = {"run_id": self.ctx.run_id, "rank": self.ctx.rank, "stage": self.ctx.stage, **self.ledger.report()}
+        try:
+            tmp = f"{self._ledger_path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1)
+            os.replace(tmp, self._ledger_path)
+        except OSError as exc:
+            log.warning("parwatch: could not write %s (%s)", self._ledger_path, exc)
+
     def _count_error(self, where: str, exc: Exception) -> None:
         if not self.errors:
             log.warning(
@@ -300,7 +341,9 @@ class Collector(Observer):
             return
         stats = self._stats
         result = breakdown(step_seconds, stats.compute_seconds, stats.other_seconds)
+        self.ledger.step(info.step, self._host_seconds(end), stats, step_seconds, result.idle_seconds)
         summary = self._summary(info, result, stats, slots)
+        summary["time_seconds"] = self.ledger.snapshot()
         if self._model_flops and self.peak_flops and step_seconds > 0:
             summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
         summary["instances"] = self.instances.take()
@@ -327,12 +370,15 @@ class Collector(Observer):
         ctx = self.ctx
         global_view = None
         collectives = stats.collectives()
+        own_view = None
         if ctx.rank == 0:
             global_view = gv.build_global_view(slots, ctx.pp, self._previous_loss)
             if global_view is not None and global_view["step"] != self._previous_step:
                 global_view["loss"] = None  # the loss rank 0 holds is another step's
             self.totals.add_global(global_view)
             self.totals.add_collectives(collectives)
+        elif self.causes.order is not None:
+            own_view = gv.build_global_view(slots, ctx.pp, None)  # for the ledger's bubble split (_prepare)
         pausing = info.directive is not None and getattr(info.directive, "action", None) == Action.PAUSE
         return build_summary(
             ctx,
@@ -352,7 +398,7 @@ class Collector(Observer):
             global_view=global_view,
             timeline=self.timeline,
             bubble_theoretical_ratio=self._theory,
-        )
+        ) | ({} if own_view is None else {_VIEW: own_view})
 
     def _begin_period(self, origin_mark, step: int, *, sample: bool) -> None:
         if origin_mark is not None:
@@ -379,7 +425,7 @@ class Collector(Observer):
             except Exception:
                 self.unresolved_spans += 1
                 continue
-            stats.add(span.kind, seconds, span.attrs)
+            stats.add(span.kind, seconds, span.attrs, span.parent.kind if span.parent is not None else None)
             self.instances.add(span)
         return [mark for span in pending for mark in (span.start, span.end)]
 
@@ -391,7 +437,13 @@ class Collector(Observer):
         self._pending.clear()
         for span in pending:
             try:
-                stats.add(span.kind, clock.seconds(span.start, span.end), span.attrs)
+                parent = span.parent
+                stats.add(
+                    span.kind,
+                    clock.seconds(span.start, span.end),
+                    span.attrs,
+                    parent.kind if parent is not None else None,
+                )
                 instances.add(span)
                 if records is not None:
                     records.append(self._record(span, host_seconds(span.start), host_seconds(span.end)))
@@ -439,6 +491,8 @@ class Collector(Observer):
         from parwatch.collector.attach import detach  # attach imports this module
 
         detach(self)
+        self.ledger.close(time.monotonic())
+        self._write_ledger()
         self.activity.close(min(timeout, 1.0), error=error)
         self.nvml.close(min(timeout, 1.0))
         self.shipper.close(timeout)

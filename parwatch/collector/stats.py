@@ -90,13 +90,28 @@ class OpStats:
 class StepStats:
     """Running sums for the current step period of one rank."""
 
-    __slots__ = ("compute_seconds", "other_seconds", "by_kind", "ops", "skipped_ops")
+    __slots__ = (
+        "compute_seconds",
+        "other_seconds",
+        "by_kind",
+        "other_by_kind",
+        "comm_seconds",
+        "comm_in_compute_seconds",
+        "ops",
+        "skipped_ops",
+    )
 
     def __init__(self) -> None:
         self.compute_seconds = 0.0
         self.other_seconds = 0.0
         self.by_kind: dict[str, float] = {}
         """Compute seconds per span kind (forward, backward, ...): the bubble's causes need them."""
+        self.other_by_kind: dict[str, float] = {}
+        """Other seconds per span kind (optimizer, dp_sync, data, checkpoint, eval): the ledger's."""
+        self.comm_seconds = 0.0
+        """Collective spans outside any other span (idle in the breakdown) or inside a compute span."""
+        self.comm_in_compute_seconds = 0.0
+        """The part of comm_seconds inside compute spans (a TP all-reduce in a forward)."""
         self.ops: dict[tuple[str, str], OpStats] = {}
         self.skipped_ops = 0
         """Collective spans with an op outside COLLECTIVE_OPS (whole run, not reset per step)."""
@@ -105,15 +120,26 @@ class StepStats:
         self.compute_seconds = 0.0
         self.other_seconds = 0.0
         self.by_kind = {}
+        self.other_by_kind = {}
+        self.comm_seconds = 0.0
+        self.comm_in_compute_seconds = 0.0
         self.ops = {}
 
-    def add(self, kind: str, seconds: float, attrs: dict) -> None:
+    def add(self, kind: str, seconds: float, attrs: dict, parent_kind: str | None = None) -> None:
+        """Fold one span; `parent_kind`: the kind of the span it ran inside, if any."""
         if kind in COMPUTE_KINDS:
             self.compute_seconds += seconds
             self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
         elif kind in OTHER_KINDS:
             self.other_seconds += seconds
+            self.other_by_kind[kind] = self.other_by_kind.get(kind, 0.0) + seconds
         elif kind == SpanKind.COLLECTIVE:
+            # Inside an optimizer or dp_sync span it is that span's time already; else it is
+            # communication the rank waited in (inside a compute span, compute's time holds it).
+            if parent_kind is None or parent_kind in COMPUTE_KINDS:
+                self.comm_seconds += seconds
+                if parent_kind is not None:
+                    self.comm_in_compute_seconds += seconds
             self._add_op(
                 attrs.get("op", "unknown"),
                 attrs.get("group", "unknown"),

@@ -33,7 +33,7 @@ COMPUTE_KINDS = frozenset(
     {SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.BACKWARD_INPUT, SpanKind.BACKWARD_WEIGHT, SpanKind.LOSS}
 )
 """Count as compute (the pipeline's work)."""
-OTHER_KINDS = frozenset({SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOINT, SpanKind.DATA})
+OTHER_KINDS = frozenset({SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOINT, SpanKind.DATA, SpanKind.EVAL})
 """Work that is not the pipeline's and must not read as bubble. Everything else is communication or waiting."""
 SEQUENCED_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
 """Spans the registry numbers per group (collectives) or per peer (send, recv) in `attrs["seq"]`."""

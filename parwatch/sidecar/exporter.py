@@ -143,6 +143,12 @@ class SidecarCollector(Collector):
                     s = rec.summary
                     family.add_metric([str(s.rank)] if labels == RANK else [str(s.rank), str(s.stage)], value)
             yield family
+        spent = _c("parwatch_time_seconds", ["rank", "stage", "category"])
+        for rec in records:
+            s = rec.summary
+            for category, seconds in sorted((s.time_seconds or {}).items()):
+                spent.add_metric([str(s.rank), str(s.stage), category.value], seconds)
+        yield spent
         # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
         # ranks share its period, and one copy per rank was 16 of a rank's 32 series.
         per_stage: dict[int, RankRecord] = {}

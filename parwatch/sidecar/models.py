@@ -85,6 +85,8 @@ WireFloat = Annotated[float | None, BeforeValidator(_finite_loss)]
 Finite = Annotated[float, Field(strict=True, ge=-MAX_RATIO, le=MAX_RATIO, allow_inf_nan=False)]
 Ratio = Finite
 Seconds = Annotated[float, Field(strict=True, ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+LedgerSeconds = Annotated[float, Field(strict=True, ge=0, le=MAX_SECONDS * 100, allow_inf_nan=False)]
+"""A rank's cumulative seconds in one ledger category: up to ~3,000 years."""
 SignedSeconds = Annotated[float, Field(strict=True, ge=-MAX_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
 NonNegFinite = Annotated[float, Field(strict=True, ge=0, lt=MAX_COUNT, allow_inf_nan=False)]
 """Below 2**53, not up to it: an integer past it (2**53 + 1) rounds to 2**53 as a float and would pass `le`."""
@@ -312,6 +314,8 @@ class StepSummary(_Model):
     model_flops_utilization_ratio: (
         Annotated[float, Field(strict=True, ge=0, le=MAX_RATIO, allow_inf_nan=False)] | None
     ) = None
+    time_seconds: dict[vocabulary.TimeCategory, LedgerSeconds] | None = Field(default=None, max_length=32)
+    """The rank's goodput ledger since its process started (cumulative; parwatch.collector.ledger)."""
 
     @property
     def world_size(self) -> int:

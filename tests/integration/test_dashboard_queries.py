@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from parwatch import dashboards as dash
 from parwatch.catalog import METRICS
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.vocabulary import TimeCategory
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +82,10 @@ class RealisticRun(Collector):
         self.clock, self.t0 = clock, clock()
 
     def label_sets(self, metric):
+        if "category" in metric.labels:  # the goodput ledger: every category of every rank
+            return [
+                {"rank": str(r), "stage": str(s), "category": c.value} for r, s in RANKS.items() for c in TimeCategory
+            ]
         if set(metric.labels) >= {"rank"}:
             return [{"rank": str(r), "stage": str(s), "gpu": str(r)} for r, s in RANKS.items()]
         if metric.labels == ("stage",):

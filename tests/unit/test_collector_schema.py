@@ -9,7 +9,7 @@ from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 import parwatch.schema as schema
-from parwatch.vocabulary import REFERENCE_SCHEDULES
+from parwatch.vocabulary import REFERENCE_SCHEDULES, TimeCategory
 
 NUMBER = (int, float)
 LOSS_STRINGS = ("nan", "inf", "-inf")
@@ -140,6 +140,9 @@ FIELD_CHECKS = {
     "global": valid_global,
     "instances": valid_instances,
     "model_flops_utilization_ratio": is_float,
+    "time_seconds": lambda x: (
+        isinstance(x, dict) and set(x) == set(TimeCategory) and all(is_float(v) for v in x.values())
+    ),
 }
 
 

@@ -117,7 +117,7 @@ def test_every_recorded_series_is_read_for_the_chosen_run(board):
     assert job["datasource"] == {"type": "prometheus", "uid": "${datasource}"} and job["multi"] is False
     for expr in exprs(board):
         for m in RECORDED.finditer(expr):
-            assert expr[m.end() :].startswith('{job=~"$job"}'), expr
+            assert expr[m.end() :].startswith(('{job=~"$job"}', '{job=~"$job",')), expr
 
 
 def test_every_catalogue_metric_reaches_a_panel(board):

@@ -1,0 +1,205 @@
+"""The goodput ledger: every second of this rank's wall time, from process start, in exactly one
+TimeCategory (parwatch.vocabulary; docs/goodput.md).
+
+The collector hands it each boundary as it ends, on the host's monotonic clock:
+
+- a step boundary closes a step period, which is split by its spans: compute (productive, less
+  the collectives inside it), optimizer, data, checkpoint saves, eval, exposed communication (TP/DP
+  collectives the rank waited in, DP sync), and the rest of the period, the pipeline's idle, by the
+  bubble's causes (schedule, imbalance, wait). What the spans leave of the host's period (the
+  period on a device clock can differ a little from the host's) is unattributed;
+- any other boundary closes a gap: startup before the first one, paused while a pause holds,
+  checkpoint load between a rollback and the resume;
+- a rollback moves the productive time of the steps it discarded to wasted (the target step is
+  exact: the collector knows the timeline).
+
+So the categories sum to the wall time since process start, by construction. All of it is a few
+float additions per step on the training thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+
+from parwatch.vocabulary import OUTSIDE_TRAINING, SpanKind, TimeCategory
+
+KEEP_STEPS = 100_000
+"""Steps whose productive seconds are kept for a rollback (8 bytes each): a rollback further back than
+this moves only what is kept (the ledger reports the steps it could not move, `wasted_untracked_steps`)."""
+
+_OTHER = {
+    SpanKind.OPTIMIZER: TimeCategory.OPTIMIZER,
+    SpanKind.DP_SYNC: TimeCategory.EXPOSED_COMM,
+    SpanKind.DATA: TimeCategory.DATA_WAIT,
+    SpanKind.CHECKPOINT: TimeCategory.CHECKPOINT_SAVE,
+    SpanKind.EVAL: TimeCategory.EVAL,
+}
+_BUBBLE = (TimeCategory.BUBBLE_SCHEDULE, TimeCategory.BUBBLE_IMBALANCE, TimeCategory.BUBBLE_WAIT)
+
+
+def process_start_monotonic() -> float | None:
+    """When this process started, on time.monotonic's clock (Linux /proc); None where unknown."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime: field 22, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    return time.monotonic() - max(0.0, age)
+
+
+class Ledger:
+    """One rank's ledger: `seconds` partitions the wall time (productive net of rollbacks). `started_s`: the monotonic time it counts from (the process start); the
+    time until the first boundary is startup."""
+
+    def __init__(self, started_s: float, theory: float | None = None) -> None:
+        self.seconds: dict[TimeCategory, float] = dict.fromkeys(TimeCategory, 0.0)
+        self._mark = started_s
+        self._gap = TimeCategory.STARTUP
+        self._first_step = 0
+        self._cumulative = array("d")
+        """Productive seconds of this timeline's steps _first_step.. summed up to each one (a rollback
+        to step c discards the last value minus c's)."""
+        self.theory = theory
+        """The schedule's bubble at uniform stages: splits the idle until the causes are known."""
+        self.split: tuple[float, float, float] | None = None
+        """This rank's stage's latest (schedule, imbalance, wait) shares of its bubble (set from the
+        shipper's thread as the causes are computed; one tuple, replaced whole)."""
+        self.untracked_steps = 0
+
+    # --- the collector's calls -------------------------------------------------------------
+    def step(self, step: int, end_s: float, stats, step_seconds: float, idle_seconds: float) -> None:
+        """A step period ended at `end_s` (monotonic): split it by its spans (a StepStats)."""
+        period = max(0.0, end_s - self._mark)
+        productive = max(0.0, stats.compute_seconds - stats.comm_in_compute_seconds)
+        parts = {TimeCategory.PRODUCTIVE: productive, TimeCategory.EXPOSED_COMM: stats.comm_seconds}
+        for kind, seconds in stats.other_by_kind.items():
+            category = _OTHER.get(kind, TimeCategory.UNATTRIBUTED)
+            parts[category] = parts.get(category, 0.0) + seconds
+        bubble = max(0.0, idle_seconds - (stats.comm_seconds - stats.comm_in_compute_seconds))
+        for category, share in zip(_BUBBLE, self._shares(bubble, productive)):
+            parts[category] = parts.get(category, 0.0) + share
+        spanned = sum(parts.values())
+        # The period on the host clock; the spans on the collector's (a device clock differs a little).
+        scale = period / spanned if spanned > period > 0 else 1.0
+        seconds = self.seconds
+        for category, value in parts.items():
+            seconds[category] += value * scale
+        seconds[TimeCategory.UNATTRIBUTED] += max(0.0, period - spanned * scale)
+        self._keep(step, productive * scale)
+        self._mark = max(self._mark, end_s)
+
+    def gap(self, end_s: float, *, holding: bool = False) -> None:
+        """A non-step boundary ended at `end_s`: the time since the last mark is the current gap's.
+        `holding`: a heartbeat of a pause that goes on (the gap stays paused)."""
+        self._close_gap(end_s)
+        if not holding:
+            self._gap = TimeCategory.UNATTRIBUTED
+
+    def paused(self, now_s: float) -> None:
+        """A pause holds from now until the resume boundary: paused time."""
+        self._close_gap(now_s)
+        self._gap = TimeCategory.PAUSED
+
+    def rollback(self, to_step: int, now_s: float) -> None:
+        """A rollback to `to_step` was loaded (the trainer reports it once the load is done): the
+        productive time of the later steps becomes wasted, and the time since the last boundary (the
+        load) is checkpoint load, until the resume boundary."""
+        self._gap = TimeCategory.CHECKPOINT_LOAD
+        self._close_gap(now_s)
+        kept, index = self._cumulative, to_step - self._first_step  # kept[index]: through to_step
+        wasted = 0.0
+        if kept and index < 0:  # further back than what is kept: move what is kept
+            self.untracked_steps += -index - 1
+            wasted = kept[-1]
+            del kept[:]
+            self._first_step = to_step + 1
+        elif index < len(kept) - 1:
+            wasted = kept[-1] - kept[index]
+            del kept[index + 1 :]
+        self.seconds[TimeCategory.PRODUCTIVE] -= wasted
+        self.seconds[TimeCategory.WASTED] += wasted
+
+    def close(self, end_s: float) -> None:
+        """The rest, to `end_s` (the collector's close): the open gap's (unattributed: shutdown)."""
+        self.gap(end_s)
+
+    def snapshot(self) -> dict[str, float]:
+        """The ledger as counters (what summaries carry and the sidecar exports): each category only
+        grows, so `productive` is gross here, rollbacks' discarded part included, and `wasted` counts
+        that part again. The categories other than wasted sum to the wall time; net productive is
+        productive - wasted."""
+        out = {category.value: max(0.0, value) for category, value in self.seconds.items()}
+        out[TimeCategory.PRODUCTIVE.value] = (
+            max(0.0, self.seconds[TimeCategory.PRODUCTIVE]) + out[TimeCategory.WASTED.value]
+        )
+        return out
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def report(self) -> dict:
+        """The ledger with its totals: wall seconds, goodput (productive / wall) and ETTR (see
+        docs/goodput.md)."""
+        wall = self.total()
+        return {
+            "wall_seconds": wall,
+            "time_seconds": {category.value: max(0.0, value) for category, value in self.seconds.items()},
+            "goodput_ratio": self.seconds[TimeCategory.PRODUCTIVE] / wall if wall > 0 else None,
+            "ettr": ettr(self.seconds),
+            "wasted_untracked_steps": self.untracked_steps,
+        }
+
+    # --- internals -------------------------------------------------------------------------
+    def _close_gap(self, end_s: float) -> None:
+        if end_s > self._mark:
+            self.seconds[self._gap] += end_s - self._mark
+            self._mark = end_s
+
+    def _shares(self, bubble: float, productive: float) -> tuple[float, float, float]:
+        split = self.split
+        if split is not None:
+            return bubble * split[0], bubble * split[1], bubble * split[2]
+        # No causes yet (the first steps, or no replayable order): what the schedule implies for
+        # this rank's compute is schedule, the rest wait.
+        theory = self.theory if self.theory is not None and 0.0 <= self.theory < 1.0 else 0.0
+        schedule = min(bubble, theory / (1.0 - theory) * productive)
+        return schedule, 0.0, bubble - schedule
+
+    def _keep(self, step: int, productive: float) -> None:
+        kept = self._cumulative
+        if step != self._first_step + len(kept):  # not the next step of this timeline: start over
+            self._first_step, kept = step, array("d")
+            self._cumulative = kept
+        kept.append((kept[-1] if kept else 0.0) + productive)
+        if len(kept) > 2 * KEEP_STEPS:  # drop the oldest half at once (amortised O(1) a step)
+            del kept[:KEEP_STEPS]
+            self._first_step += KEEP_STEPS
+
+
+def ettr(seconds: dict) -> float | None:
+    """Effective training time ratio: the share of wall time spent in training steps that count
+    (productive, bubble, exposed communication, optimizer, data wait); None before any time."""
+    wall = sum(seconds.values())
+    if wall <= 0:
+        return None
+    return max(0.0, 1.0 - sum(seconds.get(c, 0.0) for c in OUTSIDE_TRAINING) / wall)
+
+
+def shares_of(stage_view: dict) -> tuple[float, float, float] | None:
+    """(schedule, imbalance, wait) shares of a global view stage's bubble (its causes clamped at 0,
+    normalised to 1); None when it has no causes or no bubble."""
+    try:
+        parts = [max(0.0, float(stage_view[k])) for k in ("bubble_schedule_ratio", "bubble_imbalance_ratio")]
+        parts.append(max(0.0, float(stage_view["bubble_wait_ratio"])))
+    except (KeyError, TypeError, ValueError):
+        return None
+    total = sum(parts)
+    if total <= 0:
+        return None
+    return parts[0] / total, parts[1] / total, parts[2] / total

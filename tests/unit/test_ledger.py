@@ -1,0 +1,103 @@
+"""The goodput ledger's accounting (parwatch.collector.ledger) on hand-made periods: every second
+in exactly one category, a rollback's discarded steps moved to wasted exactly, pauses and loads
+as gaps. Real runs: tests/dist/test_ledger_runs.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from parwatch.collector.ledger import Ledger, ettr, shares_of
+from parwatch.collector.stats import StepStats
+from parwatch.vocabulary import SpanKind
+from parwatch.vocabulary import TimeCategory as C
+
+
+def stats(compute=0.0, optimizer=0.0, data=0.0, comm=0.0, comm_in_compute=0.0) -> StepStats:
+    s = StepStats()
+    s.add(SpanKind.FORWARD, compute, {})
+    if optimizer:
+        s.add(SpanKind.OPTIMIZER, optimizer, {})
+    if data:
+        s.add(SpanKind.DATA, data, {})
+    if comm:
+        s.add(SpanKind.COLLECTIVE, comm, {"op": "all_reduce", "group": "dp"})
+    if comm_in_compute:
+        s.add(SpanKind.COLLECTIVE, comm_in_compute, {"op": "all_reduce", "group": "tp"}, SpanKind.FORWARD)
+    return s
+
+
+def run_step(ledger: Ledger, step: int, start: float, seconds: float, st: StepStats) -> float:
+    idle = max(0.0, seconds - st.compute_seconds - st.other_seconds)
+    ledger.step(step, start + seconds, st, seconds, idle)
+    return start + seconds
+
+
+def test_a_step_is_split_by_its_spans_and_the_bubble_by_the_theory_until_causes_arrive():
+    ledger = Ledger(100.0, theory=0.2)
+    ledger.gap(103.0)  # the start boundary: 3 s of startup
+    t = run_step(ledger, 1, 103.0, 1.0, stats(compute=0.6, optimizer=0.05, data=0.05, comm=0.1, comm_in_compute=0.1))
+    got = ledger.seconds
+    assert got[C.STARTUP] == pytest.approx(3.0)
+    assert got[C.PRODUCTIVE] == pytest.approx(0.5)  # forward 0.6 less the TP all-reduce inside it
+    assert got[C.EXPOSED_COMM] == pytest.approx(0.2)  # that all-reduce and the DP one outside any span
+    assert got[C.OPTIMIZER] == pytest.approx(0.05) and got[C.DATA_WAIT] == pytest.approx(0.05)
+    # idle 0.3 less the DP all-reduce = 0.2 of bubble: the schedule's share of it is 0.2/0.8 x 0.5
+    assert got[C.BUBBLE_SCHEDULE] == pytest.approx(0.125)
+    assert got[C.BUBBLE_WAIT] == pytest.approx(0.075)
+    assert ledger.total() == pytest.approx(t - 100.0, abs=1e-12)
+    ledger.split = (0.5, 0.25, 0.25)  # the causes the shipper thread found for this stage
+    t = run_step(ledger, 2, t, 1.0, stats(compute=0.6))
+    assert got[C.BUBBLE_IMBALANCE] == pytest.approx(0.1)
+    assert ledger.total() == pytest.approx(t - 100.0, abs=1e-12)
+
+
+def test_a_rollback_moves_exactly_the_discarded_steps_productive_time_to_wasted():
+    ledger = Ledger(0.0)
+    ledger.gap(1.0)
+    t = 1.0
+    for step in range(1, 9):  # step s computes 0.1 * s
+        t = run_step(ledger, step, t, 1.0, stats(compute=0.1 * step))
+    productive = ledger.seconds[C.PRODUCTIVE]
+    ledger.rollback(5, t + 1.5)  # reported once the load is done (1.5 s) ...
+    ledger.gap(t + 2.0)  # ... then the resume boundary: 2 s between the boundaries
+    assert ledger.seconds[C.WASTED] == pytest.approx(0.6 + 0.7 + 0.8)
+    assert ledger.seconds[C.PRODUCTIVE] == pytest.approx(productive - 2.1)
+    assert ledger.seconds[C.CHECKPOINT_LOAD] == pytest.approx(2.0)
+    t += 2.0
+    for step in range(6, 9):  # trained again, then rolled back again to 3: 4..5 of the first pass too
+        t = run_step(ledger, step, t, 1.0, stats(compute=0.05))
+    ledger.rollback(3, t)
+    assert ledger.seconds[C.WASTED] == pytest.approx(2.1 + 0.4 + 0.5 + 3 * 0.05)
+    assert ledger.total() == pytest.approx(t, abs=1e-9)
+
+
+def test_a_pause_is_paused_time_until_the_resume():
+    ledger = Ledger(0.0)
+    ledger.gap(1.0)
+    t = run_step(ledger, 1, 1.0, 1.0, stats(compute=0.5))
+    ledger.paused(t + 0.01)
+    for beat in range(1, 5):
+        ledger.gap(t + 0.01 + beat * 0.2, holding=True)
+    ledger.gap(t + 2.0)  # the resume boundary
+    assert ledger.seconds[C.PAUSED] == pytest.approx(2.0 - 0.01)
+    t = run_step(ledger, 2, t + 2.0, 1.0, stats(compute=0.5))
+    assert ledger.seconds[C.PAUSED] == pytest.approx(1.99)  # the step after the resume is not paused
+    assert ledger.total() == pytest.approx(t)
+
+
+def test_a_device_clock_period_longer_than_the_host_one_is_scaled_into_it():
+    ledger = Ledger(0.0)
+    ledger.step(1, 1.0, stats(compute=0.8, optimizer=0.4), 1.2, 0.0)  # spans 1.2 s in a 1.0 s period
+    assert ledger.total() == pytest.approx(1.0)
+    assert ledger.seconds[C.PRODUCTIVE] == pytest.approx(0.8 / 1.2)
+
+
+def test_ettr_and_the_bubble_shares():
+    seconds = dict.fromkeys(C, 0.0) | {C.PRODUCTIVE: 6.0, C.BUBBLE_SCHEDULE: 2.0, C.STARTUP: 1.0, C.PAUSED: 1.0}
+    assert ettr(seconds) == pytest.approx(0.8)
+    assert shares_of({"bubble_schedule_ratio": 0.2, "bubble_imbalance_ratio": -0.01, "bubble_wait_ratio": 0.05}) == (
+        pytest.approx(0.8),
+        0.0,
+        pytest.approx(0.2),
+    )
+    assert shares_of({"bubble_ratio": 0.2}) is None
