@@ -309,7 +309,15 @@ class Collector(Observer):
         """The ledger as JSON next to the summaries (ledger-rank<N>.json), at close."""
         if self._ledger_path is None:
             return
-        record = {"run_id": self.ctx.run_id, "rank": self.ctx.rank, "stage": self.ctx.stage, **self.ledger.report()}
+        ended = self._time_fn()
+        record = {
+            "run_id": self.ctx.run_id,
+            "rank": self.ctx.rank,
+            "stage": self.ctx.stage,
+            "process_start_time": ended - (time.monotonic() - self.ledger.started_s),
+            "end_time": ended,
+            **self.ledger.report(),
+        }
         try:
             tmp = f"{self._ledger_path}.tmp"
             with open(tmp, "w") as f:

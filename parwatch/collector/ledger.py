@@ -59,6 +59,7 @@ class Ledger:
 
     def __init__(self, started_s: float, theory: float | None = None) -> None:
         self.seconds: dict[TimeCategory, float] = dict.fromkeys(TimeCategory, 0.0)
+        self.started_s = started_s
         self._mark = started_s
         self._gap = TimeCategory.STARTUP
         self._first_step = 0
