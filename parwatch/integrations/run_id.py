@@ -20,6 +20,6 @@ def shared_run_id(group=None) -> str:
     import torch.distributed as dist
 
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    box = [new_run_id() if dist.get_rank() == src else None]
+    box: list[str | None] = [new_run_id() if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    return str(box[0])
