@@ -79,7 +79,8 @@ def stages_of(schedule) -> list:
 
 
 def action_order(schedule) -> dict:
-    """`{rank: [pipeline_sim.Action, ...]}`: the compute actions every rank of this schedule runs.
+    """`{rank: [pipeline_sim.Action or Overlap, ...]}`: the compute actions every rank of this
+    schedule runs, an OVERLAP_F_B block (DualPipeV) kept whole as torch runs it.
 
     Multi-stage schedules run their `pipeline_order`; the one-stage ones (GPipe, 1F1B) run
     what their `_step_microbatches` codes, which `pipeline_sim.single_stage_order` mirrors."""
@@ -87,7 +88,7 @@ def action_order(schedule) -> dict:
     if SCHEDULES[name].one_chunk:
         stage = stages_of(schedule)[0]
         return pipeline_sim.single_stage_order(name, stage.num_stages, schedule._n_microbatches)
-    return pipeline_sim.normalize(schedule.pipeline_order)
+    return pipeline_sim.blocks(schedule.pipeline_order)
 
 
 class PipelineWatch(StepLoop):
