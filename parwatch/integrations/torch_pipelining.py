@@ -19,7 +19,8 @@ stages) and microbatch: forward, backward (or backward_input and backward_weight
 schedule splits them), loss (torch computes it outside the stage's forward), send/recv (see
 `_p2p`), gradient reduction/scaling after the last backward (dp_sync: not bubble), the
 optimizer step, and one step-boundary all-reduce per step. Every schedule class of
-torch.distributed.pipelining is supported; see SCHEDULE_NAMES.
+torch.distributed.pipelining is supported (see SCHEDULE_NAMES), and torch's runtime running
+actions loaded from a CSV (`_PipelineScheduleRuntime`, named "custom").
 
 Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
 boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None:
@@ -48,6 +49,11 @@ from parwatch.vocabulary import SCHEDULES
 SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
 """torch class name -> parwatch's schedule name (parwatch.vocabulary's registry)."""
 
+RUNTIME_CLASS = "_PipelineScheduleRuntime"
+CUSTOM = "custom"
+"""The name of a schedule torch's runtime runs from actions it was given (`_load_csv`, as torchtitan's
+pipeline_parallel_schedule_csv does): no closed form; its theory is the replay of those actions."""
+
 
 class IntegrationError(RuntimeError):
     """The schedule cannot be watched as given; the message says what to change."""
@@ -55,12 +61,15 @@ class IntegrationError(RuntimeError):
 
 def schedule_name(schedule) -> str:
     """parwatch's name for a torch schedule object (a subclass maps to its torch base class)."""
-    for cls in type(schedule).__mro__:
-        if cls.__name__ in SCHEDULE_NAMES:
-            return SCHEDULE_NAMES[cls.__name__]
+    mro = [cls.__name__ for cls in type(schedule).__mro__]
+    for name in mro:
+        if name in SCHEDULE_NAMES:
+            return SCHEDULE_NAMES[name]
+    if RUNTIME_CLASS in mro:
+        return CUSTOM
     raise IntegrationError(
         f"{type(schedule).__name__} is not one of torch's schedule classes "
-        f"({', '.join(SCHEDULE_NAMES)}); parwatch cannot name its bubble theory"
+        f"({', '.join([*SCHEDULE_NAMES, RUNTIME_CLASS])}); parwatch cannot name its bubble theory"
     )
 
 
@@ -85,10 +94,17 @@ def action_order(schedule) -> dict:
     Multi-stage schedules run their `pipeline_order`; the one-stage ones (GPipe, 1F1B) run
     what their `_step_microbatches` codes, which `pipeline_sim.single_stage_order` mirrors."""
     name = schedule_name(schedule)
-    if SCHEDULES[name].one_chunk:
+    if name != CUSTOM and SCHEDULES[name].one_chunk:
         stage = stages_of(schedule)[0]
         return pipeline_sim.single_stage_order(name, stage.num_stages, schedule._n_microbatches)
-    return pipeline_sim.blocks(schedule.pipeline_order)
+    order = schedule.pipeline_order
+    if name == CUSTOM and not order:  # loaded with its communication ("compute_comms"): that list runs
+        order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        raise IntegrationError(
+            f"{type(schedule).__name__} has no actions yet: load them (schedule._load_csv(...)) before the watch starts"
+        )
+    return pipeline_sim.blocks(order)
 
 
 class PipelineWatch(StepLoop):
