@@ -44,7 +44,7 @@ from parwatch.integrations._stage_spans import (
     instrument_stage,
 )
 from parwatch.integrations._steploop import StepLoop
-from parwatch.vocabulary import SCHEDULES
+from parwatch.vocabulary import SCHEDULES, GroupRole
 
 SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
 """torch class name -> parwatch's schedule name (parwatch.vocabulary's registry)."""
@@ -277,21 +277,21 @@ class PipelineWatch(StepLoop):
     def _mesh_layout(self, mesh) -> tuple[int, int, int, int]:
         """(tp, dp, tp_rank, dp_rank) of this rank in a DeviceMesh with a "pp" dimension."""
         names = tuple(mesh.mesh_dim_names or ())
-        if "pp" not in names:
+        if GroupRole.PP not in names:
             raise IntegrationError(f"mesh dimensions {names}: run_context(mesh=) needs one named 'pp'")
         sizes, here = tuple(mesh.shape), mesh.get_coordinate()
         if here is None:
             raise IntegrationError("this rank is not in the mesh given to run_context")
         dims = dict(zip(names, zip(sizes, here)))
-        if dims["pp"] != (self.pp, self.pp_rank):
+        if dims[GroupRole.PP] != (self.pp, self.pp_rank):
             raise IntegrationError(
                 f"the mesh's pp dimension (size {dims['pp'][0]}, this rank {dims['pp'][1]}) is not the "
                 f"schedule's pipeline group (size {self.pp}, this rank {self.pp_rank})"
             )
-        tp, tp_rank = dims.get("tp", (1, 0))
+        tp, tp_rank = dims.get(GroupRole.TP, (1, 0))
         dp, dp_rank = 1, 0
         for name, (size, index) in dims.items():
-            if name not in ("pp", "tp"):
+            if name not in (GroupRole.PP, GroupRole.TP):
                 dp, dp_rank = dp * size, dp_rank * size + index
         return tp, dp, tp_rank, dp_rank
 
