@@ -135,7 +135,8 @@ class Shipper:
 
     def check_token(self) -> None:
         """Raise Unauthorized if the sidecar refuses this token: one GET of its /v1/status (read
-        only), on the calling thread. Anything else passes (a sidecar still starting, one that is
+        only), on the calling thread, within the shipper's timeouts (a sidecar that accepts and never
+        answers holds attach that long). Anything else passes (a sidecar still starting, one that is
         down or slow: the shipper reconnects by itself); so does a shipper given its own `http`."""
         if not self.url or not self._own_http:
             return
