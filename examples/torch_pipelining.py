@@ -210,11 +210,12 @@ def train(args) -> dict:
     watch = collector = None
     if not args.no_parwatch:
         from parwatch.collector import Collector, attach  # parwatch
+        from parwatch.integrations import shared_run_id  # parwatch
         from parwatch.integrations.torch_pipelining import PipelineWatch  # parwatch
 
         watch = PipelineWatch(
             schedule,
-            run_id=_run_id(args),  # parwatch
+            run_id=args.run_id or shared_run_id(),  # parwatch: rank 0's new id, on every rank
             load_checkpoint=load_checkpoint if args.checkpoint_dir else None,
         )
         collector = attach(
@@ -264,14 +265,6 @@ def train(args) -> dict:
         "rank": rank,
         "applied": watch.applied if watch else [],
     }
-
-
-def _run_id(args) -> str:
-    if args.run_id:
-        return args.run_id
-    run_id = [time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
 
 
 def _token(args):

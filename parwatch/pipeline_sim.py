@@ -17,7 +17,9 @@ and V layouts (stages r and 2p-1-r on rank r) need no extra argument.
 Actions may be this module's `Action`, torch's `_Action` (duck-typed: stage_index,
 computation_type, microbatch_index, sub_actions), a `(stage, type, microbatch)` tuple or a
 string such as "2F0". torch's OVERLAP_F_B runs its sub-actions back to back, and what they
-produce reaches other ranks when the whole block ends (torch posts the sends after it); `None` (an
+produce reaches other ranks when the whole block ends (torch posts the sends after it): such a
+block is kept as an `Overlap` (its string "(0F3;3B1)OVERLAP_F_B", torch's own spelling, reads
+back as one), and `blocks()` gives an order with its blocks intact; `None` (an
 idle slot in torch's IR) and non-compute actions (SEND_*, RECV_*, REDUCE_GRAD, UNSHARD,
 RESHARD) are dropped: communication is modelled by `p2p_s`, idle by the replay.
 
@@ -41,6 +43,7 @@ F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backw
 COMPUTE_TYPES = (F, B, I, W)
 _OVERLAP = "OVERLAP_F_B"
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Z_]+?)\s*(\d*)\s*$")
+_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
 class Action(NamedTuple):
@@ -54,6 +57,17 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.stage}{self.type}{self.microbatch}"
+
+
+class Overlap(tuple):
+    """An OVERLAP_F_B block: actions one rank runs back to back, whose results other ranks get
+    when the whole block ends. Flattening it into single actions would let the replay hand each
+    result on early and overlap what torch runs one after the other."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return f"({';'.join(map(str, self))}){_OVERLAP}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,13 @@ def normalize(order: Mapping | Replay) -> dict[int, list[Action]]:
     if isinstance(order, Replay):
         return order.ranks
     return {rank: [a for group in groups for a in group] for rank, groups in _groups(order).items()}
+
+
+def blocks(order: Mapping | Replay) -> dict[int, list[Action | Overlap]]:
+    """`{rank: [Action or Overlap, ...]}`: as `normalize`, but an OVERLAP_F_B block of several
+    compute actions stays one `Overlap` (what the replay of the order needs; see Overlap)."""
+    grouped = order.blocks if isinstance(order, Replay) else _groups(order)
+    return {rank: [g[0] if len(g) == 1 else Overlap(g) for g in groups] for rank, groups in grouped.items()}
 
 
 def _groups(order: Mapping) -> dict[int, list[list[Action]]]:
@@ -102,6 +123,10 @@ def _convert(raw, rank: int) -> list[Action]:
     parts: tuple[object, object, object]  # (stage, type, microbatch), checked below
     if isinstance(raw, Action):
         parts = (raw.stage, raw.type, raw.microbatch)
+    elif isinstance(raw, Overlap):
+        return [a for sub in raw for a in _convert(sub, rank)]
+    elif isinstance(raw, str) and (overlap := _OVERLAP_RE.match(raw)):
+        return [a for sub in overlap.group(1).split(";") if sub.strip() for a in _convert(sub, rank)]
     elif isinstance(raw, str):
         match = _ACTION_RE.match(raw)
         if not match:

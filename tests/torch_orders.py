@@ -27,11 +27,16 @@ def _fake_stage(index: int, num_stages: int, p: int):
     )
 
 
-def torch_order(name: str, p: int, m: int, v: int = 1) -> dict:
-    """`schedule.pipeline_order` of torch's class `name` (get_schedule_class) at p ranks, m microbatches."""
+def torch_schedule(name: str, p: int, m: int, v: int = 1):
+    """torch's schedule class `name` (get_schedule_class) at p ranks, m microbatches, as rank 0 builds it."""
     cls = torch_schedules.get_schedule_class(name)
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
-        return cls(_fake_stage(0, p, p), m, loss_fn=lambda out, target: out).pipeline_order
+        return cls(_fake_stage(0, p, p), m, loss_fn=lambda out, target: out)
     local = [0, 2 * p - 1] if name in V_STYLE else list(range(0, p * v, p))
     stages = [_fake_stage(i, p * v, p) for i in local]
-    return cls(stages, m, loss_fn=lambda out, target: out).pipeline_order
+    return cls(stages, m, loss_fn=lambda out, target: out)
+
+
+def torch_order(name: str, p: int, m: int, v: int = 1) -> dict:
+    """`schedule.pipeline_order` of torch's class `name` at p ranks, m microbatches."""
+    return torch_schedule(name, p, m, v).pipeline_order

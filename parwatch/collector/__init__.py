@@ -13,9 +13,18 @@ Any trainer can drive the same Observer methods directly (see parwatch/contract/
 from __future__ import annotations
 
 # The submodule `attach` is imported first, so the names below (the functions) win.
-from parwatch.collector.attach import attach, attach_from_config, detach
+from parwatch.collector.attach import AttachError, attach, attach_from_config, detach
 from parwatch.collector.collector import Collector, SpanSampling
 from parwatch.collector.context import RunContext
 from parwatch.collector.wire import parse_directive
 
-__all__ = ["Collector", "RunContext", "SpanSampling", "attach", "attach_from_config", "detach", "parse_directive"]
+__all__ = [
+    "AttachError",
+    "Collector",
+    "RunContext",
+    "SpanSampling",
+    "attach",
+    "attach_from_config",
+    "detach",
+    "parse_directive",
+]

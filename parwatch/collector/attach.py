@@ -6,6 +6,7 @@ import os
 
 from parwatch.collector.collector import Collector
 from parwatch.collector.context import RunContext
+from parwatch.collector.shipper import Unauthorized
 from parwatch.contract import HookRegistry, PerfCounterClock
 from parwatch.contract import registry as default_registry
 from parwatch.tokens import TokenError
@@ -17,7 +18,16 @@ class AttachError(ValueError):
 
 
 def attach(collector: Collector, registry: HookRegistry | None = None) -> Collector:
-    """Register the collector on the trainer's hook registry and install its clock."""
+    """Register the collector on the trainer's hook registry and install its clock.
+
+    With a sidecar endpoint, first asks it once whether it takes the collector's token: a refusal
+    closes the collector and raises AttachError naming the fix, before training starts (a run that
+    started anyway would drop every summary). A sidecar that does not answer yet is no error."""
+    try:
+        collector.shipper.check_token()
+    except Unauthorized as err:
+        collector.close(timeout=0.5)
+        raise AttachError(str(err)) from None
     registry = default_registry if registry is None else registry
     registry.register(collector)
     registry.clock = collector.clock

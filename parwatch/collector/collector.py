@@ -44,6 +44,7 @@ from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
+from parwatch.tokens import read_token
 from parwatch.vocabulary import Action
 
 log = logging.getLogger("parwatch.collector")
@@ -89,6 +90,8 @@ class Collector(Observer):
         poll_interval_s: float = 0.5,
         peak_flops: float | None = None,
     ) -> None:
+        if token is None and endpoint:
+            token = read_token(None)  # $PARWATCH_TOKEN, as parwatch's other clients read it
         self.ctx = ctx
         self.boundary_slots = gv.slots_for(ctx.pp)
         self.clock = clock if clock is not None else default_clock(ctx)
@@ -491,6 +494,11 @@ class Collector(Observer):
     @property
     def dropped_total(self) -> int:
         return self.shipper.dropped
+
+    @property
+    def refused_total(self) -> int:
+        """Of dropped_total: summaries the sidecar refused for the token (HTTP 401/403)."""
+        return self.shipper.refused
 
     def close(self, timeout: float = 2.0, error: BaseException | None = None) -> None:
         """Detach from the hook registry, stop NVML, flush the queue (best effort) and stop the shipper;

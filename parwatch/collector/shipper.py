@@ -9,6 +9,9 @@ response to `on_directive`.
 When the sidecar is away, summaries are dropped and counted (the JSONL file
 still gets them) and attempts back off exponentially up to `max_backoff_s`;
 the first success resets the backoff, so the shipper reconnects by itself.
+A sidecar that refuses the token (HTTP 401/403) is no outage that passes: the first refusal
+is logged as an error naming the fix and every summary it drops is counted in `refused` too;
+`check_token` asks once, at attach, so a wrong or missing token can stop the run before it starts.
 A summary put with a `Delivery` learns whether the sidecar took it (rank 0's local
 guardrail, parwatch/collector/fallback.py, acts on a loss its sidecar never saw).
 Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
@@ -34,6 +37,19 @@ from parwatch.vocabulary import jsonable
 log = logging.getLogger("parwatch.collector")
 
 SUMMARY, SPANS = "summary", "spans"
+
+
+AUTH_FIX = (
+    "pass the sidecar's token (Collector(token=...), read from the sidecar's --token-file or "
+    "STATE_DIR/token), or set PARWATCH_TOKEN (parwatch train: --parwatch-token-file)"
+)
+
+
+class Unauthorized(RuntimeError):
+    """The sidecar refused this rank's token (HTTP 401/403); the message names the fix."""
+
+    def __init__(self, url: str, status: int, detail: str) -> None:
+        super().__init__(f"the sidecar at {url} refused this rank's token (HTTP {status}: {detail}); {AUTH_FIX}")
 
 
 class Delivery:
@@ -104,14 +120,38 @@ class Shipper:
         self._retry_at = 0.0
         self._last_post = -math.inf
         self._thread: threading.Thread | None = None
+        self._told_refused = False
+        self._refusing = False  # the last post was refused for the token
         self.dropped = 0
         """Summaries that never reached the sidecar: queue overflow, sidecar away or refusing."""
+        self.refused = 0
+        """Of `dropped`: summaries the sidecar refused for the token (HTTP 401/403)."""
         self.sent = 0
         """Summaries the sidecar accepted."""
         self.posts = 0
         """Successful POSTs, polls included."""
         self.unreachable_since: float | None = None
         """Wall-clock time of the first failed post of the current run of failures; None while posts succeed."""
+
+    def check_token(self) -> None:
+        """Raise Unauthorized if the sidecar refuses this token: one GET of its /v1/status (read
+        only), on the calling thread, within the shipper's timeouts (a sidecar that accepts and never
+        answers holds attach that long). Anything else passes (a sidecar still starting, one that is
+        down or slow: the shipper reconnects by itself); so does a shipper given its own `http`."""
+        if not self.url or not self._own_http:
+            return
+        import httpx
+
+        connect, total = self._timeouts
+        url = self.url.removesuffix("/v1/ingest") + "/v1/status"
+        try:
+            response = httpx.get(
+                url, headers=self._headers, timeout=httpx.Timeout(total, connect=connect), trust_env=False
+            )
+        except httpx.HTTPError:
+            return
+        if response.status_code in (401, 403):
+            raise Unauthorized(self.url, response.status_code, response.text[:200])
 
     @property
     def enabled(self) -> bool:
@@ -246,9 +286,11 @@ class Shipper:
         """POST summaries (already JSON text), with any outcome records, as one ingest body;
         True when the sidecar took them."""
         now = self._time()
-        if now < self._retry_at:  # sidecar away: do not wait for it
+        if now < self._retry_at:  # sidecar away or refusing: do not wait for it
             with self._lock:
                 self.dropped += len(summaries)
+            if self._refusing:
+                self.refused += len(summaries)
             return False
         alive, self.heartbeat_seen = self.heartbeat_seen, False
         with self._lock:
@@ -257,6 +299,8 @@ class Shipper:
         body = (f'{{"version":{SCHEMA_VERSION},"summaries":[{",".join(summaries)}]' + tail).encode()
         try:
             response = self._client().post(self.url, content=body, headers=self._headers)
+            if response.status_code in (401, 403):  # before the outcome rule: they were never read
+                raise Unauthorized(str(self.url), response.status_code, response.text[:200])
             if outcomes and 400 <= response.status_code < 500 and not summaries:
                 # Refused as invalid: retrying the same records cannot succeed; say so and move on.
                 log.warning(
@@ -270,7 +314,13 @@ class Shipper:
         except Exception as exc:
             with self._lock:
                 self.dropped += len(summaries)
-            if self._backoff == 0.0:
+            self._refusing = isinstance(exc, Unauthorized)
+            if self._refusing:
+                self.refused += len(summaries)
+                if not self._told_refused:  # the run goes on unwatched: say so loudly, once
+                    self._told_refused = True
+                    log.error("parwatch: %s; dropping every summary until it is fixed", exc)
+            elif self._backoff == 0.0:
                 log.warning(
                     "parwatch: sidecar at %s unreachable (%s); dropping summaries until it is back", self.url, exc
                 )
@@ -282,6 +332,7 @@ class Shipper:
         if self._backoff:
             log.warning("parwatch: sidecar at %s reachable again", self.url)
         self._backoff = self._retry_at = 0.0
+        self._refusing = False
         self.unreachable_since = None
         self._last_post = self._time()
         self.sent += len(summaries)

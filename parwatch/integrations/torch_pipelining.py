@@ -19,7 +19,8 @@ stages) and microbatch: forward, backward (or backward_input and backward_weight
 schedule splits them), loss (torch computes it outside the stage's forward), send/recv (see
 `_p2p`), gradient reduction/scaling after the last backward (dp_sync: not bubble), the
 optimizer step, and one step-boundary all-reduce per step. Every schedule class of
-torch.distributed.pipelining is supported; see SCHEDULE_NAMES.
+torch.distributed.pipelining is supported (see SCHEDULE_NAMES), and torch's runtime running
+actions loaded from a CSV (`_PipelineScheduleRuntime`, named "custom").
 
 Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
 boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None:
@@ -43,10 +44,15 @@ from parwatch.integrations._stage_spans import (
     instrument_stage,
 )
 from parwatch.integrations._steploop import StepLoop
-from parwatch.vocabulary import SCHEDULES
+from parwatch.vocabulary import SCHEDULES, GroupRole
 
 SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
 """torch class name -> parwatch's schedule name (parwatch.vocabulary's registry)."""
+
+RUNTIME_CLASS = "_PipelineScheduleRuntime"
+CUSTOM = "custom"
+"""The name of a schedule torch's runtime runs from actions it was given (`_load_csv`, as torchtitan's
+pipeline_parallel_schedule_csv does): no closed form; its theory is the replay of those actions."""
 
 
 class IntegrationError(RuntimeError):
@@ -55,12 +61,15 @@ class IntegrationError(RuntimeError):
 
 def schedule_name(schedule) -> str:
     """parwatch's name for a torch schedule object (a subclass maps to its torch base class)."""
-    for cls in type(schedule).__mro__:
-        if cls.__name__ in SCHEDULE_NAMES:
-            return SCHEDULE_NAMES[cls.__name__]
+    mro = [cls.__name__ for cls in type(schedule).__mro__]
+    for name in mro:
+        if name in SCHEDULE_NAMES:
+            return SCHEDULE_NAMES[name]
+    if RUNTIME_CLASS in mro:
+        return CUSTOM
     raise IntegrationError(
         f"{type(schedule).__name__} is not one of torch's schedule classes "
-        f"({', '.join(SCHEDULE_NAMES)}); parwatch cannot name its bubble theory"
+        f"({', '.join([*SCHEDULE_NAMES, RUNTIME_CLASS])}); parwatch cannot name its bubble theory"
     )
 
 
@@ -79,15 +88,23 @@ def stages_of(schedule) -> list:
 
 
 def action_order(schedule) -> dict:
-    """`{rank: [pipeline_sim.Action, ...]}`: the compute actions every rank of this schedule runs.
+    """`{rank: [pipeline_sim.Action or Overlap, ...]}`: the compute actions every rank of this
+    schedule runs, an OVERLAP_F_B block (DualPipeV) kept whole as torch runs it.
 
     Multi-stage schedules run their `pipeline_order`; the one-stage ones (GPipe, 1F1B) run
     what their `_step_microbatches` codes, which `pipeline_sim.single_stage_order` mirrors."""
     name = schedule_name(schedule)
-    if SCHEDULES[name].one_chunk:
+    if name != CUSTOM and SCHEDULES[name].one_chunk:
         stage = stages_of(schedule)[0]
         return pipeline_sim.single_stage_order(name, stage.num_stages, schedule._n_microbatches)
-    return pipeline_sim.normalize(schedule.pipeline_order)
+    order = schedule.pipeline_order
+    if name == CUSTOM and not order:  # loaded with its communication ("compute_comms"): that list runs
+        order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        raise IntegrationError(
+            f"{type(schedule).__name__} has no actions yet: load them (schedule._load_csv(...)) before the watch starts"
+        )
+    return pipeline_sim.blocks(order)
 
 
 class PipelineWatch(StepLoop):
@@ -191,31 +208,92 @@ class PipelineWatch(StepLoop):
             _p2p.uninstall()
         self.attached = False
 
-    def run_context(self, **extra):
-        """A collector RunContext for this rank (pipeline-only worlds: tp = dp = 1).
+    def run_context(
+        self,
+        *,
+        tp: int | None = None,
+        dp: int | None = None,
+        tp_rank: int | None = None,
+        dp_rank: int | None = None,
+        mesh=None,
+        **extra,
+    ):
+        """A collector RunContext for this rank; its stage is this rank's place in the pipeline group.
 
-        `extra` goes to RunContext.for_rank (tokens_per_step, local_gpu, hostname)."""
+        A pipeline-only world needs no argument. With tensor or data parallelism give the layout:
+        `tp=` and/or `dp=` (one given: the other is what the world leaves); the coordinates are
+        derived for parwatch's order (TP ranks adjacent, then PP stages, DP outermost, as Megatron
+        lays them out), else pass this rank's `tp_rank=` and `dp_rank=`. Or `mesh=`: a DeviceMesh
+        with a "pp" dimension, whose "tp" dimension is TP and whose other dimensions (dp_replicate,
+        dp_shard, cp, ...) are folded into DP in mesh order. `extra` goes to RunContext.for_rank
+        (tokens_per_step, local_gpu, hostname)."""
+        import dataclasses
+
         import torch.distributed as dist
 
         from parwatch.collector import RunContext
+        from parwatch.vocabulary import coords
 
-        world = dist.get_world_size()
-        if world != self.pp:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if mesh is not None:
+            tp, dp, tp_rank, dp_rank = self._mesh_layout(mesh)
+        if tp is None and dp is None:  # a pipeline-only world
+            tp = dp = 1
+        elif tp is None or dp is None:  # the other degree is what the world leaves
+            known = self.pp * (tp or dp or 1)
+            other = world // known if world % known == 0 else 0
+            tp, dp = (tp, other) if dp is None else (other, dp)
+        assert tp is not None and dp is not None
+        if tp * self.pp * dp != world:
             raise IntegrationError(
-                f"the world has {world} ranks but the pipeline group {self.pp}: build the "
-                "RunContext yourself with your tp/pp/dp layout"
+                f"the world has {world} ranks but tp*pp*dp = {tp}*{self.pp}*{dp}: give run_context "
+                "the run's layout (tp=, dp=, or mesh=)"
             )
-        return RunContext.for_rank(
+        if tp_rank is None and dp_rank is None:
+            derived = coords(rank, tp, self.pp)
+            if derived.stage != self.pp_rank:
+                raise IntegrationError(
+                    f"rank {rank} is stage {self.pp_rank} of its pipeline group, but parwatch's layout "
+                    f"(tp innermost, then pp, then dp) puts it at stage {derived.stage}: pass this "
+                    "rank's tp_rank= and dp_rank=, or mesh="
+                )
+            tp_rank, dp_rank = derived.tp_rank, derived.dp_rank
+        for name, value, size in (("tp_rank", tp_rank, tp), ("dp_rank", dp_rank, dp)):
+            if value is None and size > 1:
+                raise IntegrationError(f"run_context: give {name}= too (the {name[:2]} degree is {size})")
+        ctx = RunContext.for_rank(
             self.run_id,
-            dist.get_rank(),
-            tp=1,
+            rank,
+            tp=tp,
             pp=self.pp,
-            dp=1,
+            dp=dp,
             schedule=self.name,
             microbatches=self.microbatches,
             chunks=self.chunks,
             **extra,
         )
+        return dataclasses.replace(ctx, tp_rank=tp_rank or 0, dp_rank=dp_rank or 0, stage=self.pp_rank)
+
+    def _mesh_layout(self, mesh) -> tuple[int, int, int, int]:
+        """(tp, dp, tp_rank, dp_rank) of this rank in a DeviceMesh with a "pp" dimension."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if GroupRole.PP not in names:
+            raise IntegrationError(f"mesh dimensions {names}: run_context(mesh=) needs one named 'pp'")
+        sizes, here = tuple(mesh.shape), mesh.get_coordinate()
+        if here is None:
+            raise IntegrationError("this rank is not in the mesh given to run_context")
+        dims = dict(zip(names, zip(sizes, here)))
+        if dims[GroupRole.PP] != (self.pp, self.pp_rank):
+            raise IntegrationError(
+                f"the mesh's pp dimension (size {dims['pp'][0]}, this rank {dims['pp'][1]}) is not the "
+                f"schedule's pipeline group (size {self.pp}, this rank {self.pp_rank})"
+            )
+        tp, tp_rank = dims.get(GroupRole.TP, (1, 0))
+        dp, dp_rank = 1, 0
+        for name, (size, index) in dims.items():
+            if name not in (GroupRole.PP, GroupRole.TP):
+                dp, dp_rank = dp * size, dp_rank * size + index
+        return tp, dp, tp_rank, dp_rank
 
     def action_order(self) -> dict:
         """Every rank's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""

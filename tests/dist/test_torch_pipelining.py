@@ -22,7 +22,7 @@ import statistics
 import pytest
 
 from parwatch import pipeline_sim as ps
-from parwatch.bubble import theoretical
+from parwatch.bubble import replayed_theory, theoretical
 from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark reads it here)
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
@@ -157,6 +157,12 @@ def test_bubble_matches_the_replayed_schedule(grid, schedule):
     for rank in range(P):
         deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
         assert abs(deviation) <= TOLERANCE, f"{schedule} rank {rank}: median step {deviation:+.4f} off the replay"
+    # The theory the summaries carry is the replay, at equal action times, of the order the run
+    # announced: it must be the order measured above (DualPipeV's OVERLAP_F_B blocks kept whole).
+    with open(os.path.join(run_dir, "summaries.jsonl")) as f:
+        theories = {json.loads(line)["bubble_theoretical_ratio"] for line in f}
+    expected = formula_or_replay(schedule, order)
+    assert theories and all(t == pytest.approx(expected, abs=1e-9) for t in theories), (theories, expected)
     if schedule in CLOSED_FORM:
         # The theory is the formula: the replay at the stages' mean times is exactly it, and the
         # synthetic stages are near-uniform, so at their measured times (no host time) it holds too.
@@ -167,6 +173,13 @@ def test_bubble_matches_the_replayed_schedule(grid, schedule):
         times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
         for rank, bubble in ps.simulate(order, times).bubble.items():
             assert bubble == pytest.approx(formula, abs=TOLERANCE)
+
+
+def formula_or_replay(schedule: str, order: dict) -> float:
+    """The theoretical bubble: the closed form where there is one, else the replay at equal times."""
+    if schedule in CLOSED_FORM:
+        return theoretical(CLOSED_FORM[schedule], P, M, 1 if schedule in ("gpipe", "1f1b") else 2)
+    return replayed_theory(ps.Replay(order))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -82,6 +82,36 @@ def test_dualpipev_matches_its_formula(p, m):
         assert result.idle[rank] == pytest.approx((2 * p / 2 - 1) * ((f + b) + b - 3 * w))
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8)])
+def test_dualpipev_theory_the_collector_gets_keeps_the_overlap_blocks(p, m):
+    """The integration's order of a DualPipeV schedule, as run_start carries it (strings), replays
+    to the formula above at equal action times: flattened, its OVERLAP_F_B blocks handed each
+    result on early and the theory came out half of it (0.020 for 0.040 at p=2, m=8)."""
+    from parwatch.collector.causes import CauseSplitter
+    from parwatch.integrations.torch_pipelining import action_order
+    from tests.torch_orders import torch_schedule
+
+    order = action_order(torch_schedule("DualPipeV", p, m, 2))
+    assert any(isinstance(a, ps.Overlap) for acts in order.values() for a in acts)
+    wire = {rank: [str(a) for a in acts] for rank, acts in order.items()}  # as StepLoop.begin sends it
+    f, b, w = 1.0, 2.0, 1.0  # bubble.EQUAL_ACTION_SECONDS: B = I + W
+    idle, busy = (p - 1) * ((f + b) + b - 3 * w), 2 * m * (f + b)
+    assert CauseSplitter().set_order(wire) == pytest.approx(idle / (idle + busy))
+    assert ps.normalize(wire) == ps.normalize(torch_order("DualPipeV", p, m, 2))  # the same actions
+
+
+def test_overlap_strings_read_back_as_blocks():
+    block = ps.Overlap((ps.Action(0, "F", 1), ps.Action(0, "B", 0)))
+    assert str(block) == "(0F1;0B0)OVERLAP_F_B"
+    order = {0: ["0F0", str(block), "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
+    assert ps.blocks(order)[0] == [ps.Action(0, "F", 0), block, ps.Action(0, "B", 1)]
+    assert ps.normalize(order)[0] == [ps.Action(0, "F", 0), *block, ps.Action(0, "B", 1)]
+    # 0F1 ends at 2, but the block (0B0 waits for 1B0 until 3) hands it on at 4: 1F1 runs 4-5.
+    assert ps.simulate(order, {"F": 1.0, "B": 1.0}).finish[ps.Action(1, "F", 1)] == (4.0, 5.0)
+    flat = {r: [str(a) for a in acts] for r, acts in ps.normalize(order).items()}
+    assert ps.simulate(flat, {"F": 1.0, "B": 1.0}).finish[ps.Action(1, "F", 1)] == (3.0, 4.0)
+
+
 def test_overlap_block_publishes_at_its_end():
     # rank 0 runs 0F0 and 0F1 as one block: rank 1's 1F0 must wait for the block, not for 0F0.
     class Overlap:  # duck-typed like torch's _Action

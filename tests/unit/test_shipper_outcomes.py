@@ -92,3 +92,15 @@ def test_outcomes_the_sidecar_refuses_as_invalid_are_given_up_not_retried_foreve
         assert poster.bodies == []  # refused once, never sent again
     finally:
         shipper.close()
+
+
+def test_outcomes_a_sidecar_refuses_for_the_token_are_kept_and_sent_once_it_takes_them():
+    # 401 says nothing about the records: they were never read (a token fixed, a sidecar restarted).
+    poster = FlakyPoster(failures=2, status=401)
+    shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
+    try:
+        shipper.put_outcome(OUTCOME)
+        _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies))
+        assert shipper.undelivered_outcomes() == 0 and poster.failures == 0
+    finally:
+        shipper.close()
