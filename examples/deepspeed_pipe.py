@@ -202,8 +202,10 @@ def train(args) -> dict:
     if not args.no_parwatch:
         from parwatch.collector import Collector, attach  # parwatch
         from parwatch.integrations import deepspeed as pw  # parwatch
+        from parwatch.integrations import shared_run_id  # parwatch
 
-        watch = pw.watch(engine, run_id=_run_id(args), checkpoint_dir=args.checkpoint_dir or None)  # parwatch
+        run_id = args.run_id or shared_run_id()  # parwatch: one id, from rank 0
+        watch = pw.watch(engine, run_id=run_id, checkpoint_dir=args.checkpoint_dir or None)  # parwatch
         collector = attach(
             Collector(  # parwatch
                 watch.run_context(),
@@ -236,14 +238,6 @@ def train(args) -> dict:
         with open(args.losses_out, "w") as f:
             json.dump({str(s): repr(v) for s, v in sorted(losses.items())}, f)
     return {"losses": losses, "applied": watch.applied if watch else []}
-
-
-def _run_id(args) -> str:
-    if args.run_id:
-        return args.run_id
-    run_id = [time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
 
 
 def _token(args):

@@ -238,11 +238,12 @@ def train(args) -> dict:
     if not args.no_parwatch:
         from parwatch.collector import Collector, attach  # parwatch
         from parwatch.integrations import megatron as pw_megatron  # parwatch
+        from parwatch.integrations import shared_run_id  # parwatch
 
         watch = pw_megatron.watch(  # parwatch
             chunks,
             config,
-            run_id=_run_id(args),
+            run_id=args.run_id or shared_run_id(),  # one id, from rank 0
             microbatches=args.microbatches,
             load_checkpoint=load_checkpoint if args.checkpoint_dir else None,
         )
@@ -307,14 +308,6 @@ def train(args) -> dict:
         "history": history if last else [],
         "applied": watch.applied if watch else [],
     }
-
-
-def _run_id(args) -> str:
-    if args.run_id:
-        return args.run_id
-    run_id = [time.strftime("%Y%m%d-%H%M%S-") + os.urandom(3).hex() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
 
 
 def _token(args):

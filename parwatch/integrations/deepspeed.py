@@ -261,11 +261,17 @@ class DeepSpeedWatch(StepLoop):
         return clip_fp32_gradients
 
     def _marking(self, call, *, training: bool):
+        """train_batch runs with its instructions timed; eval_batch untimed, in one eval span (not a
+        training step: the goodput ledger's eval, not bubble)."""
+
         def batch(*args, **kwargs):
             self._training = training
             self._counts.clear()
             try:
-                return call(*args, **kwargs)
+                if training:
+                    return call(*args, **kwargs)
+                with registry.span(SpanKind.EVAL, stage=self.pp_rank):
+                    return call(*args, **kwargs)
             finally:
                 self._training = False
 
