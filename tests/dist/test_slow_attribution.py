@@ -138,6 +138,10 @@ def test_slow_data_is_classified(tmp_path):
         return statistics.median(s["instances"][key] if key == "data_seconds" else s[key] for s in rows)
 
     assert median(0, "data_seconds") >= 4 * 0.015 > 4 * 0.004 > median(1, "data_seconds")
+    # The goodput ledger puts the delay in rank 0's data wait, and only there.
+    waits = {rank: trainer.ledger(rank)["time_seconds"]["data_wait"] for rank in range(4)}
+    assert waits[0] >= 0.9 * STEPS * 4 * 0.015, waits
+    assert all(waits[rank] < waits[0] / 3 for rank in (1, 2, 3)), waits
     assert median(0, "compute_seconds") < min(median(2, "compute_seconds"), median(3, "compute_seconds")) + 0.5 * 4 * 0.015
 
 

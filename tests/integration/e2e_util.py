@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_TIMEOUT_S = 180.0
@@ -110,6 +111,15 @@ class TrainerRun:
         text = path.read_text(errors="replace") if path.exists() else ""
         match = re.search(pattern, text)
         return float(match.group(1)) if match else None
+
+    def ledger(self, rank: int) -> dict:
+        """The rank's goodput ledger (ledger-rank<N>.json, written at its collector's close), checked
+        to partition the rank's wall time: the categories sum to its process's lifetime (1%)."""
+        ledger = json.loads((self.log_dir / f"ledger-rank{rank}.json").read_text())
+        lifetime = ledger["end_time"] - ledger["process_start_time"]
+        assert lifetime > 0 and sum(ledger["time_seconds"].values()) == pytest.approx(lifetime, rel=0.01), ledger
+        assert ledger["wall_seconds"] == pytest.approx(lifetime, rel=0.01)
+        return ledger
 
     def summaries(self, rank: int | None = None) -> list[dict]:
         """Step summaries the collectors wrote (--parwatch-log), of one rank or all."""

@@ -134,6 +134,15 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
     assert [s for s, _ in summary["loss_history"]] == list(range(1, steps + 1))  # continued from the pause
     (applied_resume,) = [a for a in applied_records(state) if a["directive_id"] == resumed["directive_id"]]
     assert every_rank(applied_resume) and applied_resume["step"] == paused_at
+    # The goodput ledger: the hold is paused time. Measured apart from it: from the paused step's
+    # summary to the start of the first step after the resume (its end less its period).
+    for rank in (0, 1):
+        rows = {s["step"]: s for s in run.summaries(rank)}
+        after = rows[paused_at + 1]
+        held = after["time"] - after["step_seconds"] - rows[paused_at]["time"]
+        ledger = run.ledger(rank)
+        assert held >= HOLD_S and ledger["time_seconds"]["paused"] == pytest.approx(held, abs=0.2), (held, ledger)
+        print(f"rank {rank}: held {held:.3f} s between the summaries, {ledger['time_seconds']['paused']:.3f} s paused")
     assert [(d["action"], d["source"]) for d in operator_decisions(state)] == [
         ("pause", "operator"),
         ("resume", "operator"),

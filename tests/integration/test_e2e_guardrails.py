@@ -105,6 +105,14 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
 
     assert summary["steps_completed"] == steps
     assert len(summary["losses"]) == steps and all(is_finite_loss(x) for x in summary["losses"]), summary["losses"]
+    # The goodput ledger: the discarded steps' compute, as each rank measured it step by step, moved to
+    # wasted when the rollback was applied (PP2, no TP: a step's productive time is its compute).
+    for rank in (0, 1):
+        discarded = [s for s in run.summaries(rank) if s["timeline"] == 0 and s["step"] > decision["checkpoint"]]
+        ledger = run.ledger(rank)
+        measured = sum(s["compute_seconds"] for s in discarded)
+        assert ledger["time_seconds"]["wasted"] == pytest.approx(measured, rel=0.01), (measured, ledger)
+        print(f"rank {rank}: {len(discarded)} steps discarded, {measured:.4f} s of compute, {ledger['time_seconds']}")
 
 
 @pytest.mark.timing
