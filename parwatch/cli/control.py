@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from parwatch import ledger_view
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.tokens import TokenError, read_token
@@ -118,6 +119,8 @@ def _status_text(s: dict) -> str:
     for name, st in sorted((s.get("rules") or {}).items()):
         lines.append(f"  rule {name}: {st.get('state')}")
     lines.append(_hang_line(s.get("hang")))
+    if "time" in s:  # a sidecar older than the goodput ledger sends none
+        lines.append(ledger_view.line(s["time"]))
     if s.get("pending_directive"):
         lines.append(f"pending directive: {json.dumps(s['pending_directive'])}")
     for d in s.get("last_decisions") or []:

@@ -23,7 +23,8 @@ import os
 import time
 from array import array
 
-from parwatch.vocabulary import OUTSIDE_TRAINING, SpanKind, TimeCategory
+from parwatch import ledger_view
+from parwatch.vocabulary import SpanKind, TimeCategory
 
 KEEP_STEPS = 100_000
 """Steps whose productive seconds are kept for a rollback (8 bytes each): a rollback further back than
@@ -148,11 +149,12 @@ class Ledger:
         """The ledger with its totals: wall seconds, goodput (productive / wall) and ETTR (see
         docs/goodput.md)."""
         wall = self.total()
+        view = ledger_view.totals([self.snapshot()]) or {"goodput_ratio": None, "ettr": None}
         return {
             "wall_seconds": wall,
             "time_seconds": {category.value: max(0.0, value) for category, value in self.seconds.items()},
-            "goodput_ratio": self.seconds[TimeCategory.PRODUCTIVE] / wall if wall > 0 else None,
-            "ettr": ettr(self.seconds),
+            "goodput_ratio": view["goodput_ratio"],
+            "ettr": view["ettr"],
             "wasted_untracked_steps": self.untracked_steps,
         }
 
@@ -181,15 +183,6 @@ class Ledger:
         if len(kept) > 2 * KEEP_STEPS:  # drop the oldest half at once (amortised O(1) a step)
             del kept[:KEEP_STEPS]
             self._first_step += KEEP_STEPS
-
-
-def ettr(seconds: dict) -> float | None:
-    """Effective training time ratio: the share of wall time spent in training steps that count
-    (productive, bubble, exposed communication, optimizer, data wait); None before any time."""
-    wall = sum(seconds.values())
-    if wall <= 0:
-        return None
-    return max(0.0, 1.0 - sum(seconds.get(c, 0.0) for c in OUTSIDE_TRAINING) / wall)
 
 
 def shares_of(stage_view: dict) -> tuple[float, float, float] | None:

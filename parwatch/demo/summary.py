@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from parwatch import ledger_view
 from parwatch.bubble import closed_form, excess
 from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
@@ -32,6 +33,7 @@ def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price:
             }
         )
     cost = cost_estimate(run.summaries, pp, microbatches, chunks, price)
+    ledgers = [json.loads(p.read_text()) for p in sorted(run_dir.glob("ledger-rank*.json"))]
     trainer_summary = {}
     if (run_dir / "summary.json").exists():
         trainer_summary = json.loads((run_dir / "summary.json").read_text())
@@ -46,6 +48,7 @@ def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price:
         "steps_completed": trainer_summary.get("steps_completed"),
         "world_size": trainer_summary.get("world_size"),
         "losses": trainer_summary.get("losses", []),
+        "time": ledger_view.totals(ledger_view.as_counters(x["time_seconds"]) for x in ledgers),
     }
 
 
@@ -113,6 +116,10 @@ def print_summary(console, summary: dict) -> None:
         console.print(t)
     else:
         console.print("Guardrail decisions: none (every rule stayed ok)")
+    console.print(
+        "Where the time went (all ranks, process start to exit): " + ledger_view.line(summary.get("time")),
+        highlight=False,
+    )
     c = summary["cost"]
     console.print(
         f"Idle accelerator time: {c['idle_gpu_hours'] * 3600:.1f} GPU-seconds "

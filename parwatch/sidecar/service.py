@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from parwatch import ledger_view
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
 from parwatch.sidecar.alerts import AlertDedupe
@@ -246,6 +247,11 @@ class Sidecar:
                 "pending_directive": self.engine.pending_directive(),
                 "directives": self.engine.directive_states(),
                 "last_decisions": self.engine.decisions(decisions),
+                "time": ledger_view.totals(
+                    {c.value: v for c, v in rec.summary.time_seconds.items()}
+                    for rec in self.store.ranks.values()
+                    if rec.summary.time_seconds
+                ),
             }
         )
 

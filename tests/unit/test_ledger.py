@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from parwatch.collector.ledger import Ledger, ettr, shares_of
+from parwatch import ledger_view
+from parwatch.collector.ledger import Ledger, shares_of
 from parwatch.collector.stats import StepStats
 from parwatch.vocabulary import SpanKind
 from parwatch.vocabulary import TimeCategory as C
@@ -92,9 +93,19 @@ def test_a_device_clock_period_longer_than_the_host_one_is_scaled_into_it():
     assert ledger.seconds[C.PRODUCTIVE] == pytest.approx(0.8 / 1.2)
 
 
-def test_ettr_and_the_bubble_shares():
-    seconds = dict.fromkeys(C, 0.0) | {C.PRODUCTIVE: 6.0, C.BUBBLE_SCHEDULE: 2.0, C.STARTUP: 1.0, C.PAUSED: 1.0}
-    assert ettr(seconds) == pytest.approx(0.8)
+def test_totals_over_ranks_goodput_ettr_and_the_bubble_shares():
+    # Two ranks' counters: productive is gross, 1 s of it discarded (wasted) on rank 1.
+    ranks = [
+        {"productive": 3.0, "bubble_schedule": 1.0, "startup": 0.5, "paused": 0.5},
+        {"productive": 4.0, "bubble_schedule": 1.0, "startup": 0.5, "wasted": 1.0, "paused": 0.5},
+    ]
+    total = ledger_view.totals(ranks)
+    assert total["rank_seconds"] == pytest.approx(11.0) and total["seconds"]["productive"] == pytest.approx(6.0)
+    assert total["goodput_ratio"] == pytest.approx(6 / 11)
+    assert total["ettr"] == pytest.approx(1 - 3 / 11)  # startup, paused and wasted are outside training
+    assert ledger_view.totals([]) is None
+    assert ledger_view.as_counters({"productive": 6.0, "wasted": 1.0})["productive"] == 7.0
+    assert ledger_view.line(total).startswith("time: goodput 54.5%, ETTR 72.7% of 11.0 rank-seconds; productive")
     assert shares_of({"bubble_schedule_ratio": 0.2, "bubble_imbalance_ratio": -0.01, "bubble_wait_ratio": 0.05}) == (
         pytest.approx(0.8),
         0.0,
