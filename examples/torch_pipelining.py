@@ -16,6 +16,7 @@ The parwatch lines are marked `# parwatch`; everything else is plain torch pipel
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 import json
 import os
 import sys
@@ -235,7 +236,8 @@ def train(args) -> dict:
     while step < args.steps:
         trained = step + 1
         optimizer.zero_grad()
-        x, y = batch(args, trained)
+        with watch.data() if watch else nullcontext():  # parwatch: data wait, timed
+            x, y = batch(args, trained)
         mb_losses: list = []
         schedule.step(x, target=y, losses=mb_losses)
         if mb_losses:
@@ -250,7 +252,8 @@ def train(args) -> dict:
         if step != trained:  # rolled back: the steps after the loaded one are gone
             losses = {s: v for s, v in losses.items() if s <= step}
         elif args.checkpoint_dir:
-            save(step)
+            with watch.checkpoint() if watch else nullcontext():  # parwatch: checkpoint save, timed
+                save(step)
             if watch:
                 watch.checkpoint_saved(step)  # parwatch
     if watch:

@@ -68,6 +68,18 @@ class StepLoop:
         with registry.span(SpanKind.OPTIMIZER, stage=self.pp_rank):
             return optimizer.step(*args, **kwargs)
 
+    def data(self):
+        """`with watch.data(): batch = next(loader)`: blocking on data, timed (the ledger's data wait)."""
+        return registry.span(SpanKind.DATA, stage=self.pp_rank)
+
+    def checkpoint(self):
+        """`with watch.checkpoint(): save(...)`: the blocking part of a checkpoint save, timed."""
+        return registry.span(SpanKind.CHECKPOINT, stage=self.pp_rank)
+
+    def evaluation(self):
+        """`with watch.evaluation(): evaluate(...)`: an eval between training steps (not bubble, not a step)."""
+        return registry.span(SpanKind.EVAL, stage=self.pp_rank)
+
     def boundary_step(self, loss: float | None) -> int:
         """The boundary after an optimizer step, on every rank, then any directive it brought.
         Returns the step training continues from: the one just finished, or the loaded one."""
