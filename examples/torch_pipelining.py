@@ -16,11 +16,11 @@ The parwatch lines are marked `# parwatch`; everything else is plain torch pipel
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
 import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
