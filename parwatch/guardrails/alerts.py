@@ -47,6 +47,8 @@ METRIC_EXPRESSIONS = {
     "rank_up": lambda reduce, w: rec.job("parwatch_rank_up", reduce),
     "gpu_utilization_ratio": lambda reduce, w: rec.job("parwatch_gpu_utilization_ratio", reduce),
     "step_seconds": lambda reduce, w: rec.mean_name("stage", "parwatch_step_duration_seconds", w),
+    "goodput_ratio": lambda reduce, w: rec.goodput(w),
+    "ettr_ratio": lambda reduce, w: rec.ettr(w),
 }
 NONFINITE_FLAGS = {"loss": rec.job("parwatch_loss_nonfinite", "max")}
 """A finite check on these reads the sidecars' 0/1 flag, not the value: VictoriaMetrics drops NaN

@@ -32,6 +32,9 @@ KNOWN_METRICS = frozenset(
         # and the straggler attribution's findings (share of the step, cause and place in the series key).
         "collective_transfer_seconds",
         "straggler_ratio",
+        # parwatch.sidecar.ledger_window: the goodput ledger over the last minute (docs/goodput.md).
+        "goodput_ratio",
+        "ettr_ratio",
     }
 )
 CHECKS = tuple(CheckKind)

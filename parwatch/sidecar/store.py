@@ -38,6 +38,7 @@ from parwatch.schema import (
     STEP_BUCKETS,
 )
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
+from parwatch.sidecar.ledger_window import LedgerWindow
 from parwatch.sidecar.models import GlobalView, StepSummary
 from parwatch.sidecar.pace import Pace
 
@@ -145,6 +146,8 @@ class Store:
         self.clock = clock
         self.max_ranks = max_ranks
         self.max_runs = max_runs
+        self.ledger_window = LedgerWindow()
+        """The ranks' ledger counters over the last minute: goodput and ETTR for the rules."""
         self.runs: dict[str, float] = {}
         """Run ids seen lately -> sidecar clock of their last post (bounds run-id churn)."""
         self._reset(run_id=None)
