@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parwatch.report.loader import SPANS, RunData, load_run
-from parwatch.report.plots import plot_bubble, plot_collectives, plot_loss
+from parwatch.report.plots import plot_bubble, plot_collectives, plot_ledger, plot_loss
 from parwatch.report.summary import build_sections, render_html, render_markdown
 from parwatch.report.timeline import choose_step, draw_timeline, steps_with_spans
 from parwatch.report.trace import write_trace
@@ -95,6 +95,9 @@ def build_report(run_dir, step: int | None = None, out_dir=None, options: Report
         out / "loss.png",
         out / "collectives.png",
     )
+    written["ledger"] = out / "ledger.png"
+    plot_ledger(run, written["ledger"])
+    images["ledger"] = ("ledger.png", "Where each rank's wall time went (the goodput ledger, docs/goodput.md)", None)
     plot_bubble(run, written["bubble"])
     plot_loss(run, written["loss"])
     p99 = plot_collectives(run, written["collectives"])

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parwatch import ledger_view
 from parwatch.schema import decode_float
 from parwatch.vocabulary import OUTCOME_TYPES, RecordType
 
@@ -78,6 +79,9 @@ class RunData:
     issues: dict
     """File name -> FileIssues; missing files appear with skipped 0 and a reason."""
     config: RunConfig
+    ledgers: dict = field(default_factory=dict)
+    """rank -> its goodput ledger as counters (parwatch.ledger_view): ledger-rank<N>.json, written at the
+    rank's exit, else its newest summary's time_seconds (up to its last step boundary)."""
 
     def stage_ranks(self) -> dict[int, int]:
         """stage -> the rank drawn for it: tp_rank 0 and dp_rank 0 (lowest rank as a fallback)."""
@@ -210,6 +214,22 @@ def _config(summaries: list, spans: list) -> RunConfig:
     return RunConfig(run_id=str(s.get("run_id", "?")), schedule=str(s.get("schedule", "?")), **ints)
 
 
+def _ledgers(run_dir: Path, summaries: list) -> dict:
+    out: dict[int, dict] = {}
+    for s in summaries:  # the newest per rank (a later timeline's step counts as newer)
+        if isinstance(s.get("time_seconds"), dict):
+            out[s["rank"]] = s["time_seconds"]
+    for path in sorted(run_dir.glob("ledger-rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+            out[int(record["rank"])] = ledger_view.as_counters(
+                {k: float(v) for k, v in record["time_seconds"].items() if isinstance(v, (int, float))}
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a ledger file cut short: the summaries' view stands
+    return out
+
+
 def load_run(run_dir) -> RunData:
     """Read summaries, spans and decisions of `run_dir`; raise RunDirNotFound if it is not a directory."""
     run_dir = Path(run_dir)
@@ -220,6 +240,7 @@ def load_run(run_dir) -> RunData:
     spans = read_jsonl(run_dir / SPANS, _span, issues[SPANS])
     records = read_jsonl(run_dir / DECISIONS, _decision, issues[DECISIONS])
     return RunData(
+        ledgers=_ledgers(run_dir, summaries),
         run_dir=run_dir,
         summaries=summaries,
         spans=spans,

@@ -7,8 +7,10 @@ import math
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from parwatch import ledger_view
 from parwatch.report.loader import RunData
 from parwatch.report.stats import collective_series, per_stage_series, stage_bubble_series
+from parwatch.vocabulary import TimeCategory
 
 _DPI = 100
 _SIZE_PX = (1200, 480)
@@ -184,3 +186,31 @@ def plot_collectives(run: RunData, path, size_px=_SIZE_PX) -> bool:
     ax.set_title("Collective latency per op and group, all ranks")
     _save(fig, path)
     return use_p99
+
+
+def plot_ledger(run: RunData, path, size_px=_SIZE_PX) -> None:
+    """Where each rank's wall time went (the goodput ledger): one stacked bar per rank, in % of its time."""
+    fig, ax = _figure(size_px)
+    per_rank: dict[int, dict] = {}
+    for rank, counters in sorted(run.ledgers.items()):
+        total = ledger_view.totals([counters])
+        if total and total["rank_seconds"] > 0:
+            per_rank[rank] = total
+    if not per_rank:
+        _no_data(ax, "goodput ledgers (ledger-rank<N>.json or time_seconds)")
+    else:
+        categories = [c.value for c in TimeCategory]
+        colors = colormaps["tab20"]
+        ranks = list(per_rank)
+        left = [0.0] * len(ranks)
+        for i, category in enumerate(categories):
+            shares = [100 * per_rank[r]["seconds"][category] / per_rank[r]["rank_seconds"] for r in ranks]
+            if any(x > 0 for x in shares):
+                ax.barh([f"rank {r}" for r in ranks], shares, left=left, color=colors(i % 20), label=category)
+                left = [a + b for a, b in zip(left, shares)]
+        ax.invert_yaxis()
+        ax.set_xlim(0, 100)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    ax.set_xlabel("% of the rank's wall time, process start to exit")
+    ax.set_title("Where the time went (goodput ledger)")
+    _save(fig, path)

@@ -6,9 +6,10 @@ import datetime as dt
 import html
 from dataclasses import dataclass, field
 
+from parwatch import ledger_view
 from parwatch.report.loader import RunData
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
-from parwatch.vocabulary import RecordType
+from parwatch.vocabulary import RecordType, TimeCategory
 
 
 @dataclass
@@ -185,7 +186,10 @@ def build_sections(
         )
     )
 
-    pics = Section("Pictures", images=[images[k] for k in ("timeline", "bubble", "loss", "collectives") if k in images])
+    out.append(_ledger_section(run))
+    pics = Section(
+        "Pictures", images=[images[k] for k in ("timeline", "ledger", "bubble", "loss", "collectives") if k in images]
+    )
     if trace_name:
         pics.paragraphs.append(
             "The full span trace opens in Perfetto (drag the file onto the page) or "
@@ -256,3 +260,38 @@ def _outcome_text(record: dict) -> str:
     elif record.get("reasons"):
         text += ": " + ", ".join(f"{k} x{v}" for k, v in record["reasons"].items())
     return text
+
+
+def _ledger_section(run: RunData) -> Section:
+    """Where the time went: each rank's ledger (seconds and share per category), then all ranks."""
+    rows = []
+    for rank, counters in sorted(run.ledgers.items()):
+        rows.append(_ledger_row(f"rank {rank}", ledger_view.totals([counters])))
+    total = ledger_view.totals(run.ledgers.values())
+    if len(rows) > 1:
+        rows.append(_ledger_row("all ranks", total))
+    top = [c.value for c in TimeCategory]
+    return Section(
+        "Where the time went (goodput ledger)",
+        headers=["ranks", "wall s", "goodput", "ETTR", *top],
+        rows=rows,
+        paragraphs=[ledger_view.line(total)]
+        + ([] if rows else ["No ledger: the collectors predate it or wrote no ledger-rank<N>.json."])
+        + ["Every second of a rank from process start to exit is in one category; docs/goodput.md."],
+    )
+
+
+def _ledger_row(label: str, total) -> list:
+    if not total:
+        return [label, "n/a", "n/a", "n/a", *(["n/a"] * len(TimeCategory))]
+    wall = total["rank_seconds"]
+    return [
+        label,
+        f"{wall:.1f}",
+        _pct(total["goodput_ratio"]),
+        _pct(total["ettr"]),
+        *(
+            f"{total['seconds'][c.value]:.2f} ({_pct(total['seconds'][c.value] / wall if wall else None)})"
+            for c in TimeCategory
+        ),
+    ]

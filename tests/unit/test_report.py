@@ -277,3 +277,19 @@ def test_fixture_bubble_is_near_the_formula_when_stages_are_uniform(tmp_path):
     run = load_run(info.path)
     for row in bubble_table(run.summaries, [0, 1, 2, 3]):
         assert abs(row.excess) < 0.05, row
+
+
+def test_the_report_shows_where_each_ranks_time_went(tmp_path):
+    info = make_run_dir(tmp_path / "run", pp=2, microbatches=4, steps=4, decision=False)
+    # Rank 0 wrote its ledger at exit (a net partition); rank 1 only got as far as its summaries.
+    ledger = {"productive": 6.0, "bubble_schedule": 2.0, "startup": 1.0, "wasted": 1.0}
+    (info.path / "ledger-rank0.json").write_text(json.dumps({"rank": 0, "time_seconds": ledger}))
+    (info.path / "ledger-rank1.json").write_text("{cut short")
+    run = load_run(info.path)
+    assert run.ledgers[0]["productive"] == 7.0  # as counters: gross
+    assert set(run.ledgers) == {0}  # the synthetic summaries carry no ledger; the broken file is skipped
+    written = build_report(info.path)
+    assert Image.open(written["ledger"]).size[0] > 0
+    text = written["markdown"].read_text()
+    assert "## Where the time went (goodput ledger)" in text
+    assert "time: goodput 60.0%, ETTR 80.0% of 10.0 rank-seconds" in text
