@@ -241,6 +241,22 @@ METRICS: tuple[Metric, ...] = (
         "Share of the step the collector spent on the training thread",
         "ratio",
     ),
+    Metric(
+        "parwatch_ideal_step_seconds",
+        "gauge",
+        (),
+        "ml-goodput-measurement's ideal step time: the mean of the steps of 1 s or more within median + 3 MAD "
+        "(parwatch.goodput; absent while no step lasts 1 s)",
+        "seconds",
+    ),
+    Metric(
+        "parwatch_step_time_deviation_seconds",
+        "gauge",
+        (),
+        "ml-goodput-measurement's step_time_deviation: p90 of the last 100 steps' |time - ideal|, less the "
+        "median of the 1,000 before (their mean below 100 steps)",
+        "seconds",
+    ),
     Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
     Metric(
         "parwatch_time_seconds_total",

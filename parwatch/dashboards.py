@@ -357,6 +357,16 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
                 "(docs/goodput.md)",
             )
         ),
+        timeseries(
+            "Step time: ideal and deviation (ml-goodput-measurement)",
+            [
+                (rec.job("parwatch_ideal_step_seconds", "max"), "ideal step time"),
+                (rec.job("parwatch_step_time_deviation_seconds", "max"), "step-time deviation"),
+            ],
+            unit="s",
+            desc="Google's formulas (parwatch.goodput): the ideal is the mean of the steps of 1 s or more "
+            "without outliers; the deviation is the p90 of the last 100 steps' distance from it",
+        ),
         stat(
             "Goodput / ETTR",
             [(rec.goodput(window), "goodput"), (rec.ettr(window), "ETTR")],

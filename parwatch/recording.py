@@ -152,6 +152,8 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
         "parwatch_run_paused",
         "parwatch_checkpoint_last_good_step",
         "parwatch_hang_detected",
+        "parwatch_ideal_step_seconds",
+        "parwatch_step_time_deviation_seconds",
     ):
         add(job(name, "max"), f"max {by()} ({_m(name)})")
     # Any non-finite loss makes the sum non-finite (max and min skip NaN).

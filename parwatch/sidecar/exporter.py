@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from parwatch import __version__
+from parwatch import __version__, goodput
 from parwatch.catalog import GUARDRAIL_STATES, metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.sidecar.models import BUBBLE_CAUSES
@@ -122,6 +122,16 @@ class SidecarCollector(Collector):
                 if value is not None:
                     family.add_metric([str(stage.stage)], value)
             yield family
+        # Step time as Google's ml-goodput-measurement reads it (parwatch.goodput): none while no step
+        # lasts 1 s, the library's floor.
+        ideal_g, deviation_g = _g("parwatch_ideal_step_seconds"), _g("parwatch_step_time_deviation_seconds")
+        times = list(st.step_times)
+        ideal = goodput.ideal_step_time(times)
+        if ideal is not None:
+            ideal_g.add_metric([], ideal)
+            deviation_g.add_metric([], goodput.deviation_gauge([abs(t - ideal) for t in times]))
+        yield ideal_g
+        yield deviation_g
         ckpt = _g("parwatch_checkpoint_last_good_step")
         checkpoints = st.checkpoints
         if checkpoints:

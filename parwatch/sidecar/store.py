@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from parwatch import goodput
 from parwatch.schema import (
     COLLECTIVE_BUCKETS,
     MAX_ROLLBACKS_PER_SECOND,
@@ -43,6 +44,9 @@ from parwatch.sidecar.models import GlobalView, StepSummary
 from parwatch.sidecar.pace import Pace
 
 log = logging.getLogger(__name__)
+
+STEP_TIMES_KEPT = goodput.RECENT_STEPS + goodput.BASELINE_STEPS
+"""Enough step times for ml-goodput-measurement's deviation gauge (its last 100 against the 1,000 before)."""
 
 
 class WindowEntry(NamedTuple):
@@ -146,8 +150,6 @@ class Store:
         self.clock = clock
         self.max_ranks = max_ranks
         self.max_runs = max_runs
-        self.ledger_window = LedgerWindow()
-        """The ranks' ledger counters over the last minute: goodput and ETTR for the rules."""
         self.runs: dict[str, float] = {}
         """Run ids seen lately -> sidecar clock of their last post (bounds run-id churn)."""
         self._reset(run_id=None)
@@ -168,6 +170,10 @@ class Store:
         self.ended = False
         """Every rank of the run that reports here said it finished or crashed, or its process is gone."""
         self._published: dict[int, bool] | None = None  # publish_liveness(): the activity hub's view of the run
+        self.ledger_window = LedgerWindow()
+        """The ranks' ledger counters over the last minute: goodput and ETTR for the rules."""
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        """Rank 0's step periods in arrival order: ml-goodput-measurement's step times (parwatch.goodput)."""
         self._steps = Pace(self.clock, MAX_STEPS_PER_SECOND, "step")
         self._timelines = Pace(self.clock, MAX_ROLLBACKS_PER_SECOND, "timeline")
 
@@ -318,6 +324,7 @@ class Store:
                 buckets, tot.count + c.count, tot.seconds + c.seconds, tot.bytes + c.bytes
             )
         if s.rank == 0:
+            self.step_times.append(s.step_seconds)
             if s.key >= self._checkpoints_key:  # a late post does not bring back an older list
                 self.checkpoints, self._checkpoints_key = tuple(s.checkpoints), s.key
             view_key = (s.timeline, s.global_.step) if s.global_ is not None else None

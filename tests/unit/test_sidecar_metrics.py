@@ -353,3 +353,20 @@ def test_the_bubble_causes_of_rank_0s_view_are_exported_per_stage(env):
     assert samples(fams["parwatch_stage_bubble_schedule_ratio"]) == {(("stage", "0"),): 0.2, (("stage", "1"),): 0.2}
     assert samples(fams["parwatch_stage_bubble_imbalance_ratio"]) == {(("stage", "0"),): 0.0, (("stage", "1"),): 0.05}
     assert samples(fams["parwatch_stage_bubble_wait_ratio"])[(("stage", "1"),)] == 0.01
+
+
+def test_the_ledger_and_ml_goodput_step_figures_are_exported(env):
+    from parwatch import goodput
+
+    _, control, metrics, _ = env
+    step_seconds = [1.2, 1.3, 1.2, 9.0, 1.25, 0.5]  # one straggling step, one under the 1 s floor
+    for step, seconds in enumerate(step_seconds, start=1):
+        run_steps(control, [step], step_seconds=seconds)
+    fams = {f.name: f for f in text_string_to_metric_families(scrape(metrics).text)}
+    [ideal] = fams["parwatch_ideal_step_seconds"].samples
+    assert ideal.value == pytest.approx(goodput.ideal_step_time(step_seconds))
+    assert ideal.value == pytest.approx((1.2 + 1.3 + 1.2 + 1.25) / 4)  # the 9 s step is an outlier
+    [deviation] = fams["parwatch_step_time_deviation_seconds"].samples
+    assert deviation.value == pytest.approx(goodput.deviation_gauge([abs(t - ideal.value) for t in step_seconds]))
+    ledger = {(s.labels["rank"], s.labels["category"]): s.value for s in fams["parwatch_time_seconds"].samples}
+    assert len(ledger) == 4 * 15 and ledger[("0", "startup")] == 10.0  # every rank, every category
