@@ -17,7 +17,9 @@ What it exercises:
    so this exercises the compute, loss and boundary hooks, not the p2p ones.
 6. The DeepSpeed integration on one device: a one-stage PipelineModule (m=8), steps alternately
    watched and not (instruction spans on the CUDA-event clock, no added synchronization).
-7. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
+7. The Megatron-Core integration on one device: the example's GPTModel (local layer spec, pp=1),
+   steps alternately watched and not.
+8. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
    boundary's device tensor is released by NCCL's watchdog thread, not gloo's worker, so the
    teardown order is checked there too.
 Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
@@ -233,6 +235,103 @@ def deepspeed_check(cuda: bool, pairs: int = 20) -> dict:
     return result
 
 
+def megatron_check(cuda: bool, pairs: int = 20) -> dict:
+    """Section 7: the Megatron-Core integration on one rank (pp=1: NCCL refuses two ranks on one GPU),
+    the example's GPTModel (local layer spec) with real compute, steps alternately watched and not."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from parwatch.collector import Collector, attach, detach
+    from parwatch.integrations import megatron as pw_megatron
+    from tests.distutil import free_port
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "megatron_gpt.py")
+    spec = importlib.util.spec_from_file_location("megatron_gpt_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    if not cuda:
+        import megatron_cpu  # next to the example, on the path it added
+
+        megatron_cpu.install()
+    sizes = ["--hidden", "1024", "--seq", "512", "--vocab", "8192"] if cuda else ["--hidden", "64", "--seq", "16"]
+    args = example.parse_args(["--tp", "1", "--pp", "1", "--microbatches", "8", "--synthetic-ms", "0,0", *sizes])
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
+    )
+    try:
+        if cuda:
+            torch.cuda.set_device(0)
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        config = example.megatron_config(args)
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        model = example.build_model(args, config)[0].to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        data = [{k: t.to(device) for k, t in mb.items()} for mb in example.microbatches(args, 1)]
+        watch = pw_megatron.watch([model], config, run_id="gpu-check-megatron", microbatches=args.microbatches)
+        watch.detach()
+        collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
+        times: dict = {"on": [], "off": []}
+        step = 0
+        for pair in range(pairs):
+            for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+                if mode == "on":
+                    watch.attach()
+                    attach(collector)
+                    watch.start(step)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                get_forward_backward_func()(
+                    forward_step_func=example.forward_step_func,
+                    data_iterator=iter(data),
+                    model=model,
+                    num_microbatches=args.microbatches,
+                    seq_length=args.seq,
+                    micro_batch_size=args.microbatch_size,
+                )
+                if mode == "on":
+                    watch.optimizer_step(optimizer)
+                    step = watch.step_done()
+                else:
+                    optimizer.step()
+                    step += 1
+                if cuda:
+                    torch.cuda.synchronize()
+                if pair >= 2:
+                    times[mode].append(time.perf_counter() - t0)
+                if mode == "on":
+                    watch.detach()
+                    detach(collector)
+        summary = collector.last_summary or {}
+        result = {
+            "clock": type(collector.clock).__name__,
+            "unresolved_spans": collector.unresolved_spans,
+            "errors": collector.errors,
+            "summaries": collector.summaries,
+            "step_seconds": summary.get("step_seconds"),
+            "compute_seconds": summary.get("compute_seconds"),
+            "bubble_ratio": summary.get("bubble_ratio"),
+        }
+        watch.close()
+        collector.close()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
+    result.update(
+        median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
+    )
+    print(f"\nMegatron-Core integration, one rank, GPTModel (local spec), m=8 on {device}")
+    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
+    return result
+
+
 def clean_exit_check(args: list[str], runs: int = 10) -> dict:
     """`runs` short watched runs; their exit codes (each must be 0) and the stderr of any that was not."""
     import subprocess
@@ -388,6 +487,10 @@ def main() -> int:
         result["deepspeed"] = deepspeed_check(cuda)
     except ImportError as exc:  # the extra is not installed on this machine: say so, run the rest
         result["deepspeed"] = {"skipped": f"{exc} (pip install parwatch[deepspeed])"}
+    try:
+        result["megatron"] = megatron_check(cuda)
+    except ImportError as exc:
+        result["megatron"] = {"skipped": f"{exc} (pip install parwatch[megatron])"}
     result["clean_exit"] = clean_exit_check(layout(ngpus) + ["--backend", "nccl" if cuda else "gloo"])
     out = Path(a.out) / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,7 @@ def minimal(rank: int, step: int, **kw) -> dict:
         "dropped_total",
         "paused",
         "tokens",
+        "time_seconds",
     ):
         s.pop(key, None)  # all optional
     return s

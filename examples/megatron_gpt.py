@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default="", help="per-rank checkpoints after every step (rollback)")
     ap.add_argument("--eval", action="store_true", help="after each step, a forward-only pass (unobserved)")
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
+    ap.add_argument("--nan-at-step", type=int, default=0, help="the loss is NaN at this step, once (a fault)")
+    ap.add_argument("--hang-at", default="", help="PP_RANK:STEP: that stage blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.tp, args.pp, args.chunks, args.microbatches, args.steps) < 1:
         ap.error("--tp, --pp, --chunks, --microbatches and --steps must be >= 1")
@@ -66,14 +68,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--synthetic-ms {args.synthetic_ms!r}: give F,B in ms, e.g. 40,80")
     if args.batch_p2p and args.chunks > 1 and args.pp < 3:
         ap.error("--batch-p2p with --chunks > 1 needs --pp >= 3 (Megatron 0.16 swaps tensors at pp=2)")
-    args.slow = None
-    if args.slow_stage:
-        try:
-            stage, factor = args.slow_stage.split(":")
-            args.slow = int(stage), float(factor)
-        except ValueError:
-            ap.error(f"--slow-stage {args.slow_stage!r}: give PP_RANK:FACTOR, e.g. 1:1.5")
+    args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
+    args.hang = _stage_value(ap, "--hang-at", args.hang_at)
+    FAULTS["nan_step"] = args.nan_at_step
     return args
+
+
+def _stage_value(ap, flag: str, text: str):
+    if not text:
+        return None
+    try:
+        stage, value = text.split(":")
+        return int(stage), float(value)
+    except ValueError:
+        ap.error(f"{flag} {text!r}: give PP_RANK:VALUE, e.g. 1:1.5")
+
+
+FAULTS = {"nan_step": 0, "now": 0}
+"""Injected faults (--nan-at-step, --hang-at) read by the loss and the stages' hooks; `now`: the step
+being trained."""
 
 
 def megatron_config(args):
@@ -125,8 +138,9 @@ def build_model(args, config) -> list:
     return chunks
 
 
-def add_synthetic_compute(chunk, fwd_s: float, bwd_s: float) -> None:
-    """Sleep fwd_s before the chunk's forward and bwd_s when its backward starts."""
+def add_synthetic_compute(chunk, fwd_s: float, bwd_s: float, hang_step: int | None = None) -> None:
+    """Sleep fwd_s before the chunk's forward and bwd_s when its backward starts (and, at
+    `hang_step`, block for good before the forward: a hung rank, as the tests inject it)."""
 
     def sleep_backward(grad):
         time.sleep(bwd_s)
@@ -134,6 +148,9 @@ def add_synthetic_compute(chunk, fwd_s: float, bwd_s: float) -> None:
 
     def pre(module, inputs):
         time.sleep(fwd_s)
+        if hang_step is not None and FAULTS["now"] == hang_step:
+            print(f"injected hang at step {hang_step}, blocking at {time.time():.3f}", flush=True)
+            time.sleep(3600)
 
     def post(module, inputs, output):
         if torch.is_grad_enabled() and output.requires_grad:
@@ -162,6 +179,8 @@ def microbatches(args, step: int) -> list[dict]:
 
 def loss_func(output_tensor):
     loss = output_tensor.float().mean()
+    if FAULTS["now"] == FAULTS["nan_step"]:
+        loss = loss * float("nan")
     return loss, {"lm loss": loss.detach().clone()}  # Megatron divides `loss` in place afterwards
 
 
@@ -211,8 +230,9 @@ def train(args) -> dict:
     chunks = [chunk.to(device) for chunk in chunks]
     pp_rank = ps.get_pipeline_model_parallel_rank()
     factor = args.slow[1] if args.slow and args.slow[0] == pp_rank else 1.0
+    hang_step = int(args.hang[1]) if args.hang and args.hang[0] == pp_rank else None
     for chunk in chunks:
-        add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor)
+        add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor, hang_step)
     optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=args.lr)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     rank = dist.get_rank()
@@ -277,8 +297,11 @@ def train(args) -> dict:
     step = watch.start() if watch else 0  # parwatch
     while step < args.steps:
         trained = step + 1
+        FAULTS["now"] = trained
         optimizer.zero_grad()
         out = run(trained, forward_only=False)
+        if FAULTS["nan_step"] == trained:
+            FAULTS["nan_step"] = 0  # once: the replay after a rollback trains cleanly
         if last:
             losses[trained] = float(torch.stack([d["lm loss"] for d in out]).mean())
             history.append((trained, losses[trained]))

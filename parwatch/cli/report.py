@@ -13,6 +13,7 @@ Examples:
   parwatch report runs/demo                  # writes runs/demo/report/index.html and friends
   parwatch report runs/demo --step 40        # draw the timeline of step 40
   parwatch report runs/demo --out /tmp/rep --price-per-gpu-hour 3.5
+  parwatch report runs/pp --decisions parwatch-state/decisions.jsonl   # the sidecar's decisions
 """
 )
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
@@ -36,14 +37,24 @@ Examples:
     show_default=True,
     help="USD per accelerator-hour, for the idle-cost lines.",
 )
-def report(run_dir, step, out_dir, price_per_gpu_hour):
+@click.option(
+    "--decisions",
+    "decisions_path",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="The sidecar's decisions.jsonl (its --state-dir), read for this run's records when RUN_DIR has none.",
+)
+def report(run_dir, step, out_dir, price_per_gpu_hour, decisions_path):
     """Write timeline.png/.svg, trace.json, bubble/loss/collectives plots and index.html for RUN_DIR."""
     from parwatch.report.build import ReportOptions, StepNotSampled, build_report
     from parwatch.report.loader import RunDirNotFound
 
     try:
         written = build_report(
-            run_dir, step=step, out_dir=out_dir, options=ReportOptions(price_per_gpu_hour=price_per_gpu_hour)
+            run_dir,
+            step=step,
+            out_dir=out_dir,
+            options=ReportOptions(price_per_gpu_hour=price_per_gpu_hour, decisions_path=decisions_path),
         )
     except (RunDirNotFound, StepNotSampled) as e:
         click.echo(f"parwatch report: {e}", err=True)

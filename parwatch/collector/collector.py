@@ -63,6 +63,9 @@ class SpanSampling:
     """Steps 1..first are sampled; 0 samples none of the early steps."""
     every: int = 50
     """Every step divisible by this is sampled too; 0 means never after the first ones."""
+    slow_factor: float = 1.5
+    """A step longer than this times the recent mean step keeps its spans too, so a straggling step can
+    be drawn (`parwatch report --step N`); 0 keeps none for being slow."""
 
     def __call__(self, step: int) -> bool:
         return 1 <= step <= self.first or (self.every > 0 and step > 0 and step % self.every == 0)
@@ -160,6 +163,10 @@ class Collector(Observer):
         loop, so folding per span cost the training thread far more (docs/benchmarks.md). The list
         object is never replaced: the hook registry holds this bound method."""
         self._records: list | None = None  # span records of a sampled step; None when not sampling
+        self._slow_factor = getattr(span_sample_steps, "slow_factor", 0.0) or 0.0
+        self._folded: list[Span] = []  # this period's spans while not sampling: kept if the step is slow
+        self._step_mean = 0.0  # exponential mean of the step periods (weight 0.1)
+        self._steps_timed = 0
         self._step = 0  # the step the current period belongs to
         self._origin_mark = None  # end of the boundary that opened the current period
         self._time_origin_s: float | None = None  # the run's origin in this host's monotonic seconds
@@ -366,6 +373,8 @@ class Collector(Observer):
             self.guard.loss(info.step, info.loss, delivery)
         else:
             self.shipper.put_summary(summary)
+        if self._records is None and self._is_slow(step_seconds):
+            self._records = self._records_of(self._folded, end)
         if self._records:
             origin = self._time_origin_s
             for record in self._records:
@@ -418,6 +427,7 @@ class Collector(Observer):
         self._stats.reset()
         self.instances.start(step if sample else 0)
         self._records = [] if sample and self._sample(step) else None
+        self._folded = []
 
     def _resolve_pending(self, ref) -> list:
         """Deferred clocks: fold this period's spans now that their events have completed.
@@ -426,6 +436,8 @@ class Collector(Observer):
         clock, stats, records = self.clock, self._stats, self._records
         pending = self._pending.copy()
         self._pending.clear()
+        if records is None and self._slow_factor:
+            self._folded += pending
         ref_host = self._host_seconds(ref) if records is not None else 0.0
         for span in pending:
             try:
@@ -446,6 +458,8 @@ class Collector(Observer):
         host_seconds = self._host_seconds
         pending = self._pending.copy()
         self._pending.clear()
+        if records is None and self._slow_factor:
+            self._folded += pending
         for span in pending:
             try:
                 parent = span.parent
@@ -461,6 +475,28 @@ class Collector(Observer):
             except Exception as exc:  # a malformed span must not stop training
                 self._count_error("span", exc)
         return []
+
+    def _is_slow(self, step_seconds: float) -> bool:
+        """Whether this step is a straggler against the recent mean (after 5 steps); updates the mean."""
+        slow = self._steps_timed >= 5 and step_seconds > self._slow_factor * self._step_mean > 0
+        self._step_mean = step_seconds if not self._steps_timed else 0.9 * self._step_mean + 0.1 * step_seconds
+        self._steps_timed += 1
+        return slow and bool(self._slow_factor)
+
+    def _records_of(self, spans: list[Span], ref) -> list:
+        """Span records of a step that was not sampled, built at its boundary (marks still valid)."""
+        out = []
+        ref_host = self._host_seconds(ref)
+        for span in spans:
+            try:
+                if self._deferred:
+                    start_s = ref_host - self.clock.seconds(span.start, ref)
+                    out.append(self._record(span, start_s, start_s + self.clock.seconds(span.start, span.end)))
+                else:
+                    out.append(self._record(span, self._host_seconds(span.start), self._host_seconds(span.end)))
+            except Exception:  # an unresolvable mark: that span is left out
+                continue
+        return out
 
     def _release_marks(self, marks) -> None:
         release = getattr(self.clock, "release", None)

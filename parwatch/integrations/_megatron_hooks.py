@@ -376,7 +376,7 @@ class Hooks:
             spans = [span for _, span in self._spans(kwargs)]
             if not spans or not works:
                 return works
-            batch = _Batch()
+            batch = _Batch(spans)
             if len(works) == len(spans):  # one work per op (gloo)
                 return [_TimedWork(w, [s], posted, self, batch) for w, s in zip(works, spans)]
             # coalesced (NCCL): one work for the whole batch, every op ends with it
@@ -392,8 +392,9 @@ class Hooks:
                 return original(**kwargs)
             posted = reg.clock.mark()
             works = original(**kwargs)
-            batch = _Batch()
-            for key, span in self._spans(kwargs):
+            keyed = self._spans(kwargs)
+            batch = _Batch([span for _, span in keyed])
+            for key, span in keyed:
                 if key in works:
                     works[key] = _TimedWork(works[key], [span], posted, self, batch)
             return works
@@ -406,11 +407,13 @@ class _Batch:
     compute ran since: gloo's send completes only once the peer posts its receive, so a rank that
     waits on its send first is blocked there for the data it then receives at once."""
 
-    __slots__ = ("first", "computes")
+    __slots__ = ("first", "computes", "recv")
 
-    def __init__(self) -> None:
+    def __init__(self, spans=()) -> None:
         self.first = None
         self.computes = -1
+        self.recv = next((span for span in spans if span.kind is _RECV), None)
+        """The call's first receive: what a rank blocked in any of its waits is waiting for."""
 
 
 class _TimedWork:
@@ -436,7 +439,17 @@ class _TimedWork:
         batch, computes = self._batch, self._hooks.computes
         if batch.first is None or batch.computes != computes:
             batch.first, batch.computes = start, computes
-        result = self._work.wait(*args, **kwargs)
+        # While it blocks, the rank is in this transfer: the activity reporter reads registry.current,
+        # so a hang shows this rank waiting on its peer. The call's receive while it is open (gloo
+        # blocks a send's wait until the peer posts its receive: the rank waits for that peer's data).
+        waiting = batch.recv if batch.recv is not None and batch.recv.end is None else spans[0]
+        waiting.start = start
+        reg = registry
+        outer, reg.current = reg.current, waiting
+        try:
+            result = self._work.wait(*args, **kwargs)
+        finally:
+            reg.current = outer
         end = mark()
         self._spans = []
         try:

@@ -18,6 +18,8 @@ class ReportOptions:
     """USD per accelerator-hour, for the idle cost lines."""
     timeline_width_px: int = 1600
     """Width of timeline.png; its height follows from the number of stages."""
+    decisions_path: str | None = None
+    """The sidecar's decisions.jsonl (STATE_DIR/decisions.jsonl) when the run directory has none."""
 
 
 class StepNotSampled(ValueError):
@@ -57,7 +59,7 @@ def build_report(run_dir, step: int | None = None, out_dir=None, options: Report
     Raises loader.RunDirNotFound for a missing run directory and StepNotSampled for a
     `step` without spans."""
     options = options or ReportOptions()
-    run = load_run(run_dir)
+    run = load_run(run_dir, options.decisions_path)
     chosen, timeline_notes = _timeline_notes(run, step)  # raises before anything is written
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)

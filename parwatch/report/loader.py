@@ -230,15 +230,21 @@ def _ledgers(run_dir: Path, summaries: list) -> dict:
     return out
 
 
-def load_run(run_dir) -> RunData:
-    """Read summaries, spans and decisions of `run_dir`; raise RunDirNotFound if it is not a directory."""
+def load_run(run_dir, decisions_path=None) -> RunData:
+    """Read summaries, spans and decisions of `run_dir`; raise RunDirNotFound if it is not a directory.
+
+    decisions_path: the sidecar's decisions.jsonl (its --state-dir), when it is not in the run
+    directory; only this run's records are read from it."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirNotFound(f"run directory not found: {run_dir}")
     issues = {name: FileIssues() for name in (SUMMARIES, SPANS, DECISIONS)}
     summaries = read_jsonl(run_dir / SUMMARIES, _summary, issues[SUMMARIES])
     spans = read_jsonl(run_dir / SPANS, _span, issues[SPANS])
-    records = read_jsonl(run_dir / DECISIONS, _decision, issues[DECISIONS])
+    records = read_jsonl(Path(decisions_path) if decisions_path else run_dir / DECISIONS, _decision, issues[DECISIONS])
+    run_ids = {s.get("run_id") for s in summaries}
+    if decisions_path and run_ids:  # a sidecar's log holds every run it watched
+        records = [r for r in records if r.get("run_id") in run_ids or r.get("run_id") is None]
     return RunData(
         ledgers=_ledgers(run_dir, summaries),
         run_dir=run_dir,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from parwatch.bubble import closed_form, excess, stage_bubble
+from parwatch.bubble import closed_form, excess, has_closed_form, stage_bubble
 from parwatch.schema import COLLECTIVE_BUCKETS
 
 
@@ -194,9 +195,10 @@ class CostEstimate:
     excess_idle_gpu_hours: float
     """Idle beyond what the schedule's formula explains: the part better balance or p2p would recover."""
     bubble_now: float
-    """Theoretical bubble share at the run's m: (p-1)/(v*m+p-1)."""
-    bubble_doubled: float
-    """Theoretical bubble share at 2m microbatches."""
+    """Theoretical bubble share at the run's m: (p-1)/(v*m+p-1), or for a schedule without a closed form
+    (zero bubble, V shapes) the replay of its order at equal action times the collectors reported."""
+    bubble_doubled: float | None
+    """Theoretical bubble share at 2m microbatches; None without a closed form."""
     recoverable_gpu_hours: float
     """Schedule idle that 2m microbatches of half the size (same work, same compute) would remove."""
 
@@ -213,19 +215,31 @@ class CostEstimate:
         return self.recoverable_gpu_hours * self.price_per_gpu_hour
 
 
-def cost_estimate(summaries: list, pp: int, microbatches: int, chunks: int, price: float) -> CostEstimate:
+def cost_estimate(
+    summaries: list, pp: int, microbatches: int, chunks: int, price: float, schedule: str = "1f1b"
+) -> CostEstimate:
     """With compute C per rank and step fixed, schedule idle is C*f/(1-f) for bubble share f:
-    C*(p-1)/(v*m). Doubling m halves it; that difference is what the report calls recoverable."""
-    now = closed_form(pp, microbatches, chunks)
-    doubled = closed_form(pp, 2 * microbatches, chunks)
+    C*(p-1)/(v*m). Doubling m halves it; that difference is what the report calls recoverable (none is
+    claimed for a schedule without a closed form: its bubble at 2m is not known from this run)."""
+    if has_closed_form(schedule):
+        now: float = closed_form(pp, microbatches, chunks)
+        doubled: float | None = closed_form(pp, 2 * microbatches, chunks)
+    else:
+        theories = [t for s in summaries if _finite(t := s.get("bubble_theoretical_ratio"))]
+        now, doubled = (statistics.median(theories) if theories else 0.0), None
     idle = excess = recoverable = 0.0
     for s in summaries:
         i, c = s.get("idle_seconds"), s.get("compute_seconds")
-        if isinstance(i, float) and math.isfinite(i):
+        if _finite(i):
             idle += max(i, 0.0)
-        if isinstance(c, float) and math.isfinite(c):
-            sched_now, sched_doubled = c * now / (1 - now), c * doubled / (1 - doubled)
-            recoverable += sched_now - sched_doubled
-            if isinstance(i, float) and math.isfinite(i):
+        if _finite(c):
+            sched_now = c * now / (1 - now)
+            if doubled is not None:
+                recoverable += sched_now - c * doubled / (1 - doubled)
+            if _finite(i):
                 excess += max(i - sched_now, 0.0)
     return CostEstimate(price, idle / 3600, excess / 3600, now, doubled, recoverable / 3600)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)

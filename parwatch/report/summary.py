@@ -95,15 +95,23 @@ def build_sections(
             rows=rows,
             paragraphs=[
                 "Idle over idle + compute, summed over the stage's ranks and the steps after the first (it carries "
-                "warm-up): the figure the guardrail, the dashboard and the alerts use. Theoretical is (p-1)/(v*m+p-1); "
+                "warm-up): the figure the guardrail, the dashboard and the alerts use. Theoretical is the "
+                "schedule's formula (p-1)/(v*m+p-1), or, for zero-bubble and V schedules, the replay of its own "
+                "action order at equal action times; "
                 "the excess is what balance, p2p or the executor cost beyond the schedule."
             ],
         )
     )
 
     if run.summaries:
-        c = cost_estimate(run.summaries, cfg.pp, cfg.microbatches, cfg.chunks, price_per_gpu_hour)
+        c = cost_estimate(run.summaries, cfg.pp, cfg.microbatches, cfg.chunks, price_per_gpu_hour, cfg.schedule)
         p = f"${price_per_gpu_hour:.2f}/GPU-hour"
+        doubling = (
+            f"{_pct(c.bubble_doubled)} at m={2 * cfg.microbatches} (same work split into twice as many half-size "
+            "microbatches; compute unchanged)"
+            if c.bubble_doubled is not None
+            else f"{cfg.schedule} has no closed form: its bubble at m={2 * cfg.microbatches} is not claimed"
+        )
         out.append(
             Section(
                 "Idle accelerator time and cost",
@@ -113,15 +121,11 @@ def build_sections(
                     ["idle beyond the schedule's bubble", _hours(c.excess_idle_gpu_hours), _money(c.excess_cost)],
                     [
                         f"recoverable by doubling microbatches (m={cfg.microbatches} -> {2 * cfg.microbatches})",
-                        _hours(c.recoverable_gpu_hours),
-                        _money(c.recoverable_cost),
+                        _hours(c.recoverable_gpu_hours) if c.bubble_doubled is not None else "n/a",
+                        _money(c.recoverable_cost) if c.bubble_doubled is not None else "n/a",
                     ],
                 ],
-                paragraphs=[
-                    f"Schedule bubble share: {_pct(c.bubble_now)} at m={cfg.microbatches}, "
-                    f"{_pct(c.bubble_doubled)} at m={2 * cfg.microbatches} (same work split "
-                    "into twice as many half-size microbatches; compute unchanged)."
-                ],
+                paragraphs=[f"Schedule bubble share: {_pct(c.bubble_now)} at m={cfg.microbatches}, {doubling}."],
             )
         )
 
@@ -182,7 +186,12 @@ def build_sections(
                 "reason",
             ],
             rows=dec_rows,
-            paragraphs=[] if dec_rows else ["No decisions recorded."],
+            paragraphs=[]
+            if dec_rows
+            else [
+                "No decisions recorded. The sidecar writes them to its state directory: "
+                "parwatch report RUN_DIR --decisions STATE_DIR/decisions.jsonl reads them from there."
+            ],
         )
     )
 

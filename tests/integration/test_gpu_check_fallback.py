@@ -59,3 +59,27 @@ def test_the_deepspeed_section_runs_watched_and_unwatched_steps():
     assert result["steps_per_mode"] == 2
     assert 0 < result["compute_seconds"] <= result["step_seconds"]
     assert result["bubble_ratio"] < 0.5  # one stage: no pipeline bubble, only the step's own overhead
+
+
+MEGATRON = """
+import json, gpu_check
+result = gpu_check.megatron_check(False, pairs=4)
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_the_megatron_section_runs_watched_and_unwatched_steps():
+    proc = subprocess.run(
+        [sys.executable, "-c", MEGATRON],
+        cwd=os.path.join(ROOT, "benchmarks"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    assert result["clock"] == "PerfCounterClock"  # CudaClock on a GPU
+    assert result["summaries"] == 4 and result["unresolved_spans"] == 0 and result["errors"] == 0
+    assert result["steps_per_mode"] == 2
+    assert 0 < result["compute_seconds"] <= result["step_seconds"]

@@ -280,6 +280,19 @@ def test_jsonl_files_hold_every_summary_and_the_sampled_steps_spans(tmp_path):
     assert sum(r["kind"] == "backward" for r in per_step) == 4
 
 
+def test_a_straggling_step_keeps_its_spans_though_it_is_not_sampled(tmp_path):
+    run = started(spans_path=str(tmp_path / "spans.jsonl"), span_sample_steps=SpanSampling(first=2, every=0))
+    t = run_steps(run, 10, 0.1)
+    t = run_steps(run, 1, t, first_step=11, tf=0.030)  # 3x slower forwards: a straggling step
+    run_steps(run, 2, t, first_step=12)
+    for rank in run.ranks:
+        rank.collector.close(timeout=30)
+    records = [json.loads(line) for line in (tmp_path / "spans.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records} == {1, 2, 11}  # sampled 1-2; 11 kept for being slow
+    slow = [r for r in records if r["step"] == 11 and r["rank"] == 0 and r["kind"] == "forward"]
+    assert len(slow) == 4 and all(r["end_s"] - r["start_s"] == pytest.approx(0.030) for r in slow)
+
+
 def test_attach_installs_the_clock_on_the_trainers_registry_and_close_restores_it(hook_registry):
     from test_collector_sim import FakeClock, ctx_for
 

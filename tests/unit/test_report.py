@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from parwatch.report.build import StepNotSampled, build_report
+from parwatch.report.build import ReportOptions, StepNotSampled, build_report
 from parwatch.report.loader import load_run
 from parwatch.report.plots import loss_segments
 from parwatch.report.stats import bubble_table, collective_series, cost_estimate, quantile_from_buckets
@@ -293,3 +293,29 @@ def test_the_report_shows_where_each_ranks_time_went(tmp_path):
     text = written["markdown"].read_text()
     assert "## Where the time went (goodput ledger)" in text
     assert "time: goodput 60.0%, ETTR 80.0% of 10.0 rank-seconds" in text
+
+
+def test_decisions_come_from_the_sidecars_log_for_this_run_only(tmp_path):
+    info = make_run_dir(tmp_path / "run", pp=2, microbatches=4, steps=4, decision=False)
+    run_id = json.loads((info.path / "summaries.jsonl").read_text().splitlines()[0])["run_id"]
+    log = tmp_path / "state" / "decisions.jsonl"
+    log.parent.mkdir()
+    mine = {"type": "decision", "id": 1, "run_id": run_id, "step": 3, "rule": "stage-skew", "action": "alert"}
+    other = {**mine, "id": 2, "run_id": "another-run", "rule": "loss-spike"}
+    log.write_text(json.dumps(other) + "\n" + json.dumps(mine) + "\n")
+    assert "No decisions recorded" in build_report(info.path)["markdown"].read_text()
+    written = build_report(info.path, options=ReportOptions(decisions_path=str(log)))
+    text = written["markdown"].read_text()
+    assert "stage-skew" in text and "loss-spike" not in text
+
+
+def test_a_schedule_without_a_closed_form_is_costed_against_its_replayed_theory():
+    summaries = [
+        {"idle_seconds": 0.1, "compute_seconds": 0.9, "bubble_theoretical_ratio": 0.04},
+        {"idle_seconds": 0.1, "compute_seconds": 0.9, "bubble_theoretical_ratio": 0.04},
+    ]
+    c = cost_estimate(summaries, pp=2, microbatches=8, chunks=2, price=2.0, schedule="dualpipev")
+    assert c.bubble_now == 0.04 and c.bubble_doubled is None and c.recoverable_gpu_hours == 0.0
+    assert c.excess_idle_gpu_hours == pytest.approx(2 * (0.1 - 0.9 * 0.04 / 0.96) / 3600)
+    formula = cost_estimate(summaries, pp=2, microbatches=8, chunks=2, price=2.0, schedule="interleaved1f1b")
+    assert formula.bubble_now == pytest.approx(1 / 17) and formula.bubble_doubled == pytest.approx(1 / 33)

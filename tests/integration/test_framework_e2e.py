@@ -1,6 +1,7 @@
-"""A DeepSpeed pipeline under torchrun against a real `parwatch sidecar` (packaged default rules):
-a NaN loss is rolled back through DeepSpeed's own checkpoint and the run completes; a hung stage
-is named (rank, stage, what it is in) within the hang bound."""
+"""Megatron-Core and DeepSpeed pipelines under torchrun against a real `parwatch sidecar` (the
+packaged default rules), through their examples: a NaN loss is rolled back through the
+framework's checkpoint (DeepSpeed's engine.load_checkpoint; the Megatron example's loader) and
+the run completes; a hung stage is named (rank, stage, what it is in) within the hang bound."""
 
 from __future__ import annotations
 
@@ -23,22 +24,31 @@ from tests.integration.e2e_util import (
 )
 from tests.sidecar_process import running_sidecar
 
-pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-EXAMPLE = str(ROOT / "examples" / "deepspeed_pipe.py")
 BOUND_S = 10.0  # the default hang bound: max(3 x median step, 10 s); these steps are ~50 ms
+FRAMEWORKS = {  # name -> (the module it needs, its example, its layout flags)
+    "deepspeed": ("deepspeed", "deepspeed_pipe.py", ("--pp", "2")),
+    "megatron": ("megatron.core", "megatron_gpt.py", ("--tp", "1", "--pp", "2")),
+}
 
 
-def _start(run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
+@pytest.fixture(params=sorted(FRAMEWORKS))
+def framework(request):
+    module, example, layout = FRAMEWORKS[request.param]
+    pytest.importorskip(module, reason="pip install -e '.[test]' installs megatron-core and deepspeed")
+    return str(ROOT / "examples" / example), layout
+
+
+def _start(framework, run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
+    example, layout = framework
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         TORCHRUN,
         "--nproc-per-node",
         "2",
-        EXAMPLE,
-        "--pp",
-        "2",
+        example,
+        *layout,
         "--microbatches",
         "2",
         "--synthetic-ms",
@@ -55,10 +65,11 @@ def _start(run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_nan_is_rolled_back_through_deepspeeds_checkpoint(tmp_path):
+def test_nan_is_rolled_back_through_the_frameworks_checkpoint(framework, tmp_path):
     nan_step, steps = 5, 30
     with running_sidecar(tmp_path / "state") as sidecar:
         proc = _start(
+            framework,
             tmp_path / "run",
             sidecar,
             "--steps",
@@ -78,7 +89,7 @@ def test_nan_is_rolled_back_through_deepspeeds_checkpoint(tmp_path):
         assert code == 0, output[-4000:]
     [decision] = [d for d in decision_records(tmp_path / "state") if d["rule"] == "nonfinite-loss"]
     assert decision["action"] == "rollback" and decision["step"] == nan_step
-    assert decision["checkpoint"] == nan_step - 1  # the newest global_step<N> saved before the NaN
+    assert decision["checkpoint"] == nan_step - 1  # the newest checkpoint saved before the NaN
     [applied] = [a for a in applied_records(tmp_path / "state") if a["directive_id"] == decision["directive_id"]]
     assert applied["counts"] == {"applied": 2} and applied["loaded_step"] == nan_step - 1
     losses = {int(s): float(v) for s, v in json.loads((tmp_path / "losses.json").read_text()).items()}
@@ -87,10 +98,10 @@ def test_nan_is_rolled_back_through_deepspeeds_checkpoint(tmp_path):
 
 
 @pytest.mark.timing
-def test_a_hung_stage_is_named_within_the_bound(tmp_path):
+def test_a_hung_stage_is_named_within_the_bound(framework, tmp_path):
     hang_step = 6
     with running_sidecar(tmp_path / "state") as sidecar:
-        proc = _start(tmp_path / "run", sidecar, "--steps", "1000", "--hang-at", f"1:{hang_step}")
+        proc = _start(framework, tmp_path / "run", sidecar, "--steps", "1000", "--hang-at", f"1:{hang_step}")
         try:
             [record] = wait_until(
                 lambda: [d for d in decision_records(tmp_path / "state") if d["rule"] in ("hang", "rank-gone")],
