@@ -239,7 +239,3 @@ def cost_estimate(
             if _finite(i):
                 excess += max(i - sched_now, 0.0)
     return CostEstimate(price, idle / 3600, excess / 3600, now, doubled, recoverable / 3600)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, float) and math.isfinite(x)
