@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default="", help="per-rank checkpoints after every step (rollback)")
     ap.add_argument("--eval", action="store_true", help="after each step, a forward-only pass (unobserved)")
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
+    ap.add_argument("--send-delay-ms", default="", help="PP_RANK:MS: that stage stalls MS before each activation send")
     ap.add_argument("--nan-at-step", type=int, default=0, help="the loss is NaN at this step, once (a fault)")
     ap.add_argument("--hang-at", default="", help="PP_RANK:STEP: that stage blocks in its forward at that step")
     args = ap.parse_args(argv)
@@ -70,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--batch-p2p with --chunks > 1 needs --pp >= 3 (Megatron 0.16 swaps tensors at pp=2)")
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)
+    args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
     FAULTS["nan_step"] = args.nan_at_step
     return args
 
@@ -160,6 +162,21 @@ def add_synthetic_compute(chunk, fwd_s: float, bwd_s: float, hang_step: int | No
     chunk.register_forward_hook(post)
 
 
+def _delay_activation_sends(seconds: float) -> None:
+    """This stage stalls before each activation send (a slow link, as the tests inject it): a fault
+    injected into Megatron's P2PCommunicator class, in this process only."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    communicate = P2PCommunicator._communicate
+
+    def delayed(self, *args, **kwargs):
+        if kwargs.get("tensor_send_next") is not None:
+            time.sleep(seconds)
+        return communicate(self, *args, **kwargs)
+
+    P2PCommunicator._communicate = delayed
+
+
 def microbatches(args, step: int) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed * 7919 + step)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), diagonal=1)[None, None]
@@ -231,6 +248,8 @@ def train(args) -> dict:
     pp_rank = ps.get_pipeline_model_parallel_rank()
     factor = args.slow[1] if args.slow and args.slow[0] == pp_rank else 1.0
     hang_step = int(args.hang[1]) if args.hang and args.hang[0] == pp_rank else None
+    if args.send_delay and args.send_delay[0] == pp_rank:
+        _delay_activation_sends(args.send_delay[1] / 1000)
     for chunk in chunks:
         add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor, hang_step)
     optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=args.lr)

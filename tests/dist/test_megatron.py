@@ -113,6 +113,7 @@ def grid(tmp_path_factory):
         runs[f"{c}-fast-on"] = run_argv(c, "--eval", ms="0,0", steps=3)
         runs[f"{c}-fast-off"] = run_argv(c, "--eval", "--no-parwatch", ms="0,0", steps=3)
     runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
+    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
     runs["directives"] = run_argv("1f1b", "--checkpoint-dir", os.path.join(out, "ckpt"), ms="0,0", steps=6)
     losses = run_ranks(runs_body, P, runs, out, timeout=110)
     return out, losses
@@ -234,26 +235,39 @@ def test_summaries_report_the_loss_and_the_layout(grid):
 
 
 @pytest.mark.timing
-def test_a_slow_stage_shows_as_imbalance(grid):
+def _causes(run_dir: str) -> dict:
+    """Bubble causes from each rank's median F and B times and its median bubble over steps >= 2
+    (one action stalled by a loaded machine moves a mean or a minimum, not a median)."""
     from tests.dist.test_torch_pipelining import measured_bubble
 
-    out, _ = grid
-    run_dir = os.path.join(out, "slow-stage")
-    times: dict = {}
-    sums: dict = {}
+    samples: dict = {}
     with open(os.path.join(run_dir, "spans.jsonl")) as f:
         for line in f:
             span = json.loads(line)
             if span["kind"] in TYPES and span["step"] >= 2:
-                acc = sums.setdefault((span["rank"], TYPES[span["kind"]]), [0.0, 0])
-                acc[0] += span["end_s"] - span["start_s"]
-                acc[1] += 1
-    for (rank, kind), (total, n) in sums.items():
-        times.setdefault(rank, {})[kind] = total / n
-    causes = ps.bubble_causes(order_of("1f1b"), times, measured_bubble(run_dir))
+                samples.setdefault(span["rank"], {}).setdefault(TYPES[span["kind"]], []).append(
+                    span["end_s"] - span["start_s"])
+    times = {rank: {kind: statistics.median(v) for kind, v in kinds.items()} for rank, kinds in samples.items()}
+    return ps.bubble_causes(order_of("1f1b"), times, measured_bubble(run_dir, pick=statistics.median))
+
+
+@pytest.mark.timing
+def test_a_slow_stage_shows_as_imbalance(grid):
+    out, _ = grid
+    causes = _causes(os.path.join(out, "slow-stage"))
     # Rank 1 computes 1.5x longer: rank 0 waits for it, by the schedule's own dependencies.
     assert causes[0].imbalance > 0.08, causes
     assert causes[0].imbalance > 3 * abs(causes[0].wait), causes
+
+
+@pytest.mark.timing
+def test_a_delayed_send_shows_as_wait(grid):
+    out, _ = grid
+    causes, baseline = _causes(os.path.join(out, "send-delay")), _causes(os.path.join(out, "1f1b"))
+    # Rank 0 stalls 15 ms before each of its 4 activation sends: idle that no stage time explains.
+    for rank in range(P):
+        assert abs(causes[rank].imbalance) < 0.02, causes
+        assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
 
 
 def test_pause_resume_and_rollback_reach_every_rank(grid):
