@@ -142,15 +142,16 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
         held = after["time"] - after["step_seconds"] - rows[paused_at]["time"]
         ledger = run.ledger(rank)
         assert held >= HOLD_S and ledger["time_seconds"]["paused"] == pytest.approx(held, abs=0.2), (held, ledger)
-        # Over any window too: between two boundaries a second or more apart, the counters (less
-        # wasted, counted twice) grew by the wall time between them (the summaries' `time`), to 1%.
+        # Over any window too: between two boundaries 2 s or more apart, the counters (less wasted,
+        # counted twice) grew by the wall time between them (the summaries' `time`, read a few ms after
+        # each boundary: 20 ms of slack for a loaded machine) to 1%.
         rows = run.summaries(rank)
         for a in rows:
-            b = next((r for r in rows if r["time"] - a["time"] >= 1.0), None)
+            b = next((r for r in rows if r["time"] - a["time"] >= 2.0), None)
             if b is not None:
                 grown = sum(b["time_seconds"].values()) - sum(a["time_seconds"].values())
                 grown -= b["time_seconds"]["wasted"] - a["time_seconds"]["wasted"]
-                assert grown == pytest.approx(b["time"] - a["time"], rel=0.01), (a["step"], b["step"])
+                assert grown == pytest.approx(b["time"] - a["time"], rel=0.01, abs=0.02), (a["step"], b["step"])
         print(f"rank {rank}: held {held:.3f} s between the summaries, {ledger['time_seconds']['paused']:.3f} s paused")
     assert [(d["action"], d["source"]) for d in operator_decisions(state)] == [
         ("pause", "operator"),
