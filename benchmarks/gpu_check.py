@@ -78,21 +78,82 @@ def cuda_clock_check() -> dict:
     return {"cuda_event_seconds": events, "host_seconds": host}
 
 
+def _alternate(title: str, watch, collector, train_step, cuda: bool, pairs: int) -> dict:
+    """Steps alternately watched and not in one process, each pair's order flipped, the first two
+    pairs dropped as warm-up: the collector's view of its last step and the on/off ratios.
+    `train_step(on)` runs one training step (with its optimizer step: in a span when on); the
+    step boundary is the watch's. Closes the watch and the collector."""
+    import torch
+
+    from parwatch.collector import attach, detach
+
+    times: dict = {"on": [], "off": []}
+    step = 0
+    for pair in range(pairs):
+        for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+            on = mode == "on"
+            if on:
+                watch.attach()
+                attach(collector)
+                watch.start(step)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            train_step(on)
+            step = watch.step_done() if on else step + 1
+            if cuda:
+                torch.cuda.synchronize()
+            if pair >= 2:
+                times[mode].append(time.perf_counter() - t0)
+            if on:
+                watch.detach()
+                detach(collector)
+    summary = collector.last_summary or {}
+    result = {
+        "clock": type(collector.clock).__name__,
+        "unresolved_spans": collector.unresolved_spans,
+        "errors": collector.errors,
+        "summaries": collector.summaries,
+        "step_seconds": summary.get("step_seconds"),
+        "compute_seconds": summary.get("compute_seconds"),
+        "bubble_ratio": summary.get("bubble_ratio"),
+        "overhead_seconds": summary.get("overhead_seconds"),
+    }
+    watch.close()
+    collector.close()
+    off, on_s = statistics.median(times["off"]), statistics.median(times["on"])
+    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
+    result.update(
+        median_off_s=off, median_on_s=on_s, ratio=on_s / off, paired_ratio=paired, steps_per_mode=len(times["on"])
+    )
+    print(f"\n{title}")
+    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
+    return result
+
+
+def _one_rank(cuda: bool) -> None:
+    """A world of one on this device (NCCL refuses two ranks on one GPU)."""
+    import torch.distributed as dist
+
+    from tests.distutil import free_port
+
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
+    )
+
+
 def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
     """Section 5: PipelineWatch + Collector on one rank, alternating watched and unwatched steps."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-    from parwatch.collector import Collector, attach, detach
+    from parwatch.collector import Collector
     from parwatch.integrations.torch_pipelining import PipelineWatch
-    from tests.distutil import free_port
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)  # on an H200 ~1 ms a layer forward
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
-    )
+    _one_rank(cuda)
     try:
         torch.manual_seed(0)
         stages = [
@@ -108,55 +169,19 @@ def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
         watch.detach()
         collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
         x, y = torch.randn(8 * rows, hidden, device=device), torch.randn(8 * rows, hidden, device=device)
-        times = {"on": [], "off": []}
-        step = 0
-        for pair in range(pairs):
-            for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
-                if mode == "on":
-                    watch.attach()
-                    attach(collector)
-                    watch.start(step)
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                optimizer.zero_grad()
-                schedule.step(x, target=y)
-                if mode == "on":
-                    watch.optimizer_step(optimizer)
-                    step = watch.step_done()
-                else:
-                    optimizer.step()
-                    step += 1
-                if cuda:
-                    torch.cuda.synchronize()
-                if pair >= 2:  # warm-up pairs dropped
-                    times[mode].append(time.perf_counter() - t0)
-                if mode == "on":
-                    watch.detach()
-                    detach(collector)
-        summary = collector.last_summary or {}
-        result = {
-            "clock": type(collector.clock).__name__,
-            "unresolved_spans": collector.unresolved_spans,
-            "errors": collector.errors,
-            "summaries": collector.summaries,
-            "step_seconds": summary.get("step_seconds"),
-            "compute_seconds": summary.get("compute_seconds"),
-            "bubble_ratio": summary.get("bubble_ratio"),
-            "overhead_seconds": summary.get("overhead_seconds"),
-        }
-        watch.close()
-        collector.close()
+
+        def train_step(on: bool) -> None:
+            optimizer.zero_grad()
+            schedule.step(x, target=y)
+            if on:
+                watch.optimizer_step(optimizer)
+            else:
+                optimizer.step()
+
+        title = f"torch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {device}"
+        return _alternate(title, watch, collector, train_step, cuda, pairs)
     finally:
         dist.destroy_process_group()
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
-    result.update(
-        median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
-    )
-    print(f"\ntorch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {device}")
-    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
-    return result
 
 
 def deepspeed_check(cuda: bool, pairs: int = 20) -> dict:
@@ -166,73 +191,34 @@ def deepspeed_check(cuda: bool, pairs: int = 20) -> dict:
     import torch
     from deepspeed.pipe import PipelineModule
 
-    from parwatch.collector import Collector, attach, detach
+    from parwatch.collector import Collector
     from parwatch.integrations import deepspeed as pw
     from tests.distutil import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
-    hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)
-    torch.manual_seed(0)
-    module = PipelineModule(
-        layers=[torch.nn.Linear(hidden, hidden) for _ in range(layers)],
-        num_stages=1,
-        loss_fn=lambda out, y: ((out - y) ** 2).mean(),
-        partition_method="uniform",
-    )
-    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 8, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(
-        model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-4), config=config
-    )
-    device = engine.device
-    batch = (torch.randn(rows, hidden, device=device), torch.randn(rows, hidden, device=device))
-    data = iter(lambda: batch, None)
-    watch = pw.watch(engine, run_id="gpu-check-deepspeed")
-    watch.detach()
-    collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
-    times: dict = {"on": [], "off": []}
-    step = 0
     try:
-        for pair in range(pairs):
-            for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
-                if mode == "on":
-                    watch.attach()
-                    attach(collector)
-                    watch.start(step)
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                engine.train_batch(data)
-                step = watch.step_done() if mode == "on" else step + 1
-                if cuda:
-                    torch.cuda.synchronize()
-                if pair >= 2:
-                    times[mode].append(time.perf_counter() - t0)
-                if mode == "on":
-                    watch.detach()
-                    detach(collector)
-        summary = collector.last_summary or {}
-        result = {
-            "clock": type(collector.clock).__name__,
-            "unresolved_spans": collector.unresolved_spans,
-            "errors": collector.errors,
-            "summaries": collector.summaries,
-            "step_seconds": summary.get("step_seconds"),
-            "compute_seconds": summary.get("compute_seconds"),
-            "bubble_ratio": summary.get("bubble_ratio"),
-        }
-        watch.close()
-        collector.close()
+        hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)
+        torch.manual_seed(0)
+        module = PipelineModule(
+            layers=[torch.nn.Linear(hidden, hidden) for _ in range(layers)],
+            num_stages=1,
+            loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+            partition_method="uniform",
+        )
+        config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 8, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(
+            model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-4), config=config
+        )
+        batch = (torch.randn(rows, hidden, device=engine.device), torch.randn(rows, hidden, device=engine.device))
+        data = iter(lambda: batch, None)
+        watch = pw.watch(engine, run_id="gpu-check-deepspeed")
+        watch.detach()
+        collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
+        title = f"DeepSpeed integration, one rank, one stage, m=8 on {engine.device}"
+        return _alternate(title, watch, collector, lambda on: engine.train_batch(data), cuda, pairs)
     finally:
         torch.distributed.destroy_process_group()
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
-    result.update(
-        median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
-    )
-    print(f"\nDeepSpeed integration, one rank, one stage, m=8 on {device}")
-    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
-    return result
 
 
 def megatron_check(cuda: bool, pairs: int = 20) -> dict:
@@ -245,9 +231,8 @@ def megatron_check(cuda: bool, pairs: int = 20) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from parwatch.collector import Collector, attach, detach
+    from parwatch.collector import Collector
     from parwatch.integrations import megatron as pw_megatron
-    from tests.distutil import free_port
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "megatron_gpt.py")
     spec = importlib.util.spec_from_file_location("megatron_gpt_example", path)
@@ -259,9 +244,7 @@ def megatron_check(cuda: bool, pairs: int = 20) -> dict:
         megatron_cpu.install()
     sizes = ["--hidden", "1024", "--seq", "512", "--vocab", "8192"] if cuda else ["--hidden", "64", "--seq", "16"]
     args = example.parse_args(["--tp", "1", "--pp", "1", "--microbatches", "8", "--synthetic-ms", "0,0", *sizes])
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
-    )
+    _one_rank(cuda)
     try:
         if cuda:
             torch.cuda.set_device(0)
@@ -274,62 +257,27 @@ def megatron_check(cuda: bool, pairs: int = 20) -> dict:
         watch = pw_megatron.watch([model], config, run_id="gpu-check-megatron", microbatches=args.microbatches)
         watch.detach()
         collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
-        times: dict = {"on": [], "off": []}
-        step = 0
-        for pair in range(pairs):
-            for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
-                if mode == "on":
-                    watch.attach()
-                    attach(collector)
-                    watch.start(step)
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                optimizer.zero_grad()
-                get_forward_backward_func()(
-                    forward_step_func=example.forward_step_func,
-                    data_iterator=iter(data),
-                    model=model,
-                    num_microbatches=args.microbatches,
-                    seq_length=args.seq,
-                    micro_batch_size=args.microbatch_size,
-                )
-                if mode == "on":
-                    watch.optimizer_step(optimizer)
-                    step = watch.step_done()
-                else:
-                    optimizer.step()
-                    step += 1
-                if cuda:
-                    torch.cuda.synchronize()
-                if pair >= 2:
-                    times[mode].append(time.perf_counter() - t0)
-                if mode == "on":
-                    watch.detach()
-                    detach(collector)
-        summary = collector.last_summary or {}
-        result = {
-            "clock": type(collector.clock).__name__,
-            "unresolved_spans": collector.unresolved_spans,
-            "errors": collector.errors,
-            "summaries": collector.summaries,
-            "step_seconds": summary.get("step_seconds"),
-            "compute_seconds": summary.get("compute_seconds"),
-            "bubble_ratio": summary.get("bubble_ratio"),
-        }
-        watch.close()
-        collector.close()
+
+        def train_step(on: bool) -> None:
+            optimizer.zero_grad()
+            get_forward_backward_func()(  # fetched after attach/detach: the watched one or Megatron's own
+                forward_step_func=example.forward_step_func,
+                data_iterator=iter(data),
+                model=model,
+                num_microbatches=args.microbatches,
+                seq_length=args.seq,
+                micro_batch_size=args.microbatch_size,
+            )
+            if on:
+                watch.optimizer_step(optimizer)
+            else:
+                optimizer.step()
+
+        title = f"Megatron-Core integration, one rank, GPTModel (local spec), m=8 on {device}"
+        return _alternate(title, watch, collector, train_step, cuda, pairs)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    paired = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
-    result.update(
-        median_off_s=off, median_on_s=on, ratio=on / off, paired_ratio=paired, steps_per_mode=len(times["on"])
-    )
-    print(f"\nMegatron-Core integration, one rank, GPTModel (local spec), m=8 on {device}")
-    print_table(["measure", "value"], [[k, v] for k, v in result.items()])
-    return result
 
 
 def clean_exit_check(args: list[str], runs: int = 10) -> dict:

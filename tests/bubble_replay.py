@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Mapping
 
 from parwatch import pipeline_sim as ps
@@ -121,3 +122,24 @@ def _covered(intervals, lo: float, hi: float) -> float:
             total += b - a
             reach = b
     return total
+
+
+def median_causes(run_dir: str, order) -> dict:
+    """`pipeline_sim.bubble_causes` of a run: each rank's median time per action type and its median
+    bubble over steps >= 2 (one action stalled by a loaded machine moves a mean or a minimum, not a
+    median). Shared by the framework integrations' tests."""
+    samples: dict = {}
+    with open(os.path.join(run_dir, "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            kind = _SPAN_TYPES.get(span["kind"])
+            if kind is not None and span["step"] >= 2:
+                samples.setdefault(span["rank"], {}).setdefault(kind, []).append(span["end_s"] - span["start_s"])
+    times = {rank: {kind: statistics.median(v) for kind, v in kinds.items()} for rank, kinds in samples.items()}
+    bubbles: dict = {}
+    with open(os.path.join(run_dir, "summaries.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["step"] >= 2:
+                bubbles.setdefault(row["rank"], []).append(row["bubble_ratio"])
+    return ps.bubble_causes(order, times, {rank: statistics.median(v) for rank, v in bubbles.items()})

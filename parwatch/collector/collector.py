@@ -359,7 +359,7 @@ class Collector(Observer):
             return
         stats = self._stats
         result = breakdown(step_seconds, stats.compute_seconds, stats.other_seconds)
-        self.ledger.step(info.step, self._host_seconds(end), stats, step_seconds, result.idle_seconds)
+        self.ledger.step(info.step, self._host_seconds(end), stats, result.idle_seconds)
         summary = self._summary(info, result, stats, slots)
         summary["time_seconds"] = self.ledger.snapshot()
         if self._model_flops and self.peak_flops and step_seconds > 0:

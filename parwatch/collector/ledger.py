@@ -75,8 +75,9 @@ class Ledger:
         self.untracked_steps = 0
 
     # --- the collector's calls -------------------------------------------------------------
-    def step(self, step: int, end_s: float, stats, step_seconds: float, idle_seconds: float) -> None:
-        """A step period ended at `end_s` (monotonic): split it by its spans (a StepStats)."""
+    def step(self, step: int, end_s: float, stats, idle_seconds: float) -> None:
+        """A step period ended at `end_s` (monotonic): split it by its spans (a StepStats) and its idle
+        (the step period on the collector's clock less compute and other)."""
         period = max(0.0, end_s - self._mark)
         productive = max(0.0, stats.compute_seconds - stats.comm_in_compute_seconds)
         parts = {TimeCategory.PRODUCTIVE: productive, TimeCategory.EXPOSED_COMM: stats.comm_seconds}

@@ -147,6 +147,7 @@ class DeepSpeedWatch(StepLoop):
         self._patches = Patches()
         self._counts: dict[str, int] = {}
         self._training = False
+        self._clip: list = []  # clipping's start and end marks inside this step's OptimizerStep
         self.attached = False
         self.attach()
 
@@ -201,7 +202,6 @@ class DeepSpeedWatch(StepLoop):
         self._patches.set(engine, "eval_batch", self._marking(engine.eval_batch, training=False))
         self._patches.set(engine, "save_checkpoint", self._saving(engine.save_checkpoint))
         self._patches.set(engine, "clip_fp32_gradients", self._clipping(engine.clip_fp32_gradients))
-        self._clip: list = []
 
     def _timed(self, fn, kind: SpanKind, attrs: dict, counter: str, payload=None):
         """An instruction in a span of `kind`, numbered by microbatch (per instruction type and step);

@@ -24,8 +24,8 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import theoretical
-from tests.bubble_replay import replayed_steps
-from tests.dist.test_torch_pipelining import Director, action_seconds, measured_bubble
+from tests.bubble_replay import median_causes, replayed_steps
+from tests.dist.test_torch_pipelining import Director, action_seconds
 from tests.distutil import ROOT, run_ranks
 
 pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
@@ -150,17 +150,7 @@ def test_losses_are_bitwise_unchanged(grid):
 
 
 def _causes(run_dir: str) -> dict:
-    """Bubble causes from each rank's median F and B times and its median bubble over steps >= 2
-    (one action stalled by a loaded machine moves a mean or a minimum, not a median)."""
-    samples: dict = {}
-    with open(os.path.join(run_dir, "spans.jsonl")) as f:
-        for line in f:
-            span = json.loads(line)
-            kind = {"forward": "F", "backward": "B"}.get(span["kind"])
-            if kind is not None and span["step"] >= 2:
-                samples.setdefault(span["rank"], {}).setdefault(kind, []).append(span["end_s"] - span["start_s"])
-    times = {rank: {kind: statistics.median(v) for kind, v in kinds.items()} for rank, kinds in samples.items()}
-    return ps.bubble_causes(order(), times, measured_bubble(run_dir, pick=statistics.median))
+    return median_causes(run_dir, order())
 
 
 @pytest.mark.timing

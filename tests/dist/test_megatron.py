@@ -31,7 +31,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import closed_form
-from tests.bubble_replay import replayed_steps
+from tests.bubble_replay import median_causes, replayed_steps
 from tests.distutil import ROOT, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
@@ -236,19 +236,7 @@ def test_summaries_report_the_loss_and_the_layout(grid):
 
 @pytest.mark.timing
 def _causes(run_dir: str) -> dict:
-    """Bubble causes from each rank's median F and B times and its median bubble over steps >= 2
-    (one action stalled by a loaded machine moves a mean or a minimum, not a median)."""
-    from tests.dist.test_torch_pipelining import measured_bubble
-
-    samples: dict = {}
-    with open(os.path.join(run_dir, "spans.jsonl")) as f:
-        for line in f:
-            span = json.loads(line)
-            if span["kind"] in TYPES and span["step"] >= 2:
-                samples.setdefault(span["rank"], {}).setdefault(TYPES[span["kind"]], []).append(
-                    span["end_s"] - span["start_s"])
-    times = {rank: {kind: statistics.median(v) for kind, v in kinds.items()} for rank, kinds in samples.items()}
-    return ps.bubble_causes(order_of("1f1b"), times, measured_bubble(run_dir, pick=statistics.median))
+    return median_causes(run_dir, order_of("1f1b"))
 
 
 @pytest.mark.timing

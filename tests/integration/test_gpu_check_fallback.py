@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's torch pipelining section in its CPU fallback (gloo, host clock), so the
+"""benchmarks/gpu_check.py's integration sections in their CPU fallback (gloo, host clock), so the
 script a GPU session runs in its few minutes does not rot between sessions without one."""
 
 from __future__ import annotations
@@ -10,16 +10,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PROGRAM = """
-import json, gpu_check
-result = gpu_check.pipelining_check(False, pairs=4)
-print("RESULT " + json.dumps(result))
-"""
 
-
-def test_the_pipelining_section_runs_watched_and_unwatched_steps_and_resolves_every_span():
+def run_section(name: str) -> dict:
+    """gpu_check.<name>(False, pairs=4) in a fresh process (each section owns its process group); its result."""
+    program = f"import json, gpu_check\nprint('RESULT ' + json.dumps(gpu_check.{name}(False, pairs=4)))\n"
     proc = subprocess.run(
-        [sys.executable, "-c", PROGRAM],
+        [sys.executable, "-c", program],
         cwd=os.path.join(ROOT, "benchmarks"),
         capture_output=True,
         text=True,
@@ -32,54 +28,19 @@ def test_the_pipelining_section_runs_watched_and_unwatched_steps_and_resolves_ev
     assert result["summaries"] == 4 and result["unresolved_spans"] == 0 and result["errors"] == 0
     assert result["steps_per_mode"] == 2  # 4 pairs, the first 2 dropped
     assert 0 < result["compute_seconds"] <= result["step_seconds"]
+    return result
+
+
+def test_the_pipelining_section_runs_watched_and_unwatched_steps_and_resolves_every_span():
+    result = run_section("pipelining_check")
     assert 0 <= result["bubble_ratio"] < 1
     assert result["ratio"] > 0 and result["median_off_s"] > 0
 
 
-DEEPSPEED = """
-import json, gpu_check
-result = gpu_check.deepspeed_check(False, pairs=4)
-print("RESULT " + json.dumps(result))
-"""
-
-
 def test_the_deepspeed_section_runs_watched_and_unwatched_steps():
-    proc = subprocess.run(
-        [sys.executable, "-c", DEEPSPEED],
-        cwd=os.path.join(ROOT, "benchmarks"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
-    assert result["clock"] == "PerfCounterClock"  # CudaClock on a GPU
-    assert result["summaries"] == 4 and result["unresolved_spans"] == 0 and result["errors"] == 0
-    assert result["steps_per_mode"] == 2
-    assert 0 < result["compute_seconds"] <= result["step_seconds"]
+    result = run_section("deepspeed_check")
     assert result["bubble_ratio"] < 0.5  # one stage: no pipeline bubble, only the step's own overhead
 
 
-MEGATRON = """
-import json, gpu_check
-result = gpu_check.megatron_check(False, pairs=4)
-print("RESULT " + json.dumps(result))
-"""
-
-
 def test_the_megatron_section_runs_watched_and_unwatched_steps():
-    proc = subprocess.run(
-        [sys.executable, "-c", MEGATRON],
-        cwd=os.path.join(ROOT, "benchmarks"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
-    assert result["clock"] == "PerfCounterClock"  # CudaClock on a GPU
-    assert result["summaries"] == 4 and result["unresolved_spans"] == 0 and result["errors"] == 0
-    assert result["steps_per_mode"] == 2
-    assert 0 < result["compute_seconds"] <= result["step_seconds"]
+    run_section("megatron_check")

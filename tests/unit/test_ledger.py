@@ -29,7 +29,7 @@ def stats(compute=0.0, optimizer=0.0, data=0.0, comm=0.0, comm_in_compute=0.0) -
 
 def run_step(ledger: Ledger, step: int, start: float, seconds: float, st: StepStats) -> float:
     idle = max(0.0, seconds - st.compute_seconds - st.other_seconds)
-    ledger.step(step, start + seconds, st, seconds, idle)
+    ledger.step(step, start + seconds, st, idle)
     return start + seconds
 
 
@@ -88,7 +88,7 @@ def test_a_pause_is_paused_time_until_the_resume():
 
 def test_a_device_clock_period_longer_than_the_host_one_is_scaled_into_it():
     ledger = Ledger(0.0)
-    ledger.step(1, 1.0, stats(compute=0.8, optimizer=0.4), 1.2, 0.0)  # spans 1.2 s in a 1.0 s period
+    ledger.step(1, 1.0, stats(compute=0.8, optimizer=0.4), 0.0)  # spans 1.2 s in a 1.0 s period
     assert ledger.total() == pytest.approx(1.0)
     assert ledger.seconds[C.PRODUCTIVE] == pytest.approx(0.8 / 1.2)
 
