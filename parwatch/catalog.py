@@ -262,8 +262,9 @@ METRICS: tuple[Metric, ...] = (
         "parwatch_time_seconds_total",
         "counter",
         ("rank", "stage", "category"),
-        "Where this rank's wall time went since its process started, one category per second (the goodput "
-        "ledger, docs/goodput.md); the categories sum to the process's wall time",
+        "Where this rank's wall time went since its first process of the run started, one category per second "
+        "(the goodput ledger, docs/goodput.md); the categories but wasted sum to that wall time, restarts' down "
+        "time included",
         "seconds",
     ),
     Metric(

@@ -9,11 +9,81 @@ outside OUTSIDE_TRAINING (docs/goodput.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from parwatch.vocabulary import OUTSIDE_TRAINING, TimeCategory
 
-_WASTED, _PRODUCTIVE = TimeCategory.WASTED.value, TimeCategory.PRODUCTIVE.value
+_WASTED, _PRODUCTIVE, _DOWN = TimeCategory.WASTED.value, TimeCategory.PRODUCTIVE.value, TimeCategory.DOWN.value
+
+
+SAME_PROCESS_SECONDS = 1.0
+"""Process start times closer than this name one process (a collector attached again computes its start anew)."""
+
+
+def same_process(started: float, other: float) -> bool:
+    """Whether two start times reported for a rank name the same process (0.0: not reported)."""
+    return not started or not other or abs(started - other) < SAME_PROCESS_SECONDS
+
+
+def wall_of(counters: Mapping[str, float]) -> float:
+    """The wall time a rank's counters cover: the categories less wasted (counted in productive too)."""
+    return sum(float(v) for c, v in counters.items() if c != _WASTED)
+
+
+def restarted(
+    carried: Mapping[str, float],
+    ended: Process,
+    restarted_at: float,
+    resumed_step: int,
+) -> dict[str, float]:
+    """A rank's counters over its earlier processes after one more restart: `carried` (the processes
+    before it) plus the one that ended, plus down: from that process's last counted second to the new
+    one's start (`restarted_at`, unix seconds). What the old process ran after its last report (the
+    step a crash cut short) is down too: nothing of it counts. The new process resumed after
+    `resumed_step` (the checkpoint it loaded; 0 without one): the productive time of the ended
+    process's later steps was discarded, and is wasted."""
+    out = added(carried, ended.counters)
+    out[_DOWN] = out.get(_DOWN, 0.0) + max(0.0, restarted_at - (ended.started + wall_of(ended.counters)))
+    out[_WASTED] = out.get(_WASTED, 0.0) + ended.discarded_after(resumed_step)
+    return out
+
+
+@dataclass
+class Process:
+    """One process of a rank: its start (unix seconds), its newest counters and its productive seconds
+    at the steps it reported, oldest first (cumulative; a rollback's replays come later in the list)."""
+
+    started: float
+    counters: Mapping[str, float]
+    productive: Sequence[tuple[int, float]] = ()
+
+    def discarded_after(self, step: int) -> float:
+        """The productive seconds of this process's steps after `step` on its last timeline (all of them
+        when `step` precedes every step it reported, or is older than those it kept)."""
+        if not self.productive:
+            return 0.0
+        last = self.productive[-1][1]
+        kept = next((p for s, p in reversed(self.productive) if s <= step), 0.0)
+        return max(0.0, last - kept)
+
+
+def across_restarts(processes: Sequence[Process]) -> dict[str, float]:
+    """One rank's counters over all its processes of a run."""
+    ordered = sorted(processes, key=lambda p: p.started)
+    carried: dict[str, float] = {}
+    for ended, new in zip(ordered, ordered[1:]):
+        first = new.productive[0][0] if new.productive else 1
+        carried = restarted(carried, ended, new.started, first - 1)
+    return added(carried, ordered[-1].counters) if ordered else carried
+
+
+def added(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    """Two sets of counters summed per category."""
+    out = dict(a)
+    for category, seconds in b.items():
+        out[category] = out.get(category, 0.0) + float(seconds)
+    return out
 
 
 def totals(counters: Iterable[Mapping[str, float]]) -> dict | None:

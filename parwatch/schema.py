@@ -46,6 +46,7 @@ StepSummary (a dict; JSON object), one per rank and step:
     time_seconds              {category: float}, this rank's goodput ledger since its process started
                               (cumulative seconds per parwatch.vocabulary.TimeCategory; they sum to the
                               process's wall time at this boundary; parwatch/collector/ledger.py)
+    process_start_time        float, unix seconds this rank's process started (a later one: the rank restarted)
     dropped_total             int, summaries this rank's shipper dropped so far
     checkpoints               list[int], steps with a complete checkpoint (rank 0; [] elsewhere)
     paused                    bool

@@ -287,6 +287,8 @@ class Event(StrEnum):
     """step."""
     ROLLBACK = "rollback"
     """from_step, to_step, skip_batches: a new timeline begins."""
+    RESTORED = "restored"
+    """step: a restarted run loaded this checkpoint before its first step (its resume boundary follows)."""
     RUN_END = "run_end"
     """steps_completed, summary (dict; observers may add to it)."""
 

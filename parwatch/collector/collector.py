@@ -150,6 +150,8 @@ class Collector(Observer):
         self._stats = StepStats()
         self.ledger = Ledger(process_start_monotonic() or time.monotonic(), theory=ctx.bubble_theoretical_ratio)
         """Where every second of this rank's wall time went (the goodput ledger)."""
+        self.process_start_time = time_fn() - (time.monotonic() - self.ledger.started_s)
+        """This process's start, unix seconds: the sidecar tells a restart of the rank by it."""
         self._ledger_path = os.path.join(os.path.dirname(log_path), f"ledger-rank{ctx.rank}.json") if log_path else None
         self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds, duration_of=self.clock.seconds)
         """Per-instance collective/p2p records and data seconds for the sidecar's wait/transfer split."""
@@ -299,6 +301,8 @@ class Collector(Observer):
             self._previous = None
             self.timeline += 1
             self.ledger.rollback(int(attrs["to_step"]), time.monotonic())
+        elif name == Event.RESTORED:
+            self.ledger.loaded(time.monotonic())
 
     # --- internals ----------------------------------------------------------------------------
     def _prepare(self, summary: dict) -> None:
@@ -324,7 +328,7 @@ class Collector(Observer):
             "run_id": self.ctx.run_id,
             "rank": self.ctx.rank,
             "stage": self.ctx.stage,
-            "process_start_time": ended - (time.monotonic() - self.ledger.started_s),
+            "process_start_time": self.process_start_time,
             "end_time": ended,
             **self.ledger.report(),
         }
@@ -362,6 +366,7 @@ class Collector(Observer):
         self.ledger.step(info.step, self._host_seconds(end), stats, result.idle_seconds)
         summary = self._summary(info, result, stats, slots)
         summary["time_seconds"] = self.ledger.snapshot()
+        summary["process_start_time"] = self.process_start_time
         if self._model_flops and self.peak_flops and step_seconds > 0:
             summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
         summary["instances"] = self.instances.take()

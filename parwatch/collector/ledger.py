@@ -109,12 +109,16 @@ class Ledger:
         self._close_gap(now_s)
         self._gap = TimeCategory.PAUSED
 
-    def rollback(self, to_step: int, now_s: float) -> None:
-        """A rollback to `to_step` was loaded (the trainer reports it once the load is done): the
-        productive time of the later steps becomes wasted, and the time since the last boundary (the
-        load) is checkpoint load, until the resume boundary."""
+    def loaded(self, now_s: float) -> None:
+        """A checkpoint was loaded (the trainer reports it once the load is done): the time since the
+        last boundary is checkpoint load, until the resume boundary."""
         self._gap = TimeCategory.CHECKPOINT_LOAD
         self._close_gap(now_s)
+
+    def rollback(self, to_step: int, now_s: float) -> None:
+        """A rollback to `to_step` was loaded: the productive time of the later steps becomes wasted,
+        and the load is checkpoint load."""
+        self.loaded(now_s)
         kept, index = self._cumulative, to_step - self._first_step  # kept[index]: through to_step
         wasted = 0.0
         if kept and index < 0:  # further back than what is kept: move what is kept

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from parwatch import ledger_view
 from parwatch.schema import decode_float
-from parwatch.vocabulary import OUTCOME_TYPES, RecordType
+from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
 
 SUMMARIES = "summaries.jsonl"
 SPANS = "spans.jsonl"
@@ -215,19 +215,29 @@ def _config(summaries: list, spans: list) -> RunConfig:
 
 
 def _ledgers(run_dir: Path, summaries: list) -> dict:
-    out: dict[int, dict] = {}
-    for s in summaries:  # the newest per rank (a later timeline's step counts as newer)
-        if isinstance(s.get("time_seconds"), dict):
-            out[s["rank"]] = s["time_seconds"]
+    """rank -> its ledger counters over the run: each of its processes' (a restart under the same run id
+    appends to the same files) joined by ledger_view.across_restarts, the gaps between them as down."""
+    newest: dict[tuple[int, float], dict] = {}  # (rank, process start) -> its newest counters
+    productive: dict[tuple[int, float], list] = {}  # ... -> [(step, productive seconds so far)]
+    for s in summaries:  # in the order written: a process's newest summary comes last
+        ledger, started = s.get("time_seconds"), s.get("process_start_time")
+        if isinstance(ledger, dict):
+            key = (s["rank"], float(started) if isinstance(started, (int, float)) else 0.0)
+            newest[key] = ledger
+            productive.setdefault(key, []).append((s["step"], float(ledger.get(TimeCategory.PRODUCTIVE.value, 0.0))))
     for path in sorted(run_dir.glob("ledger-rank*.json")):
-        try:
+        try:  # the ledger a process wrote at exit: complete to its last second
             record = json.loads(path.read_text())
-            out[int(record["rank"])] = ledger_view.as_counters(
-                {k: float(v) for k, v in record["time_seconds"].items() if isinstance(v, (int, float))}
-            )
+            rank, started = int(record["rank"]), float(record.get("process_start_time") or 0.0)
+            counters = {k: float(v) for k, v in record["time_seconds"].items() if isinstance(v, (int, float))}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # a ledger file cut short: the summaries' view stands
-    return out
+        same = [k for k in newest if k[0] == rank and ledger_view.same_process(k[1], started)]
+        newest[same[0] if same else (rank, started)] = ledger_view.as_counters(counters)
+    by_rank: dict[int, list[ledger_view.Process]] = {}
+    for (rank, started), counters in newest.items():
+        by_rank.setdefault(rank, []).append(ledger_view.Process(started, counters, productive.get((rank, started), ())))
+    return {rank: ledger_view.across_restarts(processes) for rank, processes in by_rank.items()}
 
 
 def load_run(run_dir, decisions_path=None) -> RunData:

@@ -25,6 +25,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from parwatch import __version__, records
@@ -125,6 +126,12 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
         return JSONResponse({"detail": _reason(exc.errors())}, status_code=422)
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request, exc):
+        # A rank that died mid-post (a crash, a kill): nothing of the body was stored, and no one reads an answer.
+        log.info("%s %s: the client went away before its body arrived", request.method, request.url.path)
+        return Response(status_code=400)
 
     ingest_body = {
         "required": True,

@@ -156,8 +156,8 @@ class SidecarCollector(Collector):
         spent = _c("parwatch_time_seconds", ["rank", "stage", "category"])
         for rec in records:
             s = rec.summary
-            for category, seconds in sorted((s.time_seconds or {}).items()):
-                spent.add_metric([str(s.rank), str(s.stage), category.value], seconds)
+            for category, seconds in sorted((rec.time_seconds() or {}).items()):
+                spent.add_metric([str(s.rank), str(s.stage), category], seconds)
         yield spent
         # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
         # ranks share its period, and one copy per rank was 16 of a rank's 32 series.

@@ -316,6 +316,9 @@ class StepSummary(_Model):
     ) = None
     time_seconds: dict[vocabulary.TimeCategory, LedgerSeconds] | None = Field(default=None, max_length=32)
     """The rank's goodput ledger since its process started (cumulative; parwatch.collector.ledger)."""
+    process_start_time: Timestamp | None = None
+    """When this rank's process started (unix seconds): a later one is a restart of the rank (its
+    ledger starts again, and the time between is down)."""
 
     @property
     def world_size(self) -> int:

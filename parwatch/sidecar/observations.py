@@ -35,14 +35,7 @@ def build_observation(store: Store) -> Observation | None:
         slowest = max(view.stages, key=lambda st: st.compute_seconds).stage if view.stages else None
         series["pipeline_skew_ratio"] = {"" if slowest is None else f"stage={slowest}": view.pipeline_skew_ratio}
     series.update(_per_rank_series(store))
-    store.ledger_window.add(
-        store.clock(),
-        {
-            rank: {c.value: v for c, v in rec.summary.time_seconds.items()}
-            for rank, rec in store.ranks.items()
-            if rec.summary.time_seconds
-        },
-    )
+    store.ledger_window.add(store.clock(), store.ledgers())
     ratios = store.ledger_window.ratios()
     if ratios is not None:
         series["goodput_ratio"] = {"": ratios["goodput_ratio"]}

@@ -247,11 +247,7 @@ class Sidecar:
                 "pending_directive": self.engine.pending_directive(),
                 "directives": self.engine.directive_states(),
                 "last_decisions": self.engine.decisions(decisions),
-                "time": ledger_view.totals(
-                    {c.value: v for c, v in rec.summary.time_seconds.items()}
-                    for rec in self.store.ranks.values()
-                    if rec.summary.time_seconds
-                ),
+                "time": ledger_view.totals(self.store.ledgers().values()),
             }
         )
 

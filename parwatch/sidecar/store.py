@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from parwatch import goodput
+from parwatch import goodput, ledger_view
 from parwatch.schema import (
     COLLECTIVE_BUCKETS,
     MAX_ROLLBACKS_PER_SECOND,
@@ -42,6 +42,7 @@ from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.ledger_window import LedgerWindow
 from parwatch.sidecar.models import GlobalView, StepSummary
 from parwatch.sidecar.pace import Pace
+from parwatch.vocabulary import TimeCategory
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class RankTotals(NamedTuple):
     compute_total: float = 0.0
     idle_total: float = 0.0
 
+
+PRODUCTIVE_KEPT = 1024
+"""Steps whose productive seconds a rank's record keeps: a restart that resumes from further back moves all of
+the ended process's productive time to wasted."""
 
 MAX_KEYS_PER_RANK = 128
 """Counted (timeline, step) keys remembered per rank; a summary older than all of them is taken
@@ -125,6 +130,19 @@ class RankRecord:
     tokens_from: tuple[int, int] = (0, 0)
     """Count this rank's tokens from this (timeline, step) on (a lower rank taking over mid-run)."""
     counted: Counted = field(default_factory=Counted)
+    started: float | None = None
+    """When this rank's current process started (unix seconds; None: its collector does not say)."""
+    productive: deque = field(default_factory=lambda: deque(maxlen=PRODUCTIVE_KEPT))
+    """(step, productive seconds so far) of the current process's summaries, oldest first."""
+    carried: dict[str, float] = field(default_factory=dict)
+    """The ledger of this rank's earlier processes of the run, their down time and discarded steps included."""
+
+    def time_seconds(self) -> dict[str, float] | None:
+        """This rank's ledger counters over the run: its earlier processes' and the current one's."""
+        current = self.summary.time_seconds
+        if current is None and not self.carried:
+            return None
+        return ledger_view.added(self.carried, {c.value: v for c, v in (current or {}).items()})
 
 
 _NO_COLLECTIVES = CollectiveTotals()
@@ -281,18 +299,28 @@ class Store:
         rec = self.ranks.get(s.rank)
         if rec is None:
             rec = self.ranks[s.rank] = RankRecord(
-                summary=_kept(s), seen=now, window=deque(maxlen=self.window), counted=Counted()
+                summary=_kept(s),
+                seen=now,
+                window=deque(maxlen=self.window),
+                counted=Counted(),
+                started=s.process_start_time,
             )
             if self._token_rank is None or s.rank < self._token_rank:
                 # A lower rank takes over counting tokens after the last step already counted.
                 rec.tokens_from = (self._token_key[0], self._token_key[1] + 1)
                 self._token_rank = s.rank
+        elif (process := _process_order(rec, s)) < 0:
+            return False  # a late post of a process this rank has restarted since
+        elif process > 0:
+            self._restart(rec, s)
         elif key in rec.counted:
             rec.seen = now
             return False
         elif key > rec.summary.key:
             rec.summary = _kept(s)
         rec.counted.add(key)
+        if s.time_seconds is not None:
+            rec.productive.append((s.step, s.time_seconds.get(TimeCategory.PRODUCTIVE, 0.0)))
         rec.seen = now
         self._steps.note(s.run_id, s.step)
         self._timelines.note(s.run_id, s.timeline)
@@ -301,6 +329,29 @@ class Store:
         rec.window.append((s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio))
         self._accumulate(rec, s)
         return True
+
+    def _restart(self, rec: RankRecord, s: StepSummary) -> None:
+        """Rank s.rank's process restarted (a crash, then torchrun or the operator started it again): its
+        ledger so far and the time it was down are carried; its steps count again from where it resumed."""
+        old = rec.summary
+        assert rec.started is not None and s.process_start_time is not None  # _process_order said so
+        if old.time_seconds is not None:
+            ended = ledger_view.Process(rec.started, {c.value: v for c, v in old.time_seconds.items()}, rec.productive)
+            rec.carried = ledger_view.restarted(rec.carried, ended, s.process_start_time, s.step - 1)
+        log.warning(
+            "rank %d restarted: its process started %.1f s after the last one, which reported step %d; it resumes at step %d",
+            s.rank,
+            s.process_start_time - rec.started,
+            old.step,
+            s.step,
+        )
+        rec.started = s.process_start_time
+        rec.productive = deque(maxlen=PRODUCTIVE_KEPT)
+        rec.counted = Counted()
+        rec.summary = _kept(s)
+        self.ended = False
+        if s.rank == 0:  # its views and checkpoint lists start again: the newest is what it sends now
+            self.global_key = self._checkpoints_key = (-1, -1)
 
     def _accumulate(self, rec: RankRecord, s: StepSummary) -> None:
         t = rec.totals
@@ -372,6 +423,15 @@ class Store:
         newest = max((rec.summary.key for rec in list(self.ranks.values())), default=None)
         return None if newest is None else newest[1]  # the newest timeline's step, after a rollback too
 
+    def ledgers(self) -> dict[int, dict[str, float]]:
+        """rank -> its goodput ledger counters over the run (RankRecord.time_seconds), for ranks that send one."""
+        out = {}
+        for rank, rec in list(self.ranks.items()):
+            ledger = rec.time_seconds()
+            if ledger is not None:
+                out[rank] = ledger
+        return out
+
     def run_summary(self) -> StepSummary | None:
         """The lowest rank's latest summary: the source of run metadata."""
         rec = self.ranks.get(self._token_rank) if self._token_rank is not None else None
@@ -395,6 +455,15 @@ def _admit_instances(s: StepSummary, where: str) -> None:
                 f"{where}.instances.groups.{group}: {len(members)} members up to "
                 f"{max(members, default=0)}, outside this run's world of {world} ranks",
             )
+
+
+def _process_order(rec: RankRecord, s: StepSummary) -> int:
+    """1 when `s` comes from a later process of its rank than `rec` holds (a restart), -1 from an earlier
+    one, 0 from the same (or when a collector does not say)."""
+    new, current = s.process_start_time, rec.started
+    if new is None or current is None or ledger_view.same_process(new, current):
+        return 0
+    return 1 if new > current else -1
 
 
 def _kept(s: StepSummary) -> StepSummary:

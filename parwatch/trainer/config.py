@@ -55,6 +55,9 @@ class TrainConfig:
     """Where checkpoints go; empty means none."""
     checkpoint_every: int = 0
     """Save every N steps; 0 means never."""
+    resume: bool = False
+    """At start, load this run's newest checkpoint in --checkpoint-dir that every rank verifies (a restart
+    after a crash, e.g. under torchrun --max-restarts, with the same --run-id); none: start at step 0."""
     keep_checkpoints: int = 3
     """Complete checkpoints to keep; 0 keeps all."""
     inject: list = field(default_factory=list)
@@ -106,6 +109,8 @@ class TrainConfig:
             raise ConfigError(
                 f"--microbatches={self.microbatches} must be at least 1; a pipeline needs work to fill it"
             )
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume loads a checkpoint: give --checkpoint-dir (where the run saved them)")
         if self.heads % self.tp:
             ok = [t for t in range(1, self.heads + 1) if self.heads % t == 0]
             raise ConfigError(

@@ -289,20 +289,20 @@ class Trainer:
         except (CheckpointError, KeyError, AttributeError):
             return self.run_id
 
-    def _rollback(self, directive) -> None:
-        """Load the asked checkpoint, or, when it fails verification on any rank, the newest older one
-        that passes on every rank: all ranks decide together (one agreement per candidate)."""
-        from_step, asked = self.step, directive.to_step
-        limit = from_step if asked is None else asked
-        candidates = sorted((s for s in self._usable_checkpoints() if s <= limit), reverse=True)
-        loaded = None
+    def _load_agreed(self, limit: int | None) -> tuple[int | None, list[int]]:
+        """Load this run's newest checkpoint up to `limit` (any, for None) that passes verification on every
+        rank (one agreement per candidate): (the step loaded or None, the candidates tried)."""
+        candidates = sorted(
+            (s for s in self._usable_checkpoints() if limit is None or s <= limit),
+            reverse=True,
+        )
         for candidate in candidates:
             problem = ckpt.verify_checkpoint(self.cfg.checkpoint_dir, candidate, self.rank, self.world)
             if problem:
                 log.error("rank %d: checkpoint %d fails verification: %s", self.rank, candidate, problem)
             if self.steps_boundary.agree(problem is None):
-                loaded = candidate
-                break
+                self.load_checkpoint(candidate)
+                return candidate, candidates
             self.bad_checkpoints.add(candidate)
             self.registry.emit_event(
                 Event.CHECKPOINT_CORRUPT,
@@ -311,6 +311,29 @@ class Trainer:
                 error=problem or "",
                 checkpoints=self._usable_checkpoints(),
             )
+        return None, candidates
+
+    def _restore(self) -> None:
+        """--resume: continue from this run's newest checkpoint (a restart after a crash)."""
+        loaded, candidates = self._load_agreed(None)
+        if loaded is None:
+            log.warning(
+                "rank %d: --resume found no %s checkpoint of run %s in %s; starting at step 0",
+                self.rank,
+                "intact" if candidates else "complete",
+                self.run_id,
+                self.cfg.checkpoint_dir,
+            )
+            return
+        log.warning("rank %d: resumed run %s from its checkpoint at step %d", self.rank, self.run_id, loaded)
+        self.registry.emit_event(Event.RESTORED, step=loaded)
+        self.boundary(BoundaryKind.RESUME)
+
+    def _rollback(self, directive) -> None:
+        """Load the asked checkpoint, or, when it fails verification on any rank, the newest older one
+        that passes on every rank: all ranks decide together (one agreement per candidate)."""
+        from_step, asked = self.step, directive.to_step
+        loaded, candidates = self._load_agreed(from_step if asked is None else asked)
         if loaded is None:
             reason = FailReason.CHECKPOINT_CORRUPT if candidates else FailReason.NO_CHECKPOINT
             log.error(
@@ -321,7 +344,6 @@ class Trainer:
             )
             self._report(directive, Outcome.FAILED, reason=reason)
             return
-        self.load_checkpoint(loaded)
         self.data_offset += directive.skip_batches
         for s in [s for s in self.losses if s > loaded]:
             del self.losses[s]
@@ -352,6 +374,8 @@ class Trainer:
             pipeline_order=pipeline_order(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks),
         )
         self.boundary(BoundaryKind.START)
+        if cfg.resume:
+            self._restore()
         self._last_boundary_t = time.perf_counter()
         while self.step < cfg.steps:
             loss = self.train_step()

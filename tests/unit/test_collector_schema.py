@@ -128,6 +128,7 @@ FIELD_CHECKS = {
             "bubble_ratio",
             "bubble_theoretical_ratio",
             "overhead_seconds",
+            "process_start_time",
         )
     },
     "loss": is_loss,

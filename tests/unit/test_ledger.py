@@ -112,3 +112,23 @@ def test_totals_over_ranks_goodput_ettr_and_the_bubble_shares():
         pytest.approx(0.2),
     )
     assert shares_of({"bubble_ratio": 0.2}) is None
+
+
+def test_a_restart_carries_the_ended_process_and_counts_the_gap_as_down():
+    """Process 1 ran 10 s (from t=100) and reported steps 1-4; process 2 started at t=113 and resumed from
+    checkpoint 2: 3 s down, steps 3-4's productive time wasted, and the counters cover 100..(113 + 5)."""
+    ended = ledger_view.Process(100.0, {"startup": 2.0, "productive": 8.0}, [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)])
+    carried = ledger_view.restarted({}, ended, restarted_at=113.0, resumed_step=2)
+    assert carried == {"startup": 2.0, "productive": 8.0, "down": 3.0, "wasted": 4.0}
+    new = ledger_view.Process(113.0, {"startup": 1.0, "productive": 4.0}, [(3, 2.0), (4, 4.0)])
+    total = ledger_view.across_restarts([new, ended])  # any order: by start time
+    assert total == {"startup": 3.0, "productive": 12.0, "down": 3.0, "wasted": 4.0}
+    assert ledger_view.wall_of(total) == pytest.approx(118.0 - 100.0)
+    # Resumed before every step it kept (a restart from scratch, or from further back): all of it.
+    assert ended.discarded_after(0) == 8.0 and ended.discarded_after(4) == 0.0
+    # After a rollback inside the process, its last timeline's steps decide: step 3 replayed at 7.0 s.
+    replayed = ledger_view.Process(0.0, {}, [(1, 2.0), (2, 4.0), (3, 6.0), (3, 7.0), (4, 9.0)])
+    assert replayed.discarded_after(3) == 2.0
+    # A restart that overlaps the ended process's counted time (clocks apart) adds no negative down.
+    assert ledger_view.restarted({}, ended, restarted_at=105.0, resumed_step=4)["down"] == 0.0
+    assert ledger_view.same_process(100.0, 100.4) and not ledger_view.same_process(100.0, 113.0)

@@ -295,6 +295,31 @@ def test_the_report_shows_where_each_ranks_time_went(tmp_path):
     assert "time: goodput 60.0%, ETTR 80.0% of 10.0 rank-seconds" in text
 
 
+def test_the_report_joins_a_ranks_processes_across_a_restart(tmp_path):
+    """A crash after step 3 and a restart that resumed from checkpoint 2, both appending to one run dir:
+    the gap between them is down, step 3's productive time wasted."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def row(step, started, startup, productive):
+        return {
+            "rank": 0,
+            "stage": 0,
+            "step": step,
+            "process_start_time": started,
+            "time_seconds": {"startup": startup, "productive": productive},
+        }
+
+    rows = [row(1, 100.0, 2.0, 1.0), row(2, 100.0, 2.0, 2.0), row(3, 100.0, 2.0, 3.0)]  # to t=105
+    rows += [row(3, 110.0, 1.5, 1.0)]  # started at t=110
+    (run_dir / "summaries.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The new process wrote its ledger at exit: a net partition, later than its summaries.
+    exit_ledger = {"process_start_time": 110.0, "rank": 0, "time_seconds": {"startup": 1.5, "productive": 2.0}}
+    (run_dir / "ledger-rank0.json").write_text(json.dumps(exit_ledger))
+    ledger = load_run(run_dir).ledgers[0]
+    assert ledger == {"startup": 3.5, "productive": 5.0, "down": 5.0, "wasted": 1.0}
+
+
 def test_decisions_come_from_the_sidecars_log_for_this_run_only(tmp_path):
     info = make_run_dir(tmp_path / "run", pp=2, microbatches=4, steps=4, decision=False)
     run_id = json.loads((info.path / "summaries.jsonl").read_text().splitlines()[0])["run_id"]

@@ -174,3 +174,39 @@ def test_no_observation_before_rank_0_sends_the_global_view():
     assert build_observation(store) is None
     store.add(S(0, 1))
     assert build_observation(store) is None
+
+
+def P(rank, step, started, productive, **kw) -> StepSummary:
+    """A summary of the process of `rank` that started at `started`, with its ledger so far."""
+    ledger = {"startup": 1.0, "productive": productive, "unattributed": 0.0}
+    return StepSummary.model_validate(
+        {**syn.summary(rank, step, **kw), "process_start_time": started, "time_seconds": ledger}
+    )
+
+
+def test_a_restarted_rank_counts_again_from_where_it_resumed_and_its_ledger_carries_the_down_time():
+    store = Store(clock=Clock())
+    for step in range(1, 6):
+        assert store.add(P(1, step, 1000.0, productive=float(step)))
+    store.ended = True  # its ranks crashed (the activity hub said)
+    # The restart resumed from checkpoint 3: its step 4 is not a retry, and is the newest again.
+    assert store.add(P(1, 4, 1020.0, productive=1.0))
+    assert store.ranks[1].summary.step == 4 and not store.ended
+    ledger = store.ledgers()[1]
+    # The ended process counted 1 + 5 s from t=1000; the new one started at t=1020: 14 s down.
+    assert ledger["down"] == pytest.approx(14.0) and ledger["wasted"] == pytest.approx(2.0)
+    assert ledger["productive"] == pytest.approx(6.0) and ledger["startup"] == pytest.approx(2.0)
+    # A late post of the ended process changes nothing; a collector attached again in the new one
+    # (its start computed anew, a few microseconds off) is the same process.
+    assert not store.add(P(1, 5, 1000.0, productive=5.0))
+    assert store.add(P(1, 5, 1020.0004, productive=2.0))
+    assert store.ledgers()[1]["productive"] == pytest.approx(7.0)
+
+
+def test_a_restarted_rank_0_brings_its_global_view_back_to_the_engine():
+    store = Store(clock=Clock())
+    stages = [syn.stage_view(0, 0.5, 0.4), syn.stage_view(1, 0.5, 0.4)]
+    store.add(P(0, 9, 1000.0, 1.0, global_stages=stages))
+    assert store.global_view.step == 8
+    store.add(P(0, 7, 1030.0, 1.0, global_stages=stages))
+    assert store.global_view.step == 6 and build_observation(store).step == 6

@@ -99,6 +99,7 @@ def test_defaults_validate():
         (dict(optimizer="lion"), None, "--optimizer='lion'; choose adamw or sgd"),
         (dict(dtype="bfloat16"), None, "--dtype='bfloat16'; choose float32 or float64"),
         (dict(checkpoint_every=5), None, "--checkpoint-every needs --checkpoint-dir DIR"),
+        (dict(resume=True), None, "--resume loads a checkpoint: give --checkpoint-dir"),
         (dict(parwatch="maybe"), None, "--parwatch='maybe'; choose on, off or auto"),
         (
             dict(parwatch="off", parwatch_endpoint="http://127.0.0.1:9401"),
