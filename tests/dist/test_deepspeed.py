@@ -118,6 +118,7 @@ def grid(tmp_path_factory):
         "send-delay": run_argv("--send-delay-ms", "0:15"),
         "directives": run_argv("--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6),
         **{name: run_argv(*DPV, m=m, ms=ms) for name, (m, ms) in DPV_RUNS.items()},
+        "dpv-slow-stage": run_argv(*DPV, "--slow-stage", "1:1.5"),
         "dpv-fast-on": run_argv(*DPV, ms="1,2", steps=3),
         "dpv-fast-off": run_argv(*DPV, "--no-parwatch", ms="1,2", steps=3),
     }
@@ -287,6 +288,16 @@ def test_dualpipev_clipping_is_the_drain(grid):
         gaps.setdefault(rank, []).append(second_start - first_end)
     for rank in range(P):
         assert statistics.median(gaps[rank]) == pytest.approx(drain[rank], abs=0.015), (rank, gaps[rank], drain)
+
+
+@pytest.mark.timing
+def test_dualpipev_a_slow_rank_shows_as_imbalance(grid):
+    out, _ = grid
+    causes = median_causes(os.path.join(out, "dpv-slow-stage"), dpv_order(M))
+    # Both of rank 1's stages compute 1.5x longer: rank 0 waits for them, by the V's dependencies.
+    assert causes[0].imbalance > 0.15 and causes[0].imbalance > 3 * abs(causes[0].wait), causes
+    assert causes[1].imbalance < 0, causes  # the slow rank idles less than the schedule says
+    assert causes[0].schedule == pytest.approx(replayed_theory(ps.Replay(dpv_order(M))), abs=0.01)
 
 
 def test_dualpipev_spans_cover_every_instruction(grid):
