@@ -370,11 +370,16 @@ class DeepSpeedWatch(StepLoop):
         def instruction(engine, **kwargs):
             if not (self._training and registry.active):
                 return fn(engine, **kwargs)
-            before = len(engine._p2p_ops)
+            before = len(getattr(engine, "_p2p_ops", ()))
             result = fn(engine, **kwargs)
-            ops = engine._p2p_ops[before:]
-            if ops:
-                attrs = {**attrs_of(kwargs), "peer": int(ops[0].peer), "bytes": _size([op.tensor for op in ops])}
+            ops = getattr(engine, "_p2p_ops", ())[before:]
+            if ops:  # a P2POp: op, tensor, peer (a global rank)
+                peer = getattr(ops[0], "peer", None)
+                attrs = {
+                    **attrs_of(kwargs),
+                    "peer": None if peer is None else int(peer),
+                    "bytes": _size([getattr(op, "tensor", None) for op in ops]),
+                }
                 self._queued.append((kind, attrs))
             return result
 
