@@ -50,7 +50,7 @@ def _example():
 
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     """Every rank: each named run of the example in turn; returns {name: losses}. The run named
-    "directives" also gets a Director (tests/dist/test_torch_pipelining.py) on the registry."""
+    "directives" (and "dpv-directives") also gets a Director (tests/dist/test_torch_pipelining.py) on the registry."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import logging
 
@@ -66,7 +66,7 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
         log_dir = os.path.join(out_dir, name)
         args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
                                                                 ["--parwatch-log", log_dir]))
-        director = Director(rank, name) if name == "directives" else None
+        director = Director(rank, name) if name.endswith("directives") else None
         if director:
             registry.register(director)
         result = example.train(args)
@@ -120,6 +120,7 @@ def grid(tmp_path_factory):
         **{name: run_argv(*DPV, m=m, ms=ms) for name, (m, ms) in DPV_RUNS.items()},
         "dpv-slow-stage": run_argv(*DPV, "--slow-stage", "1:1.5"),
         "dpv-fast-on": run_argv(*DPV, ms="1,2", steps=3),
+        "dpv-directives": run_argv(*DPV, "--checkpoint-dir", os.path.join(out, "dpv-ckpt"), ms="1,2", steps=6),
         "dpv-fast-off": run_argv(*DPV, "--no-parwatch", ms="1,2", steps=3),
     }
     return out, run_ranks(runs_body, P, runs, out, timeout=280)
@@ -202,9 +203,10 @@ def test_a_delayed_send_shows_as_wait(grid):
         assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
 
 
-def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid):
+@pytest.mark.parametrize("name", ["directives", "dpv-directives"])
+def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid, name):
     _, results = grid
-    ranks = [r["directives"] for r in results]
+    ranks = [r[name] for r in results]
     seen = ranks[0]["seen"]
     assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
     assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
@@ -212,8 +214,11 @@ def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid):
         assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
             ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
         assert r["applied"][2]["step"] == 2  # engine.load_checkpoint(tag="global_step2")
-    # After the rollback steps 3.. trained again from the restored state on the same batches.
+    # After the rollback steps 3.. trained again from the restored state on the same batches:
+    # bitwise the losses of the same run without directives.
     assert sorted(map(int, ranks[P - 1]["losses"])) == [1, 2, 3, 4, 5, 6]
+    plain = results[P - 1]["fast-on" if name == "directives" else "dpv-fast-on"]
+    assert {s: v for s, v in ranks[P - 1]["losses"].items() if int(s) <= 3} == plain
 
 
 # ------------------------------------------------------------------------------------- DualPipeV
