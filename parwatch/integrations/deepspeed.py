@@ -34,8 +34,8 @@ DeepSpeed's DualPipeV engine (`deepspeed.pipe.DualPipeVModule`, run by `DualPipe
   microbatch read from the buffer (`phase * m + microbatch`); rank 0's phase-1 forward holds the loss;
 - Send*/Recv* only queue p2p ops there; `CommitP2P` launches the queued batch and waits for all of
   it. Each queued transfer becomes a send / recv span (peer, bytes, microbatch) over that commit:
-  the time the rank waited for it. The first recv is the open span while the commit blocks (so a
-  hang names the peer); the others are emitted with the same marks.
+  the time the rank waited for it. The first recv (else send) is the open span while the commit
+  blocks (what a hang finding sees); the others are emitted with the same marks.
 
 `engine.eval_batch` runs unwatched (eval steps are not training steps). `engine.save_checkpoint`
 gets a checkpoint span and tells the collector the step is a rollback target.
@@ -387,8 +387,8 @@ class DeepSpeedWatch(StepLoop):
 
     def _commit(self, fn):
         """CommitP2P: launches the queued batch and waits for all of it, so every transfer in it gets
-        the commit's span. The first recv (else send) is open while it blocks (the peer a hang waits
-        on); the rest are emitted with its marks."""
+        the commit's span. The first recv (else send) is open while it blocks (what a hang finding
+        sees); the rest are emitted with its marks."""
 
         def instruction(engine, **kwargs):
             queued = self._queued
