@@ -7,6 +7,9 @@ Each stage is a small linear layer that also sleeps, per microbatch, F ms in its
 in its backward, so bubbles are checkable on CPU (DeepSpeed picks its CPU accelerator and gloo
 by itself). Summaries land in --parwatch-log in the usual format; rank 0's carry the whole
 pipeline's view. The parwatch lines are marked `# parwatch`; the rest is plain DeepSpeed.
+
+--schedule dualpipev builds a DualPipeVModule instead (2p layers, rank r holding layers r and
+2p-1-r; DeepSpeed then runs its DualPipeVEngine, which needs --microbatches >= 2p).
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages (the world size must be a multiple)")
     ap.add_argument("--microbatches", type=int, default=4, help="m, microbatches per step")
+    ap.add_argument(
+        "--schedule",
+        choices=("1f1b", "dualpipev"),
+        default="1f1b",
+        help="1f1b: PipelineModule (TrainSchedule); dualpipev: DualPipeVModule, two stages per rank",
+    )
     ap.add_argument("--synthetic-ms", default="40,80", help="F,B: ms each stage sleeps per microbatch")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=16)
@@ -73,13 +82,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-parwatch", action="store_true", help="run the same training without parwatch")
     ap.add_argument("--losses-out", default="", help="the last stage's first rank writes its losses (JSON)")
     ap.add_argument("--checkpoint-dir", default="", help="engine.save_checkpoint after every step (rollback)")
-    ap.add_argument("--slow-stage", default="", help="STAGE:FACTOR: that stage's compute takes FACTOR times longer")
+    ap.add_argument(
+        "--slow-stage", default="", help="STAGE:FACTOR: that stage's (rank's) compute takes FACTOR times longer"
+    )
     ap.add_argument("--send-delay-ms", default="", help="STAGE:MS: that stage stalls MS before each activation send")
     ap.add_argument("--nan-at-step", type=int, default=0, help="the last stage's loss is NaN at this step, once")
     ap.add_argument("--hang-at", default="", help="STAGE:STEP: that stage blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.pp, args.microbatches, args.steps) < 1:
         ap.error("--pp, --microbatches and --steps must be >= 1")
+    if args.schedule == "dualpipev" and args.microbatches < 2 * args.pp:
+        ap.error(f"--schedule dualpipev needs --microbatches >= 2 * --pp ({2 * args.pp})")
     try:
         args.fwd_ms, args.bwd_ms = (float(x) for x in args.synthetic_ms.split(","))
     except ValueError:
@@ -125,20 +138,25 @@ class Batches:
 
 def build(args):
     import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
 
-    def stage_seconds(stage: int) -> tuple[float, float]:
-        factor = args.slow[1] if args.slow and args.slow[0] == stage else 1.0
+    dualpipev = args.schedule == "dualpipev"
+    n_layers = 2 * args.pp if dualpipev else args.pp  # one layer per (virtual) stage
+
+    def stage_seconds(layer: int) -> tuple[float, float]:
+        rank = min(layer, n_layers - 1 - layer) if dualpipev else layer  # DualPipeV: a V over the ranks
+        factor = args.slow[1] if args.slow and args.slow[0] == rank else 1.0
         return args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor
 
-    layers = [LayerSpec(SyntheticStage, args.hidden, *stage_seconds(s), args.seed * 1000 + s) for s in range(args.pp)]
+    layers = [LayerSpec(SyntheticStage, args.hidden, *stage_seconds(s), args.seed * 1000 + s) for s in range(n_layers)]
     nan = {"step": args.nan_at_step}
 
     def loss_fn(output, target):
         loss = F.mse_loss(output, target)
         return loss * float("nan") if nan["step"] == nan.get("now") else loss
 
-    module = PipelineModule(layers=layers, num_stages=args.pp, loss_fn=loss_fn, partition_method="uniform")
+    module_cls = DualPipeVModule if dualpipev else PipelineModule
+    module = module_cls(layers=layers, num_stages=args.pp, loss_fn=loss_fn, partition_method="uniform")
     config = {
         "train_micro_batch_size_per_gpu": args.microbatch_size,
         "gradient_accumulation_steps": args.microbatches,
@@ -194,7 +212,7 @@ def main(argv=None) -> int:
 
 def train(args) -> dict:
     """One run on this rank (the process group is up). Returns {"losses": {step: loss} of the
-    surviving timeline, "applied": the directives handled}."""
+    surviving timeline, "applied": the directives handled, "engine": the DeepSpeed engine}."""
     torch.manual_seed(args.seed)
     engine, nan = build(args)
     batches = Batches(args)
@@ -233,11 +251,12 @@ def train(args) -> dict:
     if watch:
         watch.close()  # parwatch
         collector.close()  # parwatch
+    # the loss stage's first rank (DualPipeVEngine answers is_last_stage() so on rank 0 between phases)
     first_of_last = engine.is_last_stage() and engine.grid.get_data_parallel_id() == 0
     if args.losses_out and first_of_last:
         with open(args.losses_out, "w") as f:
             json.dump({str(s): repr(v) for s, v in sorted(losses.items())}, f)
-    return {"losses": losses, "applied": watch.applied if watch else []}
+    return {"losses": losses, "applied": watch.applied if watch else [], "engine": engine}
 
 
 def _token(args):

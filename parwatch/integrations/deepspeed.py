@@ -26,12 +26,25 @@ engines are untouched; `detach` removes it) with timed versions:
   0's last backward. That part is left untimed: idle, i.e. bubble, as the schedule implies.
 - ReduceTiedGrads and the loss broadcast after the schedule: untimed (idle).
 
+DeepSpeed's DualPipeV engine (`deepspeed.pipe.DualPipeVModule`, run by `DualPipeVEngine` with
+`DualPipeVSchedule`) is watched through the same map. Rank r holds stage r (phase 0) and stage
+2p-1-r (phase 1); its instructions carry the phase:
+
+- ForwardPass / BackwardPass -> forward / backward spans, chunk = phase, vstage = r or 2p-1-r,
+  microbatch read from the buffer (`phase * m + microbatch`); rank 0's phase-1 forward holds the loss;
+- Send*/Recv* only queue p2p ops there; `CommitP2P` launches the queued batch and waits for all of
+  it. Each queued transfer becomes a send / recv span (peer, bytes, microbatch) over that commit:
+  the time the rank waited for it. The first recv (else send) is the open span while the commit
+  blocks (what a hang finding sees); the others are emitted with the same marks.
+
 `engine.eval_batch` runs unwatched (eval steps are not training steps). `engine.save_checkpoint`
 gets a checkpoint span and tells the collector the step is a rollback target.
 
 The theory is the replay of DeepSpeed's own TrainSchedule (its instruction stream for every
 stage, read from deepspeed.runtime.pipe.schedule) by parwatch.pipeline_sim, with measured times;
-TrainSchedule is 1F1B, so its closed form is (p-1)/(m+p-1).
+TrainSchedule is 1F1B, so its closed form is (p-1)/(m+p-1). For DualPipeV the replay is of
+DualPipeVSchedule's stream (`dualpipev_schedule_order`), the computes up to each commit kept as
+one block (see there).
 
 Directives arrive through the step boundary: pause holds the run; rollback loads through
 `load_checkpoint(step) -> loaded step`, or, given `checkpoint_dir`, through the engine's own
@@ -53,6 +66,8 @@ from parwatch.vocabulary import CollectiveOp, ScheduleName
 
 SCHEDULE = ScheduleName.ONE_F_ONE_B
 """DeepSpeed's TrainSchedule is 1F1B (PipeDream-flush)."""
+DUALPIPEV = ScheduleName.DUALPIPEV
+"""A DualPipeVEngine's DualPipeVSchedule: two stages per rank, in a V."""
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -103,6 +118,54 @@ def train_schedule_order(pp: int, microbatches: int) -> dict[int, list[pipeline_
     return order
 
 
+def dualpipev_schedule_order(pp: int, microbatches: int) -> dict[int, list]:
+    """`{stage: [Action or Overlap, ...]}`: the forwards and backwards DeepSpeed's DualPipeVSchedule
+    runs on every rank, in its order (read from the schedule class itself), on virtual stages r
+    (phase 0) and 2p-1-r (phase 1).
+
+    A compute's send is only queued; it leaves at the next CommitP2P, which may come after a later
+    compute (rank 0 at p=2 runs its third phase-0 forward, commits, runs its first phase-1 forward,
+    and only then queues both sends). The computes up to each commit that sends are kept as one
+    `pipeline_sim.Overlap`, whose results the replay hands on when the block ends."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    computes = {ds.ForwardPass: pipeline_sim.F, ds.BackwardPass: pipeline_sim.B}
+    sent = {ds.SendActivation: pipeline_sim.F, ds.SendGrad: pipeline_sim.B}  # the compute whose result it sends
+    order: dict[int, list] = {}
+    for stage in range(pp):
+        actions: list[pipeline_sim.Action] = []
+        index: dict[tuple[str, int], int] = {}  # (F or B, buffer) -> its place in `actions`
+        cuts: list[int] = []  # after these computes a commit sends
+        queued: list[int] = []
+        sched = ds.DualPipeVSchedule(micro_batches=microbatches, stages=pp, stage_id=stage)
+        for cmds in sched.steps():
+            for cmd in cmds:
+                kind = computes.get(type(cmd))
+                if kind is not None:
+                    index[kind, cmd.buffer_id] = len(actions)
+                    vstage = _vstage(stage, pp, cmd.phase)
+                    actions.append(pipeline_sim.Action(vstage, kind, cmd.buffer_id - cmd.phase * microbatches))
+                elif type(cmd) in sent:
+                    queued.append(index[sent[type(cmd)], cmd.buffer_id])
+                elif type(cmd) is ds.CommitP2P and queued:
+                    if cuts and min(queued) <= cuts[-1]:  # blocks cannot say when it leaves
+                        raise ValueError(
+                            f"stage {stage}: {actions[min(queued)]} leaves after a later block's results; "
+                            "this DualPipeVSchedule cannot be replayed as blocks"
+                        )
+                    cuts.append(len(actions) - 1)
+                    queued = []
+        bounds = [0, *(c + 1 for c in cuts if c + 1 < len(actions)), len(actions)]
+        groups = [actions[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+        order[stage] = [g[0] if len(g) == 1 else pipeline_sim.Overlap(g) for g in groups]
+    return order
+
+
+def _vstage(stage: int, pp: int, phase: int) -> int:
+    """The virtual stage a DualPipeV rank runs in `phase`: the V's way out (0), or back (1)."""
+    return stage if phase == 0 else 2 * pp - 1 - stage
+
+
 class DeepSpeedWatch(StepLoop):
     """One engine, instrumented, and its step boundary. Build it with `watch()`."""
 
@@ -132,6 +195,10 @@ class DeepSpeedWatch(StepLoop):
         self.pp = engine.num_stages
         self.microbatches = engine.micro_batches
         self.checkpoint_dir = checkpoint_dir
+        self.dualpipev = _is_dualpipev(engine)
+        self.schedule = DUALPIPEV if self.dualpipev else SCHEDULE
+        # DualPipeV computes the loss on rank 0 (its is_last_stage() says so only outside a phase)
+        self._reports_loss = engine.stage_id == 0 if self.dualpipev else engine.is_last_stage()
         super().__init__(
             pp_rank=engine.stage_id,
             boundary=StepBoundary(
@@ -139,7 +206,7 @@ class DeepSpeedWatch(StepLoop):
                 dist.get_world_size(),
                 run_id,
                 TorchAllReduce(None, getattr(engine, "device", None)),
-                reports_loss=engine.is_last_stage(),
+                reports_loss=self._reports_loss,
             ),
             load_checkpoint=load_checkpoint or (self._load_from_dir if checkpoint_dir else None),
             pause_poll_s=pause_poll_s,
@@ -148,6 +215,7 @@ class DeepSpeedWatch(StepLoop):
         self._counts: dict[str, int] = {}
         self._training = False
         self._clip: list = []  # clipping's start and end marks inside this step's OptimizerStep
+        self._queued: list[tuple[SpanKind, dict]] = []  # DualPipeV: transfers the next CommitP2P runs
         self.attached = False
         self.attach()
 
@@ -168,6 +236,15 @@ class DeepSpeedWatch(StepLoop):
             self.attached = False
 
     def _instrument(self) -> None:
+        engine = self.engine
+        shadow = self._dualpipev_map() if self.dualpipev else self._train_schedule_map()
+        self._patches.set(engine, "_INSTRUCTION_MAP", shadow)
+        self._patches.set(engine, "train_batch", self._marking(engine.train_batch, training=True))
+        self._patches.set(engine, "eval_batch", self._marking(engine.eval_batch, training=False))
+        self._patches.set(engine, "save_checkpoint", self._saving(engine.save_checkpoint))
+        self._patches.set(engine, "clip_fp32_gradients", self._clipping(engine.clip_fp32_gradients))
+
+    def _train_schedule_map(self) -> dict[type, Callable[..., Any]]:
         from deepspeed.runtime.pipe import schedule as ds
 
         engine, stage = self.engine, self.pp_rank
@@ -188,36 +265,93 @@ class DeepSpeedWatch(StepLoop):
         shadow: dict[type, Callable[..., Any]] = {}
         for cls, fn in engine._INSTRUCTION_MAP.items():  # the instance's own shadows, if any, stay inside ours
             if cls in timed:
-                shadow[cls] = self._timed(fn, timed[cls], base, cls.__name__)
+                shadow[cls] = self._timed(fn, timed[cls], self._counted(base, cls.__name__))
             elif cls in p2p:
                 kind, op, what, side = p2p[cls]
                 attrs = {**base, "op": op, "what": what, "group": "pp", "group_size": 2, "peer": peer[side]}
-                shadow[cls] = self._timed(fn, kind, attrs, cls.__name__, _PAYLOAD[cls.__name__])
+                shadow[cls] = self._timed(fn, kind, self._counted(attrs, cls.__name__), _PAYLOAD[cls.__name__])
             elif cls is ds.OptimizerStep:
                 shadow[cls] = self._optimizer_step(fn)
             else:
                 shadow[cls] = fn  # ReduceTiedGrads and anything newer: run as is (idle)
-        self._patches.set(engine, "_INSTRUCTION_MAP", shadow)
-        self._patches.set(engine, "train_batch", self._marking(engine.train_batch, training=True))
-        self._patches.set(engine, "eval_batch", self._marking(engine.eval_batch, training=False))
-        self._patches.set(engine, "save_checkpoint", self._saving(engine.save_checkpoint))
-        self._patches.set(engine, "clip_fp32_gradients", self._clipping(engine.clip_fp32_gradients))
+        return shadow
 
-    def _timed(self, fn, kind: SpanKind, attrs: dict, counter: str, payload=None):
-        """An instruction in a span of `kind`, numbered by microbatch (per instruction type and step);
-        `payload(engine, buffer_id)`: the tensors a send/recv moved (their bytes go in the span)."""
+    def _dualpipev_map(self) -> dict[type, Callable[..., Any]]:
+        """DualPipeVEngine's map: computes by phase and buffer, transfers timed at their commit."""
+        from deepspeed.runtime.pipe import schedule as ds
+
+        timed = {ds.ForwardPass: SpanKind.FORWARD, ds.BackwardPass: SpanKind.BACKWARD, ds.LoadMicroBatch: SpanKind.DATA}
+        queued = {  # instruction -> (span kind, op, what)
+            ds.SendActivation: (SpanKind.SEND, CollectiveOp.SEND, "activation"),
+            ds.RecvActivation: (SpanKind.RECV, CollectiveOp.RECV, "activation"),
+            ds.SendGrad: (SpanKind.SEND, CollectiveOp.SEND, "grad"),
+            ds.RecvGrad: (SpanKind.RECV, CollectiveOp.RECV, "grad"),
+        }
+        shadow: dict[type, Callable[..., Any]] = {}
+        for cls, fn in self.engine._INSTRUCTION_MAP.items():
+            if cls in timed:
+                shadow[cls] = self._timed(fn, timed[cls], self._by_buffer({}))
+            elif cls in queued:
+                kind, op, what = queued[cls]
+                shadow[cls] = self._queueing(
+                    fn, kind, self._by_buffer({"op": op, "what": what, "group": "pp", "group_size": 2})
+                )
+            elif cls is ds.CommitP2P:
+                shadow[cls] = self._commit(fn)
+            elif cls is ds.ReduceGrads:
+                shadow[cls] = self._timed(fn, SpanKind.DP_SYNC, lambda kwargs: {"stage": self.pp_rank})
+            elif cls is ds.OptimizerStep:
+                shadow[cls] = self._optimizer_step(fn)
+            else:
+                shadow[cls] = fn  # ReduceTiedGrads and anything newer: run as is (idle)
+        return shadow
+
+    def _counted(self, attrs: dict, counter: str):
+        """Span attrs numbered by microbatch in the order the instructions run (per type and step):
+        TrainSchedule runs each type in microbatch order."""
         counts = self._counts
         by_mb: dict[int, dict] = {}
 
-        def instruction(engine, **kwargs):
-            if not (self._training and registry.active):
-                return fn(engine, **kwargs)
+        def attrs_of(kwargs) -> dict:
             mb = counts.get(counter, 0)
             counts[counter] = mb + 1
             span_attrs = by_mb.get(mb)
             if span_attrs is None:
                 span_attrs = by_mb[mb] = {**attrs, "microbatch": mb}
-            with registry.span(kind, **span_attrs) as span:
+            return span_attrs
+
+        return attrs_of
+
+    def _by_buffer(self, attrs: dict):
+        """Span attrs of a DualPipeV instruction from its buffer and phase: DualPipeVSchedule keeps
+        microbatch mb of phase ph in buffer ph * m + mb (LoadMicroBatch: phase 0)."""
+        stage, m = self.pp_rank, self.microbatches
+        cache: dict[tuple[int, int], dict] = {}
+
+        def attrs_of(kwargs) -> dict:
+            key = (kwargs.get("phase", 0), kwargs["buffer_id"])
+            span_attrs = cache.get(key)
+            if span_attrs is None:
+                phase, buffer = key
+                span_attrs = cache[key] = {
+                    **attrs,
+                    "stage": stage,
+                    "chunk": phase,
+                    "vstage": _vstage(stage, self.pp, phase),
+                    "microbatch": buffer - phase * m,
+                }
+            return span_attrs
+
+        return attrs_of
+
+    def _timed(self, fn, kind: SpanKind, attrs_of: Callable[[dict], dict], payload=None):
+        """An instruction in a span of `kind` with `attrs_of(kwargs)`; `payload(engine, buffer_id)`:
+        the tensors a send/recv moved (their bytes go in the span)."""
+
+        def instruction(engine, **kwargs):
+            if not (self._training and registry.active):
+                return fn(engine, **kwargs)
+            with registry.span(kind, **attrs_of(kwargs)) as span:
                 if payload is None or span is None:
                     return fn(engine, **kwargs)
                 if kind == SpanKind.SEND:  # a send frees its buffer: read it first
@@ -226,6 +360,49 @@ class DeepSpeedWatch(StepLoop):
                 result = fn(engine, **kwargs)
                 span.attrs["bytes"] = _nbytes(payload, engine, kwargs)
                 return result
+
+        return instruction
+
+    def _queueing(self, fn, kind: SpanKind, attrs_of: Callable[[dict], dict]):
+        """A DualPipeV Send*/Recv*: it only queues P2POps on `engine._p2p_ops`; what it queued (peer,
+        bytes) waits for the commit that runs it."""
+
+        def instruction(engine, **kwargs):
+            if not (self._training and registry.active):
+                return fn(engine, **kwargs)
+            before = len(getattr(engine, "_p2p_ops", ()))
+            result = fn(engine, **kwargs)
+            ops = getattr(engine, "_p2p_ops", ())[before:]
+            if ops:  # a P2POp: op, tensor, peer (a global rank)
+                peer = getattr(ops[0], "peer", None)
+                attrs = {
+                    **attrs_of(kwargs),
+                    "peer": None if peer is None else int(peer),
+                    "bytes": _size([getattr(op, "tensor", None) for op in ops]),
+                }
+                self._queued.append((kind, attrs))
+            return result
+
+        return instruction
+
+    def _commit(self, fn):
+        """CommitP2P: launches the queued batch and waits for all of it, so every transfer in it gets
+        the commit's span. The first recv (else send) is open while it blocks (what a hang finding
+        sees); the rest are emitted with its marks."""
+
+        def instruction(engine, **kwargs):
+            queued = self._queued
+            if not (queued and self._training and registry.active):
+                return fn(engine, **kwargs)
+            self._queued = []
+            first = next((i for i, (kind, _) in enumerate(queued) if kind == SpanKind.RECV), 0)
+            kind, attrs = queued.pop(first)
+            with registry.span(kind, **attrs) as span:
+                result = fn(engine, **kwargs)
+            if span is not None:
+                for other_kind, other in queued:
+                    registry.emit_span(other_kind, span.start, span.end, **other)
+            return result
 
         return instruction
 
@@ -267,6 +444,7 @@ class DeepSpeedWatch(StepLoop):
         def batch(*args, **kwargs):
             self._training = training
             self._counts.clear()
+            self._queued = []
             try:
                 if training:
                     return call(*args, **kwargs)
@@ -307,28 +485,38 @@ class DeepSpeedWatch(StepLoop):
             tp_rank=grid.get_slice_parallel_rank(),
             stage=self.pp_rank,
             dp_rank=grid.get_data_parallel_id(),
-            schedule=SCHEDULE,
+            schedule=self.schedule,
             microbatches=self.microbatches,
+            chunks=2 if self.dualpipev else 1,
             **extra,
         )
 
     def action_order(self) -> dict:
         """Every stage's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""
+        if self.dualpipev:
+            return dualpipev_schedule_order(self.pp, self.microbatches)
         return train_schedule_order(self.pp, self.microbatches)
 
     def start(self, step: int | None = None) -> int:
         """The run's first boundary, on every rank; `step`: where training resumes (default: the
         engine's global_steps, 0 on a fresh run, the loaded step after `engine.load_checkpoint`)."""
         step = self.engine.global_steps if step is None else step
-        config = {"schedule": SCHEDULE, "framework": "deepspeed", "pp": self.pp, "microbatches": self.microbatches}
+        config = {
+            "schedule": self.schedule,
+            "framework": "deepspeed",
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "chunks": 2 if self.dualpipev else 1,
+        }
         return self.begin(step, config, self.action_order())
 
     def step_done(self, loss: float | None = None) -> int:
         """Call after each `engine.train_batch`, on every rank: the step boundary, then any directive.
 
-        loss: default, the batch's mean loss the engine computed (reported by the last stage).
+        loss: default, the batch's mean loss the engine computed (reported by the loss stage: the
+        last, or DualPipeV's rank 0).
         Returns the step training continues from: the step just finished, or the loaded one."""
-        if loss is None and self.engine.is_last_stage() and self.engine.agg_train_loss is not None:
+        if loss is None and self._reports_loss and self.engine.agg_train_loss is not None:
             loss = float(self.engine.agg_train_loss)
         return self.boundary_step(loss)
 
@@ -381,6 +569,14 @@ def _size(value) -> int:
     if isinstance(value, tuple | list):
         return sum(_size(v) for v in value)
     return int(value.nbytes) if hasattr(value, "nbytes") else 0
+
+
+def _is_dualpipev(engine) -> bool:
+    try:
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+    except ImportError:  # a deepspeed without DualPipeV (before 0.19.8)
+        return False
+    return isinstance(engine, DualPipeVEngine)
 
 
 def _global_rank(engine, stage: int) -> int | None:

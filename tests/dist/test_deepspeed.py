@@ -10,7 +10,9 @@ runs every configuration in turn.
   schedules), and the replay at uniform times against 1F1B's closed form;
 - numerics: losses with the integration attached are bitwise those without it;
 - causes: a slow stage shows as imbalance, a delayed send as wait;
-- directives: pause, resume, and a rollback loaded by the engine's own load_checkpoint.
+- directives: pause, resume, and a rollback loaded by the engine's own load_checkpoint;
+- DualPipeV (`--schedule dualpipev`, DeepSpeed's DualPipeVEngine): the bubble against the replay of
+  its DualPipeVSchedule at m = 4 and 8, its spans and transfers, bitwise losses, detach.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import statistics
 import pytest
 
 from parwatch import pipeline_sim as ps
-from parwatch.bubble import theoretical
+from parwatch.bubble import replayed_theory, theoretical
 from tests.bubble_replay import median_causes, replayed_steps
 from tests.dist.test_torch_pipelining import Director, action_seconds
 from tests.distutil import ROOT, run_ranks
@@ -34,6 +36,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 P, M, STEPS = 2, 4, 5
 MS = "40,80"
 TOLERANCE = 0.02
+DPV = ("--schedule", "dualpipev")
+DPV_RUNS = {"dpv": (M, MS), "dpv-m8": (8, "20,40")}  # run -> (microbatches, F,B ms)
 
 
 def _example():
@@ -46,7 +50,7 @@ def _example():
 
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     """Every rank: each named run of the example in turn; returns {name: losses}. The run named
-    "directives" also gets a Director (tests/dist/test_torch_pipelining.py) on the registry."""
+    "directives" (and "dpv-directives") also gets a Director (tests/dist/test_torch_pipelining.py) on the registry."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import logging
 
@@ -62,19 +66,39 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
         log_dir = os.path.join(out_dir, name)
         args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
                                                                 ["--parwatch-log", log_dir]))
-        director = Director(rank, name) if name == "directives" else None
+        director = Director(rank, name) if name.endswith("directives") else None
         if director:
             registry.register(director)
         result = example.train(args)
         results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
+        if name == "dpv-fast-on":
+            results["detach"] = _detach_check(result["engine"], name)
         if director:
             registry.unregister(director)
             results[name] = {"seen": director.seen, "applied": result["applied"], "losses": results[name]}
     return results
 
 
-def run_argv(*extra: str, ms: str = MS, steps: int = STEPS) -> list[str]:
-    return ["--pp", str(P), "--microbatches", str(M), "--synthetic-ms", ms, "--steps", str(steps), *extra]
+def _detach_check(engine, run_id: str) -> dict:
+    """What of parwatch is on the engine after watch.close(), under a new watch, after its detach."""
+    from parwatch.integrations import deepspeed as pw
+
+    def left() -> list:  # _exec_instr: DeepSpeed's last instruction run, replaced by its next one
+        on = [name for name, value in vars(engine).items()
+              if name != "_exec_instr" and "DeepSpeedWatch" in getattr(value, "__qualname__", "")]
+        return on + [cls.__name__ for cls, fn in engine._INSTRUCTION_MAP.items()
+                     if "DeepSpeedWatch" in getattr(fn, "__qualname__", "")]
+
+    closed = left()
+    watch = pw.watch(engine, run_id=run_id)
+    attached = left()
+    watch.detach()
+    return {"closed": closed, "attached": sorted(attached), "detached": left(),
+            "map_is_the_class's": engine._INSTRUCTION_MAP is type(engine)._INSTRUCTION_MAP}
+
+
+def run_argv(*extra: str, ms: str = MS, steps: int = STEPS, m: int = M) -> list[str]:
+    return ["--pp", str(P), "--microbatches", str(m), "--synthetic-ms", ms, "--steps", str(steps), *extra]
 
 
 def order() -> dict:
@@ -93,6 +117,11 @@ def grid(tmp_path_factory):
         "slow-stage": run_argv("--slow-stage", "1:1.5"),
         "send-delay": run_argv("--send-delay-ms", "0:15"),
         "directives": run_argv("--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6),
+        **{name: run_argv(*DPV, m=m, ms=ms) for name, (m, ms) in DPV_RUNS.items()},
+        "dpv-slow-stage": run_argv(*DPV, "--slow-stage", "1:1.5"),
+        "dpv-fast-on": run_argv(*DPV, ms="1,2", steps=3),
+        "dpv-directives": run_argv(*DPV, "--checkpoint-dir", os.path.join(out, "dpv-ckpt"), ms="1,2", steps=6),
+        "dpv-fast-off": run_argv(*DPV, "--no-parwatch", ms="1,2", steps=3),
     }
     return out, run_ranks(runs_body, P, runs, out, timeout=280)
 
@@ -174,9 +203,10 @@ def test_a_delayed_send_shows_as_wait(grid):
         assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
 
 
-def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid):
+@pytest.mark.parametrize("name", ["directives", "dpv-directives"])
+def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid, name):
     _, results = grid
-    ranks = [r["directives"] for r in results]
+    ranks = [r[name] for r in results]
     seen = ranks[0]["seen"]
     assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
     assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
@@ -184,5 +214,133 @@ def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid):
         assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
             ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
         assert r["applied"][2]["step"] == 2  # engine.load_checkpoint(tag="global_step2")
-    # After the rollback steps 3.. trained again from the restored state on the same batches.
+    # After the rollback steps 3.. trained again from the restored state on the same batches:
+    # bitwise the losses of the same run without directives.
     assert sorted(map(int, ranks[P - 1]["losses"])) == [1, 2, 3, 4, 5, 6]
+    plain = results[P - 1]["fast-on" if name == "directives" else "dpv-fast-on"]
+    assert {s: v for s, v in ranks[P - 1]["losses"].items() if int(s) <= 3} == plain
+
+
+# ------------------------------------------------------------------------------------- DualPipeV
+def dpv_order(m: int) -> dict:
+    from parwatch.integrations.deepspeed import dualpipev_schedule_order
+
+    return dualpipev_schedule_order(P, m)
+
+
+def _spans(run_dir: str):
+    with open(os.path.join(run_dir, "spans.jsonl")) as f:
+        yield from map(json.loads, f)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("name", sorted(DPV_RUNS))
+def test_dualpipev_bubble_matches_the_replayed_schedule(grid, name):
+    out, _ = grid
+    m, ms = DPV_RUNS[name]
+    run_dir, order = os.path.join(out, name), dpv_order(m)
+    steps = replayed_steps(run_dir, order)
+    assert len(steps) == STEPS - 1
+    print(f"\ndeepspeed dualpipev m={m} {ms} ms: measured - replayed bubble per step (host ms per action; p2p ms)")
+    for step, (measured, replay, host, p2p) in steps.items():
+        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
+                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
+    for rank in range(P):
+        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
+        assert abs(deviation) <= TOLERANCE, f"rank {rank}: median step {deviation:+.4f} off the replay"
+    # At the run's median action times (one stalled action moves a mean) the replay is the
+    # schedule's own bubble at F, B ms.
+    f, b = (float(x) / 1000 for x in ms.split(","))
+    uniform = ps.simulate(order, {"F": f, "B": b}).bubble
+    samples: dict = {}
+    for span in _spans(run_dir):
+        kind = {"forward": "F", "backward": "B"}.get(span["kind"])
+        if kind is not None and span["step"] >= 2:
+            samples.setdefault((span["attrs"]["vstage"], kind), []).append(span["end_s"] - span["start_s"])
+    times = {key: statistics.median(v) for key, v in samples.items()}
+    assert ps.simulate(order, times).bubble == pytest.approx(uniform, abs=TOLERANCE)
+
+
+def test_dualpipev_summaries_carry_its_schedule_and_loss(grid):
+    out, losses = grid
+    theory = replayed_theory(ps.Replay(dpv_order(M)))
+    with open(os.path.join(out, "dpv", "summaries.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert {(r["rank"], r["step"]) for r in rows} == {(rank, s) for rank in range(P) for s in range(1, STEPS + 1)}
+    for row in rows:
+        assert (row["schedule"], row["chunks"]) == ("dualpipev", 2)
+        assert row["bubble_theoretical_ratio"] == pytest.approx(theory, abs=1e-12)
+        # DualPipeV computes the loss on rank 0: its boundary reports the engine's loss
+        assert repr(row["loss"]) == losses[0]["dpv"][str(row["step"])]
+
+
+@pytest.mark.timing
+def test_dualpipev_clipping_is_the_drain(grid):
+    # Gradient clipping's all-reduce is where a rank waits for the other's last backwards: untimed
+    # (idle) between its two optimizer spans, as long as the drain the schedule implies.
+    out, _ = grid
+    replay = ps.simulate(dpv_order(M), dict(zip("FB", (float(x) / 1000 for x in MS.split(",")))))
+    drain = {rank: replay.makespan - max(end for action, (_, end) in replay.finish.items()
+                                         if action.stage in (rank, 2 * P - 1 - rank)) for rank in range(P)}
+    assert drain[1] > 0.07  # rank 0 runs the last backward
+    spans: dict = {}
+    for span in _spans(os.path.join(out, "dpv")):
+        if span["kind"] == "optimizer":
+            spans.setdefault((span["rank"], span["step"]), []).append((span["start_s"], span["end_s"]))
+    gaps: dict = {}
+    for (rank, _), marks in spans.items():
+        (_, first_end), (second_start, _) = sorted(marks)
+        gaps.setdefault(rank, []).append(second_start - first_end)
+    for rank in range(P):
+        assert statistics.median(gaps[rank]) == pytest.approx(drain[rank], abs=0.015), (rank, gaps[rank], drain)
+
+
+@pytest.mark.timing
+def test_dualpipev_a_slow_rank_shows_as_imbalance(grid):
+    out, _ = grid
+    causes = median_causes(os.path.join(out, "dpv-slow-stage"), dpv_order(M))
+    # Both of rank 1's stages compute 1.5x longer: rank 0 waits for them, by the V's dependencies.
+    assert causes[0].imbalance > 0.15 and causes[0].imbalance > 3 * abs(causes[0].wait), causes
+    assert causes[1].imbalance < 0, causes  # the slow rank idles less than the schedule says
+    assert causes[0].schedule == pytest.approx(replayed_theory(ps.Replay(dpv_order(M))), abs=0.01)
+
+
+def test_dualpipev_spans_cover_every_instruction(grid):
+    out, _ = grid
+    seen: dict = {}
+    kinds: set = set()
+    sent, received = {}, {}
+    for span in _spans(os.path.join(out, "dpv")):
+        kinds.add(span["kind"])
+        a, rank = span["attrs"], span["rank"]
+        kind = {"forward": "F", "backward": "B"}.get(span["kind"])
+        if kind is not None:
+            assert a["stage"] == rank and a["vstage"] == (rank if a["chunk"] == 0 else 2 * P - 1 - rank), span
+            if span["step"] == 2:
+                seen.setdefault(rank, []).append(str(ps.Action(a["vstage"], kind, a["microbatch"])))
+        if span["kind"] in ("send", "recv") and span["step"] < STEPS:  # the steps whose spans both ranks wrote
+            assert a["peer"] == 1 - rank and a["bytes"] > 0 and a["op"] == span["kind"], span
+            payload = (a["what"], a["microbatch"], a["vstage"])
+            if span["kind"] == "send":
+                sent[(rank, a["seq"])] = payload
+            else:
+                received[(a["peer"], a["seq"])] = payload
+    assert seen == {r: [str(x) for x in acts] for r, acts in ps.normalize(dpv_order(M)).items()}  # the stream's order
+    # Every transfer both ways, the nth send to a peer the nth receive there: the same payload,
+    # one virtual stage on (activations) or back (gradients).
+    assert sent.keys() == received.keys() and len(sent) == 4 * M * (STEPS - 1)
+    for key, (what, mb, vstage) in sent.items():
+        assert received[key] == (what, mb, vstage + (1 if what == "activation" else -1)), key
+    assert {"send", "recv", "optimizer", "dp_sync", "data", "boundary"} <= kinds
+
+
+def test_dualpipev_losses_are_bitwise_unchanged_and_detach_restores(grid):
+    _, results = grid
+    for rank in range(P):
+        assert len(results[rank]["dpv-fast-on"]) == 3
+        assert results[rank]["dpv-fast-on"] == results[rank]["dpv-fast-off"]
+        detach = results[rank]["detach"]
+        assert detach["closed"] == [] and detach["detached"] == [] and detach["map_is_the_class's"], detach
+        assert {"train_batch", "eval_batch", "save_checkpoint", "clip_fp32_gradients", "ForwardPass", "BackwardPass",
+                "LoadMicroBatch", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P",
+                "ReduceGrads", "OptimizerStep"} <= set(detach["attached"]), detach
