@@ -16,10 +16,10 @@ import re
 from typing import Annotated, Any, Literal, NamedTuple, TypeVar, get_args
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME
-from parwatch.vocabulary import RankState
+from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RankState, RuleAction, jsonable
 
 # Bounds on what a report may claim. Every loop the leader runs over a run's ranks is bounded by the
 # layout, so the layout is bounded (MAX_WORLD, above the largest runs published) and fixed per run at
@@ -142,6 +142,117 @@ class NodeDigest(Struct):
     rows: Annotated[list[Activity], Meta(max_length=MAX_WORLD)]
 
 
+# --- the decision log (decisions.jsonl, GET /v1/decisions): what the guardrail engine decided and what came of it
+
+DecisionAction = Annotated[
+    str,
+    Meta(
+        pattern="^(" + "|".join(sorted(set(RuleAction) | set(Action))) + ")$",
+        description="a rule's or a directive's action",
+    ),
+]
+
+
+class Decision(Struct, kw_only=True):
+    """A decision: a rule's, an operator's, Alertmanager's, the engine's own or rank 0's. Enforced, a
+    pause or rollback became directive `directive_id`. The fields at the end appear only where they apply."""
+
+    type: Literal["decision"] = "decision"
+    id: int = 0
+    """Numbered by the engine, in the order decided."""
+    run_id: str | None = None
+    time: float
+    step: int | None
+    """The run's last evaluated step when decided (None: none yet, or since a rollback)."""
+    rule: str | None = None
+    action: DecisionAction
+    source: DecisionSource
+    requested_by: str = ""
+    enforced: bool = False
+    reason: str
+    evidence: dict[str, Any]
+    checkpoint: int | None = None
+    """A rollback's target step."""
+    skip_batches: int = 0
+    directive_id: int | None = None
+    escalated: bool = False
+    """The engine chose a stronger action than asked (a pause for a rollback that would not help)."""
+    finding: str | UnsetType = UNSET
+    """"no_data": the rule's metric went quiet."""
+    rearmed: bool | UnsetType = UNSET
+    rearmed_by: int | UnsetType = UNSET
+    """The operator's decision that re-armed this firing rule."""
+    rearmed_rules: list[str] | UnsetType = UNSET
+    """A resume's: the still-firing rules it re-armed."""
+    alert_rule: str | UnsetType = UNSET
+    """An Alertmanager request's: the parwatch rule the alert mirrors."""
+    failed_directive_id: int | UnsetType = UNSET
+    local: bool | UnsetType = UNSET
+    """Decided by rank 0 itself while its sidecar was unreachable."""
+    renumbered: dict[int, int] | UnsetType = UNSET
+    """Directives rank 0 never took, given new ids above its own: {old: new}."""
+
+
+class Cancelled(Struct, kw_only=True):
+    """An operator withdrew directive `directive_id` before it was delivered."""
+
+    type: Literal["cancelled"] = "cancelled"
+    directive_id: int
+    action: DecisionAction
+    decision_id: int | None
+    time: float
+    requested_by: str = ""
+    step: int | None
+    rearmed_rules: list[str] | UnsetType = UNSET
+
+
+class Outcome(Struct, kw_only=True):
+    """What the run's ranks did with a directive (type: their outcome, or mixed), one record per directive."""
+
+    type: OutcomeName
+    directive_id: int
+    action: DecisionAction
+    decision_id: int | None
+    step: int | None
+    time: float
+    ranks: str
+    """The ranks that reported, as "0-N" ("" for none)."""
+    rank_count: int
+    counts: dict[str, int]
+    """Outcome -> ranks."""
+    requested_step: int | None | UnsetType = UNSET
+    loaded_step: int | None | UnsetType = UNSET
+    substituted: bool | UnsetType = UNSET
+    reasons: dict[str, int] | UnsetType = UNSET
+    note: str | UnsetType = UNSET
+
+
+LOG_TYPES = (Decision, Cancelled, Outcome)
+LOG_RECORDS: dict[str, type[Decision] | type[Cancelled] | type[Outcome]] = {
+    "decision": Decision,
+    "cancelled": Cancelled,
+    **dict.fromkeys(OutcomeName, Outcome),
+}
+"""A decision log record's `type` -> its record."""
+
+
+def log_record(record: Decision | Cancelled | Outcome) -> dict[str, Any]:
+    """A decision log record as the log and the API write it: JSON-safe (a non-finite number as a string)."""
+    return jsonable(msgspec.to_builtins(record))
+
+
+def check_log_record(record: dict) -> None:
+    """BadRecord naming the field unless `record` (a decoded decisions.jsonl line) is a decision log record."""
+    kind = record.get("type", "decision")
+    typ = LOG_RECORDS.get(kind)
+    if typ is None:
+        raise BadRecord(f"unknown record type {kind!r}; one of {', '.join(LOG_RECORDS)}")
+    try:
+        msgspec.convert({"type": kind, **record}, typ)
+    except msgspec.ValidationError as err:
+        raise BadRecord(_where(str(err), kind)) from None
+
+
 class BadRecord(ValueError):
     """A body that does not decode into its record; the message names the field and the bound."""
 
@@ -187,9 +298,10 @@ def encode(record: Struct) -> bytes:
 
 
 def openapi_components() -> dict[str, Any]:
-    """The JSON schemas of the posts' records, named as their classes, for the OpenAPI document."""
+    """The JSON schemas of the posts' and the decision log's records, named as their classes, for the
+    OpenAPI document."""
     _, components = msgspec.json.schema_components(
-        (ActivityPost, NodeDigest), ref_template="#/components/schemas/{name}"
+        (ActivityPost, NodeDigest, *LOG_TYPES), ref_template="#/components/schemas/{name}"
     )
     return _ecma(components)
 

@@ -44,6 +44,7 @@ from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
+from parwatch.records import Cancelled, Decision, Outcome, log_record
 from parwatch.schema import DIRECTIVE_ACTIONS, decode_float
 from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState, jsonable
 
@@ -223,9 +224,9 @@ class GuardrailEngine:
             batch.per_rule("baselines", self._run_id, {name: m.baseline_dict() for name, m in self._monitors.items()})
             self._baselines_saved = now
 
-    def _append(self, record: dict) -> dict:
+    def _append(self, typed: Decision | Cancelled | Outcome) -> dict:
         """Add a record to the log (with the next commit); returns it JSON-safe, as written."""
-        record = jsonable(record)
+        record = log_record(typed)
         self._batch.record(self._run_id, record)
         self._recent.append(record)
         return record
@@ -248,11 +249,17 @@ class GuardrailEngine:
                 "(never reported)" if seen is None else f"(last reported at {seen:.0f})"
             )
             evidence = {"metric": rule.metric, "last_seen_time": seen, "no_data_seconds": rule.no_data_seconds}
-            return [
-                self._decide(
-                    rule.name, "alert", "rule", "", reason, evidence, self._last_step, now, extra={"finding": NO_DATA}
-                )
-            ]
+            found = Decision(
+                time=now,
+                step=self._last_step,
+                rule=rule.name,
+                action=RuleAction.ALERT,
+                source=DecisionSource.RULE,
+                reason=reason,
+                evidence=evidence,
+                finding=NO_DATA,
+            )
+            return [self._decide(found)]
         return []
 
     # -- acting ---------------------------------------------------------------------------------------
@@ -281,27 +288,23 @@ class GuardrailEngine:
             escalated = action != Action.ROLLBACK
             reason += note
         monitor.acted_tick, monitor.acted_step = self._tick, step
-        extra = None
+        decision = Decision(
+            time=now,
+            step=step,
+            rule=rule.name,
+            action=action,
+            source=DecisionSource.RULE,
+            reason=reason,
+            evidence=evidence,
+            checkpoint=checkpoint,
+            skip_batches=skip,
+            escalated=escalated,
+        )
         if rearmed_by is not None:
             del self._rearmed[rule.name]
-            reason += f" (re-armed by the operator's resume or cancel, decision {rearmed_by}: still failing)"
-            extra = {"rearmed": True, "rearmed_by": rearmed_by}
-        return [
-            self._decide(
-                rule.name,
-                action,
-                "rule",
-                "",
-                reason,
-                evidence,
-                step,
-                now,
-                checkpoint=checkpoint,
-                skip_batches=skip,
-                escalated=escalated,
-                extra=extra,
-            )
-        ]
+            decision.reason += f" (re-armed by the operator's resume or cancel, decision {rearmed_by}: still failing)"
+            decision.rearmed, decision.rearmed_by = True, rearmed_by
+        return [self._decide(decision)]
 
     def _plan_rollback(
         self, first_failing: int | None, step: int | None, skip_setting
@@ -341,58 +344,25 @@ class GuardrailEngine:
             f"(max_rollbacks={limit})"
         )
 
-    def _decide(
-        self,
-        rule,
-        action,
-        source,
-        requested_by,
-        reason,
-        evidence,
-        step,
-        now,
-        checkpoint=None,
-        skip_batches=0,
-        escalated=False,
-        suppress=False,
-        extra=None,
-    ) -> dict:
-        # (A decision that becomes a directive belongs to the current run: see begin_run.)
-        """Write one decision record; when enforcing, a directive action also becomes a directive."""
-        if action == Action.PAUSE and not suppress and self._pause_in_force():
+    def _decide(self, d: Decision, suppress: bool = False) -> dict:
+        """Number and log decision `d` for the current run; when enforcing, a directive action also
+        becomes a directive (which belongs to the current run: see begin_run). `suppress`: log only."""
+        if d.action == Action.PAUSE and not suppress and self._pause_in_force():
             # Paused, and staying so once what is outstanding is applied: a second pause changes nothing.
             # (Paused with a resume outstanding is not: the pause queues behind the resume and holds
             # the run again, so a rule still failing after an operator resume is never silenced.)
-            suppress, reason = True, reason + " (not enforced: the run is already paused or a pause is pending)"
-        enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
-        directive_id = None
-        if enforced and self._run_id is not None and action in DIRECTIVE_ACTIONS:  # enforced implies a run
-            directive_id = self._directives.add(
-                action, self._run_id, checkpoint, skip_batches, reason, decision_id=self._next_decision_id
+            suppress = True
+            d.reason += " (not enforced: the run is already paused or a pause is pending)"
+        d.id, d.run_id = self._next_decision_id, self._run_id
+        d.enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
+        if d.enforced and self._run_id is not None and d.action in DIRECTIVE_ACTIONS:  # enforced implies a run
+            d.directive_id = self._directives.add(
+                d.action, self._run_id, d.checkpoint, d.skip_batches, d.reason, decision_id=d.id
             )
-            if action in SWITCHES:
-                self.last_switch = now
-        record = {
-            "type": "decision",
-            "id": self._next_decision_id,
-            "run_id": self._run_id,
-            "time": now,
-            "step": step,
-            "rule": rule,
-            "action": action,
-            "source": source,
-            "requested_by": requested_by,
-            "enforced": enforced,
-            "reason": reason,
-            "evidence": evidence,
-            "checkpoint": checkpoint,
-            "skip_batches": skip_batches,
-            "directive_id": directive_id,
-            "escalated": escalated,
-            **(extra or {}),
-        }
+            if d.action in SWITCHES:
+                self.last_switch = d.time
         self._next_decision_id += 1
-        return self._append(record)
+        return self._append(d)
 
     def _pause_in_force(self) -> bool:
         """Whether the run is paused once the outstanding directives (oldest first) are applied."""
@@ -411,7 +381,17 @@ class GuardrailEngine:
         if action != RuleAction.ALERT:
             raise ValueError(f"record_finding: action must be 'alert', got {action!r}")
         with self._lock:
-            record = self._decide(rule, action, "rule", "", reason, evidence, step, self._now())
+            record = self._decide(
+                Decision(
+                    time=self._now(),
+                    step=step,
+                    rule=rule,
+                    action=RuleAction.ALERT,
+                    source=DecisionSource.RULE,
+                    reason=reason,
+                    evidence=evidence,
+                )
+            )
             self._save()
             return record
 
@@ -479,8 +459,20 @@ class GuardrailEngine:
                 action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
             elif action == Action.ROLLBACK:
                 self._rollback_ticks.append(self._tick)
-            evidence = {"to_step": to_step, "skip_batches": skip_batches}
-            extra: dict[str, Any] = {"alert_rule": rule} if rule else {}
+            decision = Decision(
+                time=now,
+                step=step,
+                action=action,
+                source=DecisionSource(source),
+                requested_by=requested_by,
+                reason=reason,
+                evidence={"to_step": to_step, "skip_batches": skip_batches},
+                checkpoint=to_step,
+                skip_batches=skip_batches,
+                escalated=escalated,
+            )
+            if rule:
+                decision.alert_rule = rule
             if action == Action.RESUME:
                 # A rule that paused the run and still fails must be able to act again after the
                 # operator resumes (otherwise it stays "firing" and silent): firing -> pending, so
@@ -492,23 +484,10 @@ class GuardrailEngine:
                     self._monitors[name].state = "pending"
                     self._rearmed[name] = self._next_decision_id
                 if rearm:
-                    extra["rearmed_rules"] = rearm
+                    decision.rearmed_rules = rearm
                     note += f" (re-armed still-firing rules: {', '.join(rearm)})"
-            record = self._decide(
-                None,
-                action,
-                source,
-                requested_by,
-                reason + note,
-                evidence,
-                step,
-                now,
-                checkpoint=to_step,
-                skip_batches=skip_batches,
-                escalated=escalated,
-                suppress=suppress,
-                extra=extra or None,
-            )
+            decision.reason += note
+            record = self._decide(decision, suppress=suppress)
             self._save()
             return record
 
@@ -592,25 +571,22 @@ class GuardrailEngine:
             "unreachable_since": local.get("unreachable_since"),
             "checkpoints": local.get("checkpoints"),
         }
-        record = {
-            "type": "decision",
-            "id": self._next_decision_id,
-            "time": now,
-            "step": int(local["step"]),
-            "rule": local["rule"],
-            "action": local["action"],
-            "source": "rank0",
-            "requested_by": "",
-            "enforced": True,
-            "reason": reason + " (decided by rank 0 while this sidecar was unreachable)",
-            "evidence": evidence,
-            "checkpoint": None,
-            "skip_batches": 0,
-            "directive_id": did,
-            "escalated": False,
-            "local": True,
-            **({"renumbered": renumbered} if renumbered else {}),
-        }
+        record = Decision(
+            id=self._next_decision_id,
+            run_id=self._run_id,
+            time=now,
+            step=int(local["step"]),
+            rule=local["rule"],
+            action=local["action"],
+            source=DecisionSource.RANK0,
+            enforced=True,
+            reason=reason + " (decided by rank 0 while this sidecar was unreachable)",
+            evidence=evidence,
+            directive_id=did,
+            local=True,
+        )
+        if renumbered:
+            record.renumbered = renumbered
         self._directives.adopt(
             did,
             local["action"],
@@ -660,60 +636,42 @@ class GuardrailEngine:
                     "so the run is paused for an operator"
                 )
                 evidence = {"directive_id": did, "outcome": result, "reasons": outcome.get("reasons") or {}}
-                records.append(
-                    self._decide(
-                        None,
-                        "pause",
-                        "engine",
-                        "",
-                        reason,
-                        evidence,
-                        self._last_step,
-                        now,
+                for then in (Action.PAUSE, RuleAction.ALERT):
+                    decided = Decision(
+                        time=now,
+                        step=self._last_step,
+                        action=then,
+                        source=DecisionSource.ENGINE,
+                        reason=reason,
+                        evidence=dict(evidence),
                         escalated=True,
-                        extra={"failed_directive_id": did},
+                        failed_directive_id=did,
                     )
-                )
-                records.append(
-                    self._decide(
-                        None,
-                        "alert",
-                        "engine",
-                        "",
-                        reason,
-                        evidence,
-                        self._last_step,
-                        now,
-                        escalated=True,
-                        extra={"failed_directive_id": did},
-                    )
-                )
+                    records.append(self._decide(decided))
             self._save()
             return records
 
-    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> dict:
+    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Outcome:
         ranks = int(outcome.get("ranks") or 0)
-        record = {
-            "type": str(outcome.get("outcome")),
-            "directive_id": did,
-            "action": self._action_of(did) if directive is None else directive["action"],
-            "decision_id": None if directive is None else directive.get("decision_id"),
-            "step": outcome.get("step"),
-            "time": now,
-            "ranks": f"0-{ranks - 1}" if ranks else "",
-            "rank_count": ranks,
-            "counts": outcome.get("counts") or {},
-        }
+        record = Outcome(
+            type=outcome["outcome"],
+            directive_id=did,
+            action=self._action_of(did) if directive is None else directive["action"],
+            decision_id=None if directive is None else directive.get("decision_id"),
+            step=outcome.get("step"),
+            time=now,
+            ranks=f"0-{ranks - 1}" if ranks else "",
+            rank_count=ranks,
+            counts=outcome.get("counts") or {},
+        )
         if directive is not None and directive["action"] == Action.ROLLBACK:
-            record.update(
-                requested_step=directive["to_step"],
-                loaded_step=outcome.get("loaded_step"),
-                substituted=outcome.get("outcome") == OutcomeName.SUBSTITUTED,
-            )
+            record.requested_step = directive["to_step"]
+            record.loaded_step = outcome.get("loaded_step")
+            record.substituted = outcome.get("outcome") == OutcomeName.SUBSTITUTED
         if outcome.get("reasons"):
-            record["reasons"] = outcome["reasons"]
+            record.reasons = outcome["reasons"]
         if directive is None:
-            record["note"] = "not outstanding: cancelled, or reported twice"
+            record.note = "not outstanding: cancelled, or reported twice"
         return record
 
     def _rearm_after_cancel(self, decision_id: int | None) -> list[str]:
@@ -770,18 +728,17 @@ class GuardrailEngine:
                     "; it may already have been applied: see parwatch decisions"
                 )
             rearmed = self._rearm_after_cancel(done.get("decision_id"))
-            record = self._append(
-                {
-                    "type": "cancelled",
-                    "directive_id": directive_id,
-                    "action": done["action"],
-                    "decision_id": done.get("decision_id"),
-                    "time": self._now(),
-                    "requested_by": requested_by,
-                    "step": self._last_step,
-                    **({"rearmed_rules": rearmed} if rearmed else {}),
-                }
+            cancelled = Cancelled(
+                directive_id=directive_id,
+                action=done["action"],
+                decision_id=done.get("decision_id"),
+                time=self._now(),
+                requested_by=requested_by,
+                step=self._last_step,
             )
+            if rearmed:
+                cancelled.rearmed_rules = rearmed
+            record = self._append(cancelled)
             self._save()
             return record
 

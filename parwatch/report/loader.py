@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parwatch import ledger_view
+from parwatch import ledger_view, records
 from parwatch.schema import decode_float
 from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
 
@@ -170,16 +170,12 @@ def _span(rec: dict) -> dict:
     return {**rec, "start_s": start, "end_s": end, "attrs": attrs}
 
 
-RECORD_TYPES = tuple(RecordType)
-
-
 def _decision(rec: dict) -> dict:
-    kind = rec.get("type", "decision")
-    if kind not in RECORD_TYPES:
-        raise BadRecord(f"unknown record type {kind!r}")
-    if kind == RecordType.DECISION:
-        _int(rec, "step")
-    return {**rec, "type": kind}
+    try:
+        records.check_log_record(rec)
+    except records.BadRecord as err:
+        raise BadRecord(str(err)) from None
+    return {**rec, "type": rec.get("type", RecordType.DECISION)}
 
 
 def read_jsonl(path: Path, parse, issues: FileIssues) -> list:

@@ -221,7 +221,19 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     hub = activity_api.install(app, sidecar)  # /v1/activity, /v1/digest, /v1/hang and the hang loop
     hot.update(hub.posts)
 
-    @app.get("/v1/decisions", dependencies=auth, responses={**_AUTH, **_INVALID})
+    decision_log = {
+        "description": "the newest records of the decision log, newest last (parwatch/records.py)",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "array",
+                    "items": {"anyOf": [{"$ref": f"#/components/schemas/{r.__name__}"} for r in records.LOG_TYPES]},
+                }
+            }
+        },
+    }
+
+    @app.get("/v1/decisions", dependencies=auth, responses={200: decision_log, **_AUTH, **_INVALID})
     async def decisions(limit: int = Query(50, ge=1, le=10_000)):
         return JSONResponse(sidecar.decisions(limit))
 

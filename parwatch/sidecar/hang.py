@@ -2,7 +2,9 @@
 
 A hang is no step boundary for max(step_factor x median step time, min_seconds) (3x and 10 s by
 default). The culprit comes from the dependency picture of the ranks' open spans
-(parwatch.collector.activity): a rank in a recv waits for its peer; a rank in collective number
+(parwatch.collector.activity): a rank in a recv or a send waits for its peer (a send open as the rank's
+current span has not been taken: gloo's, and NCCL's past its eager size, complete only as the peer
+receives; DeepSpeed's DualPipeV commits its sends before its receives); a rank in collective number
 k of group G waits for every member of G not in that collective (still computing, or in an
 earlier one). Following those edges ends at ranks that wait for nobody: the one most ranks
 (transitively) wait for is the culprit. A rank whose process ended is a crash (`rank-gone`), told
@@ -136,12 +138,24 @@ class HangSettings:
 # --------------------------------------------------------------------------- pure analysis
 
 
+_P2P = (SpanKind.RECV, SpanKind.SEND)
+
+
+def _answered(a: Activity, rows: Mapping[int, Activity]) -> bool:
+    """A send whose peer is in the matching receive from it: the data is not flowing out of this rank, so
+    it waits for nobody (its own transport, or the rank itself, is stuck) and its peer waits for it."""
+    if a.kind != SpanKind.SEND or a.peer is None:
+        return False
+    peer = rows.get(int(a.peer))
+    return peer is not None and peer.kind == SpanKind.RECV and peer.peer == a.rank
+
+
 def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
-    """The node `a` waits for: ("rank", peer) in a recv, ("group", key) in a collective; None if it waits for nobody."""
+    """The node `a` waits for: ("rank", peer) in a recv or send, ("group", key) in a collective; None if it waits for nobody."""
     # An ended rank's last wait still tells who went first.
     if a.state not in (RankState.RUNNING, *ENDED) or a.kind is None:
         return None
-    if a.kind == SpanKind.RECV and a.peer is not None:
+    if a.kind in _P2P and a.peer is not None:
         return ("rank", int(a.peer))
     if a.kind in (SpanKind.COLLECTIVE, SpanKind.BOUNDARY) and a.group:  # the boundary: an all-reduce over the world
         key = (
@@ -167,7 +181,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
     blocked = {}
     for rank, a in rows.items():
         node = _blocked_on(a, layout, arrived)
-        if node is not None:
+        if node is not None and not _answered(a, rows):
             blocked[rank] = node
     # Who each group-wait waits for: the members not in that same collective.
     absent = {}
@@ -218,7 +232,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
                 "seq": seq if not isinstance(seq, tuple) else None,
             }
             break
-        missing = {"kind": "recv", "by": rank}
+        missing = {"kind": rows[rank].kind, "by": rank}
     return {"culprit": culprit, "waiting": sorted(reached), "missing": missing, "method": "dependency"}
 
 
@@ -406,7 +420,8 @@ def _missing_text(missing: dict | None) -> str:
     if missing["kind"] == SpanKind.COLLECTIVE:
         seq = f" #{missing['seq']}" if missing["seq"] is not None else ""
         return f"; it has not joined {missing['op']} group={missing['group']}{seq}"
-    return f"; rank {missing['by']} waits in a recv from it"
+    direction = "to" if missing["kind"] == SpanKind.SEND else "from"
+    return f"; rank {missing['by']} waits in a {missing['kind']} {direction} it"
 
 
 class HangMonitor:

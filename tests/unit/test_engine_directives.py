@@ -86,3 +86,40 @@ def test_a_cancelled_rule_directive_lets_the_rule_act_again(tmp_path):
         engine.evaluate(Observation(step=step, time=1000.0, series=bad, checkpoints=(0,)))
     again = [d for d in engine.decisions() if d.get("rule") == "skew"]
     assert len(again) == 2 and again[1]["enforced"] and again[1]["directive_id"] is not None, again
+
+
+def test_every_record_the_engine_logs_is_its_typed_log_record(tmp_path):
+    """Decisions (a rule's, an operator's, Alertmanager's, the engine's escalation), a cancel and outcomes:
+    each line of decisions.jsonl and each record the API returns decodes as parwatch.records says, and a
+    field of the wrong type is named."""
+    import json
+
+    import pytest
+
+    from parwatch.records import BadRecord, check_log_record
+
+    engine = GuardrailEngine(parse_rules(RULES.replace("action: alert", "action: pause")), tmp_path, now=lambda: 1000.0)
+    engine.begin_run("r")
+    engine.evaluate(Observation(step=1, time=1000.0, series={"pipeline_skew_ratio": {"": 3.0}}, checkpoints=(0,)))
+    _apply(engine)  # the rule's pause
+    engine.request("resume", "operator", requested_by="alice")
+    _apply(engine)
+    mirrored = engine.request("pause", "alertmanager", rule="skew")  # the rule acted: logged, not enforced
+    assert mirrored["alert_rule"] == "skew" and not mirrored["enforced"]
+    engine.cancel(engine.request("pause", "operator")["directive_id"], requested_by="alice")
+    engine.request("rollback", "operator", to_step=0)
+    d = engine.pending_directive()
+    engine.record_outcome(  # a failed rollback: the engine escalates to a pause and an alert
+        {"directive_id": d["id"], "run_id": "r", "outcome": "failed", "step": 5, "counts": {"failed": 2}, "ranks": 2}
+    )
+    engine.close()
+    lines = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    kinds = [(r["type"], r.get("source")) for r in lines]
+    assert ("decision", "rule") in kinds and ("decision", "engine") in kinds and ("cancelled", None) in kinds
+    assert ("applied", None) in kinds and ("failed", None) in kinds
+    for record in lines + engine.decisions(100):
+        check_log_record(record)
+    with pytest.raises(BadRecord, match=r"decision.step: Expected `int \| null`, got `str`"):
+        check_log_record({**lines[0], "step": "five"})
+    with pytest.raises(BadRecord, match="unknown record type 'verdict'"):
+        check_log_record({**lines[0], "type": "verdict"})

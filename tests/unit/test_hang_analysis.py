@@ -83,6 +83,25 @@ def test_recv_chain_names_the_rank_in_compute():
     assert found["culprit"] == 2 and found["waiting"] == [0, 1, 3] and found["method"] == "dependency"
 
 
+def test_a_rank_blocked_in_a_send_waits_for_its_peer():
+    """DeepSpeed's DualPipeV commits a send-only batch and blocks in it (gloo completes a send as the peer
+    receives): the rank that sends to the hung one is one of its waiters, and the finding says so."""
+    from parwatch.sidecar.hang import _missing_text
+
+    lay = Layout(1, 2, 1)
+    rows = {0: act(0, lay, "send", "send", "pp", peer=1), 1: act(1, lay, "forward")}
+    found = find_culprit(rows, lay)
+    assert found["culprit"] == 1 and found["waiting"] == [0]
+    assert _missing_text(found["missing"]) == "; rank 0 waits in a send to it"
+    rows[0] = act(0, lay, "recv", "recv", "pp", peer=1)
+    assert _missing_text(find_culprit(rows, lay)["missing"]) == "; rank 0 waits in a recv from it"
+    # A rank stuck in its send while the peer waits in the matching receive is the one the data is not
+    # leaving: the culprit (the trainer's where=send hang), not a cycle.
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, since=50.0), 1: act(1, lay, "send", "send", "pp", peer=0)}
+    found = find_culprit(rows, lay)
+    assert found["culprit"] == 1 and found["waiting"] == [0] and found["method"] == "dependency"
+
+
 def test_tp_collective_names_the_member_that_has_not_joined():
     lay = Layout(2, 2, 1)  # ranks 0,1 stage 0; 2,3 stage 1
     rows = {

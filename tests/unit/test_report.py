@@ -8,10 +8,12 @@ import random
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from PIL import Image
 
+from parwatch.records import Decision, log_record
 from parwatch.report.build import ReportOptions, StepNotSampled, build_report
 from parwatch.report.loader import load_run
 from parwatch.report.plots import loss_segments
@@ -325,9 +327,11 @@ def test_decisions_come_from_the_sidecars_log_for_this_run_only(tmp_path):
     run_id = json.loads((info.path / "summaries.jsonl").read_text().splitlines()[0])["run_id"]
     log = tmp_path / "state" / "decisions.jsonl"
     log.parent.mkdir()
-    mine = {"type": "decision", "id": 1, "run_id": run_id, "step": 3, "rule": "stage-skew", "action": "alert"}
-    other = {**mine, "id": 2, "run_id": "another-run", "rule": "loss-spike"}
-    log.write_text(json.dumps(other) + "\n" + json.dumps(mine) + "\n")
+    mine = Decision(
+        id=1, run_id=run_id, time=1.0, step=3, rule="stage-skew", action="alert", source="rule", reason="", evidence={}
+    )
+    other = msgspec.structs.replace(mine, id=2, run_id="another-run", rule="loss-spike")
+    log.write_text("".join(json.dumps(log_record(r)) + "\n" for r in (other, mine)))
     assert "No decisions recorded" in build_report(info.path)["markdown"].read_text()
     written = build_report(info.path, options=ReportOptions(decisions_path=str(log)))
     text = written["markdown"].read_text()

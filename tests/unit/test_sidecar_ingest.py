@@ -184,6 +184,11 @@ def test_openapi_documents_ingest_and_control(client):
     schemas = doc["components"]["schemas"]
     assert {"IngestBody", "StepSummary", "ControlRequest", "Directive"} <= set(schemas)
     assert "global" in schemas["StepSummary"]["properties"]
+    # The decision log's answer is described by its typed records (parwatch/records.py).
+    answer = doc["paths"]["/v1/decisions"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    refs = [item["$ref"].rsplit("/", 1)[1] for item in answer["items"]["anyOf"]]
+    assert refs == ["Decision", "Cancelled", "Outcome"] and set(refs) <= set(schemas)
+    assert {"action", "source", "reason", "evidence", "time", "step"} <= set(schemas["Decision"]["required"])
 
 
 @pytest.mark.parametrize(
