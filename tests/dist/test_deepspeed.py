@@ -102,7 +102,7 @@ def run_argv(*extra: str, ms: str = MS, steps: int = STEPS, m: int = M) -> list[
 
 
 def order() -> dict:
-    from parwatch.integrations.deepspeed import train_schedule_order
+    from parwatch.integrations._deepspeed_order import train_schedule_order
 
     return train_schedule_order(P, M)
 
@@ -223,7 +223,7 @@ def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid, name):
 
 # ------------------------------------------------------------------------------------- DualPipeV
 def dpv_order(m: int) -> dict:
-    from parwatch.integrations.deepspeed import dualpipev_schedule_order
+    from parwatch.integrations._deepspeed_order import dualpipev_schedule_order
 
     return dualpipev_schedule_order(P, m)
 

@@ -28,8 +28,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 BOUND_S = 10.0  # the default hang bound: max(3 x median step, 10 s); these steps are ~50 ms
 FRAMEWORKS = {  # name -> (the module it needs, its example, its layout flags)
-    "deepspeed": ("deepspeed", "deepspeed_pipe.py", ("--pp", "2")),
-    "megatron": ("megatron.core", "megatron_gpt.py", ("--tp", "1", "--pp", "2")),
+    "deepspeed": ("deepspeed", "deepspeed_pipe.py", ("--pp", "2", "--microbatches", "2")),
+    # DualPipeV: its first rank's commits are send-only, so a hang finding's waiters need the send edge.
+    "deepspeed-dualpipev": (
+        "deepspeed",
+        "deepspeed_pipe.py",
+        ("--pp", "2", "--microbatches", "4", "--schedule", "dualpipev"),
+    ),
+    "megatron": ("megatron.core", "megatron_gpt.py", ("--tp", "1", "--pp", "2", "--microbatches", "2")),
 }
 
 
@@ -49,8 +55,6 @@ def _start(framework, run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
         "2",
         example,
         *layout,
-        "--microbatches",
-        "2",
         "--synthetic-ms",
         "3,6",
         "--parwatch-log",

@@ -12,7 +12,7 @@ ds = pytest.importorskip("deepspeed.runtime.pipe.schedule", reason="pip install 
 if not hasattr(ds, "DualPipeVSchedule"):
     pytest.skip("this deepspeed has no DualPipeVSchedule (0.19.8 has)", allow_module_level=True)
 
-from parwatch.integrations.deepspeed import dualpipev_schedule_order  # noqa: E402
+from parwatch.integrations._deepspeed_order import dualpipev_schedule_order  # noqa: E402
 
 SIZES = [(2, 4), (2, 5), (2, 8), (3, 6), (3, 7), (4, 8), (4, 13)]
 COMPUTES = (ds.ForwardPass, ds.BackwardPass)
