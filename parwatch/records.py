@@ -211,7 +211,8 @@ class Outcome(Struct, kw_only=True):
 
     type: OutcomeName
     directive_id: int
-    action: DecisionAction
+    action: DecisionAction | None
+    """None: a directive this engine does not know (cancelled long ago, or another sidecar's)."""
     decision_id: int | None
     step: int | None
     time: float

@@ -691,8 +691,8 @@ class GuardrailEngine:
         self._rearmed[monitor.rule.name] = decision_id
         return [monitor.rule.name]
 
-    def _action_of(self, did: int) -> str:
-        """The action of a directive no longer outstanding, from the decision that made it."""
+    def _action_of(self, did: int) -> str | None:
+        """The action of a directive no longer outstanding, from the decision that made it (None: unknown)."""
         made = next(
             (
                 r
@@ -701,7 +701,7 @@ class GuardrailEngine:
             ),
             None,
         )
-        return str(made["action"]) if made is not None else "unknown"
+        return str(made["action"]) if made is not None else None
 
     def cancel(self, directive_id: int, requested_by: str = "") -> dict:
         """Withdraw a directive not yet delivered to the run; DirectiveDelivered once it has been (the

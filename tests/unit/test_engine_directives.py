@@ -112,6 +112,9 @@ def test_every_record_the_engine_logs_is_its_typed_log_record(tmp_path):
     engine.record_outcome(  # a failed rollback: the engine escalates to a pause and an alert
         {"directive_id": d["id"], "run_id": "r", "outcome": "failed", "step": 5, "counts": {"failed": 2}, "ranks": 2}
     )
+    unknown = {"directive_id": 99, "run_id": "r", "outcome": "applied", "step": 6, "counts": {"applied": 2}, "ranks": 2}
+    [orphan] = engine.record_outcome(unknown)  # a directive this engine never made: its action is unknown
+    assert orphan["action"] is None and orphan["note"]
     engine.close()
     lines = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     kinds = [(r["type"], r.get("source")) for r in lines]
