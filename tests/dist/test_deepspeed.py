@@ -12,7 +12,8 @@ runs every configuration in turn.
 - causes: a slow stage shows as imbalance, a delayed send as wait;
 - directives: pause, resume, and a rollback loaded by the engine's own load_checkpoint;
 - DualPipeV (`--schedule dualpipev`, DeepSpeed's DualPipeVEngine): the bubble against the replay of
-  its DualPipeVSchedule at m = 4 and 8, its spans and transfers, bitwise losses, detach.
+  its DualPipeVSchedule at m = 4 and 8, its spans and transfers, bitwise losses, detach;
+- four ranks (a second spawn): pp = 4 against the replay, and pp = 2 x dp = 2 (coordinates, DP sync).
 """
 
 from __future__ import annotations
@@ -344,3 +345,53 @@ def test_dualpipev_losses_are_bitwise_unchanged_and_detach_restores(grid):
         assert {"train_batch", "eval_batch", "save_checkpoint", "clip_fp32_gradients", "ForwardPass", "BackwardPass",
                 "LoadMicroBatch", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P",
                 "ReduceGrads", "OptimizerStep"} <= set(detach["attached"]), detach
+
+
+# --- four ranks: pp = 4, and pp = 2 x dp = 2 (DeepSpeed makes dp = world / pp) ----------------------
+P4, M4 = 4, 8
+
+
+@pytest.fixture(scope="module")
+def grid4(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("deepspeed4"))
+    runs = {
+        "pp4": ["--pp", str(P4), "--microbatches", str(M4), "--synthetic-ms", "20,40", "--steps", "5"],
+        "pp2-dp2": ["--pp", "2", "--microbatches", str(M), "--synthetic-ms", "20,40", "--steps", "4"],
+    }
+    return out, run_ranks(runs_body, 4, runs, out, timeout=280)
+
+
+@pytest.mark.timing
+def test_four_stages_bubble_matches_the_replayed_schedule(grid4):
+    from parwatch.integrations._deepspeed_order import train_schedule_order
+
+    out, _ = grid4
+    four = train_schedule_order(P4, M4)
+    steps = replayed_steps(os.path.join(out, "pp4"), four)
+    assert steps, "no step with every stage's spans"
+    for rank in range(P4):
+        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
+        print(f"pp=4 rank {rank}: median step {deviation:+.4f} off the replay")
+        assert abs(deviation) <= TOLERANCE, f"rank {rank}: median step {deviation:+.4f} off the replay"
+    assert ps.simulate(four, {"F": 0.02, "B": 0.04}).bubble[0] == pytest.approx(theoretical("1f1b", P4, M4))
+
+
+def test_data_parallel_replicas_sync_and_report_their_coordinates(grid4):
+    out, losses = grid4
+    rows = {}
+    with open(os.path.join(out, "pp2-dp2", "summaries.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            rows[row["rank"]] = row
+    # DeepSpeed's grid: rank = dp_rank * pp + stage... whatever its order, every (stage, dp_rank) once.
+    assert {(r["stage"], r["dp_rank"]) for r in rows.values()} == {(s, d) for s in range(2) for d in range(2)}
+    assert all((r["pp"], r["dp"], r["tp"]) == (2, 2, 1) for r in rows.values())
+    synced = set()
+    with open(os.path.join(out, "pp2-dp2", "spans.jsonl")) as f:
+        for line in f:
+            span = json.loads(line)
+            if span["kind"] == "dp_sync":
+                synced.add(span["rank"])
+    assert synced == {0, 1, 2, 3}  # ReduceGrads: every replica's gradient all-reduce is timed
+    for rank, row in rows.items():
+        assert 0 <= row["bubble_ratio"] < 1 and row["time_seconds"]["productive"] > 0, row
