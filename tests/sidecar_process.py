@@ -62,6 +62,9 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
     return proc.returncode
 
 
+PORT_ATTEMPTS = 3
+
+
 @contextlib.contextmanager
 def running_sidecar(
     state_dir: Path,
@@ -76,39 +79,46 @@ def running_sidecar(
     token None (and no --token-file in extra): the sidecar generates STATE_DIR/token, as it does by
     default; either way the SidecarProcess carries the token and a file holding it. open_files: the
     child's soft and hard limit on open files (`ulimit -n`), as a host might set it."""
-    metrics, control = free_port(), free_port()
     state_dir = Path(state_dir)
     state_dir.parent.mkdir(parents=True, exist_ok=True)
-    log_path = state_dir.parent / f"sidecar-{control}.log"
-    args = [
-        "--state-dir",
-        str(state_dir),
-        "--metrics-listen",
-        f"127.0.0.1:{metrics}",
-        "--control-listen",
-        f"127.0.0.1:{control}",
-        *extra,
-    ]
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
     if token is not None:
         child_env["PARWATCH_TOKEN"] = token
     else:
         child_env.pop("PARWATCH_TOKEN", None)  # the sidecar's default: its own generated token
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            sidecar_command(*args),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            preexec_fn=None if open_files is None else partial(_limit_files, open_files),
-        )
-    try:
+    for attempt in range(PORT_ATTEMPTS):
+        # free_port() only finds a port free now: another process (a rank's rendezvous, gloo) may take
+        # it before the sidecar binds. The sidecar then says so and exits: take other ports.
+        metrics, control = free_port(), free_port()
+        log_path = state_dir.parent / f"sidecar-{control}.log"
+        args = [
+            "--state-dir",
+            str(state_dir),
+            "--metrics-listen",
+            f"127.0.0.1:{metrics}",
+            "--control-listen",
+            f"127.0.0.1:{control}",
+            *extra,
+        ]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                sidecar_command(*args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                preexec_fn=None if open_files is None else partial(_limit_files, open_files),
+            )
         sp = SidecarProcess(proc, f"http://127.0.0.1:{metrics}", f"http://127.0.0.1:{control}", log_path)
         try:
             wait_healthy(f"{sp.control_url}/healthz", proc, timeout)
+            break
         except (RuntimeError, TimeoutError) as err:
+            stop(proc)
+            if "already in use" in sp.log() and attempt + 1 < PORT_ATTEMPTS:
+                continue
             raise RuntimeError(f"{err}\n--- sidecar log ---\n{sp.log()}") from None
+    try:
         sp.token_file = Path(extra[extra.index("--token-file") + 1]) if "--token-file" in extra else None
         if token is not None:
             sp.token_file = state_dir.parent / f"token-{control}"
