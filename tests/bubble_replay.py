@@ -38,6 +38,26 @@ def replayed_steps(run_dir: str, order) -> dict:
     return out
 
 
+def assert_near_replay(steps: dict, label: str, tolerance: float) -> dict[int, float]:
+    """Print each step's measured - replayed bubble per rank (`replayed_steps`' output), and assert every
+    rank's median step within `tolerance` of the replay; returns {rank: median deviation}."""
+    ranks = sorted(next(iter(steps.values()))[0]) if steps else []
+    print(f"\n{label}: measured - replayed bubble per step (host ms per action; p2p ms)")
+    for step, (measured, replay, host, p2p) in steps.items():
+        print(
+            f"  step {step}: "
+            + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})" for r in ranks)
+            + f"  p2p {p2p * 1e3:.2f}"
+        )
+    medians = {
+        r: statistics.median(measured[r] - replay.bubble[r] for measured, replay, _, _ in steps.values()) for r in ranks
+    }
+    print("  median step: " + "  ".join(f"rank {r} {d:+.4f}" for r, d in medians.items()))
+    for rank, deviation in medians.items():
+        assert abs(deviation) <= tolerance, f"{label} rank {rank}: median step {deviation:+.4f} off the replay"
+    return medians
+
+
 _SPAN_TYPES = {SpanKind.FORWARD: F, SpanKind.BACKWARD: B, SpanKind.BACKWARD_INPUT: I, SpanKind.BACKWARD_WEIGHT: W}
 # Not the executor's host work: compute (loss included), waiting on a neighbour's data (idle the
 # schedule explains) and work that is not the pipeline's (optimizer, gradient sync, data, checkpoint).

@@ -27,7 +27,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import replayed_theory, theoretical
-from tests.bubble_replay import median_causes, replayed_steps
+from tests.bubble_replay import assert_near_replay, median_causes, replayed_steps
 from tests.dist.test_torch_pipelining import Director, action_seconds
 from tests.distutil import ROOT, run_ranks
 
@@ -141,13 +141,7 @@ def test_bubble_matches_the_replayed_schedule(grid):
     run_dir = os.path.join(out, "1f1b")
     steps = replayed_steps(run_dir, order())
     assert len(steps) == STEPS - 1
-    print("\ndeepspeed: measured - replayed bubble per step (host ms per action; p2p ms)")
-    for step, (measured, replay, host, p2p) in steps.items():
-        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
-                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
-    for rank in range(P):
-        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
-        assert abs(deviation) <= TOLERANCE, f"rank {rank}: median step {deviation:+.4f} off the replay"
+    assert_near_replay(steps, "deepspeed", TOLERANCE)
     times = action_seconds(run_dir, lambda span, kind: (span["attrs"]["vstage"], kind))
     for bubble in ps.simulate(order(), times).bubble.values():
         assert bubble == pytest.approx(theoretical("1f1b", P, M), abs=TOLERANCE)
@@ -242,13 +236,7 @@ def test_dualpipev_bubble_matches_the_replayed_schedule(grid, name):
     run_dir, order = os.path.join(out, name), dpv_order(m)
     steps = replayed_steps(run_dir, order)
     assert len(steps) == STEPS - 1
-    print(f"\ndeepspeed dualpipev m={m} {ms} ms: measured - replayed bubble per step (host ms per action; p2p ms)")
-    for step, (measured, replay, host, p2p) in steps.items():
-        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
-                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
-    for rank in range(P):
-        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
-        assert abs(deviation) <= TOLERANCE, f"rank {rank}: median step {deviation:+.4f} off the replay"
+    assert_near_replay(steps, f"deepspeed dualpipev m={m} {ms} ms", TOLERANCE)
     # At the run's median action times (one stalled action moves a mean) the replay is the
     # schedule's own bubble at F, B ms.
     f, b = (float(x) / 1000 for x in ms.split(","))
@@ -369,10 +357,7 @@ def test_four_stages_bubble_matches_the_replayed_schedule(grid4):
     four = train_schedule_order(P4, M4)
     steps = replayed_steps(os.path.join(out, "pp4"), four)
     assert steps, "no step with every stage's spans"
-    for rank in range(P4):
-        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
-        print(f"pp=4 rank {rank}: median step {deviation:+.4f} off the replay")
-        assert abs(deviation) <= TOLERANCE, f"rank {rank}: median step {deviation:+.4f} off the replay"
+    assert_near_replay(steps, "deepspeed pp=4", TOLERANCE)
     assert ps.simulate(four, {"F": 0.02, "B": 0.04}).bubble[0] == pytest.approx(theoretical("1f1b", P4, M4))
 
 

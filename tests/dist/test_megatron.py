@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import types
@@ -31,7 +30,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import closed_form
-from tests.bubble_replay import median_causes, replayed_steps
+from tests.bubble_replay import assert_near_replay, median_causes, replayed_steps
 from tests.distutil import ROOT, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
@@ -163,14 +162,7 @@ def test_bubble_matches_the_replayed_schedule(grid, config):
     out, _ = grid
     steps = replayed_steps(os.path.join(out, config), order_of(config))
     assert len(steps) == STEPS - 1
-    print(f"\n{config}: measured - replayed bubble per step (host ms per action; p2p ms)")
-    for step, (measured, replay, host, p2p) in steps.items():
-        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
-                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
-    for rank in range(P):
-        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
-        print(f"  rank {rank}: median {deviation:+.4f}")
-        assert abs(deviation) <= TOLERANCE, f"{config} rank {rank}: median step {deviation:+.4f} off the replay"
+    assert_near_replay(steps, config, TOLERANCE)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import statistics
 
 import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import replayed_theory, theoretical
-from tests.bubble_replay import replayed_steps  # noqa: F401  (the benchmark reads it here)
+from tests.bubble_replay import assert_near_replay, replayed_steps  # noqa: F401  (the benchmark reads it here)
 from tests.distutil import ROOT, run_ranks
 from tests.torch_orders import torch_order
 
@@ -150,13 +149,7 @@ def test_bubble_matches_the_replayed_schedule(grid, schedule):
     order = order_of(schedule, P, M)
     steps = replayed_steps(run_dir, order)
     assert len(steps) == STEPS - 1
-    print(f"\n{schedule}: measured - replayed bubble per step (host ms per action; p2p ms)")
-    for step, (measured, replay, host, p2p) in steps.items():
-        print(f"  step {step}: " + "  ".join(f"rank {r} {measured[r] - replay.bubble[r]:+.4f} ({host[r] * 1e3:.2f})"
-                                            for r in range(P)) + f"  p2p {p2p * 1e3:.2f}")
-    for rank in range(P):
-        deviation = statistics.median(measured[rank] - replay.bubble[rank] for measured, replay, _, _ in steps.values())
-        assert abs(deviation) <= TOLERANCE, f"{schedule} rank {rank}: median step {deviation:+.4f} off the replay"
+    assert_near_replay(steps, schedule, TOLERANCE)
     # The theory the summaries carry is the replay, at equal action times, of the order the run
     # announced: it must be the order measured above (DualPipeV's OVERLAP_F_B blocks kept whole).
     with open(os.path.join(run_dir, "summaries.jsonl")) as f:
