@@ -19,7 +19,10 @@ What it exercises:
    watched and not (instruction spans on the CUDA-event clock, no added synchronization).
 7. The Megatron-Core integration on one device: the example's GPTModel (local layer spec, pp=1),
    steps alternately watched and not.
-8. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
+8. The goodput ledger against the profiler (issue 23): one rank's busy share of ten steps, the
+   ledger's against the CUDA kernels in a torch.profiler trace (tests/trace_check.py, no parwatch
+   code), and HTA's temporal breakdown of the trace where HTA is installed.
+9. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
    boundary's device tensor is released by NCCL's watchdog thread, not gloo's worker, so the
    teardown order is checked there too.
 Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
@@ -142,46 +145,122 @@ def _one_rank(cuda: bool) -> None:
     )
 
 
-def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
-    """Section 5: PipelineWatch + Collector on one rank, alternating watched and unwatched steps."""
+def _interleaved_one_rank(cuda: bool):
+    """One rank holding both stages of an interleaved 1F1B schedule (v=2, m=8), real matmuls: (the
+    PipelineWatch, detached; train_step(on), one step with its optimizer step, in a span when on).
+    Call after _one_rank."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-    from parwatch.collector import Collector
     from parwatch.integrations.torch_pipelining import PipelineWatch
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     hidden, rows, layers = (4096, 2048, 4) if cuda else (64, 16, 2)  # on an H200 ~1 ms a layer forward
+    torch.manual_seed(0)
+    stages = [
+        PipelineStage(
+            torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers))).to(device), i, 2, device
+        )
+        for i in range(2)
+    ]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    params = [p for st in stages for p in st.submod.parameters()]
+    optimizer = torch.optim.SGD(params, lr=1e-4)
+    watch = PipelineWatch(schedule, run_id="gpu-check")
+    watch.detach()
+    x, y = torch.randn(8 * rows, hidden, device=device), torch.randn(8 * rows, hidden, device=device)
+
+    def train_step(on: bool) -> None:
+        optimizer.zero_grad()
+        schedule.step(x, target=y)
+        if on:
+            watch.optimizer_step(optimizer)
+        else:
+            optimizer.step()
+
+    return watch, train_step
+
+
+def pipelining_check(cuda: bool, pairs: int = 20) -> dict:
+    """Section 5: PipelineWatch + Collector on one rank, alternating watched and unwatched steps."""
+    import torch.distributed as dist
+
+    from parwatch.collector import Collector
+
     _one_rank(cuda)
     try:
-        torch.manual_seed(0)
-        stages = [
-            PipelineStage(
-                torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers))).to(device), i, 2, device
-            )
-            for i in range(2)
-        ]
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=lambda out, y: ((out - y) ** 2).mean())
-        params = [p for st in stages for p in st.submod.parameters()]
-        optimizer = torch.optim.SGD(params, lr=1e-4)
-        watch = PipelineWatch(schedule, run_id="gpu-check")
-        watch.detach()
+        watch, train_step = _interleaved_one_rank(cuda)
         collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
-        x, y = torch.randn(8 * rows, hidden, device=device), torch.randn(8 * rows, hidden, device=device)
-
-        def train_step(on: bool) -> None:
-            optimizer.zero_grad()
-            schedule.step(x, target=y)
-            if on:
-                watch.optimizer_step(optimizer)
-            else:
-                optimizer.step()
-
-        title = f"torch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {device}"
+        title = f"torch pipelining integration, one rank, interleaved 1F1B v=2 m=8 on {'cuda' if cuda else 'cpu'}"
         return _alternate(title, watch, collector, train_step, cuda, pairs)
     finally:
         dist.destroy_process_group()
+
+
+def ledger_trace_check(cuda: bool, steps: int = 14, first: int = 4) -> dict:
+    """Section 8 (issue 23): the goodput ledger against a profiler trace of the same steps, read by
+    tests/trace_check.py (none of parwatch's code): the rank's busy share of the window between the
+    markers after steps `first` and `steps`, the ledger's (productive + optimizer) against the trace's
+    (CUDA: the union of its kernels, collectives' left out; CPU: of its host ops). The bar on CPU, at
+    wide layers, is 2 percentage points (tests/dist/test_ledger_profiler.py); this small CPU fallback
+    only exercises the path. With HTA installed (`holistictraceanalysis`), its temporal breakdown of
+    the same trace too."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from parwatch.collector import Collector, attach, detach
+    from tests import trace_check
+
+    _one_rank(cuda)
+    out = tempfile.mkdtemp(prefix="parwatch-ledger-trace-")
+    try:
+        watch, train_step = _interleaved_one_rank(cuda)
+        summaries = os.path.join(out, "summaries.jsonl")
+        collector = Collector(watch.run_context(local_gpu=0 if cuda else None), log_path=summaries)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            watch.attach()
+            attach(collector)
+            step = watch.start(0)
+            while step < steps:
+                train_step(True)
+                step = watch.step_done()
+                with record_function(f"{trace_check.MARK}{step}"):
+                    pass
+            watch.detach()
+            detach(collector)
+        watch.close()
+        collector.close()
+        trace = os.path.join(out, "trace-rank0.json")
+        prof.export_chrome_trace(trace)
+    finally:
+        dist.destroy_process_group()
+    with open(summaries) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    trace_window, trace_busy = trace_check.trace_busy(trace, first, steps, "kernel" if cuda else "cpu_op")
+    ledger_window, ledger_busy, delta = trace_check.ledger_busy(rows, 0, first, steps)
+    result = {
+        "busy": "kernels" if cuda else "host ops",
+        "trace_window_s": trace_window,
+        "ledger_window_s": ledger_window,
+        "trace_busy_share": trace_busy / trace_window,
+        "ledger_busy_share": ledger_busy / ledger_window,
+        "gap_pp": 100 * (ledger_busy / ledger_window - trace_busy / trace_window),
+        "ledger_seconds": {c: v for c, v in sorted(delta.items()) if v > 0},
+        "trace_dir": out,
+    }
+    try:
+        from hta.trace_analysis import TraceAnalysis
+
+        breakdown = TraceAnalysis(trace_dir=out).get_temporal_breakdown(visualize=False)
+        result["hta"] = breakdown.to_dict(orient="records")
+    except ImportError:
+        result["hta"] = "not installed (pip install holistictraceanalysis)"
+    except Exception as exc:  # HTA reads kernel traces: a CPU trace has none
+        result["hta"] = f"{type(exc).__name__}: {exc}"
+    print(f"\ngoodput ledger against the profiler's trace, steps {first}-{steps}, one rank ({result['busy']})")
+    print_table(["measure", "value"], [[k, v] for k, v in result.items() if k != "ledger_seconds"])
+    return result
 
 
 def deepspeed_check(cuda: bool, pairs: int = 20) -> dict:
@@ -439,6 +518,7 @@ def main() -> int:
         result["megatron"] = megatron_check(cuda)
     except ImportError as exc:
         result["megatron"] = {"skipped": f"{exc} (pip install parwatch[megatron])"}
+    result["ledger_trace"] = ledger_trace_check(cuda)
     result["clean_exit"] = clean_exit_check(layout(ngpus) + ["--backend", "nccl" if cuda else "gloo"])
     out = Path(a.out) / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ autograd), so the rank's busy time is aten ops the profiler records. torch.profi
 (a zero-length record_function) is placed right after each step boundary returns; each rank's
 chrome trace is exported.
 
-The checker below imports nothing of parwatch: from the trace alone it takes the window between
+The checker (tests/trace_check.py) imports nothing of parwatch: from the trace alone it takes the window between
 two step markers and the union of the intervals of every compute op (cpu_op events, the
 collectives' and point-to-point ops left out) clipped to it: busy, and idle = window - busy.
 
@@ -29,12 +29,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 
 import pytest
 import torch
 
 from tests.distutil import ROOT, run_ranks
+from tests.trace_check import MARK, ledger_busy, trace_busy
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -43,12 +43,6 @@ FIRST, LAST = 4, STEPS  # the window: step FIRST's boundary to step LAST's (the 
 ARGV = ["--schedule", "1f1b", "--microbatches", "4", "--synthetic-ms", "0,0", "--hidden", "1536",
         "--microbatch-size", "32", "--steps", str(STEPS)]
 TOLERANCE = 0.02
-MARK = "ledger-test-boundary:"
-BUSY = ("productive", "optimizer")
-"""The ledger categories that are the rank computing (the profiler's busy); the rest is idle."""
-COMM = re.compile(r"c10d|gloo|nccl|record_param_comms|send|recv|wait|barrier|all_?reduce|broadcast|gather|scatter",
-                  re.IGNORECASE)
-"""Op names of collectives and point-to-point transfers: a rank waiting in them is not computing."""
 
 
 def _example():
@@ -97,38 +91,6 @@ def profiled_rank(rank: int, world_size: int, out_dir: str) -> str:
     prof.export_chrome_trace(path)
     torch.distributed.barrier()
     return path
-
-
-# --- the checker: the chrome trace only ---------------------------------------------------------
-def trace_busy(path: str, first: int, last: int) -> tuple[float, float]:
-    """(window seconds, busy seconds) of one rank's chrome trace between the markers after steps
-    `first` and `last`: busy is the union of the compute ops' intervals (nested ops counted once)."""
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    marks = {int(e["name"][len(MARK):]): float(e["ts"]) for e in events if e["name"].startswith(MARK)}
-    start, end = marks[first], marks[last]
-    spans = sorted(
-        (max(start, float(e["ts"])), min(end, float(e["ts"]) + float(e["dur"])))
-        for e in events
-        if e.get("cat") == "cpu_op" and not COMM.search(e["name"])
-    )
-    busy, reach = 0.0, start
-    for lo, hi in spans:
-        lo = max(lo, reach)
-        if hi > lo:
-            busy += hi - lo
-            reach = hi
-    return (end - start) * 1e-6, busy * 1e-6
-
-
-def ledger_busy(summaries: list[dict], rank: int, first: int, last: int) -> tuple[float, float, dict]:
-    """(window seconds, busy seconds, every category's seconds) of the ledger between the two step
-    boundaries: differences of the cumulative counters (wasted is counted again inside productive's
-    gross counter, so the window is the sum of the rest)."""
-    at = {s["step"]: s["time_seconds"] for s in summaries if s["rank"] == rank and "time_seconds" in s}
-    delta = {c: at[last][c] - at[first].get(c, 0.0) for c in at[last]}
-    window = sum(v for c, v in delta.items() if c != "wasted")
-    return window, sum(delta[c] for c in BUSY), delta
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_section(name: str) -> dict:
-    """gpu_check.<name>(False, pairs=4) in a fresh process (each section owns its process group); its result."""
-    program = f"import json, gpu_check\nprint('RESULT ' + json.dumps(gpu_check.{name}(False, pairs=4)))\n"
+def section_result(call: str) -> dict:
+    """`gpu_check.<call>` in a fresh process (each section owns its process group); its result."""
+    program = f"import json, gpu_check\nprint('RESULT ' + json.dumps(gpu_check.{call}))\n"
     proc = subprocess.run(
         [sys.executable, "-c", program],
         cwd=os.path.join(ROOT, "benchmarks"),
@@ -23,7 +23,12 @@ def run_section(name: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
+    return json.loads(line[len("RESULT ") :])
+
+
+def run_section(name: str) -> dict:
+    """An integration section, 4 pairs of steps: its result, checked for what every section reports."""
+    result = section_result(f"{name}(False, pairs=4)")
     assert result["clock"] == "PerfCounterClock"  # CudaClock on a GPU
     assert result["summaries"] == 4 and result["unresolved_spans"] == 0 and result["errors"] == 0
     assert result["steps_per_mode"] == 2  # 4 pairs, the first 2 dropped
@@ -44,3 +49,12 @@ def test_the_deepspeed_section_runs_watched_and_unwatched_steps():
 
 def test_the_megatron_section_runs_watched_and_unwatched_steps():
     run_section("megatron_check")
+
+
+def test_the_ledger_trace_section_reads_the_same_window_both_ways():
+    result = section_result("ledger_trace_check(False, steps=8, first=3)")
+    # The window between the same two step boundaries, by the profiler's markers and by the ledger's counters.
+    assert abs(result["ledger_window_s"] - result["trace_window_s"]) <= 0.05 * result["trace_window_s"] + 0.005
+    assert 0 < result["trace_busy_share"] < 1 and 0 < result["ledger_busy_share"] < 1
+    assert result["ledger_seconds"]["productive"] > 0
+    assert result["hta"]  # its breakdown, or why there is none (not installed here; a CPU trace has no kernels)
