@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,3 +90,12 @@ def write_json(path: str, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"machine": machine(), **payload}, indent=1))
     print(f"\nwrote {path}")
+
+
+def median_ci(values: list[float]) -> tuple[float, float, float]:
+    """The median of `values` with a distribution-free 95% interval for it (order statistics
+    n/2 -+ 0.98 sqrt(n)): for paired differences, whose spread says what one run can resolve."""
+    ordered = sorted(values)
+    n = len(ordered)
+    k = max(0, int((n - 1.96 * n**0.5) / 2))
+    return statistics.median(ordered), ordered[k], ordered[n - 1 - k]
