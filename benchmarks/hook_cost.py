@@ -15,6 +15,8 @@ thread CPU (`time.thread_time_ns`) per call and what it adds over the bare call 
 - the boundary vector: a float64 tensor built from a list and read back, against
   `TorchAllReduce`'s reused array-backed tensor (filling and reading; the all-reduce itself is a
   1-rank gloo group's, in both);
+- DeepSpeed's timed instruction (`DeepSpeedWatch._timed`) and Megatron-Core's forward_step hook
+  (`_megatron_hooks.Hooks`), each around a do-nothing original, against the bare call;
 - nothing: the two clock reads alone, what every row includes.
 
 Each case also runs warm (no sleep before the call), in a second pass: the ratio of the two columns
@@ -28,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 from common import ROOT, print_table, write_json
 
@@ -114,25 +117,57 @@ def main() -> int:
         with registry.span(SpanKind.FORWARD, **base, microbatch=i % 8):
             bare.forward_one_chunk(i % 8)
 
+    # DeepSpeed's timed instruction and Megatron-Core's forward_step hook, around do-nothing originals
+    # (neither framework is imported: the wrappers are parwatch's own code).
+    from parwatch.integrations._megatron_hooks import Hooks
+    from parwatch.integrations.deepspeed import DeepSpeedWatch
+
+    def instruction(engine, **kwargs):
+        return None
+
+    watch = types.SimpleNamespace(_training=True, _counts={})  # what the instruction wrapper reads of its watch
+    ds_timed = DeepSpeedWatch._timed(
+        watch, instruction, SpanKind.FORWARD, DeepSpeedWatch._counted(watch, base, "ForwardPass")
+    )
+    out = torch.ones(1)
+
+    def forward_step(step_func, data, model, n, input_tensor, **kwargs):
+        return out, 1
+
+    hooks = Hooks({}, 0, 2)
+    mg_forward = hooks._forward_step(forward_step)
+
+    def reset():
+        sink.spans.clear()
+        watch._counts.clear()
+
     cases = {
         "compute: bare call": lambda i: bare.forward_one_chunk(i % 8),
         "compute: with registry.span": generic_span,
         "compute: integration wrapper": lambda i: wrapped.forward_one_chunk(i % 8),
         "send: bare builder, post, wait": lambda i: wait(post(bare.get_fwd_send_ops(i % 8))),
         "send: integration wrappers": lambda i: _p2p._wait_batch_p2p(_p2p._batch_p2p(wrapped.get_fwd_send_ops(i % 8))),
+        "deepspeed instruction: bare": lambda i: instruction(None, buffer_id=i % 8),
+        "deepspeed instruction: integration wrapper": lambda i: ds_timed(None, buffer_id=i % 8),
+        "megatron forward_step: bare": lambda i: forward_step(None, None, None, 8, None, current_microbatch=i % 8),
+        "megatron forward_step: integration hook": lambda i: mg_forward(
+            None, None, None, 8, None, current_microbatch=i % 8
+        ),
         "boundary vector: tensor from a list": tensor_from_list,
         "boundary vector: TorchAllReduce": lambda i: reduce(values)(),
         "nothing (the clock reads alone)": lambda i: None,
     }
     try:
-        medians = cold(cases, a.calls, a.sleep_ms / 1000, sink.spans.clear)
-        warm = cold(cases, a.calls, 0.0, sink.spans.clear)
+        medians = cold(cases, a.calls, a.sleep_ms / 1000, reset)
+        warm = cold(cases, a.calls, 0.0, reset)
     finally:
         dist.destroy_process_group()
     pairs = {
         "compute: with registry.span": "compute: bare call",
         "compute: integration wrapper": "compute: bare call",
         "send: integration wrappers": "send: bare builder, post, wait",
+        "deepspeed instruction: integration wrapper": "deepspeed instruction: bare",
+        "megatron forward_step: integration hook": "megatron forward_step: bare",
     }
     added = {name: medians[name] - medians[bare] for name, bare in pairs.items()}
     added_warm = {name: warm[name] - warm[bare] for name, bare in pairs.items()}
