@@ -7,6 +7,7 @@ The process start times this test checks against are read from /proc here, not f
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -19,6 +20,7 @@ from tests.integration.e2e_util import (
     descendants,
     metric_value,
     read_jsonl,
+    run_trainer,
     running_trainer,
     token_args,
     wait_until,
@@ -92,6 +94,7 @@ def test_a_crash_and_restart_shows_the_gap_as_down_and_the_replayed_steps_as_was
             restarts = wait_until(lambda: len(s := rank_processes(second.proc.pid)) == 2 and s, "the restarted ranks")
             assert second.proc.wait(120) == 0, second.output()
         assert "resumed run restart-e2e from its checkpoint at step 6" in second.output()
+        resumed = json.loads(second.summary_path.read_text())["losses"]
         assert {s["step"] for s in read_jsonl(second.log_dir / "summaries.jsonl")} == set(range(7, 13))
         for rank in (0, 1):  # its load is checkpoint load, after its start-up
             assert second.ledger(rank)["time_seconds"]["checkpoint_load"] > 0
@@ -131,3 +134,7 @@ def test_a_crash_and_restart_shows_the_gap_as_down_and_the_replayed_steps_as_was
                 f"rank {rank}: wasted {ledger['wasted']:.6f} s, discarded steps 7-{reported.group(1)}: {discarded:.6f} s"
             )
             assert ledger["wasted"] == pytest.approx(discarded, rel=0.01, abs=1e-9), ledger
+
+    # The resumed run computes what a run that never crashed computes: steps 7-12, bitwise.
+    _, whole = run_trainer(None, tmp_path / "whole", 12, *SMALL_MODEL, "--pp", "2")
+    assert resumed == whole["losses"][6:], (resumed, whole["losses"])
