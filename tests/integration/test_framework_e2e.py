@@ -39,11 +39,15 @@ FRAMEWORKS = {  # name -> (the module it needs, its example, its layout flags)
 }
 
 
-@pytest.fixture(params=sorted(FRAMEWORKS))
-def framework(request):
-    module, example, layout = FRAMEWORKS[request.param]
+def _framework(name: str) -> tuple[str, tuple[str, ...]]:
+    module, example, layout = FRAMEWORKS[name]
     pytest.importorskip(module, reason="pip install -e '.[test]' installs megatron-core and deepspeed")
     return str(ROOT / "examples" / example), layout
+
+
+@pytest.fixture(params=sorted(FRAMEWORKS))
+def framework(request):
+    return _framework(request.param)
 
 
 def _start(framework, run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
@@ -69,7 +73,11 @@ def _start(framework, run_dir: Path, sidecar, *flags: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_nan_is_rolled_back_through_the_frameworks_checkpoint(framework, tmp_path):
+# DualPipeV rolls back through the same engine.load_checkpoint as TrainSchedule (tests/dist/test_deepspeed.py
+# rolls it back on 2 ranks): once per framework here.
+@pytest.mark.parametrize("name", ["deepspeed", "megatron"])
+def test_nan_is_rolled_back_through_the_frameworks_checkpoint(name, tmp_path):
+    framework = _framework(name)
     nan_step, steps = 5, 30
     with running_sidecar(tmp_path / "state") as sidecar:
         proc = _start(
