@@ -99,3 +99,12 @@ def median_ci(values: list[float]) -> tuple[float, float, float]:
     n = len(ordered)
     k = max(0, int((n - 1.96 * n**0.5) / 2))
     return statistics.median(ordered), ordered[k], ordered[n - 1 - k]
+
+
+def two_positive(text: str) -> bool:
+    """Whether `text` is "F,B": two positive numbers (a --synthetic-ms value)."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        return False
+    return len(values) == 2 and all(v > 0 for v in values)

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, cpu_jiffies, median_ci, print_table, stolen_share, write_json
+from common import ROOT, cpu_jiffies, median_ci, print_table, stolen_share, two_positive, write_json
 from integration_overhead import WARMUP, paired_ratio, slower_rank_median
 
 sys.path.insert(0, str(ROOT))
@@ -322,14 +322,6 @@ def table(results: list[dict]) -> None:
     )
 
 
-def _two_positive(text: str) -> bool:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        return False
-    return len(values) == 2 and all(v > 0 for v in values)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--framework", choices=(*FRAMEWORKS, "all"), default="all")
@@ -340,7 +332,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.pairs <= WARMUP:
         ap.error(f"--pairs must be > {WARMUP} (the first {WARMUP} are dropped)")
-    if not _two_positive(a.synthetic_ms):
+    if not two_positive(a.synthetic_ms):
         ap.error(f"--synthetic-ms {a.synthetic_ms!r}: give forward,backward ms per microbatch, both > 0 (e.g. 20,40)")
     if a.runs < 1:
         ap.error("--runs must be >= 1")

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, cpu_jiffies, print_table, stolen_share, write_json
+from common import ROOT, cpu_jiffies, print_table, stolen_share, two_positive, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -342,14 +342,6 @@ def fidelity() -> tuple[list, list]:
     return rows, results
 
 
-def _two_positive(text: str) -> bool:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        return False
-    return len(values) == 2 and all(v > 0 for v in values)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=40, help=f"on/off step pairs (the first {WARMUP} are dropped)")
@@ -368,7 +360,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.pairs <= WARMUP:
         ap.error(f"--pairs must be > {WARMUP} (the first {WARMUP} are dropped)")
-    if a.synthetic_ms and not _two_positive(a.synthetic_ms):
+    if a.synthetic_ms and not two_positive(a.synthetic_ms):
         ap.error(f"--synthetic-ms {a.synthetic_ms!r}: give forward,backward ms per microbatch, both > 0 (e.g. 20,40)")
     rows, results = overhead(a.pairs, a.only, a.synthetic_ms)
     print()
