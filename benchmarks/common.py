@@ -108,3 +108,27 @@ def two_positive(text: str) -> bool:
     except ValueError:
         return False
     return len(values) == 2 and all(v > 0 for v in values)
+
+
+def megatron_train_step(example, watch, model, optimizer, data: list, args):
+    """`train_step(on)`: one step of examples/megatron_gpt.py's model (`example`, loaded) over the
+    microbatches `data`, watched (the optimizer step in its span) or not, as the overhead benchmarks
+    alternate them (the watch attached or detached between steps)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def train_step(on: bool) -> None:
+        optimizer.zero_grad()
+        get_forward_backward_func()(  # fetched after attach/detach: the watched one or Megatron's own
+            forward_step_func=example.forward_step_func,
+            data_iterator=iter(data),
+            model=model,
+            num_microbatches=args.microbatches,
+            seq_length=args.seq,
+            micro_batch_size=args.microbatch_size,
+        )
+        if on:
+            watch.optimizer_step(optimizer)
+        else:
+            optimizer.step()
+
+    return train_step

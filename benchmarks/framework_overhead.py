@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import logging
 import os
 import statistics
@@ -37,24 +36,26 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, cpu_jiffies, median_ci, print_table, stolen_share, two_positive, write_json
+from common import (
+    ROOT,
+    cpu_jiffies,
+    median_ci,
+    megatron_train_step,
+    print_table,
+    stolen_share,
+    two_positive,
+    write_json,
+)
 from integration_overhead import WARMUP, paired_ratio, slower_rank_median
 
 sys.path.insert(0, str(ROOT))
 
-from tests.distutil import run_ranks  # noqa: E402
+from tests.distutil import load_example, run_ranks  # noqa: E402
 
 FRAMEWORKS = ("deepspeed", "megatron")
 P, M = 2, 8
 RATIO_GOAL, PER_ACTION_GOAL_US = 1.01, 20.0
 RUN_ID = "framework-overhead"
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_example", os.path.join(ROOT, "examples", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _deepspeed(rank: int, world: int, ms: str):
@@ -66,7 +67,7 @@ def _deepspeed(rank: int, world: int, ms: str):
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # adopts the group run_ranks made
-    example = _example("deepspeed_pipe")
+    example = load_example("deepspeed_pipe")
     args = example.parse_args(["--pp", str(P), "--microbatches", str(M), "--synthetic-ms", ms])
     engine, _ = example.build(args)
     batches = example.Batches(args)
@@ -78,11 +79,10 @@ def _megatron(rank: int, world: int, ms: str):
     """Megatron-Core's GPTModel (local spec) run by its 1F1B from the example; (watch, train_step)."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from parwatch.integrations import megatron as pw_megatron
 
-    example = _example("megatron_gpt")  # puts examples/ on the path: megatron_cpu
+    example = load_example("megatron_gpt")  # puts examples/ on the path: megatron_cpu
     import megatron_cpu
 
     megatron_cpu.install()
@@ -97,22 +97,7 @@ def _megatron(rank: int, world: int, ms: str):
     data = example.microbatches(args, 1)
     watch = pw_megatron.watch([model], config, run_id=RUN_ID, microbatches=M)
 
-    def train_step(on: bool) -> None:
-        optimizer.zero_grad()
-        get_forward_backward_func()(  # fetched after attach/detach: the watched one or Megatron's own
-            forward_step_func=example.forward_step_func,
-            data_iterator=iter(data),
-            model=model,
-            num_microbatches=M,
-            seq_length=args.seq,
-            micro_batch_size=args.microbatch_size,
-        )
-        if on:
-            watch.optimizer_step(optimizer)
-        else:
-            optimizer.step()
-
-    return watch, train_step
+    return watch, megatron_train_step(example, watch, model, optimizer, data, args)
 
 
 BUILDERS = {"deepspeed": _deepspeed, "megatron": _megatron}

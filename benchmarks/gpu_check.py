@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine, print_table, run_trainer  # noqa: E402
+from common import machine, megatron_train_step, print_table, run_trainer  # noqa: E402
 
 
 def nvml_check() -> dict:
@@ -303,20 +303,15 @@ def deepspeed_check(cuda: bool, pairs: int = 20) -> dict:
 def megatron_check(cuda: bool, pairs: int = 20) -> dict:
     """Section 7: the Megatron-Core integration on one rank (pp=1: NCCL refuses two ranks on one GPU),
     the example's GPTModel (local layer spec) with real compute, steps alternately watched and not."""
-    import importlib.util
-
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from parwatch.collector import Collector
     from parwatch.integrations import megatron as pw_megatron
+    from tests.distutil import load_example
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "megatron_gpt.py")
-    spec = importlib.util.spec_from_file_location("megatron_gpt_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("megatron_gpt")
     if not cuda:
         import megatron_cpu  # next to the example, on the path it added
 
@@ -337,21 +332,7 @@ def megatron_check(cuda: bool, pairs: int = 20) -> dict:
         watch.detach()
         collector = Collector(watch.run_context(local_gpu=0 if cuda else None))
 
-        def train_step(on: bool) -> None:
-            optimizer.zero_grad()
-            get_forward_backward_func()(  # fetched after attach/detach: the watched one or Megatron's own
-                forward_step_func=example.forward_step_func,
-                data_iterator=iter(data),
-                model=model,
-                num_microbatches=args.microbatches,
-                seq_length=args.seq,
-                micro_batch_size=args.microbatch_size,
-            )
-            if on:
-                watch.optimizer_step(optimizer)
-            else:
-                optimizer.step()
-
+        train_step = megatron_train_step(example, watch, model, optimizer, data, args)
         title = f"Megatron-Core integration, one rank, GPTModel (local spec), m=8 on {device}"
         return _alternate(title, watch, collector, train_step, cuda, pairs)
     finally:

@@ -37,7 +37,6 @@ and against the replay at the run's mean action times alone (what a quiet machin
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -48,7 +47,7 @@ from common import ROOT, cpu_jiffies, print_table, stolen_share, two_positive, w
 
 sys.path.insert(0, str(ROOT))
 
-from tests.distutil import run_ranks  # noqa: E402
+from tests.distutil import load_example, run_ranks  # noqa: E402
 
 WORKLOADS = {  # name -> example argv
     "1f1b p=2 m=8, 5/10 ms": ["--schedule", "1f1b", "--microbatches", "8", "--synthetic-ms", "5,10"],
@@ -73,15 +72,6 @@ VARIANTS = {  # --breakdown: what "on" keeps
 }
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location(
-        "torch_pipelining_example", os.path.join(ROOT, "examples", "torch_pipelining.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, variant: str = "full") -> dict:
     """Every rank: one schedule, steps alternately with the integration on and off."""
     import torch.distributed as dist
@@ -90,7 +80,7 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str, varia
     from parwatch.contract import Observer, registry
     from parwatch.integrations.torch_pipelining import PipelineWatch
 
-    example = _example()
+    example = load_example("torch_pipelining")
     args = example.parse_args(argv)
     schedule, _, optimizer = example.build(args, rank, world)
     watch = PipelineWatch(schedule, run_id="overhead")

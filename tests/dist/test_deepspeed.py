@@ -18,7 +18,6 @@ runs every configuration in turn.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ from parwatch import pipeline_sim as ps
 from parwatch.bubble import replayed_theory, theoretical
 from tests.bubble_replay import assert_near_replay, median_causes, replayed_steps
 from tests.dist.test_torch_pipelining import Director, action_seconds
-from tests.distutil import ROOT, run_ranks
+from tests.distutil import load_example, run_ranks
 
 pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -41,12 +40,6 @@ DPV = ("--schedule", "dualpipev")
 DPV_RUNS = {"dpv": (M, MS), "dpv-m8": (8, "20,40")}  # run -> (microbatches, F,B ms)
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("deepspeed_pipe_example",
-                                                  os.path.join(ROOT, "examples", "deepspeed_pipe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
@@ -61,7 +54,7 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # adopts the group distutil made
-    example = _example()
+    example = load_example("deepspeed_pipe")
     results = {}
     for name, argv in runs.items():
         log_dir = os.path.join(out_dir, name)

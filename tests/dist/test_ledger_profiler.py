@@ -26,14 +26,13 @@ which the ledger has as idle. The first is a fixed cost per action, so the layer
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-from tests.distutil import ROOT, run_ranks
+from tests.distutil import load_example, run_ranks
 from tests.trace_check import MARK, ledger_busy, trace_busy
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
@@ -45,12 +44,6 @@ ARGV = ["--schedule", "1f1b", "--microbatches", "4", "--synthetic-ms", "0,0", "-
 TOLERANCE = 0.02
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("torch_pipelining_example",
-                                                  os.path.join(ROOT, "examples", "torch_pipelining.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class ComputeStage(torch.nn.Module):
@@ -82,7 +75,7 @@ def profiled_rank(rank: int, world_size: int, out_dir: str) -> str:
         return step
 
     PipelineWatch.step_done = marked_step_done
-    example = _example()
+    example = load_example("torch_pipelining")
     example.SyntheticStage = ComputeStage
     args = example.parse_args(ARGV + ["--run-id", "ledger-profiler", "--parwatch-log", out_dir])
     with profile(activities=[ProfilerActivity.CPU]) as prof:

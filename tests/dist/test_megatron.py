@@ -19,7 +19,6 @@ summaries.jsonl and spans.jsonl as any user's run would. One spawn runs every co
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -31,7 +30,7 @@ import pytest
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import closed_form
 from tests.bubble_replay import assert_near_replay, median_causes, replayed_steps
-from tests.distutil import ROOT, run_ranks
+from tests.distutil import ROOT, load_example, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -42,12 +41,6 @@ CONFIGS = {"1f1b": ["--chunks", "1"], "interleaved": ["--chunks", "2"]}
 TYPES = {"forward": "F", "backward": "B"}
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("megatron_gpt_example",
-                                                  os.path.join(ROOT, "examples", "megatron_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def megatron_functions() -> dict:
@@ -70,7 +63,7 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     from parwatch.contract import registry
     from tests.dist.test_torch_pipelining import Director
 
-    example = _example()
+    example = load_example("megatron_gpt")
     shipped = megatron_functions()
     results = {}
     try:

@@ -14,7 +14,6 @@ spawn of 2 ranks runs every class in turn, so the grid costs one process start.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -23,7 +22,7 @@ import pytest
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import replayed_theory, theoretical
 from tests.bubble_replay import assert_near_replay, replayed_steps  # noqa: F401  (the benchmark reads it here)
-from tests.distutil import ROOT, run_ranks
+from tests.distutil import load_example, run_ranks
 from tests.torch_orders import torch_order
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -44,12 +43,6 @@ TOLERANCE = 0.02
 TYPES = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("torch_pipelining_example",
-                                                  os.path.join(ROOT, "examples", "torch_pipelining.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
@@ -59,7 +52,7 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     what it saw besides the losses."""
     from parwatch.contract import registry
 
-    example = _example()
+    example = load_example("torch_pipelining")
     results = {}
     for name, argv in runs.items():
         log_dir = os.path.join(out_dir, name)
@@ -119,7 +112,7 @@ def action_seconds(run_dir: str, key) -> dict:
 
 def order_of(schedule: str, p: int, m: int) -> dict:
     """The schedule's action lists, as the integration reports them (torch's own IR)."""
-    entry = _example().SCHEDULES[schedule]
+    entry = load_example("torch_pipelining").SCHEDULES[schedule]
     torch_name = entry.torch_class.removeprefix("Schedule")  # get_schedule_class's spelling
     if entry.one_chunk:
         return ps.single_stage_order(schedule, p, m)

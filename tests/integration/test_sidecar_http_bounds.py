@@ -68,6 +68,17 @@ def _peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
+def _assert_ingest_served(sp) -> None:
+    """A valid post with the token is answered 200."""
+    r = httpx.post(
+        f"{sp.control_url}/v1/ingest",
+        json={"version": 1, "summaries": [syn.summary(0, 1)]},
+        headers=sp.headers,
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+
+
 def _send_unauthenticated(url: str, answers: list) -> None:
     """One 8 MB post without the token, sent whole (if the sidecar lets it); its status or the error."""
     try:
@@ -98,13 +109,7 @@ def test_a_body_without_the_token_is_refused_before_it_is_read(tmp_path):
         assert grown < BODY / 1e6 * 3, (grown, answers)
         assert len(answers) == 30 and set(answers) <= {401, "ConnectionResetError", "BrokenPipeError"}, answers
         assert 401 in answers
-        r = httpx.post(
-            f"{sp.control_url}/v1/ingest",
-            json={"version": 1, "summaries": [syn.summary(0, 1)]},
-            headers=sp.headers,
-            timeout=10,
-        )
-        assert r.status_code == 200, r.text
+        _assert_ingest_served(sp)
 
 
 @pytest.mark.parametrize("path", ["/v1/ingest", "/v1/activity"])
@@ -121,13 +126,7 @@ def test_a_rank_that_dies_mid_post_is_logged_in_one_line_and_changes_nothing(tmp
         assert "Traceback" not in sp.log(), sp.log()[-3000:]
         status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
         assert status["last_step"] is None
-        r = httpx.post(
-            f"{sp.control_url}/v1/ingest",
-            json={"version": 1, "summaries": [syn.summary(0, 1)]},
-            headers=sp.headers,
-            timeout=10,
-        )
-        assert r.status_code == 200, r.text
+        _assert_ingest_served(sp)
 
 
 @pytest.mark.parametrize("listener", ["control", "metrics"])
