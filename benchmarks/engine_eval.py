@@ -38,9 +38,9 @@ from common import print_table, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet, default_rules  # noqa: E402
-from parwatch.sidecar.models import StepSummary  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
+from parwatch.step_records import StepSummary, parse  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 
 GOAL_MS = 1.0
@@ -90,7 +90,7 @@ def base_series(ranks: int) -> dict[str, dict[str, float]]:
     stages = [syn.stage_view(s, 1.0, 0.7) for s in range(pp)]
     for r in range(ranks):
         s = syn.summary(r, 1, tp=tp, pp=pp, dp=dp, global_stages=stages if r == 0 else None)
-        store.add(StepSummary.model_validate(s))
+        store.add(parse(s, StepSummary))
     return build_observation(store).series
 
 

@@ -41,9 +41,9 @@ from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
-from parwatch.sidecar.models import StepSummary  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
+from parwatch.step_records import StepSummary, parse  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 from tests.sidecar_process import running_sidecar  # noqa: E402
 
@@ -299,7 +299,7 @@ def evaluate_timing(ranks: int, steps: int = 200) -> dict:
     stages = [syn.stage_view(s, 1.0, 0.7) for s in range(pp)]
     for r in range(ranks):
         s = syn.summary(r, 1, tp=tp, pp=pp, dp=dp, global_stages=stages if r == 0 else None)
-        store.add(StepSummary.model_validate(s))
+        store.add(parse(s, StepSummary))
     base = build_observation(store)
     out = {}
     with tempfile.TemporaryDirectory() as state:

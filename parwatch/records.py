@@ -19,7 +19,16 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME
-from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RankState, RuleAction, jsonable
+from parwatch.vocabulary import (
+    Action,
+    CollectiveOp,
+    DecisionSource,
+    GroupRole,
+    OutcomeName,
+    RankState,
+    RuleAction,
+    jsonable,
+)
 
 # Bounds on what a report may claim. Every loop the leader runs over a run's ranks is bounded by the
 # layout, so the layout is bounded (MAX_WORLD, above the largest runs published) and fixed per run at
@@ -34,7 +43,7 @@ MAX_HOST = 253  # a DNS name
 MAX_NODE = MAX_HOST + 6  # host:port
 MAX_RUN_ID = 128
 CONTROL_CHARS = r"[\x00-\x1f\x7f-\x9f\u2028\u2029]"
-"""Text that reaches logs and labels has none of these (the summaries' text too, sidecar/models.py)."""
+"""Text that reaches logs and labels has none of these (the summaries' text too, parwatch/step_records.py)."""
 
 
 _PRINTABLE = "^[^" + CONTROL_CHARS[1:-1] + "]*"
@@ -42,7 +51,8 @@ _PYTHON_END, _ECMA_END = r"\Z", "$"
 """Python's re (msgspec checks with it) also matches $ before a final newline; the schema's ECMA regex has no \\Z."""
 
 
-def _text(max_length: int, min_length: int = 0, description: str | None = None) -> Meta:
+def text(max_length: int, min_length: int = 0, description: str | None = None) -> Meta:
+    """A printable string: no control characters (they would forge log lines and break labels)."""
     return Meta(min_length=min_length, max_length=max_length, pattern=_PRINTABLE + _PYTHON_END, description=description)
 
 
@@ -53,10 +63,10 @@ Step = Annotated[int, Meta(ge=-1, le=MAX_STEP, description="the last completed s
 Seq = Annotated[int, Meta(ge=0, le=MAX_SEQ)]
 Time = Annotated[float, Meta(ge=0.0, le=MAX_TIME, description="unix seconds")]
 StepSeconds = Annotated[float, Meta(ge=0.0, le=MAX_STEP_SECONDS)]
-Text = Annotated[str, _text(MAX_TEXT)]
-Host = Annotated[str, _text(MAX_HOST)]
-RunId = Annotated[str, _text(MAX_RUN_ID)]
-Error = Annotated[str, _text(MAX_ERROR_CHARS, description="crashed: 'ExceptionType: message'")]
+Text = Annotated[str, text(MAX_TEXT)]
+Host = Annotated[str, text(MAX_HOST)]
+RunId = Annotated[str, text(MAX_RUN_ID)]
+Error = Annotated[str, text(MAX_ERROR_CHARS, description="crashed: 'ExceptionType: message'")]
 ReportState = Literal["running", "done", "crashed"]
 RowState = Literal["running", "done", "crashed", "gone", "silent"]
 """A digest row's state adds what the node judged: gone (its pid ended), silent (alive, no reports)."""
@@ -135,7 +145,7 @@ class NodeDigest(Struct):
     """POST /v1/digest: a node sidecar's ranks, their liveness judged on the node."""
 
     version: Literal[1]
-    node: Annotated[str, _text(MAX_NODE, min_length=1, description="the sending node sidecar's name")]
+    node: Annotated[str, text(MAX_NODE, min_length=1, description="the sending node sidecar's name")]
     run_id: RunId | None
     time: Time
     layout: tuple[Parallel, Parallel, Parallel]
@@ -251,7 +261,7 @@ def check_log_record(record: dict) -> None:
     try:
         msgspec.convert({"type": kind, **record}, typ)
     except msgspec.ValidationError as err:
-        raise BadRecord(_where(str(err), kind)) from None
+        raise BadRecord(where(str(err), kind)) from None
 
 
 class BadRecord(ValueError):
@@ -262,13 +272,18 @@ T = TypeVar("T")
 _decoders: dict[Any, msgspec.json.Decoder] = {}
 
 
-def decode(raw: bytes, record: type[T], root: str) -> T:
-    """Raw JSON -> `record`, every field checked; BadRecord names the field as `root`.field[.field...]."""
+def decode(raw: bytes, record: type[T], root: str = "", *, dotted: bool = False) -> T:
+    """Raw JSON -> `record`, every field checked; BadRecord names the field as `root`.field[.field...]
+    (`dotted`: list items as .N, not [N])."""
     decoder = _decoders.get(record) or _decoders.setdefault(record, msgspec.json.Decoder(record))
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as err:
-        raise BadRecord(_where(str(err), root)) from None
+        try:  # the decoder stops at the first wrong field: broken JSON after it is the first thing to fix
+            msgspec.json.decode(raw)
+        except msgspec.DecodeError as broken:
+            raise BadRecord(f"body is not valid JSON: {broken}") from None
+        raise BadRecord(where(str(err), root, dotted=dotted)) from None
     except msgspec.DecodeError as err:
         raise BadRecord(f"body is not valid JSON: {err}") from None
 
@@ -277,9 +292,9 @@ _ROW_FIELD = re.compile(r"(\.rows\[\d+\])\[(\d+)\]")
 _ROW = re.compile(r"\.rows\[\d+\]")
 
 
-def _where(message: str, root: str) -> str:
+def where(message: str, root: str, *, dotted: bool = False) -> str:
     """msgspec's 'Expected ... - at `$.rows[0][10]`' -> 'digest.rows[0].pid: Expected ...' (a row's array
-    index read as its field name)."""
+    index read as its field name). A check of several fields (__post_init__) names its field first."""
     text, at, path = message.rpartition(" - at `")
     if not at:
         text, path = message, ""
@@ -288,23 +303,43 @@ def _where(message: str, root: str) -> str:
         path = f"{m[1]}.{Activity._fields[int(m[2])]}"
     elif _ROW.fullmatch(path):
         text += f" (a row is [{', '.join(Activity._fields)}], the last two optional)"
+    if m := _FIELD_FIRST.match(text):
+        path, text = f"{path}.{m[1]}", text[m.end() :]
+    elif m := _MISSING.fullmatch(text):
+        path, text = f"{path}.{m[1]}", "required, but missing"
+    elif m := _UNKNOWN.fullmatch(text):
+        path, text = f"{path}.{m[1]}", "not a field of this body (a typo?)"
+    if dotted:
+        path = _INDEX.sub(r".\1", path)
     text = text.replace(f"matching regex {_PRINTABLE + _PYTHON_END!r}", "without control characters")
+    if text.startswith("Invalid enum value") and (choices := _CHOICES.get(path.rpartition(".")[2])):
+        text += f" (one of {', '.join(choices)})"
     if path.endswith(".state") and text.startswith("Invalid enum value"):
         text += f" (one of {', '.join(STATES[root or 'activity'])})"
     return f"{(root + path).lstrip('.') or 'body'}: {text}"
+
+
+_FIELD_FIRST = re.compile(r"([a-z_]+): ")
+_MISSING = re.compile(r"Object missing required field `(\w+)`")
+_UNKNOWN = re.compile(r"Object contains unknown field `(\w+)`")
+_INDEX = re.compile(r"\[(\d+)\]")
+_CHOICES: dict[str, tuple[str, ...]] = {"action": tuple(Action), "op": tuple(CollectiveOp), "group": tuple(GroupRole)}
+"""Closed sets whose members an error lists (a state's depend on the record: below)."""
 
 
 def encode(record: Struct) -> bytes:
     return msgspec.json.encode(record)
 
 
-def openapi_components() -> dict[str, Any]:
-    """The JSON schemas of the posts' and the decision log's records, named as their classes, for the
-    OpenAPI document."""
-    _, components = msgspec.json.schema_components(
-        (ActivityPost, NodeDigest, *LOG_TYPES), ref_template="#/components/schemas/{name}"
-    )
+def openapi_schemas(types: tuple[type, ...]) -> dict[str, Any]:
+    """The JSON schemas of `types` and the records they hold, named as their classes, for the OpenAPI document."""
+    _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     return _ecma(components)
+
+
+def openapi_components() -> dict[str, Any]:
+    """The activity posts' and the decision log's records."""
+    return openapi_schemas((ActivityPost, NodeDigest, *LOG_TYPES))
 
 
 def _ecma(schema: Any) -> Any:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from parwatch.bubble import stage_bubble
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
+from parwatch.vocabulary import CollectiveOp
 
 P2P_KINDS = frozenset({SpanKind.SEND, SpanKind.RECV})
-# The ops DESIGN.md names; the sidecar refuses a summary with any other, so others are skipped.
-COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"})
+COLLECTIVE_OPS = frozenset(CollectiveOp)
+"""The sidecar refuses a summary with any other op, so spans of others are skipped (and counted)."""
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
 from parwatch.records import Cancelled, Decision, Outcome, log_record
-from parwatch.schema import DIRECTIVE_ACTIONS, decode_float
+from parwatch.schema import DIRECTIVE_ACTIONS, MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState, jsonable
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,6 @@ SWITCHES = (Action.ROLLBACK, Action.RESUME)
 the step loop): the hang clock is re-armed when one is decided and when it is applied."""
 
 REQUEST_SOURCES = (DecisionSource.OPERATOR, DecisionSource.ALERTMANAGER)
-MAX_CHECKPOINTS = 1000
-"""Known checkpoint steps kept (the newest)."""
 BASELINES_SAVE_SECONDS = 60.0
 """How stale the saved baseline windows may get: they are most of the state's bytes (see Durability)."""
 RECENT_RECORDS = 1000

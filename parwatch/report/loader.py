@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parwatch import ledger_view, records
+from parwatch import ledger_view, records, step_records
 from parwatch.schema import decode_float
 from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
 
@@ -21,19 +21,7 @@ SUMMARIES = "summaries.jsonl"
 SPANS = "spans.jsonl"
 DECISIONS = "decisions.jsonl"
 
-# Summary fields that are numbers on the wire (NaN/inf may arrive as strings).
-_SUMMARY_FLOATS = (
-    "time",
-    "step_seconds",
-    "compute_seconds",
-    "other_seconds",
-    "idle_seconds",
-    "bubble_ratio",
-    "bubble_theoretical_ratio",
-    "loss",
-    "overhead_seconds",
-)
-_SUMMARY_INTS = ("rank", "stage", "step")
+_SPAN_INTS = ("rank", "stage", "step")
 _KEEP_REASONS = 5
 
 
@@ -137,24 +125,17 @@ def _int(rec: dict, key: str) -> int:
 
 
 def _summary(rec: dict) -> dict:
-    for key in _SUMMARY_INTS:
-        _int(rec, key)
-    out = dict(rec)
-    for key in _SUMMARY_FLOATS:
-        if key in rec:
-            try:
-                out[key] = decode_float(rec[key])
-            except ValueError as e:
-                raise BadRecord(f"field {key!r}: {e}") from None
-    colls = rec.get("collectives") or []
-    if not isinstance(colls, list) or not all(isinstance(c, dict) for c in colls):
-        raise BadRecord("field 'collectives' must be a list of objects")
-    out["collectives"] = colls
-    return out
+    """A summaries.jsonl line checked as the sidecar checks a posted one (StepSummary), kept as a dict
+    with its loss decoded (float('nan') for "nan")."""
+    try:
+        summary = step_records.parse(rec, step_records.StepSummary)
+    except records.BadRecord as err:
+        raise BadRecord(str(err)) from None
+    return {**rec, "loss": summary.loss}
 
 
 def _span(rec: dict) -> dict:
-    for key in _SUMMARY_INTS:
+    for key in _SPAN_INTS:
         _int(rec, key)
     if not isinstance(rec.get("kind"), str):
         raise BadRecord("field 'kind' must be a string")

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from parwatch.sidecar.models import Alert, AlertmanagerPayload
+from parwatch.step_records import Alert, AlertmanagerPayload
 from parwatch.vocabulary import RuleAction
 
 log = logging.getLogger(__name__)

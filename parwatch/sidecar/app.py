@@ -24,25 +24,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import choose_encoder
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from parwatch import __version__, records
+from parwatch import __version__, records, step_records
 from parwatch.guardrails.engine import DirectiveDelivered
 from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency
+from parwatch.sidecar.bodies import body, documented, schema
 from parwatch.sidecar.gate import BodyTooLarge, RequestGate, send_json
-from parwatch.sidecar.models import (
-    AlertmanagerPayload,
-    CancelRequest,
-    ControlRequest,
-    IngestBody,
-    IngestResponse,
-    Problem,
-)
 from parwatch.sidecar.service import Sidecar
 from parwatch.sidecar.store import Refused
+from parwatch.step_records import AlertmanagerPayload, CancelRequest, ControlRequest, IngestBody
 from parwatch.vocabulary import jsonable
 
 log = logging.getLogger(__name__)
@@ -54,7 +47,7 @@ SMALL_BODY = 64 * 1024
 
 
 def _reason(errors) -> str:
-    """One line naming each of the first problems (pydantic's or FastAPI's error dicts)."""
+    """One line naming each of the first problems (FastAPI's error dicts: a query or path parameter)."""
     problems = []
     for err in list(errors)[:5]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -69,7 +62,7 @@ def _reason(errors) -> str:
 Responses = dict[int | str, dict[str, Any]]
 """A route's documented answers (FastAPI's `responses`): status -> model and description."""
 
-_PROBLEM: dict[str, Any] = {"model": Problem}
+_PROBLEM: dict[str, Any] = {"content": schema("Problem")}
 _AUTH: Responses = {401: {**_PROBLEM, "description": "missing or wrong bearer token"}}
 _INVALID: Responses = {422: {**_PROBLEM, "description": "invalid body or query; detail names the field"}}
 _TOO_LARGE: Responses = {413: {**_PROBLEM, "description": "body over --max-body-bytes"}}
@@ -133,17 +126,15 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         log.info("%s %s: the client went away before its body arrived", request.method, request.url.path)
         return Response(status_code=400)
 
-    ingest_body = {
-        "required": True,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBody"}}},
-    }
-
     @app.post(
         "/v1/ingest",
         dependencies=auth,
-        response_model=IngestResponse,
-        openapi_extra={"requestBody": ingest_body},
+        openapi_extra=documented(IngestBody),
         responses={
+            200: {
+                "description": "accepted; the directive rank 0 applies next, if any",
+                "content": schema("IngestResponse"),
+            },
             **_AUTH,
             **_TOO_LARGE,
             **_INVALID,
@@ -156,19 +147,20 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         raw = await request.body()
         try:
             if len(raw) <= SMALL_BODY:
-                body = IngestBody.model_validate_json(raw)
+                posted = records.decode(raw, IngestBody, dotted=True)
             else:
-                body = await asyncio.to_thread(IngestBody.model_validate_json, raw)
-        except ValidationError as err:
-            return JSONResponse({"detail": _reason(err.errors(include_url=False))}, status_code=422)
+                posted = await asyncio.to_thread(records.decode, raw, IngestBody, dotted=True)
+        except records.BadRecord as err:
+            return JSONResponse({"detail": str(err)}, status_code=422)
         try:
-            return JSONResponse(await sidecar.ingest_async(body))
+            return JSONResponse(await sidecar.ingest_async(posted))
         except Refused as err:
             return JSONResponse({"detail": str(err)}, status_code=err.status)
 
     @app.post(
         "/v1/control",
         dependencies=auth,
+        openapi_extra=documented(ControlRequest),
         responses={
             **_AUTH,
             **_TOO_LARGE,
@@ -176,10 +168,10 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             400: {**_PROBLEM, "description": "the engine refused it (e.g. no such checkpoint)"},
         },
     )
-    async def control(body: ControlRequest):
+    async def control(req: ControlRequest = Depends(body(ControlRequest))):
         """Operator pause / resume / rollback; returns the decision record."""
         try:
-            decision = sidecar.control(body)
+            decision = sidecar.control(req)
         except ValueError as err:
             raise HTTPException(400, str(err)) from err
         await sidecar.persist()
@@ -188,6 +180,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     @app.post(
         "/v1/directives/{directive_id}/cancel",
         dependencies=auth,
+        openapi_extra=documented(CancelRequest),
         responses={
             **_AUTH,
             **_TOO_LARGE,
@@ -196,10 +189,12 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             409: {**_PROBLEM, "description": "already delivered to the run: it will be applied"},
         },
     )
-    async def cancel(directive_id: Annotated[int, Path(ge=1, lt=2**53)], body: CancelRequest):
+    async def cancel(
+        directive_id: Annotated[int, Path(ge=1, lt=2**53)], req: CancelRequest = Depends(body(CancelRequest))
+    ):
         """Withdraw a directive not yet delivered to the run; returns the cancel record."""
         try:
-            record = sidecar.cancel(directive_id, body.requested_by or "operator")
+            record = sidecar.cancel(directive_id, req.requested_by or "operator")
         except DirectiveDelivered as err:
             return JSONResponse({"detail": str(err), "directive": err.directive}, status_code=409)
         except ValueError as err:
@@ -207,10 +202,15 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         await sidecar.persist()
         return JSONResponse(jsonable(record))
 
-    @app.post("/v1/alerts", dependencies=auth, responses={**_AUTH, **_TOO_LARGE, **_INVALID})
-    async def alerts(body: AlertmanagerPayload) -> dict[str, int]:
+    @app.post(
+        "/v1/alerts",
+        dependencies=auth,
+        openapi_extra=documented(AlertmanagerPayload),
+        responses={**_AUTH, **_TOO_LARGE, **_INVALID},
+    )
+    async def alerts(payload: AlertmanagerPayload = Depends(body(AlertmanagerPayload))) -> dict[str, int]:
         """Alertmanager webhook (payload version 4): firing alerts labelled parwatch_action act once."""
-        acted = len(sidecar.alert_webhook(body))
+        acted = len(sidecar.alert_webhook(payload))
         await sidecar.persist()
         return {"acted": acted}
 
@@ -240,11 +240,9 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     def openapi():
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            # /v1/ingest reads its body itself (validated in one call): describe it as IngestBody.
-            schema = IngestBody.model_json_schema(ref_template="#/components/schemas/{model}")
+            # Every body is read raw and decoded into its record in one call: the records describe them.
             components = doc.setdefault("components", {}).setdefault("schemas", {})
-            components.update(schema.pop("$defs", {}))
-            components["IngestBody"] = schema
+            components.update(step_records.openapi_components())
             components.update(records.openapi_components())  # /v1/activity and /v1/digest (activity_api)
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for operations in doc["paths"].values():

@@ -13,7 +13,7 @@ oldest of them to --leader-url:
                        "ranks": [[rank, step, stage, host, compute_s, data_s, step_s, own_compute_s], ...]}
 
 at most MAX_FORWARD_HALVES instances, MAX_FORWARD_MEMBERS members listed in all, and
-MAX_FORWARD_RANK_ROWS rank rows a post (models.py); the rest wait in the node's bounded outbox.
+MAX_FORWARD_RANK_ROWS rank rows a post (parwatch/step_records.py); the rest wait in the node's bounded outbox.
 The rank rows let the leader's straggler attribution see every rank, not only its own node's. Durations only: no clock needs to agree across nodes.
 
 The leader validates the body like any other (token, body size, bounds: 422 naming the field,
@@ -28,12 +28,13 @@ from __future__ import annotations
 import json
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from parwatch.sidecar.models import MAX_FORWARD_HALVES, InstancesForward
+from parwatch.sidecar.bodies import body, documented
 from parwatch.sidecar.transfer import Member, Pending, TransferTracker
+from parwatch.step_records import MAX_FORWARD_HALVES, InstancesForward
 
 log = logging.getLogger(__name__)
 FORWARD_VERSION = 1
@@ -142,12 +143,17 @@ class Forwarder:
 def add_route(router: APIRouter, sidecar, auth: list) -> None:
     """POST /v1/instances on the control app (the leader takes what nodes forward)."""
 
-    @router.post("/v1/instances", dependencies=auth, responses={401: {}, 413: {}, 422: {}})
-    async def instances(body: InstancesForward):
+    @router.post(
+        "/v1/instances",
+        dependencies=auth,
+        openapi_extra=documented(InstancesForward),
+        responses={401: {}, 413: {}, 422: {}},
+    )
+    async def instances(forward: InstancesForward = Depends(body(InstancesForward))):
         """A node sidecar's members of instances that span nodes, and its ranks' attribution rows."""
         t = sidecar.transfer
         head = sidecar.store.run_summary()
-        if head is None or body.run_id != t.run_id:  # not this leader's run (a new run starting, a stray node)
-            return JSONResponse({"matched": 0, "ignored": len(body.instances)})
-        entries, rows = from_wire(body, head.tp * head.pp * head.dp)
+        if head is None or forward.run_id != t.run_id:  # not this leader's run (a new run starting, a stray node)
+            return JSONResponse({"matched": 0, "ignored": len(forward.instances)})
+        entries, rows = from_wire(forward, head.tp * head.pp * head.dp)
         return JSONResponse({"matched": t.merge(entries, rows), "ignored": 0})

@@ -21,9 +21,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from parwatch import __version__, goodput
 from parwatch.catalog import GUARDRAIL_STATES, metric
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.sidecar.models import BUBBLE_CAUSES
 from parwatch.sidecar.store import RankRecord, Store
 from parwatch.sidecar.transfer import transfer_families
+from parwatch.step_records import BUBBLE_CAUSES
 from parwatch.vocabulary import MetricKind
 
 _STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]

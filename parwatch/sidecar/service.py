@@ -20,17 +20,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from parwatch import ledger_view
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
 from parwatch.sidecar.alerts import AlertDedupe
 from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
-from parwatch.sidecar.models import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
+from parwatch.step_records import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.vocabulary import RecordType, SidecarRole, jsonable
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ class Sidecar:
                 except ValueError as err:
                     log.warning("rank 0's local decision refused: %s", err)
             if outcome.run_id == self.engine.run_id:
-                self._count(self.engine.record_outcome(outcome.model_dump()))
+                self._count(self.engine.record_outcome(msgspec.to_builtins(outcome)))
             else:
                 log.warning(
                     "outcome of directive %d for run %s, not the current run: ignored",

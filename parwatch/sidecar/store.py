@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
+
 from parwatch import goodput, ledger_view
 from parwatch.schema import (
     COLLECTIVE_BUCKETS,
@@ -40,8 +42,8 @@ from parwatch.schema import (
 )
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.ledger_window import LedgerWindow
-from parwatch.sidecar.models import GlobalView, StepSummary
 from parwatch.sidecar.pace import Pace
+from parwatch.step_records import GlobalView, StepSummary
 from parwatch.vocabulary import TimeCategory
 
 log = logging.getLogger(__name__)
@@ -469,4 +471,4 @@ def _process_order(rec: RankRecord, s: StepSummary) -> int:
 def _kept(s: StepSummary) -> StepSummary:
     """The summary as the store keeps it: without its instance records, which the transfer tracker takes
     once (held whole, 20 ranks of 3.9 MB summaries kept 24 MB each)."""
-    return s if s.instances is None else s.model_copy(update={"instances": None})
+    return s if s.instances is None else msgspec.structs.replace(s, instances=None)

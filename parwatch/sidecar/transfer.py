@@ -206,7 +206,7 @@ class TransferTracker:
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
-        """Take one new summary (a parwatch.sidecar.models.StepSummary); returns the instances it completed."""
+        """Take one new summary (a parwatch.step_records.StepSummary); returns the instances it completed."""
         with self._lock:  # a scrape on another thread may be building the view
             return self._add(s)
 

@@ -32,7 +32,7 @@ import pytest
 
 from parwatch.demo.scenario import DemoConfig
 from parwatch.guardrails.rules import default_rules
-from parwatch.sidecar.models import StepSummary
+from parwatch.step_records import StepSummary, parse
 from parwatch.sidecar.transfer import TransferTracker
 from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
                                         token_args)
@@ -176,7 +176,7 @@ def test_200_healthy_steps_have_no_straggler_finding(tmp_path):
     assert len(rows) == 4 * 200
     run_length, transient = 0, []
     for s in rows:
-        tracker.add(StepSummary.model_validate(s))
+        tracker.add(parse(s, StepSummary))
         if s["rank"] == 3:
             findings = tracker.findings()
             transient += [(s["step"], f.key, round(f.ratio, 3)) for f in findings]

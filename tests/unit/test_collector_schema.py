@@ -1,14 +1,16 @@
-"""A produced summary holds every StepSummary field of parwatch/schema.py, with the contract's types."""
+"""A produced summary holds every field of the StepSummary record (parwatch/step_records.py), with the
+contract's types, and the sidecar's decoder takes it."""
 
 from __future__ import annotations
 
 import json
-import re
 
+import msgspec
 from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 import parwatch.schema as schema
+from parwatch.step_records import IngestBody, StepSummary, parse
 from parwatch.vocabulary import REFERENCE_SCHEDULES, TimeCategory
 
 NUMBER = (int, float)
@@ -147,16 +149,15 @@ FIELD_CHECKS = {
 }
 
 
+SENT_WHEN_CONFIGURED = {"model_flops_utilization_ratio"}
+"""Fields a collector sends only when told more (--parwatch-peak-flops)."""
+
+
 def schema_fields(optional: bool = False) -> set[str]:
-    """The StepSummary field names as parwatch/schema.py's docstring lists them: the required
-    ones, or (optional=True) those whose description starts with "optional"."""
-    text = schema.__doc__.split("StepSummary", 1)[1].split("Ingest request", 1)[0]
-    fields = set()
-    for line in text.splitlines():
-        match = re.match(r"^    (\w+(?:, \w+)*)\s{2,}(.*)", line)
-        if match and match.group(2).startswith("float, optional") == optional:
-            fields.update(name.strip() for name in match.group(1).split(","))
-    return fields
+    """The StepSummary record's wire names (parwatch/step_records.py): those every summary carries, or
+    (optional=True) those sent only when configured."""
+    names = {f.encode_name for f in msgspec.structs.fields(StepSummary)}
+    return names & SENT_WHEN_CONFIGURED if optional else names - SENT_WHEN_CONFIGURED
 
 
 def produced_summaries(tmp_path):
@@ -198,6 +199,7 @@ def test_every_summary_has_every_field_with_its_type(tmp_path):
             assert schema_fields() <= set(summary) <= schema_fields() | schema_fields(optional=True)
             bad = [k for k, check in FIELD_CHECKS.items() if k in summary and not check(summary[k])]
             assert not bad, f"rank {r} step {summary['step']}: wrong type for {bad}: {[summary[k] for k in bad]}"
+        parse({"version": 1, "summaries": [json.loads(line) for line in lines]}, IngestBody)  # the sidecar takes them
         last = json.loads(lines[-1])
         assert last["loss"] == "inf" and last["gpu"] is not None and last["nvml_up"] == 1
         assert all(json.loads(line)["timeline"] == 0 for line in lines)

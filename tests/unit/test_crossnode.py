@@ -14,9 +14,9 @@ from test_transfer import MS, ar, families, p2p, samples, summary
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import Listen, SidecarConfig
 from parwatch.sidecar.crossnode import Forwarder, from_wire, to_wire
-from parwatch.sidecar.models import MAX_FORWARD_HALVES, InstancesForward
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.transfer import TransferTracker
+from parwatch.step_records import MAX_FORWARD_HALVES, InstancesForward, parse
 from tests.fixtures import synthetic as syn
 
 
@@ -34,7 +34,7 @@ TP0, TP1 = {"tp": [0, 1]}, {"tp": [2, 3]}  # node 0 holds stage 0 (ranks 0, 1), 
 def carry(node: TransferTracker, leader: TransferTracker, limit: int = MAX_FORWARD_HALVES) -> int:
     """One forward, through the wire format and its validation, as the sidecars do it."""
     entries, rows = node.take_outbox(limit)
-    body = InstancesForward.model_validate(to_wire(entries, rows, "node1", node.run_id))
+    body = parse(to_wire(entries, rows, "node1", node.run_id), InstancesForward)
     return leader.merge(*from_wire(body, world=4))
 
 

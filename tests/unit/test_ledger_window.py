@@ -8,9 +8,9 @@ import pytest
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import Rule, RuleSet
 from parwatch.sidecar.ledger_window import LedgerWindow
-from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
+from parwatch.step_records import StepSummary, parse
 from tests.fixtures import synthetic as syn
 
 
@@ -52,7 +52,7 @@ def test_an_ettr_rule_fires_on_a_run_that_spends_its_minute_paused(tmp_path):
             s = syn.summary(rank, step, pp=2, global_stages=stages if rank == 0 else None)
             s["time_seconds"] = {**s["time_seconds"], "productive": step - paused, "paused": paused, "startup": 0.0}
             s["time_seconds"]["bubble_schedule"] = s["time_seconds"]["optimizer"] = 0.0
-            store.add(StepSummary.model_validate(s))
+            store.add(parse(s, StepSummary))
         obs = build_observation(store)
         engine.evaluate(obs)
         if step == 10:

@@ -10,7 +10,7 @@ from parwatch.collector.fallback import LOCAL_DECISIONS_FILE, LocalGuard
 from parwatch.collector.shipper import Delivery
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import default_rules
-from parwatch.sidecar.models import OutcomeRecord
+from parwatch.step_records import OutcomeRecord, parse
 
 
 def _guard(tmp_path, since=1234.5):
@@ -56,7 +56,7 @@ def test_a_dropped_nonfinite_loss_pauses_once_with_an_id_above_every_id_seen(tmp
     assert "local" not in guard.annotate({"directive_id": 43})  # only once
     (written,) = [json.loads(line) for line in (tmp_path / LOCAL_DECISIONS_FILE).read_text().splitlines()]
     assert written["directive_id"] == 43 and written["step"] == 7
-    OutcomeRecord.model_validate({**record, "run_id": "r", "step": 8, "ranks": 4})  # the wire accepts it
+    parse({**record, "run_id": "r", "step": 8, "ranks": 4}, OutcomeRecord)  # the wire accepts it
 
 
 def _engine(tmp_path):

@@ -21,6 +21,7 @@ from parwatch.report.stats import bubble_table, collective_series, cost_estimate
 from parwatch.report.timeline import draw_timeline, lane_spans
 from parwatch.report.trace import build_trace
 from parwatch.schema import COLLECTIVE_BUCKETS
+from tests.fixtures import synthetic as syn
 from tests.fixtures.make_run_dir import make_run_dir
 
 PP, M, TP, DP = 4, 8, 2, 2
@@ -305,9 +306,7 @@ def test_the_report_joins_a_ranks_processes_across_a_restart(tmp_path):
 
     def row(step, started, startup, productive):
         return {
-            "rank": 0,
-            "stage": 0,
-            "step": step,
+            **syn.summary(0, step),
             "process_start_time": started,
             "time_seconds": {"startup": startup, "productive": productive},
         }

@@ -11,8 +11,8 @@ import sqlite3
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import Rule, RuleSet
 from parwatch.sidecar.config import SidecarConfig
-from parwatch.sidecar.models import IngestBody
 from parwatch.sidecar.service import build_sidecar
+from parwatch.step_records import IngestBody, parse
 from tests.fixtures import synthetic as syn
 
 
@@ -24,7 +24,7 @@ def test_decisions_reach_the_disk_before_the_answer(tmp_path):
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path))
     sidecar.defer_writes()
     stages = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
-    body = IngestBody.model_validate(
+    body = parse(
         {
             "version": 1,
             "summaries": [
@@ -33,7 +33,8 @@ def test_decisions_reach_the_disk_before_the_answer(tmp_path):
                 )
                 for step in range(1, 5)
             ],
-        }
+        },
+        IngestBody,
     )
     sidecar._admit(body)
     for s in body.summaries:  # the work of ingest_async, without its persist

@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import SidecarConfig
-from parwatch.sidecar.models import IngestBody
 from parwatch.sidecar.service import build_sidecar
+from parwatch.step_records import IngestBody
+from parwatch.step_records import parse as parse_record
 from tests.fixtures import synthetic as syn
 
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.3)]
@@ -301,14 +302,15 @@ def test_scrapes_from_another_thread_see_whole_updates(env):
     """/metrics encodes on a worker thread while the loop ingests: histograms must stay consistent."""
     sidecar, _, _, _ = env
     bodies = [
-        IngestBody.model_validate(
+        parse_record(
             {
                 "version": 1,
                 "summaries": [
                     syn.summary(r, step, tp=2, pp=2, time=float(step), step_seconds=0.05 * (1 + step % 7))
                     for r in range(4)
                 ],
-            }
+            },
+            IngestBody,
         )
         for step in range(1, 400)
     ]

@@ -19,21 +19,14 @@ from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest as encode_text
 from prometheus_client.openmetrics.exposition import generate_latest as encode_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
 
-from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.records import BadRecord
+from parwatch.schema import COLLECTIVE_BUCKETS, MAX_TIME
 from parwatch.sidecar.config import SidecarConfig
-from parwatch.sidecar.models import (
-    COLLECTIVE_GROUPS,
-    COLLECTIVE_OPS,
-    MAX_COUNT,
-    MAX_RATIO,
-    MAX_SECONDS,
-    MAX_TIME,
-    IngestBody,
-)
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.store import Refused
+from parwatch.step_records import MAX_COUNT, MAX_RATIO, MAX_SECONDS, IngestBody, parse
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 PROMTOOL = shutil.which("promtool")
 
@@ -52,8 +45,8 @@ def collective(draw):
         draw(st.lists(st.integers(0, count), min_size=len(COLLECTIVE_BUCKETS), max_size=len(COLLECTIVE_BUCKETS)))
     )
     return {
-        "op": draw(st.sampled_from(COLLECTIVE_OPS)),
-        "group": draw(st.sampled_from(COLLECTIVE_GROUPS)),
+        "op": draw(st.sampled_from(list(CollectiveOp))),
+        "group": draw(st.sampled_from(list(GroupRole))),
         "count": count,
         "seconds": draw(seconds),
         "bytes": draw(counts),
@@ -157,8 +150,8 @@ def test_any_accepted_input_leaves_metrics_readable(batches):
         sidecar = build_sidecar(SidecarConfig(state_dir=state))
         for summaries in batches:
             try:
-                sidecar.ingest(IngestBody.model_validate({"version": 1, "summaries": summaries}))
-            except (ValidationError, Refused):
+                sidecar.ingest(parse({"version": 1, "summaries": summaries}, IngestBody))
+            except (BadRecord, Refused):
                 continue  # refused whole: nothing of it was stored
         assert sidecar.store.ranks  # something was accepted and stored
         text = _check_exposition(sidecar)
@@ -186,7 +179,7 @@ def test_numbers_beyond_a_metric_are_refused_not_stored(field, value, tmp_path):
     sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path))
     s = syn.summary(0, 1)
     s[field] = value
-    with pytest.raises(ValidationError, match=field):
-        IngestBody.model_validate({"version": 1, "summaries": [s]})
-    sidecar.ingest(IngestBody.model_validate({"version": 1, "summaries": [syn.summary(0, 1)]}))
+    with pytest.raises(BadRecord, match=field):
+        parse({"version": 1, "summaries": [s]}, IngestBody)
+    sidecar.ingest(parse({"version": 1, "summaries": [syn.summary(0, 1)]}, IngestBody))
     _check_exposition(sidecar)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
+from parwatch.step_records import StepSummary, parse
 from tests.fixtures import synthetic as syn
 
 
@@ -20,7 +20,7 @@ class Clock:
 
 def S(rank, step, **kw) -> StepSummary:
     kw.setdefault("time", float(step))
-    return StepSummary.model_validate(syn.summary(rank, step, **kw))
+    return parse(syn.summary(rank, step, **kw), StepSummary)
 
 
 def test_latest_is_the_newest_by_step_and_the_window_is_bounded():
@@ -34,7 +34,7 @@ def test_latest_is_the_newest_by_step_and_the_window_is_bounded():
 
 
 def TL(rank, step, timeline, **kw) -> StepSummary:
-    return StepSummary.model_validate({**syn.summary(rank, step, **kw), "timeline": timeline})
+    return parse({**syn.summary(rank, step, **kw), "timeline": timeline}, StepSummary)
 
 
 def test_a_rollback_moves_the_latest_step_back():
@@ -150,11 +150,11 @@ def test_observation_carries_the_global_view_and_per_rank_series():
     slow = syn.summary(2, 8, tp=2, pp=2)
     slow["collectives"][0]["seconds"] *= 3  # rank 2's all-reduces take 3x as long
     slow["gpu"]["utilization_ratio"] = 0.3
-    store.add(StepSummary.model_validate(slow))
+    store.add(parse(slow, StepSummary))
     store.add(S(1, 8, tp=2, pp=2))
     clock.t += 10  # rank 1 goes silent
     store.add(S(0, 9, tp=2, pp=2, global_stages=stages, global_loss=1.5, checkpoints=[4, 8]))
-    store.add(StepSummary.model_validate(slow))
+    store.add(parse(slow, StepSummary))
     obs = build_observation(store)
     assert obs.step == 8 and obs.time == clock.t and obs.checkpoints == (4, 8)
     assert obs.series["loss"] == {"": 1.5}
@@ -179,9 +179,7 @@ def test_no_observation_before_rank_0_sends_the_global_view():
 def P(rank, step, started, productive, **kw) -> StepSummary:
     """A summary of the process of `rank` that started at `started`, with its ledger so far."""
     ledger = {"startup": 1.0, "productive": productive, "unattributed": 0.0}
-    return StepSummary.model_validate(
-        {**syn.summary(rank, step, **kw), "process_start_time": started, "time_seconds": ledger}
-    )
+    return parse({**syn.summary(rank, step, **kw), "process_start_time": started, "time_seconds": ledger}, StepSummary)
 
 
 def test_a_restarted_rank_counts_again_from_where_it_resumed_and_its_ledger_carries_the_down_time():

@@ -8,8 +8,8 @@ import pytest
 from parwatch.collector.instances import InstanceLog, InstanceSampling
 from parwatch.contract import Span
 from parwatch.schema import COLLECTIVE_BUCKETS
-from parwatch.sidecar.models import StepSummary
 from parwatch.sidecar.transfer import TransferTracker, split_instance, transfer_families
+from parwatch.step_records import StepSummary, parse
 from tests.fixtures import synthetic as syn
 
 MS = 1e-3
@@ -38,7 +38,7 @@ def summary(
     }
     if compute is not None:
         raw["compute_seconds"] = compute
-    return StepSummary.model_validate(raw)
+    return parse(raw, StepSummary)
 
 
 def ar(seq: int, ms: float, nbytes: int = 1 << 20) -> list:
@@ -171,7 +171,7 @@ def test_a_retried_record_and_a_new_run_do_not_double_count():
     (split,) = t.add(summary(1, 1, [ar(1, 2.0)], tp))
     assert split.waits[0][1] == pytest.approx(3 * MS)
     raw = syn.summary(0, 1, run_id="other")
-    t.add(StepSummary.model_validate(raw))
+    t.add(parse(raw, StepSummary))
     assert t.totals == {} and t.straggler == {}
 
 
@@ -179,7 +179,7 @@ def test_synthetic_summaries_match_completely():
     t = TransferTracker()
     for step in (1, 2):
         for rank in range(4):
-            t.add(StepSummary.model_validate(syn.summary(rank, step, tp=2, pp=2)))
+            t.add(parse(syn.summary(rank, step, tp=2, pp=2), StepSummary))
     assert t.pending == {}
     counts = samples(families(t)["parwatch_collective_transfer_seconds"], "_count")
     assert counts == {(("group", "tp"), ("op", "all_reduce")): 2 * 2 * 8, (("group", "pp"), ("op", "send")): 2 * 2 * 4}
@@ -223,7 +223,7 @@ def test_instance_log_records_sampled_steps_within_the_budget():
         ["send", "pp", 7, 2, 10000, 2000, 16],
         ["recv", "pp", 5, 2, 12000, 1000, 16],
     ]
-    assert StepSummary.model_validate({**syn.summary(0, 2), "instances": out}).instances.records[0][2] == 2
+    assert parse({**syn.summary(0, 2), "instances": out}, StepSummary).instances.records[0][2] == 2
 
 
 def test_instance_sampling_rejects_nonsense():

@@ -1,0 +1,442 @@
+"""Typed wire records of a run's steps (msgspec): what a rank posts to its sidecar each step, what the
+sidecar answers, and what an operator, Alertmanager or another sidecar posts to steer it.
+
+POST /v1/ingest     IngestBody: {"version": 1, "summaries": [StepSummary, ...], "outcomes":
+                    [OutcomeRecord, ...], "alive": bool}; answered with IngestResponse, whose
+                    `directive` (a Directive or null) is what rank 0 applies at its next boundary.
+POST /v1/instances  InstancesForward: a node sidecar's halves of cross-node collectives.
+POST /v1/control    ControlRequest; POST /v1/directives/{id}/cancel CancelRequest;
+POST /v1/alerts     AlertmanagerPayload (webhook version 4).
+
+Every number is bounded by what its metric can hold: counts are exported as float64 samples, so they
+stay float-exact (<= 2**53); seconds and ratios are finite and bounded; text that becomes a label value
+or log line is short and printable. Stored data therefore can never make a /metrics scrape fail
+(tests/unit/test_sidecar_properties.py). What depends on the run (a rank inside [tp, pp, dp]) is
+checked in `__post_init__` or by the store. Unknown keys are ignored, so a newer collector can add
+fields without breaking an older sidecar; the operator's bodies refuse them (a typo must not pass).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+from parwatch.records import BadRecord, openapi_schemas, text, where
+from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
+from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, TimeCategory
+
+MAX_COUNT = 2**53
+"""Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
+MAX_SECONDS = 1e9
+"""Largest duration accepted (about 31 years): finite, and a sum of many stays finite."""
+MAX_RATIO = 1e6
+MAX_PARALLEL = 1 << 20
+"""Largest tp, pp, dp (and their product, the world) a summary may claim."""
+
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+SignedCount = Annotated[int, Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
+SmallCount = Annotated[int, Meta(ge=0, le=2**31)]
+Step = Annotated[int, Meta(ge=0, lt=MAX_COUNT)]
+Index = Annotated[int, Meta(ge=0, lt=MAX_PARALLEL)]
+Parallel = Annotated[int, Meta(ge=1, le=MAX_PARALLEL)]
+Ratio = Annotated[float, Meta(ge=-MAX_RATIO, le=MAX_RATIO)]
+Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
+SignedSeconds = Annotated[float, Meta(ge=-MAX_SECONDS, le=MAX_SECONDS)]
+LedgerSeconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS * 100)]
+"""A rank's cumulative seconds in one ledger category: up to ~3,000 years."""
+Bandwidth = Annotated[float, Meta(ge=0, lt=MAX_COUNT)]
+"""Below 2**53, not up to it: an integer past it (2**53 + 1) rounds to 2**53 as a float and would pass `le`."""
+Timestamp = Annotated[float, Meta(ge=0, le=MAX_TIME, description="unix seconds")]
+RunId = Annotated[str, text(200, min_length=1)]
+Host = Annotated[str, text(255)]
+WireFloat = float | str | None
+"""A loss as the wire carries it: a number, null, or one of the strings "nan", "inf", "-inf" (read it as
+the record's `loss` property, a float or None)."""
+
+
+def _check_number(value: WireFloat, name: str) -> None:
+    """A ValueError naming the field unless `value` is a WireFloat (msgspec adds the record's path)."""
+    if isinstance(value, int) and abs(value) > MAX_COUNT:
+        raise ValueError(f"{name}: {str(value)[:20]}... is too large; send it as a float (or 'inf')")
+    try:
+        decode_float(value)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
+class Collective(Struct, frozen=True, kw_only=True):
+    op: CollectiveOp
+    group: GroupRole
+    count: Count
+    seconds: Seconds
+    bytes: Count = 0
+    buckets: Annotated[list[Count], Meta(max_length=len(COLLECTIVE_BUCKETS) + 1)] = field(default_factory=list)
+    """Cumulative counts per COLLECTIVE_BUCKETS bound (le), optionally + "+Inf" (= count)."""
+    algbw: Bandwidth = 0.0
+    busbw: Bandwidth = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(COLLECTIVE_BUCKETS)
+        if self.buckets:
+            if len(self.buckets) not in (n, n + 1):
+                raise ValueError(f"buckets has {len(self.buckets)} counts; expected {n} (one per le bound) or {n + 1}")
+            # map() keeps the per-collective check in C: it runs for every collective of every post.
+            if not all(map(operator.le, self.buckets, self.buckets[1:])) or self.buckets[-1] > self.count:
+                raise ValueError("buckets must be cumulative (non-decreasing) and end at most at count")
+
+
+class Gpu(Struct, frozen=True, kw_only=True):
+    """NVML's view of the rank's device (parwatch/collector/nvml.py)."""
+
+    index: Annotated[int, Meta(ge=0, le=1024)]
+    utilization_ratio: Annotated[float, Meta(ge=0, le=1)] | None = None
+    memory_used_bytes: Count | None = None
+    memory_total_bytes: Count | None = None
+    power_watts: Annotated[float, Meta(ge=0, le=1e6)] | None = None
+    sm_clock_hertz: Annotated[float, Meta(ge=0, le=1e12)] | None = None
+    temperature_celsius: Annotated[float, Meta(ge=-300, le=1e4)] | None = None
+    throttle_reasons: Annotated[int, Meta(ge=0)] | None = None
+    """NVML's 64-bit mask (msgspec's bounds stop at int64: the top bit is checked below)."""
+
+    def __post_init__(self) -> None:
+        if self.throttle_reasons is not None and self.throttle_reasons >= 2**64:
+            raise ValueError("throttle_reasons: must fit in 64 bits (NVML's clocks-event mask)")
+
+
+InstanceRecord = tuple[CollectiveOp, GroupRole, Count, SignedCount, SignedCount, Count, Count]
+"""[op, group, seq, peer, start_us, dur_us, bytes]: one collective or p2p call of a sampled step
+(parwatch/collector/instances.py). peer is -1 for a collective; seq is the call's number on its group
+(per direction and peer for p2p)."""
+
+
+class Instances(Struct, frozen=True, kw_only=True):
+    """Raw material of the sidecar's wait/transfer split (sidecar/transfer.py)."""
+
+    host: Host = ""
+    """Ranks of one host share its monotonic clock."""
+    data_seconds: Seconds = 0.0
+    """This step's data-fetch spans."""
+    groups: Annotated[dict[GroupRole, Annotated[list[Count], Meta(max_length=100_000)]], Meta(max_length=64)] = field(
+        default_factory=dict
+    )
+    """role -> the global ranks of the collective group recorded."""
+    records: Annotated[list[InstanceRecord], Meta(max_length=20_000)] = field(default_factory=list)
+    capped: Count = 0
+    """Instances over the per-group budget, not recorded."""
+
+
+class GlobalStage(Struct, frozen=True, kw_only=True):
+    """One stage's figures in rank 0's view: the means over its reporting ranks."""
+
+    stage: Index
+    compute_seconds: Seconds
+    idle_seconds: SignedSeconds
+    other_seconds: Seconds = 0.0
+    step_seconds: Seconds
+    bubble_ratio: Ratio
+    # The bubble split into its causes (when the trainer announced its pipeline order).
+    bubble_schedule_ratio: Ratio | None = None
+    bubble_imbalance_ratio: Ratio | None = None
+    bubble_wait_ratio: Ratio | None = None
+
+
+BUBBLE_CAUSES = ("schedule", "imbalance", "wait")
+"""GlobalStage.bubble_<cause>_ratio, exported as parwatch_stage_bubble_<cause>_ratio."""
+
+
+class GlobalView(Struct, frozen=True, kw_only=True):
+    """Rank 0's fast-path view of the step before (one step of lag; parwatch/collector/global_view.py)."""
+
+    step: Count
+    wire_loss: WireFloat = field(default=None, name="loss")
+    pipeline_skew_ratio: Ratio | None = None
+    stages: Annotated[list[GlobalStage], Meta(max_length=4096)] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_number(self.wire_loss, "loss")
+
+    @property
+    def loss(self) -> float | None:
+        return decode_float(self.wire_loss)
+
+
+class StepSummary(Struct, frozen=True, kw_only=True):
+    """One rank's step (parwatch/collector/wire.py builds it): one per rank and step."""
+
+    v: Literal[1]
+    run_id: RunId
+    rank: Index
+    stage: Index
+    tp_rank: Index = 0
+    dp_rank: Index = 0
+    tp: Parallel
+    pp: Parallel
+    dp: Parallel
+    microbatches: Parallel
+    chunks: Annotated[int, Meta(ge=1, le=1024)] = 1
+    """v: model chunks per stage."""
+    schedule: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")]
+    """The schedule's name ("gpipe", "1f1b", "interleaved1f1b", or torch pipelining's e.g. "ZBVZeroBubble")."""
+    step: Count
+    """The optimizer step this summary describes (1-based)."""
+    timeline: SmallCount = 0
+    """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary, so a
+    replayed step is not a retry."""
+    time: Timestamp
+    """When the step ended on this rank."""
+    step_seconds: Seconds
+    """Boundary-to-boundary period on this rank."""
+    compute_seconds: Seconds
+    """Forward and backward spans."""
+    other_seconds: Seconds = 0.0
+    """Optimizer and DP gradient sync."""
+    idle_seconds: SignedSeconds
+    """step - compute - other."""
+    bubble_ratio: Ratio
+    """idle / (idle + compute) (parwatch.bubble)."""
+    bubble_theoretical_ratio: Ratio
+    """The schedule's closed form, or the replay of its own actions at equal action times (parwatch.bubble)."""
+    wire_loss: WireFloat = field(default=None, name="loss")
+    tokens: Count = 0
+    """Tokens the whole run consumed in this step (all DP replicas)."""
+    memory_max_allocated_bytes: Count | None = None
+    collectives: Annotated[list[Collective], Meta(max_length=256)] = field(default_factory=list)
+    gpu: Gpu | None = None
+    nvml_up: Literal[0, 1] = 0
+    overhead_seconds: Seconds = 0.0
+    """Time the collector itself spent on the training thread this step."""
+    dropped_total: Count = 0
+    """Summaries this rank's shipper dropped so far."""
+    checkpoints: Annotated[list[Count], Meta(max_length=MAX_CHECKPOINTS)] = field(default_factory=list)
+    """Steps with a complete checkpoint (rank 0; [] elsewhere)."""
+    paused: bool = False
+    global_: GlobalView | None = field(default=None, name="global")
+    """Rank 0 only."""
+    instances: Instances | None = None
+    model_flops_utilization_ratio: Annotated[float, Meta(ge=0, le=MAX_RATIO)] | None = None
+    """Only when the device's peak FLOP/s is configured: model FLOPs of the step / (step_seconds * peak)."""
+    time_seconds: Annotated[dict[TimeCategory, LedgerSeconds], Meta(max_length=32)] | None = None
+    """The rank's goodput ledger since its process started (cumulative; they sum to the process's wall
+    time at this boundary; parwatch.collector.ledger)."""
+    process_start_time: Timestamp | None = None
+    """When this rank's process started: a later one is a restart (its ledger starts again, and the
+    time between is down)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def world(self) -> tuple[int, int, int]:
+        return self.tp, self.pp, self.dp
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(timeline, step): a rank's summaries in training order, whatever their `time` says."""
+        return self.timeline, self.step
+
+    @property
+    def loss(self) -> float | None:
+        return decode_float(self.wire_loss)
+
+    def __post_init__(self) -> None:
+        _check_number(self.wire_loss, "loss")
+        if self.world_size > MAX_PARALLEL:
+            raise ValueError(f"tp*pp*dp = {self.world_size} ranks is over the {MAX_PARALLEL} a sidecar accepts")
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside the world of tp*pp*dp = {self.world_size} ranks")
+        if self.stage >= self.pp:
+            raise ValueError(f"stage {self.stage} is outside pp = {self.pp} stages")
+        if self.tp_rank >= self.tp or self.dp_rank >= self.dp:
+            raise ValueError(f"tp_rank {self.tp_rank} / dp_rank {self.dp_rank} outside tp={self.tp}, dp={self.dp}")
+        if self.global_ is not None and any(st.stage >= self.pp for st in self.global_.stages):
+            raise ValueError(f"global.stages names a stage outside pp = {self.pp} stages")
+
+
+class LocalDecision(Struct, frozen=True, kw_only=True):
+    """A decision rank 0 made itself while its sidecar was unreachable (parwatch/collector/fallback.py),
+    riding the outcome record of its directive: the leader records it and judges the loss."""
+
+    rule: Literal["nonfinite-loss"]
+    action: Literal["pause"]
+    step: Step
+    """The step whose loss was non-finite."""
+    loss: WireFloat = None
+    """As the wire carries it: the engine reads it with float()."""
+    time: Timestamp
+    """When rank 0 decided (its wall clock)."""
+    after: Step = 0
+    """The last directive id the ranks handled before it: the leader's later ones were never taken."""
+    checkpoints: Annotated[list[Step], Meta(max_length=1000)] = field(default_factory=list)
+    """Rank 0's complete checkpoints then (a rollback target must be one)."""
+    unreachable_since: Timestamp | None = None
+    reason: Annotated[str, text(1000)] = ""
+
+    def __post_init__(self) -> None:
+        _check_number(self.loss, "loss")
+
+
+class OutcomeRecord(Struct, frozen=True, kw_only=True):
+    """Rank 0's report of what every rank did with one directive (counted in the step-boundary vector);
+    it rides every post until one carrying it is accepted."""
+
+    directive_id: Annotated[int, Meta(gt=0, lt=MAX_COUNT)]
+    run_id: RunId
+    outcome: OutcomeName
+    """substituted: a rollback loaded an older verified checkpoint than asked; ignored: another run's;
+    mixed: the ranks differ."""
+    step: Step
+    loaded_step: Step | None = None
+    counts: dict[OutcomeName, SmallCount] = field(default_factory=dict)
+    """outcome -> ranks."""
+    reasons: Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z_]{1,32}\Z")], SmallCount], Meta(max_length=16)] = field(
+        default_factory=dict
+    )
+    ranks: Annotated[int, Meta(ge=1, le=2**31)]
+    local: LocalDecision | None = None
+    """Set when rank 0 made this directive itself (its sidecar was unreachable)."""
+
+
+class IngestBody(Struct, frozen=True, kw_only=True):
+    """POST /v1/ingest. Summaries may be empty (rank 0 polling for a directive while the run is paused)."""
+
+    version: Literal[1]
+    summaries: Annotated[list[StepSummary], Meta(max_length=10_000)]
+    outcomes: Annotated[list[OutcomeRecord], Meta(max_length=64)] = field(default_factory=list)
+    """Rank 0: directive outcome records, resent until a post carrying them is accepted."""
+    alive: bool = False
+    """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
+
+
+class Directive(Struct, frozen=True, kw_only=True):
+    """What rank 0 applies at its next step boundary (parwatch.contract.directives parses it)."""
+
+    id: int
+    action: Action
+    run_id: str
+    """The run it belongs to: a trainer of another run ignores it."""
+    to_step: int | None = None
+    """rollback: the checkpoint step to load."""
+    skip_batches: int = 0
+    """rollback: data batches to skip after loading."""
+    reason: str = ""
+
+
+class IngestResponse(Struct, frozen=True, kw_only=True):
+    accepted: int
+    directive: Directive | None
+
+
+class Problem(Struct, frozen=True, kw_only=True):
+    """Every 4xx answer: `detail` names the field (or header, or limit) and the fix."""
+
+    detail: str
+
+
+class ControlRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/control: an operator's pause, resume or rollback."""
+
+    action: Action
+    to_step: Step | None = None  # the contract's bound (parse_directive): what passes, the trainer takes
+    skip_batches: Step = 0
+    reason: Annotated[str, Meta(max_length=2000)] = ""
+    requested_by: Annotated[str, Meta(max_length=200)] = ""
+
+
+class CancelRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    requested_by: Annotated[str, Meta(max_length=200)] = ""
+
+
+AlertStatus = Literal["firing", "resolved"]
+
+
+class Alert(Struct, frozen=True, kw_only=True):
+    status: AlertStatus
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    startsAt: str = ""
+    endsAt: str = ""
+    generatorURL: str = ""
+    fingerprint: Annotated[str, Meta(max_length=128)] = ""
+
+
+class AlertmanagerPayload(Struct, frozen=True, kw_only=True):
+    """POST /v1/alerts: Alertmanager's webhook payload, version 4."""
+
+    version: Literal["4"]
+    status: AlertStatus
+    receiver: str = ""
+    groupLabels: dict[str, str] = field(default_factory=dict)
+    commonLabels: dict[str, str] = field(default_factory=dict)
+    commonAnnotations: dict[str, str] = field(default_factory=dict)
+    externalURL: str = ""
+    alerts: Annotated[list[Alert], Meta(max_length=10_000)] = field(default_factory=list)
+
+
+MAX_FORWARD_HALVES = 2000
+"""Instances per cross-node post (a node posts once a second; ~150 bytes each as JSON)."""
+MAX_FORWARD_RANK_ROWS = 4096
+"""Rank attribution rows per cross-node post."""
+MAX_NODE_RANKS = 4096
+"""Members one node may report for one instance (a node runs a few to a few dozen ranks)."""
+ForwardedMember = tuple[Index, CollectiveOp, Count, Count]
+"""[rank, op on that rank, duration microseconds, bytes]: one member's record of the instance."""
+ForwardedRankRow = tuple[Index, Count, Index, Host, Seconds, Seconds, Seconds, Seconds | None]
+"""[rank, step, stage, host, compute seconds, data seconds, step seconds, own compute seconds or null]:
+attribution figures (own compute: compute less the rank's TP collectives; null when its records were capped)."""
+
+
+class ForwardedInstance(Struct, frozen=True, kw_only=True):
+    """One node's members of a collective/p2p instance that spans nodes (sidecar/crossnode.py)."""
+
+    op: CollectiveOp
+    """The instance's op label: the collective's op, or "send" for a p2p transfer."""
+    group: GroupRole
+    seq: Count
+    link: bool
+    """true: a p2p transfer, members = [src, dst]; false: a collective, members = its group's ranks."""
+    members: Annotated[list[Index], Meta(min_length=2, max_length=100_000)]
+    step: Count
+    """The step the node first saw it in."""
+    got: Annotated[list[ForwardedMember], Meta(min_length=1, max_length=MAX_NODE_RANKS)]
+
+    def __post_init__(self) -> None:
+        if self.link and len(self.members) != 2:
+            raise ValueError(f"a p2p instance (link: true) has members [src, dst]; got {len(self.members)} ranks")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError("members must be distinct ranks")
+        ranks = [m[0] for m in self.got]
+        if len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.members):
+            raise ValueError("got must hold distinct ranks, each one of members")
+
+
+class InstancesForward(Struct, frozen=True, kw_only=True):
+    """POST /v1/instances: a node sidecar hands the leader what only the leader can match."""
+
+    version: Literal[1]
+    node: Annotated[str, text(255, min_length=1)]
+    run_id: RunId
+    instances: Annotated[list[ForwardedInstance], Meta(max_length=MAX_FORWARD_HALVES)] = field(default_factory=list)
+    ranks: Annotated[list[ForwardedRankRow], Meta(max_length=MAX_FORWARD_RANK_ROWS)] = field(default_factory=list)
+
+
+BODIES = (IngestBody, IngestResponse, Problem, ControlRequest, CancelRequest, AlertmanagerPayload, InstancesForward)
+"""The records named in the OpenAPI document (components/schemas/<class name>)."""
+
+T = TypeVar("T")
+
+
+def parse(value: Any, record: type[T], root: str = "") -> T:
+    """Python values (a decoded JSON document, a test's dict) -> `record`, every field checked; BadRecord
+    names the field as the wire does (see `decode`)."""
+    try:
+        return msgspec.convert(value, record)
+    except msgspec.ValidationError as err:
+        raise BadRecord(where(str(err), root, dotted=True)) from None
+
+
+def openapi_components() -> dict[str, Any]:
+    return openapi_schemas(BODIES)
