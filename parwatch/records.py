@@ -282,7 +282,8 @@ def decode(raw: bytes, record: type[T], root: str = "", *, dotted: bool = False)
         try:  # the decoder stops at the first wrong field: broken JSON after it is the first thing to fix
             msgspec.json.decode(raw)
         except msgspec.DecodeError as broken:
-            raise BadRecord(f"body is not valid JSON: {broken}") from None
+            if not str(broken).startswith("Number out of range"):  # JSON, but past a float: the field's error says it
+                raise BadRecord(f"body is not valid JSON: {broken}") from None
         raise BadRecord(where(str(err), root, dotted=dotted)) from None
     except msgspec.DecodeError as err:
         raise BadRecord(f"body is not valid JSON: {err}") from None

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
+from parwatch.contract.directives import Directive
 from parwatch.records import BadRecord, openapi_schemas, text, where
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
 from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, TimeCategory
@@ -311,23 +312,10 @@ class IngestBody(Struct, frozen=True, kw_only=True):
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 
 
-class Directive(Struct, frozen=True, kw_only=True):
-    """What rank 0 applies at its next step boundary (parwatch.contract.directives parses it)."""
-
-    id: int
-    action: Action
-    run_id: str
-    """The run it belongs to: a trainer of another run ignores it."""
-    to_step: int | None = None
-    """rollback: the checkpoint step to load."""
-    skip_batches: int = 0
-    """rollback: data batches to skip after loading."""
-    reason: str = ""
-
-
 class IngestResponse(Struct, frozen=True, kw_only=True):
     accepted: int
     directive: Directive | None
+    """What rank 0 applies at its next step boundary (the contract's record: parse_directive reads it)."""
 
 
 class Problem(Struct, frozen=True, kw_only=True):
