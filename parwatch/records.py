@@ -27,6 +27,7 @@ from parwatch.vocabulary import (
     OutcomeName,
     RankState,
     RuleAction,
+    TimeCategory,
     jsonable,
 )
 
@@ -299,7 +300,10 @@ def where(message: str, root: str, *, dotted: bool = False) -> str:
     text, at, path = message.rpartition(" - at `")
     if not at:
         text, path = message, ""
-    path = path.rstrip("`").removeprefix("$")
+    key = path.startswith(_KEY_IN)  # a dict's key, not a value: "... - at `key` in `$.a.b`"
+    path = path.removeprefix(_KEY_IN).rstrip("`").removeprefix("$")
+    if key:
+        text = f"a key: {text}"
     if m := _ROW_FIELD.fullmatch(path):
         path = f"{m[1]}.{Activity._fields[int(m[2])]}"
     elif _ROW.fullmatch(path):
@@ -313,7 +317,7 @@ def where(message: str, root: str, *, dotted: bool = False) -> str:
     if dotted:
         path = _INDEX.sub(r".\1", path)
     text = text.replace(f"matching regex {_PRINTABLE + _PYTHON_END!r}", "without control characters")
-    if text.startswith("Invalid enum value") and (choices := _CHOICES.get(path.rpartition(".")[2])):
+    if "Invalid enum value" in text and (choices := _CHOICES.get(path.rpartition(".")[2])):
         text += f" (one of {', '.join(choices)})"
     if path.endswith(".state") and text.startswith("Invalid enum value"):
         text += f" (one of {', '.join(STATES[root or 'activity'])})"
@@ -324,7 +328,16 @@ _FIELD_FIRST = re.compile(r"([a-z_]+): ")
 _MISSING = re.compile(r"Object missing required field `(\w+)`")
 _UNKNOWN = re.compile(r"Object contains unknown field `(\w+)`")
 _INDEX = re.compile(r"\[(\d+)\]")
-_CHOICES: dict[str, tuple[str, ...]] = {"action": tuple(Action), "op": tuple(CollectiveOp), "group": tuple(GroupRole)}
+_KEY_IN = "key` in `"
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "action": tuple(Action),
+    "op": tuple(CollectiveOp),
+    "group": tuple(GroupRole),
+    "groups": tuple(GroupRole),
+    "outcome": tuple(OutcomeName),
+    "counts": tuple(OutcomeName),
+    "time_seconds": tuple(TimeCategory),
+}
 """Closed sets whose members an error lists (a state's depend on the record: below)."""
 
 

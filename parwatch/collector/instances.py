@@ -142,7 +142,7 @@ class InstanceLog:
         )
 
     def take(self) -> dict:
-        """The summary's `instances` payload for the period that just ended (parwatch/schema.py)."""
+        """The summary's `instances` payload for the period that just ended (parwatch/step_records.py, Instances)."""
         out = {
             "host": self.host,
             "data_seconds": self._data,

@@ -1,4 +1,4 @@
-"""The wire objects the collector produces and consumes (parwatch/schema.py): the step
+"""The wire objects the collector produces and consumes (their records: parwatch/step_records.py): the step
 summary and the directive outcome record it sends, and the sidecar's directive it receives."""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _broken(change):
                 "summaries": [],
                 "outcomes": [{"directive_id": 3, "run_id": "r", "outcome": "done", "step": 1, "ranks": 2}],
             },
-            "outcomes.0.outcome",
+            "outcomes.0.outcome: Invalid enum value 'done' (one of applied, substituted, failed, ignored, mixed)",
         ),
         (_broken(lambda s: s.update({"global": {"step": 1, "loss": "nope"}})), "summaries.0.global.loss"),
         ({"version": 2, "summaries": []}, "version: Invalid enum value 2"),
@@ -104,6 +104,12 @@ def _broken(change):
         ),
         (_broken(lambda s: s["collectives"][0].update(group="g123")), "summaries.0.collectives.0.group"),
         (_broken(lambda s: s.update(tp=1 << 20, dp=1 << 20)), "over the 1048576 a sidecar accepts"),
+        # A closed set's error lists its members; a dict's bad key says it is a key.
+        (
+            _broken(lambda s: s.update(time_seconds={"lunch": 1.0})),
+            "summaries.0.time_seconds: a key: Invalid enum value 'lunch' (one of productive, ",
+        ),
+        (_broken(lambda s: s.update(nvml_up=True)), "summaries.0.nvml_up: Expected `int`, got `bool`"),
     ],
 )
 def test_invalid_bodies_get_422_naming_the_field(client, payload, expected):
