@@ -67,7 +67,8 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(tmp_path):
         assert body == {"$ref": f"#/components/schemas/{record}"} and record in doc["components"]["schemas"]
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
     tested = {case.get("name") for case in ElementTree.parse(tmp_path / "junit.xml").iter("testcase")}
-    assert {"POST /v1/activity", "POST /v1/digest", "POST /v1/ingest"} <= tested, tested
+    bodies = {"POST /v1/activity", "POST /v1/digest", "POST /v1/ingest", "POST /v1/control", "POST /v1/alerts"}
+    assert bodies | {"POST /v1/instances", "POST /v1/directives/{directive_id}/cancel"} <= tested, tested
     for post in ("activity", "digest"):  # their bodies reached the decoder (schema-breaking ones refused there)
         assert f'parwatch_posts_refused_total{{post="{post}",reason="invalid"}}' in refused, post
     assert "Traceback" not in log, log[-4000:]  # no unhandled exception behind a 4xx either

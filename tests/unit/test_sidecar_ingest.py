@@ -182,14 +182,30 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
         make_client(tmp_path)
 
 
-def test_openapi_documents_ingest_and_control(client):
+def test_openapi_documents_every_body_by_its_record(client):
+    """Every POST's body is a typed record (parwatch/step_records.py, parwatch/records.py), named in the
+    document and generated from the type the sidecar decodes it with."""
     doc = client.get("/openapi.json").json()
-    ingest = doc["paths"]["/v1/ingest"]["post"]
-    control = doc["paths"]["/v1/control"]["post"]
-    assert "requestBody" in ingest and "requestBody" in control
     schemas = doc["components"]["schemas"]
-    assert {"IngestBody", "StepSummary", "ControlRequest", "Directive"} <= set(schemas)
+    posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
+    bodies = {path: op["requestBody"]["content"]["application/json"]["schema"]["$ref"] for path, op in posts.items()}
+    assert bodies == {
+        "/v1/ingest": "#/components/schemas/IngestBody",
+        "/v1/control": "#/components/schemas/ControlRequest",
+        "/v1/directives/{directive_id}/cancel": "#/components/schemas/CancelRequest",
+        "/v1/alerts": "#/components/schemas/AlertmanagerPayload",
+        "/v1/instances": "#/components/schemas/InstancesForward",
+        "/v1/activity": "#/components/schemas/ActivityPost",
+        "/v1/digest": "#/components/schemas/NodeDigest",
+    }
+    assert all(ref.rsplit("/", 1)[1] in schemas for ref in bodies.values())
     assert "global" in schemas["StepSummary"]["properties"]
+    assert schemas["ControlRequest"]["additionalProperties"] is False  # an operator's typo is refused
+    ingest_answer = posts["/v1/ingest"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ingest_answer == {"$ref": "#/components/schemas/IngestResponse"} and "Directive" in schemas
+    assert schemas["Directive"]["properties"]["action"] == {"$ref": "#/components/schemas/Action"}
+    problem = posts["/v1/control"]["responses"]["422"]["content"]["application/json"]["schema"]
+    assert problem == {"$ref": "#/components/schemas/Problem"} and "Problem" in schemas
     # The decision log's answer is described by its typed records (parwatch/records.py).
     answer = doc["paths"]["/v1/decisions"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     refs = [item["$ref"].rsplit("/", 1)[1] for item in answer["items"]["anyOf"]]
