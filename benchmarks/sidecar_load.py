@@ -41,9 +41,10 @@ from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
+from parwatch.records import parse  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
-from parwatch.step_records import StepSummary, parse  # noqa: E402
+from parwatch.step_records import StepSummary  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 from tests.sidecar_process import running_sidecar  # noqa: E402
 

@@ -259,10 +259,7 @@ def check_log_record(record: dict) -> None:
     typ = LOG_RECORDS.get(kind)
     if typ is None:
         raise BadRecord(f"unknown record type {kind!r}; one of {', '.join(LOG_RECORDS)}")
-    try:
-        msgspec.convert({"type": kind, **record}, typ)
-    except msgspec.ValidationError as err:
-        raise BadRecord(where(str(err), kind)) from None
+    parse({"type": kind, **record}, typ, kind)
 
 
 class BadRecord(ValueError):
@@ -288,6 +285,14 @@ def decode(raw: bytes, record: type[T], root: str = "", *, dotted: bool = False)
         raise BadRecord(where(str(err), root, dotted=dotted)) from None
     except msgspec.DecodeError as err:
         raise BadRecord(f"body is not valid JSON: {err}") from None
+
+
+def parse(value: Any, record: type[T], root: str = "", *, dotted: bool = False) -> T:
+    """Python values (a decoded JSON line, a test's dict) -> `record`, checked as `decode` checks raw JSON."""
+    try:
+        return msgspec.convert(value, record)
+    except msgspec.ValidationError as err:
+        raise BadRecord(where(str(err), root, dotted=dotted)) from None
 
 
 _ROW_FIELD = re.compile(r"(\.rows\[\d+\])\[(\d+)\]")
@@ -317,10 +322,10 @@ def where(message: str, root: str, *, dotted: bool = False) -> str:
     if dotted:
         path = _INDEX.sub(r".\1", path)
     text = text.replace(f"matching regex {_PRINTABLE + _PYTHON_END!r}", "without control characters")
-    if "Invalid enum value" in text and (choices := _CHOICES.get(path.rpartition(".")[2])):
+    name = path.rpartition(".")[2]
+    choices = STATES[root or "activity"] if name == "state" else _CHOICES.get(name)
+    if "Invalid enum value" in text and choices:
         text += f" (one of {', '.join(choices)})"
-    if path.endswith(".state") and text.startswith("Invalid enum value"):
-        text += f" (one of {', '.join(STATES[root or 'activity'])})"
     return f"{(root + path).lstrip('.') or 'body'}: {text}"
 
 
@@ -338,7 +343,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "counts": tuple(OutcomeName),
     "time_seconds": tuple(TimeCategory),
 }
-"""Closed sets whose members an error lists (a state's depend on the record: below)."""
+"""Closed sets whose members an error lists (a state's depend on the record: STATES)."""
 
 
 def encode(record: Struct) -> bytes:

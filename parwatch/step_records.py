@@ -19,13 +19,12 @@ fields without breaking an older sidecar; the operator's bodies refuse them (a t
 from __future__ import annotations
 
 import operator
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct, field
 
-from parwatch.contract.directives import Directive
-from parwatch.records import BadRecord, openapi_schemas, text, where
+from parwatch.contract.directives import MAX_STEP, Directive
+from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, openapi_schemas, text
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
 from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, TimeCategory
 
@@ -40,7 +39,8 @@ MAX_PARALLEL = 1 << 20
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 SignedCount = Annotated[int, Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
 SmallCount = Annotated[int, Meta(ge=0, le=2**31)]
-Step = Annotated[int, Meta(ge=0, lt=MAX_COUNT)]
+Step = Annotated[int, Meta(ge=0, lt=MAX_STEP)]
+"""A step, checkpoint step, directive id or skip count: the contract's bound (parse_directive)."""
 Index = Annotated[int, Meta(ge=0, lt=MAX_PARALLEL)]
 Parallel = Annotated[int, Meta(ge=1, le=MAX_PARALLEL)]
 Ratio = Annotated[float, Meta(ge=-MAX_RATIO, le=MAX_RATIO)]
@@ -51,8 +51,9 @@ LedgerSeconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS * 100)]
 Bandwidth = Annotated[float, Meta(ge=0, lt=MAX_COUNT)]
 """Below 2**53, not up to it: an integer past it (2**53 + 1) rounds to 2**53 as a float and would pass `le`."""
 Timestamp = Annotated[float, Meta(ge=0, le=MAX_TIME, description="unix seconds")]
-RunId = Annotated[str, text(200, min_length=1)]
-Host = Annotated[str, text(255)]
+RunId = Annotated[str, text(MAX_RUN_ID, min_length=1)]
+"""The same bound as an activity report's run id: a run the sidecar takes summaries of is one it can watch."""
+Host = Annotated[str, text(MAX_HOST)]
 WireFloat = float | str | None
 """A loss as the wire carries it: a number, null, or one of the strings "nan", "inf", "-inf" (read it as
 the record's `loss` property, a float or None)."""
@@ -284,7 +285,7 @@ class OutcomeRecord(Struct, frozen=True, kw_only=True):
     """Rank 0's report of what every rank did with one directive (counted in the step-boundary vector);
     it rides every post until one carrying it is accepted."""
 
-    directive_id: Annotated[int, Meta(gt=0, lt=MAX_COUNT)]
+    directive_id: Annotated[int, Meta(gt=0, lt=MAX_STEP)]
     run_id: RunId
     outcome: OutcomeName
     """substituted: a rollback loaded an older verified checkpoint than asked; ignored: another run's;
@@ -405,7 +406,7 @@ class InstancesForward(Struct, frozen=True, kw_only=True):
     """POST /v1/instances: a node sidecar hands the leader what only the leader can match."""
 
     version: Literal[1]
-    node: Annotated[str, text(255, min_length=1)]
+    node: Annotated[str, text(MAX_NODE, min_length=1)]
     run_id: RunId
     instances: Annotated[list[ForwardedInstance], Meta(max_length=MAX_FORWARD_HALVES)] = field(default_factory=list)
     ranks: Annotated[list[ForwardedRankRow], Meta(max_length=MAX_FORWARD_RANK_ROWS)] = field(default_factory=list)
@@ -413,17 +414,6 @@ class InstancesForward(Struct, frozen=True, kw_only=True):
 
 BODIES = (IngestBody, IngestResponse, Problem, ControlRequest, CancelRequest, AlertmanagerPayload, InstancesForward)
 """The records named in the OpenAPI document (components/schemas/<class name>)."""
-
-T = TypeVar("T")
-
-
-def parse(value: Any, record: type[T], root: str = "") -> T:
-    """Python values (a decoded JSON document, a test's dict) -> `record`, every field checked; BadRecord
-    names the field as the wire does (see `decode`)."""
-    try:
-        return msgspec.convert(value, record)
-    except msgspec.ValidationError as err:
-        raise BadRecord(where(str(err), root, dotted=True)) from None
 
 
 def openapi_components() -> dict[str, Any]:

@@ -128,7 +128,7 @@ def _summary(rec: dict) -> dict:
     """A summaries.jsonl line checked as the sidecar checks a posted one (StepSummary), kept as a dict
     with its loss decoded (float('nan') for "nan")."""
     try:
-        summary = step_records.parse(rec, step_records.StepSummary)
+        summary = records.parse(rec, step_records.StepSummary, dotted=True)
     except records.BadRecord as err:
         raise BadRecord(str(err)) from None
     return {**rec, "loss": summary.loss}

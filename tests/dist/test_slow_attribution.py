@@ -32,7 +32,8 @@ import pytest
 
 from parwatch.demo.scenario import DemoConfig
 from parwatch.guardrails.rules import default_rules
-from parwatch.step_records import StepSummary, parse
+from parwatch.records import parse
+from parwatch.step_records import StepSummary
 from parwatch.sidecar.transfer import TransferTracker
 from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
                                         token_args)

@@ -10,7 +10,8 @@ from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 import parwatch.schema as schema
-from parwatch.step_records import IngestBody, StepSummary, parse
+from parwatch.records import parse
+from parwatch.step_records import IngestBody, StepSummary
 from parwatch.vocabulary import REFERENCE_SCHEDULES, TimeCategory
 
 NUMBER = (int, float)

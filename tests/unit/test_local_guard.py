@@ -10,7 +10,8 @@ from parwatch.collector.fallback import LOCAL_DECISIONS_FILE, LocalGuard
 from parwatch.collector.shipper import Delivery
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import default_rules
-from parwatch.step_records import OutcomeRecord, parse
+from parwatch.records import parse
+from parwatch.step_records import OutcomeRecord
 
 
 def _guard(tmp_path, since=1234.5):

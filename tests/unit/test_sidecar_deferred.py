@@ -10,9 +10,10 @@ import sqlite3
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import Rule, RuleSet
+from parwatch.records import parse
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
-from parwatch.step_records import IngestBody, parse
+from parwatch.step_records import IngestBody
 from tests.fixtures import synthetic as syn
 
 

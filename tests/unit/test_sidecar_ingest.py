@@ -103,6 +103,8 @@ def _broken(change):
             "summaries.0.run_id: Expected `str` without control characters",
         ),
         (_broken(lambda s: s["collectives"][0].update(group="g123")), "summaries.0.collectives.0.group"),
+        # One run id bound with the activity reports (records.MAX_RUN_ID): a run summarised is a run watched.
+        (_broken(lambda s: s.update(run_id="r" * 129)), "summaries.0.run_id: Expected `str` of length <= 128"),
         (_broken(lambda s: s.update(tp=1 << 20, dp=1 << 20)), "over the 1048576 a sidecar accepts"),
         # A closed set's error lists its members; a dict's bad key says it is a key.
         (

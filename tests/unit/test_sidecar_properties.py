@@ -20,12 +20,12 @@ from prometheus_client.exposition import generate_latest as encode_text
 from prometheus_client.openmetrics.exposition import generate_latest as encode_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from parwatch.records import BadRecord
+from parwatch.records import BadRecord, parse
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_TIME
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.store import Refused
-from parwatch.step_records import MAX_COUNT, MAX_RATIO, MAX_SECONDS, IngestBody, parse
+from parwatch.step_records import MAX_COUNT, MAX_RATIO, MAX_SECONDS, IngestBody
 from parwatch.vocabulary import CollectiveOp, GroupRole
 
 PROMTOOL = shutil.which("promtool")

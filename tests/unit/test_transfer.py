@@ -7,9 +7,10 @@ import pytest
 
 from parwatch.collector.instances import InstanceLog, InstanceSampling
 from parwatch.contract import Span
+from parwatch.records import parse
 from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar.transfer import TransferTracker, split_instance, transfer_families
-from parwatch.step_records import StepSummary, parse
+from parwatch.step_records import StepSummary
 from tests.fixtures import synthetic as syn
 
 MS = 1e-3
