@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
+from msgspec.structs import astuple, replace
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -30,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from pydantic_core import from_json  # noqa: E402
 
 from parwatch import records  # noqa: E402
-from parwatch.records import MAX_HOST, MAX_PID, MAX_SEQ, MAX_STEP, MAX_TEXT, MAX_WORLD, Activity  # noqa: E402
+from parwatch.records import MAX_HOST, MAX_PID, MAX_SEQ, MAX_STEP, MAX_TEXT, MAX_WORLD, ROW_FIELDS, Activity  # noqa: E402
 from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME  # noqa: E402
 from parwatch.sidecar.digest import digest_rows, in_layout, layout_of  # noqa: E402
 from parwatch.sidecar.hang import Layout  # noqa: E402
@@ -45,7 +47,7 @@ def bodies(now: float = 1.7e9) -> tuple[bytes, bytes]:
         stage, tp_rank, dp_rank = (rank // 8) % 16, rank % 8, rank // 128
         waiting = rank % 8 == 0
         rows.append(
-            list(
+            astuple(
                 Activity(
                     rank,
                     "running",
@@ -69,7 +71,7 @@ def bodies(now: float = 1.7e9) -> tuple[bytes, bytes]:
             )
         )
     digest = {"version": 1, "node": "node-3:9401", "run_id": "run-2026-12-02", "time": now, "layout": [8, 16, 16]}
-    activity = dict(zip(Activity._fields, rows[9]))
+    activity = dict(zip(ROW_FIELDS, rows[9]))
     activity.update(run_id="run-2026-12-02", tp=8, pp=16, dp=16)
     return (
         json.dumps({**digest, "rows": rows}, separators=(",", ":")).encode(),
@@ -171,9 +173,9 @@ def pydantic_digest(raw: bytes) -> list[Activity]:
 
 def pydantic_activity(raw: bytes) -> Activity:
     a = PPost.model_validate_json(raw).activity
-    row = Activity(*(getattr(a, f) for f in Activity._fields[:-2]), a.step_end, a.error)
+    row = Activity(*(getattr(a, f) for f in ROW_FIELDS[:-2]), a.step_end, a.error)
     return in_layout(
-        row._replace(host=a.host or ""), layout_of((a.tp, a.pp, a.dp), "activity [tp, pp, dp]"), "activity"
+        replace(row, host=a.host or ""), layout_of((a.tp, a.pp, a.dp), "activity [tp, pp, dp]"), "activity"
     )
 
 
@@ -274,7 +276,7 @@ def handwritten_digest(raw: bytes) -> list[Activity]:
     raw_rows = body.get("rows")
     if not isinstance(raw_rows, list) or len(raw_rows) > layout.world:
         raise Bad("digest.rows")
-    rows, seen, fields = [], set(), Activity._fields
+    rows, seen, fields = [], set(), ROW_FIELDS
     for i, r in enumerate(raw_rows):
         if not isinstance(r, list) or not len(fields) - 2 <= len(r) <= len(fields):
             raise Bad(f"digest.rows[{i}] must be a list")

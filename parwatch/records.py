@@ -13,7 +13,7 @@ POST /v1/digest    NodeDigest: {"version": 1, "node", "run_id", "time", "layout"
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, NamedTuple, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -76,8 +76,11 @@ if (STATES["activity"], STATES["digest"]) != (tuple(RankState)[:3], tuple(RankSt
     raise ImportError("parwatch/records.py: a state differs from parwatch.vocabulary.RankState")
 
 
-class Activity(NamedTuple):
-    """One rank's latest activity: a node digest's row (an array, in this field order) and the leader's record."""
+# gc=False: the leader holds a row per rank (16,384 at 16,384 ranks) and a row refers to no container,
+# so it can form no cycle; untracked, the rows cost the garbage collector nothing (docs/benchmarks.md).
+class Activity(Struct, array_like=True, frozen=True, gc=False):
+    """One rank's latest activity: a node digest's row (an array, in this field order) and the leader's
+    record. Elements past `error` are ignored: a newer node's fields."""
 
     rank: Rank
     state: RowState  # the leader adds `unknown` for a node gone quiet
@@ -127,12 +130,13 @@ class ActivityReport(Struct, kw_only=True):
 
     def row(self) -> Activity:
         """This report as its node's digest row (a missing host reads as "")."""
-        values = {f: getattr(self, f) for f in Activity._fields}
+        values = {f: getattr(self, f) for f in ROW_FIELDS}
         values["host"] = self.host or ""
         return Activity(**values)
 
 
 ACTIVITY_FIELDS = ActivityReport.__struct_fields__
+ROW_FIELDS = Activity.__struct_fields__
 
 
 class ActivityPost(Struct):
@@ -310,9 +314,9 @@ def where(message: str, root: str, *, dotted: bool = False) -> str:
     if key:
         text = f"a key: {text}"
     if m := _ROW_FIELD.fullmatch(path):
-        path = f"{m[1]}.{Activity._fields[int(m[2])]}"
+        path = f"{m[1]}.{ROW_FIELDS[int(m[2])]}"
     elif _ROW.fullmatch(path):
-        text += f" (a row is [{', '.join(Activity._fields)}], the last two optional)"
+        text += f" (a row is [{', '.join(ROW_FIELDS)}], the last two optional)"
     if m := _FIELD_FIRST.match(text):
         path, text = f"{path}.{m[1]}", text[m.end() :]
     elif m := _MISSING.fullmatch(text):

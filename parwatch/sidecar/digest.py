@@ -22,6 +22,8 @@ import os
 import socket
 from collections.abc import Callable
 
+from msgspec.structs import replace
+
 from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
 from parwatch.schema import MAX_STEPS_PER_SECOND
 from parwatch.sidecar.hang import ENDED, Layout
@@ -162,7 +164,7 @@ class NodeBook:
                     state = "gone"
                 elif now - seen > self.silent_seconds:
                     state = "silent" if local else "gone"  # another host's pid cannot be checked here
-            out[rank] = a if state == a.state else a._replace(state=state)
+            out[rank] = a if state == a.state else replace(a, state=state)
         return out
 
     def digest(self, node: str) -> NodeDigest | None:
@@ -242,7 +244,7 @@ class LeaderView:
             stale = now - seen > self.grace_seconds
             for a in rows:
                 out[a.rank] = (
-                    a._replace(state="unknown") if stale and a.state in (RankState.RUNNING, RankState.SILENT) else a
+                    replace(a, state="unknown") if stale and a.state in (RankState.RUNNING, RankState.SILENT) else a
                 )
         return out
 

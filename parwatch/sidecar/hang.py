@@ -150,51 +150,69 @@ def _answered(a: Activity, rows: Mapping[int, Activity]) -> bool:
     return peer is not None and peer.kind == SpanKind.RECV and peer.peer == a.rank
 
 
-def _blocked_on(a: Activity, layout: Layout, arrived: dict) -> tuple | None:
-    """The node `a` waits for: ("rank", peer) in a recv or send, ("group", key) in a collective; None if it waits for nobody."""
-    # An ended rank's last wait still tells who went first.
-    if a.state not in (RankState.RUNNING, *ENDED) or a.kind is None:
-        return None
-    if a.kind in _P2P and a.peer is not None:
-        return ("rank", int(a.peer))
-    if a.kind in (SpanKind.COLLECTIVE, SpanKind.BOUNDARY) and a.group:  # the boundary: an all-reduce over the world
-        key = (
-            a.group,
-            layout.instance(a.group, a),
-            a.op,
-            a.seq if a.seq is not None else ("step", a.step),
-        )  # no seq (the boundary): line up by step
-        arrived.setdefault(key, set()).add(a.rank)
-        return ("group", key)
-    return None
+_GROUP_KINDS = (SpanKind.COLLECTIVE, SpanKind.BOUNDARY)  # the boundary: an all-reduce over the world
+_WAITING_STATES = (RankState.RUNNING, *ENDED)  # an ended rank's last wait still tells who went first
 
 
 def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: float | None = None) -> dict | None:
     """The rank the others wait for, with who waits; None when no rank is known.
 
     Returns {"culprit": rank, "waiting": [ranks...] (transitive), "missing": what it has not joined
-    (or None), "method": "dependency" | "oldest-span"}. O(ranks + group members) per call.
+    (or None), "method": "dependency" | "oldest-span"}.
+
+    One pass over the ranks, then work per wait, not per rank: the ranks in one collective instance
+    wait together for the members not in it, so a whole world in one all-reduce is one set, and who
+    (transitively) waits for a rank is found by set unions. The leader runs this on its event loop at
+    16,384 ranks (docs/benchmarks.md, the leader).
     """
     if not rows:
         return None
-    arrived: dict = {}
-    blocked = {}
+    arrived: dict[tuple, set[int]] = {}  # collective instance -> the ranks in it
+    p2p: dict[int, int] = {}  # rank in a recv or an unanswered send -> its peer
     for rank, a in rows.items():
-        node = _blocked_on(a, layout, arrived)
-        if node is not None and not _answered(a, rows):
-            blocked[rank] = node
-    # Who each group-wait waits for: the members not in that same collective.
-    absent = {}
+        kind = a.kind
+        if kind is None or a.state not in _WAITING_STATES:
+            continue
+        if kind in _P2P:
+            if a.peer is not None and not _answered(a, rows):
+                p2p[rank] = int(a.peer)
+        elif kind in _GROUP_KINDS and a.group:
+            seq = a.seq if a.seq is not None else ("step", a.step)  # no seq (the boundary): line up by step
+            key = (a.group, layout.instance(a.group, a), a.op, seq)
+            present = arrived.get(key)
+            if present is None:
+                arrived[key] = {rank}
+            else:
+                present.add(rank)
+    # Reverse edges, waited-for -> who waits: a collective instance waits for its members not in it.
+    groups_waiting: dict[int, list[tuple]] = {}
     for key, present in arrived.items():
-        group, _instance, op, seq = key
-        sample = rows[next(iter(present))]
-        absent[key] = [m for m in layout.members(group, sample) if m not in present]
-    # Reverse edges, waited-for -> waiters, for counting who depends on whom.
-    waiters: dict[int, list[int]] = {}
-    for rank, (kind, target) in blocked.items():
-        for t in [target] if kind == "rank" else absent[target]:
-            waiters.setdefault(t, []).append(rank)
-    sinks = [r for r in waiters if r not in blocked]
+        members = layout.members(key[0], rows[next(iter(present))])
+        if len(present) < len(members):
+            for m in set(members).difference(present):
+                groups_waiting.setdefault(m, []).append(key)
+    ranks_waiting: dict[int, list[int]] = {}
+    for rank, peer in p2p.items():
+        ranks_waiting.setdefault(peer, []).append(rank)
+    waited_for = groups_waiting.keys() | ranks_waiting.keys()
+    blocked = set(p2p).union(*arrived.values())
+
+    def waiting_for(sink: int) -> set[int]:
+        reached: set[int] = set()
+        frontier = {sink}
+        while frontier:
+            new: set[int] = set()
+            for r in frontier:
+                for key in groups_waiting.get(r, ()):
+                    new |= arrived[key]
+                new.update(ranks_waiting.get(r, ()))
+            new -= reached
+            new.discard(sink)
+            reached |= new
+            frontier = new & waited_for  # a rank nobody waits for leads no further
+        return reached
+
+    sinks = [r for r in waited_for if r not in blocked]
     if not sinks:
         if not blocked:  # nobody waits for anybody: everyone is stuck in its own work
             oldest = min(rows.values(), key=lambda a: (a.since if a.since is not None else float("inf"), a.rank))
@@ -202,15 +220,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
         sinks = list(blocked)  # a cycle (mismatched collectives): the one open longest is the best guess
     best = None
     for sink in sinks:
-        reached, frontier = set(), [sink]
-        while frontier:  # every rank that (transitively) waits for `sink`
-            nxt = []
-            for r in frontier:
-                for w in waiters.get(r, ()):
-                    if w not in reached and w != sink:
-                        reached.add(w)
-                        nxt.append(w)
-            frontier = nxt
+        reached = waiting_for(sink)
         row = rows.get(sink)
         since = row.since if row is not None and row.since is not None else float("inf")
         # A sink whose activity predates the stall (fresh_after) may just be a late report: prefer fresh ones.
@@ -221,18 +231,12 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
     assert best is not None  # sinks is never empty here
     _, culprit, reached = best
     missing = None
-    for rank in waiters.get(culprit, ()):  # name the collective it has not joined, if that is the wait
-        kind, target = blocked[rank]
-        if kind == "group":
-            group, _instance, op, seq = target
-            missing = {
-                "kind": "collective",
-                "op": op,
-                "group": group,
-                "seq": seq if not isinstance(seq, tuple) else None,
-            }
-            break
-        missing = {"kind": rows[rank].kind, "by": rank}
+    if culprit in groups_waiting:  # name the collective it has not joined: the first seen waiting for it
+        group, _instance, op, seq = groups_waiting[culprit][0]
+        missing = {"kind": "collective", "op": op, "group": group, "seq": seq if not isinstance(seq, tuple) else None}
+    elif culprit in ranks_waiting:
+        by = ranks_waiting[culprit][-1]
+        missing = {"kind": rows[by].kind, "by": by}
     return {"culprit": culprit, "waiting": sorted(reached), "missing": missing, "method": "dependency"}
 
 

@@ -3,6 +3,7 @@ naming one hung rank among 16,384 simulated ranks from node digests."""
 
 import msgspec
 import pytest
+from msgspec.structs import astuple, replace
 
 from parwatch.records import NodeDigest
 from parwatch.sidecar.digest import LeaderView, NodeBook
@@ -255,7 +256,7 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
                     a = act(r, lay, "collective", "all_reduce", "world", step=step, host=f"n{node}")
                     if r == hung:
                         a = act(r, lay, "backward", step=step, host=f"n{node}", since=1234.0)
-                rows.append(list(a))
+                rows.append(list(astuple(a)))
             yield {
                 "version": 1,
                 "node": f"n{node}",
@@ -289,7 +290,7 @@ def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
         0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", time=9.0),
         1: act(1, lay, "backward", step=3, state="gone", time=5.0),
     }
-    rows[0], rows[1] = rows[0]._replace(time=1.0), rows[1]._replace(time=2.0)  # sampling order says nothing
+    rows[0], rows[1] = replace(rows[0], time=1.0), replace(rows[1], time=2.0)  # sampling order says nothing
     [record] = monitor.check(rows)
     assert record["rule"] == "rank-gone" and record["evidence"]["culprit"]["rank"] == 1
     assert record["evidence"]["gone"] == [1, 0]
@@ -375,7 +376,7 @@ def _stalled_monitor(step_end_skew):
         clock.t += 1.0
         end = clock.t - 1.0  # the boundary ended 1 s before the report arrived
         monitor.observe(
-            act(0, lay, "forward", step=step, time=end + 0.5 + step_end_skew)._replace(step_end=end + step_end_skew),
+            replace(act(0, lay, "forward", step=step, time=end + 0.5 + step_end_skew), step_end=end + step_end_skew),
             lay,
             clock.t,
         )
@@ -421,7 +422,7 @@ def _step(monitor, clock, lay, step, seconds=0.5):
     """Both ranks end `step` now (their clocks read the leader's) and report it."""
     clock.t += seconds
     for r in (0, 1):
-        monitor.observe(act(r, lay, "forward", step=step, time=clock.t)._replace(step_end=clock.t), lay, clock.t)
+        monitor.observe(replace(act(r, lay, "forward", step=step, time=clock.t), step_end=clock.t), lay, clock.t)
 
 
 def test_a_rollback_replay_longer_than_the_bound_is_progress_not_a_hang():
@@ -467,7 +468,7 @@ def test_a_hang_pointing_at_ranks_the_leader_cannot_see_names_no_culprit_and_sta
     for step in range(1, 6):
         clock.t += 0.5
         for r in (0, 1):
-            monitor.observe(act(r, lay, "forward", step=step, time=clock.t)._replace(step_end=clock.t), lay, clock.t)
+            monitor.observe(replace(act(r, lay, "forward", step=step, time=clock.t), step_end=clock.t), lay, clock.t)
     clock.t += 30.0
     rows = {
         0: act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t),
@@ -520,7 +521,7 @@ def test_ranks_that_only_lost_a_peer_point_at_the_ranks_the_leader_cannot_see():
     monitor, clock, engine = _monitor()
     lay = Layout(2, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
-    rows = {r: act(r, lay, "forward", step=6, state="crashed")._replace(error=PEER_LOST) for r in (0, 1)}
+    rows = {r: replace(act(r, lay, "forward", step=6, state="crashed"), error=PEER_LOST) for r in (0, 1)}
     rows.update({r: act(r, lay, "forward", step=6, state="unknown") for r in (2, 3)})
     coverage = {"world": 4, "ranks_seen": 2, "ranks_never_seen": [], "nodes_missing": [{"node": "n1", "since": 990.0}]}
     [record] = monitor.check(rows, coverage=coverage)
@@ -535,12 +536,12 @@ def test_echoes_alone_wait_for_the_first_failure_before_one_is_named():
     lay = Layout(1, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     echo = {
-        0: act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed")._replace(error=PEER_LOST),
+        0: replace(act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed"), error=PEER_LOST),
         1: act(1, lay, "forward", step=6),
     }
     assert monitor.check(echo) == []  # the rank that failed first may yet say so
     clock.t += 3
-    told = {**echo, 1: act(1, lay, "forward", step=6, state="crashed")._replace(error="InjectedError: boom")}
+    told = {**echo, 1: replace(act(1, lay, "forward", step=6, state="crashed"), error="InjectedError: boom")}
     [record] = monitor.check(told)
     assert record["evidence"]["culprit"]["rank"] == 1  # the cause, not the echo
     monitor2, clock2, _ = _monitor()

@@ -10,7 +10,7 @@ import socket
 
 from test_digest_api import _client, report
 
-from parwatch.records import Activity
+from parwatch.records import ROW_FIELDS
 from tests.fixtures import synthetic as syn
 
 HOST = socket.gethostname()
@@ -40,7 +40,7 @@ def _digest(t, state="running"):
     for rank in (2, 3):
         a = _activity(rank, 5, t)["activity"]
         a["state"] = state
-        rows.append([a.get(f) for f in Activity._fields])
+        rows.append([a.get(f) for f in ROW_FIELDS])
     return {"version": 1, "node": "node-b:9401", "run_id": "r1", "time": t, "layout": [1, 2, 2], "rows": rows}
 
 
