@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
 from parwatch.records import NodeDigest, decode  # noqa: E402
 from parwatch.sidecar.hang import Activity, Layout, find_culprit  # noqa: E402
+from tests.fixtures import synthetic as syn  # noqa: E402
 from tests.integration.e2e_util import decision_records  # noqa: E402
 from tests.sidecar_process import running_sidecar  # noqa: E402
 
@@ -169,6 +170,8 @@ async def simulate(
     hung: int,
     token: str = "",
     state_dir: Path | None = None,
+    metrics_url: str | None = None,
+    scrape_seconds: float = 0.0,
 ) -> dict:
     lay = _layout(ranks)
     nodes = ranks // PER_NODE
@@ -247,6 +250,18 @@ async def simulate(
             await asyncio.sleep(0.5)
 
     rss = []
+    scrapes: list[tuple[float, int]] = []
+
+    async def scrape():
+        # As Prometheus scrapes every sidecar (the chart's interval is 15 s): at the leader the scrape
+        # renders parwatch_rank_state for every rank, on the loop that takes the digests.
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.sleep(scrape_seconds / 2)
+            while True:
+                t0 = time.perf_counter()
+                body = (await client.get(f"{metrics_url}/metrics")).content
+                scrapes.append((time.perf_counter() - t0, len(body)))
+                await asyncio.sleep(scrape_seconds)
 
     async def watch() -> dict:
         # The decision is read from the leader's decision log, not GET /v1/hang: that call judges every
@@ -260,7 +275,14 @@ async def simulate(
                 if found:
                     return found[0]
 
+    # Rank 0 reports its summaries to the leader, its node's sidecar: from then on the leader keeps every
+    # rank's liveness (parwatch_rank_up, the rank-missing rule) once a second, as in a run.
+    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"}) as client:
+        first = syn.summary(0, 1, run_id="sim", tp=lay.tp, pp=lay.pp, dp=lay.dp)
+        (await client.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": [first]})).raise_for_status()
     tasks = [asyncio.create_task(node_loop(n)) for n in range(nodes)] + [asyncio.create_task(steps())]
+    if metrics_url is not None and scrape_seconds > 0:
+        tasks.append(asyncio.create_task(scrape()))
     decision = await asyncio.wait_for(watch(), timeout=warmup + 120)
     named_after = decision["time"] - state["step_end"]  # from the last step boundary
     async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"}) as client:
@@ -284,6 +306,9 @@ async def simulate(
         "leader_ingest_seconds_p50": percentile(latencies, 50),
         "leader_ingest_seconds_p99": percentile(latencies, 99),
         "digests_sent": len(latencies),
+        "leader_scrape_seconds_max": max((t for t, _ in scrapes), default=None),
+        "leader_scrape_bytes": scrapes[-1][1] if scrapes else None,
+        "leader_scrapes": len(scrapes),
         "leader_rss_bytes": int(max(rss) * 1024 * 1024) if rss else None,
     }
 
@@ -346,7 +371,7 @@ def handler_timing(ranks: int, rounds: int = 3) -> dict:
     }
 
 
-def simulation(ranks: int, warmup: float, connections: int) -> dict:
+def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0) -> dict:
     if ranks % PER_NODE:
         raise SystemExit(f"--ranks {ranks} must be a multiple of {PER_NODE} (ranks per node)")
     # The load generator's own collector pauses would read as leader latency: scale.py calls this
@@ -367,6 +392,8 @@ def simulation(ranks: int, warmup: float, connections: int) -> dict:
                     hung=ranks * 9 // 16 + 3,
                     token=sidecar.token,
                     state_dir=Path(tmp) / "state",
+                    metrics_url=sidecar.metrics_url,
+                    scrape_seconds=scrape_seconds,
                 )
             )
 
@@ -377,10 +404,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=0, help="simulate this many ranks from node digests instead")
     ap.add_argument("--warmup", type=float, default=12.0, help="simulation: seconds of healthy steps first")
     ap.add_argument("--connections", type=int, default=64, help="simulation: keep-alive connections to the leader")
+    ap.add_argument("--scrape-seconds", type=float, default=0.0, help="simulation: scrape the leader's /metrics this often")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.ranks:
-        result = simulation(args.ranks, args.warmup, args.connections)
+        result = simulation(args.ranks, args.warmup, args.connections, args.scrape_seconds)
         result.update(handler_timing(args.ranks))
     else:
         result = real_runs(args.runs)

@@ -113,7 +113,7 @@ def leader(a) -> dict:
     runs = []
     for i in range(a.runs):
         jiffies = cpu_jiffies()
-        run = hang_detection.simulation(a.ranks, a.warmup, a.connections)
+        run = hang_detection.simulation(a.ranks, a.warmup, a.connections, a.scrape_seconds)
         run["leader_cpu_stolen_share"] = stolen_share(jiffies, cpu_jiffies())  # the host's other guests
         run["load_avg_after"] = os.getloadavg()[0]
         run.pop("ranks", None)
@@ -122,7 +122,12 @@ def leader(a) -> dict:
             f"leader run {i + 1}/{a.runs}: ingest p99 {run['leader_ingest_seconds_p99'] * 1e3:.1f} ms, "
             f"hang named after {run['hang_named_seconds']} s (right rank: {run['named_right']}), "
             f"RSS {run['leader_rss_bytes'] / 1e6:.0f} MB, stolen CPU {run['leader_cpu_stolen_share']:.0%}, "
-            f"load average {run['load_avg_after']:.1f}",
+            f"load average {run['load_avg_after']:.1f}"
+            + (
+                f", scraped {run['leader_scrapes']}x, slowest {run['leader_scrape_seconds_max'] * 1e3:.0f} ms"
+                if run["leader_scrapes"]
+                else ""
+            ),
             flush=True,
         )
     goals = {k: [limit, all(r[k] is not None and r[k] <= limit for r in runs)] for k, limit in LEADER_GOALS.items()}
@@ -143,6 +148,9 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=12.0, help="leader: seconds of healthy digests before the hang")
     p.add_argument("--connections", type=int, default=64, help="leader: keep-alive connections of the digest load")
     p.add_argument("--runs", type=int, default=3, help="leader: independent runs, each on a fresh leader")
+    p.add_argument(
+        "--scrape-seconds", type=float, default=0.0, help="leader: scrape its /metrics this often (0: never)"
+    )
     p.add_argument("--leader-only", action="store_true", help="skip rank 0's boundary (simulating N collectors)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     a = p.parse_args()

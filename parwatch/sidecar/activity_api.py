@@ -43,7 +43,9 @@ from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import LeaderView, NodeBook, StepPace, in_layout, layout_of, same_layout
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
+from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
+from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.vocabulary import RankState, jsonable
 
 log = logging.getLogger(__name__)
@@ -261,7 +263,7 @@ class ActivityHub:
             store.touch_all()
         up = self.liveness()
         store.publish_liveness(store.run_id, up)
-        values = {f"rank={r}": 1.0 if u else 0.0 for r, u in up.items()}
+        values = {rank_key(r): 1.0 if u else 0.0 for r, u in up.items()}
         self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))
 
     def liveness(self) -> dict[int, bool]:
@@ -271,15 +273,12 @@ class ActivityHub:
         (within --rank-grace-seconds)."""
         store = self.sidecar.store
         up = store.summary_liveness()
-        books = [self.book.rows()] if self.book.run_id == store.run_id else []
         if self.is_leader and self.view.run_id == store.run_id:
-            books.insert(0, self.view.rows())  # this node's own rows (checked pids) win over a digest's
-        for rows in books:
-            for rank, a in rows.items():
-                if a.state == RankState.RUNNING:
-                    up[rank] = True
-                elif a.state != RankState.DONE:
-                    up[rank] = False
+            up.update(self.view.liveness())
+        if self.book.run_id == store.run_id:  # this node's own rows (checked pids) win over a digest's
+            up.update(
+                {r: a.state == RankState.RUNNING for r, a in self.book.rows().items() if a.state != RankState.DONE}
+            )
         return up
 
     def _act_on_hang(self, record: dict) -> None:
@@ -352,8 +351,11 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         sidecar.registry.unregister(previous.metrics)
     hub = ActivityHub(sidecar)
     sidecar.activity = hub
-    hub.metrics = HangMetrics(lambda: (hub.monitor, hub.rows()) if hub.is_leader else None)
+    hub.metrics = HangMetrics(lambda: hub.monitor if hub.is_leader else None)
     sidecar.registry.register(hub.metrics)
+    sidecar.rank_gauges["parwatch_rank_state"] = RankGauge(
+        "parwatch_rank_state", lambda: hub.monitor.rank_states(hub.rows()) if hub.is_leader else None
+    )
     if previous is not None:
         sidecar.registry.unregister(previous.link_metrics)
     hub.link_metrics = LeaderLinkMetrics(lambda: hub.link.status(hub.is_leader))

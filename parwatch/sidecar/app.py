@@ -23,7 +23,6 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from prometheus_client.exposition import choose_encoder
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -33,6 +32,7 @@ from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.bodies import body, documented, schema
 from parwatch.sidecar.gate import BodyTooLarge, RequestGate, send_json
+from parwatch.sidecar.rank_gauges import exposition
 from parwatch.sidecar.service import Sidecar
 from parwatch.sidecar.store import Refused
 from parwatch.step_records import AlertmanagerPayload, CancelRequest, ControlRequest, IngestBody
@@ -80,8 +80,8 @@ def create_metrics_app(sidecar: Sidecar) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(sidecar.registry), media_type=content_type)
+        body, content_type = exposition(sidecar.registry, sidecar.rank_gauges, request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     return app
 

@@ -193,6 +193,9 @@ class LeaderView:
         self.gone: set[int] = set()
         """Ranks the latest digests report gone: kept on ingest so the leader's once-a-second check
         need not look at every rank while none is."""
+        self.up: dict[int, bool] = {}
+        """rank -> up, kept on ingest for liveness(): the leader's once-a-second tick reads it whole."""
+        self._quiet: set[str] = set()  # nodes whose ranks liveness() marked down for silence
 
     def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity]]:
         """Store one digest; (node, its rows). BadActivity names what does not fit the run."""
@@ -205,7 +208,7 @@ class LeaderView:
             same_layout(self.layout, layout, "digest.layout")
             self._check_owners(node, rows)
         else:
-            self.nodes, self.gone, self.owner = {}, set(), {}
+            self.nodes, self.gone, self.owner, self.up, self._quiet = {}, set(), {}, {}, set()
             self.run_id = run_id
             self.layout = None
         if node not in self.nodes and len(self.nodes) >= layout.world:
@@ -213,15 +216,26 @@ class LeaderView:
                 f"digest.node {node!r}: this run already has {len(self.nodes)} nodes, as many as its ranks"
             )
         self.layout = layout
+        previous = self.nodes.get(node)
         self.nodes[node] = (self.clock(), rows)
-        gone = self.gone
+        self._quiet.discard(node)
+        gone, up, owner = self.gone, self.up, self.owner
         for a in rows:
-            self.owner[a.rank] = node
+            owner[a.rank] = node
             self.pace.note(run_id, a.step)
             if a.state in ENDED:
                 gone.add(a.rank)
             elif a.rank in gone:
                 gone.discard(a.rank)
+            if a.state == RankState.DONE:
+                up.pop(a.rank, None)  # its summaries tell
+            else:
+                up[a.rank] = a.state == RankState.RUNNING
+        if previous is not None and len(previous[1]) != len(rows):  # a rank this node no longer reports
+            kept = {a.rank for a in rows}
+            for a in previous[1]:
+                if a.rank not in kept and owner.get(a.rank) == node:
+                    up.pop(a.rank, None)
         return node, rows
 
     def _check_owners(self, node: str, rows: list) -> None:
@@ -247,6 +261,19 @@ class LeaderView:
                     replace(a, state="unknown") if stale and a.state in (RankState.RUNNING, RankState.SILENT) else a
                 )
         return out
+
+    def liveness(self) -> dict[int, bool]:
+        """rank -> up, as rows() reads: running in its node's latest digest is up, any other state down,
+        and so is every rank of a node gone quiet (unknown); a rank done is left out (its summaries tell).
+        Kept as digests arrive: this call is O(nodes). The mapping is the view's own: do not change it."""
+        oldest, up, owner = self.clock() - self.grace_seconds, self.up, self.owner
+        for node, (seen, rows) in list(self.nodes.items()):
+            if seen < oldest and node not in self._quiet:  # gone quiet since the last call: its ranks down
+                self._quiet.add(node)
+                for a in rows:
+                    if a.rank in up and owner.get(a.rank) == node:
+                        up[a.rank] = False
+        return up
 
     def missing_nodes(self) -> list[dict]:
         """Nodes whose digests stopped: [{"node", "since": their last digest's arrival}], oldest first."""

@@ -140,11 +140,7 @@ class SidecarCollector(Collector):
 
     def _rank_families(self):
         st = self.store
-        up = _g("parwatch_rank_up", ["rank"])
-        for rank, is_up in st.liveness().items():
-            up.add_metric([str(rank)], 1.0 if is_up else 0.0)
-        yield up
-        records = st.visible()
+        records = st.visible()  # parwatch_rank_up: sidecar/rank_gauges.py
         for name, typ, labels, value_of in PER_RANK:
             family = (_g if typ == MetricKind.GAUGE else _c)(name, labels)
             for rec in records:

@@ -648,23 +648,17 @@ class HangMonitor:
 
 
 class HangMetrics(Collector):
-    """parwatch_hang_detected and parwatch_rank_state{rank}, fresh on every scrape.
+    """parwatch_hang_detected, fresh on every scrape (parwatch_rank_state{rank}: sidecar/rank_gauges.py).
 
     Registered on the sidecar's registry by parwatch.sidecar.activity_api.install."""
 
-    def __init__(self, source_fn):
-        self._source_fn = source_fn  # () -> (HangMonitor, rows) at the leader, None elsewhere
+    def __init__(self, monitor_fn):
+        self._monitor_fn = monitor_fn  # () -> HangMonitor at the leader, None elsewhere
 
     def collect(self):
-        source = self._source_fn()
-        if source is None:
+        monitor = self._monitor_fn()
+        if monitor is None:
             return
-        monitor, rows = source
         detected = GaugeMetricFamily("parwatch_hang_detected", metric("parwatch_hang_detected").help)
         detected.add_metric([], 1.0 if monitor.hang_detected else 0.0)
         yield detected
-        spec = metric("parwatch_rank_state")
-        states = GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
-        for rank, value in sorted(monitor.rank_states(rows).items()):
-            states.add_metric([str(rank)], float(value))
-        yield states

@@ -48,18 +48,23 @@ _RANK_KEYS_MAX = 65_536
 _OP_KEYS: dict[tuple[str, str], str] = {}
 
 
+def rank_key(rank: int) -> str:
+    """An observation's series key for a rank, "rank=N" (made once per rank, up to _RANK_KEYS_MAX)."""
+    key = _RANK_KEYS.get(rank)
+    if key is None:
+        key = f"rank={rank}"
+        if len(_RANK_KEYS) < _RANK_KEYS_MAX:
+            _RANK_KEYS[rank] = key
+    return key
+
+
 def _per_rank_series(store: Store) -> dict[str, dict[str, float]]:
     rank_up: dict[str, float] = {}
     collective_mean: dict[str, float] = {}
     gpu_util: dict[str, float] = {}
     live = store.liveness()  # activity first, where the hub knows it: the same view the tick feeds
     for rank, rec in sorted(store.ranks.items()):
-        key = _RANK_KEYS.get(rank)
-        if key is None:
-            key = f"rank={rank}"
-            if len(_RANK_KEYS) < _RANK_KEYS_MAX:
-                _RANK_KEYS[rank] = key
-        rank_up[key] = 1.0 if live.get(rank, True) else 0.0
+        rank_up[rank_key(rank)] = 1.0 if live.get(rank, True) else 0.0
         up = store.is_up(rec)
         if not up:
             continue  # a silent rank's last numbers are stale evidence

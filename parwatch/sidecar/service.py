@@ -29,6 +29,7 @@ from parwatch.sidecar.alerts import AlertDedupe
 from parwatch.sidecar.config import SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.observations import build_observation
+from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
@@ -52,6 +53,8 @@ class Sidecar:
         self.refusals = Refusals(clock)
         """Posts refused (a wrong token, a bad body), counted, logged and in status (gate.RequestGate tells them)."""
         self.registry.register(self.refusals)
+        self.rank_gauges = {"parwatch_rank_up": RankGauge("parwatch_rank_up", self.store.liveness)}
+        """Gauges with a series per rank, rendered apart from the registry (rank_gauges.py): /metrics has both."""
         self.alerts = AlertDedupe(engine.acted_alerts(), engine.note_alert)
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_write: asyncio.Future | None = None

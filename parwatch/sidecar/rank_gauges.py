@@ -1,0 +1,64 @@
+"""The gauges with a series per rank of the run (parwatch_rank_up, parwatch_rank_state), rendered from
+cached lines.
+
+At the leader they have a series for every rank: 16,384 at 16,384 ranks. prometheus_client renders a
+sample in ~5 us, and a scrape held the leader's event loop, the one that takes every node's digest,
+for 120-145 ms (docs/benchmarks.md, the leader). Here a rank's line start (`name{rank="N"} `) is made
+once and a scrape joins bytes. A gauge's lines are the same in the text format and in OpenMetrics, so
+/metrics appends these to prometheus_client's rendering of the registry (before OpenMetrics' `# EOF`).
+A test holds them byte-equal to prometheus_client's own rendering of the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+from parwatch.catalog import metric
+
+_EOF = b"# EOF\n"
+
+
+class RankGauge:
+    """One gauge family labelled by rank. `values`: () -> {rank: value}, or None for no family at all."""
+
+    def __init__(self, name: str, values: Callable[[], Mapping[int, float] | None]):
+        self.name = name
+        self.values = values
+        text = metric(name).help.replace("\\", r"\\").replace("\n", r"\n")
+        self._heads = {  # OpenMetrics escapes a HELP text's double quotes too
+            openmetrics: f"# HELP {name} {help_text}\n# TYPE {name} gauge\n".encode()
+            for openmetrics, help_text in ((False, text), (True, text.replace('"', '\\"')))
+        }
+        self._lines: dict[int, bytes] = {}  # rank -> b'name{rank="N"} ' (ranks are bounded by MAX_WORLD)
+        self._texts: dict[float, bytes] = {}  # value -> b"1.0\n"
+
+    def render(self, openmetrics: bool = False) -> bytes:
+        values = self.values()
+        if values is None:
+            return b""
+        lines, texts, out = self._lines, self._texts, [self._heads[openmetrics]]
+        for rank in sorted(values):
+            line = lines.get(rank)
+            if line is None:
+                line = lines[rank] = f'{self.name}{{rank="{rank}"}} '.encode()
+            value = values[rank]
+            text = texts.get(value)
+            if text is None:
+                text = texts[value] = f"{floatToGoString(value)}\n".encode()
+            out.append(line + text)
+        return b"".join(out)
+
+
+def exposition(registry: CollectorRegistry, gauges: Mapping[str, RankGauge], accept: str) -> tuple[bytes, str]:
+    """/metrics: the registry in the format `accept` asks for, with the per-rank gauges. (body, content type)"""
+    encoder, content_type = choose_encoder(accept)
+    body = encoder(registry)
+    openmetrics = content_type.startswith("application/openmetrics-text")
+    ranks = b"".join(g.render(openmetrics) for g in gauges.values())
+    if openmetrics and body.endswith(_EOF):
+        return body[: -len(_EOF)] + ranks + _EOF, content_type
+    return body + ranks, content_type
