@@ -404,7 +404,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=0, help="simulate this many ranks from node digests instead")
     ap.add_argument("--warmup", type=float, default=12.0, help="simulation: seconds of healthy steps first")
     ap.add_argument("--connections", type=int, default=64, help="simulation: keep-alive connections to the leader")
-    ap.add_argument("--scrape-seconds", type=float, default=0.0, help="simulation: scrape the leader's /metrics this often")
+    ap.add_argument(
+        "--scrape-seconds", type=float, default=0.0, help="simulation: scrape the leader's /metrics this often"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.ranks:
