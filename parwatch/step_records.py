@@ -152,7 +152,7 @@ BUBBLE_CAUSES = ("schedule", "imbalance", "wait")
 class GlobalView(Struct, frozen=True, kw_only=True):
     """Rank 0's fast-path view of the step before (one step of lag; parwatch/collector/global_view.py)."""
 
-    step: Count
+    step: Step
     wire_loss: WireFloat = field(default=None, name="loss")
     pipeline_skew_ratio: Ratio | None = None
     stages: Annotated[list[GlobalStage], Meta(max_length=4096)] = field(default_factory=list)
@@ -182,7 +182,7 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     """v: model chunks per stage."""
     schedule: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")]
     """The schedule's name ("gpipe", "1f1b", "interleaved1f1b", or torch pipelining's e.g. "ZBVZeroBubble")."""
-    step: Count
+    step: Step
     """The optimizer step this summary describes (1-based)."""
     timeline: SmallCount = 0
     """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary, so a
@@ -212,7 +212,7 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     """Time the collector itself spent on the training thread this step."""
     dropped_total: Count = 0
     """Summaries this rank's shipper dropped so far."""
-    checkpoints: Annotated[list[Count], Meta(max_length=MAX_CHECKPOINTS)] = field(default_factory=list)
+    checkpoints: Annotated[list[Step], Meta(max_length=MAX_CHECKPOINTS)] = field(default_factory=list)
     """Steps with a complete checkpoint (rank 0; [] elsewhere)."""
     paused: bool = False
     global_: GlobalView | None = field(default=None, name="global")
@@ -388,7 +388,7 @@ class ForwardedInstance(Struct, frozen=True, kw_only=True):
     link: bool
     """true: a p2p transfer, members = [src, dst]; false: a collective, members = its group's ranks."""
     members: Annotated[list[Index], Meta(min_length=2, max_length=100_000)]
-    step: Count
+    step: Step
     """The step the node first saw it in."""
     got: Annotated[list[ForwardedMember], Meta(min_length=1, max_length=MAX_NODE_RANKS)]
 

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import islice
+from operator import attrgetter
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -81,6 +82,15 @@ def lost_a_peer(a: Activity) -> bool:
     return a.state == RankState.CRASHED and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
 
 
+_INSTANCE_OF = {
+    GroupRole.TP: attrgetter("dp_rank", "stage"),
+    GroupRole.PP: attrgetter("dp_rank", "tp_rank"),
+    GroupRole.DP: attrgetter("stage", "tp_rank"),
+}
+"""Which instance of a group role a rank's collective is in: the coordinates its members share (the
+world has one instance)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
@@ -107,14 +117,6 @@ class Layout:
             return range(a.stage * tp + a.tp_rank, self.world, pp * tp)
         return range(self.world)
 
-    def instance(self, group: str, a: Activity) -> tuple:
-        if group == GroupRole.TP:
-            return (a.dp_rank, a.stage)
-        if group == GroupRole.PP:
-            return (a.dp_rank, a.tp_rank)
-        if group == GroupRole.DP:
-            return (a.stage, a.tp_rank)
-        return ()
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
         return None
     arrived: dict[tuple, set[int]] = {}  # collective instance -> the ranks in it
     p2p: dict[int, int] = {}  # rank in a recv or an unanswered send -> its peer
+    instance_of = _INSTANCE_OF.get
     for rank, a in rows.items():
         kind = a.kind
         if kind is None or a.state not in _WAITING_STATES:
@@ -176,9 +179,10 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
         if kind in _P2P:
             if a.peer is not None and not _answered(a, rows):
                 p2p[rank] = int(a.peer)
-        elif kind in _GROUP_KINDS and a.group:
+        elif kind in _GROUP_KINDS and (group := a.group):
             seq = a.seq if a.seq is not None else ("step", a.step)  # no seq (the boundary): line up by step
-            key = (a.group, layout.instance(a.group, a), a.op, seq)
+            of = instance_of(group)
+            key = (group, of(a) if of is not None else (), a.op, seq)
             present = arrived.get(key)
             if present is None:
                 arrived[key] = {rank}
@@ -472,17 +476,15 @@ class HangMonitor:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
         named = self.hang["evidence"]["culprit"] if self.hang is not None else None
         culprit = named["rank"] if named else None
-        return {
-            r: RANK_STATES[RankState.GONE]
-            if a.state in ENDED
-            else RANK_STATES[RankState.UNKNOWN]
-            if a.state == RankState.UNKNOWN
-            else RANK_STATES[RankState.HUNG]
-            if a.state == RankState.SILENT or r == culprit
-            else RANK_STATES[RankState.RUNNING]
-            for r, a in rows.items()
-            if a.state != RankState.DONE
-        }
+        running, hung = RANK_STATES[RankState.RUNNING], RANK_STATES[RankState.HUNG]
+        out = {}
+        for r, a in rows.items():  # a plain loop: at the leader, every rank at every scrape
+            state = a.state
+            if state == RankState.RUNNING:
+                out[r] = hung if r == culprit else running
+            elif state != RankState.DONE:
+                out[r] = RANK_STATES[RankState.GONE] if state in ENDED else RANK_STATES.get(state, hung)
+        return out
 
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
         """Whether check() has anything to judge: a rank reported gone, or a stall past the bound

@@ -20,6 +20,7 @@ from prometheus_client.exposition import generate_latest as encode_text
 from prometheus_client.openmetrics.exposition import generate_latest as encode_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from parwatch.contract.directives import MAX_STEP
 from parwatch.records import BadRecord, parse
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_TIME
 from parwatch.sidecar.config import SidecarConfig
@@ -31,6 +32,8 @@ from parwatch.vocabulary import CollectiveOp, GroupRole
 PROMTOOL = shutil.which("promtool")
 
 counts = st.one_of(st.sampled_from([0, 1, MAX_COUNT - 1, MAX_COUNT]), st.integers(0, MAX_COUNT))
+steps = st.one_of(st.sampled_from([0, 1, MAX_STEP - 1]), st.integers(0, MAX_STEP - 1))
+"""Steps and checkpoints stop below 2**53, the contract's bound: a rollback's skip count is one's difference."""
 seconds = st.one_of(st.sampled_from([0.0, 5e-324, MAX_SECONDS]), st.floats(0, MAX_SECONDS))
 signed = st.floats(-MAX_SECONDS, MAX_SECONDS)
 ratios = st.floats(-MAX_RATIO, MAX_RATIO)
@@ -73,7 +76,7 @@ def summary(draw, run_id, world):
         "dp": dp,
         "microbatches": draw(st.integers(1, 64)),
         "schedule": draw(st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb-h1"])),
-        "step": draw(counts),
+        "step": draw(steps),
         "timeline": draw(st.integers(0, 3)),
         "time": draw(st.floats(0, MAX_TIME)),
         "step_seconds": draw(seconds),
@@ -89,7 +92,7 @@ def summary(draw, run_id, world):
         "dropped_total": draw(counts),
         "overhead_seconds": draw(seconds),
         "nvml_up": draw(st.sampled_from([0, 1])),
-        "checkpoints": draw(st.lists(counts, max_size=3)),
+        "checkpoints": draw(st.lists(steps, max_size=3)),
         "model_flops_utilization_ratio": draw(st.one_of(st.none(), st.floats(0, MAX_RATIO))),
     }
     if draw(st.booleans()):
@@ -103,7 +106,7 @@ def summary(draw, run_id, world):
         }
     if rank == 0 and draw(st.booleans()):
         s["global"] = {
-            "step": draw(counts),
+            "step": draw(steps),
             "loss": draw(losses),
             "pipeline_skew_ratio": draw(st.none() | ratios),
             "stages": [
@@ -182,4 +185,19 @@ def test_numbers_beyond_a_metric_are_refused_not_stored(field, value, tmp_path):
     with pytest.raises(BadRecord, match=field):
         parse({"version": 1, "summaries": [s]}, IngestBody)
     sidecar.ingest(parse({"version": 1, "summaries": [syn.summary(0, 1)]}, IngestBody))
+    _check_exposition(sidecar)
+
+
+def test_a_step_past_the_contracts_bound_is_refused_not_turned_into_a_broken_rollback(tmp_path):
+    """Hypothesis found it: rank 0's view of step 2**53 with a NaN loss made a rollback whose skip count
+    (step - checkpoint) the contract refuses, and the ingest failed. Steps stop below 2**53 now."""
+    from tests.fixtures import synthetic as syn
+
+    sidecar = build_sidecar(SidecarConfig(state_dir=tmp_path))
+    s = syn.summary(0, 1)
+    s.update(checkpoints=[0], **{"global": {"step": MAX_STEP, "loss": "nan", "stages": []}})
+    with pytest.raises(BadRecord, match=r"^summaries\[0\].global.step: Expected `int` <= 9007199254740991"):
+        parse({"version": 1, "summaries": [s]}, IngestBody)
+    s["global"]["step"] = MAX_STEP - 1  # the largest accepted: its rollback is a valid directive
+    sidecar.ingest(parse({"version": 1, "summaries": [s]}, IngestBody))
     _check_exposition(sidecar)
