@@ -261,25 +261,34 @@ class ActivityHub:
         self._note_if_ended()
         if self.leader_paused:  # the run is paused on purpose (the leader says): no summaries, ranks up
             store.touch_all()
-        up = self.liveness()
+        up, series = self._liveness()
         store.publish_liveness(store.run_id, up)
-        values = {rank_key(r): 1.0 if u else 0.0 for r, u in up.items()}
-        self.sidecar._count(self.sidecar.engine.observe_now("rank_up", values))
+        self.sidecar._count(self.sidecar.engine.observe_now("rank_up", series))
 
     def liveness(self) -> dict[int, bool]:
         """rank -> up, for this run's ranks this sidecar knows: the leader every rank of every digest, a node
         its own. Activity first: running (computing, waiting on a peer, paused) is up; a process that ended,
         a silent reporter, a node gone quiet is down; a rank without activity, or done, goes by its summaries
         (within --rank-grace-seconds)."""
+        return self._liveness()[0]
+
+    def _liveness(self) -> tuple[dict[int, bool], dict[str, float]]:
+        """liveness(), and the same as the rank_up observation's series. At the leader the digests' part
+        (every rank of the run) is kept as they arrive: here it is copied, not rebuilt rank by rank."""
         store = self.sidecar.store
-        up = store.summary_liveness()
+        summaries = store.summary_liveness()  # this sidecar's own ranks: a handful
+        digests: dict[int, bool] = {}
+        series: dict[str, float] = {}
         if self.is_leader and self.view.run_id == store.run_id:
-            up.update(self.view.liveness())
-        if self.book.run_id == store.run_id:  # this node's own rows (checked pids) win over a digest's
-            up.update(
-                {r: a.state == RankState.RUNNING for r, a in self.book.rows().items() if a.state != RankState.DONE}
-            )
-        return up
+            digests, series = self.view.liveness(), dict(self.view.up_series)
+        own = (  # this node's own rows (checked pids) win over a digest's
+            {r: a.state == RankState.RUNNING for r, a in self.book.rows().items() if a.state != RankState.DONE}
+            if self.book.run_id == store.run_id
+            else {}
+        )
+        for rank, up in [*((r, u) for r, u in summaries.items() if r not in digests), *own.items()]:
+            series[rank_key(rank)] = 1.0 if up else 0.0
+        return {**summaries, **digests, **own}, series
 
     def _act_on_hang(self, record: dict) -> None:
         culprit = record["evidence"]["culprit"]

@@ -27,6 +27,7 @@ from msgspec.structs import replace
 from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
 from parwatch.schema import MAX_STEPS_PER_SECOND
 from parwatch.sidecar.hang import ENDED, Layout
+from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pace import Pace
 from parwatch.vocabulary import RankState
 
@@ -195,6 +196,8 @@ class LeaderView:
         need not look at every rank while none is."""
         self.up: dict[int, bool] = {}
         """rank -> up, kept on ingest for liveness(): the leader's once-a-second tick reads it whole."""
+        self.up_series: dict[str, float] = {}
+        """The same as the rank_up observation's series ("rank=N" -> 1.0 or 0.0), kept alongside."""
         self._quiet: set[str] = set()  # nodes whose ranks liveness() marked down for silence
 
     def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity]]:
@@ -208,7 +211,8 @@ class LeaderView:
             same_layout(self.layout, layout, "digest.layout")
             self._check_owners(node, rows)
         else:
-            self.nodes, self.gone, self.owner, self.up, self._quiet = {}, set(), {}, {}, set()
+            self.nodes, self.gone, self.owner, self._quiet = {}, set(), {}, set()
+            self.up, self.up_series = {}, {}
             self.run_id = run_id
             self.layout = None
         if node not in self.nodes and len(self.nodes) >= layout.world:
@@ -219,7 +223,7 @@ class LeaderView:
         previous = self.nodes.get(node)
         self.nodes[node] = (self.clock(), rows)
         self._quiet.discard(node)
-        gone, up, owner = self.gone, self.up, self.owner
+        gone, owner = self.gone, self.owner
         for a in rows:
             owner[a.rank] = node
             self.pace.note(run_id, a.step)
@@ -227,16 +231,22 @@ class LeaderView:
                 gone.add(a.rank)
             elif a.rank in gone:
                 gone.discard(a.rank)
-            if a.state == RankState.DONE:
-                up.pop(a.rank, None)  # its summaries tell
-            else:
-                up[a.rank] = a.state == RankState.RUNNING
+            self._set_up(a.rank, None if a.state == RankState.DONE else a.state == RankState.RUNNING)
         if previous is not None and len(previous[1]) != len(rows):  # a rank this node no longer reports
             kept = {a.rank for a in rows}
             for a in previous[1]:
                 if a.rank not in kept and owner.get(a.rank) == node:
-                    up.pop(a.rank, None)
+                    self._set_up(a.rank, None)
         return node, rows
+
+    def _set_up(self, rank: int, up: bool | None) -> None:
+        """One rank's liveness in `up` and `up_series`; None: left out (done: its summaries tell)."""
+        if up is None:
+            self.up.pop(rank, None)
+            self.up_series.pop(rank_key(rank), None)
+        else:
+            self.up[rank] = up
+            self.up_series[rank_key(rank)] = 1.0 if up else 0.0
 
     def _check_owners(self, node: str, rows: list) -> None:
         """A rank is reported by one node: a row from another (a forged `gone`, a misconfigured node) is
@@ -272,7 +282,7 @@ class LeaderView:
                 self._quiet.add(node)
                 for a in rows:
                     if a.rank in up and owner.get(a.rank) == node:
-                        up[a.rank] = False
+                        self._set_up(a.rank, False)
         return up
 
     def missing_nodes(self) -> list[dict]:

@@ -82,7 +82,7 @@ def lost_a_peer(a: Activity) -> bool:
     return a.state == RankState.CRASHED and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
 
 
-_INSTANCE_OF = {
+_INSTANCE_OF: dict[str, attrgetter] = {
     GroupRole.TP: attrgetter("dp_rank", "stage"),
     GroupRole.PP: attrgetter("dp_rank", "tp_rank"),
     GroupRole.DP: attrgetter("stage", "tp_rank"),
@@ -116,7 +116,6 @@ class Layout:
         if group == GroupRole.DP:
             return range(a.stage * tp + a.tp_rank, self.world, pp * tp)
         return range(self.world)
-
 
 
 @dataclass(frozen=True)
@@ -483,7 +482,7 @@ class HangMonitor:
             if state == RankState.RUNNING:
                 out[r] = hung if r == culprit else running
             elif state != RankState.DONE:
-                out[r] = RANK_STATES[RankState.GONE] if state in ENDED else RANK_STATES.get(state, hung)
+                out[r] = RANK_STATES[RankState.GONE] if state in ENDED else RANK_STATES.get(RankState(state), hung)
         return out
 
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:

@@ -4,7 +4,7 @@ cached lines.
 At the leader they have a series for every rank: 16,384 at 16,384 ranks. prometheus_client renders a
 sample in ~5 us, and a scrape held the leader's event loop, the one that takes every node's digest,
 for 120-145 ms (docs/benchmarks.md, the leader). Here a rank's line start (`name{rank="N"} `) is made
-once and a scrape joins bytes. A gauge's lines are the same in the text format and in OpenMetrics, so
+once and a scrape joins bytes, or reuses the last scrape's lines when no rank's value changed. A gauge's lines are the same in the text format and in OpenMetrics, so
 /metrics appends these to prometheus_client's rendering of the registry (before OpenMetrics' `# EOF`).
 A test holds them byte-equal to prometheus_client's own rendering of the same values.
 """
@@ -35,12 +35,18 @@ class RankGauge:
         }
         self._lines: dict[int, bytes] = {}  # rank -> b'name{rank="N"} ' (ranks are bounded by MAX_WORLD)
         self._texts: dict[float, bytes] = {}  # value -> b"1.0\n"
+        self._last: tuple[dict, bytes] = ({}, b"")  # the values last rendered, and their lines
 
     def render(self, openmetrics: bool = False) -> bytes:
         values = self.values()
         if values is None:
             return b""
-        lines, texts, out = self._lines, self._texts, [self._heads[openmetrics]]
+        if values != self._last[0]:  # ranks rarely change state: most scrapes reuse the lines
+            self._last = (dict(values), self._samples(values))
+        return self._heads[openmetrics] + self._last[1]
+
+    def _samples(self, values: Mapping[int, float]) -> bytes:
+        lines, texts, out = self._lines, self._texts, []
         for rank in sorted(values):
             line = lines.get(rank)
             if line is None:

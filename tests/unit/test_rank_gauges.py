@@ -46,6 +46,16 @@ def test_the_lines_are_prometheus_clients_own(name, values):
         assert gauge.render(openmetrics=True) == generate_openmetrics(_reference(name, values)).removesuffix(b"# EOF\n")
 
 
+def test_a_changed_value_is_rendered_not_the_last_lines():
+    values = dict(VALUES)
+    gauge = RankGauge("parwatch_rank_state", lambda: values)
+    gauge.render()
+    values[10] = 2  # rank 10 gone
+    assert gauge.render() == generate_latest(_reference("parwatch_rank_state", values))
+    del values[3]
+    assert b'rank="3"' not in gauge.render()
+
+
 def test_no_family_when_there_is_no_source():
     assert RankGauge("parwatch_rank_state", lambda: None).render() == b""
 
