@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import gc
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -180,6 +181,19 @@ async def simulate(
     for _ in range(connections):
         pool.put_nowait(Connection(host, int(port), token))
     latencies: list[float] = []
+    scraper, scrape_log = None, Path(tempfile.mkdtemp(prefix="parwatch-scrapes-")) / "scrapes"
+    if metrics_url is not None and scrape_seconds > 0:
+        # Prometheus scrapes every sidecar (the chart's interval is 15 s), from its own process: here too,
+        # so reading a 1 MB scrape does not hold the load generator's loop. At the leader the scrape
+        # renders a series per rank of the run.
+        scraper = multiprocessing.get_context("spawn").Process(
+            target=scrape_loop,
+            args=(f"{metrics_url}/metrics", scrape_seconds, str(scrape_log)),
+            daemon=True,
+        )
+        scraper.start()
+        while not scrape_log.exists():  # its imports done before the load starts, not during it
+            await asyncio.sleep(0.1)
     hang_at = time.time() + warmup + 1.0  # +1 s: the templates below take a moment to encode
     state = {"step": 0, "step_end": time.time(), "stop": False}
 
@@ -250,18 +264,6 @@ async def simulate(
             await asyncio.sleep(0.5)
 
     rss = []
-    scrapes: list[tuple[float, int]] = []
-
-    async def scrape():
-        # As Prometheus scrapes every sidecar (the chart's interval is 15 s): at the leader the scrape
-        # renders parwatch_rank_state for every rank, on the loop that takes the digests.
-        async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.sleep(scrape_seconds / 2)
-            while True:
-                t0 = time.perf_counter()
-                body = (await client.get(f"{metrics_url}/metrics")).content
-                scrapes.append((time.perf_counter() - t0, len(body)))
-                await asyncio.sleep(scrape_seconds)
 
     async def watch() -> dict:
         # The decision is read from the leader's decision log, not GET /v1/hang: that call judges every
@@ -281,8 +283,6 @@ async def simulate(
         first = syn.summary(0, 1, run_id="sim", tp=lay.tp, pp=lay.pp, dp=lay.dp)
         (await client.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": [first]})).raise_for_status()
     tasks = [asyncio.create_task(node_loop(n)) for n in range(nodes)] + [asyncio.create_task(steps())]
-    if metrics_url is not None and scrape_seconds > 0:
-        tasks.append(asyncio.create_task(scrape()))
     decision = await asyncio.wait_for(watch(), timeout=warmup + 120)
     named_after = decision["time"] - state["step_end"]  # from the last step boundary
     async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"}) as client:
@@ -290,6 +290,11 @@ async def simulate(
         assert (await client.get(f"{control_url}/v1/hang")).json()["hang"]["id"] == decision["id"]
         status_seconds = time.perf_counter() - t0
     state["stop"] = True
+    scrapes = []
+    if scraper is not None:
+        scraper.terminate()
+        lines = scrape_log.read_text().split() if scrape_log.exists() else []
+        scrapes = [(float(t), int(n)) for t, n in zip(lines[::2], lines[1::2])]
     await asyncio.sleep(1.5)
     for t in tasks:
         t.cancel()
@@ -369,6 +374,19 @@ def handler_timing(ranks: int, rounds: int = 3) -> dict:
         "leader_tick_seconds_max": max(check),
         "leader_culprit_search_seconds_p50": statistics.median(search),
     }
+
+
+def scrape_loop(url: str, every: float, out: str) -> None:
+    """Scrape `url` every `every` seconds (the first after half of it), appending "seconds bytes" lines to `out`."""
+    with httpx.Client(timeout=30) as client:
+        Path(out).touch()
+        time.sleep(every / 2)
+        while True:
+            t0 = time.perf_counter()
+            size = len(client.get(url).content)
+            with open(out, "a") as f:
+                f.write(f"{time.perf_counter() - t0} {size}\n")
+            time.sleep(every)
 
 
 def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0) -> dict:
