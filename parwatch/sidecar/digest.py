@@ -232,7 +232,7 @@ class LeaderView:
             elif a.rank in gone:
                 gone.discard(a.rank)
             self._set_up(a.rank, None if a.state == RankState.DONE else a.state == RankState.RUNNING)
-        if previous is not None and len(previous[1]) != len(rows):  # a rank this node no longer reports
+        if previous is not None:  # a rank this node no longer reports (the same count can hide a swap)
             kept = {a.rank for a in rows}
             for a in previous[1]:
                 if a.rank not in kept and owner.get(a.rank) == node:
