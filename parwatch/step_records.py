@@ -139,6 +139,13 @@ class GlobalStage(Struct, frozen=True, kw_only=True):
     other_seconds: Seconds = 0.0
     step_seconds: Seconds
     bubble_ratio: Ratio
+    forward_seconds: Seconds = 0.0
+    backward_seconds: Seconds = 0.0
+    """Input-gradient backward (all of the backward unless the schedule splits off the weight gradient)."""
+    backward_weight_seconds: Seconds = 0.0
+    loss_seconds: Seconds = 0.0
+    ranks: Annotated[int, Meta(ge=1, le=MAX_PARALLEL)] = 1
+    """The stage's ranks that reported this step (the figures are their means)."""
     # The bubble split into its causes (when the trainer announced its pipeline order).
     bubble_schedule_ratio: Ratio | None = None
     bubble_imbalance_ratio: Ratio | None = None
@@ -155,6 +162,8 @@ class GlobalView(Struct, frozen=True, kw_only=True):
     step: Step
     wire_loss: WireFloat = field(default=None, name="loss")
     pipeline_skew_ratio: Ratio | None = None
+    slowest_stage: Index | None = None
+    """The stage with the most compute this step."""
     stages: Annotated[list[GlobalStage], Meta(max_length=4096)] = field(default_factory=list)
 
     def __post_init__(self) -> None:

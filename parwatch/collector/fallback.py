@@ -26,14 +26,18 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from typing import Final
+
+import msgspec
 
 from parwatch.collector.shipper import Delivery
 from parwatch.contract.directives import Action, Directive
+from parwatch.step_records import LocalDecision, OutcomeRecord
 from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("parwatch.collector")
 
-LOCAL_RULE = "nonfinite-loss"
+LOCAL_RULE: Final = "nonfinite-loss"
 """The one rule rank 0 applies itself (the leader's rule of that name judges the loss again)."""
 LOCAL_DECISIONS_FILE = "local_decisions.jsonl"
 """Written next to summaries.jsonl: the local decisions, for an operator without a sidecar."""
@@ -58,7 +62,7 @@ class LocalGuard:
         self._watch: tuple[int, float, Delivery] | None = None  # (step, loss, its summary's delivery)
         self._seen_id = 0  # the highest directive id rank 0 has seen, in a reply or at a boundary
         self._handled_id = 0  # the highest directive id offered to the ranks at a boundary
-        self._local: dict | None = None  # the local decision whose outcome has not been reported yet
+        self._local: LocalDecision | None = None  # the local decision whose outcome has not been reported yet
         self._local_id = 0
         self.decisions = 0
         """Local decisions made so far."""
@@ -91,26 +95,26 @@ class LocalGuard:
             "until the leader judges it"
         )
         usable = [c for c in checkpoints if c <= step][-1000:]  # later ones belong to a timeline rolled back
-        self._local = {
-            "rule": LOCAL_RULE,
-            "action": Action.PAUSE.value,
-            "step": step,
-            "loss": jsonable(loss),
-            "time": self._time(),
-            "after": self._handled_id,
-            "checkpoints": usable,
-            "unreachable_since": since,
-            "reason": reason,
-        }
+        self._local = LocalDecision(
+            rule=LOCAL_RULE,
+            action=Action.PAUSE.value,
+            step=step,
+            loss=jsonable(loss),
+            time=self._time(),
+            after=self._handled_id,
+            checkpoints=usable,
+            unreachable_since=since,
+            reason=reason,
+        )
         self.decisions += 1
         log.error("parwatch: %s (directive %d)", reason, self._local_id)
-        self._write({"directive_id": self._local_id, "run_id": self.run_id, **self._local})
+        self._write({"directive_id": self._local_id, "run_id": self.run_id, **msgspec.to_builtins(self._local)})
         return Directive(id=self._local_id, action=Action.PAUSE, run_id=self.run_id, reason=reason)
 
-    def annotate(self, record: dict) -> dict:
+    def annotate(self, record: OutcomeRecord) -> OutcomeRecord:
         """The outcome record of the local directive carries its decision to the leader."""
-        if self._local is not None and record.get("directive_id") == self._local_id:
-            record["local"], self._local = self._local, None
+        if self._local is not None and record.directive_id == self._local_id:
+            record, self._local = msgspec.structs.replace(record, local=self._local), None
         return record
 
     def _write(self, record: dict) -> None:

@@ -31,7 +31,9 @@ import threading
 import time
 from collections import deque
 
+from parwatch.collector.wire import encode_outcome, encode_summary
 from parwatch.schema import SCHEMA_VERSION
+from parwatch.step_records import OutcomeRecord
 from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("parwatch.collector")
@@ -188,11 +190,11 @@ class Shipper:
             self._queue.append(item)
         self._wake.set()
 
-    def put_outcome(self, record: dict) -> None:
+    def put_outcome(self, record: OutcomeRecord) -> None:
         """Rank 0: a directive's outcome record; sent with every post until one is accepted."""
         if self.url:
             with self._lock:
-                self._outcomes.append(dumps(record))
+                self._outcomes.append(encode_outcome(record))
             self._wake.set()
 
     def queued(self) -> int:
@@ -236,7 +238,7 @@ class Shipper:
                         except Exception:  # a summary without its extras beats no summary
                             pass
             # Encode each summary once: the same text goes to the file and into the POST body.
-            summaries = [dumps(payload) for kind, payload, _ in items if kind == SUMMARY]
+            summaries = [encode_summary(payload) for kind, payload, _ in items if kind == SUMMARY]
             deliveries = [delivery for kind, _, delivery in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
             if self._paths[SPANS]:

@@ -3,14 +3,21 @@ summary and the directive outcome record it sends, and the sidecar's directive i
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import deque
+
+import msgspec
 
 from parwatch.collector.context import RunContext
 from parwatch.collector.stats import StepBreakdown
 from parwatch.contract import Directive, OutcomeReport
 from parwatch.contract.directives import parse_directive
 from parwatch.schema import SCHEMA_VERSION
-from parwatch.vocabulary import jsonable
+from parwatch.step_records import OutcomeRecord, StepSummary
+from parwatch.vocabulary import OutcomeName, jsonable
+
+log = logging.getLogger("parwatch.collector")
 
 
 def build_summary(
@@ -71,19 +78,43 @@ def build_summary(
     }
 
 
-def outcome_record(report: OutcomeReport, run_id: str, step: int) -> dict:
+def outcome_record(report: OutcomeReport, run_id: str, step: int) -> OutcomeRecord:
     """The ingest body's outcome record for a complete report (every rank handled the directive)."""
     outcome = report.outcome
-    return {
-        "directive_id": report.directive_id,
-        "run_id": run_id,
-        "outcome": outcome.wire if outcome is not None else "mixed",
-        "step": step,
-        "loaded_step": report.loaded_step,
-        "counts": {o.wire: n for o, n in report.counts.items() if n},
-        "reasons": {r.wire: n for r, n in report.reasons.items()},
-        "ranks": report.ranks,
-    }
+    return OutcomeRecord(
+        directive_id=report.directive_id,
+        run_id=run_id,
+        outcome=OutcomeName(outcome.wire) if outcome is not None else OutcomeName.MIXED,
+        step=step,
+        loaded_step=report.loaded_step,
+        counts={OutcomeName(o.wire): n for o, n in report.counts.items() if n},
+        reasons={r.wire: n for r, n in report.reasons.items()},
+        ranks=report.ranks,
+    )
+
+
+_ENCODER = msgspec.json.Encoder()
+_WARNED: set[str] = set()
+
+
+def encode_summary(summary: dict) -> str:
+    """A summary as its record, StepSummary: checked here as the sidecar will check it, then encoded.
+
+    The training thread builds the summary as a dict (the shipper's thread adds its bubble causes
+    before this); its record is made here, on the shipper's thread. One the record refuses is sent
+    as it is, and the sidecar's 400 names the field (the file keeps it): a collector bug is seen,
+    never hidden by a dropped summary."""
+    try:
+        return _ENCODER.encode(msgspec.convert(summary, StepSummary)).decode()
+    except (msgspec.ValidationError, TypeError, ValueError) as err:
+        if len(_WARNED) < 64 and str(err) not in _WARNED:  # once per fault, not once per step
+            _WARNED.add(str(err))
+            log.warning("parwatch: a step summary does not fit its record (%s); sent as built", err)
+        return json.dumps(jsonable(summary), allow_nan=False, separators=(",", ":"))
+
+
+def encode_outcome(record: OutcomeRecord) -> str:
+    return _ENCODER.encode(record).decode()
 
 
 class DirectiveInbox:

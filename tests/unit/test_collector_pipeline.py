@@ -9,6 +9,8 @@ from test_collector_sim import P2P_BYTES, SEND_S, pipeline, run_steps
 
 from parwatch.collector import SpanSampling
 from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.step_records import OutcomeRecord
+from parwatch.vocabulary import OutcomeName
 
 TF, TB, TOPT = 0.010, 0.020, 0.005
 STEP = 5 * (TF + TB) + TOPT  # (m+p-1)(tf+tb) + optimizer: 0.155 s
@@ -159,21 +161,21 @@ def test_rank_0_reports_one_outcome_record_once_every_rank_handled_the_directive
     run.boundary(1, "heartbeat", t + 0.4, t + 0.5, report=done)  # sticky: reported once only
     assert outcomes[1] == []  # rank 0 only
     assert outcomes[0] == [
-        {
-            "directive_id": 7,
-            "run_id": "sim-run",
-            "outcome": "substituted",
-            "step": 1,
-            "loaded_step": 12,
-            "counts": {"substituted": 2},
-            "reasons": {},
-            "ranks": 2,
-        }
+        OutcomeRecord(
+            directive_id=7,
+            run_id="sim-run",
+            outcome=OutcomeName.SUBSTITUTED,
+            step=1,
+            loaded_step=12,
+            counts={OutcomeName.SUBSTITUTED: 2},
+            reasons={},
+            ranks=2,
+        )
     ]
     failed = OutcomeReport(8, {Outcome.FAILED: 1, Outcome.APPLIED: 1}, {FailReason.CHECKPOINT_CORRUPT: 1}, None, 2)
     run.boundary(1, "heartbeat", t + 0.6, t + 0.7, report=failed)
-    assert outcomes[0][-1]["outcome"] == "mixed"
-    assert outcomes[0][-1]["reasons"] == {"checkpoint_corrupt": 1}
+    assert outcomes[0][-1].outcome == OutcomeName.MIXED
+    assert outcomes[0][-1].reasons == {"checkpoint_corrupt": 1}
 
 
 def test_a_rollback_starts_a_new_timeline():

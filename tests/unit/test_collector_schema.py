@@ -10,6 +10,7 @@ from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 import parwatch.schema as schema
+from parwatch.collector.causes import CAUSE_KEYS
 from parwatch.records import parse
 from parwatch.step_records import IngestBody, StepSummary
 from parwatch.vocabulary import REFERENCE_SCHEDULES, TimeCategory
@@ -94,7 +95,8 @@ def valid_global(g):
         and is_loss(g["loss"])
         and is_int(g["slowest_stage"])
         and is_float(g["pipeline_skew_ratio"])
-        and all(set(s) == STAGE_KEYS and is_int(s["stage"]) for s in g["stages"])
+        and all(STAGE_KEYS <= set(s) <= STAGE_KEYS | set(CAUSE_KEYS.values()) for s in g["stages"])
+        and all(is_int(s["stage"]) for s in g["stages"])
     )
 
 
@@ -143,7 +145,7 @@ FIELD_CHECKS = {
     "paused": lambda x: isinstance(x, bool),
     "global": valid_global,
     "instances": valid_instances,
-    "model_flops_utilization_ratio": is_float,
+    "model_flops_utilization_ratio": lambda x: x is None or is_float(x),
     "time_seconds": lambda x: (
         isinstance(x, dict) and set(x) == set(TimeCategory) and all(is_float(v) for v in x.values())
     ),
@@ -151,7 +153,7 @@ FIELD_CHECKS = {
 
 
 SENT_WHEN_CONFIGURED = {"model_flops_utilization_ratio"}
-"""Fields a collector sends only when told more (--parwatch-peak-flops)."""
+"""Fields a collector fills only when told more (--parwatch-peak-flops); null otherwise."""
 
 
 def schema_fields(optional: bool = False) -> set[str]:

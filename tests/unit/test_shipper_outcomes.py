@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import time
 
+import msgspec
+
 from parwatch.collector.shipper import Shipper
+from parwatch.step_records import OutcomeRecord
+from parwatch.vocabulary import OutcomeName
 
 
 class Reply:
@@ -46,23 +50,18 @@ def _summary(step):
     return {"run_id": "r", "rank": 0, "step": step}
 
 
-OUTCOME = {
-    "directive_id": 7,
-    "run_id": "r",
-    "outcome": "applied",
-    "step": 3,
-    "loaded_step": None,
-    "counts": {"applied": 4},
-    "reasons": {},
-    "ranks": 4,
-}
+RECORD = OutcomeRecord(
+    directive_id=7, run_id="r", outcome=OutcomeName.APPLIED, step=3, counts={OutcomeName.APPLIED: 4}, ranks=4
+)
+OUTCOME = msgspec.to_builtins(RECORD)
+"""As the sidecar reads it."""
 
 
 def test_an_outcome_that_fails_to_post_is_retried_until_accepted_even_with_no_summaries():
     poster = FlakyPoster(failures=1)
     shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
     try:
-        shipper.put_outcome(OUTCOME)  # a paused run: no summaries flow to carry it
+        shipper.put_outcome(RECORD)  # a paused run: no summaries flow to carry it
         _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies))
         assert shipper.undelivered_outcomes() == 0 and shipper.dropped == 0
         shipper.put_summary(_summary(4))  # summaries flow after it, without the record
@@ -76,7 +75,7 @@ def test_an_outcome_rides_with_the_next_summaries():
     poster = FlakyPoster(failures=0)
     shipper = Shipper(endpoint="http://sidecar", http=poster)
     shipper._thread = object()  # no thread: post by hand
-    shipper.put_outcome(OUTCOME)
+    shipper.put_outcome(RECORD)
     assert shipper._post(['{"step":5}'])
     assert poster.bodies == [{"version": 1, "summaries": [{"step": 5}], "outcomes": [OUTCOME]}]
     assert shipper.undelivered_outcomes() == 0
@@ -86,7 +85,7 @@ def test_outcomes_the_sidecar_refuses_as_invalid_are_given_up_not_retried_foreve
     poster = FlakyPoster(failures=1, status=422)
     shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
     try:
-        shipper.put_outcome(OUTCOME)
+        shipper.put_outcome(RECORD)
         _wait(lambda: shipper.undelivered_outcomes() == 0)
         time.sleep(0.3)
         assert poster.bodies == []  # refused once, never sent again
@@ -99,7 +98,7 @@ def test_outcomes_a_sidecar_refuses_for_the_token_are_kept_and_sent_once_it_take
     poster = FlakyPoster(failures=2, status=401)
     shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
     try:
-        shipper.put_outcome(OUTCOME)
+        shipper.put_outcome(RECORD)
         _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies))
         assert shipper.undelivered_outcomes() == 0 and poster.failures == 0
     finally:
