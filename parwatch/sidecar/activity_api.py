@@ -91,7 +91,8 @@ class ActivityHub:
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
         self._layout: Layout | None = None
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
-        self._idle_due = False  # due, judged, nothing decided: re-judged once a second, not at every ask
+        self._idle_due = False
+        """Due, judged, nothing decided (a crashed run, a pause): re-judged once a second, not at every ask."""
         self.metrics: HangMetrics | None = None
         self.link_metrics: LeaderLinkMetrics | None = None
         """Registered by install() (one set per sidecar)."""
@@ -215,13 +216,13 @@ class ActivityHub:
             self._idle_due = False
             return []
         if self._idle_due and not full and not gone:
-            return []  # a stale picture or a crashed run: the whole picture once a second is enough
+            return []  # a crashed run or a pause: the whole picture once a second is enough
         rows = self.view.rows()
         rows.update(local)
         layout = self.monitor.layout
         cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
         records = self.monitor.check(rows, paused=paused, coverage=cov)
-        self._idle_due = not records
+        self._idle_due = not records and not self.monitor.awaiting_fresh
         for record in records:
             if record.get("rule") == "hang":
                 self._act_on_hang(record)

@@ -454,6 +454,9 @@ class HangMonitor:
         """When the leader first saw ranks end that only lost a peer (ECHO_WAIT_SECONDS)."""
         self.findings: list[dict] = []
         """Decision records made (newest last; also in the engine's log)."""
+        self.awaiting_fresh = False
+        """The last check() held a hang back for a picture taken after the stall began (a late digest):
+        ask again at the next ask, not once a second."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
@@ -573,7 +576,8 @@ class HangMonitor:
         if self.progress.sampled is not None and past:
             fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
             stale = sum(1 for a in rows.values() if a.state == RankState.RUNNING and a.time < fresh_after)
-        if stale and stalled < 2 * bound:
+        self.awaiting_fresh = bool(stale) and stalled < 2 * bound
+        if self.awaiting_fresh:
             return records
         if not paused and not crashed and past and self.layout is not None and rows:
             found = find_culprit(rows, self.layout, fresh_after)

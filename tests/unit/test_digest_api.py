@@ -160,6 +160,32 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
     assert 10.0 - 0.25 <= clock.t - boundary <= 10.0  # within the bound of the boundary, at most one ask early
 
 
+def test_a_late_digest_at_the_decision_line_holds_the_hang_back_one_ask_not_a_second(tmp_path):
+    """A node's digest sampled before the stall began (late) holds the decision back; the next ask after a
+    fresh one decides, not the next once-a-second tick."""
+    leader, lsc, clock = _client(tmp_path, "leader")
+    hub = lsc.activity
+    boundary = clock.t
+
+    def digest(kind, sampled):
+        row = [1, "running", kind, None, None, None, None, boundary - 0.5, 3, 0.1, 10_001, "node-b", 1, 0, 0]
+        body = {"version": 1, "node": "node-b:9401", "run_id": "r1", "time": clock.t, "layout": [1, 2, 1]}
+        assert leader.post("/v1/digest", json={**body, "rows": [[*row, sampled, boundary]]}).json() == {"ok": True}
+
+    rank0 = dict(kind="recv", peer=1, op="recv", group="pp", host="leader-host", step_end=boundary)
+    leader.post("/v1/activity", json=report(0, step=3, time=boundary, **rank0))
+    clock.t = boundary + 10.0 - JUDGE_EVERY_SECONDS  # the decision line
+    leader.post("/v1/activity", json=report(0, step=3, time=clock.t, **rank0))
+    digest("forward", sampled=boundary - 1.5)  # sampled before the boundary: a late digest
+    assert hub.judge(full=True) == []  # a stale picture: no culprit named from it
+    assert _next_ask(hub) == JUDGE_EVERY_SECONDS
+    clock.t += JUDGE_EVERY_SECONDS
+    digest("backward", sampled=clock.t)  # rank 1 since before the boundary, sampled now
+    [record] = hub.judge()  # the next ask, between ticks
+    assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
+    assert clock.t - boundary == 10.0  # at the bound: one ask after the line
+
+
 def test_the_leaders_loop_asks_right_at_the_decision_line(tmp_path):
     leader, lsc, clock = _client(tmp_path, "leader")
     hub = lsc.activity
