@@ -434,7 +434,7 @@ def _body(record: type) -> dict:
 def _next_ask(hub: ActivityHub) -> float:
     """JUDGE_EVERY_SECONDS, or less when a stall reaches the decision line sooner (at the leader)."""
     until = hub.monitor.seconds_until_due() if hub.is_leader else None
-    return min(JUDGE_EVERY_SECONDS, until) if until is not None and until > 0 else JUDGE_EVERY_SECONDS
+    return JUDGE_EVERY_SECONDS if until is None else min(JUDGE_EVERY_SECONDS, until)
 
 
 async def _loop(hub: ActivityHub) -> None:

@@ -454,6 +454,8 @@ class HangMonitor:
         """When the leader first saw ranks end that only lost a peer (ECHO_WAIT_SECONDS)."""
         self.findings: list[dict] = []
         """Decision records made (newest last; also in the engine's log)."""
+        self.asked_stall = 0.0
+        """The stall the last ask (due()) saw."""
         self.awaiting_fresh = False
         """The last check() held a hang back for a picture taken after the stall began (a late digest):
         ask again at the next ask, not once a second."""
@@ -491,17 +493,23 @@ class HangMonitor:
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
         """Whether check() has anything to judge: a rank reported gone, or a stall past the bound
         not yet recorded. The leader builds the whole picture (every rank) only then."""
+        self.asked_stall = self.progress.stalled_for(self.clock())
         if gone_hint:
             return True
-        return not paused and self.hang is None and self.stalled_past_bound(self.progress.stalled_for(self.clock()))
+        return not paused and self.hang is None and self.stalled_past_bound(self.asked_stall)
 
     def seconds_until_due(self) -> float | None:
-        """Seconds until a stall would pass the decision line (<= 0: past it); None while a hang is
-        recorded or nothing has reported. The leader's loop sleeps no longer than this, so it asks
-        right at the line, not up to JUDGE_EVERY_SECONDS after it."""
+        """Seconds until a stall passes the decision line; 0 when it passed since the last ask (which came
+        just before it: ask now, not one ask late); None while a hang is recorded, nothing has reported,
+        or an ask already saw the stall past the line. The leader's loop sleeps no longer than this, so it
+        asks right at the line, not up to JUDGE_EVERY_SECONDS after it."""
         if self.hang is not None or self.progress.time is None:
             return None
-        return self.decision_line() - self.progress.stalled_for(self.clock())
+        line = self.decision_line()
+        until = line - self.progress.stalled_for(self.clock())
+        if until > 0:
+            return until
+        return 0.0 if self.asked_stall < line else None
 
     def decision_line(self) -> float:
         """The stall a hang is decided at: the bound less one ask (`every`), so it is named at or before

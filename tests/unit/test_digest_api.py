@@ -2,6 +2,7 @@
 authentication, field-naming 422s, a node forwarding its digest to the leader, rank-missing on time."""
 
 import asyncio
+import os
 
 import msgspec
 import pytest
@@ -189,12 +190,23 @@ def test_a_late_digest_at_the_decision_line_holds_the_hang_back_one_ask_not_a_se
 def test_the_leaders_loop_asks_right_at_the_decision_line(tmp_path):
     leader, lsc, clock = _client(tmp_path, "leader")
     hub = lsc.activity
-    leader.post("/v1/activity", json=report(0, step=3, host="leader-host", time=clock.t, step_end=clock.t - 0.5))
+    boundary = clock.t - 0.5
+
+    def rank0():  # a live process here, reporting as it does every second
+        leader.post("/v1/activity", json=report(0, step=3, pid=os.getpid(), time=clock.t, step_end=boundary))
+
+    rank0()
     assert hub.is_leader
     clock.t += 9.5 - 0.25 - 0.1  # 0.1 s before the line: bound 10 s - one ask - the 0.5 s already stalled
     assert _next_ask(hub) == pytest.approx(0.1)
-    clock.t += 0.2  # past it (judged, nothing to name without a second rank): the normal cadence, no spin
-    assert _next_ask(hub) == JUDGE_EVERY_SECONDS
+    clock.t += 0.1 - 1e-4
+    rank0()
+    assert hub.judge() == []  # asked 0.1 ms before the line: not due
+    clock.t += 2e-4  # the line passed before the loop reads its next ask: ask now, not one ask late
+    assert _next_ask(hub) == 0.0
+    [record] = hub.judge()  # asked past it: decided (rank 0 computes, rank 1 never reported)
+    assert record["rule"] == "hang"
+    assert _next_ask(hub) == JUDGE_EVERY_SECONDS  # the normal cadence, no spin
 
 
 def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
