@@ -102,7 +102,7 @@ def encode_summary(summary: dict) -> str:
 
     The training thread builds the summary as a dict (the shipper's thread adds its bubble causes
     before this); its record is made here, on the shipper's thread. One the record refuses is sent
-    as it is, and the sidecar's 400 names the field (the file keeps it): a collector bug is seen,
+    as it is, and the sidecar's 422 names the field (the file keeps it): a collector bug is seen,
     never hidden by a dropped summary."""
     try:
         return _ENCODER.encode(msgspec.convert(summary, StepSummary)).decode()

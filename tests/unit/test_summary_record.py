@@ -69,6 +69,6 @@ def test_a_summary_the_record_refuses_is_sent_as_built_and_the_fault_logged_once
     broken = {**summary, "step_seconds": -1.0}  # a collector bug: a negative period
     with caplog.at_level(logging.WARNING, logger="parwatch.collector"):
         first, second = encode_summary(broken), encode_summary(broken)
-    assert json.loads(first) == _built(broken) and second == first  # nothing lost: the sidecar's 400 names it
+    assert json.loads(first) == _built(broken) and second == first  # nothing lost: the sidecar's 422 names it
     warned = [r.getMessage() for r in caplog.records if "does not fit its record" in r.getMessage()]
     assert len(warned) == 1 and "step_seconds" in warned[0]
