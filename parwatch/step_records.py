@@ -228,7 +228,7 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     """Rank 0 only."""
     instances: Instances | None = None
     model_flops_utilization_ratio: Annotated[float, Meta(ge=0, le=MAX_RATIO)] | None = None
-    """Only when the device's peak FLOP/s is configured: model FLOPs of the step / (step_seconds * peak)."""
+    """Model FLOPs of the step / (step_seconds * peak); null unless the device's peak FLOP/s is configured."""
     time_seconds: Annotated[dict[TimeCategory, LedgerSeconds], Meta(max_length=32)] | None = None
     """The rank's goodput ledger since its process started (cumulative; they sum to the process's wall
     time at this boundary; parwatch.collector.ledger)."""
