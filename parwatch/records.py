@@ -98,7 +98,7 @@ class Activity(Struct, array_like=True, frozen=True, gc=False):
     tp_rank: Rank
     dp_rank: Rank
     time: Time  # when the rank sampled it
-    step_end: Time | None = None  # when the rank ended `step`: the leader times a stall from there
+    step_end: Time | None  # when the rank ended `step` (null before its first): the leader times a stall from there
     error: Error | None = None  # crashed: the exception it ended with
 
 

@@ -282,8 +282,7 @@ class Progress:
         if self.time is None:
             self.time = now  # the clock starts at the first report: startup counts towards the bound
         step_end = _seconds_or_none(step_end)
-        # A higher step is a new boundary; so is a later boundary end at any step (a rollback's replay;
-        # an older collector sends no step_end, and only the first sign is there).
+        # A higher step is a new boundary; so is a later boundary end at any step (a rollback's replay).
         new = step > self.step or (step_end is not None and (self.last_end is None or step_end > self.last_end))
         if not new:
             return False
@@ -319,8 +318,8 @@ class Progress:
         skewed is clamped to the window's edge: a clock behind can start the stall at most
         MAX_REPORT_LATENCY_SECONDS early, one ahead at most the report's transit late (~1 s) —
         never a hang out of nothing, never one named a skew's worth late.
-        Without step_end (an older collector) the sample time stands in for it (age 0); without
-        either, the arrival.
+        Without step_end (a report that carries none, as a test's may) the sample time stands in for it
+        (age 0); without either, the arrival.
         """
         if sampled is None:
             return now

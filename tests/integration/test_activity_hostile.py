@@ -140,7 +140,7 @@ def test_every_digest_row_field_is_checked(sidecar):
         (row(host="x" * 10_000), "digest.rows[0].host"),
         (row(stage=0), "is not (stage 0"),  # rank 1 claiming stage 0's coordinates
         (row(rank=7, stage=7), "digest.rows[0].rank"),
-        (row()[:-3], "digest.rows[0]: Expected `array` of at least length 16, got 14"),
+        (row()[:-3], "digest.rows[0]: Expected `array` of at least length 17, got 14"),
     ]
     for bad, field in cases:
         _refused(_post(sidecar, "/v1/digest", digest([bad])), field)

@@ -90,7 +90,7 @@ def test_activity_needs_the_token_and_names_bad_fields(tmp_path):
 
 def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_path):
     """The stall is timed from when the ranks ended the last step (activity.step_end), not from when
-    the leader heard of it: here 1.6 s later, through a node whose digest carries older 16-field rows."""
+    the leader heard of it: here 1.6 s later, with a node's digest whose row tells no step_end."""
     leader, lsc, clock = _client(tmp_path, "leader")
     hub = lsc.activity
     for step in (1, 2, 3):
@@ -102,7 +102,7 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
     boundary = clock.t - 1.6
 
     def reports():  # once a second, as the ranks and the node do while rank 1 hangs
-        old_row = [
+        row_b = [
             1,
             "running",
             "forward",
@@ -119,7 +119,8 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
             0,
             0,
             clock.t,
-        ]  # a node sidecar of the previous version: no step_end
+            None,
+        ]  # rank 1's row tells no step_end: the stall is timed from rank 0's
         assert leader.post(
             "/v1/digest",
             json={
@@ -128,7 +129,7 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
                 "run_id": "r1",
                 "time": clock.t,
                 "layout": [1, 2, 1],
-                "rows": [old_row],
+                "rows": [row_b],
             },
         ).json() == {"ok": True}
         leader.post(

@@ -51,6 +51,7 @@ def act(
         rank % tp,
         rank // (tp * pp),
         time,
+        None,
     )
 
 
