@@ -26,17 +26,8 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from common import cpu_jiffies, print_table, stolen_share, write_json  # noqa: E402
 from test_collector_sim import pipeline, run_steps  # noqa: E402
 
+from parwatch.collector.shipper import dumps as as_dict  # noqa: E402  (what the shipper sent before)
 from parwatch.collector.wire import encode_summary  # noqa: E402
-from parwatch.vocabulary import jsonable  # noqa: E402
-
-
-def as_dict(summary: dict) -> str:
-    """What the shipper sent before (collector/shipper.py at 014e11e)."""
-    try:
-        return json.dumps(summary, allow_nan=False, separators=(",", ":"))
-    except ValueError:
-        return json.dumps(jsonable(summary), allow_nan=False, separators=(",", ":"))
-
 
 ENCODERS = {"StepSummary record (chosen)": encode_summary, "json.dumps of the dict": as_dict}
 
