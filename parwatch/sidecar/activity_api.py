@@ -221,7 +221,7 @@ class ActivityHub:
         rows.update(local)
         layout = self.monitor.layout
         cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
-        records = self.monitor.check(rows, paused=paused, coverage=cov)
+        records = self.monitor.check(rows, paused=paused, coverage=cov, heard_since=self.view.heard_since)
         self._idle_due = not records and not self.monitor.awaiting_fresh
         for record in records:
             if record.get("rule") == "hang":

@@ -285,6 +285,11 @@ class LeaderView:
                         self._set_up(a.rank, False)
         return up
 
+    def heard_since(self, since: float) -> bool:
+        """Whether every node not yet missing has sent a digest at or after `since` (the leader's clock)."""
+        oldest = self.clock() - self.grace_seconds
+        return all(seen >= since for seen, _ in list(self.nodes.values()) if seen >= oldest)
+
     def missing_nodes(self) -> list[dict]:
         """Nodes whose digests stopped: [{"node", "since": their last digest's arrival}], oldest first."""
         now = self.clock()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
@@ -73,13 +73,22 @@ failure, not the cause (gloo's and NCCL's messages)."""
 
 
 ECHO_WAIT_SECONDS = 8.0
-"""When every rank that ended says it lost a peer, the one that failed first is not told yet: wait this long
-(past a node's digest grace, 5 s) for it to be, or for its node to go missing, before naming an echo."""
+"""When the ranks that ended only lost a peer or ended silently, the one that failed first may not be told
+yet: wait at most this long (past a node's digest grace, 5 s) for it to be, or for its node to go missing."""
 
 
 def lost_a_peer(a: Activity) -> bool:
     """A crashed rank whose exception says a peer went away first."""
     return a.state == RankState.CRASHED and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
+
+
+def told_its_cause(a: Activity) -> bool:
+    """A rank that crashed of its own exception (not an echo): the cause, whatever else ended."""
+    return a.state == RankState.CRASHED and not lost_a_peer(a)
+
+
+def _always_heard(since: float) -> bool:
+    return True
 
 
 _INSTANCE_OF: dict[str, attrgetter] = {
@@ -450,7 +459,7 @@ class HangMonitor:
         self.gone_reported: set[int] = set()
         """Ranks a rank-gone decision already named."""
         self._echoes_since: float | None = None
-        """When the leader first saw ranks end that only lost a peer (ECHO_WAIT_SECONDS)."""
+        """When the leader first saw a rank end that only lost a peer (ECHO_WAIT_SECONDS)."""
         self.findings: list[dict] = []
         """Decision records made (newest last; also in the engine's log)."""
         self.asked_stall = 0.0
@@ -520,9 +529,16 @@ class HangMonitor:
         """Past the bound by the time the next ask would come: decide now, not up to `every` late."""
         return stalled >= self.decision_line()
 
-    def check(self, rows: Mapping[int, Activity], paused: bool = False, coverage: dict | None = None) -> list[dict]:
+    def check(
+        self,
+        rows: Mapping[int, Activity],
+        paused: bool = False,
+        coverage: dict | None = None,
+        heard_since: Callable[[float], bool] = _always_heard,
+    ) -> list[dict]:
         """Judge the picture: a crash (rank-gone) or a hang. `coverage` (see coverage()): what the
-        leader sees; every finding carries it, and no culprit is named among ranks it cannot see."""
+        leader sees; every finding carries it, and no culprit is named among ranks it cannot see.
+        `heard_since(t)`: whether every node still heard from has sent a digest since t (the leader)."""
         now = self.clock()
         records = []
         # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
@@ -531,22 +547,23 @@ class HangMonitor:
             (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
             key=lambda a: (lost_a_peer(a), a.time, a.rank),
         )
-        if gone and all(lost_a_peer(a) for a in gone):
+        if any(lost_a_peer(a) for a in gone) and not any(told_its_cause(a) for a in gone):
+            # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
+            # one fails, so those may be echoes too until every node has spoken since the first echo.
             unseen = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
             unseen += list((coverage or {}).get("ranks_never_seen", ()))
             self._echoes_since = self._echoes_since if self._echoes_since is not None else now
+            waited = now - self._echoes_since
             if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
                 records.append(self._unseen_cause(gone, unseen, coverage))
                 gone = []
-            elif now - self._echoes_since < ECHO_WAIT_SECONDS:
+            elif waited < ECHO_WAIT_SECONDS and (
+                all(lost_a_peer(a) for a in gone) or not heard_since(self._echoes_since)
+            ):
                 gone = []  # the rank that failed first may yet be told, or its node go missing
         if gone:
             first = gone[0]
-            if (
-                len(gone) > 1
-                and self.layout is not None
-                and not any(a.state == RankState.CRASHED and not lost_a_peer(a) for a in gone)
-            ):
+            if len(gone) > 1 and self.layout is not None and not any(told_its_cause(a) for a in gone):
                 found = find_culprit(rows, self.layout)
                 named = rows.get(found["culprit"]) if found else None
                 if named is not None and named in gone:
@@ -627,11 +644,11 @@ class HangMonitor:
         return records
 
     def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
-        """rank-gone when the ranks that ended only lost a peer and some ranks are not seen (a node lost
-        whole): the failure is among those; no culprit is named."""
+        """rank-gone when the ranks that ended lost a peer (or ended without a word beside those that did)
+        and some ranks are not seen (a node lost whole): the failure is among those; no culprit is named."""
         lost = [a.rank for a in echoes]
         reason = (
-            f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} lost a peer and the leader has no current report "
+            f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} ended after a peer was lost and the leader has no current report "
             f"of ranks {unseen[:MAX_WAITING_LISTED]}: the first failure is among those" + _coverage_text(coverage)
         )
         evidence = {

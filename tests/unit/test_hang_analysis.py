@@ -498,6 +498,20 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     assert view.missing_nodes() == [{"node": "pw-node1:9401", "since": 1000.0}]
 
 
+def test_the_leader_hears_every_node_since_a_time_unless_one_is_quiet():
+    from parwatch.sidecar.digest import LeaderView
+
+    clock = Clock()
+    view = LeaderView(clock, grace_seconds=5.0)
+    lay = Layout(1, 2, 1)
+    view.ingest(NodeDigest(1, "a:9401", "r", clock.t, (1, 2, 1), [act(0, lay, step=3)]))
+    clock.t += 1.0
+    view.ingest(NodeDigest(1, "b:9401", "r", clock.t, (1, 2, 1), [act(1, lay, step=3)]))
+    assert view.heard_since(1000.0) and not view.heard_since(1000.5)  # node a: nothing since 1000.0
+    clock.t += 5.0  # node a is missing now: it no longer holds the answer back (its ranks read unknown)
+    assert view.heard_since(1000.5) and not view.heard_since(1001.5)
+
+
 def test_a_second_run_starts_its_stall_clock_afresh():
     """Found in CI: a second run on the same leader inherited the first run's stall clock (its last
     step 11), so the second run's start-up read as a 10 s stall and a hang was named."""
@@ -551,3 +565,53 @@ def test_echoes_alone_wait_for_the_first_failure_before_one_is_named():
     clock2.t += 9  # past ECHO_WAIT_SECONDS with nothing more: the echo is named, as before
     [record] = monitor2.check(echo)
     assert record["evidence"]["culprit"]["rank"] == 0
+
+
+def test_a_rank_gone_silently_beside_an_echo_waits_for_every_node_to_speak():
+    """Found in CI: node 1 SIGKILLed whole; on node 0, rank 1 crashed of the lost peer and torchrun then
+    ended rank 0 (gone, no error). Rank 0 was named before node 1 counted as missing. Now the leader waits
+    while a node has sent nothing since the echo, and points at that node's ranks once it is missing."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(2, 2, 1)
+    monitor.observe(act(0, lay, step=6), lay, clock.t)
+    rows = {
+        0: act(0, lay, "forward", step=6, state="gone"),
+        1: replace(act(1, lay, "recv", "recv", "pp", peer=3, step=6, state="crashed"), error=PEER_LOST),
+        2: act(2, lay, "forward", step=6),
+        3: act(3, lay, "forward", step=6),
+    }
+    echo_at = clock.t
+    node1_heard_at = echo_at - 0.5  # node 1's last digest came before the echo
+
+    def heard_since(t):
+        return node1_heard_at >= t
+
+    assert monitor.check(rows, heard_since=heard_since) == []
+    clock.t += 5.5  # node 1 is missing now: its ranks read unknown
+    rows.update({r: replace(rows[r], state="unknown") for r in (2, 3)})
+    [record] = monitor.check(rows, heard_since=heard_since)
+    evidence = record["evidence"]
+    assert record["rule"] == "rank-gone" and evidence["culprit"] is None
+    assert evidence["points_at"] == {"rank": 2, "seen": False} and sorted(evidence["gone"]) == [0, 1]
+
+
+def test_a_rank_gone_silently_beside_an_echo_is_named_once_every_node_spoke():
+    """A rank killed (gone, no error) and its peer's echo, every node heard since: the killed rank is
+    named at once, not after ECHO_WAIT_SECONDS."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=6), lay, clock.t)
+    rows = {
+        0: replace(act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed"), error=PEER_LOST),
+        1: act(1, lay, "forward", step=6, state="gone"),
+    }
+    heard = {"at": clock.t - 0.5}
+    assert monitor.check(rows, heard_since=lambda t: heard["at"] >= t) == []
+    clock.t += 0.6
+    heard["at"] = clock.t  # the other node's next digest
+    [record] = monitor.check(rows, heard_since=lambda t: heard["at"] >= t)
+    assert record["evidence"]["culprit"]["rank"] == 1 and record["evidence"]["culprit"]["state"] == "gone"
+    alone, clock2, _ = _monitor()  # one sidecar: nobody else to hear from
+    alone.observe(act(0, lay, step=6), lay, clock2.t)
+    [record] = alone.check(rows)
+    assert record["evidence"]["culprit"]["rank"] == 1
