@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from common import cpu_jiffies, print_table, stolen_share, write_json  # noqa: E402
 from test_collector_sim import pipeline, run_steps  # noqa: E402
 
-from parwatch.collector.shipper import dumps as as_dict  # noqa: E402  (what the shipper sent before)
+from parwatch.collector.wire import dumps as as_dict  # noqa: E402  (what the shipper sent before)
 from parwatch.collector.wire import encode_summary  # noqa: E402
 
 ENCODERS = {"StepSummary record (chosen)": encode_summary, "json.dumps of the dict": as_dict}

@@ -23,7 +23,6 @@ hands out no other directive before it has the outcome of the last one.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -31,10 +30,9 @@ import threading
 import time
 from collections import deque
 
-from parwatch.collector.wire import encode_outcome, encode_summary
+from parwatch.collector.wire import dumps, encode_outcome, encode_summary
 from parwatch.schema import SCHEMA_VERSION
 from parwatch.step_records import OutcomeRecord
-from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("parwatch.collector")
 
@@ -63,13 +61,6 @@ class Delivery:
 
     def __init__(self) -> None:
         self.accepted: bool | None = None
-
-
-def dumps(value) -> str:
-    try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except ValueError:  # a non-finite float the producer did not encode
-        return json.dumps(jsonable(value), allow_nan=False, separators=(",", ":"))
 
 
 class Shipper:

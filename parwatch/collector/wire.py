@@ -97,6 +97,14 @@ _ENCODER = msgspec.json.Encoder()
 _WARNED: set[str] = set()
 
 
+def dumps(value) -> str:
+    """Compact JSON of a plain value (a span, a summary its record refused)."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float the producer did not encode
+        return json.dumps(jsonable(value), allow_nan=False, separators=(",", ":"))
+
+
 def encode_summary(summary: dict) -> str:
     """A summary as its record, StepSummary: checked here as the sidecar will check it, then encoded.
 
@@ -110,7 +118,7 @@ def encode_summary(summary: dict) -> str:
         if len(_WARNED) < 64 and str(err) not in _WARNED:  # once per fault, not once per step
             _WARNED.add(str(err))
             log.warning("parwatch: a step summary does not fit its record (%s); sent as built", err)
-        return json.dumps(jsonable(summary), allow_nan=False, separators=(",", ":"))
+        return dumps(summary)
 
 
 def encode_outcome(record: OutcomeRecord) -> str:
