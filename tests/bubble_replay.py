@@ -4,6 +4,7 @@ integration's and the reference trainer's fidelity tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -34,8 +35,34 @@ def replayed_steps(run_dir: str, order) -> dict:
         if step < 2 or set(opened) != set(order):
             continue
         durations, host, p2p = timings_from_spans(order, spans[step], opened)
-        out[step] = (measured[step], ps.simulate(order, durations, p2p_s=p2p, host_s=host), host, p2p)
+        replay = ps.simulate(order, durations, p2p_s=p2p, host_s=host)
+        out[step] = (measured[step], with_tail(replay, tail_seconds(spans[step])), host, p2p)
     return out
+
+
+def tail_seconds(spans) -> dict[int, float]:
+    """{rank: seconds of its step period after the pipeline's last compute ended (on any rank), in
+    neither compute nor other work}: the framework's step end (the loss broadcast, waits around the
+    optimizer, the step boundary). The bubble counts it as idle; the schedule does not make it."""
+    last = max(s["end_s"] for s in spans if s["kind"] in COMPUTE_KINDS)
+    tails = {}
+    for s in spans:
+        if s["kind"] == SpanKind.BOUNDARY:
+            rank, end = s["rank"], s["end_s"]
+            other = [(o["start_s"], o["end_s"]) for o in spans if o["rank"] == rank and o["kind"] in OTHER_KINDS]
+            tails[rank] = max(0.0, (end - last) - _covered(other, last, end))
+    return tails
+
+
+def with_tail(replay: ps.SimResult, tail: Mapping[int, float]) -> ps.SimResult:
+    """The replay over each rank's whole period: its measured tail (`tail_seconds`) added as idle, so
+    the replayed bubble is what the collector's formula gives at the schedule's makespan."""
+    bubble = {}
+    for rank, idle in replay.idle.items():
+        extra = tail.get(rank, 0.0)
+        period = replay.makespan + extra
+        bubble[rank] = (idle + extra) / period if period > 0 else 0.0
+    return dataclasses.replace(replay, bubble=bubble)
 
 
 def assert_near_replay(steps: dict, label: str, tolerance: float) -> dict[int, float]:

@@ -6,7 +6,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import theoretical
-from tests.bubble_replay import timings_from_spans
+from tests.bubble_replay import tail_seconds, timings_from_spans, with_tail
 from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
 
 
@@ -193,6 +193,24 @@ def test_timings_from_spans_separate_host_from_waiting():
         timings_from_spans(order, spans[:-1], {0: 10.0, 1: 10.0})
     with pytest.raises(ValueError, match="period_start lacks rank 1"):
         timings_from_spans(order, spans, {0: 10.0})
+
+
+def test_the_replay_adds_each_ranks_step_end_as_idle():
+    """After the pipeline's last compute (18.5 s, rank 0), rank 0 spends 0.5 s in the optimizer (other
+    work) and ends its boundary at 19.5 s: 0.5 s tail; rank 1 ends at 20.0 s: 1.5 s. The replayed
+    bubble is then idle over the whole period, as the collector counts it."""
+    spans = [
+        _record(0, "backward", 16.5, 18.5, microbatch=0, chunk=0),
+        _record(0, "optimizer", 18.5, 19.0),
+        _record(0, "boundary", 19.2, 19.5),
+        _record(1, "backward", 13.5, 15.5, microbatch=0, vstage=1),
+        _record(1, "boundary", 19.0, 20.0),
+    ]
+    tails = tail_seconds(spans)
+    assert tails == pytest.approx({0: 0.5, 1: 1.5})
+    replay = ps.simulate({0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}, {"F": 1.0, "B": 2.0})
+    assert replay.makespan == pytest.approx(6.0) and replay.idle == pytest.approx({0: 3.0, 1: 3.0})
+    assert with_tail(replay, tails).bubble == pytest.approx({0: 3.5 / 6.5, 1: 4.5 / 7.5})
 
 
 def test_accepted_action_forms_agree():
