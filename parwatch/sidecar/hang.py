@@ -566,7 +566,7 @@ class HangMonitor:
             if len(gone) > 1 and self.layout is not None and not any(told_its_cause(a) for a in gone):
                 found = find_culprit(rows, self.layout)
                 named = rows.get(found["culprit"]) if found else None
-                if named is not None and named in gone:
+                if named is not None and named in gone and not lost_a_peer(named):  # an echo is no cause
                     first = named
                     gone.remove(named)
                     gone.insert(0, named)

@@ -292,6 +292,31 @@ def test_an_exception_on_another_node_is_named_crashed_with_its_error(tmp_path):
     assert gone["time"] - raised < 5, gone["time"] - raised
 
 
+def test_a_rank_killed_on_another_node_is_named_gone_beside_its_peers_echoes(tmp_path):
+    """Rank 3 (node 1) exits hard, with no word: its peers crash of the lost peer (echoes) and the
+    launchers end the rest. Node 1's sidecar lives on and reports rank 3 gone, so the leader, which
+    waits while a node has sent nothing since the first echo, names rank 3 within 5 s, not an echo and
+    not after ECHO_WAIT_SECONDS."""
+    with nodes(tmp_path) as (leader, node1):
+        with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "crash:rank=3,step=6"):
+            (gone,) = wait_until(
+                lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
+                "a finding about rank 3",
+                120,
+            )
+            crashed = wait_until(
+                lambda: _logged_time(
+                    tmp_path / "node1-trainer.out", r"injected crash at step \d+, exiting at ([0-9.]+)"
+                ),
+                "rank 3's logged crash",
+                30,
+            )
+    culprit = gone["evidence"]["culprit"]
+    assert gone["rule"] == "rank-gone" and culprit is not None, gone["reason"]
+    assert (culprit["rank"], culprit["state"]) == (3, "gone"), gone["reason"]
+    assert gone["time"] - crashed < 5, gone["time"] - crashed
+
+
 @pytest.mark.timing
 def test_a_rollback_replaying_3x_the_hang_bound_across_nodes_completes(tmp_path):
     """Issue 24 item 1 across nodes: the leader with a 3 s hang bound and --hang-abort; an operator rollback

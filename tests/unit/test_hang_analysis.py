@@ -297,6 +297,20 @@ def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
     assert record["evidence"]["gone"] == [1, 0]
 
 
+def test_the_ranks_last_waits_never_name_an_echo_over_a_rank_gone_without_a_word():
+    """Found by the cross-node kill test: rank 1 was killed while it waited on rank 0, and rank 0 then
+    crashed of the lost peer. The waits point at rank 0, but its error says it is an echo: rank 1 is named."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=3), lay, clock.t)
+    rows = {
+        0: replace(act(0, lay, "backward", step=3, state="crashed"), error=PEER_LOST),
+        1: act(1, lay, "recv", "recv", "pp", peer=0, step=3, state="gone"),
+    }
+    [record] = monitor.check(rows)
+    assert record["evidence"]["culprit"]["rank"] == 1 and record["evidence"]["gone"] == [1, 0]
+
+
 def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
     monitor, clock, engine = _monitor()
     lay = Layout(1, 2, 1)
