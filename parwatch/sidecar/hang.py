@@ -575,7 +575,7 @@ class HangMonitor:
                 culprit["error"] = first.error
             others = [a.rank for a in gone[1:]]
             how = f"crashed ({first.error})" if first.state == RankState.CRASHED else "ended (its process is gone)"
-            reason = f"rank-gone: {_describe(culprit)} {how}, last step {first.step}"
+            reason = f"rank-gone: {_describe(culprit)} {how}, last reported step {first.step}"
             if others:
                 reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
             reason += _coverage_text(coverage)
