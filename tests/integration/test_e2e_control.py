@@ -100,7 +100,12 @@ def test_pause_holds_every_rank_and_resume_completes_the_run(tmp_path):
         wait_until(lambda: control.status()["paused"], "every rank to acknowledge the pause")
         latency_s = time.monotonic() - asked
 
-        (applied,) = [a for a in applied_records(state) if a["directive_id"] == decision["directive_id"]]
+        # status reads the engine's state as it is; decisions.jsonl gets the record with the sidecar's next
+        # write, moments later (found in CI: read at once, the line was not there yet).
+        (applied,) = wait_until(
+            lambda: [a for a in applied_records(state) if a["directive_id"] == decision["directive_id"]],
+            "the pause's applied record in decisions.jsonl",
+        )
         paused_at = applied["step"]
         assert every_rank(applied)
 
