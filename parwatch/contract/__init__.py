@@ -24,6 +24,7 @@ from parwatch.contract.boundary import (
     BoundaryInfo,
     OutcomeReport,
     StepBoundary,
+    new_run_id,
     run_key,
 )
 from parwatch.contract.directives import Action, Directive, FailReason, Outcome
@@ -63,5 +64,6 @@ __all__ = [
     "StepBoundary",
     "TorchAllReduce",
     "registry",
+    "new_run_id",
     "run_key",
 ]

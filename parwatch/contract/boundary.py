@@ -28,6 +28,7 @@ This is also what makes pause, resume and rollback happen on every rank at the s
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +75,12 @@ _REASON_SLOT = {
 AllReduceSum = Callable[[list[float]], Sequence[float] | Callable[[], Sequence[float]]]
 """SUM-all-reduces a float64 vector over every rank: returns the sums, or starts the
 all-reduce and returns a zero-argument callable that waits for it and returns them."""
+
+
+def new_run_id() -> str:
+    """A fresh run id: the launch time (UTC) and 6 random hex digits, e.g. 20261203-004100-5f3a9c.
+    Made once per launch (on rank 0, then shared), so a relaunch never mixes with the last run's records."""
+    return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(3).hex()
 
 
 def run_key(run_id: str) -> float:

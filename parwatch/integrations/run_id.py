@@ -5,13 +5,7 @@ string; a fresh id per launch keeps a relaunch from mixing with the last run's r
 
 from __future__ import annotations
 
-import os
-import time
-
-
-def new_run_id() -> str:
-    """A fresh run id: the launch time (UTC) and 6 random hex digits, e.g. 20261203-004100-5f3a9c."""
-    return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(3).hex()
+from parwatch.contract import new_run_id
 
 
 def shared_run_id(group=None) -> str:

@@ -1,4 +1,6 @@
-"""The trainer's configuration: one dataclass, fed by the command line, the tests and run_info."""
+"""The trainer's configuration: one dataclass, fed by the command line, the tests and run_info.
+
+Imports no torch: `parwatch train --nproc N` parses it in a launcher that only spawns the ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +10,31 @@ from dataclasses import asdict, dataclass, field
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import parse_fault
 from parwatch.trainer.schedules import SCHEDULE_CHOICES, SCHEDULES
-from parwatch.trainer.synthetic import parse_synthetic
+
+
+@dataclass(frozen=True)
+class SyntheticCompute:
+    fwd_ms: float
+    """Forward time per microbatch per stage."""
+    bwd_ms: float
+    """Backward time per microbatch per stage."""
+
+
+def parse_synthetic(spec: str | None) -> SyntheticCompute | None:
+    if not spec:
+        return None
+    values = {}
+    for item in spec.split(","):
+        key, eq, value = item.partition("=")
+        if key not in ("fwd_ms", "bwd_ms") or not eq:
+            raise ConfigError(f"--synthetic-compute {spec!r}: expected fwd_ms=N,bwd_ms=N (e.g. fwd_ms=10,bwd_ms=20)")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--synthetic-compute {spec!r}: {key}={value!r} is not a number") from None
+    if set(values) != {"fwd_ms", "bwd_ms"} or min(values.values()) < 0:
+        raise ConfigError(f"--synthetic-compute {spec!r}: give both fwd_ms and bwd_ms, >= 0 (e.g. fwd_ms=10,bwd_ms=20)")
+    return SyntheticCompute(**values)
 
 
 @dataclass

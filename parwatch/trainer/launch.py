@@ -50,8 +50,9 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
+    from parwatch.contract import new_run_id
     from parwatch.trainer.checkpoint import atomic_write_json
-    from parwatch.trainer.train import Trainer, new_run_id
+    from parwatch.trainer.train import Trainer
 
     torch.set_num_threads(int(os.environ.get("TRAINER_THREADS", "1")))
     backend = cfg.backend
@@ -149,8 +150,11 @@ def _setup_logging(rank: int) -> None:
 
 
 def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
-    """Run cfg.nproc ranks on this machine; returns the exit code (0 when every rank succeeded)."""
-    import torch.multiprocessing as mp
+    """Run cfg.nproc ranks on this machine; returns the exit code (0 when every rank succeeded).
+
+    This launcher never imports torch (the ranks do): it would add its import and teardown, about
+    2 s of CPU, before the first rank starts and after the last one ends."""
+    import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = _free_port()
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None, attach: Attach | None = None) -> int:
             if env_id and env_id != "none":
                 cfg.run_id = env_id
             elif cfg.nproc:  # ... one made here for the ranks spawned below; under torchrun
-                from parwatch.trainer.train import new_run_id  # rank 0's, broadcast in run_rank
+                from parwatch.contract import new_run_id  # rank 0's, broadcast in run_rank
 
                 cfg.run_id = new_run_id()
         if cfg.nproc:

@@ -10,38 +10,11 @@ machine's load. Timing checks of the bubble are then exact on a busy machine.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from parwatch.trainer.comm import Comm
-from parwatch.trainer.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class SyntheticCompute:
-    fwd_ms: float
-    """Forward time per microbatch per stage."""
-    bwd_ms: float
-    """Backward time per microbatch per stage."""
-
-
-def parse_synthetic(spec: str | None) -> SyntheticCompute | None:
-    if not spec:
-        return None
-    values = {}
-    for item in spec.split(","):
-        key, eq, value = item.partition("=")
-        if key not in ("fwd_ms", "bwd_ms") or not eq:
-            raise ConfigError(f"--synthetic-compute {spec!r}: expected fwd_ms=N,bwd_ms=N (e.g. fwd_ms=10,bwd_ms=20)")
-        try:
-            values[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"--synthetic-compute {spec!r}: {key}={value!r} is not a number") from None
-    if set(values) != {"fwd_ms", "bwd_ms"} or min(values.values()) < 0:
-        raise ConfigError(f"--synthetic-compute {spec!r}: give both fwd_ms and bwd_ms, >= 0 (e.g. fwd_ms=10,bwd_ms=20)")
-    return SyntheticCompute(**values)
 
 
 def _sleep_until(deadline: float) -> None:

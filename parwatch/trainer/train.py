@@ -13,7 +13,6 @@ import math
 import os
 import random
 import time
-import uuid
 from collections.abc import Callable
 
 import torch
@@ -23,7 +22,7 @@ from parwatch import contract
 from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, TorchAllReduce
 from parwatch.trainer import checkpoint as ckpt
 from parwatch.trainer.comm import Comm
-from parwatch.trainer.config import TrainConfig
+from parwatch.trainer.config import TrainConfig, parse_synthetic
 from parwatch.trainer.errors import CheckpointError
 from parwatch.trainer.executor import PipelineExecutor, StepShape
 from parwatch.trainer.faults import Faults, InjectedError, parse_fault
@@ -32,7 +31,7 @@ from parwatch.trainer.model import Chunk, GPTConfig, build_pieces
 from parwatch.trainer.parallel_dims import ParallelDims, build_groups
 from parwatch.trainer.partition import partition, piece_param_counts
 from parwatch.trainer.schedules import build_schedule, pipeline_order
-from parwatch.trainer.synthetic import SyntheticChunk, parse_synthetic
+from parwatch.trainer.synthetic import SyntheticChunk
 from parwatch.vocabulary import jsonable
 
 log = logging.getLogger("trainer")
@@ -416,10 +415,6 @@ class Trainer:
             "directives_applied": self.applied,
             "tokens_per_step": self.cfg.tokens_per_step,
         }
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 if __name__ == "__main__":  # `python -m parwatch.trainer.train` is the trainer too, not a module that trains nothing

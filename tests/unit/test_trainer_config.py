@@ -169,3 +169,30 @@ def test_every_field_is_a_flag_and_parses_back():
 
 def test_tokens_per_step_counts_every_replica():
     assert TrainConfig(dp=2, microbatches=3, micro_batch_size=4, seq_len=8).tokens_per_step == 2 * 3 * 4 * 8
+
+
+def test_the_launcher_parses_and_validates_without_importing_torch():
+    """`parwatch train --nproc N`'s launcher only spawns the ranks: importing torch there would add
+    about 2 s of CPU before the first rank starts and after the last one ends."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from parwatch.cli.train import train\n"
+        "from parwatch.trainer.config import parse_args\n"
+        "from parwatch.collector.attach import attach_from_config\n"
+        "from parwatch.trainer.launch import main, spawn\n"
+        "cfg = parse_args(['--nproc', '2', '--pp', '2', '--synthetic-compute', 'fwd_ms=1,bwd_ms=2',\n"
+        "                  '--inject', 'nan:step=3', '--schedule', 'interleaved1f1b', '--chunks', '2'])\n"
+        "cfg.validate(2)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "False", "the launcher imported torch"
