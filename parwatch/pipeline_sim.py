@@ -33,7 +33,7 @@ the schedule implies, the part stage imbalance adds, and the rest (waiting).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -207,8 +207,16 @@ def _dependencies(action: Action, stages: Mapping[tuple[int, int], str], n_stage
     return [Action(s, I, mb)]  # W
 
 
+HostSeconds = float | Mapping[int, float] | Mapping[int, Sequence[float]]
+"""The executor's host work before each block: one figure, per rank, or per rank and block."""
+
+
 def simulate(
-    order: Mapping | Replay, durations: Mapping, p2p_s: float = 0.0, host_s: float | Mapping[int, float] = 0.0
+    order: Mapping | Replay,
+    durations: Mapping,
+    p2p_s: float = 0.0,
+    host_s: HostSeconds = 0.0,
+    p2p_of: Mapping[Action, float] | None = None,
 ) -> SimResult:
     """Replay `order` (see the module docstring) with `durations` in seconds.
 
@@ -216,11 +224,14 @@ def simulate(
     {Action: s} per action (an Action entry wins over (stage, type), which wins over a type
     entry); B defaults to I + W.
     p2p_s: latency added to a dependency produced on another rank.
-    host_s: the executor's host seconds before each action, one figure or {rank: seconds}
+    p2p_of: {Action: s}: that latency for what one action produced, where it was measured (the
+    others take p2p_s).
+    host_s: the executor's host seconds before each block of actions (an action, or an `Overlap`):
+    one figure, {rank: seconds}, or {rank: [seconds per block, in the order's block order]}
     (missing ranks: 0). Every rank starts at 0; the makespan runs from 0 to the last end.
     `order` may be a `Replay` (compiled once, for replaying one order many times)."""
     replay = order if isinstance(order, Replay) else Replay(order)
-    return replay.run(durations, p2p_s, host_s)
+    return replay.run(durations, p2p_s, host_s, p2p_of)
 
 
 class Replay:
@@ -291,10 +302,25 @@ class Replay:
         self._plan = plan
         self._rank_indices = {r: [index[a] for a in acts] for r, acts in self.ranks.items()}
 
-    def run(self, durations: Mapping, p2p_s: float = 0.0, host_s: float | Mapping[int, float] = 0.0) -> SimResult:
+    def run(
+        self,
+        durations: Mapping,
+        p2p_s: float = 0.0,
+        host_s: HostSeconds = 0.0,
+        p2p_of: Mapping[Action, float] | None = None,
+    ) -> SimResult:
         """The replay with these durations (see `simulate`)."""
         if p2p_s < 0:
             raise ValueError(f"p2p_s={p2p_s} must be >= 0")
+        latency = [p2p_s] * len(self._actions)
+        if p2p_of:
+            position = {a: i for i, a in enumerate(self._actions)}
+            for action, value in p2p_of.items():
+                if action not in position or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(
+                        f"p2p_of[{action!s}] = {value!r}: keys are actions of the order, values seconds >= 0"
+                    )
+                latency[position[action]] = float(value)
         host = _host_fn(host_s, self.blocks)
         duration = _duration_fn(durations)
         if any(isinstance(key, Action) for key in durations):
@@ -305,13 +331,14 @@ class Replay:
         n = len(seconds)
         start, end, published = [0.0] * n, [0.0] * n, [0.0] * n
         free = dict.fromkeys(self.blocks, 0.0)
-        host_of = {r: host(r) for r in self.blocks}
+        block_of = dict.fromkeys(self.blocks, 0)
         for rank, group in self._plan:
-            t = free[rank] + host_of[rank]  # the block's host work first, then its dependencies
+            t = free[rank] + host(rank, block_of[rank])  # the block's host work first, then its dependencies
+            block_of[rank] += 1
             for i, deps in group:
                 ready = t
                 for j, remote in deps:
-                    at = published[j] + p2p_s if remote else end[j]
+                    at = published[j] + latency[j] if remote else end[j]
                     if at > ready:
                         ready = at
                 t = ready + seconds[i]
@@ -330,15 +357,26 @@ class Replay:
         return SimResult(makespan, busy, idle, bubble, {a: (start[i], end[i]) for i, a in enumerate(self._actions)})
 
 
-def _host_fn(host_s, blocks: Mapping[int, list]):
-    if isinstance(host_s, Mapping):
-        for rank, value in host_s.items():
-            if rank not in blocks or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"host_s[{rank!r}] = {value!r}: keys are ranks of the order, values seconds >= 0")
-        return lambda rank: float(host_s.get(rank, 0.0))
-    if not isinstance(host_s, (int, float)) or host_s < 0:
-        raise ValueError(f"host_s={host_s!r} must be seconds >= 0 or {{rank: seconds}}")
-    return lambda rank: float(host_s)
+def _host_fn(host_s: HostSeconds, blocks: Mapping[int, list]) -> Callable[[int, int], float]:
+    """(rank, block index) -> the host seconds before that block, `host_s` checked."""
+    if not isinstance(host_s, Mapping):
+        if not isinstance(host_s, (int, float)) or host_s < 0:
+            raise ValueError(
+                f"host_s={host_s!r} must be seconds >= 0, {{rank: seconds}} or {{rank: [seconds per block]}}"
+            )
+        return lambda rank, block: float(host_s)
+    per_block: dict[int, list[float]] = {r: [0.0] * len(groups) for r, groups in blocks.items()}
+    for rank, value in host_s.items():
+        if rank not in blocks:
+            raise ValueError(f"host_s[{rank!r}]: keys are ranks of the order ({sorted(blocks)})")
+        values = [value] * len(blocks[rank]) if isinstance(value, (int, float)) else list(value)
+        if len(values) != len(blocks[rank]) or not all(isinstance(v, (int, float)) and v >= 0 for v in values):
+            raise ValueError(
+                f"host_s[{rank!r}] = {value!r}: seconds >= 0, or one such figure for each of the rank's "
+                f"{len(blocks[rank])} blocks"
+            )
+        per_block[rank] = [float(v) for v in values]
+    return lambda rank, block: per_block[rank][block]
 
 
 # ----------------------------------------------------------------- bubble causes

@@ -153,8 +153,35 @@ def test_host_time_is_idle_before_each_action():
     )  # one figure for every rank
     with pytest.raises(ValueError, match=r"host_s\[5\]"):
         ps.simulate(order, {"F": 1}, host_s={5: 0.1})
-    with pytest.raises(ValueError, match="host_s=-1"):
-        ps.simulate(order, {"F": 1}, host_s=-1)
+    with pytest.raises(ValueError, match=r"host_s\[0\] = \[0.1\]: .* each of the rank's 4 blocks"):
+        ps.simulate(order, {"F": 1}, host_s={0: [0.1]})
+
+
+def test_host_time_per_block_delays_what_follows_it():
+    """10 ms of host work before rank 0's second forward delays it and everything downstream by 10 ms;
+    the same 10 ms spread evenly over the rank's four blocks delays the step by 7.5 ms (the last
+    2.5 ms waits beside rank 1's backward)."""
+    order = ps.single_stage_order("gpipe", 2, 2)  # rank 0: 0F0 0F1 0B0 0B1
+    durations = {"F": 0.04, "B": 0.08}
+    base = ps.simulate(order, durations)
+    where = ps.simulate(order, durations, host_s={0: [0.0, 0.01, 0.0, 0.0]})
+    spread = ps.simulate(order, durations, host_s={0: 0.0025})
+    assert where.finish[ps.Action(0, "F", 0)] == pytest.approx((0.0, 0.04))
+    assert where.finish[ps.Action(0, "F", 1)] == pytest.approx((0.05, 0.09))
+    assert where.makespan == pytest.approx(base.makespan + 0.01)
+    assert spread.finish[ps.Action(0, "F", 0)] == pytest.approx((0.0025, 0.0425))
+    assert spread.makespan == pytest.approx(base.makespan + 0.0075)
+    assert where.busy == pytest.approx(base.busy) == spread.busy
+
+
+def test_a_measured_latency_delays_only_what_its_action_produced():
+    order = ps.single_stage_order("gpipe", 2, 2)
+    durations = {"F": 0.04, "B": 0.08}
+    late = ps.simulate(order, durations, p2p_s=0.001, p2p_of={ps.Action(0, "F", 1): 0.02})
+    assert late.finish[ps.Action(1, "F", 0)][0] == pytest.approx(0.041)  # p2p_s
+    assert late.finish[ps.Action(1, "F", 1)][0] == pytest.approx(0.1)  # 0F1 ends at 0.08, + 20 ms
+    with pytest.raises(ValueError, match=r"p2p_of\[5F0\]"):
+        ps.simulate(order, durations, p2p_of={ps.Action(5, "F", 0): 0.01})
 
 
 def test_per_action_durations_win():
@@ -168,8 +195,8 @@ def _record(rank, kind, start, end, **attrs):
 
 
 def test_timings_from_spans_separate_host_from_waiting():
-    """Per-action times from the spans; host time = the period up to the last compute span,
-    less compute, receive waits and other work, per executor block."""
+    """Per-action times from the spans; host time before each executor block = from the block before
+    (or the period start) to the block's last compute span, less compute, receive waits and other work."""
     order = {0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}
     spans = [
         _record(0, "data", 10.0, 10.5, microbatch=0, chunk=0),  # other work: not host
@@ -183,12 +210,13 @@ def test_timings_from_spans_separate_host_from_waiting():
         _record(1, "loss", 13.0, 13.5, microbatch=0, vstage=1),  # added to the forward
         _record(1, "backward", 13.5, 15.5, microbatch=0, vstage=1),
     ]
-    durations, host, p2p = timings_from_spans(order, spans, {0: 10.0, 1: 10.0})
+    durations, host, p2p, p2p_of = timings_from_spans(order, spans, {0: 10.0, 1: 10.0})
     assert durations == pytest.approx(
         {ps.Action(0, "F", 0): 1.0, ps.Action(0, "B", 0): 2.0, ps.Action(1, "F", 0): 1.25, ps.Action(1, "B", 0): 2.0}
     )
-    assert host == pytest.approx({0: 1.5 / 2, 1: 0.0})
+    assert host == {0: pytest.approx([0.5, 1.0]), 1: pytest.approx([0.0, 0.0])}
     assert p2p == pytest.approx(0.25)  # the median of 0.25, 0.2 (activations), 0.5 (1B0 ends at 15.5, its grad at 16)
+    assert p2p_of == pytest.approx({ps.Action(0, "F", 0): 0.25, ps.Action(1, "B", 0): 0.5})  # the later receiver
     with pytest.raises(ValueError, match="no span for actions 1B0"):
         timings_from_spans(order, spans[:-1], {0: 10.0, 1: 10.0})
     with pytest.raises(ValueError, match="period_start lacks rank 1"):

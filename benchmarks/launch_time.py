@@ -1,0 +1,74 @@
+"""What a short `parwatch train --nproc 2` run costs around its steps: launch to the first step's
+summary, the last summary to the launcher's exit, and the whole wall time, over N runs.
+
+    python benchmarks/launch_time.py --runs 5
+
+The run: PP2 1F1B, 2 layers, hidden 32, 3 steps, the collector writing its JSONL files (no sidecar).
+For scale, the same table gives `python -c "import torch"` (the floor of every rank's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, cpu_jiffies, print_table, stolen_share, write_json  # noqa: E402
+
+RUN = ["--nproc", "2", "--pp", "2", "--steps", "3", "--layers", "2", "--hidden", "32", "--heads", "2"]
+
+
+def one_run(log_dir: Path) -> dict:
+    started = time.time()
+    subprocess.run(
+        [sys.executable, "-m", "parwatch", "train", *RUN, "--parwatch-log", str(log_dir)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    ended = time.time()
+    times = [json.loads(line)["time"] for path in log_dir.rglob("summaries.jsonl") for line in path.open()]
+    return {"wall_s": ended - started, "to_first_step_s": min(times) - started, "after_last_step_s": ended - max(times)}
+
+
+def torch_import_s() -> float:
+    started = time.time()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
+    return time.time() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", default="benchmarks/results/launch_time.json")
+    args = parser.parse_args()
+    before = cpu_jiffies()
+    runs, imports = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            runs.append(one_run(Path(tmp) / f"run{i}"))
+            imports.append(torch_import_s())
+    stolen = stolen_share(before, cpu_jiffies())
+    rows = [
+        [i + 1, r["wall_s"], r["to_first_step_s"], r["after_last_step_s"], t]
+        for i, (r, t) in enumerate(zip(runs, imports))
+    ]
+    medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    rows.append(["median", *medians.values(), statistics.median(imports)])
+    print_table(["run", "wall s", "launch -> first step s", "last step -> exit s", "python -c 'import torch' s"], rows)
+    print(f"stolen CPU: {stolen:.1%}")
+    write_json(
+        args.json, {"command": RUN, "runs": runs, "torch_import_s": imports, "medians": medians, "stolen": stolen}
+    )
+
+
+if __name__ == "__main__":
+    main()
