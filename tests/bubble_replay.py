@@ -36,8 +36,12 @@ def replayed_steps(run_dir: str, order) -> dict:
         if step < 2 or set(opened) != set(order):
             continue
         durations, host, p2p, p2p_of = timings_from_spans(order, spans[step], opened)
-        replay = ps.simulate(order, durations, p2p_s=p2p, host_s=host, p2p_of=p2p_of)
-        out[step] = (measured[step], with_tail(replay, tail_seconds(spans[step])), host, p2p)
+        # The ranks' periods open 1-8 ms apart (each at its own boundary's end): a rank that opened
+        # later starts its first block later, on the replay's one clock.
+        late = {rank: at - min(opened.values()) for rank, at in opened.items()}
+        shifted = {rank: [blocks[0] + late[rank], *blocks[1:]] for rank, blocks in host.items()}
+        replay = ps.simulate(order, durations, p2p_s=p2p, host_s=shifted, p2p_of=p2p_of)
+        out[step] = (measured[step], with_tail(replay, tail_seconds(spans[step]), late), host, p2p)
     return out
 
 
@@ -55,14 +59,15 @@ def tail_seconds(spans) -> dict[int, float]:
     return tails
 
 
-def with_tail(replay: ps.SimResult, tail: Mapping[int, float]) -> ps.SimResult:
+def with_tail(replay: ps.SimResult, tail: Mapping[int, float], late: Mapping[int, float] | None = None) -> ps.SimResult:
     """The replay over each rank's whole period: its measured tail (`tail_seconds`) added as idle, so
-    the replayed bubble is what the collector's formula gives at the schedule's makespan."""
+    the replayed bubble is what the collector's formula gives at the schedule's makespan. late: {rank:
+    seconds its period opened after the first rank's}; the replay ran them as idle, its period did not."""
     bubble = {}
     for rank, idle in replay.idle.items():
-        extra = tail.get(rank, 0.0)
-        period = replay.makespan + extra
-        bubble[rank] = (idle + extra) / period if period > 0 else 0.0
+        extra, before = tail.get(rank, 0.0), (late or {}).get(rank, 0.0)
+        period = replay.makespan - before + extra
+        bubble[rank] = (idle - before + extra) / period if period > 0 else 0.0
     return dataclasses.replace(replay, bubble=bubble)
 
 

@@ -239,6 +239,8 @@ def test_the_replay_adds_each_ranks_step_end_as_idle():
     replay = ps.simulate({0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}, {"F": 1.0, "B": 2.0})
     assert replay.makespan == pytest.approx(6.0) and replay.idle == pytest.approx({0: 3.0, 1: 3.0})
     assert with_tail(replay, tails).bubble == pytest.approx({0: 3.5 / 6.5, 1: 4.5 / 7.5})
+    # Rank 1's period opened 1 s after rank 0's: the replay's first second is not in its period.
+    assert with_tail(replay, tails, {0: 0.0, 1: 1.0}).bubble == pytest.approx({0: 3.5 / 6.5, 1: 3.5 / 6.5})
 
 
 def test_accepted_action_forms_agree():
