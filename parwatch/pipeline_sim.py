@@ -7,9 +7,10 @@ order, one action at a time, and an action starts once its dependencies have fin
     B/I(s, mb)  after F(s, mb) and after B/I(s+1, mb)  (the gradient from the next stage)
     W(s, mb)    after I(s, mb)
 
-A dependency produced on another rank also waits `p2p_s` (the send's latency). `host_s`
-is the executor's own host work before each action (posting sends and receives, its
-bookkeeping): the rank spends it, then waits for the action's dependencies; it is idle, not
+A dependency produced on another rank also waits `p2p_s` (the send's latency; `p2p_of` gives
+it per producing action where it was measured). `host_s` is the executor's own host work
+before each block of actions (posting sends and receives, its bookkeeping), one figure or per
+block: the rank spends it, then waits for the block's dependencies; it is idle, not
 busy, as it is in the collector's accounting. Which rank
 holds a virtual stage is read from the order itself, so interleaved (stage s on rank s % p)
 and V layouts (stages r and 2p-1-r on rank r) need no extra argument.
