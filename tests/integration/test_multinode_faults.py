@@ -269,23 +269,26 @@ def _logged_time(path: Path, pattern: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def test_an_exception_on_another_node_is_named_crashed_with_its_error(tmp_path):
-    """Issue 24 item 3 across nodes: rank 3 (node 1) dies of an exception; the leader's rank-gone names it,
-    `crashed` with its exception, within 5 s (the ranks that lost it are echoes, not the cause)."""
-    with nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "raise:rank=3,step=6"):
-            (gone,) = wait_until(
+def _rank3_ends_on_node1(base: Path, inject: str, logged: str) -> tuple[dict, float]:
+    """Run two nodes with `inject` ending rank 3 (node 1): the leader's first rank-gone or hang finding,
+    and the time rank 3 logged its end (`logged`: a regex whose group 1 is that time)."""
+    with nodes(base) as (leader, node1):
+        with torchrun_nodes(base, [leader, node1], 200, "--inject", inject):
+            (finding,) = wait_until(
                 lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
                 "a finding about rank 3",
                 120,
             )
-            raised = wait_until(
-                lambda: _logged_time(
-                    tmp_path / "node1-trainer.out", r"injected exception at step \d+, raising at ([0-9.]+)"
-                ),
-                "rank 3's logged exception",
-                30,
-            )
+            ended = wait_until(lambda: _logged_time(base / "node1-trainer.out", logged), "rank 3's logged end", 30)
+    return finding, ended
+
+
+def test_an_exception_on_another_node_is_named_crashed_with_its_error(tmp_path):
+    """Issue 24 item 3 across nodes: rank 3 (node 1) dies of an exception; the leader's rank-gone names it,
+    `crashed` with its exception, within 5 s (the ranks that lost it are echoes, not the cause)."""
+    gone, raised = _rank3_ends_on_node1(
+        tmp_path, "raise:rank=3,step=6", r"injected exception at step \d+, raising at ([0-9.]+)"
+    )
     culprit = gone["evidence"]["culprit"]
     assert gone["rule"] == "rank-gone" and (culprit["rank"], culprit["state"]) == (3, "crashed"), gone["reason"]
     assert culprit["error"] == "InjectedError: injected exception on rank 3 at step 6"
@@ -297,20 +300,9 @@ def test_a_rank_killed_on_another_node_is_named_gone_beside_its_peers_echoes(tmp
     launchers end the rest. Node 1's sidecar lives on and reports rank 3 gone, so the leader, which
     waits while a node has sent nothing since the first echo, names rank 3 within 5 s, not an echo and
     not after ECHO_WAIT_SECONDS."""
-    with nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "crash:rank=3,step=6"):
-            (gone,) = wait_until(
-                lambda: [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")][:1],
-                "a finding about rank 3",
-                120,
-            )
-            crashed = wait_until(
-                lambda: _logged_time(
-                    tmp_path / "node1-trainer.out", r"injected crash at step \d+, exiting at ([0-9.]+)"
-                ),
-                "rank 3's logged crash",
-                30,
-            )
+    gone, crashed = _rank3_ends_on_node1(
+        tmp_path, "crash:rank=3,step=6", r"injected crash at step \d+, exiting at ([0-9.]+)"
+    )
     culprit = gone["evidence"]["culprit"]
     assert gone["rule"] == "rank-gone" and culprit is not None, gone["reason"]
     assert (culprit["rank"], culprit["state"]) == (3, "gone"), gone["reason"]
