@@ -100,6 +100,7 @@ class Activity(Struct, array_like=True, frozen=True, gc=False):
     time: Time  # when the rank sampled it
     step_end: Time | None  # when the rank ended `step` (null before its first): the leader times a stall from there
     error: Error | None = None  # crashed: the exception it ended with
+    ended: Time | None = None  # gone: when its node saw the process end (exact, parwatch.sidecar.exits), else null
 
 
 class ActivityReport(Struct, kw_only=True):
@@ -130,7 +131,7 @@ class ActivityReport(Struct, kw_only=True):
 
     def row(self) -> Activity:
         """This report as its node's digest row (a missing host reads as "")."""
-        values = {f: getattr(self, f) for f in ROW_FIELDS}
+        values = {f: getattr(self, f) for f in ROW_FIELDS if f in ACTIVITY_FIELDS}
         values["host"] = self.host or ""
         return Activity(**values)
 
@@ -316,7 +317,7 @@ def where(message: str, root: str, *, dotted: bool = False) -> str:
     if m := _ROW_FIELD.fullmatch(path):
         path = f"{m[1]}.{ROW_FIELDS[int(m[2])]}"
     elif _ROW.fullmatch(path):
-        text += f" (a row is [{', '.join(ROW_FIELDS)}], the last two optional)"
+        text += f" (a row is [{', '.join(ROW_FIELDS)}], the last {len(Activity.__struct_defaults__)} optional)"
     if m := _FIELD_FIRST.match(text):
         path, text = f"{path}.{m[1]}", text[m.end() :]
     elif m := _MISSING.fullmatch(text):

@@ -41,6 +41,7 @@ from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.digest import LeaderView, NodeBook, StepPace, in_layout, layout_of, same_layout
+from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
@@ -67,7 +68,7 @@ class ActivityHub:
         """This node's host, as its ranks report it ($PARWATCH_HOST): theirs are the pids it can check."""
         self.node = f"{socket.gethostname()}:{cfg.control_listen.port}"
         """This sidecar's name at the leader: its own hostname (a pod's name: unique where the host is shared)."""
-        self.book = NodeBook(self.clock, cfg.activity_silent_seconds, self.hostname)
+        self.book = NodeBook(self.clock, cfg.activity_silent_seconds, self.hostname, exits=ProcessExits(self.clock))
         self.pace = StepPace(self.clock)
         """The run's highest step, shared by its ranks' activity and the nodes' digests."""
         self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS), pace=self.pace)
@@ -338,6 +339,8 @@ class ActivityHub:
         await self.forwarder.post(self._http)
 
     async def close(self) -> None:
+        if self.book.exits is not None:
+            self.book.exits.close()
         if self._http is not None:
             with contextlib.suppress(Exception):
                 await self._http.aclose()

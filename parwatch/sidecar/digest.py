@@ -7,9 +7,11 @@ them). The others learn the leader's URL from configuration: `parwatch sidecar -
 --leader-url that is not the leader keeps its digests to itself (single-node runs need nothing).
 
 Liveness is decided on the node, where it can be checked: a rank whose pid no longer exists on
-this host is `gone` (a crash); one alive but silent for `silent_seconds` is `silent`; one that
-said it finished is `done`; one that said it ended by an exception is `crashed`, with the exception. Activity keeps flowing from a hung rank (its reporter thread is
-independent of the blocked training thread), so a hang reads as `running` with the same span open.
+this host is `gone` (a crash), with the moment it ended when its node saw it (parwatch.sidecar.exits);
+one alive but silent for `silent_seconds` is `silent`; one that said it finished is `done`; one that
+said it ended by an exception is `crashed`, with the exception. Activity keeps flowing from a hung
+rank (its reporter thread is independent of the blocked training thread), so a hang reads as
+`running` with the same span open.
 
 The digest body and the activity report are typed records (parwatch/records.py), decoded with every
 field checked; what depends on the run (a rank inside its layout) is checked here.
@@ -26,6 +28,7 @@ from msgspec.structs import replace
 
 from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
 from parwatch.schema import MAX_STEPS_PER_SECOND
+from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED, Layout
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pace import Pace
@@ -134,11 +137,14 @@ class NodeBook:
         silent_seconds: float = 5.0,
         hostname: str | None = None,
         alive: Callable[[int], bool] = pid_alive,
+        exits: ProcessExits | None = None,
     ):
         self.clock = clock
         self.silent_seconds = silent_seconds
         self.hostname = hostname or socket.gethostname()
         self._alive = alive
+        self.exits = exits
+        """When this node's rank processes ended (None: the pid check alone)."""
         self.run_id: str | None = None
         self.layout: Layout | None = None
         self.latest: dict[int, tuple[Activity, float]] = {}
@@ -149,9 +155,17 @@ class NodeBook:
             self.latest = {}  # a new run: the old ranks are not this run's
             self.run_id = run_id
             self.layout = None
+            if self.exits is not None:
+                self.exits.forget()
         same_layout(self.layout, layout, "activity [tp, pp, dp]")
         self.layout = layout
+        previous = self.latest.get(a.rank)
         self.latest[a.rank] = (a, self.clock())
+        if self.exits is not None and a.host == self.hostname:
+            if previous is not None and previous[0].pid != a.pid:
+                self.exits.drop(previous[0].pid)
+            if a.state == RankState.RUNNING:
+                self.exits.watch(a.pid)
 
     def rows(self) -> dict[int, Activity]:
         """Every rank with its liveness judged now."""
@@ -159,13 +173,15 @@ class NodeBook:
         out = {}
         for rank, (a, seen) in list(self.latest.items()):
             state = a.state
+            ended = None
             if state == RankState.RUNNING:
                 local = a.host == self.hostname
-                if local and not self._alive(a.pid):
+                ended = self.exits.ended(a.pid) if local and self.exits is not None else None
+                if local and (ended is not None or not self._alive(a.pid)):
                     state = "gone"
                 elif now - seen > self.silent_seconds:
                     state = "silent" if local else "gone"  # another host's pid cannot be checked here
-            out[rank] = a if state == a.state else replace(a, state=state)
+            out[rank] = a if state == a.state else replace(a, state=state, ended=ended)
         return out
 
     def digest(self, node: str) -> NodeDigest | None:

@@ -82,6 +82,16 @@ def lost_a_peer(a: Activity) -> bool:
     return a.state == RankState.CRASHED and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
 
 
+def ended_at(a: Activity) -> float:
+    """When an ended rank ended, as well as known: the exit its node saw, else its last report."""
+    return a.ended if a.ended is not None else a.time
+
+
+def ended_later(a: Activity, b: Activity) -> bool:
+    """Whether the node of both saw `a`'s process end after `b`'s (one host's clock: comparable)."""
+    return a.ended is not None and b.ended is not None and a.host == b.host and a.ended > b.ended
+
+
 def told_its_cause(a: Activity) -> bool:
     """A rank that crashed of its own exception (not an echo): the cause, whatever else ended."""
     return a.state == RankState.CRASHED and not lost_a_peer(a)
@@ -396,6 +406,7 @@ def culprit_record(a: Activity | None, rank: int) -> dict:
             "seq": None,
             "since": None,
             "step": None,
+            "ended": None,
         }
     return {
         "rank": a.rank,
@@ -412,6 +423,7 @@ def culprit_record(a: Activity | None, rank: int) -> dict:
         "seq": a.seq,
         "since": a.since,
         "step": a.step,
+        "ended": a.ended,
     }
 
 
@@ -545,7 +557,7 @@ class HangMonitor:
         # one the rest last waited for went first, else the earliest to end.
         gone = sorted(
             (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
-            key=lambda a: (lost_a_peer(a), a.time, a.rank),
+            key=lambda a: (lost_a_peer(a), ended_at(a), a.rank),
         )
         if any(lost_a_peer(a) for a in gone) and not any(told_its_cause(a) for a in gone):
             # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
@@ -566,7 +578,9 @@ class HangMonitor:
             if len(gone) > 1 and self.layout is not None and not any(told_its_cause(a) for a in gone):
                 found = find_culprit(rows, self.layout)
                 named = rows.get(found["culprit"]) if found else None
-                if named is not None and named in gone and not lost_a_peer(named):  # an echo is no cause
+                # An echo is no cause; nor is a rank its node saw end after another of its ranks (stale
+                # samples guess who waited for whom, the exits tell who ended first).
+                if named is not None and named in gone and not lost_a_peer(named) and not ended_later(named, first):
                     first = named
                     gone.remove(named)
                     gone.insert(0, named)

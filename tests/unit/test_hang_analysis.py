@@ -629,3 +629,40 @@ def test_a_rank_gone_silently_beside_an_echo_is_named_once_every_node_spoke():
     alone.observe(act(0, lay, step=6), lay, clock2.t)
     [record] = alone.check(rows)
     assert record["evidence"]["culprit"]["rank"] == 1
+
+
+def test_the_rank_its_node_saw_end_first_is_named_over_stale_waits():
+    """Found in a cross-node kill test: rank 3 exited hard, and torchrun ended its TP peer rank 2 47 ms
+    later, without a word either. Their last samples were up to a second old: rank 3's showed it waiting
+    in a TP all-reduce for rank 2, which read as rank 2 being the one the others waited for. The exits
+    their node saw (pidfd stamps) say rank 3 ended first: it is named, rank 2 is also gone."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(2, 2, 1)
+    monitor.observe(act(0, lay, step=6), lay, clock.t)
+    waits = {
+        0: replace(act(0, lay, "recv", "recv", "pp", peer=2, step=6, state="crashed"), error=PEER_LOST),
+        1: replace(act(1, lay, "recv", "recv", "pp", peer=3, step=6, state="crashed"), error=PEER_LOST),
+        2: act(2, lay, "forward", step=6, state="gone", time=50.0),
+        3: act(3, lay, "collective", "all_reduce", "tp", seq=34, step=6, state="gone", time=50.4),
+    }
+    guessed, _, _ = _monitor()
+    guessed.observe(act(0, lay, step=6), lay, clock.t)
+    [record] = guessed.check(waits)  # no exits seen: the stale waits name rank 2
+    assert record["evidence"]["culprit"]["rank"] == 2
+    seen = {**waits, 2: replace(waits[2], ended=51.047), 3: replace(waits[3], ended=51.0)}
+    [record] = monitor.check(seen)
+    assert record["evidence"]["culprit"]["rank"] == 3 and record["evidence"]["gone"] == [3, 2, 0, 1]
+
+
+def test_exits_on_different_hosts_do_not_overrule_the_waits():
+    """Two hosts' clocks are not one clock: exits seen on different nodes are not compared."""
+    monitor, clock, engine = _monitor()
+    lay = Layout(1, 2, 1)
+    monitor.observe(act(0, lay, step=3), lay, clock.t)
+    rows = {
+        0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", host="h0"),
+        1: act(1, lay, "backward", step=3, state="gone", host="h1"),
+    }
+    rows = {0: replace(rows[0], ended=10.0), 1: replace(rows[1], ended=10.5)}
+    [record] = monitor.check(rows)
+    assert record["evidence"]["culprit"]["rank"] == 1  # rank 0 waited for it
