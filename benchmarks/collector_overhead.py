@@ -1,13 +1,22 @@
-"""What the collector costs: median step time with it on over off, runs alternated in one go.
+"""What the collector costs: step time with it on over off, alternated step by step in one process.
 
-    python benchmarks/collector_overhead.py [--rounds 4 --steps 16]
+    python benchmarks/collector_overhead.py [--pairs 30] [--runs 1]
 
-Two workloads: the real-compute TP2 x PP2 GPT, and PP2 under synthetic compute.
-Each round runs the same configuration with --parwatch off, then on (order
-alternating between rounds, so drift in the machine's load hits both). The
-ratio compares the medians of all steps after the first three of every run.
-Goal: on/off <= 1.01. Also reported: the collector's own accounting of its time
-on the training thread (overhead_seconds / step_seconds, from its summaries).
+Two workloads on the bundled trainer: the real-compute TP2 x PP2 GPT (4 gloo ranks), and PP2 under
+synthetic compute (2 ranks). Every rank builds one Trainer and one Collector (writing
+summaries.jsonl, as `parwatch train --parwatch-log` does), then alternates step by step: one step
+with the collector attached (its spans, its share of the step boundary, rank 0's bubble-cause
+replay), one with it detached (the trainer as `--parwatch off` runs it: the boundary all-reduce
+carries the loss either way), in pairs whose order flips every pair, so drift in the machine's
+load hits both. Attaching, and the start boundary that opens an attached step's period, happen
+between steps, outside the timing; a detached step is preceded by a barrier instead, so the ranks
+line up the same way. The first pairs are warm-up and dropped. A step's time is the slower rank's.
+
+Goal: on/off <= 1.01 (median step time), with the paired ratio (median over pairs of on/off within
+the pair) and its distribution-free 95% interval. Also per mode: the training thread's CPU time per
+step (time.thread_time, the slower rank's median; other processes' load does not move it), and the
+collector's own accounting of its time on the training thread (overhead_seconds / step_seconds, from
+its summaries). The table prints the CPU the hypervisor stole during each workload.
 """
 
 from __future__ import annotations
@@ -15,15 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from common import print_table, run_trainer, write_json
+from common import ROOT, cpu_jiffies, print_table, stolen_share, write_json
+from integration_overhead import WARMUP, paired_ratio, slower_rank_median
 
+sys.path.insert(0, str(ROOT))
+
+from tests.distutil import run_ranks  # noqa: E402
+
+RATIO_GOAL = 1.01
+RANKS = {"real": 4, "synthetic": 2}
 WORKLOADS = {
     "real TP2xPP2 GPT (h=256, 8 layers, s=64, m=8)": [
-        "--nproc",
-        "4",
         "--tp",
         "2",
         "--pp",
@@ -44,8 +60,6 @@ WORKLOADS = {
         "512",
     ],
     "synthetic PP2 (fwd 20 ms, bwd 40 ms, m=4)": [
-        "--nproc",
-        "2",
         "--pp",
         "2",
         "--microbatches",
@@ -60,56 +74,118 @@ WORKLOADS = {
         "fwd_ms=20,bwd_ms=40",
     ],
 }
-WARMUP = 3
+
+
+def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str) -> dict:
+    """Every rank: one Trainer, steps alternately with the collector attached and detached."""
+    import torch.distributed as dist
+
+    from parwatch.collector import attach, detach
+    from parwatch.collector.attach import attach_from_config
+    from parwatch.contract import BoundaryKind
+    from parwatch.trainer.config import parse_args
+    from parwatch.trainer.train import Trainer
+
+    cfg = parse_args([*argv, "--run-id", "collector-overhead", "--parwatch-log", log_dir, "--steps", str(2 * pairs)])
+    collector = attach_from_config(cfg, rank, world, rank, "gloo")
+    trainer = Trainer(cfg, rank, world)
+    trainer.begin()  # run_start seen by the collector: the schedule's order, its theory
+    detach(collector)
+    times: dict[str, list] = {"on": [], "off": []}
+    cpu: dict[str, list] = {"on": [], "off": []}
+    for pair in range(pairs):
+        for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+            if mode == "on":
+                attach(collector)
+                trainer.boundary(BoundaryKind.START)  # opens the attached step's period
+            else:
+                dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            trainer.run_step()
+            c1, t1 = time.thread_time(), time.perf_counter()
+            if mode == "on":
+                detach(collector)
+            if pair >= WARMUP:
+                times[mode].append(t1 - t0)
+                cpu[mode].append(c1 - c0)
+    trainer.close()
+    collector.close()
+    return {"times": times, "cpu": cpu}
 
 
 def self_reported(log_dir: str) -> float | None:
-    ratios = []
+    """The collector's own time on the training thread over the step, median over its summaries."""
     path = Path(log_dir) / "summaries.jsonl"
     if not path.exists():
         return None
-    for line in path.read_text().splitlines():
-        s = json.loads(line)
-        if s["step"] > WARMUP and s["step_seconds"] > 0:
-            ratios.append(s["overhead_seconds"] / s["step_seconds"])
+    ratios = [
+        s["overhead_seconds"] / s["step_seconds"]
+        for s in map(json.loads, path.read_text().splitlines())
+        if s["step"] > 2 * WARMUP and s["step_seconds"] > 0
+    ]
     return statistics.median(ratios) if ratios else None
+
+
+def measure(name: str, argv: list, pairs: int) -> dict:
+    world = RANKS["synthetic" if "--synthetic-compute" in argv else "real"]
+    with tempfile.TemporaryDirectory() as log_dir:
+        jiffies = cpu_jiffies()
+        per_rank = run_ranks(alternate, world, argv, pairs, log_dir, timeout=1800)
+        stolen = stolen_share(jiffies, cpu_jiffies())
+        own = self_reported(log_dir)
+    on, off = slower_rank_median(per_rank, "on"), slower_rank_median(per_rank, "off")
+    paired, low, high = paired_ratio(per_rank)
+    cpu = {m: max(statistics.median(r["cpu"][m]) for r in per_rank) for m in ("on", "off")}
+    return {
+        "workload": name,
+        "ranks": world,
+        "median_step_off_s": off,
+        "median_step_on_s": on,
+        "ratio": on / off,
+        "paired_ratio_median": paired,
+        "paired_ratio_95ci": [low, high],
+        "thread_cpu_per_step_off_ms": cpu["off"] * 1e3,
+        "thread_cpu_per_step_on_ms": cpu["on"] * 1e3,
+        "collector_self_reported_ratio": own,
+        "steps_per_mode": len(per_rank[0]["times"]["on"]),
+        "cpu_stolen_share": stolen,
+        "met": on / off <= RATIO_GOAL,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--pairs", type=int, default=30, help=f"on/off pairs per workload (the first {WARMUP} dropped)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat every workload this many times")
+    ap.add_argument("--only", default="", help="run the workloads whose name contains this")
     ap.add_argument("--out", default="benchmarks/results/collector_overhead.json")
     a = ap.parse_args()
-    rows, results = [], []
-    for name, args in WORKLOADS.items():
-        times = {"off": [], "on": []}
-        own = []
-        for r in range(a.rounds):
-            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                with tempfile.TemporaryDirectory() as log_dir:
-                    extra = ["--parwatch", mode] + (["--parwatch-log", log_dir] if mode == "on" else [])
-                    s = run_trainer([*args, "--steps", str(a.steps), *extra])
-                    if mode == "on":
-                        own.append(self_reported(log_dir))
-                times[mode] += s["step_seconds"][WARMUP:]
-            print(f"{name}: round {r + 1}/{a.rounds} done", flush=True)
-        off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        own_ratio = statistics.median([o for o in own if o is not None]) if any(own) else None
-        rows.append([name, off, on, on / off, own_ratio])
-        results.append(
-            {
-                "workload": name,
-                "median_step_off_s": off,
-                "median_step_on_s": on,
-                "ratio": on / off,
-                "collector_self_reported_ratio": own_ratio,
-                "steps_per_mode": len(times["on"]),
-            }
-        )
+    results = []
+    for run in range(a.runs):
+        for name, argv in WORKLOADS.items():
+            if a.only in name:
+                results.append({"run": run + 1, **measure(name, argv, a.pairs)})
+                print(f"{name}: run {run + 1}/{a.runs} done", flush=True)
     print()
-    print_table(["workload", "median step off (s)", "on (s)", "on/off", "collector's own time / step"], rows)
-    write_json(a.out, {"rounds": a.rounds, "steps": a.steps, "warmup_steps_dropped": WARMUP, "results": results})
+    print_table(
+        ["workload", "run", "off (s)", "on (s)", "on/off", "paired [95%]", "CPU off/on (ms)", "own", "stolen", "goal"],
+        [
+            [
+                r["workload"],
+                r["run"],
+                r["median_step_off_s"],
+                r["median_step_on_s"],
+                r["ratio"],
+                "{:.4f} [{:.4f}, {:.4f}]".format(r["paired_ratio_median"], *r["paired_ratio_95ci"]),
+                f"{r['thread_cpu_per_step_off_ms']:.1f} / {r['thread_cpu_per_step_on_ms']:.1f}",
+                "-" if r["collector_self_reported_ratio"] is None else f"{r['collector_self_reported_ratio']:.2%}",
+                f"{r['cpu_stolen_share']:.0%}",
+                "met" if r["met"] else "not met",
+            ]
+            for r in results
+        ],
+    )
+    write_json(a.out, {"pairs": a.pairs, "warmup_pairs_dropped": WARMUP, "goal_ratio": RATIO_GOAL, "results": results})
     return 0
 
 

@@ -364,6 +364,13 @@ class Trainer:
 
     # -------------------------------------------------------------------- run
     def run(self) -> dict:
+        self.begin()
+        while self.step < self.cfg.steps:
+            self.run_step()
+        return self.end()
+
+    def begin(self) -> None:
+        """run_start, the start boundary (every rank lines up), and a resume if configured."""
         cfg = self.cfg
         self.registry.emit_event(
             Event.RUN_START,
@@ -376,20 +383,26 @@ class Trainer:
         if cfg.resume:
             self._restore()
         self._last_boundary_t = time.perf_counter()
-        while self.step < cfg.steps:
-            loss = self.train_step()
-            mean_loss, directive = self.boundary(BoundaryKind.STEP, loss)
-            now = time.perf_counter()
+
+    def run_step(self) -> None:
+        """One step, its boundary, and what the boundary brought: a directive, a checkpoint."""
+        cfg = self.cfg
+        loss = self.train_step()
+        mean_loss, directive = self.boundary(BoundaryKind.STEP, loss)
+        now = time.perf_counter()
+        if self._last_boundary_t is not None:
             self.step_seconds[self.step] = now - self._last_boundary_t
-            self.losses[self.step] = mean_loss
-            self.loss_history.append((self.step, mean_loss))
-            trained = self.step
-            if self.on_step is not None:
-                self.on_step(self.step)
-            self._apply(directive)
-            if self.step == trained and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self._checkpoint_if_finite(mean_loss)
-            self._last_boundary_t = time.perf_counter()
+        self.losses[self.step] = mean_loss
+        self.loss_history.append((self.step, mean_loss))
+        trained = self.step
+        if self.on_step is not None:
+            self.on_step(self.step)
+        self._apply(directive)
+        if self.step == trained and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            self._checkpoint_if_finite(mean_loss)
+        self._last_boundary_t = time.perf_counter()
+
+    def end(self) -> dict:
         summary = self.summary()
         self.registry.emit_event(Event.RUN_END, steps_completed=self.step, summary=summary)
         return summary
