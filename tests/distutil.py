@@ -28,7 +28,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, queue, args):
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+"""What every rank imports (torch._dynamo: building the first optimizer does)."""
+
+
+def _forkserver():
+    """Ranks forked from one fork server per test session, which imported PRELOAD once (a clean
+    process that never touches a device), not fresh interpreters that each import torch: about 3 s
+    of CPU a rank, paid once instead of at every run_ranks (a module of 31 tests: 50 s -> 25 s). The
+    server's environment and directory are those it started with: _entry takes the caller's. The
+    trainer's own launcher spawns: it starts its ranks once, in parallel."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(fn, rank, world_size, port, queue, args, env, cwd):
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import torch
@@ -60,10 +78,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     fn must be importable (module level). Raises AssertionError naming the failing rank
     with its traceback, or TimeoutError (after killing every rank) past `timeout` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _forkserver()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    here = (dict(os.environ), os.getcwd())
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args, *here)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict = {}
