@@ -33,17 +33,17 @@ class ProcessExits:
 
     def watch(self, pid: int) -> None:
         """Stamp this process's exit from now on (a no-op when it is watched or already stamped)."""
-        if self._epoll is None or self._closed or pid in self._fd_of or pid in self._ended:
+        if self._epoll is None:
             return
-        if len(self._fd_of) >= MAX_WATCHED:
-            return
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return  # already gone: the pid check tells it, with no exact time to claim
-        except OSError:
-            return  # not permitted or not supported here: the pid check stands
         with self._lock:
+            if self._closed or pid in self._fd_of or pid in self._ended or len(self._fd_of) >= MAX_WATCHED:
+                return
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return  # already gone: the pid check tells it, with no exact time to claim
+            except OSError:
+                return  # not permitted or not supported here: the pid check stands
             self._fd_of[pid], self._pid_of[fd] = fd, pid
             self._epoll.register(fd, select.EPOLLIN)
         if self._thread is None:
