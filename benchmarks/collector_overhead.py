@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 from tests.distutil import run_ranks  # noqa: E402
 
 RATIO_GOAL = 1.01
-RANKS = {"real": 4, "synthetic": 2}
 WORKLOADS = {
     "real TP2xPP2 GPT (h=256, 8 layers, s=64, m=8)": [
         "--tp",
@@ -127,7 +126,10 @@ def self_reported(log_dir: str) -> float | None:
 
 
 def measure(name: str, argv: list, pairs: int) -> dict:
-    world = RANKS["synthetic" if "--synthetic-compute" in argv else "real"]
+    from parwatch.trainer.config import parse_args
+
+    cfg = parse_args(argv)
+    world = cfg.tp * cfg.pp * cfg.dp
     with tempfile.TemporaryDirectory() as log_dir:
         jiffies = cpu_jiffies()
         per_rank = run_ranks(alternate, world, argv, pairs, log_dir, timeout=1800)

@@ -33,11 +33,10 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def _forkserver():
-    """Ranks forked from one fork server per test session, which imported PRELOAD once (a clean
-    process that never touches a device), not fresh interpreters that each import torch: about 3 s
-    of CPU a rank, paid once instead of at every run_ranks (a module of 31 tests: 50 s -> 25 s). The
-    server's environment and directory are those it started with: _entry takes the caller's. The
-    trainer's own launcher spawns: it starts its ranks once, in parallel."""
+    """Ranks forked from one fork server per test session, which imported PRELOAD once (a process that
+    never touches a device), not fresh interpreters that each import torch at every run_ranks (the
+    saving: docs/benchmarks.md). The server's environment and directory are those it started with:
+    _entry takes the caller's. The trainer's own launcher spawns: it starts its ranks once, in parallel."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
