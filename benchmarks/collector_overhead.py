@@ -37,41 +37,15 @@ sys.path.insert(0, str(ROOT))
 from tests.distutil import run_ranks  # noqa: E402
 
 RATIO_GOAL = 1.01
+GPT = "--layers 8 --hidden 256 --heads 8 --seq-len 64 --micro-batch-size 4 --vocab 512 --microbatches 8"
+# The 2-rank real workloads give each rank a core of a 2-core machine; the 4-rank one shares them.
 WORKLOADS = {
-    "real TP2xPP2 GPT (h=256, 8 layers, s=64, m=8)": [
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-        "--microbatches",
-        "8",
-        "--layers",
-        "8",
-        "--hidden",
-        "256",
-        "--heads",
-        "8",
-        "--seq-len",
-        "64",
-        "--micro-batch-size",
-        "4",
-        "--vocab",
-        "512",
-    ],
-    "synthetic PP2 (fwd 20 ms, bwd 40 ms, m=4)": [
-        "--pp",
-        "2",
-        "--microbatches",
-        "4",
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--seq-len",
-        "16",
-        "--synthetic-compute",
-        "fwd_ms=20,bwd_ms=40",
-    ],
+    "real TP2xPP2 GPT (h=256, 8 layers, s=64, m=8)": f"--tp 2 --pp 2 {GPT}".split(),
+    "real PP2 GPT (h=256, 8 layers, s=64, m=8)": f"--pp 2 {GPT}".split(),
+    "real TP2 GPT (h=256, 8 layers, s=64, m=8)": f"--tp 2 {GPT}".split(),
+    "synthetic PP2 (fwd 20 ms, bwd 40 ms, m=4)": (
+        "--pp 2 --microbatches 4 --layers 2 --hidden 32 --seq-len 16 --synthetic-compute fwd_ms=20,bwd_ms=40"
+    ).split(),
 }
 
 
