@@ -677,11 +677,8 @@ class GuardrailEngine:
         otherwise it would stay firing, acted on, and silent while it still fails."""
         if decision_id is None:
             return []
-        made = next(
-            (r for r in reversed(self._recent) if r.get("type") == RecordType.DECISION and r.get("id") == decision_id),
-            None,
-        )
-        monitor = self._monitors.get(made.get("rule")) if made is not None and made.get("rule") else None
+        made = self._decision("id", decision_id)
+        monitor = self._monitors.get(made.get("rule") or "") if made is not None else None
         if monitor is None or monitor.state != RuleState.FIRING or monitor.reason == NO_DATA:
             return []
         monitor.state = "pending"
@@ -689,16 +686,15 @@ class GuardrailEngine:
         self._rearmed[monitor.rule.name] = decision_id
         return [monitor.rule.name]
 
+    def _decision(self, key: str, value: int) -> dict | None:
+        """The newest recent decision whose `key` is `value`."""
+        return next(
+            (r for r in reversed(self._recent) if r.get("type") == RecordType.DECISION and r.get(key) == value), None
+        )
+
     def _action_of(self, did: int) -> str | None:
         """The action of a directive no longer outstanding, from the decision that made it (None: unknown)."""
-        made = next(
-            (
-                r
-                for r in reversed(self._recent)
-                if r.get("type") == RecordType.DECISION and r.get("directive_id") == did
-            ),
-            None,
-        )
+        made = self._decision("directive_id", did)
         return str(made["action"]) if made is not None else None
 
     def cancel(self, directive_id: int, requested_by: str = "") -> dict:
@@ -817,10 +813,6 @@ class GuardrailEngine:
             self._metrics = {r.metric for r in rules.rules}
             self._baselines_saved = -math.inf
             self._save(full=True)
-
-    @property
-    def rules(self) -> RuleSet:
-        return self._rules
 
     @property
     def paused(self) -> bool:

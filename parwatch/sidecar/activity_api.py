@@ -40,6 +40,7 @@ from parwatch.records import ActivityPost, BadRecord, NodeDigest, decode, encode
 from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency
+from parwatch.sidecar.bodies import documented
 from parwatch.sidecar.digest import LeaderView, NodeBook, StepPace, in_layout, layout_of, same_layout
 from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
@@ -267,15 +268,11 @@ class ActivityHub:
         store.publish_liveness(store.run_id, up)
         self.sidecar._count(self.sidecar.engine.observe_now("rank_up", series))
 
-    def liveness(self) -> dict[int, bool]:
+    def _liveness(self) -> tuple[dict[int, bool], dict[str, float]]:
         """rank -> up, for this run's ranks this sidecar knows: the leader every rank of every digest, a node
         its own. Activity first: running (computing, waiting on a peer, paused) is up; a process that ended,
         a silent reporter, a node gone quiet is down; a rank without activity, or done, goes by its summaries
-        (within --rank-grace-seconds)."""
-        return self._liveness()[0]
-
-    def _liveness(self) -> tuple[dict[int, bool], dict[str, float]]:
-        """liveness(), and the same as the rank_up observation's series. At the leader the digests' part
+        (within --rank-grace-seconds). Also the same as the rank_up observation's series. At the leader the digests' part
         (every rank of the run) is kept as they arrive: here it is copied, not rebuilt rank by rank."""
         store = self.sidecar.store
         summaries = store.summary_liveness()  # this sidecar's own ranks: a handful
@@ -360,8 +357,9 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
     `hub.posts` maps the two posts to their handlers of the raw body (app.HotPosts serves them)."""
     previous = getattr(sidecar, "activity", None)
-    if previous is not None:  # a second app over the same sidecar (tests): one set of hang metrics
+    if previous is not None:  # a second app over the same sidecar (tests): one set of hang and link metrics
         sidecar.registry.unregister(previous.metrics)
+        sidecar.registry.unregister(previous.link_metrics)
     hub = ActivityHub(sidecar)
     sidecar.activity = hub
     hub.metrics = HangMetrics(lambda: hub.monitor if hub.is_leader else None)
@@ -369,8 +367,6 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     sidecar.rank_gauges["parwatch_rank_state"] = RankGauge(
         "parwatch_rank_state", lambda: hub.monitor.rank_states(hub.rows()) if hub.is_leader else None
     )
-    if previous is not None:
-        sidecar.registry.unregister(previous.link_metrics)
     hub.link_metrics = LeaderLinkMetrics(lambda: hub.link.status(hub.is_leader))
     sidecar.registry.register(hub.link_metrics)
 
@@ -392,14 +388,16 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     }
     handle_activity, handle_digest = hub.posts["/v1/activity"], hub.posts["/v1/digest"]
 
-    @router.post("/v1/activity", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=_body(ActivityPost))
+    @router.post(
+        "/v1/activity", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=documented(ActivityPost)
+    )
     async def activity(request: Request):
         """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
         client = (request.client.host, request.client.port) if request.client else None
         status, payload = await handle_activity(await request.body(), client=client)
         return JSONResponse(payload, status_code=status)
 
-    @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=_body(NodeDigest))
+    @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=documented(NodeDigest))
     async def digest(request: Request):
         """A node sidecar's digest of its ranks (parwatch.records.NodeDigest)."""
         status, payload = await handle_digest(await request.body(), client=None)
@@ -426,12 +424,6 @@ def _typed_post(record: type, root: str, handle: Callable[..., dict]) -> RawPost
             return 422, {"detail": str(err)}
 
     return run
-
-
-def _body(record: type) -> dict:
-    """openapi_extra: the request body is `record` (records.openapi_components(), in app.py's document)."""
-    schema = {"$ref": f"#/components/schemas/{record.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _next_ask(hub: ActivityHub) -> float:

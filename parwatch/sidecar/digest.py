@@ -103,13 +103,9 @@ def _refuse_row(a: Activity, layout: Layout, where: str) -> None:
     raise BadActivity(f"{where}: rank {a.rank} appears twice")
 
 
-class LayoutChanged(BadActivity):
-    """A report for a known run claims another layout than the one the run was first seen with."""
-
-
 def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
     if known is not None and known != layout:
-        raise LayoutChanged(
+        raise BadActivity(
             f"{where} [{layout.tp}, {layout.pp}, {layout.dp}] differs from this run's "
             f"[{known.tp}, {known.pp}, {known.dp}], fixed when it was first seen; a run's layout "
             "cannot change (a new layout is a new run id)"

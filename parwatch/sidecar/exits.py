@@ -40,10 +40,8 @@ class ProcessExits:
                 return
             try:
                 fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                return  # already gone: the pid check tells it, with no exact time to claim
-            except OSError:
-                return  # not permitted or not supported here: the pid check stands
+            except OSError:  # gone already, not permitted, or no pidfd here: the pid check stands
+                return
             self._fd_of[pid], self._pid_of[fd] = fd, pid
             self._epoll.register(fd, select.EPOLLIN)
         if self._thread is None:

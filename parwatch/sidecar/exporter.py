@@ -20,14 +20,13 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from parwatch import __version__, goodput
 from parwatch.catalog import GUARDRAIL_STATES, metric
-from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.schema import STEP_BUCKETS
 from parwatch.sidecar.store import RankRecord, Store
-from parwatch.sidecar.transfer import transfer_families
+from parwatch.sidecar.transfer import COLLECTIVE_LE, transfer_families
 from parwatch.step_records import BUBBLE_CAUSES
 from parwatch.vocabulary import MetricKind
 
 _STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]
-_COLLECTIVE_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
 
 GPU_GAUGES = ("utilization_ratio", "memory_used_bytes", "power_watts", "sm_clock_hertz", "temperature_celsius")
 """A step summary's gpu fields, each exported as parwatch_gpu_<field>."""
@@ -186,7 +185,7 @@ class SidecarCollector(Collector):
         )
         nbytes = _c("parwatch_collective_bytes", og)
         for (op, group), tot in sorted(list(self.store.collectives.items())):
-            hist.add_metric([op, group], [*zip(_COLLECTIVE_LE, tot.buckets), ("+Inf", tot.count)], tot.seconds)
+            hist.add_metric([op, group], [*zip(COLLECTIVE_LE, tot.buckets), ("+Inf", tot.count)], tot.seconds)
             nbytes.add_metric([op, group], tot.bytes)
         # Bus bandwidth comes from transfer time only (parwatch.sidecar.transfer), not these durations,
         # which include each rank's wait for the last arrival.

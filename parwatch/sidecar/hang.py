@@ -389,42 +389,15 @@ def _coverage_text(cov: dict | None) -> str:
     return text
 
 
-def culprit_record(a: Activity | None, rank: int) -> dict:
-    if a is None:
-        return {
-            "rank": rank,
-            "state": "unknown",
-            "stage": None,
-            "tp_rank": None,
-            "dp_rank": None,
-            "host": None,
-            "pid": None,
-            "kind": None,
-            "op": None,
-            "group": None,
-            "peer": None,
-            "seq": None,
-            "since": None,
-            "step": None,
-            "ended": None,
-        }
-    return {
-        "rank": a.rank,
-        "state": a.state,
-        "stage": a.stage,
-        "tp_rank": a.tp_rank,
-        "dp_rank": a.dp_rank,
-        "host": a.host,
-        "pid": a.pid,
-        "kind": a.kind,
-        "op": a.op,
-        "group": a.group,
-        "peer": a.peer,
-        "seq": a.seq,
-        "since": a.since,
-        "step": a.step,
-        "ended": a.ended,
-    }
+CULPRIT_FIELDS = (
+    "rank", "state", "stage", "tp_rank", "dp_rank", "host", "pid", "kind", "op", "group", "peer", "seq", "since",
+    "step", "ended",
+)  # fmt: skip
+
+
+def culprit_record(a: Activity) -> dict:
+    """The named rank's row as the finding's evidence shows it."""
+    return {name: getattr(a, name) for name in CULPRIT_FIELDS}
 
 
 def _describe(c: dict) -> str:
@@ -584,7 +557,7 @@ class HangMonitor:
                     first = named
                     gone.remove(named)
                     gone.insert(0, named)
-            culprit = culprit_record(first, first.rank)
+            culprit = culprit_record(first)
             if first.state == RankState.CRASHED:
                 culprit["error"] = first.error
             others = [a.rank for a in gone[1:]]
@@ -624,8 +597,7 @@ class HangMonitor:
                 a = rows.get(rank)
                 if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
                     waiting = found["waiting"]
-                    seen = a is not None and a.state != RankState.UNKNOWN
-                    named_culprit = culprit_record(a, rank) if seen else None
+                    named_culprit = culprit_record(a) if a is not None and a.state != RankState.UNKNOWN else None
                     if named_culprit is not None:
                         what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(
                             found["missing"]
@@ -638,7 +610,7 @@ class HangMonitor:
                     )
                     evidence = {
                         "culprit": named_culprit,
-                        "points_at": None if seen else {"rank": rank, "seen": False},
+                        "points_at": None if named_culprit else {"rank": rank, "seen": False},
                         "waiting": waiting[:MAX_WAITING_LISTED],
                         "waiting_count": len(waiting),
                         "missing": found["missing"],

@@ -114,7 +114,7 @@ class Guarded:
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        self.peer = _peer(transport)
+        self.peer = _key(transport.get_extra_info("peername"))
         if not self.book.admit(self):
             transport.write(BUSY)
             transport.close()
@@ -215,10 +215,6 @@ def _has_body(scope) -> bool:
         if name == b"transfer-encoding" or name == b"content-length" and value.strip() not in (b"0", b""):
             return True
     return False
-
-
-def _peer(transport: asyncio.BaseTransport) -> Peer | None:
-    return _key(transport.get_extra_info("peername"))
 
 
 def _key(address: object) -> Peer | None:

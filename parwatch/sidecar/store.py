@@ -1,5 +1,5 @@
-"""What the sidecar knows about its ranks: the latest summary and a short window per rank,
-counters accumulated over the run, and whether each rank is still reporting.
+"""What the sidecar knows about its ranks: the latest summary per rank, counters accumulated over
+the run, and whether each rank is still reporting.
 
 The store starts empty on every sidecar start (counters then restart from zero, which
 Prometheus' rate() handles); what must survive restarts lives in the guardrail engine.
@@ -50,15 +50,6 @@ log = logging.getLogger(__name__)
 
 STEP_TIMES_KEPT = goodput.RECENT_STEPS + goodput.BASELINE_STEPS
 """Enough step times for ml-goodput-measurement's deviation gauge (its last 100 against the 1,000 before)."""
-
-
-class WindowEntry(NamedTuple):
-    step: int
-    time: float
-    step_seconds: float
-    compute_seconds: float
-    idle_seconds: float
-    bubble_ratio: float
 
 
 class CollectiveTotals(NamedTuple):
@@ -127,7 +118,6 @@ class RankRecord:
     """The newest summary by (timeline, step) from this rank."""
     seen: float
     """Sidecar clock when this rank last posted."""
-    window: deque
     totals: RankTotals = RankTotals()
     tokens_from: tuple[int, int] = (0, 0)
     """Count this rank's tokens from this (timeline, step) on (a lower rank taking over mid-run)."""
@@ -160,13 +150,11 @@ class Store:
     def __init__(
         self,
         grace_seconds: float = 30.0,
-        window: int = 32,
         clock: Callable[[], float] = time.time,
         max_ranks: int = DEFAULT_MAX_RANKS,
         max_runs: int = DEFAULT_MAX_RUNS,
     ):
         self.grace_seconds = grace_seconds
-        self.window = window
         self.clock = clock
         self.max_ranks = max_ranks
         self.max_runs = max_runs
@@ -303,7 +291,6 @@ class Store:
             rec = self.ranks[s.rank] = RankRecord(
                 summary=_kept(s),
                 seen=now,
-                window=deque(maxlen=self.window),
                 counted=Counted(),
                 started=s.process_start_time,
             )
@@ -326,9 +313,6 @@ class Store:
         rec.seen = now
         self._steps.note(s.run_id, s.step)
         self._timelines.note(s.run_id, s.timeline)
-        # A plain tuple of numbers, not a WindowEntry: the garbage collector stops tracking those,
-        # so 32 entries x 1024 ranks add nothing to a full collection's pause (recent() names them).
-        rec.window.append((s.step, s.time, s.step_seconds, s.compute_seconds, s.idle_seconds, s.bubble_ratio))
         self._accumulate(rec, s)
         return True
 
@@ -438,10 +422,6 @@ class Store:
         """The lowest rank's latest summary: the source of run metadata."""
         rec = self.ranks.get(self._token_rank) if self._token_rank is not None else None
         return rec.summary if rec else None
-
-    def recent(self, rank: int) -> list[WindowEntry]:
-        rec = self.ranks.get(rank)
-        return [WindowEntry._make(e) for e in rec.window] if rec else []
 
 
 def _admit_instances(s: StepSummary, where: str) -> None:

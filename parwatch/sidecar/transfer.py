@@ -73,7 +73,7 @@ MIN_WINDOW_STEPS = 5
 steps is one step's noise)."""
 BUSBW_INSTANCES = 256
 """Newest matched instances per (op, group) that busbw is computed over."""
-_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
+COLLECTIVE_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
 
 
 class Member(NamedTuple):
@@ -574,7 +574,7 @@ def transfer_families(tracker: TransferTracker):
         straggler.add_metric([str(rank)], seconds)
     causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
-        hist.add_metric([op, group], [*zip(_LE, buckets), ("+Inf", count)], seconds)
+        hist.add_metric([op, group], [*zip(COLLECTIVE_LE, buckets), ("+Inf", count)], seconds)
     for (op, group), value in view.busbw:
         busbw.add_metric([op, group], value)
     for (op, group), seconds in view.waits:
