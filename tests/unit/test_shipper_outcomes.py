@@ -62,8 +62,9 @@ def test_an_outcome_that_fails_to_post_is_retried_until_accepted_even_with_no_su
     shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
     try:
         shipper.put_outcome(RECORD)  # a paused run: no summaries flow to carry it
-        _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies))
-        assert shipper.undelivered_outcomes() == 0 and shipper.dropped == 0
+        # The poster keeps the body before the shipper reads the reply: wait for both.
+        _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies) and not shipper.undelivered_outcomes())
+        assert shipper.dropped == 0
         shipper.put_summary(_summary(4))  # summaries flow after it, without the record
         _wait(lambda: any(s["step"] == 4 for b in poster.bodies for s in b["summaries"]))
         assert sum("outcomes" in b for b in poster.bodies) == 1
@@ -99,7 +100,7 @@ def test_outcomes_a_sidecar_refuses_for_the_token_are_kept_and_sent_once_it_take
     shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=0.2, poll_interval_s=60).start()
     try:
         shipper.put_outcome(RECORD)
-        _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies))
-        assert shipper.undelivered_outcomes() == 0 and poster.failures == 0
+        _wait(lambda: any(b.get("outcomes") == [OUTCOME] for b in poster.bodies) and not shipper.undelivered_outcomes())
+        assert poster.failures == 0
     finally:
         shipper.close()
