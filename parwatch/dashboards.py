@@ -20,7 +20,6 @@ from pathlib import Path
 import yaml
 
 from parwatch import recording as rec
-from parwatch.catalog import METRICS  # noqa: F401  (re-exported: the catalogue the panels cover)
 
 DASHBOARD_UID = "parwatch"
 DEFAULT_FOLDER_UID = "parwatch"

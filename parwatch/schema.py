@@ -49,8 +49,6 @@ COLLECTIVE_BUCKETS = (
 # Step duration histogram bounds (seconds).
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS  # noqa: E402,F401  (one definition, re-exported)
-
 
 def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' bus bandwidth factor for an op over n ranks."""

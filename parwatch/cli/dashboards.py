@@ -49,12 +49,7 @@ def export(output, price_per_gpu_hour, rate_window):
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--rate-window") from err
     text = dash.dashboard_json(board)
-    if output == "-":
-        sys.stdout.write(text)
-        return
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(text)
-    click.echo(f"wrote {output}", err=True)
+    _write(output, text)
 
 
 @dashboards.command(
@@ -79,6 +74,11 @@ def recording_rules(output, rate_window):
         text = recording.render_recording_rules_yaml(rate_window)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--rate-window") from err
+    _write(output, text)
+
+
+def _write(output: str, text: str) -> None:
+    """`text` to stdout ('-') or to the file `output`, its directory made."""
     if output == "-":
         sys.stdout.write(text)
         return

@@ -12,7 +12,7 @@ from parwatch.guardrails.alerts import (
     DEFAULT_STEP_SECONDS,
     render_alert_rules_yaml,
 )
-from parwatch.guardrails.rules import RulesError, default_rules, load_rules
+from parwatch.guardrails.rules import RulesError, RuleSet, default_rules, load_rules
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,12 +39,7 @@ Example:
 @click.argument("file", type=click.Path(dir_okay=False))
 def check(file):
     """Validate a rules FILE: print every problem with its line, exit 1 if there is any."""
-    try:
-        ruleset = load_rules(file)
-    except RulesError as e:
-        for problem in e.problems:
-            click.echo(str(problem), err=True)
-        sys.exit(1)
+    ruleset = _load(file)
     click.echo(f"ok: {len(ruleset.rules)} rules (enforce={str(ruleset.enforce).lower()})")
 
 
@@ -77,12 +72,7 @@ Example:
 )
 def render_alerts(file, out, step_seconds, rate_window, runbook_base):
     """Render Prometheus alert rules from a rules FILE (default: the packaged default rules)."""
-    try:
-        ruleset = load_rules(file) if file else default_rules()
-    except RulesError as e:
-        for problem in e.problems:
-            click.echo(str(problem), err=True)
-        sys.exit(1)
+    ruleset = _load(file) if file else default_rules()
     text = render_alert_rules_yaml(ruleset, runbook_base, step_seconds, rate_window)
     if out:
         with open(out, "w", encoding="utf-8") as f:
@@ -90,3 +80,13 @@ def render_alerts(file, out, step_seconds, rate_window, runbook_base):
         click.echo(f"wrote {len(ruleset.rules)} rules' alerts to {out}", err=True)
     else:
         click.echo(text, nl=False)
+
+
+def _load(file: str) -> RuleSet:
+    """The rules FILE, or exit 1 after printing every problem with its line."""
+    try:
+        return load_rules(file)
+    except RulesError as e:
+        for problem in e.problems:
+            click.echo(str(problem), err=True)
+        sys.exit(1)

@@ -34,9 +34,6 @@ BOUNDARY, COLLECTIVE, DATA = SpanKind.BOUNDARY, SpanKind.COLLECTIVE, SpanKind.DA
 RECORDED_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
 BOUNDARY_GROUPS = frozenset({"world"})
 """Collective groups that are the trainer's step boundary, never a transfer measurement."""
-RECORD_FIELDS = ("op", "group", "seq", "peer", "start_us", "dur_us", "bytes")
-"""One record, as a list in this order: peer is -1 for collectives; start_us is the arrival on
-this host's monotonic clock (microseconds), dur_us the span's duration (microseconds)."""
 
 
 @dataclass(frozen=True)

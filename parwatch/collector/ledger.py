@@ -141,11 +141,11 @@ class Ledger:
         grows, so `productive` is gross here, rollbacks' discarded part included, and `wasted` counts
         that part again. The categories other than wasted sum to the wall time; net productive is
         productive - wasted."""
-        out = {category.value: max(0.0, value) for category, value in self.seconds.items()}
-        out[TimeCategory.PRODUCTIVE.value] = (
-            max(0.0, self.seconds[TimeCategory.PRODUCTIVE]) + out[TimeCategory.WASTED.value]
-        )
-        return out
+        return ledger_view.as_counters(self._net())
+
+    def _net(self) -> dict[str, float]:
+        """Seconds per category, net (productive less what rollbacks discarded)."""
+        return {category.value: max(0.0, value) for category, value in self.seconds.items()}
 
     def total(self) -> float:
         return sum(self.seconds.values())
@@ -157,7 +157,7 @@ class Ledger:
         view = ledger_view.totals([self.snapshot()]) or {"goodput_ratio": None, "ettr": None}
         return {
             "wall_seconds": wall,
-            "time_seconds": {category.value: max(0.0, value) for category, value in self.seconds.items()},
+            "time_seconds": self._net(),
             "goodput_ratio": view["goodput_ratio"],
             "ettr": view["ettr"],
             "wasted_untracked_steps": self.untracked_steps,

@@ -159,27 +159,19 @@ class NvmlSampler:
                 if self._last is None:
                     return None
                 self._fold(self._last)
-            gpu: dict[str, float | None] = {"index": self.index}
-            for key, (total, n) in self._sums.items():
-                gpu[key] = total / n if n else None
-            gpu["memory_used_bytes"] = self._max["memory_used_bytes"]
-            gpu["memory_total_bytes"] = self._total
-            gpu["temperature_celsius"] = self._max["temperature_celsius"]
-            gpu["throttle_reasons"] = self._throttle
+            mean = {key: total / n if n else None for key, (total, n) in self._sums.items()}
+            gpu = {
+                "index": self.index,
+                "utilization_ratio": mean["utilization_ratio"],
+                "memory_used_bytes": self._max["memory_used_bytes"],
+                "memory_total_bytes": self._total,
+                "power_watts": mean["power_watts"],
+                "sm_clock_hertz": mean["sm_clock_hertz"],
+                "temperature_celsius": self._max["temperature_celsius"],
+                "throttle_reasons": self._throttle,
+            }
             self._reset()
-        return {
-            key: gpu[key]
-            for key in (
-                "index",
-                "utilization_ratio",
-                "memory_used_bytes",
-                "memory_total_bytes",
-                "power_watts",
-                "sm_clock_hertz",
-                "temperature_celsius",
-                "throttle_reasons",
-            )
-        }
+        return gpu
 
     def close(self, timeout: float = 1.0) -> None:
         self._stop.set()

@@ -121,8 +121,6 @@ class Shipper:
         """Of `dropped`: summaries the sidecar refused for the token (HTTP 401/403)."""
         self.sent = 0
         """Summaries the sidecar accepted."""
-        self.posts = 0
-        """Successful POSTs, polls included."""
         self.unreachable_since: float | None = None
         """Wall-clock time of the first failed post of the current run of failures; None while posts succeed."""
 
@@ -329,7 +327,6 @@ class Shipper:
         self.unreachable_since = None
         self._last_post = self._time()
         self.sent += len(summaries)
-        self.posts += 1
         self._forget_outcomes(len(outcomes))
         directive = reply.get("directive") if isinstance(reply, dict) else None
         if self._on_directive is not None:

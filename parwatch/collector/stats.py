@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 
 from parwatch.bubble import stage_bubble
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
@@ -71,10 +72,7 @@ class OpStats:
         self.bucket_hits[bisect_left(COLLECTIVE_BUCKETS, seconds)] += 1
 
     def to_dict(self) -> dict:
-        cumulative, running = [], 0
-        for hits in self.bucket_hits:
-            running += hits
-            cumulative.append(running)
+        cumulative = list(accumulate(self.bucket_hits))
         algbw = self.bytes / self.seconds if self.seconds > 0 else 0.0
         return {
             "op": self.op,

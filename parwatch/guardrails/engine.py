@@ -39,13 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS
 from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
 from parwatch.records import Cancelled, Decision, Outcome, log_record
-from parwatch.schema import DIRECTIVE_ACTIONS, MAX_CHECKPOINTS, decode_float
+from parwatch.schema import MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState, jsonable
 
 log = logging.getLogger(__name__)

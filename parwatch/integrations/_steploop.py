@@ -19,6 +19,10 @@ from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, 
 log = logging.getLogger("parwatch.integrations")
 
 
+class IntegrationError(RuntimeError):
+    """The run cannot be watched as given; the message says what to change."""
+
+
 class StepLoop:
     """Boundaries and directives for one rank.
 
@@ -104,6 +108,16 @@ class StepLoop:
         self.boundary.close()
 
     # ------------------------------------------------------------------ directives
+    def detach(self) -> None:
+        """Remove the framework's instrumentation (each integration's own)."""
+        raise NotImplementedError
+
+    def close(self, summary: dict | None = None) -> None:
+        """run_end (observers may add their run totals to `summary`), then detach, and release the
+        boundary's all-reduce (see TorchAllReduce.close): call it before destroy_process_group."""
+        self.end(summary)
+        self.detach()
+
     def _apply(self, directive) -> None:
         if directive.action == Action.PAUSE:
             self._report(directive, Outcome.APPLIED)

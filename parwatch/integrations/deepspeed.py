@@ -61,7 +61,7 @@ from typing import Any
 from parwatch.contract import SpanKind, StepBoundary, TorchAllReduce, registry
 from parwatch.integrations._deepspeed_order import dualpipev_schedule_order, train_schedule_order, vstage
 from parwatch.integrations._stage_spans import Patches
-from parwatch.integrations._steploop import StepLoop
+from parwatch.integrations._steploop import IntegrationError, StepLoop
 from parwatch.vocabulary import CollectiveOp, ScheduleName
 
 SCHEDULE = ScheduleName.ONE_F_ONE_B
@@ -71,43 +71,21 @@ DUALPIPEV = ScheduleName.DUALPIPEV
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
-class IntegrationError(RuntimeError):
-    """The engine cannot be watched as given; the message says what to change."""
-
-
-def watch(
-    engine,
-    *,
-    run_id: str,
-    load_checkpoint: Callable[[int | None], int] | None = None,
-    checkpoint_dir: str | None = None,
-    pause_poll_s: float = 0.2,
-) -> DeepSpeedWatch:
+class DeepSpeedWatch(StepLoop):
     """Instrument a DeepSpeed PipelineEngine on this rank; see the module docstring.
 
     run_id: the same non-empty string on every rank. load_checkpoint: `f(step or None) -> loaded
     step` for rollbacks; or checkpoint_dir: where `engine.save_checkpoint` writes (the engine
     loads from it). With neither, rollbacks are reported failed (no_checkpoint)."""
-    return DeepSpeedWatch(
-        engine,
-        run_id=run_id,
-        load_checkpoint=load_checkpoint,
-        checkpoint_dir=checkpoint_dir,
-        pause_poll_s=pause_poll_s,
-    )
-
-
-class DeepSpeedWatch(StepLoop):
-    """One engine, instrumented, and its step boundary. Build it with `watch()`."""
 
     def __init__(
         self,
         engine,
         *,
         run_id: str,
-        load_checkpoint: Callable[[int | None], int] | None,
-        checkpoint_dir: str | None,
-        pause_poll_s: float,
+        load_checkpoint: Callable[[int | None], int] | None = None,
+        checkpoint_dir: str | None = None,
+        pause_poll_s: float = 0.2,
     ) -> None:
         import torch.distributed as dist
 
@@ -451,11 +429,6 @@ class DeepSpeedWatch(StepLoop):
             loss = float(self.engine.agg_train_loss)
         return self.boundary_step(loss)
 
-    def close(self, summary: dict | None = None) -> None:
-        """run_end, detach, and release the boundary's all-reduce: before destroy_process_group."""
-        self.end(summary)
-        self.detach()
-
     def _load_from_dir(self, step: int | None) -> int:
         """The newest `global_step<N>` checkpoint at or before `step` (None: the newest), loaded by
         the engine; its step."""
@@ -473,6 +446,8 @@ class DeepSpeedWatch(StepLoop):
             raise FileNotFoundError(f"deepspeed could not load global_step{target} from {self.checkpoint_dir}")
         return int(self.engine.global_steps)
 
+
+watch = DeepSpeedWatch
 
 _PAYLOAD = {  # where each transfer's tensors are once it is done (deepspeed.runtime.pipe.engine)
     "SendActivation": lambda engine, buffer: engine.pipe_buffers["outputs"][buffer],

@@ -42,14 +42,10 @@ from parwatch.contract import SpanKind, StepBoundary, TorchAllReduce, registry
 from parwatch.integrations._megatron_hooks import Hooks, mean_loss
 from parwatch.integrations._megatron_order import megatron_order
 from parwatch.integrations._stage_spans import Patches
-from parwatch.integrations._steploop import StepLoop
+from parwatch.integrations._steploop import IntegrationError, StepLoop
 from parwatch.vocabulary import ScheduleName, coords
 
 __all__ = ["IntegrationError", "MegatronWatch", "action_order", "watch"]
-
-
-class IntegrationError(RuntimeError):
-    """The run cannot be watched as given; the message says what to change."""
 
 
 def action_order(pp: int, microbatches: int, chunks: int = 1, group_size: int | None = None) -> dict:
@@ -59,19 +55,9 @@ def action_order(pp: int, microbatches: int, chunks: int = 1, group_size: int | 
     return megatron_order(pp, microbatches, chunks, group_size)
 
 
-def watch(
-    model_chunks,
-    config,
-    *,
-    run_id: str,
-    microbatches: int,
-    load_checkpoint: Callable[[int | None], int] | None = None,
-    p2p: bool = True,
-    pause_poll_s: float = 0.2,
-    boundary_group=None,
-    device=None,
-) -> MegatronWatch:
-    """Instrument this rank's Megatron model chunks and return the step loop's handle.
+class MegatronWatch(StepLoop):
+    """Instrument this rank's Megatron model chunks and return the step loop's handle: spans on
+    Megatron's schedule, boundaries and directives.
 
     model_chunks: the module, or list of modules (one per virtual pipeline stage), handed to
         Megatron's forward_backward function; parallel_state must be initialised.
@@ -83,21 +69,6 @@ def watch(
     p2p: time send/recv (wraps Megatron's p2p_communication functions).
     boundary_group / device: where the boundary all-reduce runs (default: the world group, on the
         device of the first chunk's parameters)."""
-    return MegatronWatch(
-        model_chunks,
-        config,
-        run_id=run_id,
-        microbatches=microbatches,
-        load_checkpoint=load_checkpoint,
-        p2p=p2p,
-        pause_poll_s=pause_poll_s,
-        boundary_group=boundary_group,
-        device=device,
-    )
-
-
-class MegatronWatch(StepLoop):
-    """The handle `watch()` returns: spans on Megatron's schedule, boundaries and directives."""
 
     def __init__(
         self,
@@ -271,10 +242,8 @@ class MegatronWatch(StepLoop):
         self._hooks.losses.clear()
         return self.boundary_step(loss)
 
-    def close(self, summary: dict | None = None) -> None:
-        """run_end, then detach, and release the boundary's all-reduce: before destroy_process_group."""
-        self.end(summary)
-        self.detach()
+
+watch = MegatronWatch
 
 
 def _timed_finalize(finalize, stage: int):

@@ -43,7 +43,7 @@ from parwatch.integrations._stage_spans import (
     instrument_loss,
     instrument_stage,
 )
-from parwatch.integrations._steploop import StepLoop
+from parwatch.integrations._steploop import IntegrationError, StepLoop
 from parwatch.vocabulary import SCHEDULES, GroupRole
 
 SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
@@ -53,10 +53,6 @@ RUNTIME_CLASS = "_PipelineScheduleRuntime"
 CUSTOM = "custom"
 """The name of a schedule torch's runtime runs from actions it was given (`_load_csv`, as torchtitan's
 pipeline_parallel_schedule_csv does): no closed form; its theory is the replay of those actions."""
-
-
-class IntegrationError(RuntimeError):
-    """The schedule cannot be watched as given; the message says what to change."""
 
 
 def schedule_name(schedule) -> str:
@@ -315,12 +311,6 @@ class PipelineWatch(StepLoop):
             loss = _mean_loss(self._losses)
         self._losses.clear()
         return self.boundary_step(loss)
-
-    def close(self, summary: dict | None = None) -> None:
-        """run_end (observers may add their run totals to `summary`), then detach, and release the
-        boundary's all-reduce (see TorchAllReduce.close): call it before destroy_process_group."""
-        self.end(summary)
-        self.detach()
 
 
 def _mean_loss(losses: list) -> float:

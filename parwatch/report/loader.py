@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parwatch import ledger_view, records, step_records
+from parwatch.records import BadRecord
 from parwatch.schema import decode_float
 from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
 
@@ -27,10 +28,6 @@ _KEEP_REASONS = 5
 
 class RunDirNotFound(FileNotFoundError):
     """The run directory does not exist or is not a directory."""
-
-
-class BadRecord(ValueError):
-    """One line that cannot be used; the message says why."""
 
 
 @dataclass
@@ -127,10 +124,7 @@ def _int(rec: dict, key: str) -> int:
 def _summary(rec: dict) -> dict:
     """A summaries.jsonl line checked as the sidecar checks a posted one (StepSummary), kept as a dict
     with its loss decoded (float('nan') for "nan")."""
-    try:
-        summary = records.parse(rec, step_records.StepSummary, dotted=True)
-    except records.BadRecord as err:
-        raise BadRecord(str(err)) from None
+    summary = records.parse(rec, step_records.StepSummary, dotted=True)
     return {**rec, "loss": summary.loss}
 
 
@@ -152,10 +146,7 @@ def _span(rec: dict) -> dict:
 
 
 def _decision(rec: dict) -> dict:
-    try:
-        records.check_log_record(rec)
-    except records.BadRecord as err:
-        raise BadRecord(str(err)) from None
+    records.check_log_record(rec)
     return {**rec, "type": rec.get("type", RecordType.DECISION)}
 
 
@@ -174,7 +165,7 @@ def read_jsonl(path: Path, parse, issues: FileIssues) -> list:
                 if not isinstance(rec, dict):
                     raise BadRecord(f"expected a JSON object, got {type(rec).__name__}")
                 out.append(parse(rec))
-            except (ValueError, BadRecord) as e:  # json.JSONDecodeError is a ValueError
+            except ValueError as e:  # json.JSONDecodeError and BadRecord are ValueErrors
                 issues.skipped += 1
                 if len(issues.reasons) < _KEEP_REASONS:
                     issues.reasons.append(f"line {n}: {str(e).splitlines()[0][:160]}")

@@ -38,16 +38,8 @@ _SPECS: dict[str, dict[str, type[int | float | str]]] = {
     "slow-data": {"rank": int, "ms": float},
     "hang": {"rank": int, "step": int, "where": str},
 }
-_REQUIRED = {
-    "straggler": {"ms"},
-    "nan": {"step"},
-    "slow-collective": {"group", "ms"},
-    "crash": {"rank", "step"},
-    "raise": {"rank", "step"},
-    "slow-link": {"src", "dst", "ms"},
-    "slow-data": {"rank", "ms"},
-    "hang": {"rank", "step"},
-}
+_OPTIONAL = {"straggler": {"stage", "from_step", "rank"}, "hang": {"where"}}
+"""Every other key of a fault's spec is required."""
 _EXAMPLE = (
     "straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
     " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective"
@@ -82,7 +74,7 @@ def parse_fault(spec: str) -> Fault:
             params[key] = _SPECS[kind][key](value)
         except ValueError:
             raise ConfigError(f"--inject {spec!r}: {key}={value!r} is not a {_SPECS[kind][key].__name__}") from None
-    missing = _REQUIRED[kind] - params.keys()
+    missing = _SPECS[kind].keys() - _OPTIONAL.get(kind, set()) - params.keys()
     if missing:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}; e.g. {_EXAMPLE}")
     if kind == "straggler" and "stage" not in params and "rank" not in params:
