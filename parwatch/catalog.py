@@ -312,6 +312,12 @@ def metric(name: str) -> Metric:
     return found
 
 
+def family(cls, name: str):
+    """An empty prometheus_client family of type `cls`, named, documented and labelled as the catalogue says."""
+    m = metric(name)
+    return cls(m.family, m.help, labels=list(m.labels))
+
+
 def per_rank_series(gpu: bool = True) -> int:
     """Series one rank adds: one label set of every metric labelled by rank (GPU ones only with a GPU)."""
     return sum(

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from parwatch.guardrails.attribution import median_at
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule
 from parwatch.vocabulary import CheckKind, Comparison, Reduce, RuleState
 
@@ -279,9 +280,7 @@ class RollingWindow:
 
     def median(self) -> float:
         """As statistics.median: the middle value, or the mean of the two middle ones."""
-        ordered, n = self.ordered, len(self.ordered)
-        mid = n // 2
-        return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        return median_at(len(self.ordered), self.ordered.__getitem__)
 
     def to_list(self) -> list[float]:
         return list(self.arrived)

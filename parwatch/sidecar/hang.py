@@ -35,7 +35,7 @@ from operator import attrgetter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from parwatch.catalog import RANK_STATES, metric
+from parwatch.catalog import RANK_STATES, family
 from parwatch.records import Activity
 from parwatch.vocabulary import GroupRole, RankState, SpanKind
 from parwatch.vocabulary import rank_of as vocabulary_rank_of
@@ -674,6 +674,6 @@ class HangMetrics(Collector):
         monitor = self._monitor_fn()
         if monitor is None:
             return
-        detected = GaugeMetricFamily("parwatch_hang_detected", metric("parwatch_hang_detected").help)
+        detected = family(GaugeMetricFamily, "parwatch_hang_detected")
         detected.add_metric([], 1.0 if monitor.hang_detected else 0.0)
         yield detected

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from parwatch.catalog import metric
+from parwatch.catalog import family
 
 log = logging.getLogger("parwatch.sidecar")
 
@@ -99,7 +99,6 @@ class LeaderLinkMetrics(Collector):
         st = self._status_fn()
         if st is None:
             return
-        spec = metric("parwatch_leader_unreachable_since_timestamp_seconds")
-        gauge = GaugeMetricFamily(spec.name, spec.help)
+        gauge = family(GaugeMetricFamily, "parwatch_leader_unreachable_since_timestamp_seconds")
         gauge.add_metric([], float(st["unreachable_since"] or 0.0))
         yield gauge

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from parwatch.catalog import metric
+from parwatch.catalog import family
 
 log = logging.getLogger("parwatch.sidecar")
 
@@ -72,8 +72,7 @@ class Refusals(Collector):
     def collect(self):
         if not self.counts:
             return
-        spec = metric("parwatch_posts_refused_total")
-        family = CounterMetricFamily(spec.family, spec.help, labels=list(spec.labels))
+        refused = family(CounterMetricFamily, "parwatch_posts_refused_total")
         for (post, reason), n in sorted(self.counts.items()):
-            family.add_metric([post, reason], float(n))
-        yield family
+            refused.add_metric([post, reason], float(n))
+        yield refused

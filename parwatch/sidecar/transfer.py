@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from parwatch.catalog import metric
+from parwatch.catalog import family
 from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, median_at
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.vocabulary import CollectiveOp, GroupRole
@@ -553,26 +553,20 @@ def _median(values) -> float:
     return median_at(len(ordered), ordered.__getitem__)
 
 
-def _family(cls, name: str):
-    """An empty family named, documented and labelled as the catalogue says."""
-    m = metric(name)
-    return cls(m.family, m.help, labels=list(m.labels))
-
-
 def transfer_families(tracker: TransferTracker):
     """The /metrics families of the wait/transfer split (the sidecar's exporter yields these).
 
     Reads only `tracker.view`, an immutable value built whole between ingests, so a scrape
     interleaved with ingests never sees half an update (as store.py)."""
     view = tracker.view
-    hist = _family(HistogramMetricFamily, "parwatch_collective_transfer_seconds")
-    wait = _family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
-    busbw = _family(GaugeMetricFamily, "parwatch_collective_busbw_bytes_per_second")
-    unmatched = _family(CounterMetricFamily, "parwatch_collective_unmatched_total")
-    straggler = _family(CounterMetricFamily, "parwatch_rank_straggler_seconds_total")
+    hist = family(HistogramMetricFamily, "parwatch_collective_transfer_seconds")
+    wait = family(CounterMetricFamily, "parwatch_collective_wait_seconds_total")
+    busbw = family(GaugeMetricFamily, "parwatch_collective_busbw_bytes_per_second")
+    unmatched = family(CounterMetricFamily, "parwatch_collective_unmatched_total")
+    straggler = family(CounterMetricFamily, "parwatch_rank_straggler_seconds_total")
     for rank, seconds in view.straggler:
         straggler.add_metric([str(rank)], seconds)
-    causes = _family(GaugeMetricFamily, "parwatch_straggler_ratio")
+    causes = family(GaugeMetricFamily, "parwatch_straggler_ratio")
     for (op, group), (buckets, count, seconds) in view.histograms:
         hist.add_metric([op, group], [*zip(COLLECTIVE_LE, buckets), ("+Inf", count)], seconds)
     for (op, group), value in view.busbw:
