@@ -1,9 +1,9 @@
 """What the collector costs: step time with it on over off, alternated step by step in one process.
 
-    python benchmarks/collector_overhead.py [--pairs 30] [--runs 1]
+    python benchmarks/collector_overhead.py [--pairs 30] [--runs 1] [--only NAME-PART]
 
-Two workloads on the bundled trainer: the real-compute TP2 x PP2 GPT (4 gloo ranks), and PP2 under
-synthetic compute (2 ranks). Every rank builds one Trainer and one Collector (writing
+Four workloads on the bundled trainer (WORKLOADS; `--only` picks by a part of the name): a real-compute
+GPT as TP2 x PP2 (4 gloo ranks), PP2 and TP2 (2 ranks each), and PP2 under synthetic compute (2 ranks). Every rank builds one Trainer and one Collector (writing
 summaries.jsonl, as `parwatch train --parwatch-log` does), then alternates step by step: one step
 with the collector attached (its spans, its share of the step boundary, rank 0's bubble-cause
 replay), one with it detached (the trainer as `--parwatch off` runs it: the boundary all-reduce

@@ -56,8 +56,8 @@ def action_order(pp: int, microbatches: int, chunks: int = 1, group_size: int | 
 
 
 class MegatronWatch(StepLoop):
-    """Instrument this rank's Megatron model chunks and return the step loop's handle: spans on
-    Megatron's schedule, boundaries and directives.
+    """The step loop's handle for this rank's Megatron model chunks, instrumented: spans on Megatron's
+    schedule, boundaries and directives.
 
     model_chunks: the module, or list of modules (one per virtual pipeline stage), handed to
         Megatron's forward_backward function; parallel_state must be initialised.

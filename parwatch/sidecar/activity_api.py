@@ -257,7 +257,7 @@ class ActivityHub:
             store.ended = True
 
     def _feed_liveness(self) -> None:
-        """rank_up for the rank-missing rule and parwatch_rank_up, now (see liveness())."""
+        """rank_up for the rank-missing rule and parwatch_rank_up, now (see _liveness())."""
         store = self.sidecar.store
         if not store.ranks:
             return
