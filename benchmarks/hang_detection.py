@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
+from parwatch.rank_layout import RankLayout  # noqa: E402
 from parwatch.records import NodeDigest, decode  # noqa: E402
-from parwatch.sidecar.hang import Activity, Layout, find_culprit  # noqa: E402
+from parwatch.sidecar.hang import Activity, find_culprit  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 from tests.integration.e2e_util import decision_records  # noqa: E402
 from tests.sidecar_process import running_sidecar  # noqa: E402
@@ -127,17 +128,19 @@ def real_runs(runs: int) -> dict:
 # ----------------------------------------------------------------------------- simulation
 
 
-def _layout(ranks: int) -> Layout:
+def _layout(ranks: int) -> RankLayout:
     tp = 8 if ranks % 8 == 0 else 1
     pp = 16 if ranks % (tp * 16) == 0 else 1
-    return Layout(tp, pp, ranks // (tp * pp))
+    return RankLayout(tp, pp, ranks // (tp * pp))
 
 
 STEP_MARK, TIME_MARK, END_MARK = 987654321, 1234567890.0625, 1234567890.1875
 STEP_TEXT, TIME_TEXT, END_TEXT = str(STEP_MARK).encode(), repr(TIME_MARK).encode(), repr(END_MARK).encode()
 
 
-def _row(rank: int, lay: Layout, step: int, kind: str, op=None, group=None, since=0.0, now=0.0, step_end=None) -> list:
+def _row(
+    rank: int, lay: RankLayout, step: int, kind: str, op=None, group=None, since=0.0, now=0.0, step_end=None
+) -> list:
     tp, pp = lay.tp, lay.pp
     return astuple(
         Activity(

@@ -32,13 +32,13 @@ from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from pydantic_core import from_json  # noqa: E402
 
 from parwatch import records  # noqa: E402
+from parwatch.rank_layout import RankLayout  # noqa: E402
 from parwatch.records import MAX_HOST, MAX_PID, MAX_SEQ, MAX_STEP, MAX_TEXT, MAX_WORLD, ROW_FIELDS, Activity  # noqa: E402
 from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME  # noqa: E402
 from parwatch.sidecar.digest import digest_rows, in_layout, layout_of  # noqa: E402
-from parwatch.sidecar.hang import Layout  # noqa: E402
 
 RANKS = 64
-LAYOUT = Layout(8, 16, 16)
+LAYOUT = RankLayout(8, 16, 16)
 
 
 def bodies(now: float = 1.7e9) -> tuple[bytes, bytes]:
@@ -82,12 +82,12 @@ def bodies(now: float = 1.7e9) -> tuple[bytes, bytes]:
 # -- msgspec: what the sidecar runs ----------------------------------------------------------------------
 def msgspec_digest(raw: bytes) -> list[Activity]:
     d = records.decode(raw, records.NodeDigest, "digest")
-    return digest_rows(d.rows, layout_of(d.layout, "digest.layout"))
+    return digest_rows(d.rows, layout_of(d.layout, d.order, "digest.layout"))
 
 
 def msgspec_activity(raw: bytes) -> Activity:
     a = records.decode(raw, records.ActivityPost, "").activity
-    return in_layout(a.row(), layout_of((a.tp, a.pp, a.dp), "activity [tp, pp, dp]"), "activity")
+    return in_layout(a.row(), layout_of((a.tp, a.pp, a.dp), a.order, "activity [tp, pp, dp]"), "activity")
 
 
 # -- pydantic: the same fields and bounds --------------------------------------------------------------
@@ -168,14 +168,14 @@ class PPost(BaseModel):
 
 def pydantic_digest(raw: bytes) -> list[Activity]:
     d = PDigest.model_validate_json(raw)
-    return digest_rows([Activity(*r) for r in d.rows], layout_of(d.layout, "digest.layout"))
+    return digest_rows([Activity(*r) for r in d.rows], layout_of(d.layout, d.order, "digest.layout"))
 
 
 def pydantic_activity(raw: bytes) -> Activity:
     a = PPost.model_validate_json(raw).activity
     row = Activity(*(getattr(a, f) for f in ROW_FIELDS[:-2]), a.step_end, a.error)
     return in_layout(
-        replace(row, host=a.host or ""), layout_of((a.tp, a.pp, a.dp), "activity [tp, pp, dp]"), "activity"
+        replace(row, host=a.host or ""), layout_of((a.tp, a.pp, a.dp), a.order, "activity [tp, pp, dp]"), "activity"
     )
 
 
@@ -211,26 +211,26 @@ def _text(v: dict, f: str, where: str, limit: int, optional: bool = True):
     return x
 
 
-def _layout(value, where: str) -> Layout:
+def _layout(value, where: str) -> RankLayout:
     if (
         not isinstance(value, (list, tuple))
         or len(value) != 3
         or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
     ):
         raise Bad(f"{where} must be [tp, pp, dp], three integers >= 1, got {value!r}")
-    layout = Layout(*value)
+    layout = RankLayout(*value)
     if layout.world > MAX_WORLD:
         raise Bad(f"{where} is a world of {layout.world} ranks")
     return layout
 
 
-def _row(v: dict, layout: Layout, where: str, states: tuple[str, ...]) -> Activity:
+def _row(v: dict, layout: RankLayout, where: str, states: tuple[str, ...]) -> Activity:
     world = layout.world
     rank = _int(v, "rank", where, 0, world - 1)
     stage = _int(v, "stage", where, 0, layout.pp - 1)
     tp_rank = _int(v, "tp_rank", where, 0, layout.tp - 1)
     dp_rank = _int(v, "dp_rank", where, 0, layout.dp - 1)
-    if rank != layout.rank_of(stage, tp_rank, dp_rank):
+    if rank != layout.rank_of(tp_rank, stage, dp_rank):
         raise Bad(f"{where}: rank {rank} is not its coordinates")
     state = v.get("state")
     if state not in states:

@@ -1,8 +1,12 @@
-"""Megatron-Core's GPTModel (local layer spec, no Transformer Engine), TP x PP with optional
+"""Megatron-Core's GPTModel (local layer spec, no Transformer Engine), TP x PP x DP with optional
 interleaving, watched by parwatch; runs on CPU with gloo.
 
     torchrun --nproc-per-node 4 examples/megatron_gpt.py --tp 2 --pp 2 --microbatches 4 \\
         --synthetic-ms 40,80 --steps 6 --parwatch-log runs/megatron
+
+DP is what the world leaves (world / (tp * pp)), laid out in Megatron's own order (--order, default
+Megatron's "tp-cp-ep-dp-pp"); with DP > 1 the chunks are wrapped in Megatron's DistributedDataParallel,
+each replica trains on its own batches, and Megatron's finalize_model_grads all-reduces the gradients.
 
 Each model chunk (--chunks of them per pipeline rank) also sleeps, per microbatch, F ms at the
 start of its forward (a forward pre-hook) and B ms at the start of its backward (a hook on its
@@ -33,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
+    ap.add_argument("--order", default="tp-cp-ep-dp-pp", help="Megatron's rank order (initialize_model_parallel)")
     ap.add_argument("--chunks", type=int, default=1, help="v, model chunks per pipeline rank (>1: interleaved 1F1B)")
     ap.add_argument("--microbatches", type=int, default=4, help="m, microbatches per step")
     ap.add_argument("--group-size", type=int, default=0, help="microbatch_group_size_per_vp_stage (default: pp)")
@@ -50,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--parwatch-endpoint", default="", help="sidecar URL (empty: none)")
     ap.add_argument("--parwatch-token-file", default="", help="file holding the sidecar's token")
     ap.add_argument("--no-parwatch", action="store_true", help="run the same training without parwatch")
-    ap.add_argument("--losses-out", default="", help="the last stage's first rank writes its losses (JSON)")
+    ap.add_argument(
+        "--losses-out", default="", help="the last stage's first rank (of DP replica 0) writes its losses (JSON)"
+    )
     ap.add_argument(
         "--batch-p2p", action="store_true", help="interleaved: batched p2p instead of overlapped (needs --pp >= 3)"
     )
@@ -59,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="PP_RANK:MS: that stage stalls MS before each activation send")
     ap.add_argument("--nan-at-step", type=int, default=0, help="the loss is NaN at this step, once (a fault)")
-    ap.add_argument("--hang-at", default="", help="PP_RANK:STEP: that stage blocks in its forward at that step")
+    ap.add_argument("--hang-at", default="", help="RANK:STEP: that rank blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.tp, args.pp, args.chunks, args.microbatches, args.steps) < 1:
         ap.error("--tp, --pp, --chunks, --microbatches and --steps must be >= 1")
@@ -70,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.batch_p2p and args.chunks > 1 and args.pp < 3:
         ap.error("--batch-p2p with --chunks > 1 needs --pp >= 3 (Megatron 0.16 swaps tensors at pp=2)")
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
-    args.hang = _stage_value(ap, "--hang-at", args.hang_at)
+    args.hang = _stage_value(ap, "--hang-at", args.hang_at)  # a global rank, not a stage
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
     FAULTS["nan_step"] = args.nan_at_step
     return args
@@ -177,8 +184,9 @@ def _delay_activation_sends(seconds: float) -> None:
     P2PCommunicator._communicate = delayed
 
 
-def microbatches(args, step: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(args.seed * 7919 + step)
+def microbatches(args, step: int, dp_rank: int = 0) -> list[dict]:
+    """This DP replica's microbatches of `step` (replica 0's are those of a run without DP)."""
+    gen = torch.Generator().manual_seed(args.seed * 7919 + step + dp_rank * 1_000_003)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), diagonal=1)[None, None]
     out = []
     for _ in range(args.microbatches):
@@ -233,25 +241,36 @@ def train(args) -> dict:
         import megatron_cpu
 
         megatron_cpu.install()
-    if dist.get_world_size() != args.tp * args.pp:
-        raise SystemExit(f"world size {dist.get_world_size()} != --tp {args.tp} x --pp {args.pp}")
+    if dist.get_world_size() % (args.tp * args.pp):
+        raise SystemExit(f"world size {dist.get_world_size()} is not a multiple of --tp {args.tp} x --pp {args.pp}")
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.chunks if args.chunks > 1 else None,
+        order=args.order,
     )
     config = megatron_config(args)
     chunks = build_model(args, config)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     chunks = [chunk.to(device) for chunk in chunks]
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     factor = args.slow[1] if args.slow and args.slow[0] == pp_rank else 1.0
-    hang_step = int(args.hang[1]) if args.hang and args.hang[0] == pp_rank else None
+    hang_step = int(args.hang[1]) if args.hang and args.hang[0] == dist.get_rank() else None
     if args.send_delay and args.send_delay[0] == pp_rank:
         _delay_activation_sends(args.send_delay[1] / 1000)
     for chunk in chunks:
         add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor, hang_step)
+    data_parallel = ps.get_data_parallel_world_size() > 1
+    if data_parallel:  # Megatron's DDP: gradients in its buffers, all-reduced by finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(), c) for c in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
     optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=args.lr)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     rank = dist.get_rank()
@@ -298,7 +317,10 @@ def train(args) -> dict:
     forward_backward = get_forward_backward_func()  # after watch(): the watched schedule
 
     def run(step: int, forward_only: bool) -> list:
-        data = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(args, step)]
+        data = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(args, step, dp_rank)]
+        if data_parallel and not forward_only:
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
         return forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),
@@ -324,6 +346,9 @@ def train(args) -> dict:
         if last:
             losses[trained] = float(torch.stack([d["lm loss"] for d in out]).mean())
             history.append((trained, losses[trained]))
+        if data_parallel:  # DDP keeps the (all-reduced) gradients in main_grad: the optimizer reads .grad
+            for p in optimizer.param_groups[0]["params"]:
+                p.grad = p.main_grad
         if watch:
             watch.optimizer_step(optimizer)  # parwatch (optimizer.step() in a span)
             step = watch.step_done()  # parwatch: the step boundary; may pause or roll back
@@ -342,7 +367,7 @@ def train(args) -> dict:
     if watch:
         watch.close()  # parwatch
         collector.close()  # parwatch
-    if args.losses_out and last and ps.get_tensor_model_parallel_rank() == 0:
+    if args.losses_out and last and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
         with open(args.losses_out, "w") as f:
             json.dump({str(s): repr(v) for s, v in sorted(losses.items())}, f)
     return {

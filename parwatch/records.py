@@ -6,7 +6,7 @@ generated from them. What a type cannot say, because it depends on the run (a ra
 
 POST /v1/activity  ActivityPost: {"version": 1, "activity": ActivityReport}, ~300 bytes a second a rank.
 POST /v1/digest    NodeDigest: {"version": 1, "node", "run_id", "time", "layout": [tp, pp, dp],
-                   "rows": [Activity as an array, ...]}, one a second per node. Its reply may carry
+                   "order", "rows": [Activity as an array, ...]}, one a second per node. Its reply may carry
                    {"signal": [pid, ...]}: the leader asks that node to signal its culprit for a stack dump.
 """
 
@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from parwatch.rank_layout import DEFAULT_ORDER, ORDERS
 from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME
 from parwatch.vocabulary import (
     Action,
@@ -68,6 +69,13 @@ Text = Annotated[str, text(MAX_TEXT)]
 Host = Annotated[str, text(MAX_HOST)]
 RunId = Annotated[str, text(MAX_RUN_ID)]
 Error = Annotated[str, text(MAX_ERROR_CHARS, description="crashed: 'ExceptionType: message'")]
+Order = Annotated[
+    str,
+    Meta(
+        pattern="^(" + "|".join(ORDERS) + ")" + _PYTHON_END,
+        description="the run's rank order, fastest dimension first (parwatch.rank_layout); absent: tp-pp-dp",
+    ),
+]
 ReportState = Literal["running", "done", "crashed"]
 RowState = Literal["running", "done", "crashed", "gone", "silent"]
 """A digest row's state adds what the node judged: gone (its pid ended), silent (alive, no reports)."""
@@ -116,6 +124,8 @@ class ActivityReport(Struct, kw_only=True):
     tp: Parallel
     pp: Parallel
     dp: Parallel
+    order: Order | None = None
+    """None: the default order (tp-pp-dp), as an older collector's report means."""
     state: ReportState = "running"
     step: Step
     step_seconds: StepSeconds | None = None
@@ -156,6 +166,8 @@ class NodeDigest(Struct):
     time: Time
     layout: tuple[Parallel, Parallel, Parallel]
     rows: Annotated[list[Activity], Meta(max_length=MAX_WORLD)]
+    order: Order = DEFAULT_ORDER
+    """The layout's rank order (an older node's digest has none: the default)."""
 
 
 # --- the decision log (decisions.jsonl, GET /v1/decisions): what the guardrail engine decided and what came of it

@@ -24,7 +24,8 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct, field
 
 from parwatch.contract.directives import MAX_STEP, Directive
-from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, openapi_schemas, text
+from parwatch.rank_layout import DEFAULT_ORDER, RankLayout, cached_layout
+from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, Order, openapi_schemas, text
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
 from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, TimeCategory
 
@@ -186,6 +187,8 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     tp: Parallel
     pp: Parallel
     dp: Parallel
+    order: Order = DEFAULT_ORDER
+    """The run's rank order, fastest first (parwatch.rank_layout); rank and coordinates agree with it."""
     microbatches: Parallel
     chunks: Annotated[int, Meta(ge=1, le=1024)] = 1
     """v: model chunks per stage."""
@@ -241,8 +244,8 @@ class StepSummary(Struct, frozen=True, kw_only=True):
         return self.tp * self.pp * self.dp
 
     @property
-    def world(self) -> tuple[int, int, int]:
-        return self.tp, self.pp, self.dp
+    def layout(self) -> RankLayout:
+        return cached_layout(self.tp, self.pp, self.dp, self.order)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -263,6 +266,9 @@ class StepSummary(Struct, frozen=True, kw_only=True):
             raise ValueError(f"stage {self.stage} is outside pp = {self.pp} stages")
         if self.tp_rank >= self.tp or self.dp_rank >= self.dp:
             raise ValueError(f"tp_rank {self.tp_rank} / dp_rank {self.dp_rank} outside tp={self.tp}, dp={self.dp}")
+        wrong = self.layout.mismatch(self.rank, (self.tp_rank, self.stage, self.dp_rank))
+        if wrong is not None:
+            raise ValueError(wrong)
         if self.global_ is not None and any(st.stage >= self.pp for st in self.global_.stages):
             raise ValueError(f"global.stages names a stage outside pp = {self.pp} stages")
 

@@ -7,8 +7,8 @@ wire, the JSONL files and the rule files keep their plain names; code writes `Ac
 
 The schedule registry (`SCHEDULES`, `schedule()`) is the one list of pipeline schedules: the
 reference trainer, the torch.distributed.pipelining integration, the bubble theory and the example
-all read it. `coords` and `rank_of` are the one rank layout (rank <-> tp_rank, stage, dp_rank);
-`jsonable` the one way NaN and inf are written (the strings "nan", "inf", "-inf").
+all read it. `jsonable` is the one way NaN and inf are written (the strings "nan", "inf", "-inf").
+The rank layout (rank <-> tp_rank, stage, dp_rank, in the run's order) is parwatch.rank_layout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import sys
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -405,28 +405,6 @@ def canonical_schedule(name: str) -> str:
     """The registry's name for `name`, or `name` itself when the registry does not know it."""
     entry = schedule(name)
     return entry.name.value if entry is not None else name
-
-
-# --- the rank layout -----------------------------------------------------------------------------
-
-
-class Coords(NamedTuple):
-    """Where a rank sits in a tp x pp x dp run: TP ranks adjacent (they share an NVLink node), PP
-    stages next, DP outermost, so rank = (dp_rank * pp + stage) * tp + tp_rank."""
-
-    tp_rank: int
-    stage: int
-    dp_rank: int
-
-
-def coords(rank: int, tp: int, pp: int) -> Coords:
-    """The coordinates of `rank` (the one place the layout is read)."""
-    return Coords(rank % tp, rank // tp % pp, rank // (tp * pp))
-
-
-def rank_of(tp_rank: int, stage: int, dp_rank: int, tp: int, pp: int) -> int:
-    """The rank at these coordinates: `coords` read backwards."""
-    return (dp_rank * pp + stage) * tp + tp_rank
 
 
 # --- the numbers JSON has no words for -----------------------------------------------------------

@@ -105,6 +105,7 @@ class ActivityReporter:
             tp=ctx.tp,
             pp=ctx.pp,
             dp=ctx.dp,
+            order=ctx.order,
             state=state,
             step=int(summary.get("step", -1)),
             step_seconds=summary.get("step_seconds"),

@@ -2,9 +2,10 @@
 
 One frozen object per rank, built once by the trainer (or by any other trainer
 that uses the collector), so the collector never has to ask torch.distributed.
-The coordinates are given, not derived: a trainer may order its mesh any way it
-likes. `for_rank` derives them for the common order (parwatch.vocabulary's `coords`:
-TP ranks adjacent, then PP stages, then DP outermost).
+A trainer may lay its ranks out in any order of tp, pp and dp: the context carries
+that order (parwatch.rank_layout; "tp-pp-dp", TP ranks adjacent, then PP stages,
+then DP outermost, unless given) and coordinates that agree with it. `for_rank`
+derives the coordinates from the rank and the order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 
 from parwatch.bubble import closed_form
 from parwatch.host import host_identity
-from parwatch.vocabulary import canonical_schedule, coords, schedule
+from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout
+from parwatch.vocabulary import canonical_schedule, schedule
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -52,6 +54,9 @@ class RunContext:
     """CUDA device index this rank uses, or None on CPU (no NVML, no CUDA clock)."""
     hostname: str = field(default_factory=host_identity)
     """Host this rank runs on ($PARWATCH_HOST, else the hostname): host contention is judged by it."""
+    order: str = DEFAULT_ORDER
+    """The run's rank order, fastest dimension first (parwatch.rank_layout): "tp-pp-dp" by default,
+    Megatron-Core's "tp-cp-ep-dp-pp" for its default; kept in the layout's canonical form."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "dp", "microbatches", "chunks"):
@@ -69,6 +74,14 @@ class RunContext:
             value, limit = getattr(self, name), getattr(self, size)
             if not isinstance(value, int) or not 0 <= value < limit:
                 raise ValueError(f"RunContext.{name}={value!r} must be in 0..{limit - 1} ({size}={limit})")
+        try:
+            layout = RankLayout(self.tp, self.pp, self.dp, self.order)
+        except LayoutError as err:
+            raise ValueError(f"RunContext.order: {err}") from None
+        object.__setattr__(self, "order", layout.order)
+        wrong = layout.mismatch(self.rank, (self.tp_rank, self.stage, self.dp_rank))
+        if wrong is not None:
+            raise ValueError(f"RunContext: {wrong}; pass the order the run's ranks were laid out in")
         if not isinstance(self.schedule, str) or not _SCHEDULE_NAME.match(self.schedule):
             raise ValueError(
                 f"RunContext.schedule={self.schedule!r} must be a schedule name of letters, digits, "
@@ -99,8 +112,13 @@ class RunContext:
         tokens_per_step: int = 0,
         local_gpu: int | None = None,
         hostname: str | None = None,
+        order: str = DEFAULT_ORDER,
     ) -> RunContext:
-        """Derive tp_rank, stage and dp_rank from the rank and the layout."""
+        """Derive tp_rank, stage and dp_rank from the rank and the layout in `order`."""
+        try:
+            at = RankLayout(tp, pp, dp, order).coords(rank)
+        except LayoutError as err:
+            raise ValueError(f"RunContext.for_rank: {err}") from None
         return cls(
             run_id=run_id,
             rank=rank,
@@ -108,14 +126,20 @@ class RunContext:
             tp=tp,
             pp=pp,
             dp=dp,
-            **coords(rank, tp, pp)._asdict(),
+            **at._asdict(),
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,
             tokens_per_step=tokens_per_step,
             local_gpu=local_gpu,
             hostname=hostname if hostname is not None else host_identity(),
+            order=order,
         )
+
+    @property
+    def layout(self) -> RankLayout:
+        """The run's rank layout: rank <-> (tp_rank, stage, dp_rank) in its order."""
+        return RankLayout(self.tp, self.pp, self.dp, self.order)
 
     @property
     def bubble_theoretical_ratio(self) -> float:

@@ -50,6 +50,7 @@ def build_summary(
         "tp": ctx.tp,
         "pp": ctx.pp,
         "dp": ctx.dp,
+        "order": ctx.order,
         "microbatches": ctx.microbatches,
         "chunks": ctx.chunks,
         "schedule": ctx.schedule,

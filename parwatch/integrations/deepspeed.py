@@ -62,7 +62,8 @@ from parwatch.contract import SpanKind, StepBoundary, TorchAllReduce, registry
 from parwatch.integrations._deepspeed_order import dualpipev_schedule_order, train_schedule_order, vstage
 from parwatch.integrations._stage_spans import Patches
 from parwatch.integrations._steploop import IntegrationError, StepLoop
-from parwatch.vocabulary import CollectiveOp, ScheduleName
+from parwatch.rank_layout import LayoutError, order_of_axes
+from parwatch.vocabulary import CollectiveOp, GroupRole, ScheduleName
 
 SCHEDULE = ScheduleName.ONE_F_ONE_B
 """DeepSpeed's TrainSchedule is 1F1B (PipeDream-flush)."""
@@ -375,30 +376,34 @@ class DeepSpeedWatch(StepLoop):
 
     # ------------------------------------------------------------------ the run
     def run_context(self, **extra):
-        """A collector RunContext for this rank, with DeepSpeed's own coordinates (its topology
-        orders ranks its way; the context carries them as given). `extra`: RunContext fields
-        (tokens_per_step, local_gpu, hostname)."""
+        """A collector RunContext for this rank, with DeepSpeed's own coordinates and rank order (its
+        topology's axes, outermost first: PipeModelDataParallelTopology's pipe, data, model is the
+        order "tp-dp-pp"). `extra`: RunContext fields (tokens_per_step, local_gpu, hostname)."""
         import torch.distributed as dist
 
         from parwatch.collector import RunContext
 
         grid = self.engine.grid
         tp, dp = grid.get_slice_parallel_world_size(), grid.data_parallel_size
-        return RunContext(
-            run_id=self.run_id,
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            tp=tp,
-            pp=self.pp,
-            dp=dp,
-            tp_rank=grid.get_slice_parallel_rank(),
-            stage=self.pp_rank,
-            dp_rank=grid.get_data_parallel_id(),
-            schedule=self.schedule,
-            microbatches=self.microbatches,
-            chunks=2 if self.dualpipev else 1,
-            **extra,
-        )
+        try:
+            return RunContext(
+                run_id=self.run_id,
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                tp=tp,
+                pp=self.pp,
+                dp=dp,
+                tp_rank=grid.get_slice_parallel_rank(),
+                stage=self.pp_rank,
+                dp_rank=grid.get_data_parallel_id(),
+                schedule=self.schedule,
+                microbatches=self.microbatches,
+                chunks=2 if self.dualpipev else 1,
+                order=topology_order(grid._topo),
+                **extra,
+            )
+        except ValueError as err:
+            raise IntegrationError(f"DeepSpeed's topology: {err}") from None
 
     def action_order(self) -> dict:
         """Every stage's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""
@@ -475,6 +480,24 @@ def _size(value) -> int:
     if isinstance(value, tuple | list):
         return sum(_size(v) for v in value)
     return int(value.nbytes) if hasattr(value, "nbytes") else 0
+
+
+TOPOLOGY_ROLES = {"pipe": GroupRole.PP, "data": GroupRole.DP, "model": GroupRole.TP}
+"""DeepSpeed's topology axis names -> parwatch's dimensions."""
+
+
+def topology_order(topology) -> str:
+    """The rank order (parwatch.rank_layout) of a DeepSpeed ProcessTopology: row-major, its axes outermost first."""
+    axes = list(zip(topology.get_axis_names(), topology.dims))
+    other = [f"{name} ({size})" for name, size in axes if name not in TOPOLOGY_ROLES and size > 1]
+    if other:
+        raise IntegrationError(
+            f"DeepSpeed topology axes {', '.join(other)}: parwatch places a rank by pipe, data and model only"
+        )
+    try:
+        return order_of_axes((TOPOLOGY_ROLES[name], size) for name, size in axes if name in TOPOLOGY_ROLES)
+    except LayoutError as err:
+        raise IntegrationError(f"DeepSpeed's topology: {err}") from None
 
 
 def _is_dualpipev(engine) -> bool:

@@ -43,9 +43,58 @@ from parwatch.integrations._megatron_hooks import Hooks, mean_loss
 from parwatch.integrations._megatron_order import megatron_order
 from parwatch.integrations._stage_spans import Patches
 from parwatch.integrations._steploop import IntegrationError, StepLoop
-from parwatch.vocabulary import ScheduleName, coords
+from parwatch.rank_layout import Coords, LayoutError, RankLayout, order_of_groups
+from parwatch.vocabulary import GroupRole, ScheduleName
 
-__all__ = ["IntegrationError", "MegatronWatch", "action_order", "watch"]
+__all__ = ["IntegrationError", "MegatronWatch", "action_order", "megatron_layout", "watch"]
+
+
+def megatron_layout() -> RankLayout:
+    """This run's rank layout, read off Megatron's parallel_state (initialised): its order from how this
+    rank's TP, PP and DP groups are spaced (megatron-core 0.16 keeps no order string; its default,
+    "tp-cp-ep-dp-pp", gives "tp-dp-pp"), checked against the ranks and groups Megatron reports.
+    Context parallelism (cp > 1) is refused: parwatch places a rank by tp, pp and dp alone. Expert
+    parallelism splits DP for the experts only: the dense layout, which this reads, is unchanged."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        raise IntegrationError(
+            f"context parallelism (cp={cp}) is not watched: parwatch places a rank by its tp, pp and dp "
+            "coordinates only (cp=1 and any ep work)"
+        )
+    rank = dist.get_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    if dist.get_world_size() != tp * pp * dp:
+        raise IntegrationError(
+            f"world size {dist.get_world_size()} is not tp*pp*dp = {tp}*{pp}*{dp} in Megatron's parallel_state"
+        )
+    reported = Coords(
+        ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    )
+    members: dict[str, list[int]] = {
+        GroupRole.TP: dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+        GroupRole.PP: dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+        GroupRole.DP: dist.get_process_group_ranks(ps.get_data_parallel_group()),
+    }
+    try:
+        layout = RankLayout(tp, pp, dp, order_of_groups(members))
+    except LayoutError as err:
+        raise IntegrationError(f"Megatron's process groups of rank {rank}: {err}") from None
+    wrong = layout.mismatch(rank, reported)
+    if wrong is not None:
+        raise IntegrationError(f"Megatron's parallel_state: {wrong}, read off its process groups")
+    for role, ranks in members.items():
+        expected = list(layout.group(role, reported))
+        if list(ranks) != expected:
+            raise IntegrationError(
+                f"Megatron's {role} group of rank {rank} is {list(ranks)}, but its other groups lay the run "
+                f"out as {layout}, which makes it {expected}"
+            )
+    return layout
 
 
 def action_order(pp: int, microbatches: int, chunks: int = 1, group_size: int | None = None) -> dict:
@@ -99,12 +148,10 @@ class MegatronWatch(StepLoop):
         self.config = config
         self.microbatches = microbatches
         self.chunks = len(chunks)
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.dp = ps.get_data_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
-        pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.layout = megatron_layout()
+        """The run's rank layout (tp, pp, dp in Megatron's order), read off parallel_state."""
+        self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
+        self.tp_rank, pp_rank, self.dp_rank = self.layout.coords(dist.get_rank())
         vp = ps.get_virtual_pipeline_model_parallel_world_size()
         if (vp or 1) != self.chunks:
             raise IntegrationError(
@@ -173,8 +220,8 @@ class MegatronWatch(StepLoop):
         self.attached = False
 
     def run_context(self, **extra):
-        """A collector RunContext for this rank: tp, pp, dp and coordinates from Megatron's
-        parallel_state. `extra` goes to RunContext (tokens_per_step, local_gpu, hostname);
+        """A collector RunContext for this rank: tp, pp, dp, their order and this rank's coordinates
+        from Megatron's parallel_state (`megatron_layout`). `extra` goes to RunContext (tokens_per_step, local_gpu, hostname);
         local_gpu defaults to the CUDA device of the model's parameters (its clock: CUDA events)."""
         import torch.distributed as dist
 
@@ -187,24 +234,13 @@ class MegatronWatch(StepLoop):
             if device.type == "cuda":
                 extra["local_gpu"] = device.index if device.index is not None else torch.cuda.current_device()
 
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if world != self.tp * self.pp * self.dp:
-            raise IntegrationError(
-                f"world size {world} is not tp*pp*dp = {self.tp}*{self.pp}*{self.dp} "
-                "(context or expert parallelism): build the RunContext yourself"
-            )
-        if coords(rank, self.tp, self.pp) != (self.tp_rank, self.pp_rank, self.dp_rank):
-            raise IntegrationError(
-                f"rank {rank} is tp_rank {self.tp_rank}, pp_rank {self.pp_rank}, dp_rank {self.dp_rank} in "
-                "Megatron, but parwatch lays ranks out tp fastest, then pp, then dp: initialise "
-                'Megatron with order="tp-cp-ep-pp-dp" (or dp=1) to watch it'
-            )
         return RunContext.for_rank(
             self.run_id,
-            rank,
+            dist.get_rank(),
             tp=self.tp,
             pp=self.pp,
             dp=self.dp,
+            order=self.layout.order,
             schedule=self.schedule,
             microbatches=self.microbatches,
             chunks=self.chunks,
@@ -224,6 +260,7 @@ class MegatronWatch(StepLoop):
             "tp": self.tp,
             "pp": self.pp,
             "dp": self.dp,
+            "order": self.layout.order,
             "microbatches": self.microbatches,
             "chunks": self.chunks,
             "microbatch_group_size_per_vp_stage": self.group_size,

@@ -44,6 +44,7 @@ from parwatch.integrations._stage_spans import (
     instrument_stage,
 )
 from parwatch.integrations._steploop import IntegrationError, StepLoop
+from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout, order_of_axes
 from parwatch.vocabulary import SCHEDULES, GroupRole
 
 SCHEDULE_NAMES = {s.torch_class: s.name for s in SCHEDULES.values() if s.torch_class is not None}
@@ -53,6 +54,12 @@ RUNTIME_CLASS = "_PipelineScheduleRuntime"
 CUSTOM = "custom"
 """The name of a schedule torch's runtime runs from actions it was given (`_load_csv`, as torchtitan's
 pipeline_parallel_schedule_csv does): no closed form; its theory is the replay of those actions."""
+
+
+def mesh_role(name: str) -> str:
+    """The parwatch dimension a DeviceMesh dimension is: "pp", "tp", or DP for every other name
+    (dp_replicate, dp_shard, cp, ...: ranks holding the same shard of the model)."""
+    return name if name in (GroupRole.PP, GroupRole.TP) else GroupRole.DP
 
 
 def schedule_name(schedule) -> str:
@@ -212,27 +219,29 @@ class PipelineWatch(StepLoop):
         tp_rank: int | None = None,
         dp_rank: int | None = None,
         mesh=None,
+        order: str | None = None,
         **extra,
     ):
         """A collector RunContext for this rank; its stage is this rank's place in the pipeline group.
 
         A pipeline-only world needs no argument. With tensor or data parallelism give the layout:
-        `tp=` and/or `dp=` (one given: the other is what the world leaves); the coordinates are
-        derived for parwatch's order (TP ranks adjacent, then PP stages, DP outermost, as Megatron
-        lays them out), else pass this rank's `tp_rank=` and `dp_rank=`. Or `mesh=`: a DeviceMesh
-        with a "pp" dimension, whose "tp" dimension is TP and whose other dimensions (dp_replicate,
-        dp_shard, cp, ...) are folded into DP in mesh order. `extra` goes to RunContext.for_rank
+        `mesh=`, the DeviceMesh the run was built from, with a "pp" dimension, whose "tp" dimension
+        is TP and whose other dimensions (dp_replicate, dp_shard, cp, ...) are folded into DP (they
+        must be neighbours); its dimension order is the run's rank order. Or `tp=` and/or `dp=` (one
+        given: the other is what the world leaves) with `order=`, the rank order fastest dimension
+        first (parwatch.rank_layout; default "tp-pp-dp": TP ranks adjacent, then PP stages, DP
+        outermost). The coordinates follow from the order; `tp_rank=` / `dp_rank=`, if given, must
+        agree with it, and so must the pipeline group's ranks. `extra` goes to RunContext.for_rank
         (tokens_per_step, local_gpu, hostname)."""
-        import dataclasses
-
         import torch.distributed as dist
 
         from parwatch.collector import RunContext
-        from parwatch.vocabulary import coords
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if mesh is not None:
-            tp, dp, tp_rank, dp_rank = self._mesh_layout(mesh)
+            if order is not None:
+                raise IntegrationError("run_context: give mesh= or order=, not both (a mesh has its own order)")
+            tp, dp, tp_rank, dp_rank, order = self._mesh_layout(mesh)
         if tp is None and dp is None:  # a pipeline-only world
             tp = dp = 1
         elif tp is None or dp is None:  # the other degree is what the world leaves
@@ -245,33 +254,43 @@ class PipelineWatch(StepLoop):
                 f"the world has {world} ranks but tp*pp*dp = {tp}*{self.pp}*{dp}: give run_context "
                 "the run's layout (tp=, dp=, or mesh=)"
             )
-        if tp_rank is None and dp_rank is None:
-            derived = coords(rank, tp, self.pp)
-            if derived.stage != self.pp_rank:
-                raise IntegrationError(
-                    f"rank {rank} is stage {self.pp_rank} of its pipeline group, but parwatch's layout "
-                    f"(tp innermost, then pp, then dp) puts it at stage {derived.stage}: pass this "
-                    "rank's tp_rank= and dp_rank=, or mesh="
-                )
-            tp_rank, dp_rank = derived.tp_rank, derived.dp_rank
-        for name, value, size in (("tp_rank", tp_rank, tp), ("dp_rank", dp_rank, dp)):
-            if value is None and size > 1:
-                raise IntegrationError(f"run_context: give {name}= too (the {name[:2]} degree is {size})")
-        ctx = RunContext.for_rank(
+        try:
+            layout = RankLayout(tp, self.pp, dp, order or DEFAULT_ORDER)
+        except LayoutError as err:
+            raise IntegrationError(f"run_context: {err}") from None
+        at = layout.coords(rank)
+        given = (
+            tp_rank if tp_rank is not None else at.tp_rank,
+            self.pp_rank,
+            dp_rank if dp_rank is not None else at.dp_rank,
+        )
+        wrong = layout.mismatch(rank, given)
+        if wrong is not None:
+            raise IntegrationError(
+                f"{wrong} (stage {self.pp_rank} is its place in the schedule's pipeline group): pass the "
+                "order the run's ranks were laid out in (order=, fastest first), or mesh="
+            )
+        pipeline = dist.get_process_group_ranks(getattr(self.stages[0], "group", None) or dist.group.WORLD)
+        if list(pipeline) != list(layout.group(GroupRole.PP, at)):
+            raise IntegrationError(
+                f"the schedule's pipeline group of rank {rank} is {list(pipeline)}, but {layout} makes it "
+                f"{list(layout.group(GroupRole.PP, at))}: pass the run's order= or mesh="
+            )
+        return RunContext.for_rank(
             self.run_id,
             rank,
             tp=tp,
             pp=self.pp,
             dp=dp,
+            order=layout.order,
             schedule=self.name,
             microbatches=self.microbatches,
             chunks=self.chunks,
             **extra,
         )
-        return dataclasses.replace(ctx, tp_rank=tp_rank or 0, dp_rank=dp_rank or 0, stage=self.pp_rank)
 
-    def _mesh_layout(self, mesh) -> tuple[int, int, int, int]:
-        """(tp, dp, tp_rank, dp_rank) of this rank in a DeviceMesh with a "pp" dimension."""
+    def _mesh_layout(self, mesh) -> tuple[int, int, int, int, str]:
+        """(tp, dp, tp_rank, dp_rank, order) of this rank in a DeviceMesh with a "pp" dimension."""
         names = tuple(mesh.mesh_dim_names or ())
         if GroupRole.PP not in names:
             raise IntegrationError(f"mesh dimensions {names}: run_context(mesh=) needs one named 'pp'")
@@ -289,7 +308,11 @@ class PipelineWatch(StepLoop):
         for name, (size, index) in dims.items():
             if name not in (GroupRole.PP, GroupRole.TP):
                 dp, dp_rank = dp * size, dp_rank * size + index
-        return tp, dp, tp_rank, dp_rank
+        try:
+            order = order_of_axes((mesh_role(name), size) for name, size in zip(names, sizes))
+        except LayoutError as err:
+            raise IntegrationError(f"mesh dimensions {names}: {err}") from None
+        return tp, dp, tp_rank, dp_rank, order
 
     def action_order(self) -> dict:
         """Every rank's compute actions (pipeline_sim format), for `pipeline_sim.bubble_causes`."""

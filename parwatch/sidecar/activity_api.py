@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 
 from parwatch.catalog import RANK_STATES
 from parwatch.host import host_identity
+from parwatch.rank_layout import RankLayout
 from parwatch.records import ActivityPost, BadRecord, NodeDigest, decode, encode
 from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
@@ -43,7 +44,7 @@ from parwatch.sidecar.auth import bearer_dependency
 from parwatch.sidecar.bodies import documented
 from parwatch.sidecar.digest import LeaderView, NodeBook, StepPace, in_layout, layout_of, same_layout
 from parwatch.sidecar.exits import ProcessExits
-from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, Layout, coverage
+from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
@@ -91,7 +92,7 @@ class ActivityHub:
         self.leader_paused = False
         """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
-        self._layout: Layout | None = None
+        self._layout: RankLayout | None = None
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
         self._idle_due = False
         """Due, judged, nothing decided (a crashed run, a pause): re-judged once a second, not at every ask."""
@@ -110,7 +111,7 @@ class ActivityHub:
     def activity(self, post: ActivityPost, client: tuple[str, int] | None = None) -> dict:
         """One rank's report; `client` (host, port) is the connection it came on, which proves its pid."""
         report = post.activity
-        layout = layout_of((report.tp, report.pp, report.dp), "activity [tp, pp, dp]")
+        layout = layout_of((report.tp, report.pp, report.dp), report.order, "activity [tp, pp, dp]")
         a, run_id = in_layout(report.row(), layout, "activity"), report.run_id or ""
         self._check_layout(run_id, layout, "activity [tp, pp, dp]")
         self.pace.check(run_id, a.step, "activity")
@@ -132,7 +133,9 @@ class ActivityHub:
 
     def digest(self, digest: NodeDigest, client: tuple[str, int] | None = None) -> dict:
         """A node's digest (`client` is not used: its rows' pids are proven, and signalled, at that node)."""
-        self._check_layout(digest.run_id or "", layout_of(digest.layout, "digest.layout"), "digest.layout")
+        self._check_layout(
+            digest.run_id or "", layout_of(digest.layout, digest.order, "digest.layout"), "digest.layout"
+        )
         seen_run = self.view.run_id
         node, rows = self.view.ingest(digest)
         if seen_run is not None and self.view.run_id != seen_run and self.view.run_id != self.book.run_id:

@@ -26,10 +26,11 @@ from collections.abc import Callable
 
 from msgspec.structs import replace
 
+from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout, cached_layout
 from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
 from parwatch.schema import MAX_STEPS_PER_SECOND
 from parwatch.sidecar.exits import ProcessExits
-from parwatch.sidecar.hang import ENDED, Layout
+from parwatch.sidecar.hang import ENDED
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pace import Pace
 from parwatch.vocabulary import RankState
@@ -48,17 +49,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def layout_of(tp_pp_dp: tuple[int, int, int], where: str) -> Layout:
-    """[tp, pp, dp] (each 1..MAX_WORLD by its type) -> Layout, refused when tp*pp*dp > MAX_WORLD."""
-    layout = Layout(*tp_pp_dp)
-    if layout.world > MAX_WORLD:
+def layout_of(tp_pp_dp: tuple[int, int, int], order: str | None, where: str) -> RankLayout:
+    """[tp, pp, dp] (each 1..MAX_WORLD by its type) and the order (None: the default) -> the run's
+    layout, refused when tp*pp*dp > MAX_WORLD."""
+    tp, pp, dp = tp_pp_dp
+    if tp * pp * dp > MAX_WORLD:
         raise BadActivity(
-            f"{where} {list(tp_pp_dp)} is a world of {layout.world} ranks, over the {MAX_WORLD} a sidecar accepts"
+            f"{where} {list(tp_pp_dp)} is a world of {tp * pp * dp} ranks, over the {MAX_WORLD} a sidecar accepts"
         )
-    return layout
+    try:
+        return cached_layout(tp, pp, dp, order or DEFAULT_ORDER)
+    except LayoutError as err:
+        raise BadActivity(f"{where}: {err}") from None
 
 
-def in_layout(a: Activity, layout: Layout, where: str) -> Activity:
+def in_layout(a: Activity, layout: RankLayout, where: str) -> Activity:
     """A decoded row checked against its run's layout: rank, coordinates and peer inside it, and agreeing."""
     for field, value, top in (
         ("rank", a.rank, layout.world - 1),
@@ -69,18 +74,16 @@ def in_layout(a: Activity, layout: Layout, where: str) -> Activity:
     ):
         if value > top:
             raise BadActivity(f"{where}.{field} must be an integer in 0..{top}, got {value}")
-    expected = layout.rank_of(a.stage, a.tp_rank, a.dp_rank)
-    if a.rank != expected:
-        raise BadActivity(
-            f"{where}: rank {a.rank} is not (stage {a.stage}, tp_rank {a.tp_rank}, dp_rank {a.dp_rank}) "
-            f"of layout [{layout.tp}, {layout.pp}, {layout.dp}] (that is rank {expected})"
-        )
+    wrong = layout.mismatch(a.rank, (a.tp_rank, a.stage, a.dp_rank))
+    if wrong is not None:
+        raise BadActivity(f"{where}: {wrong} ({layout})")
     return a
 
 
-def digest_rows(rows: list[Activity], layout: Layout) -> list[Activity]:
+def digest_rows(rows: list[Activity], layout: RankLayout) -> list[Activity]:
     """A digest's rows checked against its layout: at most its world, each inside it, each rank once."""
     tp, pp, dp, world = layout.tp, layout.pp, layout.dp, layout.world
+    st, sp, sd = layout.strides
     if len(rows) > world:
         raise BadActivity(f"digest.rows must be a list of at most {world} rows (the layout's world)")
     seen: set[int] = set()
@@ -89,7 +92,7 @@ def digest_rows(rows: list[Activity], layout: Layout) -> list[Activity]:
             a.stage >= pp
             or a.tp_rank >= tp
             or a.dp_rank >= dp
-            or a.rank != (a.dp_rank * pp + a.stage) * tp + a.tp_rank
+            or a.rank != a.tp_rank * st + a.stage * sp + a.dp_rank * sd
             or (a.peer is not None and a.peer >= world)
             or a.rank in seen
         ):
@@ -98,17 +101,16 @@ def digest_rows(rows: list[Activity], layout: Layout) -> list[Activity]:
     return rows
 
 
-def _refuse_row(a: Activity, layout: Layout, where: str) -> None:
+def _refuse_row(a: Activity, layout: RankLayout, where: str) -> None:
     in_layout(a, layout, where)
     raise BadActivity(f"{where}: rank {a.rank} appears twice")
 
 
-def same_layout(known: Layout | None, layout: Layout, where: str) -> None:
+def same_layout(known: RankLayout | None, layout: RankLayout, where: str) -> None:
     if known is not None and known != layout:
         raise BadActivity(
-            f"{where} [{layout.tp}, {layout.pp}, {layout.dp}] differs from this run's "
-            f"[{known.tp}, {known.pp}, {known.dp}], fixed when it was first seen; a run's layout "
-            "cannot change (a new layout is a new run id)"
+            f"{where} ({layout}) differs from this run's ({known}), fixed when it was first seen; "
+            "a run's layout cannot change (a new layout is a new run id)"
         )
 
 
@@ -142,11 +144,11 @@ class NodeBook:
         self.exits = exits
         """When this node's rank processes ended (None: the pid check alone)."""
         self.run_id: str | None = None
-        self.layout: Layout | None = None
+        self.layout: RankLayout | None = None
         self.latest: dict[int, tuple[Activity, float]] = {}
         """rank -> (activity, sidecar clock when it arrived)."""
 
-    def add(self, a: Activity, layout: Layout, run_id: str) -> None:
+    def add(self, a: Activity, layout: RankLayout, run_id: str) -> None:
         if run_id != self.run_id:
             self.latest = {}  # a new run: the old ranks are not this run's
             self.run_id = run_id
@@ -185,7 +187,13 @@ class NodeBook:
             return None
         layout = self.layout
         return NodeDigest(
-            1, node, self.run_id, self.clock(), (layout.tp, layout.pp, layout.dp), list(self.rows().values())
+            1,
+            node,
+            self.run_id,
+            self.clock(),
+            (layout.tp, layout.pp, layout.dp),
+            list(self.rows().values()),
+            layout.order,
         )
 
 
@@ -198,7 +206,7 @@ class LeaderView:
         self.grace_seconds = grace_seconds
         self.pace = pace or StepPace(clock)
         self.run_id: str | None = None
-        self.layout: Layout | None = None
+        self.layout: RankLayout | None = None
         self.nodes: dict[str, tuple[float, list]] = {}
         """node -> (leader clock at arrival, rows as sent)."""
         self.owner: dict[int, str] = {}
@@ -214,7 +222,7 @@ class LeaderView:
 
     def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity]]:
         """Store one digest; (node, its rows). BadActivity names what does not fit the run."""
-        node, layout = digest.node, layout_of(digest.layout, "digest.layout")
+        node, layout = digest.node, layout_of(digest.layout, digest.order, "digest.layout")
         rows = digest_rows(digest.rows, layout)
         run_id = digest.run_id or ""
         for i, a in enumerate(rows):

@@ -36,9 +36,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from parwatch.catalog import RANK_STATES, family
+from parwatch.rank_layout import ROLES, Coords, RankLayout
 from parwatch.records import Activity
 from parwatch.vocabulary import GroupRole, RankState, SpanKind
-from parwatch.vocabulary import rank_of as vocabulary_rank_of
 
 STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
@@ -110,31 +110,11 @@ _INSTANCE_OF: dict[str, attrgetter] = {
 world has one instance)."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank_of(self, stage: int, tp_rank: int, dp_rank: int) -> int:
-        """The global rank at these coordinates (the vocabulary's one layout: TP inner, DP outer)."""
-        return vocabulary_rank_of(tp_rank, stage, dp_rank, self.tp, self.pp)
-
-    def members(self, group: str, a: Activity) -> range | list:
-        """Global ranks of `a`'s instance of group role `group` (parwatch.trainer.parallel_dims' rank order)."""
-        tp, pp = self.tp, self.pp
-        base = self.rank_of(0, 0, a.dp_rank)
-        if group == GroupRole.TP:
-            return range(base + a.stage * tp, base + a.stage * tp + tp)
-        if group == GroupRole.PP:
-            return range(base + a.tp_rank, base + pp * tp, tp)
-        if group == GroupRole.DP:
-            return range(a.stage * tp + a.tp_rank, self.world, pp * tp)
-        return range(self.world)
+def group_members(layout: RankLayout, group: str, a: Activity) -> range:
+    """Global ranks of `a`'s instance of group role `group`, in the run's order; the world for any other role."""
+    if group in ROLES:
+        return layout.group(group, Coords(a.tp_rank, a.stage, a.dp_rank))
+    return range(layout.world)
 
 
 @dataclass(frozen=True)
@@ -174,7 +154,7 @@ _GROUP_KINDS = (SpanKind.COLLECTIVE, SpanKind.BOUNDARY)  # the boundary: an all-
 _WAITING_STATES = (RankState.RUNNING, *ENDED)  # an ended rank's last wait still tells who went first
 
 
-def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: float | None = None) -> dict | None:
+def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: float | None = None) -> dict | None:
     """The rank the others wait for, with who waits; None when no rank is known.
 
     Returns {"culprit": rank, "waiting": [ranks...] (transitive), "missing": what it has not joined
@@ -209,7 +189,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: Layout, fresh_after: floa
     # Reverse edges, waited-for -> who waits: a collective instance waits for its members not in it.
     groups_waiting: dict[int, list[tuple]] = {}
     for key, present in arrived.items():
-        members = layout.members(key[0], rows[next(iter(present))])
+        members = group_members(layout, key[0], rows[next(iter(present))])
         if len(present) < len(members):
             for m in set(members).difference(present):
                 groups_waiting.setdefault(m, []).append(key)
@@ -438,7 +418,7 @@ class HangMonitor:
         self.clock = clock
         self.every = every
         self.progress = Progress(settings)
-        self.layout: Layout | None = None
+        self.layout: RankLayout | None = None
         self.hang: dict | None = None
         """The current hang episode's decision record (None while the run progresses)."""
         self.gone_reported: set[int] = set()
@@ -458,7 +438,7 @@ class HangMonitor:
         self.progress = Progress(self.settings)
         self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
 
-    def observe(self, a: Activity, layout: Layout, now: float) -> None:
+    def observe(self, a: Activity, layout: RankLayout, now: float) -> None:
         """Every activity row as it arrives (cheap: the progress clock only)."""
         self.layout = layout
         if a.state == RankState.RUNNING:

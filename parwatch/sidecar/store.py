@@ -33,6 +33,7 @@ from typing import NamedTuple
 import msgspec
 
 from parwatch import goodput, ledger_view
+from parwatch.rank_layout import RankLayout
 from parwatch.schema import (
     COLLECTIVE_BUCKETS,
     MAX_ROLLBACKS_PER_SECOND,
@@ -164,8 +165,8 @@ class Store:
 
     def _reset(self, run_id: str | None) -> None:
         self.run_id = run_id
-        self.world: tuple[int, int, int] | None = None
-        """The run's (tp, pp, dp), fixed by its first summary."""
+        self.world: RankLayout | None = None
+        """The run's layout (tp, pp, dp and their order), fixed by its first summary."""
         self.ranks: dict[int, RankRecord] = {}
         self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
         self.tokens_total = 0
@@ -226,13 +227,12 @@ class Store:
                 self._admit_progress(s, where)
             _admit_instances(s, where)
             if world is None:
-                world = s.world
-            elif s.world != world:
+                world = s.layout
+            elif s.layout != world:
                 raise Refused(
                     409,
-                    f"{where}: run {run_id!r} has tp={world[0]}, pp={world[1]}, dp={world[2]} "
-                    f"(fixed by its first summary), this summary says tp={s.tp}, pp={s.pp}, "
-                    f"dp={s.dp}; a new layout needs a new run id",
+                    f"{where}: run {run_id!r} has {world} (fixed by its first summary), this summary "
+                    f"says {s.layout}; a new layout needs a new run id",
                 )
             if run_id == self.run_id and s.rank in self.ranks:
                 continue
@@ -284,7 +284,7 @@ class Store:
             self._reset(s.run_id)
         self.runs[s.run_id] = now
         if self.world is None:
-            self.world = s.world
+            self.world = s.layout
         key = s.key
         rec = self.ranks.get(s.rank)
         if rec is None:

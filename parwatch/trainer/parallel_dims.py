@@ -1,16 +1,16 @@
 """The parallel layout (tp, pp, dp) as one object, checked when it is built.
 
-Rank order: parwatch.vocabulary's `coords` (TP ranks adjacent, PP stages next, DP outermost).
+Rank order: parwatch.rank_layout's default (TP ranks adjacent, PP stages next, DP outermost).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
-from parwatch import vocabulary
+from parwatch.rank_layout import Coords, RankLayout
 from parwatch.trainer.errors import ConfigError
-from parwatch.vocabulary import Coords
 
 if TYPE_CHECKING:  # torch is imported when the groups are built
     from torch.distributed import ProcessGroup
@@ -43,11 +43,15 @@ class ParallelDims:
                 f"{self.world_size}; {fix}"
             )
 
+    @cached_property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.tp, self.pp, self.dp)
+
     def coords(self, rank: int) -> Coords:
-        return vocabulary.coords(rank, self.tp, self.pp)
+        return self.layout.coords(rank)
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        return vocabulary.rank_of(tp_rank, pp_rank, dp_rank, self.tp, self.pp)
+        return self.layout.rank_of(tp_rank, pp_rank, dp_rank)
 
     def tp_group_ranks(self) -> list[list[int]]:
         return [[self.rank_of(t, p, d) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]

@@ -11,6 +11,7 @@ from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
 import parwatch.schema as schema
 from parwatch.collector.causes import CAUSE_KEYS
+from parwatch.rank_layout import ORDERS
 from parwatch.records import parse
 from parwatch.step_records import IngestBody, StepSummary
 from parwatch.vocabulary import REFERENCE_SCHEDULES, TimeCategory
@@ -122,6 +123,7 @@ FIELD_CHECKS = {
         )
     },
     "schedule": lambda x: isinstance(x, str) and x in REFERENCE_SCHEDULES,
+    "order": lambda x: x in ORDERS,
     **{
         k: is_float
         for k in (

@@ -212,9 +212,10 @@ def test_run_context_refuses_inconsistent_settings_naming_them(change, message):
         RunContext(**{**base, **change})
 
 
-def test_run_context_takes_any_mesh_order_and_schedule_name():
-    """Coordinates are given, not derived: e.g. a mesh with PP outermost and torch pipelining's names."""
-    ctx = RunContext(
+def test_run_context_takes_any_rank_order_and_schedule_name():
+    """Any order of tp, pp and dp, with coordinates that agree with it: e.g. PP fastest, then TP, and
+    torch pipelining's schedule names; the same coordinates in the default order are refused, named."""
+    fields = dict(
         run_id="r",
         rank=1,
         world_size=4,
@@ -228,4 +229,18 @@ def test_run_context_takes_any_mesh_order_and_schedule_name():
         microbatches=4,
         chunks=2,
     )
-    assert (ctx.stage, ctx.tp_rank) == (1, 0)
+    ctx = RunContext(**fields, order="pp-tp-dp")
+    assert (ctx.stage, ctx.tp_rank, ctx.order) == (1, 0, "pp-tp-dp")
+    assert RunContext.for_rank("r", 1, tp=2, pp=2, dp=1, schedule="1f1b", microbatches=4, order="pp-tp").stage == 1
+    with pytest.raises(ValueError, match="rank 1 says tp_rank 0, stage 1, dp_rank 0, but order 'tp-pp-dp'"):
+        RunContext(**fields)
+    with pytest.raises(ValueError, match="does not place tp"):
+        RunContext(**fields, order="pp-dp")
+
+
+def test_run_context_keeps_megatrons_order_in_canonical_form():
+    """Megatron's default "tp-cp-ep-dp-pp" is "tp-dp-pp"; at dp = 1 it lays ranks out as the default does."""
+    ctx = RunContext.for_rank("r", 1, tp=1, pp=2, dp=2, schedule="1f1b", microbatches=4, order="tp-cp-ep-dp-pp")
+    assert (ctx.order, ctx.stage, ctx.dp_rank) == ("tp-dp-pp", 0, 1)
+    ctx = RunContext.for_rank("r", 1, tp=1, pp=2, dp=1, schedule="1f1b", microbatches=4, order="tp-cp-ep-dp-pp")
+    assert (ctx.order, ctx.stage) == ("tp-pp-dp", 1)

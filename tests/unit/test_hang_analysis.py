@@ -5,6 +5,7 @@ import msgspec
 import pytest
 from msgspec.structs import astuple, replace
 
+from parwatch.rank_layout import RankLayout
 from parwatch.records import NodeDigest
 from parwatch.sidecar.digest import LeaderView, NodeBook
 from parwatch.sidecar.hang import (
@@ -13,7 +14,6 @@ from parwatch.sidecar.hang import (
     Activity,
     HangMonitor,
     HangSettings,
-    Layout,
     Progress,
     find_culprit,
 )
@@ -74,7 +74,7 @@ class Clock:
 
 
 def test_recv_chain_names_the_rank_in_compute():
-    lay = Layout(1, 4, 1)
+    lay = RankLayout(1, 4, 1)
     rows = {
         0: act(0, lay, "recv", "recv", "pp", peer=1),
         1: act(1, lay, "recv", "recv", "pp", peer=2),
@@ -90,7 +90,7 @@ def test_a_rank_blocked_in_a_send_waits_for_its_peer():
     receives): the rank that sends to the hung one is one of its waiters, and the finding says so."""
     from parwatch.sidecar.hang import _missing_text
 
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     rows = {0: act(0, lay, "send", "send", "pp", peer=1), 1: act(1, lay, "forward")}
     found = find_culprit(rows, lay)
     assert found["culprit"] == 1 and found["waiting"] == [0]
@@ -105,7 +105,7 @@ def test_a_rank_blocked_in_a_send_waits_for_its_peer():
 
 
 def test_tp_collective_names_the_member_that_has_not_joined():
-    lay = Layout(2, 2, 1)  # ranks 0,1 stage 0; 2,3 stage 1
+    lay = RankLayout(2, 2, 1)  # ranks 0,1 stage 0; 2,3 stage 1
     rows = {
         0: act(0, lay, "recv", "recv", "pp", peer=2),
         1: act(1, lay, "recv", "recv", "pp", peer=3),
@@ -119,7 +119,7 @@ def test_tp_collective_names_the_member_that_has_not_joined():
 
 
 def test_a_member_in_an_earlier_collective_is_behind():
-    lay = Layout(2, 1, 1)
+    lay = RankLayout(2, 1, 1)
     rows = {
         0: act(0, lay, "collective", "all_reduce", "tp", seq=8),
         1: act(1, lay, "collective", "all_reduce", "tp", seq=7),
@@ -130,7 +130,7 @@ def test_a_member_in_an_earlier_collective_is_behind():
 
 
 def test_boundary_collective_without_seq_lines_up_by_step():
-    lay = Layout(1, 2, 2)  # ranks 0,1 replica 0; 2,3 replica 1
+    lay = RankLayout(1, 2, 2)  # ranks 0,1 replica 0; 2,3 replica 1
     rows = {r: act(r, lay, "collective", "all_reduce", "world") for r in (0, 1, 3)}
     rows[2] = act(2, lay, "backward")
     found = find_culprit(rows, lay)
@@ -138,13 +138,13 @@ def test_boundary_collective_without_seq_lines_up_by_step():
 
 
 def test_send_hang_is_named_with_its_peer():
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     rows = {0: act(0, lay, "send", "send", "pp", peer=1), 1: act(1, lay, "recv", "recv", "pp", peer=0)}
     assert find_culprit(rows, lay)["culprit"] == 0
 
 
 def test_nobody_waiting_names_the_oldest_span():
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     rows = {0: act(0, lay, "forward", since=50.0), 1: act(1, lay, "backward", since=60.0)}
     assert find_culprit(rows, lay) == {"culprit": 0, "waiting": [], "missing": None, "method": "oldest-span"}
 
@@ -174,7 +174,7 @@ def _monitor():
 
 def test_healthy_steps_make_no_finding():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 201):  # 200 healthy steps of 50 ms, checked every 20 steps (once a second)
         clock.t += 0.05
         for r in (0, 1):
@@ -186,7 +186,7 @@ def test_healthy_steps_make_no_finding():
 
 def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
         monitor.observe(act(0, lay, "forward", step=step), lay, clock.t)
@@ -207,7 +207,7 @@ def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
 
 def test_crash_is_told_from_a_hang():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=3), lay, clock.t)
     rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=3), 1: act(1, lay, "forward", step=3, state="gone")}
     [record] = monitor.check(rows)  # at once: no need to wait for the hang bound
@@ -220,7 +220,7 @@ def test_crash_is_told_from_a_hang():
 
 def test_paused_runs_do_not_hang():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=3), lay, clock.t)
     clock.t += 500
     assert monitor.check({0: act(0, lay, step=3), 1: act(1, lay, step=3)}, paused=True) == []
@@ -230,7 +230,7 @@ def test_node_book_liveness_pid_and_silence():
     clock = Clock()
     alive = {1000: True, 1001: False}
     book = NodeBook(clock, silent_seconds=5.0, hostname="h0", alive=lambda pid: alive.get(pid, True))
-    lay = Layout(1, 3, 1)
+    lay = RankLayout(1, 3, 1)
     for r in range(3):
         book.add(act(r, lay, "forward"), lay, "run")
     book.add(act(2, lay, state="done"), lay, "run")
@@ -241,7 +241,7 @@ def test_node_book_liveness_pid_and_silence():
 
 
 def test_leader_names_one_hung_rank_among_16384_from_digests():
-    lay = Layout(8, 16, 128)
+    lay = RankLayout(8, 16, 128)
     clock, engine = Clock(), FakeEngine()
     monitor = HangMonitor(HangSettings(), engine, clock)
     view = LeaderView(clock)
@@ -285,7 +285,7 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
 
 def test_when_several_ranks_are_gone_the_one_the_others_waited_for_is_named():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=3), lay, clock.t)
     rows = {
         0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", time=9.0),
@@ -301,7 +301,7 @@ def test_the_ranks_last_waits_never_name_an_echo_over_a_rank_gone_without_a_word
     """Found by the cross-node kill test: rank 1 was killed while it waited on rank 0, and rank 0 then
     crashed of the lost peer. The waits point at rank 0, but its error says it is an echo: rank 1 is named."""
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=3), lay, clock.t)
     rows = {
         0: replace(act(0, lay, "backward", step=3, state="crashed"), error=PEER_LOST),
@@ -313,7 +313,7 @@ def test_the_ranks_last_waits_never_name_an_echo_over_a_rank_gone_without_a_word
 
 def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
         monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
@@ -327,7 +327,7 @@ def test_a_picture_older_than_the_stall_is_not_judged_until_twice_the_bound():
 
 
 def test_between_equal_sinks_the_one_reporting_after_the_stall_is_named():
-    lay = Layout(1, 1, 3)
+    lay = RankLayout(1, 1, 3)
     rows = {
         0: act(0, lay, "forward", since=10.0, time=50.0),  # a late report from before the stall
         1: act(1, lay, "backward", since=60.0, time=95.0),
@@ -386,7 +386,7 @@ def _stalled_monitor(step_end_skew):
     """Steps 1..5 of 1 s each, reported by a rank whose clock reads `step_end_skew` more than the
     leader's, 0.5 s after its boundary (sample) + 0.5 s transit; then rank 1 hangs in its forward."""
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
         end = clock.t - 1.0  # the boundary ended 1 s before the report arrived
@@ -444,7 +444,7 @@ def test_a_rollback_replay_longer_than_the_bound_is_progress_not_a_hang():
     """Issue 24, item 1: on 40e8301 the stall clock moved only on a new highest step, so replaying
     steps 25..102 after a rollback from 102 read as a stall, and --hang-abort killed a healthy run."""
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 103):
         _step(monitor, clock, lay, step)
     bound = monitor.progress.bound()
@@ -458,7 +458,7 @@ def test_a_rollback_replay_longer_than_the_bound_is_progress_not_a_hang():
 
 def test_a_rollback_rearms_the_clock_with_the_start_up_bound_until_the_next_boundary():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 11):
         _step(monitor, clock, lay, step)
     normal = monitor.progress.bound()
@@ -479,7 +479,7 @@ def test_a_hang_pointing_at_ranks_the_leader_cannot_see_names_no_culprit_and_sta
     from parwatch.sidecar.hang import coverage
 
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 4, 1)
+    lay = RankLayout(1, 4, 1)
     for step in range(1, 6):
         clock.t += 0.5
         for r in (0, 1):
@@ -503,7 +503,7 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
 
     clock = Clock()
     view = LeaderView(clock, grace_seconds=5.0)
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     rows = [act(r, lay, "forward", step=3) for r in (0, 1)]
     view.ingest(NodeDigest(1, "pw-node1:9401", "r", clock.t, (1, 2, 1), rows))
     assert {a.state for a in view.rows().values()} == {"running"} and view.missing_nodes() == []
@@ -517,7 +517,7 @@ def test_the_leader_hears_every_node_since_a_time_unless_one_is_quiet():
 
     clock = Clock()
     view = LeaderView(clock, grace_seconds=5.0)
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     view.ingest(NodeDigest(1, "a:9401", "r", clock.t, (1, 2, 1), [act(0, lay, step=3)]))
     clock.t += 1.0
     view.ingest(NodeDigest(1, "b:9401", "r", clock.t, (1, 2, 1), [act(1, lay, step=3)]))
@@ -530,7 +530,7 @@ def test_a_second_run_starts_its_stall_clock_afresh():
     """Found in CI: a second run on the same leader inherited the first run's stall clock (its last
     step 11), so the second run's start-up read as a 10 s stall and a hang was named."""
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 12):
         _step(monitor, clock, lay, step)
     monitor.begin_run()
@@ -548,7 +548,7 @@ def test_ranks_that_only_lost_a_peer_point_at_the_ranks_the_leader_cannot_see():
     """A node lost whole: its ranks read `unknown` at the leader, the others crashed of a lost peer. The
     failure is among the unseen ranks: rank-gone points there and names no culprit (issue 24 item 4)."""
     monitor, clock, engine = _monitor()
-    lay = Layout(2, 2, 1)
+    lay = RankLayout(2, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     rows = {r: replace(act(r, lay, "forward", step=6, state="crashed"), error=PEER_LOST) for r in (0, 1)}
     rows.update({r: act(r, lay, "forward", step=6, state="unknown") for r in (2, 3)})
@@ -562,7 +562,7 @@ def test_ranks_that_only_lost_a_peer_point_at_the_ranks_the_leader_cannot_see():
 
 def test_echoes_alone_wait_for_the_first_failure_before_one_is_named():
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     echo = {
         0: replace(act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed"), error=PEER_LOST),
@@ -586,7 +586,7 @@ def test_a_rank_gone_silently_beside_an_echo_waits_for_every_node_to_speak():
     ended rank 0 (gone, no error). Rank 0 was named before node 1 counted as missing. Now the leader waits
     while a node has sent nothing since the echo, and points at that node's ranks once it is missing."""
     monitor, clock, engine = _monitor()
-    lay = Layout(2, 2, 1)
+    lay = RankLayout(2, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     rows = {
         0: act(0, lay, "forward", step=6, state="gone"),
@@ -613,7 +613,7 @@ def test_a_rank_gone_silently_beside_an_echo_is_named_once_every_node_spoke():
     """A rank killed (gone, no error) and its peer's echo, every node heard since: the killed rank is
     named at once, not after ECHO_WAIT_SECONDS."""
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     rows = {
         0: replace(act(0, lay, "recv", "recv", "pp", peer=1, step=6, state="crashed"), error=PEER_LOST),
@@ -637,7 +637,7 @@ def test_the_rank_its_node_saw_end_first_is_named_over_stale_waits():
     in a TP all-reduce for rank 2, which read as rank 2 being the one the others waited for. The exits
     their node saw (pidfd stamps) say rank 3 ended first: it is named, rank 2 is also gone."""
     monitor, clock, engine = _monitor()
-    lay = Layout(2, 2, 1)
+    lay = RankLayout(2, 2, 1)
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     waits = {
         0: replace(act(0, lay, "recv", "recv", "pp", peer=2, step=6, state="crashed"), error=PEER_LOST),
@@ -657,7 +657,7 @@ def test_the_rank_its_node_saw_end_first_is_named_over_stale_waits():
 def test_exits_on_different_hosts_do_not_overrule_the_waits():
     """Two hosts' clocks are not one clock: exits seen on different nodes are not compared."""
     monitor, clock, engine = _monitor()
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, step=3), lay, clock.t)
     rows = {
         0: act(0, lay, "recv", "recv", "pp", peer=1, step=3, state="gone", host="h0"),

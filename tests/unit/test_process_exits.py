@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from parwatch.rank_layout import RankLayout
 from parwatch.records import Activity
 from parwatch.sidecar.digest import NodeBook
 from parwatch.sidecar.exits import ProcessExits
-from parwatch.sidecar.hang import Layout
 
 pytestmark = pytest.mark.skipif(ProcessExits()._epoll is None, reason="needs pidfd_open (Linux >= 5.3)")
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -79,14 +79,14 @@ def test_close_ends_the_thread_and_watching_stops(sleepers):
     assert watch.ended(sleepers[1].pid) is None
 
 
-def _row(rank: int, pid: int, layout: Layout) -> Activity:
+def _row(rank: int, pid: int, layout: RankLayout) -> Activity:
     return Activity(rank, "running", "forward", None, None, None, None, 1.0, 3, 0.1, pid, "h0", rank, 0, 0, 5.0, None)
 
 
 def test_the_node_book_reads_a_stamped_rank_as_gone_with_its_end(exits, sleepers):
     """Even where the pid check would say alive (a reused pid), the stamp says the process ended."""
     book = NodeBook(time.time, silent_seconds=60.0, hostname="h0", alive=lambda pid: True, exits=exits)
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for rank, p in enumerate(sleepers):
         book.add(_row(rank, p.pid, lay), lay, "run")
     sleepers[1].kill()

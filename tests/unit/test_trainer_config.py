@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 
+from parwatch.rank_layout import Coords
 from parwatch.trainer.config import TrainConfig, build_parser, parse_args
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.parallel_dims import ParallelDims
-from parwatch.vocabulary import Coords
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (4, 2, 3), (3, 1, 2)]
 
