@@ -54,7 +54,7 @@ def canonical_order(order: str, tp: int, pp: int, dp: int) -> str:
     if not isinstance(order, str):
         raise LayoutError(f"order={order!r} must be a string such as {DEFAULT_ORDER!r} (fastest dimension first)")
     names = [n.strip() for n in order.lower().split(SEPARATOR)]
-    known = {*ROLES, *UNIT_ROLES}
+    known = (*ROLES, *UNIT_ROLES)
     unknown = [n for n in names if n not in known]
     if unknown or len(set(names)) != len(names):
         what = f"unknown {unknown}" if unknown else "a dimension twice"

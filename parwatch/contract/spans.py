@@ -65,7 +65,8 @@ class Span:
     send/recv: stage, microbatch, chunk, peer, what ("activation" | "grad"), op ("send" | "recv"),
                group "pp", bytes, group_size 2, seq. A send runs from posting the isend to its completion.
     collective: op, group ("tp" | "pp" | "dp" | "world" | ...), bytes, group_size, seq
-    optimizer, dp_sync, checkpoint, data: stage
+    optimizer, dp_sync, checkpoint, data: stage (a dp_sync whose all-reduce is not its own span may name its
+               `group`, "dp": the hang analysis then reads it as a wait for that group)
 
     Observers treat `attrs` as read-only (and copy what they change): an emitter may share one attrs
     dict between the spans of every step, as the torch pipelining integration does per stage and

@@ -207,7 +207,9 @@ class MegatronWatch(StepLoop):
             ) from exc
         finalize = getattr(self.config, "finalize_model_grads_func", None)
         if finalize is not None and not self._patches.redo():
-            self._patches.set(self.config, "finalize_model_grads_func", _timed_finalize(finalize, self.pp_rank))
+            self._patches.set(
+                self.config, "finalize_model_grads_func", _timed_finalize(finalize, self.pp_rank, self.dp)
+            )
         self.attached = True
         return self
 
@@ -283,11 +285,13 @@ class MegatronWatch(StepLoop):
 watch = MegatronWatch
 
 
-def _timed_finalize(finalize, stage: int):
-    """Megatron's gradient finalisation (DP/embedding all-reduces, after the last backward) in a dp_sync span."""
+def _timed_finalize(finalize, stage: int, dp: int):
+    """Megatron's gradient finalisation (DP/embedding all-reduces, after the last backward) in a dp_sync span;
+    with DP > 1 it names its group (its DP all-reduce waits for the other replicas: the hang analysis reads it)."""
+    attrs = {"stage": stage, "op": "finalize_model_grads", **({"group": GroupRole.DP} if dp > 1 else {})}
 
     def finalize_model_grads(*args, **kwargs):
-        with registry.span(SpanKind.DP_SYNC, stage=stage, op="finalize_model_grads"):
+        with registry.span(SpanKind.DP_SYNC, **attrs):
             return finalize(*args, **kwargs)
 
     return finalize_model_grads

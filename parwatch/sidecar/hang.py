@@ -150,7 +150,9 @@ def _answered(a: Activity, rows: Mapping[int, Activity]) -> bool:
     return peer is not None and peer.kind == SpanKind.RECV and peer.peer == a.rank
 
 
-_GROUP_KINDS = (SpanKind.COLLECTIVE, SpanKind.BOUNDARY)  # the boundary: an all-reduce over the world
+_GROUP_KINDS = (SpanKind.COLLECTIVE, SpanKind.BOUNDARY, SpanKind.DP_SYNC)
+"""Spans that wait for a group when they name one: a collective, the boundary (an all-reduce over the world),
+and a gradient sync that names its group (Megatron's finalize_model_grads, whose DP all-reduce is not hooked)."""
 _WAITING_STATES = (RankState.RUNNING, *ENDED)  # an ended rank's last wait still tells who went first
 
 

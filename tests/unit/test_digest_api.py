@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from parwatch.rank_layout import RankLayout
 from parwatch.records import ActivityPost
 from parwatch.sidecar.activity_api import _next_ask
 from parwatch.sidecar.app import create_control_app
@@ -242,6 +243,51 @@ def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
     assert hang["evidence"]["waiting"] == [0] and status["rank_states"] == {"running": 1, "hung": 1}
     decisions = leader.get("/v1/decisions").json()
     assert any(d.get("rule") == "hang" for d in decisions)
+
+
+def test_a_run_in_megatrons_order_is_checked_forwarded_and_judged_in_it(tmp_path):
+    """TP1 x PP2 x DP2 in Megatron's default order (tp-dp-pp: rank = dp_rank + 2 * stage): ranks 0 and 2 on
+    the leader's node, 1 and 3 on another. Reports carry the order; the node's digest forwards it. Rank 3
+    hangs in its forward: rank 1 waits for it in a receive, ranks 0 and 2 in Megatron's DP gradient sync."""
+    leader, lsc, lclock = _client(tmp_path, "leader")
+    node, nsc, nclock = _client(tmp_path, "node", leader_url="http://leader")
+    nsc.activity._http = _Bridge(leader)
+    where = {0: 0, 1: 0, 2: 1, 3: 1}  # rank -> stage in tp-dp-pp (the default would say 0, 1, 0, 1)
+    doing = {
+        0: {"kind": "dp_sync", "op": "finalize_model_grads", "group": "dp"},
+        1: {"kind": "recv", "op": "recv", "group": "pp", "peer": 3},
+        2: {"kind": "dp_sync", "op": "finalize_model_grads", "group": "dp"},
+        3: {"kind": "forward"},
+    }
+
+    def post(rank, step, order="tp-dp-pp", **kw):
+        client, clock = (leader, lclock) if rank in (0, 2) else (node, nclock)
+        at = {"stage": where[rank], "dp_rank": rank % 2, "dp": 2, "order": order}
+        return client.post("/v1/activity", json=report(rank, step=step, time=clock.t, **at, **{**doing[rank], **kw}))
+
+    refused = post(1, 1, order=None)  # no order: the default's, where rank 1 is stage 1
+    assert refused.status_code == 422, refused.text
+    assert "rank 1 says tp_rank 0, stage 0, dp_rank 1, but order 'tp-pp-dp'" in refused.json()["detail"]
+    for step in (1, 2, 3):
+        lclock.t += 1
+        nclock.t += 1
+        for rank in range(4):
+            assert post(rank, step, kind="forward").json()["ok"]
+        asyncio.run(nsc.activity.tick())
+    assert lsc.activity.view.layout == RankLayout(1, 2, 2, "tp-dp-pp")  # from the node's digest
+    changed = post(0, 3, order="tp-pp-dp")  # rank 0 sits alike in both orders: the order itself changed
+    assert changed.status_code == 422 and "differs from this run's" in changed.json()["detail"]
+    for _ in range(12):
+        lclock.t += 1
+        nclock.t += 1
+        for rank in range(4):
+            post(rank, 3)
+        asyncio.run(nsc.activity.tick())
+        asyncio.run(lsc.activity.tick())
+    evidence = leader.get("/v1/hang").json()["hang"]["evidence"]
+    culprit = evidence["culprit"]
+    assert (culprit["rank"], culprit["stage"], culprit["dp_rank"], culprit["kind"]) == (3, 1, 1, "forward")
+    assert evidence["waiting"] == [0, 1, 2]
 
 
 class _Bridge:

@@ -33,7 +33,7 @@ def act(
     host="h0",
     time=1e10,
 ):
-    tp, pp = layout.tp, layout.pp
+    at = layout.coords(rank)
     return Activity(
         rank,
         state,
@@ -47,9 +47,9 @@ def act(
         0.1,
         1000 + rank,
         host,
-        (rank // tp) % pp,
-        rank % tp,
-        rank // (tp * pp),
+        at.stage,
+        at.tp_rank,
+        at.dp_rank,
         time,
         None,
     )
@@ -135,6 +135,43 @@ def test_boundary_collective_without_seq_lines_up_by_step():
     rows[2] = act(2, lay, "backward")
     found = find_culprit(rows, lay)
     assert found["culprit"] == 2 and found["waiting"] == [0, 1, 3]
+
+
+def test_groups_are_the_runs_order_not_the_default():
+    """Megatron's default order (tp-dp-pp): DP replicas inside the pipeline. Rank 0's DP all-reduce waits
+    for rank 1 (its replica peer here), where the default order would have it wait for rank 2."""
+    lay = RankLayout(1, 2, 2, "tp-cp-ep-dp-pp")
+    rows = {
+        0: act(0, lay, "collective", "all_reduce", "dp", seq=3),
+        1: act(1, lay, "forward"),
+        2: act(2, lay, "collective", "all_reduce", "dp", seq=3),
+        3: act(3, lay, "collective", "all_reduce", "dp", seq=3),
+    }
+    found = find_culprit(rows, lay)
+    assert found["culprit"] == 1 and found["waiting"] == [0], found
+    assert find_culprit(rows, RankLayout(1, 2, 2))["culprit"] != 1  # read in the wrong order: the wrong rank
+
+
+def test_a_gradient_sync_that_names_its_group_waits_for_it():
+    """Megatron's finalize_model_grads (dp_sync, group dp): TP1 x PP2 x DP2 in tp-dp-pp, rank 3 hung in
+    its forward. Rank 1 (its pipeline) waits in a receive; ranks 0 and 2 finished their replica's pipeline
+    and wait in the DP all-reduce for ranks 1 and 3; without a group a dp_sync waits for nobody."""
+    lay = RankLayout(1, 2, 2, "tp-dp-pp")
+    sync = {"kind": "dp_sync", "op": "finalize_model_grads", "group": "dp"}
+    rows = {
+        0: act(0, lay, **sync),
+        1: act(1, lay, "recv", "recv", "pp", peer=3),
+        2: act(2, lay, **sync),
+        3: act(3, lay, "forward"),
+    }
+    assert find_culprit(rows, lay) == {
+        "culprit": 3,
+        "waiting": [0, 1, 2],
+        "missing": {"kind": "collective", "op": "finalize_model_grads", "group": "dp", "seq": None},
+        "method": "dependency",
+    }
+    rows[0], rows[2] = act(0, lay, "dp_sync"), act(2, lay, "dp_sync")
+    assert find_culprit(rows, lay)["waiting"] == [1]
 
 
 def test_send_hang_is_named_with_its_peer():

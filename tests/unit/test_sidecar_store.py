@@ -98,6 +98,24 @@ def test_the_world_is_fixed_at_first_contact_and_ranks_runs_are_bounded():
     store.admit([S(0, 1, run_id="third")])
 
 
+def test_a_summary_carries_its_runs_order_and_agrees_with_it():
+    """An older summary (no order) is the default order's; coordinates that disagree with the summary's own
+    order are refused, named; and one run keeps one order, as it keeps its sizes."""
+    from parwatch.sidecar.store import Refused
+
+    megatron = {"stage": 0, "dp_rank": 1, "tp": 1, "pp": 2, "dp": 2}  # rank 1 in Megatron's tp-dp-pp
+    with pytest.raises(ValueError, match="rank 1 says tp_rank 0, stage 0, dp_rank 1, but order 'tp-pp-dp'"):
+        parse({**syn.summary(1, 1), **megatron}, StepSummary)
+    s = parse({**syn.summary(1, 1), **megatron, "order": "tp-dp-pp"}, StepSummary)
+    assert s.layout.coords(1) == (0, 0, 1)
+    store = Store(clock=Clock())
+    store.admit([s])
+    store.add(s)
+    default = parse(syn.summary(0, 1, dp=2), StepSummary)  # rank 0 sits alike in both: only the order differs
+    with pytest.raises(Refused, match="has tp 1 x pp 2 x dp 2 in order tp-dp-pp .* says .* in order tp-pp-dp"):
+        store.admit([default])
+
+
 def test_a_silent_run_is_taken_over_after_the_grace_period():
     """Issue 25, item 4: on 40e8301 one stray rank-0 summary with another run id archived the live run."""
     from parwatch.sidecar.store import Refused
