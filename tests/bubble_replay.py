@@ -16,20 +16,25 @@ from parwatch.pipeline_sim import Action, B, F, I, Replay, W, stages_of
 from parwatch.vocabulary import P2PPayload
 
 
-def replayed_steps(run_dir: str, order) -> dict:
+def replayed_steps(run_dir: str, order, ranks: Mapping[int, int] | None = None) -> dict:
     """step -> (measured {rank: bubble}, the replay at the step's measured times, host {rank: [s per block]},
     p2p_s),
-    for the steps >= 2 whose spans were kept (the previous boundary's end opens a step's period)."""
+    for the steps >= 2 whose spans were kept (the previous boundary's end opens a step's period).
+    ranks: {rank of `order`: the run's rank that ran it}, for one pipeline of a run with several (a DP
+    replica, a TP rank); the others' records are left out. Default: the order's ranks are the run's."""
+    ours = {run_rank: rank for rank, run_rank in (ranks or {r: r for r in order}).items()}
     measured: dict = {}
     with open(os.path.join(run_dir, "summaries.jsonl")) as f:
         for line in f:
             row = json.loads(line)
-            measured.setdefault(row["step"], {})[row["rank"]] = row["bubble_ratio"]
+            if row["rank"] in ours:
+                measured.setdefault(row["step"], {})[ours[row["rank"]]] = row["bubble_ratio"]
     spans: dict = {}
     with open(os.path.join(run_dir, "spans.jsonl")) as f:
         for line in f:
             span = json.loads(line)
-            spans.setdefault(span["step"], []).append(span)
+            if span["rank"] in ours:
+                spans.setdefault(span["step"], []).append({**span, "rank": ours[span["rank"]]})
     out = {}
     for step in sorted(spans):
         opened = {s["rank"]: s["end_s"] for s in spans.get(step - 1, ()) if s["kind"] == "boundary"}

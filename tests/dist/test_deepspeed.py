@@ -361,9 +361,9 @@ def test_data_parallel_replicas_sync_and_report_their_coordinates(grid4):
         for line in f:
             row = json.loads(line)
             rows[row["rank"]] = row
-    # DeepSpeed's grid: rank = dp_rank * pp + stage... whatever its order, every (stage, dp_rank) once.
-    assert {(r["stage"], r["dp_rank"]) for r in rows.values()} == {(s, d) for s in range(2) for d in range(2)}
-    assert all((r["pp"], r["dp"], r["tp"]) == (2, 2, 1) for r in rows.values())
+    # DeepSpeed's topology (axes pipe, data: data the faster) is the order tp-dp-pp: rank = dp_rank + 2 * stage.
+    assert {rank: (r["stage"], r["dp_rank"]) for rank, r in rows.items()} == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert all((r["pp"], r["dp"], r["tp"], r["order"]) == (2, 2, 1, "tp-dp-pp") for r in rows.values())
     synced = set()
     with open(os.path.join(out, "pp2-dp2", "spans.jsonl")) as f:
         for line in f:
