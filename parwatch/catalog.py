@@ -97,7 +97,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         "parwatch_run_info",
         "info",
-        ("run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"),
+        ("run_id", "schedule", "tp", "pp", "dp", "order", "microbatches", "version"),
         "The run this sidecar watches",
     ),
     Metric("parwatch_train_step", "gauge", (), "Newest optimizer step any rank reported"),

@@ -280,7 +280,7 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
             [
                 (
                     rec.RUN_INFO,
-                    "{{run_id}}  {{schedule}}  tp={{tp}} pp={{pp}} dp={{dp}} m={{microbatches}}  v{{version}}",
+                    "{{run_id}}  {{schedule}}  tp={{tp}} pp={{pp}} dp={{dp}} ({{order}}) m={{microbatches}}  v{{version}}",
                 )
             ],
             w=12,

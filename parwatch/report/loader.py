@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parwatch import ledger_view, records, step_records
+from parwatch.rank_layout import DEFAULT_ORDER, ORDERS
 from parwatch.records import BadRecord
 from parwatch.schema import decode_float
 from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
@@ -47,6 +48,9 @@ class RunConfig:
     dp: int = 1
     microbatches: int = 1
     chunks: int = 1
+    order: str = DEFAULT_ORDER
+    """The rank order, fastest dimension first (parwatch.rank_layout): the summaries' own coordinates place
+    each rank; this says how the run laid them out."""
 
 
 @dataclass
@@ -179,7 +183,8 @@ def _config(summaries: list, spans: list) -> RunConfig:
     s = summaries[-1]
     ints = {k: s.get(k) for k in ("tp", "pp", "dp", "microbatches", "chunks")}
     ints = {k: v for k, v in ints.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
-    return RunConfig(run_id=str(s.get("run_id", "?")), schedule=str(s.get("schedule", "?")), **ints)
+    order = s.get("order") if s.get("order") in ORDERS else DEFAULT_ORDER  # none: an older summary's default
+    return RunConfig(run_id=str(s.get("run_id", "?")), schedule=str(s.get("schedule", "?")), order=order, **ints)
 
 
 def _ledgers(run_dir: Path, summaries: list) -> dict:

@@ -66,6 +66,7 @@ def build_sections(
                 ["run id", cfg.run_id],
                 ["schedule", cfg.schedule],
                 ["tp x pp x dp", f"{cfg.tp} x {cfg.pp} x {cfg.dp} ({len(ranks)} ranks seen)"],
+                ["rank order (fastest first)", cfg.order],
                 ["microbatches (m)", str(cfg.microbatches)],
                 ["chunks per stage (v)", str(cfg.chunks)],
                 ["steps", f"{steps[0]}..{steps[-1]} ({len(steps)} distinct)" if steps else "none"],

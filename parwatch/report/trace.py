@@ -141,6 +141,7 @@ def build_trace(run: RunData) -> dict:
             "tp": run.config.tp,
             "pp": run.config.pp,
             "dp": run.config.dp,
+            "order": run.config.order,
             "microbatches": run.config.microbatches,
         },
     }

@@ -76,7 +76,7 @@ class SidecarCollector(Collector):
         info = InfoMetricFamily(
             "parwatch_run",
             "The run this sidecar watches",
-            labels=["run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"],
+            labels=["run_id", "schedule", "tp", "pp", "dp", "order", "microbatches", "version"],
         )
         head = st.run_summary()
         if head is not None:
@@ -84,7 +84,9 @@ class SidecarCollector(Collector):
                 [
                     head.run_id,
                     head.schedule,
-                    *(str(n) for n in (head.tp, head.pp, head.dp, head.microbatches)),
+                    *(str(n) for n in (head.tp, head.pp, head.dp)),
+                    head.order,
+                    str(head.microbatches),
                     __version__,
                 ],
                 {},

@@ -182,6 +182,17 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path):
     assert "Skipped 5 malformed line(s) in summaries.jsonl" in written["html"].read_text()
 
 
+def test_the_report_names_the_runs_rank_order(tmp_path):
+    """An older run's summaries carry no order: the default; a run in Megatron's order says so."""
+    info = make_run_dir(tmp_path / "run", pp=2, microbatches=4, steps=2, with_spans=False, decision=False)
+    assert load_run(info.path).config.order == "tp-pp-dp"
+    path = info.path / "summaries.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**row, "order": "tp-dp-pp"}) + "\n" for row in rows))
+    assert load_run(info.path).config.order == "tp-dp-pp"
+    assert "tp-dp-pp" in build_report(info.path)["html"].read_text()
+
+
 def test_nan_strings_decode_and_a_rollback_splits_the_loss_line(tmp_path):
     info = make_run_dir(tmp_path / "run", pp=2, microbatches=4, steps=8, nan_loss_step=5)
     run = load_run(info.path)

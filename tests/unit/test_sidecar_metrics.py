@@ -24,7 +24,7 @@ GRACE = 10.0
 
 # DESIGN.md's catalogue: family name (as the text format names it) -> label names.
 CATALOGUE = {
-    "parwatch_run_info": {"run_id", "schedule", "tp", "pp", "dp", "microbatches", "version"},
+    "parwatch_run_info": {"run_id", "schedule", "tp", "pp", "dp", "order", "microbatches", "version"},
     "parwatch_train_step": set(),
     "parwatch_loss": set(),
     "parwatch_tokens_total": set(),
@@ -148,6 +148,7 @@ def test_values_follow_the_summaries(env):
     assert fams["parwatch_checkpoint_last_good_step"].samples[0].value == 1
     info = fams["parwatch_run_info"].samples[0].labels
     assert info["tp"] == "2" and info["pp"] == "2" and info["schedule"] == "1f1b" and info["run_id"] == "synthetic"
+    assert info["order"] == "tp-pp-dp"  # the summaries carry none: the default
     theory = samples(fams["parwatch_stage_bubble_theoretical_ratio"])
     assert theory == {(("stage", "0"),): pytest.approx(0.2), (("stage", "1"),): pytest.approx(0.2)}
     compute = samples(fams["parwatch_stage_compute_seconds_total"], "_total")
