@@ -29,6 +29,10 @@ forward_backward_* functions, p2p_communication._batched_p2p_ops and _p2p_ops,
 tensor_parallel.mappings' collective helpers); `detach()`
 restores them. No torch attribute is touched, and importing parwatch never imports Megatron.
 
+The rank layout (tp, pp, dp and Megatron's rank order, its default "tp-cp-ep-dp-pp" included) is read
+off parallel_state (`megatron_layout`) and rides the RunContext, so DP > 1 is watched in the order
+Megatron laid the ranks out in.
+
 Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
 boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None: the
 newest checkpoint) on every rank and continues from the step it returns.
