@@ -102,15 +102,8 @@ class RankLayout:
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
-    @property
-    def is_default(self) -> bool:
-        return self.order == DEFAULT_ORDER
-
     def size(self, role: str) -> int:
         return {GroupRole.TP: self.tp, GroupRole.PP: self.pp, GroupRole.DP: self.dp}[GroupRole(role)]
-
-    def stride(self, role: str) -> int:
-        return self.strides[ROLES.index(GroupRole(role))]
 
     def coords(self, rank: int) -> Coords:
         """The coordinates of `rank` (0 .. world-1)."""

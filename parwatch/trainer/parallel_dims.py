@@ -50,17 +50,14 @@ class ParallelDims:
     def coords(self, rank: int) -> Coords:
         return self.layout.coords(rank)
 
-    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        return self.layout.rank_of(tp_rank, pp_rank, dp_rank)
-
     def tp_group_ranks(self) -> list[list[int]]:
-        return [[self.rank_of(t, p, d) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
+        return [list(g) for g in self.layout.groups("tp")]
 
     def pp_group_ranks(self) -> list[list[int]]:
-        return [[self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [list(g) for g in self.layout.groups("pp")]
 
     def dp_group_ranks(self) -> list[list[int]]:
-        return [[self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return [list(g) for g in self.layout.groups("dp")]
 
 
 @dataclass

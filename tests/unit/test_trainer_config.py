@@ -20,7 +20,7 @@ def test_coords_and_rank_of_round_trip(tp, pp, dp):
     for rank in range(dims.world_size):
         c = dims.coords(rank)
         assert (0 <= c.tp_rank < tp, 0 <= c.stage < pp, 0 <= c.dp_rank < dp) == (True, True, True)
-        assert dims.rank_of(c.tp_rank, c.stage, c.dp_rank) == rank
+        assert dims.layout.rank_of(c.tp_rank, c.stage, c.dp_rank) == rank
         seen.add(c)
     assert len(seen) == dims.world_size  # a bijection between ranks and coordinates
 
