@@ -137,11 +137,6 @@ class RunContext:
         )
 
     @property
-    def layout(self) -> RankLayout:
-        """The run's rank layout: rank <-> (tp_rank, stage, dp_rank) in its order."""
-        return RankLayout(self.tp, self.pp, self.dp, self.order)
-
-    @property
     def bubble_theoretical_ratio(self) -> float:
         """(p-1)/(v*m+p-1): the bubble share the schedule itself implies (a schedule without a
         closed form has its replay instead, once the trainer announces its order)."""

@@ -227,8 +227,9 @@ class MegatronWatch(StepLoop):
 
     def run_context(self, **extra):
         """A collector RunContext for this rank: tp, pp, dp, their order and this rank's coordinates
-        from Megatron's parallel_state (`megatron_layout`). `extra` goes to RunContext (tokens_per_step, local_gpu, hostname);
-        local_gpu defaults to the CUDA device of the model's parameters (its clock: CUDA events)."""
+        from Megatron's parallel_state (`megatron_layout`). `extra` goes to RunContext (tokens_per_step,
+        local_gpu, hostname); local_gpu defaults to the CUDA device of the model's parameters (its
+        clock: CUDA events)."""
         import torch.distributed as dist
 
         from parwatch.collector import RunContext

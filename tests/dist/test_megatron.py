@@ -281,6 +281,46 @@ def test_tensor_parallel_run_is_watched(grid, tp2):
     assert {s: float(v) for s, v in last[0].items()} == pytest.approx({s: float(v) for s, v in tp1.items()}, rel=1e-6)
 
 
+def layout_body(rank: int, world_size: int) -> dict:
+    """Megatron's parallel_state on 2 ranks, set up three ways, read by megatron_layout (or refused)."""
+    from megatron.core import parallel_state as ps
+
+    from parwatch.integrations.megatron import IntegrationError, megatron_layout
+
+    load_example("megatron_cpu").install()
+    out = {}
+    for name, kwargs in (("dp2", {}), ("pp2", {"pipeline_model_parallel_size": 2}),
+                         ("cp2", {"context_parallel_size": 2})):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(**kwargs)
+        try:
+            layout = megatron_layout()
+            out[name] = [layout.tp, layout.pp, layout.dp, layout.order, list(layout.coords(rank))]
+        except IntegrationError as exc:
+            out[name] = str(exc)
+        if name == "pp2":  # Megatron's own override of a rank's coordinate: it no longer fits its groups
+            ps.set_pipeline_model_parallel_rank(1 - rank)
+            try:
+                megatron_layout()
+            except IntegrationError as exc:
+                out["overridden"] = str(exc)
+            ps.set_pipeline_model_parallel_rank(None)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_the_layout_is_read_off_parallel_state_and_what_disagrees_is_refused():
+    out = run_ranks(layout_body, 2, timeout=100)
+    for rank, o in enumerate(out):
+        assert o["dp2"] == [1, 1, 2, "tp-pp-dp", [0, 0, rank]]
+        assert o["pp2"] == [1, 2, 1, "tp-pp-dp", [0, rank, 0]]
+        assert o["overridden"] == (
+            f"Megatron's parallel_state: rank {rank} says tp_rank 0, stage {1 - rank}, dp_rank 0, but order "
+            f"'tp-pp-dp' (fastest first) puts it at tp_rank 0, stage {rank}, dp_rank 0, read off its process groups"
+        )
+        assert o["cp2"].startswith("context parallelism (cp=2) is not watched"), o["cp2"]
+
+
 def test_hooks_install_once_and_restore_megatron():
     from parwatch.integrations._megatron_hooks import Hooks
 
