@@ -46,7 +46,8 @@ def replayed_steps(run_dir: str, order, ranks: Mapping[int, int] | None = None) 
         late = {rank: at - min(opened.values()) for rank, at in opened.items()}
         shifted = {rank: [blocks[0] + late[rank], *blocks[1:]] for rank, blocks in host.items()}
         replay = ps.simulate(order, durations, p2p_s=p2p, host_s=shifted, p2p_of=p2p_of)
-        out[step] = (measured[step], with_tail(replay, tail_seconds(spans[step]), late), host, p2p)
+        tail, other = tail_seconds(spans[step]), other_before_last(spans[step], opened)
+        out[step] = (measured[step], with_tail(replay, tail, late, other), host, p2p)
     return out
 
 
@@ -64,15 +65,36 @@ def tail_seconds(spans) -> dict[int, float]:
     return tails
 
 
-def with_tail(replay: ps.SimResult, tail: Mapping[int, float], late: Mapping[int, float] | None = None) -> ps.SimResult:
+def other_before_last(spans, opened: Mapping[int, float]) -> dict[int, float]:
+    """{rank: seconds of other work (optimizer, gradient sync, ...) between its period's start and the
+    pipeline's last compute}: time the collector's bubble leaves out (other, not idle) where the replay,
+    which runs compute only, has the rank idle. A last stage's DP gradient sync while the first stage
+    still drains is one (Megatron with DP > 1: 1-16 ms a step, before the first stage's last backward)."""
+    last = max(s["end_s"] for s in spans if s["kind"] in COMPUTE_KINDS)
+    other: dict[int, list] = {}
+    for s in spans:
+        if s["kind"] in OTHER_KINDS:
+            other.setdefault(s["rank"], []).append((s["start_s"], s["end_s"]))
+    return {rank: _covered(other.get(rank, []), start, last) for rank, start in opened.items()}
+
+
+def with_tail(
+    replay: ps.SimResult,
+    tail: Mapping[int, float],
+    late: Mapping[int, float] | None = None,
+    other: Mapping[int, float] | None = None,
+) -> ps.SimResult:
     """The replay over each rank's whole period: its measured tail (`tail_seconds`) added as idle, so
     the replayed bubble is what the collector's formula gives at the schedule's makespan. late: {rank:
-    seconds its period opened after the first rank's}; the replay ran them as idle, its period did not."""
+    seconds its period opened after the first rank's}; the replay ran them as idle, its period did not.
+    other: {rank: other work inside the replay's span (`other_before_last`)}: out of its idle and period,
+    as the collector leaves it out."""
     bubble = {}
     for rank, idle in replay.idle.items():
         extra, before = tail.get(rank, 0.0), (late or {}).get(rank, 0.0)
-        period = replay.makespan - before + extra
-        bubble[rank] = (idle - before + extra) / period if period > 0 else 0.0
+        inside = (other or {}).get(rank, 0.0)
+        period = replay.makespan - before + extra - inside
+        bubble[rank] = (idle - before + extra - inside) / period if period > 0 else 0.0
     return dataclasses.replace(replay, bubble=bubble)
 
 

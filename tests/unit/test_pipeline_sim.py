@@ -6,7 +6,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import theoretical
-from tests.bubble_replay import tail_seconds, timings_from_spans, with_tail
+from tests.bubble_replay import other_before_last, tail_seconds, timings_from_spans, with_tail
 from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
 
 
@@ -241,6 +241,23 @@ def test_the_replay_adds_each_ranks_step_end_as_idle():
     assert with_tail(replay, tails).bubble == pytest.approx({0: 3.5 / 6.5, 1: 4.5 / 7.5})
     # Rank 1's period opened 1 s after rank 0's: the replay's first second is not in its period.
     assert with_tail(replay, tails, {0: 0.0, 1: 1.0}).bubble == pytest.approx({0: 3.5 / 6.5, 1: 3.5 / 6.5})
+
+
+def test_other_work_before_the_pipelines_end_is_not_replayed_idle():
+    """Rank 1 (the last stage) syncs its gradients from 16.0 to 16.5 s, before rank 0's last backward ends
+    (18.5 s): the collector counts that half second as other, not idle; so does the replay."""
+    spans = [
+        _record(0, "backward", 16.5, 18.5, microbatch=0, chunk=0),
+        _record(0, "boundary", 19.2, 19.5),
+        _record(1, "backward", 13.5, 15.5, microbatch=0, vstage=1),
+        _record(1, "dp_sync", 16.0, 16.5),
+        _record(1, "boundary", 19.0, 20.0),
+    ]
+    other = other_before_last(spans, {0: 12.5, 1: 12.5})
+    assert other == pytest.approx({0: 0.0, 1: 0.5})
+    replay = ps.simulate({0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}, {"F": 1.0, "B": 2.0})
+    tails = tail_seconds(spans)
+    assert with_tail(replay, tails, None, other).bubble == pytest.approx({0: 4.0 / 7.0, 1: 4.0 / 7.0})
 
 
 def test_accepted_action_forms_agree():
