@@ -138,7 +138,7 @@ def test_every_digest_row_field_is_checked(sidecar):
         (row(pid=-5), "digest.rows[0].pid"),
         (row(state="exploded"), "digest.rows[0].state"),
         (row(host="x" * 10_000), "digest.rows[0].host"),
-        (row(stage=0), "is not (stage 0"),  # rank 1 claiming stage 0's coordinates
+        (row(stage=0), "rank 1 says tp_rank 0, stage 0, dp_rank 0, but order"),  # rank 1 claiming stage 0's place
         (row(rank=7, stage=7), "digest.rows[0].rank"),
         (row()[:-3], "digest.rows[0]: Expected `array` of at least length 17, got 14"),
     ]
