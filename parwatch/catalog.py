@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.vocabulary import MetricKind, RankState, RuleState, TimeCategory
+from parwatch.vocabulary import MetricKind, RankState, RuleState, SelfPart, TimeCategory
 
 KINDS = tuple(MetricKind)
 BOUNDED_LABELS = frozenset(
@@ -30,12 +30,15 @@ BOUNDED_LABELS = frozenset(
         "cause",
         "post",
         "category",
+        "part",
+        "tracker",
     }
 )
 """reason: why a collective instance was not split (remote, incomplete, unsent), or why a post was refused
 (parwatch.sidecar.refusals.REASONS); cause: a straggler's cause (parwatch.guardrails.attribution.CAUSES, four
 values); post: ingest, activity or digest; category: where a second went (parwatch.vocabulary.TimeCategory, 15
-values)."""
+values); part: where parwatch's own time went (parwatch.vocabulary.SelfPart, 4 values); tracker: an experiment
+tracker the leader writes to (parwatch.vocabulary.Tracker, 3 values)."""
 RANK_STATES = {RankState.RUNNING: 0, RankState.HUNG: 1, RankState.GONE: 2, RankState.UNKNOWN: 3}
 """parwatch_rank_state's value per state (one series per rank, the state as its value)."""
 GUARDRAIL_STATES = {RuleState.OK: 0, RuleState.PENDING: 1, RuleState.FIRING: 2}
@@ -86,8 +89,11 @@ class Metric:
         return len(self.buckets) + 3 if self.kind == MetricKind.HISTOGRAM else 1
 
     def label_sets_per_rank(self) -> int:
-        """Label sets one rank adds: one, or one per time category for the ledger's counters."""
-        return len(TimeCategory) if "category" in self.labels else 1
+        """Label sets one rank adds: one, or one per time category (the ledger's counters) or per part of
+        parwatch's own time."""
+        if "category" in self.labels:
+            return len(TimeCategory)
+        return len(SelfPart) if "part" in self.labels else 1
 
 
 _R, _RS, _RG, _OG, _S = ("rank",), ("rank", "stage"), ("rank", "gpu"), ("op", "group"), ("stage",)
@@ -259,6 +265,14 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
     Metric(
+        "parwatch_self_seconds_total",
+        "counter",
+        ("rank", "part"),
+        "parwatch's own time on this rank since its process started: span hooks and the collector on the training "
+        "thread, the shipper's and the activity reporter's threads (CPU); rate() is the share of the rank's time",
+        "seconds",
+    ),
+    Metric(
         "parwatch_time_seconds_total",
         "counter",
         ("rank", "stage", "category"),
@@ -297,8 +311,8 @@ SERIES: dict[str, Metric] = {s: m for m in METRICS for s in m.series()}
 SERIES_BUDGET_PER_RANK = 40
 """Most series one rank may add to a sidecar's /metrics (with a GPU; docs/deploy.md, "Series budget").
 
-per_rank_series() is what the catalogue implies today (31 with a GPU, 26 without, 15 of them the goodput
-ledger's per-category counters; the step histogram,
+per_rank_series() is what the catalogue implies today (35 with a GPU, 30 without, 15 of them the goodput
+ledger's per-category counters and 4 parwatch's own time by part; the step histogram,
 16 series, is exported once per stage, not per rank); tests/unit/test_catalog.py counts a real /metrics
 against this number, so a new per-rank series is a decision, not an accident.
 """

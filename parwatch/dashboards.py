@@ -517,9 +517,20 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
             desc="share of the step the collector spent on the training thread",
         ),
         timeseries(
+            "parwatch's own cost (share of the step)",
+            [
+                (rec.self_share("max", window), "{{part}} max over ranks"),
+                (rec.self_share("avg", window), "{{part}} avg over ranks"),
+            ],
+            unit="percentunit",
+            w=8,
+            desc="each rank's time in parwatch's span hooks and collector (training thread) and in its shipper "
+            "and activity threads (CPU), per second of the run: the share of the step it costs",
+        ),
+        timeseries(
             "Dropped summaries per second",
             [(rate("job", "parwatch_collector_dropped_summaries_total"), "all ranks")],
-            w=16,
+            w=8,
             h=6,
             desc="non-zero while a sidecar is away: the collector drops instead of blocking training",
         ),

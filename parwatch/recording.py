@@ -98,6 +98,11 @@ def ettr(window: str = RATE_WINDOW) -> str:
     return f"job:parwatch_time_seconds:ettr_rate{window}"
 
 
+def self_share(op: str, window: str = RATE_WINDOW) -> str:
+    """parwatch's own time per part as a share of a rank's time (seconds per second), `op` over ranks."""
+    return f"part:parwatch_self_seconds:{op}_rate{window}"
+
+
 def stragglers_top(window: str = RATE_WINDOW) -> str:
     return f"rank:parwatch_rank_straggler_seconds:rate{window}_top{TOP_K}"
 
@@ -230,6 +235,10 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     for word, code in (("hung", 1), ("gone", 2)):
         add(job(f"parwatch_rank_state_{word}", "count"), f"sum {by()} ({state} == bool {code})")
     add(RANKS_NOT_RUNNING, f"{state} > 0")
+    # parwatch's own cost: a rank's seconds per second in each part are that part's share of its steps.
+    own = _m("parwatch_self_seconds_total")
+    for op in ("max", "avg"):
+        add(self_share(op, w), f"{op} {by('part')} (rate({own}[{w}]))")
     straggler = _m("parwatch_rank_straggler_seconds_total")
     add(rate_name("job", straggler, w), f"sum {by()} (rate({straggler}[{w}]))")
     add(stragglers_top(w), f"topk {by()} ({TOP_K}, rate({straggler}[{w}]))")

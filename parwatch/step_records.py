@@ -27,7 +27,7 @@ from parwatch.contract.directives import MAX_STEP, Directive
 from parwatch.rank_layout import DEFAULT_ORDER, RankLayout, cached_layout
 from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, Order, openapi_schemas, text
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
-from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, TimeCategory
+from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, SelfPart, TimeCategory
 
 MAX_COUNT = 2**53
 """Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
@@ -222,6 +222,9 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     nvml_up: Literal[0, 1] = 0
     overhead_seconds: Seconds = 0.0
     """Time the collector itself spent on the training thread this step."""
+    self_seconds: Annotated[dict[SelfPart, LedgerSeconds], Meta(max_length=8)] | None = None
+    """parwatch's own time on this rank since its process started, by part (cumulative): span hooks and the
+    collector on the training thread, the shipper's and the activity reporter's threads (CPU)."""
     dropped_total: Count = 0
     """Summaries this rank's shipper dropped so far."""
     checkpoints: Annotated[list[Step], Meta(max_length=MAX_CHECKPOINTS)] = field(default_factory=list)

@@ -325,6 +325,27 @@ class MetricKind(StrEnum):
     INFO = "info"
 
 
+class SelfPart(StrEnum):
+    """Where parwatch's own time on a rank goes (parwatch_self_seconds_total{part})."""
+
+    HOOKS = "hooks"
+    """Span enter and exit on the training thread (the contract's registry and the integrations' wrappers)."""
+    COLLECTOR = "collector"
+    """The collector's step-boundary work on the training thread: folding the step's spans, the summary."""
+    SHIPPER = "shipper"
+    """The shipper thread's CPU: encoding, posting and writing summaries, rank 0's bubble-cause replay."""
+    ACTIVITY = "activity"
+    """The activity reporter thread's CPU (liveness for hang detection)."""
+
+
+class Tracker(StrEnum):
+    """Experiment trackers the leader sidecar can write to (`parwatch sidecar --export`)."""
+
+    TENSORBOARD = "tensorboard"
+    MLFLOW = "mlflow"
+    WANDB = "wandb"
+
+
 # --- pipeline schedules --------------------------------------------------------------------------
 
 

@@ -86,6 +86,8 @@ class ActivityReporter:
         """Reports the sidecar accepted."""
         self.failed = 0
         """Reports lost (sidecar away or refusing)."""
+        self.cpu_ns = 0
+        """The reporter thread's CPU time so far (time.thread_time_ns), as of its last report."""
 
     # -- sampling (reporter thread) ---------------------------------------------------------
     def snapshot(self, state: ReportState = "running", error: str | None = None) -> ActivityReport:
@@ -173,6 +175,7 @@ class ActivityReporter:
                 self.post(self.snapshot())
             except Exception as exc:  # never let a bad sample end the thread
                 log.warning("parwatch: activity sample failed (%s)", exc)
+            self.cpu_ns = time.thread_time_ns()  # parwatch's own cost; one int store, read by the collector
 
     def start(self) -> ActivityReporter:
         if self._stacks_file is None and (self.stacks_path or self.url):

@@ -45,7 +45,7 @@ from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_recor
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
 from parwatch.tokens import read_token
-from parwatch.vocabulary import Action
+from parwatch.vocabulary import Action, SelfPart
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
@@ -182,6 +182,7 @@ class Collector(Observer):
         self._checkpoints: list[int] = []
         self._paused = False
         self._overhead_ns = 0
+        self._collector_ns = 0  # the sum of every summary's overhead: SelfPart.COLLECTOR
         self._registry: HookRegistry | None = None
         self.summaries = 0
         """Summaries produced so far."""
@@ -319,6 +320,16 @@ class Collector(Observer):
                 if shares is not None:
                     self.ledger.split = shares
 
+    def _self_seconds(self) -> dict[SelfPart, float]:
+        """parwatch's own time on this rank so far, by part: plain ints each thread keeps for itself."""
+        registry = self._registry if self._registry is not None else default_registry
+        return {
+            SelfPart.HOOKS: registry.hook_ns * 1e-9,
+            SelfPart.COLLECTOR: self._collector_ns * 1e-9,
+            SelfPart.SHIPPER: self.shipper.cpu_ns * 1e-9,
+            SelfPart.ACTIVITY: self.activity.cpu_ns * 1e-9,
+        }
+
     def _write_ledger(self) -> None:
         """The ledger as JSON next to the summaries (ledger-rank<N>.json), at close."""
         if self._ledger_path is None:
@@ -370,8 +381,11 @@ class Collector(Observer):
         if self._model_flops and self.peak_flops and step_seconds > 0:
             summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
         summary["instances"] = self.instances.take()
-        summary["overhead_seconds"] = (self._overhead_ns + _now_ns() - t0) * 1e-9
+        overhead_ns = self._overhead_ns + _now_ns() - t0
+        summary["overhead_seconds"] = overhead_ns * 1e-9
         self._overhead_ns = 0
+        self._collector_ns += overhead_ns
+        summary["self_seconds"] = self._self_seconds()
         if self.guard is not None and not math.isfinite(info.loss):
             delivery = Delivery()  # did the leader get this loss? (LocalGuard)
             self.shipper.put_summary(summary, delivery)

@@ -123,6 +123,8 @@ class Shipper:
         """Summaries the sidecar accepted."""
         self.unreachable_since: float | None = None
         """Wall-clock time of the first failed post of the current run of failures; None while posts succeed."""
+        self.cpu_ns = 0
+        """The shipper thread's CPU time so far (time.thread_time_ns), as of its last round."""
 
     def check_token(self) -> None:
         """Raise Unauthorized if the sidecar refuses this token: one GET of its /v1/status (read
@@ -206,6 +208,7 @@ class Shipper:
                 self._drain()
                 if self._poll_due() or (self._outcomes and self._time() >= self._retry_at):
                     self._post([])
+                self.cpu_ns = time.thread_time_ns()  # parwatch's own cost; one int store, read by the collector
                 if stopping:
                     self._drain()
                     break

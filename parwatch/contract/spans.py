@@ -125,34 +125,42 @@ class _NullSpan:
 _NULL_SPAN = _NullSpan()
 
 
+_ns = time.perf_counter_ns
+
+
 class _LiveSpan(Span):
     """The span `registry.span()` returns is its own context manager: one object per span.
 
     A span's hooks often run right after the thread wakes (a sleep, a blocking receive), when
     the CPU's caches hold other work: there every Python call and object costs ~5-10x its
-    cost in a tight loop, so this path keeps both few."""
+    cost in a tight loop, so this path keeps both few. What it costs is added to
+    `registry.hook_ns` (two clock reads on each side, plain int adds)."""
 
-    __slots__ = ("_reg",)
+    __slots__ = ("_reg", "_t0")
 
-    def __init__(self, reg: HookRegistry, kind: SpanKind, attrs: dict[str, Any]):
+    def __init__(self, reg: HookRegistry, kind: SpanKind, attrs: dict[str, Any], t0: int):
         self._reg = reg
         self.kind = kind
         self.attrs = attrs
         self.end = None
+        self._t0 = t0
 
     def __enter__(self) -> Self:
         reg = self._reg
         self.parent = reg.current
         self.start = reg.clock.mark()
         reg.current = self  # one store, after start: an activity reporter reads both from its own thread
+        reg.hook_ns += _ns() - self._t0  # from registry.span() on: building the span and entering it
         return self
 
     def __exit__(self, *exc: object) -> Literal[False]:
+        t0 = _ns()
         reg = self._reg
         self.end = reg.clock.mark()
         reg.current = self.parent
         for on_span in reg.sinks:
             on_span(self)
+        reg.hook_ns += _ns() - t0
         return False
 
 
@@ -167,6 +175,10 @@ class HookRegistry:
         """The innermost open span of the training thread, or None (read by activity reporters)."""
         self.sequence: dict[tuple[SpanKind, object], int] = {}
         """Per-group collective and per-peer send/recv counts: span attrs' `seq`."""
+        self.hook_ns = 0
+        """Nanoseconds the training thread spent in span hooks while observed (`span()` and its enter and
+        exit, and wrappers that time spans themselves), since the process started: parwatch's own cost.
+        Only the training thread adds to it (threads that `emit_span` do not), so a plain int suffices."""
 
     def register(self, observer: Observer) -> None:
         self.observers.append(observer)
@@ -198,9 +210,10 @@ class HookRegistry:
     def span(self, kind: SpanKind, **attrs: Any) -> AbstractContextManager[Span | None, Literal[False]]:
         if not self.active:
             return _NULL_SPAN
+        t0 = _ns()
         if kind in SEQUENCED_KINDS and "seq" not in attrs:
             attrs["seq"] = self.next_seq(kind, attrs)
-        return _LiveSpan(self, kind, attrs)
+        return _LiveSpan(self, kind, attrs, t0)
 
     def mark(self) -> Any:
         """A clock mark, or None when nobody observes."""

@@ -8,6 +8,8 @@ wrappers only read arguments and time calls: numerics are unchanged.
 
 from __future__ import annotations
 
+import time
+
 from parwatch.contract import Span, SpanKind, registry
 from parwatch.integrations._p2p import TAG
 from parwatch.vocabulary import CollectiveOp
@@ -108,6 +110,7 @@ class _AttrsByMicrobatch(dict):
 
 
 _new = object.__new__
+_ns = time.perf_counter_ns
 
 
 def _timed(call, kind: SpanKind, attrs_of: _AttrsByMicrobatch, *, input_kind: SpanKind | None = None):
@@ -124,6 +127,7 @@ def _timed(call, kind: SpanKind, attrs_of: _AttrsByMicrobatch, *, input_kind: Sp
     def wrapper(chunk_id, *args, **kwargs):
         if not reg.active:
             return call(chunk_id, *args, **kwargs)
+        t0 = _ns()
         span = _new(Span)
         span.kind = (
             kind
@@ -135,13 +139,16 @@ def _timed(call, kind: SpanKind, attrs_of: _AttrsByMicrobatch, *, input_kind: Sp
         span.end = None
         span.start = reg.clock.mark()
         reg.current = span  # after start is set: an activity reporter reads both from its own thread
+        reg.hook_ns += _ns() - t0  # parwatch's own cost (HookRegistry.hook_ns)
         try:
             return call(chunk_id, *args, **kwargs)
         finally:
+            t0 = _ns()
             span.end = reg.clock.mark()
             reg.current = span.parent
             for on_span in reg.sinks:
                 on_span(span)
+            reg.hook_ns += _ns() - t0
 
     return wrapper
 

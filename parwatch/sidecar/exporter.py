@@ -156,6 +156,11 @@ class SidecarCollector(Collector):
             for category, seconds in sorted((rec.time_seconds() or {}).items()):
                 spent.add_metric([str(s.rank), str(s.stage), category], seconds)
         yield spent
+        own = _c("parwatch_self_seconds", ["rank", "part"])
+        for rec in records:
+            for part, seconds in sorted((rec.summary.self_seconds or {}).items()):
+                own.add_metric([str(rec.summary.rank), part], seconds)
+        yield own
         # One step histogram per stage: the boundary collective ends a step on every rank, so a stage's
         # ranks share its period, and one copy per rank was 16 of a rank's 32 series.
         per_stage: dict[int, RankRecord] = {}

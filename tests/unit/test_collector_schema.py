@@ -14,7 +14,7 @@ from parwatch.collector.causes import CAUSE_KEYS
 from parwatch.rank_layout import ORDERS
 from parwatch.records import parse
 from parwatch.step_records import IngestBody, StepSummary
-from parwatch.vocabulary import REFERENCE_SCHEDULES, TimeCategory
+from parwatch.vocabulary import REFERENCE_SCHEDULES, SelfPart, TimeCategory
 
 NUMBER = (int, float)
 LOSS_STRINGS = ("nan", "inf", "-inf")
@@ -150,6 +150,9 @@ FIELD_CHECKS = {
     "model_flops_utilization_ratio": lambda x: x is None or is_float(x),
     "time_seconds": lambda x: (
         isinstance(x, dict) and set(x) == set(TimeCategory) and all(is_float(v) for v in x.values())
+    ),
+    "self_seconds": lambda x: (
+        isinstance(x, dict) and set(x) == set(SelfPart) and all(is_float(v) and v >= 0 for v in x.values())
     ),
 }
 
