@@ -282,6 +282,19 @@ METRICS: tuple[Metric, ...] = (
         "seconds",
     ),
     Metric(
+        "parwatch_tracker_points_written_total",
+        "counter",
+        ("tracker",),
+        "Points (a step's figures, or decisions) the leader wrote to an experiment tracker (--export)",
+    ),
+    Metric(
+        "parwatch_tracker_points_dropped_total",
+        "counter",
+        ("tracker",),
+        "Points the leader did not write to an experiment tracker: it was slower than the run (its queue full, the "
+        "oldest dropped) or failed (logged once per kind of failure)",
+    ),
+    Metric(
         "parwatch_sidecar_rules_reload_failures_total",
         "counter",
         (),

@@ -528,6 +528,17 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
             "and activity threads (CPU), per second of the run: the share of the step it costs",
         ),
         timeseries(
+            "Experiment tracker points per second",
+            [
+                (rec.rate_name("tracker", "parwatch_tracker_points_written_total", window), "{{tracker}} written"),
+                (rec.rate_name("tracker", "parwatch_tracker_points_dropped_total", window), "{{tracker}} dropped"),
+            ],
+            w=8,
+            h=6,
+            desc="what the leader wrote to TensorBoard, MLflow or W&B (--export); dropped: the tracker was slower "
+            "than the run, or failed (the sidecar's log names why)",
+        ),
+        timeseries(
             "Dropped summaries per second",
             [(rate("job", "parwatch_collector_dropped_summaries_total"), "all ranks")],
             w=8,

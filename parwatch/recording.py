@@ -235,6 +235,9 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     for word, code in (("hung", 1), ("gone", 2)):
         add(job(f"parwatch_rank_state_{word}", "count"), f"sum {by()} ({state} == bool {code})")
     add(RANKS_NOT_RUNNING, f"{state} > 0")
+    # Experiment trackers the leader writes to (--export): points written and dropped per second.
+    for counter in ("parwatch_tracker_points_written_total", "parwatch_tracker_points_dropped_total"):
+        add(rate_name("tracker", counter, w), f"sum {by('tracker')} (rate({_m(counter)}[{w}]))")
     # parwatch's own cost: a rank's seconds per second in each part are that part's share of its steps.
     own = _m("parwatch_self_seconds_total")
     for op in ("max", "avg"):

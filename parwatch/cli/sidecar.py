@@ -44,6 +44,7 @@ Examples:
   parwatch sidecar --rules rules.yaml --state-dir /var/lib/parwatch
   parwatch sidecar --metrics-listen 0.0.0.0:9400 --control-listen 0.0.0.0:9401 --token-file /run/secrets/parwatch
   PARWATCH_TOKEN=s3cret parwatch sidecar --control-listen 10.0.0.5:9401 --rank-grace-seconds 60
+  parwatch sidecar --export tensorboard:./tb --export wandb --export-every 20
 \b
 Signals: SIGHUP reloads --rules (an invalid file keeps the old rules and is logged);
 SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --state-dir.
@@ -157,6 +158,25 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
     help="On a hang, make every rank exit with code 75 so the launcher restarts from a checkpoint.",
 )
 @click.option(
+    "--export",
+    "exports",
+    multiple=True,
+    metavar="TRACKER[:WHERE]",
+    help="Also write the run's figures (step time, bubble per stage and its causes, goodput, MFU, collective p99, "
+    "stragglers, hangs, decisions) to an experiment tracker, from the leader; repeatable. "
+    "e.g. --export tensorboard:./tb --export mlflow:http://mlflow:5000 --export wandb:my-project "
+    "(pip install 'parwatch[tensorboard]', '[mlflow]' or '[wandb]'; W&B runs offline without a key).",
+)
+@click.option(
+    "--export-every",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    metavar="STEPS",
+    help="Write to the --export trackers at most once per this many steps (and at the run's last). "
+    "e.g. --export-every 50",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -178,6 +198,8 @@ def sidecar(
     hang_step_factor,
     hang_dump_stacks,
     hang_abort,
+    exports,
+    export_every,
     log_level,
 ):
     """Export Prometheus metrics for a run's ranks, evaluate guardrails, hand directives back."""
@@ -187,6 +209,7 @@ def sidecar(
     from parwatch.guardrails.rules import RulesError
     from parwatch.sidecar.server import StartupError, serve
     from parwatch.sidecar.service import build_sidecar
+    from parwatch.sidecar.trackers.spec import ExportError, parse_export
 
     try:
         config = SidecarConfig(
@@ -205,10 +228,12 @@ def sidecar(
             hang_abort=hang_abort,
             max_ranks=max_ranks,
             max_runs=max_runs,
+            exports=tuple(parse_export(value) for value in exports),
+            export_every_steps=export_every,
         )
         built = build_sidecar(config)
         serve(built)
-    except (ConfigError, TokenError, StartupError) as err:
+    except (ConfigError, ExportError, TokenError, StartupError) as err:
         raise click.ClickException(str(err)) from None
     except RulesError as err:
         problems = "; ".join(str(p) for p in getattr(err, "problems", [])) or str(err)

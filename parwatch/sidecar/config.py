@@ -11,6 +11,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from parwatch.sidecar.trackers.spec import ExportSpec
 from parwatch.tokens import TOKEN_ENV, read_token
 
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"  # loopback unless told: Helm passes the pod network
@@ -75,8 +76,17 @@ class SidecarConfig:
     """On a hang, make every rank exit with code 75 so the launcher or JobSet restarts from a checkpoint."""
     activity_silent_seconds: float = 5.0
     """A rank with no activity report for this long is silent (pid alive) or gone (pid ended)."""
+    exports: tuple[ExportSpec, ...] = ()
+    """Experiment trackers the leader writes the run's figures to (`--export`; parwatch/sidecar/trackers)."""
+    export_every_steps: int = 10
+    """A point to the trackers at most once per this many steps (and at the run's last step)."""
 
     def __post_init__(self):
+        if self.export_every_steps < 1:
+            raise ConfigError(f"--export-every must be >= 1 step (got {self.export_every_steps}); 10 suits most runs")
+        kinds = [spec.tracker for spec in self.exports]
+        if len(set(kinds)) != len(kinds):
+            raise ConfigError(f"--export names a tracker twice ({', '.join(map(str, self.exports))}); give each once")
         if self.leader_url is not None and not self.leader_url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"--leader-url {self.leader_url!r} must be an http(s) URL of the leader sidecar's "

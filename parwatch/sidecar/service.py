@@ -56,6 +56,12 @@ class Sidecar:
         self.rank_gauges = {"parwatch_rank_up": RankGauge("parwatch_rank_up", self.store.liveness)}
         """Gauges with a series per rank, rendered apart from the registry (rank_gauges.py): /metrics has both."""
         self.alerts = AlertDedupe(engine.acted_alerts(), engine.note_alert)
+        self.exports = None
+        """The experiment trackers this sidecar writes to (`--export`; parwatch/sidecar/trackers), or None."""
+        if config.exports:
+            from parwatch.sidecar.trackers.exports import Exports  # no tracker code without --export
+
+            self.exports = Exports(self, config.exports, config.export_every_steps)
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_write: asyncio.Future | None = None
 
@@ -82,6 +88,8 @@ class Sidecar:
 
     def close(self) -> None:
         """Last writes, on the caller's thread (shutdown)."""
+        if self.exports is not None:
+            self.exports.close()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
         self.engine.close()
@@ -153,6 +161,8 @@ class Sidecar:
             if obs is not None:
                 obs.series.update(self.transfer.take_series())
                 self._count(self.engine.evaluate(obs))
+        if self.exports is not None:
+            self.exports.after_summary(s.step)
 
     def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:
         """Withdraw an outstanding directive; ValueError when there is none with that id."""
@@ -190,6 +200,8 @@ class Sidecar:
         """Ask the engine about rules whose metric went silent; the server calls this every second."""
         decisions = self.engine.check_no_data()
         self._count(decisions)
+        if self.exports is not None:
+            self.exports.tick()
         return decisions
 
     def reload_rules(self) -> bool:

@@ -26,7 +26,7 @@ from parwatch.guardrails.rules import REDUCES, Rule, RuleSet, default_rules
 ROOT = Path(__file__).resolve().parents[2]
 RULES_FILE = ROOT / "dashboards" / "recording_rules.yaml"
 NAME = re.compile(
-    r"^(job|stage|op_group|op_group_reason|cause|rank|rank_gpu|rule|rule_action|post_reason|category|stage_category|part)"
+    r"^(job|stage|op_group|op_group_reason|cause|rank|rank_gpu|rule|rule_action|post_reason|category|stage_category|part|tracker)"
     r":parwatch_[a-z0-9_]+:[a-z0-9_]+$"
 )
 RECORDED = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+")
