@@ -146,7 +146,7 @@ def expected(now_text: str, before_text: str = "") -> dict[str, float]:
             per_stage.setdefault(dict(key)["stage"], [0.0, 0.0])[i] += seconds
     for stage, (idle, compute) in per_stage.items():
         if idle + compute > 0:
-            out[f"bubble/stage_{stage}"] = stage_bubble(idle, compute)
+            out[f"bubble/stage_{stage}/measured"] = stage_bubble(idle, compute)
     for cause in BUBBLE_CAUSES:
         for key, value in now.get(f"parwatch_stage_bubble_{cause}_ratio", {}).items():
             out[f"bubble/stage_{dict(key)['stage']}/{cause}"] = value

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client.core import CounterMetricFamily
@@ -95,12 +96,15 @@ class Exports:
         if texts:
             self._put(Point(self._run_id, self._text_step(texts), texts=tuple(texts)))
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Sidecar stop: the last step written, every tracker run finished (each worker joined up to `timeout`)."""
         if self._run_id is not None and not self._ended and self.sidecar.rules_judged_by() is None:
             self._final()
         for worker in self.workers:
-            if not worker.close(timeout):
+            worker.stop()  # all at once: each tracker finishes its run while the others do
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            if not worker.join(max(0.0, deadline - time.monotonic())):
                 log.warning("--export %s: not finished within %.0f s at stop", worker.spec, timeout)
 
     # -- internals ------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ class SeriesBuilder:
         for stage in sorted(set(idle) | set(compute), key=int):
             i, c = idle.get(stage, 0.0), compute.get(stage, 0.0)
             if i + c > 0:
-                out.append((f"bubble/stage_{stage}", stage_bubble(i, c)))
+                out.append((f"bubble/stage_{stage}/measured", stage_bubble(i, c)))
         for cause in BUBBLE_CAUSES:
             for key, value in sorted(now.get(f"parwatch_stage_bubble_{cause}_ratio", {}).items(), key=_by_stage):
                 out.append((f"bubble/stage_{_label(key, 'stage')}/{cause}", value))

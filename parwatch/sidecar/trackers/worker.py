@@ -61,12 +61,19 @@ class TrackerWorker:
         self._queue.append(point)
         self._wake.set()
 
-    def close(self, timeout: float = 30.0) -> bool:
-        """Write what is queued, finish the tracker run, stop; False when the tracker did not finish in time."""
+    def stop(self) -> None:
+        """Write what is queued, finish the tracker run, then end the thread (join() waits for it)."""
         self._queue.append(None)
         self._wake.set()
+
+    def join(self, timeout: float) -> bool:
+        """False when the thread has not ended within `timeout`."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def close(self, timeout: float = 30.0) -> bool:
+        self.stop()
+        return self.join(timeout)
 
     def _run(self) -> None:
         while True:
