@@ -16,13 +16,16 @@ Goal: on/off <= 1.01 (median step time), with the paired ratio (median over pair
 the pair) and its distribution-free 95% interval. Also per mode: the training thread's CPU time per
 step (time.thread_time, the slower rank's median; other processes' load does not move it), and the
 collector's own accounting of its time on the training thread (overhead_seconds / step_seconds, from
-its summaries). The table prints the CPU the hypervisor stole during each workload.
+its summaries), and parwatch's live self-measure (the summaries' self_seconds, parwatch_self_seconds_total:
+hooks, collector, shipper) as a share of the step, which must lie inside the on/off ratio's interval
+("agrees"). The table prints the CPU the hypervisor stole during each workload.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -86,17 +89,33 @@ def alternate(rank: int, world: int, argv: list, pairs: int, log_dir: str) -> di
     return {"times": times, "cpu": cpu}
 
 
-def self_reported(log_dir: str) -> float | None:
-    """The collector's own time on the training thread over the step, median over its summaries."""
+def self_reported(log_dir: str) -> dict:
+    """parwatch's own measure of itself, medians over the attached steps after the warm-up: the collector's
+    time on the training thread over the step (overhead_seconds), and the growth of the summaries'
+    self_seconds (parwatch_self_seconds_total) from one attached step to the next over the step, all parts
+    and the training thread's (hooks + collector). Between two attached steps lies a detached one, where
+    nothing is counted but the shipper thread, which works only on the attached steps' summaries."""
     path = Path(log_dir) / "summaries.jsonl"
-    if not path.exists():
-        return None
-    ratios = [
-        s["overhead_seconds"] / s["step_seconds"]
-        for s in map(json.loads, path.read_text().splitlines())
-        if s["step"] > 2 * WARMUP and s["step_seconds"] > 0
-    ]
-    return statistics.median(ratios) if ratios else None
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    own, total, training = [], [], []
+    by_rank: dict[int, list] = {}
+    for s in rows:
+        by_rank.setdefault(s["rank"], []).append(s)
+    for summaries in by_rank.values():
+        summaries.sort(key=lambda s: s["step"])
+        for before, s in zip(summaries, summaries[1:]):
+            if s["step"] <= 2 * WARMUP or not s["step_seconds"] > 0:
+                continue
+            own.append(s["overhead_seconds"] / s["step_seconds"])
+            grown = {part: s["self_seconds"][part] - before["self_seconds"][part] for part in s["self_seconds"]}
+            total.append(sum(grown.values()) / s["step_seconds"])
+            training.append((grown["hooks"] + grown["collector"]) / s["step_seconds"])
+    median = statistics.median
+    return {
+        "collector_self_reported_ratio": median(own) if own else None,
+        "self_seconds_share": median(total) if total else None,
+        "self_seconds_share_training_thread": median(training) if training else None,
+    }
 
 
 def measure(name: str, argv: list, pairs: int) -> dict:
@@ -105,12 +124,14 @@ def measure(name: str, argv: list, pairs: int) -> dict:
     cfg = parse_args(argv)
     world = cfg.tp * cfg.pp * cfg.dp
     with tempfile.TemporaryDirectory() as log_dir:
+        load_before = os.getloadavg()[0]
         jiffies = cpu_jiffies()
         per_rank = run_ranks(alternate, world, argv, pairs, log_dir, timeout=1800)
         stolen = stolen_share(jiffies, cpu_jiffies())
         own = self_reported(log_dir)
     on, off = slower_rank_median(per_rank, "on"), slower_rank_median(per_rank, "off")
     paired, low, high = paired_ratio(per_rank)
+    share = own["self_seconds_share"]
     cpu = {m: max(statistics.median(r["cpu"][m]) for r in per_rank) for m in ("on", "off")}
     return {
         "workload": name,
@@ -122,9 +143,12 @@ def measure(name: str, argv: list, pairs: int) -> dict:
         "paired_ratio_95ci": [low, high],
         "thread_cpu_per_step_off_ms": cpu["off"] * 1e3,
         "thread_cpu_per_step_on_ms": cpu["on"] * 1e3,
-        "collector_self_reported_ratio": own,
+        **own,
+        # Does parwatch's live self-measure agree with what on/off costs? 1 + its share inside the interval.
+        "self_measure_agrees": share is not None and low <= 1 + share <= high,
         "steps_per_mode": len(per_rank[0]["times"]["on"]),
         "cpu_stolen_share": stolen,
+        "load_average_1m": [load_before, os.getloadavg()[0]],  # before and after: other processes' load
         "met": on / off <= RATIO_GOAL,
     }
 
@@ -144,7 +168,20 @@ def main() -> int:
                 print(f"{name}: run {run + 1}/{a.runs} done", flush=True)
     print()
     print_table(
-        ["workload", "run", "off (s)", "on (s)", "on/off", "paired [95%]", "CPU off/on (ms)", "own", "stolen", "goal"],
+        [
+            "workload",
+            "run",
+            "off (s)",
+            "on (s)",
+            "on/off",
+            "paired [95%]",
+            "CPU off/on (ms)",
+            "own",
+            "self (train thread)",
+            "agrees",
+            "stolen, load",
+            "goal",
+        ],
         [
             [
                 r["workload"],
@@ -155,7 +192,11 @@ def main() -> int:
                 "{:.4f} [{:.4f}, {:.4f}]".format(r["paired_ratio_median"], *r["paired_ratio_95ci"]),
                 f"{r['thread_cpu_per_step_off_ms']:.1f} / {r['thread_cpu_per_step_on_ms']:.1f}",
                 "-" if r["collector_self_reported_ratio"] is None else f"{r['collector_self_reported_ratio']:.2%}",
-                f"{r['cpu_stolen_share']:.0%}",
+                "-"
+                if r["self_seconds_share"] is None
+                else f"{r['self_seconds_share']:.2%} ({r['self_seconds_share_training_thread']:.2%})",
+                "yes" if r["self_measure_agrees"] else "no",
+                f"{r['cpu_stolen_share']:.0%}, load {r['load_average_1m'][0]:.1f}-{r['load_average_1m'][1]:.1f}",
                 "met" if r["met"] else "not met",
             ]
             for r in results

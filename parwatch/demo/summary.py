@@ -10,7 +10,7 @@ from pathlib import Path
 from parwatch import ledger_view
 from parwatch.bubble import closed_form, excess
 from parwatch.report.loader import load_run
-from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
+from parwatch.report.stats import bubble_table, collective_totals, cost_estimate, self_cost_shares
 from parwatch.vocabulary import RecordType
 
 
@@ -49,6 +49,7 @@ def build_summary(run_dir: Path, pp: int, microbatches: int, chunks: int, price:
         "world_size": trainer_summary.get("world_size"),
         "losses": trainer_summary.get("losses", []),
         "time": ledger_view.totals(ledger_view.as_counters(x["time_seconds"]) for x in ledgers),
+        "self_cost": self_cost_shares(run.summaries),
     }
 
 
@@ -120,6 +121,13 @@ def print_summary(console, summary: dict) -> None:
         "Where the time went (all ranks, process start to exit): " + ledger_view.line(summary.get("time")),
         highlight=False,
     )
+    own = summary.get("self_cost")
+    if own:
+        parts = ", ".join(f"{part} {share:.2%}" for part, share in own.items() if part != "training_thread")
+        console.print(
+            f"parwatch's own cost: {own['training_thread']:.2%} of the step on the training thread ({parts})",
+            highlight=False,
+        )
     c = summary["cost"]
     console.print(
         f"Idle accelerator time: {c['idle_gpu_hours'] * 3600:.1f} GPU-seconds "

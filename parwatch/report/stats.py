@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from parwatch.bubble import closed_form, excess, has_closed_form, stage_bubble
 from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.vocabulary import SelfPart
 
 
 def parse_buckets(raw, bounds=COLLECTIVE_BUCKETS) -> list[float] | None:
@@ -239,3 +240,29 @@ def cost_estimate(
             if _finite(i):
                 excess += max(i - sched_now, 0.0)
     return CostEstimate(price, idle / 3600, excess / 3600, now, doubled, recoverable / 3600)
+
+
+def self_cost_shares(summaries: list) -> dict[str, float] | None:
+    """parwatch's own time as a share of the steps, per part (SelfPart) and "training_thread" (hooks + collector):
+    each rank's growth of its cumulative self_seconds from its first summary to its last, summed over ranks,
+    over the same ranks' step seconds after their first summary. None when no summary carries self_seconds."""
+    by_rank: dict[int, list] = {}
+    for s in summaries:
+        if s.get("self_seconds"):
+            by_rank.setdefault(s["rank"], []).append(s)
+    spent: dict[str, float] = {}
+    steps = 0.0
+    for rows in by_rank.values():
+        rows.sort(key=lambda s: (s.get("process_start_time") or 0.0, s.get("timeline", 0), s["step"]))
+        first, last = rows[0], rows[-1]
+        if first.get("process_start_time") != last.get("process_start_time"):
+            rows = [s for s in rows if s.get("process_start_time") == last.get("process_start_time")]
+            first = rows[0]
+        for part, seconds in last["self_seconds"].items():
+            spent[part] = spent.get(part, 0.0) + seconds - first["self_seconds"].get(part, 0.0)
+        steps += sum(_num(s.get("step_seconds")) for s in rows[1:])
+    if not by_rank or not steps > 0:
+        return None
+    shares = {part: seconds / steps for part, seconds in sorted(spent.items())}
+    shares["training_thread"] = shares.get(SelfPart.HOOKS, 0.0) + shares.get(SelfPart.COLLECTOR, 0.0)
+    return shares

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from parwatch import ledger_view
 from parwatch.report.loader import RunData
-from parwatch.report.stats import bubble_table, collective_totals, cost_estimate
+from parwatch.report.stats import bubble_table, collective_totals, cost_estimate, self_cost_shares
 from parwatch.vocabulary import RecordType, TimeCategory
 
 
@@ -197,6 +197,7 @@ def build_sections(
     )
 
     out.append(_ledger_section(run))
+    out.append(_self_cost_section(run))
     pics = Section(
         "Pictures", images=[images[k] for k in ("timeline", "ledger", "bubble", "loss", "collectives") if k in images]
     )
@@ -270,6 +271,22 @@ def _outcome_text(record: dict) -> str:
     elif record.get("reasons"):
         text += ": " + ", ".join(f"{k} x{v}" for k, v in record["reasons"].items())
     return text
+
+
+def _self_cost_section(run: RunData) -> Section:
+    shares = self_cost_shares(run.summaries)
+    if shares is None:
+        return Section("parwatch's own cost", paragraphs=["No summary carries self_seconds (a collector before 0.1)."])
+    return Section(
+        "parwatch's own cost",
+        headers=["part", "share of the step"],
+        rows=[[part.replace("_", " "), _pct(share)] for part, share in shares.items()],
+        paragraphs=[
+            "Time in parwatch on each rank over its steps: span hooks and the collector run on the training thread "
+            "(their sum, training thread, is what a step can lose); the shipper and activity threads' CPU runs "
+            "beside it (benchmarks/collector_overhead.py compares it with steps run with and without parwatch)."
+        ],
+    )
 
 
 def _ledger_section(run: RunData) -> Section:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,3 +91,32 @@ def test_summaries_carry_self_seconds_and_metrics_export_them_by_rank_and_part(t
     assert got == {
         (str(rank), part.value): 0.001 * (rank + 1) * (i + 1) for rank in range(2) for i, part in enumerate(SelfPart)
     }
+
+
+def test_the_report_shows_self_cost_as_a_share_of_the_step(tmp_path):
+    import json
+
+    from parwatch.report.build import build_report
+    from parwatch.report.stats import self_cost_shares
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = []
+    for step in range(1, 4):
+        for rank in range(2):
+            s = syn.summary(rank, step, pp=2, step_seconds=1.0)
+            s["process_start_time"] = 100.0
+            s["self_seconds"] = {
+                SelfPart.HOOKS: 0.002 * step,
+                SelfPart.COLLECTOR: 0.001 * step,
+                SelfPart.SHIPPER: 0.004 * step,
+                SelfPart.ACTIVITY: 0.0,
+            }
+            rows.append(s)
+    (run / "summaries.jsonl").write_text("".join(json.dumps(s) + "\n" for s in rows))
+    shares = self_cost_shares(rows)  # each rank: steps 2 and 3 (2 s) cost 2 x the per-step growth
+    assert shares is not None
+    assert shares[SelfPart.HOOKS] == pytest.approx(0.002) and shares[SelfPart.SHIPPER] == pytest.approx(0.004)
+    assert shares["training_thread"] == pytest.approx(0.003)
+    markdown = build_report(run)["markdown"].read_text()
+    assert "parwatch's own cost" in markdown and "| training thread | 0.3% |" in markdown, markdown
