@@ -18,6 +18,7 @@ from parwatch.sidecar.config import (
     SidecarConfig,
     parse_listen,
 )
+from parwatch.sidecar.trackers.spec import DEFAULT_EVERY_STEPS
 from parwatch.tokens import TokenError, read_token
 
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
@@ -170,7 +171,7 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 @click.option(
     "--export-every",
     type=click.IntRange(min=1),
-    default=10,
+    default=DEFAULT_EVERY_STEPS,
     show_default=True,
     metavar="STEPS",
     help="Write to the --export trackers at most once per this many steps (and at the run's last). "

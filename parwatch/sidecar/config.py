@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from parwatch.sidecar.trackers.spec import ExportSpec
+from parwatch.sidecar.trackers.spec import DEFAULT_EVERY_STEPS, ExportSpec
 from parwatch.tokens import TOKEN_ENV, read_token
 
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"  # loopback unless told: Helm passes the pod network
@@ -78,7 +78,7 @@ class SidecarConfig:
     """A rank with no activity report for this long is silent (pid alive) or gone (pid ended)."""
     exports: tuple[ExportSpec, ...] = ()
     """Experiment trackers the leader writes the run's figures to (`--export`; parwatch/sidecar/trackers)."""
-    export_every_steps: int = 10
+    export_every_steps: int = DEFAULT_EVERY_STEPS
     """A point to the trackers at most once per this many steps (and at the run's last step)."""
 
     def __post_init__(self):

@@ -14,20 +14,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from prometheus_client.core import CounterMetricFamily
 
 from parwatch.catalog import family
 from parwatch.guardrails.engine import RECENT_RECORDS
 from parwatch.sidecar.trackers.series import Point, SeriesBuilder, Text, samples_of
-from parwatch.sidecar.trackers.spec import ExportSpec
+from parwatch.sidecar.trackers.spec import DEFAULT_EVERY_STEPS, ExportSpec
 from parwatch.sidecar.trackers.worker import Sink, TrackerWorker
 from parwatch.vocabulary import RecordType, Tracker
 
 log = logging.getLogger("parwatch.sidecar.trackers")
 
-DEFAULT_EVERY_STEPS = 10
 DECISIONS_TAG = "decisions"
 STRAGGLER_TAG = "findings/straggler"
 
@@ -50,17 +49,11 @@ def make_sink(spec: ExportSpec, state_dir: str) -> Sink:
 class Exports:
     """Hooked into the Sidecar: `after_summary` on each ingested summary, `tick` every second, `close` at stop."""
 
-    def __init__(
-        self,
-        sidecar,
-        specs: Sequence[ExportSpec],
-        every_steps: int = DEFAULT_EVERY_STEPS,
-        make: Callable[[ExportSpec], Sink] | None = None,
-    ) -> None:
+    def __init__(self, sidecar, specs: Sequence[ExportSpec], every_steps: int = DEFAULT_EVERY_STEPS) -> None:
         self.sidecar = sidecar
         self.every = every_steps
         state_dir = str(sidecar.config.state_dir)
-        self.workers = [TrackerWorker(spec, lambda s=spec: (make or make_sink)(s, state_dir)) for spec in specs]
+        self.workers = [TrackerWorker(spec, lambda s=spec: make_sink(s, state_dir)) for spec in specs]
         self.series = SeriesBuilder()
         self._run_id: str | None = None
         self._due = every_steps

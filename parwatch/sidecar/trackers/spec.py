@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from parwatch.vocabulary import Tracker
 
+DEFAULT_EVERY_STEPS = 10
+"""--export-every: a point to the trackers at most once per this many steps."""
 DEFAULT_EXPERIMENT = "parwatch"
 """MLflow experiment and W&B project when the --export value names none."""
 
