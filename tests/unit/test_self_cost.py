@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 

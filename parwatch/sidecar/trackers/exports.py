@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from prometheus_client.core import CounterMetricFamily
 
@@ -53,7 +54,7 @@ class Exports:
         self.sidecar = sidecar
         self.every = every_steps
         state_dir = str(sidecar.config.state_dir)
-        self.workers = [TrackerWorker(spec, lambda s=spec: make_sink(s, state_dir)) for spec in specs]
+        self.workers = [TrackerWorker(spec, partial(make_sink, spec, state_dir)) for spec in specs]
         self.series = SeriesBuilder()
         self._run_id: str | None = None
         self._due = every_steps

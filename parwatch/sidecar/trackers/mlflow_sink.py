@@ -5,6 +5,7 @@ finding as a text artifact, <tag>/<step>-<n>.txt. mlflow-skinny is enough: the c
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from parwatch.sidecar.trackers.series import Point
 
@@ -15,7 +16,7 @@ class MlflowSink:
     def __init__(self, uri: str, experiment: str) -> None:
         self.uri = uri
         self.experiment = experiment
-        self._client = None
+        self._client: Any = None  # MlflowClient, imported when a run opens
         self._run: str | None = None
         self._texts = 0
 

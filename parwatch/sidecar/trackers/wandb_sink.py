@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import netrc
 import os
+from typing import Any
 
 from parwatch.sidecar.trackers.names import safe_name
 from parwatch.sidecar.trackers.series import Point
@@ -31,7 +32,7 @@ class WandbSink:
     def __init__(self, project: str, directory: str) -> None:
         self.project = project
         self.directory = os.environ.get("WANDB_DIR") or directory
-        self._run = None
+        self._run: Any = None  # wandb.Run, imported when a run opens
         self._step = -1
         self._texts: dict[str, str] = {}  # the texts of the row at self._step, by tag
 
@@ -39,12 +40,13 @@ class WandbSink:
         import wandb
 
         os.makedirs(self.directory, exist_ok=True)
+        run_mode: Any = mode()  # WANDB_MODE's value is wandb's to judge
         self._run = wandb.init(
             project=self.project,
             id=safe_name(run_id),
             name=run_id,
             resume="allow",
-            mode=mode(),
+            mode=run_mode,
             dir=self.directory,
             config={"parwatch_run_id": run_id},
             settings=wandb.Settings(
