@@ -65,7 +65,7 @@ def _save_load(modules, optimizer, rank):
     return save, load
 
 
-def torch_pipelining(rank, world) -> dict:
+def torch_pipelining(rank, world, run_id) -> dict:
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
     ex = load_example("torch_pipelining")
@@ -90,7 +90,7 @@ def torch_pipelining(rank, world) -> dict:
     }
 
 
-def megatron(rank, world, cpu_code: str) -> dict:
+def megatron(rank, world, run_id, cpu_code: str) -> dict:
     import torch
     from megatron.core import parallel_state
 
@@ -117,7 +117,7 @@ def megatron(rank, world, cpu_code: str) -> dict:
     return {
         "model_chunks": model_chunks,
         "config": config,
-        "run_id": f"doc-megatron-{os.getpid() - rank}",
+        "run_id": run_id,
         "m": args.microbatches,
         "s": args.seq,
         "b": args.microbatch_size,
@@ -131,7 +131,7 @@ def megatron(rank, world, cpu_code: str) -> dict:
     }
 
 
-def deepspeed(rank, world) -> dict:
+def deepspeed(rank, world, run_id) -> dict:
     import logging
 
     import deepspeed as ds
@@ -160,7 +160,7 @@ def deepspeed(rank, world) -> dict:
             "gradient_accumulation_steps": args.microbatches,
             "steps_per_print": 10**9,
         },
-        "run_id": f"doc-deepspeed-{os.getpid() - rank}",
+        "run_id": run_id,
         "steps": STEPS,
         "data_iter": batches,
         "my_data_from": my_data_from,
@@ -172,7 +172,8 @@ def run_block(rank: int, world: int, where: str, prelude: str, code: str, endpoi
     import torch.distributed as dist
 
     os.chdir(workdir)
-    names = megatron(rank, world, cpu) if prelude == "megatron" else globals()[prelude](rank, world)
+    run_id = f"doc-{prelude}-{os.path.basename(workdir)}"  # the snippets that take one: the same on every rank
+    names = megatron(rank, world, run_id, cpu) if prelude == "megatron" else globals()[prelude](rank, world, run_id)
     try:
         exec(compile(code.replace(DEFAULT_ENDPOINT, endpoint), where, "exec"), names)
     finally:
