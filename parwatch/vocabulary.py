@@ -92,11 +92,14 @@ class DirectiveState(StrEnum):
 
 
 class RuleAction(StrEnum):
-    """What a rule does when it fires: alert only, or a directive."""
+    """What a rule does when it fires: alert only, a directive, or requeue the Slurm job."""
 
     ALERT = "alert"
     PAUSE = "pause"
     ROLLBACK = "rollback"
+    REQUEUE = "requeue"
+    """Not a directive: the leader sidecar itself runs `scontrol requeue JOB` (parwatch/sidecar/requeue.py);
+    the job restarts with its id and resumes from its newest verified checkpoint. Only under Slurm."""
 
 
 class RuleState(StrEnum):

@@ -46,6 +46,7 @@ Examples:
   parwatch sidecar --metrics-listen 0.0.0.0:9400 --control-listen 0.0.0.0:9401 --token-file /run/secrets/parwatch
   PARWATCH_TOKEN=s3cret parwatch sidecar --control-listen 10.0.0.5:9401 --rank-grace-seconds 60
   parwatch sidecar --export tensorboard:./tb --export wandb --export-every 20
+  srun --overlap --ntasks-per-node=1 parwatch sidecar --token-file "$RUN_DIR/token" --hang-requeue   # Slurm
 \b
 Signals: SIGHUP reloads --rules (an invalid file keeps the old rules and is logged);
 SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --state-dir.
@@ -178,6 +179,31 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
     "e.g. --export-every 50",
 )
 @click.option(
+    "--hang-requeue/--no-hang-requeue",
+    default=False,
+    show_default=True,
+    help="On a hang, requeue the Slurm job (scontrol requeue): it restarts under its job id and resumes from "
+    "its newest verified checkpoint. Needs a Slurm job (SLURM_JOB_ID or --slurm-job-id).",
+)
+@click.option(
+    "--slurm-job-id",
+    envvar="SLURM_JOB_ID",
+    show_envvar=True,
+    default=None,
+    metavar="ID",
+    help="The Slurm job this sidecar runs in (srun sets SLURM_JOB_ID): what --hang-requeue and rules with "
+    "action requeue requeue. e.g. --slurm-job-id 4242",
+)
+@click.option(
+    "--max-requeues",
+    type=int,
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Requeue only while the job was restarted fewer than N times (SLURM_RESTART_COUNT); past that a "
+    "requeue decision is an alert. e.g. --max-requeues 3",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -201,6 +227,9 @@ def sidecar(
     hang_abort,
     exports,
     export_every,
+    hang_requeue,
+    slurm_job_id,
+    max_requeues,
     log_level,
 ):
     """Export Prometheus metrics for a run's ranks, evaluate guardrails, hand directives back."""
@@ -208,6 +237,7 @@ def sidecar(
     handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=log_level.upper(), handlers=[handler])
     from parwatch.guardrails.rules import RulesError
+    from parwatch.sidecar.requeue import job_from_env
     from parwatch.sidecar.server import StartupError, serve
     from parwatch.sidecar.service import build_sidecar
     from parwatch.sidecar.trackers.spec import ExportError, parse_export
@@ -227,6 +257,10 @@ def sidecar(
             hang_step_factor=hang_step_factor,
             hang_dump_stacks=hang_dump_stacks,
             hang_abort=hang_abort,
+            hang_requeue=hang_requeue,
+            slurm_job_id=slurm_job_id or None,
+            slurm_restarts=job_from_env()[1],
+            max_requeues=max_requeues,
             max_ranks=max_ranks,
             max_runs=max_runs,
             exports=tuple(parse_export(value) for value in exports),

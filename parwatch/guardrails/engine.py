@@ -376,16 +376,17 @@ class GuardrailEngine:
     def record_finding(self, rule: str, action: str, reason: str, evidence: dict, step: int | None) -> dict:
         """Record a decision made outside the rules (e.g. rule "hang" from parwatch.sidecar.hang).
 
-        Only "alert" is accepted: such findings never steer the run through directives."""
-        if action != RuleAction.ALERT:
-            raise ValueError(f"record_finding: action must be 'alert', got {action!r}")
+        Only "alert" and "requeue" are accepted: such findings never steer the run through directives
+        (a requeue is carried out by the sidecar itself, parwatch/sidecar/requeue.py)."""
+        if action not in (RuleAction.ALERT, RuleAction.REQUEUE):
+            raise ValueError(f"record_finding: action must be 'alert' or 'requeue', got {action!r}")
         with self._lock:
             record = self._decide(
                 Decision(
                     time=self._now(),
                     step=step,
                     rule=rule,
-                    action=RuleAction.ALERT,
+                    action=RuleAction(action),
                     source=DecisionSource.RULE,
                     reason=reason,
                     evidence=evidence,

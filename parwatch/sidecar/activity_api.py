@@ -49,7 +49,7 @@ from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
-from parwatch.vocabulary import RankState, jsonable
+from parwatch.vocabulary import RankState, RuleAction, jsonable
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -74,8 +74,10 @@ class ActivityHub:
         self.pace = StepPace(self.clock)
         """The run's highest step, shared by its ranks' activity and the nodes' digests."""
         self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS), pace=self.pace)
-        self.settings = HangSettings(cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks, cfg.hang_abort)
-        self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock)
+        self.settings = HangSettings(
+            cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks, cfg.hang_abort, cfg.hang_requeue
+        )
+        self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock, requeue=sidecar.requeue)
         self.leader_url = cfg.leader_url.rstrip("/") if cfg.leader_url else None
         self.is_leader = False
         """Set on the first sign of rank 0 (its activity or its summaries)."""
@@ -301,7 +303,9 @@ class ActivityHub:
                 node = self._node_of.get(culprit["rank"])
                 if node:
                     self._signals.setdefault(node, []).append(culprit["pid"])
-        if self.settings.abort:
+        if record.get("action") == RuleAction.REQUEUE:
+            self.sidecar.requeue.take([record])  # the whole job restarts: no rank needs to be told to exit
+        elif self.settings.abort:
             log.error(
                 "hang: aborting the run (ranks exit with %d) so it restarts from its last checkpoint", HANG_EXIT_CODE
             )

@@ -91,10 +91,12 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     async def lifespan(app):
         sidecar.defer_writes()  # from here on, disk writes happen in the writer thread
         task = asyncio.create_task(_no_data_ticker(sidecar))
+        requeuer = asyncio.create_task(sidecar.requeue.serve(sidecar.persist, sidecar.engine.record_finding))
         try:
             yield
         finally:
             task.cancel()
+            requeuer.cancel()
             sidecar.close()  # persist the last second of rule counters on a clean stop
 
     auth = [Depends(bearer_dependency(sidecar.config.token))]

@@ -11,6 +11,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from parwatch.sidecar.requeue import JOB_ID
 from parwatch.sidecar.trackers.spec import DEFAULT_EVERY_STEPS, ExportSpec
 from parwatch.tokens import TOKEN_ENV, read_token
 
@@ -74,6 +75,15 @@ class SidecarConfig:
     """On a hang, signal the culprit (SIGUSR1) to write its Python stacks into the run directory."""
     hang_abort: bool = False
     """On a hang, make every rank exit with code 75 so the launcher or JobSet restarts from a checkpoint."""
+    hang_requeue: bool = False
+    """On a hang, requeue the Slurm job (`scontrol requeue`): it restarts under its job id and resumes from
+    its newest verified checkpoint (parwatch/sidecar/requeue.py). Needs slurm_job_id."""
+    slurm_job_id: str | None = None
+    """The Slurm job the sidecar runs in (--slurm-job-id, else $SLURM_JOB_ID): what a requeue decision requeues."""
+    slurm_restarts: int = 0
+    """$SLURM_RESTART_COUNT when the sidecar started: the job's restarts so far, requeues included."""
+    max_requeues: int = 1
+    """A requeue decision is carried out while the job's restarts so far are fewer; past that it is an alert."""
     activity_silent_seconds: float = 5.0
     """A rank with no activity report for this long is silent (pid alive) or gone (pid ended)."""
     exports: tuple[ExportSpec, ...] = ()
@@ -101,6 +111,17 @@ class SidecarConfig:
             raise ConfigError(
                 f"--activity-silent-seconds must be >= 2 (got {self.activity_silent_seconds}): "
                 "ranks report once a second"
+            )
+        if self.slurm_job_id is not None and not JOB_ID.match(self.slurm_job_id):
+            raise ConfigError(f"--slurm-job-id {self.slurm_job_id!r} is not a Slurm job id (digits, e.g. 4242)")
+        if self.hang_requeue and self.slurm_job_id is None:
+            raise ConfigError(
+                "--hang-requeue requeues the Slurm job the sidecar runs in: start it inside the job (srun sets "
+                "SLURM_JOB_ID) or pass --slurm-job-id ID"
+            )
+        if self.max_requeues < 1:
+            raise ConfigError(
+                f"--max-requeues must be >= 1 (got {self.max_requeues}); without requeues, drop --hang-requeue"
             )
         if self.rank_grace_seconds <= 0:
             raise ConfigError(f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs")

@@ -38,7 +38,7 @@ from prometheus_client.registry import Collector
 from parwatch.catalog import RANK_STATES, family
 from parwatch.rank_layout import ROLES, Coords, RankLayout
 from parwatch.records import Activity
-from parwatch.vocabulary import GroupRole, RankState, SpanKind
+from parwatch.vocabulary import GroupRole, RankState, RuleAction, SpanKind
 
 STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
@@ -127,6 +127,8 @@ class HangSettings:
     """Signal the culprit (SIGUSR1) to write its Python stacks into the run directory."""
     abort: bool = False
     """Tell every rank to exit with HANG_EXIT_CODE so the launcher/JobSet restarts from a checkpoint."""
+    requeue: bool = False
+    """Requeue the Slurm job (the hang's decision has action requeue while the requeuer allows it)."""
 
     def __post_init__(self):
         if not self.min_seconds > 0:
@@ -412,10 +414,13 @@ class HangMonitor:
     engine: has record_finding(rule, action, reason, evidence, step) -> decision record.
     every: how often the leader asks; a hang is decided at stalled >= bound - every, so that the
     decision lands at or before the bound after the stall began.
+    requeue: with settings.requeue, the SlurmRequeue (parwatch/sidecar/requeue.py) whose verdict makes a
+    hang's action requeue or, saying why not, alert.
     """
 
-    def __init__(self, settings: HangSettings, engine, clock, every: float = JUDGE_EVERY_SECONDS):
+    def __init__(self, settings: HangSettings, engine, clock, every: float = JUDGE_EVERY_SECONDS, requeue=None):
         self.settings = settings
+        self.requeue = requeue
         self.engine = engine
         self.clock = clock
         self.every = every
@@ -605,7 +610,12 @@ class HangMonitor:
                         "stale_ranks": stale,
                         "coverage": coverage,
                     }
-                    record = self._record("hang", reason, evidence, self.progress.step)
+                    action = RuleAction.ALERT
+                    if self.settings.requeue and self.requeue is not None:
+                        action, note = self.requeue.verdict()
+                        reason += note
+                        evidence["requeue"] = self.requeue.evidence()
+                    record = self._record("hang", reason, evidence, self.progress.step, action)
                     record["step_at"] = self.progress.step
                     self.hang = record
                     records.append(record)
@@ -631,8 +641,9 @@ class HangMonitor:
         self._echoes_since = None
         return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
 
-    def _record(self, rule: str, reason: str, evidence: dict, step: int | None) -> dict:
-        action = "alert"
+    def _record(
+        self, rule: str, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
+    ) -> dict:
         record = dict(
             self.engine.record_finding(rule, action, reason, evidence, step if step is not None and step >= 0 else None)
         )

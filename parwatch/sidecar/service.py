@@ -26,15 +26,16 @@ from parwatch import ledger_view
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
 from parwatch.sidecar.alerts import AlertDedupe
-from parwatch.sidecar.config import SidecarConfig, ensure_token
+from parwatch.sidecar.config import ConfigError, SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.sidecar.refusals import Refusals
+from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
 from parwatch.step_records import AlertmanagerPayload, ControlRequest, IngestBody
-from parwatch.vocabulary import RecordType, SidecarRole, jsonable
+from parwatch.vocabulary import RecordType, RuleAction, SidecarRole, jsonable
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class Sidecar:
             from parwatch.sidecar.trackers.exports import Exports  # no tracker code without --export
 
             self.exports = Exports(self, config.exports, config.export_every_steps)
+        job = SlurmJob(config.slurm_job_id, config.slurm_restarts) if config.slurm_job_id else None
+        self.requeue = SlurmRequeue(job, config.max_requeues)
+        """Carries out requeue decisions (a rule's, or the hang's with --hang-requeue): requeue.py."""
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_write: asyncio.Future | None = None
 
@@ -209,7 +213,8 @@ class Sidecar:
         path = self.config.rules_path
         try:
             rules = load_rules(path) if path is not None else default_rules()
-        except (RulesError, OSError) as err:
+            check_requeue_rules(rules, self.config)
+        except (RulesError, OSError, ConfigError) as err:
             self.counters.rules_reload_failures += 1
             for line in str(err).splitlines():
                 log.error("rules reload refused, keeping the old rules: %s", line)
@@ -219,6 +224,8 @@ class Sidecar:
         return True
 
     def _count(self, decisions) -> None:
+        """Count the decisions made, and hand the requeues among them to the requeuer (it carries them out)."""
+        self.requeue.take(decisions)
         for d in decisions or ():
             if d and d.get("type", "decision") == RecordType.DECISION and d.get("action"):  # not outcome records
                 self.counters.actions[(str(d.get("rule") or d.get("source") or "operator"), str(d["action"]))] += 1
@@ -277,12 +284,23 @@ def _printable(text: str) -> str:
     return text.encode("unicode_escape").decode("ascii")
 
 
+def check_requeue_rules(rules, config: SidecarConfig) -> None:
+    """A rule whose action is requeue needs the Slurm job it would requeue: ConfigError naming the rules."""
+    requeuing = [r.name for r in rules.rules if r.action == RuleAction.REQUEUE]
+    if requeuing and config.slurm_job_id is None:
+        raise ConfigError(
+            f"rules {requeuing} have action requeue, which requeues the Slurm job the sidecar runs in: start it "
+            "inside the job (srun sets SLURM_JOB_ID) or pass --slurm-job-id ID"
+        )
+
+
 def build_sidecar(config: SidecarConfig, clock: Callable[[], float] = time.time) -> Sidecar:
     """Load the rules (RulesError names every problem) and start the engine on the state dir.
 
     Writes are authenticated by default: without a token the sidecar uses STATE_DIR/token,
     creating it (random, mode 0600) on first start (TokenError if it is readable by others)."""
     rules = load_rules(config.rules_path) if config.rules_path is not None else default_rules()
+    check_requeue_rules(rules, config)
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     if config.token is None:
         token, path, _ = ensure_token(config.state_dir)  # server.serve logs where it is
