@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what parwatch needs on a fresh machine.
 #   scripts/setup.sh          the package (torch CPU build first where there is no GPU)
-#   scripts/setup.sh test     + test extras, Prometheus, promtool, Alertmanager, VictoriaMetrics, vmalert, helm
+#   scripts/setup.sh test     + test extras, Prometheus, promtool, Alertmanager, VictoriaMetrics, vmalert, helm, Slurm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,6 +28,9 @@ if [ "${1:-}" = "test" ]; then
       victoria-metrics >/dev/null
   fi
   bash scripts/install_helm.sh .tools/bin
+  # --- Slurm (tests/integration/test_slurm.py starts its own slurmctld + slurmd with scripts/slurm_local.sh) ---
+  bash scripts/slurm_local.sh install
+  # --- end Slurm ---
   # Schemathesis (tests/integration/test_schemathesis.py) in a venv of its own: its pins clash with ours.
   if [ ! -x .tools/schemathesis/bin/python ] || ! .tools/schemathesis/bin/python -c "import schemathesis" 2>/dev/null; then
     "$PY" -m venv .tools/schemathesis

@@ -28,7 +28,7 @@ install() {
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-pid_of() { [ -s "$1" ] && cat "$1" || true; }
+pid_of() { if [ -s "$1" ]; then cat "$1"; fi; }
 
 start() {
   local dir=$1
@@ -68,8 +68,8 @@ SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
-# SIGTERM to SIGKILL when a job ends or is requeued (default 30 s).
-KillWait=5
+# SIGTERM to SIGKILL when a job ends or is requeued (default 30 s); a requeued job waits for it.
+KillWait=3
 # A requeued job may start again cred_expire + 1 s after the requeue (default 120; 5 is the least).
 AuthInfo=cred_expire=5
 MinJobAge=600
@@ -104,7 +104,7 @@ stop() {
   local deadline=$((SECONDS + 15))
   for pid in "${pids[@]}"; do
     while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
   done
   return 0
 }

@@ -204,18 +204,42 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
     return code
 
 
+def adopt_slurm_task(environ=os.environ) -> bool:
+    """`srun` with one task per rank (NeMo's and Lightning's way): RANK, WORLD_SIZE and LOCAL_RANK from the
+    step's task variables where no launcher (torchrun) set them. MASTER_ADDR and MASTER_PORT are the job
+    script's to set (examples/slurm/parwatch.sbatch); without them the ranks could not meet."""
+    if "RANK" in environ or "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+        return False
+    if not environ.get("MASTER_ADDR") or not environ.get("MASTER_PORT"):
+        raise ConfigError(
+            "under srun with one task per rank, set MASTER_ADDR and MASTER_PORT in the job script, e.g. "
+            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
+            "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"
+        )
+    environ.update(
+        RANK=environ["SLURM_PROCID"],
+        WORLD_SIZE=environ["SLURM_STEP_NUM_TASKS"],
+        LOCAL_RANK=environ.get("SLURM_LOCALID", "0"),
+    )
+    return True
+
+
 def main(argv: list[str] | None = None, attach: Attach | None = None) -> int:
     """The trainer's command line; `attach` is given by parwatch's launcher (see Attach)."""
     from parwatch.trainer.config import parse_args
 
     try:
         cfg = parse_args(argv)
+        if not cfg.nproc:
+            adopt_slurm_task()
         world = cfg.nproc or int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate(world)
         if cfg.watched and attach is None:
             raise ConfigError(UNWATCHED)
         if not cfg.run_id:  # one id for every rank: an id from the environment, else ...
             env_id = os.environ.get("PARWATCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+            if (not env_id or env_id == "none") and os.environ.get("SLURM_JOB_ID"):
+                env_id = f"slurm-{os.environ['SLURM_JOB_ID']}"  # a requeued job keeps its id, so its run
             if env_id and env_id != "none":
                 cfg.run_id = env_id
             elif cfg.nproc:  # ... one made here for the ranks spawned below; under torchrun
