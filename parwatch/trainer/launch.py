@@ -210,7 +210,8 @@ def adopt_slurm_task(environ=os.environ) -> bool:
     script's to set (examples/slurm/parwatch.sbatch); without them the ranks could not meet."""
     if "RANK" in environ or "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
         return False
-    if not environ.get("MASTER_ADDR") or not environ.get("MASTER_PORT"):
+    alone = environ["SLURM_STEP_NUM_TASKS"] == "1"  # main() gives a lone rank a local address
+    if not alone and (not environ.get("MASTER_ADDR") or not environ.get("MASTER_PORT")):
         raise ConfigError(
             "under srun with one task per rank, set MASTER_ADDR and MASTER_PORT in the job script, e.g. "
             'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '

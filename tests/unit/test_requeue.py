@@ -162,6 +162,8 @@ def test_srun_one_task_per_rank_gives_the_trainer_its_rank():
     assert not adopt_slurm_task(torchrun) and torchrun["RANK"] == "5"
     with pytest.raises(TrainerConfigError, match="set MASTER_ADDR and MASTER_PORT in the job script"):
         adopt_slurm_task({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    alone = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}  # `srun -n1 parwatch train`: no peers to meet
+    assert adopt_slurm_task(alone) and alone["WORLD_SIZE"] == "1"
 
 
 def test_a_rule_with_action_requeue_decides_a_requeue_the_sidecar_carries_out(tmp_path):
