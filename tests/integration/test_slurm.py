@@ -15,6 +15,7 @@ Every job has a time limit (-t) and every wait a deadline; the sidecars' ports a
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -30,7 +31,14 @@ from parwatch.guardrails.rules import default_rules
 from parwatch.report.loader import load_run
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.vocabulary import Action, RuleAction, TimeCategory
-from tests.integration.e2e_util import SMALL_MODEL, applied_records, decision_records, read_jsonl, wait_until
+from tests.integration.e2e_util import (
+    SMALL_MODEL,
+    applied_records,
+    decision_records,
+    is_finite_loss,
+    read_jsonl,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -43,6 +51,7 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 REQUEUE_DELAY_S = 6.0
 """slurm_local.sh's cred_expire=5: a requeued job may start again 5 + 1 s after the requeue."""
 TRAIN = (*SMALL_MODEL, "--pp", "2", "--microbatches", "2")
+RANK_UP = re.compile(r'^parwatch_rank_up\{(?:[^}]*,)?rank="(\d+)"[^}]*\} (\S+)$')
 
 
 @dataclass
@@ -64,10 +73,15 @@ class Cluster:
                 fields[key] = value
         return fields
 
-    def wait_ended(self, job_id: str, timeout: float = JOB_WAIT_S) -> dict:
-        return wait_until(
-            lambda: (j := self.job(job_id))["JobState"] in ENDED and j, f"job {job_id} to end", timeout, 0.25
-        )
+    def wait_ended(self, job: Job, timeout: float = JOB_WAIT_S) -> dict:
+        """`scontrol show job` once the job ended; on timeout the error holds its state and output."""
+        try:
+            return wait_until(
+                lambda: (j := self.job(job.id))["JobState"] in ENDED and j, f"job {job.id} to end", timeout, 0.25
+            )
+        except AssertionError as err:
+            output = job.output.read_text() if job.output.exists() else "(no output file)"
+            raise AssertionError(f"{err}; {self.job(job.id).get('JobState')}; output:\n{output[-4000:]}") from None
 
 
 @pytest.fixture(scope="module")
@@ -136,24 +150,42 @@ def submit(cluster: Cluster, tmp: Path, script: Path, *train_args: str, **env: s
 
 
 def _ranks_up(metrics_url: str) -> set[str]:
+    """The ranks whose parwatch_rank_up is 1 on the sidecar's /metrics now (none while it does not answer)."""
     try:
         text = httpx.get(metrics_url, timeout=2).text
     except httpx.HTTPError:
         return set()
-    return {
-        line.split('rank="')[1].split('"')[0]
-        for line in text.splitlines()
-        if line.startswith("parwatch_rank_up{") and line.endswith(" 1.0")
-    }
+    up = set()
+    for line in text.splitlines():
+        found = RANK_UP.match(line)
+        if found and float(found.group(2)) == 1.0:
+            up.add(found.group(1))
+    return up
+
+
+def _while_running(cluster: Cluster, job: Job, predicate):
+    """predicate() for wait_until, failing at once (with the job's output) when the job ended first."""
+
+    def check():
+        value = predicate()
+        if not value and cluster.job(job.id)["JobState"] in ENDED:
+            raise AssertionError(f"job {job.id} ended first:\n{job.output.read_text()}")
+        return value
+
+    return check
 
 
 def test_a_two_task_job_runs_watched_and_a_nan_is_rolled_back(slurm, tmp_path):
     job = submit(slurm, tmp_path, EXAMPLE, *TRAIN, "--steps", "12", "--inject", "nan:step=5")
-    seen = wait_until(lambda: _ranks_up(job.metrics_url) >= {"0", "1"} and True, "both ranks on /metrics", JOB_WAIT_S)
-    ended = slurm.wait_ended(job.id)
+    wait_until(  # while it runs: the node's sidecar exports both ranks up
+        _while_running(slurm, job, lambda: _ranks_up(job.metrics_url) >= {"0", "1"}),
+        "both ranks up on the sidecar's /metrics",
+        JOB_WAIT_S,
+        0.25,
+    )
+    ended = slurm.wait_ended(job)
     output = job.output.read_text()
     assert (ended["JobState"], ended["ExitCode"], ended["Restarts"]) == ("COMPLETED", "0:0", "0"), output
-    assert seen
     assert "the trainer exited with 0" in output and "ranks: 2 reporting" in output, output
     [rollback] = [d for d in decision_records(job.state_dir) if d["rule"] == "nonfinite-loss"]
     assert rollback["action"] == Action.ROLLBACK and rollback["run_id"] == f"slurm-{job.id}"
@@ -161,7 +193,8 @@ def test_a_two_task_job_runs_watched_and_a_nan_is_rolled_back(slurm, tmp_path):
     assert applied["directive_id"] == rollback["directive_id"] and applied["ranks"] == "0-1"
     summaries = read_jsonl(job.run_dir / "log" / "summaries.jsonl")
     assert {s["run_id"] for s in summaries} == {f"slurm-{job.id}"} and {s["rank"] for s in summaries} == {0, 1}
-    assert max(s["step"] for s in summaries) == 12
+    last = [s for s in summaries if s["rank"] == 1 and s["step"] == 12][-1]  # the last stage reports the loss
+    assert is_finite_loss(last["loss"]), last["loss"]  # trained on past the NaN, from the checkpoint before it
 
 
 def test_a_hang_requeues_the_job_once_and_it_completes(slurm, tmp_path):
@@ -184,7 +217,7 @@ def test_a_hang_requeues_the_job_once_and_it_completes(slurm, tmp_path):
         PARWATCH_ON_HANG="requeue",
         PARWATCH_SIDECAR_ARGS="--hang-min-seconds 2",
     )
-    ended = slurm.wait_ended(job.id)
+    ended = slurm.wait_ended(job)
     output = job.output.read_text()
     assert (ended["JobState"], ended["ExitCode"], ended["Restarts"]) == ("COMPLETED", "0:0", "1"), output
     assert "attempt 1 " in output and "attempt 2 " in output and "DUE TO JOB REQUEUE" in output, output
