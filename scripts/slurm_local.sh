@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A real one-node Slurm on this machine: slurmctld + slurmd on loopback, all state in one directory.
+# A real Slurm on this machine: slurmctld + one slurmd per node on loopback, all state in one directory.
 #
 #   scripts/slurm_local.sh install        Debian's slurmctld, slurmd and clients (22.05 on bookworm)
-#   scripts/slurm_local.sh start DIR      write DIR/slurm.conf, start both daemons, wait until the node is idle
+#   scripts/slurm_local.sh start DIR [N]  write DIR/slurm.conf, start slurmctld and N slurmd (default 1), wait
+#                                         until every node is idle
 #   scripts/slurm_local.sh stop DIR       stop the daemons DIR's pid files name, wait until they are gone
 #
 # After `start`, point the clients at it: export SLURM_CONF=DIR/slurm.conf (sbatch passes it on to the
-# job, so srun inside the job finds it too). One node named after this host, 2 CPUs, ports picked free,
-# auth/none (no munge needed on one host; a real cluster uses auth/munge, docs/slurm.md), requeue on.
+# job, so srun inside the job finds it too). One node named after this host, or N nodes n0..n{N-1} (one
+# slurmd each on this host, their own ports and spool dirs), 2 CPUs a node, ports picked free, auth/none
+# (no munge needed on one host; a real cluster uses auth/munge, docs/slurm.md), requeue on.
 # The tests (tests/integration/test_slurm.py) start and stop it in a fixture; nothing is left running.
 set -euo pipefail
 
@@ -26,35 +28,55 @@ install() {
     slurmctld slurmd slurm-client >/dev/null
 }
 
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+USED_PORTS=" "
+next_port() { # PORT: a port free now, and not handed out before by this script (no subshell: it keeps count)
+  while :; do
+    PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    [[ "$USED_PORTS" == *" $PORT "* ]] || break
+  done
+  USED_PORTS+="$PORT "
+}
 
 pid_of() { if [ -s "$1" ]; then cat "$1"; fi; }
 
 start() {
-  local dir=$1
+  local dir=$1 nodes=${2:-1}
   have_slurm || die "slurmctld/slurmd/sbatch not found: run scripts/slurm_local.sh install (or scripts/setup.sh test)"
   [ "$(id -u)" = 0 ] || die "slurmd must run as root to start jobs as their user (this is root-only, like CI here)"
+  [[ "$nodes" =~ ^[1-4]$ ]] || die "NODES must be 1..4 (got $nodes)"
   mkdir -p "$dir"/{state,spool,log}
   dir=$(cd "$dir" && pwd)
-  local node ctld_port slurmd_port
-  node=$(hostname -s)
-  ctld_port=$(free_port); slurmd_port=$(free_port)
-  while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done
+  local host ctld_port names=() lines="" i
+  host=$(hostname -s)
+  next_port
+  ctld_port=$PORT
+  if [ "$nodes" = 1 ]; then # the host itself
+    names=("$host")
+    next_port
+    lines="NodeName=$host NodeAddr=127.0.0.1 Port=$PORT CPUs=2 State=UNKNOWN"
+  else # several slurmd on this host, each a node with its own name, port and spool dir (%n)
+    for ((i = 0; i < nodes; i++)); do
+      names+=("n$i")
+      next_port
+      lines+="NodeName=n$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$PORT CPUs=2 State=UNKNOWN"$'\n'
+    done
+  fi
+  local all
+  all=$(IFS=,; echo "${names[*]}")
   cat >"$dir/slurm.conf" <<EOF
 ClusterName=parwatch-local
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
-SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -74,28 +96,35 @@ KillWait=3
 AuthInfo=cred_expire=5
 MinJobAge=600
 SlurmdParameters=config_overrides
-NodeName=$node NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=local Nodes=$node Default=YES MaxTime=30 State=UP
+$lines
+PartitionName=local Nodes=$all Default=YES MaxTime=30 State=UP
 EOF
   export SLURM_CONF=$dir/slurm.conf
   slurmctld -c -f "$dir/slurm.conf" || die "slurmctld did not start: $(tail -5 "$dir/log/slurmctld.log" 2>/dev/null)"
-  slurmd -f "$dir/slurm.conf" -N "$node" || die "slurmd did not start: $(tail -5 "$dir/log/slurmd.log" 2>/dev/null)"
-  local deadline=$((SECONDS + START_DEADLINE_S)) state=""
+  local name
+  for name in "${names[@]}"; do
+    slurmd -f "$dir/slurm.conf" -N "$name" ||
+      die "slurmd $name did not start: $(tail -5 "$dir/log/slurmd-$name.log" 2>/dev/null)"
+  done
+  local deadline=$((SECONDS + START_DEADLINE_S)) states=""
   while [ $SECONDS -lt $deadline ]; do
-    state=$(sinfo -h -n "$node" -o %T 2>/dev/null || true)
-    case "$state" in
-      idle) echo "export SLURM_CONF=$dir/slurm.conf"; return 0 ;;
-      down*|drain*) scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true ;;
-    esac
+    states=$(sinfo -h -N -o "%N %T" 2>/dev/null || true)
+    if [ "$(awk '$2 == "idle"' <<<"$states" | wc -l)" = "$nodes" ]; then
+      echo "export SLURM_CONF=$dir/slurm.conf"
+      return 0
+    fi
+    awk '$2 ~ /^(down|drain)/ {print $1}' <<<"$states" | while read -r name; do
+      scontrol update NodeName="$name" State=RESUME >/dev/null 2>&1 || true
+    done
     sleep 0.2
   done
   stop "$dir" >/dev/null 2>&1 || true
-  die "node $node not idle within ${START_DEADLINE_S}s (state: ${state:-none}); logs in $dir/log"
+  die "nodes not idle within ${START_DEADLINE_S}s (${states//$'\n'/; }); logs in $dir/log"
 }
 
 stop() {
-  local dir=$1 pids=() pid
-  for f in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
+  local dir=$1 pids=() pid f
+  for f in "$dir"/slurmd-*.pid "$dir/slurmctld.pid"; do
     pid=$(pid_of "$f")
     if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
       kill -TERM "$pid" && pids+=("$pid")
@@ -111,7 +140,7 @@ stop() {
 
 case "${1:-}" in
   install) install ;;
-  start) [ -n "${2:-}" ] || die "usage: $0 start DIR"; start "$2" ;;
+  start) [ -n "${2:-}" ] || die "usage: $0 start DIR [NODES]"; start "$2" "${3:-1}" ;;
   stop) [ -n "${2:-}" ] || die "usage: $0 stop DIR"; stop "$2" ;;
-  *) die "usage: $0 install | start DIR | stop DIR" ;;
+  *) die "usage: $0 install | start DIR [NODES] | stop DIR" ;;
 esac

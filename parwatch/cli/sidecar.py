@@ -236,6 +236,8 @@ def sidecar(
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=log_level.upper(), handlers=[handler])
+    if log_level != "debug":  # a node's digest post every second would be an INFO line every second
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     from parwatch.guardrails.rules import RulesError
     from parwatch.sidecar.requeue import job_from_env
     from parwatch.sidecar.server import StartupError, serve

@@ -1,9 +1,10 @@
 """examples/slurm/parwatch.sbatch against a real Slurm: slurmctld + slurmd from Debian's slurm-wlm 22.05,
-one node, 2 CPUs, started by scripts/slurm_local.sh for this module (all state in a temp dir) and stopped
-after it, every job of it cancelled first.
+two nodes (two slurmd on this host, 2 CPUs each), started by scripts/slurm_local.sh for this module (all
+state in a temp dir) and stopped after it, every job of it cancelled first.
 
-- A 2-task job (srun, a task per rank) runs watched: the node's sidecar exports both ranks, and the NaN
-  its rank 1 injects is rolled back (nonfinite-loss, every rank applied it); the job completes.
+- A 2-task job on two nodes (srun, a task per rank) runs watched: node 1's sidecar forwards to the leader
+  on node 0, whose /metrics shows both ranks up; the NaN is rolled back (nonfinite-loss, applied by both
+  ranks); the job completes.
 - A hang under PARWATCH_ON_HANG=requeue (torchrun per node): the leader decides the hang, requeues the job
   with scontrol once, the job restarts under the same id and run id, resumes from its newest verified
   checkpoint and completes; Slurm counts Restarts=1 and the goodput ledger counts the gap as down.
@@ -14,9 +15,11 @@ Every job has a time limit (-t) and every wait a deadline; the sidecars' ports a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -89,8 +92,8 @@ def slurm(tmp_path_factory):
     if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "sbatch", "scontrol")):
         pytest.skip("Slurm is not installed: scripts/setup.sh test installs it (scripts/slurm_local.sh install)")
     state = tmp_path_factory.mktemp("slurm")
-    started = subprocess.run(
-        ["bash", str(SLURM_LOCAL), "start", str(state)], capture_output=True, text=True, timeout=60, check=False
+    started = subprocess.run(  # two nodes (two slurmd on this host), 2 CPUs each
+        ["bash", str(SLURM_LOCAL), "start", str(state), "2"], capture_output=True, text=True, timeout=60, check=False
     )
     if started.returncode != 0:
         subprocess.run(["bash", str(SLURM_LOCAL), "stop", str(state)], timeout=60, check=False)
@@ -118,23 +121,55 @@ class Job:
     output: Path
     run_dir: Path
     state_dir: Path
-    metrics_url: str
+    metrics_port: int
+
+    def metrics_url(self, node: int = 0) -> str:
+        return f"http://127.0.0.1:{self.metrics_port + node}/metrics"  # PARWATCH_PORT_STRIDE=1
 
 
-def submit(cluster: Cluster, tmp: Path, script: Path, *train_args: str, **env: str) -> Job:
-    metrics_port, control_port = free_port(), free_port()
+def _four_free_ports() -> int:
+    """A base port with base..base+3 free: each node's metrics and control port (stride 1, two nodes)."""
+    for _ in range(50):
+        base = free_port()
+        if base + 3 > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + 4):
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no four consecutive free ports")
+
+
+def submit(cluster: Cluster, tmp: Path, script: Path, *train_args: str, nodes: int = 1, **env: str) -> Job:
+    base = _four_free_ports()
     job_env = {
         **cluster.env,
         "PARWATCH_RUN_ROOT": str(tmp / "runs"),
         "PARWATCH_STATE_ROOT": str(tmp / "state"),
-        "PARWATCH_METRICS_PORT": str(metrics_port),
-        "PARWATCH_CONTROL_PORT": str(control_port),
+        "PARWATCH_METRICS_PORT": str(base),  # node k: metrics base + k, control base + 2 + k
+        "PARWATCH_CONTROL_PORT": str(base + 2),
+        "PARWATCH_PORT_STRIDE": "1",  # the two nodes are two slurmd on this one host
         "PARWATCH_METRICS_HOST": "127.0.0.1",
         "PARWATCH_CHECKPOINT_EVERY": "2",
         **env,
     }
     out = tmp / "job-%j.out"
-    cmd = ["sbatch", "--parsable", "-N1", "--ntasks-per-node=2", "-t", "3", "-o", str(out), "-D", str(tmp)]
+    per_node = 2 // nodes
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"-N{nodes}",
+        f"--ntasks-per-node={per_node}",
+        "-t",
+        "3",
+        "-o",
+        str(out),
+        "-D",
+        str(tmp),
+    ]
     done = subprocess.run(
         [*cmd, str(script), *train_args], env=job_env, capture_output=True, text=True, timeout=30, check=False
     )
@@ -145,7 +180,7 @@ def submit(cluster: Cluster, tmp: Path, script: Path, *train_args: str, **env: s
         Path(str(out).replace("%j", job_id)),
         tmp / "runs" / f"slurm-{job_id}",
         tmp / "state" / f"parwatch-{job_id}" / "node0",
-        f"http://127.0.0.1:{metrics_port}/metrics",
+        base,
     )
 
 
@@ -175,25 +210,31 @@ def _while_running(cluster: Cluster, job: Job, predicate):
     return check
 
 
-def test_a_two_task_job_runs_watched_and_a_nan_is_rolled_back(slurm, tmp_path):
-    job = submit(slurm, tmp_path, EXAMPLE, *TRAIN, "--steps", "12", "--inject", "nan:step=5")
-    wait_until(  # while it runs: the node's sidecar exports both ranks up
-        _while_running(slurm, job, lambda: _ranks_up(job.metrics_url) >= {"0", "1"}),
-        "both ranks up on the sidecar's /metrics",
+def test_a_two_node_job_runs_watched_and_a_nan_is_rolled_back(slurm, tmp_path):
+    """Two nodes, a rank each (srun, a task per rank): node 1's sidecar forwards to the leader on node 0."""
+    # 100 ms a step (rank 0 fetches 2 microbatches): 2 s or more of steps to read /metrics in (the leader hears
+    # of rank 1 once a second)
+    slow = ("--inject", "slow-data:rank=0,ms=50")
+    job = submit(slurm, tmp_path, EXAMPLE, *TRAIN, "--steps", "20", "--inject", "nan:step=5", *slow, nodes=2)
+    wait_until(  # while it runs: the leader exports both ranks up (rank 1 from node 1's digest), node 1 its own
+        _while_running(
+            slurm, job, lambda: _ranks_up(job.metrics_url(0)) >= {"0", "1"} and "1" in _ranks_up(job.metrics_url(1))
+        ),
+        "both ranks up on the leader's /metrics, rank 1 on node 1's",
         JOB_WAIT_S,
         0.25,
     )
     ended = slurm.wait_ended(job)
     output = job.output.read_text()
     assert (ended["JobState"], ended["ExitCode"], ended["Restarts"]) == ("COMPLETED", "0:0", "0"), output
-    assert "the trainer exited with 0" in output and "ranks: 2 reporting" in output, output
+    assert "the trainer exited with 0" in output and "the leader's sidecar did not start" not in output, output
     [rollback] = [d for d in decision_records(job.state_dir) if d["rule"] == "nonfinite-loss"]
     assert rollback["action"] == Action.ROLLBACK and rollback["run_id"] == f"slurm-{job.id}"
     [applied] = applied_records(job.state_dir)
     assert applied["directive_id"] == rollback["directive_id"] and applied["ranks"] == "0-1"
     summaries = read_jsonl(job.run_dir / "log" / "summaries.jsonl")
     assert {s["run_id"] for s in summaries} == {f"slurm-{job.id}"} and {s["rank"] for s in summaries} == {0, 1}
-    last = [s for s in summaries if s["rank"] == 1 and s["step"] == 12][-1]  # the last stage reports the loss
+    last = [s for s in summaries if s["rank"] == 1 and s["step"] == 20][-1]  # the last stage reports the loss
     assert is_finite_loss(last["loss"]), last["loss"]  # trained on past the NaN, from the checkpoint before it
 
 
