@@ -10,8 +10,9 @@ import pytest
 
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import default_rules, load_rules
+from parwatch.rank_layout import RankLayout
 from parwatch.sidecar.config import ConfigError, SidecarConfig
-from parwatch.sidecar.hang import HangMonitor, HangSettings, Layout
+from parwatch.sidecar.hang import HangMonitor, HangSettings
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue, job_from_env
 from parwatch.sidecar.service import build_sidecar
 from parwatch.trainer.errors import ConfigError as TrainerConfigError
@@ -39,7 +40,7 @@ def _hang(tmp_path, requeue: SlurmRequeue, enforce_run: str | None = "slurm-42")
         engine.begin_run(enforce_run)
     clock = Clock()
     monitor = HangMonitor(HangSettings(requeue=True), engine, clock, requeue=requeue)
-    lay = Layout(1, 2, 1)
+    lay = RankLayout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
         monitor.observe(act(0, lay, "forward", step=step), lay, clock.t)
