@@ -327,6 +327,7 @@ class RuleMonitor:
         "window_values",
         "acted_tick",
         "acted_step",
+        "switched",
     )
 
     def __init__(self, rule: Rule):
@@ -344,6 +345,9 @@ class RuleMonitor:
         self.window_values: list[float] = []
         self.acted_tick: int | None = None
         self.acted_step: int | None = None
+        self.switched: str | None = None
+        """What changed the run since the rule acted while it kept firing (a rollback or resume applied, a
+        restart, a skipped step): failing again after it, the rule acts again (GuardrailEngine)."""
 
     def observe(self, step: int, now: float, values: dict[str, float] | Series) -> bool:
         """Judge one observation; True when it makes the rule enter firing (time to act)."""

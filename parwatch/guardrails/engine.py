@@ -70,6 +70,8 @@ class Observation:
     """metric -> {series key -> value}, e.g. {"bubble_excess_ratio": {"stage=0": 0.01, "stage=1": 0.2}}."""
     checkpoints: tuple[int, ...] = ()
     """Steps with a complete checkpoint, as the trainer reported."""
+    process_start_time: float | None = None
+    """When rank 0's process started (its summary's): a later one is a restart of the trainer."""
 
 
 class DirectiveDelivered(ValueError):
@@ -103,6 +105,7 @@ class GuardrailEngine:
         self._rollback_ticks: list[int] = []
         self._tick = 0
         self._last_step: int | None = None
+        self._process_start: float | None = None
         self._first_seen_time: float | None = None
         self._resumed_time: float | None = None
         self.last_switch: float | None = None
@@ -133,6 +136,14 @@ class GuardrailEngine:
                 self._checkpoints = set(map(int, obs.checkpoints))
             # Each metric's values are checked and reduced once, however many rules read them.
             usable = {metric: Series(_numbers(obs.series.get(metric))) for metric in self._metrics}
+            started = obs.process_start_time
+            if started is not None:
+                if self._process_start is not None and started > self._process_start + 1.0:
+                    # Rank 0 is a new process of the same run: the trainer restarted (and resumed a checkpoint).
+                    # A pause does not outlive the processes it held: the new ones train.
+                    self._switched(f"a restart of the trainer at step {obs.step}")
+                    self._paused, self._resumed_time = False, now
+                self._process_start = max(started, self._process_start or 0.0)
             if obs.step == self._last_step:
                 for monitor in self._monitors.values():
                     if usable[monitor.rule.metric]:
@@ -149,6 +160,8 @@ class GuardrailEngine:
                         records += self._act(monitor, obs.step, now)
                     elif monitor.state == RuleState.OK:
                         self._rearmed.pop(monitor.rule.name, None)
+                    elif again := self._acts_again(monitor):
+                        records += self._act(monitor, obs.step, now, again=again)
                 else:
                     records += self._judge_time(monitor, now)
             self._save()
@@ -263,13 +276,34 @@ class GuardrailEngine:
 
     # -- acting ---------------------------------------------------------------------------------------
 
-    def _act(self, monitor: RuleMonitor, step: int | None, now: float) -> list[dict]:
+    def _acts_again(self, monitor: RuleMonitor) -> str:
+        """Why a rule that fired, acted and still fails must act again ("" when it must not): the run changed
+        under it (a rollback or resume applied, a restart, a skipped step), and what it did did not cure it.
+        A rule that steers the run never stays firing and silent; an alert rule has said what it had to say.
+        (While its own directive is outstanding nothing changed: acting again would queue behind it.)"""
+        rule = monitor.rule
+        if rule.action == RuleAction.ALERT or monitor.acted_tick is None or monitor.reason == NO_DATA:
+            return ""
+        return f"still failing after {monitor.switched}" if monitor.switched else ""
+
+    def _switched(self, what: str) -> None:
+        """The run changed (`what`): every rule that acted and is still firing acts again if it fails again."""
+        for monitor in self._monitors.values():
+            if monitor.state == RuleState.FIRING and monitor.acted_tick is not None:
+                monitor.switched = what
+
+    def _act(self, monitor: RuleMonitor, step: int | None, now: float, again: str = "") -> list[dict]:
         rule = monitor.rule
         evidence = monitor.evidence(step)
         action, reason, escalated = rule.action, f"{rule.name}: {monitor.reason}", False
         checkpoint, skip = None, 0
         rearmed_by = self._rearmed.get(rule.name)
-        if monitor.acted_tick is not None and self._tick - monitor.acted_tick < rule.cooldown_steps:
+        monitor.switched = None
+        if again:
+            # What it did did not cure it: stop, for an operator, instead of acting the same way again.
+            action, escalated = Action.PAUSE, True
+            reason += f"; {again}: pausing the run"
+        elif monitor.acted_tick is not None and self._tick - monitor.acted_tick < rule.cooldown_steps:
             if rule.action != Action.ROLLBACK:
                 monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
                 if rearmed_by is not None:
@@ -629,6 +663,9 @@ class GuardrailEngine:
                     if loaded is not None:
                         self._checkpoints = {c for c in self._checkpoints if c <= int(loaded)}
                     self._last_step = None
+                    self._switched(f"the rollback to step {loaded} (directive {did})")
+                elif action == Action.RESUME:
+                    self._switched(f"the resume (directive {did})")
             elif result in (OutcomeName.FAILED, OutcomeName.MIXED) and action == Action.ROLLBACK:
                 why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
                 reason = (
@@ -792,6 +829,7 @@ class GuardrailEngine:
         self._next_decision_id = keep_ids[0]
         self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
         self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
+        self._process_start = None
         self._archived_runs = archived
         log.warning(
             "run %s ended here; its state stays in %s (archived), its decisions.jsonl moves to %s",

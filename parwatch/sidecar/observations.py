@@ -40,7 +40,13 @@ def build_observation(store: Store) -> Observation | None:
     if ratios is not None:
         series["goodput_ratio"] = {"": ratios["goodput_ratio"]}
         series["ettr_ratio"] = {"": ratios["ettr"]}
-    return Observation(step=view.step, time=store.clock(), series=series, checkpoints=store.checkpoints)
+    return Observation(
+        step=view.step,
+        time=store.clock(),
+        series=series,
+        checkpoints=store.checkpoints,
+        process_start_time=rank0.summary.process_start_time,
+    )
 
 
 _RANK_KEYS: dict[int, str] = {}  # capped (hostile rank numbers must not grow it); ops/groups are a closed list
