@@ -143,6 +143,44 @@ class DecisionSource(StrEnum):
     """The engine itself (e.g. escalating a failed rollback)."""
     RANK0 = "rank0"
     """Rank 0's local guard (a non-finite loss seen before the sidecar's view)."""
+    STEP_CHECK = "step_check"
+    """Every rank together, before the optimizer step (parwatch.contract.step_check); the leader records it."""
+
+
+# --- the check before the optimizer step (parwatch.contract.step_check) -----------------------------
+
+
+class StepFault(StrEnum):
+    """What the check before the optimizer step found; the value names the decision's rule."""
+
+    NONFINITE = "step-nonfinite"
+    """A rank's loss or gradients are NaN or infinite."""
+    SPIKE = "step-spike"
+    """The step's loss is above factor x the median of the previous applied steps' losses."""
+
+
+class StepAction(StrEnum):
+    """What every rank did with a step the check found bad."""
+
+    RERUN = "rerun"
+    """Forward and backward again on the same microbatches; the re-run passed, its update went in."""
+    SKIP = "skip"
+    """No update: the gradients zeroed, the batch passed over."""
+    PAUSE = "pause"
+    """Skipped, and the run holds after the step's boundary (skips kept coming)."""
+
+
+class Triage(StrEnum):
+    """What kind of fault a bad step was, told by re-running it on the same microbatches."""
+
+    TRANSIENT = "transient"
+    """The re-run passed: a fault of the moment (a flaky device, silent data corruption) on the named rank."""
+    PERSISTENT = "persistent"
+    """Non-finite again on the same microbatches: the batch, or the weights, reproduce it."""
+    DATA_CAUSED = "data-caused"
+    """A finite loss spike the re-run reproduces: the microbatches themselves give it."""
+    UNTRIAGED = "untriaged"
+    """Not re-run (the trainer gave the check no way to): skipped without telling the kind."""
 
 
 # --- ranks' activity -----------------------------------------------------------------------------
@@ -294,6 +332,12 @@ class Event(StrEnum):
     """step: a restarted run loaded this checkpoint before its first step (its resume boundary follows)."""
     RUN_END = "run_end"
     """steps_completed, summary (dict; observers may add to it)."""
+    STEP_RERUN = "step_rerun"
+    """step: the check before the optimizer found the step bad; its forward and backward run again now
+    (what ran since the step began is discarded)."""
+    STEP_CHECKED = "step_checked"
+    """step, verdict (parwatch.contract.step_check.Verdict.as_dict()): what every rank did with a bad step
+    (a skip discards all of the step's work)."""
 
 
 class BoundaryKind(StrEnum):

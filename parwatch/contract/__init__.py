@@ -13,7 +13,10 @@ pulling in parwatch's collector, the sidecar or torch:
 - `directives`: pause / resume / rollback, and the outcome every rank reports back.
 - `boundary`: the step boundary, one small SUM all-reduce per step whose width does
   not depend on the world size, and `StepBoundary`, the driver that runs it.
-- `torch_all_reduce`: that all-reduce over torch.distributed (torch imported only when used).
+- `step_check`: the check before the optimizer step: one small all-reduce of every rank's loss and
+  gradient finiteness, and what every rank then does with a bad step (re-run, skip, pause).
+- `torch_all_reduce`: that all-reduce over torch.distributed (torch imported only when used);
+  `torch_grads`: a rank's gradient reading for the check (torch imported only when used).
 
 The reference trainer (`parwatch/trainer/`) and the torch.distributed.pipelining integration
 (`parwatch.integrations`) both drive this module; the collector observes it.
@@ -41,6 +44,7 @@ from parwatch.contract.spans import (
     SpanKind,
     registry,
 )
+from parwatch.contract.step_check import StepCheck, StepPolicy, StepReading, Verdict
 from parwatch.contract.torch_all_reduce import TorchAllReduce
 
 __all__ = [
@@ -62,7 +66,11 @@ __all__ = [
     "Span",
     "SpanKind",
     "StepBoundary",
+    "StepCheck",
+    "StepPolicy",
+    "StepReading",
     "TorchAllReduce",
+    "Verdict",
     "registry",
     "new_run_id",
     "run_key",
