@@ -238,6 +238,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("parwatch_guardrail_state", "gauge", ("rule",), "Guardrail rule state: 0 ok, 1 pending, 2 firing"),
     Metric("parwatch_guardrail_actions_total", "counter", ("rule", "action"), "Guardrail decisions that acted"),
     Metric("parwatch_run_paused", "gauge", (), "1 while the run is paused by a directive"),
+    Metric(
+        "parwatch_rank_transient_faults_total",
+        "counter",
+        _R,
+        "Steps with a non-finite value or a loss spike this rank produced that the re-run on the same "
+        "microbatches did not reproduce (the check before the optimizer step): a flaky device or silent "
+        "data corruption; two or more make the rank a suspect (the leader's count for the run)",
+    ),
     Metric("parwatch_checkpoint_last_good_step", "gauge", (), "Newest step with a complete checkpoint"),
     # parwatch's own health.
     Metric(

@@ -242,6 +242,7 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
     excess = rule_threshold("bubble-excess", "above", rules_path)
     skew = rule_threshold("stage-skew", "above", rules_path)
     util = rule_threshold("gpu-underutilized", "below", rules_path)
+    suspect = rule_threshold("suspect-device", "above", rules_path)
     step_buckets = rec.bucket_rate_name("stage", "parwatch_step_duration_seconds", window)
     coll_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds", window)
     transfer_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_transfer_seconds", window)
@@ -465,6 +466,14 @@ def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> l
             "Ranks not running (1 hung, 2 gone)",
             [(rec.RANKS_NOT_RUNNING, "rank {{rank}}")],
             desc="only ranks that are not running have a series here",
+        ),
+        timeseries(
+            "Transient faults per rank (suspect devices)",
+            [(rec.SUSPECT_RANKS, "rank {{rank}}")],
+            limit=suspect,
+            desc="steps whose NaN/inf or loss spike the rank produced and the re-run on the same microbatches "
+            "did not reproduce (the check before the optimizer step); above the line the suspect-device "
+            "guardrail names the rank. Only ranks with one have a series",
         ),
         # GPUs.
         timeseries(

@@ -122,6 +122,8 @@ RANKS_NOT_RUNNING = "rank:parwatch_rank_state:not_running"
 RANKS_DOWN = "rank:parwatch_rank_up:down"
 GPU_UTIL_BOTTOM = f"rank_gpu:parwatch_gpu_utilization_ratio:bottom{TOP_K}"
 STRAGGLER_CAUSES = "cause:parwatch_straggler_ratio:max"
+SUSPECT_RANKS = "rank:parwatch_rank_transient_faults:max"
+"""The ranks with a transient fault so far (the leader exports no others: a short list), by rank."""
 
 
 def job(name: str, op: str) -> str:
@@ -242,6 +244,7 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     own = _m("parwatch_self_seconds_total")
     for op in ("max", "avg"):
         add(self_share(op, w), f"{op} {by('part')} (rate({own}[{w}]))")
+    add(SUSPECT_RANKS, f"max {by('rank')} ({_m('parwatch_rank_transient_faults_total')})")
     straggler = _m("parwatch_rank_straggler_seconds_total")
     add(rate_name("job", straggler, w), f"sum {by()} (rate({straggler}[{w}]))")
     add(stragglers_top(w), f"topk {by()} ({TOP_K}, rate({straggler}[{w}]))")

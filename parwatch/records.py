@@ -28,7 +28,9 @@ from parwatch.vocabulary import (
     OutcomeName,
     RankState,
     RuleAction,
+    StepAction,
     TimeCategory,
+    Triage,
     jsonable,
 )
 
@@ -175,8 +177,8 @@ class NodeDigest(Struct):
 DecisionAction = Annotated[
     str,
     Meta(
-        pattern="^(" + "|".join(sorted(set(RuleAction) | set(Action))) + ")$",
-        description="a rule's or a directive's action",
+        pattern="^(" + "|".join(sorted(set(RuleAction) | set(Action) | set(StepAction))) + ")$",
+        description="a rule's, a directive's or the check before the optimizer step's action",
     ),
 ]
 
@@ -219,6 +221,14 @@ class Decision(Struct, kw_only=True):
     """Decided by rank 0 itself while its sidecar was unreachable."""
     renumbered: dict[int, int] | UnsetType = UNSET
     """Directives rank 0 never took, given new ids above its own: {old: new}."""
+    triage: Triage | UnsetType = UNSET
+    """The check before the optimizer step's: what kind of fault the step was (source step_check)."""
+    ranks: list[int] | UnsetType = UNSET
+    """The check's: the ranks that produced the fault (with their hosts in evidence.hosts, where known)."""
+    batch: int | None | UnsetType = UNSET
+    """The check's: the batch (data step) the bad step trained on; a skip passes it over."""
+    timeline: int | UnsetType = UNSET
+    """The check's: the run's rollbacks before the step (its step number may repeat after one)."""
 
 
 class Cancelled(Struct, kw_only=True):

@@ -27,7 +27,17 @@ from parwatch.contract.directives import MAX_STEP, Directive
 from parwatch.rank_layout import DEFAULT_ORDER, RankLayout, cached_layout
 from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, Order, openapi_schemas, text
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
-from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, SelfPart, TimeCategory
+from parwatch.vocabulary import (
+    Action,
+    CollectiveOp,
+    GroupRole,
+    OutcomeName,
+    SelfPart,
+    StepAction,
+    StepFault,
+    TimeCategory,
+    Triage,
+)
 
 MAX_COUNT = 2**53
 """Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
@@ -175,6 +185,22 @@ class GlobalView(Struct, frozen=True, kw_only=True):
         return decode_float(self.wire_loss)
 
 
+RankList = Annotated[list[Index], Meta(max_length=1 << 17)]
+"""Ranks of a run (at most its world)."""
+
+
+class StepChecked(Struct, frozen=True, kw_only=True):
+    """What the check before the optimizer step did with a bad step (every rank's summary of it carries it)."""
+
+    action: StepAction
+    fault: StepFault
+    triage: Triage
+    applied: bool
+    """The update went in (a transient's re-run)."""
+    ranks: Annotated[list[Index], Meta(max_length=64)] = field(default_factory=list)
+    """The ranks that produced it (the first 64)."""
+
+
 class StepSummary(Struct, frozen=True, kw_only=True):
     """One rank's step (parwatch/collector/wire.py builds it): one per rank and step."""
 
@@ -241,6 +267,8 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     process_start_time: Timestamp | None = None
     """When this rank's process started: a later one is a restart (its ledger starts again, and the
     time between is down)."""
+    check: StepChecked | None = None
+    """Set when the check before the optimizer step found this step bad (parwatch.contract.step_check)."""
 
     @property
     def world_size(self) -> int:
@@ -299,6 +327,56 @@ class LocalDecision(Struct, frozen=True, kw_only=True):
         _check_number(self.loss, "loss")
 
 
+class PassEvidence(Struct, frozen=True, kw_only=True):
+    """One pass of a bad step as the check saw it (the first, or the re-run)."""
+
+    loss: WireFloat = None
+    grad_sq_sum: WireFloat = None
+    """The ranks' squared gradient norms, summed."""
+    baseline: Annotated[float, Meta(ge=-MAX_RATIO * MAX_SECONDS, le=MAX_RATIO * MAX_SECONDS)] | None = None
+    """The spike baseline: the median of the previous applied steps' losses."""
+    nonfinite_loss: RankList = field(default_factory=list)
+    nonfinite_grads: RankList = field(default_factory=list)
+    spiked: RankList = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_number(self.loss, "loss")
+        _check_number(self.grad_sq_sum, "grad_sq_sum")
+
+
+class CheckEvidence(Struct, frozen=True, kw_only=True):
+    first: PassEvidence
+    rerun: PassEvidence | None = None
+    skipped_steps: Annotated[list[Step], Meta(max_length=10_000)] = field(default_factory=list)
+    """The steps skipped within the policy's window, this one included."""
+    pause: Annotated[str, text(300)] = ""
+    """Why the run pauses (a pause only)."""
+
+
+class StepCheckRecord(Struct, frozen=True, kw_only=True):
+    """Rank 0's report of a step every rank checked before the optimizer step and found bad, decided by all
+    ranks together (parwatch.contract.step_check); it rides every post until one carrying it is accepted."""
+
+    run_id: RunId
+    step: Step
+    timeline: SmallCount = 0
+    time: Timestamp
+    """When rank 0 ended the step's check (its wall clock)."""
+    fault: StepFault
+    action: StepAction
+    triage: Triage
+    applied: bool
+    ranks: RankList = field(default_factory=list)
+    """The ranks that produced the fault."""
+    batch: Step | None = None
+    loss: WireFloat = None
+    """The loss of the pass decided on (the re-run's after a re-run)."""
+    evidence: CheckEvidence
+
+    def __post_init__(self) -> None:
+        _check_number(self.loss, "loss")
+
+
 class OutcomeRecord(Struct, frozen=True, kw_only=True):
     """Rank 0's report of what every rank did with one directive (counted in the step-boundary vector);
     it rides every post until one carrying it is accepted."""
@@ -327,6 +405,8 @@ class IngestBody(Struct, frozen=True, kw_only=True):
     summaries: Annotated[list[StepSummary], Meta(max_length=10_000)]
     outcomes: Annotated[list[OutcomeRecord], Meta(max_length=64)] = field(default_factory=list)
     """Rank 0: directive outcome records, resent until a post carrying them is accepted."""
+    checks: Annotated[list[StepCheckRecord], Meta(max_length=64)] = field(default_factory=list)
+    """Rank 0: the steps the check before the optimizer step found bad, resent until accepted."""
     alive: bool = False
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 

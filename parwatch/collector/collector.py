@@ -41,7 +41,7 @@ from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Delivery, Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
-from parwatch.collector.wire import DirectiveInbox, build_summary, outcome_record
+from parwatch.collector.wire import DirectiveInbox, build_summary, check_record, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
 from parwatch.tokens import read_token
@@ -177,6 +177,11 @@ class Collector(Observer):
         self._previous_step = -1
         self._previous_loss: float | None = None
         self._reported_id = 0  # rank 0: the last directive whose outcome went to the sidecar
+        self._discard_at: int | None = None
+        """Spans of this period before this index in _pending ran in a pass the check before the optimizer
+        step discarded (a re-run's first pass, or all of a skipped step): their productive time is wasted."""
+        self._discarded = 0.0  # productive seconds of the discarded spans folded this period
+        self._check: dict | None = None  # this period's verdict of the check, when the step was bad
         self.timeline = 0
         """Rollbacks applied so far: (run_id, rank, timeline, step) names one summary."""
         self._checkpoints: list[int] = []
@@ -304,8 +309,21 @@ class Collector(Observer):
             self.ledger.rollback(int(attrs["to_step"]), time.monotonic())
         elif name == Event.RESTORED:
             self.ledger.loaded(time.monotonic())
+        elif name == Event.STEP_RERUN:
+            self._discard_at = len(self._pending)  # the first pass's spans: discarded
+        elif name == Event.STEP_CHECKED:
+            self._step_checked(attrs["verdict"])
 
     # --- internals ----------------------------------------------------------------------------
+    def _step_checked(self, verdict: dict) -> None:
+        """The check's verdict on a bad step: a skip discards all of the step's work; rank 0 has the leader
+        record it (resent until accepted)."""
+        self._check = verdict
+        if not verdict["applied"]:
+            self._discard_at = len(self._pending)
+        if self.ctx.rank == 0:
+            self.shipper.put_check(check_record(verdict, self.ctx.run_id, self.timeline, self._time_fn()))
+
     def _prepare(self, summary: dict) -> None:
         """Shipper thread, before a summary is written or sent: the bubble's causes (rank 0's global
         view; another rank's own copy of the view, which is not sent) and this stage's shares of
@@ -374,8 +392,15 @@ class Collector(Observer):
             return
         stats = self._stats
         result = breakdown(step_seconds, stats.compute_seconds, stats.other_seconds)
-        self.ledger.step(info.step, self._host_seconds(end), stats, result.idle_seconds)
+        checked, self._check = self._check, None
+        discarded, self._discarded = self._discarded, 0.0
+        self.ledger.step(info.step, self._host_seconds(end), stats, result.idle_seconds, discarded)
         summary = self._summary(info, result, stats, slots)
+        skipped = checked is not None and not checked["applied"]
+        if checked is not None:
+            summary["check"] = {k: checked[k] for k in ("action", "fault", "triage", "applied")} | {
+                "ranks": checked["ranks"][:64]
+            }
         summary["time_seconds"] = self.ledger.snapshot()
         summary["process_start_time"] = self.process_start_time
         if self._model_flops and self.peak_flops and step_seconds > 0:
@@ -386,7 +411,7 @@ class Collector(Observer):
         self._overhead_ns = 0
         self._collector_ns += overhead_ns
         summary["self_seconds"] = self._self_seconds()
-        if self.guard is not None and not math.isfinite(info.loss):
+        if self.guard is not None and not math.isfinite(info.loss) and not skipped:  # a skip kept the weights
             delivery = Delivery()  # did the leader get this loss? (LocalGuard)
             self.shipper.put_summary(summary, delivery)
             self.guard.loss(info.step, info.loss, delivery)
@@ -402,7 +427,9 @@ class Collector(Observer):
             self.shipper.put_spans(self._records)
         self.last_summary = summary
         self.summaries += 1
-        self._previous, self._previous_step, self._previous_loss = result, info.step, info.loss
+        # A skipped step's loss never reached the weights: the view (what the rules judge) leaves it out.
+        self._previous, self._previous_step = result, info.step
+        self._previous_loss = None if skipped else info.loss
         self._previous_by_kind = stats.by_kind
 
     def _summary(self, info: BoundaryInfo, result: StepBreakdown, stats: StepStats, slots: list) -> dict:
@@ -458,7 +485,10 @@ class Collector(Observer):
         if records is None and self._slow_factor:
             self._folded += pending
         ref_host = self._host_seconds(ref) if records is not None else 0.0
-        for span in pending:
+        cut, self._discard_at = self._discard_at, None
+        for i, span in enumerate(pending):
+            if i == cut:  # the discarded pass is folded: what its productive time was
+                self._discarded = stats.compute_seconds - stats.comm_in_compute_seconds
             try:
                 seconds = clock.seconds(span.start, span.end)
                 if records is not None:
@@ -469,14 +499,25 @@ class Collector(Observer):
                 continue
             stats.add(span.kind, seconds, span.attrs, span.parent.kind if span.parent is not None else None)
             self.instances.add(span)
+        if cut is not None and cut >= len(pending):
+            self._discarded = stats.compute_seconds - stats.comm_in_compute_seconds
         return [mark for span in pending for mark in (span.start, span.end)]
 
     def _fold_pending(self) -> list:
         """Host clocks: fold this period's spans (what on_span once did per span). Returns no marks."""
-        clock, stats, instances, records = self.clock, self._stats, self.instances, self._records
-        host_seconds = self._host_seconds
         pending = self._pending.copy()
         self._pending.clear()
+        if self._discard_at is not None:  # the discarded pass first, then what its productive time was
+            cut, self._discard_at = self._discard_at, None
+            self._fold_host(pending[:cut])
+            self._discarded = self._stats.compute_seconds - self._stats.comm_in_compute_seconds
+            pending = pending[cut:]
+        self._fold_host(pending)
+        return []
+
+    def _fold_host(self, pending: list[Span]) -> None:
+        clock, stats, instances, records = self.clock, self._stats, self.instances, self._records
+        host_seconds = self._host_seconds
         if records is None and self._slow_factor:
             self._folded += pending
         for span in pending:
@@ -493,7 +534,6 @@ class Collector(Observer):
                     records.append(self._record(span, host_seconds(span.start), host_seconds(span.end)))
             except Exception as exc:  # a malformed span must not stop training
                 self._count_error("span", exc)
-        return []
 
     def _is_slow(self, step_seconds: float) -> bool:
         """Whether this step is a straggler against the recent mean (after 5 steps); updates the mean."""

@@ -11,7 +11,8 @@ The collector hands it each boundary as it ends, on the host's monotonic clock:
 - any other boundary closes a gap: startup before the first one, paused while a pause holds,
   checkpoint load between a rollback and the resume;
 - a rollback moves the productive time of the steps it discarded to wasted (the target step is
-  exact: the collector knows the timeline).
+  exact: the collector knows the timeline); a pass the check before the optimizer step discarded (a
+  re-run's first pass, all of a skipped step) is wasted when its step period closes.
 
 So the categories sum to the wall time since process start, by construction. All of it is a few
 float additions per step on the training thread.
@@ -75,17 +76,25 @@ class Ledger:
         self.untracked_steps = 0
 
     # --- the collector's calls -------------------------------------------------------------
-    def step(self, step: int, end_s: float, stats, idle_seconds: float) -> None:
+    def step(self, step: int, end_s: float, stats, idle_seconds: float, discarded: float = 0.0) -> None:
         """A step period ended at `end_s` (monotonic): split it by its spans (a StepStats) and its idle
-        (the step period on the collector's clock less compute and other)."""
+        (the step period on the collector's clock less compute and other). `discarded`: the productive
+        seconds of passes the check before the optimizer step threw away (a re-run's first pass, all of a
+        skipped step), which are wasted."""
         period = max(0.0, end_s - self._mark)
-        productive = max(0.0, stats.compute_seconds - stats.comm_in_compute_seconds)
-        parts = {TimeCategory.PRODUCTIVE: productive, TimeCategory.EXPOSED_COMM: stats.comm_seconds}
+        computed = max(0.0, stats.compute_seconds - stats.comm_in_compute_seconds)
+        discarded = min(max(0.0, discarded), computed)
+        productive = computed - discarded
+        parts = {
+            TimeCategory.PRODUCTIVE: productive,
+            TimeCategory.WASTED: discarded,
+            TimeCategory.EXPOSED_COMM: stats.comm_seconds,
+        }
         for kind, seconds in stats.other_by_kind.items():
             category = _OTHER.get(kind, TimeCategory.UNATTRIBUTED)
             parts[category] = parts.get(category, 0.0) + seconds
         bubble = max(0.0, idle_seconds - (stats.comm_seconds - stats.comm_in_compute_seconds))
-        for category, share in zip(_BUBBLE, self._shares(bubble, productive)):
+        for category, share in zip(_BUBBLE, self._shares(bubble, computed)):
             parts[category] = parts.get(category, 0.0) + share
         spanned = sum(parts.values())
         # The period on the host clock; the spans on the collector's (a device clock differs a little).

@@ -18,7 +18,8 @@ Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
 for `poll_interval_s`: while the run is paused no summaries flow, and the
 resume directive must still arrive. Rank 0's directive outcome records ride every
 post until the sidecar has accepted one carrying them: they are few, and the leader
-hands out no other directive before it has the outcome of the last one.
+hands out no other directive before it has the outcome of the last one. Its records of the
+steps the check before the optimizer step found bad ride the same way (`checks`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections import deque
 
 from parwatch.collector.wire import dumps, encode_outcome, encode_summary
 from parwatch.schema import SCHEMA_VERSION
-from parwatch.step_records import OutcomeRecord
+from parwatch.step_records import OutcomeRecord, StepCheckRecord
 
 log = logging.getLogger("parwatch.collector")
 
@@ -95,6 +96,7 @@ class Shipper:
         self._queue_size = queue_size
         self._queue: deque = deque()
         self._outcomes: deque = deque(maxlen=64)  # rank 0: encoded outcome records not yet accepted
+        self._checks: deque = deque(maxlen=64)  # rank 0: encoded step check records not yet accepted
         self.heartbeat_seen = False
         """Set by the collector on a completed heartbeat boundary; the next post says "alive"."""
         self._lock = threading.Lock()
@@ -188,6 +190,13 @@ class Shipper:
                 self._outcomes.append(encode_outcome(record))
             self._wake.set()
 
+    def put_check(self, record: StepCheckRecord) -> None:
+        """Rank 0: a bad step's record (the check before the optimizer step); sent until a post is accepted."""
+        if self.url:
+            with self._lock:
+                self._checks.append(encode_outcome(record))
+            self._wake.set()
+
     def queued(self) -> int:
         return len(self._queue)
 
@@ -200,13 +209,13 @@ class Shipper:
         try:
             while True:
                 wait = self.poll_interval_s or 0.5
-                if self._outcomes:  # an outcome waits for nothing but the backoff
+                if self._outcomes or self._checks:  # a record waits for nothing but the backoff
                     wait = min(wait, max(0.05, self._retry_at - self._time()))
                 self._wake.wait(wait)
                 self._wake.clear()
                 stopping = self._stopping
                 self._drain()
-                if self._poll_due() or (self._outcomes and self._time() >= self._retry_at):
+                if self._poll_due() or ((self._outcomes or self._checks) and self._time() >= self._retry_at):
                     self._post([])
                 self.cpu_ns = time.thread_time_ns()  # parwatch's own cost; one int store, read by the collector
                 if stopping:
@@ -288,19 +297,25 @@ class Shipper:
             return False
         alive, self.heartbeat_seen = self.heartbeat_seen, False
         with self._lock:
-            outcomes = list(self._outcomes)
-        tail = (f',"outcomes":[{",".join(outcomes)}]' if outcomes else "") + (',"alive":true}' if alive else "}")
+            outcomes, checks = list(self._outcomes), list(self._checks)
+        tail = (
+            (f',"outcomes":[{",".join(outcomes)}]' if outcomes else "")
+            + (f',"checks":[{",".join(checks)}]' if checks else "")
+            + (',"alive":true}' if alive else "}")
+        )
         body = (f'{{"version":{SCHEMA_VERSION},"summaries":[{",".join(summaries)}]' + tail).encode()
         try:
             response = self._client().post(self.url, content=body, headers=self._headers)
             if response.status_code in (401, 403):  # before the outcome rule: they were never read
                 raise Unauthorized(str(self.url), response.status_code, response.text[:200])
-            if outcomes and 400 <= response.status_code < 500 and not summaries:
+            if (outcomes or checks) and 400 <= response.status_code < 500 and not summaries:
                 # Refused as invalid: retrying the same records cannot succeed; say so and move on.
                 log.warning(
-                    "parwatch: sidecar refused outcome records (HTTP %s: %s)", response.status_code, response.text[:200]
+                    "parwatch: sidecar refused outcome or check records (HTTP %s: %s)",
+                    response.status_code,
+                    response.text[:200],
                 )
-                self._forget_outcomes(len(outcomes))
+                self._forget_outcomes(len(outcomes), len(checks))
                 return False
             if response.status_code >= 400:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -330,7 +345,7 @@ class Shipper:
         self.unreachable_since = None
         self._last_post = self._time()
         self.sent += len(summaries)
-        self._forget_outcomes(len(outcomes))
+        self._forget_outcomes(len(outcomes), len(checks))
         directive = reply.get("directive") if isinstance(reply, dict) else None
         if self._on_directive is not None:
             try:
@@ -339,10 +354,11 @@ class Shipper:
                 log.warning("parwatch: ignoring directive %r (%s)", directive, exc)
         return True
 
-    def _forget_outcomes(self, n: int) -> None:
+    def _forget_outcomes(self, n: int, checks: int = 0) -> None:
         with self._lock:
-            for _ in range(min(n, len(self._outcomes))):
-                self._outcomes.popleft()
+            for records, sent in ((self._outcomes, n), (self._checks, checks)):
+                for _ in range(min(sent, len(records))):
+                    records.popleft()
 
     def _cleanup(self) -> None:
         with self._lock:  # what was still queued at the end never reached the sidecar

@@ -14,7 +14,7 @@ from parwatch.collector.stats import StepBreakdown
 from parwatch.contract import Directive, OutcomeReport
 from parwatch.contract.directives import parse_directive
 from parwatch.schema import SCHEMA_VERSION
-from parwatch.step_records import OutcomeRecord, StepSummary
+from parwatch.step_records import OutcomeRecord, StepCheckRecord, StepSummary
 from parwatch.vocabulary import OutcomeName, jsonable
 
 log = logging.getLogger("parwatch.collector")
@@ -94,6 +94,20 @@ def outcome_record(report: OutcomeReport, run_id: str, step: int) -> OutcomeReco
     )
 
 
+def check_record(verdict: dict, run_id: str, timeline: int, time: float) -> StepCheckRecord:
+    """The ingest body's record of a bad step, from the check's verdict (StepCheck's Verdict.as_dict())."""
+    return msgspec.convert(
+        {
+            **{k: verdict[k] for k in ("step", "fault", "action", "triage", "applied", "ranks", "batch", "loss")},
+            "evidence": verdict["evidence"],
+            "run_id": run_id,
+            "timeline": timeline,
+            "time": time,
+        },
+        StepCheckRecord,
+    )
+
+
 _ENCODER = msgspec.json.Encoder()
 _WARNED: set[str] = set()
 
@@ -122,7 +136,7 @@ def encode_summary(summary: dict) -> str:
         return dumps(summary)
 
 
-def encode_outcome(record: OutcomeRecord) -> str:
+def encode_outcome(record: OutcomeRecord | StepCheckRecord) -> str:
     return _ENCODER.encode(record).decode()
 
 

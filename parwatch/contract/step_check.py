@@ -194,14 +194,15 @@ class StepCheck:
         same microbatches (None: a bad step is skipped untriaged)."""
         first_reading = measure()
         first = self._judge(first_reading)
-        if first.fault is None:
+        fault = first.fault
+        if fault is None:
             self._applied(first.loss)
             return Verdict(step, True, first.loss, batch=batch)
         first = self._named(first, first_reading)
         evidence: dict[str, Any] = {"first": first.evidence()}
         if rerun is None or not self.policy.rerun:
             return self._skip(step, first, Triage.UNTRIAGED, first.loss, evidence, batch)
-        self.registry.emit_event(Event.STEP_RERUN, step=step, fault=first.fault.value)
+        self.registry.emit_event(Event.STEP_RERUN, step=step, fault=fault.value)
         rerun()
         again_reading = measure()
         again = self._judge(again_reading)
@@ -214,7 +215,7 @@ class StepCheck:
                     True,
                     again.loss,
                     StepAction.RERUN,
-                    first.fault,
+                    fault,
                     Triage.TRANSIENT,
                     _origin(first),
                     evidence,
@@ -295,7 +296,7 @@ class StepCheck:
         first: Judgement,
         triage: Triage,
         loss: float,
-        evidence: dict,
+        evidence: dict[str, Any],
         batch: int | None,
         ranks: tuple[int, ...] | None = None,
     ) -> Verdict:

@@ -13,7 +13,8 @@ class DemoConfig:
     """Optimizer steps the trainer must complete (at least 2)."""
     scenario: str = "none"
     """none, straggler (stage 1 slows from mid-run: the skew alert fires) or nan (the loss
-    turns NaN mid-run: the sidecar rolls back to a checkpoint and the run completes)."""
+    turns NaN mid-run and, the check before the optimizer step off, reaches the weights: the sidecar
+    rolls back to a checkpoint and the run completes)."""
     tp: int = 2
     """Tensor-parallel ranks per stage."""
     pp: int = 2
@@ -53,7 +54,9 @@ class DemoConfig:
         if self.scenario == "straggler":
             return ["--inject", f"straggler:stage=1,ms={self.straggler_ms:g},from_step={self.fault_step}"]
         if self.scenario == "nan":
-            return ["--inject", f"nan:step={self.nan_step}"]
+            # The check before the optimizer step would re-run the step (a transient NaN): off, the NaN
+            # reaches the weights and the demo shows the sidecar's rollback.
+            return ["--pre-step-check", "off", "--inject", f"nan:step={self.nan_step}"]
         return []
 
     def trainer_args(self) -> list[str]:

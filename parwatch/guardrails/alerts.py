@@ -49,7 +49,10 @@ METRIC_EXPRESSIONS = {
     "step_seconds": lambda reduce, w: rec.mean_name("stage", "parwatch_step_duration_seconds", w),
     "goodput_ratio": lambda reduce, w: rec.goodput(w),
     "ettr_ratio": lambda reduce, w: rec.ettr(w),
+    "transient_faults": lambda reduce, w: rec.SUSPECT_RANKS,
 }
+PER_SERIES = {"transient_faults": ("rank",)}
+"""Metrics whose alert keeps a label besides the run's: one alert per rank, naming it."""
 NONFINITE_FLAGS = {"loss": rec.job("parwatch_loss_nonfinite", "max")}
 """A finite check on these reads the sidecars' 0/1 flag, not the value: VictoriaMetrics drops NaN
 samples at ingestion, so `x != x` never fires there (the flag's max is 1 when any value is non-finite)."""
@@ -86,7 +89,7 @@ def alert_expression(
         return None
     reduce = PROMQL_REDUCE[rule.reduce]
     series = pick(reduce, rate_window)
-    per_run = rec.by()  # one alert per run (scrape job), never one reduced over every run
+    per_run = rec.by(*PER_SERIES.get(rule.metric, ()))  # one alert per run (scrape job), never one over every run
     if rule.check == CheckKind.FINITE:
         flag = NONFINITE_FLAGS.get(rule.metric)
         if flag is not None:

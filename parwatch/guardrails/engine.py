@@ -47,7 +47,17 @@ from parwatch.guardrails.rules import RuleSet
 from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
 from parwatch.records import Cancelled, Decision, Outcome, log_record
 from parwatch.schema import MAX_CHECKPOINTS, decode_float
-from parwatch.vocabulary import Action, DecisionSource, OutcomeName, RecordType, RuleAction, RuleState, jsonable
+from parwatch.vocabulary import (
+    Action,
+    DecisionSource,
+    OutcomeName,
+    RecordType,
+    RuleAction,
+    RuleState,
+    StepAction,
+    Triage,
+    jsonable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,9 @@ SWITCHES = (Action.ROLLBACK, Action.RESUME)
 the step loop): the hang clock is re-armed when one is decided and when it is applied."""
 
 REQUEST_SOURCES = (DecisionSource.OPERATOR, DecisionSource.ALERTMANAGER)
+TRANSIENT_METRIC = "transient_faults"
+"""The series the engine adds to each observation: transient faults per rank (and host) so far in the run
+(the checks before the optimizer step the re-run passed), judged by the suspect-device rule."""
 BASELINES_SAVE_SECONDS = 60.0
 """How stale the saved baseline windows may get: they are most of the state's bytes (see Durability)."""
 RECENT_RECORDS = 1000
@@ -112,6 +125,8 @@ class GuardrailEngine:
         """When a rollback or resume was last decided or applied (this clock): the hang clock restarts there."""
         self._rearmed: dict[str, int] = {}
         """rule -> id of the operator resume that re-armed it (firing -> pending, see request())."""
+        self._transients: dict[str, int] = {}
+        """"rank=R[,host=H]" -> transient faults that rank produced in this run (from its step_check records)."""
         self._run_id: str | None = None
         self._archived_runs: list[str] = []
         self._queued_batches: list[Batch] = []
@@ -136,6 +151,8 @@ class GuardrailEngine:
                 self._checkpoints = set(map(int, obs.checkpoints))
             # Each metric's values are checked and reduced once, however many rules read them.
             usable = {metric: Series(_numbers(obs.series.get(metric))) for metric in self._metrics}
+            if TRANSIENT_METRIC in usable and self._transients:
+                usable[TRANSIENT_METRIC] = Series({k: float(n) for k, n in self._transients.items()})
             started = obs.process_start_time
             if started is not None:
                 if self._process_start is not None and started > self._process_start + 1.0:
@@ -445,6 +462,79 @@ class GuardrailEngine:
                         records += self._act(monitor, self._last_step, now)
             self._save()
             return records
+
+    # -- the check before the optimizer step (parwatch.contract.step_check) ---------------------------
+
+    def record_check(self, check: dict, hosts: dict[int, str] | None = None) -> list[dict]:
+        """A step every rank of the run checked before its optimizer step and found bad, and what they did
+        together (re-run, skip, pause): recorded as a decision (source step_check, enforced: the ranks did
+        it) with its triage, ranks and evidence. A transient counts towards its ranks' suspect-device
+        series; a skip or a pause is a change of the run under the rules (a rule that acted and still fails
+        acts again); a pause holds the run until a resume. `check`: a StepCheckRecord as a dict; `hosts`:
+        rank -> host, where the sidecar knows it. A record sent twice is recorded once."""
+        with self._lock:
+            if self._run_id is None or check.get("run_id") != self._run_id:
+                return []
+            step, timeline = int(check["step"]), int(check.get("timeline") or 0)
+            if any(
+                r.get("source") == DecisionSource.STEP_CHECK and r.get("step") == step and r.get("timeline") == timeline
+                for r in self._recent
+            ):
+                return []
+            action, triage = StepAction(check["action"]), Triage(check["triage"])
+            ranks = [int(r) for r in check.get("ranks") or ()]
+            named = {r: hosts[r] for r in ranks if hosts and r in hosts}
+            evidence = dict(check.get("evidence") or {}, loss=check.get("loss"))
+            if named:
+                evidence["hosts"] = {str(r): h for r, h in named.items()}
+            who = ", ".join(f"rank {r}" + (f" on {named[r]}" if r in named else "") for r in ranks) or "no rank named"
+            done = {
+                StepAction.RERUN: "re-ran it on the same microbatches: it passed, its update went in",
+                StepAction.SKIP: "skipped it: no update, the batch passed over",
+                StepAction.PAUSE: f"skipped it and paused the run: {evidence.get('pause') or 'skips kept coming'}",
+            }[action]
+            batch = check.get("batch")
+            reason = (
+                f"{check['fault']}: step {step}"
+                + (f" (batch {batch})" if batch is not None else "")
+                + f" was {triage} ({who}); every rank {done}"
+            )
+            decision = Decision(
+                time=self._now(),
+                step=step,
+                rule=str(check["fault"]),
+                action=action,
+                source=DecisionSource.STEP_CHECK,
+                reason=reason,
+                evidence=jsonable(evidence),
+                escalated=action == StepAction.PAUSE,
+                triage=triage,
+                ranks=ranks,
+                batch=batch,
+                timeline=timeline,
+            )
+            decision.id, decision.run_id, decision.enforced = self._next_decision_id, self._run_id, True
+            self._next_decision_id += 1
+            if triage == Triage.TRANSIENT:
+                for r in ranks:
+                    key = f"rank={r}" + (f",host={named[r]}" if r in named else "")
+                    self._transients[key] = self._transients.get(key, 0) + 1
+            if action != StepAction.RERUN:
+                self._switched(f"the skip of step {step} before the weights")
+            if action == StepAction.PAUSE:
+                self._paused = True  # every rank holds after the step's boundary, until a resume
+            record = self._append(decision)
+            self._save(full=True)
+            return [record]
+
+    def transient_faults(self) -> dict[int, int]:
+        """rank -> transient faults it produced in this run (the suspect-device metric)."""
+        with self._lock:
+            out: dict[int, int] = {}
+            for key, n in self._transients.items():
+                rank = int(key.split(",")[0].removeprefix("rank="))
+                out[rank] = out.get(rank, 0) + n
+            return out
 
     # -- requests and directives ----------------------------------------------------------------------
 
@@ -825,7 +915,7 @@ class GuardrailEngine:
         self._monitors = {r.name: RuleMonitor(r) for r in self._rules.rules}
         self._recent.clear()
         self._directives = Directives(first_id=keep_ids[1])
-        self._rearmed = {}
+        self._rearmed, self._transients = {}, {}
         self._next_decision_id = keep_ids[0]
         self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
         self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
@@ -908,6 +998,7 @@ class GuardrailEngine:
         self._rollback_ticks = list(run.get("rollback_ticks", ()))
         self._rearmed = dict(run.get("rearmed", {}))
         self._recent.extend(saved.get("records", ()))
+        self._transients = _transients_of(self._recent)
         self._next_decision_id = saved.get("next_decision_id", 1)
         self._directives.restore(saved.get("directives", []), saved.get("next_directive_id"))
         for table in ("rules", "baselines"):
@@ -971,6 +1062,18 @@ class GuardrailEngine:
                 (r["directive_id"] + 1 for r in made if type(r.get("directive_id")) is int), default=None
             ),
         }
+
+
+def _transients_of(records) -> dict[str, int]:
+    """The suspect-device counts the recorded step_check decisions make (a restarted sidecar's)."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.get("source") == DecisionSource.STEP_CHECK and r.get("triage") == Triage.TRANSIENT:
+            hosts = (r.get("evidence") or {}).get("hosts") or {}
+            for rank in r.get("ranks") or ():
+                key = f"rank={rank}" + (f",host={hosts[str(rank)]}" if str(rank) in hosts else "")
+                out[key] = out.get(key, 0) + 1
+    return out
 
 
 def _safe_name(run_id: str) -> str:

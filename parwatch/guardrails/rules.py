@@ -35,6 +35,9 @@ KNOWN_METRICS = frozenset(
         # parwatch.sidecar.ledger_window: the goodput ledger over the last minute (docs/goodput.md).
         "goodput_ratio",
         "ettr_ratio",
+        # parwatch.guardrails.engine: transient faults per rank (and host) from the checks before the
+        # optimizer step, counted over the run.
+        "transient_faults",
     }
 )
 CHECKS = tuple(CheckKind)

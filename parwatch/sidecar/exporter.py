@@ -211,6 +211,11 @@ class SidecarCollector(Collector):
         paused = _g("parwatch_run_paused")
         paused.add_metric([], 1.0 if self.engine.paused else 0.0)
         yield paused
+        transients = _c("parwatch_rank_transient_faults", ["rank"])
+        if self.judges_rules():  # the leader's count (rank 0's records reach it alone)
+            for rank, n in sorted(self.engine.transient_faults().items()):
+                transients.add_metric([str(rank)], n)
+        yield transients
         failures = _c("parwatch_sidecar_rules_reload_failures")
         failures.add_metric([], self.counters.rules_reload_failures)
         yield failures
@@ -273,10 +278,15 @@ PER_RANK = (
 
 
 def _latest_loss(store: Store) -> float | None:
+    """The newest step's loss: rank 0's summary carries the boundary's loss of its own step (the global
+    view's is the step before, one step of lag), the same figure parwatch_train_step's step trained."""
+    rank0 = store.ranks.get(0)
+    if rank0 is not None and rank0.summary.loss is not None:
+        return rank0.summary.loss
     view = store.global_view
     if view is not None and view.loss is not None:
         return view.loss
-    # No fast path yet: the newest loss any rank reported (last stage, tp_rank 0).
+    # Without rank 0 here (a node sidecar): the newest loss any rank reported (last stage, tp_rank 0).
     newest = None
     for rec in list(store.ranks.values()):
         s = rec.summary

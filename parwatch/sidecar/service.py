@@ -145,6 +145,23 @@ class Sidecar:
                     outcome.directive_id,
                     _printable(outcome.run_id),
                 )
+        for check in body.checks:
+            if check.run_id == self.engine.run_id:
+                self._count(self.engine.record_check(msgspec.to_builtins(check), self._hosts(check.ranks)))
+            else:
+                log.warning(
+                    "check record of step %d for run %s, not the current run: ignored",
+                    check.step,
+                    _printable(check.run_id),
+                )
+
+    def _hosts(self, ranks: list[int]) -> dict[int, str]:
+        """rank -> host for the ranks the run's activity names (the leader's view of every node)."""
+        hub = getattr(self, "activity", None)
+        if hub is None or not ranks:
+            return {}
+        rows = hub.rows()
+        return {r: rows[r].host for r in ranks if r in rows and rows[r].host}
 
     def _ingest_one(self, s) -> None:
         if s.run_id != self.store.run_id:

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import asdict, dataclass, field
 
 from parwatch.trainer.errors import ConfigError
+from parwatch.trainer.faults import EXAMPLE as FAULT_EXAMPLES
 from parwatch.trainer.faults import parse_fault
 from parwatch.trainer.schedules import SCHEDULE_CHOICES, SCHEDULES
 
@@ -88,6 +89,10 @@ class TrainConfig:
     """Complete checkpoints to keep; 0 keeps all."""
     inject: list = field(default_factory=list)
     """Fault specs (see parwatch.trainer.faults)."""
+    pre_step_check: str = "on"
+    """on: before each optimizer step one small all-reduce of every rank's loss and gradient finiteness; a
+    bad step is re-run, skipped or paused on every rank (parwatch.contract.step_check); off: every update
+    goes in (the sidecar's rules act after the fact)."""
     synthetic_compute: str = ""
     """fwd_ms=N,bwd_ms=N: replace layer math with sleeps; empty means real compute."""
     summary_json: str = ""
@@ -170,6 +175,8 @@ class TrainConfig:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
         if self.parwatch_peak_flops < 0:
             raise ConfigError(f"--parwatch-peak-flops={self.parwatch_peak_flops} must be >= 0 (0: unknown, no MFU)")
+        if self.pre_step_check not in ("on", "off"):
+            raise ConfigError(f"--pre-step-check={self.pre_step_check!r}; choose on or off")
         if self.parwatch not in ("on", "off", "auto"):
             raise ConfigError(f"--parwatch={self.parwatch!r}; choose on, off or auto")
         if self.parwatch == "off" and (self.parwatch_endpoint or self.parwatch_log):
@@ -245,10 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="append",
                 default=[],
                 metavar="SPEC",
-                help="fault to inject, repeatable: straggler:stage=1,ms=30,from_step=3 | nan:step=5 | "
-                "slow-collective:group=tp,ms=5 | crash:rank=2,step=7 | "
-                "hang:rank=1,step=5[,where=compute|collective|send] | slow-link:src=0,dst=2,ms=30 | "
-                "slow-data:rank=0,ms=15",
+                help=f"fault to inject, repeatable: {FAULT_EXAMPLES}",
             )
         elif isinstance(value, bool):
             p.add_argument(flag, action="store_true", help=docs.get(name))
@@ -258,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["choices"] = SCHEDULE_CHOICES
             if name == "parwatch":
                 kwargs["choices"] = ("on", "off", "auto")
+            if name == "pre_step_check":
+                kwargs["choices"] = ("on", "off")
             p.add_argument(flag, **kwargs)
     return p
 

@@ -10,7 +10,6 @@ transport without tags (NCCL) matches them too.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -90,7 +89,8 @@ class PipelineExecutor:
         outputs: dict = {}
         grads: dict = {}
         losses: list = []
-        poison = self.stage == (self.last_vstage % self.p) and self.faults.nan_now(step)
+        # Injected loss faults (nan, bad-batch, spike) act on the stage that computes the loss.
+        factor = self.faults.loss_factor(step, data_step) if self.stage == self.last_vstage % self.p else 1.0
         straggle_s = self.faults.straggler_ms(step) / 1000.0
         data_delay_s = self.faults.data_delay_ms() / 1000.0
         self.faults.begin_step(step)
@@ -121,8 +121,8 @@ class PipelineExecutor:
                     out = chunk(x)
                     if vstage == self.last_vstage:
                         loss = chunk.loss(out, targets)
-                        if poison:
-                            loss = loss * math.nan
+                        if factor != 1.0:
+                            loss = loss * factor
                         losses.append(loss.detach())
                         out = loss / s.microbatches
                     if straggle_s and instr.chunk == 0:

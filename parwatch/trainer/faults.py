@@ -3,7 +3,14 @@
 straggler:stage=1,ms=30[,from_step=3]   extra time per microbatch forward on that stage
 straggler:rank=0,ms=30                  ... on that rank only (stage and rank together: both must match)
 nan:step=5                              the loss of that step becomes NaN (once per process:
-                                        a transient fault; a rollback that replays step 5 is clean)
+                                        a transient fault; a re-run or a rollback that replays step 5 is clean)
+bad-batch:step=5                        the batch step 5 trains on (data step 5) gives a NaN loss every
+                                        time it is computed: a re-run, or a rollback that does not skip
+                                        it, meets it again
+sdc:rank=1,step=5                       rank 1's gradients are corrupted once at step 5, after its
+                                        backward (one element becomes NaN: silent data corruption)
+loss-spike:step=5[,factor=10]           the loss of step 5 is multiplied by factor (default 10), once
+                                        per process: its gradients too, as a bad batch of the moment would
 slow-collective:group=tp,ms=5           extra latency on every collective of that group
 crash:rank=2,step=7                     that rank exits hard (os._exit) at that step
 raise:rank=2,step=7                     that rank raises InjectedError at that step (a crash by
@@ -21,6 +28,7 @@ hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, p
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +39,9 @@ from parwatch.vocabulary import GroupRole
 _SPECS: dict[str, dict[str, type[int | float | str]]] = {
     "straggler": {"stage": int, "ms": float, "from_step": int, "rank": int},
     "nan": {"step": int},
+    "bad-batch": {"step": int},
+    "sdc": {"rank": int, "step": int},
+    "loss-spike": {"step": int, "factor": float},
     "slow-collective": {"group": str, "ms": float},
     "crash": {"rank": int, "step": int},
     "raise": {"rank": int, "step": int},
@@ -38,12 +49,17 @@ _SPECS: dict[str, dict[str, type[int | float | str]]] = {
     "slow-data": {"rank": int, "ms": float},
     "hang": {"rank": int, "step": int, "where": str},
 }
-_OPTIONAL = {"straggler": {"stage", "from_step", "rank"}, "hang": {"where"}}
+_OPTIONAL = {"straggler": {"stage", "from_step", "rank"}, "hang": {"where"}, "loss-spike": {"factor"}}
 """Every other key of a fault's spec is required."""
 _EXAMPLE = (
-    "straggler:stage=1,ms=30,from_step=3 | nan:step=5 | slow-collective:group=tp,ms=5 | crash:rank=2,step=7"
-    " | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15 | hang:rank=1,step=5,where=collective"
+    "straggler:stage=1,ms=30,from_step=3 | nan:step=5 | bad-batch:step=5 | sdc:rank=1,step=5 | loss-spike:step=5,factor=10"
+    " | slow-collective:group=tp,ms=5 | crash:rank=2,step=7 | slow-link:src=0,dst=2,ms=20 | slow-data:rank=0,ms=15"
+    " | hang:rank=1,step=5,where=collective"
 )
+EXAMPLE = _EXAMPLE
+"""Every kind with an example, for --help."""
+SPIKE_FACTOR = 10.0
+"""A loss-spike fault's default factor: far above the check's 3x (StepPolicy.spike_factor)."""
 HANG_PLACES = ("compute", "collective", "send")
 """Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
 
@@ -86,6 +102,10 @@ def parse_fault(spec: str) -> Fault:
     for key in ("ms", "src", "dst", "rank"):
         if kind in ("slow-link", "slow-data") and key in params and params[key] < 0:
             raise ConfigError(f"--inject {spec!r}: {key} must be >= 0")
+    if kind == "loss-spike":
+        params.setdefault("factor", SPIKE_FACTOR)
+        if not params["factor"] > 1:
+            raise ConfigError(f"--inject {spec!r}: factor must be > 1 (a spike raises the loss)")
     if kind == "hang":
         params.setdefault("where", "compute")
         if params["where"] not in HANG_PLACES:
@@ -102,7 +122,7 @@ class Faults:
     def __init__(self, faults: list[Fault], rank: int, stage: int):
         self.faults = faults
         self.rank, self.stage = rank, stage
-        self._nan_done: set[int] = set()
+        self._done: set[tuple[str, int]] = set()  # (kind, step) of the once-per-process faults that struck
         self._hangs = {
             f.params["step"]: f.params["where"] for f in faults if f.kind == "hang" and f.params["rank"] == rank
         }
@@ -119,9 +139,28 @@ class Faults:
         )
 
     def nan_now(self, step: int) -> bool:
+        return self._once("nan", step)
+
+    def loss_factor(self, step: int, data_step: int) -> float:
+        """What the loss of this computation of `step` (training batch `data_step`) is multiplied by: NaN
+        for a nan fault (once) or a bad batch (every time), a spike's factor (once), else 1."""
+        if any(f.kind == "bad-batch" and f.params["step"] == data_step for f in self.faults) or self.nan_now(step):
+            return math.nan
+        spike = next((f for f in self.faults if f.kind == "loss-spike" and f.params["step"] == step), None)
+        if spike is not None and self._once("loss-spike", step):
+            return spike.params["factor"]
+        return 1.0
+
+    def corrupt_grads_now(self, step: int) -> bool:
+        """An sdc fault of this rank at `step`, once per process: corrupt a gradient now."""
+        return any(f.kind == "sdc" and f.params["rank"] == self.rank for f in self.faults) and self._once(
+            "sdc", step, lambda f: f.params["rank"] == self.rank
+        )
+
+    def _once(self, kind: str, step: int, also=lambda f: True) -> bool:
         for f in self.faults:
-            if f.kind == "nan" and f.params["step"] == step and step not in self._nan_done:
-                self._nan_done.add(step)
+            if f.kind == kind and f.params["step"] == step and also(f) and (kind, step) not in self._done:
+                self._done.add((kind, step))
                 return True
         return False
 

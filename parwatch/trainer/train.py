@@ -19,7 +19,19 @@ import torch
 import torch.distributed as dist
 
 from parwatch import contract
-from parwatch.contract import Action, BoundaryKind, Event, FailReason, Outcome, SpanKind, StepBoundary, TorchAllReduce
+from parwatch.contract import (
+    Action,
+    BoundaryKind,
+    Event,
+    FailReason,
+    Outcome,
+    SpanKind,
+    StepBoundary,
+    StepCheck,
+    TorchAllReduce,
+    Verdict,
+    torch_grads,
+)
 from parwatch.trainer import checkpoint as ckpt
 from parwatch.trainer.comm import Comm
 from parwatch.trainer.config import TrainConfig, parse_synthetic
@@ -84,14 +96,18 @@ class Trainer:
         self.bad_checkpoints: set[int] = set()  # failed verification on some rank: never loaded again
         self.run_id = cfg.run_id or "unnamed-run"
         """Named in every directive it follows and every checkpoint it writes."""
+        self.reports_loss = self.groups.is_last_stage and self.groups.coords.tp_rank == 0
+        all_reduce = TorchAllReduce(device=self.device)  # the boundary's and the check's: one set of buffers
         self.steps_boundary = StepBoundary(
-            rank,
-            world_size,
-            self.run_id,
-            TorchAllReduce(device=self.device),
-            registry=registry,
-            reports_loss=self.groups.is_last_stage and self.groups.coords.tp_rank == 0,
+            rank, world_size, self.run_id, all_reduce, registry=registry, reports_loss=self.reports_loss
         )
+        self.step_check = (
+            StepCheck(rank, world_size, all_reduce, registry=registry) if cfg.pre_step_check == "on" else None
+        )
+        """The check before each optimizer step (None: --pre-step-check off)."""
+        self.step_checks: list[dict] = []
+        """The verdicts of the steps the check found bad (re-run, skipped, paused)."""
+        self._verdict: Verdict | None = None  # the current step's, between its check and its boundary
         self._last_boundary_t: float | None = None
         self.on_step: Callable[[int], None] | None = None
         """Called with the step after each step boundary (the launcher's progress), or None."""
@@ -164,15 +180,51 @@ class Trainer:
         if self.faults.raise_now(step):
             log.error("rank %d: injected exception at step %d, raising at %.3f", self.rank, step, time.time())
             raise InjectedError(f"injected exception on rank {self.rank} at step {step}")
-        for opt_group in self.optimizer.param_groups:
-            for p in opt_group["params"]:
-                p.grad = None
-        loss = self.executor.run(step, step + self.data_offset)
+        data_step = step + self.data_offset
+        loss = self._forward_backward(step, data_step)
+        self._verdict = None
+        if self.step_check is not None:
+            passes = [loss]
+
+            def rerun() -> None:
+                passes.append(self._forward_backward(step, data_step))
+
+            self._verdict = verdict = self.step_check.run(
+                step, lambda: self._reading(passes[-1]), rerun, batch=data_step
+            )
+            loss = passes[-1]
+            if verdict.action is not None:
+                self.step_checks.append(verdict.as_dict())
+            if not verdict.applied:  # skipped: the batch is passed over, the weights stay as they are
+                self._zero_grads()
+                self.step = step
+                return loss
         self._dp_sync()
         with self.registry.span(SpanKind.OPTIMIZER, stage=self.groups.stage):
             self.optimizer.step()
         self.step = step
         return loss
+
+    def _forward_backward(self, step: int, data_step: int) -> float | None:
+        """One pass of the schedule on batch `data_step`, from zeroed gradients; this rank's loss (last stage)."""
+        self._zero_grads()
+        loss = self.executor.run(step, data_step)
+        if self.faults.corrupt_grads_now(step):
+            grad = next(p.grad for c in self.chunks for p in c.parameters() if p.grad is not None)
+            grad.view(-1)[0] = math.nan  # one element, as a flipped exponent bit would leave it
+            log.error("rank %d: injected gradient corruption (sdc) at step %d", self.rank, step)
+        return loss
+
+    def _zero_grads(self) -> None:
+        for opt_group in self.optimizer.param_groups:
+            for p in opt_group["params"]:
+                p.grad = None
+
+    def _reading(self, loss: float | None):
+        """This rank's loss (the ranks that report one) and its gradients, before the DP sync: a fault is
+        named on the rank that produced it, not on the replicas it would spread to."""
+        grads = torch_grads.grads_of(p for c in self.chunks for p in c.parameters())
+        return torch_grads.reading(loss if self.reports_loss else None, grads)
 
     def _dp_sync(self) -> None:
         if self.dims.dp == 1:
@@ -397,7 +449,15 @@ class Trainer:
         trained = self.step
         if self.on_step is not None:
             self.on_step(self.step)
+        paused_before = len(self.applied)
         self._apply(directive)
+        verdict, self._verdict = self._verdict, None
+        if verdict is not None and verdict.pause and self.step == trained:
+            # Every rank decided it at the check: skips keep coming. Held like a pause directive, unless
+            # one just held the run (the operator has seen it and resumed).
+            if not any(a["action"] == Action.PAUSE for a in self.applied[paused_before:]):
+                log.error("rank %d: step %d %s; pausing", self.rank, self.step, verdict.evidence.get("pause"))
+                self._pause()
         if self.step == trained and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             self._checkpoint_if_finite(mean_loss)
         self._last_boundary_t = time.perf_counter()
@@ -426,6 +486,7 @@ class Trainer:
             "step_seconds": [self.step_seconds.get(s) for s in steps],
             "loss_history": [[s, jsonable(loss)] for s, loss in self.loss_history],
             "directives_applied": self.applied,
+            "step_checks": self.step_checks,
             "tokens_per_step": self.cfg.tokens_per_step,
         }
 

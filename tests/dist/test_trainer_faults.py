@@ -22,7 +22,7 @@ STRAGGLE_MS = 20.0
 SLOW_MS = 5.0
 
 RUNS = {
-    "nan": dict(pp=2, microbatches=2, steps=4, inject=["nan:step=3"]),
+    "nan": dict(pp=2, microbatches=2, steps=4, inject=["nan:step=3"], pre_step_check="off"),
     "baseline": dict(pp=2, microbatches=4, steps=3, synthetic_compute=SYNTHETIC),
     "straggler": dict(pp=2, microbatches=4, steps=3, synthetic_compute=SYNTHETIC,
                       inject=[f"straggler:stage=1,ms={STRAGGLE_MS:g}"]),

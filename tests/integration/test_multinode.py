@@ -219,7 +219,9 @@ def rank_series(text: str, name: str) -> set[str]:
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
 def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
     with two_nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], 90, "--inject", "nan:step=10") as procs:
+        with torchrun_nodes(
+            tmp_path, [leader, node1], 90, "--pre-step-check", "off", "--inject", "nan:step=10"
+        ) as procs:
             # (a) the NaN at step 10 is rolled back on all four ranks, decided by the leader alone
             applied = wait_until(lambda: leader.records("applied"), "the rollback's outcome at the leader", 150)
             (decision,) = [r for r in leader.records("decision") if r["action"] == "rollback"]
@@ -311,7 +313,9 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
 def test_a_corrupt_newest_checkpoint_is_skipped_and_a_second_run_starts_clean(tmp_path):
     with two_nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], 16, "--inject", "nan:step=11", run_id="run-one") as procs:
+        with torchrun_nodes(
+            tmp_path, [leader, node1], 16, "--pre-step-check", "off", "--inject", "nan:step=11", run_id="run-one"
+        ) as procs:
             # (d) corrupt checkpoint 8 (one shard of node 1) once it is complete, before the NaN
             manifest = tmp_path / "ckpt" / "step_00000008" / "manifest.json"
             wait_until(manifest.exists, "checkpoint 8", 150, interval=0.02)

@@ -87,7 +87,15 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
     slow = f"straggler:stage=0,ms=250,from_step={NAN_STEP - 3}"  # ~1 s steps around the NaN: a kill lands before it
     with nodes(tmp_path) as (leader, node1):
         with torchrun_nodes(
-            tmp_path, [leader, node1], NAN_STEP + 4, "--inject", f"nan:step={NAN_STEP}", "--inject", slow
+            tmp_path,
+            [leader, node1],
+            NAN_STEP + 4,
+            "--pre-step-check",
+            "off",
+            "--inject",
+            f"nan:step={NAN_STEP}",
+            "--inject",
+            slow,
         ) as procs:
             wait_until(lambda: (leader.status()["last_step"] or 0) >= NAN_STEP - 3, "the leader at the slow steps", 150)
             leader.kill()

@@ -148,6 +148,7 @@ FIELD_CHECKS = {
     "global": valid_global,
     "instances": valid_instances,
     "model_flops_utilization_ratio": lambda x: x is None or is_float(x),
+    "check": lambda x: x is None or (isinstance(x, dict) and {"action", "fault", "triage", "applied"} <= set(x)),
     "time_seconds": lambda x: (
         isinstance(x, dict) and set(x) == set(TimeCategory) and all(is_float(v) for v in x.values())
     ),
@@ -157,8 +158,9 @@ FIELD_CHECKS = {
 }
 
 
-SENT_WHEN_CONFIGURED = {"model_flops_utilization_ratio"}
-"""Fields a collector fills only when told more (--parwatch-peak-flops); null otherwise."""
+SENT_WHEN_CONFIGURED = {"model_flops_utilization_ratio", "check"}
+"""Fields a collector fills only when told more (--parwatch-peak-flops), or when something happened (check:
+the check before the optimizer step found the step bad); null otherwise."""
 
 
 def schema_fields(optional: bool = False) -> set[str]:
@@ -194,7 +196,7 @@ def produced_summaries(tmp_path):
 
 def test_the_field_table_covers_the_schema_exactly():
     assert set(FIELD_CHECKS) == schema_fields() | schema_fields(optional=True)
-    assert schema_fields(optional=True) == {"model_flops_utilization_ratio"}
+    assert schema_fields(optional=True) == {"model_flops_utilization_ratio", "check"}
 
 
 def test_every_summary_has_every_field_with_its_type(tmp_path):
