@@ -38,6 +38,8 @@ from parwatch.step_records import OutcomeRecord, StepCheckRecord
 log = logging.getLogger("parwatch.collector")
 
 SUMMARY, SPANS = "summary", "spans"
+REFUSED_FOR_GOOD = frozenset({400, 404, 413, 422})
+"""Answers after which rank 0's records are not sent again: the same body would be refused again."""
 
 
 AUTH_FIX = (
@@ -308,8 +310,9 @@ class Shipper:
             response = self._client().post(self.url, content=body, headers=self._headers)
             if response.status_code in (401, 403):  # before the outcome rule: they were never read
                 raise Unauthorized(str(self.url), response.status_code, response.text[:200])
-            if (outcomes or checks) and 400 <= response.status_code < 500 and not summaries:
-                # Refused as invalid: retrying the same records cannot succeed; say so and move on.
+            if (outcomes or checks) and response.status_code in REFUSED_FOR_GOOD and not summaries:
+                # Refused as invalid: retrying the same records cannot succeed; say so and move on. (A
+                # conflict or a limit, 409 or 429, may pass later: the records are sent again.)
                 log.warning(
                     "parwatch: sidecar refused outcome or check records (HTTP %s: %s)",
                     response.status_code,

@@ -893,6 +893,11 @@ class GuardrailEngine:
         with self._lock:
             return self._run_id
 
+    def ended(self, run_id: str) -> bool:
+        """Whether `run_id` ran here and ended (its state archived)."""
+        with self._lock:
+            return run_id in self._archived_runs
+
     def _archive(self, run_id: str) -> None:
         target = self._dir / "runs" / _safe_name(run_id)
 

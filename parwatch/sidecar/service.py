@@ -32,7 +32,7 @@ from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
-from parwatch.sidecar.store import Store
+from parwatch.sidecar.store import Refused, Store
 from parwatch.sidecar.transfer import TransferTracker
 from parwatch.step_records import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.vocabulary import RecordType, RuleAction, SidecarRole, jsonable
@@ -105,6 +105,7 @@ class Sidecar:
         self._admit(body)
         for s in body.summaries:
             self._ingest_one(s)
+        self._record_checks(body)
         return self.ingest_reply(body)
 
     async def ingest_async(self, body: IngestBody) -> dict:
@@ -116,6 +117,7 @@ class Sidecar:
             if i:
                 await asyncio.sleep(0)
             self._ingest_one(s)
+        self._record_checks(body)
         await self.persist()
         reply = self.ingest_reply(body)
         await self.persist()
@@ -126,6 +128,17 @@ class Sidecar:
 
     def _admit(self, body: IngestBody) -> None:
         self.store.admit(body.summaries)
+        # A check record belongs to the run whose summaries come here: this post's (its first step may be
+        # the bad one) or the current one. One of a run not begun yet (its summaries refused or still to
+        # come) is refused, so rank 0 sends it again; one of a run that ended here is late, and ignored.
+        runs = {self.engine.run_id} | ({body.summaries[0].run_id} if body.summaries else set())
+        for i, check in enumerate(body.checks):
+            if check.run_id not in runs and not self.engine.ended(check.run_id):
+                raise Refused(
+                    409,
+                    f"checks.{i}.run_id: run {_printable(check.run_id)[:80]} has not begun here; "
+                    "its first summary must come first",
+                )
         if body.alive and self.engine.paused:
             # A paused run sends no summaries; rank 0 polls instead, and says "alive" only when a
             # heartbeat collective (which every rank must join) completed since its last post.
@@ -145,12 +158,15 @@ class Sidecar:
                     outcome.directive_id,
                     _printable(outcome.run_id),
                 )
+
+    def _record_checks(self, body: IngestBody) -> None:
+        """The post's check records, after its summaries (which may begin their run)."""
         for check in body.checks:
             if check.run_id == self.engine.run_id:
                 self._count(self.engine.record_check(msgspec.to_builtins(check), self._hosts(check.ranks)))
             else:
                 log.warning(
-                    "check record of step %d for run %s, not the current run: ignored",
+                    "check record of step %d for run %s, which ended here: ignored",
                     check.step,
                     _printable(check.run_id),
                 )

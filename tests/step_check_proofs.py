@@ -1,0 +1,247 @@
+"""What every trainer owes issue 42, checked the same way for each: the reference trainer, torch pipelining,
+Megatron-Core and DeepSpeed (tests/dist/test_step_check_*.py).
+
+One spawn of 2 real gloo ranks per trainer runs every scenario in turn against one real sidecar (its
+packaged default rules), each scenario a run of its own (run id `<trainer>-<scenario>`):
+
+- clean: no fault, the reference for bitwise losses;
+- nan: `nan:step=3` (once): re-run, transient, no rollback, losses bitwise those of clean;
+- bad-batch: `bad-batch:step=4` (every time computed): re-run, persistent, the batch skipped and named,
+  the run completes;
+- sdc: `sdc:rank=1` at steps 2 and 5 (rank 1's gradients corrupted once each): two transients naming rank
+  1, losses bitwise those of clean, the suspect-device rule names rank 1;
+- persistent: bad batches at steps 3, 4 and 5: skipped, skipped, then skipped and paused, the record saying
+  why; an operator (a thread here, through the sidecar's API) resumes and the run completes.
+
+In every scenario no optimizer step ever writes a non-finite weight (a torch optimizer post-step hook on
+every rank), and each rank's goodput ledger holds as wasted the compute of the passes the check threw
+away, measured independently from the run's span records, within 2%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.integration.e2e_util import read_jsonl
+
+STEPS = 8
+SDC_RANK = 1
+SCENARIOS: dict[str, list[str]] = {
+    "clean": [],
+    "nan": ["nan:step=3"],
+    "bad-batch": ["bad-batch:step=4"],
+    "sdc": [f"sdc:rank={SDC_RANK},step=2", f"sdc:rank={SDC_RANK},step=5"],
+    "persistent": ["bad-batch:step=3", "bad-batch:step=4", "bad-batch:step=5"],
+}
+COMPUTE = {"forward", "backward", "backward_input", "backward_weight", "loss"}
+LEDGER_TOLERANCE = 0.02
+
+
+# ------------------------------------------------------------------------------ inside each rank
+class Watch:
+    """On one rank, for one scenario: every optimizer step's weights (a torch post-step hook: every step
+    of every optimizer) and every verdict the check announces (Event.STEP_CHECKED)."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from parwatch.contract import Observer, registry
+
+        self.steps = self.nonfinite = 0
+        self.verdicts: list[dict] = []
+        watch = self
+
+        class Verdicts(Observer):
+            def on_event(self, name, attrs):
+                if name == "step_checked":
+                    watch.verdicts.append(attrs["verdict"])
+
+        self._observer = Verdicts()
+        registry.register(self._observer)
+        self._hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        import torch
+
+        self.steps += 1
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            self.nonfinite += 1
+
+    def close(self) -> dict:
+        from parwatch.contract import registry
+
+        registry.unregister(self._observer)
+        self._hook.remove()
+        return {"optimizer_steps": self.steps, "nonfinite_weights": self.nonfinite, "verdicts": self.verdicts}
+
+
+def run_scenarios(rank: int, trainer: str, out_dir: str, train_one) -> dict:
+    """Every scenario on this rank: `train_one(run_id, faults, log_dir)` trains one run (the collector
+    shipping to the sidecar, writing to log_dir) and returns {step: loss} of the surviving steps (the
+    rank holding the loss; {} elsewhere). Returns {scenario: {losses, verdicts, optimizer_steps,
+    nonfinite_weights}}."""
+    out = {}
+    for name, faults in SCENARIOS.items():
+        watch = Watch()
+        losses = train_one(f"{trainer}-{name}", faults, os.path.join(out_dir, name))
+        out[name] = {**watch.close(), "losses": {str(s): repr(float(v)) for s, v in losses.items()}}
+    return out
+
+
+# ------------------------------------------------------------------------------ the test process
+class Operator:
+    """Resumes every run the check paused, as an operator would, through the sidecar's API."""
+
+    def __init__(self, sidecar) -> None:
+        self.url, self.headers = sidecar.control_url, sidecar.headers
+        self.resumed: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Operator:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                answer = httpx.get(f"{self.url}/v1/decisions", params={"limit": 50}, headers=self.headers, timeout=5)
+                for d in answer.json():
+                    if d.get("source") == "step_check" and d.get("action") == "pause" and d["id"] not in self.resumed:
+                        self.resumed.append(d["id"])
+                        time.sleep(0.3)  # the ranks hold after the step's boundary
+                        httpx.post(
+                            f"{self.url}/v1/control",
+                            json={"action": "resume", "reason": "test operator", "requested_by": "test"},
+                            headers=self.headers,
+                            timeout=5,
+                        )
+            except (httpx.HTTPError, ValueError):
+                continue
+
+
+def decisions(state_dir: Path, run_id: str) -> list[dict]:
+    """The run's decision records: its archived log (STATE_DIR/runs/RUN_ID/) or the current one."""
+    for path in (Path(state_dir) / "runs" / run_id / "decisions.jsonl", Path(state_dir) / "decisions.jsonl"):
+        rows = [r for r in read_jsonl(path) if r.get("type") == "decision" and r.get("run_id") == run_id]
+        if rows:
+            return rows
+    return []
+
+
+def checks(state_dir: Path, run_id: str) -> list[dict]:
+    """The run's records of the check before the optimizer step (other rules may fire on a tiny run's
+    noise: a skewed first step, say)."""
+    return [d for d in decisions(state_dir, run_id) if d["source"] == "step_check"]
+
+
+def losses_of(results: list[dict], scenario: str) -> dict[int, float]:
+    """The scenario's {step: loss}, from the rank that reported them."""
+    (losses,) = [r[scenario]["losses"] for r in results if r[scenario]["losses"]]
+    return {int(s): float(v) for s, v in losses.items()}
+
+
+def verdicts_of(results: list[dict], scenario: str) -> list[dict]:
+    """The scenario's verdicts, which every rank reached alike (checked)."""
+    seen = [r[scenario]["verdicts"] for r in results]
+    assert all(v == seen[0] for v in seen), seen
+    return seen[0]
+
+
+def assert_proofs(results: list[dict], state_dir: Path, out_dir: str, trainer: str) -> None:
+    """Every proof of the module docstring, for one trainer's results (one dict per rank)."""
+    for name in SCENARIOS:
+        for rank, r in enumerate(results):
+            assert r[name]["nonfinite_weights"] == 0, (trainer, name, rank, r[name])
+            assert r[name]["optimizer_steps"] > 0, (trainer, name, rank)
+    clean = losses_of(results, "clean")
+    assert sorted(clean) == list(range(1, STEPS + 1)) and all(map(math.isfinite, clean.values())), clean
+    assert verdicts_of(results, "clean") == [] and checks(state_dir, f"{trainer}-clean") == []
+
+    # nan: one transient, re-run, no rollback; the losses bitwise the clean run's.
+    (nan,) = verdicts_of(results, "nan")
+    assert (nan["step"], nan["action"], nan["triage"], nan["applied"]) == (3, "rerun", "transient", True), nan
+    assert losses_of(results, "nan") == clean
+    (recorded,) = checks(state_dir, f"{trainer}-nan")
+    assert (recorded["rule"], recorded["action"], recorded["triage"], recorded["step"]) == (
+        "step-nonfinite",
+        "rerun",
+        "transient",
+        3,
+    )
+    assert recorded["ranks"] == nan["ranks"] and recorded["enforced"] and recorded["source"] == "step_check"
+
+    # bad-batch: persistent, skipped, named; the run completes with every applied step's loss finite.
+    (bad,) = verdicts_of(results, "bad-batch")
+    assert (bad["step"], bad["action"], bad["triage"], bad["applied"], bad["batch"]) == (
+        4,
+        "skip",
+        "persistent",
+        False,
+        4,
+    ), bad
+    losses = losses_of(results, "bad-batch")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for s, v in losses.items() if s != 4) and not math.isfinite(losses[4]), losses
+    (recorded,) = checks(state_dir, f"{trainer}-bad-batch")
+    assert (recorded["action"], recorded["triage"], recorded["batch"]) == ("skip", "persistent", 4), recorded
+    assert "batch 4" in recorded["reason"], recorded["reason"]
+
+    # sdc on rank 1, twice: two transients naming it, bitwise losses, the suspect-device rule names it.
+    sdc = verdicts_of(results, "sdc")
+    assert [(v["step"], v["triage"], v["ranks"]) for v in sdc] == [
+        (2, "transient", [SDC_RANK]),
+        (5, "transient", [SDC_RANK]),
+    ], sdc
+    assert losses_of(results, "sdc") == clean
+    (suspect,) = [d for d in decisions(state_dir, f"{trainer}-sdc") if d["rule"] == "suspect-device"]
+    assert suspect["action"] == "alert" and suspect["evidence"]["culprit"]["rank"] == SDC_RANK, suspect
+
+    # persistent three times: skip, skip, pause with the reason; resumed by the operator, it completes.
+    persistent = verdicts_of(results, "persistent")
+    assert [(v["step"], v["action"], v["triage"]) for v in persistent] == [
+        (3, "skip", "persistent"),
+        (4, "skip", "persistent"),
+        (5, "pause", "persistent"),
+    ], persistent
+    assert sorted(losses_of(results, "persistent")) == list(range(1, STEPS + 1))
+    (paused,) = [d for d in checks(state_dir, f"{trainer}-persistent") if d["action"] == "pause"]
+    assert paused["escalated"] and "3 steps skipped within 500 steps" in paused["reason"], paused
+    assert paused["evidence"]["skipped_steps"] == [3, 4, 5]
+
+    for name in ("nan", "bad-batch", "sdc", "persistent"):
+        assert_wasted_is_the_discarded_compute(Path(out_dir) / name, verdicts_of(results, name), trainer)
+
+
+def assert_wasted_is_the_discarded_compute(log_dir: Path, verdicts: list[dict], trainer: str) -> None:
+    """Per rank: the ledger's wasted seconds against the compute spans of the passes the check threw away
+    (a re-run's first pass: the first half of its step's compute spans by end time; all of a skipped
+    step's), from spans.jsonl."""
+    spans = [s for s in read_jsonl(log_dir / "spans.jsonl") if s["kind"] in COMPUTE]
+    for ledger_path in sorted(log_dir.glob("ledger-rank*.json")):
+        ledger = json.loads(ledger_path.read_text())
+        rank = ledger["rank"]
+        discarded = 0.0
+        for v in verdicts:
+            mine = sorted((s for s in spans if s["rank"] == rank and s["step"] == v["step"]), key=lambda s: s["end_s"])
+            assert mine and len(mine) % 2 == 0, (trainer, rank, v["step"], len(mine))
+            thrown = mine if not v["applied"] else mine[: len(mine) // 2]
+            discarded += sum(s["end_s"] - s["start_s"] for s in thrown)
+        wasted = ledger["time_seconds"]["wasted"]
+        assert abs(wasted - discarded) <= LEDGER_TOLERANCE * discarded, (trainer, log_dir.name, rank, wasted, discarded)
+        print(
+            f"{trainer} {log_dir.name} rank {rank}: wasted {wasted:.5f} s, discarded passes {discarded:.5f} s "
+            f"({100 * (wasted - discarded) / discarded:+.3f}%)"
+        )
