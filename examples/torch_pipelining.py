@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from parwatch.trainer.errors import ConfigError  # the injected faults (not part of watching)
+from parwatch.trainer.faults import Faults, parse_fault
 from parwatch.vocabulary import SCHEDULES as REGISTRY  # parwatch: its schedule names
 
 SCHEDULES = {s.name: s for s in REGISTRY.values() if s.torch_class is not None}
@@ -97,6 +100,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default="", help="per-rank checkpoints after every step (rollback)")
     ap.add_argument("--slow-stage", default="", help="RANK:FACTOR: that rank's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="RANK:MS: that rank stalls MS before each activation send")
+    ap.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
+        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
+    )
+    ap.add_argument(
+        "--pre-step-check",
+        choices=("on", "off"),
+        default="on",
+        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
+    )
     args = ap.parse_args(argv)
     args.schedule = ALIASES.get(args.schedule, args.schedule)
     allowed, default = SCHEDULES[args.schedule].chunks, SCHEDULES[args.schedule].default_chunks
@@ -111,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--synthetic-ms {args.synthetic_ms!r}: give F,B in ms, e.g. 40,80")
     args.slow = _rank_value(ap, "--slow-stage", args.slow_stage)
     args.send_delay = _rank_value(ap, "--send-delay-ms", args.send_delay_ms)
+    try:
+        args.faults = [parse_fault(spec) for spec in args.inject]
+    except ConfigError as err:
+        ap.error(str(err))
     return args
 
 
@@ -131,7 +152,7 @@ def stage_indices(schedule: str, rank: int, pp: int, chunks: int) -> list[int]:
     return [rank + c * pp for c in range(chunks)]
 
 
-def build(args, rank: int, pp: int):
+def build(args, rank: int, pp: int, fault: dict):
     n_stages = pp * args.chunks
     factor = args.slow[1] if args.slow and args.slow[0] == rank else 1.0
     fwd_s = args.fwd_ms / 1000 * factor
@@ -145,7 +166,11 @@ def build(args, rank: int, pp: int):
         for stage in stages:
             _delay_sends(stage, args.send_delay[1] / 1000)
     cls = getattr(torch_schedules, SCHEDULES[args.schedule].torch_class)
-    loss_fn = lambda output, target: F.mse_loss(output, target)  # noqa: E731
+
+    def loss_fn(output, target):  # an injected fault scales this pass's loss (x NaN, x a spike's factor)
+        loss = F.mse_loss(output, target)
+        return loss * fault["factor"] if fault["factor"] != 1.0 else loss
+
     if SCHEDULES[args.schedule].one_chunk:
         schedule = cls(stages[0], args.microbatches, loss_fn=loss_fn)
     else:
@@ -188,7 +213,9 @@ def train(args) -> dict:
     step run (both on the rank holding the last stage only), "applied": the directives handled}."""
     rank, pp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    schedule, modules, optimizer = build(args, rank, pp)
+    fault = {"factor": 1.0}
+    faults = Faults(args.faults, rank, rank)
+    schedule, modules, optimizer = build(args, rank, pp, fault)
     holds_last = pp * args.chunks - 1 in stage_indices(args.schedule, rank, pp, args.chunks)
 
     def save(step: int) -> None:
@@ -218,6 +245,7 @@ def train(args) -> dict:
             schedule,
             run_id=args.run_id or shared_run_id(),  # parwatch: rank 0's new id, on every rank
             load_checkpoint=load_checkpoint if args.checkpoint_dir else None,
+            check=args.pre_step_check == "on",
         )
         collector = attach(
             Collector(  # parwatch
@@ -233,22 +261,31 @@ def train(args) -> dict:
     losses: dict[int, float] = {}  # step -> loss of the surviving timeline
     history: list = []  # (step, loss) of every step run, rolled back or not
     step = watch.start() if watch else 0  # parwatch
+
+    def forward_backward(trained: int, data_step: int, x, y, mb_losses: list) -> None:
+        """One step's forward and backward on its microbatches (again, for a re-run), from zeroed gradients."""
+        optimizer.zero_grad()
+        mb_losses.clear()
+        fault["factor"] = faults.loss_factor(trained, data_step)
+        schedule.step(x, target=y, losses=mb_losses)
+        if faults.corrupt_grads_now(trained):
+            modules[0].weight.grad.view(-1)[0] = float("nan")
+
     while step < args.steps:
         trained = step + 1
-        optimizer.zero_grad()
+        data_step = trained + (watch.data_offset if watch else 0)  # parwatch: batches rollbacks skipped
         with watch.data() if watch else nullcontext():  # parwatch: data wait, timed
-            x, y = batch(args, trained)
+            x, y = batch(args, data_step)
         mb_losses: list = []
-        schedule.step(x, target=y, losses=mb_losses)
+        forward_backward(trained, data_step, x, y, mb_losses)
+        if watch:  # parwatch: the check (a bad step re-run or skipped), then optimizer.step()
+            watch.optimizer_step(optimizer, rerun=partial(forward_backward, trained, data_step, x, y, mb_losses))
+        else:
+            optimizer.step()
         if mb_losses:
             losses[trained] = float(torch.stack([t.detach() for t in mb_losses]).mean())
             history.append((trained, losses[trained]))
-        if watch:
-            watch.optimizer_step(optimizer)  # parwatch (optimizer.step() in a span)
-            step = watch.step_done()  # parwatch: the step boundary; may pause or roll back
-        else:
-            optimizer.step()
-            step = trained
+        step = watch.step_done() if watch else trained  # parwatch: the step boundary; may pause or roll back
         if step != trained:  # rolled back: the steps after the loaded one are gone
             losses = {s: v for s, v in losses.items() if s <= step}
         elif args.checkpoint_dir:

@@ -179,6 +179,8 @@ class StepCheck:
         """The applied steps' losses (the spike baseline), alike on every rank."""
         self._skips: deque[int] = deque()
         """Steps skipped within the last skip_window_steps."""
+        self._pending: tuple[int, Judgement, dict[str, Any], int | None] | None = None
+        """The step first() found bad, until again() has the re-run's reading."""
 
     # ------------------------------------------------------------------------------- the step
     def run(
@@ -190,22 +192,41 @@ class StepCheck:
         batch: int | None = None,
     ) -> Verdict:
         """Check step `step` (every rank calls it, after backward): `measure()` reads this rank's loss and
-        gradients; `rerun()` zeroes the gradients and runs the step's forward and backward again on the
-        same microbatches (None: a bad step is skipped untriaged)."""
-        first_reading = measure()
-        first = self._judge(first_reading)
+        gradients; `rerun()` runs the step's forward and backward again on the same microbatches, from
+        zeroed gradients (None: a bad step is skipped untriaged)."""
+        verdict = self.first(step, measure(), batch=batch, rerun=rerun is not None)
+        if verdict is not None:
+            return verdict
+        assert rerun is not None  # first() asks for a re-run only when there is one
+        rerun()
+        return self.again(measure())
+
+    def first(self, step: int, reading: StepReading, *, batch: int | None = None, rerun: bool = True) -> Verdict | None:
+        """The check of a step's first pass: its verdict, or None when the step must be re-run on the same
+        microbatches (Event.STEP_RERUN is out; then call `again` with the re-run's reading). For a trainer
+        whose re-run cannot be a call (DeepSpeed's engine runs it as a second train_batch); `rerun=False`:
+        the trainer cannot re-run, a bad step is skipped untriaged."""
+        first = self._judge(reading)
         fault = first.fault
         if fault is None:
             self._applied(first.loss)
             return Verdict(step, True, first.loss, batch=batch)
-        first = self._named(first, first_reading)
+        first = self._named(first, reading)
         evidence: dict[str, Any] = {"first": first.evidence()}
-        if rerun is None or not self.policy.rerun:
+        if not (rerun and self.policy.rerun):
             return self._skip(step, first, Triage.UNTRIAGED, first.loss, evidence, batch)
+        self._pending = (step, first, evidence, batch)
         self.registry.emit_event(Event.STEP_RERUN, step=step, fault=fault.value)
-        rerun()
-        again_reading = measure()
-        again = self._judge(again_reading)
+        return None
+
+    def again(self, reading: StepReading) -> Verdict:
+        """The check of the re-run `first` asked for: applied (transient) or skipped (persistent,
+        data-caused), and maybe a pause."""
+        if self._pending is None:
+            raise RuntimeError("StepCheck.again: no step waits for its re-run (first() returned a verdict)")
+        (step, first, evidence, batch), self._pending = self._pending, None
+        assert first.fault is not None
+        again = self._judge(reading)
         if again.fault is None:
             self._applied(again.loss)
             evidence["rerun"] = again.evidence()
@@ -215,17 +236,22 @@ class StepCheck:
                     True,
                     again.loss,
                     StepAction.RERUN,
-                    fault,
+                    first.fault,
                     Triage.TRANSIENT,
                     _origin(first),
                     evidence,
                     batch,
                 )
             )
-        again = self._named(again, again_reading)
+        again = self._named(again, reading)
         evidence["rerun"] = again.evidence()
         triage = Triage.PERSISTENT if again.fault == StepFault.NONFINITE else Triage.DATA_CAUSED
         return self._skip(step, first, triage, again.loss, evidence, batch, _origin(again) or _origin(first))
+
+    @property
+    def rerun_due(self) -> bool:
+        """A step waits for its re-run (first() returned None)."""
+        return self._pending is not None
 
     # ------------------------------------------------------------------------------- judging
     def _judge(self, reading: StepReading) -> Judgement:

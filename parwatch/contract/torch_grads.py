@@ -28,16 +28,14 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def reading(loss: float | None, grads: list[torch.Tensor], grad_norm: float | None = None) -> StepReading:
-    """This rank's loss and whether its gradients are finite. `grad_norm`: a norm the trainer already
-    computed over these gradients (its clipping's), used instead of computing one here.
+def reading(loss: float | None, grads: list[torch.Tensor]) -> StepReading:
+    """This rank's loss and whether its gradients are finite: one norm over them (torch's get_total_norm,
+    foreach kernels where the device has them) and one host read; a NaN or an infinity anywhere makes it
+    non-finite. (The trainers' own norms, their clipping's, are computed inside their optimizer step:
+    too late for a check that decides whether that step runs.)"""
+    if not grads:
+        return StepReading(loss=loss, grads_finite=True, grad_sq=None)
+    import torch
 
-    One norm over the gradients (torch's get_total_norm, foreach kernels where the device has them) and one
-    host read: a NaN or an infinity anywhere makes it non-finite."""
-    if grad_norm is None:
-        if not grads:
-            return StepReading(loss=loss, grads_finite=True, grad_sq=None)
-        import torch
-
-        grad_norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
-    return StepReading(loss=loss, grads_finite=math.isfinite(grad_norm), grad_sq=grad_norm * grad_norm)
+    norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+    return StepReading(loss=loss, grads_finite=math.isfinite(norm), grad_sq=norm * norm)

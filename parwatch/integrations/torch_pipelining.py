@@ -8,9 +8,14 @@
     attach(Collector(watch.run_context(), log_path="run/summaries.jsonl"))
     step = watch.start()
     while step < steps:
-        optimizer.zero_grad()
-        schedule.step(x, target=y)                               # unchanged
-        watch.optimizer_step(optimizer)                          # optimizer.step() in a span
+        x, y = batch(step + 1 + watch.data_offset)               # rollbacks may skip batches
+
+        def forward_backward():                                  # the step, as before
+            optimizer.zero_grad()
+            schedule.step(x, target=y)
+
+        forward_backward()
+        watch.optimizer_step(optimizer, rerun=forward_backward)  # the check; then optimizer.step(), or not
         step = watch.step_done()                                 # boundary; may pause or roll back
     watch.close()
 
@@ -22,9 +27,13 @@ optimizer step, and one step-boundary all-reduce per step. Every schedule class 
 torch.distributed.pipelining is supported (see SCHEDULE_NAMES), and torch's runtime running
 actions loaded from a CSV (`_PipelineScheduleRuntime`, named "custom").
 
-Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
-boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None:
-the newest checkpoint) on every rank and continues from the step it returns.
+Before the optimizer step, `optimizer_step` runs the check (parwatch.contract.step_check): every
+rank's loss and gradient finiteness in one small all-reduce; a bad step is re-run through `rerun`,
+then applied (transient) or skipped (its gradients zeroed), and the third skip in a window pauses the
+run at `step_done`. Directives from the sidecar arrive through the boundary: pause holds the run in
+heartbeat boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None:
+the newest checkpoint; or `load_checkpoint(step, skip_batches)`) on every rank and continues from the
+step it returns, `data_offset` batches further on.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import math
 from collections.abc import Callable
 
 from parwatch import pipeline_sim
-from parwatch.contract import StepBoundary, TorchAllReduce
+from parwatch.contract import StepBoundary, StepPolicy, TorchAllReduce
 from parwatch.integrations import _p2p
 from parwatch.integrations._p2p import P2PHookMissing  # noqa: F401  (part of this module's API)
 from parwatch.integrations._stage_spans import (
@@ -43,7 +52,7 @@ from parwatch.integrations._stage_spans import (
     instrument_loss,
     instrument_stage,
 )
-from parwatch.integrations._steploop import IntegrationError, StepLoop
+from parwatch.integrations._steploop import IntegrationError, StepLoop, step_check_for
 from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout, order_of_axes
 from parwatch.vocabulary import SCHEDULES, GroupRole
 
@@ -120,19 +129,21 @@ class PipelineWatch(StepLoop):
         rank or raise on every rank; without it rollbacks are reported failed (no_checkpoint).
     p2p: time send/recv (hooks torch's private `_batch_p2p`/`_wait_batch_p2p`).
     pause_poll_s: seconds between heartbeat boundaries while paused.
-    boundary_group / device: where the boundary all-reduce runs (default: the world group, on
-        the first stage's device)."""
+    boundary_group / device: where the boundary all-reduce (and the check's) runs (default: the world
+        group, on the first stage's device).
+    check: the check before the optimizer step: True (the default StepPolicy), a StepPolicy, or False."""
 
     def __init__(
         self,
         schedule,
         *,
         run_id: str,
-        load_checkpoint: Callable[[int | None], int] | None = None,
+        load_checkpoint: Callable[..., int] | None = None,
         p2p: bool = True,
         pause_poll_s: float = 0.2,
         boundary_group=None,
         device=None,
+        check: bool | StepPolicy = True,
     ) -> None:
         import torch.distributed as dist
 
@@ -164,17 +175,20 @@ class PipelineWatch(StepLoop):
         self.chunks = len(self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         self.p2p = p2p
+        all_reduce = TorchAllReduce(boundary_group, device if device is not None else getattr(first, "device", None))
+        boundary = StepBoundary(
+            dist.get_rank(boundary_group),
+            dist.get_world_size(boundary_group),
+            run_id,
+            all_reduce,
+            reports_loss=self.is_last,
+        )
         super().__init__(
             pp_rank=self.pp_rank,
-            boundary=StepBoundary(
-                dist.get_rank(boundary_group),
-                dist.get_world_size(boundary_group),
-                run_id,
-                TorchAllReduce(boundary_group, device if device is not None else getattr(first, "device", None)),
-                reports_loss=self.is_last,
-            ),
+            boundary=boundary,
             load_checkpoint=load_checkpoint,
             pause_poll_s=pause_poll_s,
+            step_check=step_check_for(boundary, all_reduce, check),
         )
         self._patches = Patches()
         self._losses: list = []
@@ -319,10 +333,32 @@ class PipelineWatch(StepLoop):
         return action_order(self.schedule)
 
     # ------------------------------------------------------------------ the step loop
-    def start(self, step: int = 0) -> int:
-        """The run's first boundary, on every rank; `step`: where training resumes (0: fresh)."""
+    def start(self, step: int = 0, data_offset: int = 0) -> int:
+        """The run's first boundary, on every rank; `step`: where training resumes (0: fresh);
+        `data_offset`: the batches rollbacks skipped before it (saved with the checkpoint)."""
         config = {"schedule": self.name, "pp": self.pp, "microbatches": self.microbatches, "chunks": self.chunks}
-        return self.begin(step, config, self.action_order())
+        return self.begin(step, config, self.action_order(), data_offset=data_offset)
+
+    def optimizer_step(self, optimizer, *args, rerun=None, **kwargs):
+        """The check before the optimizer step, then `optimizer.step()` in an optimizer span; a step the
+        check skips zeroes the gradients instead (returns None). `rerun`: runs the step's forward and
+        backward again on the same microbatches from zeroed gradients (zero_grad, then schedule.step):
+        without it a bad step is skipped untriaged."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def again() -> None:
+            self._losses.clear()  # the re-run's microbatch losses are the step's
+            assert rerun is not None
+            rerun()
+
+        verdict = self.check_step(params, self._step_loss, again if rerun is not None else None)
+        if verdict is not None and not verdict.applied:
+            optimizer.zero_grad()
+            return None
+        return super().optimizer_step(optimizer, *args, **kwargs)
+
+    def _step_loss(self) -> float | None:
+        return _mean_loss(self._losses) if self._losses else None
 
     def step_done(self, loss: float | None = None) -> int:
         """Call after each optimizer step, on every rank: the step boundary, then any directive.
