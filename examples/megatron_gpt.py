@@ -24,9 +24,14 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from parwatch.trainer.errors import ConfigError  # the injected faults (not part of watching)
+from parwatch.trainer.faults import Faults, parse_fault
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron_cpu, next to this file
 
@@ -65,7 +70,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval", action="store_true", help="after each step, a forward-only pass (unobserved)")
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="PP_RANK:MS: that stage stalls MS before each activation send")
-    ap.add_argument("--nan-at-step", type=int, default=0, help="the loss is NaN at this step, once (a fault)")
+    ap.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
+        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
+    )
+    ap.add_argument(
+        "--pre-step-check",
+        choices=("on", "off"),
+        default="on",
+        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
+    )
     ap.add_argument("--hang-at", default="", help="RANK:STEP: that rank blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.tp, args.pp, args.chunks, args.microbatches, args.steps) < 1:
@@ -79,7 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)  # a global rank, not a stage
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
-    FAULTS["nan_step"] = args.nan_at_step
+    try:
+        args.faults = [parse_fault(spec) for spec in args.inject]
+    except ConfigError as err:
+        ap.error(str(err))
     return args
 
 
@@ -93,9 +114,9 @@ def _stage_value(ap, flag: str, text: str):
         ap.error(f"{flag} {text!r}: give PP_RANK:VALUE, e.g. 1:1.5")
 
 
-FAULTS = {"nan_step": 0, "now": 0}
-"""Injected faults (--nan-at-step, --hang-at) read by the loss and the stages' hooks; `now`: the step
-being trained."""
+FAULTS = {"factor": 1.0, "now": 0}
+"""Injected faults (--inject, --hang-at) read by the loss and the stages' hooks: `factor` multiplies this
+pass's loss (NaN, a spike's factor); `now`: the step being trained."""
 
 
 def megatron_config(args):
@@ -204,8 +225,8 @@ def microbatches(args, step: int, dp_rank: int = 0) -> list[dict]:
 
 def loss_func(output_tensor):
     loss = output_tensor.float().mean()
-    if FAULTS["now"] == FAULTS["nan_step"]:
-        loss = loss * float("nan")
+    if FAULTS["factor"] != 1.0:
+        loss = loss * FAULTS["factor"]
     return loss, {"lm loss": loss.detach().clone()}  # Megatron divides `loss` in place afterwards
 
 
@@ -304,6 +325,7 @@ def train(args) -> dict:
             run_id=args.run_id or shared_run_id(),  # one id, from rank 0
             microbatches=args.microbatches,
             load_checkpoint=load_checkpoint if args.checkpoint_dir else None,
+            check=args.pre_step_check == "on",
         )
         collector = attach(
             Collector(  # parwatch
@@ -315,6 +337,8 @@ def train(args) -> dict:
             )
         )
     forward_backward = get_forward_backward_func()  # after watch(): the watched schedule
+
+    faults = Faults(args.faults, rank, pp_rank)
 
     def run(step: int, forward_only: bool) -> list:
         data = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(args, step, dp_rank)]
@@ -336,29 +360,38 @@ def train(args) -> dict:
     losses: dict[int, float] = {}  # step -> loss of the surviving timeline
     history: list = []  # (step, loss) of every step run, rolled back or not
     step = watch.start() if watch else 0  # parwatch
-    while step < args.steps:
-        trained = step + 1
-        FAULTS["now"] = trained
+
+    def train_step(trained: int, data_step: int, out: list) -> None:
+        """One step's forward and backward on batch data_step (again, for a re-run), from zeroed gradients;
+        `out` gets its microbatches' outputs."""
         optimizer.zero_grad()
-        out = run(trained, forward_only=False)
-        if FAULTS["nan_step"] == trained:
-            FAULTS["nan_step"] = 0  # once: the replay after a rollback trains cleanly
-        if last:
-            losses[trained] = float(torch.stack([d["lm loss"] for d in out]).mean())
-            history.append((trained, losses[trained]))
+        FAULTS["factor"] = faults.loss_factor(trained, data_step)
+        out[:] = run(data_step, forward_only=False)
         if data_parallel:  # DDP keeps the (all-reduced) gradients in main_grad: the optimizer reads .grad
             for p in optimizer.param_groups[0]["params"]:
                 p.grad = p.main_grad
-        if watch:
-            watch.optimizer_step(optimizer)  # parwatch (optimizer.step() in a span)
-            step = watch.step_done()  # parwatch: the step boundary; may pause or roll back
+        if faults.corrupt_grads_now(trained):
+            next(p.grad for c in chunks for p in c.parameters() if p.grad is not None).view(-1)[0] = float("nan")
+
+    while step < args.steps:
+        trained = step + 1
+        data_step = trained + (watch.data_offset if watch else 0)  # parwatch: batches rollbacks skipped
+        FAULTS["now"] = trained
+        out: list = []
+        train_step(trained, data_step, out)
+        if watch:  # parwatch: the check (a bad step re-run or skipped), then optimizer.step()
+            watch.optimizer_step(optimizer, rerun=partial(train_step, trained, data_step, out))
         else:
             optimizer.step()
-            step = trained
+        if last:
+            losses[trained] = float(torch.stack([d["lm loss"] for d in out]).mean())
+            history.append((trained, losses[trained]))
+        step = watch.step_done() if watch else trained  # parwatch: the step boundary; may pause or roll back
         if step != trained:  # rolled back: the steps after the loaded one are gone
             losses = {s: v for s, v in losses.items() if s <= step}
         elif args.checkpoint_dir:
-            save(step)
+            with watch.checkpoint() if watch else nullcontext():  # parwatch: the save, timed (not bubble)
+                save(step)
             if watch:
                 watch.checkpoint_saved(step)  # parwatch
         if args.eval:

@@ -7,11 +7,16 @@
     watch = pw_megatron.watch(model, config, run_id=run_id, microbatches=m, load_checkpoint=my_load)
     attach(Collector(watch.run_context(), log_path="run/summaries.jsonl"))
     forward_backward = get_forward_backward_func()      # after watch(): the watched schedule
+
+    def train_step(data):                               # one step's forward and backward, as before
+        optimizer.zero_grad()
+        forward_backward(forward_step_func=..., data_iterator=iter(data), model=model, num_microbatches=m, ...)
+
     step = watch.start()
     while step < steps:
-        optimizer.zero_grad()
-        forward_backward(forward_step_func=..., model=model, num_microbatches=m, ...)   # unchanged
-        watch.optimizer_step(optimizer)                 # optimizer.step() in a span
+        data = batches(step + 1 + watch.data_offset)    # rollbacks may skip batches
+        train_step(data)
+        watch.optimizer_step(optimizer, rerun=partial(train_step, data))   # the check; then optimizer.step()
         step = watch.step_done()                        # boundary; may pause or roll back
     watch.close()
 
@@ -33,20 +38,24 @@ The rank layout (tp, pp, dp and Megatron's rank order, its default "tp-cp-ep-dp-
 off parallel_state (`megatron_layout`) and rides the RunContext, so DP > 1 is watched in the order
 Megatron laid the ranks out in.
 
-Directives from the sidecar arrive through the boundary: pause holds the run in heartbeat
-boundaries until resume; rollback calls `load_checkpoint(step) -> loaded_step` (step None: the
-newest checkpoint) on every rank and continues from the step it returns.
+Before the optimizer step, `optimizer_step` runs the check (parwatch.contract.step_check): every
+rank's loss and gradient finiteness (Megatron's `main_grad` buffers where its DDP keeps them) in one
+small all-reduce; a bad step is re-run through `rerun`, then applied or skipped, and the third skip in
+a window pauses the run at `step_done`. Directives from the sidecar arrive through the boundary: pause
+holds the run in heartbeat boundaries until resume; rollback calls `load_checkpoint(step) ->
+loaded_step` (step None: the newest checkpoint; or `load_checkpoint(step, skip_batches)`) on every
+rank and continues from the step it returns, `data_offset` batches further on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from parwatch.contract import SpanKind, StepBoundary, TorchAllReduce, registry
+from parwatch.contract import SpanKind, StepBoundary, StepPolicy, TorchAllReduce, registry
 from parwatch.integrations._megatron_hooks import Hooks, mean_loss
 from parwatch.integrations._megatron_order import megatron_order
 from parwatch.integrations._stage_spans import Patches
-from parwatch.integrations._steploop import IntegrationError, StepLoop
+from parwatch.integrations._steploop import IntegrationError, StepLoop, step_check_for
 from parwatch.rank_layout import Coords, LayoutError, RankLayout, order_of_groups
 from parwatch.vocabulary import GroupRole, ScheduleName
 
@@ -120,8 +129,9 @@ class MegatronWatch(StepLoop):
     microbatches: num_microbatches given to forward_backward each step (the theory needs it).
     load_checkpoint: `f(step or None) -> loaded step` for rollback directives, on every rank.
     p2p: time send/recv (wraps Megatron's p2p_communication functions).
-    boundary_group / device: where the boundary all-reduce runs (default: the world group, on the
-        device of the first chunk's parameters)."""
+    boundary_group / device: where the boundary all-reduce (and the check's) runs (default: the world
+        group, on the device of the first chunk's parameters).
+    check: the check before the optimizer step: True (the default StepPolicy), a StepPolicy, or False."""
 
     def __init__(
         self,
@@ -130,11 +140,12 @@ class MegatronWatch(StepLoop):
         *,
         run_id: str,
         microbatches: int,
-        load_checkpoint: Callable[[int | None], int] | None = None,
+        load_checkpoint: Callable[..., int] | None = None,
         p2p: bool = True,
         pause_poll_s: float = 0.2,
         boundary_group=None,
         device=None,
+        check: bool | StepPolicy = True,
     ) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -170,17 +181,20 @@ class MegatronWatch(StepLoop):
         if device is None and param is not None and param.device.type != "cpu":
             device = param.device
         self.device = device
+        all_reduce = TorchAllReduce(boundary_group, device)
+        boundary = StepBoundary(
+            dist.get_rank(boundary_group),
+            dist.get_world_size(boundary_group),
+            run_id,
+            all_reduce,
+            reports_loss=self.is_last and self.tp_rank == 0,
+        )
         super().__init__(
             pp_rank=pp_rank,
-            boundary=StepBoundary(
-                dist.get_rank(boundary_group),
-                dist.get_world_size(boundary_group),
-                run_id,
-                TorchAllReduce(boundary_group, device),
-                reports_loss=self.is_last and self.tp_rank == 0,
-            ),
+            boundary=boundary,
             load_checkpoint=load_checkpoint,
             pause_poll_s=pause_poll_s,
+            step_check=step_check_for(boundary, all_reduce, check),
         )
         tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self._hooks = Hooks(
@@ -259,8 +273,9 @@ class MegatronWatch(StepLoop):
         return action_order(self.pp, self.microbatches, self.chunks, self.group_size)
 
     # ------------------------------------------------------------------ the step loop
-    def start(self, step: int = 0) -> int:
-        """The run's first boundary, on every rank; `step`: where training resumes (0: fresh)."""
+    def start(self, step: int = 0, data_offset: int = 0) -> int:
+        """The run's first boundary, on every rank; `step`: where training resumes (0: fresh);
+        `data_offset`: the batches rollbacks skipped before it (saved with the checkpoint)."""
         config = {
             "framework": "megatron-core",
             "schedule": str(self.schedule),
@@ -272,7 +287,27 @@ class MegatronWatch(StepLoop):
             "chunks": self.chunks,
             "microbatch_group_size_per_vp_stage": self.group_size,
         }
-        return self.begin(step, config, self.action_order())
+        return self.begin(step, config, self.action_order(), data_offset=data_offset)
+
+    def optimizer_step(self, optimizer, *args, rerun=None, **kwargs):
+        """The check before the optimizer step, then `optimizer.step()` in an optimizer span (its result:
+        a Megatron optimizer's (update_successful, grad_norm, num_zeros_in_grad), whose own found-inf check
+        may still skip an fp16 update). A step the check skips zeroes the gradients instead (returns None).
+        `rerun`: runs the step's forward and backward again on the same microbatches from zeroed gradients
+        (as the step does: zero_grad, zero_grad_buffer under Megatron's DDP, forward_backward): without it a
+        bad step is skipped untriaged."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def again() -> None:
+            self._hooks.losses.clear()  # the re-run's microbatch losses are the step's
+            assert rerun is not None
+            rerun()
+
+        verdict = self.check_step(params, lambda: mean_loss(self._hooks.losses), again if rerun is not None else None)
+        if verdict is not None and not verdict.applied:
+            optimizer.zero_grad()
+            return None
+        return super().optimizer_step(optimizer, *args, **kwargs)
 
     def step_done(self, loss: float | None = None) -> int:
         """Call after each optimizer step, on every rank: the step boundary, then any directive.

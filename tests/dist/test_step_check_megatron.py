@@ -1,0 +1,44 @@
+"""The check before the optimizer step under Megatron-Core (MegatronWatch, through examples/megatron_gpt.py):
+the proofs of tests/step_check_proofs.py on 2 real gloo ranks (PP2, GPTModel) against a real sidecar, one
+spawn for every scenario."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distutil import load_example, run_ranks
+from tests.sidecar_process import running_sidecar
+from tests.step_check_proofs import STEPS, Operator, assert_proofs, run_scenarios
+
+pytest.importorskip("megatron.core", reason="pip install -e '.[test]' installs megatron-core")
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: str) -> dict:
+    from megatron.core import parallel_state
+
+    example = load_example("megatron_gpt")
+
+    def train_one(run_id: str, faults: list[str], log_dir: str) -> dict:
+        argv = ["--pp", "2", "--microbatches", "2", "--synthetic-ms", "1,2", "--steps", str(STEPS)]
+        argv += ["--run-id", run_id, "--parwatch-log", log_dir, "--parwatch-endpoint", endpoint]
+        argv += ["--parwatch-token-file", token_file, *(a for f in faults for a in ("--inject", f))]
+        return example.train(example.parse_args(argv))["losses"]
+
+    try:
+        return run_scenarios(rank, "megatron", out_dir, train_one)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def proofs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("step-check-megatron")
+    with running_sidecar(base / "state", "--max-runs", "8") as sidecar, Operator(sidecar):
+        results = run_ranks(_body, 2, sidecar.control_url, str(sidecar.token_file), str(base / "runs"), timeout=240)
+    return results, base
+
+
+def test_megatron_watch_keeps_every_bad_step_from_the_weights(proofs):
+    results, base = proofs
+    assert_proofs(results, base / "state", str(base / "runs"), "megatron")
