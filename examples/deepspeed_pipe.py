@@ -20,10 +20,14 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from parwatch.trainer.errors import ConfigError  # the injected faults (not part of watching)
+from parwatch.trainer.faults import Faults, parse_fault
 
 
 class SleepInBackward(torch.autograd.Function):
@@ -86,7 +90,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--slow-stage", default="", help="STAGE:FACTOR: that stage's (rank's) compute takes FACTOR times longer"
     )
     ap.add_argument("--send-delay-ms", default="", help="STAGE:MS: that stage stalls MS before each activation send")
-    ap.add_argument("--nan-at-step", type=int, default=0, help="the last stage's loss is NaN at this step, once")
+    ap.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
+        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
+    )
+    ap.add_argument(
+        "--pre-step-check",
+        choices=("on", "off"),
+        default="on",
+        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
+    )
     ap.add_argument("--hang-at", default="", help="STAGE:STEP: that stage blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.pp, args.microbatches, args.steps) < 1:
@@ -100,6 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)
+    try:
+        args.faults = [parse_fault(spec) for spec in args.inject]
+    except ConfigError as err:
+        ap.error(str(err))
     return args
 
 
@@ -149,11 +170,15 @@ def build(args):
         return args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor
 
     layers = [LayerSpec(SyntheticStage, args.hidden, *stage_seconds(s), args.seed * 1000 + s) for s in range(n_layers)]
-    nan = {"step": args.nan_at_step}
+    now = {"step": 0, "data_step": 0, "microbatch": 0}  # the step trained, its batch, the loss's microbatch
+    faults: list = []  # Faults of this rank, once the engine knows its stage
 
     def loss_fn(output, target):
         loss = F.mse_loss(output, target)
-        return loss * float("nan") if nan["step"] == nan.get("now") else loss
+        if now["microbatch"] % args.microbatches == 0:  # a pass's first loss: the fault of this pass
+            now["factor"] = faults[0].loss_factor(now["step"], now["data_step"])
+        now["microbatch"] += 1
+        return loss * now["factor"] if now["factor"] != 1.0 else loss
 
     module_cls = DualPipeVModule if dualpipev else PipelineModule
     module = module_cls(layers=layers, num_stages=args.pp, loss_fn=loss_fn, partition_method="uniform")
@@ -165,11 +190,22 @@ def build(args):
     }
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr)
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    faults.append(Faults(args.faults, dist.get_rank(), engine.stage_id))
+    # sdc: this rank's gradients corrupted once, as its backward makes them
+    next(iter(module.parameters())).register_hook(partial(_corrupt, faults[0], now))
     if args.send_delay and args.send_delay[0] == engine.stage_id:
         _delay_sends(engine, args.send_delay[1] / 1000)
     if args.hang and args.hang[0] == engine.stage_id:
-        _hang_at(engine, int(args.hang[1]), nan)
-    return engine, nan
+        _hang_at(engine, int(args.hang[1]), now)
+    return engine, now
+
+
+def _corrupt(faults, now: dict, grad):
+    """An sdc fault of this rank at this step (once): one element of a gradient becomes NaN."""
+    if faults.corrupt_grads_now(now["step"]):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+    return grad
 
 
 def _delay_sends(engine, seconds: float) -> None:
@@ -190,7 +226,7 @@ def _hang_at(engine, step: int, now: dict) -> None:
     forward = engine.module.forward
 
     def hanging(*args, **kwargs):
-        if now.get("now") == step:
+        if now.get("step") == step:
             print(f"injected hang at step {step}, blocking at {time.time():.3f}", flush=True)
             time.sleep(3600)
         return forward(*args, **kwargs)
@@ -214,7 +250,7 @@ def train(args) -> dict:
     """One run on this rank (the process group is up). Returns {"losses": {step: loss} of the
     surviving timeline, "applied": the directives handled, "engine": the DeepSpeed engine}."""
     torch.manual_seed(args.seed)
-    engine, nan = build(args)
+    engine, now = build(args)
     batches = Batches(args)
     watch = collector = None
     if not args.no_parwatch:
@@ -223,7 +259,12 @@ def train(args) -> dict:
         from parwatch.integrations import shared_run_id  # parwatch
 
         run_id = args.run_id or shared_run_id()  # parwatch: one id, from rank 0
-        watch = pw.watch(engine, run_id=run_id, checkpoint_dir=args.checkpoint_dir or None)  # parwatch
+        watch = pw.watch(  # parwatch
+            engine,
+            run_id=run_id,
+            checkpoint_dir=args.checkpoint_dir or None,
+            check=args.pre_step_check == "on",
+        )
         collector = attach(
             Collector(  # parwatch
                 watch.run_context(),
@@ -237,15 +278,13 @@ def train(args) -> dict:
     step = watch.start() if watch else 0  # parwatch
     while step < args.steps:
         trained = step + 1
-        nan["now"] = trained
-        loss = engine.train_batch(batches)
+        now.update(step=trained, data_step=trained + (watch.data_offset if watch else 0), microbatch=0)
+        loss = engine.train_batch(batches)  # parwatch: checked before its optimizer step (re-run, skipped)
         losses[trained] = float(loss)
-        if nan["step"] == trained:
-            nan["step"] = 0  # once: the replay after a rollback trains cleanly
         step = watch.step_done() if watch else trained  # parwatch: the boundary; may pause or roll back
         if step != trained:  # rolled back: the steps after the loaded one are gone
             losses = {s: v for s, v in losses.items() if s <= step}
-            batches.seek(step)
+            batches.seek(step + watch.data_offset)  # parwatch: past the batches the rollback skips
         elif args.checkpoint_dir:
             engine.save_checkpoint(args.checkpoint_dir)  # tag global_step<N>
     if watch:

@@ -46,9 +46,19 @@ TrainSchedule is 1F1B, so its closed form is (p-1)/(m+p-1). For DualPipeV the re
 DualPipeVSchedule's stream (`dualpipev_schedule_order`), the computes up to each commit kept as
 one block (see there).
 
+The check before the optimizer step (parwatch.contract.step_check) runs inside the OptimizerStep
+instruction, before DeepSpeed's optimizer step: every rank's loss (the loss stage's microbatch losses
+so far) and gradient finiteness in one small all-reduce. A bad step's first pass takes no update, and
+`train_batch` runs the step again on the microbatches it drew (recorded as the engine drew them, so
+the user's iterator moves on once); the re-run's OptimizerStep then applies the update (transient) or
+skips it through DeepSpeed's own overflow-skip path (the optimizer reports `overflow`: the engine
+zeroes the gradients, counts `skipped_steps` and leaves the learning rate where it was); the third
+skip in a window pauses the run at `step_done`.
+
 Directives arrive through the step boundary: pause holds the run; rollback loads through
 `load_checkpoint(step) -> loaded step`, or, given `checkpoint_dir`, through the engine's own
-`load_checkpoint(checkpoint_dir, tag="global_step<N>")` (the tags `save_checkpoint` writes).
+`load_checkpoint(checkpoint_dir, tag="global_step<N>")` (the tags `save_checkpoint` writes); the
+batches it skips are in `watch.data_offset` (step s trains batch s + data_offset).
 """
 
 from __future__ import annotations
@@ -58,10 +68,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from parwatch.contract import SpanKind, StepBoundary, TorchAllReduce, registry
+from parwatch.contract import SpanKind, StepBoundary, StepPolicy, TorchAllReduce, registry, torch_grads
 from parwatch.integrations._deepspeed_order import dualpipev_schedule_order, train_schedule_order, vstage
 from parwatch.integrations._stage_spans import Patches
-from parwatch.integrations._steploop import IntegrationError, StepLoop
+from parwatch.integrations._steploop import IntegrationError, StepLoop, step_check_for
 from parwatch.rank_layout import LayoutError, order_of_axes
 from parwatch.vocabulary import CollectiveOp, GroupRole, ScheduleName
 
@@ -77,16 +87,18 @@ class DeepSpeedWatch(StepLoop):
 
     run_id: the same non-empty string on every rank. load_checkpoint: `f(step or None) -> loaded
     step` for rollbacks; or checkpoint_dir: where `engine.save_checkpoint` writes (the engine
-    loads from it). With neither, rollbacks are reported failed (no_checkpoint)."""
+    loads from it). With neither, rollbacks are reported failed (no_checkpoint).
+    check: the check before the optimizer step: True (the default StepPolicy), a StepPolicy, or False."""
 
     def __init__(
         self,
         engine,
         *,
         run_id: str,
-        load_checkpoint: Callable[[int | None], int] | None = None,
+        load_checkpoint: Callable[..., int] | None = None,
         checkpoint_dir: str | None = None,
         pause_poll_s: float = 0.2,
+        check: bool | StepPolicy = True,
     ) -> None:
         import torch.distributed as dist
 
@@ -109,18 +121,18 @@ class DeepSpeedWatch(StepLoop):
         self.schedule = DUALPIPEV if self.dualpipev else SCHEDULE
         # DualPipeV computes the loss on rank 0 (its is_last_stage() says so only outside a phase)
         self._reports_loss = engine.stage_id == 0 if self.dualpipev else engine.is_last_stage()
+        all_reduce = TorchAllReduce(None, getattr(engine, "device", None))
+        boundary = StepBoundary(
+            dist.get_rank(), dist.get_world_size(), run_id, all_reduce, reports_loss=self._reports_loss
+        )
         super().__init__(
             pp_rank=engine.stage_id,
-            boundary=StepBoundary(
-                dist.get_rank(),
-                dist.get_world_size(),
-                run_id,
-                TorchAllReduce(None, getattr(engine, "device", None)),
-                reports_loss=self._reports_loss,
-            ),
+            boundary=boundary,
             load_checkpoint=load_checkpoint or (self._load_from_dir if checkpoint_dir else None),
             pause_poll_s=pause_poll_s,
+            step_check=step_check_for(boundary, all_reduce, check),
         )
+        self._rerunning = False  # train_batch is running a bad step again
         self._patches = Patches()
         self._counts: dict[str, int] = {}
         self._training = False
@@ -316,10 +328,19 @@ class DeepSpeedWatch(StepLoop):
 
         return instruction
 
-    def _optimizer_step(self, fn):
-        """OptimizerStep as optimizer spans around, not over, gradient clipping (see module docstring)."""
+    def _optimizer_step(self, step_fn):
+        """OptimizerStep as optimizer spans around, not over, gradient clipping (see module docstring),
+        after the check before the optimizer step."""
 
         def instruction(engine, **kwargs):
+            fn = step_fn
+            if self._training and self.step_check is not None:
+                if not self._checked():  # a re-run is due: no update from this pass
+                    engine.zero_grad()
+                    engine.optimizer.zero_grad()
+                    return None
+                if self.verdict is not None and not self.verdict.applied:
+                    fn = _overflowing(step_fn)
             if not (self._training and registry.active):
                 return fn(engine, **kwargs)
             clock = registry.clock
@@ -348,10 +369,11 @@ class DeepSpeedWatch(StepLoop):
         return clip_fp32_gradients
 
     def _marking(self, call, *, training: bool):
-        """train_batch runs with its instructions timed; eval_batch untimed, in one eval span (not a
-        training step: the goodput ledger's eval, not bubble)."""
+        """train_batch runs with its instructions timed, and again on the same microbatches when the check
+        asks for a re-run; eval_batch untimed, in one eval span (not a training step: the goodput ledger's
+        eval, not bubble)."""
 
-        def batch(*args, **kwargs):
+        def once(*args, **kwargs):
             self._training = training
             self._counts.clear()
             self._queued = []
@@ -363,7 +385,44 @@ class DeepSpeedWatch(StepLoop):
             finally:
                 self._training = False
 
-        return batch
+        def batch(data_iter=None):
+            if self.step_check is None:
+                return once(data_iter)
+            engine = self.engine
+            source = data_iter if data_iter is not None else getattr(engine, "data_iterator", None)
+            drawn = _Drawn(source) if source is not None else None
+            result = once(drawn)
+            if self.step_check.rerun_due:
+                self._rerunning = True
+                try:
+                    result = once(iter(drawn.items) if drawn is not None else None)
+                finally:
+                    self._rerunning = False
+            if drawn is not None:
+                engine.set_dataiterator(source)  # the user's (or the engine's own) iterator, moved on once
+            return result
+
+        return batch if training else once
+
+    def _checked(self) -> bool:
+        """The check at this pass's OptimizerStep; False when the step must be run again first."""
+        assert self.step_check is not None
+        loss = None
+        total = getattr(self.engine, "total_loss", None)
+        if self._reports_loss and total is not None and hasattr(total, "detach"):
+            loss = float(total.detach().double()) / self.engine.gradient_accumulation_steps()
+        reading = torch_grads.reading(loss, torch_grads.grads_of(self.engine.module.parameters()))
+        if self._rerunning:
+            verdict = self.step_check.again(reading)
+        else:
+            step = self.step + 1
+            first = self.step_check.first(step, reading, batch=step + self.data_offset)
+            if first is None:
+                return False
+            verdict = first
+        self.verdict = verdict
+        self._note(verdict)
+        return True
 
     def _saving(self, save):
         def save_checkpoint(*args, **kwargs):
@@ -411,9 +470,10 @@ class DeepSpeedWatch(StepLoop):
             return dualpipev_schedule_order(self.pp, self.microbatches)
         return train_schedule_order(self.pp, self.microbatches)
 
-    def start(self, step: int | None = None) -> int:
+    def start(self, step: int | None = None, data_offset: int = 0) -> int:
         """The run's first boundary, on every rank; `step`: where training resumes (default: the
-        engine's global_steps, 0 on a fresh run, the loaded step after `engine.load_checkpoint`)."""
+        engine's global_steps, 0 on a fresh run, the loaded step after `engine.load_checkpoint`);
+        `data_offset`: the batches rollbacks skipped before it (saved with the checkpoint)."""
         step = self.engine.global_steps if step is None else step
         config = {
             "schedule": self.schedule,
@@ -422,7 +482,7 @@ class DeepSpeedWatch(StepLoop):
             "microbatches": self.microbatches,
             "chunks": 2 if self.dualpipev else 1,
         }
-        return self.begin(step, config, self.action_order())
+        return self.begin(step, config, self.action_order(), data_offset=data_offset)
 
     def step_done(self, loss: float | None = None) -> int:
         """Call after each `engine.train_batch`, on every rank: the step boundary, then any directive.
@@ -453,6 +513,46 @@ class DeepSpeedWatch(StepLoop):
 
 
 watch = DeepSpeedWatch
+
+
+class _Drawn:
+    """An iterator that keeps what the engine draws from it: the microbatches of one train_batch, to run
+    again for a re-run."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.items: list = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.source)
+        self.items.append(item)
+        return item
+
+
+def _overflowing(fn):
+    """OptimizerStep with the update withheld the way DeepSpeed withholds one on an fp16 overflow: the
+    optimizer's step does nothing and it reports `overflow`, so the engine zeroes the gradients, counts
+    the step in `skipped_steps`, does not step the learning-rate schedule, and moves `global_steps` on."""
+
+    def instruction(engine, **kwargs):
+        optimizer = engine.optimizer
+        saved = {k: optimizer.__dict__[k] for k in ("step", "overflow") if k in optimizer.__dict__}
+        optimizer.step = lambda *args, **kw: None
+        optimizer.overflow = True
+        try:
+            return fn(engine, **kwargs)
+        finally:
+            for k in ("step", "overflow"):
+                if k in saved:
+                    setattr(optimizer, k, saved[k])
+                else:
+                    optimizer.__dict__.pop(k, None)
+
+    return instruction
+
 
 _PAYLOAD = {  # where each transfer's tensors are once it is done (deepspeed.runtime.pipe.engine)
     "SendActivation": lambda engine, buffer: engine.pipe_buffers["outputs"][buffer],

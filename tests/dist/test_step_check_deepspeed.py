@@ -1,0 +1,61 @@
+"""The check before the optimizer step under DeepSpeed's pipeline engine (DeepSpeedWatch, through
+examples/deepspeed_pipe.py): the proofs of tests/step_check_proofs.py on 2 real gloo ranks (PP2,
+TrainSchedule) against a real sidecar, one spawn for every scenario."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.distutil import load_example, run_ranks
+from tests.sidecar_process import running_sidecar
+from tests.step_check_proofs import STEPS, Operator, assert_proofs, run_scenarios
+
+pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: str) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import logging
+
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # adopts the group distutil made
+    example = load_example("deepspeed_pipe")
+    counted: dict = {}  # run id -> the engine's own step counters
+
+    def train_one(run_id: str, faults: list[str], log_dir: str) -> dict:
+        argv = ["--pp", "2", "--microbatches", "2", "--synthetic-ms", "1,2", "--steps", str(STEPS)]
+        argv += ["--run-id", run_id, "--parwatch-log", log_dir, "--parwatch-endpoint", endpoint]
+        argv += ["--parwatch-token-file", token_file, *(a for f in faults for a in ("--inject", f))]
+        result = example.train(example.parse_args(argv))
+        engine = result["engine"]
+        counted[run_id] = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps}
+        return result["losses"] if engine.is_last_stage() else {}
+
+    return {**run_scenarios(rank, "deepspeed", out_dir, train_one), "engine": counted}
+
+
+@pytest.fixture(scope="module")
+def proofs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("step-check-deepspeed")
+    with running_sidecar(base / "state", "--max-runs", "8") as sidecar, Operator(sidecar):
+        results = run_ranks(_body, 2, sidecar.control_url, str(sidecar.token_file), str(base / "runs"), timeout=240)
+    return results, base
+
+
+def test_deepspeed_watch_keeps_every_bad_step_from_the_weights(proofs):
+    results, base = proofs
+    assert_proofs(results, base / "state", str(base / "runs"), "deepspeed")
+
+
+def test_a_skip_rides_deepspeeds_own_overflow_path(proofs):
+    """The engine counts the skipped steps as it counts an fp16 overflow, and its step count goes on."""
+    results, _ = proofs
+    skipped = {"clean": 0, "nan": 0, "bad-batch": 1, "sdc": 0, "persistent": 3}
+    for rank, r in enumerate(results):
+        for name, n in skipped.items():
+            assert r["engine"][f"deepspeed-{name}"] == {"global_steps": STEPS, "skipped_steps": n}, (rank, name)
