@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from parwatch import ledger_view
 from parwatch.report.loader import RunData
 from parwatch.report.stats import collective_series, per_stage_series, stage_bubble_series
+from parwatch.report.steps import checked
 from parwatch.vocabulary import TimeCategory
 
 _DPI = 100
@@ -113,10 +114,19 @@ def loss_segments(run: RunData) -> list[list]:
 
 
 def plot_loss(run: RunData, path, size_px=_SIZE_PX) -> None:
-    """Loss over steps; vertical markers at decision steps labelled by action (and rule)."""
+    """The loss figure (loss_figure), saved to `path`."""
+    _save(loss_figure(run, size_px), path)
+
+
+def loss_figure(run: RunData, size_px=_SIZE_PX) -> Figure:
+    """Loss over steps; a mark at every step whose loss was not finite and every step the check before
+    the optimizer step re-ran or skipped; vertical markers at decision steps labelled by action (and rule)."""
     fig, ax = _figure(size_px)
     segments = loss_segments(run)
     nonfinite = []
+    every_step = [s for seg in segments for s, _ in seg]
+    if every_step:  # the x range covers every step, the non-finite ones too (a mark past the line is seen)
+        ax.set_xlim(min(every_step) - 0.5, max(every_step) + 0.5)
     for i, seg in enumerate(segments):
         finite = [(s, v) for s, v in seg if math.isfinite(v)]
         nonfinite += [s for s, v in seg if not math.isfinite(v)]
@@ -140,6 +150,21 @@ def plot_loss(run: RunData, path, size_px=_SIZE_PX) -> None:
             label="non-finite loss",
             zorder=5,
         )
+    kept = checked(run)
+    for what, marker, color, y in (("re-run", "o", "#2E7D32", 0.06), ("skipped", "v", "#C62828", 0.10)):
+        steps = [k.first for k in kept if k.what.startswith(what)]
+        if steps:
+            ax.scatter(
+                steps,
+                [y] * len(steps),
+                transform=ax.get_xaxis_transform(),
+                marker=marker,
+                s=60,
+                facecolors="none" if marker == "o" else color,
+                edgecolors=color,
+                label=f"{what} before the weights",
+                zorder=5,
+            )
     for d in run.decisions:
         action = str(d.get("action", "?"))
         color = _ACTION_COLORS.get(action, "#555555")
@@ -162,7 +187,7 @@ def plot_loss(run: RunData, path, size_px=_SIZE_PX) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Loss, with guardrail decisions (dotted lines)")
-    _save(fig, path)
+    return fig
 
 
 def plot_collectives(run: RunData, path, size_px=_SIZE_PX) -> bool:

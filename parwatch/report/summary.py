@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from parwatch import ledger_view
 from parwatch.report.loader import RunData
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate, self_cost_shares
+from parwatch.report.steps import kept_from_weights
 from parwatch.vocabulary import RecordType, TimeCategory
 
 
@@ -196,6 +197,26 @@ def build_sections(
         )
     )
 
+    kept = kept_from_weights(run)
+    out.append(
+        Section(
+            "Steps kept from the weights",
+            headers=["steps", "timeline", "what", "triage", "fault", "ranks"],
+            rows=[
+                [k.steps, str(k.timeline), k.what, k.triage or "-", k.fault or "-", ", ".join(map(str, k.ranks)) or "-"]
+                for k in kept
+            ],
+            paragraphs=[
+                "Re-run: the check before the optimizer step found the step bad (a NaN/inf, a loss spike) and its "
+                "re-run on the same microbatches passed: that update went in (transient). Skipped: the re-run "
+                "failed too, no update went in (persistent, data-caused); paused: skips kept coming. Rolled back: "
+                "steps a rollback discarded (their summaries' timeline ends past the checkpoint loaded). The work "
+                "of each is wasted time in the goodput ledger."
+            ]
+            if kept
+            else ["Every step's update went in as first computed: none re-run, skipped or rolled back."],
+        )
+    )
     out.append(_ledger_section(run))
     out.append(_self_cost_section(run))
     pics = Section(

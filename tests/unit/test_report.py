@@ -358,3 +358,42 @@ def test_a_schedule_without_a_closed_form_is_costed_against_its_replayed_theory(
     assert c.excess_idle_gpu_hours == pytest.approx(2 * (0.1 - 0.9 * 0.04 / 0.96) / 3600)
     formula = cost_estimate(summaries, pp=2, microbatches=8, chunks=2, price=2.0, schedule="interleaved1f1b")
     assert formula.bubble_now == pytest.approx(1 / 17) and formula.bubble_doubled == pytest.approx(1 / 33)
+
+
+def test_every_nonfinite_step_is_marked_and_the_steps_kept_from_the_weights_are_listed(tmp_path):
+    """Issue 42: the loss plot's x range stopped at the last finite loss, so one mark stood for many NaN
+    steps; re-run and skipped steps (the check before the optimizer step) had no mark and no list."""
+    info = make_run_dir(tmp_path / "run", pp=2, microbatches=4, steps=8, nan_loss_step=5)
+    path = info.path / "summaries.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    checks = {2: ("rerun", "transient", True, [1]), 3: ("skip", "persistent", False, [1])}
+    for s in lines:
+        if s["step"] == 8:  # the replay's last steps NaN as well: past the last finite loss
+            s["loss"] = "nan"
+        if s["step"] in checks:
+            action, triage, applied, ranks = checks[s["step"]]
+            s["check"] = {
+                "action": action,
+                "fault": "step-nonfinite",
+                "triage": triage,
+                "applied": applied,
+                "ranks": ranks,
+            }
+    path.write_text("".join(json.dumps(s) + "\n" for s in lines))
+    run = load_run(info.path)
+
+    from parwatch.report.plots import loss_figure
+
+    ax = loss_figure(run).axes[0]
+    marks = {c.get_label(): [x for x, _ in c.get_offsets()] for c in ax.collections}
+    assert marks["non-finite loss"] == [5, 8]
+    assert marks["re-run before the weights"] == [2] and marks["skipped before the weights"] == [3]
+    low, high = ax.get_xlim()
+    assert low < 1 and high > 8  # every mark inside the drawn range
+
+    written = build_report(info.path)
+    text = written["markdown"].read_text()
+    section = text[text.index("## Steps kept from the weights") :]
+    assert "| 2 | 0 | re-run | transient | step-nonfinite | 1 |" in section
+    assert "| 3 | 0 | skipped | persistent | step-nonfinite | 1 |" in section
+    assert "| 4..5 | 0 | rolled back | - | - | - |" in section
