@@ -152,7 +152,9 @@ def stage_indices(schedule: str, rank: int, pp: int, chunks: int) -> list[int]:
     return [rank + c * pp for c in range(chunks)]
 
 
-def build(args, rank: int, pp: int, fault: dict):
+def build(args, rank: int, pp: int, fault: dict | None = None):
+    """This rank's stages, schedule and optimizer; `fault["factor"]` multiplies each loss (an injected fault)."""
+    fault = {"factor": 1.0} if fault is None else fault
     n_stages = pp * args.chunks
     factor = args.slow[1] if args.slow and args.slow[0] == rank else 1.0
     fwd_s = args.fwd_ms / 1000 * factor
