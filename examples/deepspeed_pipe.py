@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parwatch.trainer.errors import ConfigError  # the injected faults (not part of watching)
-from parwatch.trainer.faults import Faults, parse_fault
+from parwatch.trainer import faults as injection  # the injected faults (not part of watching)
 
 
 class SleepInBackward(torch.autograd.Function):
@@ -90,20 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--slow-stage", default="", help="STAGE:FACTOR: that stage's (rank's) compute takes FACTOR times longer"
     )
     ap.add_argument("--send-delay-ms", default="", help="STAGE:MS: that stage stalls MS before each activation send")
-    ap.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
-        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
-    )
-    ap.add_argument(
-        "--pre-step-check",
-        choices=("on", "off"),
-        default="on",
-        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
-    )
+    injection.add_flags(ap)  # --inject SPEC, --pre-step-check on|off
     ap.add_argument("--hang-at", default="", help="STAGE:STEP: that stage blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.pp, args.microbatches, args.steps) < 1:
@@ -117,10 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)
-    try:
-        args.faults = [parse_fault(spec) for spec in args.inject]
-    except ConfigError as err:
-        ap.error(str(err))
+    args.faults = injection.parsed(ap, args)
     return args
 
 
@@ -190,7 +173,7 @@ def build(args):
     }
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr)
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
-    faults.append(Faults(args.faults, dist.get_rank(), engine.stage_id))
+    faults.append(injection.Faults(args.faults, dist.get_rank(), engine.stage_id))
     # sdc: this rank's gradients corrupted once, as its backward makes them
     next(iter(module.parameters())).register_hook(partial(_corrupt, faults[0], now))
     if args.send_delay and args.send_delay[0] == engine.stage_id:

@@ -30,8 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from parwatch.trainer.errors import ConfigError  # the injected faults (not part of watching)
-from parwatch.trainer.faults import Faults, parse_fault
+from parwatch.trainer import faults as injection  # the injected faults (not part of watching)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron_cpu, next to this file
 
@@ -70,20 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval", action="store_true", help="after each step, a forward-only pass (unobserved)")
     ap.add_argument("--slow-stage", default="", help="PP_RANK:FACTOR: that stage's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="PP_RANK:MS: that stage stalls MS before each activation send")
-    ap.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
-        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
-    )
-    ap.add_argument(
-        "--pre-step-check",
-        choices=("on", "off"),
-        default="on",
-        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
-    )
+    injection.add_flags(ap)  # --inject SPEC, --pre-step-check on|off
     ap.add_argument("--hang-at", default="", help="RANK:STEP: that rank blocks in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.tp, args.pp, args.chunks, args.microbatches, args.steps) < 1:
@@ -97,10 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)  # a global rank, not a stage
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
-    try:
-        args.faults = [parse_fault(spec) for spec in args.inject]
-    except ConfigError as err:
-        ap.error(str(err))
+    args.faults = injection.parsed(ap, args)
     return args
 
 
@@ -338,7 +321,7 @@ def train(args) -> dict:
         )
     forward_backward = get_forward_backward_func()  # after watch(): the watched schedule
 
-    faults = Faults(args.faults, rank, pp_rank)
+    faults = injection.Faults(args.faults, rank, pp_rank)
 
     def run(step: int, forward_only: bool) -> list:
         data = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(args, step, dp_rank)]

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from parwatch.trainer.errors import ConfigError  # the injected faults (not part of watching)
-from parwatch.trainer.faults import Faults, parse_fault
+from parwatch.trainer import faults as injection  # the injected faults (not part of watching)
 from parwatch.vocabulary import SCHEDULES as REGISTRY  # parwatch: its schedule names
 
 SCHEDULES = {s.name: s for s in REGISTRY.values() if s.torch_class is not None}
@@ -100,20 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default="", help="per-rank checkpoints after every step (rollback)")
     ap.add_argument("--slow-stage", default="", help="RANK:FACTOR: that rank's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="RANK:MS: that rank stalls MS before each activation send")
-    ap.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
-        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
-    )
-    ap.add_argument(
-        "--pre-step-check",
-        choices=("on", "off"),
-        default="on",
-        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
-    )
+    injection.add_flags(ap)  # --inject SPEC, --pre-step-check on|off
     args = ap.parse_args(argv)
     args.schedule = ALIASES.get(args.schedule, args.schedule)
     allowed, default = SCHEDULES[args.schedule].chunks, SCHEDULES[args.schedule].default_chunks
@@ -128,10 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--synthetic-ms {args.synthetic_ms!r}: give F,B in ms, e.g. 40,80")
     args.slow = _rank_value(ap, "--slow-stage", args.slow_stage)
     args.send_delay = _rank_value(ap, "--send-delay-ms", args.send_delay_ms)
-    try:
-        args.faults = [parse_fault(spec) for spec in args.inject]
-    except ConfigError as err:
-        ap.error(str(err))
+    args.faults = injection.parsed(ap, args)
     return args
 
 
@@ -216,7 +199,7 @@ def train(args) -> dict:
     rank, pp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     fault = {"factor": 1.0}
-    faults = Faults(args.faults, rank, rank)
+    faults = injection.Faults(args.faults, rank, rank)
     schedule, modules, optimizer = build(args, rank, pp, fault)
     holds_last = pp * args.chunks - 1 in stage_indices(args.schedule, rank, pp, args.chunks)
 

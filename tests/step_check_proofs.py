@@ -96,7 +96,27 @@ def run_scenarios(rank: int, trainer: str, out_dir: str, train_one) -> dict:
     return out
 
 
+def example_argv(layout: list[str], run_id: str, faults: list[str], log_dir: str, endpoint: str, token_file: str):
+    """An example's arguments for one scenario: its layout, 1/2 ms stages, STEPS steps, the sidecar."""
+    argv = [*layout, "--synthetic-ms", "1,2", "--steps", str(STEPS), "--run-id", run_id, "--parwatch-log", log_dir]
+    argv += ["--parwatch-endpoint", endpoint, "--parwatch-token-file", token_file]
+    return argv + [a for f in faults for a in ("--inject", f)]
+
+
 # ------------------------------------------------------------------------------ the test process
+def prove(tmp_path_factory, body, trainer: str, timeout: float = 240) -> tuple[list[dict], Path]:
+    """Every scenario on 2 real ranks (`body(rank, world, endpoint, token_file, out_dir)`, which calls
+    run_scenarios) against one real sidecar, an operator resuming what pauses: (results by rank, the
+    base directory: its state/ and runs/)."""
+    from tests.distutil import run_ranks
+    from tests.sidecar_process import running_sidecar
+
+    base = tmp_path_factory.mktemp(f"step-check-{trainer}")
+    with running_sidecar(base / "state", "--max-runs", "8") as sidecar, Operator(sidecar):
+        results = run_ranks(body, 2, sidecar.control_url, str(sidecar.token_file), str(base / "runs"), timeout=timeout)
+    return results, base
+
+
 class Operator:
     """Resumes every run the check paused, as an operator would, through the sidecar's API."""
 

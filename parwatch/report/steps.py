@@ -28,7 +28,7 @@ class KeptStep:
         return str(self.first) if self.first == self.last else f"{self.first}..{self.last}"
 
 
-_WHAT = {StepAction.RERUN: "re-run", StepAction.SKIP: "skipped", StepAction.PAUSE: "skipped, paused"}
+_WHAT: dict[str, str] = {StepAction.RERUN: "re-run", StepAction.SKIP: "skipped", StepAction.PAUSE: "skipped, paused"}
 
 
 def checked(run: RunData) -> list[KeptStep]:
@@ -42,7 +42,7 @@ def checked(run: RunData) -> list[KeptStep]:
                 s["step"],
                 s["step"],
                 key[0],
-                _WHAT.get(check.get("action"), str(check.get("action"))),
+                _WHAT.get(str(check.get("action")), str(check.get("action"))),
                 str(check.get("triage", "")),
                 str(check.get("fault", "")),
                 tuple(check.get("ranks") or ()),

@@ -64,6 +64,34 @@ HANG_PLACES = ("compute", "collective", "send")
 """Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
 
 
+def add_flags(parser) -> None:
+    """`--inject SPEC` (repeatable) and `--pre-step-check on|off` on an argparse parser: the examples'
+    faults in this module's syntax, and whether the trainer runs the check before the optimizer step."""
+    parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault, repeatable, in the reference trainer's syntax: nan:step=S | bad-batch:step=S | "
+        "sdc:rank=R,step=S | loss-spike:step=S[,factor=F] (parwatch.trainer.faults)",
+    )
+    parser.add_argument(
+        "--pre-step-check",
+        choices=("on", "off"),
+        default="on",
+        help="the check before the optimizer step (on: a bad step is re-run, skipped or paused)",
+    )
+
+
+def parsed(parser, args) -> list[Fault]:
+    """The faults of `args.inject` (add_flags), or the parser's one-line error naming the bad spec."""
+    try:
+        return [parse_fault(spec) for spec in args.inject]
+    except ConfigError as err:
+        parser.error(str(err))
+        raise  # parser.error exits
+
+
 class InjectedError(Exception):
     """What a `raise` fault raises: an exception the trainer does not expect."""
 

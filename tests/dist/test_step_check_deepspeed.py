@@ -8,9 +8,8 @@ import os
 
 import pytest
 
-from tests.distutil import load_example, run_ranks
-from tests.sidecar_process import running_sidecar
-from tests.step_check_proofs import STEPS, Operator, assert_proofs, run_scenarios
+from tests.distutil import load_example
+from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
 
 pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -28,9 +27,7 @@ def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: s
     counted: dict = {}  # run id -> the engine's own step counters
 
     def train_one(run_id: str, faults: list[str], log_dir: str) -> dict:
-        argv = ["--pp", "2", "--microbatches", "2", "--synthetic-ms", "1,2", "--steps", str(STEPS)]
-        argv += ["--run-id", run_id, "--parwatch-log", log_dir, "--parwatch-endpoint", endpoint]
-        argv += ["--parwatch-token-file", token_file, *(a for f in faults for a in ("--inject", f))]
+        argv = example_argv(["--pp", "2", "--microbatches", "2"], run_id, faults, log_dir, endpoint, token_file)
         result = example.train(example.parse_args(argv))
         engine = result["engine"]
         counted[run_id] = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps}
@@ -41,10 +38,7 @@ def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: s
 
 @pytest.fixture(scope="module")
 def proofs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("step-check-deepspeed")
-    with running_sidecar(base / "state", "--max-runs", "8") as sidecar, Operator(sidecar):
-        results = run_ranks(_body, 2, sidecar.control_url, str(sidecar.token_file), str(base / "runs"), timeout=240)
-    return results, base
+    return prove(tmp_path_factory, _body, "deepspeed")
 
 
 def test_deepspeed_watch_keeps_every_bad_step_from_the_weights(proofs):

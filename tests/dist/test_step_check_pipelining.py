@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distutil import load_example, run_ranks
-from tests.sidecar_process import running_sidecar
-from tests.step_check_proofs import STEPS, Operator, assert_proofs, run_scenarios
+from tests.distutil import load_example
+from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -17,9 +16,9 @@ def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: s
     example = load_example("torch_pipelining")
 
     def train_one(run_id: str, faults: list[str], log_dir: str) -> dict:
-        argv = ["--schedule", "1f1b", "--microbatches", "2", "--synthetic-ms", "1,2", "--steps", str(STEPS)]
-        argv += ["--run-id", run_id, "--parwatch-log", log_dir, "--parwatch-endpoint", endpoint]
-        argv += ["--parwatch-token-file", token_file, *(a for f in faults for a in ("--inject", f))]
+        argv = example_argv(
+            ["--schedule", "1f1b", "--microbatches", "2"], run_id, faults, log_dir, endpoint, token_file
+        )
         return example.train(example.parse_args(argv))["losses"]
 
     return run_scenarios(rank, "pipe", out_dir, train_one)
@@ -27,10 +26,7 @@ def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: s
 
 @pytest.fixture(scope="module")
 def proofs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("step-check-pipe")
-    with running_sidecar(base / "state", "--max-runs", "8") as sidecar, Operator(sidecar):
-        results = run_ranks(_body, 2, sidecar.control_url, str(sidecar.token_file), str(base / "runs"), timeout=240)
-    return results, base
+    return prove(tmp_path_factory, _body, "pipe")
 
 
 def test_pipeline_watch_keeps_every_bad_step_from_the_weights(proofs):

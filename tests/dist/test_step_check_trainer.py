@@ -7,9 +7,7 @@ import os
 
 import pytest
 
-from tests.distutil import run_ranks
-from tests.sidecar_process import running_sidecar
-from tests.step_check_proofs import STEPS, Operator, assert_proofs, run_scenarios
+from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -47,10 +45,7 @@ def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: s
 
 @pytest.fixture(scope="module")
 def proofs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("step-check-ref")
-    with running_sidecar(base / "state", "--max-runs", "8") as sidecar, Operator(sidecar):
-        results = run_ranks(_body, 2, sidecar.control_url, str(sidecar.token_file), str(base / "runs"), timeout=240)
-    return results, base
+    return prove(tmp_path_factory, _body, "ref")
 
 
 def test_the_reference_trainer_keeps_every_bad_step_from_the_weights(proofs):
