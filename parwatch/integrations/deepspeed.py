@@ -21,9 +21,10 @@ engines are untouched; `detach` removes it) with timed versions:
 - SendActivation, RecvActivation, SendGrad, RecvGrad -> send / recv spans (DeepSpeed's p2p is
   blocking: a recv is the time the stage waited, a send the time until the peer took it);
 - LoadMicroBatch -> data; ReduceGrads -> dp_sync (with dp = 1 a no-op);
-- OptimizerStep -> optimizer, *except* gradient clipping (`engine.clip_fp32_gradients`, on by
-  default): its norm all-reduce spans the pipeline, so on the last stage it is the wait for stage
-  0's last backward. That part is left untimed: idle, i.e. bubble, as the schedule implies.
+- OptimizerStep -> the check before the optimizer step (below; untimed), then optimizer, *except*
+  gradient clipping (`engine.clip_fp32_gradients`, on by default): the first all-reduce after the
+  last backwards (the check's; clipping's norm all-reduce with the check off) is where a rank waits
+  for the others' last backward. That part is left untimed: idle, i.e. bubble, as the schedule implies.
 - ReduceTiedGrads and the loss broadcast after the schedule: untimed (idle).
 
 DeepSpeed's DualPipeV engine (`deepspeed.pipe.DualPipeVModule`, run by `DualPipeVEngine` with

@@ -257,24 +257,29 @@ def test_dualpipev_summaries_carry_its_schedule_and_loss(grid):
 
 
 @pytest.mark.timing
-def test_dualpipev_clipping_is_the_drain(grid):
-    # Gradient clipping's all-reduce is where a rank waits for the other's last backwards: untimed
-    # (idle) between its two optimizer spans, as long as the drain the schedule implies.
+def test_dualpipev_the_drain_is_idle_before_the_optimizer(grid):
+    # A rank waits for the other's last backwards in the first all-reduce every rank joins after them: the
+    # check before the optimizer step's (on by default), ahead of the OptimizerStep's spans. Untimed (idle),
+    # as long as the drain the schedule implies; gradient clipping's all-reduce, which waited for it before
+    # the check, now finds every rank there (its gap between the two optimizer spans is short).
     out, _ = grid
     replay = ps.simulate(dpv_order(M), dict(zip("FB", (float(x) / 1000 for x in MS.split(",")))))
     drain = {rank: replay.makespan - max(end for action, (_, end) in replay.finish.items()
                                          if action.stage in (rank, 2 * P - 1 - rank)) for rank in range(P)}
     assert drain[1] > 0.07  # rank 0 runs the last backward
-    spans: dict = {}
+    steps: dict = {}
     for span in _spans(os.path.join(out, "dpv")):
-        if span["kind"] == "optimizer":
-            spans.setdefault((span["rank"], span["step"]), []).append((span["start_s"], span["end_s"]))
-    gaps: dict = {}
-    for (rank, _), marks in spans.items():
-        (_, first_end), (second_start, _) = sorted(marks)
-        gaps.setdefault(rank, []).append(second_start - first_end)
+        steps.setdefault((span["rank"], span["step"]), []).append(span)
+    waits: dict = {}
+    clipping: dict = {}
+    for (rank, _), spans in steps.items():
+        optimizer = sorted((sp["start_s"], sp["end_s"]) for sp in spans if sp["kind"] == "optimizer")
+        before = max(sp["end_s"] for sp in spans if sp["kind"] != "optimizer" and sp["end_s"] <= optimizer[0][0])
+        waits.setdefault(rank, []).append(optimizer[0][0] - before)
+        clipping.setdefault(rank, []).append(optimizer[1][0] - optimizer[0][1])
     for rank in range(P):
-        assert statistics.median(gaps[rank]) == pytest.approx(drain[rank], abs=0.015), (rank, gaps[rank], drain)
+        assert statistics.median(waits[rank]) == pytest.approx(drain[rank], abs=0.015), (rank, waits[rank], drain)
+        assert statistics.median(clipping[rank]) < 0.015, (rank, clipping[rank])
 
 
 @pytest.mark.timing
