@@ -515,17 +515,28 @@ class GuardrailEngine:
             )
             decision.id, decision.run_id, decision.enforced = self._next_decision_id, self._run_id, True
             self._next_decision_id += 1
-            if triage == Triage.TRANSIENT:
-                for r in ranks:
-                    key = f"rank={r}" + (f",host={named[r]}" if r in named else "")
-                    self._transients[key] = self._transients.get(key, 0) + 1
             if action != StepAction.RERUN:
                 self._switched(f"the skip of step {step} before the weights")
             if action == StepAction.PAUSE:
                 self._paused = True  # every rank holds after the step's boundary, until a resume
-            record = self._append(decision)
+            records = [self._append(decision)]
+            if triage == Triage.TRANSIENT:
+                for r in ranks:
+                    key = f"rank={r}" + (f",host={named[r]}" if r in named else "")
+                    self._transients[key] = self._transients.get(key, 0) + 1
+                records += self._judge_transients(step)
             self._save(full=True)
-            return [record]
+            return records
+
+    def _judge_transients(self, step: int) -> list[dict]:
+        """The rules on the transient counts, judged when they change (a run's last steps may all be
+        evaluated before the record that changes them arrives)."""
+        now, series = self._now(), Series({k: float(n) for k, n in self._transients.items()})
+        records: list[dict] = []
+        for monitor in self._monitors.values():
+            if monitor.rule.metric == TRANSIENT_METRIC and monitor.observe(step, now, series):
+                records += self._act(monitor, step, now)
+        return records
 
     def transient_faults(self) -> dict[int, int]:
         """rank -> transient faults it produced in this run (the suspect-device metric)."""
