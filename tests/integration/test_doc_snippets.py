@@ -75,6 +75,11 @@ def torch_pipelining(rank, world, run_id) -> dict:
     schedule, modules, optimizer = ex.build(args, rank, world)
     x, y = ex.batch(args, 1)
     save, load = _save_load(modules, optimizer, rank)
+
+    def batch(step):  # the user's data: the example's batch of a step, where each end of the pipeline needs it
+        x, y = ex.batch(args, step)
+        return (x if rank == 0 else None), (y if rank == world - 1 else None)
+
     return {
         "ScheduleInterleaved1F1B": ScheduleInterleaved1F1B,
         "stages": schedule._stages,
@@ -83,6 +88,7 @@ def torch_pipelining(rank, world, run_id) -> dict:
         "optimizer": optimizer,
         "x": x if rank == 0 else None,
         "y": y if rank == world - 1 else None,
+        "batch": batch,
         "steps": STEPS,
         "checkpoint_every": CHECKPOINT_EVERY,
         "save": save,
@@ -123,6 +129,7 @@ def megatron(rank, world, run_id, cpu_code: str) -> dict:
         "b": args.microbatch_size,
         "forward_step_func": forward_step_func,
         "data_iterator": data,
+        "microbatches": lambda step: ex.microbatches(args, step),  # the user's data: a step's microbatches
         "optimizer": optimizer,
         "steps": STEPS,
         "checkpoint_every": CHECKPOINT_EVERY,
