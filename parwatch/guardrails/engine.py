@@ -45,6 +45,7 @@ from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
+from parwatch.ledger_view import same_process
 from parwatch.records import Cancelled, Decision, Outcome, log_record
 from parwatch.schema import MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import (
@@ -155,7 +156,8 @@ class GuardrailEngine:
                 usable[TRANSIENT_METRIC] = Series({k: float(n) for k, n in self._transients.items()})
             started = obs.process_start_time
             if started is not None:
-                if self._process_start is not None and started > self._process_start + 1.0:
+                last = self._process_start
+                if last is not None and started > last and not same_process(started, last):
                     # Rank 0 is a new process of the same run: the trainer restarted (and resumed a checkpoint).
                     # A pause does not outlive the processes it held: the new ones train.
                     self._switched(f"a restart of the trainer at step {obs.step}")
