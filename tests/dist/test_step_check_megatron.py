@@ -10,7 +10,7 @@ from tests.distutil import load_example
 from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
 
 pytest.importorskip("megatron.core", reason="pip install -e '.[test]' installs megatron-core")
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(300)]  # ranks and a sidecar
 
 
 def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: str) -> dict:

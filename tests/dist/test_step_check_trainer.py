@@ -9,7 +9,7 @@ import pytest
 
 from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(300)]  # ranks and a sidecar
 
 SMALL = dict(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, micro_batch_size=2)
 
