@@ -16,7 +16,7 @@ Example:
   parwatch train --nproc 4 --tp 2 --pp 2 --microbatches 8 --steps 100 \\
       --parwatch-endpoint http://127.0.0.1:9401 --parwatch-log runs/r1
   parwatch train --nproc 4 --tp 2 --pp 2 --steps 40 --checkpoint-dir ckpt --checkpoint-every 5 \\
-      --inject nan:step=21   # a NaN loss the sidecar's nonfinite-loss rule rolls back
+      --inject bad-batch:step=21   # a NaN batch: re-run before the optimizer step, then skipped
 
 The trainer's options follow.
 """
