@@ -313,7 +313,9 @@ METRICS: tuple[Metric, ...] = (
         "counter",
         ("post", "reason"),
         "Posts this sidecar refused: its ranks' summaries (ingest) and activity, and node sidecars' digests "
-        "(at the leader), by reason (unauthorized: missing or wrong token; invalid; conflict; over_limit)",
+        "(at the leader), by reason (unauthorized: missing or wrong credential; forbidden: a credential of another "
+        "rank, node or run; invalid: a body or a claim that does not fit; conflict: another run, an earlier or "
+        "another process; too_large; over_limit; unavailable: the state dir failed a write; bad_request)",
     ),
     Metric(
         "parwatch_leader_unreachable_since_timestamp_seconds",

@@ -266,16 +266,28 @@ class Outcome(Struct, kw_only=True):
     note: str | UnsetType = UNSET
 
 
-LOG_TYPES = (Decision, Cancelled, Outcome)
-LOG_RECORDS: dict[str, type[Decision] | type[Cancelled] | type[Outcome]] = {
+class Delivered(Struct, kw_only=True):
+    """Directive `directive_id` went out to the run (in a reply to rank 0's post): from then on it cannot
+    be cancelled. Logged so that a state recovered from the log alone knows it too."""
+
+    type: Literal["delivered"] = "delivered"
+    directive_id: int
+    decision_id: int | None
+    time: float
+    step: int | None
+
+
+LOG_TYPES = (Decision, Cancelled, Outcome, Delivered)
+LOG_RECORDS: dict[str, type[Decision] | type[Cancelled] | type[Outcome] | type[Delivered]] = {
     "decision": Decision,
     "cancelled": Cancelled,
+    "delivered": Delivered,
     **dict.fromkeys(OutcomeName, Outcome),
 }
 """A decision log record's `type` -> its record."""
 
 
-def log_record(record: Decision | Cancelled | Outcome) -> dict[str, Any]:
+def log_record(record: Decision | Cancelled | Outcome | Delivered) -> dict[str, Any]:
     """A decision log record as the log and the API write it: JSON-safe (a non-finite number as a string)."""
     return jsonable(msgspec.to_builtins(record))
 
@@ -297,6 +309,9 @@ T = TypeVar("T")
 _decoders: dict[Any, msgspec.json.Decoder] = {}
 
 
+TOO_DEEP = "body nests arrays or objects deeper than any record does (hundreds of levels): refused"
+
+
 def decode(raw: bytes, record: type[T], root: str = "", *, dotted: bool = False) -> T:
     """Raw JSON -> `record`, every field checked; BadRecord names the field as `root`.field[.field...]
     (`dotted`: list items as .N, not [N])."""
@@ -309,9 +324,13 @@ def decode(raw: bytes, record: type[T], root: str = "", *, dotted: bool = False)
         except msgspec.DecodeError as broken:
             if not str(broken).startswith("Number out of range"):  # JSON, but past a float: the field's error says it
                 raise BadRecord(f"body is not valid JSON: {broken}") from None
+        except RecursionError:
+            raise BadRecord(TOO_DEEP) from None
         raise BadRecord(where(str(err), root, dotted=dotted)) from None
     except msgspec.DecodeError as err:
         raise BadRecord(f"body is not valid JSON: {err}") from None
+    except RecursionError:  # no record nests deeply; msgspec's decoder would stack past Python's limit
+        raise BadRecord(TOO_DEEP) from None
 
 
 def parse(value: Any, record: type[T], root: str = "", *, dotted: bool = False) -> T:
@@ -320,6 +339,8 @@ def parse(value: Any, record: type[T], root: str = "", *, dotted: bool = False) 
         return msgspec.convert(value, record)
     except msgspec.ValidationError as err:
         raise BadRecord(where(str(err), root, dotted=dotted)) from None
+    except RecursionError:
+        raise BadRecord(TOO_DEEP) from None
 
 
 _ROW_FIELD = re.compile(r"(\.rows\[\d+\])\[(\d+)\]")

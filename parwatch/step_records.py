@@ -25,7 +25,7 @@ from msgspec import Meta, Struct, field
 
 from parwatch.contract.directives import MAX_STEP, Directive
 from parwatch.rank_layout import DEFAULT_ORDER, RankLayout, cached_layout
-from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, Order, openapi_schemas, text
+from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, Order, Pid, openapi_schemas, text
 from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
 from parwatch.vocabulary import (
     Action,
@@ -269,6 +269,9 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     time between is down)."""
     check: StepChecked | None = None
     """Set when the check before the optimizer step found this step bad (parwatch.contract.step_check)."""
+    pid: Pid | None = None
+    """The posting process: on its node, the sidecar proves the connection is that pid's and reads its real
+    start; then only that process speaks for the rank until it ends (a restart needs it gone)."""
 
     @property
     def world_size(self) -> int:

@@ -66,10 +66,11 @@ class OutcomeName(StrEnum):
 
 
 class RecordType(StrEnum):
-    """The `type` of a decisions.jsonl record: a decision, a directive cancelled, or an outcome."""
+    """The `type` of a decisions.jsonl record: a decision, a directive cancelled or delivered, or an outcome."""
 
     DECISION = "decision"
     CANCELLED = "cancelled"
+    DELIVERED = "delivered"
     APPLIED = "applied"
     SUBSTITUTED = "substituted"
     FAILED = "failed"
@@ -78,7 +79,7 @@ class RecordType(StrEnum):
 
 
 OUTCOME_TYPES = tuple(RecordType(o) for o in OutcomeName)
-"""The record types that are outcomes (every type but decision and cancelled)."""
+"""The record types that are outcomes (every type but decision, cancelled and delivered)."""
 
 
 class DirectiveState(StrEnum):
@@ -202,6 +203,14 @@ class RankState(StrEnum):
 class SidecarRole(StrEnum):
     LEADER = "leader"
     NODE = "node"
+
+
+class Speaker(StrEnum):
+    """Who a request's credential speaks for (parwatch/credentials.py)."""
+
+    OPERATOR = "operator"  # the shared token: operators, Alertmanager, node sidecars, tooling
+    RANK = "rank"  # one rank of one run: its summaries and its activity
+    NODE = "node"  # one node sidecar: its digests and cross-node instances
 
 
 # --- parallelism and communication ---------------------------------------------------------------

@@ -17,6 +17,7 @@ COMMANDS = {
     "demo": "parwatch.cli.demo:demo",
     "train": "parwatch.cli.train:train",
     "sidecar": "parwatch.cli.sidecar:sidecar",
+    "credential": "parwatch.cli.credential:credential",
     "rules": "parwatch.cli.rules:rules",
     "status": "parwatch.cli.control:status",
     "pause": "parwatch.cli.control:pause",

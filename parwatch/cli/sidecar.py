@@ -109,6 +109,21 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
     help="Larger request bodies are refused with 413. e.g. --max-body-bytes 1048576",
 )
 @click.option(
+    "--body-timeout-seconds",
+    type=float,
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="A request whose body has not arrived whole this long after its head is closed. "
+    "e.g. --body-timeout-seconds 60",
+)
+@click.option(
+    "--open-openapi/--no-open-openapi",
+    default=False,
+    show_default=True,
+    help="Serve the control listener's /openapi.json without the token (by default it needs it).",
+)
+@click.option(
     "--max-ranks",
     type=click.IntRange(min=1),
     default=DEFAULT_MAX_RANKS,
@@ -218,6 +233,8 @@ def sidecar(
     token_file,
     rank_grace_seconds,
     max_body_bytes,
+    body_timeout_seconds,
+    open_openapi,
     max_ranks,
     max_runs,
     leader_url,
@@ -242,6 +259,7 @@ def sidecar(
     from parwatch.sidecar.requeue import job_from_env
     from parwatch.sidecar.server import StartupError, serve
     from parwatch.sidecar.service import build_sidecar
+    from parwatch.sidecar.state_dir import StateDirError, hold
     from parwatch.sidecar.trackers.spec import ExportError, parse_export
 
     try:
@@ -254,6 +272,8 @@ def sidecar(
             token_file=Path(token_file) if token_file else None,
             rank_grace_seconds=rank_grace_seconds,
             max_body_bytes=max_body_bytes,
+            body_timeout_seconds=body_timeout_seconds,
+            open_openapi=open_openapi,
             leader_url=leader_url,
             hang_min_seconds=hang_min_seconds,
             hang_step_factor=hang_step_factor,
@@ -268,9 +288,12 @@ def sidecar(
             exports=tuple(parse_export(value) for value in exports),
             export_every_steps=export_every,
         )
-        built = build_sidecar(config)
-        serve(built)
-    except (ConfigError, ExportError, TokenError, StartupError) as err:
+        lock = hold(config.state_dir)  # before anything reads or writes it: one sidecar per state dir
+        try:
+            serve(build_sidecar(config))
+        finally:
+            lock.release()
+    except (ConfigError, ExportError, TokenError, StartupError, StateDirError) as err:
         raise click.ClickException(str(err)) from None
     except RulesError as err:
         problems = "; ".join(str(p) for p in getattr(err, "problems", [])) or str(err)

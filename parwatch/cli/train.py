@@ -43,9 +43,9 @@ def train(ctx):
         # The trainer's argparse prints its own usage and exits 0; say first how this
         # wrapper differs from `python -m parwatch.trainer`, with an example.
         click.echo(HELP_HEADER)
-    from parwatch.collector.attach import attach_from_config
+    from parwatch.collector.attach import RankAttach
     from parwatch.trainer.launch import main
 
     if "--parwatch" not in args:
         args = ["--parwatch", "on", *args]
-    sys.exit(main(args, attach=attach_from_config))
+    sys.exit(main(args, attach=RankAttach()))

@@ -28,6 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from parwatch import credentials
 from parwatch.bubble import has_closed_form
 from parwatch.collector import global_view as gv
 from parwatch.collector.activity import ActivityReporter
@@ -94,7 +95,11 @@ class Collector(Observer):
         peak_flops: float | None = None,
     ) -> None:
         if token is None and endpoint:
-            token = read_token(None)  # $PARWATCH_TOKEN, as parwatch's other clients read it
+            # $PARWATCH_RUN_KEY (a job script's, for torchrun's workers), else $PARWATCH_TOKEN.
+            token = credentials.from_environment() or read_token(None)
+        if token:
+            # Only this rank's own credential is kept and sent: it speaks for this rank of this run alone.
+            token = credentials.for_rank(token, ctx.run_id, ctx.rank)
         self.ctx = ctx
         self.boundary_slots = gv.slots_for(ctx.pp)
         self.clock = clock if clock is not None else default_clock(ctx)
@@ -152,6 +157,8 @@ class Collector(Observer):
         """Where every second of this rank's wall time went (the goodput ledger)."""
         self.process_start_time = time_fn() - (time.monotonic() - self.ledger.started_s)
         """This process's start, unix seconds: the sidecar tells a restart of the rank by it."""
+        self._pid = os.getpid()
+        """Sent beside it: the rank's sidecar proves the post's connection is this process's."""
         self._ledger_path = os.path.join(os.path.dirname(log_path), f"ledger-rank{ctx.rank}.json") if log_path else None
         self.instances = InstanceLog(ctx.hostname, seconds_of=self._host_seconds, duration_of=self.clock.seconds)
         """Per-instance collective/p2p records and data seconds for the sidecar's wait/transfer split."""
@@ -403,6 +410,7 @@ class Collector(Observer):
             }
         summary["time_seconds"] = self.ledger.snapshot()
         summary["process_start_time"] = self.process_start_time
+        summary["pid"] = self._pid
         if self._model_flops and self.peak_flops and step_seconds > 0:
             summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
         summary["instances"] = self.instances.take()

@@ -44,7 +44,8 @@ REFUSED_FOR_GOOD = frozenset({400, 404, 413, 422})
 
 AUTH_FIX = (
     "pass the sidecar's token (Collector(token=...), read from the sidecar's --token-file or "
-    "STATE_DIR/token), or set PARWATCH_TOKEN (parwatch train: --parwatch-token-file)"
+    "STATE_DIR/token; the collector mints this rank's credential from it), set PARWATCH_TOKEN "
+    "(parwatch train: --parwatch-token-file), or the run's key in PARWATCH_RUN_KEY (parwatch credential)"
 )
 
 
@@ -131,7 +132,7 @@ class Shipper:
         """The shipper thread's CPU time so far (time.thread_time_ns), as of its last round."""
 
     def check_token(self) -> None:
-        """Raise Unauthorized if the sidecar refuses this token: one GET of its /v1/status (read
+        """Raise Unauthorized if the sidecar refuses this rank's credential: one GET of its /v1/whoami (read
         only), on the calling thread, within the shipper's timeouts (a sidecar that accepts and never
         answers holds attach that long). Anything else passes (a sidecar still starting, one that is
         down or slow: the shipper reconnects by itself); so does a shipper given its own `http`."""
@@ -140,7 +141,7 @@ class Shipper:
         import httpx
 
         connect, total = self._timeouts
-        url = self.url.removesuffix("/v1/ingest") + "/v1/status"
+        url = self.url.removesuffix("/v1/ingest") + "/v1/whoami"
         try:
             response = httpx.get(
                 url, headers=self._headers, timeout=httpx.Timeout(total, connect=connect), trust_env=False

@@ -44,9 +44,9 @@ from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
-from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, read_log
+from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, StorageFault, read_log
 from parwatch.ledger_view import same_process
-from parwatch.records import Cancelled, Decision, Outcome, log_record
+from parwatch.records import Cancelled, Decision, Delivered, Outcome, log_record
 from parwatch.schema import MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import (
     Action,
@@ -104,15 +104,25 @@ class GuardrailEngine:
         self._dir = Path(state_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._store = StateStore(self._dir)
+        self._deferred = False
+        self._started = now()
+        """When this engine started: silence before it is the sidecar's own downtime, not the run's."""
+        self.last_switch: float | None = None
+        """When a rollback or resume was last decided or applied (this clock): the hang clock restarts there."""
+        self._fresh()
+        self._load()
+
+    def _fresh(self) -> None:
+        """The in-memory state of an engine that has read nothing yet (_load then reads the store)."""
         self._batch = Batch(self._store)
         """Writes owed since the last take_writes(): records as they are made, the state when dirty."""
-        self._dirty = self._deferred = False
+        self._dirty = False
         self._baselines_saved = -math.inf
         """When the baseline windows were last saved (this clock); -inf: owed with the next save."""
         self._recent: deque[dict] = deque(maxlen=RECENT_RECORDS)
-        self._monitors = {r.name: RuleMonitor(r) for r in rules.rules}
-        self._metrics = {r.metric for r in rules.rules}
-        self._directives = Directives(first_id=max(1, int(now() * 1000)))
+        self._monitors = {r.name: RuleMonitor(r) for r in self._rules.rules}
+        self._metrics = {r.metric for r in self._rules.rules}
+        self._directives = Directives(first_id=max(1, int(self._now() * 1000)))
         self._paused = False
         self._next_decision_id = 1
         self._checkpoints: set[int] = set()
@@ -122,17 +132,17 @@ class GuardrailEngine:
         self._process_start: float | None = None
         self._first_seen_time: float | None = None
         self._resumed_time: float | None = None
-        self.last_switch: float | None = None
-        """When a rollback or resume was last decided or applied (this clock): the hang clock restarts there."""
         self._rearmed: dict[str, int] = {}
         """rule -> id of the operator resume that re-armed it (firing -> pending, see request())."""
         self._transients: dict[str, int] = {}
         """"rank=R[,host=H]" -> transient faults that rank produced in this run (from its step_check records)."""
         self._run_id: str | None = None
-        self._archived_runs: list[str] = []
+        self._archived_runs: set[str] = set()
         self._queued_batches: list[Batch] = []
         """Deferred mode: writes of an archived run, with the move of its log, for take_writes()."""
-        self._load()
+        self.rollbacks_delivered = 0
+        """Rollback directives of the current run handed out by this engine: how far the run's timeline may
+        have moved since this engine first saw it (the store refuses a timeline no rollback explains)."""
 
     # -- observations ---------------------------------------------------------------------------------
 
@@ -186,28 +196,53 @@ class GuardrailEngine:
             self._save()
             return records
 
-    def check_no_data(self) -> list[dict]:
+    def check_no_data(self, paused: bool = False) -> list[dict]:
         """Time-driven judging between observations: for_seconds elapsing and metrics gone quiet.
 
-        Silence is not a finding before the first observation (no run yet) or while paused.
+        Silence is not a finding before the first observation (no run yet) or while paused (`paused`: the
+        run says so, e.g. rank 0's heartbeats, before this engine has recorded the pause).
         """
         with self._lock:
             now = self._now()
             states = self._rule_states()
             records = []
             for monitor in self._monitors.values():
-                records += self._judge_time(monitor, now)
+                records += self._judge_time(monitor, now, paused)
             if records or self._rule_states() != states:  # the sidecar calls this every second
                 self._save()
             return records
 
     def close(self) -> None:
-        """Save everything, the baseline windows included, before shutdown; the engine stays usable."""
+        """Save everything, the baseline windows included, and checkpoint the WAL before shutdown; the
+        engine stays usable. A state dir that cannot be written loses only what was never answered."""
         with self._lock:
             self._baselines_saved = -math.inf
             self._dirty = True
             batch = self.take_writes()
-        batch.write()
+        try:
+            batch.write()
+        except StorageFault as err:
+            log.error("the last state could not be saved at shutdown: %s", err)
+        self._store.checkpoint()
+
+    @property
+    def epoch(self) -> int:
+        """Bumped each time a failed write made the engine put back its committed state (recover): a request
+        that began in an earlier epoch may have had what it decided undone."""
+        return self._store.epoch
+
+    def recover(self) -> bool:
+        """After a failed write (StorageFault): put back the state last committed, so that nothing decided
+        since (a decision, a directive, a delivery, a rule's firing) stands without its record. False when
+        there was nothing to put back (another caller did already)."""
+        with self._lock:
+            if self._store.failed is None:
+                return False
+            self._store.put_back()
+            self._fresh()
+            self._load(write=False)
+            log.warning("state put back to the last committed write: nothing decided since it stands")
+            return True
 
     def defer_writes(self) -> None:
         """From now on, collect writes for take_writes() instead of committing them (see Deferred writes)."""
@@ -226,11 +261,16 @@ class GuardrailEngine:
 
     def _save(self, full: bool = False) -> None:
         """The state changed: commit it now, or with take_writes()'s batch (deferred). full: a change that
-        must survive a power loss too (records make a batch full by themselves)."""
+        must survive a power loss too (records make a batch full by themselves). Not deferred, a failed
+        write puts back the committed state and raises StorageFault."""
         self._dirty = True
         self._batch.full |= full
         if not self._deferred:
-            self.take_writes().write()
+            try:
+                self.take_writes().write()
+            except StorageFault:
+                self.recover()
+                raise
 
     def _snapshot(self, batch: Batch) -> None:
         assert self._run_id is not None  # take_writes checks
@@ -265,7 +305,7 @@ class GuardrailEngine:
     def _rule_states(self) -> list[str]:
         return [m.state for m in self._monitors.values()]
 
-    def _judge_time(self, monitor: RuleMonitor, now: float) -> list[dict]:
+    def _judge_time(self, monitor: RuleMonitor, now: float, paused: bool = False) -> list[dict]:
         if monitor.tick(now):
             return self._act(monitor, self._last_step, now)
         # A paused run reports nothing on purpose: silence is a finding only while it runs.
@@ -273,7 +313,9 @@ class GuardrailEngine:
             (t for t in (monitor.last_seen_time or self._first_seen_time, self._resumed_time) if t is not None),
             default=None,
         )
-        if not self._paused and monitor.no_data(now, reference):
+        if reference is not None:  # the sidecar's own downtime is no silence of the run's
+            reference = max(reference, self._started)
+        if not (self._paused or paused) and monitor.no_data(now, reference):
             rule = monitor.rule
             seen = monitor.last_seen_time
             reason = f"no data for metric {rule.metric} for {rule.no_data_seconds:g} s " + (
@@ -651,7 +693,17 @@ class GuardrailEngine:
                 return None
             directive = self._directives.oldest(self._run_id)
             if deliver and directive is not None and directive.get("delivered_at") is None:
-                directive["delivered_at"] = self._now()
+                directive["delivered_at"] = now = self._now()
+                if directive["action"] == Action.ROLLBACK:
+                    self.rollbacks_delivered += 1
+                # Logged (not among the recent decisions): a state recovered from the log knows it went out.
+                delivered = Delivered(
+                    directive_id=directive["id"],
+                    decision_id=directive.get("decision_id"),
+                    time=now,
+                    step=self._last_step,
+                )
+                self._batch.record(self._run_id, log_record(delivered))
                 self._save(full=True)  # once delivered it cannot be cancelled, also after a power loss
             return None if directive is None else {k: directive[k] for k in WIRE_KEYS}
 
@@ -929,11 +981,12 @@ class GuardrailEngine:
         else:
             batch.write()
         keep_ids = (self._next_decision_id, self._directives.next_id)
-        archived = self._archived_runs + [run_id]
+        archived = self._archived_runs | {run_id}
         self._monitors = {r.name: RuleMonitor(r) for r in self._rules.rules}
         self._recent.clear()
         self._directives = Directives(first_id=keep_ids[1])
         self._rearmed, self._transients = {}, {}
+        self.rollbacks_delivered = 0
         self._next_decision_id = keep_ids[0]
         self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
         self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
@@ -1001,13 +1054,15 @@ class GuardrailEngine:
             self._batch.alert(fingerprint, acted)
             self._save()
 
-    def _load(self) -> None:
+    def _load(self, write: bool = True) -> None:
+        """Read the committed state (the store, else the log). write=False (recover): what the start would
+        write (repairs) waits for the next write instead."""
         saved = self._store.load(RECENT_RECORDS)
         recovered = saved is None
         if saved is None:  # no database yet (a first start, or one moved aside): what the log says
             saved = self._recovered_from_log()
         run = saved.get("run") or {}
-        self._run_id, self._archived_runs = run.get("run_id"), saved.get("archived", [])
+        self._run_id, self._archived_runs = run.get("run_id"), set(saved.get("archived", ()))
         self._paused, self._tick = bool(run.get("paused")), run.get("tick") or 0
         self._last_step, self._first_seen_time, self._resumed_time = (
             run.get(k) for k in ("last_step", "first_seen_time", "resumed_time")
@@ -1015,10 +1070,15 @@ class GuardrailEngine:
         self._checkpoints = set(run.get("checkpoints", ()))
         self._rollback_ticks = list(run.get("rollback_ticks", ()))
         self._rearmed = dict(run.get("rearmed", {}))
-        self._recent.extend(saved.get("records", ()))
+        self._recent.extend(r for r in saved.get("records", ()) if r.get("type") != RecordType.DELIVERED)
         self._transients = _transients_of(self._recent)
         self._next_decision_id = saved.get("next_decision_id", 1)
         self._directives.restore(saved.get("directives", []), saved.get("next_directive_id"))
+        self.rollbacks_delivered = sum(  # handed out before a restart: the run may apply them after it
+            1
+            for d in self._directives.outstanding
+            if d["action"] == Action.ROLLBACK and d.get("delivered_at") is not None
+        )
         for table in ("rules", "baselines"):
             for name, text in saved.get(table, {}).items():
                 monitor = self._monitors.get(name)
@@ -1034,11 +1094,15 @@ class GuardrailEngine:
                     else:
                         monitor.reset_baseline()
         if not recovered:
-            self._store.repair_log(self._run_id)
-        elif self._recent:  # the store starts from what the log says
-            for record in self._recent:
+            if write:
+                self._store.repair_log(self._run_id)
+        elif saved.get("records"):  # the store starts from what the log says
+            for record in saved["records"]:
                 self._batch.record(self._run_id, record, logged=True)
-            self._save(full=True)
+            if write:
+                self._save(full=True)
+            else:
+                self._dirty = True
 
     def _recovered_from_log(self) -> dict:
         """What decisions.jsonl says when there is no database: the run, its records, and the directives
@@ -1048,7 +1112,13 @@ class GuardrailEngine:
         if not records:
             return {}
         run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
-        ended = {r.get("directive_id") for r in records if r.get("type") != RecordType.DECISION}
+        kinds = (RecordType.DECISION, RecordType.DELIVERED)
+        ended = {r.get("directive_id") for r in records if r.get("type") not in kinds}
+        delivered = {  # when each went out (a time that is no number: it went out, when is unknown)
+            r.get("directive_id"): r["time"] if type(r.get("time")) in (int, float) else self._now()
+            for r in records
+            if r.get("type") == RecordType.DELIVERED
+        }
         made = [r for r in records if r.get("type") == RecordType.DECISION]
         outstanding = [
             {
@@ -1059,6 +1129,7 @@ class GuardrailEngine:
                 "skip_batches": r.get("skip_batches") or 0,
                 "reason": str(r.get("reason") or ""),
                 "decision_id": r.get("id"),
+                "delivered_at": delivered.get(r["directive_id"]),
             }
             for r in made
             if r.get("directive_id") is not None and r["directive_id"] not in ended and r.get("run_id") == run_id

@@ -15,6 +15,13 @@ a power loss. The rest (rule counters, checkpoints) commit with NORMAL: in WAL m
 crash of the process, not of the machine, and costs no fsync. After its commit a batch appends its
 records to decisions.jsonl (fsync'd), the log people read; a crash between the two leaves the log
 short, and the next start appends what it lacks (repair_log).
+
+A write that fails (a full or read-only disk) raises StorageFault, and so does every batch taken
+before the engine has put back the last committed state (GuardrailEngine.recover): a later batch
+would otherwise commit a directive whose decision record was in the failed one. Rows are read
+typed: a row whose columns do not hold what they should (`paused = 'no'`, a JSON list that is not
+one) is moved to the `rows_aside` table with an ERROR; tables of another schema make the database
+unusable (moved aside whole, as a damaged one is).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from parwatch.vocabulary import RecordType
+from parwatch.vocabulary import Action, RecordType
 
 log = logging.getLogger(__name__)
 DB_NAME, LOG_NAME = "parwatch.db", "decisions.jsonl"
@@ -53,7 +60,98 @@ CREATE TABLE IF NOT EXISTS records (
     seq INTEGER PRIMARY KEY, run_id TEXT, type TEXT, decision_id INTEGER, line TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS records_of_run ON records (run_id, seq);
 CREATE TABLE IF NOT EXISTS alerts_acted (fingerprint TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS rows_aside (tbl TEXT, row TEXT, reason TEXT, time REAL);
 """
+COLUMNS = {
+    "runs": ("run_id", "archived_at", *RUN_FIELDS, *RUN_LISTS),
+    "rules": ("run_id", "rule", "state"),
+    "baselines": ("run_id", "rule", "windows"),
+    "directives": ("run_id", *DIRECTIVE_FIELDS),
+    "records": ("seq", "run_id", "type", "decision_id", "line"),
+    "alerts_acted": ("fingerprint",),
+    "rows_aside": ("tbl", "row", "reason", "time"),
+}
+"""Every table's columns, in order: a database whose tables differ is of another schema."""
+
+
+class StorageFault(OSError):
+    """The state dir failed a write (or a batch came after one that did): nothing of it is committed.
+    The message says why and that nothing was decided."""
+
+
+def _integer(v) -> bool:
+    return type(v) is int
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float) and v == v and abs(v) != float("inf")
+
+
+def _text(v) -> bool:
+    return type(v) is str
+
+
+def _json(kind):
+    def check(v) -> bool:
+        try:
+            value = json.loads(v) if type(v) is str else None
+        except ValueError:
+            return False
+        return isinstance(value, kind)
+
+    return check
+
+
+def _int_list(v) -> bool:
+    try:
+        value = json.loads(v) if type(v) is str else None
+    except ValueError:
+        return False
+    return isinstance(value, list) and all(type(x) is int for x in value)
+
+
+TYPED: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "runs": {
+        "run_id": _text,
+        "archived_at": _optional(_number),
+        "paused": lambda v: v in (0, 1) and type(v) is int,
+        "tick": lambda v: type(v) is int and v >= 0,
+        "last_step": _optional(_integer),
+        "first_seen_time": _optional(_number),
+        "resumed_time": _optional(_number),
+        "next_directive_id": _optional(lambda v: type(v) is int and v > 0),
+        "checkpoints": _int_list,
+        "rollback_ticks": _int_list,
+        "rearmed": _json(dict),
+    },
+    "directives": {
+        "id": lambda v: type(v) is int and v > 0,
+        "action": lambda v: v in tuple(Action),
+        "to_step": _optional(_integer),
+        "skip_batches": lambda v: type(v) is int and v >= 0,
+        "reason": _text,
+        "decision_id": _optional(_integer),
+        "delivered_at": _optional(_number),
+    },
+    "rules": {"rule": _text, "state": _json(dict)},
+    "baselines": {"rule": _text, "windows": _json(dict)},
+    "records": {"line": _json(dict)},
+}
+"""What each column read back must hold (SQLite keeps whatever a hand or another program wrote in it)."""
+KEYS = {
+    "runs": ("rowid",),
+    "rules": ("run_id", "rule"),
+    "baselines": ("run_id", "rule"),
+    "directives": ("run_id", "id"),
+    "records": ("seq",),
+}
+"""What names one row of each typed table (three are WITHOUT ROWID)."""
+MAX_UNLOGGED = 100_000
+"""Log lines held while decisions.jsonl cannot be appended; the oldest beyond are left to the database."""
 
 
 class Batch:
@@ -61,6 +159,8 @@ class Batch:
 
     def __init__(self, store: StateStore):
         self.store = store
+        self.epoch = store.epoch
+        """The engine state it was taken from (StateStore.epoch): a batch of a state since put back is refused."""
         self.sql: list[tuple[str, list[tuple]]] = []
         """(statement, rows) in order; each statement runs once per row."""
         self.lines: list[bytes] = []
@@ -123,16 +223,24 @@ class Batch:
 
 
 class StateStore:
-    """parwatch.db, opened (or made) in state_dir. An unreadable database is moved aside, loudly, and a new
-    one started; the engine then recovers what decisions.jsonl says (as when the database is missing)."""
+    """parwatch.db, opened (or made) in state_dir. An unreadable database, or one of another schema, is moved
+    aside, loudly, and a new one started; the engine then recovers what decisions.jsonl says (as when the
+    database is missing)."""
 
     def __init__(self, state_dir: Path):
         self.path, self.log_path = state_dir / DB_NAME, state_dir / LOG_NAME
+        self.epoch = 0
+        """Bumped when the engine puts back the committed state after a failed write (GuardrailEngine.recover)."""
+        self.failed: str | None = None
+        """Why the last write failed, while its state is not put back yet: every batch is refused meanwhile."""
+        self._unlogged: list[bytes] = []
+        """Log lines of committed batches that decisions.jsonl could not take yet (a full disk): appended first
+        by the next batch that can write; the database holds their records meanwhile."""
         try:
             self._db = self._connect()
         except sqlite3.OperationalError as err:  # locked, or not permitted: not ours to move
             raise OSError(f"{self.path}: {err}") from err
-        except sqlite3.DatabaseError as err:  # not a database, or damaged
+        except sqlite3.DatabaseError as err:  # not a database, damaged, or another schema
             asides = [_move_aside(Path(f"{self.path}{suffix}")) for suffix in ("", "-wal", "-shm")]
             log.error(
                 "%s is not a usable database (%s): moved aside as %s; starting a new one and recovering the "
@@ -155,14 +263,43 @@ class StateStore:
             if check != SOUND:
                 raise sqlite3.DatabaseError(f"quick_check: {check}")
             db.executescript(SCHEMA)
+            for table, columns in COLUMNS.items():
+                found = tuple(row[1] for row in db.execute(f"PRAGMA table_info({table})"))
+                if found != columns:
+                    raise sqlite3.DatabaseError(
+                        f"table {table} has columns {', '.join(found)}, not {', '.join(columns)}: another schema"
+                    )
         except sqlite3.Error:
             db.close()
             raise
         return db
 
     def write(self, batch: Batch) -> None:
+        """Commit the batch, then append its log lines (late, if decisions.jsonl cannot take them now);
+        StorageFault when the commit fails, or when an earlier batch failed and the engine has not put back
+        its committed state yet."""
+        if self.failed is not None or batch.epoch != self.epoch:
+            raise StorageFault(
+                f"not written: an earlier write to the state dir failed ({self.failed or 'state put back since'})"
+            )
+        try:
+            self._write(batch)
+        except (OSError, sqlite3.Error) as err:
+            self.failed = f"{type(err).__name__}: {err}"
+            log.error(
+                "cannot write the state dir %s (%s): what was decided since the last write is undone, "
+                "nothing of it is acted on, and requests answer 503 until a write succeeds",
+                self.path.parent,
+                self.failed,
+            )
+            raise StorageFault(
+                f"the state dir {self.path.parent} could not be written ({self.failed}): nothing was decided "
+                "or queued; retry once it has room"
+            ) from err
+
+    def _write(self, batch: Batch) -> None:
         for earlier in batch.earlier:
-            self.write(earlier)
+            self._write(earlier)
         if batch.sql:
             self._db.execute(f"PRAGMA synchronous={'FULL' if batch.full else 'NORMAL'}")
             self._db.execute("BEGIN IMMEDIATE")
@@ -174,15 +311,48 @@ class StateStore:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 raise
-        if batch.lines:
-            append_lines(self.log_path, batch.lines)
+        # Committed: the records stand (the database is the state). The log people read follows as soon as
+        # it can; a line it cannot take now waits for the next batch (and a restart repairs it too).
+        lines = self._unlogged + batch.lines
+        if lines:
+            try:
+                append_lines(self.log_path, lines)
+                if self._unlogged:
+                    log.warning("%s took the %d records it could not take before", self.log_path, len(self._unlogged))
+                self._unlogged = []
+            except OSError as err:
+                if not self._unlogged:
+                    log.error(
+                        "%s cannot be appended (%s): its records are in %s; appended once it can be",
+                        self.log_path,
+                        err.strerror or err,
+                        self.path.name,
+                    )
+                self._unlogged = lines[-MAX_UNLOGGED:]
         if batch.then is not None:
-            batch.then()
+            try:
+                batch.then()
+            except OSError as err:
+                log.error("an ended run's files could not be moved (%s): they stay in %s", err, self.path.parent)
+
+    def put_back(self) -> None:
+        """The engine is about to reload the committed state: batches taken before now are refused."""
+        self.epoch += 1
+        self.failed = None
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database file and truncate it (at shutdown: the state dir holds one file)."""
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as err:
+            log.error("%s: the WAL could not be checkpointed at shutdown (%s); the next start reads it", self.path, err)
 
     def load(self, recent: int) -> dict[str, Any] | None:
         """The current run's state (run: None when no run began), its newest `recent` records, the archived
-        runs and the next ids; None when the database holds nothing yet."""
+        runs and the next ids; None when the database holds nothing yet. Rows whose columns do not hold what
+        they should are moved aside first (set_aside_bad_rows)."""
         db = self._db
+        self.set_aside_bad_rows()
         if db.execute("SELECT NOT EXISTS (SELECT 1 FROM runs) AND NOT EXISTS (SELECT 1 FROM records)").fetchone()[0]:
             return None
         columns = ("run_id",) + RUN_FIELDS + RUN_LISTS
@@ -205,6 +375,32 @@ class StateStore:
             "next_decision_id": 1 + (db.execute("SELECT max(decision_id) FROM records").fetchone()[0] or 0),
             "next_directive_id": db.execute("SELECT max(next_directive_id) FROM runs").fetchone()[0],
         }
+
+    def set_aside_bad_rows(self) -> int:
+        """Move every row whose columns do not hold what TYPED says into rows_aside, with an ERROR naming it;
+        the number moved. A current run's row moved aside leaves no current run: the next one begins."""
+        moved = 0
+        for table, checks in TYPED.items():
+            names, keys = list(checks), KEYS[table]
+            for row in self._db.execute(f"SELECT {', '.join(keys + tuple(names))} FROM {table}").fetchall():
+                key, values = row[: len(keys)], dict(zip(names, row[len(keys) :]))
+                bad = [n for n in names if not checks[n](values[n])]
+                if not bad:
+                    continue
+                reason = f"{', '.join(f'{n}={values[n]!r}'[:120] for n in bad)} not of the column's type"
+                text = json.dumps(
+                    {k: v if isinstance(v, (int, float, str, type(None))) else repr(v) for k, v in values.items()}
+                )
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("INSERT INTO rows_aside VALUES (?, ?, ?, ?)", (table, text, reason, time.time()))
+                where = " AND ".join(f"{k} IS ?" for k in keys)
+                self._db.execute(f"DELETE FROM {table} WHERE {where}", key)
+                self._db.execute("COMMIT")
+                log.error(
+                    "%s: a row of table %s is unreadable (%s): moved to table rows_aside", self.path, table, reason
+                )
+                moved += 1
+        return moved
 
     def acted_alerts(self) -> list[str]:
         """Alertmanager fingerprints acted on, oldest first."""

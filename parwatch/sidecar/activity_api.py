@@ -35,28 +35,53 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from parwatch.catalog import RANK_STATES
+from parwatch.credentials import Identity, Verifier, node_credential
+from parwatch.guardrails.store import StorageFault
 from parwatch.host import host_identity
 from parwatch.rank_layout import RankLayout
 from parwatch.records import ActivityPost, BadRecord, NodeDigest, decode, encode
 from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
-from parwatch.sidecar.auth import bearer_dependency
+from parwatch.sidecar.auth import bearer_dependency, identity_of
 from parwatch.sidecar.bodies import documented
-from parwatch.sidecar.digest import LeaderView, NodeBook, StepPace, in_layout, layout_of, same_layout
+from parwatch.sidecar.claims import CLOCK_SKEW_SECONDS
+from parwatch.sidecar.digest import (
+    BadActivity,
+    LeaderView,
+    NodeBook,
+    StepPace,
+    check_times,
+    in_layout,
+    layout_of,
+    same_layout,
+)
 from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
-from parwatch.vocabulary import RankState, RuleAction, jsonable
+from parwatch.vocabulary import RankState, RuleAction, Speaker, jsonable
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
 """Liveness, forwarding and cross-node expiry: once a second (a digest per node per second)."""
 _STATE_NAMES = {v: k for k, v in RANK_STATES.items()}
 RawPost = Callable[..., Awaitable[tuple[int, Any]]]
-"""A raw-body handler: raw bytes (and the connection's `client`) -> (status, JSON payload)."""
+"""A raw-body handler: raw bytes (and the connection's `client`, the credential's `identity`) -> (status, JSON payload)."""
+SMALL_POST = 64 * 1024
+"""Hot posts up to this size are decoded on the event loop; larger ones in a thread (a 7 MB digest held the
+loop 1.6 s)."""
+HEARTBEAT_SECONDS = 5.0
+"""Rank 0 said "alive" (a heartbeat boundary: the run is paused) this recently: a stall is no hang."""
+
+
+class Forbidden(BadRecord):
+    """A credential speaking for another rank, node or run than the report is of (403)."""
+
+
+class Conflict(BadRecord):
+    """A report of another run while this sidecar's run is live (409)."""
 
 
 class ActivityHub:
@@ -80,7 +105,22 @@ class ActivityHub:
         self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock, requeue=sidecar.requeue)
         self.leader_url = cfg.leader_url.rstrip("/") if cfg.leader_url else None
         self.is_leader = False
-        """Set on the first sign of rank 0 (its activity or its summaries)."""
+        """Set on the first sign of rank 0 (its activity or its summaries) at a sidecar started without
+        --leader-url: a role is decided by configuration and the run, never by one report."""
+        self.restarted = sidecar.engine.run_id is not None
+        """This sidecar started on a state dir that holds a run: a restarted leader, which missed what happened
+        while it was down."""
+        self.quiet_until: float | None = None
+        """A restarted leader judges nothing before this: one grace period after it heard from rank 0 again
+        (every node has spoken by then), so its own downtime is never read as the run's silence."""
+        self.heartbeat_at: float | None = None
+        """When rank 0 last said "alive" (a heartbeat boundary: the run is paused, whatever the engine knows)."""
+        self._to_act: list[dict] = []
+        """Hang records to act on (stacks, abort) once they are committed: never an action without its record."""
+        self._epoch = sidecar.engine.epoch
+        self._committed: tuple = (None, frozenset(), None)
+        """The hang monitor's (hang, gone_reported, cause) as of the last committed write (put back after a
+        failed one)."""
         self.abort = False
         """Set when the leader decided to abort the run: activity replies tell the ranks to exit."""
         self._signals: dict[str, list[int]] = {}  # node -> pids the leader wants signalled there
@@ -88,7 +128,8 @@ class ActivityHub:
         """rank -> (pid, whether that pid's own process sent the report): only a proven pid is ever signalled."""
         self._node_of: dict[int, str] = {}  # rank -> node that digests it (leader)
         self._http = http
-        self._headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
+        # A node's digests and instances go with its node credential (credentials.py), naming this node.
+        self._headers = {"Authorization": f"Bearer {node_credential(cfg.token, self.node)}"} if cfg.token else {}
         self.link = LeaderLink(self.leader_url, self.clock)
         """This node's way to the leader: reachable, or since when not, and why."""
         self.leader_paused = False
@@ -110,16 +151,28 @@ class ActivityHub:
         )
 
     # -- requests (event loop) --------------------------------------------------------------
-    def activity(self, post: ActivityPost, client: tuple[str, int] | None = None) -> dict:
-        """One rank's report; `client` (host, port) is the connection it came on, which proves its pid."""
+    def activity(
+        self, post: ActivityPost, client: tuple[str, int] | None = None, identity: Identity | None = None
+    ) -> dict:
+        """One rank's report; `client` (host, port) is the connection it came on, which proves its pid;
+        `identity` who the credential speaks for (only its own rank of its own run)."""
         report = post.activity
+        run_id = report.run_id or ""
+        if identity is not None and identity.speaker != Speaker.OPERATOR:
+            if identity.speaker != Speaker.RANK or identity.rank != report.rank or identity.run_id != run_id:
+                raise Forbidden(
+                    f"activity: rank {report.rank} of run {run_id[:64]!r}, but this credential speaks for "
+                    f"{identity.describe()} only"
+                )
         layout = layout_of((report.tp, report.pp, report.dp), report.order, "activity [tp, pp, dp]")
-        a, run_id = in_layout(report.row(), layout, "activity"), report.run_id or ""
+        a = in_layout(report.row(), layout, "activity")
         self._check_layout(run_id, layout, "activity [tp, pp, dp]")
-        self.pace.check(run_id, a.step, "activity")
+        check_times(a, "activity", self.clock() + CLOCK_SKEW_SECONDS)
+        self._check_run(run_id, "activity.run_id")
+        self.pace.check(run_id, a.step, "activity", a.rank)
         new_run = self.book.run_id is not None and run_id != self.book.run_id
         self.book.add(a, layout, run_id)
-        self.pace.note(run_id, a.step)
+        self.pace.note(run_id, a.step, a.rank, a.step_seconds)
         if self._proven.get(a.rank) != (a.pid, True):  # proven once per rank and pid
             self._proven[a.rank] = (a.pid, owns_connection(a.pid, client))
         if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
@@ -128,16 +181,30 @@ class ActivityHub:
         if a.state != RankState.RUNNING:
             self._note_if_ended()
         if a.rank == 0:
-            self.is_leader = True
+            self._saw_rank0()
         if self.is_leader:
             self.monitor.observe(a, layout, self.clock())
         return {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
 
-    def digest(self, digest: NodeDigest, client: tuple[str, int] | None = None) -> dict:
-        """A node's digest (`client` is not used: its rows' pids are proven, and signalled, at that node)."""
+    def digest(
+        self, digest: NodeDigest, client: tuple[str, int] | None = None, identity: Identity | None = None
+    ) -> dict:
+        """A node's digest (`client` is not used: its rows' pids are proven, and signalled, at that node); a
+        node credential speaks for its own node's name only."""
+        if identity is not None and identity.speaker != Speaker.OPERATOR:
+            if identity.speaker != Speaker.NODE or identity.node != digest.node:
+                raise Forbidden(
+                    f"digest.node {digest.node[:64]!r}, but this credential speaks for {identity.describe()} only"
+                )
+        most = self.sidecar.config.max_ranks
+        if len(digest.rows) > most:  # a node sidecar serves at most --max-ranks ranks: nothing larger is read
+            raise BadActivity(
+                f"digest.rows: {len(digest.rows)} rows, more than a node sidecar serves (--max-ranks {most})"
+            )
         self._check_layout(
             digest.run_id or "", layout_of(digest.layout, digest.order, "digest.layout"), "digest.layout"
         )
+        self._check_run(digest.run_id or "", "digest.run_id")
         seen_run = self.view.run_id
         node, rows = self.view.ingest(digest)
         if seen_run is not None and self.view.run_id != seen_run and self.view.run_id != self.book.run_id:
@@ -148,10 +215,10 @@ class ActivityHub:
         for a in rows:
             self._node_of[a.rank] = node
             if a.rank == 0:
-                self.is_leader = True  # rank 0 lives on a node that forwards to us: we lead
+                self._saw_rank0()  # rank 0 lives on a node that forwards to us: we lead (without --leader-url)
             self.monitor.observe(a, layout, now)
         reply: dict = {"ok": True}
-        if self.sidecar.engine.paused:
+        if self.run_paused():
             reply["paused"] = True  # a deliberate pause: the node keeps its ranks up
         pids = self._signals.pop(node, None)
         if pids:
@@ -159,6 +226,49 @@ class ActivityHub:
         if self.abort:
             reply["abort"] = HANG_EXIT_CODE
         return reply
+
+    def _saw_rank0(self) -> None:
+        """Rank 0 reports here (or through a node): the leader, unless started as a node (--leader-url); a
+        (re)started leader then waits one grace period before it judges anything."""
+        if self.leader_url is not None:
+            return
+        self.is_leader = True
+        if self.quiet_until is None:
+            self.quiet_until = self.clock() + (self.view.grace_seconds if self.restarted else 0.0)
+
+    def quiet(self) -> bool:
+        """A restarted leader, within the grace period after it first heard from rank 0 since it started."""
+        return self.quiet_until is None or self.clock() < self.quiet_until
+
+    def run_paused(self) -> bool:
+        """The run is paused on purpose: the engine applied a pause, or rank 0 said lately that its ranks beat
+        heartbeats (they do only while paused): never a hang, never ranks down."""
+        beat = self.heartbeat_at
+        return self.sidecar.engine.paused or (beat is not None and self.clock() - beat <= HEARTBEAT_SECONDS)
+
+    def live_run(self) -> str | None:
+        """The run live here, if any: reported lately (--rank-grace-seconds) by its summaries, its ranks'
+        activity or its nodes' digests, and not every rank ended. Another run is refused meanwhile."""
+        store = self.sidecar.store
+        if store.live_for() is not None:
+            return store.run_id
+        grace, now = store.grace_seconds, self.clock()
+        if self.book.run_id is not None and any(
+            now - seen <= grace and a.state == RankState.RUNNING for a, seen in self.book.latest.values()
+        ):
+            return self.book.run_id
+        view = self.view
+        if view.run_id is not None and view.running and now - view.last_heard <= grace:
+            return view.run_id
+        return None
+
+    def _check_run(self, run_id: str, where: str) -> None:
+        live = self.live_run()
+        if live is not None and run_id != live:
+            raise Conflict(
+                f"{where}: run {run_id[:64]!r} refused: run {live[:64]!r} is live here; another run may take "
+                f"over once its ranks have ended or it has been silent for {self.sidecar.store.grace_seconds:g} s"
+            )
 
     def _check_layout(self, run_id, layout, where: str) -> None:
         """A run's layout is the one it was first seen with, by this sidecar's ranks or any node's
@@ -193,10 +303,11 @@ class ActivityHub:
 
     async def tick(self) -> list[dict]:
         """Once a second: liveness, cross-node expiry, forwarding (not the leader) or a judgement (the leader)."""
-        self._feed_liveness()
-        self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
-            self.is_leader = True
+            self._saw_rank0()
+        if not (self.is_leader and self.quiet()):  # a (re)started leader waits one grace period
+            self._feed_liveness()
+        self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped
         if self.is_leader and not self.sidecar.transfer.leading:
             self.sidecar.transfer.lead()  # match what the nodes forward (it may have seen rank 0's activity first)
         if not self.is_leader:
@@ -204,17 +315,21 @@ class ActivityHub:
                 self.link.check_orphan(sorted(self.book.latest), self.book.layout.world)
             await self._forward()
             return []
-        return self.judge(full=True)
+        records = self.judge(full=True)
+        await self.act()
+        return records
 
     def judge(self, full: bool = False) -> list[dict]:
-        """The leader's hang and crash judgement, every JUDGE_EVERY_SECONDS (full: the once-a-second tick)."""
-        if not self.is_leader:
+        """The leader's hang and crash judgement, every JUDGE_EVERY_SECONDS (full: the once-a-second tick).
+        Nothing within the grace period after a (re)start (quiet()); a paused run is never a hang."""
+        self._after_fault()
+        if not self.is_leader or self.quiet():
             return []
         local = self.book.rows()  # this node's ranks: a handful, pids checked
         gone = bool(self.view.gone - self.monitor.gone_reported) or any(
             a.state in ENDED and r not in self.monitor.gone_reported for r, a in local.items()
         )
-        paused = self.sidecar.engine.paused
+        paused = self.run_paused()
         switched = self.sidecar.engine.last_switch
         if switched is not None and switched != self._switch_seen:  # a rollback or resume: the stall restarts
             self._switch_seen = switched
@@ -230,10 +345,36 @@ class ActivityHub:
         cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
         records = self.monitor.check(rows, paused=paused, coverage=cov, heard_since=self.view.heard_since)
         self._idle_due = not records and not self.monitor.awaiting_fresh
-        for record in records:
-            if record.get("rule") == "hang":
-                self._act_on_hang(record)
+        self._to_act += [r for r in records if r.get("rule") == "hang"]
         return records
+
+    async def act(self) -> None:
+        """Act on the hang records judged (stacks, abort) once they are committed; a state dir that cannot be
+        written undoes them instead (recorded nothing: nothing is done, and they are judged again)."""
+        hang, gone = self.monitor.hang, self.monitor.gone_reported
+        if not self._to_act and hang is self._committed[0] and len(gone) == len(self._committed[1]):
+            return
+        epoch = self.sidecar.engine.epoch
+        try:
+            await self.sidecar.persist(epoch)
+        except StorageFault:
+            self._to_act = []
+            self._after_fault()
+            return
+        self._committed = (self.monitor.hang, frozenset(self.monitor.gone_reported), self.monitor.cause)
+        acts, self._to_act = self._to_act, []
+        for record in acts:
+            self._act_on_hang(record)
+
+    def _after_fault(self) -> None:
+        """A failed write put back the engine's state: the findings made since are undone, so the monitor
+        forgets them too (judged again, and recorded, once the state dir takes writes)."""
+        epoch = self.sidecar.engine.epoch
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self.monitor.hang, gone, self.monitor.cause = self._committed
+            self.monitor.gone_reported = set(gone)
+            self._to_act = []
 
     def _signal_own(self, pid) -> None:
         """SIGUSR1 a pid only when it is a running rank of this run whose own process reported that pid over
@@ -386,7 +527,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
             task.cancel()
             await hub.close()
 
-    auth = [Depends(bearer_dependency(sidecar.config.token))]
+    token = sidecar.config.token
+    auth = [Depends(bearer_dependency(Verifier(token) if token else None))]
     router = APIRouter(lifespan=lifespan)
 
     hub.posts = {
@@ -396,18 +538,28 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     handle_activity, handle_digest = hub.posts["/v1/activity"], hub.posts["/v1/digest"]
 
     @router.post(
-        "/v1/activity", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=documented(ActivityPost)
+        "/v1/activity",
+        dependencies=auth,
+        responses={401: {}, 403: {}, 409: {}, 422: {}},
+        openapi_extra=documented(ActivityPost),
     )
     async def activity(request: Request):
         """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
         client = (request.client.host, request.client.port) if request.client else None
-        status, payload = await handle_activity(await request.body(), client=client)
+        raw = await request.body()
+        status, payload = await handle_activity(raw, client=client, identity=identity_of(request))
         return JSONResponse(payload, status_code=status)
 
-    @router.post("/v1/digest", dependencies=auth, responses={401: {}, 422: {}}, openapi_extra=documented(NodeDigest))
+    @router.post(
+        "/v1/digest",
+        dependencies=auth,
+        responses={401: {}, 403: {}, 409: {}, 422: {}},
+        openapi_extra=documented(NodeDigest),
+    )
     async def digest(request: Request):
         """A node sidecar's digest of its ranks (parwatch.records.NodeDigest)."""
-        status, payload = await handle_digest(await request.body(), client=None)
+        raw = await request.body()
+        status, payload = await handle_digest(raw, client=None, identity=identity_of(request))
         return JSONResponse(payload, status_code=status)
 
     crossnode.add_route(router, sidecar, auth)  # POST /v1/instances
@@ -421,12 +573,22 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
 
 def _typed_post(record: type, root: str, handle: Callable[..., dict]) -> RawPost:
-    """A raw-body handler: the body decoded as `record` (parwatch.records), then handled; 422 naming the
-    field (as every other endpoint answers a body it cannot use)."""
+    """A raw-body handler: the body decoded as `record` (parwatch.records; a large one in a thread), then
+    handled; 422 naming the field (as every other endpoint answers a body it cannot use), 403 for a
+    credential of another rank or node, 409 for a report of another run while this one is live."""
 
     async def run(raw: bytes, **context):
+        body: Any
         try:
-            return 200, handle(decode(raw, record, root), **context)
+            if len(raw) <= SMALL_POST:
+                body = decode(raw, record, root)
+            else:
+                body = await asyncio.to_thread(decode, raw, record, root)
+            return 200, handle(body, **context)
+        except Forbidden as err:
+            return 403, {"detail": str(err)}
+        except Conflict as err:
+            return 409, {"detail": str(err)}
         except BadRecord as err:
             return 422, {"detail": str(err)}
 
@@ -452,5 +614,6 @@ async def _loop(hub: ActivityHub) -> None:
                 await hub.tick()
             else:
                 hub.judge()
+                await hub.act()
         except Exception:  # one bad tick must not end hang detection
             log.exception("activity tick failed")

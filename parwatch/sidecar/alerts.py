@@ -38,6 +38,11 @@ class AlertDedupe:
         self.acted = dict.fromkeys(acted)  # insertion-ordered: the oldest go first when over MAX_ACTED
         self.save = save
 
+    def reload(self, acted: list[str]) -> None:
+        """The fingerprints as saved (after a failed write put back the engine's state: an alert whose
+        decision was undone acts again when Alertmanager resends it)."""
+        self.acted = dict.fromkeys(acted)
+
     def handle(self, payload: AlertmanagerPayload, request) -> list[dict]:
         """Call request(action, reason=, rule=, requested_by=[, skip_batches=]) once for each new firing
         alert that asks for pause or rollback; return the decisions made."""

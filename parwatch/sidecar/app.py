@@ -27,9 +27,11 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from parwatch import __version__, records, step_records
+from parwatch.credentials import Identity, Verifier
 from parwatch.guardrails.engine import DirectiveDelivered
+from parwatch.guardrails.store import StorageFault
 from parwatch.sidecar import activity_api
-from parwatch.sidecar.auth import bearer_dependency
+from parwatch.sidecar.auth import IDENTITY, WHOAMI, bearer_dependency, identity_of
 from parwatch.sidecar.bodies import body, documented, schema
 from parwatch.sidecar.gate import BodyTooLarge, RequestGate, send_json
 from parwatch.sidecar.rank_gauges import exposition
@@ -41,6 +43,7 @@ from parwatch.vocabulary import jsonable
 log = logging.getLogger(__name__)
 
 
+BODY_NEVER_CAME = "the body never arrived whole (the client went away, or it took over --body-timeout-seconds)"
 SMALL_BODY = 64 * 1024
 """Bodies up to this size (a rank's usual post) are validated on the loop; larger ones in a thread
 (an 8 MB post takes some hundreds of ms to validate)."""
@@ -66,6 +69,12 @@ _PROBLEM: dict[str, Any] = {"content": schema("Problem")}
 _AUTH: Responses = {401: {**_PROBLEM, "description": "missing or wrong bearer token"}}
 _INVALID: Responses = {422: {**_PROBLEM, "description": "invalid body or query; detail names the field"}}
 _TOO_LARGE: Responses = {413: {**_PROBLEM, "description": "body over --max-body-bytes"}}
+_FORBIDDEN: Responses = {
+    403: {**_PROBLEM, "description": "a rank's or a node's credential speaking for another rank, node or run"}
+}
+_UNAVAILABLE: Responses = {
+    503: {**_PROBLEM, "description": "the state dir could not be written: nothing was decided; retry"}
+}
 
 
 def _healthz(app: FastAPI) -> None:
@@ -99,7 +108,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             requeuer.cancel()
             sidecar.close()  # persist the last second of rule counters on a clean stop
 
-    auth = [Depends(bearer_dependency(sidecar.config.token))]
+    token = sidecar.config.token
+    auth = [Depends(bearer_dependency(Verifier(token) if token else None))]
     app = FastAPI(
         title="parwatch sidecar control",
         version=__version__,
@@ -112,9 +122,10 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     app.add_middleware(HotPosts, posts=hot)
     app.add_middleware(
         RequestGate,
-        token=sidecar.config.token,
+        token=token,
         max_body_bytes=sidecar.config.max_body_bytes,
         on_refused=sidecar.refusals.note,
+        open_openapi=sidecar.config.open_openapi,
     )
     _healthz(app)
 
@@ -124,9 +135,16 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
 
     @app.exception_handler(ClientDisconnect)
     async def gone(request, exc):
-        # A rank that died mid-post (a crash, a kill): nothing of the body was stored, and no one reads an answer.
+        # A rank that died mid-post (a crash, a kill), or a body past its deadline: nothing of it was stored.
         log.info("%s %s: the client went away before its body arrived", request.method, request.url.path)
-        return Response(status_code=400)
+        return JSONResponse(
+            {"detail": "the body never arrived whole (client gone, or past --body-timeout-seconds)"}, 400
+        )
+
+    @app.exception_handler(StorageFault)
+    async def unwritable(request, exc):
+        # The state dir failed a write: what the request made was undone (no decision, no directive).
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "5"})
 
     @app.post(
         "/v1/ingest",
@@ -138,15 +156,21 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
                 "content": schema("IngestResponse"),
             },
             **_AUTH,
+            **_FORBIDDEN,
             **_TOO_LARGE,
             **_INVALID,
-            409: {**_PROBLEM, "description": "the summary does not fit the run's world (tp, pp, dp)"},
+            409: {
+                **_PROBLEM,
+                "description": "the summary does not fit the run (its world, a live run, an ended run, an earlier process)",
+            },
             429: {**_PROBLEM, "description": "more ranks or run ids than --max-ranks / --max-runs"},
+            **_UNAVAILABLE,
         },
     )
     async def ingest(request: Request):
         """Store step summaries; answer with the directive rank 0 should apply, if any."""
         raw = await request.body()
+        client = request.client
         try:
             if len(raw) <= SMALL_BODY:
                 posted = records.decode(raw, IngestBody, dotted=True)
@@ -155,7 +179,8 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         except records.BadRecord as err:
             return JSONResponse({"detail": str(err)}, status_code=422)
         try:
-            return JSONResponse(await sidecar.ingest_async(posted))
+            peer = (client.host, client.port) if client else None
+            return JSONResponse(await sidecar.ingest_async(posted, identity_of(request), peer))
         except Refused as err:
             return JSONResponse({"detail": str(err)}, status_code=err.status)
 
@@ -168,15 +193,17 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             **_TOO_LARGE,
             **_INVALID,
             400: {**_PROBLEM, "description": "the engine refused it (e.g. no such checkpoint)"},
+            **_UNAVAILABLE,
         },
     )
     async def control(req: ControlRequest = Depends(body(ControlRequest))):
         """Operator pause / resume / rollback; returns the decision record."""
+        epoch = sidecar.engine.epoch
         try:
             decision = sidecar.control(req)
         except ValueError as err:
             raise HTTPException(400, str(err)) from err
-        await sidecar.persist()
+        await sidecar.persist(epoch)
         return JSONResponse(jsonable(decision))
 
     @app.post(
@@ -189,36 +216,45 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             **_INVALID,
             404: {**_PROBLEM, "description": "no outstanding directive with that id"},
             409: {**_PROBLEM, "description": "already delivered to the run: it will be applied"},
+            **_UNAVAILABLE,
         },
     )
     async def cancel(
         directive_id: Annotated[int, Path(ge=1, lt=2**53)], req: CancelRequest = Depends(body(CancelRequest))
     ):
         """Withdraw a directive not yet delivered to the run; returns the cancel record."""
+        epoch = sidecar.engine.epoch
         try:
             record = sidecar.cancel(directive_id, req.requested_by or "operator")
         except DirectiveDelivered as err:
             return JSONResponse({"detail": str(err), "directive": err.directive}, status_code=409)
         except ValueError as err:
             raise HTTPException(404, str(err)) from err
-        await sidecar.persist()
+        await sidecar.persist(epoch)
         return JSONResponse(jsonable(record))
 
     @app.post(
         "/v1/alerts",
         dependencies=auth,
         openapi_extra=documented(AlertmanagerPayload),
-        responses={**_AUTH, **_TOO_LARGE, **_INVALID},
+        responses={**_AUTH, **_TOO_LARGE, **_INVALID, **_UNAVAILABLE},
     )
     async def alerts(payload: AlertmanagerPayload = Depends(body(AlertmanagerPayload))) -> dict[str, int]:
         """Alertmanager webhook (payload version 4): firing alerts labelled parwatch_action act once."""
+        epoch = sidecar.engine.epoch
         acted = len(sidecar.alert_webhook(payload))
-        await sidecar.persist()
+        await sidecar.persist(epoch)
         return {"acted": acted}
 
-    @app.get("/v1/status", dependencies=auth, responses=_AUTH)
+    @app.get("/v1/status", dependencies=auth, responses={**_AUTH, **_FORBIDDEN})
     async def status():
         return JSONResponse(sidecar.status())
+
+    @app.get(WHOAMI, dependencies=auth, responses=_AUTH)
+    async def whoami(request: Request):
+        """Who this request's credential speaks for (a collector checks its own at attach)."""
+        who = identity_of(request)
+        return {"speaker": who.speaker, "run_id": who.run_id, "rank": who.rank, "node": who.node}
 
     hub = activity_api.install(app, sidecar)  # /v1/activity, /v1/digest, /v1/hang and the hang loop
     hot.update(hub.posts)
@@ -261,7 +297,9 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
 class PostHandler(Protocol):
     """A raw-body POST handler (activity_api's `hub.posts`): answers (status, JSON payload)."""
 
-    def __call__(self, raw: bytes, *, client: tuple[str, int] | None) -> Awaitable[tuple[int, object]]: ...
+    def __call__(
+        self, raw: bytes, *, client: tuple[str, int] | None, identity: Identity | None
+    ) -> Awaitable[tuple[int, object]]: ...
 
 
 class HotPosts:
@@ -281,14 +319,17 @@ class HotPosts:
         try:
             while more:
                 message = await receive()
-                if message["type"] != "http.request":
-                    return  # the client went away
+                if message["type"] != "http.request":  # the client went away, or its body passed its deadline
+                    return await send_json(send, 400, {"detail": BODY_NEVER_CAME}, {})
                 chunks.append(message.get("body", b""))
                 more = message.get("more_body", False)
         except BodyTooLarge as err:
             return await send_json(send, err.status_code, {"detail": err.detail}, {})
         client = scope.get("client")  # the connection's (host, port): proves an activity report's pid
-        status, payload = await handler(b"".join(chunks), client=(client[0], client[1]) if client else None)
+        identity = scope.get("state", {}).get(IDENTITY)  # the gate's: who the credential speaks for
+        status, payload = await handler(
+            b"".join(chunks), client=(client[0], client[1]) if client else None, identity=identity
+        )
         await send_json(send, status, payload, {})
 
 
@@ -296,7 +337,10 @@ async def _no_data_ticker(sidecar: Sidecar) -> None:
     while True:
         await asyncio.sleep(sidecar.config.no_data_interval_seconds)
         try:
+            epoch = sidecar.engine.epoch
             sidecar.tick()
-            await sidecar.persist()
+            await sidecar.persist(epoch)
+        except StorageFault as err:  # told once by the store; the findings are judged again once it writes
+            log.debug("no-data check not recorded: %s", err)
         except Exception:  # a bug in one check must not stop the next ones
             log.exception("no-data check failed")

@@ -62,6 +62,10 @@ class SidecarConfig:
     head_timeout_seconds: float = 10.0
     """A connection that has not sent its next request's head this long after connecting (or after its
     last answer) is closed: slow or idle connections cannot hold the listener's file descriptors."""
+    body_timeout_seconds: float = 30.0
+    """A request whose body has not arrived whole this long after its head is closed (8 MiB at 300 KB/s)."""
+    open_openapi: bool = False
+    """Serve /openapi.json without the token (it maps every route a caller may try; off by default)."""
     no_data_interval_seconds: float = 1.0
     """How often the engine is asked whether any rule's metric has gone silent."""
     leader_url: str | None = None
@@ -127,6 +131,10 @@ class SidecarConfig:
             raise ConfigError(f"--rank-grace-seconds must be > 0 (got {self.rank_grace_seconds}); 30 suits most runs")
         if self.max_ranks < 1 or self.max_runs < 1:
             raise ConfigError(f"--max-ranks and --max-runs must be >= 1 (got {self.max_ranks}, {self.max_runs})")
+        if not self.body_timeout_seconds > 0:
+            raise ConfigError(
+                f"--body-timeout-seconds must be > 0 (got {self.body_timeout_seconds}); 30 suits most runs"
+            )
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be >= 1024 (got {self.max_body_bytes}); the default is 8 MiB")
         if self.metrics_listen == self.control_listen:

@@ -28,13 +28,15 @@ from __future__ import annotations
 import json
 import logging
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from parwatch.sidecar.auth import identity_of
 from parwatch.sidecar.bodies import body, documented
 from parwatch.sidecar.transfer import Member, Pending, TransferTracker
 from parwatch.step_records import MAX_FORWARD_HALVES, InstancesForward
+from parwatch.vocabulary import Speaker
 
 log = logging.getLogger(__name__)
 FORWARD_VERSION = 1
@@ -147,10 +149,14 @@ def add_route(router: APIRouter, sidecar, auth: list) -> None:
         "/v1/instances",
         dependencies=auth,
         openapi_extra=documented(InstancesForward),
-        responses={401: {}, 413: {}, 422: {}},
+        responses={401: {}, 403: {}, 413: {}, 422: {}},
     )
-    async def instances(forward: InstancesForward = Depends(body(InstancesForward))):
+    async def instances(request: Request, forward: InstancesForward = Depends(body(InstancesForward))):
         """A node sidecar's members of instances that span nodes, and its ranks' attribution rows."""
+        who = identity_of(request)
+        if who.speaker == Speaker.NODE and who.node != forward.node:
+            detail = f"node {forward.node[:64]!r}, but this credential speaks for {who.describe()} only"
+            return JSONResponse({"detail": detail}, status_code=403)
         t = sidecar.transfer
         head = sidecar.store.run_summary()
         if head is None or forward.run_id != t.run_id:  # not this leader's run (a new run starting, a stray node)

@@ -29,10 +29,11 @@ from msgspec.structs import replace
 from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout, cached_layout
 from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
 from parwatch.schema import MAX_STEPS_PER_SECOND
+from parwatch.sidecar.claims import CLOCK_SKEW_SECONDS
 from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED
 from parwatch.sidecar.observations import rank_key
-from parwatch.sidecar.pace import Pace
+from parwatch.sidecar.pace import RunPace
 from parwatch.vocabulary import RankState
 
 
@@ -80,8 +81,9 @@ def in_layout(a: Activity, layout: RankLayout, where: str) -> Activity:
     return a
 
 
-def digest_rows(rows: list[Activity], layout: RankLayout) -> list[Activity]:
-    """A digest's rows checked against its layout: at most its world, each inside it, each rank once."""
+def digest_rows(rows: list[Activity], layout: RankLayout, latest: float = float("inf")) -> list[Activity]:
+    """A digest's rows checked against its layout: at most its world, each inside it, each rank once, and
+    none telling of a time after `latest` (the leader's clock and the clocks' skew)."""
     tp, pp, dp, world = layout.tp, layout.pp, layout.dp, layout.world
     st, sp, sd = layout.strides
     if len(rows) > world:
@@ -95,14 +97,29 @@ def digest_rows(rows: list[Activity], layout: RankLayout) -> list[Activity]:
             or a.rank != a.tp_rank * st + a.stage * sp + a.dp_rank * sd
             or (a.peer is not None and a.peer >= world)
             or a.rank in seen
+            or a.time > latest
+            or (a.step_end is not None and a.step_end > latest)
+            or (a.since is not None and a.since > latest)
+            or (a.ended is not None and a.ended > latest)
         ):
-            _refuse_row(a, layout, f"digest.rows[{i}]")
+            _refuse_row(a, layout, f"digest.rows[{i}]", latest)
         seen.add(a.rank)
     return rows
 
 
-def _refuse_row(a: Activity, layout: RankLayout, where: str) -> None:
+def check_times(a: Activity, where: str, latest: float) -> None:
+    """A report was sampled, and its step ended, before it arrived (give or take the clocks' skew): a boundary
+    in the future would stall every later real one behind it (a hang out of nothing)."""
+    for name, value in (("time", a.time), ("step_end", a.step_end), ("since", a.since), ("ended", a.ended)):
+        if value is not None and value > latest:
+            raise BadActivity(
+                f"{where}.{name}={value:.3f} is later than this sidecar's clock allows ({latest:.3f}): a report tells what already happened"
+            )
+
+
+def _refuse_row(a: Activity, layout: RankLayout, where: str, latest: float) -> None:
     in_layout(a, layout, where)
+    check_times(a, where, latest)
     raise BadActivity(f"{where}: rank {a.rank} appears twice")
 
 
@@ -114,14 +131,14 @@ def same_layout(known: RankLayout | None, layout: RankLayout, where: str) -> Non
         )
 
 
-class StepPace(Pace):
-    """A run's step pace (pace.Pace), refusing with BadActivity."""
+class StepPace(RunPace):
+    """A run's step pace as its ranks' activity tells it (pace.RunPace), refusing with BadActivity."""
 
     def __init__(self, clock: Callable[[], float]):
-        super().__init__(clock, MAX_STEPS_PER_SECOND, "step")
+        super().__init__(clock, MAX_STEPS_PER_SECOND)
 
-    def check(self, run_id: str, step: int, where: str) -> None:
-        why = self.too_far(run_id, step)
+    def check(self, run_id: str, step: int, where: str, rank: int) -> None:
+        why = self.too_far(run_id, step, rank)
         if why is not None:
             raise BadActivity(f"{where}.step{why}")
 
@@ -218,21 +235,25 @@ class LeaderView:
         """rank -> up, kept on ingest for liveness(): the leader's once-a-second tick reads it whole."""
         self.up_series: dict[str, float] = {}
         """The same as the rank_up observation's series ("rank=N" -> 1.0 or 0.0), kept alongside."""
+        self.running = 0
+        """How many ranks `up` holds as up (kept with it): none running, the run has ended here."""
+        self.last_heard = 0.0
+        """When the newest digest of the run arrived (this clock)."""
         self._quiet: set[str] = set()  # nodes whose ranks liveness() marked down for silence
 
     def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity]]:
         """Store one digest; (node, its rows). BadActivity names what does not fit the run."""
         node, layout = digest.node, layout_of(digest.layout, digest.order, "digest.layout")
-        rows = digest_rows(digest.rows, layout)
+        rows = digest_rows(digest.rows, layout, self.clock() + CLOCK_SKEW_SECONDS)
         run_id = digest.run_id or ""
         for i, a in enumerate(rows):
-            self.pace.check(run_id, a.step, f"digest.rows[{i}]")
+            self.pace.check(run_id, a.step, f"digest.rows[{i}]", a.rank)
         if run_id == self.run_id:
             same_layout(self.layout, layout, "digest.layout")
             self._check_owners(node, rows)
         else:
             self.nodes, self.gone, self.owner, self._quiet = {}, set(), {}, set()
-            self.up, self.up_series = {}, {}
+            self.up, self.up_series, self.running = {}, {}, 0
             self.run_id = run_id
             self.layout = None
         if node not in self.nodes and len(self.nodes) >= layout.world:
@@ -241,12 +262,13 @@ class LeaderView:
             )
         self.layout = layout
         previous = self.nodes.get(node)
-        self.nodes[node] = (self.clock(), rows)
+        self.nodes[node] = (now := self.clock(), rows)
+        self.last_heard = now
         self._quiet.discard(node)
         gone, owner = self.gone, self.owner
         for a in rows:
             owner[a.rank] = node
-            self.pace.note(run_id, a.step)
+            self.pace.note(run_id, a.step, a.rank, a.step_seconds)
             if a.state in ENDED:
                 gone.add(a.rank)
             elif a.rank in gone:
@@ -261,11 +283,13 @@ class LeaderView:
 
     def _set_up(self, rank: int, up: bool | None) -> None:
         """One rank's liveness in `up` and `up_series`; None: left out (done: its summaries tell)."""
+        self.running -= self.up.get(rank, False)
         if up is None:
             self.up.pop(rank, None)
             self.up_series.pop(rank_key(rank), None)
         else:
             self.up[rank] = up
+            self.running += up
             self.up_series[rank_key(rank)] = 1.0 if up else 0.0
 
     def _check_owners(self, node: str, rows: list) -> None:

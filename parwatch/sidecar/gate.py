@@ -2,7 +2,9 @@
 
 FastAPI reads a route's body before it runs the route's dependencies, so a token checked there
 comes after an unauthenticated client's body is in memory. The gate answers first, from the
-head alone: 401 for a /v1/ path without the bearer token, 400 for a body framed two ways
+head alone: 401 for a /v1/ path (or the OpenAPI document, unless --open-openapi) without a
+credential of this sidecar's, 403 for a rank's or a node's credential on a path it may not ask
+(auth.py; the identity goes on in the scope for the handler), 400 for a body framed two ways
 (Content-Length and Transfer-Encoding: a proxy in front may read it the other way), 413 for a
 declared length over --max-body-bytes. The body itself is counted as the app reads it, and
 reading past the cap raises BodyTooLarge (413) there, chunked bodies too.
@@ -16,10 +18,13 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from parwatch.sidecar.auth import check_bearer
+from parwatch.credentials import Verifier
+from parwatch.sidecar.auth import IDENTITY, identify, permit
 
 AUTHENTICATED_PREFIX = "/v1/"
 """Every route under it needs the token (the routes say so too, for the OpenAPI document)."""
+OPENAPI_PATH = "/openapi.json"
+"""Behind the token too, unless the sidecar runs with --open-openapi: it maps every route a caller may try."""
 
 
 class BodyTooLarge(HTTPException):
@@ -35,9 +40,16 @@ def too_large(max_bytes: int) -> str:
 
 class RequestGate:
     def __init__(
-        self, app, token: str | None, max_body_bytes: int, on_refused: Callable[[str, int, Any], None] | None = None
+        self,
+        app,
+        token: str | None,
+        max_body_bytes: int,
+        on_refused: Callable[[str, int, Any], None] | None = None,
+        open_openapi: bool = False,
     ):
-        self.app, self.token, self.max_body_bytes = app, token, max_body_bytes
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.verifier = Verifier(token) if token else None
+        self.open_openapi = open_openapi
         self.on_refused = on_refused
         """Told (path, status, detail) of every POST answered 4xx/5xx, here or by the app (refusals.py)."""
 
@@ -86,11 +98,14 @@ class RequestGate:
                 declared = value
             elif key == b"transfer-encoding":
                 chunked = True
-        if scope["path"].startswith(AUTHENTICATED_PREFIX):
+        path = scope["path"]
+        if path.startswith(AUTHENTICATED_PREFIX) or (path == OPENAPI_PATH and not self.open_openapi):
             try:
-                check_bearer(self.token, authorization)
+                identity = identify(self.verifier, authorization)
+                permit(identity, scope["method"], path)
             except HTTPException as err:
                 return err.status_code, {"detail": err.detail}, {**(err.headers or {}), "connection": "close"}
+            scope.setdefault("state", {})[IDENTITY] = identity
         if declared is not None and chunked:
             return 400, {"detail": "Content-Length and Transfer-Encoding together: send one"}, {"connection": "close"}
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:

@@ -430,6 +430,9 @@ class HangMonitor:
         """The current hang episode's decision record (None while the run progresses)."""
         self.gone_reported: set[int] = set()
         """Ranks a rank-gone decision already named."""
+        self.cause: dict | None = None
+        """The culprit of this run's first rank-gone record that named one: a rank that later dies of a
+        peer's loss is its echo, never the culprit of a later record."""
         self._echoes_since: float | None = None
         """When the leader first saw a rank end that only lost a peer (ECHO_WAIT_SECONDS)."""
         self.findings: list[dict] = []
@@ -444,6 +447,7 @@ class HangMonitor:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
         self.progress = Progress(self.settings)
         self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
+        self.cause = None
 
     def observe(self, a: Activity, layout: RankLayout, now: float) -> None:
         """Every activity row as it arrives (cheap: the progress clock only)."""
@@ -519,6 +523,10 @@ class HangMonitor:
             (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
             key=lambda a: (lost_a_peer(a), ended_at(a), a.rank),
         )
+        if self.cause is not None and any(lost_a_peer(a) for a in gone):
+            # The run's first failure is named already: ranks that lost a peer since are its echoes.
+            records.append(self._echo_record([a for a in gone if lost_a_peer(a)], coverage))
+            gone = [a for a in gone if not lost_a_peer(a)]
         if any(lost_a_peer(a) for a in gone) and not any(told_its_cause(a) for a in gone):
             # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
             # one fails, so those may be echoes too until every node has spoken since the first echo.
@@ -563,6 +571,8 @@ class HangMonitor:
             )
             self.gone_reported.update(a.rank for a in gone)
             self._echoes_since = None
+            if self.cause is None and not lost_a_peer(first):
+                self.cause = culprit
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
         crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
@@ -620,6 +630,19 @@ class HangMonitor:
                     self.hang = record
                     records.append(record)
         return records
+
+    def _echo_record(self, echoes: list[Activity], coverage: dict | None) -> dict:
+        """rank-gone naming no culprit: ranks that ended of a peer's loss after the run's first failure."""
+        cause = self.cause
+        assert cause is not None  # check() asks only once a cause was named
+        lost = [a.rank for a in echoes]
+        reason = (
+            f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} ended after losing a peer: echoes of rank "
+            f"{cause['rank']}'s failure, named before; no new culprit" + _coverage_text(coverage)
+        )
+        evidence = {"culprit": None, "echo_of": cause["rank"], "gone": lost, "coverage": coverage}
+        self.gone_reported.update(lost)
+        return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
 
     def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
         """rank-gone when the ranks that ended lost a peer (or ended without a word beside those that did)

@@ -15,9 +15,13 @@ keeps a book of the listener's connections:
 - each connection must deliver a request's head within `head_seconds` of connecting or of its
   last answer, else it is closed; a head over `max_head_bytes` (up to the blank line that ends
   it) gets a 431 and the connection is closed.
-`Watch` (ASGI middleware) tells the book when a request reached the app (its head is in) and
-when its answer went out, by the client address both sides see (the socket's peer name). A
-request answered before its body was read closes its connection: what follows is body, not a head.
+- a request's body must have arrived whole within `body_seconds` of its head, else the connection
+  is closed (an authenticated client whose body never completed held its connection, and a slot of
+  the listener, for good: 100 such made every other request a 503).
+`Watch` (ASGI middleware) tells the book when a request reached the app (its head is in), when its
+body was read whole and when its answer went out, by the client address both sides see (the socket's
+peer name). A request answered before its body was read closes its connection: what follows is
+body, not a head.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ class Book:
         head_seconds: float,
         max_head_bytes: int,
         clock: Callable[[], float] = time.monotonic,
+        body_seconds: float = 30.0,
     ):
         self.max_connections, self.head_seconds, self.clock = max_connections, head_seconds, clock
-        self.max_head_bytes = max_head_bytes
+        self.max_head_bytes, self.body_seconds = max_head_bytes, body_seconds
         self.waiting: dict[Guarded, float] = {}
         """Connections between requests -> since when (insertion order: the oldest first)."""
         self.busy: set[Guarded] = set()
@@ -78,10 +83,18 @@ class Book:
         self.waiting[conn] = self.clock()
         conn.expect_head(self.head_seconds)
 
-    def serve(self, peer: Peer) -> None:
+    def serve(self, peer: Peer, has_body: bool = False) -> None:
+        """A request's head is in: no head deadline while it is served, a body deadline while its body comes."""
         conn = self.by_peer.get(peer)
         if conn is not None and self.waiting.pop(conn, None) is not None:
             self.busy.add(conn)
+            conn.disarm()
+            if has_body:
+                conn.expect_body(self.body_seconds)
+
+    def body_read(self, peer: Peer) -> None:
+        conn = self.by_peer.get(peer)
+        if conn is not None and conn in self.busy:
             conn.disarm()
 
     def answered(self, peer: Peer, body_read: bool) -> None:
@@ -159,6 +172,10 @@ class Guarded:
         self.head_bytes, self.tail = 0, b""
         self.timer = asyncio.get_running_loop().call_later(seconds, self.close)
 
+    def expect_body(self, seconds: float) -> None:
+        self.disarm()
+        self.timer = asyncio.get_running_loop().call_later(seconds, self.close)
+
     def disarm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -192,14 +209,15 @@ class Watch:
         peer = _key(scope.get("client"))
         if peer is None:  # no peer name: no connection in the book to tell
             return await self.app(scope, receive, send)
-        self.book.serve(peer)
         body_read = not _has_body(scope)
+        self.book.serve(peer, has_body=not body_read)
 
         async def received():
             nonlocal body_read
             message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
+            if message["type"] == "http.request" and not message.get("more_body", False) and not body_read:
                 body_read = True
+                self.book.body_read(peer)
             return message
 
         async def sent(message):

@@ -1,11 +1,27 @@
 """How far ahead a run's counters can be: its step, its timeline (rollbacks applied). Backwards freely (a
-rollback replays), forwards at most `per_second` past the run's highest value since that value was first
-seen; the first value of a run sets the start. A report past that is refused, never taken as the newest
-(a forged step 10^9 would make every real rank look stalled behind it, or freeze the newest view)."""
+rollback replays), forwards only as far as the run can have moved since it was last seen there. A report
+past that is refused, never taken as the newest (a forged step 10^9 would make every real rank look stalled
+behind it, or freeze the newest view).
+
+`Pace` (the timeline, and steps where no rank is named) measures from the run's own highest value. `RunPace`
+(steps, per rank) measures a rank's claim from the OTHER ranks' reports, so one rank's claims cannot carry
+themselves forward (a forgery accepted would otherwise move the allowance for the next), and at the run's
+observed pace (PACE_FACTOR x its median step rate), not at the most any run could go.
+"""
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
+
+PACE_FACTOR = 4.0
+"""A rank may be this many times the run's median step rate ahead of the others' last report."""
+SLACK_STEPS = 2
+"""... plus this many steps: the ranks' reports of one boundary arrive a moment apart."""
+FRESH_SECONDS = 10.0
+"""Another rank's report older than this corroborates nothing (it may have stopped): the rank's own counts."""
+STEP_SECONDS_KEPT = 64
 
 
 class Pace:
@@ -32,3 +48,70 @@ class Pace:
             self.run_id, self.high = run_id, None
         if self.high is None or value > self.high:
             self.high, self.at = value, self.clock()
+
+
+class RunPace:
+    """A run's steps as its ranks report them: the two highest of distinct ranks (with when each was first
+    seen) and the run's recent step times. O(1) a report: the leader checks every row of every digest."""
+
+    def __init__(self, clock: Callable[[], float], most_per_second: float):
+        self.clock, self.most_per_second = clock, most_per_second
+        self.run_id: str | None = None
+        self.top: list[list] = []
+        """Up to two [step, rank, first seen], highest first, of distinct ranks."""
+        self._seconds: deque[float] = deque(maxlen=STEP_SECONDS_KEPT)
+        self._rate: tuple[float, float] | None = None  # (rate, when computed): once a second at most
+
+    def rate(self) -> float:
+        """Steps a second a rank may run ahead: PACE_FACTOR x the run's median rate, at most most_per_second."""
+        now = self.clock()
+        if self._rate is None or not 0 <= now - self._rate[1] < 1.0:
+            median = statistics.median(self._seconds) if self._seconds else 0.0
+            rate = min(self.most_per_second, PACE_FACTOR / median) if median > 0 else self.most_per_second
+            self._rate = (rate, now)
+        return self._rate[0]
+
+    def too_far(self, run_id: str, step: int, rank: int, beside: tuple[int, int] | None = None) -> str | None:
+        """Why rank `rank`'s `step` is further ahead than the other ranks' reports allow, or None. `beside`:
+        (step, rank) of another rank's summary in the same post (it corroborates too)."""
+        if run_id != self.run_id or not self.top:
+            return None
+        if beside is not None and beside[1] != rank and step <= beside[0] + SLACK_STEPS:
+            return None
+        now = self.clock()
+        other = next((t for t in self.top if t[1] != rank and now - t[2] <= FRESH_SECONDS), None)
+        high, who, at = other if other is not None else self.top[0]
+        if step <= high:
+            return None
+        elapsed = max(0.0, now - at)
+        rate = self.rate()
+        if step <= high + SLACK_STEPS + int(elapsed * rate):
+            return None
+        by = f"rank {who}'s" if who != rank else "its own"
+        return (
+            f"={step} is ahead of the run: the highest step is {by} {high}, first seen {elapsed:.1f} s ago, "
+            f"and this run moves at most {rate:.3g} steps a second ({PACE_FACTOR:g}x its median pace)"
+        )
+
+    def note(self, run_id: str, step: int, rank: int, step_seconds: float | None = None) -> None:
+        if run_id != self.run_id:
+            self.run_id, self.top = run_id, []
+            self._seconds.clear()
+            self._rate = None
+        if step_seconds is not None and step_seconds > 0:
+            self._seconds.append(step_seconds)
+        top = self.top
+        for entry in top:
+            if entry[1] == rank:
+                if step > entry[0]:
+                    entry[0], entry[2] = step, self.clock()
+                    top.sort(key=lambda t: -t[0])
+                return
+        if len(top) < 2 or step > top[-1][0]:
+            top.append([step, rank, self.clock()])
+            top.sort(key=lambda t: -t[0])
+            del top[2:]
+
+    @property
+    def high(self) -> int | None:
+        return self.top[0][0] if self.top else None

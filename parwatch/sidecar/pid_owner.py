@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
 
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 
@@ -70,3 +71,46 @@ def owns_connection(pid: int, client: tuple[str, int] | None) -> bool:
         except OSError:
             continue
     return False
+
+
+def process_started(pid: int) -> float | None:
+    """When process `pid` started, in unix seconds, as its own collector computes it (the clock now, less
+    the machine's uptime, plus the process's start in ticks after boot); None when it is not visible here."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # starttime: field 22
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Proofs:
+    """Which process holds each client connection, proven once per (connection, pid) and kept a while: a
+    rank posts over one kept-alive connection, so a post costs a dict lookup. An entry is proven again after
+    KEEP_SECONDS (a closed connection's port may come back to another process)."""
+
+    KEEP_SECONDS = 5.0
+    MAX_KEPT = 4096
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._kept: dict[tuple, tuple[float, float | None]] = {}  # (client, pid) -> (when, start or None)
+
+    def started(self, pid: int | None, client: tuple[str, int] | None) -> float | None:
+        """The start time of `pid` when it holds the connection from `client`; None: not proven (no pid,
+        another process's connection, or a pid this sidecar cannot see)."""
+        if pid is None or client is None:
+            return None
+        key, now = (client, pid), self.clock()
+        kept = self._kept.get(key)
+        if kept is not None and now - kept[0] < self.KEEP_SECONDS:
+            return kept[1]
+        start = process_started(pid) if owns_connection(pid, client) else None
+        if len(self._kept) >= self.MAX_KEPT:
+            self._kept.clear()
+        self._kept[key] = (now, start)
+        return start

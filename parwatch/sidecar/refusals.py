@@ -19,7 +19,16 @@ from parwatch.catalog import family
 
 log = logging.getLogger("parwatch.sidecar")
 
-REASONS = {401: "unauthorized", 409: "conflict", 413: "too_large", 422: "invalid", 429: "over_limit"}
+REASONS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    409: "conflict",
+    413: "too_large",
+    422: "invalid",
+    429: "over_limit",
+    503: "unavailable",
+}
 """HTTP status -> the reason label; any other 4xx/5xx is "other"."""
 POSTS = {"/v1/ingest": "ingest", "/v1/activity": "activity", "/v1/digest": "digest"}
 """Path -> the post label: ranks' summaries, ranks' activity, node sidecars' digests."""
@@ -42,7 +51,9 @@ class Refusals(Collector):
             return
         key = (post, REASONS.get(status, "other"))
         self.counts[key] = self.counts.get(key, 0) + 1
-        text = str(detail)[:MAX_DETAIL]
+        text = (
+            str(detail or "").strip()[:MAX_DETAIL] or f"HTTP {status} with no reason given (a sidecar bug: report it)"
+        )
         now = self.clock()
         self._last[key] = (now, text)
         when, before = self._logged.get(key, (None, 0))

@@ -141,9 +141,10 @@ def serve(sidecar: Sidecar) -> None:
         raise
     budget = connection_budget()
     head = cfg.head_timeout_seconds
+    body = cfg.body_timeout_seconds
     servers = [
-        _uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES)),
-        _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES)),
+        _uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES, body_seconds=body)),
+        _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES, body_seconds=body)),
     ]
     log.info(
         "parwatch sidecar: metrics http://%s/metrics, control http://%s (token %s), rules %s, state %s",

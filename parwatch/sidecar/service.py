@@ -23,21 +23,26 @@ from pathlib import Path
 import msgspec
 
 from parwatch import ledger_view
+from parwatch.credentials import OPERATOR, Identity
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
+from parwatch.guardrails.store import StorageFault
 from parwatch.sidecar.alerts import AlertDedupe
+from parwatch.sidecar.claims import Refused
 from parwatch.sidecar.config import ConfigError, SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.observations import build_observation
+from parwatch.sidecar.pid_owner import Proofs
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
-from parwatch.sidecar.store import Refused, Store
+from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
 from parwatch.step_records import AlertmanagerPayload, ControlRequest, IngestBody
-from parwatch.vocabulary import RecordType, RuleAction, SidecarRole, jsonable
+from parwatch.vocabulary import RecordType, RuleAction, SidecarRole, Speaker, jsonable
 
 log = logging.getLogger(__name__)
+MAX_UNJUDGED = 10_000
 
 
 class Sidecar:
@@ -46,6 +51,12 @@ class Sidecar:
         self.engine = engine
         self.clock = clock
         self.store = Store(config.rank_grace_seconds, clock=clock, max_ranks=config.max_ranks, max_runs=config.max_runs)
+        self.store.rollbacks = lambda run_id: engine.rollbacks_delivered if run_id == engine.run_id else None
+        self.proofs = Proofs()
+        """Which process holds each rank's connection (claims.py): proven once per connection and pid."""
+        self._unjudged: set[tuple[str, int, int]] = set()
+        """(run, timeline, step) of rank 0's views whose judgement a failed write undid: judged again when the
+        post comes back (the store counted them, so a retry would otherwise pass as already judged)."""
         self.counters = SidecarCounters()
         self.transfer = TransferTracker()
         self.registry = make_registry(
@@ -75,20 +86,32 @@ class Sidecar:
         self.engine.defer_writes()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parwatch-writer")
 
-    async def persist(self) -> None:
-        """Everything the engine decided so far is committed when this returns, including
-        batches another request handed to the writer before us (the writer is one FIFO thread, so
-        waiting for the newest submitted write waits for all)."""
-        while self._writer is not None:
-            batch = self.engine.take_writes()
+    async def persist(self, epoch: int | None = None) -> None:
+        """Everything the engine decided so far is committed when this returns, including batches another
+        request handed to the writer before us (the writer is one FIFO thread, so waiting for the newest
+        submitted write waits for all). StorageFault when it could not be: the engine has then put back
+        its last committed state (nothing decided since stands, no directive of it goes out), and the
+        request answers 503. epoch: the engine's epoch when the request began; a request whose work was
+        put back by another's failed write (the epoch moved) is told so too."""
+        if self._writer is not None:
+            batch = self.engine.take_writes()  # ours, and whatever else is owed
             if batch:
                 self._last_write = asyncio.get_running_loop().run_in_executor(self._writer, batch.write)
-            elif self._last_write is None or self._last_write.done():
-                last, self._last_write = self._last_write, None
-                if last is not None:
-                    last.result()  # a failed write is not durable: the request that waited on it says so
-                return
-            await asyncio.shield(self._last_write)  # a client hanging up must not cancel a write
+            pending = self._last_write
+            if pending is not None:
+                try:
+                    await asyncio.shield(pending)  # a client hanging up must not cancel a write
+                except StorageFault:
+                    self.engine.recover()
+                    self.alerts.reload(self.engine.acted_alerts())
+                    raise
+                finally:
+                    if self._last_write is pending and pending.done():
+                        self._last_write = None
+        if epoch is not None and self.engine.epoch != epoch:
+            raise StorageFault(
+                "the state dir failed a write while this request was decided: what it decided was undone; retry"
+            )
 
     def close(self) -> None:
         """Last writes, on the caller's thread (shutdown)."""
@@ -99,35 +122,62 @@ class Sidecar:
         self.engine.close()
 
     # -- writes -----------------------------------------------------------------------------
-    def ingest(self, body: IngestBody) -> dict:
+    def ingest(self, body: IngestBody, identity: Identity = OPERATOR, client: tuple[str, int] | None = None) -> dict:
         """Store a post's summaries and evaluate; Refused (with the HTTP status) when the store
         will not hold them. The answer's directive is read after the work."""
-        self._admit(body)
-        for s in body.summaries:
-            self._ingest_one(s)
+        pids = self._admit(body, identity, client)
+        for s, pid in zip(body.summaries, pids):
+            self._ingest_one(s, pid)
         self._record_checks(body)
         return self.ingest_reply(body)
 
-    async def ingest_async(self, body: IngestBody) -> dict:
+    async def ingest_async(
+        self, body: IngestBody, identity: Identity = OPERATOR, client: tuple[str, int] | None = None
+    ) -> dict:
         """ingest(), letting other requests in between summaries (a post may carry 10,000, each a step
         to evaluate), then persisting what the engine decided before the answer, and the delivery of the
-        directive the answer carries (from then on it cannot be cancelled)."""
-        self._admit(body)
-        for i, s in enumerate(body.summaries):
+        directive the answer carries (from then on it cannot be cancelled). StorageFault (503) when the
+        state dir cannot be written: no directive goes out then."""
+        epoch = self.engine.epoch
+        pids = self._admit(body, identity, client)
+        for i, (s, pid) in enumerate(zip(body.summaries, pids)):
             if i:
                 await asyncio.sleep(0)
-            self._ingest_one(s)
+            self._ingest_one(s, pid)
         self._record_checks(body)
-        await self.persist()
+        try:
+            await self.persist(epoch)
+        except StorageFault:
+            if len(self._unjudged) > MAX_UNJUDGED:
+                self._unjudged.clear()
+            self._unjudged.update((s.run_id, *s.key) for s in body.summaries if s.global_ is not None)
+            raise
         reply = self.ingest_reply(body)
-        await self.persist()
+        await self.persist(epoch)
         return reply
 
     def ingest_reply(self, body: IngestBody) -> dict:
         return {"accepted": len(body.summaries), "directive": self.engine.pending_directive(deliver=True)}
 
-    def _admit(self, body: IngestBody) -> None:
-        self.store.admit(body.summaries)
+    def _admit(
+        self, body: IngestBody, identity: Identity = OPERATOR, client: tuple[str, int] | None = None
+    ) -> list[int | None]:
+        """Check the whole post (who it speaks for, then the store's admission); the pid each summary's
+        connection proves (None: unproven)."""
+        _speaks_for(identity, body)
+        for i, s in enumerate(body.summaries):
+            if s.run_id != self.engine.run_id and self.engine.ended(s.run_id):
+                raise Refused(
+                    409,
+                    f"summaries.{i}.run_id: run {_printable(s.run_id)[:64]!r} already ended here (its state is "
+                    "archived) and is not taken back; resume it under a new run id (--run-id), so that it is "
+                    "judged again",
+                )
+
+        def prove(pid: int | None) -> float | None:
+            return self.proofs.started(pid, client)
+
+        self.store.admit(body.summaries, prove=prove)
         # A check record belongs to the run whose summaries come here: this post's (its first step may be
         # the bad one) or the current one. One of a run not begun yet (its summaries refused or still to
         # come) is refused, so rank 0 sends it again; one of a run that ended here is late, and ignored.
@@ -139,11 +189,27 @@ class Sidecar:
                     f"checks.{i}.run_id: run {_printable(check.run_id)[:80]} has not begun here; "
                     "its first summary must come first",
                 )
-        if body.alive and self.engine.paused:
+        rank0 = self.store.ranks.get(0)
+        said = "outcomes" if body.outcomes else "checks" if body.checks else "alive" if body.alive else None
+        if said and rank0 is not None and rank0.pid is not None and prove(rank0.pid) is None:
+            raise Refused(
+                409,
+                f"{said}: rank 0's word for every rank, and rank 0's process here is pid {rank0.pid}, proven by "
+                "its own connection; this post does not come from it",
+            )
+        pids = [
+            s.pid if s.pid is not None and _agrees(prove(s.pid), s.process_start_time) else None for s in body.summaries
+        ]
+        if body.alive:
             # A paused run sends no summaries; rank 0 polls instead, and says "alive" only when a
-            # heartbeat collective (which every rank must join) completed since its last post.
-            # Without this a long operator pause would read as dead ranks.
-            self.store.touch_all()
+            # heartbeat collective (which every rank must join, and only while paused) completed since
+            # its last post. Without this a long operator pause would read as dead ranks, or as a hang
+            # (to a restarted leader that has not yet heard of rank 0's own pause).
+            if self.engine.paused:
+                self.store.touch_all()
+            hub = getattr(self, "activity", None)
+            if hub is not None:
+                hub.heartbeat_at = self.clock()
         for outcome in body.outcomes:
             if outcome.local is not None and self.engine.run_id is None:
                 try:  # a leader that lost its state: rank 0's own decision still belongs to a run
@@ -158,6 +224,7 @@ class Sidecar:
                     outcome.directive_id,
                     _printable(outcome.run_id),
                 )
+        return pids
 
     def _record_checks(self, body: IngestBody) -> None:
         """The post's check records, after its summaries (which may begin their run)."""
@@ -179,7 +246,7 @@ class Sidecar:
         rows = hub.rows()
         return {r: rows[r].host for r in ranks if r in rows and rows[r].host}
 
-    def _ingest_one(self, s) -> None:
+    def _ingest_one(self, s, pid: int | None = None) -> None:
         if s.run_id != self.store.run_id:
             self.store.admit([s])  # another post switched runs while this one waited
         if s.rank == 0 and s.run_id != self.engine.run_id:
@@ -188,18 +255,25 @@ class Sidecar:
             except ValueError as err:
                 log.warning("summary refused: %s", err)
                 return
-        if not self.store.add(s):
+        if not self.store.add(s, pid):
+            if s.global_ is not None and self._unjudged and (s.run_id, *s.key) in self._unjudged:
+                self._unjudged.discard((s.run_id, *s.key))  # counted, but its judgement was undone: judge it now
+                self.store.global_view = s.global_
+                self._evaluate()
             return  # a retried post: already counted and evaluated
         self.transfer.add(s)
         # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
         # global step (retries stopped above; the engine also ignores a repeated step).
         if s.global_ is not None and self.store.global_view is s.global_:
-            obs = build_observation(self.store)
-            if obs is not None:
-                obs.series.update(self.transfer.take_series())
-                self._count(self.engine.evaluate(obs))
+            self._evaluate()
         if self.exports is not None:
             self.exports.after_summary(s.step)
+
+    def _evaluate(self) -> None:
+        obs = build_observation(self.store)
+        if obs is not None:
+            obs.series.update(self.transfer.take_series())
+            self._count(self.engine.evaluate(obs))
 
     def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:
         """Withdraw an outstanding directive; ValueError when there is none with that id."""
@@ -235,7 +309,8 @@ class Sidecar:
 
     def tick(self) -> list[dict]:
         """Ask the engine about rules whose metric went silent; the server calls this every second."""
-        decisions = self.engine.check_no_data()
+        hub = getattr(self, "activity", None)
+        decisions = self.engine.check_no_data(paused=hub is not None and hub.run_paused())
         self._count(decisions)
         if self.exports is not None:
             self.exports.tick()
@@ -300,7 +375,7 @@ class Sidecar:
                 "refused": self.refusals.status(),
                 "rules_judged_by": judged_by,
                 "rules": self.engine.states() if judged_here else None,
-                "paused": self.engine.paused,
+                "paused": self.engine.paused if judged_here else (hub.leader_paused if hub is not None else None),
                 "pending_directive": self.engine.pending_directive(),
                 "directives": self.engine.directive_states(),
                 "last_decisions": self.engine.decisions(decisions),
@@ -310,6 +385,35 @@ class Sidecar:
 
     def decisions(self, limit: int) -> list:
         return jsonable(self.engine.decisions(limit))
+
+
+def _agrees(real: float | None, claimed: float | None) -> bool:
+    return real is not None and claimed is not None and ledger_view.same_process(real, claimed)
+
+
+def _speaks_for(identity: Identity, body: IngestBody) -> None:
+    """Refused (403) unless a rank's credential speaks for every summary, outcome and check record of the post:
+    its own rank and run; outcome and check records and "alive" (rank 0's word for every rank) are rank 0's."""
+    if identity.speaker == Speaker.OPERATOR:
+        return
+    who = identity.describe()
+    if identity.speaker != Speaker.RANK:
+        raise Refused(403, f"a credential of {who} posts no step summaries")
+    for i, s in enumerate(body.summaries):
+        if s.rank != identity.rank or s.run_id != identity.run_id:
+            raise Refused(
+                403,
+                f"summaries.{i}: rank {s.rank} of run {_printable(s.run_id)[:64]!r}, but this credential speaks "
+                f"for {who} only",
+            )
+    for i, o in enumerate(body.outcomes):
+        if identity.rank != 0 or o.run_id != identity.run_id:
+            raise Refused(403, f"outcomes.{i}: outcome records are rank 0's of their run; this credential is {who}'s")
+    for i, c in enumerate(body.checks):
+        if identity.rank != 0 or c.run_id != identity.run_id:
+            raise Refused(403, f"checks.{i}: check records are rank 0's of their run; this credential is {who}'s")
+    if body.alive and identity.rank != 0:
+        raise Refused(403, f"alive: only rank 0 vouches for every rank (its heartbeat); this credential is {who}'s")
 
 
 def _printable(text: str) -> str:

@@ -41,9 +41,10 @@ from parwatch.schema import (
     MAX_TIMELINE,
     STEP_BUCKETS,
 )
+from parwatch.sidecar.claims import Prove, Refused, check_process
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.ledger_window import LedgerWindow
-from parwatch.sidecar.pace import Pace
+from parwatch.sidecar.pace import Pace, RunPace
 from parwatch.step_records import GlobalView, StepSummary
 from parwatch.vocabulary import TimeCategory
 
@@ -84,14 +85,6 @@ as already counted (shippers post in order, so only a retry comes that late; ref
 never counts anything twice)."""
 
 
-class Refused(ValueError):
-    """A summary the store will not hold; `status` is the HTTP answer, the message names the field."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
 class Counted:
     """The (timeline, step) keys of one rank already counted: the newest few (insertion order),
     and a floor at or below which every key counts as seen."""
@@ -129,6 +122,12 @@ class RankRecord:
     """(step, productive seconds so far) of the current process's summaries, oldest first."""
     carried: dict[str, float] = field(default_factory=dict)
     """The ledger of this rank's earlier processes of the run, their down time and discarded steps included."""
+    pid: int | None = None
+    """The current process's pid once proven by its own connection (claims.py): then only it speaks for the rank."""
+    last_post: float = 0.0
+    """Sidecar clock when the current process last posted a summary (a restart must start after it)."""
+    base_timeline: int = 0
+    """This rank's timeline when this sidecar first saw it: it moves past that only with rollbacks handed out."""
 
     def time_seconds(self) -> dict[str, float] | None:
         """This rank's ledger counters over the run: its earlier processes' and the current one's."""
@@ -161,6 +160,9 @@ class Store:
         self.max_runs = max_runs
         self.runs: dict[str, float] = {}
         """Run ids seen lately -> sidecar clock of their last post (bounds run-id churn)."""
+        self.rollbacks: Callable[[str], int | None] = lambda run_id: None
+        """run id -> rollbacks the engine handed out to it since it first saw it, or None where this sidecar's
+        engine does not steer that run (a node sidecar): how far its timeline may move (set by the Sidecar)."""
         self._reset(run_id=None)
 
     def _reset(self, run_id: str | None) -> None:
@@ -171,7 +173,6 @@ class Store:
         self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
         self.tokens_total = 0
         self.global_view: GlobalView | None = None
-        self.global_key: tuple[int, int] = (-1, -1)
         self.checkpoints: tuple[int, ...] = ()
         self._checkpoints_key: tuple[int, int] = (-1, -1)
         self._token_rank: int | None = None  # the lowest rank seen: the one whose tokens count
@@ -183,7 +184,9 @@ class Store:
         """The ranks' ledger counters over the last minute: goodput and ETTR for the rules."""
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         """Rank 0's step periods in arrival order: ml-goodput-measurement's step times (parwatch.goodput)."""
-        self._steps = Pace(self.clock, MAX_STEPS_PER_SECOND, "step")
+        self.first_seen: float | None = None
+        """Sidecar clock of the run's first summary here."""
+        self._steps = RunPace(self.clock, MAX_STEPS_PER_SECOND)
         self._timelines = Pace(self.clock, MAX_ROLLBACKS_PER_SECOND, "timeline")
 
     def live_for(self) -> float | None:
@@ -195,12 +198,16 @@ class Store:
         return quiet if quiet <= self.grace_seconds else None
 
     # -- admission ------------------------------------------------------------------------
-    def admit(self, summaries, field: str = "summaries") -> None:
-        """Raise Refused (naming the field) unless every summary fits the run's world and the limits.
+    def admit(self, summaries, field: str = "summaries", prove: Prove | None = None) -> None:
+        """Raise Refused (naming the field) unless every summary fits the run's world and the limits, and
+        its claims what the sidecar knows (its clock, the other ranks, its processes: claims.py). `prove`:
+        pid -> its start when it holds the post's connection.
 
         Checks the whole post before any of it is stored, so a refused post changes nothing."""
         run_id, world = self.run_id, self.world
+        now = self.clock()
         new_ranks: set[int] = set()
+        tops: list[tuple[int, int]] = []  # this post's two highest (step, rank) of distinct ranks: they corroborate
         for i, s in enumerate(summaries):
             where = f"{field}.{i}"
             if s.timeline > MAX_TIMELINE:
@@ -224,8 +231,14 @@ class Store:
                 self._admit_run(s.run_id, where)
                 run_id, world, new_ranks = s.run_id, None, set()
             if run_id == self.run_id:
-                self._admit_progress(s, where)
+                beside = next((t for t in tops if t[1] != s.rank), None)
+                self._admit_progress(s, where, beside)
+                first = self.first_seen if self.first_seen is not None else now
+                check_process(self.ranks.get(s.rank), s, where, now, first, prove)
+            else:
+                check_process(None, s, where, now, now, prove)
             _admit_instances(s, where)
+            tops = _top_two(tops, s.step, s.rank)
             if world is None:
                 world = s.layout
             elif s.layout != world:
@@ -245,13 +258,26 @@ class Store:
                     f"more than --max-ranks {self.max_ranks} are refused (one sidecar per node)",
                 )
 
-    def _admit_progress(self, s: StepSummary, where: str) -> None:
-        """Steps and timelines move only as a run can move them: a summary far ahead of the run, or a
-        global view past its own step, would otherwise stand as the newest and freeze what follows."""
-        for name, pace, value in (("timeline", self._timelines, s.timeline), ("step", self._steps, s.step)):
-            why = pace.too_far(s.run_id, value)
-            if why is not None:
-                raise Refused(422, f"{where}.{name}{why}")
+    def _admit_progress(self, s: StepSummary, where: str, beside: tuple[int, int] | None = None) -> None:
+        """Steps and timelines move only as a run can move them: a step as far as the other ranks' reports
+        and the run's pace allow, a timeline only with a rollback the engine handed out (where it steers the
+        run; elsewhere at most one a second), a global view never past its own step. A summary past that
+        would otherwise stand as the newest and freeze what follows."""
+        why = self._steps.too_far(s.run_id, s.step, s.rank, beside)
+        if why is not None:
+            raise Refused(422, f"{where}.step{why}")
+        rollbacks = self.rollbacks(s.run_id)
+        rec = self.ranks.get(s.rank)
+        if rollbacks is not None and rec is not None and s.timeline > rec.base_timeline + rollbacks:
+            raise Refused(
+                422,
+                f"{where}.timeline={s.timeline}: rank {s.rank} was at timeline {rec.base_timeline} when this "
+                f"sidecar first saw it, and the run has been handed {rollbacks} rollback(s) since; a timeline "
+                "moves only with a rollback",
+            )
+        why = self._timelines.too_far(s.run_id, s.timeline)
+        if why is not None:
+            raise Refused(422, f"{where}.timeline{why}")
         if s.global_ is not None and s.global_.step > s.step:
             raise Refused(
                 422,
@@ -273,16 +299,19 @@ class Store:
             )
 
     # -- writing --------------------------------------------------------------------------
-    def add(self, s: StepSummary) -> bool:
+    def add(self, s: StepSummary, pid: int | None = None) -> bool:
         """Store one summary; False when (run, rank, timeline, step) was already counted (a retry).
+        `pid`: the posting process, proven by its connection (claims.py), or None.
 
-        Call admit() first: add() trusts the world and the limits."""
+        Call admit() first: add() trusts the world, the limits and the claims."""
         now = self.clock()
         if s.run_id != self.run_id:
             if self.run_id is not None:
                 log.warning("run %r replaced by run %r: per-rank state starts again", self.run_id, s.run_id)
             self._reset(s.run_id)
         self.runs[s.run_id] = now
+        if self.first_seen is None:
+            self.first_seen = now
         if self.world is None:
             self.world = s.layout
         key = s.key
@@ -293,6 +322,8 @@ class Store:
                 seen=now,
                 counted=Counted(),
                 started=s.process_start_time,
+                pid=pid,
+                base_timeline=s.timeline,
             )
             if self._token_rank is None or s.rank < self._token_rank:
                 # A lower rank takes over counting tokens after the last step already counted.
@@ -302,16 +333,19 @@ class Store:
             return False  # a late post of a process this rank has restarted since
         elif process > 0:
             self._restart(rec, s)
+            rec.pid = pid
         elif key in rec.counted:
             rec.seen = now
             return False
         elif key > rec.summary.key:
             rec.summary = _kept(s)
+        if rec.pid is None:
+            rec.pid = pid
         rec.counted.add(key)
         if s.time_seconds is not None:
             rec.productive.append((s.step, s.time_seconds.get(TimeCategory.PRODUCTIVE, 0.0)))
-        rec.seen = now
-        self._steps.note(s.run_id, s.step)
+        rec.seen = rec.last_post = now
+        self._steps.note(s.run_id, s.step, s.rank, s.step_seconds)
         self._timelines.note(s.run_id, s.timeline)
         self._accumulate(rec, s)
         return True
@@ -331,13 +365,13 @@ class Store:
             old.step,
             s.step,
         )
-        rec.started = s.process_start_time
+        rec.started, rec.base_timeline = s.process_start_time, s.timeline
         rec.productive = deque(maxlen=PRODUCTIVE_KEPT)
         rec.counted = Counted()
         rec.summary = _kept(s)
         self.ended = False
-        if s.rank == 0:  # its views and checkpoint lists start again: the newest is what it sends now
-            self.global_key = self._checkpoints_key = (-1, -1)
+        if s.rank == 0:  # its checkpoint lists start again: the newest is what it sends now
+            self._checkpoints_key = (-1, -1)
 
     def _accumulate(self, rec: RankRecord, s: StepSummary) -> None:
         t = rec.totals
@@ -364,9 +398,10 @@ class Store:
             self.step_times.append(s.step_seconds)
             if s.key >= self._checkpoints_key:  # a late post does not bring back an older list
                 self.checkpoints, self._checkpoints_key = tuple(s.checkpoints), s.key
-            view_key = (s.timeline, s.global_.step) if s.global_ is not None else None
-            if view_key is not None and view_key > self.global_key:  # a late post is not the newest view
-                self.global_view, self.global_key = s.global_, view_key
+            # Every view rank 0 sends once is judged, in the order it arrives (its shipper posts in order): a
+            # view ordered "newest" by its own (timeline, step) let one forged ahead hide the real ones after.
+            if s.global_ is not None:
+                self.global_view = s.global_
 
     def touch_all(self) -> None:
         """Every known rank of the run was alive just now (see Sidecar.ingest)."""
@@ -422,6 +457,12 @@ class Store:
         """The lowest rank's latest summary: the source of run metadata."""
         rec = self.ranks.get(self._token_rank) if self._token_rank is not None else None
         return rec.summary if rec else None
+
+
+def _top_two(tops: list[tuple[int, int]], step: int, rank: int) -> list[tuple[int, int]]:
+    """The two highest (step, rank) of distinct ranks, with rank `rank` at `step` added."""
+    mine = max([t for t in tops if t[1] == rank] + [(step, rank)])
+    return sorted([t for t in tops if t[1] != rank] + [mine], reverse=True)[:2]
 
 
 def _admit_instances(s: StepSummary, where: str) -> None:

@@ -28,7 +28,9 @@ _CAUSE_GRACE_S = 15.0  # how long the ranks that lost a peer wait for the one th
 Attach = Callable[[TrainConfig, int, int, int, str], Any]
 """Builds and attaches one rank's observer: (cfg, rank, world_size, local_rank, backend) -> an object with
 close(error=None); a ValueError names the setting to fix. The trainer knows nothing of the observer:
-parwatch's launcher (`parwatch train`) passes its collector's (parwatch.collector.attach)."""
+parwatch's launcher (`parwatch train`) passes its collector's (parwatch.collector.attach.RankAttach). One
+with a `prepare(cfg, world_size)` method is asked, before --nproc ranks are spawned, for one Attach per rank
+(what each rank alone receives: its own credential, not the secret it was minted from)."""
 UNWATCHED = (
     "--parwatch on (or --parwatch-endpoint / --parwatch-log) needs parwatch's launcher, which attaches "
     "the collector: run `parwatch train ...` (under torchrun: `torchrun ... -m parwatch train ...`)"
@@ -159,7 +161,14 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
     ctx = mp.get_context("spawn")
     port = _free_port()
     shared = RankProgress.shared_array(ctx, cfg.nproc)
-    procs = [ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg, shared, attach)) for r in range(cfg.nproc)]
+    prepare = getattr(attach, "prepare", None)
+    try:
+        attaches = prepare(cfg, cfg.nproc) if prepare is not None else [attach] * cfg.nproc
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    procs = [
+        ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg, shared, attaches[r])) for r in range(cfg.nproc)
+    ]
     for p in procs:
         p.start()
     from multiprocessing.connection import wait
