@@ -37,7 +37,8 @@ def wait_for(predicate, what: str) -> None:
 def test_the_collector_takes_its_token_from_PARWATCH_TOKEN(tmp_path, monkeypatch):
     with running_sidecar(tmp_path / "state") as sp:
         monkeypatch.setenv("PARWATCH_TOKEN", sp.token)
-        run = pipeline(p=2, m=4, endpoint=sp.control_url)  # attach checks the token: it passes
+        # attach checks the token: it passes; a real clock, as a real collector has (its start is checked)
+        run = pipeline(p=2, m=4, endpoint=sp.control_url, time_fn=time.time)
         run.boundary(0, "start", 0.0, 0.1)
         run_steps(run, 3, 0.1)
         for rank in run.ranks:

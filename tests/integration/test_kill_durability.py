@@ -1,4 +1,4 @@
-"""Issue 22, item 4: a kill -9 at any moment loses no accepted decision. A real `parwatch sidecar` is
+"""Issue 22, item 4 (and issue 43: no directive without a decision): a kill -9 at any moment loses no accepted decision. A real `parwatch sidecar` is
 SIGKILLed 4 times while two operators post pause/resume and rank 0's ingests make decisions (a
 NaN loss every other step). After each kill, every decision it answered 200 for is in parwatch.db and in
 decisions.jsonl, and the database passes integrity_check; after each restart the log holds every record
@@ -92,11 +92,18 @@ def _log_lines(state) -> tuple[list[str], int]:
     return whole, len(lines) - len(whole)
 
 
-def _kept(lines: list[str], answered: Answered) -> None:
-    decisions = [r for r in map(json.loads, lines) if r["type"] == "decision"]
+def _kept(lines: list[str], answered: Answered, state=None) -> None:
+    records = list(map(json.loads, lines))
+    decisions = [r for r in records if r["type"] == "decision"]
     assert answered.ids <= {r["id"] for r in decisions}
     assert answered.nan_steps <= {r["step"] for r in decisions if r["rule"] == "nonfinite-loss"}
-    assert answered.directives <= {r["directive_id"] for r in decisions}
+    # No directive without a decision (issue 43): handed out, logged as delivered, or still queued.
+    made = {r["directive_id"] for r in decisions}
+    assert answered.directives <= made
+    assert {r["directive_id"] for r in records if r["type"] == "delivered"} <= made
+    if state is not None:
+        with contextlib.closing(sqlite3.connect(state / "parwatch.db")) as db:
+            assert {i for (i,) in db.execute("SELECT id FROM directives")} <= made
 
 
 def test_sigkill_mid_transaction_loses_no_answered_decision(tmp_path):
@@ -125,7 +132,7 @@ def test_sigkill_mid_transaction_loses_no_answered_decision(tmp_path):
                 w.join(10)
         log_lines, cut = _log_lines(state)
         torn += cut
-        _kept(_store_lines(state), answered)
+        _kept(_store_lines(state), answered, state)
         _kept(log_lines, answered)
     checked = len(answered.ids) + len(answered.nan_steps)
     print(

@@ -392,7 +392,14 @@ def test_cancel_raced_against_delivery_across_nodes_is_always_true(tmp_path):
     import random
 
     def outcome_of(did):
-        return next((r for r in leader.records() if r.get("type") != "decision" and r.get("directive_id") == did), None)
+        return next(
+            (
+                r
+                for r in leader.records()
+                if r.get("type") not in ("decision", "delivered") and r.get("directive_id") == did
+            ),
+            None,
+        )
 
     def delivered(did):
         return any(d["id"] == did and d["state"] == "delivered" for d in leader.status()["directives"])
@@ -432,7 +439,9 @@ def test_cancel_raced_against_delivery_across_nodes_is_always_true(tmp_path):
             time.sleep(1.0)  # a cancelled pause that was delivered anyway would show its outcome by now
             records = leader.records()
     for kind, did, status in answers:
-        outcomes = [r for r in records if r.get("type") != "decision" and r.get("directive_id") == did]
+        outcomes = [
+            r for r in records if r.get("type") not in ("decision", "delivered") and r.get("directive_id") == did
+        ]
         if kind == "stopped":
             assert status == 200, (kind, did, status)
         elif kind == "delivered":

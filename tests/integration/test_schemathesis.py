@@ -30,7 +30,7 @@ SCHEMATHESIS = ROOT / ".tools" / "schemathesis" / "bin" / "python"
 
 @pytest.mark.skipif(not SCHEMATHESIS.exists(), reason="schemathesis not installed: run scripts/setup.sh test")
 def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(tmp_path):
-    with running_sidecar(tmp_path / "state") as sp:
+    with running_sidecar(tmp_path / "state", "--open-openapi") as sp:  # schemathesis loads it without a header
         cmd = [
             str(SCHEMATHESIS),
             "-m",
@@ -61,7 +61,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(tmp_path):
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
         log = sp.log()
         refused = httpx.get(f"{sp.metrics_url}/metrics", timeout=10).text
-        doc = httpx.get(f"{sp.control_url}/openapi.json", timeout=10).json()
+        doc = httpx.get(f"{sp.control_url}/openapi.json", headers=sp.headers, timeout=10).json()
     for path, record in (("/v1/activity", "ActivityPost"), ("/v1/digest", "NodeDigest")):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{record}"} and record in doc["components"]["schemas"]

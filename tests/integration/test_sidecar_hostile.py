@@ -252,7 +252,7 @@ def test_control_characters_cannot_forge_log_lines(sidecar):
 
 
 def test_validation_errors_are_422_as_the_openapi_document_says(sidecar):
-    doc = httpx.get(f"{sidecar.control_url}/openapi.json").json()
+    doc = httpx.get(f"{sidecar.control_url}/openapi.json", headers=sidecar.headers).json()
     for path, method in (
         ("/v1/ingest", "post"),
         ("/v1/control", "post"),

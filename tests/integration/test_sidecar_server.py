@@ -66,7 +66,8 @@ def test_serves_metrics_and_control_on_separate_listeners(tmp_path):
         text = httpx.get(f"{sp.metrics_url}/metrics").text
         assert 'parwatch_stage_bubble_ratio{rank="1",stage="1"}' in text and "parwatch_train_step 3.0" in text
         assert httpx.get(f"{sp.metrics_url}/v1/status").status_code == 404  # metrics listener is read-only
-        assert "/v1/ingest" in httpx.get(f"{sp.control_url}/openapi.json").json()["paths"]
+        assert httpx.get(f"{sp.control_url}/openapi.json").status_code == 401
+        assert "/v1/ingest" in httpx.get(f"{sp.control_url}/openapi.json", headers=sp.headers).json()["paths"]
         sp.proc.send_signal(signal.SIGTERM)
         assert sp.proc.wait(30) == 0
 

@@ -120,6 +120,7 @@ FIELD_CHECKS = {
             "timeline",
             "tokens",
             "dropped_total",
+            "pid",
         )
     },
     "schedule": lambda x: isinstance(x, str) and x in REFERENCE_SCHEDULES,

@@ -11,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_collector_sim import SimRank, SimRun, ctx_for, pipeline, run_steps
 
+from parwatch.credentials import rank_credential
+
 WAIT_S = 30.0  # generous: other helpers load this 2-core machine
 
 
@@ -90,7 +92,9 @@ def test_summaries_reach_the_sidecar_with_the_token_and_its_directive_reaches_ra
     wait_for(lambda: len(sidecar.ingested()) == 6, "6 summaries at the sidecar")
     path, headers, body = sidecar.requests[0]
     assert path == "/v1/ingest" and body["version"] == 1
-    assert headers["Authorization"] == "Bearer s3cret"
+    for _, headers, body in sidecar.requests:  # each rank sends its own credential, never the secret it came from
+        ranks = {s["rank"] for s in body["summaries"]}
+        assert len(ranks) == 1 and headers["Authorization"] == f"Bearer {rank_credential('s3cret', 'sim-run', *ranks)}"
     assert sorted((s["rank"], s["step"]) for s in sidecar.ingested()) == [(r, n) for r in (0, 1) for n in (1, 2, 3)]
     rank0 = run.ranks[0].collector
     wait_for(lambda: rank0.directives._latest is not None, "the directive at rank 0")

@@ -157,8 +157,8 @@ def test_a_garbled_rule_row_costs_that_rule_not_the_start(tmp_path, caplog):
     saved(tmp_path, "UPDATE rules SET state = '[1' WHERE rule = 'skew'")
     again = run.restarted()
     assert again._monitors["spike"].check.history() == {"values": []}
-    assert "rule spike's saved baseline in baselines is not usable" in caplog.text
-    assert "rule skew's saved state in rules is not usable" in caplog.text
+    assert "a row of table baselines is unreadable" in caplog.text  # moved to rows_aside, an ERROR each
+    assert "a row of table rules is unreadable (state='[1'" in caplog.text
     assert again.states()["skew"]["failing_steps"] == 0
     assert again.states()["spike"]["last_value"] == 2.0  # the rest of the state is kept
 

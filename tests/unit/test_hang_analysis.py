@@ -289,11 +289,11 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
         for node in range(lay.world // per_node):
             rows = []
             for r in range(node * per_node, (node + 1) * per_node):
-                a = act(r, lay, "forward", step=step, host=f"n{node}")
+                a = act(r, lay, "forward", step=step, host=f"n{node}", time=clock.t)
                 if hanging:
-                    a = act(r, lay, "collective", "all_reduce", "world", step=step, host=f"n{node}")
+                    a = act(r, lay, "collective", "all_reduce", "world", step=step, host=f"n{node}", time=clock.t)
                     if r == hung:
-                        a = act(r, lay, "backward", step=step, host=f"n{node}", since=1234.0)
+                        a = act(r, lay, "backward", step=step, host=f"n{node}", since=clock.t - 1, time=clock.t)
                 rows.append(list(astuple(a)))
             yield {
                 "version": 1,
@@ -541,7 +541,7 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     clock = Clock()
     view = LeaderView(clock, grace_seconds=5.0)
     lay = RankLayout(1, 2, 1)
-    rows = [act(r, lay, "forward", step=3) for r in (0, 1)]
+    rows = [act(r, lay, "forward", step=3, time=clock.t) for r in (0, 1)]
     view.ingest(NodeDigest(1, "pw-node1:9401", "r", clock.t, (1, 2, 1), rows))
     assert {a.state for a in view.rows().values()} == {"running"} and view.missing_nodes() == []
     clock.t += 6.0
@@ -555,9 +555,9 @@ def test_the_leader_hears_every_node_since_a_time_unless_one_is_quiet():
     clock = Clock()
     view = LeaderView(clock, grace_seconds=5.0)
     lay = RankLayout(1, 2, 1)
-    view.ingest(NodeDigest(1, "a:9401", "r", clock.t, (1, 2, 1), [act(0, lay, step=3)]))
+    view.ingest(NodeDigest(1, "a:9401", "r", clock.t, (1, 2, 1), [act(0, lay, step=3, time=clock.t)]))
     clock.t += 1.0
-    view.ingest(NodeDigest(1, "b:9401", "r", clock.t, (1, 2, 1), [act(1, lay, step=3)]))
+    view.ingest(NodeDigest(1, "b:9401", "r", clock.t, (1, 2, 1), [act(1, lay, step=3, time=clock.t)]))
     assert view.heard_since(1000.0) and not view.heard_since(1000.5)  # node a: nothing since 1000.0
     clock.t += 5.0  # node a is missing now: it no longer holds the answer back (its ranks read unknown)
     assert view.heard_since(1000.5) and not view.heard_since(1001.5)

@@ -211,7 +211,7 @@ def test_openapi_documents_every_body_by_its_record(client):
     # The decision log's answer is described by its typed records (parwatch/records.py).
     answer = doc["paths"]["/v1/decisions"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     refs = [item["$ref"].rsplit("/", 1)[1] for item in answer["items"]["anyOf"]]
-    assert refs == ["Decision", "Cancelled", "Outcome"] and set(refs) <= set(schemas)
+    assert refs == ["Decision", "Cancelled", "Outcome", "Delivered"] and set(refs) <= set(schemas)
     assert {"action", "source", "reason", "evidence", "time", "step"} <= set(schemas["Decision"]["required"])
 
 

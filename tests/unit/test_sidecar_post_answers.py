@@ -84,4 +84,5 @@ def test_other_methods_and_paths_are_answered_by_the_framework(tmp_path):
     assert client.get("/v1/ingest", headers=AUTH).status_code == 405
     assert client.post("/v1/ingest/", content="{}", headers=AUTH, follow_redirects=False).status_code == 307
     assert client.post("/v1/nothing", content="{}", headers=AUTH).status_code == 404
-    assert "/v1/ingest" in client.get("/openapi.json").json()["paths"]
+    assert client.get("/openapi.json").status_code == 401  # behind the token, like every route it maps
+    assert "/v1/ingest" in client.get("/openapi.json", headers=AUTH).json()["paths"]
