@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
+from parwatch.credentials import node_credential  # noqa: E402
 from parwatch.rank_layout import RankLayout  # noqa: E402
 from parwatch.records import NodeDigest, decode  # noqa: E402
 from parwatch.sidecar.hang import Activity, find_culprit  # noqa: E402
@@ -176,7 +177,9 @@ async def simulate(
     state_dir: Path | None = None,
     metrics_url: str | None = None,
     scrape_seconds: float = 0.0,
+    credentials: bool = True,
 ) -> dict:
+    """credentials: each node posts with its own node credential (a leader of this tree); else the shared token."""
     lay = _layout(ranks)
     nodes = ranks // PER_NODE
     host, port = control_url.removeprefix("http://").split(":")
@@ -237,6 +240,7 @@ async def simulate(
     # Encoded before the clock starts: a node sidecar serialises its digest on its own machine, and
     # encoding 2,048 digests/s here took most of a core from the leader's two.
     templates = {(n, phase): render(n, phase) for n in range(nodes) for phase in (False, True)}
+    tokens = [node_credential(token, f"node{n}") if credentials else token for n in range(nodes)]
 
     def body(node: int, now: float) -> bytes:
         raw = templates[(node, now >= hang_at)]
@@ -252,7 +256,7 @@ async def simulate(
             started = time.perf_counter()
             conn = await pool.get()
             try:
-                status = await conn.post("/v1/digest", body(node, time.time()))
+                status = await conn.post("/v1/digest", body(node, time.time()), tokens[node])
             finally:
                 pool.put_nowait(conn)
             if status != 200:
@@ -392,7 +396,8 @@ def scrape_loop(url: str, every: float, out: str) -> None:
             time.sleep(every)
 
 
-def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0) -> dict:
+def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0, tree: Path = ROOT) -> dict:
+    """One fresh leader (of source tree `tree`: a baseline checkout takes the shared token) under the load."""
     if ranks % PER_NODE:
         raise SystemExit(f"--ranks {ranks} must be a multiple of {PER_NODE} (ranks per node)")
     # The load generator's own collector pauses would read as leader latency: scale.py calls this
@@ -402,7 +407,7 @@ def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: floa
     gc.collect()
     gc.freeze()
     with tempfile.TemporaryDirectory(prefix="parwatch-hang-sim-") as tmp:
-        with running_sidecar(Path(tmp) / "state") as sidecar:
+        with running_sidecar(Path(tmp) / "state", root=tree) as sidecar:
             return asyncio.run(
                 simulate(
                     sidecar.control_url,
@@ -415,6 +420,7 @@ def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: floa
                     state_dir=Path(tmp) / "state",
                     metrics_url=sidecar.metrics_url,
                     scrape_seconds=scrape_seconds,
+                    credentials=tree == ROOT,
                 )
             )
 

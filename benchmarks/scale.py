@@ -1,6 +1,7 @@
 """parwatch at scale, in simulation: rank 0's step-boundary work and payload at N ranks, and the leader.
 
     python benchmarks/scale.py [--ranks 16384] [--tp 8] [--pp 16] [--steps 2000] [--runs 3] [--leader-only]
+                               [--baseline-tree DIR]
                                [--out benchmarks/results/scale.json]
 
 Rank 0's boundary: every one of the N simulated ranks fills its part of the boundary vector once
@@ -13,6 +14,9 @@ the same at every world size.
 The leader (digest ingest p99 at N/8 node digests per second, its RSS, the time to name a hang
 among N ranks and whether the right rank was named) comes from benchmarks/hang_detection.py, --runs
 times, each on a fresh leader, with the share of CPU the host stole during each.
+
+Every node posts its digest with its own node credential (parwatch/credentials.py). With --baseline-tree DIR (a
+checkout without issue 43's checks), each leader run is followed by one on a leader of DIR (shared token).
 
 Goals: rank0_boundary_seconds_p50 <= 1 ms at 16,384 ranks; the leader (LEADER_GOALS) in every run:
 ingest p99 <= 10 ms, RSS <= 250 MB, the hang named within 10 s, and the right rank named.
@@ -110,16 +114,17 @@ def leader(a) -> dict:
 
     import hang_detection
 
-    runs = []
-    for i in range(a.runs):
+    runs, base = [], []
+    for tree, out in ((t, o) for _ in range(a.runs) for t, o in ((ROOT, runs), (a.baseline_tree, base)) if t):
         jiffies = cpu_jiffies()
-        run = hang_detection.simulation(a.ranks, a.warmup, a.connections, a.scrape_seconds)
+        run = hang_detection.simulation(a.ranks, a.warmup, a.connections, a.scrape_seconds, tree=tree)
         run["leader_cpu_stolen_share"] = stolen_share(jiffies, cpu_jiffies())  # the host's other guests
         run["load_avg_after"] = os.getloadavg()[0]
         run.pop("ranks", None)
-        runs.append(run)
+        out.append(run)
         print(
-            f"leader run {i + 1}/{a.runs}: ingest p99 {run['leader_ingest_seconds_p99'] * 1e3:.1f} ms, "
+            f"leader run {len(out)}/{a.runs}{' (baseline)' if out is base else ''}: ingest p99 "
+            f"{run['leader_ingest_seconds_p99'] * 1e3:.1f} ms, "
             f"hang named after {run['hang_named_seconds']} s (right rank: {run['named_right']}), "
             f"RSS {run['leader_rss_bytes'] / 1e6:.0f} MB, stolen CPU {run['leader_cpu_stolen_share']:.0%}, "
             f"load average {run['load_avg_after']:.1f}"
@@ -133,6 +138,8 @@ def leader(a) -> dict:
     goals = {k: [limit, all(r[k] is not None and r[k] <= limit for r in runs)] for k, limit in LEADER_GOALS.items()}
     goals["named_right"] = [True, all(r["named_right"] for r in runs)]
     result = {"leader_runs": runs, "leader_goals": goals, **hang_detection.handler_timing(a.ranks)}
+    if base:
+        result["baseline"] = {"tree": str(a.baseline_tree), "leader_runs": base}
     for key in ("leader_ingest_seconds_p99", "leader_rss_bytes", "hang_named_seconds"):
         result[f"{key}_worst"] = max(r[key] for r in runs)
     return result
@@ -152,6 +159,12 @@ def main() -> None:
         "--scrape-seconds", type=float, default=0.0, help="leader: scrape its /metrics this often (0: never)"
     )
     p.add_argument("--leader-only", action="store_true", help="skip rank 0's boundary (simulating N collectors)")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="leader: a checkout without issue 43's checks; each run is followed by one on a leader of it",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     a = p.parse_args()
     if a.ranks % (a.tp * a.pp):
@@ -163,8 +176,12 @@ def main() -> None:
     rows = [
         [k, f"{v * 1e3:.3f} ms" if isinstance(v, float) and ("_seconds_p" in k or k.endswith("_max")) else v]
         for k, v in result.items()
-        if k not in ("leader_runs", "leader_goals")
+        if k not in ("leader_runs", "leader_goals", "baseline")
     ]
+    for name, runs in (("", result["leader_runs"]), ("baseline ", (result.get("baseline") or {}).get("leader_runs"))):
+        if runs:
+            p99 = " | ".join(f"{r['leader_ingest_seconds_p99'] * 1e3:.1f}" for r in runs)
+            rows.append([f"{name}leader ingest p99 per run (ms)", p99])
     print_table(["measure", "value"], rows)
     met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["leader_goals"].items())
     print(f"leader goals met in every run ({a.runs}): {met}")

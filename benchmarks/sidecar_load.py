@@ -8,6 +8,13 @@ rules on an Observation of the same size.
 
     python benchmarks/sidecar_load.py --ranks 64 --duration 20 --out benchmarks/results/sidecar_load.json
 
+The simulated ranks post what a real collector posts: each its own rank credential (parwatch/credentials.py),
+this process's pid (the sidecar proves every connection's owner once) and real start, and ledger counters
+that only grow: every check of issue 43 runs on every post. With --baseline-tree DIR (a checkout of the
+code before those checks, e.g. `git archive d484f20 | tar -x -C DIR`), each run is followed by the same run
+on a sidecar of DIR (shared token: it knows no credentials), and both are printed side by side: the checks'
+cost is the difference, measured alternately in one invocation.
+
 Goals per shape (GOALS), in every one of --runs runs (3 by default; all are printed side by side):
 a node sidecar serves its node's ranks, at most 64: ingest p99 <= 5 ms, scrape <= 50 ms (under load
 and idle), RSS <= 300 MB, evaluate (20 rules) <= 1 ms. Other shapes (--ranks 1024: every rank of a
@@ -39,10 +46,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
 
+from parwatch.credentials import rank_credential  # noqa: E402
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
 from parwatch.records import parse  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
+from parwatch.sidecar.pid_owner import process_started  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
 from parwatch.step_records import StepSummary  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
@@ -89,12 +98,13 @@ class Connection:
         self.host, self.port, self.token = host, port, token
         self.reader = self.writer = None
 
-    async def post(self, path: str, body: bytes) -> int:
+    async def post(self, path: str, body: bytes, token: str | None = None) -> int:
+        """POST `body`; `token`: this post's credential (a rank's, a node's), else the connection's."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {self.token}\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"Authorization: Bearer {token or self.token}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
@@ -119,7 +129,9 @@ async def drive(
     scrape_every: float,
     pid: int,
     token: str = "",
+    credentials: bool = True,
 ) -> dict:
+    """credentials: each rank posts with its own credential (a sidecar of this tree); else the shared token."""
     host, port = control_url.removeprefix("http://").split(":")
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(connections):
@@ -134,26 +146,12 @@ async def drive(
     steps = int(duration) + 1
     bodies = {
         (rank, step): json.dumps(
-            {
-                "version": 1,
-                "summaries": [
-                    syn.summary(
-                        rank,
-                        step,
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        time=TIME_PLACEHOLDER,
-                        step_seconds=1.0,
-                        checkpoints=[1] if step > 1 else [],
-                        global_stages=stages if rank == 0 else None,
-                    )
-                ],
-            }
+            {"version": 1, "summaries": [collector_summary(rank, step, tp, pp, dp, stages)]}
         ).encode()
         for rank in range(ranks)
         for step in range(1, steps + 1)
     }
+    tokens = [rank_credential(token, "synthetic", r) if credentials else token for r in range(ranks)]
     start = time.monotonic() + 0.5
 
     async def rank_loop(rank: int):
@@ -170,7 +168,7 @@ async def drive(
             t0 = time.monotonic()
             queued.append(t0 - waited)
             try:
-                status = await conn.post("/v1/ingest", body)
+                status = await conn.post("/v1/ingest", body, tokens[rank])
                 if status != 200:
                     errors.append(status)
             except (OSError, asyncio.IncompleteReadError, ValueError) as err:
@@ -205,6 +203,28 @@ async def drive(
         "rss": rss,
         "elapsed": time.monotonic() - start,
     }
+
+
+MY_START = process_started(os.getpid())
+
+
+def collector_summary(rank: int, step: int, tp: int, pp: int, dp: int, stages: list) -> dict:
+    """A rank's summary as its collector sends it: this process's pid and real start, and a ledger that grows
+    a second a step (the ranks post a step a second), all of it behind the process's start."""
+    s = syn.summary(
+        rank,
+        step,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        time=TIME_PLACEHOLDER,
+        step_seconds=1.0,
+        checkpoints=[1] if step > 1 else [],
+        global_stages=stages if rank == 0 else None,
+    )
+    s["pid"], s["process_start_time"] = os.getpid(), MY_START
+    s["time_seconds"]["startup"] = 0.0
+    return s
 
 
 def scrape_loop(metrics_url: str, start: float, duration: float, every: float, results) -> None:
@@ -321,10 +341,11 @@ def evaluate_timing(ranks: int, steps: int = 200) -> dict:
     return out
 
 
-def one_run(args) -> dict:
-    """One fresh sidecar under the load: ingest latency, scrapes under load and idle, CPU, RSS."""
+def one_run(args, tree: Path = ROOT) -> dict:
+    """One fresh sidecar (of source tree `tree`) under the load: ingest latency, scrapes under load and idle,
+    CPU, RSS."""
     with tempfile.TemporaryDirectory() as tmp:
-        with running_sidecar(Path(tmp) / "state", "--log-level", "warning") as sp:
+        with running_sidecar(Path(tmp) / "state", "--log-level", "warning", root=tree) as sp:
             rss_start = rss_mb(sp.pid)
             cpu_start, client_start, jiffies = cpu_seconds(sp.pid), time.process_time(), cpu_jiffies()
             load = asyncio.run(
@@ -337,6 +358,7 @@ def one_run(args) -> dict:
                     args.scrape_every,
                     sp.pid,
                     sp.token,
+                    credentials=tree == ROOT,
                 )
             )
             cpu_load, client_cpu = cpu_seconds(sp.pid) - cpu_start, time.process_time() - client_start
@@ -378,16 +400,26 @@ def main(argv=None) -> int:
     p.add_argument("--scrape-every", type=float, default=5.0, help="seconds between /metrics scrapes under load")
     p.add_argument("--runs", type=int, default=3, help="independent runs, each on a fresh sidecar (all printed)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/sidecar_load.json"))
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="a checkout without issue 43's checks: each run is followed by one on a sidecar of it",
+    )
     args = p.parse_args(argv)
 
-    runs = []
+    runs, base = [], []
     for i in range(args.runs):
-        runs.append(one_run(args))
-        print(
-            f"run {i + 1}/{args.runs}: ingest p99 {runs[-1]['ingest_ms_p99']:.1f} ms, "
-            f"scrape under load {runs[-1]['scrape_ms_under_load_p50']:.0f} ms",
-            flush=True,
-        )
+        for tree, out in ((ROOT, runs), (args.baseline_tree, base)):
+            if tree is None:
+                continue
+            out.append(one_run(args, tree))
+            print(
+                f"run {i + 1}/{args.runs}{' (baseline)' if out is base else ''}: ingest p99 "
+                f"{out[-1]['ingest_ms_p99']:.1f} ms, scrape under load {out[-1]['scrape_ms_under_load_p50']:.0f} ms, "
+                f"stolen CPU {out[-1]['cpu_stolen_share']:.0%}, load average {out[-1]['load_avg_after']:.1f}",
+                flush=True,
+            )
     worst = {
         k: max(r[k] for r in runs)
         for k in ("ingest_ms_p99", "scrape_ms_under_load_p50", "scrape_ms_idle_p50", "rss_mb_peak")
@@ -399,6 +431,7 @@ def main(argv=None) -> int:
         "connections": args.connections,
         "runs": runs,
         "worst_of_runs": worst,
+        "baseline": {"tree": str(args.baseline_tree), "runs": base} if base else None,
         **evaluate_timing(args.ranks),
         **{f"{k}_8_ranks": v for k, v in evaluate_timing(8).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
@@ -467,6 +500,20 @@ def main(argv=None) -> int:
             "",
         ),
     ]
+    if base:
+        rows[1:1] = [
+            (
+                "  baseline (no checks) p50 / p99 (ms)",
+                " | ".join(f"{r['ingest_ms_p50']:.2f} / {r['ingest_ms_p99']:.2f}" for r in base),
+                "",
+            ),
+            ("  baseline CPU ms/post", " | ".join(f"{r['sidecar_cpu_ms_per_post']:.2f}" for r in base), ""),
+            (
+                "  baseline scrape under load p50 (ms)",
+                " | ".join(f"{r['scrape_ms_under_load_p50']:.0f}" for r in base),
+                "",
+            ),
+        ]
     width = max(len(r[0]) for r in rows)
     vwidth = max(len(r[1]) for r in rows)
     print(

@@ -73,8 +73,10 @@ def running_sidecar(
     timeout: float = 60.0,
     env=None,
     open_files: int | None = None,
+    root: Path = ROOT,
 ):
     """Yield a SidecarProcess on free loopback ports; its stderr goes to state_dir/../sidecar-<port>.log.
+    root: the source tree whose parwatch runs it (a benchmark's baseline: another checkout).
 
     token None (and no --token-file in extra): the sidecar generates STATE_DIR/token, as it does by
     default; either way the SidecarProcess carries the token and a file holding it. open_files: the
@@ -82,7 +84,7 @@ def running_sidecar(
     state_dir = Path(state_dir)
     state_dir.parent.mkdir(parents=True, exist_ok=True)
     child_env = dict(os.environ if env is None else env)
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), child_env.get("PYTHONPATH")]))
     if token is not None:
         child_env["PARWATCH_TOKEN"] = token
     else:

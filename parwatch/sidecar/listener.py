@@ -53,9 +53,12 @@ class Book:
         max_head_bytes: int,
         clock: Callable[[], float] = time.monotonic,
         body_seconds: float = 30.0,
+        on_close: Callable[[Peer], None] | None = None,
     ):
         self.max_connections, self.head_seconds, self.clock = max_connections, head_seconds, clock
         self.max_head_bytes, self.body_seconds = max_head_bytes, body_seconds
+        self.on_close = on_close
+        """Told the peer of every connection that closes (what was proven of it: pid_owner.Proofs)."""
         self.waiting: dict[Guarded, float] = {}
         """Connections between requests -> since when (insertion order: the oldest first)."""
         self.busy: set[Guarded] = set()
@@ -110,6 +113,8 @@ class Book:
         self.busy.discard(conn)
         if conn.peer is not None and self.by_peer.get(conn.peer) is conn:
             del self.by_peer[conn.peer]
+            if self.on_close is not None:
+                self.on_close(conn.peer)
 
 
 class Guarded:

@@ -89,28 +89,32 @@ def process_started(pid: int) -> float | None:
 
 
 class Proofs:
-    """Which process holds each client connection, proven once per (connection, pid) and kept a while: a
-    rank posts over one kept-alive connection, so a post costs a dict lookup. An entry is proven again after
-    KEEP_SECONDS (a closed connection's port may come back to another process)."""
+    """Which process holds each client connection, proven once per (connection, pid) and kept while the
+    connection lasts (the listener says when it closes: forget): a rank posts over one kept-alive
+    connection, so a post costs a dict lookup, and a closed connection's port that comes back to another
+    process is proven again."""
 
-    KEEP_SECONDS = 5.0
     MAX_KEPT = 4096
 
-    def __init__(self, clock=time.monotonic):
-        self.clock = clock
-        self._kept: dict[tuple, tuple[float, float | None]] = {}  # (client, pid) -> (when, start or None)
+    def __init__(self):
+        self._kept: dict[tuple[str, int], dict[int, float | None]] = {}  # client -> {pid: its start, or None}
 
     def started(self, pid: int | None, client: tuple[str, int] | None) -> float | None:
         """The start time of `pid` when it holds the connection from `client`; None: not proven (no pid,
         another process's connection, or a pid this sidecar cannot see)."""
         if pid is None or client is None:
             return None
-        key, now = (client, pid), self.clock()
-        kept = self._kept.get(key)
-        if kept is not None and now - kept[0] < self.KEEP_SECONDS:
-            return kept[1]
+        known = self._kept.get(client)
+        if known is not None and pid in known:
+            return known[pid]
         start = process_started(pid) if owns_connection(pid, client) else None
-        if len(self._kept) >= self.MAX_KEPT:
-            self._kept.clear()
-        self._kept[key] = (now, start)
+        if known is None:
+            if len(self._kept) >= self.MAX_KEPT:
+                self._kept.clear()
+            known = self._kept[client] = {}
+        known[pid] = start
         return start
+
+    def forget(self, client: tuple[str, int]) -> None:
+        """The connection from `client` closed."""
+        self._kept.pop(client, None)

@@ -144,7 +144,11 @@ def serve(sidecar: Sidecar) -> None:
     body = cfg.body_timeout_seconds
     servers = [
         _uvicorn(create_metrics_app(sidecar), "off", Book(budget, head, MAX_HEAD_BYTES, body_seconds=body)),
-        _uvicorn(create_control_app(sidecar), "on", Book(budget, head, MAX_HEAD_BYTES, body_seconds=body)),
+        _uvicorn(
+            create_control_app(sidecar),
+            "on",
+            Book(budget, head, MAX_HEAD_BYTES, body_seconds=body, on_close=sidecar.proofs.forget),
+        ),
     ]
     log.info(
         "parwatch sidecar: metrics http://%s/metrics, control http://%s (token %s), rules %s, state %s",
