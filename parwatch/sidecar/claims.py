@@ -44,8 +44,12 @@ class Refused(ValueError):
         self.status = status
 
 
+_WASTED = TimeCategory.WASTED
+
+
 def _wall(s: StepSummary) -> float:
-    return ledger_view.wall_of({c.value: v for c, v in s.time_seconds.items()}) if s.time_seconds else 0.0
+    """The wall time the summary's ledger covers (ledger_view.wall_of: every category but wasted)."""
+    return sum(v for c, v in s.time_seconds.items() if c is not _WASTED) if s.time_seconds else 0.0
 
 
 def check_process(rec, s: StepSummary, where: str, now: float, first_here: float, prove: Prove | None) -> None:
@@ -144,8 +148,8 @@ def _check_counters(rec, s: StepSummary, where: str) -> None:
     if old is None or new is None or s.key == rec.summary.key:
         return
     later = s.key > rec.summary.key
-    for category in TimeCategory:
-        a, b = old.get(category, 0.0), new.get(category, 0.0)
+    for category, a in old.items():
+        b = new.get(category, 0.0)
         if (b < a - COUNTER_EPSILON) if later else (b > a + COUNTER_EPSILON):
             raise Refused(
                 422,
