@@ -246,8 +246,14 @@ class LeaderView:
         node, layout = digest.node, layout_of(digest.layout, digest.order, "digest.layout")
         rows = digest_rows(digest.rows, layout, self.clock() + CLOCK_SKEW_SECONDS)
         run_id = digest.run_id or ""
+        pace = self.pace
+        high = pace.high if run_id == pace.run_id else None
+        best = None  # the digest's furthest row: what the node tells of the run's pace
         for i, a in enumerate(rows):
-            self.pace.check(run_id, a.step, f"digest.rows[{i}]", a.rank)
+            if high is not None and a.step > high:  # a row no further than any rank reached needs no check
+                pace.check(run_id, a.step, f"digest.rows[{i}]", a.rank)
+            if best is None or a.step > best.step:
+                best = a
         if run_id == self.run_id:
             same_layout(self.layout, layout, "digest.layout")
             self._check_owners(node, rows)
@@ -266,9 +272,10 @@ class LeaderView:
         self.last_heard = now
         self._quiet.discard(node)
         gone, owner = self.gone, self.owner
+        if best is not None:
+            pace.note(run_id, best.step, best.rank, best.step_seconds)
         for a in rows:
             owner[a.rank] = node
-            self.pace.note(run_id, a.step, a.rank, a.step_seconds)
             if a.state in ENDED:
                 gone.add(a.rank)
             elif a.rank in gone:

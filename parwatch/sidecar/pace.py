@@ -74,7 +74,8 @@ class RunPace:
     def too_far(self, run_id: str, step: int, rank: int, beside: tuple[int, int] | None = None) -> str | None:
         """Why rank `rank`'s `step` is further ahead than the other ranks' reports allow, or None. `beside`:
         (step, rank) of another rank's summary in the same post (it corroborates too)."""
-        if run_id != self.run_id or not self.top:
+        top = self.top
+        if run_id != self.run_id or not top or step <= top[0][0]:  # no further than any rank reached: most reports
             return None
         if beside is not None and beside[1] != rank and step <= beside[0] + SLACK_STEPS:
             return None
