@@ -186,6 +186,9 @@ class Store:
         """Rank 0's step periods in arrival order: ml-goodput-measurement's step times (parwatch.goodput)."""
         self.first_seen: float | None = None
         """Sidecar clock of the run's first summary here."""
+        self.heard = 0.0
+        """Sidecar clock when a rank of the run last posted here (the newest of the ranks' `seen`): the
+        activity hub asks it on every post."""
         self._steps = RunPace(self.clock, MAX_STEPS_PER_SECOND)
         self._timelines = Pace(self.clock, MAX_ROLLBACKS_PER_SECOND, "timeline")
 
@@ -194,7 +197,7 @@ class Store:
         or it has been silent past the grace period): only then may another run id take over."""
         if self.run_id is None or self.ended or not self.ranks:
             return None
-        quiet = self.clock() - max(rec.seen for rec in self.ranks.values())
+        quiet = self.clock() - self.heard
         return quiet if quiet <= self.grace_seconds else None
 
     # -- admission ------------------------------------------------------------------------
@@ -335,7 +338,7 @@ class Store:
             self._restart(rec, s)
             rec.pid = pid
         elif key in rec.counted:
-            rec.seen = now
+            rec.seen = self.heard = now
             return False
         elif key > rec.summary.key:
             rec.summary = _kept(s)
@@ -344,7 +347,7 @@ class Store:
         rec.counted.add(key)
         if s.time_seconds is not None:
             rec.productive.append((s.step, s.time_seconds.get(TimeCategory.PRODUCTIVE, 0.0)))
-        rec.seen = rec.last_post = now
+        rec.seen = rec.last_post = self.heard = now
         self._steps.note(s.run_id, s.step, s.rank, s.step_seconds)
         self._timelines.note(s.run_id, s.timeline)
         self._accumulate(rec, s)
@@ -408,6 +411,7 @@ class Store:
         now = self.clock()
         for rec in self.ranks.values():
             rec.seen = now
+        self.heard = now
 
     # -- reading --------------------------------------------------------------------------
     def age(self, rec: RankRecord) -> float:
