@@ -1,5 +1,6 @@
-"""The wheel as a user installs it: one top-level package (`parwatch`, the bundled trainer inside it), and
-`parwatch train` runs from the installed files alone, away from this checkout."""
+"""The wheel as a user installs it: one top-level package (`parwatch`, the bundled trainer inside it, built
+from the checkout's top-level trainer/), and `parwatch train` runs from the installed files alone, away
+from this checkout; an editable install of a checkout runs that checkout's trainer."""
 
 from __future__ import annotations
 
@@ -22,33 +23,44 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.Comple
     return proc
 
 
+def fresh_venv(env_dir: Path) -> Path:
+    """A venv of its own (no parwatch in it) that sees the packages this interpreter sees (torch and friends).
+
+    `venv --system-site-packages` is not that: run from inside a venv it sees the base interpreter's
+    site-packages, not the venv's. A .pth file naming this interpreter's site directories is: its paths
+    come after the new venv's own, and .pth files in them (an editable parwatch's finder) are not run.
+    No pip or setuptools is seeded in it (`pip_into` installs), so builds use this interpreter's setuptools."""
+    run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], cwd=env_dir.parent)
+    [site_dir] = (env_dir / "lib").glob("python3*/site-packages")
+    seen = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    (site_dir / "outer_packages.pth").write_text("\n".join(seen) + "\n")
+    return env_dir
+
+
+def pip_into(env_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "--quiet", "--no-deps"]
+
+
+def source_copy(dest: Path) -> Path:
+    """The files a build reads, copied: setuptools writes build/ and egg-info beside the sources."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "parwatch", dest / "parwatch", ignore=ignore, symlinks=True)
+    shutil.copytree(ROOT / "trainer", dest / "trainer", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """A fresh venv (seeing this machine's torch and friends) with only the built wheel installed in it."""
+    """A fresh venv with only the built wheel installed in it."""
     base = tmp_path_factory.mktemp("wheel")
-    src = base / "src"  # built from a copy: setuptools writes build/ and egg-info beside the sources
-    shutil.copytree(ROOT / "parwatch", src / "parwatch", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(base / "dist"),
-            str(src),
-        ],
-        cwd=base,
-    )
+    src = source_copy(base / "src")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+    run([*pip_wheel, "-w", str(base / "dist"), str(src)], cwd=base)
     [wheel] = (base / "dist").glob("parwatch-*.whl")
-    env_dir = base / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], cwd=base)
-    run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel)], cwd=base)
+    env_dir = fresh_venv(base / "venv")
+    run([*pip_into(env_dir), str(wheel)], cwd=base)
     return env_dir
 
 
@@ -96,3 +108,17 @@ def test_parwatch_train_runs_from_the_installed_wheel(venv, tmp_path):
     assert where.startswith(str(venv)), where  # the installed copy, not this checkout
     rows = [json.loads(line) for line in (log / "summaries.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_an_editable_install_imports_the_checkouts_trainer(tmp_path):
+    src = source_copy(tmp_path / "src")
+    env_dir = fresh_venv(tmp_path / "venv")
+    python = str(env_dir / "bin" / "python")
+    run([*pip_into(env_dir), "--no-build-isolation", "-e", str(src)], cwd=tmp_path)
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    code = "import os, parwatch, parwatch.trainer.train as t; print(parwatch.__file__); print(os.path.realpath(t.__file__))"
+    where = run([python, "-c", code], cwd=away, env=clean_env()).stdout.split()
+    assert where == [str(src / "parwatch" / "__init__.py"), str(src / "trainer" / "train.py")], where
+    refused = subprocess.run([python, "-c", "import trainer"], cwd=away, env=clean_env(), capture_output=True)
+    assert refused.returncode != 0  # the folder is parwatch.trainer only
