@@ -9,6 +9,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from tests.deadline import DeadlineExceeded
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -93,7 +95,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(
+                raise DeadlineExceeded(
                     f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s"
                 )
             try:

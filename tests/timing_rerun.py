@@ -5,8 +5,11 @@ wall-clock figures (a measured bubble, when a hang is named) but never what a ru
 test marked `timing` (one test, never a module: its assertion is a figure of time) that fails gets
 one more run in a fresh process (new fixtures, new measurements), when nothing else failed. Never:
 - after `-x`/`--maxfail` stopped the session (tests that never ran could have failed);
-- for a timeout (pytest-timeout: a deadlock is not a slow host);
-- for a setup or teardown error, or when any other test failed.
+- for a timeout (pytest-timeout: a deadlock is not a slow host), nor for a deadline a test waited on
+  (tests/deadline.py's DeadlineExceeded: the hang was never named, the server never came up);
+- for a failure that is no assertion (a KeyError, pytest.fail): a figure fails an `assert`;
+- for a setup or teardown error, or when any other test failed;
+- when more than MAX_RERUNS timing tests failed: that many is a regression, not a slow minute.
 The re-run gets the caller's options (`-m`, `-k`, `-p`...) with the failed tests' ids in place of
 the paths. When it passes, the exit code, the last line ("N passed, 1 rerun") and the JUnit XML all
 say so; the first attempt's failure is printed, and every re-run is appended to a JSON-lines log
@@ -28,6 +31,9 @@ import pytest
 RERUN_ENV = "PARWATCH_TIMING_RERUN"
 LOG_ENV = "PARWATCH_RERUN_LOG"
 TIMEOUT_MARK = "from pytest-timeout"
+DEADLINE_MARK = "DeadlineExceeded"  # tests/deadline.py: the class name is in any traceback that raised it
+MAX_RERUNS = 2
+"""Timing tests one session may re-run; a third timing failure fails it."""
 _first: dict[str, pytest.TestReport] = {}
 _other: list[str] = []
 
@@ -35,7 +41,11 @@ _other: list[str] = []
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not report.failed:
         return
-    wall_clock = "timing" in report.keywords and report.when == "call" and TIMEOUT_MARK not in report.longreprtext
+    text = report.longreprtext
+    crash = getattr(report.longrepr, "reprcrash", None)
+    asserted = crash is not None and crash.message.startswith("AssertionError")
+    wall_clock = "timing" in report.keywords and report.when == "call" and asserted
+    wall_clock = wall_clock and TIMEOUT_MARK not in text and DEADLINE_MARK not in text
     if wall_clock:
         _first[report.nodeid] = report
     else:
@@ -49,6 +59,8 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 @pytest.hookimpl(trylast=True)  # after junitxml has written its file: a passing re-run corrects it
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: its controller decides
+        return
     if os.environ.get(RERUN_ENV) or exitstatus != pytest.ExitCode.TESTS_FAILED or not _first or _other:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -62,13 +74,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "tests after the stop never ran"
         )
         return
+    if len(nodeids) > MAX_RERUNS:
+        say(f"no timing re-run: {len(nodeids)} timing tests failed, more than {MAX_RERUNS} is not a slow host")
+        return
     say(
         f"{len(nodeids)} timing test(s) failed, nothing else: running them once more in a fresh process "
         f"(the host may have taken CPU meanwhile): {', '.join(nodeids)}"
     )
     config = session.config
+    serial = ["-n", "0"] if config.pluginmanager.hasplugin("xdist") else []  # alone: no worker beside it
     rerun = subprocess.run(
-        [sys.executable, "-m", "pytest", *_caller_options(config), "-p", "no:cacheprovider", *nodeids],
+        [sys.executable, "-m", "pytest", *_caller_options(config), *serial, "-p", "no:cacheprovider", *nodeids],
         cwd=str(config.rootpath),
         env={**os.environ, RERUN_ENV: "1"},
     )

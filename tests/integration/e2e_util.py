@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deadline import WAIT_S, DeadlineExceeded, wait_until  # noqa: F401 (the e2e tests wait with these)
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_TIMEOUT_S = 180.0
 """Hard limit on one trainer run (the launcher, its ranks and their collectives)."""
-WAIT_S = 60.0
-"""Generous default for waiting on a state change: other helpers load this 2-core machine."""
 
 SMALL_MODEL = ("--layers", "2", "--hidden", "32", "--seq-len", "16")
 """A real-compute model small enough for steps of a few tens of milliseconds on one core."""
@@ -56,18 +56,6 @@ def decision_records(state_dir: Path) -> list[dict]:
 
 def applied_records(state_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(Path(state_dir) / "decisions.jsonl") if r.get("type") == "applied"]
-
-
-def wait_until(predicate, what: str, timeout: float = WAIT_S, interval: float = 0.1):
-    """Poll predicate() until it returns something truthy (returned); AssertionError naming `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 def is_finite_loss(x) -> bool:
@@ -132,7 +120,7 @@ class TrainerRun:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             kill_group(self.proc)
-            raise AssertionError(f"trainer did not finish in {timeout:g} s\n{self.output()}") from None
+            raise DeadlineExceeded(f"trainer did not finish in {timeout:g} s\n{self.output()}") from None
         assert code == 0, f"trainer exited with {code}\n{self.output()}"
         return json.loads(self.summary_path.read_text())
 
@@ -230,7 +218,8 @@ def launch_nodes(
 
 
 def wait_nodes(procs: list[subprocess.Popen], out_paths: list[Path], timeout: float = TRAINER_TIMEOUT_S) -> None:
-    """Wait for every launcher of launch_nodes to exit 0 (AssertionError with its output otherwise)."""
+    """Wait for every launcher of launch_nodes to exit 0 (AssertionError with its output otherwise,
+    DeadlineExceeded past the timeout)."""
     deadline = time.monotonic() + timeout
     for k, (proc, out_path) in enumerate(zip(procs, out_paths)):
         try:
@@ -239,6 +228,8 @@ def wait_nodes(procs: list[subprocess.Popen], out_paths: list[Path], timeout: fl
             kill_group(proc)
             code = "timeout"
         out = Path(out_path).read_text(errors="replace")[-3000:]
+        if code == "timeout":
+            raise DeadlineExceeded(f"node {k}'s launcher ({out_path}) did not finish in {timeout:g} s\n{out}")
         assert code == 0, f"node {k}'s launcher ({out_path}) exited with {code}\n{out}"
 
 

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import free_port, running_sidecar, stop
 
@@ -77,13 +78,7 @@ receivers:
 
 
 def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return wait_until(predicate, what, timeout, interval=0.2)
 
 
 def iso(t: dt.datetime) -> str:

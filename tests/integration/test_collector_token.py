@@ -19,6 +19,7 @@ from parwatch.collector import Collector, attach
 from parwatch.collector.attach import AttachError
 from parwatch.collector.shipper import Shipper
 from parwatch.contract import HookRegistry
+from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import running_sidecar
 from tests.unit.test_collector_sim import ctx_for, pipeline, run_steps
@@ -28,10 +29,7 @@ WAIT_S = 30.0
 
 
 def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {WAIT_S}s waiting for {what}"
-        time.sleep(0.02)
+    wait_until(predicate, what, WAIT_S, interval=0.02)
 
 
 def test_the_collector_takes_its_token_from_PARWATCH_TOKEN(tmp_path, monkeypatch):

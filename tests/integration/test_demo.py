@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from parwatch.demo.processes import Child, live_group_members, stop_all
+from tests.deadline import DeadlineExceeded, wait_until
 from tests.sidecar_process import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -66,7 +67,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-        pytest.fail(f"the demo did not finish within {timeout:.0f} s:\n{out[-3000:]}")
+        raise DeadlineExceeded(f"the demo did not finish within {timeout:.0f} s:\n{out[-3000:]}") from None
     return proc.returncode, out
 
 
@@ -129,15 +130,13 @@ def still_running(tree: dict[int, str]) -> list[int]:
 
 
 def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def come_or_exited():
         value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
+        if not value and proc.poll() is not None:
             pytest.fail(f"the demo exited ({proc.returncode}) before {what}:\n{proc.communicate()[0][-3000:]}")
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        return value
+
+    return wait_until(come_or_exited, what, timeout_s, interval=0.2)
 
 
 def jsonl_records(path: Path) -> list[dict]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 
 import httpx
 import pytest
 
+from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import ROOT, free_port, running_sidecar, sidecar_command
 
@@ -49,13 +49,7 @@ def post_steps(url, steps, token=None):
 
 
 def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(predicate, what, timeout)
 
 
 def test_serves_metrics_and_control_on_separate_listeners(tmp_path):

@@ -5,23 +5,19 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from test_collector_sim import SimRank, SimRun, ctx_for, pipeline, run_steps
 
 from parwatch.credentials import rank_credential
+from tests.deadline import wait_until
 
 WAIT_S = 30.0  # generous: other helpers load this 2-core machine
 
 
 def wait_for(predicate, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {WAIT_S}s waiting for {what}")
-        time.sleep(0.01)
+    wait_until(predicate, what, WAIT_S, interval=0.01)
 
 
 def closed_port() -> int:

@@ -11,6 +11,7 @@ import msgspec
 from parwatch.collector.shipper import Shipper
 from parwatch.step_records import OutcomeRecord
 from parwatch.vocabulary import OutcomeName
+from tests.deadline import wait_until
 
 
 class Reply:
@@ -40,10 +41,7 @@ class FlakyPoster:
 
 
 def _wait(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+    wait_until(cond, "the condition", timeout, interval=0.02)
 
 
 def _summary(step):

@@ -56,6 +56,31 @@ def broken():
 def test_needs_it(broken):
     pass
 """
+MISSED_DEADLINE = FLAKY.replace(
+    'assert not first, "a host that took the CPU"',
+    'wait_until(lambda: not first, "a hang finding", timeout=0.2)',
+).replace("import os, pytest", "import os, pytest\nfrom deadline import wait_until")
+NOT_AN_ASSERTION = FLAKY.replace(
+    'assert not first, "a host that took the CPU"', 'if first:\n        raise KeyError("culprit")'
+)
+TIMING_AND_CORRECTNESS = """
+import os, pytest
+
+@pytest.fixture(scope="module")
+def run():
+    flag = os.path.join(os.environ["FLAG_DIR"], "ran")
+    first = not os.path.exists(flag)
+    open(flag, "w").close()
+    return {"culprit": 2 if first else 1, "seconds": 9 if first else 1}
+
+def test_the_culprit_is_named(run):
+    assert run["culprit"] == 1, "a wrong culprit"
+
+@pytest.mark.timing
+def test_named_within_the_bound(run):
+    assert run["seconds"] <= 5
+"""
+THREE_FLAKY = {f"test_flaky{i}.py": FLAKY.replace("ran", f"ran{i}") for i in range(3)}
 SLOW_FLAKY = FLAKY.replace("@pytest.mark.timing", "@pytest.mark.timing\n@pytest.mark.slow")
 
 
@@ -122,15 +147,34 @@ def test_a_timing_test_failing_twice_fails_and_is_logged(tmp_path):
         ({"test_a_flaky.py": FLAKY, "test_b_plain.py": PLAIN_FAILURE}, ("--maxfail=1",), "the session stopped early"),
         ({"test_timeout.py": TIMES_OUT}, (), "a timeout is not a slow host"),
         ({"test_setup.py": SETUP_ERROR}, (), "a setup error is not a figure of time"),
+        ({"test_deadline.py": MISSED_DEADLINE}, (), "a missed deadline is a thing that never came"),
+        ({"test_key.py": NOT_AN_ASSERTION}, (), "an exception is no figure"),
+        ({"test_run.py": TIMING_AND_CORRECTNESS}, (), "a wrong culprit beside a slow figure"),
+        (THREE_FLAKY, (), "three timing failures"),
     ],
 )
 def test_no_second_chance(tmp_path, files, args, why):
     proc = run(tmp_path, files, *args)
     assert proc.returncode == 1, (why, proc.stdout[-2000:])
     assert "running them once more" not in proc.stdout, why
-    assert reruns(tmp_path) == [] and "failed" in last_line(proc) or "error" in last_line(proc), why
+    assert reruns(tmp_path) == [], why
+    assert "failed" in last_line(proc) or "error" in last_line(proc), why
     if "-x" in args or "--maxfail=1" in args:
         assert "no timing re-run: the session stopped early" in proc.stdout
+
+
+def test_two_timing_failures_are_rerun(tmp_path):
+    proc = run(tmp_path, {k: v for k, v in list(THREE_FLAKY.items())[:2]})
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert len(reruns(tmp_path)) == 2
+
+
+def test_a_rerun_under_xdist_runs_alone(tmp_path):
+    pytest.importorskip("xdist")
+    proc = run(tmp_path, {"test_flaky.py": FLAKY}, "-n", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "timing re-run: passed" in proc.stdout and "1 rerun" in last_line(proc), proc.stdout[-2000:]
+    assert [r["rerun"] for r in reruns(tmp_path)] == ["passed"]  # by the controller only, not by the worker too
 
 
 def test_the_callers_marker_expression_reaches_the_rerun(tmp_path):
