@@ -10,13 +10,26 @@
 - gpu: needs CUDA and NCCL; skipped without a GPU.
 - slow: heavier repeats of scenarios the default run already covers (a hang before a collective and
   before a send, besides the one in compute; slow compute, besides the demo's straggler; a second
-  200-step healthy run). Left out of the default run, which CI runs within its 20-minute budget.
+  200-step healthy run). Left out of the default run.
+- timing: one test whose single assertion is a wall-clock figure (a measured bubble, when a hang is
+  named), never correctness. It gets one more run in a fresh process when it alone failed, at most two
+  a session: tests/timing_rerun.py. A deadline a test waits on (tests/deadline.py) is never re-run.
+- serial (given at collection, tests/serial_phase.py): the timing tests, the tests sharing their
+  scenario's fixture, and CPU-bound grids marked so.
 
-Run one tier: `pytest -m dist`; the default run: `pytest` (the README's command); the slow repeats:
-`pytest -m slow`.
+Run one tier: `pytest -m dist`; the default run: `pytest -n auto` (the README's command); the slow
+repeats: `pytest -m slow`. Without `-n` everything runs in one process, in file order.
 
-- timing: one test whose assertion is a wall-clock figure (a measured bubble, when a hang is named),
-  never correctness. It gets one more run in a fresh process when it alone failed: tests/timing_rerun.py.
+In parallel (`-n N`, pytest-xdist) the session has two phases (tests/serial_phase.py): the non-serial
+tests on every worker, a file at a time; then the serial tests on one worker while the others sit
+idle, so a timing figure is never measured while another worker loads the CPU. Tests that start
+servers bind port 0 or a free port (tests/sidecar_process.py, distutil.free_port) and write under
+their own tmp_path, so workers share no port and no state directory.
+
+DeepSpeed's CPU comm op (a C++ extension DeepSpeed JIT-builds at its first start) is built once by
+scripts/setup.sh into the project's own TORCH_EXTENSIONS_DIR (.tools/torch_extensions), which this
+session and every rank it spawns use; a `lock` left there by a killed build is named at the start
+(tests/deepspeed_op.py) instead of every DeepSpeed start waiting on it forever.
 """
 
 import os
@@ -28,10 +41,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests.serial_phase import mark_serial, pytest_configure_node, pytest_xdist_make_scheduler  # noqa: E402,F401
 from tests.timing_rerun import pytest_collectreport, pytest_runtest_logreport, pytest_sessionfinish  # noqa: E402,F401
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m serial` sees the marker given here
 def pytest_collection_modifyitems(config, items):
+    mark_serial(config, items)
     try:
         import torch
 

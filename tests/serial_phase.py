@@ -1,0 +1,129 @@
+"""Two phases in one pytest-xdist session: everything else on every worker, then the serial tests alone.
+
+A test is serial when it is marked `timing` (its assertion is a wall-clock figure), when it shares a
+fixture wider than a function with a timing test of its module (that fixture runs the scenario whose
+figure is asserted: grouped, it runs once, in the serial phase), or when it is marked `serial` (a
+CPU-bound grid that would starve its neighbours). `mark_serial` adds the `serial` marker at
+collection, so `-m serial` / `-m "not serial"` select either phase without xdist too.
+
+Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one file's non-serial tests
+at a time (as `--dist loadfile`, integration and dist files first: they are the long ones) and holds
+every serial unit back until no other worker has a test pending; then one worker runs the serial units
+one after another while the others wait idle. So no figure is measured while another worker loads the
+CPU. The controller has no items, only node ids: each worker writes the serial ids it computed to a
+file the controller named (pytest_configure_node), and the scheduler reads it when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+
+SERIAL_FILE = "parwatch_serial_ids"
+"""The workerinput key naming the file of serial node ids."""
+
+
+def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
+    timed: set[tuple[str, str]] = set()  # (module file, fixture name) of the timing tests' wider fixtures
+    for item in items:
+        if "timing" in item.keywords:
+            timed |= {(str(item.path), name) for name in _wide_fixtures(item)}
+    serial = [
+        item
+        for item in items
+        if "timing" in item.keywords
+        or "serial" in item.keywords
+        or any((str(item.path), name) in timed for name in _wide_fixtures(item))
+    ]
+    for item in serial:
+        item.add_marker(pytest.mark.serial)
+    path = getattr(config, "workerinput", {}).get(SERIAL_FILE)
+    if path:  # an xdist worker: tell the controller's scheduler (every worker writes the same list)
+        tmp = f"{path}.{config.workerinput['workerid']}"
+        with open(tmp, "w") as out:
+            json.dump([item.nodeid for item in serial], out)
+        os.replace(tmp, path)
+
+
+def _wide_fixtures(item: pytest.Item) -> list[str]:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope != "function"]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    config = node.config
+    if not hasattr(config, "_parwatch_serial_file"):
+        handle, config._parwatch_serial_file = tempfile.mkstemp(prefix="parwatch-serial-", suffix=".json")
+        os.close(handle)
+        config.add_cleanup(
+            lambda: os.path.exists(config._parwatch_serial_file) and os.remove(config._parwatch_serial_file)
+        )
+    node.workerinput[SERIAL_FILE] = config._parwatch_serial_file
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return _serial_last_scheduling()(config, log)
+
+
+def _serial_last_scheduling():
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialLastScheduling(LoadScopeScheduling):
+        """loadfile for the other tests, then the serial units on one worker while the others idle."""
+
+        serial: frozenset[str] = frozenset()
+
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return f"serial:{file}" if nodeid in self.serial else file
+
+        def schedule(self) -> None:
+            if self.collection is None:
+                path = getattr(self.config, "_parwatch_serial_file", None)
+                if path and os.path.getsize(path):
+                    with open(path) as f:
+                        self.serial = frozenset(json.load(f))
+            super().schedule()
+
+        def _others(self, node) -> list:
+            return [n for n in self.assigned_work if n is not node]
+
+        def _assign_work_unit(self, node) -> None:
+            """The next unit for `node`: a long (integration, dist) file, then any other file. Once only
+            serial units are left, every node but one is shut down (it runs what it holds, then leaves);
+            the one left is held (a worker keeps its last test until it is sent more or shut down) until
+            the others have nothing pending, then runs the serial units one after another."""
+            others = [s for s in self.workqueue if not s.startswith("serial:")]
+            if others:
+                scope = next((s for s in others if "/unit/" not in s), others[0])
+            elif any(not n.shutting_down for n in self._others(node)):
+                node.shutdown()
+                return
+            elif any(self._pending_of(self.assigned_work[n]) for n in self._others(node)):
+                self._held = node
+                return
+            else:
+                scope = next(iter(self.workqueue))
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(n) for n, done in work_unit.items() if not done])
+
+        _held = None
+
+        def _reschedule(self, node) -> None:
+            super()._reschedule(node)
+            held = self._held
+            if held is not None and held is not node and held in self.assigned_work and not held.shutting_down:
+                if not any(self._pending_of(self.assigned_work[n]) for n in self._others(held)):
+                    self._held = None
+                    self._assign_work_unit(held)
+
+    return SerialLastScheduling

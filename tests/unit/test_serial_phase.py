@@ -1,0 +1,95 @@
+"""tests/serial_phase.py on small sessions of its own: under pytest-xdist the serial tests (timing, those
+sharing a timing test's scenario fixture, `serial`) run after every other test, alone; without xdist
+`-m serial` selects them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+
+RECORD = """
+import json, os, time, pytest
+
+def record(name):
+    start = time.monotonic()
+    time.sleep(0.4)
+    with open(os.path.join(os.environ["OUT"], name + ".json"), "w") as f:
+        json.dump([start, time.monotonic(), os.environ.get("PYTEST_XDIST_WORKER", "")], f)
+"""
+PLAIN = RECORD + "".join(f"\ndef test_{i}():\n    record(__name__ + '{i}')\n" for i in range(3))
+SCENARIO = (
+    RECORD
+    + """
+@pytest.fixture(scope="module")
+def scenario():
+    return 1
+
+@pytest.mark.timing
+def test_figure(scenario):
+    record("figure")
+
+def test_correctness_of_the_same_run(scenario):
+    record("same_run")
+
+def test_unrelated():
+    record("unrelated")
+"""
+)
+GRID = RECORD + "\npytestmark = pytest.mark.serial\n\ndef test_grid():\n    record('grid')\n"
+SERIAL = {"figure", "same_run", "grid"}
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n"
+        "from serial_phase import mark_serial, pytest_configure_node, pytest_xdist_make_scheduler  # noqa\n\n"
+        "@pytest.hookimpl(tryfirst=True)\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    mark_serial(config, items)\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n")
+    for name, text in {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}.items():
+        (tmp_path / name).write_text(text)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(TESTS)}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def intervals(tmp_path: Path) -> dict[str, list]:
+    return {p.stem: json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
+
+
+def test_serial_tests_run_last_and_alone_under_xdist(tmp_path):
+    pytest.importorskip("xdist")
+    proc = run(tmp_path, "-n", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    ran = intervals(tmp_path)
+    assert len(ran) == 10, sorted(ran)
+    serial = {k: v for k, v in ran.items() if k in SERIAL}
+    others = {k: v for k, v in ran.items() if k not in SERIAL}
+    assert len({worker for _, _, worker in ran.values()}) == 2  # the others did run in parallel
+    last_other = max(end for _, end, _ in others.values())
+    assert all(start >= last_other for start, _, _ in serial.values()), (serial, others)
+    spans = sorted((start, end) for start, end, _ in serial.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one after another
+
+
+def test_minus_m_serial_selects_them_without_xdist(tmp_path):
+    proc = run(tmp_path, "-m", "serial")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert set(intervals(tmp_path)) == SERIAL
