@@ -291,6 +291,7 @@ class ActivityHub:
             "rank_states": counts,
             "bound_seconds": m.progress.bound(),
             "stalled_seconds": m.progress.stalled_for(self.clock()),
+            "checked_stall_seconds": m.checked_stall,
             "last_step": m.progress.step,
             "findings": m.findings[-5:],
         }

@@ -442,6 +442,8 @@ class HangMonitor:
         self.awaiting_fresh = False
         """The last check() held a hang back for a picture taken after the stall began (a late digest):
         ask again at the next ask, not once a second."""
+        self.checked_stall = 0.0
+        """The stall the last check() judged: past the bound, a hang was either named then or is none."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
@@ -516,6 +518,7 @@ class HangMonitor:
         leader sees; every finding carries it, and no culprit is named among ranks it cannot see.
         `heard_since(t)`: whether every node still heard from has sent a digest since t (the leader)."""
         now = self.clock()
+        self.checked_stall = self.progress.stalled_for(now)
         records = []
         # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
         # one the rest last waited for went first, else the earliest to end.

@@ -149,13 +149,17 @@ def test_importing_parwatch_imports_no_megatron():
 
 
 # ------------------------------------------------------------------------------ the runs
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_step_but_the_first_has_every_stages_spans(grid, config):
+    out, _ = grid
+    assert len(replayed_steps(os.path.join(out, config), order_of(config))) == STEPS - 1
+
+
 @pytest.mark.timing
 @pytest.mark.parametrize("config", CONFIGS)
 def test_bubble_matches_the_replayed_schedule(grid, config):
     out, _ = grid
-    steps = replayed_steps(os.path.join(out, config), order_of(config))
-    assert len(steps) == STEPS - 1
-    assert_near_replay(steps, config, TOLERANCE)
+    assert_near_replay(replayed_steps(os.path.join(out, config), order_of(config)), config, TOLERANCE)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -219,7 +223,6 @@ def test_summaries_report_the_loss_and_the_layout(grid):
         assert row["loss"] == pytest.approx(float(last[str(row["step"])]), rel=1e-6)
 
 
-@pytest.mark.timing
 def _causes(run_dir: str) -> dict:
     return median_causes(run_dir, order_of("1f1b"))
 
@@ -229,8 +232,7 @@ def test_a_slow_stage_shows_as_imbalance(grid):
     out, _ = grid
     causes = _causes(os.path.join(out, "slow-stage"))
     # Rank 1 computes 1.5x longer: rank 0 waits for it, by the schedule's own dependencies.
-    assert causes[0].imbalance > 0.08, causes
-    assert causes[0].imbalance > 3 * abs(causes[0].wait), causes
+    assert causes[0].imbalance > max(0.08, 3 * abs(causes[0].wait)), causes
 
 
 @pytest.mark.timing
@@ -239,8 +241,7 @@ def test_a_delayed_send_shows_as_wait(grid):
     causes, baseline = _causes(os.path.join(out, "send-delay")), _causes(os.path.join(out, "1f1b"))
     # Rank 0 stalls 15 ms before each of its 4 activation sends: idle that no stage time explains.
     for rank in range(P):
-        assert abs(causes[rank].imbalance) < 0.02, causes
-        assert causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
+        assert abs(causes[rank].imbalance) < 0.02 and causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
 
 
 def test_pause_resume_and_rollback_reach_every_rank(grid):

@@ -62,7 +62,6 @@ def assert_everyone_names_where(decisions: list[dict]) -> None:
             assert "stage" in d["evidence"] or "culprit" in d["evidence"], d
 
 
-@pytest.mark.timing
 @pytest.mark.slow  # the demo's straggler below is slow compute too, and checked the same way
 def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_path):
     decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "straggler:stage=1,ms=20")
@@ -72,7 +71,6 @@ def test_slow_compute_is_classified_and_fires_no_link_or_collective_rule(tmp_pat
     assert_everyone_names_where(decisions)
 
 
-@pytest.mark.timing
 @pytest.mark.slow  # on one node; test_multinode_faults.py names the rank across two nodes in the default tier
 def test_one_slow_tp_rank_is_named_not_only_its_stage(tmp_path):
     """Issue 24 item 7: rank 3 alone slowed (TP2 x PP2): its TP peer rank 2 waits for it inside its own
@@ -95,7 +93,6 @@ SLOW_HOST_A = ("--inject", "straggler:rank=0,ms=20", "--inject", "straggler:rank
 peers elsewhere, and the transfers within it are slower than the same links elsewhere."""
 
 
-@pytest.mark.timing
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
 @pytest.mark.parametrize("faults, cause", [
     pytest.param(SLOW_HOST_A, "host-contention", id="whole-host"),
@@ -115,7 +112,6 @@ def test_host_contention_is_judged_by_the_reported_host(tmp_path, faults, cause)
     assert_everyone_names_where(decisions)
 
 
-@pytest.mark.timing
 def test_slow_link_is_classified(tmp_path):
     decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-link:src=0,dst=2,ms=30")
     found = culprits(decisions)
@@ -123,30 +119,50 @@ def test_slow_link_is_classified(tmp_path):
     assert_everyone_names_where(decisions)
 
 
-@pytest.mark.timing
-def test_slow_data_is_classified(tmp_path):
-    decisions, trainer = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-data:rank=0,ms=15")
+@pytest.fixture(scope="module")
+def slow_data(tmp_path_factory):
+    """Rank 0's data fetch 15 ms slower (its own span, outside the forward): (decisions, trainer run)."""
+    return run(tmp_path_factory.mktemp("slow-data"), STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-data:rank=0,ms=15")
+
+
+def test_slow_data_is_classified(slow_data):
+    decisions, _ = slow_data
     found = culprits(decisions)
     assert found and all(c["cause"] == "slow-data" and c["rank"] == 0 and c["stage"] == 0 for c in found), decisions
     assert_everyone_names_where(decisions)
-    # The fetch is its own span: rank 0's data seconds carry the 4 x 15 ms, its compute does not
-    # (no longer than stage 1's, which has no fault). Its TP peer rank 1 does compute longer: it
-    # waits for rank 0 in the TP all-reduces nested in its forward, which count as compute
-    # (DESIGN.md); the attribution decides slow data first, so the cause stays rank 0's data.
-    # (Medians: on a loaded machine a TP peer descheduled mid-forward lengthens a step's compute.)
-    def median(rank, key):
-        rows = [s for s in trainer.summaries(rank) if s["step"] >= 2]
-        return statistics.median(s["instances"][key] if key == "data_seconds" else s[key] for s in rows)
 
-    assert median(0, "data_seconds") >= 4 * 0.015 > 4 * 0.004 > median(1, "data_seconds")
-    # The goodput ledger puts the delay in rank 0's data wait, and only there.
-    waits = {rank: trainer.ledger(rank)["time_seconds"]["data_wait"] for rank in range(4)}
-    assert waits[0] >= 0.9 * STEPS * 4 * 0.015, waits
-    assert all(waits[rank] < waits[0] / 3 for rank in (1, 2, 3)), waits
-    assert median(0, "compute_seconds") < min(median(2, "compute_seconds"), median(3, "compute_seconds")) + 0.5 * 4 * 0.015
+
+def median_of(trainer, rank: int, key: str) -> float:
+    rows = [s for s in trainer.summaries(rank) if s["step"] >= 2]
+    return statistics.median(s["instances"][key] if key == "data_seconds" else s[key] for s in rows)
 
 
 @pytest.mark.timing
+def test_slow_data_is_rank_0s_data_seconds(slow_data):
+    """The fetch is its own span: rank 0's data seconds carry the 4 x 15 ms."""
+    _, trainer = slow_data
+    assert median_of(trainer, 0, "data_seconds") >= 4 * 0.015 > 4 * 0.004 > median_of(trainer, 1, "data_seconds")
+
+
+@pytest.mark.timing
+def test_slow_data_is_rank_0s_data_wait_in_the_ledger(slow_data):
+    """The goodput ledger puts the delay in rank 0's data wait, and only there."""
+    _, trainer = slow_data
+    waits = {rank: trainer.ledger(rank)["time_seconds"]["data_wait"] for rank in range(4)}
+    assert waits[0] >= 0.9 * STEPS * 4 * 0.015 and all(waits[r] < waits[0] / 3 for r in (1, 2, 3)), waits
+
+
+@pytest.mark.timing
+def test_slow_data_is_not_rank_0s_compute(slow_data):
+    """Rank 0's compute is no longer than stage 1's, which has no fault. Its TP peer rank 1 does compute
+    longer: it waits for rank 0 in the TP all-reduces nested in its forward, which count as compute
+    (DESIGN.md); the attribution decides slow data first, so the cause stays rank 0's data. (Medians: on
+    a loaded machine a TP peer descheduled mid-forward lengthens a step's compute.)"""
+    _, trainer = slow_data
+    stage1 = min(median_of(trainer, 2, "compute_seconds"), median_of(trainer, 3, "compute_seconds"))
+    assert median_of(trainer, 0, "compute_seconds") < stage1 + 0.5 * 4 * 0.015
+
+
 def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
     """`parwatch demo --scenario straggler`'s trainer (real compute, stage 1 +80 ms per forward
     from mid-run) against the default rules: the skew and straggler decisions name stage 1;
@@ -162,7 +178,6 @@ def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
     assert_everyone_names_where(decisions)
 
 
-@pytest.mark.timing
 @pytest.mark.slow  # test_e2e_guardrails.py's healthy run checks that no rule or finding fires
 def test_200_healthy_steps_have_no_straggler_finding(tmp_path):
     decisions, trainer = run(tmp_path, 200, *LAYOUT, *synthetic(5, 10))

@@ -91,18 +91,23 @@ def runs(tmp_path_factory):
 def test_the_straggling_stage_computes_x_more_per_microbatch(runs, p, k):
     base = own_medians(runs[f"p{p}-baseline"][1], "compute_seconds", p)
     slow = own_medians(runs[f"p{p}-straggler"][1], "compute_seconds", p)
-    for stage in range(p):
-        rise_ms = (slow[stage] - base[stage]) / M * 1000
-        if stage == k:
-            assert rise_ms == pytest.approx(X_MS, rel=COMPUTE_REL), (stage, base, slow)
-        else:
-            assert abs(rise_ms) <= COMPUTE_REL * X_MS, (stage, base, slow)
-    # Within the run alone, too: stage k against the median of the others.
+    rises_ms = [(b - a) / M * 1000 for a, b in zip(base, slow)]
+    expected = [X_MS if stage == k else 0.0 for stage in range(p)]
+    assert rises_ms == pytest.approx(expected, abs=COMPUTE_REL * X_MS), (base, slow)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_within_the_run_the_straggler_computes_x_more_than_the_others(runs, p, k):
+    slow = own_medians(runs[f"p{p}-straggler"][1], "compute_seconds", p)
     others = statistics.median(c for s, c in enumerate(slow) if s != k)
-    assert (slow[k] - others) / M * 1000 == pytest.approx(X_MS, rel=COMPUTE_REL)
-    # Rank 0's run totals name the same stage.
+    assert (slow[k] - others) / M * 1000 == pytest.approx(X_MS, rel=COMPUTE_REL), slow
+
+
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_the_run_totals_name_the_straggling_stage(runs, p, k):
     totals = [s["compute_seconds"] for s in runs[f"p{p}-straggler"][0]["stages"]]
-    assert max(range(p), key=totals.__getitem__) == k
+    assert max(range(p), key=totals.__getitem__) == k, totals
 
 
 def ideal_idle(p: int, k: int, extra_fwd: float) -> list[float]:
@@ -116,65 +121,102 @@ def ideal_idle(p: int, k: int, extra_fwd: float) -> list[float]:
     return [idle[s] for s in range(p)]
 
 
+def predicted_rise(p: int, k: int) -> list[float]:
+    return [a - b for a, b in zip(ideal_idle(p, k, X_MS / 1000), ideal_idle(p, k, 0.0))]
+
+
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_the_schedule_makes_the_others_wait_at_least_m_minus_1_x(p, k):
+    """Idle moves as the schedule says: up on the others, not on stage k (p=2: +m*X on stage 0;
+    p=4, k=2, m=4: +(m-1)*X on the others and -X on stage 2, whose own gaps absorb some of it)."""
+    predicted = predicted_rise(p, k)
+    assert all(predicted[stage] >= (M - 1) * X_MS / 1000 - 1e-9 for stage in range(p) if stage != k), predicted
+
+
 @pytest.mark.timing
 @pytest.mark.parametrize("p,k", CASES.items())
 def test_the_other_stages_wait_for_it(runs, p, k):
-    """Idle moves as the schedule says: up on the others, not on stage k (p=2: +m*X on stage 0;
-    p=4, k=2, m=4: +(m-1)*X on the others and -X on stage 2, whose own gaps absorb some of it)."""
-    (_, base_steps), (slow_summary, slow_steps) = runs[f"p{p}-baseline"], runs[f"p{p}-straggler"]
-    ideal_slow, ideal_base = ideal_idle(p, k, X_MS / 1000), ideal_idle(p, k, 0.0)
-    predicted = [a - b for a, b in zip(ideal_slow, ideal_base)]
-    base, slow = own_medians(base_steps, "idle_seconds", p), own_medians(slow_steps, "idle_seconds", p)
-    for stage in range(p):
-        if stage != k:
-            assert predicted[stage] >= (M - 1) * X_MS / 1000 - 1e-9  # a real rise, not noise
-        rise = slow[stage] - base[stage]
-        assert rise == pytest.approx(predicted[stage], abs=IDLE_TOLERANCE_S), (stage, base, slow, predicted)
-    # Within the straggler run, step by step: how much longer each stage waits than stage k.
-    # A burst of load lengthens a step for every stage alike, so it cancels here.
-    idle = {(s["stage"], s["step"]): s["idle_seconds"] for s in slow_steps if s["step"] >= 2}
-    for stage in set(range(p)) - {k}:
-        gap = statistics.median(idle[(stage, n)] - idle[(k, n)] for n in range(2, STEPS + 1))
-        assert gap == pytest.approx(ideal_slow[stage] - ideal_slow[k], abs=IDLE_TOLERANCE_S), (stage, gap)
-    bubbles = [statistics.median(s["bubble_ratio_per_step"]) for s in slow_summary["stages"]]
-    assert min(range(p), key=bubbles.__getitem__) == k  # the one stage that waits least is the culprit
+    base = own_medians(runs[f"p{p}-baseline"][1], "idle_seconds", p)
+    slow = own_medians(runs[f"p{p}-straggler"][1], "idle_seconds", p)
+    rises = [b - a for a, b in zip(base, slow)]
+    assert rises == pytest.approx(predicted_rise(p, k), abs=IDLE_TOLERANCE_S), (base, slow)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_step_by_step_the_others_wait_longer_than_the_straggler(runs, p, k):
+    """Within the straggler run, step by step: how much longer each stage waits than stage k. A burst
+    of load lengthens a step for every stage alike, so it cancels here."""
+    ideal = ideal_idle(p, k, X_MS / 1000)
+    idle = {(s["stage"], s["step"]): s["idle_seconds"] for s in runs[f"p{p}-straggler"][1] if s["step"] >= 2}
+    others = sorted(set(range(p)) - {k})
+    gaps = [statistics.median(idle[(stage, n)] - idle[(k, n)] for n in range(2, STEPS + 1)) for stage in others]
+    assert gaps == pytest.approx([ideal[stage] - ideal[k] for stage in others], abs=IDLE_TOLERANCE_S)
+
+
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_the_stage_that_waits_least_is_the_straggler(runs, p, k):
+    bubbles = [statistics.median(s["bubble_ratio_per_step"]) for s in runs[f"p{p}-straggler"][0]["stages"]]
+    assert min(range(p), key=bubbles.__getitem__) == k, bubbles
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_a_healthy_pipeline_has_no_skew(runs, p, k):
+    assert statistics.median(view_skews(runs[f"p{p}-baseline"][1])) == pytest.approx(1.0, abs=0.03)
+
+
+def predicted_skew(runs: dict, p: int, k: int) -> float:
+    expected = own_medians(runs[f"p{p}-baseline"][1], "compute_seconds", p)
+    expected[k] += M * X_MS / 1000
+    return max(expected) / statistics.fmean(expected)  # (c + m*X) / mean
 
 
 @pytest.mark.timing
 @pytest.mark.parametrize("p,k", CASES.items())
 def test_pipeline_skew_ratio_shows_it(runs, p, k):
-    (_, base_steps), (slow_summary, slow_steps) = runs[f"p{p}-baseline"], runs[f"p{p}-straggler"]
-    expected = own_medians(base_steps, "compute_seconds", p)
-    expected[k] += M * X_MS / 1000
-    predicted = max(expected) / statistics.fmean(expected)  # (c + m*X) / mean
-    assert statistics.median(view_skews(base_steps)) == pytest.approx(1.0, abs=0.03)
-    skew = statistics.median(view_skews(slow_steps))
-    assert skew == pytest.approx(predicted, rel=0.10)
-    # The excess over 1 is what a guardrail thresholds: it must be close too, not just the ratio.
-    assert skew - 1 == pytest.approx(predicted - 1, rel=0.15)
-    # The run summary's figure is the mean of the same per-step ratios.
-    assert slow_summary["pipeline_skew_ratio"] == pytest.approx(predicted, rel=0.10)
+    # The excess over 1 is what a guardrail thresholds: it must be close, not just the ratio.
+    skew = statistics.median(view_skews(runs[f"p{p}-straggler"][1]))
+    assert skew - 1 == pytest.approx(predicted_skew(runs, p, k) - 1, rel=0.15)
 
 
 @pytest.mark.timing
-def test_step_summaries_show_which_stage_and_from_when(runs):
+@pytest.mark.parametrize("p,k", CASES.items())
+def test_the_run_summarys_skew_is_the_mean_of_the_same_ratios(runs, p, k):
+    assert runs[f"p{p}-straggler"][0]["pipeline_skew_ratio"] == pytest.approx(predicted_skew(runs, p, k), rel=0.10)
+
+
+def late_compute(runs: dict) -> dict:
+    return {(s["stage"], s["step"]): s["compute_seconds"] for s in runs["p2-late"][1]}
+
+
+@pytest.mark.timing
+def test_step_summaries_show_which_stage_slows_from_when(runs):
     """Every rank's own summaries: stage 1's compute rises by m*X from the step the fault begins."""
     p, k = 2, CASES[2]
-    _, steps = runs["p2-late"]
-    compute = {(s["stage"], s["step"]): s["compute_seconds"] for s in steps}
-    jump = M * X_MS / 1000
+    compute = late_compute(runs)
+    rises_ms = []
     for stage in range(p):
         before = [compute[(stage, n)] for n in range(2, LATE_FROM)]
         after = [compute[(stage, n)] for n in range(LATE_FROM, STEPS + 1)]
-        rise_ms = (statistics.median(after) - statistics.median(before)) / M * 1000
-        if stage == k:
-            assert rise_ms == pytest.approx(X_MS, rel=COMPUTE_REL), (before, after)
-            # From that very step, not one earlier (half the jump: a single step can lose a few ms).
-            assert compute[(k, LATE_FROM)] - statistics.median(before) > jump / 2, (before, after)
-            assert compute[(k, LATE_FROM - 1)] - statistics.median(before) < jump / 2, (before, after)
-        else:
-            assert abs(rise_ms) <= COMPUTE_REL * X_MS, (stage, before, after)
-    # Rank 0's per-step global view (one step late) sees the skew appear with it.
-    skews = {s["global"]["step"]: s["global"]["pipeline_skew_ratio"] for s in steps if s["rank"] == 0 and s["global"]}
-    assert statistics.median(skews[n] for n in range(2, LATE_FROM)) < 1.03
-    assert statistics.median(skews[n] for n in range(LATE_FROM, STEPS)) > 1.10
+        rises_ms.append((statistics.median(after) - statistics.median(before)) / M * 1000)
+    assert rises_ms == pytest.approx([X_MS if stage == k else 0.0 for stage in range(p)], abs=COMPUTE_REL * X_MS)
+
+
+@pytest.mark.timing
+def test_the_straggler_shows_from_that_very_step_not_one_earlier(runs):
+    """Half the jump: a single step can lose a few ms."""
+    k, compute = CASES[2], late_compute(runs)
+    before = statistics.median(compute[(k, n)] for n in range(2, LATE_FROM))
+    jumps = [compute[(k, LATE_FROM - 1)] - before, compute[(k, LATE_FROM)] - before]
+    assert jumps[0] < M * X_MS / 1000 / 2 < jumps[1], jumps
+
+
+@pytest.mark.timing
+def test_rank0s_view_sees_the_skew_appear_with_it(runs):
+    """Rank 0's per-step global view (one step late) sees the skew appear with the straggler."""
+    views = runs["p2-late"][1]
+    skews = {s["global"]["step"]: s["global"]["pipeline_skew_ratio"] for s in views if s["rank"] == 0 and s["global"]}
+    before = statistics.median(skews[n] for n in range(2, LATE_FROM))
+    after = statistics.median(skews[n] for n in range(LATE_FROM, STEPS))
+    assert before < 1.03 and after > 1.10, (before, after)

@@ -117,48 +117,60 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
         print(f"rank {rank}: {len(discarded)} steps discarded, {measured:.4f} s of compute, {ledger['time_seconds']}")
 
 
-@pytest.mark.timing
-def test_straggler_fires_stage_skew_two_steps_after_it_starts(sidecar, tmp_path):
-    start, steps = 5, 9
-    # Stage 1 computes 4 x (10 + 30 + 20) ms against stage 0's 4 x (10 + 20): skew 240/180 = 1.33.
-    run, summary = run_trainer(
-        sidecar.control_url,
-        tmp_path / "run",
-        steps,
-        *token_args(sidecar),
-        *SMALL_MODEL,
-        "--pp",
-        "2",
-        *synthetic(10, 20),
-        "--inject",
-        f"straggler:stage=1,ms=30,from_step={start}",
-    )
-    assert summary["steps_completed"] == steps
+SKEW_FROM, SKEW_STEPS = 5, 9
 
+
+@pytest.fixture(scope="module")
+def straggler(tmp_path_factory):
+    """Stage 1 computes 4 x (10 + 60 + 20) ms from step 5 against stage 0's 4 x (10 + 20): skew (the slowest
+    stage over the mean) 360/240 = 1.5, well clear of the rule's 1.25 under load (30 ms, 1.33, left 0.08).
+    Returns rank 0's views' skew by step, the sidecar's decisions and its status."""
+    base = tmp_path_factory.mktemp("straggler")
+    with running_sidecar(base / "state") as sidecar:
+        run, summary = run_trainer(
+            sidecar.control_url,
+            base / "run",
+            SKEW_STEPS,
+            *token_args(sidecar),
+            *SMALL_MODEL,
+            "--pp",
+            "2",
+            *synthetic(10, 20),
+            "--inject",
+            f"straggler:stage=1,ms=60,from_step={SKEW_FROM}",
+        )
+        status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
+    assert summary["steps_completed"] == SKEW_STEPS
     views = {s["global"]["step"]: s["global"] for s in run.summaries(0) if s.get("global")}
     skew = {step: view["pipeline_skew_ratio"] for step, view in sorted(views.items())}
-    # Before the straggler the stages are even (single warm-up steps may wobble: step 2 measured
-    # 1.12-1.16 here, because of the machine's load, never two steps in a row above 1.25).
-    assert statistics.median(v for step, v in skew.items() if step < start) < 1.1, skew
-    assert all(v > 1.25 for step, v in skew.items() if step >= start), skew
+    print(f"\nstraggler from step {SKEW_FROM}: skew {skew}")
+    return skew, decision_records(base / "state"), status
 
-    fired = [d for d in decision_records(tmp_path / "state") if d["rule"] == "stage-skew"]
+
+def test_straggler_fires_stage_skew_two_steps_after_it_starts(straggler):
+    skew, decisions, status = straggler
+    fired = [d for d in decisions if d["rule"] == "stage-skew"]
     assert len(fired) == 1, fired  # not before the straggler; after it, cooldown_steps: once
     decision = fired[0]
     assert decision["action"] == "alert" and decision["directive_id"] is None
     # for_steps: 2 -> the second slow step's view, which rank 0 ships with its summary of step
     # start + 2: the finding is made two steps after the straggler starts (one of them the lag).
-    assert decision["step"] == start + 1
+    assert decision["step"] == SKEW_FROM + 1
     evidence = decision["evidence"]
-    assert evidence["window"] == [start, start + 1] and evidence["threshold"] == 1.25
-    assert evidence["values"] == pytest.approx([skew[start], skew[start + 1]])
-    status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
-    state = status["rules"]["stage-skew"]
-    assert state["state"] == "firing"
-    print(f"\nstraggler from step {start}: skew {skew}; stage-skew fired on the view of step {decision['step']}")
+    assert evidence["window"] == [SKEW_FROM, SKEW_FROM + 1] and evidence["threshold"] == 1.25
+    assert evidence["values"] == pytest.approx([skew[SKEW_FROM], skew[SKEW_FROM + 1]])
+    assert status["rules"]["stage-skew"]["state"] == "firing"
 
 
 @pytest.mark.timing
+def test_the_views_skew_is_even_before_the_straggler_and_high_after(straggler):
+    """Before the straggler the stages are even (single warm-up steps may wobble: step 2 measured 1.12-1.16
+    here, because of the machine's load, never two steps in a row above 1.25)."""
+    skew, _, _ = straggler
+    before = statistics.median(v for step, v in skew.items() if step < SKEW_FROM)
+    assert before < 1.1 and all(v > 1.25 for step, v in skew.items() if step >= SKEW_FROM), skew
+
+
 def test_healthy_run_fires_nothing(sidecar, tmp_path):
     """100 healthy steps: no decision, no rule firing (the regression rules judge the last 40 after their
     50-step windows fill; test_slow_attribution.py's slow repeat runs 200).

@@ -195,3 +195,31 @@ def test_timing_marks_single_tests_never_a_module():
                 if "timing" in ast.unparse(node.value):
                     modules.append(path.name)
     assert modules == []
+
+
+def _assertions(func: ast.FunctionDef) -> int:
+    """`assert` statements and assert_*() calls in a test's own body (not in functions nested in it)."""
+    count, todo = 0, list(func.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Assert):
+            count += 1
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "").startswith("assert_"):
+            count += 1
+        todo.extend(ast.iter_child_nodes(node))
+    return count
+
+
+def test_a_timing_test_makes_one_assertion():
+    """`timing` is for a test whose single assertion is a figure of time: a re-run must never hide a
+    correctness assertion beside it (those go in an unmarked test of the same run)."""
+    found, checked = {}, 0
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and "pytest.mark.timing" in map(ast.unparse, node.decorator_list):
+                checked += 1
+                if not node.name.startswith("test_") or _assertions(node) != 1:
+                    found[f"{path.name}::{node.name}"] = _assertions(node)
+    assert found == {} and checked > 10, (found, checked)
