@@ -10,6 +10,8 @@ silently while the sidecar answers 401 to every summary.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import time
 
 import httpx
@@ -21,11 +23,17 @@ from parwatch.collector.shipper import Shipper
 from parwatch.contract import HookRegistry
 from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
-from tests.sidecar_process import running_sidecar
+from tests.sidecar_process import ROOT, running_sidecar, sidecar_command, stop, wait_healthy
 from tests.unit.test_collector_sim import ctx_for, pipeline, run_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 WAIT_S = 30.0
+
+
+def child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PARWATCH_TOKEN"}  # its own token, from its state dir
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 def wait_for(predicate, what: str) -> None:
@@ -61,11 +69,28 @@ def test_a_token_the_sidecar_refuses_fails_at_attach_naming_the_fix(tmp_path, mo
 
 
 def test_a_sidecar_that_is_not_up_yet_is_no_attach_error(tmp_path, monkeypatch):
-    monkeypatch.delenv("PARWATCH_TOKEN", raising=False)
+    """Attached while its sidecar is down (connection refused): no error; once a sidecar is up at that
+    address (the same one, restarted on its state dir and ports), the summaries of later steps reach it."""
     with running_sidecar(tmp_path / "state") as sp:
-        url = sp.control_url
-    collector = attach(Collector(ctx_for(0), endpoint=url), HookRegistry())  # refused connection: no answer
-    collector.close(timeout=WAIT_S)
+        pass
+    monkeypatch.setenv("PARWATCH_TOKEN", sp.token)
+    run = pipeline(p=2, m=4, endpoint=sp.control_url)  # attach: no answer, no error
+    assert all(rank.collector._registry is not None for rank in run.ranks)
+    listen = [sp.metrics_url.removeprefix("http://"), sp.control_url.removeprefix("http://")]
+    args = ["--state-dir", str(tmp_path / "state"), "--metrics-listen", listen[0], "--control-listen", listen[1]]
+    with open(tmp_path / "restarted.log", "wb") as log:
+        proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        wait_healthy(f"{sp.control_url}/healthz", proc, 60)
+        run.boundary(0, "start", 0.0, 0.1)
+        run_steps(run, 3, 0.1)
+        for rank in run.ranks:
+            rank.collector.close(timeout=WAIT_S)
+        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
+    finally:
+        stop(proc)
+    assert [r.collector.shipper.sent for r in run.ranks] == [3, 3]
+    assert status["last_step"] == 3
 
 
 def test_refused_summaries_are_logged_once_as_an_error_and_counted(tmp_path, caplog):

@@ -172,7 +172,9 @@ def test_builtin_manifests_validate_strict(rendered, config):
 
 def test_trainingruntime_templates_validate_as_job_and_pod(rendered):
     (rt,) = of_kind(rendered["trainjob"], "TrainingRuntime")
-    for rj in rt["spec"]["template"]["spec"]["replicatedJobs"]:
+    replicated = rt["spec"]["template"]["spec"]["replicatedJobs"]
+    assert [rj["name"] for rj in replicated] == ["node"]  # one job per node: the trainer and its sidecar
+    for rj in replicated:
         job_spec = rj["template"]["spec"]
         job = {
             "apiVersion": "batch/v1",
