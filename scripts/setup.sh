@@ -18,6 +18,9 @@ fi
 
 if [ "${1:-}" = "test" ]; then
   "$PY" -m pip install --quiet -e '.[test]'
+  # DeepSpeed's CPU comm op, built once into .tools/torch_extensions (the tests' TORCH_EXTENSIONS_DIR),
+  # not by the first DeepSpeed test (tests/deepspeed_op.py).
+  "$PY" -m tests.deepspeed_op
   # victoria-metrics brings victoria-metrics and vmalert: the agent -> VictoriaMetrics path
   # (tests/integration/test_victoriametrics.py). Its packaged service is not used.
   if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus-alertmanager >/dev/null 2>&1 \

@@ -41,8 +41,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests import deepspeed_op  # noqa: E402
 from tests.serial_phase import mark_serial, pytest_configure_node, pytest_xdist_make_scheduler  # noqa: E402,F401
 from tests.timing_rerun import pytest_collectreport, pytest_runtest_logreport, pytest_sessionfinish  # noqa: E402,F401
+
+deepspeed_op.extensions_dir(os.environ)  # before any rank or server is spawned: they inherit it
+
+
+def pytest_sessionstart(session):
+    stale = deepspeed_op.stale_lock(deepspeed_op.extensions_dir(os.environ))
+    if stale:
+        pytest.exit(stale, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m serial` sees the marker given here
