@@ -334,7 +334,7 @@ SERIES: dict[str, Metric] = {s: m for m in METRICS for s in m.series()}
 SERIES_BUDGET_PER_RANK = 40
 """Most series one rank may add to a sidecar's /metrics (with a GPU; docs/deploy.md, "Series budget").
 
-per_rank_series() is what the catalogue implies today (35 with a GPU, 30 without, 15 of them the goodput
+tests/unit/test_catalog.py's per_rank_series() is what the catalogue implies today (35 with a GPU, 30 without, 15 of them the goodput
 ledger's per-category counters and 4 parwatch's own time by part; the step histogram,
 16 series, is exported once per stage, not per rank); tests/unit/test_catalog.py counts a real /metrics
 against this number, so a new per-rank series is a decision, not an accident.
@@ -353,12 +353,3 @@ def family(cls, name: str):
     """An empty prometheus_client family of type `cls`, named, documented and labelled as the catalogue says."""
     m = metric(name)
     return cls(m.family, m.help, labels=list(m.labels))
-
-
-def per_rank_series(gpu: bool = True) -> int:
-    """Series one rank adds: one label set of every metric labelled by rank (GPU ones only with a GPU)."""
-    return sum(
-        m.series_per_label_set() * m.label_sets_per_rank()
-        for m in METRICS
-        if "rank" in m.labels and (gpu or "gpu" not in m.labels)
-    )

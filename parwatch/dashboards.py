@@ -20,10 +20,10 @@ from pathlib import Path
 import yaml
 
 from parwatch import recording as rec
+from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
 
 DASHBOARD_UID = "parwatch"
 DEFAULT_FOLDER_UID = "parwatch"
-DEFAULT_PRICE_PER_GPU_HOUR = 2.5
 DEFAULT_RULES = Path(__file__).parent / "sidecar" / "default_rules.yaml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RECORDED_NAME = re.compile(r"\b[a-z_]+:parwatch_[a-z0-9_]+:[a-z0-9_]+(\{[^}]*\})?")

@@ -53,11 +53,6 @@ def ideal_step_time(times: Iterable[float], min_seconds: float = MIN_STEP_SECOND
     return statistics.fmean(normal) if normal else None
 
 
-def step_deviations(times: dict[int, float], ideal: float) -> dict[int, float]:
-    """{step: |step time - ideal|} for every step."""
-    return {step: abs(t - ideal) for step, t in times.items()}
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0-100) by linear interpolation between the sorted values' closest ranks
     (numpy's default); 0.0 for no values."""

@@ -282,7 +282,3 @@ def render_recording_rules(window: str = RATE_WINDOW) -> dict:
 def render_recording_rules_yaml(window: str = RATE_WINDOW) -> str:
     head = HEADER + f"# rate window: {window}; read by dashboards/parwatch.json and dashboards/alerts.yaml\n"
     return head + yaml.safe_dump(render_recording_rules(window), sort_keys=False, width=1000)
-
-
-def recorded_names(window: str = RATE_WINDOW) -> frozenset[str]:
-    return frozenset(r.record for r in recordings(window))

@@ -262,12 +262,6 @@ def list_checkpoints(root: str | Path) -> list[int]:
     return sorted(s for s, p in _step_dirs(Path(root)).items() if (p / MANIFEST).is_file())
 
 
-def latest_checkpoint(root: str | Path, before: int | None = None) -> int | None:
-    """The newest complete step, or the newest one < `before`; None if there is none."""
-    steps = [s for s in list_checkpoints(root) if before is None or s < before]
-    return steps[-1] if steps else None
-
-
 def read_manifest(root: str | Path, step: int) -> dict:
     path = step_dir(root, step) / MANIFEST
     try:

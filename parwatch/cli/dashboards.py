@@ -11,6 +11,7 @@ import click
 
 from parwatch import dashboards as dash
 from parwatch import recording
+from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
 
 TOKEN_ENV = "GRAFANA_TOKEN"
 
@@ -32,7 +33,7 @@ def dashboards():
 @click.option(
     "--price-per-gpu-hour",
     type=float,
-    default=dash.DEFAULT_PRICE_PER_GPU_HOUR,
+    default=DEFAULT_PRICE_PER_GPU_HOUR,
     show_default=True,
     help="Default of the dashboard's price variable (idle-cost panels).",
 )
@@ -108,7 +109,12 @@ def _token(token_file: str | None, url: str) -> str | None:
     )
 
 
-@dashboards.command()
+@dashboards.command(
+    epilog="""\b
+Example:
+  parwatch dashboards push --url http://grafana:3000 --token-file /etc/parwatch/grafana-token
+"""
+)
 @click.option("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
 @click.option(
     "--token-file", type=click.Path(dir_okay=False), help=f"File holding a Grafana token (else ${TOKEN_ENV})."
@@ -117,7 +123,7 @@ def _token(token_file: str | None, url: str) -> str | None:
     "--folder-uid", default=dash.DEFAULT_FOLDER_UID, show_default=True, help="Folder to put it in (created if missing)."
 )
 @click.option("--folder-title", default="parwatch", show_default=True, help="Title when the folder is created.")
-@click.option("--price-per-gpu-hour", type=float, default=dash.DEFAULT_PRICE_PER_GPU_HOUR, show_default=True)
+@click.option("--price-per-gpu-hour", type=float, default=DEFAULT_PRICE_PER_GPU_HOUR, show_default=True)
 @click.pass_context
 def push(ctx, url, token_file, folder_uid, folder_title, price_per_gpu_hour):
     """Create or overwrite the dashboard through Grafana's HTTP API."""

@@ -52,7 +52,7 @@ Examples:
 @click.option(
     "--price-per-gpu-hour",
     type=float,
-    default=2.0,
+    default=DemoConfig.price_per_gpu_hour,
     show_default=True,
     help="Prices idle accelerator time in the summary.",
 )

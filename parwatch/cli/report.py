@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
+
 
 @click.command(
     epilog="""\b
@@ -33,7 +35,7 @@ Examples:
 @click.option(
     "--price-per-gpu-hour",
     type=click.FloatRange(min=0),
-    default=2.0,
+    default=DEFAULT_PRICE_PER_GPU_HOUR,
     show_default=True,
     help="USD per accelerator-hour, for the idle-cost lines.",
 )

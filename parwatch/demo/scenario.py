@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
+
 SCENARIOS = ("none", "straggler", "nan")
 
 
@@ -29,7 +31,7 @@ class DemoConfig:
     straggler_ms: float = 80.0
     """Extra milliseconds per microbatch forward on stage 1 in the straggler scenario: enough
     to push the skew well past the default rule's 1.25 even on a loaded 2-core machine."""
-    price_per_gpu_hour: float = 2.0
+    price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR
     """USD per accelerator-hour, to price the idle time in the summary."""
 
     @property

@@ -43,8 +43,8 @@ from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS
 from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
+from parwatch.guardrails.engine_store import LOG_NAME, Batch, StateStore, StorageFault, read_log
 from parwatch.guardrails.rules import RuleSet
-from parwatch.guardrails.store import LOG_NAME, Batch, StateStore, StorageFault, read_log
 from parwatch.ledger_view import same_process
 from parwatch.records import Cancelled, Decision, Delivered, Outcome, log_record
 from parwatch.schema import MAX_CHECKPOINTS, decode_float

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from parwatch.report.loader import SPANS, RunData, load_run
 from parwatch.report.plots import plot_bubble, plot_collectives, plot_ledger, plot_loss
+from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
 from parwatch.report.summary import build_sections, render_html, render_markdown
 from parwatch.report.timeline import choose_step, draw_timeline, steps_with_spans
 from parwatch.report.trace import write_trace
@@ -14,7 +15,7 @@ from parwatch.report.trace import write_trace
 
 @dataclass
 class ReportOptions:
-    price_per_gpu_hour: float = 2.0
+    price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR
     """USD per accelerator-hour, for the idle cost lines."""
     timeline_width_px: int = 1600
     """Width of timeline.png; its height follows from the number of stages."""

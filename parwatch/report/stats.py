@@ -188,6 +188,11 @@ def bubble_table(summaries: list, stages: list) -> list[StageBubble]:
     return rows
 
 
+DEFAULT_PRICE_PER_GPU_HOUR = 2.5
+"""USD per accelerator-hour that the demo's summary, the report's cost lines and the dashboard's price
+variable start from (each takes --price-per-gpu-hour)."""
+
+
 @dataclass
 class CostEstimate:
     price_per_gpu_hour: float

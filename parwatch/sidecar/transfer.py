@@ -113,13 +113,6 @@ class Split(NamedTuple):
     size: int
 
 
-def split_instance(members: dict) -> tuple[float, dict, int]:
-    """(transfer, {rank: wait}, last arrival) from {rank: duration seconds} of one instance."""
-    last = min(members, key=lambda r: (members[r], r))
-    transfer = members[last]
-    return transfer, {r: t - transfer for r, t in members.items()}, last
-
-
 def path_key(path: tuple, op: str, group: str) -> str:
     """The guardrail series key of a path: op=send,group=pp,src=0,dst=2 / op=all_reduce,group=tp,ranks=0+1."""
     if path[0] == "link":
@@ -388,8 +381,8 @@ class TransferTracker:
         )
 
     def _finish(self, e: Pending) -> Split:
-        # Called ~4 times per summary at 1024 ranks: split_instance's definition written out, two
-        # passes over the members, no dicts built on the way.
+        # Called ~4 times per summary at 1024 ranks: the definition (split_instance in
+        # tests/unit/test_transfer.py) written out, two passes over the members, no dicts built on the way.
         got = e.got
         transfer, last = math.inf, -1
         for rank, m in got.items():  # the last arrival: the shortest duration, the lowest rank among equals

@@ -11,7 +11,7 @@ def _save_then_load(rank: int, world_size: int, root: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from parwatch.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from parwatch.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
     def own_state(step):
         return {"model": {"w": torch.full((2, rank + 1), float(100 * step + rank))},
@@ -21,7 +21,7 @@ def _save_then_load(rank: int, world_size: int, root: str) -> dict:
         save_checkpoint(root, step, rank, world_size, own_state(step), {"rank0_meta": step},
                         barrier=dist.barrier, keep_last=2)
         # The second barrier means the manifest exists on return, on every rank.
-        assert latest_checkpoint(root) == step
+        assert list_checkpoints(root)[-1] == step
     state, manifest = load_checkpoint(root, 8, rank, world_size)
     assert torch.equal(state["model"]["w"], own_state(8)["model"]["w"])
     assert state["rng"] == {"rank": rank}

@@ -9,7 +9,6 @@ import torch
 
 import parwatch.trainer.checkpoint as ckpt
 from parwatch.trainer.checkpoint import (
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     read_manifest,
@@ -107,7 +106,6 @@ def test_incomplete_step_is_ignored_and_refused(tmp_path):
     # Rank 1 saved step 20, rank 0 never did: no manifest.
     save_checkpoint(tmp_path, 20, 1, 2, rank_state(1, 20), {}, no_barrier)
     assert list_checkpoints(tmp_path) == [10]
-    assert latest_checkpoint(tmp_path) == 10
     with pytest.raises(CheckpointError, match=r"step_00000020/manifest.json: missing: incomplete checkpoint"):
         load_checkpoint(tmp_path, 20, 1, 2)
 
@@ -124,15 +122,11 @@ def test_rank_zero_refuses_manifest_when_a_rank_is_missing(tmp_path):
     assert list_checkpoints(tmp_path) == []
 
 
-def test_latest_and_before(tmp_path):
+def test_listed_in_step_order(tmp_path):
     assert list_checkpoints(tmp_path / "nowhere") == []
-    assert latest_checkpoint(tmp_path / "nowhere") is None
-    for step in (10, 20, 30):
+    for step in (30, 10, 20):
         save_all(tmp_path, step, world_size=1, keep_last=0)
-    assert latest_checkpoint(tmp_path) == 30
-    assert latest_checkpoint(tmp_path, before=30) == 20
-    assert latest_checkpoint(tmp_path, before=25) == 20
-    assert latest_checkpoint(tmp_path, before=10) is None
+    assert list_checkpoints(tmp_path) == [10, 20, 30]
 
 
 def test_truncated_shard_is_refused_naming_the_file(tmp_path):

@@ -62,7 +62,7 @@ def test_groups_list_their_subcommands():
 def test_help_exits_0_and_shows_an_example(path):
     result = CliRunner().invoke(cli, [*path, "--help"])
     assert result.exit_code == 0, result.output
-    assert "Example" in result.output or "e.g." in result.output, result.output
+    assert "Example" in result.output and f"parwatch {' '.join(path)}" in result.output, result.output
 
 
 def test_train_help_is_the_trainers_own_help_after_an_example():

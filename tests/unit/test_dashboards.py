@@ -19,6 +19,7 @@ from parwatch import catalog
 from parwatch import dashboards as dash
 from parwatch import recording as rec
 from parwatch.cli.dashboards import dashboards as dashboards_cli
+from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_FILE = ROOT / "dashboards" / "parwatch.json"
@@ -49,7 +50,7 @@ def test_schema_version_and_datasource_variable(board):
     assert (ds["type"], ds["query"]) == ("datasource", "prometheus")
     price = variables["price_per_gpu_hour"]
     assert price["type"] in {"textbox", "constant"}
-    assert float(price["query"]) == dash.DEFAULT_PRICE_PER_GPU_HOUR
+    assert float(price["query"]) == DEFAULT_PRICE_PER_GPU_HOUR
     # ${DS_PROMETHEUS}-style inputs break file and sidecar provisioning.
     assert "DS_PROMETHEUS" not in json.dumps(board) and "__inputs" not in board
 
@@ -89,7 +90,7 @@ def test_grid_positions_fit_and_do_not_overlap(board):
 
 def test_every_query_reads_only_recorded_series(board):
     """A panel over per-rank series would read every rank's series at each refresh."""
-    recorded = rec.recorded_names()
+    recorded = {r.record for r in rec.recordings()}
     for expr in exprs(board):
         for name in RECORDED.findall(expr):
             assert name in recorded, f"{name} is not a recording rule (parwatch/recording.py): {expr}"
@@ -98,7 +99,7 @@ def test_every_query_reads_only_recorded_series(board):
 
 def test_a_dashboard_for_another_rate_window_reads_that_windows_recordings():
     board = dash.build_dashboard(rate_window="2m")
-    recorded = rec.recorded_names("2m")
+    recorded = {r.record for r in rec.recordings("2m")}
     names = {name for expr in exprs(board) for name in RECORDED.findall(expr)}
     assert names <= recorded, names - recorded
     assert any(name.endswith("rate2m") for name in names)

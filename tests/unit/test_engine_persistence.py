@@ -15,7 +15,7 @@ import statistics
 
 import pytest
 
-from parwatch.guardrails import store
+from parwatch.guardrails import engine_store as store
 from parwatch.guardrails.checks import RegressionCheck, RollingWindow, Series
 from parwatch.guardrails.engine import BASELINES_SAVE_SECONDS, GuardrailEngine, Observation
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule, RuleSet

@@ -106,7 +106,7 @@ def test_every_alert_reads_recorded_series_that_exist(reduce):
     ]
     rules.append(Rule(name="nan", metric="loss", check="finite", action="rollback"))
     for window in ("1m", "30s"):
-        recorded = rec.recorded_names(window)
+        recorded = {r.record for r in rec.recordings(window)}
         doc = render_alert_rules(RuleSet(rules=tuple(rules)), rate_window=window)
         for alert in doc["groups"][0]["rules"]:
             names = RECORDED.findall(alert["expr"])
