@@ -49,10 +49,12 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 def _wide_fixtures(item: pytest.Item) -> list[str]:
+    """The test's fixtures wider than a function that the project's tests define (a plugin's, such as
+    tmp_path_factory, has no base id: it runs no scenario)."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return []
-    return [name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope != "function"]
+    return [n for n, defs in info.name2fixturedefs.items() if defs and defs[-1].scope != "function" and defs[-1].baseid]
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -28,8 +28,8 @@ SCENARIO = (
     RECORD
     + """
 @pytest.fixture(scope="module")
-def scenario():
-    return 1
+def scenario(tmp_path_factory):
+    return tmp_path_factory.mktemp("scenario")
 
 @pytest.mark.timing
 def test_figure(scenario):
@@ -38,7 +38,7 @@ def test_figure(scenario):
 def test_correctness_of_the_same_run(scenario):
     record("same_run")
 
-def test_unrelated():
+def test_unrelated(tmp_path):  # tmp_path_factory behind it is session-wide, and no scenario
     record("unrelated")
 """
 )
