@@ -30,6 +30,8 @@ pytestmark = [
     pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python"),
 ]
 UNREACHABLE = "parwatch_leader_unreachable_since_timestamp_seconds"
+SHORT_HANG = ("--hang-min-seconds", "2")
+"""The leader's hang bound where the bound is not under test (test_hang_e2e.py tests the default 10 s)."""
 
 
 @contextlib.contextmanager
@@ -193,7 +195,7 @@ activity every second, so a silent rank is 4 missed reports from being down)."""
 def test_a_long_pause_and_a_hang_leave_every_rank_up_and_rank_missing_silent(tmp_path):
     rules = _short_rules(tmp_path, MISSING_FOR_S)
     args = ("--rank-grace-seconds", str(GRACE_S), "--rules", str(rules))
-    with nodes(tmp_path, args, args) as (leader, node1):
+    with nodes(tmp_path, (*args, *SHORT_HANG), args) as (leader, node1):
         with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "hang:rank=3,step=30,where=compute"):
             wait_until(lambda: (leader.status()["last_step"] or 0) >= 3, "training", 150)
             leader.control("pause", reason="a long deliberate pause")
@@ -228,7 +230,7 @@ def test_a_node_without_leader_url_is_told_and_no_unseen_rank_is_named(tmp_path)
     """Node 1 started without --leader-url, rank 3 hung: the leader names no culprit among ranks it
     cannot see and says it sees 2 of 4; node 1 warns (log, status, metric). Posts refused for a wrong
     token are counted where they are refused: a digest at the leader, a rank's activity at node 1."""
-    with nodes(tmp_path, linked=False) as (leader, node1):
+    with nodes(tmp_path, SHORT_HANG, linked=False) as (leader, node1):
         with torchrun_nodes(tmp_path, [leader, node1], 200, "--inject", "hang:rank=3,step=8,where=compute"):
             (hang,) = wait_until(
                 lambda: [d for d in leader.records("decision") if d["rule"] == "hang"], "the hang", 150
@@ -267,7 +269,7 @@ def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
     pointing at node 1's ranks, with its coverage (the node missing, since when)."""
     from e2e_util import kill_tree
 
-    with nodes(tmp_path) as (leader, node1):
+    with nodes(tmp_path) as (leader, node1):  # the default bound: a lost node must be named before it
         with torchrun_nodes(tmp_path, [leader, node1], 400) as procs:
             wait_until(lambda: (leader.status().get("last_step") or 0) >= 6, "step 6 at the leader", 120)
             killed_at = time.time()
@@ -278,7 +280,13 @@ def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
                 "a finding about the lost node",
                 120,
             )
-            time.sleep(12)  # a (wrong) hang finding would follow within its bound
+            # The leader's hang check judged the stopped run past its bound (and once more): a wrong hang
+            # finding is made by now.
+            wait_until(
+                lambda: (h := leader_hang(leader))["checked_stall_seconds"] >= h["bound_seconds"] + 1.0,
+                "the leader's hang check past its bound",
+                60,
+            )
             findings = [d for d in leader.records("decision") if d["rule"] in ("rank-gone", "hang")]
     assert gone["rule"] == "rank-gone", gone["reason"]
     assert not [d for d in findings if d["rule"] == "hang"], [d["reason"] for d in findings]
@@ -288,6 +296,10 @@ def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
     missing = evidence["coverage"]["nodes_missing"]
     assert [m["node"] for m in missing] == [f"127.0.0.1:{node1.control_port}"] or len(missing) == 1, evidence
     assert gone["time"] - killed_at < 20, gone["time"] - killed_at
+
+
+def leader_hang(node: Node) -> dict:
+    return httpx.get(f"{node.control_url}/v1/hang", headers=HEADERS, timeout=10).json()
 
 
 def _logged_time(path: Path, pattern: str) -> float | None:
