@@ -70,18 +70,23 @@ def test_a_token_the_sidecar_refuses_fails_at_attach_naming_the_fix(tmp_path, mo
 
 def test_a_sidecar_that_is_not_up_yet_is_no_attach_error(tmp_path, monkeypatch):
     """Attached while its sidecar is down (connection refused): no error; once a sidecar is up at that
-    address (the same one, restarted on its state dir and ports), the summaries of later steps reach it."""
+    address (the same one, restarted on its state dir and ports), the collectors reconnect by themselves
+    and the summaries of later steps reach it."""
     with running_sidecar(tmp_path / "state") as sp:
         pass
     monkeypatch.setenv("PARWATCH_TOKEN", sp.token)
     run = pipeline(p=2, m=4, endpoint=sp.control_url)  # attach: no answer, no error
     assert all(rank.collector._registry is not None for rank in run.ranks)
+    wait_for(lambda: run.ranks[0].collector.shipper.unreachable_since, "rank 0's poll to find no sidecar")
     listen = [sp.metrics_url.removeprefix("http://"), sp.control_url.removeprefix("http://")]
     args = ["--state-dir", str(tmp_path / "state"), "--metrics-listen", listen[0], "--control-listen", listen[1]]
     with open(tmp_path / "restarted.log", "wb") as log:
         proc = subprocess.Popen(sidecar_command(*args), stdout=log, stderr=subprocess.STDOUT, env=child_env())
     try:
         wait_healthy(f"{sp.control_url}/healthz", proc, 60)
+        # Rank 0 polls for directives: its polls failed while the sidecar was away and backed off (5 s at
+        # most; summaries meanwhile are dropped and counted, by design). It reconnects by itself.
+        wait_for(lambda: all(r.collector.shipper.unreachable_since is None for r in run.ranks), "the reconnection")
         run.boundary(0, "start", 0.0, 0.1)
         run_steps(run, 3, 0.1)
         for rank in run.ranks:
