@@ -22,9 +22,10 @@ repeats: `pytest -m slow`. Without `-n` everything runs in one process, in file 
 
 In parallel (`-n N`, pytest-xdist) the session has two phases (tests/serial_phase.py): the non-serial
 tests on every worker, a file at a time; then the serial tests on one worker while the others sit
-idle, so a timing figure is never measured while another worker loads the CPU. Tests that start
-servers bind port 0 or a free port (tests/sidecar_process.py, distutil.free_port) and write under
-their own tmp_path, so workers share no port and no state directory.
+idle, so a timing figure is never measured while another worker loads the CPU. Workers share no fixed
+port and no state directory: servers and ranks take a port the kernel just reported free (a sidecar
+that loses it to another process is started again on others: tests/sidecar_process.py), every test
+writes under its own tmp_path (a worker's own base temp), and only the controller writes test-results/.
 
 DeepSpeed's CPU comm op (a C++ extension DeepSpeed JIT-builds at its first start) is built once by
 scripts/setup.sh into the project's own TORCH_EXTENSIONS_DIR (.tools/torch_extensions), which this
