@@ -413,7 +413,8 @@ def test_cancel_raced_against_delivery_across_nodes_is_always_true(tmp_path):
     """Issue 24 item 2 across nodes, while both nodes' ranks run. Three kinds of pause, each cancelled:
     - while the leader's ranks are stopped (SIGSTOP: no ingest reaches the leader): the cancel answers 200
       and no rank ever applies the pause;
-    - once the leader says it was delivered: 409, and every rank applies it (then it is resumed);
+    - once the leader says it was delivered: 409 (404 once handled), and every rank applies it (then it is
+      resumed);
     - after a random lag (the race itself): 200 only when no rank applied the pause; otherwise 409 (or 404
       once handled) and the pause was applied by every rank.
     CI's first version raced only, and on a loaded machine every pause was delivered first (all 409)."""
@@ -472,8 +473,8 @@ def test_cancel_raced_against_delivery_across_nodes_is_always_true(tmp_path):
         ]
         if kind == "stopped":
             assert status == 200, (kind, did, status)
-        elif kind == "delivered":
-            assert status == 409, (kind, did, status)
+        elif kind == "delivered":  # 409; 404 when every rank had applied it before the cancel came
+            assert status in (404, 409), (kind, did, status)
         if status == 200:
             assert [o["type"] for o in outcomes] == ["cancelled"], (did, outcomes)
         else:
