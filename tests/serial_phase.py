@@ -81,6 +81,8 @@ def _serial_last_scheduling():
         """loadfile for the other tests, then the serial units on one worker while the others idle."""
 
         serial: frozenset[str] = frozenset()
+        _held = None
+        """The node kept for the serial units until the others have nothing pending."""
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
@@ -117,8 +119,6 @@ def _serial_last_scheduling():
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(n) for n, done in work_unit.items() if not done])
-
-        _held = None
 
         def _reschedule(self, node) -> None:
             super()._reschedule(node)

@@ -356,6 +356,7 @@ ABSENT_FROM_THIS_RUN = {
     "parwatch_collective_unmatched_total": "every member's instance record arrives",
     "parwatch_tracker_points_written_total": "the sidecar exports to no tracker (--export)",
     "parwatch_tracker_points_dropped_total": "the sidecar exports to no tracker (--export)",
+    "parwatch_rank_transient_faults_total": "a healthy rank records no transient fault",
 }
 """Catalogue metrics this healthy feed must not produce, and why; every other one reaches VictoriaMetrics."""
 
@@ -365,15 +366,18 @@ def test_every_metric_but_those_of_a_fault_reaches_victoriametrics(exported):
 
 
 def test_a_panel_is_let_off_only_for_a_series_of_a_fault(exported):
-    """The panel queries above may come back empty only when they read what a healthy run does not
-    produce, each for its reason: 8 of the dashboard's 78 queries."""
-    let_off = {}
+    """The panel queries above may come back empty only when they read what this run does not produce, each
+    for a named reason (9 of the dashboard's 79 queries today; the old bar let a quarter off)."""
+    let_off, unexplained = {}, []
     for title, ref, expr in PANEL_QUERIES:
-        why = [ABSENT_FROM_THIS_RUN[m] for m in sources(expr) - exported]
+        missing = sources(expr) - exported
+        why = [ABSENT_FROM_THIS_RUN[m] for m in missing if m in ABSENT_FROM_THIS_RUN]
         why += [f"{name}: only while something is wrong" for name in set(RECORDED.findall(expr)) & ONLY_WHEN_WRONG]
+        unexplained += [(title, ref, m) for m in missing if m not in ABSENT_FROM_THIS_RUN]
         if why:
             let_off[f"{title} ({ref})"] = why
-    assert len(let_off) == 8 and len(PANEL_QUERIES) == 78, let_off
+    print(f"{len(let_off)} of {len(PANEL_QUERIES)} panel queries let off: {let_off}")
+    assert unexplained == [] and len(let_off) < len(PANEL_QUERIES) / 8, (unexplained, let_off)
 
 
 def test_the_real_sidecar_stays_within_the_series_budget_per_rank(path):
