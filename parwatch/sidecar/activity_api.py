@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 
 from parwatch.catalog import RANK_STATES
 from parwatch.credentials import Identity, Verifier, node_credential
-from parwatch.guardrails.store import StorageFault
+from parwatch.guardrails.engine_store import StorageFault
 from parwatch.host import host_identity
 from parwatch.rank_layout import RankLayout
 from parwatch.records import ActivityPost, BadRecord, NodeDigest, decode, encode

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from parwatch import __version__, records, step_records
 from parwatch.credentials import Identity, Verifier
 from parwatch.guardrails.engine import DirectiveDelivered
-from parwatch.guardrails.store import StorageFault
+from parwatch.guardrails.engine_store import StorageFault
 from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import IDENTITY, WHOAMI, bearer_dependency, identity_of
 from parwatch.sidecar.bodies import body, documented, schema

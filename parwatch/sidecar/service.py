@@ -25,8 +25,8 @@ import msgspec
 from parwatch import ledger_view
 from parwatch.credentials import OPERATOR, Identity
 from parwatch.guardrails.engine import GuardrailEngine
+from parwatch.guardrails.engine_store import StorageFault
 from parwatch.guardrails.rules import RulesError, default_rules, load_rules
-from parwatch.guardrails.store import StorageFault
 from parwatch.sidecar.alerts import AlertDedupe
 from parwatch.sidecar.claims import Refused
 from parwatch.sidecar.config import ConfigError, SidecarConfig, ensure_token
