@@ -75,7 +75,7 @@ def test_a_sidecar_that_is_not_up_yet_is_no_attach_error(tmp_path, monkeypatch):
     with running_sidecar(tmp_path / "state") as sp:
         pass
     monkeypatch.setenv("PARWATCH_TOKEN", sp.token)
-    run = pipeline(p=2, m=4, endpoint=sp.control_url)  # attach: no answer, no error
+    run = pipeline(p=2, m=4, endpoint=sp.control_url, time_fn=time.time)  # attach: no answer, no error
     assert all(rank.collector._registry is not None for rank in run.ranks)
     wait_for(lambda: run.ranks[0].collector.shipper.unreachable_since, "rank 0's poll to find no sidecar")
     listen = [sp.metrics_url.removeprefix("http://"), sp.control_url.removeprefix("http://")]
