@@ -52,8 +52,17 @@ def run_name(schedule: str, p: int, m: int) -> str:
 
 def pipeline_run(p: int, m: int, schedule: str = "1f1b", steps: int = STEPS, **extra) -> dict:
     """TrainConfig settings of a synthetic-compute pipeline run with one block per stage."""
-    return dict(SMALL, pp=p, layers=p, schedule=schedule, microbatches=m, steps=steps,
-                synthetic_compute=SYNTHETIC, parwatch="on", **extra)
+    return dict(
+        SMALL,
+        pp=p,
+        layers=p,
+        schedule=schedule,
+        microbatches=m,
+        steps=steps,
+        synthetic_compute=SYNTHETIC,
+        parwatch="on",
+        **extra,
+    )
 
 
 def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
@@ -64,10 +73,10 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     run's files go to out_dir/NAME/ (summary.json, summaries.jsonl). Returns per run this
     rank's losses, step seconds and its collector's last summary.
     """
-    from parwatch.collector.attach import attach_from_config
     from parwatch import contract
-    from parwatch.trainer.config import TrainConfig
+    from parwatch.collector.attach import attach_from_config
     from parwatch.trainer.checkpoint import atomic_write_json
+    from parwatch.trainer.config import TrainConfig
     from parwatch.trainer.train import Trainer
 
     results = {}
@@ -75,8 +84,12 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
         run_dir = os.path.join(out_dir, name)
         os.makedirs(run_dir, exist_ok=True)
         watched = settings.get("parwatch", "auto") != "off"
-        cfg = TrainConfig(run_id=name, summary_json=os.path.join(run_dir, "summary.json"),
-                          parwatch_log=run_dir if watched else "", **settings)
+        cfg = TrainConfig(
+            run_id=name,
+            summary_json=os.path.join(run_dir, "summary.json"),
+            parwatch_log=run_dir if watched else "",
+            **settings,
+        )
         contract.registry.clear()
         observer = attach_from_config(cfg, rank, world_size, rank, "gloo") if cfg.watched else None
         try:
@@ -88,7 +101,8 @@ def train_runs(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
         if rank == 0:
             atomic_write_json(cfg.summary_json, summary)
         results[name] = {
-            "losses": summary["losses"], "step_seconds": summary["step_seconds"],
+            "losses": summary["losses"],
+            "step_seconds": summary["step_seconds"],
             "last_summary": observer.last_summary if observer is not None else None,
         }
     return results

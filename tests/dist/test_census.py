@@ -23,8 +23,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
 LAYERS, HIDDEN, SEQ, BATCH, M, STEPS = 4, 32, 16, 2, 4, 2
 ACT_BYTES = BATCH * SEQ * HIDDEN * 4
 TOKEN_BYTES = BATCH * SEQ * 4
-SCHEDULES = {"gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
-             "interleaved": dict(schedule="interleaved", chunks=2)}
+SCHEDULES = {
+    "gpipe": dict(schedule="gpipe"),
+    "1f1b": dict(schedule="1f1b"),
+    "interleaved": dict(schedule="interleaved", chunks=2),
+}
 
 
 def _census_observer():
@@ -71,8 +74,19 @@ def _count(rank: int, world_size: int) -> dict:
         contract.registry.clear()
         census = _census_observer()
         contract.registry.register(census)
-        cfg = TrainConfig(tp=2, pp=2, layers=LAYERS, hidden=HIDDEN, heads=4, vocab=64, seq_len=SEQ,
-                          micro_batch_size=BATCH, microbatches=M, steps=STEPS, **settings)
+        cfg = TrainConfig(
+            tp=2,
+            pp=2,
+            layers=LAYERS,
+            hidden=HIDDEN,
+            heads=4,
+            vocab=64,
+            seq_len=SEQ,
+            micro_batch_size=BATCH,
+            microbatches=M,
+            steps=STEPS,
+            **settings,
+        )
         trainer = Trainer(cfg, rank, world_size)
         trainer.run()
         contract.registry.clear()
@@ -104,8 +118,12 @@ def expected_p2p(stage: int, step: int, chunks: int) -> dict:
         sends_grad += M * not_first
         sends_act += M * not_last
         recvs_grad += M * not_last
-    want = {(step, "send", "activation", ACT_BYTES): sends_act, (step, "recv", "activation", ACT_BYTES): recvs_act,
-            (step, "send", "grad", ACT_BYTES): sends_grad, (step, "recv", "grad", ACT_BYTES): recvs_grad}
+    want = {
+        (step, "send", "activation", ACT_BYTES): sends_act,
+        (step, "recv", "activation", ACT_BYTES): recvs_act,
+        (step, "send", "grad", ACT_BYTES): sends_grad,
+        (step, "recv", "grad", ACT_BYTES): recvs_grad,
+    }
     return {k: v for k, v in want.items() if v}
 
 

@@ -14,19 +14,27 @@ def _save_then_load(rank: int, world_size: int, root: str) -> dict:
     from parwatch.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
     def own_state(step):
-        return {"model": {"w": torch.full((2, rank + 1), float(100 * step + rank))},
-                "optimizer": {"state": {}, "param_groups": []}, "rng": {"rank": rank}}
+        return {
+            "model": {"w": torch.full((2, rank + 1), float(100 * step + rank))},
+            "optimizer": {"state": {}, "param_groups": []},
+            "rng": {"rank": rank},
+        }
 
     for step in (4, 8, 12):
-        save_checkpoint(root, step, rank, world_size, own_state(step), {"rank0_meta": step},
-                        barrier=dist.barrier, keep_last=2)
+        save_checkpoint(
+            root, step, rank, world_size, own_state(step), {"rank0_meta": step}, barrier=dist.barrier, keep_last=2
+        )
         # The second barrier means the manifest exists on return, on every rank.
         assert list_checkpoints(root)[-1] == step
     state, manifest = load_checkpoint(root, 8, rank, world_size)
     assert torch.equal(state["model"]["w"], own_state(8)["model"]["w"])
     assert state["rng"] == {"rank": rank}
-    return {"steps": list_checkpoints(root), "world_size": manifest["world_size"],
-            "w": state["model"]["w"].tolist(), "shape": manifest["shards"][rank]["tensors"]["model.w"]["shape"]}
+    return {
+        "steps": list_checkpoints(root),
+        "world_size": manifest["world_size"],
+        "w": state["model"]["w"].tolist(),
+        "shape": manifest["shards"][rank]["tensors"]["model.w"]["shape"],
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -28,8 +28,21 @@ def _round_trip(rank: int, world_size: int, root: str) -> dict:
     from parwatch.trainer.train import Trainer
 
     contract.registry.clear()
-    cfg = dict(tp=2, pp=2, layers=4, hidden=32, heads=4, vocab=64, seq_len=16, micro_batch_size=2,
-               microbatches=4, steps=6, checkpoint_dir=root, checkpoint_every=3, keep_checkpoints=0)
+    cfg = dict(
+        tp=2,
+        pp=2,
+        layers=4,
+        hidden=32,
+        heads=4,
+        vocab=64,
+        seq_len=16,
+        micro_batch_size=2,
+        microbatches=4,
+        steps=6,
+        checkpoint_dir=root,
+        checkpoint_every=3,
+        keep_checkpoints=0,
+    )
     first = Trainer(TrainConfig(**cfg), rank, world_size)
     first_losses = first.run()["losses"]
     saved = list_checkpoints(root)
@@ -54,8 +67,14 @@ def _round_trip(rank: int, world_size: int, root: str) -> dict:
         resumed.load_checkpoint(3)
     except CheckpointError as e:
         refused = str(e)
-    return {"first": first_losses, "resumed": resumed_losses, "saved": saved, "same_weights": same_weights,
-            "refused": refused, "shard": str(shard)}
+    return {
+        "first": first_losses,
+        "resumed": resumed_losses,
+        "saved": saved,
+        "same_weights": same_weights,
+        "refused": refused,
+        "shard": str(shard),
+    }
 
 
 @pytest.fixture(scope="module")

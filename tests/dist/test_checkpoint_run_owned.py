@@ -14,12 +14,23 @@ def _two_runs(rank: int, world_size: int, root: str, second_saves: bool) -> dict
     from parwatch.trainer.config import TrainConfig
     from parwatch.trainer.train import Trainer
 
-    small = dict(pp=2, layers=2, hidden=32, heads=2, vocab=64, seq_len=8, micro_batch_size=2, microbatches=2,
-                 checkpoint_dir=root, keep_checkpoints=0)
+    small = dict(
+        pp=2,
+        layers=2,
+        hidden=32,
+        heads=2,
+        vocab=64,
+        seq_len=8,
+        micro_batch_size=2,
+        microbatches=2,
+        checkpoint_dir=root,
+        keep_checkpoints=0,
+    )
     contract.registry.clear()
     Trainer(TrainConfig(run_id="run-a", steps=4, checkpoint_every=2, **small), rank, world_size).run()
-    second = Trainer(TrainConfig(run_id="run-b", steps=5, checkpoint_every=3 if second_saves else 0, **small),
-                     rank, world_size)
+    second = Trainer(
+        TrainConfig(run_id="run-b", steps=5, checkpoint_every=3 if second_saves else 0, **small), rank, world_size
+    )
     second.run()  # 5 steps; run-b's checkpoint at 3 when it saves, run-a's at 2 and 4 in the same directory
     second._rollback(Directive(id=1, action=Action.ROLLBACK, run_id="run-b"))
     return second.applied[-1]

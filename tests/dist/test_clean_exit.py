@@ -19,9 +19,38 @@ from tests.distutil import ROOT, run_ranks
 
 pytestmark = pytest.mark.dist
 
-WATCHED_RUN = [sys.executable, "-m", "parwatch", "train", "--nproc", "2", "--tp", "1", "--pp", "2", "--schedule", "1f1b",
-               "--microbatches", "2", "--steps", "6", "--parwatch", "on", "--layers", "2", "--hidden", "32",
-               "--heads", "2", "--vocab", "64", "--seq-len", "8", "--synthetic-compute", "fwd_ms=40,bwd_ms=80"]
+WATCHED_RUN = [
+    sys.executable,
+    "-m",
+    "parwatch",
+    "train",
+    "--nproc",
+    "2",
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "2",
+    "--steps",
+    "6",
+    "--parwatch",
+    "on",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--vocab",
+    "64",
+    "--seq-len",
+    "8",
+    "--synthetic-compute",
+    "fwd_ms=40,bwd_ms=80",
+]
 
 
 @pytest.mark.slow  # 20 runs (~2 min); every watched run of the default tier must exit 0 as well
@@ -29,8 +58,13 @@ def test_watched_runs_exit_cleanly_20_in_a_row(tmp_path):
     """The reproduction of issue 26, kept: 20 consecutive watched runs (the issue's command), each
     must exit 0; no re-run. On 40e8301 a run aborted with probability ~1/7 (20 in a row: ~5%)."""
     for i in range(20):
-        proc = subprocess.run([*WATCHED_RUN, "--parwatch-log", str(tmp_path / f"run{i}")], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [*WATCHED_RUN, "--parwatch-log", str(tmp_path / f"run{i}")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, f"run {i + 1} of 20 exited {proc.returncode}:\n{proc.stderr[-2000:]}"
         assert "terminate called" not in proc.stderr
 
@@ -64,8 +98,8 @@ def _lanes_joined(rank: int, world: int) -> dict:
 
     import torch
 
-    from parwatch.trainer.comm import Comm
     from parwatch.contract import HookRegistry
+    from parwatch.trainer.comm import Comm
     from parwatch.trainer.parallel_dims import ParallelDims, build_groups
 
     registry = HookRegistry()
@@ -101,9 +135,27 @@ def test_example_with_integration_exits_cleanly(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     for i in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), os.path.join(ROOT, "examples", "torch_pipelining.py"), "--schedule", "1f1b",
-               "--microbatches", "2", "--synthetic-ms", "20,40", "--steps", "4", "--parwatch-log",
-               str(tmp_path / f"run{i}")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            os.path.join(ROOT, "examples", "torch_pipelining.py"),
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "2",
+            "--synthetic-ms",
+            "20,40",
+            "--steps",
+            "4",
+            "--parwatch-log",
+            str(tmp_path / f"run{i}"),
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"run {i + 1} exited {proc.returncode}:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}"
+        assert proc.returncode == 0, (
+            f"run {i + 1} exited {proc.returncode}:\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}"
+        )

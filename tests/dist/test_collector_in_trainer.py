@@ -37,8 +37,19 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
 
 STEPS = 6
 WORLD = 4
-MODEL = {"tp": 2, "pp": 2, "layers": LAYERS, "hidden": HIDDEN, "heads": 4, "vocab": 64, "seq_len": SEQ,
-         "micro_batch_size": BATCH, "microbatches": M, "steps": STEPS, "schedule": "1f1b"}
+MODEL = {
+    "tp": 2,
+    "pp": 2,
+    "layers": LAYERS,
+    "hidden": HIDDEN,
+    "heads": 4,
+    "vocab": 64,
+    "seq_len": SEQ,
+    "micro_batch_size": BATCH,
+    "microbatches": M,
+    "steps": STEPS,
+    "schedule": "1f1b",
+}
 
 
 class SilentSidecar:
@@ -77,12 +88,18 @@ def runs(tmp_path_factory):
     silent = SilentSidecar()
     closed_port = free_port()  # bound and released: nobody listens there
     try:
-        per_rank = run_ranks(train_runs, WORLD, {
-            "logged": dict(MODEL, parwatch="on"),
-            "off": dict(MODEL, parwatch="off"),
-            "closed": dict(MODEL, parwatch="on", parwatch_endpoint=f"http://127.0.0.1:{closed_port}"),
-            "silent": dict(MODEL, parwatch="on", parwatch_endpoint=f"http://127.0.0.1:{silent.port}"),
-        }, str(out), timeout=120)
+        per_rank = run_ranks(
+            train_runs,
+            WORLD,
+            {
+                "logged": dict(MODEL, parwatch="on"),
+                "off": dict(MODEL, parwatch="off"),
+                "closed": dict(MODEL, parwatch="on", parwatch_endpoint=f"http://127.0.0.1:{closed_port}"),
+                "silent": dict(MODEL, parwatch="on", parwatch_endpoint=f"http://127.0.0.1:{silent.port}"),
+            },
+            str(out),
+            timeout=120,
+        )
         connections = len(silent.accepted)
     finally:
         silent.close()

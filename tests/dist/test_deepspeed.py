@@ -40,8 +40,6 @@ DPV = ("--schedule", "dualpipev")
 DPV_RUNS = {"dpv": (M, MS), "dpv-m8": (8, "20,40")}  # run -> (microbatches, F,B ms)
 
 
-
-
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     """Every rank: each named run of the example in turn; returns {name: losses}. The run named
     "directives" (and "dpv-directives") also gets a Director (tests/dist/test_torch_pipelining.py) on the registry."""
@@ -58,8 +56,9 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     results = {}
     for name, argv in runs.items():
         log_dir = os.path.join(out_dir, name)
-        args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
-                                                                ["--parwatch-log", log_dir]))
+        args = example.parse_args(
+            argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else ["--parwatch-log", log_dir])
+        )
         director = Director(rank, name) if name.endswith("directives") else None
         if director:
             registry.register(director)
@@ -78,17 +77,27 @@ def _detach_check(engine, run_id: str) -> dict:
     from parwatch.integrations import deepspeed as pw
 
     def left() -> list:  # _exec_instr: DeepSpeed's last instruction run, replaced by its next one
-        on = [name for name, value in vars(engine).items()
-              if name != "_exec_instr" and "DeepSpeedWatch" in getattr(value, "__qualname__", "")]
-        return on + [cls.__name__ for cls, fn in engine._INSTRUCTION_MAP.items()
-                     if "DeepSpeedWatch" in getattr(fn, "__qualname__", "")]
+        on = [
+            name
+            for name, value in vars(engine).items()
+            if name != "_exec_instr" and "DeepSpeedWatch" in getattr(value, "__qualname__", "")
+        ]
+        return on + [
+            cls.__name__
+            for cls, fn in engine._INSTRUCTION_MAP.items()
+            if "DeepSpeedWatch" in getattr(fn, "__qualname__", "")
+        ]
 
     closed = left()
     watch = pw.watch(engine, run_id=run_id)
     attached = left()
     watch.detach()
-    return {"closed": closed, "attached": sorted(attached), "detached": left(),
-            "map_is_the_class's": engine._INSTRUCTION_MAP is type(engine)._INSTRUCTION_MAP}
+    return {
+        "closed": closed,
+        "attached": sorted(attached),
+        "detached": left(),
+        "map_is_the_class's": engine._INSTRUCTION_MAP is type(engine)._INSTRUCTION_MAP,
+    }
 
 
 def run_argv(*extra: str, ms: str = MS, steps: int = STEPS, m: int = M) -> list[str]:
@@ -212,7 +221,10 @@ def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid, name):
     assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
     for r in ranks:
         assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
-            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+            ("pause", "applied"),
+            ("resume", "applied"),
+            ("rollback", "applied"),
+        ]
         assert r["applied"][2]["step"] == 2  # engine.load_checkpoint(tag="global_step2")
     # After the rollback steps 3.. trained again from the restored state on the same batches:
     # bitwise the losses of the same run without directives.
@@ -277,8 +289,11 @@ def test_dualpipev_summaries_carry_its_schedule_and_loss(grid):
 def dpv_drain() -> dict:
     """Each rank's wait, in the replay at uniform times, from its own last action to the step's end."""
     replay = ps.simulate(dpv_order(M), dict(zip("FB", (float(x) / 1000 for x in MS.split(",")))))
-    return {rank: replay.makespan - max(end for action, (_, end) in replay.finish.items()
-                                        if action.stage in (rank, 2 * P - 1 - rank)) for rank in range(P)}
+    return {
+        rank: replay.makespan
+        - max(end for action, (_, end) in replay.finish.items() if action.stage in (rank, 2 * P - 1 - rank))
+        for rank in range(P)
+    }
 
 
 def test_dualpipev_rank_1_drains_while_rank_0_runs_the_last_backward():
@@ -370,9 +385,22 @@ def test_dualpipev_losses_are_bitwise_unchanged_and_detach_restores(grid):
         assert results[rank]["dpv-fast-on"] == results[rank]["dpv-fast-off"]
         detach = results[rank]["detach"]
         assert detach["closed"] == [] and detach["detached"] == [] and detach["map_is_the_class's"], detach
-        assert {"train_batch", "eval_batch", "save_checkpoint", "clip_fp32_gradients", "ForwardPass", "BackwardPass",
-                "LoadMicroBatch", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P",
-                "ReduceGrads", "OptimizerStep"} <= set(detach["attached"]), detach
+        assert {
+            "train_batch",
+            "eval_batch",
+            "save_checkpoint",
+            "clip_fp32_gradients",
+            "ForwardPass",
+            "BackwardPass",
+            "LoadMicroBatch",
+            "SendActivation",
+            "RecvActivation",
+            "SendGrad",
+            "RecvGrad",
+            "CommitP2P",
+            "ReduceGrads",
+            "OptimizerStep",
+        } <= set(detach["attached"]), detach
 
 
 # --- four ranks: pp = 4, and pp = 2 x dp = 2 (DeepSpeed makes dp = world / pp) ----------------------
@@ -398,7 +426,9 @@ def four_stage_order() -> dict:
 def test_four_stages_have_replayable_steps_and_the_formula(grid4):
     out, _ = grid4
     assert replayed_steps(os.path.join(out, "pp4"), four_stage_order()), "no step with every stage's spans"
-    assert ps.simulate(four_stage_order(), {"F": 0.02, "B": 0.04}).bubble[0] == pytest.approx(theoretical("1f1b", P4, M4))
+    assert ps.simulate(four_stage_order(), {"F": 0.02, "B": 0.04}).bubble[0] == pytest.approx(
+        theoretical("1f1b", P4, M4)
+    )
 
 
 @pytest.mark.timing
@@ -415,7 +445,12 @@ def test_data_parallel_replicas_sync_and_report_their_coordinates(grid4):
             row = json.loads(line)
             rows[row["rank"]] = row
     # DeepSpeed's topology (axes pipe, data: data the faster) is the order tp-dp-pp: rank = dp_rank + 2 * stage.
-    assert {rank: (r["stage"], r["dp_rank"]) for rank, r in rows.items()} == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert {rank: (r["stage"], r["dp_rank"]) for rank, r in rows.items()} == {
+        0: (0, 0),
+        1: (0, 1),
+        2: (1, 0),
+        3: (1, 1),
+    }
     assert all((r["pp"], r["dp"], r["tp"], r["order"]) == (2, 2, 1, "tp-dp-pp") for r in rows.values())
     synced = set()
     with open(os.path.join(out, "pp2-dp2", "spans.jsonl")) as f:
@@ -424,5 +459,5 @@ def test_data_parallel_replicas_sync_and_report_their_coordinates(grid4):
             if span["kind"] == "dp_sync":
                 synced.add(span["rank"])
     assert synced == {0, 1, 2, 3}  # ReduceGrads: every replica's gradient all-reduce is timed
-    for rank, row in rows.items():
+    for row in rows.values():
         assert 0 <= row["bubble_ratio"] < 1 and row["time_seconds"]["productive"] > 0, row

@@ -39,11 +39,21 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 P, STEPS, LAYERS = 2, 14, 2
 FIRST, LAST = 4, STEPS  # the window: step FIRST's boundary to step LAST's (the first steps warm up)
-ARGV = ["--schedule", "1f1b", "--microbatches", "4", "--synthetic-ms", "0,0", "--hidden", "1536",
-        "--microbatch-size", "32", "--steps", str(STEPS)]
+ARGV = [
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "4",
+    "--synthetic-ms",
+    "0,0",
+    "--hidden",
+    "1536",
+    "--microbatch-size",
+    "32",
+    "--steps",
+    str(STEPS),
+]
 TOLERANCE = 0.02
-
-
 
 
 class ComputeStage(torch.nn.Module):
@@ -101,10 +111,12 @@ def test_busy_and_idle_match_the_profiler(profiled, rank):
     prof_window, prof_busy = trace_busy(paths[rank], FIRST, LAST)
     ledger_window, ledger_busy_s, delta = ledger_busy(summaries, rank, FIRST, LAST)
     prof_share, ledger_share = prof_busy / prof_window, ledger_busy_s / ledger_window
-    print(f"rank {rank}: profiler window {prof_window:.4f} s busy {prof_share:.4f}; "
-          f"ledger window {ledger_window:.4f} s busy {ledger_share:.4f}; "
-          f"gap {100 * (ledger_share - prof_share):+.2f} pp; ledger "
-          + ", ".join(f"{c} {v:.4f}" for c, v in sorted(delta.items()) if v > 0))
+    print(
+        f"rank {rank}: profiler window {prof_window:.4f} s busy {prof_share:.4f}; "
+        f"ledger window {ledger_window:.4f} s busy {ledger_share:.4f}; "
+        f"gap {100 * (ledger_share - prof_share):+.2f} pp; ledger "
+        + ", ".join(f"{c} {v:.4f}" for c, v in sorted(delta.items()) if v > 0)
+    )
     # The two clocks see the same window (the marker follows the boundary by the collector's own work).
     assert ledger_window == pytest.approx(prof_window, rel=0.02, abs=0.005)
     assert abs(ledger_share - prof_share) <= TOLERANCE  # busy

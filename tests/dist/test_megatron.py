@@ -41,8 +41,6 @@ CONFIGS = {"1f1b": ["--chunks", "1"], "interleaved": ["--chunks", "2"]}
 TYPES = {"forward": "F", "backward": "B"}
 
 
-
-
 def megatron_functions() -> dict:
     """The Megatron module attributes the integration wraps while attached."""
     from megatron.core.pipeline_parallel import p2p_communication, schedules
@@ -50,8 +48,11 @@ def megatron_functions() -> dict:
 
     from parwatch.integrations._megatron_hooks import P2P_FUNCS, SCHEDULE_FUNCS, TP_FUNCS
 
-    return {**{n: getattr(schedules, n) for n in SCHEDULE_FUNCS}, **{n: getattr(p2p_communication, n) for n in P2P_FUNCS},
-            **{n: getattr(mappings, n) for n in TP_FUNCS}}
+    return {
+        **{n: getattr(schedules, n) for n in SCHEDULE_FUNCS},
+        **{n: getattr(p2p_communication, n) for n in P2P_FUNCS},
+        **{n: getattr(mappings, n) for n in TP_FUNCS},
+    }
 
 
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
@@ -77,8 +78,12 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
             results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
             if director:
                 registry.unregister(director)
-                results[name] = {"seen": director.seen, "applied": result["applied"], "history": result["history"],
-                                 "losses": result["losses"]}
+                results[name] = {
+                    "seen": director.seen,
+                    "applied": result["applied"],
+                    "history": result["history"],
+                    "losses": result["losses"],
+                }
             changed = [n for n, f in megatron_functions().items() if f is not shipped[n]]
             assert not changed, f"{name}: still wrapped after close: {changed}"
     finally:
@@ -87,8 +92,18 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
 
 
 def run_argv(config: str, *extra: str, ms: str = MS, steps: int = STEPS) -> list[str]:
-    return ["--pp", str(P), *CONFIGS[config], "--microbatches", str(M), "--synthetic-ms", ms,
-            "--steps", str(steps), *extra]
+    return [
+        "--pp",
+        str(P),
+        *CONFIGS[config],
+        "--microbatches",
+        str(M),
+        "--synthetic-ms",
+        ms,
+        "--steps",
+        str(steps),
+        *extra,
+    ]
 
 
 def order_of(config: str) -> dict:
@@ -130,21 +145,26 @@ def test_order_is_megatrons_schedule():
     for p, m, v, group in [(2, 4, 2, 2), (2, 6, 2, 3), (3, 6, 2, 3), (4, 8, 2, 4), (4, 8, 3, 4), (4, 12, 2, 4)]:
         assert schedule_table(m, v, group) == schedules.get_schedule_table(m, v, group)
         for r in range(p):
-            comm = types.SimpleNamespace(pp_group=types.SimpleNamespace(size=lambda p=p: p, rank=lambda r=r: r),
-                                         virtual_pipeline_model_parallel_size=v)
+            comm = types.SimpleNamespace(
+                pp_group=types.SimpleNamespace(size=lambda p=p: p, rank=lambda r=r: r),
+                virtual_pipeline_model_parallel_size=v,
+            )
             _, _, warmup, _ = schedules.get_pp_rank_microbatches(m, v, group, p2p_communicator=comm)
             assert warmup_microbatches(p, r, m, v, group) == warmup, (p, m, v, group, r)
         order = ps.normalize(__import__("parwatch.integrations.megatron", fromlist=["x"]).action_order(p, m, v, group))
-        assert sorted(str(a) for acts in order.values() for a in acts) == \
-            sorted(f"{s}{t}{mb}" for s in range(p * v) for t in "FB" for mb in range(m))
+        assert sorted(str(a) for acts in order.values() for a in acts) == sorted(
+            f"{s}{t}{mb}" for s in range(p * v) for t in "FB" for mb in range(m)
+        )
         # at uniform stages Megatron's interleaving has the closed form's bubble
         bubble = ps.simulate(order, {"F": 1.0, "B": 2.0}).bubble
         assert bubble == pytest.approx({r: closed_form(p, m, v) for r in range(p)}, abs=1e-9)
 
 
 def test_importing_parwatch_imports_no_megatron():
-    code = ("import sys, parwatch, parwatch.integrations.megatron, parwatch.collector; "
-            "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'")
+    code = (
+        "import sys, parwatch, parwatch.integrations.megatron, parwatch.collector; "
+        "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
@@ -181,8 +201,9 @@ def test_spans_cover_every_action_with_names(grid, config):
                 p2p[span["kind"]] += 1
                 assert a["what"] in ("activation", "grad") and a["peer"] == 1 - span["rank"], span
                 assert isinstance(a["microbatch"], int) and "vstage" in a, span
-    assert {r: sorted(map(str, acts)) for r, acts in seen.items()} == \
-        {r: sorted(map(str, acts)) for r, acts in order.items()}
+    assert {r: sorted(map(str, acts)) for r, acts in seen.items()} == {
+        r: sorted(map(str, acts)) for r, acts in order.items()
+    }
     crossings = (P * (2 if config == "interleaved" else 1) - 1) * M  # activations and grads over the step
     assert p2p == {"send": 2 * crossings, "recv": 2 * crossings}
 
@@ -209,8 +230,12 @@ def test_evaluation_is_not_observed(grid, config):
                 key = (span["rank"], span["step"], span["kind"])
                 counts[key] = counts.get(key, 0) + 1
     v = 2 if config == "interleaved" else 1
-    assert counts == {(r, s, k): (1 if k == "boundary" else M * v)
-                      for r in range(P) for s in (1, 2, 3) for k in ("forward", "backward", "boundary")}
+    assert counts == {
+        (r, s, k): (1 if k == "boundary" else M * v)
+        for r in range(P)
+        for s in (1, 2, 3)
+        for k in ("forward", "backward", "boundary")
+    }
 
 
 def test_summaries_report_the_loss_and_the_layout(grid):
@@ -252,7 +277,10 @@ def test_pause_resume_and_rollback_reach_every_rank(grid):
     assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
     for r in ranks:
         assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
-            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+            ("pause", "applied"),
+            ("resume", "applied"),
+            ("rollback", "applied"),
+        ]
         assert r["applied"][2]["step"] == 2  # the loaded step
     last = next(r for r in ranks if r["history"])
     assert [s for s, _ in last["history"]] == [1, 2, 3, 4, 5, 3, 4, 5, 6]  # step 5 rolled back to 2
@@ -290,8 +318,11 @@ def layout_body(rank: int, world_size: int) -> dict:
 
     load_example("megatron_cpu").install()
     out = {}
-    for name, kwargs in (("dp2", {}), ("pp2", {"pipeline_model_parallel_size": 2}),
-                         ("cp2", {"context_parallel_size": 2})):
+    for name, kwargs in (
+        ("dp2", {}),
+        ("pp2", {"pipeline_model_parallel_size": 2}),
+        ("cp2", {"context_parallel_size": 2}),
+    ):
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(**kwargs)
         try:

@@ -18,8 +18,18 @@ def _run(rank, world, log_dir, peak):
     from parwatch.trainer.config import TrainConfig
     from parwatch.trainer.train import Trainer
 
-    cfg = TrainConfig(steps=3, layers=2, hidden=32, heads=4, seq_len=16, microbatches=2, parwatch="on",
-                      parwatch_log=log_dir, parwatch_peak_flops=peak, run_id="mfu")
+    cfg = TrainConfig(
+        steps=3,
+        layers=2,
+        hidden=32,
+        heads=4,
+        seq_len=16,
+        microbatches=2,
+        parwatch="on",
+        parwatch_log=log_dir,
+        parwatch_peak_flops=peak,
+        run_id="mfu",
+    )
     collector = attach_from_config(cfg, rank, world, 0, "gloo")
     try:
         trainer = Trainer(cfg, rank, world)

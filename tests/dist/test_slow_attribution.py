@@ -33,10 +33,17 @@ import pytest
 from parwatch.demo.scenario import DemoConfig
 from parwatch.guardrails.rules import default_rules
 from parwatch.records import parse
-from parwatch.step_records import StepSummary
 from parwatch.sidecar.transfer import TransferTracker
-from tests.integration.e2e_util import (TORCHRUN, decision_records, read_jsonl, run_on_hosts, run_trainer, synthetic,
-                                        token_args)
+from parwatch.step_records import StepSummary
+from tests.integration.e2e_util import (
+    TORCHRUN,
+    decision_records,
+    read_jsonl,
+    run_on_hosts,
+    run_trainer,
+    synthetic,
+    token_args,
+)
 from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(420)]
@@ -84,31 +91,65 @@ def test_one_slow_tp_rank_is_named_not_only_its_stage(tmp_path):
 
 
 HOSTS = ("host-a", "host-b")
-HOST_LAYOUT = ("--pp", "2", "--dp", "2", "--schedule", "1f1b", "--microbatches", "4", "--layers", "4",
-               "--hidden", "32", "--seq-len", "16")
+HOST_LAYOUT = (
+    "--pp",
+    "2",
+    "--dp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "4",
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--seq-len",
+    "16",
+)
 """host-a: ranks 0, 1 (replica 0, stages 0 and 1); host-b: ranks 2, 3 (replica 1)."""
-SLOW_HOST_A = ("--inject", "straggler:rank=0,ms=20", "--inject", "straggler:rank=1,ms=20",
-               "--inject", "slow-link:src=0,dst=1,ms=30", "--inject", "slow-link:src=1,dst=0,ms=30")
+SLOW_HOST_A = (
+    "--inject",
+    "straggler:rank=0,ms=20",
+    "--inject",
+    "straggler:rank=1,ms=20",
+    "--inject",
+    "slow-link:src=0,dst=1,ms=30",
+    "--inject",
+    "slow-link:src=1,dst=0,ms=30",
+)
 """What a contended host shows in attribution.py's terms: every rank of it computes slower than its
 peers elsewhere, and the transfers within it are slower than the same links elsewhere."""
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
-@pytest.mark.parametrize("faults, cause", [
-    pytest.param(SLOW_HOST_A, "host-contention", id="whole-host"),
-    pytest.param(("--inject", "straggler:rank=0,ms=40"), "slow-compute", id="one-rank", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "faults, cause",
+    [
+        pytest.param(SLOW_HOST_A, "host-contention", id="whole-host"),
+        pytest.param(("--inject", "straggler:rank=0,ms=40"), "slow-compute", id="one-rank", marks=pytest.mark.slow),
+    ],
+)
 def test_host_contention_is_judged_by_the_reported_host(tmp_path, faults, cause):
     with running_sidecar(tmp_path / "state") as sidecar:
-        run_on_hosts(sidecar.control_url, tmp_path / "run", STEPS, HOSTS, *token_args(sidecar), *HOST_LAYOUT,
-                     *synthetic(10, 20), *faults)
+        run_on_hosts(
+            sidecar.control_url,
+            tmp_path / "run",
+            STEPS,
+            HOSTS,
+            *token_args(sidecar),
+            *HOST_LAYOUT,
+            *synthetic(10, 20),
+            *faults,
+        )
     decisions = decision_records(tmp_path / "state")
     found = culprits(decisions)
     if cause == "host-contention":
         assert found and all(c == {"cause": "host-contention", "host": "host-a"} for c in found), decisions
     else:  # one slow rank is not its host's contention: its stage (the median of its replicas) is slow
-        assert found and all(c["cause"] == "slow-compute" and c["stage"] == 0 and 0 in c["ranks"]
-                             for c in found), decisions
+        assert found and all(c["cause"] == "slow-compute" and c["stage"] == 0 and 0 in c["ranks"] for c in found), (
+            decisions
+        )
     assert_everyone_names_where(decisions)
 
 
@@ -122,7 +163,9 @@ def test_slow_link_is_classified(tmp_path):
 @pytest.fixture(scope="module")
 def slow_data(tmp_path_factory):
     """Rank 0's data fetch 15 ms slower (its own span, outside the forward): (decisions, trainer run)."""
-    return run(tmp_path_factory.mktemp("slow-data"), STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-data:rank=0,ms=15")
+    return run(
+        tmp_path_factory.mktemp("slow-data"), STEPS, *LAYOUT, *synthetic(10, 20), "--inject", "slow-data:rank=0,ms=15"
+    )
 
 
 def test_slow_data_is_classified(slow_data):

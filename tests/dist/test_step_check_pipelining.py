@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distutil import load_example
-from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
+from tests.step_check_proofs import assert_proofs, example_argv, prove, run_scenarios
 
 pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(300)]  # ranks and a sidecar
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
+from tests.step_check_proofs import STEPS, assert_proofs, prove, run_scenarios
 
 pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(300)]  # ranks and a sidecar
 

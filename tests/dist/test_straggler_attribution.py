@@ -43,8 +43,10 @@ IDLE_TOLERANCE_S = 0.15 * M * X_MS / 1000
 
 def runs_for(p: int, k: int) -> dict:
     fault = f"straggler:stage={k},ms={X_MS:g}"
-    runs = {f"p{p}-baseline": pipeline_run(p, M, steps=STEPS),
-            f"p{p}-straggler": pipeline_run(p, M, steps=STEPS, inject=[fault])}
+    runs = {
+        f"p{p}-baseline": pipeline_run(p, M, steps=STEPS),
+        f"p{p}-straggler": pipeline_run(p, M, steps=STEPS, inject=[fault]),
+    }
     if p == 2:  # one case also shows from when
         runs["p2-late"] = pipeline_run(p, M, steps=STEPS, inject=[f"{fault},from_step={LATE_FROM}"])
     return runs
@@ -52,14 +54,16 @@ def runs_for(p: int, k: int) -> dict:
 
 def own_medians(steps: list[dict], key: str, p: int) -> list[float]:
     """Each rank's own step summaries: per stage, the median of `key` over steps 2.. ."""
-    return [statistics.median(s[key] for s in steps if s["stage"] == stage and s["step"] >= 2)
-            for stage in range(p)]
+    return [statistics.median(s[key] for s in steps if s["stage"] == stage and s["step"] >= 2) for stage in range(p)]
 
 
 def view_skews(steps: list[dict]) -> list[float]:
     """Rank 0's per-step global views (one step late): pipeline_skew_ratio of steps 2.. ."""
-    return [s["global"]["pipeline_skew_ratio"] for s in steps
-            if s["rank"] == 0 and s["global"] is not None and s["global"]["step"] >= 2]
+    return [
+        s["global"]["pipeline_skew_ratio"]
+        for s in steps
+        if s["rank"] == 0 and s["global"] is not None and s["global"]["step"] >= 2
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +81,10 @@ def runs(tmp_path_factory):
             summary, steps = found[f"p{p}-{kind}"]
             per_mb = " ".join(f"{c / M * 1000:.2f}" for c in own_medians(steps, "compute_seconds", p))
             idle = " ".join(f"{x * 1000:.1f}" for x in own_medians(steps, "idle_seconds", p))
-            print(f"p={p} {kind:>9}: compute ms/microbatch [{per_mb}]  idle ms/step [{idle}]  skew per step "
-                  f"median {statistics.median(view_skews(steps)):.4f} mean {summary['pipeline_skew_ratio']:.4f}")
+            print(
+                f"p={p} {kind:>9}: compute ms/microbatch [{per_mb}]  idle ms/step [{idle}]  skew per step "
+                f"median {statistics.median(view_skews(steps)):.4f} mean {summary['pipeline_skew_ratio']:.4f}"
+            )
     late = sorted((s["stage"], s["step"], s["compute_seconds"]) for s in found["p2-late"][1])
     for stage in range(2):
         per_mb = " ".join(f"{c / M * 1000:.2f}" for st, _, c in late if st == stage)

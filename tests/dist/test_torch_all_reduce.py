@@ -30,8 +30,16 @@ def _ranks_reduce(rank: int, world: int) -> dict:
     boundary = StepBoundary(rank, world, "r", reduce, reports_loss=rank == world - 1, registry=registry)
     boundary.exchange(BoundaryKind.START, 0)
     loss, _ = boundary.exchange(BoundaryKind.STEP, 1, 2.5)
-    return {"first": first, "second": second, "wider": wider, "loss": loss, "during": observer.during,
-            "boundaries": observer.boundaries, "agree_all": boundary.agree(True), "agree_one_no": boundary.agree(rank == 0)}
+    return {
+        "first": first,
+        "second": second,
+        "wider": wider,
+        "loss": loss,
+        "during": observer.during,
+        "boundaries": observer.boundaries,
+        "agree_all": boundary.agree(True),
+        "agree_one_no": boundary.agree(rank == 0),
+    }
 
 
 def test_sums_across_steps_and_widths_and_lets_observers_work_meanwhile():

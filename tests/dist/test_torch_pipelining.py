@@ -42,8 +42,6 @@ TOLERANCE = 0.02
 TYPES = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
 
-
-
 def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     """Every rank: each named run of the example in turn; returns {name: losses} (last stage's).
 
@@ -55,8 +53,9 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
     results = {}
     for name, argv in runs.items():
         log_dir = os.path.join(out_dir, name)
-        args = example.parse_args(argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else
-                                                                ["--parwatch-log", log_dir]))
+        args = example.parse_args(
+            argv + ["--run-id", name] + ([] if "--no-parwatch" in argv else ["--parwatch-log", log_dir])
+        )
         director = Director(rank, name) if name == "directives" else None
         if director:
             registry.register(director)
@@ -64,8 +63,12 @@ def runs_body(rank: int, world_size: int, runs: dict, out_dir: str) -> dict:
         results[name] = {str(s): repr(v) for s, v in result["losses"].items()}
         if director:
             registry.unregister(director)
-            results[name] = {"seen": director.seen, "applied": result["applied"], "history": result["history"],
-                             "losses": result["losses"]}
+            results[name] = {
+                "seen": director.seen,
+                "applied": result["applied"],
+                "history": result["history"],
+                "losses": result["losses"],
+            }
     return results
 
 
@@ -194,8 +197,9 @@ def test_spans_cover_every_action_of_the_schedule(grid, schedule):
                 a = span["attrs"]
                 assert a["stage"] == span["rank"] and a["chunk"] in (0, 1)
                 seen.setdefault(span["rank"], []).append(ps.Action(a["vstage"], kind, a["microbatch"]))
-    assert {r: sorted(map(str, acts)) for r, acts in seen.items()} == \
-        {r: sorted(map(str, acts)) for r, acts in order.items()}
+    assert {r: sorted(map(str, acts)) for r, acts in seen.items()} == {
+        r: sorted(map(str, acts)) for r, acts in order.items()
+    }
     assert {"send", "recv", "optimizer", "dp_sync"} <= kinds
     assert "loss" in kinds
 
@@ -252,9 +256,11 @@ class Director:
         from parwatch.contract import Action, Directive
 
         self.rank, self.queue, self.seen, self.heartbeats = rank, [], [], 0
-        self.plan = {("step", 2): Directive(1, Action.PAUSE, run_id),
-                     ("heartbeat", 2): Directive(2, Action.RESUME, run_id),
-                     ("step", 4): Directive(3, Action.ROLLBACK, run_id, to_step=2)}
+        self.plan = {
+            ("step", 2): Directive(1, Action.PAUSE, run_id),
+            ("heartbeat", 2): Directive(2, Action.RESUME, run_id),
+            ("step", 4): Directive(3, Action.ROLLBACK, run_id, to_step=2),
+        }
 
     def on_span(self, span) -> None:
         pass
@@ -288,7 +294,10 @@ def test_pause_resume_and_rollback_reach_every_rank(grid):
     assert ("heartbeat", 3) in seen and ("resume", 3) in seen and ("resume", 2) in seen
     for r in ranks:
         assert [(a["action"], a["outcome"]) for a in r["applied"]] == [
-            ("pause", "applied"), ("resume", "applied"), ("rollback", "applied")]
+            ("pause", "applied"),
+            ("resume", "applied"),
+            ("rollback", "applied"),
+        ]
         assert r["applied"][2]["step"] == 2  # the loaded step
     last = next(r for r in ranks if r["history"])
     steps = [s for s, _ in last["history"]]

@@ -12,8 +12,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 def hooks_body(rank: int, world_size: int) -> dict:
     import torch
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, schedules
 
     from parwatch.contract import registry
     from parwatch.integrations import _p2p
@@ -69,9 +68,14 @@ def hooks_body(rank: int, world_size: int) -> dict:
     watch.detach()
     registry.unregister(recorder)
     out["spans"] = recorder.spans
-    out["restored"] = (schedules._batch_p2p, schedules._wait_batch_p2p) == original and not any(
-        k in stage.__dict__ for k in ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad",
-                                      "get_fwd_recv_ops")) and "_maybe_compute_loss" not in schedule.__dict__
+    out["restored"] = (
+        (schedules._batch_p2p, schedules._wait_batch_p2p) == original
+        and not any(
+            k in stage.__dict__
+            for k in ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad", "get_fwd_recv_ops")
+        )
+        and "_maybe_compute_loss" not in schedule.__dict__
+    )
     out["users"] = _p2p._users
     return out
 

@@ -32,8 +32,13 @@ def runtime_body(rank: int, world_size: int, csv_path: str, log_dir: str) -> dic
         watch = collector = None
         if watched:
             watch = PipelineWatch(schedule, run_id="runtime")
-            collector = attach(Collector(watch.run_context(), log_path=os.path.join(log_dir, "summaries.jsonl"),
-                                         spans_path=os.path.join(log_dir, "spans.jsonl")))
+            collector = attach(
+                Collector(
+                    watch.run_context(),
+                    log_path=os.path.join(log_dir, "summaries.jsonl"),
+                    spans_path=os.path.join(log_dir, "spans.jsonl"),
+                )
+            )
             watch.start()
         losses = []
         for step in range(1, STEPS + 1):
@@ -50,8 +55,11 @@ def runtime_body(rank: int, world_size: int, csv_path: str, log_dir: str) -> dic
                 opt.step()
         out = {"losses": losses}
         if watch:
-            out.update(name=watch.name, theory=collector.last_summary["bubble_theoretical_ratio"],
-                       schedule=collector.last_summary["schedule"])
+            out.update(
+                name=watch.name,
+                theory=collector.last_summary["bubble_theoretical_ratio"],
+                schedule=collector.last_summary["schedule"],
+            )
             watch.close()
             collector.close()
         return out
@@ -92,6 +100,7 @@ def test_a_schedule_loaded_from_csv_is_watched_as_custom(tmp_path):
             span = json.loads(line)
             kind = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}.get(span["kind"])
             if kind and span["step"] == 2:
-                seen.setdefault(span["rank"], set()).add(str(ps.Action(span["attrs"]["vstage"], kind,
-                                                                       span["attrs"]["microbatch"])))
+                seen.setdefault(span["rank"], set()).add(
+                    str(ps.Action(span["attrs"]["vstage"], kind, span["attrs"]["microbatch"]))
+                )
     assert seen == {r: {str(a) for a in acts} for r, acts in ps.normalize(order).items()}

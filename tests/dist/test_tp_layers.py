@@ -46,10 +46,10 @@ def _compare_layers(rank: int, world_size: int) -> dict:
     for dtype_name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
         gen = torch.Generator().manual_seed(1234)  # identical inputs on both ranks
 
-        def rand(*shape):
+        def rand(*shape, gen=gen, dtype=dtype):  # bound now: called only within this iteration
             return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
-        def record(layer, **pairs):
+        def record(layer, dtype_name=dtype_name, **pairs):
             for what, (got, want) in pairs.items():
                 errors[(layer, dtype_name, what)] = _err(got, want)
 
@@ -66,8 +66,13 @@ def _compare_layers(rank: int, world_size: int) -> dict:
         (out * shard(upstream, -1)).sum().backward()
         ref = F.linear(x_ref, w_full, b_full)
         (ref * upstream).sum().backward()
-        record("column", output=(out, shard(ref, -1)), input_grad=(x_tp.grad, x_ref.grad),
-               weight_grad=(col.weight.grad, shard(w_full.grad, 0)), bias_grad=(col.bias.grad, shard(b_full.grad, 0)))
+        record(
+            "column",
+            output=(out, shard(ref, -1)),
+            input_grad=(x_tp.grad, x_ref.grad),
+            weight_grad=(col.weight.grad, shard(w_full.grad, 0)),
+            bias_grad=(col.bias.grad, shard(b_full.grad, 0)),
+        )
 
         # Row-parallel: input split by columns; partial outputs all-reduced in forward.
         row = RowParallelLinear("t.row", 4 * H, H, comm, seed=3, dtype=dtype)
@@ -82,8 +87,13 @@ def _compare_layers(rank: int, world_size: int) -> dict:
         (out * upstream).sum().backward()
         ref = F.linear(x_ref, w_full, b_full)
         (ref * upstream).sum().backward()
-        record("row", output=(out, ref), input_grad=(x_tp.grad, shard(x_ref.grad, -1)),
-               weight_grad=(row.weight.grad, shard(w_full.grad, 1)), bias_grad=(row.bias.grad, b_full.grad))
+        record(
+            "row",
+            output=(out, ref),
+            input_grad=(x_tp.grad, shard(x_ref.grad, -1)),
+            weight_grad=(row.weight.grad, shard(w_full.grad, 1)),
+            bias_grad=(row.bias.grad, b_full.grad),
+        )
 
         # Vocab-parallel embedding: ids from the whole vocabulary, so both ranks' ranges are hit.
         emb = VocabParallelEmbedding("t.emb", VOCAB, H, comm, seed=3, dtype=dtype)
@@ -116,14 +126,16 @@ def errors_by_rank():
     return run_ranks(_compare_layers, 2, timeout=180)
 
 
-CASES = [
-    ("column", q) for q in ("output", "input_grad", "weight_grad", "bias_grad")
-] + [
-    ("row", q) for q in ("output", "input_grad", "weight_grad", "bias_grad")
-] + [
-    ("embedding", "output"), ("embedding", "weight_grad"),
-    ("cross_entropy", "loss"), ("cross_entropy", "logits_grad"),
-]
+CASES = (
+    [("column", q) for q in ("output", "input_grad", "weight_grad", "bias_grad")]
+    + [("row", q) for q in ("output", "input_grad", "weight_grad", "bias_grad")]
+    + [
+        ("embedding", "output"),
+        ("embedding", "weight_grad"),
+        ("cross_entropy", "loss"),
+        ("cross_entropy", "logits_grad"),
+    ]
+)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

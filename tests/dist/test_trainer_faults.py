@@ -24,8 +24,9 @@ SLOW_MS = 5.0
 RUNS = {
     "nan": dict(pp=2, microbatches=2, steps=4, inject=["nan:step=3"], pre_step_check="off"),
     "baseline": dict(pp=2, microbatches=4, steps=3, synthetic_compute=SYNTHETIC),
-    "straggler": dict(pp=2, microbatches=4, steps=3, synthetic_compute=SYNTHETIC,
-                      inject=[f"straggler:stage=1,ms={STRAGGLE_MS:g}"]),
+    "straggler": dict(
+        pp=2, microbatches=4, steps=3, synthetic_compute=SYNTHETIC, inject=[f"straggler:stage=1,ms={STRAGGLE_MS:g}"]
+    ),
     "slow-tp": dict(tp=2, microbatches=2, steps=2, inject=[f"slow-collective:group=tp,ms={SLOW_MS:g}"]),
 }
 
@@ -59,8 +60,11 @@ def _run_faults(rank: int, world_size: int) -> dict:
         trainer = Trainer(TrainConfig(**SMALL, **settings), rank, world_size)
         summary = trainer.run()
         contract.registry.clear()
-        results[name] = {"stage": trainer.groups.stage, "losses": [float(x) for x in summary["losses"]],
-                         "seconds": recorder.seconds}
+        results[name] = {
+            "stage": trainer.groups.stage,
+            "losses": [float(x) for x in summary["losses"]],
+            "seconds": recorder.seconds,
+        }
     return results
 
 
@@ -101,9 +105,27 @@ def test_slow_collective_delays_every_tp_all_reduce(fault_runs):
 
 
 def test_crash_via_cli_exits_nonzero_and_names_the_rank(tmp_path):
-    cmd = [sys.executable, "-m", "parwatch.trainer", "--nproc", "2", "--pp", "2", "--steps", "4", "--layers", "2",
-           "--hidden", "32", "--seq-len", "16", "--inject", "crash:rank=1,step=2",
-           "--summary-json", str(tmp_path / "s.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "parwatch.trainer",
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "4",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--seq-len",
+        "16",
+        "--inject",
+        "crash:rank=1,step=2",
+        "--summary-json",
+        str(tmp_path / "s.json"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr, proc.stderr
