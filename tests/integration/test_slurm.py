@@ -34,6 +34,7 @@ from parwatch.guardrails.rules import default_rules
 from parwatch.report.loader import load_run
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.vocabulary import Action, RuleAction, TimeCategory
+from tests.deadline import DeadlineExceeded
 from tests.integration.e2e_util import (
     SMALL_MODEL,
     applied_records,
@@ -82,9 +83,9 @@ class Cluster:
             return wait_until(
                 lambda: (j := self.job(job.id))["JobState"] in ENDED and j, f"job {job.id} to end", timeout, 0.25
             )
-        except AssertionError as err:
+        except DeadlineExceeded as err:  # never re-run as a slow figure (tests/timing_rerun.py)
             output = job.output.read_text() if job.output.exists() else "(no output file)"
-            raise AssertionError(f"{err}; {self.job(job.id).get('JobState')}; output:\n{output[-4000:]}") from None
+            raise DeadlineExceeded(f"{err}; {self.job(job.id).get('JobState')}; output:\n{output[-4000:]}") from None
 
 
 @pytest.fixture(scope="module")
