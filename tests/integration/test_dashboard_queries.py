@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from parwatch import dashboards as dash
 from parwatch.catalog import METRICS
 from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
-from parwatch.vocabulary import TimeCategory
+from parwatch.vocabulary import SelfPart, TimeCategory, Tracker
 
 pytestmark = pytest.mark.integration
 
@@ -54,6 +54,9 @@ LABEL_VALUES = {
     "tp": ["2"],
     "pp": ["2"],
     "dp": ["1"],
+    "order": ["tp-pp-dp"],
+    "part": [p.value for p in SelfPart],
+    "tracker": [t.value for t in Tracker],
     "microbatches": ["4"],
     "version": ["0.1.0"],
     "rule": RULES,
@@ -87,7 +90,8 @@ class RealisticRun(Collector):
                 {"rank": str(r), "stage": str(s), "category": c.value} for r, s in RANKS.items() for c in TimeCategory
             ]
         if set(metric.labels) >= {"rank"}:
-            return [{"rank": str(r), "stage": str(s), "gpu": str(r)} for r, s in RANKS.items()]
+            rest = {k: LABEL_VALUES[k][0] for k in metric.labels if k not in ("rank", "stage", "gpu")}
+            return [{"rank": str(r), "stage": str(s), "gpu": str(r), **rest} for r, s in RANKS.items()]
         if metric.labels == ("stage",):
             return [{"stage": str(s)} for s in sorted(set(RANKS.values()))]
         if metric.labels == ("op", "group"):
@@ -180,7 +184,10 @@ def wait_for_scrapes(base, n, proc):
         except OSError:
             pass  # not listening yet
         time.sleep(0.5)
-    raise AssertionError(f"prometheus did not hold {n} scrapes within {START_TIMEOUT_S}s")
+    # A scrape that failed (the exporter raised) says why in the target's lastError.
+    targets = api(base, "targets").get("data", {}).get("activeTargets", [])
+    errors = [t.get("lastError") for t in targets if t.get("lastError")]
+    raise AssertionError(f"prometheus did not hold {n} scrapes within {START_TIMEOUT_S}s; scrape errors: {errors}")
 
 
 @pytest.fixture(scope="module")
