@@ -3,9 +3,10 @@
 rules.py      the Rule/RuleSet model and its invariants; rulefile.py reads YAML rules files
 checks.py     one object per check kind (threshold, finite, spike, regression) + the
               ok/pending/firing state machine of one rule
-engine.py     GuardrailEngine: observations in, decision records and directives out
+policy.py     the decisions, pure: observations in, decision records and directives out
+engine.py     GuardrailEngine: the policy under a lock, its state saved in the store
 directives.py directives handed to the trainer until every rank has applied them
-store.py      the engine's state in one SQLite database; decisions.jsonl, the log people read
+store.py      the engine's state in one SQLite database; decisions.jsonl, the log people read, written from it
 alerts.py     the same rules as Prometheus alert rules
 """
 

@@ -1,4 +1,4 @@
-"""The guardrail engine: rules over observations, decisions, and the directives they become.
+"""The guardrail engine: the decisions of policy.py, made durable in the store (store.py), under one lock.
 
 The sidecar feeds one Observation per training step (evaluate) and calls check_no_data
 every second; operators and Alertmanager go through request(). Every decision is a
@@ -10,13 +10,10 @@ sidecar continues where it stopped. A new run id starts a clean engine (begin_ru
 previous run's rows stay, marked archived, and its decisions.jsonl moves to
 STATE_DIR/runs/RUN_ID/. Methods are thread-safe (one lock).
 
-Steps: cooldown_steps and rollback_window_steps count executed steps (evaluations), not
-step numbers, because step numbers repeat after a rollback and a loop must still count.
-
 Durability: each call that changes the state commits it, with its records, in one transaction
 before it returns (a decision, an outcome, a delivery: synchronous=FULL; counters: NORMAL); the
-baseline windows go with it at most once a minute (BASELINES_SAVE_SECONDS). In full:
-docs/architecture.md, "The engine's durability".
+baseline windows go with it at most once a minute (BASELINES_SAVE_SECONDS). The database is the
+state; decisions.jsonl is written from it. In full: docs/architecture.md, "The engine's durability".
 
 Deferred writes (defer_writes(), the sidecar's mode): "before it returns" becomes "before
 take_writes()'s batch is written", which the sidecar does in a writer thread before it answers
@@ -26,191 +23,157 @@ post of many summaries) then costs one transaction.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import math
-import os
-import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Concatenate, ParamSpec, TypeVar
 
-from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS
-from parwatch.contract.directives import MAX_STEP
-from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
-from parwatch.guardrails.directives import WIRE_KEYS, Directives
-from parwatch.guardrails.engine_store import LOG_NAME, Batch, StateStore, StorageFault, read_log
+from parwatch.guardrails.policy import RECENT_RECORDS, DirectiveDelivered, Observation, Policy
 from parwatch.guardrails.rules import RuleSet
-from parwatch.ledger_view import same_process
-from parwatch.records import Cancelled, Decision, Delivered, Outcome, log_record
-from parwatch.schema import MAX_CHECKPOINTS, decode_float
-from parwatch.vocabulary import (
-    Action,
-    DecisionSource,
-    OutcomeName,
-    RecordType,
-    RuleAction,
-    RuleState,
-    StepAction,
-    Triage,
-    jsonable,
-)
+from parwatch.guardrails.engine_store import Batch, StateStore, StorageFault
+
+__all__ = ["BASELINES_SAVE_SECONDS", "DirectiveDelivered", "GuardrailEngine", "Observation"]
 
 log = logging.getLogger(__name__)
 
-SWITCHES = (Action.ROLLBACK, Action.RESUME)
-"""Directives after which the run's next boundary may be long in coming (a checkpoint load, a restart of
-the step loop): the hang clock is re-armed when one is decided and when it is applied."""
-
-REQUEST_SOURCES = (DecisionSource.OPERATOR, DecisionSource.ALERTMANAGER)
-TRANSIENT_METRIC = "transient_faults"
-"""The series the engine adds to each observation: transient faults per rank (and host) so far in the run
-(the checks before the optimizer step the re-run passed), judged by the suspect-device rule."""
 BASELINES_SAVE_SECONDS = 60.0
 """How stale the saved baseline windows may get: they are most of the state's bytes (see Durability)."""
-RECENT_RECORDS = 1000
-"""Records held in memory for decisions(limit); the store and decisions.jsonl hold them all."""
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-@dataclass(frozen=True)
-class Observation:
-    step: int
-    time: float
-    series: dict[str, dict[str, float]]
-    """metric -> {series key -> value}, e.g. {"bubble_excess_ratio": {"stage=0": 0.01, "stage=1": 0.2}}."""
-    checkpoints: tuple[int, ...] = ()
-    """Steps with a complete checkpoint, as the trainer reported."""
-    process_start_time: float | None = None
-    """When rank 0's process started (its summary's): a later one is a restart of the trainer."""
+def _through(decide: Callable[Concatenate[Policy, P], R]) -> Callable[Concatenate[GuardrailEngine, P], R]:
+    """The policy's `decide`, under the engine's lock; what it changed is then saved (see Durability)."""
 
+    @functools.wraps(decide)
+    def call(engine: GuardrailEngine, *args: P.args, **kwargs: P.kwargs) -> R:
+        with engine._lock:
+            try:
+                return decide(engine.policy, *args, **kwargs)
+            finally:
+                engine._owe()
 
-class DirectiveDelivered(ValueError):
-    """A cancel that came too late: the directive is already on its way to every rank."""
-
-    def __init__(self, message: str, directive: dict):
-        super().__init__(message)
-        self.directive = directive
+    return call
 
 
 class GuardrailEngine:
     def __init__(self, rules: RuleSet, state_dir: str | Path, now: Callable[[], float] = time.time):
         self._lock = threading.RLock()
-        self._rules = rules
         self._now = now
-        self._dir = Path(state_dir)
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._store = StateStore(self._dir)
+        state = Path(state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        self._store = StateStore(state)
         self._deferred = False
         self._started = now()
         """When this engine started: silence before it is the sidecar's own downtime, not the run's."""
-        self.last_switch: float | None = None
-        """When a rollback or resume was last decided or applied (this clock): the hang clock restarts there."""
-        self._fresh()
-        self._load()
+        self._start(rules)
 
-    def _fresh(self) -> None:
-        """The in-memory state of an engine that has read nothing yet (_load then reads the store)."""
+    def _start(self, rules: RuleSet, write: bool = True) -> None:
+        """A policy with the committed state (the store's, else the log's). write=False (recover): what the
+        start would write (repairs, the state read from the log) waits for the next write instead."""
         self._batch = Batch(self._store)
         """Writes owed since the last take_writes(): records as they are made, the state when dirty."""
         self._dirty = False
         self._baselines_saved = -math.inf
         """When the baseline windows were last saved (this clock); -inf: owed with the next save."""
-        self._recent: deque[dict] = deque(maxlen=RECENT_RECORDS)
-        self._monitors = {r.name: RuleMonitor(r) for r in self._rules.rules}
-        self._metrics = {r.metric for r in self._rules.rules}
-        self._directives = Directives(first_id=max(1, int(self._now() * 1000)))
-        self._paused = False
-        self._next_decision_id = 1
-        self._checkpoints: set[int] = set()
-        self._rollback_ticks: list[int] = []
-        self._tick = 0
-        self._last_step: int | None = None
-        self._process_start: float | None = None
-        self._first_seen_time: float | None = None
-        self._resumed_time: float | None = None
-        self._rearmed: dict[str, int] = {}
-        """rule -> id of the operator resume that re-armed it (firing -> pending, see request())."""
-        self._transients: dict[str, int] = {}
-        """"rank=R[,host=H]" -> transient faults that rank produced in this run (from its step_check records)."""
-        self._run_id: str | None = None
-        self._archived_runs: set[str] = set()
         self._queued_batches: list[Batch] = []
         """Deferred mode: writes of an archived run, with the move of its log, for take_writes()."""
-        self.rollbacks_delivered = 0
-        """Rollback directives of the current run handed out by this engine: how far the run's timeline may
-        have moved since this engine first saw it (the store refuses a timeline no rollback explains)."""
+        self.policy = Policy(rules, self._now, self._started)
+        saved, recovered = self._store.load(RECENT_RECORDS, self._now(), repair=write)
+        self.policy.restore(saved)
+        if recovered and saved.get("records"):  # the database starts from what the log says
+            for record in saved["records"]:
+                self._batch.record(self.policy.run_id, record, logged=True)
+            if write:
+                self._save(full=True)
+            else:
+                self._dirty = True
 
-    # -- observations ---------------------------------------------------------------------------------
+    # -- the policy's decisions, saved ----------------------------------------------------------------
 
-    def evaluate(self, obs: Observation) -> list[dict]:
-        """Judge every rule on one step's observation; returns the decision records made.
+    evaluate = _through(Policy.evaluate)
+    check_no_data = _through(Policy.check_no_data)
+    record_finding = _through(Policy.record_finding)
+    observe_now = _through(Policy.observe_now)
+    record_check = _through(Policy.record_check)
+    transient_faults = _through(Policy.transient_faults)
+    request = _through(Policy.request)
+    pending_directive = _through(Policy.pending_directive)
+    directive_states = _through(Policy.directive_states)
+    record_outcome = _through(Policy.record_outcome)
+    cancel = _through(Policy.cancel)
+    ended = _through(Policy.ended)
+    states = _through(Policy.states)
+    decisions = _through(Policy.decisions)
 
-        Call once per step. A second observation of the step just evaluated (a retry, or a
-        second rank's ingest) only refreshes last-seen times and checkpoints.
-        """
+    @property
+    def run_id(self) -> str | None:
         with self._lock:
-            now = self._now()
-            if self._first_seen_time is None:
-                self._first_seen_time = now
-            if obs.checkpoints:
-                # The trainer lists the checkpoints complete on disk now; pruned ones (keep_checkpoints)
-                # are gone, and a rollback to one would fail on every rank.
-                self._checkpoints = set(map(int, obs.checkpoints))
-            # Each metric's values are checked and reduced once, however many rules read them.
-            usable = {metric: Series(_numbers(obs.series.get(metric))) for metric in self._metrics}
-            if TRANSIENT_METRIC in usable and self._transients:
-                usable[TRANSIENT_METRIC] = Series({k: float(n) for k, n in self._transients.items()})
-            started = obs.process_start_time
-            if started is not None:
-                last = self._process_start
-                if last is not None and started > last and not same_process(started, last):
-                    # Rank 0 is a new process of the same run: the trainer restarted (and resumed a checkpoint).
-                    # A pause does not outlive the processes it held: the new ones train.
-                    self._switched(f"a restart of the trainer at step {obs.step}")
-                    self._paused, self._resumed_time = False, now
-                self._process_start = max(started, self._process_start or 0.0)
-            if obs.step == self._last_step:
-                for monitor in self._monitors.values():
-                    if usable[monitor.rule.metric]:
-                        monitor.last_seen_time = now
-                self._save()
-                return []
-            self._last_step = obs.step
-            self._tick += 1
-            records = []
-            for monitor in self._monitors.values():
-                values = usable[monitor.rule.metric]
-                if values:
-                    if monitor.observe(obs.step, now, values):
-                        records += self._act(monitor, obs.step, now)
-                    elif monitor.state == RuleState.OK:
-                        self._rearmed.pop(monitor.rule.name, None)
-                    elif again := self._acts_again(monitor):
-                        records += self._act(monitor, obs.step, now, again=again)
+            return self.policy.run_id
+
+    @property
+    def paused(self) -> bool:
+        with self._lock:
+            return self.policy.run.paused
+
+    @property
+    def last_switch(self) -> float | None:
+        """When a rollback or resume was last decided or applied (this clock): the hang clock restarts there."""
+        return self.policy.last_switch
+
+    @property
+    def rollbacks_delivered(self) -> int:
+        """Rollback directives of the current run handed out: how far its timeline may have moved (Policy)."""
+        return self.policy.rollbacks_delivered
+
+    def begin_run(self, run_id: str) -> bool:
+        """The run whose rank 0 reports here is `run_id`; a new one starts a clean engine.
+
+        The previous run's rows stay in the store, marked archived (its outstanding directives with
+        them: never handed to the new run), and its decisions.jsonl moves to STATE_DIR/runs/RUN_ID/.
+        Returns True when the run changed. A run already archived is not taken back (a late post of an
+        old run)."""
+        with self._lock:
+            if not self.policy.is_new_run(run_id):
+                return False
+            ended = self.policy.run_id
+            if ended is None:
+                self._batch.claim_records(run_id)
+            else:  # the old run's last state and records, its archiving, then the move of its log, in that order
+                self._baselines_saved, self._dirty = -math.inf, True
+                batch = self.take_writes()
+                self._store.archive(batch, ended, self._now())
+                if self._deferred:
+                    self._queued_batches.append(batch)
                 else:
-                    records += self._judge_time(monitor, now)
-            self._save()
-            return records
+                    batch.write()
+            self.policy.begin_run(run_id)
+            self._owe()
+            return True
 
-    def check_no_data(self, paused: bool = False) -> list[dict]:
-        """Time-driven judging between observations: for_seconds elapsing and metrics gone quiet.
-
-        Silence is not a finding before the first observation (no run yet) or while paused (`paused`: the
-        run says so, e.g. rank 0's heartbeats, before this engine has recorded the pause).
-        """
+    def reload(self, rules: RuleSet) -> None:
+        """Swap in new rules; a rule whose name survives keeps its state (and baseline, if still valid)."""
         with self._lock:
-            now = self._now()
-            states = self._rule_states()
-            records = []
-            for monitor in self._monitors.values():
-                records += self._judge_time(monitor, now, paused)
-            if records or self._rule_states() != states:  # the sidecar calls this every second
-                self._save()
-            return records
+            self.policy.reload(rules)
+            self._baselines_saved = -math.inf
+            self._owe()
+
+    def acted_alerts(self) -> list[str]:
+        """Fingerprints of the Alertmanager alerts acted on (sidecar/alerts.py), oldest first."""
+        return self._store.acted_alerts()
+
+    def note_alert(self, fingerprint: str, acted: bool) -> None:
+        """An alert acted on (or resolved): saved with the decision it made, in one transaction (deferred)."""
+        with self._lock:
+            self._batch.alert(fingerprint, acted)
+            self._save()
+
+    # -- durability -----------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Save everything, the baseline windows included, and checkpoint the WAL before shutdown; the
@@ -239,8 +202,9 @@ class GuardrailEngine:
             if self._store.failed is None:
                 return False
             self._store.put_back()
-            self._fresh()
-            self._load(write=False)
+            last_switch = self.policy.last_switch
+            self._start(self.policy.rules, write=False)
+            self.policy.last_switch = last_switch
             log.warning("state put back to the last committed write: nothing decided since it stands")
             return True
 
@@ -253,11 +217,27 @@ class GuardrailEngine:
         """The writes owed so far (deferred mode), as one batch to write in order; empty when none."""
         with self._lock:
             batch, self._batch = self._batch, Batch(self._store)
-            if self._dirty and self._run_id is not None:  # nothing of a run to keep before one begins
-                self._snapshot(batch)
+            run_id = self.policy.run_id
+            if self._dirty and run_id is not None:  # nothing of a run to keep before one begins
+                batch.run(run_id, *self.policy.snapshot())
+                now = self._now()
+                if not 0 <= now - self._baselines_saved < BASELINES_SAVE_SECONDS:  # a clock gone back: due
+                    batch.per_rule("baselines", run_id, self.policy.baselines())
+                    self._baselines_saved = now
             self._dirty = False
             batch.earlier, self._queued_batches = self._queued_batches, []
             return batch
+
+    def _owe(self) -> None:
+        """Take what the policy made since the last call into the batch: its records, and its state if it
+        changed (saved now, or owed to take_writes() when deferred)."""
+        policy = self.policy
+        for record in policy.unsaved:
+            self._batch.record(policy.run_id, record)
+        policy.unsaved = []
+        if policy.changed:
+            full, policy.changed, policy.full = policy.full, False, False
+            self._save(full)
 
     def _save(self, full: bool = False) -> None:
         """The state changed: commit it now, or with take_writes()'s batch (deferred). full: a change that
@@ -271,937 +251,3 @@ class GuardrailEngine:
             except StorageFault:
                 self.recover()
                 raise
-
-    def _snapshot(self, batch: Batch) -> None:
-        assert self._run_id is not None  # take_writes checks
-        now = self._now()
-        batch.run(
-            self._run_id,
-            {
-                "paused": self._paused,
-                "tick": self._tick,
-                "last_step": self._last_step,
-                "first_seen_time": self._first_seen_time,
-                "resumed_time": self._resumed_time,
-                "next_directive_id": self._directives.next_id,
-                "checkpoints": sorted(self._checkpoints)[-MAX_CHECKPOINTS:],
-                "rollback_ticks": self._rollback_ticks,
-                "rearmed": self._rearmed,
-            },
-            {name: m.to_dict(history=False) for name, m in self._monitors.items()},
-            self._directives.outstanding,
-        )
-        if not 0 <= now - self._baselines_saved < BASELINES_SAVE_SECONDS:  # a clock gone back: due
-            batch.per_rule("baselines", self._run_id, {name: m.baseline_dict() for name, m in self._monitors.items()})
-            self._baselines_saved = now
-
-    def _append(self, typed: Decision | Cancelled | Outcome) -> dict:
-        """Add a record to the log (with the next commit); returns it JSON-safe, as written."""
-        record = log_record(typed)
-        self._batch.record(self._run_id, record)
-        self._recent.append(record)
-        return record
-
-    def _rule_states(self) -> list[str]:
-        return [m.state for m in self._monitors.values()]
-
-    def _judge_time(self, monitor: RuleMonitor, now: float, paused: bool = False) -> list[dict]:
-        if monitor.tick(now):
-            return self._act(monitor, self._last_step, now)
-        # A paused run reports nothing on purpose: silence is a finding only while it runs.
-        reference = max(
-            (t for t in (monitor.last_seen_time or self._first_seen_time, self._resumed_time) if t is not None),
-            default=None,
-        )
-        if reference is not None:  # the sidecar's own downtime is no silence of the run's
-            reference = max(reference, self._started)
-        if not (self._paused or paused) and monitor.no_data(now, reference):
-            rule = monitor.rule
-            seen = monitor.last_seen_time
-            reason = f"no data for metric {rule.metric} for {rule.no_data_seconds:g} s " + (
-                "(never reported)" if seen is None else f"(last reported at {seen:.0f})"
-            )
-            evidence = {"metric": rule.metric, "last_seen_time": seen, "no_data_seconds": rule.no_data_seconds}
-            found = Decision(
-                time=now,
-                step=self._last_step,
-                rule=rule.name,
-                action=RuleAction.ALERT,
-                source=DecisionSource.RULE,
-                reason=reason,
-                evidence=evidence,
-                finding=NO_DATA,
-            )
-            return [self._decide(found)]
-        return []
-
-    # -- acting ---------------------------------------------------------------------------------------
-
-    def _acts_again(self, monitor: RuleMonitor) -> str:
-        """Why a rule that fired, acted and still fails must act again ("" when it must not): the run changed
-        under it (a rollback or resume applied, a restart, a skipped step), and what it did did not cure it.
-        A rule that steers the run never stays firing and silent; an alert rule has said what it had to say.
-        (While its own directive is outstanding nothing changed: acting again would queue behind it.)"""
-        rule = monitor.rule
-        if rule.action == RuleAction.ALERT or monitor.acted_tick is None or monitor.reason == NO_DATA:
-            return ""
-        return f"still failing after {monitor.switched}" if monitor.switched else ""
-
-    def _switched(self, what: str) -> None:
-        """The run changed (`what`): every rule that acted and is still firing acts again if it fails again."""
-        for monitor in self._monitors.values():
-            if monitor.state == RuleState.FIRING and monitor.acted_tick is not None:
-                monitor.switched = what
-
-    def _act(self, monitor: RuleMonitor, step: int | None, now: float, again: str = "") -> list[dict]:
-        rule = monitor.rule
-        evidence = monitor.evidence(step)
-        action, reason, escalated = rule.action, f"{rule.name}: {monitor.reason}", False
-        checkpoint, skip = None, 0
-        rearmed_by = self._rearmed.get(rule.name)
-        monitor.switched = None
-        if again:
-            # What it did did not cure it: stop, for an operator, instead of acting the same way again.
-            action, escalated = Action.PAUSE, True
-            reason += f"; {again}: pausing the run"
-        elif monitor.acted_tick is not None and self._tick - monitor.acted_tick < rule.cooldown_steps:
-            if rule.action != Action.ROLLBACK:
-                monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
-                if rearmed_by is not None:
-                    monitor.state = "pending"  # still armed: act once the cooldown is over
-                return []
-            # Failing again so soon means the rollback did not cure it: stop instead of looping.
-            action, escalated = "pause", True
-            reason += (
-                f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
-                f"{monitor.acted_step}: pausing instead of rolling back again"
-            )
-        elif rule.action == Action.ROLLBACK:
-            first = monitor.since_step if monitor.since_step is not None else step
-            action, checkpoint, skip, note = self._plan_rollback(first, step, rule.skip_batches)
-            escalated = action != Action.ROLLBACK
-            reason += note
-        monitor.acted_tick, monitor.acted_step = self._tick, step
-        decision = Decision(
-            time=now,
-            step=step,
-            rule=rule.name,
-            action=action,
-            source=DecisionSource.RULE,
-            reason=reason,
-            evidence=evidence,
-            checkpoint=checkpoint,
-            skip_batches=skip,
-            escalated=escalated,
-        )
-        if rearmed_by is not None:
-            del self._rearmed[rule.name]
-            decision.reason += f" (re-armed by the operator's resume or cancel, decision {rearmed_by}: still failing)"
-            decision.rearmed, decision.rearmed_by = True, rearmed_by
-        return [self._decide(decision)]
-
-    def _plan_rollback(
-        self, first_failing: int | None, step: int | None, skip_setting
-    ) -> tuple[str, int | None, int, str]:
-        """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help.
-        step is None when no step was evaluated since a rollback was applied (or the run began)."""
-        if first_failing is None:  # neither the failing run's start nor a step is known (a garbled state)
-            return "pause", None, 0, "; escalated to pause: the failing step is unknown"
-        checkpoint = max((c for c in self._checkpoints if c < first_failing), default=None)
-        if checkpoint is None:
-            return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
-        if skip_setting == "window" and step is None:
-            return (
-                "pause",
-                None,
-                0,
-                (
-                    "; escalated to pause: no step evaluated since the last rollback, so the "
-                    "failing window's batches cannot be counted"
-                ),
-            )
-        too_many = self._too_many_rollbacks()
-        if too_many:
-            return "pause", None, 0, too_many
-        self._rollback_ticks.append(self._tick)
-        skip = step - checkpoint if skip_setting == "window" and step is not None else int(skip_setting)
-        return "rollback", checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
-
-    def _too_many_rollbacks(self) -> str:
-        """A note when another automatic rollback would exceed max_rollbacks in the window, else ""."""
-        window, limit = self._rules.rollback_window_steps, self._rules.max_rollbacks
-        self._rollback_ticks = [t for t in self._rollback_ticks if self._tick - t < window]
-        if len(self._rollback_ticks) < limit:
-            return ""
-        return (
-            f"; escalated to pause: {len(self._rollback_ticks)} rollbacks within the last {window} steps "
-            f"(max_rollbacks={limit})"
-        )
-
-    def _decide(self, d: Decision, suppress: bool = False) -> dict:
-        """Number and log decision `d` for the current run; when enforcing, a directive action also
-        becomes a directive (which belongs to the current run: see begin_run). `suppress`: log only."""
-        if d.action == Action.PAUSE and not suppress and self._pause_in_force():
-            # Paused, and staying so once what is outstanding is applied: a second pause changes nothing.
-            # (Paused with a resume outstanding is not: the pause queues behind the resume and holds
-            # the run again, so a rule still failing after an operator resume is never silenced.)
-            suppress = True
-            d.reason += " (not enforced: the run is already paused or a pause is pending)"
-        d.id, d.run_id = self._next_decision_id, self._run_id
-        d.enforced = bool(self._rules.enforce) and not suppress and self._run_id is not None
-        if d.enforced and self._run_id is not None and d.action in DIRECTIVE_ACTIONS:  # enforced implies a run
-            d.directive_id = self._directives.add(
-                d.action, self._run_id, d.checkpoint, d.skip_batches, d.reason, decision_id=d.id
-            )
-            if d.action in SWITCHES:
-                self.last_switch = d.time
-        self._next_decision_id += 1
-        return self._append(d)
-
-    def _pause_in_force(self) -> bool:
-        """Whether the run is paused once the outstanding directives (oldest first) are applied."""
-        paused = self._paused
-        for d in self._directives.outstanding:
-            if d["run_id"] == self._run_id:
-                paused = d["action"] == Action.PAUSE or (paused and d["action"] not in SWITCHES)
-        return paused
-
-    # -- findings from outside the step rules (the hang detector) -------------------------------------
-
-    def record_finding(self, rule: str, action: str, reason: str, evidence: dict, step: int | None) -> dict:
-        """Record a decision made outside the rules (e.g. rule "hang" from parwatch.sidecar.hang).
-
-        Only "alert" and "requeue" are accepted: such findings never steer the run through directives
-        (a requeue is carried out by the sidecar itself, parwatch/sidecar/requeue.py)."""
-        if action not in (RuleAction.ALERT, RuleAction.REQUEUE):
-            raise ValueError(f"record_finding: action must be 'alert' or 'requeue', got {action!r}")
-        with self._lock:
-            record = self._decide(
-                Decision(
-                    time=self._now(),
-                    step=step,
-                    rule=rule,
-                    action=RuleAction(action),
-                    source=DecisionSource.RULE,
-                    reason=reason,
-                    evidence=evidence,
-                )
-            )
-            self._save()
-            return record
-
-    def observe_now(self, metric: str, values: dict[str, float]) -> list[dict]:
-        """Judge the rules on `metric` with values read now, between steps (liveness: rank_up).
-
-        When every rank stops, no step observation arrives to judge rank_up; the sidecar calls
-        this every second so a for_seconds rule on it still fires on time. Not while paused."""
-        with self._lock:
-            if self._paused or self._first_seen_time is None:
-                return []
-            now, records = self._now(), []
-            series = Series(_numbers(values))
-            for monitor in self._monitors.values():
-                if monitor.rule.metric == metric and series:
-                    if monitor.observe(self._last_step if self._last_step is not None else -1, now, series):
-                        records += self._act(monitor, self._last_step, now)
-            self._save()
-            return records
-
-    # -- the check before the optimizer step (parwatch.contract.step_check) ---------------------------
-
-    def record_check(self, check: dict, hosts: dict[int, str] | None = None) -> list[dict]:
-        """A step every rank of the run checked before its optimizer step and found bad, and what they did
-        together (re-run, skip, pause): recorded as a decision (source step_check, enforced: the ranks did
-        it) with its triage, ranks and evidence. A transient counts towards its ranks' suspect-device
-        series; a skip or a pause is a change of the run under the rules (a rule that acted and still fails
-        acts again); a pause holds the run until a resume. `check`: a StepCheckRecord as a dict; `hosts`:
-        rank -> host, where the sidecar knows it. A record sent twice is recorded once."""
-        with self._lock:
-            if self._run_id is None or check.get("run_id") != self._run_id:
-                return []
-            step, timeline = int(check["step"]), int(check.get("timeline") or 0)
-            if any(
-                r.get("source") == DecisionSource.STEP_CHECK and r.get("step") == step and r.get("timeline") == timeline
-                for r in self._recent
-            ):
-                return []
-            action, triage = StepAction(check["action"]), Triage(check["triage"])
-            ranks = [int(r) for r in check.get("ranks") or ()]
-            named = {r: hosts[r] for r in ranks if hosts and r in hosts}
-            evidence = dict(check.get("evidence") or {}, loss=check.get("loss"))
-            if named:
-                evidence["hosts"] = {str(r): h for r, h in named.items()}
-            who = ", ".join(f"rank {r}" + (f" on {named[r]}" if r in named else "") for r in ranks) or "no rank named"
-            done = {
-                StepAction.RERUN: "re-ran it on the same microbatches: it passed, its update went in",
-                StepAction.SKIP: "skipped it: no update, the batch passed over",
-                StepAction.PAUSE: f"skipped it and paused the run: {evidence.get('pause') or 'skips kept coming'}",
-            }[action]
-            batch = check.get("batch")
-            reason = (
-                f"{check['fault']}: step {step}"
-                + (f" (batch {batch})" if batch is not None else "")
-                + f" was {triage} ({who}); every rank {done}"
-            )
-            decision = Decision(
-                time=self._now(),
-                step=step,
-                rule=str(check["fault"]),
-                action=action,
-                source=DecisionSource.STEP_CHECK,
-                reason=reason,
-                evidence=jsonable(evidence),
-                escalated=action == StepAction.PAUSE,
-                triage=triage,
-                ranks=ranks,
-                batch=batch,
-                timeline=timeline,
-            )
-            decision.id, decision.run_id, decision.enforced = self._next_decision_id, self._run_id, True
-            self._next_decision_id += 1
-            if action != StepAction.RERUN:
-                self._switched(f"the skip of step {step} before the weights")
-            if action == StepAction.PAUSE:
-                self._paused = True  # every rank holds after the step's boundary, until a resume
-            records = [self._append(decision)]
-            if triage == Triage.TRANSIENT:
-                for r in ranks:
-                    key = f"rank={r}" + (f",host={named[r]}" if r in named else "")
-                    self._transients[key] = self._transients.get(key, 0) + 1
-                records += self._judge_transients(step)
-            self._save(full=True)
-            return records
-
-    def _judge_transients(self, step: int) -> list[dict]:
-        """The rules on the transient counts, judged when they change (a run's last steps may all be
-        evaluated before the record that changes them arrives)."""
-        now, series = self._now(), Series({k: float(n) for k, n in self._transients.items()})
-        records: list[dict] = []
-        for monitor in self._monitors.values():
-            if monitor.rule.metric == TRANSIENT_METRIC and monitor.observe(step, now, series):
-                records += self._act(monitor, step, now)
-        return records
-
-    def transient_faults(self) -> dict[int, int]:
-        """rank -> transient faults it produced in this run (the suspect-device metric)."""
-        with self._lock:
-            out: dict[int, int] = {}
-            for key, n in self._transients.items():
-                rank = int(key.split(",")[0].removeprefix("rank="))
-                out[rank] = out.get(rank, 0) + n
-            return out
-
-    # -- requests and directives ----------------------------------------------------------------------
-
-    def request(
-        self,
-        action: str,
-        source: str,
-        reason: str = "",
-        to_step: int | None = None,
-        skip_batches: int = 0,
-        requested_by: str = "",
-        rule: str | None = None,
-    ) -> dict:
-        """An operator's or Alertmanager's pause/resume/rollback; returns the decision record.
-
-        A rollback without to_step goes to the newest known checkpoint. Alertmanager rollbacks
-        count towards max_rollbacks like the rules' own. `rule`: the parwatch rule an alert
-        mirrors (its `rule` label); if that rule already acted within its cooldown, the request
-        is recorded but not enforced, so one failure does not get acted on twice.
-        """
-        _validate_request(action, source, to_step, skip_batches)
-        with self._lock:
-            if self._run_id is None:
-                raise ValueError(
-                    "no run has reported to this sidecar yet, so there is nothing to "
-                    f"{action}; send the request once the run's rank 0 is shipping summaries here"
-                )
-            now, step = self._now(), self._last_step
-            reason, note, escalated = reason or f"{action} requested by {source}", "", False
-            if action == Action.ROLLBACK:
-                to_step = self._resolve_checkpoint(to_step)
-            mirrored = self._monitors.get(rule) if rule else None
-            suppress = (
-                source == DecisionSource.ALERTMANAGER
-                and mirrored is not None
-                and mirrored.acted_tick is not None
-                and self._tick - mirrored.acted_tick < mirrored.rule.cooldown_steps
-            )
-            if suppress and mirrored is not None:
-                note = f" (not enforced: rule {rule} already acted at step {mirrored.acted_step})"
-            elif (
-                action == Action.ROLLBACK
-                and source == DecisionSource.ALERTMANAGER
-                and (too_many := self._too_many_rollbacks())
-            ):
-                action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
-            elif action == Action.ROLLBACK:
-                self._rollback_ticks.append(self._tick)
-            decision = Decision(
-                time=now,
-                step=step,
-                action=action,
-                source=DecisionSource(source),
-                requested_by=requested_by,
-                reason=reason,
-                evidence={"to_step": to_step, "skip_batches": skip_batches},
-                checkpoint=to_step,
-                skip_batches=skip_batches,
-                escalated=escalated,
-            )
-            if rule:
-                decision.alert_rule = rule
-            if action == Action.RESUME:
-                # A rule that paused the run and still fails must be able to act again after the
-                # operator resumes (otherwise it stays "firing" and silent): firing -> pending, so
-                # its next failing step fires it again, within its cooldown.
-                rearm = sorted(
-                    name for name, m in self._monitors.items() if m.state == RuleState.FIRING and m.reason != NO_DATA
-                )
-                for name in rearm:
-                    self._monitors[name].state = "pending"
-                    self._rearmed[name] = self._next_decision_id
-                if rearm:
-                    decision.rearmed_rules = rearm
-                    note += f" (re-armed still-firing rules: {', '.join(rearm)})"
-            decision.reason += note
-            record = self._decide(decision, suppress=suppress)
-            self._save()
-            return record
-
-    def _resolve_checkpoint(self, to_step: int | None) -> int:
-        known = sorted(self._checkpoints)
-        if not known:
-            raise ValueError(
-                "no checkpoint is known yet, so there is nothing to roll back to; "
-                "wait for the run's first checkpoint (--checkpoint-every)"
-            )
-        if to_step is None:
-            return known[-1]
-        if to_step not in self._checkpoints:
-            raise ValueError(
-                f"to_step {to_step} is not a known verified checkpoint; the newest known are {known[-10:]}"
-            )
-        return to_step
-
-    def pending_directive(self, deliver: bool = False) -> dict | None:
-        """The current run's oldest directive without an outcome; None if none or not enforcing.
-        deliver: it goes out to the run now (an ingest reply), after which it cannot be cancelled."""
-        with self._lock:
-            if not self._rules.enforce:
-                return None
-            directive = self._directives.oldest(self._run_id)
-            if deliver and directive is not None and directive.get("delivered_at") is None:
-                directive["delivered_at"] = now = self._now()
-                if directive["action"] == Action.ROLLBACK:
-                    self.rollbacks_delivered += 1
-                # Logged (not among the recent decisions): a state recovered from the log knows it went out.
-                delivered = Delivered(
-                    directive_id=directive["id"],
-                    decision_id=directive.get("decision_id"),
-                    time=now,
-                    step=self._last_step,
-                )
-                self._batch.record(self._run_id, log_record(delivered))
-                self._save(full=True)  # once delivered it cannot be cancelled, also after a power loss
-            return None if directive is None else {k: directive[k] for k in WIRE_KEYS}
-
-    def directive_states(self) -> list[dict]:
-        """Every outstanding directive: {id, action, state: created | delivered, delivered_at}."""
-        with self._lock:
-            return [
-                {
-                    "id": d["id"],
-                    "action": d["action"],
-                    "state": Directives.state(d),
-                    "delivered_at": d.get("delivered_at"),
-                }
-                for d in self._directives.outstanding
-            ]
-
-    def record_outcome(self, outcome: dict) -> list[dict]:
-        """The run's outcome of a directive (every rank counted): write it down and act on it.
-
-        `outcome`: {directive_id, run_id, outcome: applied | substituted | failed | ignored | mixed,
-        step, loaded_step, counts, reasons, ranks[, local]}. A failed or mixed rollback escalates to a
-        pause and an alert instead of unpausing. `local`: rank 0 made the directive itself while it could
-        not reach this sidecar (parwatch/collector/fallback.py): its decision is recorded first, and the
-        loss it acted on is judged after the outcome, as if its summary had arrived (the rules decide
-        what follows: one rollback). Returns the records written (outcome first, but after a local decision)."""
-        with self._lock:
-            local: dict[str, Any] = outcome.get("local") or {}
-            adopted = self._adopt_local(int(outcome["directive_id"]), local) if local else []
-            records = adopted + self._record_outcome(outcome)
-            if adopted and local.get("loss") is not None:
-                records += self.evaluate(
-                    Observation(
-                        step=int(local["step"]),
-                        time=self._now(),
-                        series={"loss": {"": float(local["loss"])}},
-                        checkpoints=tuple(int(c) for c in local.get("checkpoints") or ()),
-                    )
-                )
-            return records
-
-    def _adopt_local(self, did: int, local: dict) -> list[dict]:
-        """Record rank 0's own decision (once: a resent record finds it in the log) and take its directive
-        as delivered. Directives of this sidecar that rank 0 never took (ids after `local.after`, up to
-        `did`) would be ignored by the ranks now: they get new ids above it."""
-        if self._run_id is None or any(r.get("local") and r.get("directive_id") == did for r in self._recent):
-            return []
-        now = self._now()
-        renumbered = self._directives.renumber(int(local.get("after") or 0), did)
-        decided = local.get("time")
-        reason = str(local.get("reason") or f"{local['rule']}: decided by rank 0")
-        evidence = {
-            "loss": jsonable(local.get("loss")),
-            "decided_at": decided,
-            "unreachable_since": local.get("unreachable_since"),
-            "checkpoints": local.get("checkpoints"),
-        }
-        record = Decision(
-            id=self._next_decision_id,
-            run_id=self._run_id,
-            time=now,
-            step=int(local["step"]),
-            rule=local["rule"],
-            action=local["action"],
-            source=DecisionSource.RANK0,
-            enforced=True,
-            reason=reason + " (decided by rank 0 while this sidecar was unreachable)",
-            evidence=evidence,
-            directive_id=did,
-            local=True,
-        )
-        if renumbered:
-            record.renumbered = renumbered
-        self._directives.adopt(
-            did,
-            local["action"],
-            self._run_id,
-            reason,
-            self._next_decision_id,
-            delivered_at=decided if isinstance(decided, (int, float)) else now,
-        )
-        self._next_decision_id += 1
-        return [self._append(record)]
-
-    def _record_outcome(self, outcome: dict) -> list[dict]:
-        with self._lock:
-            now, result = self._now(), str(outcome.get("outcome"))
-            did = int(outcome["directive_id"])
-            done = self._directives.remove(did)
-            if done is None:
-                log.warning(
-                    "outcome %s of directive %d, which is not outstanding (cancelled, or reported "
-                    "twice): recorded, not acted on",
-                    result,
-                    did,
-                )
-                record = self._append(self._outcome_record(did, None, outcome, now))
-                self._save()
-                return [record]
-            records = [self._append(self._outcome_record(did, done, outcome, now))]
-            action = done["action"]
-            if result in (OutcomeName.APPLIED, OutcomeName.SUBSTITUTED):
-                if action == Action.PAUSE:
-                    self._paused = True
-                elif action in SWITCHES:
-                    # A rollback applied during a pause ends it: the trainer trains on after loading.
-                    self._paused, self._resumed_time = False, now
-                    self.last_switch = now
-                if action == Action.ROLLBACK:
-                    # The trainer now replays from the checkpoint it loaded: later checkpoints belong to
-                    # the abandoned timeline, and the next step number may be one just evaluated.
-                    loaded = outcome.get("loaded_step")
-                    if loaded is not None:
-                        self._checkpoints = {c for c in self._checkpoints if c <= int(loaded)}
-                    self._last_step = None
-                    self._switched(f"the rollback to step {loaded} (directive {did})")
-                elif action == Action.RESUME:
-                    self._switched(f"the resume (directive {did})")
-            elif result in (OutcomeName.FAILED, OutcomeName.MIXED) and action == Action.ROLLBACK:
-                why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
-                reason = (
-                    f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
-                    "so the run is paused for an operator"
-                )
-                evidence = {"directive_id": did, "outcome": result, "reasons": outcome.get("reasons") or {}}
-                for then in (Action.PAUSE, RuleAction.ALERT):
-                    decided = Decision(
-                        time=now,
-                        step=self._last_step,
-                        action=then,
-                        source=DecisionSource.ENGINE,
-                        reason=reason,
-                        evidence=dict(evidence),
-                        escalated=True,
-                        failed_directive_id=did,
-                    )
-                    records.append(self._decide(decided))
-            self._save()
-            return records
-
-    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Outcome:
-        ranks = int(outcome.get("ranks") or 0)
-        record = Outcome(
-            type=outcome["outcome"],
-            directive_id=did,
-            action=self._action_of(did) if directive is None else directive["action"],
-            decision_id=None if directive is None else directive.get("decision_id"),
-            step=outcome.get("step"),
-            time=now,
-            ranks=f"0-{ranks - 1}" if ranks else "",
-            rank_count=ranks,
-            counts=outcome.get("counts") or {},
-        )
-        if directive is not None and directive["action"] == Action.ROLLBACK:
-            record.requested_step = directive["to_step"]
-            record.loaded_step = outcome.get("loaded_step")
-            record.substituted = outcome.get("outcome") == OutcomeName.SUBSTITUTED
-        if outcome.get("reasons"):
-            record.reasons = outcome["reasons"]
-        if directive is None:
-            record.note = "not outstanding: cancelled, or reported twice"
-        return record
-
-    def _rearm_after_cancel(self, decision_id: int | None) -> list[str]:
-        """The rule whose directive was cancelled acts again on its next failing step (firing -> pending);
-        otherwise it would stay firing, acted on, and silent while it still fails."""
-        if decision_id is None:
-            return []
-        made = self._decision("id", decision_id)
-        monitor = self._monitors.get(made.get("rule") or "") if made is not None else None
-        if monitor is None or monitor.state != RuleState.FIRING or monitor.reason == NO_DATA:
-            return []
-        monitor.state = "pending"
-        monitor.acted_tick = None  # the cancelled action did not happen: no cooldown from it
-        self._rearmed[monitor.rule.name] = decision_id
-        return [monitor.rule.name]
-
-    def _decision(self, key: str, value: int) -> dict | None:
-        """The newest recent decision whose `key` is `value`."""
-        return next(
-            (r for r in reversed(self._recent) if r.get("type") == RecordType.DECISION and r.get(key) == value), None
-        )
-
-    def _action_of(self, did: int) -> str | None:
-        """The action of a directive no longer outstanding, from the decision that made it (None: unknown)."""
-        made = self._decision("directive_id", did)
-        return str(made["action"]) if made is not None else None
-
-    def cancel(self, directive_id: int, requested_by: str = "") -> dict:
-        """Withdraw a directive not yet delivered to the run; DirectiveDelivered once it has been (the
-        ranks will apply it), ValueError if there is none with that id."""
-        with self._lock:
-            pending = self._directives.find(directive_id)
-            if pending is not None and pending.get("delivered_at") is not None:
-                raise DirectiveDelivered(
-                    f"directive {directive_id} ({pending['action']}) was delivered to the run at "
-                    f"{pending['delivered_at']:.3f}: every rank applies it at its next step boundary and it can no "
-                    "longer be cancelled; undo it once applied (e.g. resume after a pause)",
-                    {
-                        "id": directive_id,
-                        "action": pending["action"],
-                        "state": "delivered",
-                        "delivered_at": pending["delivered_at"],
-                    },
-                )
-            done = self._directives.remove(directive_id)
-            if done is None:
-                outstanding = [d["id"] for d in self._directives.outstanding]
-                raise ValueError(
-                    f"directive {directive_id} is not outstanding (outstanding: {outstanding or 'none'})"
-                    "; it may already have been applied: see parwatch decisions"
-                )
-            rearmed = self._rearm_after_cancel(done.get("decision_id"))
-            cancelled = Cancelled(
-                directive_id=directive_id,
-                action=done["action"],
-                decision_id=done.get("decision_id"),
-                time=self._now(),
-                requested_by=requested_by,
-                step=self._last_step,
-            )
-            if rearmed:
-                cancelled.rearmed_rules = rearmed
-            record = self._append(cancelled)
-            self._save()
-            return record
-
-    def begin_run(self, run_id: str) -> bool:
-        """The run whose rank 0 reports here is `run_id`; a new one starts a clean engine.
-
-        The previous run's rows stay in the store, marked archived (its outstanding directives with
-        them: never handed to the new run), and its decisions.jsonl moves to STATE_DIR/runs/RUN_ID/.
-        Returns True when the run changed. A run already archived is not taken back (a late post of an
-        old run)."""
-        with self._lock:
-            if run_id == self._run_id:
-                return False
-            if run_id in self._archived_runs:
-                raise ValueError(
-                    f"run {run_id!r} already ended here (its state is archived); "
-                    "a trainer of that run must not report any more"
-                )
-            if self._run_id is not None:
-                self._archive(self._run_id)
-            else:
-                self._batch.claim_records(run_id)
-            self._run_id = run_id
-            self._save(full=True)
-            return True
-
-    @property
-    def run_id(self) -> str | None:
-        with self._lock:
-            return self._run_id
-
-    def ended(self, run_id: str) -> bool:
-        """Whether `run_id` ran here and ended (its state archived)."""
-        with self._lock:
-            return run_id in self._archived_runs
-
-    def _archive(self, run_id: str) -> None:
-        target = self._dir / "runs" / _safe_name(run_id)
-
-        def move():
-            target.mkdir(parents=True, exist_ok=True)
-            if (self._dir / LOG_NAME).exists():
-                os.replace(self._dir / LOG_NAME, target / LOG_NAME)
-
-        # The old run's last state and records, its archiving, then the move of its log, in that order.
-        self._baselines_saved, self._dirty = -math.inf, True
-        batch = self.take_writes()
-        batch.archive(run_id, self._now())
-        batch.then = move
-        if self._deferred:
-            self._queued_batches.append(batch)
-        else:
-            batch.write()
-        keep_ids = (self._next_decision_id, self._directives.next_id)
-        archived = self._archived_runs | {run_id}
-        self._monitors = {r.name: RuleMonitor(r) for r in self._rules.rules}
-        self._recent.clear()
-        self._directives = Directives(first_id=keep_ids[1])
-        self._rearmed, self._transients = {}, {}
-        self.rollbacks_delivered = 0
-        self._next_decision_id = keep_ids[0]
-        self._paused, self._checkpoints, self._rollback_ticks = False, set(), []
-        self._tick, self._last_step, self._first_seen_time, self._resumed_time = 0, None, None, None
-        self._process_start = None
-        self._archived_runs = archived
-        log.warning(
-            "run %s ended here; its state stays in %s (archived), its decisions.jsonl moves to %s",
-            run_id.encode("unicode_escape").decode(),
-            self._store.path.name,
-            target,
-        )
-
-    # -- rules, state and views -----------------------------------------------------------------------
-
-    def reload(self, rules: RuleSet) -> None:
-        """Swap in new rules; a rule whose name survives keeps its state (and baseline, if still valid)."""
-        with self._lock:
-            monitors = {}
-            for rule in rules.rules:
-                monitors[rule.name] = RuleMonitor(rule)
-                old = self._monitors.get(rule.name)
-                if old is not None:
-                    monitors[rule.name].restore(old.to_dict())
-            self._rules, self._monitors = rules, monitors
-            self._metrics = {r.metric for r in rules.rules}
-            self._baselines_saved = -math.inf
-            self._save(full=True)
-
-    @property
-    def paused(self) -> bool:
-        with self._lock:
-            return self._paused
-
-    def states(self) -> dict[str, dict]:
-        """name -> the rule's state (NaN/inf values as the schema's strings, so it is JSON-safe)."""
-        with self._lock:
-            return {
-                name: {
-                    "state": m.state,
-                    "reason": m.reason,
-                    "failing_steps": m.failing_steps,
-                    "since_step": m.since_step,
-                    "last_value": jsonable(m.last_value),
-                    "threshold": jsonable(m.threshold),
-                    "last_seen_time": m.last_seen_time,
-                    "metric": m.rule.metric,
-                    "action": m.rule.action,
-                    "series": m.last_series,
-                }
-                for name, m in self._monitors.items()
-            }
-
-    def decisions(self, limit: int = 100) -> list[dict]:
-        """The newest `limit` records of the decision log (decisions and applied), newest last."""
-        with self._lock:
-            return list(self._recent)[-limit:] if limit > 0 else []
-
-    def acted_alerts(self) -> list[str]:
-        """Fingerprints of the Alertmanager alerts acted on (sidecar/alerts.py), oldest first."""
-        return self._store.acted_alerts()
-
-    def note_alert(self, fingerprint: str, acted: bool) -> None:
-        """An alert acted on (or resolved): saved with the decision it made, in one transaction (deferred)."""
-        with self._lock:
-            self._batch.alert(fingerprint, acted)
-            self._save()
-
-    def _load(self, write: bool = True) -> None:
-        """Read the committed state (the store, else the log). write=False (recover): what the start would
-        write (repairs) waits for the next write instead."""
-        saved = self._store.load(RECENT_RECORDS)
-        recovered = saved is None
-        if saved is None:  # no database yet (a first start, or one moved aside): what the log says
-            saved = self._recovered_from_log()
-        run = saved.get("run") or {}
-        self._run_id, self._archived_runs = run.get("run_id"), set(saved.get("archived", ()))
-        self._paused, self._tick = bool(run.get("paused")), run.get("tick") or 0
-        self._last_step, self._first_seen_time, self._resumed_time = (
-            run.get(k) for k in ("last_step", "first_seen_time", "resumed_time")
-        )
-        self._checkpoints = set(run.get("checkpoints", ()))
-        self._rollback_ticks = list(run.get("rollback_ticks", ()))
-        self._rearmed = dict(run.get("rearmed", {}))
-        self._recent.extend(r for r in saved.get("records", ()) if r.get("type") != RecordType.DELIVERED)
-        self._transients = _transients_of(self._recent)
-        self._next_decision_id = saved.get("next_decision_id", 1)
-        self._directives.restore(saved.get("directives", []), saved.get("next_directive_id"))
-        self.rollbacks_delivered = sum(  # handed out before a restart: the run may apply them after it
-            1
-            for d in self._directives.outstanding
-            if d["action"] == Action.ROLLBACK and d.get("delivered_at") is not None
-        )
-        for table in ("rules", "baselines"):
-            for name, text in saved.get(table, {}).items():
-                monitor = self._monitors.get(name)
-                if monitor is None:
-                    continue
-                try:
-                    (monitor.restore if table == "rules" else monitor.restore_baseline)(json.loads(text))
-                except (AttributeError, KeyError, TypeError, ValueError) as err:  # edited by hand
-                    what = "state" if table == "rules" else "baseline"
-                    log.warning("rule %s's saved %s in %s is not usable (%s): it starts afresh", name, what, table, err)
-                    if table == "rules":
-                        self._monitors[name] = RuleMonitor(monitor.rule)
-                    else:
-                        monitor.reset_baseline()
-        if not recovered:
-            if write:
-                self._store.repair_log(self._run_id)
-        elif saved.get("records"):  # the store starts from what the log says
-            for record in saved["records"]:
-                self._batch.record(self._run_id, record, logged=True)
-            if write:
-                self._save(full=True)
-            else:
-                self._dirty = True
-
-    def _recovered_from_log(self) -> dict:
-        """What decisions.jsonl says when there is no database: the run, its records, and the directives
-        decided and neither handled nor cancelled (a trainer ignores an id it already handled, so handing
-        one out again is safe). Rule states, checkpoints and counters start afresh."""
-        records = [jsonable(r) for r in read_log(self._dir / LOG_NAME, RECENT_RECORDS)]
-        if not records:
-            return {}
-        run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
-        kinds = (RecordType.DECISION, RecordType.DELIVERED)
-        ended = {r.get("directive_id") for r in records if r.get("type") not in kinds}
-        delivered = {  # when each went out (a time that is no number: it went out, when is unknown)
-            r.get("directive_id"): r["time"] if type(r.get("time")) in (int, float) else self._now()
-            for r in records
-            if r.get("type") == RecordType.DELIVERED
-        }
-        made = [r for r in records if r.get("type") == RecordType.DECISION]
-        outstanding = [
-            {
-                "id": r["directive_id"],
-                "action": r.get("action"),
-                "run_id": run_id,
-                "to_step": r.get("checkpoint"),
-                "skip_batches": r.get("skip_batches") or 0,
-                "reason": str(r.get("reason") or ""),
-                "decision_id": r.get("id"),
-                "delivered_at": delivered.get(r["directive_id"]),
-            }
-            for r in made
-            if r.get("directive_id") is not None and r["directive_id"] not in ended and r.get("run_id") == run_id
-        ]
-        log.warning(
-            "%s: no usable database: recovered from %s: run %s, outstanding directives %s",
-            self._store.path,
-            LOG_NAME,
-            run_id,
-            [d["id"] for d in outstanding] or "none",
-        )
-        ids = [r.get("id") for r in made if type(r.get("id")) is int and 0 < r["id"] < MAX_STEP]
-        return {
-            "run": {"run_id": run_id},
-            "records": records,
-            "directives": outstanding,
-            "next_decision_id": 1 + max(ids, default=0),
-            "next_directive_id": max(
-                (r["directive_id"] + 1 for r in made if type(r.get("directive_id")) is int), default=None
-            ),
-        }
-
-
-def _transients_of(records) -> dict[str, int]:
-    """The suspect-device counts the recorded step_check decisions make (a restarted sidecar's)."""
-    out: dict[str, int] = {}
-    for r in records:
-        if r.get("source") == DecisionSource.STEP_CHECK and r.get("triage") == Triage.TRANSIENT:
-            hosts = (r.get("evidence") or {}).get("hosts") or {}
-            for rank in r.get("ranks") or ():
-                key = f"rank={rank}" + (f",host={hosts[str(rank)]}" if str(rank) in hosts else "")
-                out[key] = out.get(key, 0) + 1
-    return out
-
-
-def _safe_name(run_id: str) -> str:
-    """A run id as a directory name: nothing that climbs out of runs/ or hides."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:120].lstrip(".")
-    return name or "_"
-
-
-def _numbers(values) -> dict[str, float]:
-    """The usable series of one metric: numbers, or the schema's "nan"/"inf"/"-inf"; None and junk dropped.
-
-    The common case (str keys, float values, as the sidecar builds them) is returned as is:
-    nothing downstream keeps or changes the dict.
-    """
-    if not values:
-        return {}
-    if type(values) is dict and set(map(type, values.values())) == {float} and set(map(type, values)) == {str}:
-        return values
-    out = {}
-    for key, value in (values or {}).items():
-        try:
-            number = decode_float(float(value) if isinstance(value, bool) else value)
-        except ValueError:
-            continue
-        if number is not None:
-            out[str(key)] = number
-    return out
-
-
-def _validate_request(action, source, to_step, skip_batches) -> None:
-    if action not in DIRECTIVE_ACTIONS:
-        raise ValueError(f"action {action!r} is not one of {', '.join(DIRECTIVE_ACTIONS)}")
-    if source not in REQUEST_SOURCES:
-        raise ValueError(f"source {source!r} is not one of {', '.join(REQUEST_SOURCES)}")
-    if isinstance(skip_batches, bool) or not isinstance(skip_batches, int) or not 0 <= skip_batches < MAX_STEP:
-        raise ValueError(f"skip_batches must be an integer in 0..2**53-1, got {skip_batches!r}")
-    if to_step is not None and (
-        isinstance(to_step, bool) or not isinstance(to_step, int) or not 0 <= to_step < MAX_STEP
-    ):
-        raise ValueError(f"to_step must be a checkpoint step (an integer in 0..2**53-1) or None, got {to_step!r}")
-    if action != Action.ROLLBACK and (to_step is not None or skip_batches):
-        raise ValueError(f"to_step and skip_batches apply to rollback only, not to {action}")

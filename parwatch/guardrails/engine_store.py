@@ -29,13 +29,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from parwatch.vocabulary import Action, RecordType
+from parwatch.contract.directives import MAX_STEP
+from parwatch.vocabulary import Action, RecordType, jsonable
 
 log = logging.getLogger(__name__)
 DB_NAME, LOG_NAME = "parwatch.db", "decisions.jsonl"
@@ -209,10 +211,6 @@ class Batch:
             f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)", *((run_id, k, json.dumps(v)) for k, v in values.items())
         )
 
-    def archive(self, run_id: str, when: float) -> None:
-        self.add("UPDATE runs SET archived_at = ? WHERE run_id = ?", (when, run_id))
-        self.full = True
-
     def claim_records(self, run_id: str) -> None:
         """Records made before any run began belong to the first run."""
         self.add("UPDATE records SET run_id = ? WHERE run_id IS NULL", (run_id,))
@@ -347,7 +345,19 @@ class StateStore:
         except sqlite3.Error as err:
             log.error("%s: the WAL could not be checkpointed at shutdown (%s); the next start reads it", self.path, err)
 
-    def load(self, recent: int) -> dict[str, Any] | None:
+    def load(self, recent: int, now: float, repair: bool = True) -> tuple[dict[str, Any], bool]:
+        """(the committed state, recovered): what the database holds (see _read), decisions.jsonl then given
+        what it lacks (repair: not when the engine puts back its state after a failed write, which would
+        append out of turn). Only when the database holds nothing (a first start, or one moved aside) is the
+        log read as the state: recovered, and the engine then writes what it read into the database."""
+        saved = self._read(recent)
+        if saved is None:
+            return self._recovered_from_log(recent, now), True
+        if repair:
+            self.repair_log((saved["run"] or {}).get("run_id"))
+        return saved, False
+
+    def _read(self, recent: int) -> dict[str, Any] | None:
         """The current run's state (run: None when no run began), its newest `recent` records, the archived
         runs and the next ids; None when the database holds nothing yet. Rows whose columns do not hold what
         they should are moved aside first (set_aside_bad_rows)."""
@@ -375,6 +385,73 @@ class StateStore:
             "next_decision_id": 1 + (db.execute("SELECT max(decision_id) FROM records").fetchone()[0] or 0),
             "next_directive_id": db.execute("SELECT max(next_directive_id) FROM runs").fetchone()[0],
         }
+
+    def _recovered_from_log(self, recent: int, now: float) -> dict[str, Any]:
+        """What decisions.jsonl says when there is no database: the run, its records, and the directives
+        decided and neither handled nor cancelled (a trainer ignores an id it already handled, so handing
+        one out again is safe). Rule states, checkpoints and counters start afresh."""
+        records = [jsonable(r) for r in read_log(self.log_path, recent)]
+        if not records:
+            return {}
+        run_id = next((r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None)
+        kinds = (RecordType.DECISION, RecordType.DELIVERED)
+        ended = {r.get("directive_id") for r in records if r.get("type") not in kinds}
+        delivered = {  # when each went out (a time that is no number: it went out, when is unknown)
+            r.get("directive_id"): r["time"] if type(r.get("time")) in (int, float) else now
+            for r in records
+            if r.get("type") == RecordType.DELIVERED
+        }
+        made = [r for r in records if r.get("type") == RecordType.DECISION]
+        outstanding = [
+            {
+                "id": r["directive_id"],
+                "action": r.get("action"),
+                "run_id": run_id,
+                "to_step": r.get("checkpoint"),
+                "skip_batches": r.get("skip_batches") or 0,
+                "reason": str(r.get("reason") or ""),
+                "decision_id": r.get("id"),
+                "delivered_at": delivered.get(r["directive_id"]),
+            }
+            for r in made
+            if r.get("directive_id") is not None and r["directive_id"] not in ended and r.get("run_id") == run_id
+        ]
+        log.warning(
+            "%s: no usable database: recovered from %s: run %s, outstanding directives %s",
+            self.path,
+            LOG_NAME,
+            run_id,
+            [d["id"] for d in outstanding] or "none",
+        )
+        ids = [r.get("id") for r in made if type(r.get("id")) is int and 0 < r["id"] < MAX_STEP]
+        return {
+            "run": {"run_id": run_id},
+            "records": records,
+            "directives": outstanding,
+            "next_decision_id": 1 + max(ids, default=0),
+            "next_directive_id": max(
+                (r["directive_id"] + 1 for r in made if type(r.get("directive_id")) is int), default=None
+            ),
+        }
+
+    def archive(self, batch: Batch, run_id: str, when: float) -> None:
+        """End run `run_id` with `batch` (its last state): its rows marked archived, then its decisions.jsonl
+        moved to STATE_DIR/runs/RUN_ID/ once that commits."""
+        target = self.path.parent / "runs" / _safe_name(run_id)
+
+        def move():
+            target.mkdir(parents=True, exist_ok=True)
+            if self.log_path.exists():
+                os.replace(self.log_path, target / LOG_NAME)
+
+        batch.add("UPDATE runs SET archived_at = ? WHERE run_id = ?", (when, run_id))
+        batch.full, batch.then = True, move
+        log.warning(
+            "run %s ended here; its state stays in %s (archived), its decisions.jsonl moves to %s",
+            run_id.encode("unicode_escape").decode(),
+            self.path.name,
+            target,
+        )
 
     def set_aside_bad_rows(self) -> int:
         """Move every row whose columns do not hold what TYPED says into rows_aside, with an ERROR naming it;
@@ -477,6 +554,12 @@ def _last_line(path: Path) -> bytes | None:
         f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 20)))
         whole, newline, _ = f.read().rpartition(b"\n")  # a piece after the last newline was cut short
     return whole.rpartition(b"\n")[2] or None if newline else None
+
+
+def _safe_name(run_id: str) -> str:
+    """A run id as a directory name: nothing that climbs out of runs/ or hides."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:120].lstrip(".")
+    return name or "_"
 
 
 def _move_aside(path: Path) -> Path | None:

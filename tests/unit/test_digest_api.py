@@ -445,7 +445,7 @@ def test_a_deliberate_pause_keeps_a_node_sidecars_ranks_up(tmp_path):
     nsc.activity._http = _Bridge(leader)
     node.post("/v1/ingest", json={"version": 1, "summaries": [syn.summary(1, 1)]})
     leader.post("/v1/activity", json=report(0, host="leader-host", time=lclock.t))
-    lsc.engine._paused = True  # the run is paused (as after a pause directive's outcome)
+    lsc.engine.policy.run.paused = True  # the run is paused (as after a pause directive's outcome)
     for _ in range(40):  # 40 s of pause: no summaries anywhere
         nclock.t += 1
         lclock.t += 1

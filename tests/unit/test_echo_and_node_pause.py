@@ -46,9 +46,9 @@ def test_a_node_sidecar_says_paused_while_the_leader_holds_the_run_paused(tmp_pa
     )
     assert node.post("/v1/activity", json=report(1, step=1, time=nclock.t)).status_code == 200
     leader.post("/v1/activity", json=report(0, host="leader-host", time=lclock.t))
-    lsc.engine._paused = True  # the run is paused (as after a pause directive's outcome)
+    lsc.engine.policy.run.paused = True  # the run is paused (as after a pause directive's outcome)
     asyncio.run(nsc.activity.tick())
     assert node.get("/v1/status").json()["paused"] is True
-    lsc.engine._paused = False
+    lsc.engine.policy.run.paused = False
     asyncio.run(nsc.activity.tick())
     assert node.get("/v1/status").json()["paused"] is False

@@ -145,7 +145,7 @@ def test_baselines_are_saved_apart_from_the_state_and_at_most_a_minute_stale(tmp
     run.clock.t += BASELINES_SAVE_SECONDS
     run.feed(loss=3.0)
     again = run.restarted()  # a crash: the windows as of the last minute's save
-    assert again._monitors["spike"].check.history() == {"values": [2.0] * 4 + [3.0] * 4}
+    assert again.policy.monitors["spike"].check.history() == {"values": [2.0] * 4 + [3.0] * 4}
 
 
 def test_a_garbled_rule_row_costs_that_rule_not_the_start(tmp_path, caplog):
@@ -156,7 +156,7 @@ def test_a_garbled_rule_row_costs_that_rule_not_the_start(tmp_path, caplog):
     saved(tmp_path, "UPDATE baselines SET windows = ? WHERE rule = 'spike'", '{"history": {"values": [1, "x"]}')
     saved(tmp_path, "UPDATE rules SET state = '[1' WHERE rule = 'skew'")
     again = run.restarted()
-    assert again._monitors["spike"].check.history() == {"values": []}
+    assert again.policy.monitors["spike"].check.history() == {"values": []}
     assert "a row of table baselines is unreadable" in caplog.text  # moved to rows_aside, an ERROR each
     assert "a row of table rules is unreadable (state='[1'" in caplog.text
     assert again.states()["skew"]["failing_steps"] == 0
@@ -169,7 +169,7 @@ def test_a_new_run_keeps_the_old_runs_rows_archived(tmp_path):
         run.feed(loss=2.0)
     run.engine.begin_run("next")
     assert saved_windows(tmp_path, "spike") == {"values": [2.0] * 4}
-    assert run.engine._monitors["spike"].check.history() == {"values": []}
+    assert run.engine.policy.monitors["spike"].check.history() == {"values": []}
     runs = saved(tmp_path, "SELECT run_id, archived_at IS NOT NULL, tick FROM runs ORDER BY run_id")
     assert runs == [("next", 0, 0), ("r", 1, 4)]  # archiving is a query: the rows stay
     assert run.restarted().run_id == "next"

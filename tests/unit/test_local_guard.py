@@ -97,7 +97,7 @@ def _local_outcome(did, step=7, after=0, checkpoints=(4,)):
 
 def test_the_leader_records_a_local_pause_and_rolls_back_once(tmp_path):
     engine = _engine(tmp_path)
-    did = engine._directives.next_id + 5
+    did = engine.policy.directives.next_id + 5
     records = engine.record_outcome(_local_outcome(did))
     kinds = [(r["type"], r.get("action"), r.get("source")) for r in records]
     assert kinds == [("decision", "pause", "rank0"), ("applied", "pause", None), ("decision", "rollback", "rule")]
@@ -116,4 +116,4 @@ def test_a_leader_directive_rank0_never_took_is_renumbered_above_the_local_one(t
     mine = engine.request("pause", "operator")["directive_id"]  # created while rank 0 could not hear it
     records = engine.record_outcome(_local_outcome(mine, after=mine - 1))  # rank 0 chose the same id
     assert records[0]["renumbered"] == {mine: mine + 1}
-    assert [d["id"] for d in engine._directives.outstanding][0] == mine + 1
+    assert [d["id"] for d in engine.policy.directives.outstanding][0] == mine + 1

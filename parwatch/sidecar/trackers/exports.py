@@ -20,7 +20,7 @@ from functools import partial
 from prometheus_client.core import CounterMetricFamily
 
 from parwatch.catalog import family
-from parwatch.guardrails.engine import RECENT_RECORDS
+from parwatch.guardrails.policy import RECENT_RECORDS
 from parwatch.sidecar.trackers.series import Point, SeriesBuilder, Text, samples_of
 from parwatch.sidecar.trackers.spec import DEFAULT_EVERY_STEPS, ExportSpec
 from parwatch.sidecar.trackers.worker import Sink, TrackerWorker
