@@ -1,24 +1,18 @@
-"""The guardrail engine: the decisions of policy.py, made durable in the store (store.py), under one lock.
+"""The guardrail engine: the decisions of policy.py under one lock, made durable in the store (store.py).
 
-The sidecar feeds one Observation per training step (evaluate) and calls check_no_data
-every second; operators and Alertmanager go through request(). Every decision is a
-record in STATE_DIR/decisions.jsonl; a pause/resume/rollback decision, when enforcing,
-also becomes a directive of the current run that rank 0 fetches (pending_directive) until
-the run reports its outcome (record_outcome: applied, substituted, failed or ignored, for
-every rank at once). The state lives in STATE_DIR/parwatch.db (store.py), so a restarted
-sidecar continues where it stopped. A new run id starts a clean engine (begin_run): the
-previous run's rows stay, marked archived, and its decisions.jsonl moves to
-STATE_DIR/runs/RUN_ID/. Methods are thread-safe (one lock).
+The sidecar feeds one Observation per training step (evaluate), calls check_no_data every second and
+hands rank 0 the directives (pending_directive) until the run reports their outcome (record_outcome);
+operators and Alertmanager go through request(). The state lives in STATE_DIR/parwatch.db, so a
+restarted sidecar continues where it stopped; decisions.jsonl is written from it. A new run id starts
+a clean engine (begin_run): the previous run's rows stay, marked archived, and its log moves to
+STATE_DIR/runs/RUN_ID/.
 
 Durability: each call that changes the state commits it, with its records, in one transaction
 before it returns (a decision, an outcome, a delivery: synchronous=FULL; counters: NORMAL); the
-baseline windows go with it at most once a minute (BASELINES_SAVE_SECONDS). The database is the
-state; decisions.jsonl is written from it. In full: docs/architecture.md, "The engine's durability".
-
-Deferred writes (defer_writes(), the sidecar's mode): "before it returns" becomes "before
-take_writes()'s batch is written", which the sidecar does in a writer thread before it answers
-the request (so before it hands out any directive the request made). A burst of evaluations (one
-post of many summaries) then costs one transaction.
+baseline windows go with it at most once a minute (BASELINES_SAVE_SECONDS). In full:
+docs/architecture.md, "The engine's durability". Deferred (defer_writes(), the sidecar's mode):
+"before it returns" becomes "before take_writes()'s batch is written", which the sidecar does in a
+writer thread before it answers the request; a burst of evaluations then costs one transaction.
 """
 
 from __future__ import annotations

@@ -519,66 +519,109 @@ class HangMonitor:
         `heard_since(t)`: whether every node still heard from has sent a digest since t (the leader)."""
         now = self.clock()
         self.checked_stall = self.progress.stalled_for(now)
+        records = self._judge_crashes(rows, now, coverage, heard_since)
+        stalled, bound, past, fresh_after, stale = self._progress(rows, now)
+        crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
+        if self.awaiting_fresh:
+            return records
+        if not paused and not crashed and past and self.layout is not None and rows:
+            records += self._judge_hang(rows, fresh_after, stalled, bound, stale, coverage)
+        return records
+
+    # -- crash classification -------------------------------------------------------------------------
+
+    def _judge_crashes(
+        self, rows: Mapping[int, Activity], now: float, coverage: dict | None, heard_since: Callable[[float], bool]
+    ) -> list[dict]:
+        """rank-gone records for the ranks newly ended: the first failure named, echoes told apart."""
         records = []
-        # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
-        # one the rest last waited for went first, else the earliest to end.
-        gone = sorted(
-            (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
-            key=lambda a: (lost_a_peer(a), ended_at(a), a.rank),
-        )
+        gone = self._newly_gone(rows)
         if self.cause is not None and any(lost_a_peer(a) for a in gone):
             # The run's first failure is named already: ranks that lost a peer since are its echoes.
             records.append(self._echo_record([a for a in gone if lost_a_peer(a)], coverage))
             gone = [a for a in gone if not lost_a_peer(a)]
         if any(lost_a_peer(a) for a in gone) and not any(told_its_cause(a) for a in gone):
-            # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
-            # one fails, so those may be echoes too until every node has spoken since the first echo.
-            unseen = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
-            unseen += list((coverage or {}).get("ranks_never_seen", ()))
-            self._echoes_since = self._echoes_since if self._echoes_since is not None else now
-            waited = now - self._echoes_since
-            if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
-                records.append(self._unseen_cause(gone, unseen, coverage))
-                gone = []
-            elif waited < ECHO_WAIT_SECONDS and (
-                all(lost_a_peer(a) for a in gone) or not heard_since(self._echoes_since)
-            ):
-                gone = []  # the rank that failed first may yet be told, or its node go missing
+            gone = self._wait_for_cause(rows, gone, now, coverage, heard_since, records)
         if gone:
-            first = gone[0]
-            if len(gone) > 1 and self.layout is not None and not any(told_its_cause(a) for a in gone):
-                found = find_culprit(rows, self.layout)
-                named = rows.get(found["culprit"]) if found else None
-                # An echo is no cause; nor is a rank its node saw end after another of its ranks (stale
-                # samples guess who waited for whom, the exits tell who ended first).
-                if named is not None and named in gone and not lost_a_peer(named) and not ended_later(named, first):
-                    first = named
-                    gone.remove(named)
-                    gone.insert(0, named)
-            culprit = culprit_record(first)
-            if first.state == RankState.CRASHED:
-                culprit["error"] = first.error
-            others = [a.rank for a in gone[1:]]
-            how = f"crashed ({first.error})" if first.state == RankState.CRASHED else "ended (its process is gone)"
-            reason = f"rank-gone: {_describe(culprit)} {how}, last reported step {first.step}"
-            if others:
-                reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
-            reason += _coverage_text(coverage)
-            records.append(
-                self._record(
-                    "rank-gone",
-                    reason,
-                    {"culprit": culprit, "gone": [first.rank] + others, "coverage": coverage},
-                    first.step,
-                )
-            )
-            self.gone_reported.update(a.rank for a in gone)
-            self._echoes_since = None
-            if self.cause is None and not lost_a_peer(first):
-                self.cause = culprit
+            records.append(self._gone_record(rows, gone, coverage))
+        return records
+
+    def _newly_gone(self, rows: Mapping[int, Activity]) -> list[Activity]:
+        """The ranks ended and not reported yet, the likeliest first failure first."""
+        # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
+        # one the rest last waited for went first, else the earliest to end.
+        return sorted(
+            (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
+            key=lambda a: (lost_a_peer(a), ended_at(a), a.rank),
+        )
+
+    def _wait_for_cause(
+        self,
+        rows: Mapping[int, Activity],
+        gone: list[Activity],
+        now: float,
+        coverage: dict | None,
+        heard_since: Callable[[float], bool],
+        records: list[dict],
+    ) -> list[Activity]:
+        """The ranks gone to name now ([] to wait) when echoes ended without the cause among them."""
+        # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
+        # one fails, so those may be echoes too until every node has spoken since the first echo.
+        unseen = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
+        unseen += list((coverage or {}).get("ranks_never_seen", ()))
+        self._echoes_since = self._echoes_since if self._echoes_since is not None else now
+        waited = now - self._echoes_since
+        if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
+            records.append(self._unseen_cause(gone, unseen, coverage))
+            gone = []
+        elif waited < ECHO_WAIT_SECONDS and (all(lost_a_peer(a) for a in gone) or not heard_since(self._echoes_since)):
+            gone = []  # the rank that failed first may yet be told, or its node go missing
+        return gone
+
+    def _gone_record(self, rows: Mapping[int, Activity], gone: list[Activity], coverage: dict | None) -> dict:
+        """rank-gone naming the first of `gone` to fail (the culprit the waits point at, where they tell)."""
+        first = self._first_to_fail(rows, gone)
+        culprit = culprit_record(first)
+        if first.state == RankState.CRASHED:
+            culprit["error"] = first.error
+        others = [a.rank for a in gone[1:]]
+        how = f"crashed ({first.error})" if first.state == RankState.CRASHED else "ended (its process is gone)"
+        reason = f"rank-gone: {_describe(culprit)} {how}, last reported step {first.step}"
+        if others:
+            reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
+        reason += _coverage_text(coverage)
+        record = self._record(
+            "rank-gone",
+            reason,
+            {"culprit": culprit, "gone": [first.rank] + others, "coverage": coverage},
+            first.step,
+        )
+        self.gone_reported.update(a.rank for a in gone)
+        self._echoes_since = None
+        if self.cause is None and not lost_a_peer(first):
+            self.cause = culprit
+        return record
+
+    def _first_to_fail(self, rows: Mapping[int, Activity], gone: list[Activity]) -> Activity:
+        """The rank of `gone` that failed first, moved to the front: the earliest unless the waits name one."""
+        first = gone[0]
+        if len(gone) > 1 and self.layout is not None and not any(told_its_cause(a) for a in gone):
+            found = find_culprit(rows, self.layout)
+            named = rows.get(found["culprit"]) if found else None
+            # An echo is no cause; nor is a rank its node saw end after another of its ranks (stale
+            # samples guess who waited for whom, the exits tell who ended first).
+            if named is not None and named in gone and not lost_a_peer(named) and not ended_later(named, first):
+                first = named
+                gone.remove(named)
+                gone.insert(0, named)
+        return first
+
+    # -- progress -------------------------------------------------------------------------------------
+
+    def _progress(self, rows: Mapping[int, Activity], now: float) -> tuple[float, float, bool, float | None, int]:
+        """(stalled, bound, past the decision line, fresh_after, stale ranks); sets awaiting_fresh."""
         stalled = self.progress.stalled_for(now)
         bound = self.progress.bound()
-        crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
         # Judge a picture taken after the stall began: a rank's activity sampled before the last step
         # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
         # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
@@ -588,51 +631,70 @@ class HangMonitor:
             fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
             stale = sum(1 for a in rows.values() if a.state == RankState.RUNNING and a.time < fresh_after)
         self.awaiting_fresh = bool(stale) and stalled < 2 * bound
-        if self.awaiting_fresh:
-            return records
-        if not paused and not crashed and past and self.layout is not None and rows:
-            found = find_culprit(rows, self.layout, fresh_after)
-            if found is not None:
-                rank = found["culprit"]
-                a = rows.get(rank)
-                if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
-                    waiting = found["waiting"]
-                    named_culprit = culprit_record(a) if a is not None and a.state != RankState.UNKNOWN else None
-                    if named_culprit is not None:
-                        what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(
-                            found["missing"]
-                        )
-                    else:  # the waits point at a rank this leader has no current report of: say so, name none
-                        what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
-                    reason = (
-                        f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
-                        f"{len(waiting)} ranks wait for it" + _coverage_text(coverage)
-                    )
-                    evidence = {
-                        "culprit": named_culprit,
-                        "points_at": None if named_culprit else {"rank": rank, "seen": False},
-                        "waiting": waiting[:MAX_WAITING_LISTED],
-                        "waiting_count": len(waiting),
-                        "missing": found["missing"],
-                        "method": found["method"],
-                        "stalled_seconds": round(stalled, 3),
-                        "stalled_since": self.progress.time,
-                        "bound_seconds": round(bound, 3),
-                        "median_step_seconds": self.progress.median_step_seconds(),
-                        "last_step": self.progress.step,
-                        "stale_ranks": stale,
-                        "coverage": coverage,
-                    }
-                    action = RuleAction.ALERT
-                    if self.settings.requeue and self.requeue is not None:
-                        action, note = self.requeue.verdict()
-                        reason += note
-                        evidence["requeue"] = self.requeue.evidence()
-                    record = self._record("hang", reason, evidence, self.progress.step, action)
-                    record["step_at"] = self.progress.step
-                    self.hang = record
-                    records.append(record)
+        return stalled, bound, past, fresh_after, stale
+
+    # -- hang judgement -------------------------------------------------------------------------------
+
+    def _judge_hang(
+        self,
+        rows: Mapping[int, Activity],
+        fresh_after: float | None,
+        stalled: float,
+        bound: float,
+        stale: int,
+        coverage: dict | None,
+    ) -> list[dict]:
+        """The hang record of a stall past the decision line (once per episode), naming the rank the waits
+        point at."""
+        records = []
+        assert self.layout is not None  # check() judges a hang only with a layout
+        found = find_culprit(rows, self.layout, fresh_after)
+        if found is not None:
+            rank = found["culprit"]
+            a = rows.get(rank)
+            if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
+                record = self._hang_record(found, a, stalled, bound, stale, coverage)
+                self.hang = record
+                records.append(record)
         return records
+
+    def _hang_record(
+        self, found: dict, a: Activity | None, stalled: float, bound: float, stale: int, coverage: dict | None
+    ) -> dict:
+        rank = found["culprit"]
+        waiting = found["waiting"]
+        named_culprit = culprit_record(a) if a is not None and a.state != RankState.UNKNOWN else None
+        if named_culprit is not None:
+            what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(found["missing"])
+        else:  # the waits point at a rank this leader has no current report of: say so, name none
+            what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
+        reason = (
+            f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
+            f"{len(waiting)} ranks wait for it" + _coverage_text(coverage)
+        )
+        evidence = {
+            "culprit": named_culprit,
+            "points_at": None if named_culprit else {"rank": rank, "seen": False},
+            "waiting": waiting[:MAX_WAITING_LISTED],
+            "waiting_count": len(waiting),
+            "missing": found["missing"],
+            "method": found["method"],
+            "stalled_seconds": round(stalled, 3),
+            "stalled_since": self.progress.time,
+            "bound_seconds": round(bound, 3),
+            "median_step_seconds": self.progress.median_step_seconds(),
+            "last_step": self.progress.step,
+            "stale_ranks": stale,
+            "coverage": coverage,
+        }
+        action = RuleAction.ALERT
+        if self.settings.requeue and self.requeue is not None:
+            action, note = self.requeue.verdict()
+            reason += note
+            evidence["requeue"] = self.requeue.evidence()
+        record = self._record("hang", reason, evidence, self.progress.step, action)
+        record["step_at"] = self.progress.step
+        return record
 
     def _echo_record(self, echoes: list[Activity], coverage: dict | None) -> dict:
         """rank-gone naming no culprit: ranks that ended of a peer's loss after the run's first failure."""
