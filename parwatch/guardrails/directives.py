@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from parwatch.contract.directives import MAX_STEP, parse_directive
-from parwatch.vocabulary import Action, DirectiveState
+from parwatch.vocabulary import Action
 
 log = logging.getLogger("parwatch.guardrails")
 WIRE_KEYS = ("id", "action", "run_id", "to_step", "skip_batches", "reason")
@@ -88,11 +88,6 @@ class Directives:
     def oldest(self, run_id: str | None) -> dict | None:
         """The oldest outstanding directive of `run_id` (its delivered_at set once it went out), or None."""
         return next((d for d in self.outstanding if d["run_id"] == run_id), None)
-
-    @staticmethod
-    def state(d: dict) -> DirectiveState:
-        """created (not yet sent to the run: cancellable) or delivered (the ranks will apply it)."""
-        return DirectiveState.DELIVERED if d.get("delivered_at") is not None else DirectiveState.CREATED
 
     def find(self, directive_id: int) -> dict | None:
         return next((d for d in self.outstanding if d["id"] == directive_id), None)

@@ -147,7 +147,7 @@ class GuardrailEngine:
                 else:
                     batch.write()
             self.policy.begin_run(run_id)
-            self._owe()
+            self._save(full=True)
             return True
 
     def reload(self, rules: RuleSet) -> None:
@@ -155,7 +155,7 @@ class GuardrailEngine:
         with self._lock:
             self.policy.reload(rules)
             self._baselines_saved = -math.inf
-            self._owe()
+            self._save(full=True)
 
     def acted_alerts(self) -> list[str]:
         """Fingerprints of the Alertmanager alerts acted on (sidecar/alerts.py), oldest first."""
@@ -230,8 +230,8 @@ class GuardrailEngine:
             self._batch.record(policy.run_id, record)
         policy.unsaved = []
         if policy.changed:
-            full, policy.changed, policy.full = policy.full, False, False
-            self._save(full)
+            policy.changed = False
+            self._save()
 
     def _save(self, full: bool = False) -> None:
         """The state changed: commit it now, or with take_writes()'s batch (deferred). full: a change that

@@ -32,6 +32,7 @@ from parwatch.schema import MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import (
     Action,
     DecisionSource,
+    DirectiveState,
     OutcomeName,
     RecordType,
     RuleAction,
@@ -119,11 +120,8 @@ class Policy:
         have moved since this engine first saw it (the store refuses a timeline no rollback explains)."""
         self.unsaved: list[dict] = []
         """Records made (and deliveries logged) since the engine last took them for the store, in order."""
-        self.changed = self.full = False
-        """The state changed since the engine last saved it; full: a change that must survive a power loss."""
-
-    def _changed(self, full: bool = False) -> None:
-        self.changed, self.full = True, self.full or full
+        self.changed = False
+        """The state changed since the engine last saved it (records make its commit survive a power loss)."""
 
     # -- observations ---------------------------------------------------------------------------------
 
@@ -157,7 +155,7 @@ class Policy:
             for monitor in self.monitors.values():
                 if usable[monitor.rule.metric]:
                     monitor.last_seen_time = now
-            self._changed()
+            self.changed = True
             return []
         self.run.last_step = obs.step
         self.run.tick += 1
@@ -173,7 +171,7 @@ class Policy:
                     records += self._act(monitor, obs.step, now, again=again)
             else:
                 records += self._judge_time(monitor, now)
-        self._changed()
+        self.changed = True
         return records
 
     def check_no_data(self, paused: bool = False) -> list[dict]:
@@ -188,7 +186,7 @@ class Policy:
         for monitor in self.monitors.values():
             records += self._judge_time(monitor, now, paused)
         if records or self._rule_states() != states:  # the sidecar calls this every second
-            self._changed()
+            self.changed = True
         return records
 
     def _append(self, typed: Decision | Cancelled | Outcome) -> dict:
@@ -382,7 +380,7 @@ class Policy:
                 evidence=evidence,
             )
         )
-        self._changed()
+        self.changed = True
         return record
 
     def observe_now(self, metric: str, values: dict[str, float]) -> list[dict]:
@@ -398,7 +396,7 @@ class Policy:
             if monitor.rule.metric == metric and series:
                 if monitor.observe(self.run.last_step if self.run.last_step is not None else -1, now, series):
                     records += self._act(monitor, self.run.last_step, now)
-        self._changed()
+        self.changed = True
         return records
 
     # -- the check before the optimizer step (parwatch.contract.step_check) ---------------------------
@@ -460,7 +458,7 @@ class Policy:
         if triage == Triage.TRANSIENT:
             _count_transients(self.run.transients, ranks, {str(r): h for r, h in named.items()})
             records += self._judge_transients(step)
-        self._changed(full=True)
+        self.changed = True
         return records
 
     def _judge_transients(self, step: int) -> list[dict]:
@@ -556,7 +554,7 @@ class Policy:
                 note += f" (re-armed still-firing rules: {', '.join(rearm)})"
         decision.reason += note
         record = self._decide(decision, suppress=suppress)
-        self._changed()
+        self.changed = True
         return record
 
     def _resolve_checkpoint(self, to_step: int | None) -> int:
@@ -592,7 +590,7 @@ class Policy:
                 step=self.run.last_step,
             )
             self.unsaved.append(log_record(delivered))
-            self._changed(full=True)  # once delivered it cannot be cancelled, also after a power loss
+            self.changed = True  # with its record: once delivered it cannot be cancelled, also after a power loss
         return None if directive is None else {k: directive[k] for k in WIRE_KEYS}
 
     def directive_states(self) -> list[dict]:
@@ -677,7 +675,7 @@ class Policy:
                 did,
             )
             record = self._append(self._outcome_record(did, None, outcome, now))
-            self._changed()
+            self.changed = True
             return [record]
         records = [self._append(self._outcome_record(did, done, outcome, now))]
         action = done["action"]
@@ -717,7 +715,7 @@ class Policy:
                     failed_directive_id=did,
                 )
                 records.append(self._decide(decided))
-        self._changed()
+        self.changed = True
         return records
 
     def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Outcome:
@@ -798,7 +796,7 @@ class Policy:
         if rearmed:
             cancelled.rearmed_rules = rearmed
         record = self._append(cancelled)
-        self._changed()
+        self.changed = True
         return record
 
     # -- runs -----------------------------------------------------------------------------------------
@@ -823,7 +821,6 @@ class Policy:
             self.directives = Directives(first_id=self.directives.next_id)
             self.run, self.rollbacks_delivered = RunState(), 0
         self.run_id = run_id
-        self._changed(full=True)
 
     def ended(self, run_id: str) -> bool:
         """Whether `run_id` ran here and ended (its state archived)."""
@@ -841,7 +838,6 @@ class Policy:
                 monitors[rule.name].restore(old.to_dict())
         self.rules, self.monitors = rules, monitors
         self._metrics = {r.metric for r in rules.rules}
-        self._changed(full=True)
 
     def states(self) -> dict[str, dict]:
         """name -> the rule's state (NaN/inf values as the schema's strings, so it is JSON-safe)."""
@@ -943,7 +939,7 @@ def _state_of(directive: dict) -> dict:
     return {
         "id": directive["id"],
         "action": directive["action"],
-        "state": Directives.state(directive),
+        "state": DirectiveState.DELIVERED if directive.get("delivered_at") is not None else DirectiveState.CREATED,
         "delivered_at": directive.get("delivered_at"),
     }
 

@@ -34,7 +34,7 @@ def test_the_policy_decides_without_a_state_dir_or_a_clock_of_its_own(monkeypatc
     assert delivered is not None and delivered["id"] == rollback["directive_id"]
     # What it made is owed to the store, in order: the decision, then the delivery's record.
     assert [r["type"] for r in policy.unsaved] == ["decision", "delivered"]
-    assert policy.changed and policy.full
+    assert policy.changed
     monkeypatch.undo()
     # Its saved state, restored into a fresh policy, is the same state.
     again = Policy(default_rules(), now=lambda: t[0], started=900.0)
