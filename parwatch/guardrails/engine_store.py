@@ -1,4 +1,4 @@
-"""The engine's durable state: one SQLite database, STATE_DIR/parwatch.db, beside the audit log.
+"""The engine's durable state: one SQLite database, STATE_DIR/parwatch.db, and the audit log written from it.
 
 Every table is keyed by run id. A new run adds its rows; archiving the previous run only stamps
 runs.archived_at, so every run's rows stay to be queried (its decisions.jsonl moves to
@@ -14,7 +14,8 @@ with synchronous=FULL: the WAL is fsync'd before COMMIT returns, so what the sid
 a power loss. The rest (rule counters, checkpoints) commit with NORMAL: in WAL mode that survives a
 crash of the process, not of the machine, and costs no fsync. After its commit a batch appends its
 records to decisions.jsonl (fsync'd), the log people read; a crash between the two leaves the log
-short, and the next start appends what it lacks (repair_log).
+short, and the next start appends what it lacks (repair_log). The log is read as the state only when the
+database holds nothing (none yet, or one moved aside): load().
 
 A write that fails (a full or read-only disk) raises StorageFault, and so does every batch taken
 before the engine has put back the last committed state (GuardrailEngine.recover): a later batch
@@ -97,23 +98,17 @@ def _text(v) -> bool:
     return type(v) is str
 
 
-def _json(kind):
+def _json(kind, of: type | None = None):
+    """JSON text of a `kind` (a list: of items of type `of`, if given)."""
+
     def check(v) -> bool:
         try:
             value = json.loads(v) if type(v) is str else None
         except ValueError:
             return False
-        return isinstance(value, kind)
+        return isinstance(value, kind) and (of is None or all(type(x) is of for x in value))
 
     return check
-
-
-def _int_list(v) -> bool:
-    try:
-        value = json.loads(v) if type(v) is str else None
-    except ValueError:
-        return False
-    return isinstance(value, list) and all(type(x) is int for x in value)
 
 
 TYPED: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -126,8 +121,8 @@ TYPED: dict[str, dict[str, Callable[[Any], bool]]] = {
         "first_seen_time": _optional(_number),
         "resumed_time": _optional(_number),
         "next_directive_id": _optional(lambda v: type(v) is int and v > 0),
-        "checkpoints": _int_list,
-        "rollback_ticks": _int_list,
+        "checkpoints": _json(list, of=int),
+        "rollback_ticks": _json(list, of=int),
         "rearmed": _json(dict),
     },
     "directives": {

@@ -190,7 +190,7 @@ class Policy:
         return records
 
     def _append(self, typed: Decision | Cancelled | Outcome) -> dict:
-        """Add a record to the run's (owed to the store); returns it JSON-safe, as written."""
+        """A record made: among the recent ones, and owed to the store; returns it JSON-safe, as written."""
         record = log_record(typed)
         self.unsaved.append(record)
         self.recent.append(record)
