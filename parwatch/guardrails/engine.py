@@ -1,4 +1,4 @@
-"""The guardrail engine: the decisions of policy.py under one lock, made durable in the store (store.py).
+"""The guardrail engine: the decisions of policy.py under one lock, made durable in the store (engine_store.py).
 
 The sidecar feeds one Observation per training step (evaluate), calls check_no_data every second and
 hands rank 0 the directives (pending_directive) until the run reports their outcome (record_outcome);
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
+from parwatch.guardrails.engine_store import Batch, StateStore, StorageFault
 from parwatch.guardrails.policy import RECENT_RECORDS, DirectiveDelivered, Observation, Policy
 from parwatch.guardrails.rules import RuleSet
-from parwatch.guardrails.engine_store import Batch, StateStore, StorageFault
 
 __all__ = ["BASELINES_SAVE_SECONDS", "DirectiveDelivered", "GuardrailEngine", "Observation"]
 
