@@ -203,7 +203,7 @@ class GuardrailEngine:
             return True
 
     def defer_writes(self) -> None:
-        """From now on, collect writes for take_writes() instead of committing them (see Deferred writes)."""
+        """From now on, collect writes for take_writes() instead of committing them (see Durability, deferred)."""
         with self._lock:
             self._deferred = True
 
