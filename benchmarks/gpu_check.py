@@ -25,6 +25,11 @@ What it exercises:
 9. Clean exit on the device (issue 26): short watched trainer runs over NCCL, each must exit 0; the
    boundary's device tensor is released by NCCL's watchdog thread, not gloo's worker, so the
    teardown order is checked there too.
+10. A device hang's evidence (issue 44): one rank over NCCL against a real sidecar, a kernel that never
+   ends in its forward (torch.cuda._sleep, `--inject hang:rank=0,step=5,where=kernel`): the finding must
+   say kind `device` (the collector's CUDA event queries, no sync), and its evidence bundle must hold the
+   rank's stacks and a Flight Recorder dump with NCCL entries (parwatch's launcher set its buffer size).
+   Without CUDA the same run is a host hang on gloo (kind `host`, a gloo dump): the wiring is checked.
 Without CUDA it runs the same steps on gloo/CPU so the script itself can be checked
 anywhere; the tables then say so.
 """
@@ -387,6 +392,59 @@ def layout(ngpus: int) -> list[str]:
     return ["--nproc", "1"]
 
 
+def hang_evidence_check(cuda: bool) -> dict:
+    """Section 10: a device hang named as the device's, with its stacks and Flight Recorder dump kept."""
+    from tests.integration.e2e_util import decision_records, running_trainer, token_args, wait_until
+    from tests.sidecar_process import running_sidecar
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        with running_sidecar(base / "state") as sidecar:
+            with running_trainer(
+                sidecar.control_url,
+                base / "run",
+                1000,
+                "--backend",
+                "nccl" if cuda else "gloo",
+                "--layers",
+                "2",
+                "--hidden",
+                "256",
+                *token_args(sidecar),
+                "--inject",
+                "hang:rank=0,step=5,where=kernel",
+                nproc=1,
+            ):
+                [record] = wait_until(
+                    lambda: [d for d in decision_records(base / "state") if d["rule"] in ("hang", "rank-gone")][:1],
+                    "a hang finding",
+                    180,
+                )
+                bundle = base / "state" / record["evidence"]["bundle"]
+                wait_until(lambda: (bundle / "rank0.json").exists(), "rank 0's evidence", 30)
+                evidence = json.loads((bundle / "rank0.json").read_text())
+                fr = evidence["flight_recorder"]
+                entries = []
+                if fr.get("path") and Path(fr["path"]).exists():
+                    import pickle
+
+                    entries = pickle.loads(Path(fr["path"]).read_bytes()).get("entries", [])
+    names = sorted({e.get("profiling_name", "") for e in entries})[:8]
+    out = {
+        "rule": record["rule"],
+        "kind": record["evidence"].get("kind"),
+        "device_kind": evidence["activity"].get("device_kind"),
+        "culprit_kind": (record["evidence"].get("culprit") or {}).get("kind"),
+        "stack_lines": evidence["stacks"].count("\n"),
+        "flight_recorder_entries": len(entries),
+        "flight_recorder_ops": names,
+        "expected_kind": "device" if cuda else "host",
+    }
+    out["ok"] = out["kind"] == out["expected_kind"] and len(entries) > 0 and out["stack_lines"] > 0
+    print("\nhang evidence (issue 44): " + ", ".join(f"{k}={v}" for k, v in out.items()))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -502,6 +560,7 @@ def main() -> int:
         result["megatron"] = {"skipped": f"{exc} (pip install parwatch[megatron])"}
     result["ledger_trace"] = ledger_trace_check(cuda)
     result["clean_exit"] = clean_exit_check(layout(ngpus) + ["--backend", "nccl" if cuda else "gloo"])
+    result["hang_evidence"] = hang_evidence_check(cuda)
     out = Path(a.out) / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))

@@ -91,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--send-delay-ms", default="", help="STAGE:MS: that stage stalls MS before each activation send")
     injection.add_flags(ap)  # --inject SPEC, --pre-step-check on|off
     ap.add_argument("--hang-at", default="", help="STAGE:STEP: that stage blocks in its forward at that step")
+    ap.add_argument("--crash-at", default="", help="STAGE:STEP: that stage exits hard in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.pp, args.microbatches, args.steps) < 1:
         ap.error("--pp, --microbatches and --steps must be >= 1")
@@ -104,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)
     args.faults = injection.parsed(ap, args)
+    args.crash = _stage_value(ap, "--crash-at", args.crash_at)
     return args
 
 
@@ -180,6 +182,8 @@ def build(args):
         _delay_sends(engine, args.send_delay[1] / 1000)
     if args.hang and args.hang[0] == engine.stage_id:
         _hang_at(engine, int(args.hang[1]), now)
+    if args.crash and args.crash[0] == engine.stage_id:
+        _hang_at(engine, int(args.crash[1]), now, crash=True)
     return engine, now
 
 
@@ -204,11 +208,15 @@ def _delay_sends(engine, seconds: float) -> None:
     engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, schedule.SendActivation: delayed}
 
 
-def _hang_at(engine, step: int, now: dict) -> None:
-    """This stage blocks for good in its first forward of `step` (a hung rank, as the tests inject it)."""
+def _hang_at(engine, step: int, now: dict, crash: bool = False) -> None:
+    """This stage blocks for good in its first forward of `step` (a hung rank, as the tests inject it), or
+    with `crash` exits hard there (a crashed rank)."""
     forward = engine.module.forward
 
     def hanging(*args, **kwargs):
+        if now.get("step") == step and crash:
+            print(f"injected crash at step {step}, exiting at {time.time():.3f}", flush=True)
+            os._exit(17)
         if now.get("step") == step:
             print(f"injected hang at step {step}, blocking at {time.time():.3f}", flush=True)
             time.sleep(3600)

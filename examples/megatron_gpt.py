@@ -71,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--send-delay-ms", default="", help="PP_RANK:MS: that stage stalls MS before each activation send")
     injection.add_flags(ap)  # --inject SPEC, --pre-step-check on|off
     ap.add_argument("--hang-at", default="", help="RANK:STEP: that rank blocks in its forward at that step")
+    ap.add_argument("--crash-at", default="", help="RANK:STEP: that rank exits hard in its forward at that step")
     args = ap.parse_args(argv)
     if min(args.tp, args.pp, args.chunks, args.microbatches, args.steps) < 1:
         ap.error("--tp, --pp, --chunks, --microbatches and --steps must be >= 1")
@@ -82,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--batch-p2p with --chunks > 1 needs --pp >= 3 (Megatron 0.16 swaps tensors at pp=2)")
     args.slow = _stage_value(ap, "--slow-stage", args.slow_stage)
     args.hang = _stage_value(ap, "--hang-at", args.hang_at)  # a global rank, not a stage
+    args.crash = _stage_value(ap, "--crash-at", args.crash_at)  # a global rank, not a stage
     args.send_delay = _stage_value(ap, "--send-delay-ms", args.send_delay_ms)
     args.faults = injection.parsed(ap, args)
     return args
@@ -151,9 +153,12 @@ def build_model(args, config) -> list:
     return chunks
 
 
-def add_synthetic_compute(chunk, fwd_s: float, bwd_s: float, hang_step: int | None = None) -> None:
+def add_synthetic_compute(
+    chunk, fwd_s: float, bwd_s: float, hang_step: int | None = None, crash_step: int | None = None
+) -> None:
     """Sleep fwd_s before the chunk's forward and bwd_s when its backward starts (and, at
-    `hang_step`, block for good before the forward: a hung rank, as the tests inject it)."""
+    `hang_step`, block for good before the forward: a hung rank, as the tests inject it; at
+    `crash_step`, exit hard there: a crashed rank)."""
 
     def sleep_backward(grad):
         time.sleep(bwd_s)
@@ -164,6 +169,9 @@ def add_synthetic_compute(chunk, fwd_s: float, bwd_s: float, hang_step: int | No
         if hang_step is not None and FAULTS["now"] == hang_step:
             print(f"injected hang at step {hang_step}, blocking at {time.time():.3f}", flush=True)
             time.sleep(3600)
+        if crash_step is not None and FAULTS["now"] == crash_step:
+            print(f"injected crash at step {crash_step}, exiting at {time.time():.3f}", flush=True)
+            os._exit(17)
 
     def post(module, inputs, output):
         if torch.is_grad_enabled() and output.requires_grad:
@@ -261,10 +269,11 @@ def train(args) -> dict:
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     factor = args.slow[1] if args.slow and args.slow[0] == pp_rank else 1.0
     hang_step = int(args.hang[1]) if args.hang and args.hang[0] == dist.get_rank() else None
+    crash_step = int(args.crash[1]) if args.crash and args.crash[0] == dist.get_rank() else None
     if args.send_delay and args.send_delay[0] == pp_rank:
         _delay_activation_sends(args.send_delay[1] / 1000)
     for chunk in chunks:
-        add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor, hang_step)
+        add_synthetic_compute(chunk, args.fwd_ms / 1000 * factor, args.bwd_ms / 1000 * factor, hang_step, crash_step)
     data_parallel = ps.get_data_parallel_world_size() > 1
     if data_parallel:  # Megatron's DDP: gradients in its buffers, all-reduced by finalize_model_grads
         from megatron.core.distributed import (

@@ -100,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slow-stage", default="", help="RANK:FACTOR: that rank's compute takes FACTOR times longer")
     ap.add_argument("--send-delay-ms", default="", help="RANK:MS: that rank stalls MS before each activation send")
     injection.add_flags(ap)  # --inject SPEC, --pre-step-check on|off
+    ap.add_argument("--hang-at", default="", help="RANK:STEP: that rank blocks in its forward at that step")
+    ap.add_argument("--crash-at", default="", help="RANK:STEP: that rank exits hard in its forward at that step")
     args = ap.parse_args(argv)
     args.schedule = ALIASES.get(args.schedule, args.schedule)
     allowed, default = SCHEDULES[args.schedule].chunks, SCHEDULES[args.schedule].default_chunks
@@ -115,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.slow = _rank_value(ap, "--slow-stage", args.slow_stage)
     args.send_delay = _rank_value(ap, "--send-delay-ms", args.send_delay_ms)
     args.faults = injection.parsed(ap, args)
+    args.hang = _rank_value(ap, "--hang-at", args.hang_at)
+    args.crash = _rank_value(ap, "--crash-at", args.crash_at)
     return args
 
 
@@ -150,6 +154,11 @@ def build(args, rank: int, pp: int, fault: dict | None = None):
     if args.send_delay and args.send_delay[0] == rank:
         for stage in stages:
             _delay_sends(stage, args.send_delay[1] / 1000)
+    for fault, crash in ((args.hang, False), (args.crash, True)):
+        if fault and fault[0] == rank:
+            modules[0].register_forward_pre_hook(
+                lambda module, inputs, at=int(fault[1]), crash=crash: _fault(at, crash)
+            )
     cls = getattr(torch_schedules, SCHEDULES[args.schedule].torch_class)
 
     def loss_fn(output, target):  # an injected fault scales this pass's loss (x NaN, x a spike's factor)
@@ -162,6 +171,21 @@ def build(args, rank: int, pp: int, fault: dict | None = None):
         schedule = cls(stages, args.microbatches, loss_fn=loss_fn)
     params = [p for m in modules for p in m.parameters()]
     return schedule, modules, torch.optim.SGD(params, lr=args.lr)
+
+
+NOW = {"step": 0}
+"""The step being trained (the loop sets it): injected faults strike at theirs."""
+
+
+def _fault(step: int, crash: bool) -> None:
+    """At `step`, in this rank's first stage's forward: block for good (a hung rank) or exit hard (a crash)."""
+    if NOW["step"] != step:
+        return
+    if crash:
+        print(f"injected crash at step {step}, exiting at {time.time():.3f}", flush=True)
+        os._exit(17)
+    print(f"injected hang at step {step}, blocking at {time.time():.3f}", flush=True)
+    time.sleep(3600)
 
 
 def _delay_sends(stage, seconds: float) -> None:
@@ -259,6 +283,7 @@ def train(args) -> dict:
     while step < args.steps:
         trained = step + 1
         data_step = trained + (watch.data_offset if watch else 0)  # parwatch: batches rollbacks skipped
+        NOW["step"] = trained
         with watch.data() if watch else nullcontext():  # parwatch: data wait, timed
             x, y = batch(args, data_step)
         mb_losses: list = []

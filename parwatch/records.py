@@ -28,6 +28,7 @@ from parwatch.vocabulary import (
     OutcomeName,
     RankState,
     RuleAction,
+    SpanKind,
     StepAction,
     TimeCategory,
     Triage,
@@ -78,12 +79,19 @@ Order = Annotated[
         description="the run's rank order, fastest dimension first (parwatch.rank_layout); absent: tp-pp-dp",
     ),
 ]
+Busy = Literal["checkpoint", "eval"]
+"""Declared long activities: spans a rank may stay in for many step times without being stalled."""
+MAX_PEERS_SENT = 64
+Sent = Annotated[list[tuple[Rank, Seq]], Meta(max_length=MAX_PEERS_SENT)]
 ReportState = Literal["running", "done", "crashed"]
 RowState = Literal["running", "done", "crashed", "gone", "silent"]
 """A digest row's state adds what the node judged: gone (its pid ended), silent (alive, no reports)."""
 STATES = {"activity": get_args(ReportState), "digest": get_args(RowState)}
 if (STATES["activity"], STATES["digest"]) != (tuple(RankState)[:3], tuple(RankState)[:5]):
     raise ImportError("parwatch/records.py: a state differs from parwatch.vocabulary.RankState")
+BUSY_KINDS = get_args(Busy)
+if BUSY_KINDS != (SpanKind.CHECKPOINT, SpanKind.EVAL):
+    raise ImportError("parwatch/records.py: Busy differs from parwatch.vocabulary.SpanKind's long activities")
 
 
 # gc=False: the leader holds a row per rank (16,384 at 16,384 ranks) and a row refers to no container,
@@ -111,6 +119,13 @@ class Activity(Struct, array_like=True, frozen=True, gc=False):
     step_end: Time | None  # when the rank ended `step` (null before its first): the leader times a stall from there
     error: Error | None = None  # crashed: the exception it ended with
     ended: Time | None = None  # gone: when its node saw the process end (exact, parwatch.sidecar.exits), else null
+    busy: Busy | None = None  # inside a declared long activity (a checkpoint save, an eval pass): not stalled
+    busy_since: Time | None = None  # when it began (the rank's wall clock)
+    sent: Sent | None = (
+        None  # [[peer, sends posted to it], ...]: a receive numbered k whose send k is posted is answered
+    )
+    device_since: Time | None = None  # CUDA: the device has not passed one piece of work since then (event queries)
+    device_kind: Text | None = None  # the span kind of that work
 
 
 class ActivityReport(Struct, kw_only=True):
@@ -140,6 +155,11 @@ class ActivityReport(Struct, kw_only=True):
     time: Time
     step_end: Time | None = None
     error: Error | None = None
+    busy: Busy | None = None
+    busy_since: Time | None = None
+    sent: Sent | None = None
+    device_since: Time | None = None
+    device_kind: Text | None = None
 
     def row(self) -> Activity:
         """This report as its node's digest row (a missing host reads as "")."""
@@ -157,6 +177,58 @@ class ActivityPost(Struct):
 
     version: Literal[1]
     activity: ActivityReport
+
+
+MAX_EVIDENCE_SPANS = 64
+MAX_STACK_CHARS = 128 * 1024
+
+
+class SpanRow(Struct, array_like=True, frozen=True):
+    """One of a rank's last spans, as its evidence keeps it: [kind, op, group, peer, seq, stage, microbatch,
+    start, end] (start and end on the rank's wall clock; end null while it is open)."""
+
+    kind: Text
+    op: Text | None
+    group: Text | None
+    peer: Rank | None
+    seq: Seq | None
+    stage: Rank | None
+    microbatch: Annotated[int, Meta(ge=0, le=MAX_STEP)] | None
+    start: Time | None
+    end: Time | None
+
+
+class FlightRecorder(Struct, kw_only=True):
+    """torch.distributed's Flight Recorder dump (NCCL, and gloo on torch >= 2.8), written by the rank."""
+
+    path: Annotated[str, text(4096)] | None = None
+    """Where the rank wrote the pickled dump (its run directory, else its temp directory); None: not written."""
+    entries: Annotated[int, Meta(ge=0)] | None = None
+    error: Annotated[str, text(MAX_ERROR_CHARS)] | None = None
+    """Why there is no dump (no process group, no recorder in this torch, the buffer size is 0)."""
+
+
+class RankEvidence(Struct, kw_only=True):
+    """What one rank was doing when the leader named a hang or a crash (parwatch.collector.evidence)."""
+
+    run_id: RunId | None = None
+    decision: Annotated[int, Meta(ge=0, le=MAX_SEQ)]
+    """The decision (its id in decisions.jsonl) this evidence was asked for."""
+    rank: Rank
+    time: Time
+    activity: ActivityReport
+    stacks: Annotated[str, Meta(max_length=MAX_STACK_CHARS)]
+    """Every thread's Python stack, innermost call last (as faulthandler and traceback print them)."""
+    spans: Annotated[list[SpanRow], Meta(max_length=MAX_EVIDENCE_SPANS)]
+    """Its last spans, oldest first; the open ones (innermost last) at the end."""
+    flight_recorder: FlightRecorder | None = None
+
+
+class EvidencePost(Struct):
+    """POST /v1/evidence: a rank's evidence to its node sidecar, or a node's to the leader."""
+
+    version: Literal[1]
+    evidence: RankEvidence
 
 
 class NodeDigest(Struct):
@@ -406,7 +478,7 @@ def openapi_schemas(types: tuple[type, ...]) -> dict[str, Any]:
 
 def openapi_components() -> dict[str, Any]:
     """The activity posts' and the decision log's records."""
-    return openapi_schemas((ActivityPost, NodeDigest, *LOG_TYPES))
+    return openapi_schemas((ActivityPost, NodeDigest, EvidencePost, *LOG_TYPES))
 
 
 def _ecma(schema: Any) -> Any:

@@ -274,6 +274,19 @@ class SpanKind(StrEnum):
     """An evaluation the trainer runs between training steps (not a training step's work)."""
 
 
+class HangKind(StrEnum):
+    """What a hang's culprit is stuck in (parwatch.sidecar.hang.hang_kind)."""
+
+    HOST = "host"
+    """Its host thread is in its own work (compute, data, a checkpoint, between spans)."""
+    PEER = "peer"
+    """It waits for ranks that are not in the operation with it."""
+    TRANSPORT = "transport"
+    """Every member entered the collective (or both ends of the send and receive): the bytes do not move."""
+    DEVICE = "device"
+    """CUDA: its device stayed on one span's work while its host waits."""
+
+
 class TimeCategory(StrEnum):
     """Where a second of a rank's wall time went: the goodput ledger (docs/goodput.md). Every second
     from process start to exit lands in exactly one."""

@@ -201,6 +201,9 @@ class Comm:
         lane.put(p, tag, posted_at)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs: Any) -> torch.Tensor:
+        if self.faults is not None and self.faults.hang_due("recv"):
+            with self.registry.span(contract.SpanKind.RECV, peer=src, op="recv", group="pp", **attrs):
+                self.faults.hang_if("recv")  # in its receive from src, whose send is posted: the data never lands
         with self.registry.span(
             contract.SpanKind.RECV,
             peer=src,

@@ -19,6 +19,10 @@ class SyntheticCompute:
     """Forward time per microbatch per stage."""
     bwd_ms: float
     """Backward time per microbatch per stage."""
+    serial_tp: float = 0.0
+    """1: the TP collectives add to fwd_ms/bwd_ms, on the critical path as real TP layers' are (a rank that
+    waits for a late TP peer computes no less for it); 0: they overlap the sleep (a forward takes exactly
+    fwd_ms whatever the machine's load, which the bubble checks need)."""
 
 
 def parse_synthetic(spec: str | None) -> SyntheticCompute | None:
@@ -27,13 +31,15 @@ def parse_synthetic(spec: str | None) -> SyntheticCompute | None:
     values = {}
     for item in spec.split(","):
         key, eq, value = item.partition("=")
-        if key not in ("fwd_ms", "bwd_ms") or not eq:
-            raise ConfigError(f"--synthetic-compute {spec!r}: expected fwd_ms=N,bwd_ms=N (e.g. fwd_ms=10,bwd_ms=20)")
+        if key not in ("fwd_ms", "bwd_ms", "serial_tp") or not eq:
+            raise ConfigError(
+                f"--synthetic-compute {spec!r}: expected fwd_ms=N,bwd_ms=N[,serial_tp=1] (e.g. fwd_ms=10,bwd_ms=20)"
+            )
         try:
             values[key] = float(value)
         except ValueError:
             raise ConfigError(f"--synthetic-compute {spec!r}: {key}={value!r} is not a number") from None
-    if set(values) != {"fwd_ms", "bwd_ms"} or min(values.values()) < 0:
+    if not {"fwd_ms", "bwd_ms"} <= set(values) or min(values.values()) < 0 or values.get("serial_tp", 0) not in (0, 1):
         raise ConfigError(f"--synthetic-compute {spec!r}: give both fwd_ms and bwd_ms, >= 0 (e.g. fwd_ms=10,bwd_ms=20)")
     return SyntheticCompute(**values)
 

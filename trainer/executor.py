@@ -93,6 +93,7 @@ class PipelineExecutor:
         factor = self.faults.loss_factor(step, data_step) if self.stage == self.last_vstage % self.p else 1.0
         straggle_s = self.faults.straggler_ms(step) / 1000.0
         data_delay_s = self.faults.data_delay_ms() / 1000.0
+        warmup_s = self.faults.warmup_ms(step) / 1000.0
         self.faults.begin_step(step)
         for instr in self.instrs:
             key = (instr.microbatch, instr.chunk)
@@ -116,6 +117,10 @@ class PipelineExecutor:
                             time.sleep(data_delay_s)
                 with reg.span(contract.SpanKind.FORWARD, **attrs):
                     self.faults.hang_if("compute")
+                    self.faults.hang_if("kernel")
+                    if warmup_s:  # an injected first-step warm-up (compilation): once, in the first forward
+                        time.sleep(warmup_s)
+                        warmup_s = 0.0
                     chunk = self.chunks[instr.chunk]
                     x = ids if vstage == 0 else inputs[key]
                     out = chunk(x)
@@ -132,6 +137,7 @@ class PipelineExecutor:
                 self.comm.isend(outputs[key].detach(), self._peer(instr), self._tag(instr), what="activation", **attrs)
             elif op == InstrOp.BACKWARD:
                 with reg.span(contract.SpanKind.BACKWARD, **attrs):
+                    self.faults.hang_if("backward")
                     out = outputs.pop(key)
                     if vstage == self.last_vstage:
                         torch.autograd.backward(out)

@@ -23,7 +23,26 @@ slow-data:rank=0,ms=15                  every data fetch of rank 0 takes 15 ms l
 hang:rank=1,step=5[,where=compute]      that rank blocks forever at that step, process alive:
                                         where=compute inside its first forward, where=collective
                                         before its first TP all-reduce (needs tp >= 2), where=send
-                                        before its first p2p send (needs pp >= 2)
+                                        before its first p2p send (needs pp >= 2); the fault
+                                        campaign's places are below
+
+The fault campaign's kinds (benchmarks/fault_campaign.py; one block, kept apart for merges):
+hang:rank=1,step=5,where=backward       ... inside its first backward
+hang:rank=1,step=5,where=recv           ... inside its first p2p receive of the step, before taking
+                                        the data its peer sent (needs pp >= 2)
+hang:rank=1,step=5,where=boundary       ... before joining the step's boundary all-reduce (between spans)
+hang:rank=0,step=5,where=kernel         on CUDA, a kernel that never ends inside its first forward
+                                        (torch.cuda._sleep): the host goes on until it waits for the
+                                        device; without CUDA it blocks there like where=compute
+slow-checkpoint:ms=500                  every checkpoint save takes 500 ms longer (inside its span;
+                                        needs --checkpoint-every)
+eval-pause:every=10,ms=2000             every 10 steps, after the boundary, every rank runs a 2 s eval
+                                        pass (an `eval` span): a healthy pause between steps
+warmup:ms=4000                          the first step takes 4 s longer on every rank (compilation,
+                                        allocator warm-up): inside its first forward
+hiccup:rank=1,step=5,ms=1500[,how=stop] that rank stops for 1.5 s at that step, then goes on: how=stop
+                                        stops the whole process (SIGSTOP, all threads: a host hiccup);
+                                        how=sleep only its training thread (a long GC pause)
 """
 
 from __future__ import annotations
@@ -60,8 +79,42 @@ EXAMPLE = _EXAMPLE
 """Every kind with an example, for --help."""
 SPIKE_FACTOR = 10.0
 """A loss-spike fault's default factor: far above the check's 3x (StepPolicy.spike_factor)."""
-HANG_PLACES = ("compute", "collective", "send")
+HANG_PLACES: tuple[str, ...] = ("compute", "collective", "send")
 """Where a hang fault blocks: inside a forward, before a TP all-reduce, before a p2p send."""
+
+# ----------------------------------------------------------------- the fault campaign's kinds (issue 44)
+_SPECS.update(
+    {
+        "slow-checkpoint": {"ms": float},
+        "eval-pause": {"every": int, "ms": float},
+        "warmup": {"ms": float},
+        "hiccup": {"rank": int, "step": int, "ms": float, "how": str},
+    }
+)
+_OPTIONAL.update({"hiccup": {"how"}})
+HANG_PLACES += ("backward", "recv", "boundary", "kernel")
+HICCUPS = ("stop", "sleep")
+"""How a hiccup stops its rank: the whole process (SIGSTOP, resumed by a helper), or the training thread."""
+_EXAMPLE += (
+    " | hang:rank=1,step=5,where=recv | slow-checkpoint:ms=500 | eval-pause:every=10,ms=2000 | warmup:ms=4000"
+    " | hiccup:rank=1,step=5,ms=1500,how=stop"
+)
+EXAMPLE = _EXAMPLE
+
+
+def _check_campaign_fault(spec: str, kind: str, params: dict[str, Any]) -> None:
+    """The campaign kinds' own checks (parse_fault calls this for every kind)."""
+    for key in ("ms", "every", "rank", "step"):
+        if (
+            kind in ("slow-checkpoint", "eval-pause", "warmup", "hiccup")
+            and key in params
+            and params[key] < (key == "every")
+        ):
+            raise ConfigError(f"--inject {spec!r}: {key} must be >= {int(key == 'every')}")
+    if kind == "hiccup":
+        params.setdefault("how", "stop")
+        if params["how"] not in HICCUPS:
+            raise ConfigError(f"--inject {spec!r}: how={params['how']!r} is not one of {', '.join(HICCUPS)}")
 
 
 def add_flags(parser) -> None:
@@ -134,6 +187,7 @@ def parse_fault(spec: str) -> Fault:
         params.setdefault("factor", SPIKE_FACTOR)
         if not params["factor"] > 1:
             raise ConfigError(f"--inject {spec!r}: factor must be > 1 (a spike raises the loss)")
+    _check_campaign_fault(spec, kind, params)
     if kind == "hang":
         params.setdefault("where", "compute")
         if params["where"] not in HANG_PLACES:
@@ -230,6 +284,15 @@ class Faults:
 
     def hang_if(self, where: str) -> None:
         """Block forever if a hang is injected here (`where` in HANG_PLACES) at the current step."""
+        if where == "kernel" and self.hang_due(where) and spin_device_forever():
+            import logging
+            import time
+
+            logging.getLogger("trainer").error(
+                "rank %d: injected hang (kernel) at step %d, blocking at %.3f", self.rank, self._step, time.time()
+            )
+            self._hangs.pop(self._step)  # the device spins; the host goes on until it waits for it
+            return
         if self.hang_due(where):
             import logging
             import time
@@ -239,3 +302,59 @@ class Faults:
                 "rank %d: injected hang (%s) at step %d, blocking at %.3f", self.rank, where, self._step, time.time()
             )
             threading.Event().wait()  # releases the GIL: the collector's threads keep reporting
+
+    # -- the fault campaign's kinds (issue 44) ------------------------------------------------
+    def checkpoint_delay_ms(self) -> float:
+        """Extra ms inside every checkpoint save (slow-checkpoint)."""
+        return sum(f.params["ms"] for f in self.faults if f.kind == "slow-checkpoint")
+
+    def eval_ms(self, step: int) -> float:
+        """The eval pass due after the boundary of `step`, in ms (0: none)."""
+        return sum(f.params["ms"] for f in self.faults if f.kind == "eval-pause" and step % f.params["every"] == 0)
+
+    def warmup_ms(self, step: int) -> float:
+        """Extra ms in the first step's first forward (warmup), 0 on every other step."""
+        return sum(f.params["ms"] for f in self.faults if f.kind == "warmup") if step == 1 else 0.0
+
+    def hiccup_if_due(self, step: int) -> None:
+        """Stop this rank for a while if a hiccup is due at `step` (its training thread, or the whole process)."""
+        for f in self.faults:
+            if f.kind == "hiccup" and f.params["rank"] == self.rank and f.params["step"] == step:
+                import logging
+                import time
+
+                seconds = f.params["ms"] / 1000.0
+                logging.getLogger("trainer").warning(
+                    "rank %d: injected hiccup (%s) of %.3f s at step %d, from %.3f",
+                    self.rank,
+                    f.params["how"],
+                    seconds,
+                    step,
+                    time.time(),
+                )
+                if f.params["how"] == "sleep":
+                    time.sleep(seconds)
+                else:
+                    _stop_whole_process(seconds)
+
+
+def _stop_whole_process(seconds: float) -> None:
+    """SIGSTOP this process (every thread: its reporter too) and have a child SIGCONT it after `seconds`."""
+    import os
+    import signal
+    import subprocess
+
+    subprocess.Popen(["sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def spin_device_forever() -> bool:
+    """Enqueue a CUDA kernel that spins for good (torch.cuda._sleep of 2**62 cycles) without waiting for
+    it; False without CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    torch.cuda._sleep(1 << 62)
+    return True

@@ -5,6 +5,9 @@ and 2 backward per layer, of b*s*h elements) all still happen; only the
 arithmetic is replaced, and the sleep runs to a deadline that includes the
 TP collectives, so a chunk's forward takes exactly fwd_ms whatever the
 machine's load. Timing checks of the bubble are then exact on a busy machine.
+With serial_tp the sleep follows the TP collectives instead, as real TP layers'
+compute does: a rank that waits for a late TP peer then computes no less for it
+(the fault campaign's straggler and slow-link trials need that).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class _TimedIdentity(torch.autograd.Function):
     def forward(ctx, x, weight, chunk):
         deadline = time.perf_counter() + chunk.fwd_s
         _tp_traffic(chunk.comm, chunk.layers, x)
+        if chunk.serial_tp:
+            deadline = time.perf_counter() + chunk.fwd_s
         ctx.chunk = chunk
         ctx.save_for_backward(x, weight)
         _sleep_until(deadline)
@@ -44,6 +49,8 @@ class _TimedIdentity(torch.autograd.Function):
         deadline = time.perf_counter() + chunk.bwd_s
         x, weight = ctx.saved_tensors
         _tp_traffic(chunk.comm, chunk.layers, grad)
+        if chunk.serial_tp:
+            deadline = time.perf_counter() + chunk.bwd_s
         _sleep_until(deadline)
         return grad * weight, (grad * x).sum().reshape(weight.shape), None
 
@@ -61,8 +68,10 @@ class SyntheticChunk(nn.Module):
         bwd_s: float,
         first: bool,
         dtype: torch.dtype,
+        serial_tp: bool = False,
     ):
         super().__init__()
+        self.serial_tp = serial_tp
         self.layers, self.hidden, self.vocab, self.comm = layers, hidden, vocab, comm
         self.fwd_s, self.bwd_s = fwd_s, bwd_s
         self.first = first

@@ -136,6 +136,7 @@ class Trainer:
                         synthetic.bwd_ms / 1000 / cfg.chunks,
                         vstage == 0,
                         self.dtype,
+                        serial_tp=bool(synthetic.serial_tp),
                     )
                 )
             else:
@@ -180,6 +181,7 @@ class Trainer:
         if self.faults.raise_now(step):
             log.error("rank %d: injected exception at step %d, raising at %.3f", self.rank, step, time.time())
             raise InjectedError(f"injected exception on rank {self.rank} at step {step}")
+        self.faults.hiccup_if_due(step)
         data_step = step + self.data_offset
         loss = self._forward_backward(step, data_step)
         self._verdict = None
@@ -255,6 +257,9 @@ class Trainer:
             "config": cfg.to_dict(),
         }
         with self.registry.span(SpanKind.CHECKPOINT, stage=self.groups.stage, step=self.step):
+            delay_ms = self.faults.checkpoint_delay_ms()
+            if delay_ms:  # an injected slow save (a busy file system)
+                time.sleep(delay_ms / 1000.0)
             ckpt.save_checkpoint(
                 cfg.checkpoint_dir,
                 self.step,
@@ -267,6 +272,13 @@ class Trainer:
             )
         self.bad_checkpoints.discard(self.step)  # written anew
         self.registry.emit_event(Event.CHECKPOINT_SAVED, step=self.step, checkpoints=self._usable_checkpoints())
+
+    def _eval_if_due(self, step: int) -> None:
+        """An injected eval pass after the boundary of `step` (the reference trainer evaluates nothing else)."""
+        ms = self.faults.eval_ms(step)
+        if ms:
+            with self.registry.span(SpanKind.EVAL, stage=self.groups.stage, step=step):
+                time.sleep(ms / 1000.0)
 
     def _checkpoint_if_finite(self, loss: float) -> None:
         """Save after the boundary, when every rank knows the step's loss: a NaN/inf step's weights
@@ -440,6 +452,7 @@ class Trainer:
         """One step, its boundary, and what the boundary brought: a directive, a checkpoint."""
         cfg = self.cfg
         loss = self.train_step()
+        self.faults.hang_if("boundary")  # an injected hang before joining the boundary (between spans)
         mean_loss, directive = self.boundary(BoundaryKind.STEP, loss)
         now = time.perf_counter()
         if self._last_boundary_t is not None:
@@ -460,6 +473,7 @@ class Trainer:
                 self._pause()
         if self.step == trained and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             self._checkpoint_if_finite(mean_loss)
+        self._eval_if_due(trained)
         self._last_boundary_t = time.perf_counter()
 
     def end(self) -> dict:

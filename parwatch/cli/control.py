@@ -96,6 +96,10 @@ def _decision_line(d: dict) -> str:
         )
     else:
         keys = ("time", "step", "rule", "action", "source", "reason", "to_step", "skip_batches", "directive_id")
+        bundle = (d.get("evidence") or {}).get("bundle") if isinstance(d.get("evidence"), dict) else None
+        if bundle:  # where every reachable rank's stacks, last spans and activity are kept
+            d = {**d, "evidence_in": f"STATE_DIR/{bundle}"}
+            keys += ("evidence_in",)
     return "  ".join(f"{k}={d[k]}" for k in keys if d.get(k) not in (None, "", {})) or json.dumps(d)
 
 
@@ -157,10 +161,12 @@ def _hang_line(h: dict | None) -> str:
     c = record["evidence"]["culprit"]
     if c is None:  # the waits point at a rank the leader cannot see
         return f"HANG: {record['reason'].removeprefix('hang: ')} (ranks: {states})"
+    kind = record["evidence"].get("kind")
     return (
-        f"HANG: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in {c['kind'] or 'between spans'}"
-        f"{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
+        f"HANG{f' ({kind})' if kind else ''}: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in "
+        f"{c['kind'] or 'between spans'}{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
         f"{record['evidence'].get('waiting_count', 0)} ranks wait for it (ranks: {states})"
+        + (f"; evidence in STATE_DIR/{record['evidence']['bundle']}" if record["evidence"].get("bundle") else "")
     )
 
 

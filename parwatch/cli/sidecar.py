@@ -149,18 +149,27 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 @click.option(
     "--hang-min-seconds",
     type=float,
-    default=10.0,
+    default=3.0,
     show_default=True,
     metavar="SECONDS",
-    help="A hang needs at least this long without a step boundary. e.g. --hang-min-seconds 30",
+    help="A hang needs at least this long without a step boundary. e.g. --hang-min-seconds 10",
 )
 @click.option(
     "--hang-step-factor",
     type=float,
-    default=3.0,
+    default=1.5,
     show_default=True,
     metavar="N",
-    help="... and at least N median step times. e.g. --hang-step-factor 5",
+    help="... and at least N median step times. e.g. --hang-step-factor 3",
+)
+@click.option(
+    "--hang-busy-seconds",
+    type=float,
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="A rank in a checkpoint save, an eval pass or its first step is hung only past this long "
+    "(and 20 median steps). e.g. --hang-busy-seconds 600",
 )
 @click.option(
     "--hang-dump-stacks/--no-hang-dump-stacks",
@@ -240,6 +249,7 @@ def sidecar(
     leader_url,
     hang_min_seconds,
     hang_step_factor,
+    hang_busy_seconds,
     hang_dump_stacks,
     hang_abort,
     exports,
@@ -277,6 +287,7 @@ def sidecar(
             leader_url=leader_url,
             hang_min_seconds=hang_min_seconds,
             hang_step_factor=hang_step_factor,
+            hang_busy_seconds=hang_busy_seconds,
             hang_dump_stacks=hang_dump_stacks,
             hang_abort=hang_abort,
             hang_requeue=hang_requeue,

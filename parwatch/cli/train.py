@@ -44,7 +44,12 @@ def train(ctx):
         # wrapper differs from `python -m parwatch.trainer`, with an example.
         click.echo(HELP_HEADER)
     from parwatch.collector.attach import RankAttach
+    from parwatch.collector.evidence import enable_flight_recorder
     from parwatch.trainer.launch import main
+
+    # Before any process group exists (the ranks inherit it): a hang's evidence includes torch's Flight
+    # Recorder dump, which records only with a buffer size set (the user's own setting wins).
+    enable_flight_recorder()
 
     if "--parwatch" not in args:
         args = ["--parwatch", "on", *args]

@@ -21,8 +21,20 @@ import threading
 import time
 from typing import TextIO
 
-from parwatch.records import CONTROL_CHARS, ActivityPost, ActivityReport, ReportState, encode
-from parwatch.schema import MAX_ERROR_CHARS
+from parwatch.collector.evidence import flight_recorder, open_chain, python_stacks, span_rows
+from parwatch.records import (
+    BUSY_KINDS,
+    CONTROL_CHARS,
+    MAX_PEERS_SENT,
+    ActivityPost,
+    ActivityReport,
+    EvidencePost,
+    RankEvidence,
+    ReportState,
+    encode,
+)
+from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME
+from parwatch.vocabulary import SpanKind
 
 log = logging.getLogger("parwatch.collector")
 
@@ -55,6 +67,9 @@ class ActivityReporter:
         max_backoff_s: float = 5.0,
         stacks_path: str | None = None,
         on_abort=os._exit,
+        spans_fn=None,
+        device_fn=None,
+        evidence_dir: str | None = None,
     ):
         if not interval_s > 0:
             raise ValueError(f"ActivityReporter interval_s={interval_s!r} must be > 0 (1.0 suits most runs)")
@@ -82,6 +97,14 @@ class ActivityReporter:
         to stderr (registered whenever the reporter posts, so the signal never kills the rank)."""
         self._stacks_file: TextIO | None = None
         self._on_abort = on_abort
+        self._spans_fn = spans_fn
+        """() -> (this rank's recent closed spans, oldest first; mark -> wall seconds), for evidence."""
+        self._device_fn = device_fn
+        """() -> (span kind, since) while the CUDA device has stayed on one span's work, else None."""
+        self.evidence_dir = evidence_dir
+        """Where a Flight Recorder dump goes (the run directory); None: the temp directory."""
+        self.evidence_given: set[int] = set()
+        """Decisions this rank sent its evidence for (each once)."""
         self.sent = 0
         """Reports the sidecar accepted."""
         self.failed = 0
@@ -96,6 +119,8 @@ class ActivityReporter:
         span = self.registry.current  # one read: the training thread may replace it right after
         summary = self._summary_fn() or {}
         attrs = span.attrs if span is not None else {}
+        busy = _busy_span(span)
+        device = self._device_fn() if self._device_fn is not None else None
         return ActivityReport(
             run_id=ctx.run_id,
             rank=ctx.rank,
@@ -120,7 +145,27 @@ class ActivityReporter:
             time=now,
             step_end=summary.get("time"),
             error=error,
+            busy=str(busy.kind) if busy is not None else None,  # type: ignore[arg-type]  # a BUSY_KINDS member
+            busy_since=self._start_wall(busy, now) if busy is not None else None,
+            sent=self._sent(),
+            device_since=device[1] if device else None,
+            device_kind=device[0] if device else None,
         )
+
+    def _sent(self) -> list | None:
+        """[[peer, sends posted to it], ...] from the registry's numbering (posted sends take their number)."""
+        sent = [
+            (peer, n)
+            for (kind, peer), n in list(self.registry.sequence.items())  # list(): one atomic copy of the dict
+            if kind == SpanKind.SEND and isinstance(peer, int)
+        ]
+        return sent[:MAX_PEERS_SENT] if sent else None
+
+    def _start_wall(self, span, now: float) -> float:
+        """Wall time a span opened: host-clock marks exactly, CUDA marks by their recording time."""
+        start = span.start
+        ns = start if type(start) is int else getattr(start, "host_ns", None)
+        return now - (self._perf_ns() - ns) * 1e-9 if isinstance(ns, int) else now
 
     def _since(self, span, now: float) -> float:
         """Wall time the span opened: exact for host-clock marks (perf_counter_ns integers); for
@@ -155,10 +200,55 @@ class ActivityReporter:
             return False
         self._backoff = self._retry_at = 0.0
         self.sent += 1
+        wanted = reply.get("evidence") if isinstance(reply, dict) else None
+        if isinstance(wanted, dict) and isinstance(wanted.get("decision"), int):
+            self.give_evidence(wanted["decision"])
         code = reply.get("abort") if isinstance(reply, dict) else None
         if code:  # the leader found a hang and aborts the run: a restart from a checkpoint beats waiting
             log.error("parwatch: the sidecar aborts this run for a hang; exiting with %s", code)
             self._on_abort(int(code))
+        return True
+
+    # -- evidence (the leader named a hang or a crash) ---------------------------------------------
+    def evidence(self, decision: int) -> RankEvidence:
+        """This rank's evidence for `decision`: stacks of every thread, last spans, activity, Flight Recorder."""
+        now = self._time()
+        closed, wall_of = self._spans_fn() if self._spans_fn is not None else ([], lambda mark: None)
+        chain = open_chain(self.registry.current)
+
+        def wall(mark):
+            try:
+                t = wall_of(mark)
+            except Exception:
+                return None
+            return t if isinstance(t, float) and 0 <= t <= MAX_TIME else None
+
+        return RankEvidence(
+            run_id=self.ctx.run_id,
+            decision=decision,
+            rank=self.ctx.rank,
+            time=now,
+            activity=self.snapshot(),
+            stacks=python_stacks(),
+            spans=span_rows(closed, wall, chain),
+            flight_recorder=flight_recorder(self.evidence_dir, self.ctx.rank, decision),
+        )
+
+    def give_evidence(self, decision: int) -> bool:
+        """Send this rank's evidence for `decision` to its sidecar, once per decision."""
+        if decision in self.evidence_given or not self.url:
+            return False
+        self.evidence_given.add(decision)
+        try:
+            body = encode(EvidencePost(1, self.evidence(decision)))
+            response = self._client().post(
+                self.url.removesuffix("/v1/activity") + "/v1/evidence", content=body, headers=self._headers
+            )
+            if response.status_code >= 400:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        except Exception as exc:
+            log.warning("parwatch: evidence for decision %d not sent (%s)", decision, exc)
+            return False
         return True
 
     def _client(self):
@@ -226,3 +316,12 @@ class ActivityReporter:
                 self._http.close()
             except Exception:
                 pass
+
+
+def _busy_span(span):
+    """The innermost open span of a declared long activity (a checkpoint save, an eval pass), or None."""
+    while span is not None:
+        if span.kind in BUSY_KINDS:
+            return span
+        span = getattr(span, "parent", None)
+    return None

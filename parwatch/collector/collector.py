@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from parwatch import credentials
@@ -35,6 +36,8 @@ from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.causes import CauseSplitter
 from parwatch.collector.context import RunContext
 from parwatch.collector.cuda_clock import default_clock, peak_memory_bytes
+from parwatch.collector.device import DeviceProbe
+from parwatch.collector.evidence import open_chain
 from parwatch.collector.fallback import LocalGuard
 from parwatch.collector.instances import InstanceLog
 from parwatch.collector.ledger import Ledger, process_start_monotonic, shares_of
@@ -45,6 +48,7 @@ from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
 from parwatch.collector.wire import DirectiveInbox, build_summary, check_record, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
+from parwatch.records import MAX_EVIDENCE_SPANS
 from parwatch.tokens import read_token
 from parwatch.vocabulary import Action, SelfPart
 
@@ -131,6 +135,9 @@ class Collector(Observer):
             time_fn=time_fn,
             summary_fn=lambda: self.last_summary,
             stacks_path=os.path.join(os.path.dirname(log_path), f"stacks-rank{ctx.rank}.txt") if log_path else None,
+            spans_fn=self._evidence_spans,
+            device_fn=self._device_work if self._deferred else None,
+            evidence_dir=os.path.dirname(log_path) if log_path else None,
         ).start()
         """Live activity for hang detection (its own thread; attach() points it at the registry)."""
         self.guard = (
@@ -174,6 +181,8 @@ class Collector(Observer):
         self._records: list | None = None  # span records of a sampled step; None when not sampling
         self._slow_factor = getattr(span_sample_steps, "slow_factor", 0.0) or 0.0
         self._folded: list[Span] = []  # this period's spans while not sampling: kept if the step is slow
+        self._recent: list[Span] = []  # the last period's last spans: evidence when a hang is named
+        self._device_probe = DeviceProbe()
         self._step_mean = 0.0  # exponential mean of the step periods (weight 0.1)
         self._steps_timed = 0
         self._step = 0  # the step the current period belongs to
@@ -490,6 +499,7 @@ class Collector(Observer):
         clock, stats, records = self.clock, self._stats, self._records
         pending = self._pending.copy()
         self._pending.clear()
+        self._recent = pending[-MAX_EVIDENCE_SPANS:]
         if records is None and self._slow_factor:
             self._folded += pending
         ref_host = self._host_seconds(ref) if records is not None else 0.0
@@ -515,6 +525,7 @@ class Collector(Observer):
         """Host clocks: fold this period's spans (what on_span once did per span). Returns no marks."""
         pending = self._pending.copy()
         self._pending.clear()
+        self._recent = pending[-MAX_EVIDENCE_SPANS:]
         if self._discard_at is not None:  # the discarded pass first, then what its productive time was
             cut, self._discard_at = self._discard_at, None
             self._fold_host(pending[:cut])
@@ -588,6 +599,17 @@ class Collector(Observer):
             "end_s": end_s,
             "attrs": dict(span.attrs),
         }
+
+    def _evidence_spans(self) -> tuple[list, Callable]:
+        """Reporter thread: the last spans (the last period's tail, then this one's), and mark -> wall seconds."""
+        spans = (self._recent + self._pending[:])[-MAX_EVIDENCE_SPANS:]  # slices: one atomic copy each
+        return spans, lambda mark: self._host_seconds(mark) + self._wall_offset
+
+    def _device_work(self) -> tuple[str, float] | None:
+        """Reporter thread, CUDA clocks: the span whose work the device has stayed on (DeviceProbe), or None."""
+        spans = [(str(s.kind), s.start, s.end, s.start.host_ns) for s in self._pending[:]]
+        spans += [(str(s.kind), s.start, None, s.start.host_ns) for s in open_chain(self.activity.registry.current)]
+        return self._device_probe.sample(spans, self._time_fn())
 
     def _host_seconds(self, mark) -> float:
         host_seconds = getattr(self.clock, "host_seconds", None)

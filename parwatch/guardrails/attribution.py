@@ -12,12 +12,22 @@ again by a later one):
   slow-data         a rank's data-fetch spans are high against the other fetching ranks
   host-contention   every rank of one host computes slower than its peers elsewhere AND the
                     transfers within that host are slower than the same groups elsewhere
-  slow-compute      a stage's compute is high against the other stages, or some ranks' compute
-                    against the rest of their stage (its other DP replicas)
+  slow-compute      a stage's compute is high against the other stages (and, where own compute is
+                    known, its slowest rank's own compute too: not only its TP waits), or some ranks'
+                    compute against the rest of their stage
   slow-link         a p2p link's or a collective group's transfer is high against the other
                     links / groups of the same role, while its ranks' compute is normal
 A finding is kept when its excess is above both `min_seconds` per step and `rel` (compute) or
-`rel_small` (data, transfers) x the peers' median, and costs at least `min_ratio` of the step.
+`rel_small` (data, transfers) x the peers' median, and costs at least `min_ratio` (10%) of the step.
+
+One rank slower than the others of its stage (a throttled GPU, one slow TP rank) is judged step by step
+(`paired_excess`): each step, its own compute (forward and backward less its TP collectives, whose
+waits are its peers' time, not its own) less the median of its stage peers' own compute that same step;
+over its last 20 steps, the median of those differences against their noise (1.4826 x their median
+absolute deviation, pooled over the stage: MAD, robust to the odd descheduled step). A rank is slow when that median is above
+`paired_z` standard errors of a median (1.2533 MAD / sqrt(n)), `paired_rel` of its peers' compute
+and `paired_min_seconds`, and kept from `paired_min_ratio` (2%) of the step: a 5% slower rank is found,
+the scheduling noise of a shared host is not.
 """
 
 from __future__ import annotations
@@ -72,8 +82,22 @@ class Thresholds:
     and Python's 5 ms GIL switch interval add to one send or all-reduce on a loaded machine; lower
     it on GPU clusters to catch small per-op regressions (the
     collective-latency-regression rule judges each path against its own history meanwhile)."""
-    min_ratio: float = 0.02
-    """Findings costing less than this share of the step are dropped."""
+    min_ratio: float = 0.10
+    """Findings of window medians (data, host, a stage, a link or group) costing less than this share of the
+    step are dropped: their margins above are set against the noise of medians, not measured against it,
+    and a few percent of a loaded machine's step moves them (the straggler rule fired at this until issue 44)."""
+    paired_min_ratio: float = 0.02
+    """One rank against its stage peers, step by step (paired_excess): its significance is tested, so findings
+    down to this share of the step are kept (a 5% slower rank costs 3-8% of the step)."""
+    paired_z: float = 4.0
+    """A rank's paired excess must be this many standard errors above zero (paired_excess)."""
+    paired_rel: float = 0.03
+    """... and this share of its peers' own compute: a 5% slower rank is found, a persistent 1-2% difference
+    between ranks (which one waits in the TP all-reduces, cache luck) is not named."""
+    paired_min_seconds: float = 0.001
+    """... and this many seconds per step (the timer's and the scheduler's floor)."""
+    paired_min_steps: int = 10
+    """Steps of paired figures needed before a rank is judged this way."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +131,65 @@ def _stands_out(
     if excess > max(th.min_seconds, floor, (th.rel_small if small else th.rel) * base):
         return excess, base
     return None
+
+
+@dataclass(frozen=True)
+class Paired:
+    """One rank's own compute against its stage peers', step by step (paired_excess)."""
+
+    excess: float
+    """Median over the window of (its own compute - its peers' median own compute), seconds per step."""
+    base: float
+    """Median of its peers' own compute, seconds per step."""
+    noise: float
+    """Standard error of that median: 1.2533 x 1.4826 x MAD / sqrt(steps), the MAD pooled over the stage."""
+    steps: int
+
+
+def paired_excess(own: dict[int, dict[int, float]], stage_of: dict[int, int]) -> dict[int, Paired]:
+    """rank -> Paired, from each rank's own compute per step ({rank: {step: seconds}}) against the other
+    ranks of its stage that reported the same step. The noise is pooled over the stage (every rank's
+    deviations from its own median difference): one rank's few steps would estimate it badly.
+    O(ranks x steps x log(stage size))."""
+    by_stage: dict[int, list[int]] = {}
+    for rank in own:
+        by_stage.setdefault(stage_of[rank], []).append(rank)
+    out: dict[int, Paired] = {}
+    for ranks in by_stage.values():
+        if len(ranks) < 2:
+            continue  # alone in its stage: no peer does the same work
+        steps: dict[int, list[float]] = {}
+        for r in ranks:
+            for step, x in own[r].items():
+                steps.setdefault(step, []).append(x)
+        ordered = {step: sorted(xs) for step, xs in steps.items() if len(xs) >= 2}
+        figures: dict[int, tuple[list[float], list[float]]] = {}
+        deviations: list[float] = []
+        for r in ranks:
+            diffs, bases = [], []
+            for step, x in own[r].items():
+                values = ordered.get(step)
+                base = median_without(values, [x]) if values is not None else None
+                if base is not None:
+                    diffs.append(x - base)
+                    bases.append(base)
+            if diffs:
+                m = statistics.median(diffs)
+                deviations += [abs(d - m) for d in diffs]
+                figures[r] = (diffs, bases)
+        sigma = 1.4826 * statistics.median(deviations) if deviations else 0.0
+        for r, (diffs, bases) in figures.items():
+            n = len(diffs)
+            out[r] = Paired(statistics.median(diffs), statistics.median(bases), 1.2533 * sigma / n**0.5, n)
+    return out
+
+
+def _paired_slow(p: Paired | None, th: Thresholds) -> bool:
+    return (
+        p is not None
+        and p.steps >= th.paired_min_steps
+        and p.excess > max(th.paired_z * p.noise, th.paired_rel * p.base, th.paired_min_seconds)
+    )
 
 
 def _excess(
@@ -247,8 +330,14 @@ def _host_contention(ranks, paths, host_of, th, explained, keep) -> None:
             )
 
 
-def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds = Thresholds()) -> list[Finding]:
-    """Every finding, the costliest first; [] for a healthy window.
+def attribute(
+    ranks: list[RankFigures],
+    paths: list[PathFigures],
+    th: Thresholds = Thresholds(),
+    paired: dict[int, Paired] | None = None,
+) -> list[Finding]:
+    """Every finding, the costliest first; [] for a healthy window. `paired`: each rank's step-by-step
+    comparison with its stage peers (paired_excess), which names one slow rank inside a stage.
 
     Each comparison is with the median of the peers (the others of the same kind); those medians
     come from sorted lists (leave_one_out_medians), so the cost grows as n log n with ranks and paths."""
@@ -260,9 +349,9 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     findings: list[Finding] = []
     explained: set[int] = set()
 
-    def keep(cause, where, excess, base, what, culprits):
+    def keep(cause, where, excess, base, what, culprits, min_ratio=th.min_ratio):
         ratio = excess / step
-        if ratio >= th.min_ratio:
+        if ratio >= min_ratio:
             findings.append(
                 Finding(
                     cause,
@@ -298,11 +387,23 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
     for r in ranks:
         stages.setdefault(r.stage, []).append(r)
     stage_compute = {s: statistics.median(r.compute_seconds for r in rs) for s, rs in stages.items()}
+    # Each stage's slowest own compute (less its TP collectives): a stage whose compute is high only by its
+    # TP waits (a rank late into them: its input came late over a slow link) computes no more itself.
+    own_slowest: dict[int, float] = {}
+    for s, rs in stages.items():
+        own = [r.own_compute_seconds for r in rs if r.own_compute_seconds is not None]
+        if len(own) == len(rs):
+            own_slowest[s] = max(own)
+    own_medians = {
+        s: statistics.median(r.own_compute_seconds or 0.0 for r in rs) for s, rs in stages.items() if s in own_slowest
+    }
     for s, value in sorted(stage_compute.items()):
         members = {r.rank for r in stages[s]}
         if members <= explained:
             continue
         found = _excess(value, [v for t, v in stage_compute.items() if t != s], th)
+        if found and len(own_slowest) == len(stages) > 1:
+            found = found if _excess(own_slowest[s], [v for t, v in own_medians.items() if t != s], th) else None
         if found and len(stage_compute) > 1:
             where, what = {"stage": s, "ranks": sorted(members)}, f"stage {s} compute"
             slowest = _slowest_own_compute(stages[s], th)
@@ -312,9 +413,16 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
                 what += f" (rank {rank}: +{excess * 1000:.1f} ms of its own compute over its stage peers' {base * 1000:.1f} ms)"
             keep("slow-compute", where, *found, what, members)
             continue
-        # Within the stage (its DP replicas): some of its ranks slower than the others.
+        # Within the stage: some of its ranks slower than the others, step by step against their noise
+        # (paired), or by their window's medians (DP replicas, when no paired figures are given).
         slow = {}
-        if len(stages[s]) >= 3:  # at least two peers each
+        for r in stages[s]:
+            figure = paired.get(r.rank) if paired else None
+            if r.rank not in explained and _paired_slow(figure, th):
+                assert figure is not None  # _paired_slow checks
+                slow[r.rank] = (figure.excess, figure.base)
+        floor = th.paired_min_ratio if slow else th.min_ratio
+        if not slow and not paired and len(stages[s]) >= 3:  # at least two peers each
             bases = leave_one_out_medians([r.compute_seconds for r in stages[s]])
             for r, base in zip(stages[s], bases):
                 if r.rank not in explained:
@@ -324,13 +432,17 @@ def attribute(ranks: list[RankFigures], paths: list[PathFigures], th: Thresholds
         if slow:
             excess = statistics.median(h[0] for h in slow.values())
             base = statistics.median(h[1] for h in slow.values())
+            where = {"stage": s, "ranks": sorted(slow)}
+            if len(slow) == 1:
+                where["rank"] = next(iter(slow))
             keep(
                 "slow-compute",
-                {"stage": s, "ranks": sorted(slow)},
+                where,
                 excess,
                 base,
                 f"stage {s} ranks {'+'.join(map(str, sorted(slow)))} compute",
                 set(slow),
+                floor,
             )
 
     # 4. links and groups: against the other paths of the same role.

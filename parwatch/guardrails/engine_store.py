@@ -551,6 +551,11 @@ def _last_line(path: Path) -> bytes | None:
     return whole.rpartition(b"\n")[2] or None if newline else None
 
 
+def evidence_dir(run_id: str, decision_id: int) -> str:
+    """Where the ranks' evidence for a decision is kept, relative to the state dir (parwatch.sidecar.evidence)."""
+    return f"evidence/{_safe_name(run_id)}/decision-{decision_id}"
+
+
 def _safe_name(run_id: str) -> str:
     """A run id as a directory name: nothing that climbs out of runs/ or hides."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:120].lstrip(".")

@@ -25,6 +25,7 @@ from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS
 from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
+from parwatch.guardrails.engine_store import evidence_dir
 from parwatch.guardrails.rules import RuleSet
 from parwatch.ledger_view import same_process
 from parwatch.records import Cancelled, Decision, Delivered, Outcome, log_record
@@ -362,13 +363,19 @@ class Policy:
 
     # -- findings from outside the step rules (the hang detector) -------------------------------------
 
-    def record_finding(self, rule: str, action: str, reason: str, evidence: dict, step: int | None) -> dict:
+    def record_finding(
+        self, rule: str, action: str, reason: str, evidence: dict, step: int | None, bundle: str | None = None
+    ) -> dict:
         """Record a decision made outside the rules (e.g. rule "hang" from parwatch.sidecar.hang).
 
         Only "alert" and "requeue" are accepted: such findings never steer the run through directives
-        (a requeue is carried out by the sidecar itself, parwatch/sidecar/requeue.py)."""
+        (a requeue is carried out by the sidecar itself, parwatch/sidecar/requeue.py). `bundle`: the run (as
+        its ranks name it) whose evidence will be kept beside it; `evidence.bundle` names its directory
+        (evidence_dir), relative to the state dir, in the logged line."""
         if action not in (RuleAction.ALERT, RuleAction.REQUEUE):
             raise ValueError(f"record_finding: action must be 'alert' or 'requeue', got {action!r}")
+        if bundle is not None:
+            evidence = {**evidence, "bundle": evidence_dir(bundle, self.next_decision_id)}
         record = self._decide(
             Decision(
                 time=self._now(),

@@ -71,6 +71,8 @@ class RunData:
     ledgers: dict = field(default_factory=dict)
     """rank -> its goodput ledger as counters (parwatch.ledger_view): ledger-rank<N>.json, written at the
     rank's exit, else its newest summary's time_seconds (up to its last step boundary)."""
+    state_dir: Path | None = None
+    """Where the decisions' evidence bundles are (the directory of the decisions.jsonl read)."""
 
     def stage_ranks(self) -> dict[int, int]:
         """stage -> the rank drawn for it: tp_rank 0 and dp_rank 0 (lowest rank as a fallback)."""
@@ -237,4 +239,5 @@ def load_run(run_dir, decisions_path=None) -> RunData:
         applied=[r for r in records if r["type"] in OUTCOME_TYPES],
         issues=issues,
         config=_config(summaries, spans),
+        state_dir=Path(decisions_path).parent if decisions_path else run_dir,
     )

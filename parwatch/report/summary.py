@@ -188,7 +188,7 @@ def build_sections(
                 "reason",
             ],
             rows=dec_rows,
-            paragraphs=[]
+            paragraphs=_evidence_lines(run)
             if dec_rows
             else [
                 "No decisions recorded. The sidecar writes them to its state directory: "
@@ -343,3 +343,22 @@ def _ledger_row(label: str, total) -> list:
             for c in TimeCategory
         ),
     ]
+
+
+def _evidence_lines(run) -> list[str]:
+    """Where each hang or crash decision's evidence (every reachable rank's stacks, last spans, activity)
+    is kept, and which ranks it holds."""
+    lines = []
+    for d in run.decisions:
+        bundle = (d.get("evidence") or {}).get("bundle")
+        if not bundle:
+            continue
+        folder = (run.state_dir or run.run_dir) / bundle
+        ranks = sorted(int(f.stem[4:]) for f in folder.glob("rank*.json") if f.stem[4:].isdigit())
+        held = (
+            f"ranks {', '.join(map(str, ranks))}" if ranks else "no rank's evidence (none reachable, or not kept here)"
+        )
+        lines.append(
+            f"Evidence of decision {d.get('id')} ({d.get('rule')}, step {d.get('step')}): {folder} holds {held}."
+        )
+    return lines

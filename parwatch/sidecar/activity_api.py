@@ -33,13 +33,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from msgspec.structs import replace as replace_fields
 
 from parwatch.catalog import RANK_STATES
 from parwatch.credentials import Identity, Verifier, node_credential
 from parwatch.guardrails.engine_store import StorageFault
 from parwatch.host import host_identity
 from parwatch.rank_layout import RankLayout
-from parwatch.records import ActivityPost, BadRecord, NodeDigest, decode, encode
+from parwatch.records import ActivityPost, BadRecord, EvidencePost, NodeDigest, RankEvidence, decode, encode
 from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency, identity_of
@@ -55,6 +56,7 @@ from parwatch.sidecar.digest import (
     layout_of,
     same_layout,
 )
+from parwatch.sidecar.evidence import EvidenceBook, EvidenceRefused
 from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
@@ -100,8 +102,15 @@ class ActivityHub:
         """The run's highest step, shared by its ranks' activity and the nodes' digests."""
         self.view = LeaderView(self.clock, max(5.0, 5 * TICK_SECONDS), pace=self.pace)
         self.settings = HangSettings(
-            cfg.hang_min_seconds, cfg.hang_step_factor, cfg.hang_dump_stacks, cfg.hang_abort, cfg.hang_requeue
+            cfg.hang_min_seconds,
+            cfg.hang_step_factor,
+            cfg.hang_busy_seconds,
+            dump_stacks=cfg.hang_dump_stacks,
+            abort=cfg.hang_abort,
+            requeue=cfg.hang_requeue,
         )
+        self.evidence = EvidenceBook(cfg.state_dir, self.clock)
+        """The decisions whose ranks' evidence is asked for, and (at the leader) where it is kept."""
         self.monitor = HangMonitor(self.settings, sidecar.engine, self.clock, requeue=sidecar.requeue)
         self.leader_url = cfg.leader_url.rstrip("/") if cfg.leader_url else None
         self.is_leader = False
@@ -178,13 +187,17 @@ class ActivityHub:
         if new_run:  # the book started over for another run (NodeBook.add): so does the hang clock
             self.monitor.begin_run()
         self._run_id, self._layout = run_id, layout
+        self.monitor.run_id = run_id
         if a.state != RankState.RUNNING:
             self._note_if_ended()
         if a.rank == 0:
             self._saw_rank0()
         if self.is_leader:
             self.monitor.observe(a, layout, self.clock())
-        return {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
+        reply: dict = {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
+        if a.state == RankState.RUNNING and (wanted := self.evidence.request(run_id)) is not None:
+            reply["evidence"] = wanted
+        return reply
 
     def digest(
         self, digest: NodeDigest, client: tuple[str, int] | None = None, identity: Identity | None = None
@@ -210,13 +223,14 @@ class ActivityHub:
         if seen_run is not None and self.view.run_id != seen_run and self.view.run_id != self.book.run_id:
             self.monitor.begin_run()  # the leader's picture started over for another run (LeaderView.ingest)
         self._run_id, self._layout = self.view.run_id, self.view.layout
+        self.monitor.run_id = self.view.run_id or ""
         now, layout = self.clock(), self.view.layout
         assert layout is not None  # ingest fixed it
         for a in rows:
             self._node_of[a.rank] = node
             if a.rank == 0:
                 self._saw_rank0()  # rank 0 lives on a node that forwards to us: we lead (without --leader-url)
-            self.monitor.observe(a, layout, now)
+            self.monitor.observe(a, layout, now, age=digest.time - a.time)  # the node and its ranks: one clock
         reply: dict = {"ok": True}
         if self.run_paused():
             reply["paused"] = True  # a deliberate pause: the node keeps its ranks up
@@ -225,6 +239,8 @@ class ActivityHub:
             reply["signal"] = pids
         if self.abort:
             reply["abort"] = HANG_EXIT_CODE
+        if (wanted := self.evidence.request(digest.run_id or "")) is not None:
+            reply["evidence"] = wanted
         return reply
 
     def _saw_rank0(self) -> None:
@@ -293,7 +309,9 @@ class ActivityHub:
             "stalled_seconds": m.progress.stalled_for(self.clock()),
             "checked_stall_seconds": m.checked_stall,
             "last_step": m.progress.step,
+            "busy": m.busy,
             "findings": m.findings[-5:],
+            "evidence": self.evidence.status()[-5:],
         }
 
     # -- the loop ---------------------------------------------------------------------------
@@ -316,7 +334,8 @@ class ActivityHub:
                 self.link.check_orphan(sorted(self.book.latest), self.book.layout.world)
             await self._forward()
             return []
-        records = self.judge(full=True)
+        records = self.monitor.check_nodes(self.view.missing_nodes(), self.view.ranks_of)
+        records += self.judge(full=True)
         await self.act()
         return records
 
@@ -344,8 +363,18 @@ class ActivityHub:
         rows.update(local)
         layout = self.monitor.layout
         cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
-        records = self.monitor.check(rows, paused=paused, coverage=cov, heard_since=self.view.heard_since)
+        records = self.monitor.check(
+            rows,
+            paused=paused,
+            coverage=cov,
+            heard_since=self.view.heard_since,
+        )
         self._idle_due = not records and not self.monitor.awaiting_fresh
+        for record in records:
+            bundle = record.get("evidence", {}).get("bundle")
+            if bundle and isinstance(record.get("id"), int):
+                reachable = [r for r, a in rows.items() if a.state == RankState.RUNNING]
+                self.evidence.ask(self.monitor.run_id, record["id"], bundle, reachable)
         self._to_act += [r for r in records if r.get("rule") == "hang"]
         return records
 
@@ -482,7 +511,50 @@ class ActivityHub:
             if reply.get("abort"):
                 self.abort = True
             self.leader_paused = reply.get("paused") is True
+            wanted = reply.get("evidence")
+            if isinstance(wanted, dict) and isinstance(wanted.get("decision"), int):
+                self.evidence.ask(self.book.run_id, wanted["decision"])  # this node's ranks are asked in turn
         await self.forwarder.post(self._http)
+
+    async def take_evidence(self, ev: RankEvidence, identity: Identity | None = None) -> dict:
+        """A rank's evidence (from one of this node's ranks, or forwarded by a node): the leader keeps it
+        beside its decision; a node passes it on to the leader. EvidenceRefused says why not; Forbidden when
+        the credential speaks for another rank or run, or a node forwards a rank it does not report."""
+        layout = self._layout
+        ev = replace_fields(ev, run_id=ev.run_id or "")
+        if identity is not None and identity.speaker != Speaker.OPERATOR:
+            mine = (
+                identity.rank == ev.rank and identity.run_id == ev.run_id
+                if identity.speaker == Speaker.RANK
+                else identity.speaker == Speaker.NODE and self._node_of.get(ev.rank) == identity.node
+            )
+            if not mine:
+                raise Forbidden(
+                    f"evidence: rank {ev.rank} of run {(ev.run_id or '')[:64]!r}, but this credential speaks for "
+                    f"{identity.describe()} only"
+                )
+        self.evidence.check(ev, layout.world if layout is not None else None)
+        if self.is_leader:
+            path = await asyncio.to_thread(self.evidence.store, ev)
+            return {"ok": True, "stored": str(path.relative_to(self.evidence.root))}
+        if not self.leader_url:
+            raise EvidenceRefused("this sidecar is not the leader and has no --leader-url to pass evidence on to")
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=0.5), trust_env=False)
+        self.evidence.note(ev)
+        try:
+            response = await self._http.post(
+                self.leader_url + "/v1/evidence",
+                content=encode(EvidencePost(1, ev)),
+                headers={**self._headers, "Content-Type": "application/json"},
+            )
+        except Exception as exc:
+            raise EvidenceRefused(f"the leader is unreachable ({type(exc).__name__})", 503) from None
+        if response.status_code >= 400:
+            raise EvidenceRefused(f"the leader refused it: {response.text[:200]}", response.status_code)
+        return {"ok": True, "forwarded": True}
 
     async def close(self) -> None:
         if self.book.exits is not None:
@@ -564,6 +636,24 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         return JSONResponse(payload, status_code=status)
 
     crossnode.add_route(router, sidecar, auth)  # POST /v1/instances
+
+    @router.post(
+        "/v1/evidence",
+        dependencies=auth,
+        responses={401: {}, 403: {}, 409: {}, 422: {}, 503: {}},
+        openapi_extra=documented(EvidencePost),
+    )
+    async def evidence(request: Request):
+        """A rank's evidence for a decision that asked for it (parwatch.sidecar.evidence)."""
+        try:
+            post = decode(await request.body(), EvidencePost, "")
+            return JSONResponse(await hub.take_evidence(post.evidence, identity_of(request)))
+        except Forbidden as err:
+            return JSONResponse({"detail": str(err)}, status_code=403)
+        except BadRecord as err:
+            return JSONResponse({"detail": str(err)}, status_code=422)
+        except EvidenceRefused as err:
+            return JSONResponse({"detail": str(err)}, status_code=err.status)
 
     @router.get("/v1/hang", dependencies=auth)
     async def hang():

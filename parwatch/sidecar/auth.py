@@ -16,10 +16,15 @@ from parwatch.vocabulary import Speaker
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="parwatch"'}
 WHOAMI = "/v1/whoami"
 MAY_ASK: dict[Speaker, frozenset[tuple[str, str]]] = {
-    Speaker.RANK: frozenset({("POST", "/v1/ingest"), ("POST", "/v1/activity"), ("GET", WHOAMI)}),
-    Speaker.NODE: frozenset({("POST", "/v1/digest"), ("POST", "/v1/instances"), ("GET", WHOAMI)}),
+    Speaker.RANK: frozenset(
+        {("POST", "/v1/ingest"), ("POST", "/v1/activity"), ("POST", "/v1/evidence"), ("GET", WHOAMI)}
+    ),
+    Speaker.NODE: frozenset(
+        {("POST", "/v1/digest"), ("POST", "/v1/instances"), ("POST", "/v1/evidence"), ("GET", WHOAMI)}
+    ),
 }
-"""What a rank's and a node's credential may ask (method, path); the operator's token may ask anything."""
+"""What a rank's and a node's credential may ask (method, path); the operator's token may ask anything. A rank
+posts its own evidence, a node its ranks' (the route checks whose: parwatch.sidecar.activity_api)."""
 IDENTITY = "identity"
 """The key of the request's identity in the ASGI scope's "state" (Starlette's request.state.identity)."""
 

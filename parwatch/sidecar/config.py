@@ -71,10 +71,13 @@ class SidecarConfig:
     leader_url: str | None = None
     """The run's leader sidecar (control listener URL) this node forwards its digest to; None: this
     sidecar is the leader or alone (it becomes leader on seeing rank 0)."""
-    hang_min_seconds: float = 10.0
+    hang_min_seconds: float = 3.0
     """A hang needs at least this long without a step boundary (and hang_step_factor median steps)."""
-    hang_step_factor: float = 3.0
+    hang_step_factor: float = 1.5
     """A hang needs at least this many median step times without a step boundary."""
+    hang_busy_seconds: float = 60.0
+    """A rank inside a checkpoint save, an eval pass or its first step is stalled only past this long (and
+    20 median steps)."""
     hang_dump_stacks: bool = False
     """On a hang, signal the culprit (SIGUSR1) to write its Python stacks into the run directory."""
     hang_abort: bool = False
@@ -109,7 +112,12 @@ class SidecarConfig:
         if not self.hang_min_seconds > 0 or not self.hang_step_factor >= 1:
             raise ConfigError(
                 f"--hang-min-seconds must be > 0 and --hang-step-factor >= 1 (got "
-                f"{self.hang_min_seconds}, {self.hang_step_factor}); 10 and 3 suit most runs"
+                f"{self.hang_min_seconds}, {self.hang_step_factor}); 3 and 1.5 suit most runs"
+            )
+        if not self.hang_busy_seconds >= self.hang_min_seconds:
+            raise ConfigError(
+                f"--hang-busy-seconds must be >= --hang-min-seconds (got {self.hang_busy_seconds}, "
+                f"{self.hang_min_seconds}); 60 suits most runs"
             )
         if not self.activity_silent_seconds >= 2:
             raise ConfigError(

@@ -341,6 +341,11 @@ class LeaderView:
         oldest = self.clock() - self.grace_seconds
         return all(seen >= since for seen, _ in list(self.nodes.values()) if seen >= oldest)
 
+    def ranks_of(self, node: str) -> list[int]:
+        """The ranks a node's latest digest reported."""
+        seen = self.nodes.get(node)
+        return sorted(a.rank for a in seen[1]) if seen is not None else []
+
     def missing_nodes(self) -> list[dict]:
         """Nodes whose digests stopped: [{"node", "since": their last digest's arrival}], oldest first."""
         now = self.clock()

@@ -38,10 +38,16 @@ from prometheus_client.registry import Collector
 from parwatch.catalog import RANK_STATES, family
 from parwatch.rank_layout import ROLES, Coords, RankLayout
 from parwatch.records import Activity
-from parwatch.vocabulary import GroupRole, RankState, RuleAction, SpanKind
+from parwatch.vocabulary import GroupRole, HangKind, RankState, RuleAction, SpanKind
 
-STARTUP_FACTOR = 6.0
-"""Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
+BUSY_STEP_FACTOR = 20.0
+"""A rank busy in a declared long activity is stalled only past max(busy_seconds, this x median step)."""
+LATE_REPORT_SECONDS = 2.0
+"""A running rank whose newest activity sample is older than this at the leader is late (a rank reports once
+a second; another node's sample is dated by its node's digest, one host's clock): its row may show it as it was
+when it stopped (a process or a whole node stopped, a host hiccup), so no hang is named from that picture
+until it speaks again (a moment later, if it only paused), goes silent (a frozen process: then it is named)
+or its node goes missing (its ranks are then gone)."""
 CLOCK_SKEW_SECONDS = 1.0
 """Ranks' wall clocks and the leader's may disagree by this much (NTP keeps them far closer)."""
 MAX_REPORT_LATENCY_SECONDS = 2.0
@@ -71,6 +77,10 @@ PEER_LOST_MARKS = (
 """Words in a crashed rank's error that say it failed because a peer went away: an echo of the first
 failure, not the cause (gloo's and NCCL's messages)."""
 
+
+EVIDENCE_RULES = ("hang", "rank-gone")
+"""Findings whose decision keeps every reachable rank's evidence beside it (parwatch.sidecar.evidence); not
+the echoes of a failure already named (their ranks are ending)."""
 
 ECHO_WAIT_SECONDS = 8.0
 """When the ranks that ended only lost a peer or ended silently, the one that failed first may not be told
@@ -119,10 +129,14 @@ def group_members(layout: RankLayout, group: str, a: Activity) -> range:
 
 @dataclass(frozen=True)
 class HangSettings:
-    min_seconds: float = 10.0
+    min_seconds: float = 3.0
     """A hang needs at least this long without a step boundary."""
-    step_factor: float = 3.0
+    step_factor: float = 1.5
     """... and at least this many median step times."""
+    busy_seconds: float = 60.0
+    """A rank inside a declared long activity (a checkpoint save, an eval pass; every rank before its first
+    step: warm-up, compilation; a rollback's checkpoint load) is busy, not stalled, until
+    max(busy_seconds, BUSY_STEP_FACTOR x median step)."""
     dump_stacks: bool = False
     """Signal the culprit (SIGUSR1) to write its Python stacks into the run directory."""
     abort: bool = False
@@ -132,9 +146,14 @@ class HangSettings:
 
     def __post_init__(self):
         if not self.min_seconds > 0:
-            raise ValueError(f"--hang-min-seconds must be > 0 (got {self.min_seconds}); 10 suits most runs")
+            raise ValueError(f"--hang-min-seconds must be > 0 (got {self.min_seconds}); 3 suits most runs")
         if not self.step_factor >= 1:
-            raise ValueError(f"--hang-step-factor must be >= 1 (got {self.step_factor}); 3 suits most runs")
+            raise ValueError(f"--hang-step-factor must be >= 1 (got {self.step_factor}); 1.5 suits most runs")
+        if not self.busy_seconds >= self.min_seconds:
+            raise ValueError(
+                f"--hang-busy-seconds must be >= --hang-min-seconds (got {self.busy_seconds}, {self.min_seconds}); "
+                "60 suits most runs"
+            )
 
 
 # --------------------------------------------------------------------------- pure analysis
@@ -152,9 +171,31 @@ def _answered(a: Activity, rows: Mapping[int, Activity]) -> bool:
     return peer is not None and peer.kind == SpanKind.RECV and peer.peer == a.rank
 
 
+def _posted(a: Activity, rows: Mapping[int, Activity]) -> bool:
+    """A receive whose send is posted: its peer's report says it posted at least `seq` sends to this rank
+    (the k-th receive from a peer is its k-th send). The data is on its way, or stuck in the transport:
+    the receiver waits for nobody. Not when the peer's device is stuck before it (the send is queued
+    behind that work), nor while the peer is still in its send to this rank (_answered names the sender)."""
+    if a.kind != SpanKind.RECV or a.peer is None or a.seq is None:
+        return False
+    peer = rows.get(int(a.peer))
+    if peer is None or not peer.sent or _device_stuck(peer):
+        return False
+    if peer.kind == SpanKind.SEND and peer.peer == a.rank:
+        return False  # the peer is still in that send (a blocking send, stuck): it is the one waited for
+    return any(p == a.rank and n >= a.seq for p, n in peer.sent)
+
+
+def _device_stuck(a: Activity) -> bool:
+    """Its CUDA device stayed on one span's own work (not a collective's): whatever its host waits in,
+    the rank waits for nobody."""
+    return a.device_since is not None and a.device_kind not in _COMM_KINDS
+
+
 _GROUP_KINDS = (SpanKind.COLLECTIVE, SpanKind.BOUNDARY, SpanKind.DP_SYNC)
 """Spans that wait for a group when they name one: a collective, the boundary (an all-reduce over the world),
 and a gradient sync that names its group (Megatron's finalize_model_grads, whose DP all-reduce is not hooked)."""
+_COMM_KINDS = frozenset((*_P2P, *_GROUP_KINDS))
 _WAITING_STATES = (RankState.RUNNING, *ENDED)  # an ended rank's last wait still tells who went first
 
 
@@ -162,7 +203,8 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     """The rank the others wait for, with who waits; None when no rank is known.
 
     Returns {"culprit": rank, "waiting": [ranks...] (transitive), "missing": what it has not joined
-    (or None), "method": "dependency" | "oldest-span"}.
+    (or None), "method": "dependency" | "oldest-span", "kind": HangKind (see hang_kind), "waits_on":
+    {rank: [the ranks it waits for directly]} for the first MAX_WAITING_LISTED of `waiting`}.
 
     One pass over the ranks, then work per wait, not per rank: the ranks in one collective instance
     wait together for the members not in it, so a whole world in one all-reduce is one set, and who
@@ -173,18 +215,19 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
         return None
     arrived: dict[tuple, set[int]] = {}  # collective instance -> the ranks in it
     p2p: dict[int, int] = {}  # rank in a recv or an unanswered send -> its peer
+    key_of: dict[int, tuple] = {}  # rank in a collective -> its instance
     instance_of = _INSTANCE_OF.get
     for rank, a in rows.items():
         kind = a.kind
-        if kind is None or a.state not in _WAITING_STATES:
-            continue
+        if kind is None or a.state not in _WAITING_STATES or _device_stuck(a):
+            continue  # a rank whose device is stuck on its own work waits for nobody, whatever its host is in
         if kind in _P2P:
-            if a.peer is not None and not _answered(a, rows):
+            if a.peer is not None and not _answered(a, rows) and not _posted(a, rows):
                 p2p[rank] = int(a.peer)
         elif kind in _GROUP_KINDS and (group := a.group):
             seq = a.seq if a.seq is not None else ("step", a.step)  # no seq (the boundary): line up by step
             of = instance_of(group)
-            key = (group, of(a) if of is not None else (), a.op, seq)
+            key = key_of[rank] = (group, of(a) if of is not None else (), a.op, seq)
             present = arrived.get(key)
             if present is None:
                 arrived[key] = {rank}
@@ -192,10 +235,12 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
                 present.add(rank)
     # Reverse edges, waited-for -> who waits: a collective instance waits for its members not in it.
     groups_waiting: dict[int, list[tuple]] = {}
+    absent: dict[tuple, list[int]] = {}  # instance -> its members not in it
     for key, present in arrived.items():
         members = group_members(layout, key[0], rows[next(iter(present))])
         if len(present) < len(members):
-            for m in set(members).difference(present):
+            absent[key] = missing_members = sorted(set(members).difference(present))
+            for m in missing_members:
                 groups_waiting.setdefault(m, []).append(key)
     ranks_waiting: dict[int, list[int]] = {}
     for rank, peer in p2p.items():
@@ -222,7 +267,16 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     if not sinks:
         if not blocked:  # nobody waits for anybody: everyone is stuck in its own work
             oldest = min(rows.values(), key=lambda a: (a.since if a.since is not None else float("inf"), a.rank))
-            return {"culprit": oldest.rank, "waiting": [], "missing": None, "method": "oldest-span"}
+            kind, on = hang_kind(oldest, rows, None)
+            return {
+                "culprit": oldest.rank,
+                "waiting": [],
+                "missing": None,
+                "method": "oldest-span",
+                "kind": kind,
+                "kind_waits_on": on,
+                "waits_on": {},
+            }
         sinks = list(blocked)  # a cycle (mismatched collectives): the one open longest is the best guess
     best = None
     for sink in sinks:
@@ -243,7 +297,48 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     elif culprit in ranks_waiting:
         by = ranks_waiting[culprit][-1]
         missing = {"kind": rows[by].kind, "by": by}
-    return {"culprit": culprit, "waiting": sorted(reached), "missing": missing, "method": "dependency"}
+    waiting = sorted(reached)
+
+    def direct(r: int) -> list[int]:
+        if r in p2p:
+            return [p2p[r]]
+        key = key_of.get(r)
+        return absent.get(key, [])[:MAX_WAITING_LISTED] if key is not None else []
+
+    row = rows.get(culprit)
+    kind, on = hang_kind(row, rows, absent.get(key_of.get(culprit, ())) if row is not None else None)
+    return {
+        "culprit": culprit,
+        "waiting": waiting,
+        "missing": missing,
+        "method": "dependency",
+        "kind": kind,
+        "kind_waits_on": on,
+        "waits_on": {r: direct(r) for r in waiting[:MAX_WAITING_LISTED]},
+    }
+
+
+def hang_kind(a: Activity | None, rows: Mapping[int, Activity], absent: list[int] | None) -> tuple[str | None, list]:
+    """What kind of hang the culprit's row shows, and the ranks it waits on (HangKind):
+    device     (CUDA) its device stayed on one span's work while its host waits (event queries);
+    transport  it is in a collective every member entered, or a send or receive whose other end is in
+               (the matching receive, the posted send): the bytes do not move;
+    peer       it waits in a send, receive or collective for ranks that are not in it (a cycle of
+               waits, or ranks the leader does not see);
+    host       its host thread is in its own work (compute, data, a checkpoint, between spans): blocked
+               in Python or below it.
+    (None, []) for a rank the leader has no current report of."""
+    if a is None or a.state == RankState.UNKNOWN:
+        return None, []
+    if a.device_since is not None:
+        return (HangKind.TRANSPORT if a.device_kind in _COMM_KINDS else HangKind.DEVICE), []
+    if a.kind in _P2P:
+        if _answered(a, rows) or _posted(a, rows):
+            return HangKind.TRANSPORT, [int(a.peer)] if a.peer is not None else []
+        return HangKind.PEER, [int(a.peer)] if a.peer is not None else []
+    if a.kind in _GROUP_KINDS and a.group:
+        return (HangKind.PEER, absent) if absent else (HangKind.TRANSPORT, [])
+    return HangKind.HOST, []
 
 
 def _seconds_or_none(x) -> float | None:
@@ -270,6 +365,8 @@ class Progress:
         whatever its step number, so a rollback's replay is progress."""
         self.switching = False
         """Set by rearm() (a rollback or resume): judged with the start-up bound until the next boundary."""
+        self.busy_seen: float | None = None
+        """When a report last showed a rank inside a declared long activity (the leader's clock)."""
         self._seconds: deque = deque(maxlen=window)
 
     def observe(
@@ -336,14 +433,28 @@ class Progress:
 
     def bound(self) -> float:
         """max(step_factor x median step, min_seconds); before the first step completes, and after a
-        rollback or resume until the next boundary, STARTUP_FACTOR x min_seconds: start-up (imports,
-        process groups, a checkpoint load) is slow and has no median yet."""
+        rollback or resume until the next boundary, the busy bound: start-up (imports, process groups,
+        the first step's compilation, a checkpoint load) is a declared long activity, with no median yet."""
         if self.step < 1 or self.switching:
-            return STARTUP_FACTOR * self.settings.min_seconds
+            return self.busy_bound()
         median = self.median_step_seconds()
         return max(self.settings.step_factor * median if median else 0.0, self.settings.min_seconds)
 
+    def busy_bound(self) -> float:
+        """How long a rank inside a declared long activity (a checkpoint save, an eval pass, start-up) may
+        keep the run from a boundary: max(busy_seconds, BUSY_STEP_FACTOR x median step)."""
+        median = self.median_step_seconds()
+        return max(BUSY_STEP_FACTOR * median if median else 0.0, self.settings.busy_seconds)
+
     def stalled_for(self, now: float) -> float:
+        """The stall the bound judges: since the last boundary, or since a rank was last seen busy in a
+        declared long activity (a checkpoint save, an eval pass: that time is not a stall), if later."""
+        if self.time is None:
+            return 0.0
+        return max(now - max(self.time, self.busy_seen or self.time), 0.0)
+
+    def since_boundary(self, now: float) -> float:
+        """Since the last boundary, busy time included: what the busy bound judges."""
         return 0.0 if self.time is None else max(now - self.time, 0.0)
 
 
@@ -398,6 +509,14 @@ def _describe(c: dict) -> str:
     )
 
 
+_KIND_TEXT = {
+    HangKind.HOST: "host blocked",
+    HangKind.PEER: "waiting on a peer",
+    HangKind.TRANSPORT: "transport stall",
+    HangKind.DEVICE: "device busy",
+}
+
+
 def _missing_text(missing: dict | None) -> str:
     if not missing:
         return ""
@@ -444,23 +563,53 @@ class HangMonitor:
         ask again at the next ask, not once a second."""
         self.checked_stall = 0.0
         """The stall the last check() judged: past the bound, a hang was either named then or is none."""
+        self.run_id = ""
+        """The run judged, as its ranks' reports name it (the hub sets it): its evidence bundles are named by it."""
+        self.busy: dict | None = None
+        """The last check() held a hang back: its culprit is busy in a declared long activity (rank, busy, since)."""
+        self._lost_since: float | None = None
+        """The stall (its start) already recorded as a node lost."""
+        self._sidecars_lost: set[str] = set()
+        """Nodes a sidecar-lost finding named while they stay missing."""
+        self._heard: dict[int, tuple[float, float]] = {}
+        """rank -> (its newest sample's time, when it reached the leader): late_ranks."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
         self.progress = Progress(self.settings)
         self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
         self.cause = None
+        self.busy, self._lost_since, self._sidecars_lost, self._heard = None, None, set(), {}
 
-    def observe(self, a: Activity, layout: RankLayout, now: float) -> None:
-        """Every activity row as it arrives (cheap: the progress clock only)."""
+    def observe(self, a: Activity, layout: RankLayout, now: float, age: float = 0.0) -> None:
+        """Every activity row as it arrives (cheap: the progress clock, and when its rank last spoke).
+        `age`: how old the sample already was when it left its node (a digest's time less the row's, one
+        host's clock), so a sample that waited for its node's digest is not taken as fresh."""
         self.layout = layout
+        heard = self._heard.get(a.rank)
+        if heard is None or heard[0] != a.time:  # a new sample (a digest repeats a rank's latest one)
+            self._heard[a.rank] = (a.time, now - min(max(age, 0.0), MAX_REPORT_LATENCY_SECONDS))
         if a.state == RankState.RUNNING:
+            if a.busy is not None:
+                self.progress.busy_seen = now
             if (
                 self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end)
                 and self.hang is not None
                 and (a.step_end is not None or a.step > self.hang["step_at"])
             ):
                 self.hang = None  # boundaries again: the episode is over
+
+    def late_ranks(self, rows: Mapping[int, Activity], now: float) -> list[int]:
+        """Running ranks whose newest report reached the leader over LATE_REPORT_SECONDS ago."""
+        heard = self._heard
+        return [
+            r
+            for r, a in rows.items()
+            if a.state == RankState.RUNNING
+            and (h := heard.get(r)) is not None
+            and h[0] == a.time
+            and now - h[1] > LATE_REPORT_SECONDS
+        ]
 
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
@@ -477,12 +626,23 @@ class HangMonitor:
         return out
 
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
-        """Whether check() has anything to judge: a rank reported gone, or a stall past the bound
-        not yet recorded. The leader builds the whole picture (every rank) only then."""
-        self.asked_stall = self.progress.stalled_for(self.clock())
+        """Whether check() has anything to judge: a rank reported gone, or a stall past the bound (or a
+        long activity past the busy bound) not yet recorded. The leader builds the whole picture (every
+        rank) only then."""
+        now = self.clock()
+        self.asked_stall = self.progress.stalled_for(now)
         if gone_hint:
             return True
-        return not paused and self.hang is None and self.stalled_past_bound(self.asked_stall)
+        return not paused and self.hang is None and (self.stalled_past_bound(self.asked_stall) or self._busy_past(now))
+
+    def _busy_past(self, now: float) -> bool:
+        """A rank seen busy lately, and the run without a boundary for (about) the busy bound."""
+        p = self.progress
+        return (
+            p.busy_seen is not None
+            and p.busy_seen >= (p.time or 0.0)
+            and (p.since_boundary(now) >= p.busy_bound() - self.every)
+        )
 
     def seconds_until_due(self) -> float | None:
         """Seconds until a stall passes the decision line; 0 when it passed since the last ask (which came
@@ -520,12 +680,14 @@ class HangMonitor:
         now = self.clock()
         self.checked_stall = self.progress.stalled_for(now)
         records = self._judge_crashes(rows, now, coverage, heard_since)
-        stalled, bound, past, fresh_after, stale = self._progress(rows, now)
         crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
+        stalled, bound, past, fresh_after, stale = self._progress(rows, now, quiet=paused or crashed)
         if self.awaiting_fresh:
             return records
+        if self._lost_since is not None and self._lost_since == self.progress.time:
+            return records  # this stall was a node lost, already recorded
         if not paused and not crashed and past and self.layout is not None and rows:
-            records += self._judge_hang(rows, fresh_after, stalled, bound, stale, coverage)
+            records += self._judge_hang(rows, now, fresh_after, stalled, bound, stale, coverage)
         return records
 
     # -- crash classification -------------------------------------------------------------------------
@@ -618,19 +780,26 @@ class HangMonitor:
 
     # -- progress -------------------------------------------------------------------------------------
 
-    def _progress(self, rows: Mapping[int, Activity], now: float) -> tuple[float, float, bool, float | None, int]:
-        """(stalled, bound, past the decision line, fresh_after, stale ranks); sets awaiting_fresh."""
+    def _progress(
+        self, rows: Mapping[int, Activity], now: float, quiet: bool
+    ) -> tuple[float, float, bool, float | None, int]:
+        """(stalled, bound, past the decision line (or a long activity past its own), fresh_after, stale
+        ranks); sets awaiting_fresh. `quiet`: paused or crashed (no hang judged, late reports not waited on)."""
         stalled = self.progress.stalled_for(now)
+        busy_past = self._busy_past(now)
         bound = self.progress.bound()
         # Judge a picture taken after the stall began: a rank's activity sampled before the last step
         # boundary the leader saw (a late digest from a busy node) would read as still computing. Past
         # twice the bound, judge with what there is (a node's sidecar may be gone) and say so.
         stale, fresh_after = 0, None
-        past = self.stalled_past_bound(stalled)
+        past = self.stalled_past_bound(stalled) or busy_past
         if self.progress.sampled is not None and past:
             fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
             stale = sum(1 for a in rows.values() if a.state == RankState.RUNNING and a.time < fresh_after)
-        self.awaiting_fresh = bool(stale) and stalled < 2 * bound
+        # A rank whose report is late may show it as before it stopped (a hiccup, a node stopped whole): wait
+        # until it speaks again, goes silent, or its node goes missing (then its ranks read unknown).
+        late = self.late_ranks(rows, now) if past and not quiet else []
+        self.awaiting_fresh = (bool(stale) or bool(late)) and stalled < 2 * bound
         return stalled, bound, past, fresh_after, stale
 
     # -- hang judgement -------------------------------------------------------------------------------
@@ -638,6 +807,7 @@ class HangMonitor:
     def _judge_hang(
         self,
         rows: Mapping[int, Activity],
+        now: float,
         fresh_after: float | None,
         stalled: float,
         bound: float,
@@ -645,21 +815,42 @@ class HangMonitor:
         coverage: dict | None,
     ) -> list[dict]:
         """The hang record of a stall past the decision line (once per episode), naming the rank the waits
-        point at."""
-        records = []
+        point at; none while that rank is busy in a declared long activity within its bound; a node lost
+        (rank-gone) when the waits point at the ranks of a node gone quiet."""
+        records: list[dict] = []
         assert self.layout is not None  # check() judges a hang only with a layout
         found = find_culprit(rows, self.layout, fresh_after)
-        if found is not None:
-            rank = found["culprit"]
-            a = rows.get(rank)
-            if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
-                record = self._hang_record(found, a, stalled, bound, stale, coverage)
-                self.hang = record
-                records.append(record)
+        if found is None:
+            return records
+        rank = found["culprit"]
+        a = rows.get(rank)
+        busy = a.busy if a is not None and a.state == RankState.RUNNING else None
+        if self.hang is None and (busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(stalled)):
+            # In a checkpoint save or an eval pass: busy, not stalled, until its own bound; or out of one a
+            # moment ago, the stall counted from then.
+            self.busy = {"rank": rank, "busy": busy, "since": a.busy_since} if busy and a else None
+            return records
+        self.busy = None
+        lost = (coverage or {}).get("nodes_missing") or []
+        if self.hang is None and lost and (a is None or a.state == RankState.UNKNOWN):
+            records.append(self._node_lost(rows, rank, lost, stalled, coverage))
+            return records
+        if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
+            record = self._hang_record(found, a, busy, now, stalled, bound, stale, coverage)
+            self.hang = record
+            records.append(record)
         return records
 
     def _hang_record(
-        self, found: dict, a: Activity | None, stalled: float, bound: float, stale: int, coverage: dict | None
+        self,
+        found: dict,
+        a: Activity | None,
+        busy: str | None,
+        now: float,
+        stalled: float,
+        bound: float,
+        stale: int,
+        coverage: dict | None,
     ) -> dict:
         rank = found["culprit"]
         waiting = found["waiting"]
@@ -668,18 +859,25 @@ class HangMonitor:
             what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(found["missing"])
         else:  # the waits point at a rank this leader has no current report of: say so, name none
             what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
+        since = self.progress.since_boundary(now)
+        judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.1f} s"
         reason = (
-            f"hang: no step boundary for {stalled:.1f} s (bound {bound:.1f} s); {what}; "
-            f"{len(waiting)} ranks wait for it" + _coverage_text(coverage)
+            f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.1f} s "
+            f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)
         )
         evidence = {
             "culprit": named_culprit,
             "points_at": None if named_culprit else {"rank": rank, "seen": False},
+            "kind": found["kind"],
+            "kind_waits_on": found["kind_waits_on"],
             "waiting": waiting[:MAX_WAITING_LISTED],
             "waiting_count": len(waiting),
+            "waits_on": found["waits_on"],
             "missing": found["missing"],
             "method": found["method"],
             "stalled_seconds": round(stalled, 3),
+            "since_boundary_seconds": round(since, 3),
+            "busy": busy,
             "stalled_since": self.progress.time,
             "bound_seconds": round(bound, 3),
             "median_step_seconds": self.progress.median_step_seconds(),
@@ -709,6 +907,54 @@ class HangMonitor:
         self.gone_reported.update(lost)
         return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
 
+    def _node_lost(self, rows: Mapping[int, Activity], rank: int, lost: list[dict], stalled: float, coverage) -> dict:
+        """rank-gone for a stall whose waits point at ranks of nodes gone quiet (ranks and sidecar silent: a
+        node lost, stopped or cut off): those ranks are gone, no hang is named (DESIGN.md, faults told truly)."""
+        unknown = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
+        reason = (
+            f"rank-gone: node lost: the run stopped {stalled:.1f} s ago waiting for rank {rank}, and the leader has "
+            f"heard nothing from its node since; ranks {unknown[:MAX_WAITING_LISTED]} are gone"
+        ) + _coverage_text(coverage)
+        evidence = {
+            "culprit": None,
+            "cause": "node-lost",
+            "points_at": {"rank": rank, "seen": False},
+            "gone": unknown[:MAX_WAITING_LISTED],
+            "nodes_lost": lost[:MAX_LISTED],
+            "stalled_seconds": round(stalled, 3),
+            "stalled_since": self.progress.time,
+            "coverage": coverage,
+        }
+        self.gone_reported.update(unknown)
+        self._lost_since = self.progress.time
+        return self._record("rank-gone", reason, evidence, self.progress.step)
+
+    def check_nodes(self, missing: list[dict], ranks_of: Callable[[str], list[int]]) -> list[dict]:
+        """Once a second at the leader: a node missing (no digest for its grace) while the run crossed step
+        boundaries after its last digest lost its sidecar, not its ranks (the boundary's all-reduce needs
+        every rank): `sidecar-lost`, once per node until it is heard again."""
+        gone_quiet = {m["node"]: m["since"] for m in missing}
+        self._sidecars_lost &= gone_quiet.keys()  # a node heard again may be lost again later
+        boundary = self.progress.time
+        records = []
+        for node, since in gone_quiet.items():
+            if node in self._sidecars_lost or boundary is None or boundary <= since + CLOCK_SKEW_SECONDS:
+                continue
+            self._sidecars_lost.add(node)
+            ranks = ranks_of(node)
+            reason = (
+                f"sidecar-lost: node {node} sent no digest since {since:.0f}, yet the run crossed step boundaries "
+                f"after (step {self.progress.step}): its ranks {ranks[:MAX_WAITING_LISTED]} train on, unseen"
+            )
+            evidence = {
+                "node": node,
+                "silent_since": since,
+                "ranks": ranks[:MAX_WAITING_LISTED],
+                "last_step": self.progress.step,
+            }
+            records.append(self._record("sidecar-lost", reason, evidence, self.progress.step))
+        return records
+
     def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
         """rank-gone when the ranks that ended lost a peer (or ended without a word beside those that did)
         and some ranks are not seen (a node lost whole): the failure is among those; no culprit is named."""
@@ -733,7 +979,14 @@ class HangMonitor:
         self, rule: str, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
     ) -> dict:
         record = dict(
-            self.engine.record_finding(rule, action, reason, evidence, step if step is not None and step >= 0 else None)
+            self.engine.record_finding(
+                rule,
+                action,
+                reason,
+                evidence,
+                step if step is not None and step >= 0 else None,
+                bundle=self.run_id if rule in EVIDENCE_RULES and "echo_of" not in evidence else None,
+            )
         )
         self.findings.append(record)
         return record

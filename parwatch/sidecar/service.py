@@ -379,6 +379,7 @@ class Sidecar:
                 "pending_directive": self.engine.pending_directive(),
                 "directives": self.engine.directive_states(),
                 "last_decisions": self.engine.decisions(decisions),
+                "evidence": hub.evidence.status()[-5:] if hub is not None else [],
                 "time": ledger_view.totals(self.store.ledgers().values()),
             }
         )

@@ -46,7 +46,17 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from parwatch.catalog import family
-from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, median_at
+from parwatch.guardrails.attribution import (
+    CAUSES,
+    Finding,
+    Paired,
+    PathFigures,
+    RankFigures,
+    Thresholds,
+    attribute,
+    median_at,
+    paired_excess,
+)
 from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.vocabulary import CollectiveOp, GroupRole
 
@@ -64,6 +74,9 @@ MAX_OUTBOX_RANK_ROWS = 4096
 """Bound on rank attribution rows a forwarding node holds for the leader (the oldest go first)."""
 WINDOW_STEPS = 10
 """Steps of figures the attribution takes medians over."""
+PAIRED_WINDOW_STEPS = 20
+"""Steps over which each rank's own compute is compared with its stage peers', step by step (a 5% slower
+rank within 20 steps: the median turns after 10, the rule's for_steps adds 5)."""
 WARMUP_STEPS = 5
 """A run's first steps are not attributed: they pay one-time costs (allocator growth, the first
 autograd graph, lazy initialisation, connection setup) unevenly across stages (measured: the last
@@ -188,6 +201,7 @@ class TransferTracker:
         self.sizes: dict[tuple[str, str], int] = {}
         self._fresh: dict[str, list] = {}  # path key -> [transfer sum, count] matched since the last observation
         self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step_seconds)
+        self._own: dict[int, deque] = {}  # rank -> (step, own compute) of its last PAIRED_WINDOW_STEPS
         self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
         self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
         # The attribution's inputs, kept as rows arrive (a rank's once per summary, a path's once per
@@ -493,7 +507,12 @@ class TransferTracker:
         return out
 
     def findings(self) -> list[Finding]:
-        return attribute(self.rank_figures(), self.path_figures(), self.thresholds)
+        return attribute(self.rank_figures(), self.path_figures(), self.thresholds, self.paired())
+
+    def paired(self) -> dict[int, Paired]:
+        """Each rank's own compute against its stage peers', step by step over PAIRED_WINDOW_STEPS."""
+        own = {rank: dict(steps) for rank, steps in self._own.items() if steps}
+        return paired_excess(own, {rank: self._ranks[rank][-1][1] for rank in own})
 
     def rank_figures(self) -> list[RankFigures]:
         figures = self._rank_figures
@@ -510,6 +529,8 @@ class TransferTracker:
     def _add_rank_row(self, rank: int, row: tuple) -> None:
         rows = self._ranks.setdefault(rank, deque(maxlen=self.window_steps))
         rows.append(row)
+        if row[6] is not None:
+            self._own.setdefault(rank, deque(maxlen=PAIRED_WINDOW_STEPS)).append((row[0], row[6]))
         if len(rows) >= min(MIN_WINDOW_STEPS, self.window_steps):
             _, stage, host, *_ = row
             compute, data, period = (_median([r[k] for r in rows]) for k in (3, 4, 5))

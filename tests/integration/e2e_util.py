@@ -33,9 +33,11 @@ SMALL_MODEL = ("--layers", "2", "--hidden", "32", "--seq-len", "16")
 """A real-compute model small enough for steps of a few tens of milliseconds on one core."""
 
 
-def synthetic(fwd_ms: float, bwd_ms: float) -> tuple[str, ...]:
-    """Timed sleeps instead of layer math: step times that do not depend on the machine's load."""
-    return ("--synthetic-compute", f"fwd_ms={fwd_ms:g},bwd_ms={bwd_ms:g}")
+def synthetic(fwd_ms: float, bwd_ms: float, serial_tp: bool = False) -> tuple[str, ...]:
+    """Timed sleeps instead of layer math: step times that do not depend on the machine's load. serial_tp: the
+    TP collectives on the critical path, as real TP layers' are (a rank waiting for a late TP peer computes no
+    less for it): what judging a slow link beside TP needs (parwatch/trainer/synthetic.py)."""
+    return ("--synthetic-compute", f"fwd_ms={fwd_ms:g},bwd_ms={bwd_ms:g}" + (",serial_tp=1" if serial_tp else ""))
 
 
 def read_jsonl(path: Path) -> list[dict]:

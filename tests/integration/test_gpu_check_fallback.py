@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -61,3 +63,12 @@ def test_the_ledger_trace_section_reads_the_same_window_both_ways():
     assert 0 < result["trace_busy_share"] < 1 and 0 < result["ledger_busy_share"] < 1
     assert result["ledger_seconds"]["productive"] > 0
     assert result["hta"]  # its breakdown, or why there is none (not installed here; a CPU trace has no kernels)
+
+
+@pytest.mark.slow  # the same wiring runs across two nodes in test_evidence_multinode.py (default tier)
+def test_the_hang_evidence_section_keeps_stacks_and_a_flight_recorder_dump():
+    """Section 10 on gloo: a host hang (no device to spin), its evidence with stacks and a Flight Recorder
+    dump of gloo's collectives; on a GPU the same section expects kind `device` and NCCL entries."""
+    result = section_result("hang_evidence_check(False)")
+    assert result["ok"] and result["kind"] == "host" and result["culprit_kind"] == "forward", result
+    assert result["flight_recorder_entries"] > 0 and result["flight_recorder_ops"] == ["gloo:all_reduce"], result

@@ -15,7 +15,7 @@ from tests.sidecar_process import running_sidecar
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 HANG_STEP = 5
-BOUND_S = 10.0  # the default: max(3 x median step, 10 s); these steps are ~20-50 ms
+BOUND_S = 3.0  # the default: max(1.5 x median step, 3 s); these steps are ~20-50 ms
 PLACES = {  # where -> (layout flags, hung rank, its stage, what it is in)
     "compute": (("--pp", "2"), 1, 1, "forward"),
     "collective": (("--tp", "2", "--pp", "2"), 3, 1, "forward"),  # not in the TP all-reduce its peer waits in

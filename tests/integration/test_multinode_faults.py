@@ -378,7 +378,11 @@ def test_one_slow_rank_on_another_node_is_named(tmp_path):
         with torchrun_nodes(tmp_path, [leader, node1], 40, "--inject", "straggler:rank=3,ms=20") as procs:
             finish(tmp_path, procs)
         found = [d["evidence"].get("culprit") for d in leader.records("decision") if d["rule"] == "straggler"]
-    assert found and all(c == {"cause": "slow-compute", "stage": 1, "ranks": [2, 3], "rank": 3} for c in found), found
+    # Its stage slow with rank 3 named in it ({"ranks": [2, 3], "rank": 3}), or rank 3 alone against its stage
+    # peer step by step ({"ranks": [3], "rank": 3}: issue 44), as the evaluation's window has it.
+    assert found and all(
+        (c["cause"], c["stage"], c.get("rank")) == ("slow-compute", 1, 3) and c["ranks"] in ([2, 3], [3]) for c in found
+    ), found
 
 
 def worker_pids(launcher_pid: int) -> list[int]:

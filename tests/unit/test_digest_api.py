@@ -56,8 +56,13 @@ def typed(body: dict) -> ActivityPost:
     return msgspec.convert(body, ActivityPost)
 
 
+TEN_SECONDS = {"hang_min_seconds": 10.0, "hang_step_factor": 3.0}
+"""The hang bound these timelines were written for (the default until issue 44): the mechanism, not the default."""
+
+
 def _client(tmp_path, name, **cfg):
     clock = Clock()
+    cfg = {**TEN_SECONDS, **cfg}
     config = SidecarConfig(
         state_dir=tmp_path / name,
         token="tok",
@@ -418,7 +423,7 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
             assert time.monotonic() < deadline, "no stack dump from the culprit"
             time.sleep(0.05)
         reply = client.post("/v1/activity", json=report(0, step=3, host=host, pid=bystander.pid, time=clock.t)).json()
-        assert reply == {"ok": True, "abort": HANG_EXIT_CODE}
+        assert reply["abort"] == HANG_EXIT_CODE  # (and the ask for its evidence: test_evidence.py)
         accepted.close()
     finally:
         server.close()

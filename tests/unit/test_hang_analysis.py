@@ -59,8 +59,10 @@ class FakeEngine:
     def __init__(self):
         self.records = []
 
-    def record_finding(self, rule, action, reason, evidence, step):
+    def record_finding(self, rule, action, reason, evidence, step, bundle=None):
         record = {"rule": rule, "action": action, "reason": reason, "evidence": evidence, "step": step}
+        if bundle is not None:
+            evidence["bundle"] = f"evidence/{bundle or 'run'}/decision-{len(self.records)}"
         self.records.append(record)
         return record
 
@@ -169,6 +171,9 @@ def test_a_gradient_sync_that_names_its_group_waits_for_it():
         "waiting": [0, 1, 2],
         "missing": {"kind": "collective", "op": "finalize_model_grads", "group": "dp", "seq": None},
         "method": "dependency",
+        "kind": "host",
+        "kind_waits_on": [],
+        "waits_on": {0: [1], 1: [3], 2: [3]},
     }
     rows[0], rows[2] = act(0, lay, "dp_sync"), act(2, lay, "dp_sync")
     assert find_culprit(rows, lay)["waiting"] == [1]
@@ -183,18 +188,29 @@ def test_send_hang_is_named_with_its_peer():
 def test_nobody_waiting_names_the_oldest_span():
     lay = RankLayout(1, 2, 1)
     rows = {0: act(0, lay, "forward", since=50.0), 1: act(1, lay, "backward", since=60.0)}
-    assert find_culprit(rows, lay) == {"culprit": 0, "waiting": [], "missing": None, "method": "oldest-span"}
+    assert find_culprit(rows, lay) == {
+        "culprit": 0,
+        "waiting": [],
+        "missing": None,
+        "method": "oldest-span",
+        "kind": "host",
+        "kind_waits_on": [],
+        "waits_on": {},
+    }
 
 
-def test_progress_bound_is_three_medians_or_ten_seconds():
+def test_progress_bound_is_one_and_a_half_medians_or_three_seconds():
     p = Progress(HangSettings())
-    assert p.bound() == 60.0  # start-up: no step yet
+    assert p.bound() == 60.0  # start-up (warm-up, compilation): the busy bound, no step yet
     for step in range(1, 20):
         p.observe(step, 5.0, float(step))
-    assert p.bound() == 15.0
-    p2 = Progress(HangSettings(min_seconds=10, step_factor=3))
+    assert p.bound() == 7.5 and p.busy_bound() == 100.0  # 1.5 and 20 median steps
+    p2 = Progress(HangSettings())
     p2.observe(1, 0.1, 0.0)
-    assert p2.bound() == 10.0
+    assert p2.bound() == 3.0 and p2.busy_bound() == 60.0
+    p3 = Progress(HangSettings(min_seconds=10, step_factor=3))
+    p3.observe(1, 0.1, 0.0)
+    assert p3.bound() == 10.0
 
 
 def test_settings_refuse_nonsense():
@@ -202,11 +218,17 @@ def test_settings_refuse_nonsense():
         HangSettings(min_seconds=0)
     with pytest.raises(ValueError, match="hang-step-factor"):
         HangSettings(step_factor=0.5)
+    with pytest.raises(ValueError, match="hang-busy-seconds"):
+        HangSettings(busy_seconds=1.0)
 
 
-def _monitor():
+TEN_SECONDS = HangSettings(min_seconds=10.0, step_factor=3.0)
+"""The bound these timelines were written for (the default until issue 44): the mechanism, not the default."""
+
+
+def _monitor(settings: HangSettings = TEN_SECONDS):
     clock, engine = Clock(), FakeEngine()
-    return HangMonitor(HangSettings(), engine, clock), clock, engine
+    return HangMonitor(settings, engine, clock), clock, engine
 
 
 def test_healthy_steps_make_no_finding():
@@ -226,7 +248,8 @@ def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
     lay = RankLayout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
-        monitor.observe(act(0, lay, "forward", step=step), lay, clock.t)
+        monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
+    # The picture: rank 0's newest sample (not the ones observed above: it keeps reporting).
     rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5), 1: act(1, lay, "forward", step=5, since=1004.0)}
     clock.t += 9.0
     assert monitor.check(rows) == []  # 9 s < 10 s
@@ -280,7 +303,7 @@ def test_node_book_liveness_pid_and_silence():
 def test_leader_names_one_hung_rank_among_16384_from_digests():
     lay = RankLayout(8, 16, 128)
     clock, engine = Clock(), FakeEngine()
-    monitor = HangMonitor(HangSettings(), engine, clock)
+    monitor = HangMonitor(TEN_SECONDS, engine, clock)
     view = LeaderView(clock)
     hung = 9_001
     per_node = 8
@@ -312,7 +335,8 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
                 monitor.observe(a, view.layout, clock.t)
     clock.t += 11
     for body in digests(2, True):
-        view.ingest(msgspec.convert(body, NodeDigest))
+        for a in view.ingest(msgspec.convert(body, NodeDigest))[1]:
+            monitor.observe(a, view.layout, clock.t)
     [record] = monitor.check(view.rows())
     culprit = record["evidence"]["culprit"]
     assert culprit["rank"] == hung and culprit["kind"] == "backward" and culprit["host"] == f"n{hung // per_node}"

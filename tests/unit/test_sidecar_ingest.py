@@ -198,6 +198,7 @@ def test_openapi_documents_every_body_by_its_record(client):
         "/v1/alerts": "#/components/schemas/AlertmanagerPayload",
         "/v1/instances": "#/components/schemas/InstancesForward",
         "/v1/activity": "#/components/schemas/ActivityPost",
+        "/v1/evidence": "#/components/schemas/EvidencePost",
         "/v1/digest": "#/components/schemas/NodeDigest",
     }
     assert all(ref.rsplit("/", 1)[1] in schemas for ref in bodies.values())

@@ -1,0 +1,52 @@
+"""The fault campaign's --quick (issue 44): one trial of every fault kind, each on real gloo ranks against
+real sidecars (the reference trainer on one and on two loopback nodes, torch pipelining, Megatron-Core,
+DeepSpeed), and short healthy runs carrying every noise (checkpoint saves, eval passes, a first-step warm-up,
+an operator pause, 1.5 s stops of a rank, a CPU-hogging neighbour). It fails when a kind is missed or
+misjudged (finding, culprit, cause) or a healthy step raises a finding the goals count (a hang, a crash,
+an action, a straggler or a link: benchmarks/fault_campaign.GOAL_RULES; the pipeline-shape rules, which a
+CPU hog truly moves for a few steps, are reported). The full campaign, with its
+latency percentiles: `python benchmarks/fault_campaign.py --trials 10 --healthy-steps 10000`
+(docs/benchmarks.md, "The fault campaign")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.e2e_util import ROOT, TORCHRUN
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python"),
+]
+
+
+def test_quick_campaign_names_every_fault_kind_and_nothing_in_healthy_runs(tmp_path):
+    out = tmp_path / "campaign.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=570,
+    )
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    kinds = {r["kind"]: r for r in run["kinds"]}
+    from benchmarks.fault_campaign import KINDS, available
+
+    assert set(kinds) == {k for k in KINDS if available(k)}
+    for kind, row in kinds.items():
+        assert row["trials"] == row["detected"] == row["right_kind"] == row["right_culprit"] == row["right_cause"]
+        if kind.startswith("hang") or kind.endswith("hang"):
+            assert row["evidence_full"] == row["trials"], row  # every reachable rank's stacks kept
+    # No false hang, crash, action, straggler or link finding (shape rules are reported: GOAL_RULES).
+    assert all(h["findings"] == h["shape_rules"] and h["steps"] > 0 for h in run["healthy"]), run["healthy"]
