@@ -52,8 +52,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "integ
 from common import cpu_jiffies, machine, print_table, stolen_share  # noqa: E402
 from e2e_util import TORCHRUN, kill_group, kill_tree, launch_nodes, read_jsonl  # noqa: E402
 
-from parwatch.trainer.errors import ConfigError  # noqa: E402
-from parwatch.trainer.faults import parse_fault  # noqa: E402
 from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy  # noqa: E402
 
 FWD_MS, BWD_MS, MICROBATCHES = 10.0, 20.0, 4
@@ -65,7 +63,6 @@ LONG_STEP_S = 0.45
 outlast the 3 s floor of the hang bound, so they are told apart only by what the ranks say they do."""
 TOKEN = "fault-campaign-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
-FINDING_RULES = ("hang", "rank-gone", "sidecar-lost", "straggler", "nonfinite-loss", "loss-spike")
 
 
 # ----------------------------------------------------------------------------------------- setups
@@ -388,20 +385,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "deepspeed-crash": ("deepspeed",),
 }
 """Fault kind -> the setups it runs on (a trial draws one)."""
-NEEDS_KIND = {"nan-persistent": "bad-batch:step=9", "loss-spike": "loss-spike:step=9"}
-"""Kinds whose --inject another branch adds (issue 42): skipped, and said so, where this build lacks it."""
 PP_LINKS = [(0, 2), (1, 3), (2, 0), (3, 1)]
-
-
-def available(kind: str) -> bool:
-    spec = NEEDS_KIND.get(kind)
-    if spec is None:
-        return True
-    try:
-        parse_fault(spec)
-    except ConfigError:
-        return False
-    return True
 
 
 def draw(kind: str, seed: int, setup: str | None = None) -> Trial:
@@ -438,9 +422,15 @@ def draw(kind: str, seed: int, setup: str | None = None) -> Trial:
         t.inject, t.step = ["--inject", f"slow-link:src={src},dst={dst},ms=20"], 6
         t.expect = {"rule": "straggler", "src": src, "dst": dst, "cause": "slow-link"}
     elif kind in ("nan-transient", "nan-persistent", "loss-spike"):
-        spec = {"nan-transient": "nan", "nan-persistent": "bad-batch", "loss-spike": "loss-spike"}[kind]
+        # The check before the optimizer step (issue 42) judges each: re-run, then applied or skipped.
+        spec, triage = {
+            "nan-transient": ("nan", "transient"),
+            "nan-persistent": ("bad-batch", "persistent"),
+            "loss-spike": ("loss-spike", "transient"),
+        }[kind]
         t.inject = ["--inject", f"{spec}:step={step}", *_checkpoints()]
-        t.expect = {"rule": "loss-spike" if kind == "loss-spike" else "nonfinite-loss", "step": step}
+        rule = "step-spike" if kind == "loss-spike" else "step-nonfinite"
+        t.expect = {"rule": rule, "step": step, "cause": triage}
     else:  # a framework's hang or crash, PP2: rank = stage
         stage = rng.randrange(2)
         flag = "--hang-at" if kind.endswith("hang") else "--crash-at"
@@ -492,7 +482,7 @@ def _run_trial(t: Trial, base: Path) -> dict:
                 return _result(t, run, None, None, error=f"the run did not reach step {t.step}")
             fault_at = _apply(t, run)
         expected = t.expect["rule"]
-        timeout = 60.0 if expected in ("straggler", "nonfinite-loss", "loss-spike") else 40.0
+        timeout = 60.0 if expected in ("straggler", "step-nonfinite", "step-spike") else 40.0
         ready = wait_for(lambda: [d for d in _findings(run) if d["rule"] == expected], timeout + 30, 0.1)
         if ready and expected in ("hang", "rank-gone"):
             _wait_evidence(run, ready[0])
@@ -603,9 +593,9 @@ def judge(t: Trial, d: dict | None) -> dict:
         else:
             culprit = where.get("rank") == e["rank"] and where.get("stage") == e["stage"]
         cause = where.get("cause") == e["cause"]
-    else:  # nonfinite-loss, loss-spike: the step
+    else:  # the step check's findings: the step, and transient (re-run, applied) or persistent (skipped)
         culprit = d.get("step") == e["step"]
-        cause = True
+        cause = d.get("triage") == e["cause"]
     return {"detected": True, "right_kind": right_kind, "right_culprit": bool(culprit), "right_cause": bool(cause)}
 
 
@@ -617,7 +607,7 @@ def _result(t: Trial, run: Run, fault_at: float | None, d: dict | None, error: s
         {k: f.get(k) for k in ("rule", "step", "reason")} for f in findings if d is None or f["id"] < d["id"]
     ]
     out["latency_seconds"] = round(d["time"] - fault_at, 3) if d is not None and fault_at is not None else None
-    if d is not None and t.expect["rule"] in ("straggler", "nonfinite-loss", "loss-spike") and d.get("step"):
+    if d is not None and t.expect["rule"] in ("straggler", "step-nonfinite", "step-spike") and d.get("step"):
         out["latency_steps"] = d["step"] - t.step
     if d is not None and d["rule"] in ("hang", "rank-gone"):
         files = _evidence_files(run, d)
@@ -817,6 +807,8 @@ GOAL_RULES = (
     "hang",
     "rank-gone",
     "sidecar-lost",
+    "step-nonfinite",
+    "step-spike",
     "nonfinite-loss",
     "loss-spike",
     "straggler",
@@ -870,9 +862,6 @@ def campaign(
 ) -> dict:
     plan = []
     for kind in kinds:
-        if not available(kind):
-            print(f"{kind}: skipped (this build's trainer has no {NEEDS_KIND[kind].split(':')[0]} fault: issue 42)")
-            continue
         for i in range(trials_per_kind):
             setups = KINDS[kind]  # --quick: one trial, the kinds alternating over their setups
             # --quick: one trial, on the setup a kind needs (the one-node trainer where it has the choice:
