@@ -154,10 +154,10 @@ def build(args, rank: int, pp: int, fault: dict | None = None):
     if args.send_delay and args.send_delay[0] == rank:
         for stage in stages:
             _delay_sends(stage, args.send_delay[1] / 1000)
-    for fault, crash in ((args.hang, False), (args.crash, True)):
-        if fault and fault[0] == rank:
+    for at, crash in ((args.hang, False), (args.crash, True)):  # --hang-at / --crash-at RANK:STEP
+        if at and at[0] == rank:
             modules[0].register_forward_pre_hook(
-                lambda module, inputs, at=int(fault[1]), crash=crash: _fault(at, crash)
+                lambda module, inputs, step=int(at[1]), crash=crash: _fault(step, crash)
             )
     cls = getattr(torch_schedules, SCHEDULES[args.schedule].torch_class)
 
