@@ -825,7 +825,9 @@ class HangMonitor:
         rank = found["culprit"]
         a = rows.get(rank)
         busy = a.busy if a is not None and a.state == RankState.RUNNING else None
-        if self.hang is None and (busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(stalled)):
+        if self.hang is None and (
+            busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(stalled)
+        ):
             # In a checkpoint save or an eval pass: busy, not stalled, until its own bound; or out of one a
             # moment ago, the stall counted from then.
             self.busy = {"rank": rank, "busy": busy, "since": a.busy_since} if busy and a else None

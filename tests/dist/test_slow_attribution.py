@@ -156,7 +156,9 @@ def test_host_contention_is_judged_by_the_reported_host(tmp_path, faults, cause)
 def test_slow_link_is_classified(tmp_path):
     # serial_tp: with the TP collectives overlapping the sleep, rank 3 (waiting for rank 2, whose input the link
     # delays) would compute less than rank 2, which the step-by-step comparison of a stage's ranks would name.
-    decisions, _ = run(tmp_path, STEPS, *LAYOUT, *synthetic(10, 20, serial_tp=True), "--inject", "slow-link:src=0,dst=2,ms=30")
+    decisions, _ = run(
+        tmp_path, STEPS, *LAYOUT, *synthetic(10, 20, serial_tp=True), "--inject", "slow-link:src=0,dst=2,ms=30"
+    )
     found = culprits(decisions)
     assert found and all(c == {"cause": "slow-link", "src": 0, "dst": 2, "group": "pp"} for c in found), decisions
     assert_everyone_names_where(decisions)
