@@ -58,7 +58,15 @@ from parwatch.sidecar.digest import (
 )
 from parwatch.sidecar.evidence import EvidenceBook, EvidenceRefused
 from parwatch.sidecar.exits import ProcessExits
-from parwatch.sidecar.hang import ENDED, JUDGE_EVERY_SECONDS, HangMetrics, HangMonitor, HangSettings, coverage
+from parwatch.sidecar.hang import (
+    ENDED,
+    JUDGE_EVERY_SECONDS,
+    MAX_LISTED,
+    HangMetrics,
+    HangMonitor,
+    HangSettings,
+    coverage,
+)
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
@@ -519,20 +527,11 @@ class ActivityHub:
     async def take_evidence(self, ev: RankEvidence, identity: Identity | None = None) -> dict:
         """A rank's evidence (from one of this node's ranks, or forwarded by a node): the leader keeps it
         beside its decision; a node passes it on to the leader. EvidenceRefused says why not; Forbidden when
-        the credential speaks for another rank or run, or a node forwards a rank it does not report."""
+        the credential speaks for another rank or run, or a node forwards a rank its digests do not carry."""
         layout = self._layout
         ev = replace_fields(ev, run_id=ev.run_id or "")
-        if identity is not None and identity.speaker != Speaker.OPERATOR:
-            mine = (
-                identity.rank == ev.rank and identity.run_id == ev.run_id
-                if identity.speaker == Speaker.RANK
-                else identity.speaker == Speaker.NODE and self._node_of.get(ev.rank) == identity.node
-            )
-            if not mine:
-                raise Forbidden(
-                    f"evidence: rank {ev.rank} of run {(ev.run_id or '')[:64]!r}, but this credential speaks for "
-                    f"{identity.describe()} only"
-                )
+        if identity is not None:
+            self._check_speaker(ev, identity)
         self.evidence.check(ev, layout.world if layout is not None else None)
         if self.is_leader:
             path = await asyncio.to_thread(self.evidence.store, ev)
@@ -555,6 +554,30 @@ class ActivityHub:
         if response.status_code >= 400:
             raise EvidenceRefused(f"the leader refused it: {response.text[:200]}", response.status_code)
         return {"ok": True, "forwarded": True}
+
+    def _check_speaker(self, ev: RankEvidence, identity: Identity) -> None:
+        """Whose evidence a credential may post, against what this sidecar knows: a rank's credential only its
+        own rank's, of its own run, and only a rank that reports its activity here; a node's credential only
+        a rank its latest digest carries. The operator's token any rank's."""
+        if identity.speaker == Speaker.RANK:
+            for field, theirs, mine in (("rank", ev.rank, identity.rank), ("run_id", ev.run_id, identity.run_id)):
+                if theirs != mine:
+                    raise Forbidden(
+                        f"evidence.{field}: rank {ev.rank} of run {ev.run_id[:64]!r}, but this credential speaks "
+                        f"for {identity.describe()} only"
+                    )
+            if ev.rank not in self.book.latest:
+                raise EvidenceRefused(
+                    f"evidence.rank: rank {ev.rank} reports no activity to this sidecar (it hears ranks "
+                    f"{sorted(self.book.latest)[:MAX_LISTED]}); a rank posts its evidence to its own node's sidecar"
+                )
+        elif identity.speaker == Speaker.NODE:
+            carried = self.view.ranks_of(identity.node or "")
+            if ev.rank not in carried:
+                raise Forbidden(
+                    f"evidence.rank: node {(identity.node or '')[:64]!r} forwards only the ranks its digests carry "
+                    f"({carried[:MAX_LISTED]}), not rank {ev.rank}"
+                )
 
     async def close(self) -> None:
         if self.book.exits is not None:

@@ -1,8 +1,9 @@
 """Who a control request speaks for (parwatch/credentials.py), and what each may ask.
 
 The shared token is the operator's and may ask anything. A rank credential may post its own rank's
-summaries and activity; a node credential its node's digests and cross-node instances; both may ask
-GET /v1/whoami (what the collector checks at attach). Anything else is a 403 naming what it needs.
+summaries, activity and evidence; a node credential its node's digests, cross-node instances and its ranks'
+evidence (whose evidence: checked by the route); both may ask GET /v1/whoami (what the collector checks at
+attach). Anything else is a 403 naming what it needs.
 Constant-time compares throughout (credentials.Verifier).
 """
 

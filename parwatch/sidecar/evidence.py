@@ -13,7 +13,8 @@ ticks and a post), well inside the 5 s the issue asks.
 What is accepted is bounded and checked against what the sidecar knows: the body is a typed record
 (parwatch.records.EvidencePost, at most 64 spans and 128 KiB of stacks), its run is the run it asked,
 its decision one it asked for within ASK_SECONDS, its rank inside the run and not yet stored for that
-decision (409 otherwise). At most MAX_BUNDLES bundles are kept (the oldest directory goes first) and
+decision (409 otherwise); whose evidence a rank's or a node's credential may post is checked by the route
+(ActivityHub._check_speaker in activity_api.py: its own rank reporting there; the ranks its digests carry). At most MAX_BUNDLES bundles are kept (the oldest directory goes first) and
 MAX_RANKS_PER_BUNDLE ranks per bundle: disk use is bounded whatever the run's size. A write that fails
 answers 503 and is logged; it never touches a decision.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 from fastapi.testclient import TestClient
@@ -17,6 +18,7 @@ from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
 from parwatch.collector.evidence import enable_flight_recorder
 from parwatch.contract import HookRegistry, Observer, SpanKind
+from parwatch.credentials import node_credential, rank_credential
 from parwatch.report.loader import load_run
 from parwatch.report.summary import _evidence_lines
 from parwatch.sidecar.app import create_control_app
@@ -130,7 +132,9 @@ def test_a_hang_decision_names_its_bundle_and_every_rank_sends_its_evidence_ther
     ]
 
 
-def test_a_node_asks_its_ranks_and_forwards_their_evidence_to_the_leader(tmp_path):
+def _two_nodes(tmp_path):
+    """A leader holding rank 0 and a node holding rank 1 (its digests reach the leader with its node
+    credential): rank 1 stays in its forward, rank 0 waits for it, the leader names the hang."""
     leader, lsc, lclock = _app(tmp_path, "leader")
     node, nsc, nclock = _app(tmp_path, "node", leader_url="http://leader")
     hub = nsc.activity
@@ -153,6 +157,11 @@ def test_a_node_asks_its_ranks_and_forwards_their_evidence_to_the_leader(tmp_pat
         asyncio.run(lsc.activity.tick())
     [record] = [d for d in lsc.activity.monitor.findings if d["rule"] == "hang"]
     asyncio.run(hub.tick())  # the digest's reply carries the ask
+    return leader, node, nsc, nclock, record
+
+
+def test_a_node_asks_its_ranks_and_forwards_their_evidence_to_the_leader(tmp_path):
+    leader, node, nsc, nclock, record = _two_nodes(tmp_path)
     reply = node.post("/v1/activity", json=report(1, kind="forward", time=nclock.t)).json()
     assert reply["evidence"] == {"decision": record["id"]}
     rank1 = _reporter(node, 1, HookRegistry(), nclock)
@@ -160,6 +169,57 @@ def test_a_node_asks_its_ranks_and_forwards_their_evidence_to_the_leader(tmp_pat
     stored = json.loads((tmp_path / "leader" / record["evidence"]["bundle"] / "rank1.json").read_text())
     assert stored["rank"] == 1 and "test_a_node_asks_its_ranks" in stored["stacks"]
     assert not (tmp_path / "node" / "evidence").exists()  # kept at the leader only
+
+
+def _evidence(rank: int, decision: int, run_id: str = "r1") -> dict:
+    activity = report(rank, kind="forward", time=1_000.0)["activity"]
+    body = {"run_id": run_id, "decision": decision, "rank": rank, "time": 1_000.0, "activity": activity}
+    return {"version": 1, "evidence": body | {"stacks": "Thread 1 (most recent call last):\n", "spans": []}}
+
+
+def _as(credential: str) -> dict:
+    return {"Authorization": f"Bearer {credential}"}
+
+
+def test_a_rank_credential_posts_only_its_own_rank_of_its_own_run_that_reports_here(tmp_path):
+    client, sidecar, clock = _app(tmp_path, "leader")
+    decision = _hang(client, sidecar, clock)["id"]
+    rank0 = _as(rank_credential("tok", "r1", 0))
+    other = client.post("/v1/evidence", json=_evidence(1, decision), headers=rank0)
+    assert other.status_code == 403, other.text
+    assert other.json()["detail"] == (
+        "evidence.rank: rank 1 of run 'r1', but this credential speaks for rank 0 of run 'r1' only"
+    )
+    another_run = client.post("/v1/evidence", json=_evidence(0, decision), headers=_as(rank_credential("tok", "r2", 0)))
+    assert another_run.status_code == 403 and another_run.json()["detail"].startswith("evidence.run_id: "), (
+        another_run.text
+    )
+    assert client.post("/v1/evidence", json=_evidence(0, decision), headers=rank0).status_code == 200
+    bundle = tmp_path / "leader" / f"evidence/r1/decision-{decision}"
+    assert sorted(p.name for p in bundle.iterdir()) == ["rank0.json"]  # nothing refused was kept
+
+
+def test_a_rank_posts_its_evidence_where_it_reports_and_a_node_only_the_ranks_its_digests_carry(tmp_path):
+    leader, node, _, _, record = _two_nodes(tmp_path)
+    decision = record["id"]
+    # Rank 0 reports to the leader: the node has never heard of it.
+    elsewhere = node.post("/v1/evidence", json=_evidence(0, decision), headers=_as(rank_credential("tok", "r1", 0)))
+    assert elsewhere.status_code == 409, elsewhere.text
+    assert elsewhere.json()["detail"].startswith("evidence.rank: rank 0 reports no activity to this sidecar")
+    # The node's digests carry rank 1 only: rank 0's evidence is not its to forward, nor any rank an unknown node's.
+    name = node_credential("tok", f"{socket.gethostname()}:9401")
+    not_its = leader.post("/v1/evidence", json=_evidence(0, decision), headers=_as(name))
+    assert not_its.status_code == 403, not_its.text
+    assert not_its.json()["detail"] == (
+        f"evidence.rank: node '{socket.gethostname()}:9401' forwards only the ranks its digests carry ([1]), not rank 0"
+    )
+    stranger = leader.post("/v1/evidence", json=_evidence(1, decision), headers=_as(node_credential("tok", "x:1")))
+    assert (
+        stranger.status_code == 403
+        and "node 'x:1' forwards only the ranks its digests carry ([])" in (stranger.json()["detail"])
+    )
+    assert not (tmp_path / "leader" / record["evidence"]["bundle"]).exists()  # nothing refused was kept
+    assert leader.post("/v1/evidence", json=_evidence(1, decision), headers=_as(name)).status_code == 200
 
 
 def test_the_launcher_turns_the_flight_recorder_on_unless_the_user_chose_a_size():
