@@ -377,7 +377,7 @@ class ActivityHub:
             coverage=cov,
             heard_since=self.view.heard_since,
         )
-        self._idle_due = not records and not self.monitor.awaiting_fresh
+        self._idle_due = not records and not self.monitor.awaiting_fresh and self.monitor.held_until is None
         for record in records:
             bundle = record.get("evidence", {}).get("bundle")
             if bundle and isinstance(record.get("id"), int):

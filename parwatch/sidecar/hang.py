@@ -563,6 +563,10 @@ class HangMonitor:
         ask again at the next ask, not once a second."""
         self.checked_stall = 0.0
         """The stall the last check() judged: past the bound, a hang was either named then or is none."""
+        self.held_until: float | None = None
+        """The last check() held a hang back: the rank the others wait for entered its current span less than
+        the decision line ago (a slow step, still moving). When it will have been in it that long (this clock):
+        the leader asks again right then, not at its once-a-second tick."""
         self.run_id = ""
         """The run judged, as its ranks' reports name it (the hub sets it): its evidence bundles are named by it."""
         self.busy: dict | None = None
@@ -633,7 +637,10 @@ class HangMonitor:
         self.asked_stall = self.progress.stalled_for(now)
         if gone_hint:
             return True
-        return not paused and self.hang is None and (self.stalled_past_bound(self.asked_stall) or self._busy_past(now))
+        due = not paused and self.hang is None and (self.stalled_past_bound(self.asked_stall) or self._busy_past(now))
+        if not due:
+            self.held_until = None
+        return due
 
     def _busy_past(self, now: float) -> bool:
         """A rank seen busy lately, and the run without a boundary for (about) the busy bound."""
@@ -655,6 +662,8 @@ class HangMonitor:
         until = line - self.progress.stalled_for(self.clock())
         if until > 0:
             return until
+        if self.held_until is not None:
+            return max(self.held_until - self.clock(), 0.0)
         return 0.0 if self.asked_stall < line else None
 
     def decision_line(self) -> float:
@@ -679,6 +688,7 @@ class HangMonitor:
         `heard_since(t)`: whether every node still heard from has sent a digest since t (the leader)."""
         now = self.clock()
         self.checked_stall = self.progress.stalled_for(now)
+        self.held_until = None
         records = self._judge_crashes(rows, now, coverage, heard_since)
         crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
         stalled, bound, past, fresh_after, stale = self._progress(rows, now, quiet=paused or crashed)
@@ -825,12 +835,17 @@ class HangMonitor:
         rank = found["culprit"]
         a = rows.get(rank)
         busy = a.busy if a is not None and a.state == RankState.RUNNING else None
+        in_span = self._in_span(a, now) if a is not None else None
+        in_span = stalled if in_span is None else in_span
         if self.hang is None and (
-            busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(stalled)
+            busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(min(stalled, in_span))
         ):
             # In a checkpoint save or an eval pass: busy, not stalled, until its own bound; or out of one a
-            # moment ago, the stall counted from then.
+            # moment ago, the stall counted from then; or the rank the others wait for entered its current
+            # span less than the bound ago: a slow step, still moving, not a stall.
             self.busy = {"rank": rank, "busy": busy, "since": a.busy_since} if busy and a else None
+            if not busy and self.stalled_past_bound(stalled):
+                self.held_until = now + self.decision_line() - in_span
             return records
         self.busy = None
         lost = (coverage or {}).get("nodes_missing") or []
@@ -842,6 +857,15 @@ class HangMonitor:
             self.hang = record
             records.append(record)
         return records
+
+    def _in_span(self, a: Activity, now: float) -> float | None:
+        """How long a running rank has been in its current span, on the leader's clock: the span's age when
+        sampled (the rank's clock, both ends) plus the time since that sample reached the leader (dated by
+        its node's digest). None when unknown (between spans, or a row this monitor has not heard)."""
+        heard = self._heard.get(a.rank)
+        if a.state != RankState.RUNNING or a.since is None or heard is None or heard[0] != a.time:
+            return None
+        return max(a.time - a.since, 0.0) + max(now - heard[1], 0.0)
 
     def _hang_record(
         self,

@@ -316,7 +316,8 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
                 if hanging:
                     a = act(r, lay, "collective", "all_reduce", "world", step=step, host=f"n{node}", time=clock.t)
                     if r == hung:
-                        a = act(r, lay, "backward", step=step, host=f"n{node}", since=clock.t - 1, time=clock.t)
+                        # in its backward since the stall began (one entered a moment ago is still moving)
+                        a = act(r, lay, "backward", step=step, host=f"n{node}", since=clock.t - 10.5, time=clock.t)
                 rows.append(list(astuple(a)))
             yield {
                 "version": 1,
@@ -480,6 +481,31 @@ def test_hang_is_decided_at_the_bound_minus_one_ask_after_the_boundary():
     assert record["evidence"]["stalled_since"] == pytest.approx(boundary)
     assert record["evidence"]["stalled_seconds"] == pytest.approx(10.0 - every)
     assert record["evidence"]["bound_seconds"] == 10.0
+
+
+@pytest.mark.parametrize("skew", [-60.0, 0.0, 60.0])
+def test_a_slow_step_whose_culprit_is_still_moving_through_its_spans_is_no_hang(skew):
+    """Found by test_hang_e2e's crash test at a 2 s bound and 1.28 s steps: a step 1.4x the median passed
+    the decision line while the rank the others waited for had entered its forward 0.8 s before; it was
+    named a hang. The stall now counts from that rank's current span when it began later (its age on the
+    rank's clock plus the time since its sample arrived: a rank clock a minute off changes nothing)."""
+    monitor, clock, engine, rows, boundary = _stalled_monitor(skew)
+    line = monitor.decision_line()
+    clock.t = boundary + line + 1.0  # past the line since the boundary ...
+    entered = clock.t - 0.8  # ... but rank 1 entered its forward 0.8 s ago
+
+    def judge_at(t: float) -> list[dict]:
+        """Rank 1 reports, as once a second, still in that forward (sampled 0.3 s before the leader judges)."""
+        clock.t = t
+        rows[1] = replace(rows[1], since=entered + skew, time=t - 0.3 + skew)
+        monitor.observe(rows[1], monitor.layout, t - 0.3)
+        return monitor.check(rows)
+
+    assert judge_at(clock.t) == [] and engine.records == []
+    assert monitor.seconds_until_due() == pytest.approx(entered + line - clock.t)  # the leader asks right then
+    assert judge_at(entered + line - 0.01) == []
+    [record] = judge_at(entered + line)  # in the same span for the decision line: hung
+    assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
 
 
 @pytest.mark.parametrize("skew", [-60.0, 60.0])
