@@ -563,7 +563,7 @@ class ActivityHub:
             for field, theirs, mine in (("rank", ev.rank, identity.rank), ("run_id", ev.run_id, identity.run_id)):
                 if theirs != mine:
                     raise Forbidden(
-                        f"evidence.{field}: rank {ev.rank} of run {ev.run_id[:64]!r}, but this credential speaks "
+                        f"evidence.{field}: rank {ev.rank} of run {(ev.run_id or '')[:64]!r}, but this credential speaks "
                         f"for {identity.describe()} only"
                     )
             if ev.rank not in self.book.latest:
