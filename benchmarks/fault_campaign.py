@@ -82,19 +82,27 @@ class Sidecar:
 
     def start(self) -> Sidecar:
         env = dict(os.environ, PARWATCH_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
-        cmd = sidecar_command(
-            "--state-dir",
-            str(self.state_dir),
-            "--control-listen",
-            f"127.0.0.1:{self.control_port}",
-            "--metrics-listen",
-            f"127.0.0.1:{self.metrics_port}",
-            *self.args,
-        )
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        wait_healthy(f"{self.url}/healthz", self.proc, 60)
-        return self
+        for _ in range(3):
+            cmd = sidecar_command(
+                "--state-dir",
+                str(self.state_dir),
+                "--control-listen",
+                f"127.0.0.1:{self.control_port}",
+                "--metrics-listen",
+                f"127.0.0.1:{self.metrics_port}",
+                *self.args,
+            )
+            with open(self.log, "ab") as log:
+                self.proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            wait_healthy(f"{self.url}/healthz", proc, 60)
+            # A port free a moment ago may be taken meanwhile (another run's sidecar, a rendezvous): what
+            # answers there is then not ours, ours exits, and the run would report to another run's leader.
+            wait_for(lambda p=proc: _listens(p.pid, self.control_port) or p.poll() is not None, 30, 0.1)
+            if proc.poll() is None and _listens(proc.pid, self.control_port):
+                return self
+            self.stop()
+            self.control_port, self.metrics_port = free_port(), free_port()
+        raise RuntimeError(f"{self.log.name}: the sidecar could not keep a port of its own in 3 tries")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -165,6 +173,10 @@ class Run:
         m = re.search(rf"injected {what}\b[^\n]*? at ([0-9]+\.[0-9]+)", self.output())
         return float(m.group(1)) if m else None
 
+    def ended(self) -> bool:
+        """Every rank (or launcher) process has exited."""
+        return all(p.poll() is not None for p in self.procs)
+
     def last_step(self) -> int:
         return self.leader.status().get("last_step") or 0
 
@@ -194,6 +206,17 @@ class Run:
                 kill_tree(p.pid)
         for s in self.sidecars:
             s.stop()
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the listening TCP socket on 127.0.0.1:`port` (/proc/net/tcp's inode)."""
+    try:
+        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        inodes = {f"socket:[{r[9]}]" for r in rows if r[3] == "0A" and int(r[1].rpartition(":")[2], 16) == port}
+        fds = Path(f"/proc/{pid}/fd")
+        return any(os.readlink(fd) in inodes for fd in fds.iterdir())
+    except OSError:
+        return False
 
 
 def _children(pid: int) -> list[int]:
@@ -539,9 +562,11 @@ def _fault_time(t: Trial, run: Run) -> float | None:
 
 
 def _wait_evidence(run: Run, decision: dict) -> None:
+    """Until every rank reachable at the decision sent its evidence, or none is left to send (after a crash
+    its peers end too: waiting the 8 s out cost --quick ~25 s of its 4 minutes)."""
     bundle = (decision.get("evidence") or {}).get("bundle")
     if bundle:
-        wait_for(lambda: _evidence_files(run, decision) and _reachable_done(run, decision), 8.0, 0.2)
+        wait_for(lambda: (_evidence_files(run, decision) and _reachable_done(run, decision)) or run.ended(), 8.0, 0.2)
 
 
 def _evidence_files(run: Run, decision: dict) -> list[Path]:
@@ -878,7 +903,12 @@ def campaign(
     lock = threading.Lock()
 
     def one(item):
-        with tempfile.TemporaryDirectory(prefix="parwatch-campaign-") as tmp:
+        keep = os.environ.get("PARWATCH_CAMPAIGN_KEEP")  # a directory: every trial's files stay there
+        with (
+            contextlib.nullcontext(tempfile.mkdtemp(prefix="parwatch-campaign-", dir=keep))
+            if keep
+            else tempfile.TemporaryDirectory(prefix="parwatch-campaign-")
+        ) as tmp:
             if isinstance(item, Healthy):
                 r = run_healthy(item, Path(tmp), seed)
                 with lock:
