@@ -327,6 +327,7 @@ class RuleMonitor:
         "window_values",
         "acted_tick",
         "acted_step",
+        "acted_decision",
         "switched",
     )
 
@@ -345,6 +346,8 @@ class RuleMonitor:
         self.window_values: list[float] = []
         self.acted_tick: int | None = None
         self.acted_step: int | None = None
+        self.acted_decision: int | None = None
+        """The id of the decision it last acted with: a switch decided before it does not change its run."""
         self.switched: str | None = None
         """What changed the run since the rule acted while it kept firing (a rollback or resume applied, a
         restart, a skipped step): failing again after it, the rule acts again (GuardrailEngine)."""

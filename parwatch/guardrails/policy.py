@@ -241,11 +241,16 @@ class Policy:
             return ""
         return f"still failing after {monitor.switched}" if monitor.switched else ""
 
-    def _switched(self, what: str) -> None:
-        """The run changed (`what`): every rule that acted and is still firing acts again if it fails again."""
+    def _switched(self, what: str, decided: int | None = None) -> None:
+        """The run changed (`what`): every rule that acted and is still firing acts again if it fails again.
+        Not one that acted after the switch was decided (`decided`: its decision id): its action was taken
+        with the switch on its way (queued behind it), so the switch changed nothing under it."""
         for monitor in self.monitors.values():
-            if monitor.state == RuleState.FIRING and monitor.acted_tick is not None:
-                monitor.switched = what
+            if monitor.state != RuleState.FIRING or monitor.acted_tick is None:
+                continue
+            if decided is not None and monitor.acted_decision is not None and monitor.acted_decision > decided:
+                continue
+            monitor.switched = what
 
     def _act(self, monitor: RuleMonitor, step: int | None, now: float, again: str = "") -> list[dict]:
         rule = monitor.rule
@@ -276,6 +281,7 @@ class Policy:
             escalated = action != Action.ROLLBACK
             reason += note
         monitor.acted_tick, monitor.acted_step = self.run.tick, step
+        monitor.acted_decision = self.next_decision_id  # the id _decide gives it
         decision = Decision(
             time=now,
             step=step,
@@ -693,9 +699,9 @@ class Policy:
                 if loaded is not None:
                     self.run.checkpoints = {c for c in self.run.checkpoints if c <= int(loaded)}
                 self.run.last_step = None
-                self._switched(f"the rollback to step {loaded} (directive {did})")
+                self._switched(f"the rollback to step {loaded} (directive {did})", done.get("decision_id"))
             elif action == Action.RESUME:
-                self._switched(f"the resume (directive {did})")
+                self._switched(f"the resume (directive {did})", done.get("decision_id"))
         elif result in (OutcomeName.FAILED, OutcomeName.MIXED) and action == Action.ROLLBACK:
             why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
             reason = (

@@ -72,6 +72,8 @@ RawPost = Callable[..., Awaitable[tuple[int, Any]]]
 SMALL_POST = 64 * 1024
 """Hot posts up to this size are decoded on the event loop; larger ones in a thread (a 7 MB digest held the
 loop 1.6 s)."""
+FINAL_SUMMARIES_SECONDS = 5.0
+"""How long the run's end waits for the last summaries of ranks that said done (a shipper closes in 2 s)."""
 HEARTBEAT_SECONDS = 5.0
 """Rank 0 said "alive" (a heartbeat boundary: the run is paused) this recently: a stall is no hang."""
 
@@ -136,6 +138,7 @@ class ActivityHub:
         """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
         self._layout: RankLayout | None = None
+        self._ending_since: float | None = None  # when every rank here first said it ended (_note_if_ended)
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
         self._idle_due = False
         """Due, judged, nothing decided (a crashed run, a pause): re-judged once a second, not at every ask."""
@@ -396,11 +399,21 @@ class ActivityHub:
         if store.run_id is None or store.ended or self.book.run_id != store.run_id:
             return
         rows = self.book.rows()
-        if (
+        if not (
             rows
             and store.ranks.keys() <= rows.keys()
             and all(a.state == RankState.DONE or a.state in ENDED for a in rows.values())
         ):
+            self._ending_since = None
+            return
+        # A rank says done before its shipper flushes its last summaries (the collector closes the activity
+        # reporter first): the run's end waits for them, or FINAL_SUMMARIES_SECONDS if they were lost.
+        now = self.clock()
+        if self._ending_since is None:
+            self._ending_since = now
+        last = {r: rec.summary.step for r, rec in store.ranks.items()}
+        behind = any(a.state == RankState.DONE and a.step > last.get(r, -1) for r, a in rows.items())
+        if not behind or now - self._ending_since >= FINAL_SUMMARIES_SECONDS:
             store.ended = True
 
     def _feed_liveness(self) -> None:
