@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.vocabulary import MetricKind, RankState, RuleState, SelfPart, TimeCategory
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Upper bounds (seconds) of the step duration histogram."""
 
 KINDS = tuple(MetricKind)
 BOUNDED_LABELS = frozenset(

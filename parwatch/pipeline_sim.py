@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from parwatch.vocabulary import ScheduleName, canonical_schedule
+from parwatch.vocabulary import BubbleCause, ScheduleName, canonical_schedule
 
 F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backward weight
 COMPUTE_TYPES = (F, B, I, W)
@@ -392,8 +392,8 @@ class BubbleCauses:
     wait: float
     """The rest: measured - schedule - imbalance (p2p, collectives, host). Negative if faster."""
 
-    def as_dict(self) -> dict:
-        return {"schedule": self.schedule, "imbalance": self.imbalance, "wait": self.wait}
+    def as_dict(self) -> dict[BubbleCause, float]:
+        return {cause: getattr(self, cause.value) for cause in BubbleCause}
 
 
 def bubble_causes(

@@ -307,6 +307,31 @@ class TimeCategory(StrEnum):
     """What no span or gap explains (host work between spans, shutdown)."""
 
 
+class BubbleCause(StrEnum):
+    """What a stage's pipeline bubble is split into (parwatch.pipeline_sim.bubble_causes): a global view
+    stage's `bubble_<cause>_ratio`, exported as parwatch_stage_bubble_<cause>_ratio, and the ledger's
+    `bubble_<cause>` seconds."""
+
+    SCHEDULE = "schedule"
+    """What the schedule itself implies with every stage at the step's mean per-action times."""
+    IMBALANCE = "imbalance"
+    """What this step's unequal stage times add."""
+    WAIT = "wait"
+    """The rest of the measured bubble: p2p, collectives, the host."""
+
+    @property
+    def ratio_field(self) -> str:
+        return f"bubble_{self.value}_ratio"
+
+    @property
+    def metric(self) -> str:
+        return f"parwatch_stage_{self.ratio_field}"
+
+    @property
+    def time_category(self) -> TimeCategory:
+        return TimeCategory(f"bubble_{self.value}")
+
+
 OUTSIDE_TRAINING: tuple[TimeCategory, ...] = (
     TimeCategory.STARTUP,
     TimeCategory.CHECKPOINT_SAVE,

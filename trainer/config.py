@@ -12,6 +12,9 @@ from parwatch.trainer.faults import EXAMPLE as FAULT_EXAMPLES
 from parwatch.trainer.faults import parse_fault
 from parwatch.trainer.schedules import SCHEDULE_CHOICES, SCHEDULES
 
+CHOICES = {"schedule": SCHEDULE_CHOICES, "parwatch": ("on", "off", "auto"), "pre_step_check": ("on", "off")}
+"""The settings that take one of a few values: what their flag accepts."""
+
 
 @dataclass(frozen=True)
 class SyntheticCompute:
@@ -258,12 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=docs.get(name))
         else:
             kwargs = {"type": type(value), "default": value, "help": f"{docs.get(name, '')} (default: %(default)s)"}
-            if name == "schedule":
-                kwargs["choices"] = SCHEDULE_CHOICES
-            if name == "parwatch":
-                kwargs["choices"] = ("on", "off", "auto")
-            if name == "pre_step_check":
-                kwargs["choices"] = ("on", "off")
+            if name in CHOICES:
+                kwargs["choices"] = CHOICES[name]
             p.add_argument(flag, **kwargs)
     return p
 

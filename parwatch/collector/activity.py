@@ -7,7 +7,7 @@ training thread; nothing else is asked of it): kind, op, group, peer and the col
 per-group `seq`, since when (wall clock), plus pid, host, coordinates and the last completed
 step. The sidecar's hang detector lines these up across ranks (parwatch.sidecar.hang).
 
-Payload (POST /v1/activity, ~300 bytes): parwatch.records.ActivityPost, the record the sidecar decodes.
+Payload (POST /v1/activity, ~300 bytes): parwatch.wire.activity.ActivityPost, the record the sidecar decodes.
 On close a last report says `state: "done"` (or "crashed", with the exception), so a rank that finished
 is not taken for one that crashed when its pid disappears.
 """
@@ -21,8 +21,9 @@ import threading
 import time
 from typing import TextIO
 
-from parwatch.records import CONTROL_CHARS, ActivityPost, ActivityReport, ReportState, encode
-from parwatch.schema import MAX_ERROR_CHARS
+from parwatch.wire.activity import ActivityPost, ActivityReport, ReportState
+from parwatch.wire.bounds import CONTROL_CHARS, MAX_ERROR_CHARS
+from parwatch.wire.codec import encode
 
 log = logging.getLogger("parwatch.collector")
 

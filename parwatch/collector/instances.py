@@ -139,7 +139,7 @@ class InstanceLog:
         )
 
     def take(self) -> dict:
-        """The summary's `instances` payload for the period that just ended (parwatch/step_records.py, Instances)."""
+        """The summary's `instances` payload for the period that just ended (parwatch/wire/steps.py, Instances)."""
         out = {
             "host": self.host,
             "data_seconds": self._data,

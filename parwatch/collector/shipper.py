@@ -32,8 +32,8 @@ import time
 from collections import deque
 
 from parwatch.collector.wire import dumps, encode_outcome, encode_summary
-from parwatch.schema import SCHEMA_VERSION
-from parwatch.step_records import OutcomeRecord, StepCheckRecord
+from parwatch.wire.bounds import SCHEMA_VERSION
+from parwatch.wire.steps import OutcomeRecord, StepCheckRecord
 
 log = logging.getLogger("parwatch.collector")
 

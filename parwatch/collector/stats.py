@@ -18,8 +18,8 @@ from itertools import accumulate
 
 from parwatch.bubble import stage_bubble
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
-from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.vocabulary import CollectiveOp
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, busbw_factor
 
 P2P_KINDS = frozenset({SpanKind.SEND, SpanKind.RECV})
 COLLECTIVE_OPS = frozenset(CollectiveOp)

@@ -13,9 +13,9 @@ from parwatch.collector.context import RunContext
 from parwatch.collector.stats import StepBreakdown
 from parwatch.contract import Directive, OutcomeReport
 from parwatch.contract.directives import parse_directive
-from parwatch.schema import SCHEMA_VERSION
-from parwatch.step_records import OutcomeRecord, StepCheckRecord, StepSummary
 from parwatch.vocabulary import OutcomeName, jsonable
+from parwatch.wire.bounds import SCHEMA_VERSION
+from parwatch.wire.steps import OutcomeRecord, StepCheckRecord, StepSummary
 
 log = logging.getLogger("parwatch.collector")
 

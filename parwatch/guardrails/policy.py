@@ -27,8 +27,6 @@ from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
 from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.rules import RuleSet
 from parwatch.ledger_view import same_process
-from parwatch.records import Cancelled, Decision, Delivered, Outcome, log_record
-from parwatch.schema import MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import (
     Action,
     DecisionSource,
@@ -41,6 +39,8 @@ from parwatch.vocabulary import (
     Triage,
     jsonable,
 )
+from parwatch.wire.bounds import MAX_CHECKPOINTS, decode_float
+from parwatch.wire.log import HANDLED, Cancelled, Decision, Delivered, Handled, LogEntry, log_record
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Policy:
             self.changed = True
         return records
 
-    def _append(self, typed: Decision | Cancelled | Outcome) -> dict:
+    def _append(self, typed: LogEntry) -> dict:
         """A record made: among the recent ones, and owed to the store; returns it JSON-safe, as written."""
         record = log_record(typed)
         self.unsaved.append(record)
@@ -724,10 +724,9 @@ class Policy:
         self.changed = True
         return records
 
-    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Outcome:
+    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Handled:
         ranks = int(outcome.get("ranks") or 0)
-        record = Outcome(
-            type=outcome["outcome"],
+        record = HANDLED[outcome["outcome"]](
             directive_id=did,
             action=self._action_of(did) if directive is None else directive["action"],
             decision_id=None if directive is None else directive.get("decision_id"),

@@ -13,11 +13,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parwatch import ledger_view, records, step_records
+from parwatch import ledger_view
 from parwatch.rank_layout import DEFAULT_ORDER, ORDERS
-from parwatch.records import BadRecord
-from parwatch.schema import decode_float
 from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
+from parwatch.wire.bounds import decode_float
+from parwatch.wire.codec import BadRecord, parse
+from parwatch.wire.log import check_log_record
+from parwatch.wire.steps import StepSummary
 
 SUMMARIES = "summaries.jsonl"
 SPANS = "spans.jsonl"
@@ -128,7 +130,7 @@ def _int(rec: dict, key: str) -> int:
 def _summary(rec: dict) -> dict:
     """A summaries.jsonl line checked as the sidecar checks a posted one (StepSummary), kept as a dict
     with its loss decoded (float('nan') for "nan")."""
-    summary = records.parse(rec, step_records.StepSummary, dotted=True)
+    summary = parse(rec, StepSummary, dotted=True)
     return {**rec, "loss": summary.loss}
 
 
@@ -150,7 +152,7 @@ def _span(rec: dict) -> dict:
 
 
 def _decision(rec: dict) -> dict:
-    records.check_log_record(rec)
+    check_log_record(rec)
     return {**rec, "type": rec.get("type", RecordType.DECISION)}
 
 

@@ -8,8 +8,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from parwatch.bubble import closed_form, excess, has_closed_form, stage_bubble
-from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.vocabulary import SelfPart
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
 
 
 def parse_buckets(raw, bounds=COLLECTIVE_BUCKETS) -> list[float] | None:

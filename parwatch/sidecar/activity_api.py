@@ -39,8 +39,6 @@ from parwatch.credentials import Identity, Verifier, node_credential
 from parwatch.guardrails.engine_store import StorageFault
 from parwatch.host import host_identity
 from parwatch.rank_layout import RankLayout
-from parwatch.records import ActivityPost, BadRecord, NodeDigest, decode, encode
-from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency, identity_of
 from parwatch.sidecar.bodies import documented
@@ -62,6 +60,8 @@ from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.vocabulary import RankState, RuleAction, Speaker, jsonable
+from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost, NodeDigest
+from parwatch.wire.codec import BadRecord, decode, encode
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -571,7 +571,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         openapi_extra=documented(NodeDigest),
     )
     async def digest(request: Request):
-        """A node sidecar's digest of its ranks (parwatch.records.NodeDigest)."""
+        """A node sidecar's digest of its ranks (parwatch.wire.activity.NodeDigest)."""
         raw = await request.body()
         status, payload = await handle_digest(raw, client=None, identity=identity_of(request))
         return JSONResponse(payload, status_code=status)
@@ -587,7 +587,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
 
 def _typed_post(record: type, root: str, handle: Callable[..., dict]) -> RawPost:
-    """A raw-body handler: the body decoded as `record` (parwatch.records; a large one in a thread), then
+    """A raw-body handler: the body decoded as `record` (parwatch.wire.codec; a large one in a thread), then
     handled; 422 naming the field (as every other endpoint answers a body it cannot use), 403 for a
     credential of another rank or node, 409 for a report of another run while this one is live."""
 

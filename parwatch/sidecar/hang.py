@@ -37,8 +37,8 @@ from prometheus_client.registry import Collector
 
 from parwatch.catalog import RANK_STATES, family
 from parwatch.rank_layout import ROLES, Coords, RankLayout
-from parwatch.records import Activity
 from parwatch.vocabulary import GroupRole, RankState, RuleAction, SpanKind
+from parwatch.wire.activity import Activity
 
 STARTUP_FACTOR = 6.0
 """Until the first step completes, a hang needs STARTUP_FACTOR x min_seconds (60 s by default)."""
@@ -247,7 +247,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
 
 
 def _seconds_or_none(x) -> float | None:
-    """A finite number as float, else None: rows are validated at ingest (parwatch.records), and
+    """A finite number as float, else None: rows are validated at ingest (parwatch.wire.activity), and
     the stall clock still checks what it uses, for callers that build Activity rows themselves."""
     if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
         return float(x)

@@ -38,8 +38,9 @@ from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
-from parwatch.step_records import AlertmanagerPayload, ControlRequest, IngestBody
 from parwatch.vocabulary import RecordType, RuleAction, SidecarRole, Speaker, jsonable
+from parwatch.wire.bodies import AlertmanagerPayload, ControlRequest
+from parwatch.wire.steps import IngestBody
 
 log = logging.getLogger(__name__)
 MAX_UNJUDGED = 10_000

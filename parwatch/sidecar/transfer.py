@@ -47,8 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from parwatch.catalog import family
 from parwatch.guardrails.attribution import CAUSES, Finding, PathFigures, RankFigures, Thresholds, attribute, median_at
-from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.vocabulary import CollectiveOp, GroupRole
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, busbw_factor
 
 HORIZON_STEPS = 8
 """An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
@@ -199,7 +199,7 @@ class TransferTracker:
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
-        """Take one new summary (a parwatch.step_records.StepSummary); returns the instances it completed."""
+        """Take one new summary (a parwatch.wire.steps.StepSummary); returns the instances it completed."""
         with self._lock:  # a scrape on another thread may be building the view
             return self._add(s)
 

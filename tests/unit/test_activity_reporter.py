@@ -11,10 +11,10 @@ import pytest
 from parwatch import contract
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
-from parwatch.records import ActivityPost, decode
-from parwatch.schema import HANG_EXIT_CODE
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import Faults, parse_fault
+from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost
+from parwatch.wire.codec import decode
 
 
 class Response:
@@ -91,7 +91,7 @@ def test_post_body_token_and_abort_reply():
 
 
 def test_what_the_reporter_posts_decodes_as_the_sidecar_reads_it():
-    """The collector encodes parwatch.records.ActivityPost; the sidecar decodes the same type, every bound
+    """The collector encodes parwatch.wire.activity.ActivityPost; the sidecar decodes the same type, every bound
     checked: a span's report, and the last word of a rank that crashed with a multi-line, tabbed error."""
     http = FakeHttp()
     reg = contract.HookRegistry()

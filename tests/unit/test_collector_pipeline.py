@@ -8,9 +8,8 @@ import pytest
 from test_collector_sim import P2P_BYTES, SEND_S, pipeline, run_steps
 
 from parwatch.collector import SpanSampling
-from parwatch.schema import COLLECTIVE_BUCKETS
-from parwatch.step_records import OutcomeRecord
 from parwatch.vocabulary import OutcomeName
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, OutcomeRecord
 
 TF, TB, TOPT = 0.010, 0.020, 0.005
 STEP = 5 * (TF + TB) + TOPT  # (m+p-1)(tf+tb) + optimizer: 0.155 s

@@ -7,7 +7,7 @@ import pytest
 from parwatch.collector import RunContext
 from parwatch.collector import global_view as gv
 from parwatch.collector.stats import StepStats, breakdown
-from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
 
 
 def test_breakdown_follows_the_definitions():

@@ -9,13 +9,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from parwatch.rank_layout import RankLayout
-from parwatch.records import ActivityPost, parse
 from parwatch.sidecar.activity_api import FINAL_SUMMARIES_SECONDS, _next_ask
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
 from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS
 from parwatch.sidecar.service import build_sidecar
-from parwatch.step_records import StepSummary
+from parwatch.wire.activity import ActivityPost
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import StepSummary
 from tests.fixtures import synthetic as syn
 
 
@@ -369,7 +370,7 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
     import sys
     import time
 
-    from parwatch.schema import HANG_EXIT_CODE
+    from parwatch.wire.activity import HANG_EXIT_CODE
 
     stacks = tmp_path / "stacks-rank1.txt"
     server = socket.create_server(("127.0.0.1", 0))  # the child's connection proves its pid (pid_owner)

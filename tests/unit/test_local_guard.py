@@ -11,9 +11,9 @@ from parwatch.collector.shipper import Delivery
 from parwatch.collector.wire import encode_outcome
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import default_rules
-from parwatch.records import decode
-from parwatch.step_records import OutcomeRecord
 from parwatch.vocabulary import OutcomeName
+from parwatch.wire.codec import decode
+from parwatch.wire.steps import OutcomeRecord
 
 
 def _guard(tmp_path, since=1234.5):

@@ -9,8 +9,8 @@ import time
 import msgspec
 
 from parwatch.collector.shipper import Shipper
-from parwatch.step_records import OutcomeRecord
 from parwatch.vocabulary import OutcomeName
+from parwatch.wire.steps import OutcomeRecord
 from tests.deadline import wait_until
 
 

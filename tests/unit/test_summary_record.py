@@ -9,9 +9,9 @@ import logging
 from test_collector_sim import pipeline, run_steps
 
 from parwatch.collector.wire import encode_summary
-from parwatch.records import decode
-from parwatch.step_records import StepSummary
 from parwatch.vocabulary import jsonable
+from parwatch.wire.codec import decode
+from parwatch.wire.steps import StepSummary
 
 
 def _built(summary: dict) -> dict:

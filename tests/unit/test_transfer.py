@@ -7,10 +7,9 @@ import pytest
 
 from parwatch.collector.instances import InstanceLog, InstanceSampling
 from parwatch.contract import Span
-from parwatch.records import parse
-from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar.transfer import TransferTracker, transfer_families
-from parwatch.step_records import StepSummary
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, StepSummary
 from tests.fixtures import synthetic as syn
 
 MS = 1e-3
