@@ -53,33 +53,41 @@ _ACTION_CODES = {Action.PAUSE: 1, Action.RESUME: 2, Action.ROLLBACK: 3}
 _CODE_ACTIONS = {v: k for k, v in _ACTION_CODES.items()}
 
 
-class OutcomeName(StrEnum):
-    """An outcome record's `outcome`: contract.Outcome's wire names, and MIXED when ranks differ."""
+class Outcome(StrEnum):
+    """What ranks did with a directive: each rank's, counted in the step-boundary vector
+    (parwatch.contract.boundary), and the run's, in rank 0's outcome record and the decision log."""
 
     APPLIED = "applied"
+    """Done as asked."""
     SUBSTITUTED = "substituted"
-    """A rollback loaded an older verified checkpoint than asked."""
+    """A rollback that loaded another checkpoint than asked (the asked one failed verification)."""
     FAILED = "failed"
+    """Not done; FailReason says why (the run goes on as it was)."""
     IGNORED = "ignored"
-    """Another run's directive."""
+    """Not for this run (another run id): never applied."""
     MIXED = "mixed"
+    """The run's ranks differ (counts say how); never one rank's."""
+
+
+class FailReason(StrEnum):
+    """Why a rank failed or ignored a directive."""
+
+    NO_CHECKPOINT = "no_checkpoint"
+    """No complete checkpoint to roll back to (none saved, or no checkpoint dir)."""
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    """Every candidate checkpoint failed its sha256 check on some rank."""
+    LOAD_ERROR = "load_error"
+    """Loading a verified checkpoint raised (shape or layout mismatch, I/O error)."""
+    OTHER_RUN = "other_run"
+    """The directive names another run id."""
 
 
 class RecordType(StrEnum):
-    """The `type` of a decisions.jsonl record: a decision, a directive cancelled or delivered, or an outcome."""
+    """The `type` of a decisions.jsonl record that is no outcome (an outcome's type is its Outcome)."""
 
     DECISION = "decision"
     CANCELLED = "cancelled"
     DELIVERED = "delivered"
-    APPLIED = "applied"
-    SUBSTITUTED = "substituted"
-    FAILED = "failed"
-    IGNORED = "ignored"
-    MIXED = "mixed"
-
-
-OUTCOME_TYPES = tuple(RecordType(o) for o in OutcomeName)
-"""The record types that are outcomes (every type but decision, cancelled and delivered)."""
 
 
 class DirectiveState(StrEnum):

@@ -307,13 +307,13 @@ class Trainer:
             "id": directive.id,
             "action": directive.action.value,
             "step": self.step,
-            "outcome": outcome.wire,
+            "outcome": outcome,
             **noted,
         }
         if loaded_step is not None:
             record["loaded_step"] = loaded_step
         if reason is not None:
-            record["reason"] = reason.wire
+            record["reason"] = reason
         self.applied.append(record)
         self.steps_boundary.report(directive, outcome, step=self.step, loaded_step=loaded_step, reason=reason)
 

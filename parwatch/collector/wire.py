@@ -13,7 +13,7 @@ from parwatch.collector.context import RunContext
 from parwatch.collector.stats import StepBreakdown
 from parwatch.contract import Directive, OutcomeReport
 from parwatch.contract.directives import parse_directive
-from parwatch.vocabulary import OutcomeName, jsonable
+from parwatch.vocabulary import Outcome, jsonable
 from parwatch.wire.bounds import SCHEMA_VERSION
 from parwatch.wire.steps import OutcomeRecord, StepCheckRecord, StepSummary
 
@@ -85,11 +85,11 @@ def outcome_record(report: OutcomeReport, run_id: str, step: int) -> OutcomeReco
     return OutcomeRecord(
         directive_id=report.directive_id,
         run_id=run_id,
-        outcome=OutcomeName(outcome.wire) if outcome is not None else OutcomeName.MIXED,
+        outcome=outcome if outcome is not None else Outcome.MIXED,
         step=step,
         loaded_step=report.loaded_step,
-        counts={OutcomeName(o.wire): n for o, n in report.counts.items() if n},
-        reasons={r.wire: n for r, n in report.reasons.items()},
+        counts={o: n for o, n in report.counts.items() if n},
+        reasons={r.value: n for r, n in report.reasons.items()},
         ranks=report.ranks,
     )
 

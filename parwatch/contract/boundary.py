@@ -247,15 +247,18 @@ class StepBoundary:
         step: int | None = None,
     ) -> None:
         """This rank's outcome of `directive`; it rides every boundary until the next directive."""
-        self._handled = _Handled(directive.id, Outcome(outcome), loaded_step, reason)
+        outcome = Outcome(outcome)
+        if outcome not in _OUTCOME_SLOT:
+            raise ValueError(f"a rank's outcome is one of {', '.join(_OUTCOME_SLOT)}, not {outcome}")
+        self._handled = _Handled(directive.id, outcome, loaded_step, reason)
         self.registry.emit_event(
             Event.DIRECTIVE_APPLIED,
             id=directive.id,
             action=directive.action.value,
             step=step,
-            outcome=Outcome(outcome).wire,
+            outcome=outcome,
             loaded_step=loaded_step,
-            reason=None if reason is None else reason.wire,
+            reason=reason,
         )
 
     def hold(

@@ -31,7 +31,7 @@ from parwatch.vocabulary import (
     Action,
     DecisionSource,
     DirectiveState,
-    OutcomeName,
+    Outcome,
     RecordType,
     RuleAction,
     RuleState,
@@ -685,7 +685,7 @@ class Policy:
             return [record]
         records = [self._append(self._outcome_record(did, done, outcome, now))]
         action = done["action"]
-        if result in (OutcomeName.APPLIED, OutcomeName.SUBSTITUTED):
+        if result in (Outcome.APPLIED, Outcome.SUBSTITUTED):
             if action == Action.PAUSE:
                 self.run.paused = True
             elif action in SWITCHES:
@@ -702,7 +702,7 @@ class Policy:
                 self._switched(f"the rollback to step {loaded} (directive {did})", done.get("decision_id"))
             elif action == Action.RESUME:
                 self._switched(f"the resume (directive {did})", done.get("decision_id"))
-        elif result in (OutcomeName.FAILED, OutcomeName.MIXED) and action == Action.ROLLBACK:
+        elif result in (Outcome.FAILED, Outcome.MIXED) and action == Action.ROLLBACK:
             why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
             reason = (
                 f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
@@ -739,7 +739,7 @@ class Policy:
         if directive is not None and directive["action"] == Action.ROLLBACK:
             record.requested_step = directive["to_step"]
             record.loaded_step = outcome.get("loaded_step")
-            record.substituted = outcome.get("outcome") == OutcomeName.SUBSTITUTED
+            record.substituted = outcome.get("outcome") == Outcome.SUBSTITUTED
         if outcome.get("reasons"):
             record.reasons = outcome["reasons"]
         if directive is None:

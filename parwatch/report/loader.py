@@ -15,7 +15,7 @@ from pathlib import Path
 
 from parwatch import ledger_view
 from parwatch.rank_layout import DEFAULT_ORDER, ORDERS
-from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
+from parwatch.vocabulary import Outcome, RecordType, TimeCategory
 from parwatch.wire.bounds import decode_float
 from parwatch.wire.codec import BadRecord, parse
 from parwatch.wire.log import check_log_record
@@ -26,6 +26,7 @@ SPANS = "spans.jsonl"
 DECISIONS = "decisions.jsonl"
 
 _SPAN_INTS = ("rank", "stage", "step")
+OUTCOMES = frozenset(Outcome)
 _KEEP_REASONS = 5
 
 
@@ -236,7 +237,7 @@ def load_run(run_dir, decisions_path=None) -> RunData:
         summaries=summaries,
         spans=spans,
         decisions=[r for r in records if r["type"] == RecordType.DECISION],
-        applied=[r for r in records if r["type"] in OUTCOME_TYPES],
+        applied=[r for r in records if r["type"] in OUTCOMES],
         issues=issues,
         config=_config(summaries, spans),
     )

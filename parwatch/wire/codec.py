@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from parwatch.vocabulary import Action, CollectiveOp, GroupRole, OutcomeName, TimeCategory
+from parwatch.vocabulary import Action, CollectiveOp, GroupRole, Outcome, TimeCategory
 from parwatch.wire.activity import ROW_FIELDS, STATES, Activity
 from parwatch.wire.bounds import ECMA_END, PRINTABLE, PYTHON_END
 
@@ -102,8 +102,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "op": tuple(CollectiveOp),
     "group": tuple(GroupRole),
     "groups": tuple(GroupRole),
-    "outcome": tuple(OutcomeName),
-    "counts": tuple(OutcomeName),
+    "outcome": tuple(Outcome),
+    "counts": tuple(Outcome),
     "time_seconds": tuple(TimeCategory),
 }
 """Closed sets whose members an error lists (a state's depend on the record: STATES)."""

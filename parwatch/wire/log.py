@@ -16,7 +16,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from parwatch.vocabulary import (
     Action,
     DecisionSource,
-    OutcomeName,
+    Outcome,
     RecordType,
     RuleAction,
     StepAction,
@@ -128,30 +128,30 @@ class Handled(LogEntry, kw_only=True):
     note: str | UnsetType = UNSET
 
 
-class Applied(Handled, tag=OutcomeName.APPLIED.value):
+class Applied(Handled, tag=Outcome.APPLIED.value):
     pass
 
 
-class Substituted(Handled, tag=OutcomeName.SUBSTITUTED.value):
+class Substituted(Handled, tag=Outcome.SUBSTITUTED.value):
     """A rollback loaded an older verified checkpoint than asked."""
 
 
-class Failed(Handled, tag=OutcomeName.FAILED.value):
+class Failed(Handled, tag=Outcome.FAILED.value):
     pass
 
 
-class Ignored(Handled, tag=OutcomeName.IGNORED.value):
+class Ignored(Handled, tag=Outcome.IGNORED.value):
     """Another run's directive."""
 
 
-class Mixed(Handled, tag=OutcomeName.MIXED.value):
+class Mixed(Handled, tag=Outcome.MIXED.value):
     """The ranks differ (counts says how)."""
 
 
 LogRecord = Decision | Cancelled | Delivered | Applied | Substituted | Failed | Ignored | Mixed
 LOG_TYPES: tuple[type[LogEntry], ...] = get_args(LogRecord)
-HANDLED: dict[OutcomeName, type[Handled]] = {
-    OutcomeName(str(c.__struct_config__.tag)): c for c in (Applied, Substituted, Failed, Ignored, Mixed)
+HANDLED: dict[Outcome, type[Handled]] = {
+    Outcome(str(c.__struct_config__.tag)): c for c in (Applied, Substituted, Failed, Ignored, Mixed)
 }
 """An outcome -> the record of a directive the ranks handled so."""
 TAGS = tuple(str(t.__struct_config__.tag) for t in LOG_TYPES)

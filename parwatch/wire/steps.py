@@ -21,7 +21,7 @@ from parwatch.rank_layout import DEFAULT_ORDER, RankLayout, cached_layout
 from parwatch.vocabulary import (
     CollectiveOp,
     GroupRole,
-    OutcomeName,
+    Outcome,
     SelfPart,
     StepAction,
     StepFault,
@@ -389,12 +389,12 @@ class OutcomeRecord(Struct, frozen=True, kw_only=True):
 
     directive_id: Annotated[int, Meta(gt=0, lt=MAX_STEP)]
     run_id: RunId
-    outcome: OutcomeName
+    outcome: Outcome
     """substituted: a rollback loaded an older verified checkpoint than asked; ignored: another run's;
     mixed: the ranks differ."""
     step: Step
     loaded_step: Step | None = None
-    counts: dict[OutcomeName, Ranks] = field(default_factory=dict)
+    counts: dict[Outcome, Ranks] = field(default_factory=dict)
     """outcome -> ranks."""
     reasons: Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z_]{1,32}\Z")], Ranks], Meta(max_length=16)] = field(
         default_factory=dict

@@ -8,7 +8,6 @@ import pytest
 from test_collector_sim import P2P_BYTES, SEND_S, pipeline, run_steps
 
 from parwatch.collector import SpanSampling
-from parwatch.vocabulary import OutcomeName
 from parwatch.wire.steps import COLLECTIVE_BUCKETS, OutcomeRecord
 
 TF, TB, TOPT = 0.010, 0.020, 0.005
@@ -163,17 +162,17 @@ def test_rank_0_reports_one_outcome_record_once_every_rank_handled_the_directive
         OutcomeRecord(
             directive_id=7,
             run_id="sim-run",
-            outcome=OutcomeName.SUBSTITUTED,
+            outcome=Outcome.SUBSTITUTED,
             step=1,
             loaded_step=12,
-            counts={OutcomeName.SUBSTITUTED: 2},
+            counts={Outcome.SUBSTITUTED: 2},
             reasons={},
             ranks=2,
         )
     ]
     failed = OutcomeReport(8, {Outcome.FAILED: 1, Outcome.APPLIED: 1}, {FailReason.CHECKPOINT_CORRUPT: 1}, None, 2)
     run.boundary(1, "heartbeat", t + 0.6, t + 0.7, report=failed)
-    assert outcomes[0][-1].outcome == OutcomeName.MIXED
+    assert outcomes[0][-1].outcome == Outcome.MIXED
     assert outcomes[0][-1].reasons == {"checkpoint_corrupt": 1}
 
 

@@ -11,7 +11,7 @@ from parwatch.collector.shipper import Delivery
 from parwatch.collector.wire import encode_outcome
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import default_rules
-from parwatch.vocabulary import OutcomeName
+from parwatch.vocabulary import Outcome
 from parwatch.wire.codec import decode
 from parwatch.wire.steps import OutcomeRecord
 
@@ -52,7 +52,7 @@ def test_a_dropped_nonfinite_loss_pauses_once_with_an_id_above_every_id_seen(tmp
     assert guard.offer([4]) is None  # one decision per event
     guard.loss(8, float("nan"), _dropped())  # the next NaN step, before the leader heard of the first
     assert guard.offer([4]) is None
-    outcome = OutcomeRecord(directive_id=43, run_id="r", outcome=OutcomeName.APPLIED, step=8, ranks=4)
+    outcome = OutcomeRecord(directive_id=43, run_id="r", outcome=Outcome.APPLIED, step=8, ranks=4)
     record = guard.annotate(outcome)
     local = record.local
     assert local is not None

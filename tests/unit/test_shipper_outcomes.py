@@ -9,7 +9,7 @@ import time
 import msgspec
 
 from parwatch.collector.shipper import Shipper
-from parwatch.vocabulary import OutcomeName
+from parwatch.vocabulary import Outcome
 from parwatch.wire.steps import OutcomeRecord
 from tests.deadline import wait_until
 
@@ -49,7 +49,7 @@ def _summary(step):
 
 
 RECORD = OutcomeRecord(
-    directive_id=7, run_id="r", outcome=OutcomeName.APPLIED, step=3, counts={OutcomeName.APPLIED: 4}, ranks=4
+    directive_id=7, run_id="r", outcome=Outcome.APPLIED, step=3, counts={Outcome.APPLIED: 4}, ranks=4
 )
 OUTCOME = msgspec.to_builtins(RECORD)
 """As the sidecar reads it."""
