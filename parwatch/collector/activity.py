@@ -37,8 +37,8 @@ def describe_error(error: BaseException) -> str:
 class ActivityReporter:
     """One daemon thread per rank: sample `registry.current`, POST it to `endpoint`/v1/activity.
 
-    summary_fn: returns the collector's latest step summary (a dict with "step" and
-    "step_seconds") or None. time_fn: wall clock. http: an httpx.Client-like object (tests).
+    summary_fn: returns the collector's latest step summary (a StepSummary) or None. time_fn: wall
+    clock. http: an httpx.Client-like object (tests).
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class ActivityReporter:
         """This rank's activity now: only reads; safe from any thread."""
         ctx, now = self.ctx, self._time()
         span = self.registry.current  # one read: the training thread may replace it right after
-        summary = self._summary_fn() or {}
+        summary = self._summary_fn()
         attrs = span.attrs if span is not None else {}
         return ActivityReport(
             run_id=ctx.run_id,
@@ -110,8 +110,8 @@ class ActivityReporter:
             dp=ctx.dp,
             order=ctx.order,
             state=state,
-            step=int(summary.get("step", -1)),
-            step_seconds=summary.get("step_seconds"),
+            step=-1 if summary is None else summary.step,
+            step_seconds=None if summary is None else summary.step_seconds,
             kind=str(span.kind) if span is not None else None,
             op=attrs.get("op"),
             group=attrs.get("group"),
@@ -119,7 +119,7 @@ class ActivityReporter:
             seq=attrs.get("seq"),
             since=self._since(span, now) if span is not None else None,
             time=now,
-            step_end=summary.get("time"),
+            step_end=None if summary is None else summary.time,
             error=error,
         )
 

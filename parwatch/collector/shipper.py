@@ -24,22 +24,29 @@ steps the check before the optimizer step found bad ride the same way (`checks`)
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
-from parwatch.collector.wire import dumps, encode_outcome, encode_summary
+import msgspec
+
+from parwatch.vocabulary import jsonable
 from parwatch.wire.bounds import SCHEMA_VERSION
-from parwatch.wire.steps import OutcomeRecord, StepCheckRecord
+from parwatch.wire.steps import GlobalView, OutcomeRecord, StepCheckRecord, StepSummary
 
 log = logging.getLogger("parwatch.collector")
 
 SUMMARY, SPANS = "summary", "spans"
 REFUSED_FOR_GOOD = frozenset({400, 404, 413, 422})
 """Answers after which rank 0's records are not sent again: the same body would be refused again."""
+_ENCODER = msgspec.json.Encoder()
+Prepare = Callable[[StepSummary, GlobalView | None], StepSummary]
+"""The collector's last word on a summary, on the shipper's thread (its bubble causes): the summary to send."""
 
 
 AUTH_FIX = (
@@ -109,7 +116,7 @@ class Shipper:
         self._own_http = http is None
         self._on_directive = on_directive
         self.poll_interval_s = poll_interval_s
-        self._prepare = prepare  # called on each summary on this thread, before it is written or sent
+        self._prepare: Prepare | None = prepare
         self._batch_size = batch_size
         self._timeouts = (connect_timeout_s, timeout_s)
         self._max_backoff_s = max_backoff_s
@@ -166,8 +173,11 @@ class Shipper:
         return self
 
     # Training thread: never blocks beyond one uncontended lock.
-    def put_summary(self, summary: dict, delivery: Delivery | None = None) -> None:
-        self._put((SUMMARY, summary, delivery))
+    def put_summary(
+        self, summary: StepSummary, delivery: Delivery | None = None, view: GlobalView | None = None
+    ) -> None:
+        """`view`: another rank's own copy of the global view, for `prepare` (never sent)."""
+        self._put((SUMMARY, (summary, view), delivery))
 
     def put_spans(self, records: list) -> None:
         if self._paths[SPANS]:
@@ -190,14 +200,14 @@ class Shipper:
         """Rank 0: a directive's outcome record; sent with every post until one is accepted."""
         if self.url:
             with self._lock:
-                self._outcomes.append(encode_outcome(record))
+                self._outcomes.append(_ENCODER.encode(record).decode())
             self._wake.set()
 
     def put_check(self, record: StepCheckRecord) -> None:
         """Rank 0: a bad step's record (the check before the optimizer step); sent until a post is accepted."""
         if self.url:
             with self._lock:
-                self._checks.append(encode_outcome(record))
+                self._checks.append(_ENCODER.encode(record).decode())
             self._wake.set()
 
     def queued(self) -> int:
@@ -234,25 +244,26 @@ class Shipper:
                 self._queue.clear()
             if not items:
                 return
-            if self._prepare is not None:
-                for kind, payload, _ in items:
-                    if kind == SUMMARY:
-                        try:
-                            self._prepare(payload)
-                        except Exception:  # a summary without its extras beats no summary
-                            pass
             # Encode each summary once: the same text goes to the file and into the POST body.
-            summaries = [encode_summary(payload) for kind, payload, _ in items if kind == SUMMARY]
+            summaries = [self._encode(*payload) for kind, payload, _ in items if kind == SUMMARY]
             deliveries = [delivery for kind, _, delivery in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
             if self._paths[SPANS]:
-                self._write(SPANS, [dumps(r) for kind, payload, _ in items if kind == SPANS for r in payload])
+                self._write(SPANS, [_dumps(r) for kind, payload, _ in items if kind == SPANS for r in payload])
             if self.url:
                 for i in range(0, len(summaries), self._batch_size):
                     taken = self._post(summaries[i : i + self._batch_size])
                     _settle(deliveries[i : i + self._batch_size], taken)
             else:
                 _settle(deliveries, False)
+
+    def _encode(self, summary: StepSummary, view: GlobalView | None) -> str:
+        if self._prepare is not None:
+            try:
+                summary = self._prepare(summary, view)
+            except Exception:  # a summary without its extras beats no summary
+                pass
+        return _ENCODER.encode(summary).decode()
 
     def _write(self, kind: str, lines: list) -> None:
         path = self._paths[kind]
@@ -384,6 +395,14 @@ class Shipper:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _dumps(value) -> str:
+    """Compact JSON of a span record (its attrs are the trainer's)."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float the trainer did not encode
+        return json.dumps(jsonable(value), allow_nan=False, separators=(",", ":"))
 
 
 def _settle(deliveries, accepted: bool) -> None:

@@ -17,14 +17,14 @@ A loss, or any float that may be non-finite, travels as a number or one of the s
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 from msgspec import Meta
 
 from parwatch.contract.directives import MAX_STEP as MAX_STEP  # the contract's (stdlib) bound, one definition
 from parwatch.rank_layout import ORDERS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 """Every body's `version` (a summary's `v`)."""
 
 MAX_WORLD = 1 << 17

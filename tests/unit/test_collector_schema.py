@@ -9,9 +9,8 @@ import msgspec
 from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
-from parwatch.collector.causes import CAUSE_KEYS
 from parwatch.rank_layout import ORDERS
-from parwatch.vocabulary import REFERENCE_SCHEDULES, SelfPart, TimeCategory
+from parwatch.vocabulary import REFERENCE_SCHEDULES, BubbleCause, SelfPart, TimeCategory
 from parwatch.wire.bounds import SCHEMA_VERSION
 from parwatch.wire.codec import parse
 from parwatch.wire.steps import COLLECTIVE_BUCKETS, IngestBody, StepSummary
@@ -96,7 +95,7 @@ def valid_global(g):
         and is_loss(g["loss"])
         and is_int(g["slowest_stage"])
         and is_float(g["pipeline_skew_ratio"])
-        and all(STAGE_KEYS <= set(s) <= STAGE_KEYS | set(CAUSE_KEYS.values()) for s in g["stages"])
+        and all(STAGE_KEYS <= set(s) <= STAGE_KEYS | {c.ratio_field for c in BubbleCause} for s in g["stages"])
         and all(is_int(s["stage"]) for s in g["stages"])
     )
 

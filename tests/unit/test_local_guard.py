@@ -8,11 +8,10 @@ import json
 
 from parwatch.collector.fallback import LOCAL_DECISIONS_FILE, LocalGuard
 from parwatch.collector.shipper import Delivery
-from parwatch.collector.wire import encode_outcome
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import default_rules
 from parwatch.vocabulary import Outcome
-from parwatch.wire.codec import decode
+from parwatch.wire.codec import decode, encode
 from parwatch.wire.steps import OutcomeRecord
 
 
@@ -61,7 +60,7 @@ def test_a_dropped_nonfinite_loss_pauses_once_with_an_id_above_every_id_seen(tmp
     assert guard.annotate(outcome).local is None  # only once
     (written,) = [json.loads(line) for line in (tmp_path / LOCAL_DECISIONS_FILE).read_text().splitlines()]
     assert written["directive_id"] == 43 and written["step"] == 7
-    assert decode(encode_outcome(record).encode(), OutcomeRecord) == record  # the wire accepts it
+    assert decode(encode(record), OutcomeRecord) == record  # the wire accepts it
 
 
 def _engine(tmp_path):
