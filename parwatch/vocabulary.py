@@ -156,6 +156,17 @@ class DecisionSource(StrEnum):
     """Every rank together, before the optimizer step (parwatch.contract.step_check); the leader records it."""
 
 
+class BuiltinRule(StrEnum):
+    """The rules parwatch judges itself (no rules file names them): a decision's `rule`."""
+
+    HANG = "hang"
+    """The leader's hang monitor (parwatch/sidecar/hang.py): no step boundary past the hang bound."""
+    RANK_GONE = "rank-gone"
+    """The hang monitor: a rank's process ended (crashed, killed)."""
+    NONFINITE_LOSS = "nonfinite-loss"
+    """Rank 0's local guard (parwatch/collector/fallback.py) while its sidecar was unreachable."""
+
+
 # --- the check before the optimizer step (parwatch.contract.step_check) -----------------------------
 
 

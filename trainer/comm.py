@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from parwatch import contract
 from parwatch.trainer.parallel_dims import ProcessGroups
-from parwatch.vocabulary import GroupRole
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 if TYPE_CHECKING:
     from parwatch.trainer.faults import Faults
@@ -151,7 +151,7 @@ class Comm:
             self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
         with self.registry.span(
             contract.SpanKind.COLLECTIVE,
-            op="all_reduce",
+            op=CollectiveOp.ALL_REDUCE,
             group=role,
             bytes=tensor.numel() * tensor.element_size(),
             group_size=n,
@@ -177,7 +177,9 @@ class Comm:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
         if self.faults is not None and self.faults.hang_due("send"):
-            with self.registry.span(contract.SpanKind.SEND, peer=dst, op="send", group="pp", **attrs):
+            with self.registry.span(
+                contract.SpanKind.SEND, peer=dst, op=CollectiveOp.SEND, group=GroupRole.PP, **attrs
+            ):
                 self.faults.hang_if("send")  # the rank reads as stuck in a send to dst
         active = self.registry.active
         start = self.registry.mark() if active else None
@@ -186,7 +188,12 @@ class Comm:
         span_attrs = None
         if active:
             span_attrs = dict(
-                attrs, peer=dst, op="send", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2
+                attrs,
+                peer=dst,
+                op=CollectiveOp.SEND,
+                group=GroupRole.PP,
+                bytes=tensor.numel() * tensor.element_size(),
+                group_size=2,
             )
             span_attrs["seq"] = self.registry.next_seq(contract.SpanKind.SEND, span_attrs)  # numbered when posted
         lane = self._lane(dst)
@@ -204,8 +211,8 @@ class Comm:
         with self.registry.span(
             contract.SpanKind.RECV,
             peer=src,
-            op="recv",
-            group="pp",
+            op=CollectiveOp.RECV,
+            group=GroupRole.PP,
             bytes=tensor.numel() * tensor.element_size(),
             group_size=2,
             **attrs,

@@ -11,6 +11,7 @@ from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import EXAMPLE as FAULT_EXAMPLES
 from parwatch.trainer.faults import parse_fault
 from parwatch.trainer.schedules import SCHEDULE_CHOICES, SCHEDULES
+from parwatch.vocabulary import ScheduleName
 
 CHOICES = {"schedule": SCHEDULE_CHOICES, "parwatch": ("on", "off", "auto"), "pre_step_check": ("on", "off")}
 """The settings that take one of a few values: what their flag accepts."""
@@ -51,7 +52,7 @@ class TrainConfig:
     """Pipeline stages."""
     dp: int = 1
     """Data-parallel replicas."""
-    schedule: str = "1f1b"
+    schedule: str = ScheduleName.ONE_F_ONE_B.value
     """gpipe, 1f1b or interleaved1f1b (alias: interleaved)."""
     chunks: int = 1
     """Model chunks per stage (v); >= 2 only with --schedule interleaved1f1b."""

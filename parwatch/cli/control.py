@@ -14,7 +14,7 @@ from parwatch import ledger_view
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.tokens import TokenError, read_token
-from parwatch.vocabulary import RecordType, SidecarRole
+from parwatch.vocabulary import DecisionSource, RecordType, SidecarRole
 
 DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
 """The token a `parwatch sidecar` started here with its default --state-dir generated."""
@@ -168,7 +168,7 @@ def _who() -> str:
     try:
         return f"operator:{getpass.getuser()}"
     except Exception:  # no user name in some containers
-        return "operator"
+        return DecisionSource.OPERATOR
 
 
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch status --endpoint http://127.0.0.1:9401")

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TextIO
 
+from parwatch.vocabulary import RankState
 from parwatch.wire.activity import ActivityPost, ActivityReport, ReportState
 from parwatch.wire.bounds import CONTROL_CHARS, MAX_ERROR_CHARS
 from parwatch.wire.codec import encode
@@ -91,24 +92,16 @@ class ActivityReporter:
         """The reporter thread's CPU time so far (time.thread_time_ns), as of its last report."""
 
     # -- sampling (reporter thread) ---------------------------------------------------------
-    def snapshot(self, state: ReportState = "running", error: str | None = None) -> ActivityReport:
+    def snapshot(self, state: ReportState = RankState.RUNNING, error: str | None = None) -> ActivityReport:
         """This rank's activity now: only reads; safe from any thread."""
         ctx, now = self.ctx, self._time()
         span = self.registry.current  # one read: the training thread may replace it right after
         summary = self._summary_fn()
         attrs = span.attrs if span is not None else {}
         return ActivityReport(
-            run_id=ctx.run_id,
-            rank=ctx.rank,
+            **ctx.placement,
             pid=self._pid,
             host=ctx.hostname,
-            stage=ctx.stage,
-            tp_rank=ctx.tp_rank,
-            dp_rank=ctx.dp_rank,
-            tp=ctx.tp,
-            pp=ctx.pp,
-            dp=ctx.dp,
-            order=ctx.order,
             state=state,
             step=-1 if summary is None else summary.step,
             step_seconds=None if summary is None else summary.step_seconds,
@@ -217,9 +210,9 @@ class ActivityReporter:
         self._retry_at = 0.0  # the last word is worth one try even after failures
         try:
             if error is None:
-                self.post(self.snapshot(state="done"))
+                self.post(self.snapshot(state=RankState.DONE))
             else:
-                self.post(self.snapshot(state="crashed", error=describe_error(error)))
+                self.post(self.snapshot(state=RankState.CRASHED, error=describe_error(error)))
         except Exception:
             pass
         if self._own_http and self._http is not None:

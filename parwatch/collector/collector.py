@@ -452,16 +452,8 @@ class Collector(Observer):
         overhead_ns = self._overhead_ns + t1 - t0
         self._collector_ns += overhead_ns
         summary = StepSummary(
+            **ctx.placement,
             v=SCHEMA_VERSION,
-            run_id=ctx.run_id,
-            rank=ctx.rank,
-            stage=ctx.stage,
-            tp_rank=ctx.tp_rank,
-            dp_rank=ctx.dp_rank,
-            tp=ctx.tp,
-            pp=ctx.pp,
-            dp=ctx.dp,
-            order=ctx.order,
             microbatches=ctx.microbatches,
             chunks=ctx.chunks,
             schedule=ctx.schedule,

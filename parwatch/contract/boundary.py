@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from parwatch.contract.directives import Action, Directive, FailReason, Outcome
 from parwatch.contract.spans import BoundaryKind, Event, HookRegistry, SpanKind
 from parwatch.contract.spans import registry as default_registry
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 (
     LOSS_SUM,
@@ -203,7 +204,11 @@ class StepBoundary:
             vec[HEADER_SLOTS:] = part
         start = reg.mark()
         with reg.span(
-            SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=len(vec) * 8, group_size=self.world_size
+            SpanKind.BOUNDARY,
+            op=CollectiveOp.ALL_REDUCE,
+            group=GroupRole.WORLD,
+            bytes=len(vec) * 8,
+            group_size=self.world_size,
         ):
             out = self._all_reduce(vec)
             if callable(out):  # in flight: the observers' work meanwhile is free

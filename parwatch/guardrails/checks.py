@@ -334,7 +334,7 @@ class RuleMonitor:
     def __init__(self, rule: Rule):
         self.rule = rule
         self.check = make_check(rule)
-        self.state, self.reason = "ok", "no failing evaluation"
+        self.state, self.reason = RuleState.OK, "no failing evaluation"
         self.failing_steps = 0
         self.since_step: int | None = None
         self.since_time: float | None = None
@@ -356,13 +356,13 @@ class RuleMonitor:
         """Judge one observation; True when it makes the rule enter firing (time to act)."""
         self.last_seen_time = now
         if self.reason == NO_DATA:
-            self._clear("ok", "data is back")
+            self._clear(RuleState.OK, "data is back")
         reading = self.check.read(as_series(values))
         if reading is not None:
             self.last_value, self.last_series = reading.value, reading.series
             self.threshold, self.baseline = reading.threshold, reading.baseline
         if reading is None or not reading.failing:
-            self._clear("ok", reading.text if reading else "not judged yet (no usable value or baseline)")
+            self._clear(RuleState.OK, reading.text if reading else "not judged yet (no usable value or baseline)")
             return False
         if self.failing_steps == 0:
             self.since_step, self.since_time, self.window_values = step, now, []
@@ -382,7 +382,7 @@ class RuleMonitor:
         limit = self.rule.no_data_seconds
         if limit is None or reference is None or self.state == RuleState.FIRING or now - reference < limit:
             return False
-        self._clear("firing", NO_DATA)
+        self._clear(RuleState.FIRING, NO_DATA)
         return True
 
     def evidence(self, step: int | None) -> dict:
@@ -402,7 +402,7 @@ class RuleMonitor:
             evidence["for_seconds"] = rule.for_seconds
         if rule.check == CheckKind.THRESHOLD:
             evidence["threshold"] = rule.above if rule.above is not None else rule.below
-            evidence["comparison"] = "above" if rule.above is not None else "below"
+            evidence["comparison"] = rule.bound()[0]
         elif rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION):
             evidence.update(factor=rule.factor, baseline=self.baseline, window_steps=rule.window_steps)
             if rule.check == CheckKind.REGRESSION:
@@ -419,12 +419,12 @@ class RuleMonitor:
             assert self.since_time is not None  # only failing readings lead here; the first one set it
             long_enough = now - self.since_time >= rule.for_seconds
         if enough_steps and long_enough:
-            self.state = "firing"
+            self.state = RuleState.FIRING
             return True
-        self.state = "pending"
+        self.state = RuleState.PENDING
         return False
 
-    def _clear(self, state: str, reason: str) -> None:
+    def _clear(self, state: RuleState, reason: str) -> None:
         self.state, self.reason = state, reason
         self.failing_steps, self.since_step, self.since_time, self.window_values = 0, None, None, []
 
@@ -448,6 +448,7 @@ class RuleMonitor:
         for key in self.SAVED:
             if key in saved:
                 setattr(self, key, saved[key])
+        self.state = RuleState(self.state)
         if "history" in saved:
             self.restore_baseline(saved)
 

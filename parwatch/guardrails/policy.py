@@ -261,24 +261,24 @@ class Policy:
         monitor.switched = None
         if again:
             # What it did did not cure it: stop, for an operator, instead of acting the same way again.
-            action, escalated = Action.PAUSE, True
+            action, escalated = RuleAction.PAUSE, True
             reason += f"; {again}: pausing the run"
         elif monitor.acted_tick is not None and self.run.tick - monitor.acted_tick < rule.cooldown_steps:
-            if rule.action != Action.ROLLBACK:
+            if rule.action != RuleAction.ROLLBACK:
                 monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
                 if rearmed_by is not None:
-                    monitor.state = "pending"  # still armed: act once the cooldown is over
+                    monitor.state = RuleState.PENDING  # still armed: act once the cooldown is over
                 return []
             # Failing again so soon means the rollback did not cure it: stop instead of looping.
-            action, escalated = "pause", True
+            action, escalated = RuleAction.PAUSE, True
             reason += (
                 f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
                 f"{monitor.acted_step}: pausing instead of rolling back again"
             )
-        elif rule.action == Action.ROLLBACK:
+        elif rule.action == RuleAction.ROLLBACK:
             first = monitor.since_step if monitor.since_step is not None else step
             action, checkpoint, skip, note = self._plan_rollback(first, step, rule.skip_batches)
-            escalated = action != Action.ROLLBACK
+            escalated = action != RuleAction.ROLLBACK
             reason += note
         monitor.acted_tick, monitor.acted_step = self.run.tick, step
         monitor.acted_decision = self.next_decision_id  # the id _decide gives it
@@ -302,17 +302,17 @@ class Policy:
 
     def _plan_rollback(
         self, first_failing: int | None, step: int | None, skip_setting
-    ) -> tuple[str, int | None, int, str]:
+    ) -> tuple[RuleAction, int | None, int, str]:
         """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help.
         step is None when no step was evaluated since a rollback was applied (or the run began)."""
         if first_failing is None:  # neither the failing run's start nor a step is known (a garbled state)
-            return "pause", None, 0, "; escalated to pause: the failing step is unknown"
+            return RuleAction.PAUSE, None, 0, "; escalated to pause: the failing step is unknown"
         checkpoint = max((c for c in self.run.checkpoints if c < first_failing), default=None)
         if checkpoint is None:
-            return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
+            return RuleAction.PAUSE, None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
         if skip_setting == "window" and step is None:
             return (
-                "pause",
+                RuleAction.PAUSE,
                 None,
                 0,
                 (
@@ -322,10 +322,10 @@ class Policy:
             )
         too_many = self._too_many_rollbacks()
         if too_many:
-            return "pause", None, 0, too_many
+            return RuleAction.PAUSE, None, 0, too_many
         self.run.rollback_ticks.append(self.run.tick)
         skip = step - checkpoint if skip_setting == "window" and step is not None else int(skip_setting)
-        return "rollback", checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
+        return RuleAction.ROLLBACK, checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
 
     def _too_many_rollbacks(self) -> str:
         """A note when another automatic rollback would exceed max_rollbacks in the window, else ""."""
@@ -528,7 +528,7 @@ class Policy:
             and source == DecisionSource.ALERTMANAGER
             and (too_many := self._too_many_rollbacks())
         ):
-            action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
+            action, to_step, skip_batches, escalated, note = Action.PAUSE, None, 0, True, too_many
         elif action == Action.ROLLBACK:
             self.run.rollback_ticks.append(self.run.tick)
         decision = Decision(
@@ -553,7 +553,7 @@ class Policy:
                 name for name, m in self.monitors.items() if m.state == RuleState.FIRING and m.reason != NO_DATA
             )
             for name in rearm:
-                self.monitors[name].state = "pending"
+                self.monitors[name].state = RuleState.PENDING
                 self.run.rearmed[name] = self.next_decision_id
             if rearm:
                 decision.rearmed_rules = rearm
@@ -755,7 +755,7 @@ class Policy:
         monitor = self.monitors.get(made.get("rule") or "") if made is not None else None
         if monitor is None or monitor.state != RuleState.FIRING or monitor.reason == NO_DATA:
             return []
-        monitor.state = "pending"
+        monitor.state = RuleState.PENDING
         monitor.acted_tick = None  # the cancelled action did not happen: no cooldown from it
         self.run.rearmed[monitor.rule.name] = decision_id
         return [monitor.rule.name]

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 from parwatch.contract import Span, SpanKind, registry
+from parwatch.vocabulary import GroupRole
 
 FORWARD_BACKWARD = (
     "forward_backward_no_pipelining",
@@ -302,7 +303,7 @@ class Hooks:
             with reg.span(
                 SpanKind.COLLECTIVE,
                 op=op,
-                group="tp",
+                group=GroupRole.TP,
                 bytes=nbytes,
                 group_size=len(self.tp_ranks),
                 ranks=self.tp_ranks,

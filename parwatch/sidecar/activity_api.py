@@ -59,7 +59,7 @@ from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
-from parwatch.vocabulary import RankState, RuleAction, Speaker, jsonable
+from parwatch.vocabulary import BuiltinRule, RankState, RuleAction, Speaker, jsonable
 from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost, NodeDigest
 from parwatch.wire.codec import BadRecord, decode, encode
 
@@ -349,7 +349,7 @@ class ActivityHub:
         cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
         records = self.monitor.check(rows, paused=paused, coverage=cov, heard_since=self.view.heard_since)
         self._idle_due = not records and not self.monitor.awaiting_fresh
-        self._to_act += [r for r in records if r.get("rule") == "hang"]
+        self._to_act += [r for r in records if r.get("rule") == BuiltinRule.HANG]
         return records
 
     async def act(self) -> None:

@@ -194,9 +194,9 @@ class NodeBook:
                 local = a.host == self.hostname
                 ended = self.exits.ended(a.pid) if local and self.exits is not None else None
                 if local and (ended is not None or not self._alive(a.pid)):
-                    state = "gone"
+                    state = RankState.GONE
                 elif now - seen > self.silent_seconds:
-                    state = "silent" if local else "gone"  # another host's pid cannot be checked here
+                    state = RankState.SILENT if local else RankState.GONE  # another host's pid cannot be checked here
             out[rank] = a if state == a.state else replace(a, state=state, ended=ended)
         return out
 
@@ -320,7 +320,9 @@ class LeaderView:
             stale = now - seen > self.grace_seconds
             for a in rows:
                 out[a.rank] = (
-                    replace(a, state="unknown") if stale and a.state in (RankState.RUNNING, RankState.SILENT) else a
+                    replace(a, state=RankState.UNKNOWN)
+                    if stale and a.state in (RankState.RUNNING, RankState.SILENT)
+                    else a
                 )
         return out
 

@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from parwatch.catalog import RANK_STATES, family
 from parwatch.rank_layout import ROLES, Coords, RankLayout
-from parwatch.vocabulary import GroupRole, RankState, RuleAction, SpanKind
+from parwatch.vocabulary import BuiltinRule, GroupRole, RankState, RuleAction, SpanKind
 from parwatch.wire.activity import Activity
 
 STARTUP_FACTOR = 6.0
@@ -591,7 +591,7 @@ class HangMonitor:
             reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
         reason += _coverage_text(coverage)
         record = self._record(
-            "rank-gone",
+            BuiltinRule.RANK_GONE,
             reason,
             {"culprit": culprit, "gone": [first.rank] + others, "coverage": coverage},
             first.step,
@@ -692,7 +692,7 @@ class HangMonitor:
             action, note = self.requeue.verdict()
             reason += note
             evidence["requeue"] = self.requeue.evidence()
-        record = self._record("hang", reason, evidence, self.progress.step, action)
+        record = self._record(BuiltinRule.HANG, reason, evidence, self.progress.step, action)
         record["step_at"] = self.progress.step
         return record
 
@@ -707,7 +707,7 @@ class HangMonitor:
         )
         evidence = {"culprit": None, "echo_of": cause["rank"], "gone": lost, "coverage": coverage}
         self.gone_reported.update(lost)
-        return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
+        return self._record(BuiltinRule.RANK_GONE, reason, evidence, max(a.step for a in echoes))
 
     def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
         """rank-gone when the ranks that ended lost a peer (or ended without a word beside those that did)
@@ -727,10 +727,10 @@ class HangMonitor:
         self.gone_reported.update(lost)
         self.gone_reported.update(unseen)
         self._echoes_since = None
-        return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
+        return self._record(BuiltinRule.RANK_GONE, reason, evidence, max(a.step for a in echoes))
 
     def _record(
-        self, rule: str, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
+        self, rule: BuiltinRule, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
     ) -> dict:
         record = dict(
             self.engine.record_finding(rule, action, reason, evidence, step if step is not None and step >= 0 else None)

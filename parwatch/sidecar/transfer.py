@@ -240,7 +240,7 @@ class TransferTracker:
                 src, dst = (rank, peer) if op == CollectiveOp.SEND else (peer, rank)
                 key = ("p", src, dst, seq)
                 member_set = None
-                path, label = ("link", src, dst), "send"
+                path, label = ("link", src, dst), CollectiveOp.SEND
             entry = pending.get(key)
             is_pending = entry is not None
             if entry is None:

@@ -11,7 +11,7 @@ within its world), the sidecar checks after decoding (sidecar/digest.py). Bounds
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, get_args
 
 from msgspec import Meta, Struct
 
@@ -36,8 +36,12 @@ from parwatch.wire.bounds import (
 
 HANG_EXIT_CODE = 75
 """Exit status of a rank the leader aborted for a hang (EX_TEMPFAIL): restart from the last checkpoint."""
-ReportState = Literal["running", "done", "crashed"]
-RowState = Literal["running", "done", "crashed", "gone", "silent"]
+if TYPE_CHECKING:  # mypy holds code to the members; msgspec decodes no Literal of enum members, so it reads words
+    ReportState = Literal[RankState.RUNNING, RankState.DONE, RankState.CRASHED]
+    RowState = Literal[RankState.RUNNING, RankState.DONE, RankState.CRASHED, RankState.GONE, RankState.SILENT]
+else:
+    ReportState = Literal["running", "done", "crashed"]
+    RowState = Literal["running", "done", "crashed", "gone", "silent"]
 """A digest row's state adds what the node judged: gone (its pid ended), silent (alive, no reports)."""
 STATES = {"activity": get_args(ReportState), "digest": get_args(RowState)}
 if (STATES["activity"], STATES["digest"]) != (tuple(RankState)[:3], tuple(RankState)[:5]):
@@ -88,7 +92,7 @@ class ActivityReport(Struct, kw_only=True):
     dp: Parallel
     order: Order | None = None
     """None: the default order (tp-pp-dp), as an older collector's report means."""
-    state: ReportState = "running"
+    state: ReportState = RankState.RUNNING
     step: LastStep
     step_seconds: Seconds | None = None
     kind: Text | None = None
