@@ -23,7 +23,7 @@ import yaml
 
 from parwatch import recording as rec
 from parwatch.guardrails.rules import Rule, RuleSet
-from parwatch.vocabulary import BuiltinRule, CheckKind, Comparison, RuleAction
+from parwatch.vocabulary import BuiltinRule, CheckKind, Comparison, Reduce, RuleAction
 
 DEFAULT_RUNBOOK = "https://github.com/parwatch/parwatch/blob/main/docs/runbook.md"
 DEFAULT_STEP_SECONDS = 10.0
@@ -57,7 +57,7 @@ PER_SERIES = {"transient_faults": ("rank",)}
 NONFINITE_FLAGS = {"loss": rec.job("parwatch_loss_nonfinite", "max")}
 """A finite check on these reads the sidecars' 0/1 flag, not the value: VictoriaMetrics drops NaN
 samples at ingestion, so `x != x` never fires there (the flag's max is 1 when any value is non-finite)."""
-PROMQL_REDUCE = {"max": "max", "min": "min", "mean": "avg"}
+PROMQL_REDUCE = {Reduce.MAX: "max", Reduce.MIN: "min", Reduce.MEAN: "avg"}
 
 
 def format_duration(seconds: float) -> str:
@@ -208,7 +208,7 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
         alert: dict = {"alert": name, "expr": f"max {rec.by()} ({series}) > 0"}
         if for_seconds:
             alert["for"] = format_duration(for_seconds)
-        alert["labels"] = {"severity": "page", "parwatch_action": "alert", "rule": rule}
+        alert["labels"] = {"severity": "page", "parwatch_action": RuleAction.ALERT, "rule": rule}
         alert["annotations"] = {
             "summary": summary,
             "description": description,

@@ -239,7 +239,12 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     missing = None
     if culprit in groups_waiting:  # name the collective it has not joined: the first seen waiting for it
         group, _instance, op, seq = groups_waiting[culprit][0]
-        missing = {"kind": "collective", "op": op, "group": group, "seq": seq if not isinstance(seq, tuple) else None}
+        missing = {
+            "kind": SpanKind.COLLECTIVE,
+            "op": op,
+            "group": group,
+            "seq": seq if not isinstance(seq, tuple) else None,
+        }
     elif culprit in ranks_waiting:
         by = ranks_waiting[culprit][-1]
         missing = {"kind": rows[by].kind, "by": by}
