@@ -39,6 +39,7 @@ from parwatch.sidecar.service import Sidecar
 from parwatch.sidecar.store import Refused
 from parwatch.vocabulary import jsonable
 from parwatch.wire.bodies import AlertmanagerPayload, CancelRequest, ControlRequest
+from parwatch.wire.bounds import MAX_STEP
 from parwatch.wire.codec import BadRecord, decode
 from parwatch.wire.log import LOG_TYPES
 from parwatch.wire.steps import IngestBody
@@ -223,7 +224,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         },
     )
     async def cancel(
-        directive_id: Annotated[int, Path(ge=1, lt=2**53)], req: CancelRequest = Depends(body(CancelRequest))
+        directive_id: Annotated[int, Path(ge=1, lt=MAX_STEP)], req: CancelRequest = Depends(body(CancelRequest))
     ):
         """Withdraw a directive not yet delivered to the run; returns the cancel record."""
         epoch = sidecar.engine.epoch
