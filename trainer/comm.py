@@ -120,7 +120,7 @@ class Comm:
     _lanes: dict[int, _SendLane] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- groups
-    def size(self, role: str) -> int:
+    def size(self, role: GroupRole) -> int:
         return {"tp": self.groups.dims.tp, "pp": self.groups.dims.pp, "dp": self.groups.dims.dp}.get(
             role, self.groups.dims.world_size
         )
@@ -136,13 +136,13 @@ class Comm:
             ranks = self._ranks[role] = tuple(listed) if listed else tuple(range(self.groups.dims.world_size))
         return ranks
 
-    def _delay(self, role: str) -> None:
+    def _delay(self, role: GroupRole) -> None:
         ms = self.slow_ms.get(role)
         if ms:
             time.sleep(ms / 1000.0)
 
     # ----------------------------------------------------------- collectives
-    def all_reduce(self, tensor: torch.Tensor, role: str, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, role: GroupRole, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce over the group `role`; a no-op on a group of one."""
         n = self.size(role)
         if n == 1:
@@ -184,7 +184,7 @@ class Comm:
         active = self.registry.active
         start = self.registry.mark() if active else None
         posted_at = time.perf_counter()
-        self._delay("pp")
+        self._delay(GroupRole.PP)
         span_attrs = None
         if active:
             span_attrs = dict(
@@ -217,7 +217,7 @@ class Comm:
             group_size=2,
             **attrs,
         ):
-            self._delay("pp")
+            self._delay(GroupRole.PP)
             dist.recv(tensor, src=src, group=self.groups.pp, tag=tag)
         return tensor
 

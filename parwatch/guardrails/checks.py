@@ -46,7 +46,7 @@ class Reading:
     """One line for a person: what was seen."""
 
 
-def reduce_series(values: dict[str, float], how: str) -> tuple[float, str | None]:
+def reduce_series(values: dict[str, float], how: Reduce) -> tuple[float, str | None]:
     """(value, key) over the non-NaN series; (nan, None) when there is none.
 
     max/min: among equal values, the smallest key wins (the first in sorted order).
@@ -86,7 +86,7 @@ class Series:
     def __bool__(self) -> bool:
         return bool(self.values)
 
-    def reduce(self, how: str) -> tuple[float, str | None]:
+    def reduce(self, how: Reduce) -> tuple[float, str | None]:
         out = self._reduced.get(how)
         if out is None:
             out = self._reduced[how] = reduce_series(self.values, how)
@@ -165,7 +165,7 @@ class FiniteCheck(ThresholdCheck):
         if not series.all_finite():
             bad_key, bad = min((k, v) for k, v in series.values.items() if not math.isfinite(v))
             return Reading(bad, True, bad_key, None, None, f"{_label(self.rule.metric, bad_key)} is {bad}")
-        value, key = series.reduce("max")
+        value, key = series.reduce(Reduce.MAX)
         return Reading(value, False, key, None, None, f"{_label(self.rule.metric, key)} = {value:.4g} (finite)")
 
 
