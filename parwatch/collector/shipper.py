@@ -18,7 +18,9 @@ Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
 for `poll_interval_s`: while the run is paused no summaries flow, and the
 resume directive must still arrive. Rank 0's directive outcome records ride every
 post until the sidecar has accepted one carrying them: they are few, and the leader
-hands out no other directive before it has the outcome of the last one. Its records of the
+hands out no other directive before it has the outcome of the last one. The leader reads a
+post's outcomes before its summaries, so an outcome never rides with a summary put before it
+(after a rollback that would be a step of the abandoned timeline, judged as the replay's). Its records of the
 steps the check before the optimizer step found bad ride the same way (`checks`).
 """
 
@@ -105,7 +107,8 @@ class Shipper:
         self._files: dict = {}
         self._queue_size = queue_size
         self._queue: deque = deque()
-        self._outcomes: deque = deque(maxlen=64)  # rank 0: encoded outcome records not yet accepted
+        self._outcomes: deque = deque(maxlen=64)  # rank 0: (summaries put before it, encoded outcome) not yet accepted
+        self._summaries_put = 0
         self._checks: deque = deque(maxlen=64)  # rank 0: encoded step check records not yet accepted
         self.heartbeat_seen = False
         """Set by the collector on a completed heartbeat boundary; the next post says "alive"."""
@@ -189,18 +192,20 @@ class Shipper:
             return
         with self._lock:
             if len(self._queue) >= self._queue_size:
-                kind, _payload, delivery = self._queue.popleft()
+                kind, _payload, delivery, _ = self._queue.popleft()
                 if kind == SUMMARY:  # (a dropped span list is just lost)
                     self.dropped += 1
                     _settle([delivery], False)
-            self._queue.append(item)
+            if item[0] == SUMMARY:
+                self._summaries_put += 1
+            self._queue.append((*item, self._summaries_put))
         self._wake.set()
 
     def put_outcome(self, record: OutcomeRecord) -> None:
         """Rank 0: a directive's outcome record; sent with every post until one is accepted."""
         if self.url:
             with self._lock:
-                self._outcomes.append(_ENCODER.encode(record).decode())
+                self._outcomes.append((self._summaries_put, _ENCODER.encode(record).decode()))
             self._wake.set()
 
     def put_check(self, record: StepCheckRecord) -> None:
@@ -245,17 +250,23 @@ class Shipper:
             if not items:
                 return
             # Encode each summary once: the same text goes to the file and into the POST body.
-            summaries = [self._encode(*payload) for kind, payload, _ in items if kind == SUMMARY]
-            deliveries = [delivery for kind, _, delivery in items if kind == SUMMARY]
+            summaries = [self._encode(*payload) for kind, payload, _, _ in items if kind == SUMMARY]
+            deliveries = [delivery for kind, _, delivery, _ in items if kind == SUMMARY]
+            numbers = [n for kind, _, _, n in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
             if self._paths[SPANS]:
-                self._write(SPANS, [_dumps(r) for kind, payload, _ in items if kind == SPANS for r in payload])
-            if self.url:
-                for i in range(0, len(summaries), self._batch_size):
-                    taken = self._post(summaries[i : i + self._batch_size])
-                    _settle(deliveries[i : i + self._batch_size], taken)
-            else:
+                self._write(SPANS, [_dumps(r) for kind, payload, _, _ in items if kind == SPANS for r in payload])
+            if not self.url:
                 _settle(deliveries, False)
+                continue
+            with self._lock:  # a post ends where an outcome was put: what came before it goes without it
+                marks = {put for put, _ in self._outcomes}
+            i = 0
+            while i < len(summaries):
+                end = min(len(summaries), i + self._batch_size)
+                end = next((j for j in range(i + 1, end) if any(numbers[j - 1] <= m < numbers[j] for m in marks)), end)
+                _settle(deliveries[i:end], self._post(summaries[i:end], numbers[i]))
+                i = end
 
     def _encode(self, summary: StepSummary, view: GlobalView | None) -> str:
         if self._prepare is not None:
@@ -299,9 +310,9 @@ class Shipper:
             self._http = httpx.Client(timeout=httpx.Timeout(total, connect=connect), trust_env=False)
         return self._http
 
-    def _post(self, summaries: list) -> bool:
-        """POST summaries (already JSON text), with any outcome records, as one ingest body;
-        True when the sidecar took them."""
+    def _post(self, summaries: list, first: int | None = None) -> bool:
+        """POST summaries (already JSON text; `first`: the number of the first, as put), with the outcome
+        records put before it (every one without summaries), as one ingest body; True when the sidecar took them."""
         now = self._time()
         if now < self._retry_at:  # sidecar away or refusing: do not wait for it
             with self._lock:
@@ -311,7 +322,8 @@ class Shipper:
             return False
         alive, self.heartbeat_seen = self.heartbeat_seen, False
         with self._lock:
-            outcomes, checks = list(self._outcomes), list(self._checks)
+            outcomes = [text for put, text in self._outcomes if first is None or put < first]
+            checks = list(self._checks)
         tail = (
             (f',"outcomes":[{",".join(outcomes)}]' if outcomes else "")
             + (f',"checks":[{",".join(checks)}]' if checks else "")
@@ -377,7 +389,7 @@ class Shipper:
 
     def _cleanup(self) -> None:
         with self._lock:  # what was still queued at the end never reached the sidecar
-            _settle([delivery for *_, delivery in self._queue], False)
+            _settle([delivery for _, _, delivery, _ in self._queue], False)
         for fd in self._files.values():
             try:
                 os.close(fd)
