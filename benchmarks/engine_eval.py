@@ -38,10 +38,10 @@ from common import print_table, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet, default_rules  # noqa: E402
-from parwatch.records import parse  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
-from parwatch.step_records import StepSummary  # noqa: E402
+from parwatch.wire.codec import parse  # noqa: E402
+from parwatch.wire.steps import StepSummary  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 
 GOAL_MS = 1.0

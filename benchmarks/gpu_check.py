@@ -116,16 +116,16 @@ def _alternate(title: str, watch, collector, train_step, cuda: bool, pairs: int)
             if on:
                 watch.detach()
                 detach(collector)
-    summary = collector.last_summary or {}
+    summary = collector.last_summary
     result = {
         "clock": type(collector.clock).__name__,
         "unresolved_spans": collector.unresolved_spans,
         "errors": collector.errors,
         "summaries": collector.summaries,
-        "step_seconds": summary.get("step_seconds"),
-        "compute_seconds": summary.get("compute_seconds"),
-        "bubble_ratio": summary.get("bubble_ratio"),
-        "overhead_seconds": summary.get("overhead_seconds"),
+        **{
+            k: getattr(summary, k, None)
+            for k in ("step_seconds", "compute_seconds", "bubble_ratio", "overhead_seconds")
+        },
     }
     watch.close()
     collector.close()

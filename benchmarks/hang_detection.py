@@ -43,8 +43,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sidecar_load import Connection, percentile, rss_mb  # noqa: E402
 from parwatch.credentials import node_credential  # noqa: E402
 from parwatch.rank_layout import RankLayout  # noqa: E402
-from parwatch.records import NodeDigest, decode  # noqa: E402
 from parwatch.sidecar.hang import Activity, find_culprit  # noqa: E402
+from parwatch.wire.activity import NodeDigest  # noqa: E402
+from parwatch.wire.codec import decode  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 from tests.integration.e2e_util import decision_records  # noqa: E402
 from tests.sidecar_process import running_sidecar  # noqa: E402

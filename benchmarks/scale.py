@@ -91,8 +91,8 @@ def rank0_boundary(a) -> dict:
         t0 = time.perf_counter()
         boundary.exchange(BoundaryKind.STEP, step, loss=2.0)
         times.append(time.perf_counter() - t0)
-    g = collector.last_summary["global"]
-    assert g is not None and sum(s["ranks"] for s in g["stages"]) == world, "every rank must be in the view"
+    g = collector.last_summary.global_
+    assert g is not None and sum(s.ranks for s in g.stages) == world, "every rank must be in the view"
     collector.close(timeout=1)
     times.sort()
     return {

@@ -49,11 +49,11 @@ from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
 from parwatch.credentials import rank_credential  # noqa: E402
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet  # noqa: E402
-from parwatch.records import parse  # noqa: E402
 from parwatch.sidecar.observations import build_observation  # noqa: E402
 from parwatch.sidecar.pid_owner import process_started  # noqa: E402
 from parwatch.sidecar.store import Store  # noqa: E402
-from parwatch.step_records import StepSummary  # noqa: E402
+from parwatch.wire.codec import parse  # noqa: E402
+from parwatch.wire.steps import StepSummary  # noqa: E402
 from tests.fixtures import synthetic as syn  # noqa: E402
 from tests.sidecar_process import running_sidecar  # noqa: E402
 

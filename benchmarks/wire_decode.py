@@ -1,12 +1,12 @@
 """Decode + validate the two hot posts, three ways side by side in one process: msgspec Structs (the
-records parwatch uses, parwatch/records.py), pydantic models of the same fields and bounds, and the
+records parwatch uses, parwatch/wire/activity.py), pydantic models of the same fields and bounds, and the
 hand-written decoder they replaced (a copy of parwatch/sidecar/digest.py at 12b600f: pydantic-core's
 JSON parser, then a check per field in Python).
 
     python benchmarks/wire_decode.py [--runs 3] [--seconds 1.0] [--out benchmarks/results/wire_decode.json]
 
 Bodies: a node digest of 64 ranks (of a tp 8 x pp 16 x dp 16 run) and one rank's activity post. Every
-decoder ends with the same rows (parwatch.records.Activity) after the same checks against the layout
+decoder ends with the same rows (parwatch.wire.activity.Activity) after the same checks against the layout
 (ranks inside the run's world, coordinates matching the rank). Figure: microseconds per decode, each
 run the mean over a loop of --seconds.
 """
@@ -31,11 +31,21 @@ from common import cpu_jiffies, print_table, stolen_share, write_json  # noqa: E
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from pydantic_core import from_json  # noqa: E402
 
-from parwatch import records  # noqa: E402
 from parwatch.rank_layout import RankLayout  # noqa: E402
-from parwatch.records import MAX_HOST, MAX_PID, MAX_SEQ, MAX_STEP, MAX_TEXT, MAX_WORLD, ROW_FIELDS, Activity  # noqa: E402
-from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME  # noqa: E402
 from parwatch.sidecar.digest import digest_rows, in_layout, layout_of  # noqa: E402
+from parwatch.wire.activity import ROW_FIELDS, Activity, ActivityPost, NodeDigest  # noqa: E402
+from parwatch.wire.bounds import (  # noqa: E402  # noqa: E402
+    MAX_COUNT,
+    MAX_ERROR_CHARS,
+    MAX_HOST,
+    MAX_PID,
+    MAX_SECONDS,
+    MAX_STEP,
+    MAX_TEXT,
+    MAX_TIME,
+    MAX_WORLD,
+)
+from parwatch.wire.codec import decode  # noqa: E402
 
 RANKS = 64
 LAYOUT = RankLayout(8, 16, 16)
@@ -81,12 +91,12 @@ def bodies(now: float = 1.7e9) -> tuple[bytes, bytes]:
 
 # -- msgspec: what the sidecar runs ----------------------------------------------------------------------
 def msgspec_digest(raw: bytes) -> list[Activity]:
-    d = records.decode(raw, records.NodeDigest, "digest")
+    d = decode(raw, NodeDigest, "digest")
     return digest_rows(d.rows, layout_of(d.layout, d.order, "digest.layout"))
 
 
 def msgspec_activity(raw: bytes) -> Activity:
-    a = records.decode(raw, records.ActivityPost, "").activity
+    a = decode(raw, ActivityPost, "").activity
     return in_layout(a.row(), layout_of((a.tp, a.pp, a.dp), a.order, "activity [tp, pp, dp]"), "activity")
 
 
@@ -99,9 +109,9 @@ Time = Annotated[float, Field(ge=0, le=MAX_TIME, allow_inf_nan=False)]
 Text = Annotated[str, Field(max_length=MAX_TEXT, pattern=_TEXT)]
 Host = Annotated[str, Field(max_length=MAX_HOST, pattern=_TEXT)]
 Pid = Annotated[int, Field(ge=0, le=MAX_PID, **P)]
-Step = Annotated[int, Field(ge=-1, le=MAX_STEP, **P)]
-Seq = Annotated[int, Field(ge=0, le=MAX_SEQ, **P)]
-Secs = Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)]
+Step = Annotated[int, Field(ge=-1, lt=MAX_STEP, **P)]
+Seq = Annotated[int, Field(ge=0, le=MAX_COUNT, **P)]
+Secs = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 Err = Annotated[str, Field(max_length=MAX_ERROR_CHARS, pattern=_TEXT)]
 
 
@@ -247,10 +257,10 @@ def _row(v: dict, layout: RankLayout, where: str, states: tuple[str, ...]) -> Ac
         op=_text(v, "op", where, MAX_TEXT),
         group=_text(v, "group", where, MAX_TEXT),
         peer=_int(v, "peer", where, 0, world - 1, optional=True),
-        seq=_int(v, "seq", where, 0, MAX_SEQ, optional=True),
+        seq=_int(v, "seq", where, 0, MAX_COUNT, optional=True),
         since=_float(v, "since", where, 0.0, MAX_TIME),
-        step=_int(v, "step", where, -1, MAX_STEP),
-        step_seconds=_float(v, "step_seconds", where, 0.0, 1e7),
+        step=_int(v, "step", where, -1, MAX_STEP - 1),
+        step_seconds=_float(v, "step_seconds", where, 0.0, MAX_SECONDS),
         pid=_int(v, "pid", where, 0, MAX_PID),
         host=_text(v, "host", where, MAX_HOST, optional=False),
         stage=stage,

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
 from parwatch.vocabulary import MetricKind, RankState, RuleState, SelfPart, TimeCategory
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Upper bounds (seconds) of the step duration histogram."""
 
 KINDS = tuple(MetricKind)
 BOUNDED_LABELS = frozenset(
@@ -49,8 +52,7 @@ GUARDRAIL_STATES = {RuleState.OK: 0, RuleState.PENDING: 1, RuleState.FIRING: 2}
 class Metric:
     name: str
     """Name as exposed: counters end in _total, info metrics in _info, histograms add _bucket/_sum/_count."""
-    kind: str
-    """gauge | counter | histogram | info."""
+    kind: MetricKind
     labels: tuple[str, ...] = ()
     """Label names (bounded: never a step, microbatch or run id)."""
     help: str = ""
@@ -97,31 +99,30 @@ class Metric:
 
 
 _R, _RS, _RG, _OG, _S = ("rank",), ("rank", "stage"), ("rank", "gpu"), ("op", "group"), ("stage",)
+_G, _C, _H = MetricKind.GAUGE, MetricKind.COUNTER, MetricKind.HISTOGRAM
 
 METRICS: tuple[Metric, ...] = (
     # The run.
     Metric(
         "parwatch_run_info",
-        "info",
+        MetricKind.INFO,
         ("run_id", "schedule", "tp", "pp", "dp", "order", "microbatches", "version"),
         "The run this sidecar watches",
     ),
-    Metric("parwatch_train_step", "gauge", (), "Newest optimizer step any rank reported"),
-    Metric("parwatch_loss", "gauge", (), "Training loss of the newest step (NaN when non-finite)"),
+    Metric("parwatch_train_step", _G, (), "Newest optimizer step any rank reported"),
+    Metric("parwatch_loss", _G, (), "Training loss of the newest step (NaN when non-finite)"),
     Metric(
         "parwatch_loss_nonfinite",
-        "gauge",
+        _G,
         (),
         "1 while the newest loss is NaN or infinite, else 0 (stores that drop NaN samples keep this)",
     ),
-    Metric("parwatch_tokens_total", "counter", (), "Tokens the run consumed (all DP replicas); rate() is tokens/s"),
-    Metric("parwatch_model_flops_utilization_ratio", "gauge", _R, "Model FLOPs utilisation", "ratio"),
-    Metric(
-        "parwatch_torch_memory_max_allocated_bytes", "gauge", _RS, "Peak torch allocated memory in the step", "bytes"
-    ),
+    Metric("parwatch_tokens_total", _C, (), "Tokens the run consumed (all DP replicas); rate() is tokens/s"),
+    Metric("parwatch_model_flops_utilization_ratio", _G, _R, "Model FLOPs utilisation", "ratio"),
+    Metric("parwatch_torch_memory_max_allocated_bytes", _G, _RS, "Peak torch allocated memory in the step", "bytes"),
     Metric(
         "parwatch_step_duration_seconds",
-        "histogram",
+        _H,
         _S,
         "Step period, boundary to boundary, of each stage's lowest rank at this sidecar (a step's boundary "
         "collective ends it on every rank, so its ranks share the period)",
@@ -129,40 +130,36 @@ METRICS: tuple[Metric, ...] = (
         tuple(STEP_BUCKETS),
     ),
     # The pipeline.
-    Metric("parwatch_stage_compute_seconds_total", "counter", _RS, "Forward + backward seconds", "seconds"),
-    Metric(
-        "parwatch_stage_idle_seconds_total", "counter", _RS, "Seconds waiting on neighbours and the flush", "seconds"
-    ),
-    Metric("parwatch_stage_bubble_ratio", "gauge", _RS, "idle / (step - other) in the newest step", "ratio"),
-    Metric("parwatch_stage_bubble_theoretical_ratio", "gauge", _S, "The schedule's bubble, (p-1)/(v*m+p-1)", "ratio"),
+    Metric("parwatch_stage_compute_seconds_total", _C, _RS, "Forward + backward seconds", "seconds"),
+    Metric("parwatch_stage_idle_seconds_total", _C, _RS, "Seconds waiting on neighbours and the flush", "seconds"),
+    Metric("parwatch_stage_bubble_ratio", _G, _RS, "idle / (step - other) in the newest step", "ratio"),
+    Metric("parwatch_stage_bubble_theoretical_ratio", _G, _S, "The schedule's bubble, (p-1)/(v*m+p-1)", "ratio"),
     Metric(
         "parwatch_stage_bubble_schedule_ratio",
-        "gauge",
+        _G,
         _S,
         "Bubble the schedule causes at uniform stage times (formula or simulation)",
         "ratio",
     ),
     Metric(
         "parwatch_stage_bubble_imbalance_ratio",
-        "gauge",
+        _G,
         _S,
         "Bubble from unequal stage times: simulated with this step's stage times, minus schedule",
         "ratio",
     ),
     Metric(
         "parwatch_stage_bubble_wait_ratio",
-        "gauge",
+        _G,
         _S,
         "Bubble from waiting (p2p, collectives, host): measured minus simulated",
         "ratio",
     ),
-    Metric(
-        "parwatch_pipeline_skew_ratio", "gauge", (), "Max over stages of compute seconds / mean over stages", "ratio"
-    ),
+    Metric("parwatch_pipeline_skew_ratio", _G, (), "Max over stages of compute seconds / mean over stages", "ratio"),
     # Collectives.
     Metric(
         "parwatch_collective_duration_seconds",
-        "histogram",
+        _H,
         _OG,
         "Collective latency",
         "seconds",
@@ -170,7 +167,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "parwatch_collective_transfer_seconds",
-        "histogram",
+        _H,
         _OG,
         "Collective transfer time with the wait for the last rank's arrival removed",
         "seconds",
@@ -178,86 +175,86 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "parwatch_collective_wait_seconds_total",
-        "counter",
+        _C,
         _OG,
         "Seconds ranks waited in collectives for the last rank to arrive",
         "seconds",
     ),
-    Metric("parwatch_collective_bytes_total", "counter", _OG, "Bytes moved by collectives", "bytes"),
+    Metric("parwatch_collective_bytes_total", _C, _OG, "Bytes moved by collectives", "bytes"),
     Metric(
         "parwatch_collective_busbw_bytes_per_second",
-        "gauge",
+        _G,
         _OG,
         "Bus bandwidth (nccl-tests definition) from transfer time only, waiting excluded",
         "bytes_per_second",
     ),
     Metric(
         "parwatch_collective_unmatched_total",
-        "counter",
+        _C,
         ("op", "group", "reason"),
         "Collective/p2p instances not split into wait and transfer: a member's record never reached the "
         "sidecar that matches it (remote), was lost (incomplete), or could not be forwarded to the leader (unsent)",
     ),
     Metric(
         "parwatch_straggler_ratio",
-        "gauge",
+        _G,
         ("cause",),
         "Share of the step the costliest straggler of each cause adds over its peers (0: none)",
         "ratio",
     ),
     # GPUs.
-    Metric("parwatch_gpu_utilization_ratio", "gauge", _RG, "GPU busy share over the step (NVML)", "ratio"),
-    Metric("parwatch_gpu_memory_used_bytes", "gauge", _RG, "GPU memory in use (NVML)", "bytes"),
-    Metric("parwatch_gpu_power_watts", "gauge", _RG, "GPU power draw (NVML)", "watts"),
-    Metric("parwatch_gpu_sm_clock_hertz", "gauge", _RG, "GPU SM clock (NVML)", "hertz"),
-    Metric("parwatch_gpu_temperature_celsius", "gauge", _RG, "GPU temperature (NVML)", "celsius"),
-    Metric("parwatch_nvml_up", "gauge", _R, "1 when NVML answered for this rank"),
+    Metric("parwatch_gpu_utilization_ratio", _G, _RG, "GPU busy share over the step (NVML)", "ratio"),
+    Metric("parwatch_gpu_memory_used_bytes", _G, _RG, "GPU memory in use (NVML)", "bytes"),
+    Metric("parwatch_gpu_power_watts", _G, _RG, "GPU power draw (NVML)", "watts"),
+    Metric("parwatch_gpu_sm_clock_hertz", _G, _RG, "GPU SM clock (NVML)", "hertz"),
+    Metric("parwatch_gpu_temperature_celsius", _G, _RG, "GPU temperature (NVML)", "celsius"),
+    Metric("parwatch_nvml_up", _G, _R, "1 when NVML answered for this rank"),
     # Liveness and hangs.
     Metric(
         "parwatch_rank_up",
-        "gauge",
+        _G,
         _R,
         "1 while a rank is alive (its activity, else its summaries within the grace period), 0 after",
     ),
     Metric(
         "parwatch_rank_state",
-        "gauge",
+        _G,
         _R,
         "Rank state: 0 running, 1 hung, 2 gone, 3 unknown (its node's reports stopped)",
     ),
-    Metric("parwatch_hang_detected", "gauge", (), "1 while a hang is named (a rank stuck while others wait on it)"),
+    Metric("parwatch_hang_detected", _G, (), "1 while a hang is named (a rank stuck while others wait on it)"),
     Metric(
         "parwatch_rank_straggler_seconds_total",
-        "counter",
+        _C,
         _R,
         "Straggler effect (DeepSpeed): this rank's collective time beyond each instance's shortest, i.e. its "
         "wait for later arrivals; the rank the others wait for has the least",
         "seconds",
     ),
     # Guardrails.
-    Metric("parwatch_guardrail_state", "gauge", ("rule",), "Guardrail rule state: 0 ok, 1 pending, 2 firing"),
-    Metric("parwatch_guardrail_actions_total", "counter", ("rule", "action"), "Guardrail decisions that acted"),
-    Metric("parwatch_run_paused", "gauge", (), "1 while the run is paused by a directive"),
+    Metric("parwatch_guardrail_state", _G, ("rule",), "Guardrail rule state: 0 ok, 1 pending, 2 firing"),
+    Metric("parwatch_guardrail_actions_total", _C, ("rule", "action"), "Guardrail decisions that acted"),
+    Metric("parwatch_run_paused", _G, (), "1 while the run is paused by a directive"),
     Metric(
         "parwatch_rank_transient_faults_total",
-        "counter",
+        _C,
         _R,
         "Steps with a non-finite value or a loss spike this rank produced that the re-run on the same "
         "microbatches did not reproduce (the check before the optimizer step): a flaky device or silent "
         "data corruption; two or more make the rank a suspect (the leader's count for the run)",
     ),
-    Metric("parwatch_checkpoint_last_good_step", "gauge", (), "Newest step with a complete checkpoint"),
+    Metric("parwatch_checkpoint_last_good_step", _G, (), "Newest step with a complete checkpoint"),
     # parwatch's own health.
     Metric(
         "parwatch_collector_overhead_ratio",
-        "gauge",
+        _G,
         _R,
         "Share of the step the collector spent on the training thread",
         "ratio",
     ),
     Metric(
         "parwatch_ideal_step_seconds",
-        "gauge",
+        _G,
         (),
         "ml-goodput-measurement's ideal step time: the mean of the steps of 1 s or more within median + 3 MAD "
         "(parwatch.goodput; absent while no step lasts 1 s)",
@@ -265,16 +262,16 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "parwatch_step_time_deviation_seconds",
-        "gauge",
+        _G,
         (),
         "ml-goodput-measurement's step_time_deviation: p90 of the last 100 steps' |time - ideal|, less the "
         "median of the 1,000 before (their mean below 100 steps)",
         "seconds",
     ),
-    Metric("parwatch_collector_dropped_summaries_total", "counter", _R, "Summaries the rank's shipper dropped"),
+    Metric("parwatch_collector_dropped_summaries_total", _C, _R, "Summaries the rank's shipper dropped"),
     Metric(
         "parwatch_self_seconds_total",
-        "counter",
+        _C,
         ("rank", "part"),
         "parwatch's own time on this rank since its process started: span hooks and the collector on the training "
         "thread, the shipper's and the activity reporter's threads (CPU); rate() is the share of the rank's time",
@@ -282,7 +279,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "parwatch_time_seconds_total",
-        "counter",
+        _C,
         ("rank", "stage", "category"),
         "Where this rank's wall time went since its first process of the run started, one category per second "
         "(the goodput ledger, docs/goodput.md); the categories but wasted sum to that wall time, restarts' down "
@@ -291,26 +288,26 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "parwatch_tracker_points_written_total",
-        "counter",
+        _C,
         ("tracker",),
         "Points (a step's figures, or decisions) the leader wrote to an experiment tracker (--export)",
     ),
     Metric(
         "parwatch_tracker_points_dropped_total",
-        "counter",
+        _C,
         ("tracker",),
         "Points the leader did not write to an experiment tracker: it was slower than the run (its queue full, the "
         "oldest dropped) or failed (logged once per kind of failure)",
     ),
     Metric(
         "parwatch_sidecar_rules_reload_failures_total",
-        "counter",
+        _C,
         (),
         "Rules reloads refused because the file was invalid",
     ),
     Metric(
         "parwatch_posts_refused_total",
-        "counter",
+        _C,
         ("post", "reason"),
         "Posts this sidecar refused: its ranks' summaries (ingest) and activity, and node sidecars' digests "
         "(at the leader), by reason (unauthorized: missing or wrong credential; forbidden: a credential of another "
@@ -319,7 +316,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "parwatch_leader_unreachable_since_timestamp_seconds",
-        "gauge",
+        _G,
         (),
         "Unix time since which this node sidecar's ranks reach no leader (its digests fail or are refused, or "
         "it has no --leader-url in a larger run); 0 while they do, and at the leader",

@@ -21,6 +21,7 @@ import yaml
 
 from parwatch import recording as rec
 from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
+from parwatch.vocabulary import Comparison
 
 DASHBOARD_UID = "parwatch"
 DEFAULT_FOLDER_UID = "parwatch"
@@ -33,7 +34,7 @@ RUN_VARIABLE_QUERY = f"label_values({rec.job('parwatch_train_step', 'max')}, {re
 GRID_WIDTH = 24
 
 
-def rule_threshold(rule: str, key: str, rules_path: Path = DEFAULT_RULES) -> float:
+def rule_threshold(rule: str, key: Comparison, rules_path: Path = DEFAULT_RULES) -> float:
     """A threshold (`above`/`below`) of one default guardrail, e.g. rule_threshold('stage-skew', 'above')."""
     doc = yaml.safe_load(Path(rules_path).read_text())
     for r in doc["rules"]:
@@ -239,10 +240,10 @@ def _job_ops(name: str, ops, unit_legend: str = "") -> list[tuple[str, str]]:
 
 def panels(rules_path: Path = DEFAULT_RULES, window: str = rec.RATE_WINDOW) -> list[dict]:
     """Every panel, in reading order, before layout; recorded rates over `window` (as recorded)."""
-    excess = rule_threshold("bubble-excess", "above", rules_path)
-    skew = rule_threshold("stage-skew", "above", rules_path)
-    util = rule_threshold("gpu-underutilized", "below", rules_path)
-    suspect = rule_threshold("suspect-device", "above", rules_path)
+    excess = rule_threshold("bubble-excess", Comparison.ABOVE, rules_path)
+    skew = rule_threshold("stage-skew", Comparison.ABOVE, rules_path)
+    util = rule_threshold("gpu-underutilized", Comparison.BELOW, rules_path)
+    suspect = rule_threshold("suspect-device", Comparison.ABOVE, rules_path)
     step_buckets = rec.bucket_rate_name("stage", "parwatch_step_duration_seconds", window)
     coll_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_duration_seconds", window)
     transfer_buckets = rec.bucket_rate_name("op_group", "parwatch_collective_transfer_seconds", window)

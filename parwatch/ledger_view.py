@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from parwatch.vocabulary import OUTSIDE_TRAINING, TimeCategory
 
 _WASTED, _PRODUCTIVE, _DOWN = TimeCategory.WASTED.value, TimeCategory.PRODUCTIVE.value, TimeCategory.DOWN.value
+Category = TypeVar("Category", str, TimeCategory)
+"""A ledger's key: a category's name as read from JSON, or the member a rank's own ledger holds."""
 
 
 SAME_PROCESS_SECONDS = 1.0
@@ -86,7 +89,7 @@ def added(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def totals(counters: Iterable[Mapping[str, float]]) -> dict | None:
+def totals(counters: Iterable[Mapping[Category, float]]) -> dict | None:
     """Sum the ranks' counters: {"rank_seconds", "seconds" (net partition per category), "goodput_ratio",
     "ettr"}; None when no rank reported a ledger."""
     summed = dict.fromkeys((c.value for c in TimeCategory), 0.0)
@@ -109,10 +112,10 @@ def totals(counters: Iterable[Mapping[str, float]]) -> dict | None:
     }
 
 
-def as_counters(partition: Mapping[str, float]) -> dict[str, float]:
+def as_counters(partition: Mapping[Category, float]) -> dict[Category, float]:
     """A net partition (a ledger-rank<N>.json's time_seconds) in the counter form `totals` reads."""
     out = dict(partition)
-    out[_PRODUCTIVE] = out.get(_PRODUCTIVE, 0.0) + out.get(_WASTED, 0.0)
+    out[TimeCategory.PRODUCTIVE] = out.get(TimeCategory.PRODUCTIVE, 0.0) + out.get(TimeCategory.WASTED, 0.0)
     return out
 
 

@@ -36,9 +36,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from parwatch.vocabulary import ScheduleName, canonical_schedule
+from parwatch.vocabulary import BubbleCause, ScheduleName, canonical_schedule
 
 F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward input, backward weight
 COMPUTE_TYPES = (F, B, I, W)
@@ -392,8 +392,8 @@ class BubbleCauses:
     wait: float
     """The rest: measured - schedule - imbalance (p2p, collectives, host). Negative if faster."""
 
-    def as_dict(self) -> dict:
-        return {"schedule": self.schedule, "imbalance": self.imbalance, "wait": self.wait}
+    def as_dict(self) -> dict[BubbleCause, float]:
+        return {cause: getattr(self, cause.value) for cause in BubbleCause}
 
 
 def bubble_causes(
@@ -439,11 +439,23 @@ def bubble_causes(
     return out
 
 
-def per_action_seconds(order: Mapping | Replay, stage_totals: Mapping[int, Mapping[str, float]]) -> dict[int, dict]:
+class StageSeconds(Protocol):
+    """One stage's compute seconds in a step, per kind (a rank's global view stage has them)."""
+
+    @property
+    def forward_seconds(self) -> float: ...
+    @property
+    def backward_seconds(self) -> float: ...
+    @property
+    def backward_weight_seconds(self) -> float: ...
+    @property
+    def loss_seconds(self) -> float: ...
+
+
+def per_action_seconds(order: Mapping | Replay, stage_totals: Mapping[int, StageSeconds]) -> dict[int, dict]:
     """Per-action mean seconds from one step's per-stage totals, for `bubble_causes`.
 
-    stage_totals: `{rank: {"forward_seconds": s, "backward_seconds": s, "backward_weight_seconds": s,
-    "loss_seconds": s}}`: the collector's global-view stage entries fit as they are. backward
+    stage_totals: `{rank: stage seconds}`: the collector's global-view stages fit as they are. backward
     sums full backwards (B) and input backwards (I); a rank running both is split assuming
     B = I + W. The loss, computed after the last stage's forwards, is folded into that rank's F."""
     out: dict[int, dict] = {}
@@ -452,9 +464,8 @@ def per_action_seconds(order: Mapping | Replay, stage_totals: Mapping[int, Mappi
         if totals is None:
             raise ValueError(f"stage_totals lacks stage {rank}; give every stage of the order")
         count = {kind: sum(1 for a in actions if a.type == kind) for kind in COMPUTE_TYPES}
-        fwd = float(totals.get("forward_seconds", 0.0)) + float(totals.get("loss_seconds", 0.0))
-        bwd = float(totals.get("backward_seconds", 0.0))
-        wgt = float(totals.get("backward_weight_seconds", 0.0))
+        fwd = totals.forward_seconds + totals.loss_seconds
+        bwd, wgt = totals.backward_seconds, totals.backward_weight_seconds
         means: dict[str, float] = {}
         if count[F]:
             means[F] = fwd / count[F]

@@ -26,7 +26,7 @@ import yaml
 
 from parwatch import bubble
 from parwatch.catalog import metric
-from parwatch.vocabulary import OUTSIDE_TRAINING
+from parwatch.vocabulary import OUTSIDE_TRAINING, BubbleCause
 
 RATE_WINDOW = "1m"
 """Range of rate() in the recorded rates and means (name suffix `rate1m`, `mean1m`)."""
@@ -110,9 +110,7 @@ def stragglers_top(window: str = RATE_WINDOW) -> str:
 # Names the dashboard and the alerts refer to (one definition; the rules below produce them).
 # Names with a rate window in them come from the functions above, given the same window.
 STAGE_BUBBLE_THEORY = "stage:parwatch_stage_bubble_theoretical_ratio:max"
-STAGE_BUBBLE_CAUSES = {
-    cause: f"stage:parwatch_stage_bubble_{cause}_ratio:max" for cause in ("schedule", "imbalance", "wait")
-}
+STAGE_BUBBLE_CAUSES = {cause: f"stage:{cause.metric}:max" for cause in BubbleCause}
 STAGE_MEMORY = "stage:parwatch_torch_memory_max_allocated_bytes:max"
 JOB_STEP_P99 = f"job:parwatch_step_duration_seconds:p99_{QUANTILE_WINDOW}"
 JOB_STEP_P50 = f"job:parwatch_step_duration_seconds:p50_{QUANTILE_WINDOW}"
@@ -180,7 +178,7 @@ def recordings(window: str = RATE_WINDOW) -> tuple[Recording, ...]:
     add(STAGE_BUBBLE_THEORY, bubble.theory_promql(per_stage))
     add(stage_bubble_excess(w), bubble.excess_promql(w, per_stage))
     for cause, record in STAGE_BUBBLE_CAUSES.items():
-        add(record, f"max {stage} ({_m(f'parwatch_stage_bubble_{cause}_ratio')})")
+        add(record, f"max {stage} ({_m(cause.metric)})")
     for counter in ("parwatch_stage_compute_seconds_total", "parwatch_stage_idle_seconds_total"):
         add(rate_name("stage", counter, w), f"sum {stage} (rate({_m(counter)}[{w}]))")
         add(rate_name("job", counter, w), f"sum {by()} (rate({counter}[{w}]))")

@@ -53,33 +53,41 @@ _ACTION_CODES = {Action.PAUSE: 1, Action.RESUME: 2, Action.ROLLBACK: 3}
 _CODE_ACTIONS = {v: k for k, v in _ACTION_CODES.items()}
 
 
-class OutcomeName(StrEnum):
-    """An outcome record's `outcome`: contract.Outcome's wire names, and MIXED when ranks differ."""
+class Outcome(StrEnum):
+    """What ranks did with a directive: each rank's, counted in the step-boundary vector
+    (parwatch.contract.boundary), and the run's, in rank 0's outcome record and the decision log."""
 
     APPLIED = "applied"
+    """Done as asked."""
     SUBSTITUTED = "substituted"
-    """A rollback loaded an older verified checkpoint than asked."""
+    """A rollback that loaded another checkpoint than asked (the asked one failed verification)."""
     FAILED = "failed"
+    """Not done; FailReason says why (the run goes on as it was)."""
     IGNORED = "ignored"
-    """Another run's directive."""
+    """Not for this run (another run id): never applied."""
     MIXED = "mixed"
+    """The run's ranks differ (counts say how); never one rank's."""
+
+
+class FailReason(StrEnum):
+    """Why a rank failed or ignored a directive."""
+
+    NO_CHECKPOINT = "no_checkpoint"
+    """No complete checkpoint to roll back to (none saved, or no checkpoint dir)."""
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    """Every candidate checkpoint failed its sha256 check on some rank."""
+    LOAD_ERROR = "load_error"
+    """Loading a verified checkpoint raised (shape or layout mismatch, I/O error)."""
+    OTHER_RUN = "other_run"
+    """The directive names another run id."""
 
 
 class RecordType(StrEnum):
-    """The `type` of a decisions.jsonl record: a decision, a directive cancelled or delivered, or an outcome."""
+    """The `type` of a decisions.jsonl record that is no outcome (an outcome's type is its Outcome)."""
 
     DECISION = "decision"
     CANCELLED = "cancelled"
     DELIVERED = "delivered"
-    APPLIED = "applied"
-    SUBSTITUTED = "substituted"
-    FAILED = "failed"
-    IGNORED = "ignored"
-    MIXED = "mixed"
-
-
-OUTCOME_TYPES = tuple(RecordType(o) for o in OutcomeName)
-"""The record types that are outcomes (every type but decision, cancelled and delivered)."""
 
 
 class DirectiveState(StrEnum):
@@ -146,6 +154,19 @@ class DecisionSource(StrEnum):
     """Rank 0's local guard (a non-finite loss seen before the sidecar's view)."""
     STEP_CHECK = "step_check"
     """Every rank together, before the optimizer step (parwatch.contract.step_check); the leader records it."""
+
+
+class BuiltinRule(StrEnum):
+    """The rules parwatch judges itself (no rules file names them): a decision's `rule`."""
+
+    HANG = "hang"
+    """The leader's hang monitor (parwatch/sidecar/hang.py): no step boundary past the hang bound."""
+    RANK_GONE = "rank-gone"
+    """The hang monitor: a rank's process ended (crashed, killed)."""
+    SIDECAR_LOST = "sidecar-lost"
+    """The hang monitor: a node's sidecar sent no digest while the run crossed step boundaries."""
+    NONFINITE_LOSS = "nonfinite-loss"
+    """Rank 0's local guard (parwatch/collector/fallback.py) while its sidecar was unreachable."""
 
 
 # --- the check before the optimizer step (parwatch.contract.step_check) -----------------------------
@@ -318,6 +339,31 @@ class TimeCategory(StrEnum):
     EVAL = "eval"
     UNATTRIBUTED = "unattributed"
     """What no span or gap explains (host work between spans, shutdown)."""
+
+
+class BubbleCause(StrEnum):
+    """What a stage's pipeline bubble is split into (parwatch.pipeline_sim.bubble_causes): a global view
+    stage's `bubble_<cause>_ratio`, exported as parwatch_stage_bubble_<cause>_ratio, and the ledger's
+    `bubble_<cause>` seconds."""
+
+    SCHEDULE = "schedule"
+    """What the schedule itself implies with every stage at the step's mean per-action times."""
+    IMBALANCE = "imbalance"
+    """What this step's unequal stage times add."""
+    WAIT = "wait"
+    """The rest of the measured bubble: p2p, collectives, the host."""
+
+    @property
+    def ratio_field(self) -> str:
+        return f"bubble_{self.value}_ratio"
+
+    @property
+    def metric(self) -> str:
+        return f"parwatch_stage_{self.ratio_field}"
+
+    @property
+    def time_category(self) -> TimeCategory:
+        return TimeCategory(f"bubble_{self.value}")
 
 
 OUTSIDE_TRAINING: tuple[TimeCategory, ...] = (

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from parwatch import ledger_view
 from parwatch.bubble import stage_bubble
-from parwatch.step_records import BUBBLE_CAUSES
+from parwatch.vocabulary import BubbleCause
 
 WANDB_BIN = Path(sys.executable).with_name("wandb")
 
@@ -147,8 +147,8 @@ def expected(now_text: str, before_text: str = "") -> dict[str, float]:
     for stage, (idle, compute) in per_stage.items():
         if idle + compute > 0:
             out[f"bubble/stage_{stage}/measured"] = stage_bubble(idle, compute)
-    for cause in BUBBLE_CAUSES:
-        for key, value in now.get(f"parwatch_stage_bubble_{cause}_ratio", {}).items():
+    for cause in BubbleCause:
+        for key, value in now.get(cause.metric, {}).items():
             out[f"bubble/stage_{dict(key)['stage']}/{cause}"] = value
     for key, value in now.get("parwatch_straggler_ratio", {}).items():
         out[f"straggler/{dict(key)['cause']}"] = value

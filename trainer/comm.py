@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from parwatch import contract
 from parwatch.trainer.parallel_dims import ProcessGroups
-from parwatch.vocabulary import GroupRole
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 if TYPE_CHECKING:
     from parwatch.trainer.faults import Faults
@@ -120,7 +120,7 @@ class Comm:
     _lanes: dict[int, _SendLane] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- groups
-    def size(self, role: str) -> int:
+    def size(self, role: GroupRole) -> int:
         return {"tp": self.groups.dims.tp, "pp": self.groups.dims.pp, "dp": self.groups.dims.dp}.get(
             role, self.groups.dims.world_size
         )
@@ -136,13 +136,13 @@ class Comm:
             ranks = self._ranks[role] = tuple(listed) if listed else tuple(range(self.groups.dims.world_size))
         return ranks
 
-    def _delay(self, role: str) -> None:
+    def _delay(self, role: GroupRole) -> None:
         ms = self.slow_ms.get(role)
         if ms:
             time.sleep(ms / 1000.0)
 
     # ----------------------------------------------------------- collectives
-    def all_reduce(self, tensor: torch.Tensor, role: str, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, role: GroupRole, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce over the group `role`; a no-op on a group of one."""
         n = self.size(role)
         if n == 1:
@@ -151,7 +151,7 @@ class Comm:
             self.faults.hang_if("collective")  # blocks before entering: its peers wait in seq k, it is not there
         with self.registry.span(
             contract.SpanKind.COLLECTIVE,
-            op="all_reduce",
+            op=CollectiveOp.ALL_REDUCE,
             group=role,
             bytes=tensor.numel() * tensor.element_size(),
             group_size=n,
@@ -177,16 +177,23 @@ class Comm:
         """Post a send to global rank `dst`; completed by `complete_sends()`."""
         tensor = tensor.contiguous()
         if self.faults is not None and self.faults.hang_due("send"):
-            with self.registry.span(contract.SpanKind.SEND, peer=dst, op="send", group="pp", **attrs):
+            with self.registry.span(
+                contract.SpanKind.SEND, peer=dst, op=CollectiveOp.SEND, group=GroupRole.PP, **attrs
+            ):
                 self.faults.hang_if("send")  # the rank reads as stuck in a send to dst
         active = self.registry.active
         start = self.registry.mark() if active else None
         posted_at = time.perf_counter()
-        self._delay("pp")
+        self._delay(GroupRole.PP)
         span_attrs = None
         if active:
             span_attrs = dict(
-                attrs, peer=dst, op="send", group="pp", bytes=tensor.numel() * tensor.element_size(), group_size=2
+                attrs,
+                peer=dst,
+                op=CollectiveOp.SEND,
+                group=GroupRole.PP,
+                bytes=tensor.numel() * tensor.element_size(),
+                group_size=2,
             )
             span_attrs["seq"] = self.registry.next_seq(contract.SpanKind.SEND, span_attrs)  # numbered when posted
         lane = self._lane(dst)
@@ -202,18 +209,18 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs: Any) -> torch.Tensor:
         if self.faults is not None and self.faults.hang_due("recv"):
-            with self.registry.span(contract.SpanKind.RECV, peer=src, op="recv", group="pp", **attrs):
+            with self.registry.span(contract.SpanKind.RECV, peer=src, op=CollectiveOp.RECV, group=GroupRole.PP, **attrs):
                 self.faults.hang_if("recv")  # in its receive from src, whose send is posted: the data never lands
         with self.registry.span(
             contract.SpanKind.RECV,
             peer=src,
-            op="recv",
-            group="pp",
+            op=CollectiveOp.RECV,
+            group=GroupRole.PP,
             bytes=tensor.numel() * tensor.element_size(),
             group_size=2,
             **attrs,
         ):
-            self._delay("pp")
+            self._delay(GroupRole.PP)
             dist.recv(tensor, src=src, group=self.groups.pp, tag=tag)
         return tensor
 

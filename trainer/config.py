@@ -11,6 +11,10 @@ from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import EXAMPLE as FAULT_EXAMPLES
 from parwatch.trainer.faults import parse_fault
 from parwatch.trainer.schedules import SCHEDULE_CHOICES, SCHEDULES
+from parwatch.vocabulary import ScheduleName
+
+CHOICES = {"schedule": SCHEDULE_CHOICES, "parwatch": ("on", "off", "auto"), "pre_step_check": ("on", "off")}
+"""The settings that take one of a few values: what their flag accepts."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class TrainConfig:
     """Pipeline stages."""
     dp: int = 1
     """Data-parallel replicas."""
-    schedule: str = "1f1b"
+    schedule: str = ScheduleName.ONE_F_ONE_B.value
     """gpipe, 1f1b or interleaved1f1b (alias: interleaved)."""
     chunks: int = 1
     """Model chunks per stage (v); >= 2 only with --schedule interleaved1f1b."""
@@ -264,12 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=docs.get(name))
         else:
             kwargs = {"type": type(value), "default": value, "help": f"{docs.get(name, '')} (default: %(default)s)"}
-            if name == "schedule":
-                kwargs["choices"] = SCHEDULE_CHOICES
-            if name == "parwatch":
-                kwargs["choices"] = ("on", "off", "auto")
-            if name == "pre_step_check":
-                kwargs["choices"] = ("on", "off")
+            if name in CHOICES:
+                kwargs["choices"] = CHOICES[name]
             p.add_argument(flag, **kwargs)
     return p
 

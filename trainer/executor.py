@@ -102,11 +102,11 @@ class PipelineExecutor:
             op = instr.op
             if op == InstrOp.RECV_ACT:
                 buf = torch.empty(act_shape, dtype=s.dtype, device=s.device)
-                self.comm.recv(buf, self._peer(instr), self._tag(instr), what="activation", **attrs)
+                self.comm.recv(buf, self._peer(instr), self._tag(instr), what=P2PPayload.ACTIVATION, **attrs)
                 inputs[key] = buf.requires_grad_()
             elif op == InstrOp.RECV_GRAD:
                 buf = torch.empty(act_shape, dtype=s.dtype, device=s.device)
-                self.comm.recv(buf, self._peer(instr), self._tag(instr), what="grad", **attrs)
+                self.comm.recv(buf, self._peer(instr), self._tag(instr), what=P2PPayload.GRAD, **attrs)
                 grads[key] = buf
             elif op == InstrOp.FORWARD:
                 if vstage == 0 or vstage == self.last_vstage:
@@ -134,7 +134,9 @@ class PipelineExecutor:
                         time.sleep(straggle_s)
                 outputs[key] = out
             elif op == InstrOp.SEND_ACT:
-                self.comm.isend(outputs[key].detach(), self._peer(instr), self._tag(instr), what="activation", **attrs)
+                self.comm.isend(
+                    outputs[key].detach(), self._peer(instr), self._tag(instr), what=P2PPayload.ACTIVATION, **attrs
+                )
             elif op == InstrOp.BACKWARD:
                 with reg.span(contract.SpanKind.BACKWARD, **attrs):
                     self.faults.hang_if("backward")
@@ -145,7 +147,7 @@ class PipelineExecutor:
                         torch.autograd.backward(out, grads.pop(key))
             elif op == InstrOp.SEND_GRAD:
                 x = inputs.pop(key)
-                self.comm.isend(x.grad, self._peer(instr), self._tag(instr), what="grad", **attrs)
+                self.comm.isend(x.grad, self._peer(instr), self._tag(instr), what=P2PPayload.GRAD, **attrs)
             self.comm.poll_sends()
         self.comm.complete_sends()
         return torch.stack(losses).mean().item() if losses else None

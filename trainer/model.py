@@ -23,6 +23,7 @@ from parwatch.trainer.tensor_parallel import (
     full_init,
     vocab_parallel_cross_entropy,
 )
+from parwatch.vocabulary import GroupRole
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Block(nn.Module):
 
     def __init__(self, index: int, cfg: GPTConfig, comm: Comm):
         super().__init__()
-        tp = comm.size("tp")
+        tp = comm.size(GroupRole.TP)
         h, name = cfg.hidden, f"block{index}"
         self.heads_local = cfg.heads // tp
         self.head_dim = h // cfg.heads

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parwatch.trainer.comm import Comm
+from parwatch.vocabulary import GroupRole
 
 
 def _sleep_until(deadline: float) -> None:
@@ -28,7 +29,7 @@ def _sleep_until(deadline: float) -> None:
 
 def _tp_traffic(comm: Comm, layers: int, like: torch.Tensor) -> None:
     for _ in range(2 * layers):
-        comm.all_reduce(torch.zeros_like(like), "tp")
+        comm.all_reduce(torch.zeros_like(like), GroupRole.TP)
 
 
 class _TimedIdentity(torch.autograd.Function):

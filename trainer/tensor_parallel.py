@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parwatch.trainer.comm import Comm
+from parwatch.vocabulary import GroupRole
 
 
 # ------------------------------------------------------------------ mappings
@@ -33,13 +34,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous(), "tp"), None
+        return ctx.comm.all_reduce(grad.contiguous(), GroupRole.TP), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
-        return comm.all_reduce(x.contiguous(), "tp")
+        return comm.all_reduce(x.contiguous(), GroupRole.TP)
 
     @staticmethod
     def backward(ctx, grad):
@@ -47,11 +48,11 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _CopyToTP.apply(x, comm) if comm.size("tp") > 1 else x
+    return _CopyToTP.apply(x, comm) if comm.size(GroupRole.TP) > 1 else x
 
 
 def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, comm) if comm.size("tp") > 1 else x
+    return _ReduceFromTP.apply(x, comm) if comm.size(GroupRole.TP) > 1 else x
 
 
 # -------------------------------------------------------------- initialisation
@@ -72,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, name, in_features, out_features, comm: Comm, seed, dtype, bias=True, std=0.02):
         super().__init__()
-        tp, rank = comm.size("tp"), comm.groups.coords.tp_rank
+        tp, rank = comm.size(GroupRole.TP), comm.groups.coords.tp_rank
         if out_features % tp:
             raise ValueError(f"{name}: out_features={out_features} is not divisible by tp={tp}")
         self.comm = comm
@@ -89,7 +90,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, name, in_features, out_features, comm: Comm, seed, dtype, bias=True, std=0.02):
         super().__init__()
-        tp, rank = comm.size("tp"), comm.groups.coords.tp_rank
+        tp, rank = comm.size(GroupRole.TP), comm.groups.coords.tp_rank
         if in_features % tp:
             raise ValueError(f"{name}: in_features={in_features} is not divisible by tp={tp}")
         self.comm = comm
@@ -108,7 +109,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, name, vocab, hidden, comm: Comm, seed, dtype, std=0.02):
         super().__init__()
-        tp, rank = comm.size("tp"), comm.groups.coords.tp_rank
+        tp, rank = comm.size(GroupRole.TP), comm.groups.coords.tp_rank
         if vocab % tp:
             raise ValueError(f"vocab={vocab} is not divisible by tp={tp}; choose a vocab that is a multiple of {tp}")
         self.comm = comm
@@ -118,7 +119,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(_shard(full, 0, rank, tp))
 
     def forward(self, ids):
-        if self.comm.size("tp") == 1:
+        if self.comm.size(GroupRole.TP) == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
@@ -134,17 +135,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, comm, vocab_start):
         logits = logits.float() if logits.dtype == torch.float16 else logits
         local_max = logits.max(dim=-1).values
-        comm.all_reduce(local_max, "tp", op="max")
+        comm.all_reduce(local_max, GroupRole.TP, op="max")
         shifted = logits - local_max.unsqueeze(-1)
         n_local = logits.shape[-1]
         local_t = target - vocab_start
         outside = (local_t < 0) | (local_t >= n_local)
         picked = shifted.gather(-1, local_t.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
         picked = picked.masked_fill(outside, 0.0)
-        comm.all_reduce(picked, "tp")
+        comm.all_reduce(picked, GroupRole.TP)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, "tp")
+        comm.all_reduce(sum_exp, GroupRole.TP)
         loss = sum_exp.log() - picked
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_t, outside)

@@ -44,7 +44,7 @@ from parwatch.trainer.parallel_dims import ParallelDims, build_groups
 from parwatch.trainer.partition import partition, piece_param_counts
 from parwatch.trainer.schedules import build_schedule, pipeline_order
 from parwatch.trainer.synthetic import SyntheticChunk
-from parwatch.vocabulary import jsonable
+from parwatch.vocabulary import GroupRole, jsonable
 
 log = logging.getLogger("trainer")
 
@@ -234,7 +234,7 @@ class Trainer:
         with self.registry.span(SpanKind.DP_SYNC, stage=self.groups.stage):
             grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.all_reduce(flat, "dp")
+            self.comm.all_reduce(flat, GroupRole.DP)
             flat /= self.dims.dp  # SUM then divide: gloo has no ReduceOp.AVG
             offset = 0
             for g in grads:
@@ -319,13 +319,13 @@ class Trainer:
             "id": directive.id,
             "action": directive.action.value,
             "step": self.step,
-            "outcome": outcome.wire,
+            "outcome": outcome,
             **noted,
         }
         if loaded_step is not None:
             record["loaded_step"] = loaded_step
         if reason is not None:
-            record["reason"] = reason.wire
+            record["reason"] = reason
         self.applied.append(record)
         self.steps_boundary.report(directive, outcome, step=self.step, loaded_step=loaded_step, reason=reason)
 

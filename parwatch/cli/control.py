@@ -14,7 +14,7 @@ from parwatch import ledger_view
 from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.tokens import TokenError, read_token
-from parwatch.vocabulary import RecordType, SidecarRole
+from parwatch.vocabulary import Action, DecisionSource, RecordType, SidecarRole
 
 DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
 """The token a `parwatch sidecar` started here with its default --state-dir generated."""
@@ -174,7 +174,7 @@ def _who() -> str:
     try:
         return f"operator:{getpass.getuser()}"
     except Exception:  # no user name in some containers
-        return "operator"
+        return DecisionSource.OPERATOR
 
 
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch status --endpoint http://127.0.0.1:9401")
@@ -194,7 +194,7 @@ def status(client):
 @_connection
 def pause(client, reason):
     """Pause training at the next step boundary (every rank, same step)."""
-    return client.control("pause", reason=reason, requested_by=_who())
+    return client.control(Action.PAUSE, reason=reason, requested_by=_who())
 
 
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch resume --reason 'fixed the data shard'")
@@ -202,7 +202,7 @@ def pause(client, reason):
 @_connection
 def resume(client, reason):
     """Resume a paused run."""
-    return client.control("resume", reason=reason, requested_by=_who())
+    return client.control(Action.RESUME, reason=reason, requested_by=_who())
 
 
 @click.command(
@@ -226,7 +226,9 @@ def resume(client, reason):
 @_connection
 def rollback(client, to_step, skip_batches, reason):
     """Roll every rank back to a checkpoint at the next step boundary."""
-    return client.control("rollback", reason=reason, to_step=to_step, skip_batches=skip_batches, requested_by=_who())
+    return client.control(
+        Action.ROLLBACK, reason=reason, to_step=to_step, skip_batches=skip_batches, requested_by=_who()
+    )
 
 
 @click.command(context_settings=CTX, epilog="\b\nExample:\n  parwatch cancel 1764525600123")

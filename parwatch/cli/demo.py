@@ -48,7 +48,7 @@ Examples:
     help="Fault injected mid-run so a guardrail acts.",
 )
 @click.option("--microbatches", type=click.IntRange(min=1), default=DemoConfig.microbatches, show_default=True)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default="1f1b", show_default=True)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default=DemoConfig.schedule, show_default=True)
 @click.option(
     "--price-per-gpu-hour",
     type=float,

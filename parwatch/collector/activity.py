@@ -7,7 +7,7 @@ training thread; nothing else is asked of it): kind, op, group, peer and the col
 per-group `seq`, since when (wall clock), plus pid, host, coordinates and the last completed
 step. The sidecar's hang detector lines these up across ranks (parwatch.sidecar.hang).
 
-Payload (POST /v1/activity, ~300 bytes): parwatch.records.ActivityPost, the record the sidecar decodes.
+Payload (POST /v1/activity, ~300 bytes): parwatch.wire.activity.ActivityPost, the record the sidecar decodes.
 On close a last report says `state: "done"` (or "crashed", with the exception), so a rank that finished
 is not taken for one that crashed when its pid disappears.
 """
@@ -22,19 +22,11 @@ import time
 from typing import TextIO
 
 from parwatch.collector.evidence import flight_recorder, open_chain, python_stacks, span_rows
-from parwatch.records import (
-    BUSY_KINDS,
-    CONTROL_CHARS,
-    MAX_PEERS_SENT,
-    ActivityPost,
-    ActivityReport,
-    EvidencePost,
-    RankEvidence,
-    ReportState,
-    encode,
-)
-from parwatch.schema import MAX_ERROR_CHARS, MAX_TIME
-from parwatch.vocabulary import SpanKind
+from parwatch.vocabulary import RankState, SpanKind
+from parwatch.wire.activity import BUSY_KINDS, MAX_PEERS_SENT, ActivityPost, ActivityReport, ReportState
+from parwatch.wire.bounds import CONTROL_CHARS, MAX_ERROR_CHARS, MAX_TIME
+from parwatch.wire.codec import encode
+from parwatch.wire.evidence import EvidencePost, RankEvidence
 
 log = logging.getLogger("parwatch.collector")
 
@@ -48,8 +40,8 @@ def describe_error(error: BaseException) -> str:
 class ActivityReporter:
     """One daemon thread per rank: sample `registry.current`, POST it to `endpoint`/v1/activity.
 
-    summary_fn: returns the collector's latest step summary (a dict with "step" and
-    "step_seconds") or None. time_fn: wall clock. http: an httpx.Client-like object (tests).
+    summary_fn: returns the collector's latest step summary (a StepSummary) or None. time_fn: wall
+    clock. http: an httpx.Client-like object (tests).
     """
 
     def __init__(
@@ -113,29 +105,21 @@ class ActivityReporter:
         """The reporter thread's CPU time so far (time.thread_time_ns), as of its last report."""
 
     # -- sampling (reporter thread) ---------------------------------------------------------
-    def snapshot(self, state: ReportState = "running", error: str | None = None) -> ActivityReport:
+    def snapshot(self, state: ReportState = RankState.RUNNING, error: str | None = None) -> ActivityReport:
         """This rank's activity now: only reads; safe from any thread."""
         ctx, now = self.ctx, self._time()
         span = self.registry.current  # one read: the training thread may replace it right after
-        summary = self._summary_fn() or {}
+        summary = self._summary_fn()
         attrs = span.attrs if span is not None else {}
         busy = _busy_span(span)
         device = self._device_fn() if self._device_fn is not None else None
         return ActivityReport(
-            run_id=ctx.run_id,
-            rank=ctx.rank,
+            **ctx.placement,
             pid=self._pid,
             host=ctx.hostname,
-            stage=ctx.stage,
-            tp_rank=ctx.tp_rank,
-            dp_rank=ctx.dp_rank,
-            tp=ctx.tp,
-            pp=ctx.pp,
-            dp=ctx.dp,
-            order=ctx.order,
             state=state,
-            step=int(summary.get("step", -1)),
-            step_seconds=summary.get("step_seconds"),
+            step=-1 if summary is None else summary.step,
+            step_seconds=None if summary is None else summary.step_seconds,
             kind=str(span.kind) if span is not None else None,
             op=attrs.get("op"),
             group=attrs.get("group"),
@@ -143,7 +127,7 @@ class ActivityReporter:
             seq=attrs.get("seq"),
             since=self._since(span, now) if span is not None else None,
             time=now,
-            step_end=summary.get("time"),
+            step_end=None if summary is None else summary.time,
             error=error,
             busy=str(busy.kind) if busy is not None else None,  # type: ignore[arg-type]  # a BUSY_KINDS member
             busy_since=self._start_wall(busy, now) if busy is not None else None,
@@ -306,9 +290,9 @@ class ActivityReporter:
         self._retry_at = 0.0  # the last word is worth one try even after failures
         try:
             if error is None:
-                self.post(self.snapshot(state="done"))
+                self.post(self.snapshot(state=RankState.DONE))
             else:
-                self.post(self.snapshot(state="crashed", error=describe_error(error)))
+                self.post(self.snapshot(state=RankState.CRASHED, error=describe_error(error)))
         except Exception:
             pass
         if self._own_http and self._http is not None:

@@ -4,17 +4,18 @@ Per stage and step (parwatch.pipeline_sim.bubble_causes): `schedule` is the bubb
 schedule itself implies with every stage at this step's mean per-action times, `imbalance`
 what this step's measured per-stage times add to it, `wait` the rest of the measured bubble
 (p2p, collectives, host). Replaying a schedule costs O(actions), so it never runs on the
-training thread: the shipper calls `add_causes` before it writes or sends a summary.
+training thread: the shipper calls `with_causes` before it writes or sends a summary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from msgspec.structs import replace
+
 from parwatch.bubble import replayed_theory
 from parwatch.pipeline_sim import Replay, bubble_causes, per_action_seconds
-
-CAUSE_KEYS = {"schedule": "bubble_schedule_ratio", "imbalance": "bubble_imbalance_ratio", "wait": "bubble_wait_ratio"}
+from parwatch.wire.steps import GlobalView
 
 
 class CauseSplitter:
@@ -41,21 +42,22 @@ class CauseSplitter:
         self.order = replay
         return theory
 
-    def add_causes(self, summary: dict) -> None:
-        """Add bubble_{schedule,imbalance,wait}_ratio to every stage of a summary's global view."""
-        view = summary.get("global") if self.order is not None else None
-        if self.order is None or not view or not view.get("stages"):
-            return
-        stages = {s["stage"]: s for s in view["stages"]}
+    def with_causes(self, view: GlobalView) -> GlobalView:
+        """The view with every stage's bubble split into its causes (BubbleCause), or as it is when it cannot be."""
+        if self.order is None or not view.stages:
+            return view
+        stages = {s.stage: s for s in view.stages}
         if set(stages) != set(self.order.ranks):
-            return  # a stage did not report this step: no replay of a partial pipeline
+            return view  # a stage did not report this step: no replay of a partial pipeline
         try:
             causes = bubble_causes(
-                self.order, per_action_seconds(self.order, stages), {st: s["bubble_ratio"] for st, s in stages.items()}
+                self.order, per_action_seconds(self.order, stages), {st: s.bubble_ratio for st, s in stages.items()}
             )
         except (ValueError, ZeroDivisionError):
             self.errors += 1
-            return
-        for stage, cause in causes.items():
-            for name, key in CAUSE_KEYS.items():
-                stages[stage][key] = getattr(cause, name)
+            return view
+        split = [
+            replace(s, **{cause.ratio_field: ratio for cause, ratio in causes[s.stage].as_dict().items()})
+            for s in view.stages
+        ]
+        return replace(view, stages=split)

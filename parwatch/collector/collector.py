@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from msgspec.structs import replace
+
 from parwatch import credentials
 from parwatch.bubble import has_closed_form
 from parwatch.collector import global_view as gv
@@ -45,17 +47,17 @@ from parwatch.collector.nvml import NvmlSampler
 from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.shipper import Delivery, Shipper
 from parwatch.collector.stats import StepBreakdown, StepStats, breakdown
-from parwatch.collector.wire import DirectiveInbox, build_summary, check_record, outcome_record
+from parwatch.collector.wire import DirectiveInbox, check_record, outcome_record
 from parwatch.contract import BoundaryInfo, BoundaryKind, Event, HookRegistry, Observer, Span
 from parwatch.contract import registry as default_registry
-from parwatch.records import MAX_EVIDENCE_SPANS
 from parwatch.tokens import read_token
-from parwatch.vocabulary import Action, SelfPart
+from parwatch.vocabulary import Action, SelfPart, StepAction, StepFault, Triage, jsonable
+from parwatch.wire.bounds import SCHEMA_VERSION
+from parwatch.wire.evidence import MAX_EVIDENCE_SPANS
+from parwatch.wire.steps import GlobalView, StepChecked, StepSummary
 
 log = logging.getLogger("parwatch.collector")
 _now_ns = time.perf_counter_ns
-_VIEW = "_view"
-"""A summary's key, never sent, for another rank's copy of the global view (see Collector._prepare)."""
 
 KEEP_CHECKPOINTS = 20
 
@@ -207,8 +209,8 @@ class Collector(Observer):
         self._registry: HookRegistry | None = None
         self.summaries = 0
         """Summaries produced so far."""
-        self.last_summary: dict | None = None
-        """The most recent summary (for displays and tests); do not mutate it."""
+        self.last_summary: StepSummary | None = None
+        """The most recent summary, as built on the training thread (its bubble causes are added later)."""
         self.unresolved_spans = 0
         """Deferred spans whose marks could not be resolved (dropped from the statistics)."""
         self.errors = 0
@@ -340,19 +342,21 @@ class Collector(Observer):
         if self.ctx.rank == 0:
             self.shipper.put_check(check_record(verdict, self.ctx.run_id, self.timeline, self._time_fn()))
 
-    def _prepare(self, summary: dict) -> None:
-        """Shipper thread, before a summary is written or sent: the bubble's causes (rank 0's global
-        view; another rank's own copy of the view, which is not sent) and this stage's shares of
-        them for the ledger's next steps."""
-        view = summary.get("global") if self.ctx.rank == 0 else summary.pop(_VIEW, None)
-        if not view:
-            return
-        self.causes.add_causes(summary if self.ctx.rank == 0 else {"global": view})
-        for stage in view.get("stages", ()):
-            if stage.get("stage") == self.ctx.stage:
+    def _prepare(self, summary: StepSummary, view: GlobalView | None) -> StepSummary:
+        """Shipper thread, before a summary is written or sent: the bubble's causes in rank 0's global
+        view (another rank's own copy of the view, never sent), and this stage's shares of them for
+        the ledger's next steps. Returns the summary to send."""
+        if self.ctx.rank == 0:
+            view = summary.global_
+        if view is None:
+            return summary
+        view = self.causes.with_causes(view)
+        for stage in view.stages:
+            if stage.stage == self.ctx.stage:
                 shares = shares_of(stage)
                 if shares is not None:
                     self.ledger.split = shares
+        return replace(summary, global_=view) if self.ctx.rank == 0 else summary
 
     def _self_seconds(self) -> dict[SelfPart, float]:
         """parwatch's own time on this rank so far, by part: plain ints each thread keeps for itself."""
@@ -411,29 +415,14 @@ class Collector(Observer):
         checked, self._check = self._check, None
         discarded, self._discarded = self._discarded, 0.0
         self.ledger.step(info.step, self._host_seconds(end), stats, result.idle_seconds, discarded)
-        summary = self._summary(info, result, stats, slots)
         skipped = checked is not None and not checked["applied"]
-        if checked is not None:
-            summary["check"] = {k: checked[k] for k in ("action", "fault", "triage", "applied")} | {
-                "ranks": checked["ranks"][:64]
-            }
-        summary["time_seconds"] = self.ledger.snapshot()
-        summary["process_start_time"] = self.process_start_time
-        summary["pid"] = self._pid
-        if self._model_flops and self.peak_flops and step_seconds > 0:
-            summary["model_flops_utilization_ratio"] = self._model_flops / (step_seconds * self.peak_flops)
-        summary["instances"] = self.instances.take()
-        overhead_ns = self._overhead_ns + _now_ns() - t0
-        summary["overhead_seconds"] = overhead_ns * 1e-9
-        self._overhead_ns = 0
-        self._collector_ns += overhead_ns
-        summary["self_seconds"] = self._self_seconds()
+        summary, own_view = self._summary(info, result, stats, slots, checked, t0)
         if self.guard is not None and not math.isfinite(info.loss) and not skipped:  # a skip kept the weights
             delivery = Delivery()  # did the leader get this loss? (LocalGuard)
-            self.shipper.put_summary(summary, delivery)
+            self.shipper.put_summary(summary, delivery, view=own_view)
             self.guard.loss(info.step, info.loss, delivery)
         else:
-            self.shipper.put_summary(summary)
+            self.shipper.put_summary(summary, view=own_view)
         if self._records is None and self._is_slow(step_seconds):
             self._records = self._records_of(self._folded, end)
         if self._records:
@@ -449,39 +438,66 @@ class Collector(Observer):
         self._previous_loss = None if skipped else info.loss
         self._previous_by_kind = stats.by_kind
 
-    def _summary(self, info: BoundaryInfo, result: StepBreakdown, stats: StepStats, slots: list) -> dict:
+    def _summary(
+        self, info: BoundaryInfo, result: StepBreakdown, stats: StepStats, slots: list, checked: dict | None, t0: int
+    ) -> tuple[StepSummary, GlobalView | None]:
+        """This step's summary, and (on ranks but 0 that split their bubble) their own copy of the global view."""
         ctx = self.ctx
-        global_view = None
+        global_view = own_view = None
         collectives = stats.collectives()
-        own_view = None
         if ctx.rank == 0:
             global_view = gv.build_global_view(slots, ctx.pp, self._previous_loss)
-            if global_view is not None and global_view["step"] != self._previous_step:
-                global_view["loss"] = None  # the loss rank 0 holds is another step's
+            if global_view is not None and global_view.step != self._previous_step:
+                global_view = replace(global_view, wire_loss=None)  # the loss rank 0 holds is another step's
             self.totals.add_global(global_view)
             self.totals.add_collectives(collectives)
         elif self.causes.order is not None:
             own_view = gv.build_global_view(slots, ctx.pp, None)  # for the ledger's bubble split (_prepare)
         pausing = info.directive is not None and getattr(info.directive, "action", None) == Action.PAUSE
-        return build_summary(
-            ctx,
+        step_seconds, flops, peak = result.step_seconds, self._model_flops, self.peak_flops
+        mfu = flops / (step_seconds * peak) if flops and peak and step_seconds > 0 else None
+        time_seconds, instances = self.ledger.snapshot(), self.instances.take()
+        t1 = _now_ns()
+        overhead_ns = self._overhead_ns + t1 - t0
+        self._collector_ns += overhead_ns
+        summary = StepSummary(
+            **ctx.placement,
+            v=SCHEMA_VERSION,
+            microbatches=ctx.microbatches,
+            chunks=ctx.chunks,
+            schedule=ctx.schedule,
             step=info.step,
+            timeline=self.timeline,
             time=self._time_fn(),
-            result=result,
-            loss=info.loss,
-            collectives=collectives,
+            step_seconds=step_seconds,
+            compute_seconds=result.compute_seconds,
+            other_seconds=result.other_seconds,
+            idle_seconds=result.idle_seconds,
+            bubble_ratio=result.bubble_ratio,
+            bubble_theoretical_ratio=self._theory,
+            wire_loss=None if info.loss is None else jsonable(float(info.loss)),
+            tokens=ctx.tokens_per_step,
             memory_max_allocated_bytes=self._memory_fn(),
+            collectives=collectives,
             gpu=self.nvml.take(),
-            nvml_up=self.nvml.up,
+            nvml_up=1 if self.nvml.up else 0,
+            overhead_seconds=overhead_ns * 1e-9,
+            self_seconds=self._self_seconds(),
             dropped_total=self.shipper.dropped,
             # Only this timeline's: after a rollback, checkpoints past the current step on disk
             # belong to the abandoned one and must not be rollback targets.
             checkpoints=[c for c in self._checkpoints if c <= info.step] if ctx.rank == 0 else [],
             paused=self._paused or pausing,
-            global_view=global_view,
-            timeline=self.timeline,
-            bubble_theoretical_ratio=self._theory,
-        ) | ({} if own_view is None else {_VIEW: own_view})
+            global_=global_view,
+            instances=instances,
+            model_flops_utilization_ratio=mfu,
+            time_seconds=time_seconds,
+            process_start_time=self.process_start_time,
+            check=None if checked is None else _checked(checked),
+            pid=self._pid,
+        )
+        self._overhead_ns = _now_ns() - t1  # building the record counts with the next step's overhead
+        return summary, own_view
 
     def _begin_period(self, origin_mark, step: int, *, sample: bool) -> None:
         if origin_mark is not None:
@@ -637,3 +653,14 @@ class Collector(Observer):
         self.activity.close(min(timeout, 1.0), error=error)
         self.nvml.close(min(timeout, 1.0))
         self.shipper.close(timeout)
+
+
+def _checked(verdict: dict) -> StepChecked:
+    """A summary's account of its bad step, from the check's verdict (Verdict.as_dict())."""
+    return StepChecked(
+        action=StepAction(verdict["action"]),
+        fault=StepFault(verdict["fault"]),
+        triage=Triage(verdict["triage"]),
+        applied=verdict["applied"],
+        ranks=verdict["ranks"][:64],
+    )

@@ -12,11 +12,28 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TypedDict, cast
 
 from parwatch.bubble import closed_form
 from parwatch.host import host_identity
 from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout
 from parwatch.vocabulary import canonical_schedule, schedule
+
+
+class Placement(TypedDict):
+    """The run and a rank's place in it, as every record the rank sends names them."""
+
+    run_id: str
+    rank: int
+    stage: int
+    tp_rank: int
+    dp_rank: int
+    tp: int
+    pp: int
+    dp: int
+    order: str
+
 
 _SCHEDULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -135,6 +152,10 @@ class RunContext:
             hostname=hostname if hostname is not None else host_identity(),
             order=order,
         )
+
+    @cached_property
+    def placement(self) -> Placement:
+        return cast(Placement, {name: getattr(self, name) for name in Placement.__annotations__})
 
     @property
     def bubble_theoretical_ratio(self) -> float:

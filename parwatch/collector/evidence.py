@@ -18,7 +18,8 @@ import tempfile
 import threading
 import traceback
 
-from parwatch.records import CONTROL_CHARS, MAX_EVIDENCE_SPANS, MAX_STACK_CHARS, FlightRecorder, SpanRow
+from parwatch.wire.bounds import CONTROL_CHARS
+from parwatch.wire.evidence import MAX_EVIDENCE_SPANS, MAX_STACK_CHARS, FlightRecorder, SpanRow
 
 FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 """The Flight Recorder's ring-buffer size (torch >= 2.8 reads the first; older torch the second)."""

@@ -32,8 +32,8 @@ import msgspec
 
 from parwatch.collector.shipper import Delivery
 from parwatch.contract.directives import Action, Directive
-from parwatch.step_records import LocalDecision, OutcomeRecord
 from parwatch.vocabulary import jsonable
+from parwatch.wire.steps import LocalDecision, OutcomeRecord
 
 log = logging.getLogger("parwatch.collector")
 

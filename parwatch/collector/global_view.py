@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from parwatch.bubble import stage_bubble
 from parwatch.collector.stats import StepBreakdown
-from parwatch.vocabulary import jsonable
+from parwatch.vocabulary import SpanKind, jsonable
+from parwatch.wire.steps import GlobalStage, GlobalView
 
 STEP, ORIGIN = 0, 1
 HEADER = 2
@@ -25,11 +26,11 @@ HEADER = 2
 COUNT, STEP_SECONDS, COMPUTE, OTHER, IDLE, FORWARD, BACKWARD, BACKWARD_WEIGHT, LOSS = range(9)
 STAGE_SLOTS = 9
 PER_KIND = {
-    "forward": FORWARD,
-    "backward": BACKWARD,
-    "backward_input": BACKWARD,
-    "backward_weight": BACKWARD_WEIGHT,
-    "loss": LOSS,
+    SpanKind.FORWARD: FORWARD,
+    SpanKind.BACKWARD: BACKWARD,
+    SpanKind.BACKWARD_INPUT: BACKWARD,
+    SpanKind.BACKWARD_WEIGHT: BACKWARD_WEIGHT,
+    SpanKind.LOSS: LOSS,
 }
 """Compute span kinds -> the block slot that sums them (a split backward's input half counts as backward)."""
 
@@ -74,8 +75,8 @@ def origin_of(slots: Sequence[float]) -> float | None:
     return slots[ORIGIN] or None
 
 
-def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> dict | None:
-    """The schema's `global` object from the summed slots, or None when no stage reported.
+def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> GlobalView | None:
+    """Rank 0's summary's `global` view from the summed slots, or None when no stage reported.
 
     A stage's numbers are the mean over its reporting ranks; its bubble is parwatch.bubble's,
     from those means (the ratio of the sums). Per-kind compute means (forward, backward,
@@ -92,31 +93,31 @@ def build_global_view(slots: Sequence[float], pp: int, loss: float | None) -> di
             continue
         step_s, compute, other, idle = (slots[base + i] / n for i in (STEP_SECONDS, COMPUTE, OTHER, IDLE))
         stages.append(
-            {
-                "stage": stage,
-                "compute_seconds": compute,
-                "idle_seconds": idle,
-                "other_seconds": other,
-                "step_seconds": step_s,
-                "bubble_ratio": stage_bubble(idle, compute),
-                "forward_seconds": slots[base + FORWARD] / n,
-                "backward_seconds": slots[base + BACKWARD] / n,
-                "backward_weight_seconds": slots[base + BACKWARD_WEIGHT] / n,
-                "loss_seconds": slots[base + LOSS] / n,
-                "ranks": int(n),
-            }
+            GlobalStage(
+                stage=stage,
+                compute_seconds=compute,
+                idle_seconds=idle,
+                other_seconds=other,
+                step_seconds=step_s,
+                bubble_ratio=stage_bubble(idle, compute),
+                forward_seconds=slots[base + FORWARD] / n,
+                backward_seconds=slots[base + BACKWARD] / n,
+                backward_weight_seconds=slots[base + BACKWARD_WEIGHT] / n,
+                loss_seconds=slots[base + LOSS] / n,
+                ranks=int(n),
+            )
         )
     if not stages:
         return None
-    computes = [s["compute_seconds"] for s in stages]
+    computes = [s.compute_seconds for s in stages]
     mean = sum(computes) / len(computes)
     # No compute anywhere: every stage is equal, so there is no skew.
     skew = max(computes) / mean if mean > 0 else 1.0
-    slowest = max(stages, key=lambda s: s["compute_seconds"])["stage"]
-    return {
-        "step": described - 1,
-        "loss": None if loss is None else jsonable(float(loss)),
-        "pipeline_skew_ratio": skew,
-        "slowest_stage": slowest,
-        "stages": stages,
-    }
+    slowest = max(stages, key=lambda s: s.compute_seconds).stage
+    return GlobalView(
+        step=described - 1,
+        wire_loss=None if loss is None else jsonable(float(loss)),
+        pipeline_skew_ratio=skew,
+        slowest_stage=slowest,
+        stages=stages,
+    )

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parwatch.contract import SpanKind
+from parwatch.wire.steps import Instances
 
 BOUNDARY, COLLECTIVE, DATA = SpanKind.BOUNDARY, SpanKind.COLLECTIVE, SpanKind.DATA
 RECORDED_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
@@ -127,7 +128,7 @@ class InstanceLog:
         self._counts[key] = n + 1
         start = self._seconds_of(span.start)
         self._records.append(
-            [
+            (
                 op,
                 group,
                 int(seq),
@@ -135,17 +136,13 @@ class InstanceLog:
                 round(start * 1e6),
                 round(self._duration_of(span.start, span.end) * 1e6),
                 int(attrs.get("bytes", 0)),
-            ]
+            )
         )
 
-    def take(self) -> dict:
-        """The summary's `instances` payload for the period that just ended (parwatch/step_records.py, Instances)."""
-        out = {
-            "host": self.host,
-            "data_seconds": self._data,
-            "groups": self._groups,
-            "records": self._records,
-            "capped": self._capped,
-        }
+    def take(self) -> Instances:
+        """A summary's `instances` for the period that just ended."""
+        out = Instances(
+            host=self.host, data_seconds=self._data, groups=self._groups, records=self._records, capped=self._capped
+        )
         self._reset()
         return out

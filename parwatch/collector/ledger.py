@@ -25,7 +25,8 @@ import time
 from array import array
 
 from parwatch import ledger_view
-from parwatch.vocabulary import SpanKind, TimeCategory
+from parwatch.vocabulary import BubbleCause, SpanKind, TimeCategory
+from parwatch.wire.steps import GlobalStage
 
 KEEP_STEPS = 100_000
 """Steps whose productive seconds are kept for a rollback (8 bytes each): a rollback further back than
@@ -38,7 +39,7 @@ _OTHER = {
     SpanKind.CHECKPOINT: TimeCategory.CHECKPOINT_SAVE,
     SpanKind.EVAL: TimeCategory.EVAL,
 }
-_BUBBLE = (TimeCategory.BUBBLE_SCHEDULE, TimeCategory.BUBBLE_IMBALANCE, TimeCategory.BUBBLE_WAIT)
+_BUBBLE = tuple(cause.time_category for cause in BubbleCause)
 
 
 def process_start_monotonic() -> float | None:
@@ -145,16 +146,16 @@ class Ledger:
         """The rest, to `end_s` (the collector's close): the open gap's (unattributed: shutdown)."""
         self.gap(end_s)
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[TimeCategory, float]:
         """The ledger as counters (what summaries carry and the sidecar exports): each category only
         grows, so `productive` is gross here, rollbacks' discarded part included, and `wasted` counts
         that part again. The categories other than wasted sum to the wall time; net productive is
         productive - wasted."""
         return ledger_view.as_counters(self._net())
 
-    def _net(self) -> dict[str, float]:
+    def _net(self) -> dict[TimeCategory, float]:
         """Seconds per category, net (productive less what rollbacks discarded)."""
-        return {category.value: max(0.0, value) for category, value in self.seconds.items()}
+        return {category: max(0.0, value) for category, value in self.seconds.items()}
 
     def total(self) -> float:
         return sum(self.seconds.values())
@@ -199,14 +200,13 @@ class Ledger:
             self._first_step += KEEP_STEPS
 
 
-def shares_of(stage_view: dict) -> tuple[float, float, float] | None:
+def shares_of(stage: GlobalStage) -> tuple[float, float, float] | None:
     """(schedule, imbalance, wait) shares of a global view stage's bubble (its causes clamped at 0,
     normalised to 1); None when it has no causes or no bubble."""
-    try:
-        parts = [max(0.0, float(stage_view[k])) for k in ("bubble_schedule_ratio", "bubble_imbalance_ratio")]
-        parts.append(max(0.0, float(stage_view["bubble_wait_ratio"])))
-    except (KeyError, TypeError, ValueError):
+    ratios = [getattr(stage, cause.ratio_field) for cause in BubbleCause]
+    if None in ratios:
         return None
+    parts = [max(0.0, ratio) for ratio in ratios]
     total = sum(parts)
     if total <= 0:
         return None

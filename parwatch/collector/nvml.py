@@ -17,6 +17,8 @@ import os
 import threading
 from typing import Any
 
+from parwatch.wire.steps import Gpu
+
 log = logging.getLogger("parwatch.collector")
 _absent_logged = False
 
@@ -147,12 +149,12 @@ class NvmlSampler:
         if sample["throttle_reasons"] is not None:
             self._throttle = (self._throttle or 0) | sample["throttle_reasons"]
 
-    def take(self) -> dict | None:
-        """The schema's `gpu` object for the samples since the last call; None when absent.
+    def take(self) -> Gpu | None:
+        """A summary's `gpu` for the samples since the last call; None when absent.
 
         A step shorter than the interval has no sample of its own: it reports the latest one.
         """
-        if not self.up:
+        if not self.up or self.index is None:
             return None
         with self._lock:
             if self._samples == 0:
@@ -160,16 +162,17 @@ class NvmlSampler:
                     return None
                 self._fold(self._last)
             mean = {key: total / n if n else None for key, (total, n) in self._sums.items()}
-            gpu = {
-                "index": self.index,
-                "utilization_ratio": mean["utilization_ratio"],
-                "memory_used_bytes": self._max["memory_used_bytes"],
-                "memory_total_bytes": self._total,
-                "power_watts": mean["power_watts"],
-                "sm_clock_hertz": mean["sm_clock_hertz"],
-                "temperature_celsius": self._max["temperature_celsius"],
-                "throttle_reasons": self._throttle,
-            }
+            used = self._max["memory_used_bytes"]
+            gpu = Gpu(
+                index=self.index,
+                utilization_ratio=mean["utilization_ratio"],
+                memory_used_bytes=None if used is None else int(used),
+                memory_total_bytes=self._total,
+                power_watts=mean["power_watts"],
+                sm_clock_hertz=mean["sm_clock_hertz"],
+                temperature_celsius=self._max["temperature_celsius"],
+                throttle_reasons=self._throttle,
+            )
             self._reset()
         return gpu
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from parwatch.bubble import closed_form, stage_bubble
+from parwatch.wire.steps import Collective, GlobalView
 
 PER_STEP_KEPT = 1000
 _KEYS = ("compute_seconds", "idle_seconds", "other_seconds", "step_seconds")
@@ -28,30 +29,28 @@ class RunTotals:
         self._ops: dict[tuple, dict] = {}
         self._seen_first = False
 
-    def add_global(self, view: dict | None) -> None:
-        if not view:
+    def add_global(self, view: GlobalView | None) -> None:
+        if view is None:
             return
         if not self._seen_first:  # warm-up step
             self._seen_first = True
             return
-        for s in view["stages"]:
-            sums = self._sums[s["stage"]]
+        for s in view.stages:
+            sums = self._sums[s.stage]
             for i, key in enumerate(_KEYS):
-                sums[i] += s[key]
-            self._counts[s["stage"]] += 1
-            self._per_step[s["stage"]].append(s["bubble_ratio"])
-        self._skew_sum += view["pipeline_skew_ratio"]
+                sums[i] += getattr(s, key)
+            self._counts[s.stage] += 1
+            self._per_step[s.stage].append(s.bubble_ratio)
+        self._skew_sum += view.pipeline_skew_ratio or 0.0
         self._skew_n += 1
 
-    def add_collectives(self, entries: list[dict]) -> None:
+    def add_collectives(self, entries: list[Collective]) -> None:
         for e in entries:
-            acc = self._ops.setdefault(
-                (e["op"], e["group"]), {"count": 0, "seconds": 0.0, "bytes": 0, "busbw_weighted": 0.0}
-            )
-            acc["count"] += e["count"]
-            acc["seconds"] += e["seconds"]
-            acc["bytes"] += e["bytes"]
-            acc["busbw_weighted"] += (e.get("busbw") or 0.0) * e["seconds"]
+            acc = self._ops.setdefault((e.op, e.group), {"count": 0, "seconds": 0.0, "bytes": 0, "busbw_weighted": 0.0})
+            acc["count"] += e.count
+            acc["seconds"] += e.seconds
+            acc["bytes"] += e.bytes
+            acc["busbw_weighted"] += e.busbw * e.seconds
 
     def as_dict(self) -> dict:
         stages = []

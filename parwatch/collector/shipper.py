@@ -18,28 +18,37 @@ Rank 0 also polls (an ingest with no summaries) whenever it has posted nothing
 for `poll_interval_s`: while the run is paused no summaries flow, and the
 resume directive must still arrive. Rank 0's directive outcome records ride every
 post until the sidecar has accepted one carrying them: they are few, and the leader
-hands out no other directive before it has the outcome of the last one. Its records of the
+hands out no other directive before it has the outcome of the last one. The leader reads a
+post's outcomes before its summaries, so an outcome never rides with a summary put before it
+(after a rollback that would be a step of the abandoned timeline, judged as the replay's). Its records of the
 steps the check before the optimizer step found bad ride the same way (`checks`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
-from parwatch.collector.wire import dumps, encode_outcome, encode_summary
-from parwatch.schema import SCHEMA_VERSION
-from parwatch.step_records import OutcomeRecord, StepCheckRecord
+import msgspec
+
+from parwatch.vocabulary import jsonable
+from parwatch.wire.bounds import SCHEMA_VERSION
+from parwatch.wire.steps import GlobalView, OutcomeRecord, StepCheckRecord, StepSummary
 
 log = logging.getLogger("parwatch.collector")
 
 SUMMARY, SPANS = "summary", "spans"
 REFUSED_FOR_GOOD = frozenset({400, 404, 413, 422})
 """Answers after which rank 0's records are not sent again: the same body would be refused again."""
+_ENCODER = msgspec.json.Encoder()
+Prepare = Callable[[StepSummary, GlobalView | None], StepSummary]
+"""The collector's last word on a summary, on the shipper's thread (its bubble causes): the summary to send."""
 
 
 AUTH_FIX = (
@@ -98,7 +107,8 @@ class Shipper:
         self._files: dict = {}
         self._queue_size = queue_size
         self._queue: deque = deque()
-        self._outcomes: deque = deque(maxlen=64)  # rank 0: encoded outcome records not yet accepted
+        self._outcomes: deque = deque(maxlen=64)  # rank 0: (summaries put before it, encoded outcome) not yet accepted
+        self._summaries_put = 0
         self._checks: deque = deque(maxlen=64)  # rank 0: encoded step check records not yet accepted
         self.heartbeat_seen = False
         """Set by the collector on a completed heartbeat boundary; the next post says "alive"."""
@@ -109,7 +119,7 @@ class Shipper:
         self._own_http = http is None
         self._on_directive = on_directive
         self.poll_interval_s = poll_interval_s
-        self._prepare = prepare  # called on each summary on this thread, before it is written or sent
+        self._prepare: Prepare | None = prepare
         self._batch_size = batch_size
         self._timeouts = (connect_timeout_s, timeout_s)
         self._max_backoff_s = max_backoff_s
@@ -166,8 +176,11 @@ class Shipper:
         return self
 
     # Training thread: never blocks beyond one uncontended lock.
-    def put_summary(self, summary: dict, delivery: Delivery | None = None) -> None:
-        self._put((SUMMARY, summary, delivery))
+    def put_summary(
+        self, summary: StepSummary, delivery: Delivery | None = None, view: GlobalView | None = None
+    ) -> None:
+        """`view`: another rank's own copy of the global view, for `prepare` (never sent)."""
+        self._put((SUMMARY, (summary, view), delivery))
 
     def put_spans(self, records: list) -> None:
         if self._paths[SPANS]:
@@ -179,25 +192,27 @@ class Shipper:
             return
         with self._lock:
             if len(self._queue) >= self._queue_size:
-                kind, _payload, delivery = self._queue.popleft()
+                kind, _payload, delivery, _ = self._queue.popleft()
                 if kind == SUMMARY:  # (a dropped span list is just lost)
                     self.dropped += 1
                     _settle([delivery], False)
-            self._queue.append(item)
+            if item[0] == SUMMARY:
+                self._summaries_put += 1
+            self._queue.append((*item, self._summaries_put))
         self._wake.set()
 
     def put_outcome(self, record: OutcomeRecord) -> None:
         """Rank 0: a directive's outcome record; sent with every post until one is accepted."""
         if self.url:
             with self._lock:
-                self._outcomes.append(encode_outcome(record))
+                self._outcomes.append((self._summaries_put, _ENCODER.encode(record).decode()))
             self._wake.set()
 
     def put_check(self, record: StepCheckRecord) -> None:
         """Rank 0: a bad step's record (the check before the optimizer step); sent until a post is accepted."""
         if self.url:
             with self._lock:
-                self._checks.append(encode_outcome(record))
+                self._checks.append(_ENCODER.encode(record).decode())
             self._wake.set()
 
     def queued(self) -> int:
@@ -234,25 +249,32 @@ class Shipper:
                 self._queue.clear()
             if not items:
                 return
-            if self._prepare is not None:
-                for kind, payload, _ in items:
-                    if kind == SUMMARY:
-                        try:
-                            self._prepare(payload)
-                        except Exception:  # a summary without its extras beats no summary
-                            pass
             # Encode each summary once: the same text goes to the file and into the POST body.
-            summaries = [encode_summary(payload) for kind, payload, _ in items if kind == SUMMARY]
-            deliveries = [delivery for kind, _, delivery in items if kind == SUMMARY]
+            summaries = [self._encode(*payload) for kind, payload, _, _ in items if kind == SUMMARY]
+            deliveries = [delivery for kind, _, delivery, _ in items if kind == SUMMARY]
+            numbers = [n for kind, _, _, n in items if kind == SUMMARY]
             self._write(SUMMARY, summaries)
             if self._paths[SPANS]:
-                self._write(SPANS, [dumps(r) for kind, payload, _ in items if kind == SPANS for r in payload])
-            if self.url:
-                for i in range(0, len(summaries), self._batch_size):
-                    taken = self._post(summaries[i : i + self._batch_size])
-                    _settle(deliveries[i : i + self._batch_size], taken)
-            else:
+                self._write(SPANS, [_dumps(r) for kind, payload, _, _ in items if kind == SPANS for r in payload])
+            if not self.url:
                 _settle(deliveries, False)
+                continue
+            with self._lock:  # a post ends where an outcome was put: what came before it goes without it
+                marks = {put for put, _ in self._outcomes}
+            i = 0
+            while i < len(summaries):
+                end = min(len(summaries), i + self._batch_size)
+                end = next((j for j in range(i + 1, end) if any(numbers[j - 1] <= m < numbers[j] for m in marks)), end)
+                _settle(deliveries[i:end], self._post(summaries[i:end], numbers[i]))
+                i = end
+
+    def _encode(self, summary: StepSummary, view: GlobalView | None) -> str:
+        if self._prepare is not None:
+            try:
+                summary = self._prepare(summary, view)
+            except Exception:  # a summary without its extras beats no summary
+                pass
+        return _ENCODER.encode(summary).decode()
 
     def _write(self, kind: str, lines: list) -> None:
         path = self._paths[kind]
@@ -288,9 +310,9 @@ class Shipper:
             self._http = httpx.Client(timeout=httpx.Timeout(total, connect=connect), trust_env=False)
         return self._http
 
-    def _post(self, summaries: list) -> bool:
-        """POST summaries (already JSON text), with any outcome records, as one ingest body;
-        True when the sidecar took them."""
+    def _post(self, summaries: list, first: int | None = None) -> bool:
+        """POST summaries (already JSON text; `first`: the number of the first, as put), with the outcome
+        records put before it (every one without summaries), as one ingest body; True when the sidecar took them."""
         now = self._time()
         if now < self._retry_at:  # sidecar away or refusing: do not wait for it
             with self._lock:
@@ -300,7 +322,8 @@ class Shipper:
             return False
         alive, self.heartbeat_seen = self.heartbeat_seen, False
         with self._lock:
-            outcomes, checks = list(self._outcomes), list(self._checks)
+            outcomes = [text for put, text in self._outcomes if first is None or put < first]
+            checks = list(self._checks)
         tail = (
             (f',"outcomes":[{",".join(outcomes)}]' if outcomes else "")
             + (f',"checks":[{",".join(checks)}]' if checks else "")
@@ -366,7 +389,7 @@ class Shipper:
 
     def _cleanup(self) -> None:
         with self._lock:  # what was still queued at the end never reached the sidecar
-            _settle([delivery for *_, delivery in self._queue], False)
+            _settle([delivery for _, _, delivery, _ in self._queue], False)
         for fd in self._files.values():
             try:
                 os.close(fd)
@@ -384,6 +407,14 @@ class Shipper:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _dumps(value) -> str:
+    """Compact JSON of a span record (its attrs are the trainer's)."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float the trainer did not encode
+        return json.dumps(jsonable(value), allow_nan=False, separators=(",", ":"))
 
 
 def _settle(deliveries, accepted: bool) -> None:

@@ -18,12 +18,13 @@ from itertools import accumulate
 
 from parwatch.bubble import stage_bubble
 from parwatch.contract import COMPUTE_KINDS, OTHER_KINDS, SpanKind
-from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
-from parwatch.vocabulary import CollectiveOp
+from parwatch.vocabulary import CollectiveOp, GroupRole
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, Collective, busbw_factor
 
 P2P_KINDS = frozenset({SpanKind.SEND, SpanKind.RECV})
 COLLECTIVE_OPS = frozenset(CollectiveOp)
-"""The sidecar refuses a summary with any other op, so spans of others are skipped (and counted)."""
+GROUPS = frozenset(GroupRole)
+"""The sidecar refuses a summary with any other op or group, so spans of others are skipped (and counted)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class OpStats:
 
     __slots__ = ("op", "group", "group_size", "count", "seconds", "bytes", "bucket_hits")
 
-    def __init__(self, op: str, group: str, group_size: int) -> None:
+    def __init__(self, op: CollectiveOp, group: GroupRole, group_size: int) -> None:
         self.op = op
         self.group = group
         self.group_size = group_size
@@ -71,19 +72,18 @@ class OpStats:
         # Prometheus `le` semantics: a value equal to a bound falls in that bucket.
         self.bucket_hits[bisect_left(COLLECTIVE_BUCKETS, seconds)] += 1
 
-    def to_dict(self) -> dict:
-        cumulative = list(accumulate(self.bucket_hits))
+    def record(self) -> Collective:
         algbw = self.bytes / self.seconds if self.seconds > 0 else 0.0
-        return {
-            "op": self.op,
-            "group": self.group,
-            "count": self.count,
-            "seconds": self.seconds,
-            "bytes": self.bytes,
-            "buckets": cumulative,
-            "algbw": algbw,
-            "busbw": algbw * busbw_factor(self.op, self.group_size),
-        }
+        return Collective(
+            op=self.op,
+            group=self.group,
+            count=self.count,
+            seconds=self.seconds,
+            bytes=self.bytes,
+            buckets=list(accumulate(self.bucket_hits)),
+            algbw=algbw,
+            busbw=algbw * busbw_factor(self.op, self.group_size),
+        )
 
 
 class StepStats:
@@ -113,7 +113,7 @@ class StepStats:
         """The part of comm_seconds inside compute spans (a TP all-reduce in a forward)."""
         self.ops: dict[tuple[str, str], OpStats] = {}
         self.skipped_ops = 0
-        """Collective spans with an op outside COLLECTIVE_OPS (whole run, not reset per step)."""
+        """Collective spans with an op or group the wire has no name for (whole run, not reset per step)."""
 
     def reset(self) -> None:
         self.compute_seconds = 0.0
@@ -158,15 +158,15 @@ class StepStats:
         # is mostly the wait for the pipeline's flush, not a transfer: it is no collective sample.
 
     def _add_op(self, op: str, group: str, group_size: int, seconds: float, nbytes: int) -> None:
-        if op not in COLLECTIVE_OPS:
-            self.skipped_ops += 1
-            return
         key = (op, group)
         stats = self.ops.get(key)
         if stats is None:
-            stats = self.ops[key] = OpStats(op, group, int(group_size))
+            if op not in COLLECTIVE_OPS or group not in GROUPS:
+                self.skipped_ops += 1
+                return
+            stats = self.ops[key] = OpStats(CollectiveOp(op), GroupRole(group), int(group_size))
         stats.add(seconds, int(nbytes))
 
-    def collectives(self) -> list[dict]:
-        """The schema's `collectives` list, ordered by (group, op) so diffs stay readable."""
-        return [self.ops[key].to_dict() for key in sorted(self.ops, key=lambda k: (k[1], k[0]))]
+    def collectives(self) -> list[Collective]:
+        """A summary's `collectives`, ordered by (group, op) so diffs stay readable."""
+        return [self.ops[key].record() for key in sorted(self.ops, key=lambda k: (k[1], k[0]))]

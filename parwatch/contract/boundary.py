@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from parwatch.contract.directives import Action, Directive, FailReason, Outcome
 from parwatch.contract.spans import BoundaryKind, Event, HookRegistry, SpanKind
 from parwatch.contract.spans import registry as default_registry
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 (
     LOSS_SUM,
@@ -203,7 +204,11 @@ class StepBoundary:
             vec[HEADER_SLOTS:] = part
         start = reg.mark()
         with reg.span(
-            SpanKind.BOUNDARY, op="all_reduce", group="world", bytes=len(vec) * 8, group_size=self.world_size
+            SpanKind.BOUNDARY,
+            op=CollectiveOp.ALL_REDUCE,
+            group=GroupRole.WORLD,
+            bytes=len(vec) * 8,
+            group_size=self.world_size,
         ):
             out = self._all_reduce(vec)
             if callable(out):  # in flight: the observers' work meanwhile is free
@@ -247,15 +252,18 @@ class StepBoundary:
         step: int | None = None,
     ) -> None:
         """This rank's outcome of `directive`; it rides every boundary until the next directive."""
-        self._handled = _Handled(directive.id, Outcome(outcome), loaded_step, reason)
+        outcome = Outcome(outcome)
+        if outcome not in _OUTCOME_SLOT:
+            raise ValueError(f"a rank's outcome is one of {', '.join(_OUTCOME_SLOT)}, not {outcome}")
+        self._handled = _Handled(directive.id, outcome, loaded_step, reason)
         self.registry.emit_event(
             Event.DIRECTIVE_APPLIED,
             id=directive.id,
             action=directive.action.value,
             step=step,
-            outcome=Outcome(outcome).wire,
+            outcome=outcome,
             loaded_step=loaded_step,
-            reason=None if reason is None else reason.wire,
+            reason=reason,
         )
 
     def hold(

@@ -1,53 +1,22 @@
 """Directives (what the leader sidecar asks of a run) and outcomes (what every rank did about one).
 
 One definition for every process: the trainer, the collector, the sidecar and the
-guardrail engine all import these enums (Action and the outcomes' wire names live in
-parwatch.vocabulary); the boundary vector and the wire carry their codes and names.
+guardrail engine all import these enums (Action, Outcome and FailReason are defined in
+parwatch.vocabulary); the boundary vector carries their counts, the wire their names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import TypeGuard
 
-from parwatch.vocabulary import Action as Action  # the contract's name, defined with the vocabulary
-from parwatch.vocabulary import OutcomeName
+# The contract's names, defined with the vocabulary.
+from parwatch.vocabulary import Action as Action
+from parwatch.vocabulary import FailReason as FailReason
+from parwatch.vocabulary import Outcome as Outcome
 
 ACTIONS = tuple(a.value for a in Action)
 """The wire names, in order: what APIs and rule files accept."""
-
-
-class Outcome(IntEnum):
-    """What one rank did with a directive; reported in the boundary vector as a count per outcome."""
-
-    APPLIED = 1
-    """Done as asked."""
-    FAILED = 2
-    """Not done; FailReason says why (the run goes on as it was)."""
-    SUBSTITUTED = 3
-    """A rollback that loaded another checkpoint than asked (the asked one failed verification)."""
-    IGNORED = 4
-    """Not for this run (another run id): never applied."""
-
-    @property
-    def wire(self) -> OutcomeName:
-        return OutcomeName[self.name]
-
-
-class FailReason(IntEnum):
-    NO_CHECKPOINT = 1
-    """No complete checkpoint to roll back to (none saved, or no checkpoint dir)."""
-    CHECKPOINT_CORRUPT = 2
-    """Every candidate checkpoint failed its sha256 check on some rank."""
-    LOAD_ERROR = 3
-    """Loading a verified checkpoint raised (shape or layout mismatch, I/O error)."""
-    OTHER_RUN = 4
-    """The directive names another run id."""
-
-    @property
-    def wire(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parwatch.report.stats import DEFAULT_PRICE_PER_GPU_HOUR
+from parwatch.vocabulary import ScheduleName
 
 SCENARIOS = ("none", "straggler", "nan")
 
@@ -23,7 +24,7 @@ class DemoConfig:
     """Pipeline stages; the trainer runs tp * pp ranks."""
     microbatches: int = 4
     """Microbatches per step (m in the bubble formula (p-1)/(m+p-1))."""
-    schedule: str = "1f1b"
+    schedule: str = ScheduleName.ONE_F_ONE_B.value
     """Pipeline schedule: gpipe or 1f1b."""
     checkpoint_every: int = 5
     """Steps between checkpoints. The nan scenario shortens it when needed so that a

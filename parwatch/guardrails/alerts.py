@@ -16,13 +16,14 @@ are approximations, stated here once:
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Any
 
 import yaml
 
 from parwatch import recording as rec
 from parwatch.guardrails.rules import Rule, RuleSet
-from parwatch.vocabulary import CheckKind, Comparison, RuleAction
+from parwatch.vocabulary import BuiltinRule, CheckKind, Comparison, Reduce, RuleAction
 
 DEFAULT_RUNBOOK = "https://github.com/parwatch/parwatch/blob/main/docs/runbook.md"
 DEFAULT_STEP_SECONDS = 10.0
@@ -56,7 +57,7 @@ PER_SERIES = {"transient_faults": ("rank",)}
 NONFINITE_FLAGS = {"loss": rec.job("parwatch_loss_nonfinite", "max")}
 """A finite check on these reads the sidecars' 0/1 flag, not the value: VictoriaMetrics drops NaN
 samples at ingestion, so `x != x` never fires there (the flag's max is 1 when any value is non-finite)."""
-PROMQL_REDUCE = {"max": "max", "min": "min", "mean": "avg"}
+PROMQL_REDUCE = {Reduce.MAX: "max", Reduce.MIN: "min", Reduce.MEAN: "avg"}
 
 
 def format_duration(seconds: float) -> str:
@@ -174,7 +175,7 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
         (
             "ParwatchHang",
             rec.job("parwatch_hang_detected", "max"),
-            "hang",
+            BuiltinRule.HANG,
             "hang",
             None,
             "a rank hangs: no step boundary past the hang bound",
@@ -184,7 +185,7 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
         (
             "ParwatchRankGone",
             rec.job("parwatch_rank_state_gone", "count"),
-            "rank-gone",
+            BuiltinRule.RANK_GONE,
             "hang",
             None,
             "a rank's process ended",
@@ -207,7 +208,7 @@ def finding_alerts(runbook_base: str = DEFAULT_RUNBOOK) -> list[dict]:
         alert: dict = {"alert": name, "expr": f"max {rec.by()} ({series}) > 0"}
         if for_seconds:
             alert["for"] = format_duration(for_seconds)
-        alert["labels"] = {"severity": "page", "parwatch_action": "alert", "rule": rule}
+        alert["labels"] = {"severity": "page", "parwatch_action": RuleAction.ALERT, "rule": rule}
         alert["annotations"] = {
             "summary": summary,
             "description": description,
@@ -232,4 +233,11 @@ def render_alert_rules_yaml(
                 "the sidecar still enforces it\n"
             )
     doc = render_alert_rules(rules, runbook_base, step_seconds, rate_window)
-    return "".join(lines) + yaml.safe_dump(doc, sort_keys=False, width=1000)
+    return "".join(lines) + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+class _Dumper(yaml.SafeDumper):
+    """safe_dump that writes a vocabulary member (a rule's action, a built-in rule's name) as its word."""
+
+
+_Dumper.add_multi_representer(StrEnum, lambda dumper, member: dumper.represent_str(str(member)))

@@ -46,7 +46,7 @@ class Reading:
     """One line for a person: what was seen."""
 
 
-def reduce_series(values: dict[str, float], how: str) -> tuple[float, str | None]:
+def reduce_series(values: dict[str, float], how: Reduce) -> tuple[float, str | None]:
     """(value, key) over the non-NaN series; (nan, None) when there is none.
 
     max/min: among equal values, the smallest key wins (the first in sorted order).
@@ -86,7 +86,7 @@ class Series:
     def __bool__(self) -> bool:
         return bool(self.values)
 
-    def reduce(self, how: str) -> tuple[float, str | None]:
+    def reduce(self, how: Reduce) -> tuple[float, str | None]:
         out = self._reduced.get(how)
         if out is None:
             out = self._reduced[how] = reduce_series(self.values, how)
@@ -165,7 +165,7 @@ class FiniteCheck(ThresholdCheck):
         if not series.all_finite():
             bad_key, bad = min((k, v) for k, v in series.values.items() if not math.isfinite(v))
             return Reading(bad, True, bad_key, None, None, f"{_label(self.rule.metric, bad_key)} is {bad}")
-        value, key = series.reduce("max")
+        value, key = series.reduce(Reduce.MAX)
         return Reading(value, False, key, None, None, f"{_label(self.rule.metric, key)} = {value:.4g} (finite)")
 
 
@@ -327,13 +327,14 @@ class RuleMonitor:
         "window_values",
         "acted_tick",
         "acted_step",
+        "acted_decision",
         "switched",
     )
 
     def __init__(self, rule: Rule):
         self.rule = rule
         self.check = make_check(rule)
-        self.state, self.reason = "ok", "no failing evaluation"
+        self.state, self.reason = RuleState.OK, "no failing evaluation"
         self.failing_steps = 0
         self.since_step: int | None = None
         self.since_time: float | None = None
@@ -345,6 +346,8 @@ class RuleMonitor:
         self.window_values: list[float] = []
         self.acted_tick: int | None = None
         self.acted_step: int | None = None
+        self.acted_decision: int | None = None
+        """The id of the decision it last acted with: a switch decided before it does not change its run."""
         self.switched: str | None = None
         """What changed the run since the rule acted while it kept firing (a rollback or resume applied, a
         restart, a skipped step): failing again after it, the rule acts again (GuardrailEngine)."""
@@ -353,13 +356,13 @@ class RuleMonitor:
         """Judge one observation; True when it makes the rule enter firing (time to act)."""
         self.last_seen_time = now
         if self.reason == NO_DATA:
-            self._clear("ok", "data is back")
+            self._clear(RuleState.OK, "data is back")
         reading = self.check.read(as_series(values))
         if reading is not None:
             self.last_value, self.last_series = reading.value, reading.series
             self.threshold, self.baseline = reading.threshold, reading.baseline
         if reading is None or not reading.failing:
-            self._clear("ok", reading.text if reading else "not judged yet (no usable value or baseline)")
+            self._clear(RuleState.OK, reading.text if reading else "not judged yet (no usable value or baseline)")
             return False
         if self.failing_steps == 0:
             self.since_step, self.since_time, self.window_values = step, now, []
@@ -379,7 +382,7 @@ class RuleMonitor:
         limit = self.rule.no_data_seconds
         if limit is None or reference is None or self.state == RuleState.FIRING or now - reference < limit:
             return False
-        self._clear("firing", NO_DATA)
+        self._clear(RuleState.FIRING, NO_DATA)
         return True
 
     def evidence(self, step: int | None) -> dict:
@@ -399,7 +402,7 @@ class RuleMonitor:
             evidence["for_seconds"] = rule.for_seconds
         if rule.check == CheckKind.THRESHOLD:
             evidence["threshold"] = rule.above if rule.above is not None else rule.below
-            evidence["comparison"] = "above" if rule.above is not None else "below"
+            evidence["comparison"] = rule.bound()[0]
         elif rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION):
             evidence.update(factor=rule.factor, baseline=self.baseline, window_steps=rule.window_steps)
             if rule.check == CheckKind.REGRESSION:
@@ -416,12 +419,12 @@ class RuleMonitor:
             assert self.since_time is not None  # only failing readings lead here; the first one set it
             long_enough = now - self.since_time >= rule.for_seconds
         if enough_steps and long_enough:
-            self.state = "firing"
+            self.state = RuleState.FIRING
             return True
-        self.state = "pending"
+        self.state = RuleState.PENDING
         return False
 
-    def _clear(self, state: str, reason: str) -> None:
+    def _clear(self, state: RuleState, reason: str) -> None:
         self.state, self.reason = state, reason
         self.failing_steps, self.since_step, self.since_time, self.window_values = 0, None, None, []
 
@@ -445,6 +448,7 @@ class RuleMonitor:
         for key in self.SAVED:
             if key in saved:
                 setattr(self, key, saved[key])
+        self.state = RuleState(self.state)
         if "history" in saved:
             self.restore_baseline(saved)
 

@@ -28,13 +28,11 @@ from parwatch.guardrails.directives import WIRE_KEYS, Directives
 from parwatch.guardrails.engine_store import evidence_dir
 from parwatch.guardrails.rules import RuleSet
 from parwatch.ledger_view import same_process
-from parwatch.records import Cancelled, Decision, Delivered, Outcome, log_record
-from parwatch.schema import MAX_CHECKPOINTS, decode_float
 from parwatch.vocabulary import (
     Action,
     DecisionSource,
     DirectiveState,
-    OutcomeName,
+    Outcome,
     RecordType,
     RuleAction,
     RuleState,
@@ -42,6 +40,8 @@ from parwatch.vocabulary import (
     Triage,
     jsonable,
 )
+from parwatch.wire.bounds import MAX_CHECKPOINTS, decode_float
+from parwatch.wire.log import HANDLED, Cancelled, Decision, Delivered, Handled, LogEntry, log_record
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Policy:
             self.changed = True
         return records
 
-    def _append(self, typed: Decision | Cancelled | Outcome) -> dict:
+    def _append(self, typed: LogEntry) -> dict:
         """A record made: among the recent ones, and owed to the store; returns it JSON-safe, as written."""
         record = log_record(typed)
         self.unsaved.append(record)
@@ -242,11 +242,16 @@ class Policy:
             return ""
         return f"still failing after {monitor.switched}" if monitor.switched else ""
 
-    def _switched(self, what: str) -> None:
-        """The run changed (`what`): every rule that acted and is still firing acts again if it fails again."""
+    def _switched(self, what: str, decided: int | None = None) -> None:
+        """The run changed (`what`): every rule that acted and is still firing acts again if it fails again.
+        Not one that acted after the switch was decided (`decided`: its decision id): its action was taken
+        with the switch on its way (queued behind it), so the switch changed nothing under it."""
         for monitor in self.monitors.values():
-            if monitor.state == RuleState.FIRING and monitor.acted_tick is not None:
-                monitor.switched = what
+            if monitor.state != RuleState.FIRING or monitor.acted_tick is None:
+                continue
+            if decided is not None and monitor.acted_decision is not None and monitor.acted_decision > decided:
+                continue
+            monitor.switched = what
 
     def _act(self, monitor: RuleMonitor, step: int | None, now: float, again: str = "") -> list[dict]:
         rule = monitor.rule
@@ -257,26 +262,27 @@ class Policy:
         monitor.switched = None
         if again:
             # What it did did not cure it: stop, for an operator, instead of acting the same way again.
-            action, escalated = Action.PAUSE, True
+            action, escalated = RuleAction.PAUSE, True
             reason += f"; {again}: pausing the run"
         elif monitor.acted_tick is not None and self.run.tick - monitor.acted_tick < rule.cooldown_steps:
-            if rule.action != Action.ROLLBACK:
+            if rule.action != RuleAction.ROLLBACK:
                 monitor.reason += f" (cooldown: acted at step {monitor.acted_step}, no new action)"
                 if rearmed_by is not None:
-                    monitor.state = "pending"  # still armed: act once the cooldown is over
+                    monitor.state = RuleState.PENDING  # still armed: act once the cooldown is over
                 return []
             # Failing again so soon means the rollback did not cure it: stop instead of looping.
-            action, escalated = "pause", True
+            action, escalated = RuleAction.PAUSE, True
             reason += (
                 f"; failed again within cooldown_steps={rule.cooldown_steps} of its rollback at step "
                 f"{monitor.acted_step}: pausing instead of rolling back again"
             )
-        elif rule.action == Action.ROLLBACK:
+        elif rule.action == RuleAction.ROLLBACK:
             first = monitor.since_step if monitor.since_step is not None else step
             action, checkpoint, skip, note = self._plan_rollback(first, step, rule.skip_batches)
-            escalated = action != Action.ROLLBACK
+            escalated = action != RuleAction.ROLLBACK
             reason += note
         monitor.acted_tick, monitor.acted_step = self.run.tick, step
+        monitor.acted_decision = self.next_decision_id  # the id _decide gives it
         decision = Decision(
             time=now,
             step=step,
@@ -297,17 +303,17 @@ class Policy:
 
     def _plan_rollback(
         self, first_failing: int | None, step: int | None, skip_setting
-    ) -> tuple[str, int | None, int, str]:
+    ) -> tuple[RuleAction, int | None, int, str]:
         """(action, checkpoint, skip_batches, note): a rollback, or a pause when one would not help.
         step is None when no step was evaluated since a rollback was applied (or the run began)."""
         if first_failing is None:  # neither the failing run's start nor a step is known (a garbled state)
-            return "pause", None, 0, "; escalated to pause: the failing step is unknown"
+            return RuleAction.PAUSE, None, 0, "; escalated to pause: the failing step is unknown"
         checkpoint = max((c for c in self.run.checkpoints if c < first_failing), default=None)
         if checkpoint is None:
-            return "pause", None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
+            return RuleAction.PAUSE, None, 0, f"; escalated to pause: no checkpoint before step {first_failing}"
         if skip_setting == "window" and step is None:
             return (
-                "pause",
+                RuleAction.PAUSE,
                 None,
                 0,
                 (
@@ -317,10 +323,10 @@ class Policy:
             )
         too_many = self._too_many_rollbacks()
         if too_many:
-            return "pause", None, 0, too_many
+            return RuleAction.PAUSE, None, 0, too_many
         self.run.rollback_ticks.append(self.run.tick)
         skip = step - checkpoint if skip_setting == "window" and step is not None else int(skip_setting)
-        return "rollback", checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
+        return RuleAction.ROLLBACK, checkpoint, skip, f"; rollback to checkpoint {checkpoint}, skipping {skip} batches"
 
     def _too_many_rollbacks(self) -> str:
         """A note when another automatic rollback would exceed max_rollbacks in the window, else ""."""
@@ -529,7 +535,7 @@ class Policy:
             and source == DecisionSource.ALERTMANAGER
             and (too_many := self._too_many_rollbacks())
         ):
-            action, to_step, skip_batches, escalated, note = "pause", None, 0, True, too_many
+            action, to_step, skip_batches, escalated, note = Action.PAUSE, None, 0, True, too_many
         elif action == Action.ROLLBACK:
             self.run.rollback_ticks.append(self.run.tick)
         decision = Decision(
@@ -554,7 +560,7 @@ class Policy:
                 name for name, m in self.monitors.items() if m.state == RuleState.FIRING and m.reason != NO_DATA
             )
             for name in rearm:
-                self.monitors[name].state = "pending"
+                self.monitors[name].state = RuleState.PENDING
                 self.run.rearmed[name] = self.next_decision_id
             if rearm:
                 decision.rearmed_rules = rearm
@@ -686,7 +692,7 @@ class Policy:
             return [record]
         records = [self._append(self._outcome_record(did, done, outcome, now))]
         action = done["action"]
-        if result in (OutcomeName.APPLIED, OutcomeName.SUBSTITUTED):
+        if result in (Outcome.APPLIED, Outcome.SUBSTITUTED):
             if action == Action.PAUSE:
                 self.run.paused = True
             elif action in SWITCHES:
@@ -700,10 +706,10 @@ class Policy:
                 if loaded is not None:
                     self.run.checkpoints = {c for c in self.run.checkpoints if c <= int(loaded)}
                 self.run.last_step = None
-                self._switched(f"the rollback to step {loaded} (directive {did})")
+                self._switched(f"the rollback to step {loaded} (directive {did})", done.get("decision_id"))
             elif action == Action.RESUME:
-                self._switched(f"the resume (directive {did})")
-        elif result in (OutcomeName.FAILED, OutcomeName.MIXED) and action == Action.ROLLBACK:
+                self._switched(f"the resume (directive {did})", done.get("decision_id"))
+        elif result in (Outcome.FAILED, Outcome.MIXED) and action == Action.ROLLBACK:
             why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
             reason = (
                 f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
@@ -725,10 +731,9 @@ class Policy:
         self.changed = True
         return records
 
-    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Outcome:
+    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Handled:
         ranks = int(outcome.get("ranks") or 0)
-        record = Outcome(
-            type=outcome["outcome"],
+        record = HANDLED[outcome["outcome"]](
             directive_id=did,
             action=self._action_of(did) if directive is None else directive["action"],
             decision_id=None if directive is None else directive.get("decision_id"),
@@ -741,7 +746,7 @@ class Policy:
         if directive is not None and directive["action"] == Action.ROLLBACK:
             record.requested_step = directive["to_step"]
             record.loaded_step = outcome.get("loaded_step")
-            record.substituted = outcome.get("outcome") == OutcomeName.SUBSTITUTED
+            record.substituted = outcome.get("outcome") == Outcome.SUBSTITUTED
         if outcome.get("reasons"):
             record.reasons = outcome["reasons"]
         if directive is None:
@@ -757,7 +762,7 @@ class Policy:
         monitor = self.monitors.get(made.get("rule") or "") if made is not None else None
         if monitor is None or monitor.state != RuleState.FIRING or monitor.reason == NO_DATA:
             return []
-        monitor.state = "pending"
+        monitor.state = RuleState.PENDING
         monitor.acted_tick = None  # the cancelled action did not happen: no cooldown from it
         self.run.rearmed[monitor.rule.name] = decision_id
         return [monitor.rule.name]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
-from parwatch.vocabulary import CheckKind, Reduce, RuleAction
+from parwatch.vocabulary import CheckKind, Comparison, Reduce, RuleAction
 
 KNOWN_METRICS = frozenset(
     {
@@ -89,7 +89,7 @@ class Rule:
     """Unique id: lowercase letters, digits, '-' and '_' (used in metric labels and alert names)."""
     metric: str
     """Which observed metric the rule reads (one of KNOWN_METRICS)."""
-    check: str = "threshold"
+    check: CheckKind = CheckKind.THRESHOLD
     """threshold (above/below), finite (NaN/inf fails), spike or regression (factor x rolling median)."""
     above: float | None = None
     """threshold: fail when the reduced value is greater than this."""
@@ -99,13 +99,13 @@ class Rule:
     """spike/regression: fail when the value exceeds factor x the median of the previous window_steps."""
     window_steps: int | None = None
     """spike/regression: how many previous values form the baseline (>= 2)."""
-    reduce: str = "max"
+    reduce: Reduce = Reduce.MAX
     """How several series (stages, ranks, ops) become one value: max, min or mean."""
     for_steps: int = 1
     """Consecutive failing evaluations before the rule fires (1 = at once)."""
     for_seconds: float | None = None
     """Also require the failure to last this long (None = no time condition)."""
-    action: str = "alert"
+    action: RuleAction = RuleAction.ALERT
     """What firing does: alert (record only), pause, or rollback."""
     cooldown_steps: int = BUILTIN_COOLDOWN_STEPS
     """After acting, the rule does not act again for this many executed steps (>= for_steps)."""
@@ -116,12 +116,12 @@ class Rule:
     line: int = 0
     """Line of the rule in its file (0 when built in code)."""
 
-    def bound(self) -> tuple[str, float]:
-        """threshold: ("above" or "below", the line); validation guarantees exactly one is set."""
+    def bound(self) -> tuple[Comparison, float]:
+        """threshold: (above or below, the line); validation guarantees exactly one is set."""
         if self.above is not None:
-            return "above", self.above
+            return Comparison.ABOVE, self.above
         if self.below is not None:
-            return "below", self.below
+            return Comparison.BELOW, self.below
         raise ValueError(f"rule {self.name!r} ({self.check}) has neither 'above' nor 'below'")
 
     def baseline_terms(self) -> tuple[float, int]:
@@ -134,6 +134,8 @@ class Rule:
         problems = _rule_problems(self)
         if problems:
             raise RulesError([RuleProblem("<Rule>", self.line, self.name or None, f, m) for f, m in problems])
+        for name, kind in (("check", CheckKind), ("reduce", Reduce), ("action", RuleAction)):
+            object.__setattr__(self, name, kind(getattr(self, name)))  # a file's words become the members
 
 
 def _is_number(x: object) -> TypeGuard[float]:

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 from parwatch.contract import Span, SpanKind, registry
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 FORWARD_BACKWARD = (
     "forward_backward_no_pipelining",
@@ -38,11 +39,11 @@ FORWARD_BACKWARD = (
 SCHEDULE_FUNCS = ("forward_step", "forward_step_calc_loss", "backward_step", *FORWARD_BACKWARD)
 P2P_FUNCS = ("_batched_p2p_ops", "_p2p_ops")
 TP_FUNCS = {
-    "_reduce": "all_reduce",
-    "_gather_along_last_dim": "all_gather",
-    "_gather_along_first_dim": "all_gather",
-    "_reduce_scatter_along_first_dim": "reduce_scatter",
-    "_reduce_scatter_along_last_dim": "reduce_scatter",
+    "_reduce": CollectiveOp.ALL_REDUCE,
+    "_gather_along_last_dim": CollectiveOp.ALL_GATHER,
+    "_gather_along_first_dim": CollectiveOp.ALL_GATHER,
+    "_reduce_scatter_along_first_dim": CollectiveOp.REDUCE_SCATTER,
+    "_reduce_scatter_along_last_dim": CollectiveOp.REDUCE_SCATTER,
 }
 
 _new = object.__new__
@@ -302,7 +303,7 @@ class Hooks:
             with reg.span(
                 SpanKind.COLLECTIVE,
                 op=op,
-                group="tp",
+                group=GroupRole.TP,
                 bytes=nbytes,
                 group_size=len(self.tp_ranks),
                 ranks=self.tp_ranks,
@@ -349,9 +350,9 @@ class Hooks:
             owner = self._owner.get(tensor) if kind is _SEND else None
             attrs = {
                 **(owner if owner is not None else {"stage": self.pp_rank}),
-                "op": "send" if kind is _SEND else "recv",
+                "op": CollectiveOp.SEND if kind is _SEND else CollectiveOp.RECV,
                 "what": what,
-                "group": "pp",
+                "group": GroupRole.PP,
                 "group_size": 2,
                 "peer": kw.get(peer_key),
                 "bytes": tensor.nbytes,

@@ -12,7 +12,7 @@ import time
 
 from parwatch.contract import Span, SpanKind, registry
 from parwatch.integrations._p2p import TAG
-from parwatch.vocabulary import CollectiveOp
+from parwatch.vocabulary import CollectiveOp, GroupRole
 
 STAGE_METHODS = (
     "forward_one_chunk",
@@ -167,7 +167,7 @@ def _tagging(build, base: dict, op: str, what: str):
             if tag is None:
                 tag = tags[chunk_id] = (
                     kind,
-                    {**base, "microbatch": chunk_id, "op": op, "what": what, "group": "pp", "group_size": 2},
+                    {**base, "microbatch": chunk_id, "op": op, "what": what, "group": GroupRole.PP, "group_size": 2},
                 )
             for p2p_op in ops:
                 setattr(p2p_op, TAG, tag)

@@ -206,7 +206,7 @@ class StepLoop:
         if rollback is not None:
             self._rollback(rollback)
         else:
-            self.applied.append({"action": Action.RESUME.value, "step": self.step, "outcome": "applied"})
+            self.applied.append({"action": Action.RESUME.value, "step": self.step, "outcome": Outcome.APPLIED})
 
     def _report(self, directive, outcome, **extra) -> None:
         self.applied.append(

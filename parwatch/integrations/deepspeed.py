@@ -191,7 +191,7 @@ class DeepSpeedWatch(StepLoop):
                 shadow[cls] = self._timed(fn, timed[cls], self._counted(base, cls.__name__))
             elif cls in p2p:
                 kind, op, what, side = p2p[cls]
-                attrs = {**base, "op": op, "what": what, "group": "pp", "group_size": 2, "peer": peer[side]}
+                attrs = {**base, "op": op, "what": what, "group": GroupRole.PP, "group_size": 2, "peer": peer[side]}
                 shadow[cls] = self._timed(fn, kind, self._counted(attrs, cls.__name__), _PAYLOAD[cls.__name__])
             elif cls is ds.OptimizerStep:
                 shadow[cls] = self._optimizer_step(fn)
@@ -217,7 +217,7 @@ class DeepSpeedWatch(StepLoop):
             elif cls in queued:
                 kind, op, what = queued[cls]
                 shadow[cls] = self._queueing(
-                    fn, kind, self._by_buffer({"op": op, "what": what, "group": "pp", "group_size": 2})
+                    fn, kind, self._by_buffer({"op": op, "what": what, "group": GroupRole.PP, "group_size": 2})
                 )
             elif cls is ds.CommitP2P:
                 shadow[cls] = self._commit(fn)

@@ -13,17 +13,20 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parwatch import ledger_view, records, step_records
+from parwatch import ledger_view
 from parwatch.rank_layout import DEFAULT_ORDER, ORDERS
-from parwatch.records import BadRecord
-from parwatch.schema import decode_float
-from parwatch.vocabulary import OUTCOME_TYPES, RecordType, TimeCategory
+from parwatch.vocabulary import Outcome, RecordType, TimeCategory
+from parwatch.wire.bounds import decode_float
+from parwatch.wire.codec import BadRecord, parse
+from parwatch.wire.log import check_log_record
+from parwatch.wire.steps import StepSummary
 
 SUMMARIES = "summaries.jsonl"
 SPANS = "spans.jsonl"
 DECISIONS = "decisions.jsonl"
 
 _SPAN_INTS = ("rank", "stage", "step")
+OUTCOMES = frozenset(Outcome)
 _KEEP_REASONS = 5
 
 
@@ -130,7 +133,7 @@ def _int(rec: dict, key: str) -> int:
 def _summary(rec: dict) -> dict:
     """A summaries.jsonl line checked as the sidecar checks a posted one (StepSummary), kept as a dict
     with its loss decoded (float('nan') for "nan")."""
-    summary = records.parse(rec, step_records.StepSummary, dotted=True)
+    summary = parse(rec, StepSummary, dotted=True)
     return {**rec, "loss": summary.loss}
 
 
@@ -152,7 +155,7 @@ def _span(rec: dict) -> dict:
 
 
 def _decision(rec: dict) -> dict:
-    records.check_log_record(rec)
+    check_log_record(rec)
     return {**rec, "type": rec.get("type", RecordType.DECISION)}
 
 
@@ -236,7 +239,7 @@ def load_run(run_dir, decisions_path=None) -> RunData:
         summaries=summaries,
         spans=spans,
         decisions=[r for r in records if r["type"] == RecordType.DECISION],
-        applied=[r for r in records if r["type"] in OUTCOME_TYPES],
+        applied=[r for r in records if r["type"] in OUTCOMES],
         issues=issues,
         config=_config(summaries, spans),
         state_dir=Path(decisions_path).parent if decisions_path else run_dir,

@@ -8,8 +8,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from parwatch.bubble import closed_form, excess, has_closed_form, stage_bubble
-from parwatch.schema import COLLECTIVE_BUCKETS
-from parwatch.vocabulary import SelfPart
+from parwatch.vocabulary import ScheduleName, SelfPart
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
 
 
 def parse_buckets(raw, bounds=COLLECTIVE_BUCKETS) -> list[float] | None:
@@ -222,7 +222,7 @@ class CostEstimate:
 
 
 def cost_estimate(
-    summaries: list, pp: int, microbatches: int, chunks: int, price: float, schedule: str = "1f1b"
+    summaries: list, pp: int, microbatches: int, chunks: int, price: float, schedule: str = ScheduleName.ONE_F_ONE_B
 ) -> CostEstimate:
     """With compute C per rank and step fixed, schedule idle is C*f/(1-f) for bubble share f:
     C*(p-1)/(v*m). Doubling m halves it; that difference is what the report calls recoverable (none is

@@ -10,7 +10,7 @@ from parwatch import ledger_view
 from parwatch.report.loader import RunData
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate, self_cost_shares
 from parwatch.report.steps import kept_from_weights
-from parwatch.vocabulary import RecordType, TimeCategory
+from parwatch.vocabulary import Outcome, TimeCategory
 
 
 @dataclass
@@ -287,7 +287,7 @@ def _outcome_text(record: dict) -> str:
     kind = record.get("type", "?")
     ranks = record.get("rank_count")
     text = f"{kind} at step {record.get('step')}" + (f" ({ranks} ranks)" if ranks else "")
-    if kind == RecordType.SUBSTITUTED:
+    if kind == Outcome.SUBSTITUTED:
         text += f": loaded {record.get('loaded_step')} instead of {record.get('requested_step')}"
     elif record.get("reasons"):
         text += ": " + ", ".join(f"{k} x{v}" for k, v in record["reasons"].items())

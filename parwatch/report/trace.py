@@ -39,9 +39,9 @@ def lane_of(span: dict) -> str:
     if kind in (SpanKind.OPTIMIZER, SpanKind.DP_SYNC, SpanKind.CHECKPOINT):
         return "other"
     if kind == SpanKind.SEND:
-        return "send"
+        return SpanKind.SEND
     if kind == SpanKind.COLLECTIVE and attrs.get("group") == GroupRole.TP:
-        return "tp"  # nested inside forward/backward: a lane of their own
+        return GroupRole.TP  # nested inside forward/backward: a lane of their own
     return "comm"
 
 

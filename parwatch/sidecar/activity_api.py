@@ -40,8 +40,6 @@ from parwatch.credentials import Identity, Verifier, node_credential
 from parwatch.guardrails.engine_store import StorageFault
 from parwatch.host import host_identity
 from parwatch.rank_layout import RankLayout
-from parwatch.records import ActivityPost, BadRecord, EvidencePost, NodeDigest, RankEvidence, decode, encode
-from parwatch.schema import HANG_EXIT_CODE
 from parwatch.sidecar import crossnode
 from parwatch.sidecar.auth import bearer_dependency, identity_of
 from parwatch.sidecar.bodies import documented
@@ -71,7 +69,10 @@ from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
-from parwatch.vocabulary import RankState, RuleAction, Speaker, jsonable
+from parwatch.vocabulary import BuiltinRule, RankState, RuleAction, Speaker, jsonable
+from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost, NodeDigest
+from parwatch.wire.codec import BadRecord, decode, encode
+from parwatch.wire.evidence import EvidencePost, RankEvidence
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -82,6 +83,8 @@ RawPost = Callable[..., Awaitable[tuple[int, Any]]]
 SMALL_POST = 64 * 1024
 """Hot posts up to this size are decoded on the event loop; larger ones in a thread (a 7 MB digest held the
 loop 1.6 s)."""
+FINAL_SUMMARIES_SECONDS = 5.0
+"""How long the run's end waits for the last summaries of ranks that said done (a shipper closes in 2 s)."""
 HEARTBEAT_SECONDS = 5.0
 """Rank 0 said "alive" (a heartbeat boundary: the run is paused) this recently: a stall is no hang."""
 
@@ -153,6 +156,7 @@ class ActivityHub:
         """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
         self._layout: RankLayout | None = None
+        self._ending_since: float | None = None  # when every rank here first said it ended (_note_if_ended)
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
         self._idle_due = False
         """Due, judged, nothing decided (a crashed run, a pause): re-judged once a second, not at every ask."""
@@ -383,7 +387,7 @@ class ActivityHub:
             if bundle and isinstance(record.get("id"), int):
                 reachable = [r for r, a in rows.items() if a.state == RankState.RUNNING]
                 self.evidence.ask(self.monitor.run_id, record["id"], bundle, reachable)
-        self._to_act += [r for r in records if r.get("rule") == "hang"]
+        self._to_act += [r for r in records if r.get("rule") == BuiltinRule.HANG]
         return records
 
     async def act(self) -> None:
@@ -433,11 +437,21 @@ class ActivityHub:
         if store.run_id is None or store.ended or self.book.run_id != store.run_id:
             return
         rows = self.book.rows()
-        if (
+        if not (
             rows
             and store.ranks.keys() <= rows.keys()
             and all(a.state == RankState.DONE or a.state in ENDED for a in rows.values())
         ):
+            self._ending_since = None
+            return
+        # A rank says done before its shipper flushes its last summaries (the collector closes the activity
+        # reporter first): the run's end waits for them, or FINAL_SUMMARIES_SECONDS if they were lost.
+        now = self.clock()
+        if self._ending_since is None:
+            self._ending_since = now
+        last = {r: rec.summary.step for r, rec in store.ranks.items()}
+        behind = any(a.state == RankState.DONE and a.step > last.get(r, -1) for r, a in rows.items())
+        if not behind or now - self._ending_since >= FINAL_SUMMARIES_SECONDS:
             store.ended = True
 
     def _feed_liveness(self) -> None:
@@ -653,7 +667,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
         openapi_extra=documented(NodeDigest),
     )
     async def digest(request: Request):
-        """A node sidecar's digest of its ranks (parwatch.records.NodeDigest)."""
+        """A node sidecar's digest of its ranks (parwatch.wire.activity.NodeDigest)."""
         raw = await request.body()
         status, payload = await handle_digest(raw, client=None, identity=identity_of(request))
         return JSONResponse(payload, status_code=status)
@@ -687,7 +701,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
 
 def _typed_post(record: type, root: str, handle: Callable[..., dict]) -> RawPost:
-    """A raw-body handler: the body decoded as `record` (parwatch.records; a large one in a thread), then
+    """A raw-body handler: the body decoded as `record` (parwatch.wire.codec; a large one in a thread), then
     handled; 422 naming the field (as every other endpoint answers a body it cannot use), 403 for a
     credential of another rank or node, 409 for a report of another run while this one is live."""
 

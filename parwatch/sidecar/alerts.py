@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from parwatch.step_records import Alert, AlertmanagerPayload
 from parwatch.vocabulary import RuleAction
+from parwatch.wire.bodies import Alert, AlertmanagerPayload
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from parwatch import __version__, records, step_records
+from parwatch import __version__, wire
 from parwatch.credentials import Identity, Verifier
 from parwatch.guardrails.engine import DirectiveDelivered
 from parwatch.guardrails.engine_store import StorageFault
@@ -37,8 +37,12 @@ from parwatch.sidecar.gate import BodyTooLarge, RequestGate, send_json
 from parwatch.sidecar.rank_gauges import exposition
 from parwatch.sidecar.service import Sidecar
 from parwatch.sidecar.store import Refused
-from parwatch.step_records import AlertmanagerPayload, CancelRequest, ControlRequest, IngestBody
 from parwatch.vocabulary import jsonable
+from parwatch.wire.bodies import AlertmanagerPayload, CancelRequest, ControlRequest
+from parwatch.wire.bounds import MAX_STEP
+from parwatch.wire.codec import BadRecord, decode
+from parwatch.wire.log import LOG_TYPES
+from parwatch.wire.steps import IngestBody
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +177,10 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         client = request.client
         try:
             if len(raw) <= SMALL_BODY:
-                posted = records.decode(raw, IngestBody, dotted=True)
+                posted = decode(raw, IngestBody, dotted=True)
             else:
-                posted = await asyncio.to_thread(records.decode, raw, IngestBody, dotted=True)
-        except records.BadRecord as err:
+                posted = await asyncio.to_thread(decode, raw, IngestBody, dotted=True)
+        except BadRecord as err:
             return JSONResponse({"detail": str(err)}, status_code=422)
         try:
             peer = (client.host, client.port) if client else None
@@ -220,7 +224,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         },
     )
     async def cancel(
-        directive_id: Annotated[int, Path(ge=1, lt=2**53)], req: CancelRequest = Depends(body(CancelRequest))
+        directive_id: Annotated[int, Path(ge=1, lt=MAX_STEP)], req: CancelRequest = Depends(body(CancelRequest))
     ):
         """Withdraw a directive not yet delivered to the run; returns the cancel record."""
         epoch = sidecar.engine.epoch
@@ -260,12 +264,12 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     hot.update(hub.posts)
 
     decision_log = {
-        "description": "the newest records of the decision log, newest last (parwatch/records.py)",
+        "description": "the newest records of the decision log, newest last (parwatch/wire/log.py)",
         "content": {
             "application/json": {
                 "schema": {
                     "type": "array",
-                    "items": {"anyOf": [{"$ref": f"#/components/schemas/{r.__name__}"} for r in records.LOG_TYPES]},
+                    "items": {"anyOf": [{"$ref": f"#/components/schemas/{r.__name__}"} for r in LOG_TYPES]},
                 }
             }
         },
@@ -280,8 +284,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             # Every body is read raw and decoded into its record in one call: the records describe them.
             components = doc.setdefault("components", {}).setdefault("schemas", {})
-            components.update(step_records.openapi_components())
-            components.update(records.openapi_components())  # /v1/activity and /v1/digest (activity_api)
+            components.update(wire.openapi_components())  # with /v1/activity's and /v1/digest's (activity_api)
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for operations in doc["paths"].values():
                 for op in operations.values():

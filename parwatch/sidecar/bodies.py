@@ -1,5 +1,5 @@
 """Request bodies of the control app's FastAPI routes, read as the hot posts read theirs: the raw body
-decoded into its typed record (parwatch/step_records.py) in one call, a 422 naming the field otherwise.
+decoded into its typed record (parwatch/wire/) in one call, a 422 naming the field otherwise.
 The OpenAPI document names the record (app.py adds the records' schemas)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from fastapi import HTTPException, Request
 
-from parwatch.records import BadRecord, decode
+from parwatch.wire.codec import BadRecord, decode
 
 T = TypeVar("T")
 

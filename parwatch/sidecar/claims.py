@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from parwatch import ledger_view
 from parwatch.sidecar.pid_owner import process_started
-from parwatch.step_records import StepSummary
 from parwatch.vocabulary import TimeCategory
+from parwatch.wire.steps import StepSummary
 
 CLOCK_SKEW_SECONDS = 2.0
 """A rank's clock and the sidecar's may disagree this much (the node's ranks share its clock; NTP elsewhere)."""

@@ -13,7 +13,7 @@ oldest of them to --leader-url:
                        "ranks": [[rank, step, stage, host, compute_s, data_s, step_s, own_compute_s], ...]}
 
 at most MAX_FORWARD_HALVES instances, MAX_FORWARD_MEMBERS members listed in all, and
-MAX_FORWARD_RANK_ROWS rank rows a post (parwatch/step_records.py); the rest wait in the node's bounded outbox.
+MAX_FORWARD_RANK_ROWS rank rows a post (parwatch/wire/bodies.py); the rest wait in the node's bounded outbox.
 The rank rows let the leader's straggler attribution see every rank, not only its own node's. Durations only: no clock needs to agree across nodes.
 
 The leader validates the body like any other (token, body size, bounds: 422 naming the field,
@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse
 from parwatch.sidecar.auth import identity_of
 from parwatch.sidecar.bodies import body, documented
 from parwatch.sidecar.transfer import Member, Pending, TransferTracker
-from parwatch.step_records import MAX_FORWARD_HALVES, InstancesForward
 from parwatch.vocabulary import Speaker
+from parwatch.wire.bodies import MAX_FORWARD_HALVES, InstancesForward
 
 log = logging.getLogger(__name__)
 FORWARD_VERSION = 1

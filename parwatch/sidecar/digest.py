@@ -13,7 +13,7 @@ said it ended by an exception is `crashed`, with the exception. Activity keeps f
 rank (its reporter thread is independent of the blocked training thread), so a hang reads as
 `running` with the same span open.
 
-The digest body and the activity report are typed records (parwatch/records.py), decoded with every
+The digest body and the activity report are typed records (parwatch/wire/activity.py), decoded with every
 field checked; what depends on the run (a rank inside its layout) is checked here.
 """
 
@@ -27,14 +27,15 @@ from collections.abc import Callable
 from msgspec.structs import replace
 
 from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout, cached_layout
-from parwatch.records import MAX_WORLD, Activity, BadRecord, NodeDigest
-from parwatch.schema import MAX_STEPS_PER_SECOND
 from parwatch.sidecar.claims import CLOCK_SKEW_SECONDS
 from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED
 from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pace import RunPace
 from parwatch.vocabulary import RankState
+from parwatch.wire.activity import Activity, NodeDigest
+from parwatch.wire.bounds import MAX_STEPS_PER_SECOND, MAX_WORLD
+from parwatch.wire.codec import BadRecord
 
 
 class BadActivity(BadRecord):
@@ -193,9 +194,9 @@ class NodeBook:
                 local = a.host == self.hostname
                 ended = self.exits.ended(a.pid) if local and self.exits is not None else None
                 if local and (ended is not None or not self._alive(a.pid)):
-                    state = "gone"
+                    state = RankState.GONE
                 elif now - seen > self.silent_seconds:
-                    state = "silent" if local else "gone"  # another host's pid cannot be checked here
+                    state = RankState.SILENT if local else RankState.GONE  # another host's pid cannot be checked here
             out[rank] = a if state == a.state else replace(a, state=state, ended=ended)
         return out
 
@@ -319,7 +320,9 @@ class LeaderView:
             stale = now - seen > self.grace_seconds
             for a in rows:
                 out[a.rank] = (
-                    replace(a, state="unknown") if stale and a.state in (RankState.RUNNING, RankState.SILENT) else a
+                    replace(a, state=RankState.UNKNOWN)
+                    if stale and a.state in (RankState.RUNNING, RankState.SILENT)
+                    else a
                 )
         return out
 

@@ -11,7 +11,7 @@ to the leader's POST /v1/evidence. Everything arrives within about 3 s of the de
 ticks and a post), well inside the 5 s the issue asks.
 
 What is accepted is bounded and checked against what the sidecar knows: the body is a typed record
-(parwatch.records.EvidencePost, at most 64 spans and 128 KiB of stacks), its run is the run it asked,
+(parwatch.wire.evidence.EvidencePost, at most 64 spans and 128 KiB of stacks), its run is the run it asked,
 its decision one it asked for within ASK_SECONDS, its rank inside the run and not yet stored for that
 decision (409 otherwise); whose evidence a rank's or a node's credential may post is checked by the route
 (ActivityHub._check_speaker in activity_api.py: its own rank reporting there; the ranks its digests carry). At most MAX_BUNDLES bundles are kept (the oldest directory goes first) and
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import msgspec
 
-from parwatch.records import RankEvidence
 from parwatch.vocabulary import jsonable
+from parwatch.wire.evidence import RankEvidence
 
 log = logging.getLogger(__name__)
 ASK_SECONDS = 60.0

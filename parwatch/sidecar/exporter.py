@@ -19,12 +19,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from parwatch import __version__, goodput
-from parwatch.catalog import GUARDRAIL_STATES, metric
-from parwatch.schema import STEP_BUCKETS
+from parwatch.catalog import GUARDRAIL_STATES, STEP_BUCKETS, metric
 from parwatch.sidecar.store import RankRecord, Store
 from parwatch.sidecar.transfer import COLLECTIVE_LE, transfer_families
-from parwatch.step_records import BUBBLE_CAUSES
-from parwatch.vocabulary import MetricKind
+from parwatch.vocabulary import BubbleCause, MetricKind
 
 _STEP_LE = [repr(float(b)) for b in STEP_BUCKETS]
 
@@ -115,11 +113,10 @@ class SidecarCollector(Collector):
         if view is not None and view.pipeline_skew_ratio is not None:
             skew.add_metric([], view.pipeline_skew_ratio)
         yield skew
-        for cause in BUBBLE_CAUSES:
-            name = f"parwatch_stage_bubble_{cause}_ratio"
-            family = _g(name, ["stage"])
+        for cause in BubbleCause:
+            family = _g(cause.metric, ["stage"])
             for stage in view.stages if view is not None else ():
-                value = getattr(stage, f"bubble_{cause}_ratio")
+                value = getattr(stage, cause.ratio_field)
                 if value is not None:
                     family.add_metric([str(stage.stage)], value)
             yield family

@@ -37,8 +37,8 @@ from prometheus_client.registry import Collector
 
 from parwatch.catalog import RANK_STATES, family
 from parwatch.rank_layout import ROLES, Coords, RankLayout
-from parwatch.records import Activity
-from parwatch.vocabulary import GroupRole, HangKind, RankState, RuleAction, SpanKind
+from parwatch.vocabulary import BuiltinRule, GroupRole, HangKind, RankState, RuleAction, SpanKind
+from parwatch.wire.activity import Activity
 
 BUSY_STEP_FACTOR = 20.0
 """A rank busy in a declared long activity is stalled only past max(busy_seconds, this x median step)."""
@@ -78,7 +78,7 @@ PEER_LOST_MARKS = (
 failure, not the cause (gloo's and NCCL's messages)."""
 
 
-EVIDENCE_RULES = ("hang", "rank-gone")
+EVIDENCE_RULES = (BuiltinRule.HANG, BuiltinRule.RANK_GONE)
 """Findings whose decision keeps every reachable rank's evidence beside it (parwatch.sidecar.evidence); not
 the echoes of a failure already named (their ranks are ending)."""
 
@@ -293,7 +293,12 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     missing = None
     if culprit in groups_waiting:  # name the collective it has not joined: the first seen waiting for it
         group, _instance, op, seq = groups_waiting[culprit][0]
-        missing = {"kind": "collective", "op": op, "group": group, "seq": seq if not isinstance(seq, tuple) else None}
+        missing = {
+            "kind": SpanKind.COLLECTIVE,
+            "op": op,
+            "group": group,
+            "seq": seq if not isinstance(seq, tuple) else None,
+        }
     elif culprit in ranks_waiting:
         by = ranks_waiting[culprit][-1]
         missing = {"kind": rows[by].kind, "by": by}
@@ -342,7 +347,7 @@ def hang_kind(a: Activity | None, rows: Mapping[int, Activity], absent: list[int
 
 
 def _seconds_or_none(x) -> float | None:
-    """A finite number as float, else None: rows are validated at ingest (parwatch.records), and
+    """A finite number as float, else None: rows are validated at ingest (parwatch.wire.activity), and
     the stall clock still checks what it uses, for callers that build Activity rows themselves."""
     if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
         return float(x)
@@ -763,7 +768,7 @@ class HangMonitor:
             reason += f"; also gone: {others[:MAX_WAITING_LISTED]}"
         reason += _coverage_text(coverage)
         record = self._record(
-            "rank-gone",
+            BuiltinRule.RANK_GONE,
             reason,
             {"culprit": culprit, "gone": [first.rank] + others, "coverage": coverage},
             first.step,
@@ -916,7 +921,7 @@ class HangMonitor:
             action, note = self.requeue.verdict()
             reason += note
             evidence["requeue"] = self.requeue.evidence()
-        record = self._record("hang", reason, evidence, self.progress.step, action)
+        record = self._record(BuiltinRule.HANG, reason, evidence, self.progress.step, action)
         record["step_at"] = self.progress.step
         return record
 
@@ -931,7 +936,7 @@ class HangMonitor:
         )
         evidence = {"culprit": None, "echo_of": cause["rank"], "gone": lost, "coverage": coverage}
         self.gone_reported.update(lost)
-        return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
+        return self._record(BuiltinRule.RANK_GONE, reason, evidence, max(a.step for a in echoes))
 
     def _node_lost(self, rows: Mapping[int, Activity], rank: int, lost: list[dict], stalled: float, coverage) -> dict:
         """rank-gone for a stall whose waits point at ranks of nodes gone quiet (ranks and sidecar silent: a
@@ -953,7 +958,7 @@ class HangMonitor:
         }
         self.gone_reported.update(unknown)
         self._lost_since = self.progress.time
-        return self._record("rank-gone", reason, evidence, self.progress.step)
+        return self._record(BuiltinRule.RANK_GONE, reason, evidence, self.progress.step)
 
     def check_nodes(self, missing: list[dict], ranks_of: Callable[[str], list[int]]) -> list[dict]:
         """Once a second at the leader: a node missing (no digest for its grace) while the run crossed step
@@ -978,7 +983,7 @@ class HangMonitor:
                 "ranks": ranks[:MAX_WAITING_LISTED],
                 "last_step": self.progress.step,
             }
-            records.append(self._record("sidecar-lost", reason, evidence, self.progress.step))
+            records.append(self._record(BuiltinRule.SIDECAR_LOST, reason, evidence, self.progress.step))
         return records
 
     def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
@@ -999,10 +1004,10 @@ class HangMonitor:
         self.gone_reported.update(lost)
         self.gone_reported.update(unseen)
         self._echoes_since = None
-        return self._record("rank-gone", reason, evidence, max(a.step for a in echoes))
+        return self._record(BuiltinRule.RANK_GONE, reason, evidence, max(a.step for a in echoes))
 
     def _record(
-        self, rule: str, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
+        self, rule: BuiltinRule, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
     ) -> dict:
         record = dict(
             self.engine.record_finding(

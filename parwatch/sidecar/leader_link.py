@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from parwatch.catalog import family
+from parwatch.vocabulary import SidecarRole
 
 log = logging.getLogger("parwatch.sidecar")
 
@@ -77,11 +78,11 @@ class LeaderLink:
 
     def status(self, leader: bool) -> dict | None:
         if leader:
-            return {"role": "leader", "reachable": True, "unreachable_since": None, "error": None}
+            return {"role": SidecarRole.LEADER, "reachable": True, "unreachable_since": None, "error": None}
         if self.url is None and self.since is None:
             return None  # alone (a one-node run, or nothing seen yet): there is no leader to reach
         return {
-            "role": "node",
+            "role": SidecarRole.NODE,
             "url": self.url,
             "reachable": self.reachable,
             "unreachable_since": self.since,

@@ -19,6 +19,9 @@ PACE_FACTOR = 4.0
 """A rank may be this many times the run's median step rate ahead of the others' last report."""
 SLACK_STEPS = 2
 """... plus this many steps: the ranks' reports of one boundary arrive a moment apart."""
+REPORT_WINDOW_SECONDS = 2.0
+"""... plus this long at that rate: a rank posts its summaries in batches (its shipper every half second, later
+under load), so one rank's post can hold steps the other ranks ran too but have not posted yet."""
 FRESH_SECONDS = 10.0
 """Another rank's report older than this corroborates nothing (it may have stopped): the rank's own counts."""
 STEP_SECONDS_KEPT = 64
@@ -86,7 +89,7 @@ class RunPace:
             return None
         elapsed = max(0.0, now - at)
         rate = self.rate()
-        if step <= high + SLACK_STEPS + int(elapsed * rate):
+        if step <= high + SLACK_STEPS + int((elapsed + REPORT_WINDOW_SECONDS) * rate):
             return None
         by = f"rank {who}'s" if who != rank else "its own"
         return (

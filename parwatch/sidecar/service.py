@@ -38,8 +38,9 @@ from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.sidecar.store import Store
 from parwatch.sidecar.transfer import TransferTracker
-from parwatch.step_records import AlertmanagerPayload, ControlRequest, IngestBody
-from parwatch.vocabulary import RecordType, RuleAction, SidecarRole, Speaker, jsonable
+from parwatch.vocabulary import DecisionSource, RecordType, RuleAction, SidecarRole, Speaker, jsonable
+from parwatch.wire.bodies import AlertmanagerPayload, ControlRequest
+from parwatch.wire.steps import IngestBody
 
 log = logging.getLogger(__name__)
 MAX_UNJUDGED = 10_000
@@ -275,11 +276,11 @@ class Sidecar:
             obs.series.update(self.transfer.take_series())
             self._count(self.engine.evaluate(obs))
 
-    def cancel(self, directive_id: int, requested_by: str = "operator") -> dict:
+    def cancel(self, directive_id: int, requested_by: str = DecisionSource.OPERATOR) -> dict:
         """Withdraw an outstanding directive; ValueError when there is none with that id."""
         return self.engine.cancel(directive_id, requested_by)
 
-    def control(self, req: ControlRequest, requested_by: str = "operator") -> dict:
+    def control(self, req: ControlRequest, requested_by: str = DecisionSource.OPERATOR) -> dict:
         """An operator's pause/resume/rollback; ValueError when the engine refuses it, or when this is a
         node sidecar (its guardrails are the leader's: the message names it)."""
         hub = getattr(self, "activity", None)
@@ -290,7 +291,7 @@ class Sidecar:
             )
         decision = self.engine.request(
             req.action,
-            source="operator",
+            source=DecisionSource.OPERATOR,
             reason=req.reason,
             to_step=req.to_step,
             skip_batches=req.skip_batches,
@@ -301,7 +302,7 @@ class Sidecar:
 
     def alert_webhook(self, payload: AlertmanagerPayload) -> list[dict]:
         def request(action, **kw):
-            return self.engine.request(action, source="alertmanager", **kw)
+            return self.engine.request(action, source=DecisionSource.ALERTMANAGER, **kw)
 
         decisions = self.alerts.handle(payload, request)
         self._count(decisions)

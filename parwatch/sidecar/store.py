@@ -33,20 +33,15 @@ from typing import NamedTuple
 import msgspec
 
 from parwatch import goodput, ledger_view
+from parwatch.catalog import STEP_BUCKETS
 from parwatch.rank_layout import RankLayout
-from parwatch.schema import (
-    COLLECTIVE_BUCKETS,
-    MAX_ROLLBACKS_PER_SECOND,
-    MAX_STEPS_PER_SECOND,
-    MAX_TIMELINE,
-    STEP_BUCKETS,
-)
 from parwatch.sidecar.claims import Prove, Refused, check_process
 from parwatch.sidecar.config import DEFAULT_MAX_RANKS, DEFAULT_MAX_RUNS
 from parwatch.sidecar.ledger_window import LedgerWindow
 from parwatch.sidecar.pace import Pace, RunPace
-from parwatch.step_records import GlobalView, StepSummary
 from parwatch.vocabulary import TimeCategory
+from parwatch.wire.bounds import MAX_ROLLBACKS_PER_SECOND, MAX_STEPS_PER_SECOND
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, GlobalView, StepSummary
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +208,6 @@ class Store:
         tops: list[tuple[int, int]] = []  # this post's two highest (step, rank) of distinct ranks: they corroborate
         for i, s in enumerate(summaries):
             where = f"{field}.{i}"
-            if s.timeline > MAX_TIMELINE:
-                raise Refused(422, f"{where}.timeline={s.timeline}: a run applies at most {MAX_TIMELINE} rollbacks")
             if s.run_id != run_id:
                 if i > 0:
                     raise Refused(

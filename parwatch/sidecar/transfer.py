@@ -57,8 +57,8 @@ from parwatch.guardrails.attribution import (
     median_at,
     paired_excess,
 )
-from parwatch.schema import COLLECTIVE_BUCKETS, busbw_factor
 from parwatch.vocabulary import CollectiveOp, GroupRole
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, busbw_factor
 
 HORIZON_STEPS = 8
 """An instance still incomplete this many steps after it was first seen is dropped as unmatched."""
@@ -213,7 +213,7 @@ class TransferTracker:
 
     # -- intake ---------------------------------------------------------------------------------
     def add(self, s) -> list[Split]:
-        """Take one new summary (a parwatch.step_records.StepSummary); returns the instances it completed."""
+        """Take one new summary (a parwatch.wire.steps.StepSummary); returns the instances it completed."""
         with self._lock:  # a scrape on another thread may be building the view
             return self._add(s)
 
@@ -254,7 +254,7 @@ class TransferTracker:
                 src, dst = (rank, peer) if op == CollectiveOp.SEND else (peer, rank)
                 key = ("p", src, dst, seq)
                 member_set = None
-                path, label = ("link", src, dst), "send"
+                path, label = ("link", src, dst), CollectiveOp.SEND
             entry = pending.get(key)
             is_pending = entry is not None
             if entry is None:

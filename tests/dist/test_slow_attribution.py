@@ -32,9 +32,9 @@ import pytest
 
 from parwatch.demo.scenario import DemoConfig
 from parwatch.guardrails.rules import default_rules
-from parwatch.records import parse
 from parwatch.sidecar.transfer import TransferTracker
-from parwatch.step_records import StepSummary
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import StepSummary
 from tests.integration.e2e_util import (
     TORCHRUN,
     decision_records,

@@ -63,9 +63,9 @@ def layouts_body(rank: int, world_size: int, endpoint: str, token: str) -> dict:
     if rank == 0:  # the sidecar takes every rank's live activity (in the mesh's order) while they wait here
         out["rank_states"] = _rank_states_once_all_report(endpoint, token, world_size)
     dist.barrier()
-    view = collector.last_summary.get("global")
-    out["view"] = None if view is None else [(s["stage"], s["ranks"]) for s in view["stages"]]
-    out["summary"] = [collector.last_summary[k] for k in ("tp_rank", "stage", "dp_rank", "order")]
+    view = collector.last_summary.global_
+    out["view"] = None if view is None else [(s.stage, s.ranks) for s in view.stages]
+    out["summary"] = [getattr(collector.last_summary, k) for k in ("tp_rank", "stage", "dp_rank", "order")]
     watch.close()
     collector.close()
     return out

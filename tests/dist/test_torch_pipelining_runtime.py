@@ -57,8 +57,8 @@ def runtime_body(rank: int, world_size: int, csv_path: str, log_dir: str) -> dic
         if watch:
             out.update(
                 name=watch.name,
-                theory=collector.last_summary["bubble_theoretical_ratio"],
-                schedule=collector.last_summary["schedule"],
+                theory=collector.last_summary.bubble_theoretical_ratio,
+                schedule=collector.last_summary.schedule,
             )
             watch.close()
             collector.close()

@@ -6,7 +6,7 @@ ranks of a stage spend unequal time outside the pipeline (a long optimizer on ra
 sync on rank 3), so a stage's time-weighted bubble differs from the mean of its ranks' ratios,
 the formula the dashboard and the alerts drew before. Its summaries are built by the collector's
 own code (stats.breakdown, the boundary vector summed as the all-reduce sums it, the global view,
-wire.build_summary) with the same figures every step, and posted to a real sidecar through a
+as the StepSummary record the collector builds) with the same figures every step, and posted to a real sidecar through a
 proxy in front of its /metrics: each scrape first posts the next step, so a real Prometheus only
 ever sees whole steps and its rates cover the same steps on every rank.
 
@@ -23,7 +23,6 @@ Read five ways, per stage:
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import subprocess
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from msgspec import to_builtins
 
 from parwatch import bubble
 from parwatch import dashboards as dash
@@ -42,11 +42,12 @@ from parwatch.collector import global_view as gv
 from parwatch.collector.context import RunContext
 from parwatch.collector.run_totals import RunTotals
 from parwatch.collector.stats import breakdown
-from parwatch.collector.wire import build_summary
 from parwatch.guardrails.alerts import alert_name, render_alert_rules_yaml
 from parwatch.guardrails.rules import load_rules
 from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table
+from parwatch.wire.codec import encode
+from parwatch.wire.steps import StepSummary
 from tests.integration.e2e_util import wait_until
 from tests.sidecar_process import free_port, running_sidecar, stop
 
@@ -90,7 +91,7 @@ def contexts() -> dict[int, RunContext]:
     }
 
 
-def step_summaries(step: int) -> list[dict]:
+def step_summaries(step: int) -> list[StepSummary]:
     """Every rank's summary of `step`, rank 0's with the global view of step-1, as the collectors send them."""
     ctxs = contexts()
     results = {r: breakdown(STEP_S, compute, other) for r, (compute, other) in RANKS.items()}
@@ -103,20 +104,29 @@ def step_summaries(step: int) -> list[dict]:
             summed = [x + y for x, y in zip(summed, slots)]
         view = gv.build_global_view(summed, PP, loss=2.0)
     return [
-        build_summary(
-            ctx,
+        StepSummary(
+            v=1,
+            run_id=ctx.run_id,
+            rank=r,
+            stage=ctx.stage,
+            tp_rank=ctx.tp_rank,
+            dp_rank=ctx.dp_rank,
+            tp=TP,
+            pp=PP,
+            dp=1,
+            microbatches=M,
+            schedule=ctx.schedule,
             step=step,
             time=time.time(),
-            result=results[r],
-            loss=2.0 if ctx.stage == PP - 1 else None,
-            collectives=[],
-            memory_max_allocated_bytes=None,
-            gpu=None,
-            nvml_up=False,
-            dropped_total=0,
-            checkpoints=[],
-            paused=False,
-            global_view=view if r == 0 else None,
+            step_seconds=results[r].step_seconds,
+            compute_seconds=results[r].compute_seconds,
+            other_seconds=results[r].other_seconds,
+            idle_seconds=results[r].idle_seconds,
+            bubble_ratio=results[r].bubble_ratio,
+            bubble_theoretical_ratio=ctx.bubble_theoretical_ratio,
+            wire_loss=2.0 if ctx.stage == PP - 1 else None,
+            tokens=ctx.tokens_per_step,
+            global_=view if r == 0 else None,
         )
         for r, ctx in ctxs.items()
     ]
@@ -167,13 +177,13 @@ class FeedingProxy:
             summaries = step_summaries(self.step)
             r = httpx.post(
                 f"{self.sp.control_url}/v1/ingest",
-                json={"version": 1, "summaries": summaries},
+                json={"version": 1, "summaries": to_builtins(summaries)},
                 headers=self.sp.headers,
                 timeout=30,
             )
             assert r.status_code == 200, r.text
             with open(self.run_log, "a") as f:  # what the collectors' shippers write
-                f.writelines(json.dumps(s) + "\n" for s in summaries)
+                f.writelines(encode(s).decode() + "\n" for s in summaries)
 
     def scrape(self, accept: str) -> tuple[bytes, str]:
         self.post_next()
@@ -312,7 +322,7 @@ def test_the_five_consumers_of_the_stage_bubble_agree(tmp_path):
     seen["report excess"] = {row.stage: row.excess for row in report}
     totals = RunTotals(PP, M, 1)
     for step in range(2, posted + 1):
-        totals.add_global(step_summaries(step)[0]["global"])
+        totals.add_global(step_summaries(step)[0].global_)
     seen["run totals"] = {s["stage"]: s["bubble_ratio"] for s in totals.as_dict()["stages"]}
 
     print(f"\n{posted} steps; time-weighted {weighted}, mean of ratios {mean}; theory {theory}")

@@ -26,9 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from parwatch import dashboards as dash
-from parwatch.catalog import METRICS
-from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.catalog import METRICS, STEP_BUCKETS
 from parwatch.vocabulary import SelfPart, TimeCategory, Tracker
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parwatch.records import ACTIVITY_FIELDS
+from parwatch.wire.activity import ACTIVITY_FIELDS
 from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

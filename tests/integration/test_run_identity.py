@@ -57,7 +57,7 @@ def _forged(sp, rank: int, at_step: int, **change) -> httpx.Response:
     [
         ({"step": 2**52}, "summaries.0.step=4503599627370496 is ahead of the run"),
         ({"global_step": 2**52}, "summaries.0.global.step=4503599627370496 is after the summary's own step"),
-        ({"timeline": 2**31}, "summaries.0.timeline=2147483648"),
+        ({"timeline": 2**31}, "summaries.0.timeline: Expected `int` <= 100000"),
         ({"timeline": 50}, "summaries.0.timeline=50: rank 0 was at timeline 0"),
     ],
 )

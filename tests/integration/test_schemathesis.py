@@ -2,7 +2,7 @@
 valid bodies, bodies that violate the schema, odd headers -- the sidecar never answers 5xx, every
 answer is one the document lists, with the documented content type and schema, and a request the
 schema forbids is refused. Every body is fuzzed, the hot posts' too (/v1/activity and /v1/digest: their
-schemas come from parwatch/records.py).
+schemas come from parwatch/wire/).
 
 Schemathesis lives in its own virtual environment (scripts/setup.sh test puts it in
 .tools/schemathesis: its pins clash with ours); bounded: loopback only, a fixed seed, a few

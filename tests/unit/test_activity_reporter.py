@@ -5,16 +5,17 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from parwatch import contract
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
-from parwatch.records import ActivityPost, decode
-from parwatch.schema import HANG_EXIT_CODE
 from parwatch.trainer.errors import ConfigError
 from parwatch.trainer.faults import Faults, parse_fault
+from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost
+from parwatch.wire.codec import decode
 
 
 class Response:
@@ -63,7 +64,7 @@ def test_snapshot_names_the_open_span_and_since_when():
         "http://x",
         time_fn=lambda: 500.0,
         perf_ns=lambda: now_ns[0],
-        summary_fn=lambda: {"step": 41, "step_seconds": 0.25},
+        summary_fn=lambda: SimpleNamespace(step=41, step_seconds=0.25, time=None),
         pid=4242,
     )
     idle = rep.snapshot()
@@ -91,13 +92,18 @@ def test_post_body_token_and_abort_reply():
 
 
 def test_what_the_reporter_posts_decodes_as_the_sidecar_reads_it():
-    """The collector encodes parwatch.records.ActivityPost; the sidecar decodes the same type, every bound
+    """The collector encodes parwatch.wire.activity.ActivityPost; the sidecar decodes the same type, every bound
     checked: a span's report, and the last word of a rank that crashed with a multi-line, tabbed error."""
     http = FakeHttp()
     reg = contract.HookRegistry()
     reg.register(contract.Observer())
     rep = ActivityReporter(
-        _ctx(), reg, "http://x", http=http, interval_s=600, summary_fn=lambda: {"step": 4, "time": 12.5}
+        _ctx(),
+        reg,
+        "http://x",
+        http=http,
+        interval_s=600,
+        summary_fn=lambda: SimpleNamespace(step=4, step_seconds=None, time=12.5),
     ).start()
     with reg.span(contract.SpanKind.RECV, op="recv", group="pp", peer=1, seq=2):
         assert rep.post(rep.snapshot())
@@ -167,7 +173,7 @@ def test_snapshot_carries_when_the_step_ended():
         contract.HookRegistry(),
         "http://x",
         time_fn=lambda: 500.9,
-        summary_fn=lambda: {"step": 7, "step_seconds": 0.25, "time": 500.125},
+        summary_fn=lambda: SimpleNamespace(step=7, step_seconds=0.25, time=500.125),
     )
     a = rep.snapshot()
     assert (a.step, a.step_end, a.time) == (7, 500.125, 500.9)

@@ -71,11 +71,11 @@ def test_cuda_marks_give_the_same_breakdown_and_are_never_read_early(share_marks
     run_steps(run, 3, 0.1, gap=0.003)
     for rank, device in zip(run.ranks, devices):
         s = rank.collector.last_summary
-        assert s["step_seconds"] == pytest.approx(0.158, abs=1e-9)
-        assert s["compute_seconds"] == pytest.approx(0.12, abs=1e-9)
-        assert s["idle_seconds"] == pytest.approx(0.033, abs=1e-9)
+        assert s.step_seconds == pytest.approx(0.158, abs=1e-9)
+        assert s.compute_seconds == pytest.approx(0.12, abs=1e-9)
+        assert s.idle_seconds == pytest.approx(0.033, abs=1e-9)
         assert device.early_reads == 0 and rank.collector.unresolved_spans == 0
-    assert run.ranks[0].collector.last_summary["global"]["step"] == 2
+    assert run.ranks[0].collector.last_summary.global_.step == 2
 
 
 def test_events_are_pooled_so_their_number_stays_flat():

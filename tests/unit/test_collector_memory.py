@@ -82,7 +82,7 @@ def test_four_thousand_steps_keep_buffers_bounded_and_memory_flat(tmp_path):
     finally:
         tracemalloc.stop()
     assert collector.summaries == STEPS + 200
-    assert len(collector.last_summary["checkpoints"]) == 20
+    assert len(collector.last_summary.checkpoints) == 20
     assert len(collector.directives._taken) <= 256
     # a leak of one small object per span would be > 640 KB over 64,000 spans
     assert growth < 256 * 1024, f"traced memory grew by {growth} bytes over {STEPS} steps"

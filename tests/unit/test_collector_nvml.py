@@ -97,15 +97,15 @@ def test_step_summary_means_maxima_and_or_of_throttle_reasons():
     for _ in range(3):
         sampler.sample_once()
     gpu = sampler.take()
-    assert gpu["index"] == 0
-    assert abs(gpu["utilization_ratio"] - 0.8) < 1e-12
-    assert gpu["power_watts"] == 250.0  # mean of the samples that had a power reading
-    assert gpu["sm_clock_hertz"] == 1.5e9
-    assert gpu["memory_used_bytes"] == 30 and gpu["temperature_celsius"] == 75.0
-    assert gpu["throttle_reasons"] == 0x5
+    assert gpu.index == 0
+    assert abs(gpu.utilization_ratio - 0.8) < 1e-12
+    assert gpu.power_watts == 250.0  # mean of the samples that had a power reading
+    assert gpu.sm_clock_hertz == 1.5e9
+    assert gpu.memory_used_bytes == 30 and gpu.temperature_celsius == 75.0
+    assert gpu.throttle_reasons == 0x5
     # the next step has no sample of its own yet: it repeats the latest reading
     again = sampler.take()
-    assert again["utilization_ratio"] == 0.9 and again["throttle_reasons"] == 0 and again["power_watts"] is None
+    assert again.utilization_ratio == 0.9 and again.throttle_reasons == 0 and again.power_watts is None
 
 
 def test_cuda_visible_devices_maps_torch_indices_to_nvml_devices():
@@ -140,18 +140,9 @@ def test_collector_reports_the_gpu_from_the_sampling_thread_and_stops_it():
     run.boundary(0, "start", 0.0, 0.1)
     run_steps(run, 1, 0.1)
     s = collector.last_summary
-    assert s["nvml_up"] == 1 and s["memory_max_allocated_bytes"] == 123
-    assert set(s["gpu"]) == {
-        "index",
-        "utilization_ratio",
-        "memory_used_bytes",
-        "memory_total_bytes",
-        "power_watts",
-        "sm_clock_hertz",
-        "temperature_celsius",
-        "throttle_reasons",
-    }
-    assert 0.4 <= s["gpu"]["utilization_ratio"] <= 0.49 and s["gpu"]["power_watts"] == 100.0
+    assert s.nvml_up == 1 and s.memory_max_allocated_bytes == 123
+    assert s.gpu is not None and s.gpu.index == 0 and s.gpu.memory_total_bytes is not None
+    assert 0.4 <= s.gpu.utilization_ratio <= 0.49 and s.gpu.power_watts == 100.0
     for rank in run.ranks:
         rank.collector.close(timeout=30)
     assert fake.shutdown and not collector.nvml._thread.is_alive()
@@ -165,6 +156,6 @@ def test_this_machine_has_no_nvml_and_summaries_say_so():
     s = run.ranks[0].collector.last_summary
     for rank in run.ranks:
         rank.collector.close(timeout=30)
-    if s["nvml_up"]:
+    if s.nvml_up:
         pytest.skip("this machine has an NVML driver; the fake-module tests cover the mapping")
-    assert s["gpu"] is None and run.ranks[1].collector.last_summary["nvml_up"] == 0
+    assert s.gpu is None and run.ranks[1].collector.last_summary.nvml_up == 0

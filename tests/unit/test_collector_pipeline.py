@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from msgspec import to_builtins
 from test_collector_sim import P2P_BYTES, SEND_S, pipeline, run_steps
 
 from parwatch.collector import SpanSampling
-from parwatch.schema import COLLECTIVE_BUCKETS
-from parwatch.step_records import OutcomeRecord
-from parwatch.vocabulary import OutcomeName
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, OutcomeRecord
 
 TF, TB, TOPT = 0.010, 0.020, 0.005
 STEP = 5 * (TF + TB) + TOPT  # (m+p-1)(tf+tb) + optimizer: 0.155 s
@@ -23,7 +22,7 @@ def started(**kw):
 
 
 def ops(summary):
-    return {(c["op"], c["group"]): c for c in summary["collectives"]}
+    return {(c.op, c.group): c for c in summary.collectives}
 
 
 def test_uniform_gpipe_step_has_the_schedules_bubble_on_every_stage():
@@ -31,14 +30,14 @@ def test_uniform_gpipe_step_has_the_schedules_bubble_on_every_stage():
     run_steps(run, 3, 0.1)
     for rank in run.ranks:
         s = rank.collector.last_summary
-        assert s["step"] == 3
-        assert s["step_seconds"] == pytest.approx(STEP, abs=1e-9)
-        assert s["compute_seconds"] == pytest.approx(4 * (TF + TB), abs=1e-9)
-        assert s["other_seconds"] == pytest.approx(TOPT, abs=1e-9)
-        assert s["idle_seconds"] == pytest.approx((2 - 1) * (TF + TB), abs=1e-9)
+        assert s.step == 3
+        assert s.step_seconds == pytest.approx(STEP, abs=1e-9)
+        assert s.compute_seconds == pytest.approx(4 * (TF + TB), abs=1e-9)
+        assert s.other_seconds == pytest.approx(TOPT, abs=1e-9)
+        assert s.idle_seconds == pytest.approx((2 - 1) * (TF + TB), abs=1e-9)
         # (p-1)/(m+p-1) = 1/5, measured and theoretical alike
-        assert s["bubble_ratio"] == pytest.approx(0.2, abs=1e-9)
-        assert s["bubble_theoretical_ratio"] == 0.2
+        assert s.bubble_ratio == pytest.approx(0.2, abs=1e-9)
+        assert s.bubble_theoretical_ratio == 0.2
         assert rank.collector.summaries == 3
 
 
@@ -46,15 +45,15 @@ def test_tp_collectives_count_as_compute_and_dp_sync_collectives_are_not_counted
     run = started()
     run_steps(run, 1, 0.1, tp_allreduce=0.002, dp_sync=0.008)
     s = run.ranks[0].collector.last_summary
-    assert s["step_seconds"] == pytest.approx(STEP + 0.008, abs=1e-9)
-    assert s["compute_seconds"] == pytest.approx(4 * (TF + TB), abs=1e-9)  # TP all-reduces inside forwards
-    assert s["other_seconds"] == pytest.approx(TOPT + 0.008, abs=1e-9)  # dp_sync once, its all_reduce not again
-    assert s["idle_seconds"] == pytest.approx(TF + TB, abs=1e-9)
+    assert s.step_seconds == pytest.approx(STEP + 0.008, abs=1e-9)
+    assert s.compute_seconds == pytest.approx(4 * (TF + TB), abs=1e-9)  # TP all-reduces inside forwards
+    assert s.other_seconds == pytest.approx(TOPT + 0.008, abs=1e-9)  # dp_sync once, its all_reduce not again
+    assert s.idle_seconds == pytest.approx(TF + TB, abs=1e-9)
     tp, dp = ops(s)[("all_reduce", "tp")], ops(s)[("all_reduce", "dp")]
-    assert (tp["count"], tp["bytes"]) == (4, 4096)
-    assert tp["seconds"] == pytest.approx(0.008, abs=1e-9)
-    assert (dp["count"], dp["bytes"]) == (1, 1 << 20)
-    assert dp["seconds"] == pytest.approx(0.004, abs=1e-9)
+    assert (tp.count, tp.bytes) == (4, 4096)
+    assert tp.seconds == pytest.approx(0.008, abs=1e-9)
+    assert (dp.count, dp.bytes) == (1, 1 << 20)
+    assert dp.seconds == pytest.approx(0.004, abs=1e-9)
 
 
 def test_p2p_and_boundary_collective_statistics():
@@ -62,18 +61,18 @@ def test_p2p_and_boundary_collective_statistics():
     run_steps(run, 1, 0.1)
     stage0, stage1 = (rank.collector.last_summary for rank in run.ranks)
     send0, recv0 = ops(stage0)[("send", "pp")], ops(stage0)[("recv", "pp")]
-    assert (send0["count"], send0["bytes"]) == (4, 4 * P2P_BYTES)
-    assert send0["seconds"] == pytest.approx(4 * SEND_S, abs=1e-9)
+    assert (send0.count, send0.bytes) == (4, 4 * P2P_BYTES)
+    assert send0.seconds == pytest.approx(4 * SEND_S, abs=1e-9)
     # busbw factor 1 for p2p: busbw == algbw == bytes / seconds
-    assert send0["algbw"] == pytest.approx(4 * P2P_BYTES / (4 * SEND_S), rel=1e-9)
-    assert send0["busbw"] == pytest.approx(send0["algbw"], rel=1e-12)
+    assert send0.algbw == pytest.approx(4 * P2P_BYTES / (4 * SEND_S), rel=1e-9)
+    assert send0.busbw == pytest.approx(send0.algbw, rel=1e-12)
     # stage 0 waits for grads: the first for the pipeline to turn round (tf+tb), then none
-    assert recv0["count"] == 4
-    assert recv0["seconds"] == pytest.approx(TF + TB, abs=1e-9)
+    assert recv0.count == 4
+    assert recv0.seconds == pytest.approx(TF + TB, abs=1e-9)
     bucket_of_wait = COLLECTIVE_BUCKETS.index(0.05)
-    assert recv0["buckets"][0] == 3  # the three zero-length waits are <= 10 us
-    assert recv0["buckets"][bucket_of_wait - 1] == 3 and recv0["buckets"][bucket_of_wait] == 4
-    assert recv0["buckets"][-1] == 4 and len(recv0["buckets"]) == len(COLLECTIVE_BUCKETS) + 1
+    assert recv0.buckets[0] == 3  # the three zero-length waits are <= 10 us
+    assert recv0.buckets[bucket_of_wait - 1] == 3 and recv0.buckets[bucket_of_wait] == 4
+    assert recv0.buckets[-1] == 4 and len(recv0.buckets) == len(COLLECTIVE_BUCKETS) + 1
     # The boundary all-reduce is mostly the wait for the flush, not a transfer: no collective sample.
     assert ("all_reduce", "world") not in ops(stage0) and ("all_reduce", "world") not in ops(stage1)
 
@@ -81,35 +80,35 @@ def test_p2p_and_boundary_collective_statistics():
 def test_rank_0_global_view_describes_the_previous_step_from_every_ranks_slots():
     run = started()
     run_steps(run, 1, 0.1, loss=lambda step: 3.0 + step)
-    assert run.ranks[0].collector.last_summary["global"] is None  # step 1: nothing finished before it
+    assert run.ranks[0].collector.last_summary.global_ is None  # step 1: nothing finished before it
     run_steps(run, 1, 0.1 + STEP, first_step=2, loss=lambda step: 3.0 + step)
-    g = run.ranks[0].collector.last_summary["global"]
-    assert g["step"] == 1 and g["loss"] == 4.0
-    assert g["pipeline_skew_ratio"] == pytest.approx(1.0)
-    assert [st["stage"] for st in g["stages"]] == [0, 1]
-    for st in g["stages"]:
-        assert st["step_seconds"] == pytest.approx(STEP, abs=1e-9)
-        assert st["compute_seconds"] == pytest.approx(0.12, abs=1e-9)
-        assert st["bubble_ratio"] == pytest.approx(0.2, abs=1e-9)
-    assert run.ranks[1].collector.last_summary["global"] is None  # rank 0 only
+    g = run.ranks[0].collector.last_summary.global_
+    assert g.step == 1 and g.loss == 4.0
+    assert g.pipeline_skew_ratio == pytest.approx(1.0)
+    assert [st.stage for st in g.stages] == [0, 1]
+    for st in g.stages:
+        assert st.step_seconds == pytest.approx(STEP, abs=1e-9)
+        assert st.compute_seconds == pytest.approx(0.12, abs=1e-9)
+        assert st.bubble_ratio == pytest.approx(0.2, abs=1e-9)
+    assert run.ranks[1].collector.last_summary.global_ is None  # rank 0 only
 
 
 def test_loss_and_summary_identity():
     run = started()
     run_steps(run, 2, 0.1, loss=lambda step: float("nan") if step == 2 else 1.5)
     s = run.ranks[1].collector.last_summary
-    assert s["loss"] == "nan"
-    assert (s["rank"], s["stage"], s["tp_rank"], s["dp_rank"], s["run_id"]) == (1, 1, 0, 0, "sim-run")
-    assert s["tokens"] == 2048 and s["time"] == 1_700_000_000.0
-    assert s["overhead_seconds"] > 0
-    json.dumps(s, allow_nan=False)
+    assert s.wire_loss == "nan"
+    assert (s.rank, s.stage, s.tp_rank, s.dp_rank, s.run_id) == (1, 1, 0, 0, "sim-run")
+    assert s.tokens == 2048 and s.time == 1_700_000_000.0
+    assert s.overhead_seconds > 0
+    json.dumps(to_builtins(s), allow_nan=False)
 
 
 def shipped(run):
     """Capture what each rank hands to its shipper, in order."""
     out = [[] for _ in run.ranks]
     for r, rank in enumerate(run.ranks):
-        rank.collector.shipper.put_summary = out[r].append
+        rank.collector.shipper.put_summary = lambda s, delivery=None, view=None, r=r: out[r].append(s)
     return out
 
 
@@ -124,7 +123,7 @@ def test_heartbeats_and_resume_produce_no_summary_and_reset_the_period_origin():
     run.ranks[0].collector.directives.put(directive(id=3, action="pause"))
     # step 2 ends with the pause directive: every rank receives it at this boundary
     run_steps(run, 1, t, first_step=2)
-    assert run.ranks[1].collector.last_summary["paused"] is True
+    assert run.ranks[1].collector.last_summary.paused is True
     assert [len(s) for s in sent] == [2, 2]  # never held back for an acknowledgement
     for rank in run.ranks:
         rank.registry.emit_event("paused", step=2)
@@ -138,11 +137,11 @@ def test_heartbeats_and_resume_produce_no_summary_and_reset_the_period_origin():
     run_steps(run, 1, resume_end, first_step=3)
     for rank in run.ranks:
         s = rank.collector.last_summary
-        assert s["step"] == 3 and s["paused"] is False
-        assert s["step_seconds"] == pytest.approx(STEP, abs=1e-9)  # from the resume, not across the pause
-        assert "applied" not in s
+        assert s.step == 3 and s.paused is False
+        assert s.step_seconds == pytest.approx(STEP, abs=1e-9)  # from the resume, not across the pause
+        assert s.check is None
     assert [len(s) for s in sent] == [3, 3]
-    assert run.ranks[0].collector.last_summary["global"] is None  # a resume starts the fast path over
+    assert run.ranks[0].collector.last_summary.global_ is None  # a resume starts the fast path over
 
 
 def test_rank_0_reports_one_outcome_record_once_every_rank_handled_the_directive():
@@ -164,29 +163,29 @@ def test_rank_0_reports_one_outcome_record_once_every_rank_handled_the_directive
         OutcomeRecord(
             directive_id=7,
             run_id="sim-run",
-            outcome=OutcomeName.SUBSTITUTED,
+            outcome=Outcome.SUBSTITUTED,
             step=1,
             loaded_step=12,
-            counts={OutcomeName.SUBSTITUTED: 2},
+            counts={Outcome.SUBSTITUTED: 2},
             reasons={},
             ranks=2,
         )
     ]
     failed = OutcomeReport(8, {Outcome.FAILED: 1, Outcome.APPLIED: 1}, {FailReason.CHECKPOINT_CORRUPT: 1}, None, 2)
     run.boundary(1, "heartbeat", t + 0.6, t + 0.7, report=failed)
-    assert outcomes[0][-1].outcome == OutcomeName.MIXED
+    assert outcomes[0][-1].outcome == Outcome.MIXED
     assert outcomes[0][-1].reasons == {"checkpoint_corrupt": 1}
 
 
 def test_a_rollback_starts_a_new_timeline():
     run = started()
     t = run_steps(run, 2, 0.1)
-    assert run.ranks[1].collector.last_summary["timeline"] == 0
+    assert run.ranks[1].collector.last_summary.timeline == 0
     for rank in run.ranks:
         rank.registry.emit_event("rollback", from_step=2, to_step=1, skip_batches=0)
     run.boundary(1, "resume", t, t + 0.1)
     run_steps(run, 1, t + 0.1, first_step=2)
-    assert [r.collector.last_summary["timeline"] for r in run.ranks] == [1, 1]
+    assert [r.collector.last_summary.timeline for r in run.ranks] == [1, 1]
 
 
 def test_rollback_restarts_from_the_checkpoint_step():
@@ -197,8 +196,8 @@ def test_rollback_restarts_from_the_checkpoint_step():
     run.boundary(2, "resume", t + 1.0, t + 2.0)
     t = run_steps(run, 2, t + 2.0, first_step=3)
     s = run.ranks[0].collector.last_summary
-    assert s["step"] == 4 and s["step_seconds"] == pytest.approx(STEP, abs=1e-9)
-    assert s["global"]["step"] == 3  # built from the replayed step 3, not the old step 3
+    assert s.step == 4 and s.step_seconds == pytest.approx(STEP, abs=1e-9)
+    assert s.global_.step == 3  # built from the replayed step 3, not the old step 3
 
 
 def test_checkpoints_are_reported_by_rank_0_newest_20():
@@ -207,8 +206,8 @@ def test_checkpoints_are_reported_by_rank_0_newest_20():
         for rank in run.ranks:
             rank.registry.emit_event("checkpoint_saved", step=step)
     run_steps(run, 25, 0.1)
-    assert run.ranks[0].collector.last_summary["checkpoints"] == list(range(6, 26))
-    assert run.ranks[1].collector.last_summary["checkpoints"] == []
+    assert run.ranks[0].collector.last_summary.checkpoints == list(range(6, 26))
+    assert run.ranks[1].collector.last_summary.checkpoints == []
 
 
 def test_checkpoints_past_the_current_step_are_not_reported():
@@ -217,7 +216,7 @@ def test_checkpoints_past_the_current_step_are_not_reported():
     for rank in run.ranks:
         rank.registry.emit_event("checkpoint_saved", step=1, checkpoints=[1, 8, 12])
     run_steps(run, 2, 0.1)
-    assert run.ranks[0].collector.last_summary["checkpoints"] == [1]
+    assert run.ranks[0].collector.last_summary.checkpoints == [1]
 
 
 def test_pending_directive_is_returned_once_per_id_and_only_on_rank_0():
@@ -319,7 +318,7 @@ def test_a_malformed_span_or_event_is_counted_not_raised():
     assert collector.errors == 1  # the event; spans are folded (and found malformed) at the step boundary
     run_steps(run, 1, 0.1)
     assert collector.errors == 2
-    assert collector.last_summary["step_seconds"] == pytest.approx(STEP, abs=1e-9)
+    assert collector.last_summary.step_seconds == pytest.approx(STEP, abs=1e-9)
 
 
 def test_folding_while_the_boundary_all_reduce_is_in_flight_changes_no_figure(tmp_path):

@@ -1,4 +1,4 @@
-"""A produced summary holds every field of the StepSummary record (parwatch/step_records.py), with the
+"""A produced summary holds every field of the StepSummary record (parwatch/wire/steps.py), with the
 contract's types, and the sidecar's decoder takes it."""
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ import msgspec
 from test_collector_nvml import FakeNvml, sample
 from test_collector_sim import SimRank, SimRun, ctx_for, run_steps
 
-import parwatch.schema as schema
-from parwatch.collector.causes import CAUSE_KEYS
 from parwatch.rank_layout import ORDERS
-from parwatch.records import parse
-from parwatch.step_records import IngestBody, StepSummary
-from parwatch.vocabulary import REFERENCE_SCHEDULES, SelfPart, TimeCategory
+from parwatch.vocabulary import REFERENCE_SCHEDULES, BubbleCause, SelfPart, TimeCategory
+from parwatch.wire.bounds import SCHEMA_VERSION
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, IngestBody, StepSummary
 
 NUMBER = (int, float)
 LOSS_STRINGS = ("nan", "inf", "-inf")
@@ -66,7 +65,7 @@ def valid_collective(c):
         and is_int(c["count"])
         and is_float(c["seconds"])
         and is_int(c["bytes"])
-        and len(c["buckets"]) == len(schema.COLLECTIVE_BUCKETS) + 1
+        and len(c["buckets"]) == len(COLLECTIVE_BUCKETS) + 1
         and c["buckets"][-1] == c["count"]
         and all(is_int(b) for b in c["buckets"])
         and is_float(c["algbw"])
@@ -96,13 +95,13 @@ def valid_global(g):
         and is_loss(g["loss"])
         and is_int(g["slowest_stage"])
         and is_float(g["pipeline_skew_ratio"])
-        and all(STAGE_KEYS <= set(s) <= STAGE_KEYS | set(CAUSE_KEYS.values()) for s in g["stages"])
+        and all(STAGE_KEYS <= set(s) <= STAGE_KEYS | {c.ratio_field for c in BubbleCause} for s in g["stages"])
         and all(is_int(s["stage"]) for s in g["stages"])
     )
 
 
 FIELD_CHECKS = {
-    "v": lambda x: x == schema.SCHEMA_VERSION,
+    "v": lambda x: x == SCHEMA_VERSION,
     "run_id": lambda x: isinstance(x, str),
     **{
         k: is_int
@@ -165,7 +164,7 @@ the check before the optimizer step found the step bad); null otherwise."""
 
 
 def schema_fields(optional: bool = False) -> set[str]:
-    """The StepSummary record's wire names (parwatch/step_records.py): those every summary carries, or
+    """The StepSummary record's wire names (parwatch/wire/steps.py): those every summary carries, or
     (optional=True) those sent only when configured."""
     names = {f.encode_name for f in msgspec.structs.fields(StepSummary)}
     return names & SENT_WHEN_CONFIGURED if optional else names - SENT_WHEN_CONFIGURED

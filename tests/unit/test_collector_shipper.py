@@ -134,7 +134,7 @@ def test_sidecar_down_drops_and_counts_summaries_and_training_goes_on():
     rank0 = run.ranks[0].collector
     wait_for(lambda: rank0.dropped_total == 5, "5 dropped summaries")
     run_steps(run, 1, t, first_step=6)
-    assert rank0.last_summary["dropped_total"] == 5  # reported in the next summary
+    assert rank0.last_summary.dropped_total == 5  # reported in the next summary
     for rank in run.ranks:
         rank.collector.close(timeout=WAIT_S)
     assert rank0.shipper.sent == 0 and rank0.dropped_total == 6
@@ -169,7 +169,7 @@ def test_hung_sidecar_never_blocks_boundaries_and_the_queue_drops_the_oldest():
     assert rank0.summaries == 21
     assert rank0.shipper.queued() == 4
     assert rank0.dropped_total == 16  # 20 queued behind the stuck POST, 4 kept
-    assert rank0.last_summary["dropped_total"] == 15  # counted before its own put displaced one more
+    assert rank0.last_summary.dropped_total == 15  # counted before its own put displaced one more
     poster.release.set()
     for rank in run.ranks:
         rank.collector.close(timeout=WAIT_S)

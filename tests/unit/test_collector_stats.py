@@ -7,7 +7,7 @@ import pytest
 from parwatch.collector import RunContext
 from parwatch.collector import global_view as gv
 from parwatch.collector.stats import StepStats, breakdown
-from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
 
 
 def test_breakdown_follows_the_definitions():
@@ -38,8 +38,8 @@ def test_histogram_buckets_are_cumulative_with_le_semantics():
     expected = []
     for bound in COLLECTIVE_BUCKETS:
         expected.append({1e-5: 2, 5e-5: 2, 1e-4: 2, 2.5e-4: 2, 5e-4: 3, 1e-3: 3, 2.5e-3: 3}.get(bound, 5))
-    assert entry["buckets"] == expected + [6]
-    assert entry["count"] == 6 and entry["bytes"] == 6
+    assert entry.buckets == expected + [6]
+    assert entry.count == 6 and entry.bytes == 6
 
 
 @pytest.mark.parametrize(
@@ -57,18 +57,18 @@ def test_busbw_uses_the_nccl_tests_factor(op, n, factor):
     stats.add("collective", 0.002, {"op": op, "group": "world", "bytes": 1_000_000, "group_size": n})
     stats.add("collective", 0.002, {"op": op, "group": "world", "bytes": 3_000_000, "group_size": n})
     (entry,) = stats.collectives()
-    assert entry["algbw"] == pytest.approx(4_000_000 / 0.004)
-    assert entry["busbw"] == pytest.approx(4_000_000 / 0.004 * factor)
+    assert entry.algbw == pytest.approx(4_000_000 / 0.004)
+    assert entry.busbw == pytest.approx(4_000_000 / 0.004 * factor)
 
 
 def test_send_recv_spans_default_to_the_pp_group_and_factor_1():
     stats = StepStats()
     stats.add("send", 0.001, {"op": "send", "bytes": 2048})
     stats.add("recv", 0.004, {"bytes": 2048})
-    entries = {e["op"]: e for e in stats.collectives()}
-    assert entries["send"]["group"] == entries["recv"]["group"] == "pp"
-    assert entries["send"]["busbw"] == pytest.approx(2048 / 0.001)
-    assert entries["recv"]["busbw"] == pytest.approx(2048 / 0.004)
+    entries = {e.op: e for e in stats.collectives()}
+    assert entries["send"].group == entries["recv"].group == "pp"
+    assert entries["send"].busbw == pytest.approx(2048 / 0.001)
+    assert entries["recv"].busbw == pytest.approx(2048 / 0.004)
 
 
 def test_ops_outside_the_contract_are_skipped_and_counted():
@@ -82,7 +82,7 @@ def test_zero_duration_collective_reports_zero_bandwidth():
     stats = StepStats()
     stats.add("collective", 0.0, {"op": "all_reduce", "group": "tp", "bytes": 8, "group_size": 2})
     (entry,) = stats.collectives()
-    assert entry["algbw"] == entry["busbw"] == 0.0 and entry["buckets"][0] == 1
+    assert entry.algbw == entry.busbw == 0.0 and entry.buckets[0] == 1
 
 
 # --- fast path ----------------------------------------------------------------------------------
@@ -132,13 +132,13 @@ def test_global_view_means_per_stage_and_skew_over_stages():
     )
     contribute(summed, rank=3, stage=1, step=7, step_s=1.0, compute=0.4, other=0.1, idle=0.5)
     g = gv.build_global_view(summed, 2, 2.25)
-    assert g["step"] == 7 and g["loss"] == 2.25
-    s0, s1 = g["stages"]
-    assert (s0["stage"], s0["compute_seconds"], s0["idle_seconds"]) == (0, pytest.approx(0.2), pytest.approx(0.7))
-    assert s0["bubble_ratio"] == pytest.approx(0.7 / 0.9) and s0["ranks"] == 2
-    assert (s0["forward_seconds"], s0["backward_seconds"]) == (pytest.approx(0.07), pytest.approx(0.13))
-    assert s1["compute_seconds"] == pytest.approx(0.4)
-    assert g["pipeline_skew_ratio"] == pytest.approx(0.4 / 0.3) and g["slowest_stage"] == 1
+    assert g.step == 7 and g.loss == 2.25
+    s0, s1 = g.stages
+    assert (s0.stage, s0.compute_seconds, s0.idle_seconds) == (0, pytest.approx(0.2), pytest.approx(0.7))
+    assert s0.bubble_ratio == pytest.approx(0.7 / 0.9) and s0.ranks == 2
+    assert (s0.forward_seconds, s0.backward_seconds) == (pytest.approx(0.07), pytest.approx(0.13))
+    assert s1.compute_seconds == pytest.approx(0.4)
+    assert g.pipeline_skew_ratio == pytest.approx(0.4 / 0.3) and g.slowest_stage == 1
 
 
 def test_global_view_leaves_out_ranks_without_a_finished_step():
@@ -147,9 +147,9 @@ def test_global_view_leaves_out_ranks_without_a_finished_step():
     contribute(summed, rank=2, stage=1, step=3, step_s=1.0, compute=0.5, other=0.0, idle=0.5)
     contribute(summed, rank=3, stage=1, step=3, step_s=0, compute=0, other=0, idle=0, valid=False)
     g = gv.build_global_view(summed, 2, float("nan"))
-    assert [s["compute_seconds"] for s in g["stages"]] == [0.5, 0.5]
-    assert [s["ranks"] for s in g["stages"]] == [1, 1]
-    assert g["loss"] == "nan"
+    assert [s.compute_seconds for s in g.stages] == [0.5, 0.5]
+    assert [s.ranks for s in g.stages] == [1, 1]
+    assert g.wire_loss == "nan"
     nothing = [0.0] * gv.slots_for(2)
     contribute(nothing, rank=0, stage=0, step=3, step_s=0, compute=0, other=0, idle=0, valid=False)
     assert gv.build_global_view(nothing, 2, 1.0) is None
@@ -159,7 +159,7 @@ def test_no_compute_anywhere_is_no_skew():
     summed = [0.0] * gv.slots_for(2)
     contribute(summed, rank=0, stage=0, step=1, step_s=1.0, compute=0, other=0, idle=1.0)
     contribute(summed, rank=1, stage=1, step=1, step_s=1.0, compute=0, other=0, idle=1.0)
-    assert gv.build_global_view(summed, 2, 1.0)["pipeline_skew_ratio"] == 1.0
+    assert gv.build_global_view(summed, 2, 1.0).pipeline_skew_ratio == 1.0
 
 
 def test_origin_is_rank_0s_wall_clock_only():

@@ -11,13 +11,13 @@ from fastapi.testclient import TestClient
 from test_digest_api import _Bridge  # the node-to-leader HTTP client stand-in
 from test_transfer import MS, ar, families, p2p, samples, summary
 
-from parwatch.records import parse
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import Listen, SidecarConfig
 from parwatch.sidecar.crossnode import Forwarder, from_wire, to_wire
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.transfer import TransferTracker
-from parwatch.step_records import MAX_FORWARD_HALVES, InstancesForward
+from parwatch.wire.bodies import MAX_FORWARD_HALVES, InstancesForward
+from parwatch.wire.codec import parse
 from tests.fixtures import synthetic as syn
 
 

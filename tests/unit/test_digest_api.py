@@ -9,12 +9,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from parwatch.rank_layout import RankLayout
-from parwatch.records import ActivityPost
-from parwatch.sidecar.activity_api import _next_ask
+from parwatch.sidecar.activity_api import FINAL_SUMMARIES_SECONDS, _next_ask
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
 from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS
 from parwatch.sidecar.service import build_sidecar
+from parwatch.wire.activity import ActivityPost
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import StepSummary
+from tests.fixtures import synthetic as syn
 
 
 class Clock:
@@ -372,7 +375,7 @@ def test_hang_actions_dump_the_culprits_stacks_and_abort_the_run(tmp_path):
     import sys
     import time
 
-    from parwatch.schema import HANG_EXIT_CODE
+    from parwatch.wire.activity import HANG_EXIT_CODE
 
     stacks = tmp_path / "stacks-rank1.txt"
     server = socket.create_server(("127.0.0.1", 0))  # the child's connection proves its pid (pid_owner)
@@ -482,3 +485,27 @@ def test_a_node_signals_only_pids_its_own_ranks_reported(tmp_path, monkeypatch):
     for pid in (me, os.getppid(), 1):
         hub._signal_own(pid)
     assert sent == [me]
+
+
+def test_the_run_ends_once_the_last_summaries_of_its_done_ranks_are_in(tmp_path):
+    """A rank says done before its shipper flushes its last summaries (the collector closes the activity
+    reporter first): the run's end (the trackers' final point, another run taking over) waits for them,
+    and no longer than FINAL_SUMMARIES_SECONDS when they were lost. CI once wrote a run's final point at
+    step 11 of 12."""
+    for lost in (False, True):
+        client, sidecar, clock = _client(tmp_path, f"s{lost}")
+        store = sidecar.store
+        for rank in (0, 1):
+            summary = parse(syn.summary(rank, 11, run_id="r1", time=990.0), StepSummary)
+            store.admit([summary])
+            store.add(summary)
+        for rank in (0, 1):
+            assert client.post("/v1/activity", json=report(rank, step=12, state="done")).status_code == 200
+        assert not store.ended  # both said done at step 12; the sidecar holds step 11
+        if lost:
+            clock.t += FINAL_SUMMARIES_SECONDS
+        else:
+            for rank in (0, 1):
+                store.add(parse(syn.summary(rank, 12, run_id="r1", time=991.0), StepSummary))
+        sidecar.activity._feed_liveness()  # the once-a-second tick
+        assert store.ended

@@ -90,13 +90,14 @@ def test_a_cancelled_rule_directive_lets_the_rule_act_again(tmp_path):
 
 def test_every_record_the_engine_logs_is_its_typed_log_record(tmp_path):
     """Decisions (a rule's, an operator's, Alertmanager's, the engine's escalation), a cancel and outcomes:
-    each line of decisions.jsonl and each record the API returns decodes as parwatch.records says, and a
+    each line of decisions.jsonl and each record the API returns decodes as parwatch.wire.log says, and a
     field of the wrong type is named."""
     import json
 
     import pytest
 
-    from parwatch.records import BadRecord, check_log_record
+    from parwatch.wire.codec import BadRecord
+    from parwatch.wire.log import check_log_record
 
     engine = GuardrailEngine(parse_rules(RULES.replace("action: alert", "action: pause")), tmp_path, now=lambda: 1000.0)
     engine.begin_run("r")

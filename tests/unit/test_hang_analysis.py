@@ -6,7 +6,6 @@ import pytest
 from msgspec.structs import astuple, replace
 
 from parwatch.rank_layout import RankLayout
-from parwatch.records import NodeDigest
 from parwatch.sidecar.digest import LeaderView, NodeBook
 from parwatch.sidecar.hang import (
     JUDGE_EVERY_SECONDS,
@@ -17,6 +16,7 @@ from parwatch.sidecar.hang import (
     Progress,
     find_culprit,
 )
+from parwatch.wire.activity import NodeDigest
 
 
 def act(

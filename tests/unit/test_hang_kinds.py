@@ -8,9 +8,9 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from parwatch.rank_layout import RankLayout as Layout
-from parwatch.records import NodeDigest
 from parwatch.sidecar.digest import LeaderView
 from parwatch.sidecar.hang import HangMonitor, HangSettings, coverage, find_culprit
+from parwatch.wire.activity import NodeDigest
 from tests.unit.test_hang_analysis import Clock, FakeEngine, act
 
 PP2 = Layout(1, 2, 1)

@@ -5,12 +5,14 @@ as gaps. Real runs: tests/dist/test_ledger_runs.py."""
 from __future__ import annotations
 
 import pytest
+from msgspec.structs import replace
 
 from parwatch import ledger_view
 from parwatch.collector.ledger import Ledger, shares_of
 from parwatch.collector.stats import StepStats
 from parwatch.vocabulary import SpanKind
 from parwatch.vocabulary import TimeCategory as C
+from parwatch.wire.steps import GlobalStage
 
 
 def stats(compute=0.0, optimizer=0.0, data=0.0, comm=0.0, comm_in_compute=0.0) -> StepStats:
@@ -106,12 +108,10 @@ def test_totals_over_ranks_goodput_ettr_and_the_bubble_shares():
     assert ledger_view.totals([]) is None
     assert ledger_view.as_counters({"productive": 6.0, "wasted": 1.0})["productive"] == 7.0
     assert ledger_view.line(total).startswith("time: goodput 54.5%, ETTR 72.7% of 11.0 rank-seconds; productive")
-    assert shares_of({"bubble_schedule_ratio": 0.2, "bubble_imbalance_ratio": -0.01, "bubble_wait_ratio": 0.05}) == (
-        pytest.approx(0.8),
-        0.0,
-        pytest.approx(0.2),
-    )
-    assert shares_of({"bubble_ratio": 0.2}) is None
+    stage = GlobalStage(stage=0, compute_seconds=1.0, idle_seconds=0.25, step_seconds=1.25, bubble_ratio=0.2)
+    causes = replace(stage, bubble_schedule_ratio=0.2, bubble_imbalance_ratio=-0.01, bubble_wait_ratio=0.05)
+    assert shares_of(causes) == (pytest.approx(0.8), 0.0, pytest.approx(0.2))
+    assert shares_of(stage) is None
 
 
 def test_a_restart_carries_the_ended_process_and_counts_the_gap_as_down():

@@ -7,11 +7,11 @@ import pytest
 
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import Rule, RuleSet
-from parwatch.records import parse
 from parwatch.sidecar.ledger_window import LedgerWindow
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
-from parwatch.step_records import StepSummary
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import StepSummary
 from tests.fixtures import synthetic as syn
 
 

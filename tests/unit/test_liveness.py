@@ -10,7 +10,7 @@ import socket
 
 from test_digest_api import _client, report
 
-from parwatch.records import ROW_FIELDS
+from parwatch.wire.activity import ROW_FIELDS
 from tests.fixtures import synthetic as syn
 
 HOST = socket.gethostname()

@@ -8,12 +8,11 @@ import json
 
 from parwatch.collector.fallback import LOCAL_DECISIONS_FILE, LocalGuard
 from parwatch.collector.shipper import Delivery
-from parwatch.collector.wire import encode_outcome
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import default_rules
-from parwatch.records import decode
-from parwatch.step_records import OutcomeRecord
-from parwatch.vocabulary import OutcomeName
+from parwatch.vocabulary import Outcome
+from parwatch.wire.codec import decode, encode
+from parwatch.wire.steps import OutcomeRecord
 
 
 def _guard(tmp_path, since=1234.5):
@@ -52,7 +51,7 @@ def test_a_dropped_nonfinite_loss_pauses_once_with_an_id_above_every_id_seen(tmp
     assert guard.offer([4]) is None  # one decision per event
     guard.loss(8, float("nan"), _dropped())  # the next NaN step, before the leader heard of the first
     assert guard.offer([4]) is None
-    outcome = OutcomeRecord(directive_id=43, run_id="r", outcome=OutcomeName.APPLIED, step=8, ranks=4)
+    outcome = OutcomeRecord(directive_id=43, run_id="r", outcome=Outcome.APPLIED, step=8, ranks=4)
     record = guard.annotate(outcome)
     local = record.local
     assert local is not None
@@ -61,7 +60,7 @@ def test_a_dropped_nonfinite_loss_pauses_once_with_an_id_above_every_id_seen(tmp
     assert guard.annotate(outcome).local is None  # only once
     (written,) = [json.loads(line) for line in (tmp_path / LOCAL_DECISIONS_FILE).read_text().splitlines()]
     assert written["directive_id"] == 43 and written["step"] == 7
-    assert decode(encode_outcome(record).encode(), OutcomeRecord) == record  # the wire accepts it
+    assert decode(encode(record), OutcomeRecord) == record  # the wire accepts it
 
 
 def _engine(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import theoretical
+from parwatch.wire.steps import GlobalStage
 from tests.bubble_replay import other_before_last, tail_seconds, timings_from_spans, with_tail
 from tests.torch_orders import ALL_CLASSES, V_STYLE, torch_order
 
@@ -366,20 +367,23 @@ def test_per_action_seconds_from_global_view_totals():
     totals = {}
     for rank, actions in acts.items():
         n = {k: sum(1 for a in actions if a.type == k) for k in "FBIW"}
-        totals[rank] = {
-            "forward_seconds": n["F"] * f - 0.001,
-            "loss_seconds": 0.001 if rank == 0 else 0.0,
-            "backward_seconds": n["B"] * (i + w) + n["I"] * i,
-            "backward_weight_seconds": n["W"] * w,
-            "stage": rank,
-            "bubble_ratio": 0.1,
-        }
+        totals[rank] = GlobalStage(
+            stage=rank,
+            forward_seconds=n["F"] * f - 0.001,
+            loss_seconds=0.001 if rank == 0 else 0.0,
+            backward_seconds=n["B"] * (i + w) + n["I"] * i,
+            backward_weight_seconds=n["W"] * w,
+            compute_seconds=1.0,
+            idle_seconds=0.1,
+            step_seconds=1.1,
+            bubble_ratio=0.1,
+        )
     means = ps.per_action_seconds(order, totals)
     for rank in acts:
         assert means[rank]["I"] == pytest.approx(i) and means[rank]["W"] == pytest.approx(w)
         assert means[rank]["B"] == pytest.approx(i + w)
     assert means[1]["F"] == pytest.approx(f - 0.001 / sum(1 for a in acts[1] if a.type == "F"))
-    causes = ps.bubble_causes(order, means, {r: t["bubble_ratio"] for r, t in totals.items()})
+    causes = ps.bubble_causes(order, means, {r: t.bubble_ratio for r, t in totals.items()})
     assert set(causes) == {0, 1}
     with pytest.raises(ValueError, match="lacks stage 1"):
         ps.per_action_seconds(order, {0: totals[0]})

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from parwatch.rank_layout import RankLayout
-from parwatch.records import Activity
 from parwatch.sidecar.digest import NodeBook
 from parwatch.sidecar.exits import ProcessExits
+from parwatch.wire.activity import Activity
 
 pytestmark = pytest.mark.skipif(ProcessExits()._epoll is None, reason="needs pidfd_open (Linux >= 5.3)")
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]

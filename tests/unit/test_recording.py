@@ -153,12 +153,12 @@ def test_recorded_stage_bubble_is_the_one_the_guardrail_judges():
     view = gv.build_global_view(summed, pp=2, loss=1.0)
     for stage in (0, 1):
         mine = [b for s, b in ranks.values() if s == stage]
-        judged = next(s["bubble_ratio"] for s in view["stages"] if s["stage"] == stage)
+        judged = next(s.bubble_ratio for s in view.stages if s.stage == stage)
         # What sum(rate(idle)) / (sum(rate(idle)) + sum(rate(compute))) gives over steps like this one.
         counters = sum(b.idle_seconds for b in mine) / sum(b.idle_seconds + b.compute_seconds for b in mine)
         assert judged == pytest.approx(counters, abs=1e-12)
     ratios = [ranks[r][1].bubble_ratio for r in (0, 1)]
-    assert abs(sum(ratios) / 2 - view["stages"][0]["bubble_ratio"]) > 0.02  # the old, per-rank mean
+    assert abs(sum(ratios) / 2 - view.stages[0].bubble_ratio) > 0.02  # the old, per-rank mean
 
 
 def test_recorded_bubble_and_excess_are_the_bubble_modules_promql():

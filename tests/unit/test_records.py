@@ -1,4 +1,4 @@
-"""parwatch.records: the hot posts' typed records refuse what breaks a bound with the field named as the
+"""parwatch.wire.activity: the hot posts' typed records refuse what breaks a bound with the field named as the
 sidecar's 422 says it, and the OpenAPI schemas generated from them say the same bounds."""
 
 from __future__ import annotations
@@ -8,18 +8,10 @@ import json
 import pytest
 from msgspec.structs import astuple, replace
 
-from parwatch.records import (
-    MAX_PID,
-    ROW_FIELDS,
-    Activity,
-    ActivityPost,
-    ActivityReport,
-    BadRecord,
-    NodeDigest,
-    decode,
-    encode,
-    openapi_components,
-)
+from parwatch.wire import openapi_components
+from parwatch.wire.activity import ROW_FIELDS, Activity, ActivityPost, ActivityReport, NodeDigest
+from parwatch.wire.bounds import MAX_PID
+from parwatch.wire.codec import BadRecord, decode, encode
 
 
 def _row(**change) -> list:

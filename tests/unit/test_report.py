@@ -13,14 +13,14 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from parwatch.records import Decision, log_record
 from parwatch.report.build import ReportOptions, StepNotSampled, build_report
 from parwatch.report.loader import load_run
 from parwatch.report.plots import loss_segments
 from parwatch.report.stats import bubble_table, collective_series, cost_estimate, quantile_from_buckets
 from parwatch.report.timeline import draw_timeline, lane_spans
 from parwatch.report.trace import build_trace
-from parwatch.schema import COLLECTIVE_BUCKETS
+from parwatch.wire.log import Decision, log_record
+from parwatch.wire.steps import COLLECTIVE_BUCKETS
 from tests.fixtures import synthetic as syn
 from tests.fixtures.make_run_dir import make_run_dir
 

@@ -8,7 +8,9 @@ from click.testing import CliRunner
 
 from parwatch.cli.main import cli
 from parwatch.guardrails import alerts
+from parwatch.guardrails.checks import RuleMonitor
 from parwatch.guardrails.rules import Rule, RulesError, RuleSet, default_rules, load_rules, parse_rules
+from parwatch.vocabulary import CheckKind, Reduce, RuleAction, RuleState
 
 GOOD = """\
 version: 1
@@ -70,6 +72,15 @@ def test_good_file_parses_with_defaults_applied():
     )
     assert skew.line == 10 and nan.line == 15
     assert (nan.check, nan.skip_batches, nan.no_data_seconds) == ("finite", "window", None)
+    # The file's words are the vocabulary's members once parsed (what the fields' types say).
+    assert (nan.check, skew.reduce, skew.action) == (CheckKind.FINITE, Reduce.MAX, RuleAction.ALERT)
+    assert all(type(v) is not str for r in rs.rules for v in (r.check, r.reduce, r.action))
+
+
+def test_a_restored_monitor_holds_its_state_as_a_member():
+    monitor = RuleMonitor(Rule(name="a", metric="loss", above=1.0))
+    monitor.restore({"state": "firing"})  # as parwatch.db and decisions.jsonl hold it
+    assert monitor.state is RuleState.FIRING
 
 
 def test_builtin_cooldown_is_raised_to_for_steps():

@@ -1,22 +1,24 @@
 from parwatch.collector.run_totals import PER_STEP_KEPT, RunTotals
+from parwatch.vocabulary import CollectiveOp, GroupRole
+from parwatch.wire.steps import Collective, GlobalStage, GlobalView
 
 
 def _view(step, bubbles, computes, skew):
-    return {
-        "step": step,
-        "pipeline_skew_ratio": skew,
-        "stages": [
-            {
-                "stage": i,
-                "bubble_ratio": b,
-                "compute_seconds": c,
-                "idle_seconds": c * b / (1 - b),
-                "other_seconds": 0.0,
-                "step_seconds": c / (1 - b),
-            }
+    return GlobalView(
+        step=step,
+        pipeline_skew_ratio=skew,
+        stages=[
+            GlobalStage(
+                stage=i,
+                bubble_ratio=b,
+                compute_seconds=c,
+                idle_seconds=c * b / (1 - b),
+                other_seconds=0.0,
+                step_seconds=c / (1 - b),
+            )
             for i, (b, c) in enumerate(zip(bubbles, computes))
         ],
-    }
+    )
 
 
 def test_means_leave_out_the_warm_up_step_and_report_theory():
@@ -40,8 +42,9 @@ def test_collective_totals_and_bounded_history():
     t = RunTotals(pp=2, microbatches=1, chunks=1)
     for step in range(PER_STEP_KEPT + 10):
         t.add_global(_view(step, [0.5, 0.5], [1.0, 1.0], 1.0))
-    t.add_collectives([{"op": "all_reduce", "group": "tp", "count": 2, "seconds": 0.5, "bytes": 100, "busbw": 100.0}])
-    t.add_collectives([{"op": "all_reduce", "group": "tp", "count": 2, "seconds": 1.5, "bytes": 300, "busbw": 300.0}])
+    ar, tp = CollectiveOp.ALL_REDUCE, GroupRole.TP
+    t.add_collectives([Collective(op=ar, group=tp, count=2, seconds=0.5, bytes=100, busbw=100.0)])
+    t.add_collectives([Collective(op=ar, group=tp, count=2, seconds=1.5, bytes=300, busbw=300.0)])
     d = t.as_dict()
     assert len(d["stages"][0]["bubble_ratio_per_step"]) == PER_STEP_KEPT
     (c,) = d["collectives_rank0"]

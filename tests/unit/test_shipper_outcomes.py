@@ -9,8 +9,8 @@ import time
 import msgspec
 
 from parwatch.collector.shipper import Shipper
-from parwatch.step_records import OutcomeRecord
-from parwatch.vocabulary import OutcomeName
+from parwatch.vocabulary import Outcome
+from parwatch.wire.steps import OutcomeRecord
 from tests.deadline import wait_until
 
 
@@ -49,7 +49,7 @@ def _summary(step):
 
 
 RECORD = OutcomeRecord(
-    directive_id=7, run_id="r", outcome=OutcomeName.APPLIED, step=3, counts={OutcomeName.APPLIED: 4}, ranks=4
+    directive_id=7, run_id="r", outcome=Outcome.APPLIED, step=3, counts={Outcome.APPLIED: 4}, ranks=4
 )
 OUTCOME = msgspec.to_builtins(RECORD)
 """As the sidecar reads it."""
@@ -78,6 +78,26 @@ def test_an_outcome_rides_with_the_next_summaries():
     assert shipper._post(['{"step":5}'])
     assert poster.bodies == [{"version": 1, "summaries": [{"step": 5}], "outcomes": [OUTCOME]}]
     assert shipper.undelivered_outcomes() == 0
+
+
+def test_an_outcome_never_rides_with_a_summary_put_before_it():
+    # The leader reads a post's outcomes first: a step-9 summary of the timeline a rollback abandoned, sent
+    # with the rollback's outcome, was judged as the replay's (still NaN after the rollback: a false pause).
+    poster = FlakyPoster(failures=0)
+    shipper = Shipper(endpoint="http://sidecar", http=poster)
+    shipper._thread = object()  # no thread: drain by hand
+    shipper.put_summary(_summary(9))
+    shipper.put_outcome(RECORD)
+    shipper.put_summary(_summary(5))
+    shipper._drain()
+    assert [(b["summaries"], b.get("outcomes")) for b in poster.bodies] == [
+        ([_summary(9)], None),
+        ([_summary(5)], [OUTCOME]),
+    ]
+    shipper.put_summary(_summary(6))
+    shipper.put_outcome(RECORD)
+    shipper._drain()  # nothing put after it: the outcome waits for the next post (a poll)
+    assert "outcomes" not in poster.bodies[-1] and shipper.undelivered_outcomes() == 1
 
 
 def test_outcomes_the_sidecar_refuses_as_invalid_are_given_up_not_retried_forever():

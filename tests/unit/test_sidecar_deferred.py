@@ -10,10 +10,10 @@ import sqlite3
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation
 from parwatch.guardrails.rules import Rule, RuleSet
-from parwatch.records import parse
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
-from parwatch.step_records import IngestBody
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import IngestBody
 from tests.fixtures import synthetic as syn
 
 

@@ -103,9 +103,10 @@ def _broken(change):
             "summaries.0.run_id: Expected `str` without control characters",
         ),
         (_broken(lambda s: s["collectives"][0].update(group="g123")), "summaries.0.collectives.0.group"),
-        # One run id bound with the activity reports (records.MAX_RUN_ID): a run summarised is a run watched.
+        # One run id bound with the activity reports (bounds.MAX_RUN_ID): a run summarised is a run watched.
         (_broken(lambda s: s.update(run_id="r" * 129)), "summaries.0.run_id: Expected `str` of length <= 128"),
-        (_broken(lambda s: s.update(tp=1 << 20, dp=1 << 20)), "over the 1048576 a sidecar accepts"),
+        # One world bound with the activity reports (bounds.MAX_WORLD): a 2**18-rank summary is refused too.
+        (_broken(lambda s: s.update(tp=1 << 17, dp=2)), "over the 131072 a sidecar accepts"),
         # A closed set's error lists its members; a dict's bad key says it is a key.
         (
             _broken(lambda s: s.update(time_seconds={"lunch": 1.0})),
@@ -185,7 +186,7 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
 
 
 def test_openapi_documents_every_body_by_its_record(client):
-    """Every POST's body is a typed record (parwatch/step_records.py, parwatch/records.py), named in the
+    """Every POST's body is a typed record (parwatch/wire/), named in the
     document and generated from the type the sidecar decodes it with."""
     doc = client.get("/openapi.json").json()
     schemas = doc["components"]["schemas"]
@@ -209,10 +210,12 @@ def test_openapi_documents_every_body_by_its_record(client):
     assert schemas["Directive"]["properties"]["action"] == {"$ref": "#/components/schemas/Action"}
     problem = posts["/v1/control"]["responses"]["422"]["content"]["application/json"]["schema"]
     assert problem == {"$ref": "#/components/schemas/Problem"} and "Problem" in schemas
-    # The decision log's answer is described by its typed records (parwatch/records.py).
+    # The decision log's answer is described by its typed records (parwatch/wire/log.py).
     answer = doc["paths"]["/v1/decisions"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     refs = [item["$ref"].rsplit("/", 1)[1] for item in answer["items"]["anyOf"]]
-    assert refs == ["Decision", "Cancelled", "Outcome", "Delivered"] and set(refs) <= set(schemas)
+    outcomes = ["Applied", "Substituted", "Failed", "Ignored", "Mixed"]
+    assert refs == ["Decision", "Cancelled", "Delivered", *outcomes] and set(refs) <= set(schemas)
+    assert all(schemas[r]["properties"]["type"] == {"enum": [r.lower()]} for r in outcomes)  # tagged by type
     assert {"action", "source", "reason", "evidence", "time", "step"} <= set(schemas["Decision"]["required"])
 
 

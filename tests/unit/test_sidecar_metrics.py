@@ -11,12 +11,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from parwatch.records import parse as parse_record
-from parwatch.schema import COLLECTIVE_BUCKETS, STEP_BUCKETS
+from parwatch.catalog import STEP_BUCKETS
 from parwatch.sidecar.app import create_control_app, create_metrics_app
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
-from parwatch.step_records import IngestBody
+from parwatch.wire.codec import parse as parse_record
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, IngestBody
 from tests.fixtures import synthetic as syn
 
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.3)]

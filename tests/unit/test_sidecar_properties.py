@@ -21,13 +21,13 @@ from prometheus_client.openmetrics.exposition import generate_latest as encode_o
 from prometheus_client.parser import text_string_to_metric_families
 
 from parwatch.contract.directives import MAX_STEP
-from parwatch.records import BadRecord, parse
-from parwatch.schema import COLLECTIVE_BUCKETS, MAX_TIME
 from parwatch.sidecar.config import SidecarConfig
 from parwatch.sidecar.service import build_sidecar
 from parwatch.sidecar.store import Refused
-from parwatch.step_records import MAX_COUNT, MAX_RATIO, MAX_SECONDS, IngestBody
 from parwatch.vocabulary import CollectiveOp, GroupRole
+from parwatch.wire.bounds import MAX_COUNT, MAX_RATIO, MAX_SECONDS, MAX_TIME
+from parwatch.wire.codec import BadRecord, parse
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, IngestBody
 
 PROMTOOL = shutil.which("promtool")
 

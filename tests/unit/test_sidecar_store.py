@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from parwatch.records import parse
 from parwatch.sidecar.observations import build_observation
 from parwatch.sidecar.store import Store
-from parwatch.step_records import StepSummary
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import StepSummary
 from tests.fixtures import synthetic as syn
 
 

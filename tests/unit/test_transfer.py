@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import pytest
+from msgspec import to_builtins
 
 from parwatch.collector.instances import InstanceLog, InstanceSampling
 from parwatch.contract import Span
-from parwatch.records import parse
-from parwatch.schema import COLLECTIVE_BUCKETS
 from parwatch.sidecar.transfer import TransferTracker, transfer_families
-from parwatch.step_records import StepSummary
+from parwatch.wire.codec import parse
+from parwatch.wire.steps import COLLECTIVE_BUCKETS, Instances, StepSummary
 from tests.fixtures import synthetic as syn
 
 MS = 1e-3
@@ -215,7 +215,7 @@ def test_instance_log_records_sampled_steps_within_the_budget():
     log.start(1)  # not sampled: only data seconds
     log.add(span("collective", 0, 1, op="all_reduce", group="tp", seq=1, ranks=(0, 1), bytes=8))
     log.add(span("data", 1, 4))
-    assert log.take() == {"host": "h0", "data_seconds": pytest.approx(3 * MS), "groups": {}, "records": [], "capped": 0}
+    assert log.take() == Instances(host="h0", data_seconds=pytest.approx(3 * MS), groups={}, records=[], capped=0)
     log.start(2)
     for seq in (2, 3, 4):
         log.add(span("collective", seq, seq + 0.5, op="all_reduce", group="tp", seq=seq, ranks=(0, 1), bytes=8))
@@ -225,14 +225,14 @@ def test_instance_log_records_sampled_steps_within_the_budget():
     log.add(span("collective", 14, 20, op="all_reduce", group="tp", bytes=8))  # no seq: cannot be matched
     log.add(span("forward", 0, 30, stage=0))
     out = log.take()
-    assert out["groups"] == {"tp": [0, 1]} and out["capped"] == 1  # the third tp all-reduce is over budget
-    assert out["records"] == [
-        ["all_reduce", "tp", 2, -1, 2000, 500, 8],
-        ["all_reduce", "tp", 3, -1, 3000, 500, 8],
-        ["send", "pp", 7, 2, 10000, 2000, 16],
-        ["recv", "pp", 5, 2, 12000, 1000, 16],
+    assert out.groups == {"tp": [0, 1]} and out.capped == 1  # the third tp all-reduce is over budget
+    assert out.records == [
+        ("all_reduce", "tp", 2, -1, 2000, 500, 8),
+        ("all_reduce", "tp", 3, -1, 3000, 500, 8),
+        ("send", "pp", 7, 2, 10000, 2000, 16),
+        ("recv", "pp", 5, 2, 12000, 1000, 16),
     ]
-    assert parse({**syn.summary(0, 2), "instances": out}, StepSummary).instances.records[0][2] == 2
+    assert parse({**syn.summary(0, 2), "instances": to_builtins(out)}, StepSummary).instances == out
 
 
 def test_instance_sampling_rejects_nonsense():

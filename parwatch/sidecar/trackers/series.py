@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from parwatch.bubble import stage_bubble
 from parwatch.ledger_view import totals
-from parwatch.step_records import BUBBLE_CAUSES
+from parwatch.vocabulary import BubbleCause
 
 MAX_SERIES = 50
 """Scalar series per tracker run at most; beyond it the least important are left out (named in the log once)."""
@@ -141,8 +141,8 @@ class SeriesBuilder:
             i, c = idle.get(stage, 0.0), compute.get(stage, 0.0)
             if i + c > 0:
                 out.append((f"bubble/stage_{stage}/measured", stage_bubble(i, c)))
-        for cause in BUBBLE_CAUSES:
-            for key, value in sorted(now.get(f"parwatch_stage_bubble_{cause}_ratio", {}).items(), key=_by_stage):
+        for cause in BubbleCause:
+            for key, value in sorted(now.get(cause.metric, {}).items(), key=_by_stage):
                 out.append((f"bubble/stage_{_label(key, 'stage')}/{cause}", value))
         return out
 

@@ -1,83 +1,94 @@
-"""Typed wire records of a run's steps (msgspec): what a rank posts to its sidecar each step, what the
-sidecar answers, and what an operator, Alertmanager or another sidecar posts to steer it.
+"""A run's steps on the wire: what a rank posts to its sidecar each step, and the answer.
 
-POST /v1/ingest     IngestBody: {"version": 1, "summaries": [StepSummary, ...], "outcomes":
-                    [OutcomeRecord, ...], "alive": bool}; answered with IngestResponse, whose
-                    `directive` (a Directive or null) is what rank 0 applies at its next boundary.
-POST /v1/instances  InstancesForward: a node sidecar's halves of cross-node collectives.
-POST /v1/control    ControlRequest; POST /v1/directives/{id}/cancel CancelRequest;
-POST /v1/alerts     AlertmanagerPayload (webhook version 4).
+POST /v1/ingest  IngestBody: {"version": 1, "summaries": [StepSummary, ...], "outcomes": [OutcomeRecord, ...],
+                 "checks": [StepCheckRecord, ...], "alive": bool}; answered with IngestResponse, whose
+                 `directive` (the contract's Directive, or null) is what rank 0 applies at its next boundary.
 
-Every number is bounded by what its metric can hold: counts are exported as float64 samples, so they
-stay float-exact (<= 2**53); seconds and ratios are finite and bounded; text that becomes a label value
-or log line is short and printable. Stored data therefore can never make a /metrics scrape fail
-(tests/unit/test_sidecar_properties.py). What depends on the run (a rank inside [tp, pp, dp]) is
-checked in `__post_init__` or by the store. Unknown keys are ignored, so a newer collector can add
-fields without breaking an older sidecar; the operator's bodies refuse them (a typo must not pass).
+The collector builds these records and encodes them (parwatch/collector/); the sidecar decodes a body into
+them in one call. Unknown keys are ignored, so a newer collector can add fields without breaking an older
+sidecar. Bounds: parwatch/wire/bounds.py.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
 from parwatch.contract.directives import MAX_STEP, Directive
 from parwatch.rank_layout import DEFAULT_ORDER, RankLayout, cached_layout
-from parwatch.records import MAX_HOST, MAX_NODE, MAX_RUN_ID, Order, Pid, openapi_schemas, text
-from parwatch.schema import COLLECTIVE_BUCKETS, MAX_CHECKPOINTS, MAX_TIME, decode_float
 from parwatch.vocabulary import (
-    Action,
     CollectiveOp,
     GroupRole,
-    OutcomeName,
+    Outcome,
     SelfPart,
     StepAction,
     StepFault,
     TimeCategory,
     Triage,
 )
+from parwatch.wire.bounds import (
+    MAX_CHECKPOINTS,
+    MAX_RATIO,
+    MAX_SECONDS,
+    MAX_WORLD,
+    Bandwidth,
+    Count,
+    Host,
+    LedgerSeconds,
+    Order,
+    Parallel,
+    Pid,
+    Rank,
+    RankList,
+    Ranks,
+    Ratio,
+    RunId,
+    Seconds,
+    SignedCount,
+    SignedSeconds,
+    Step,
+    Timeline,
+    Timestamp,
+    WireFloat,
+    check_number,
+    decode_float,
+    text,
+)
 
-MAX_COUNT = 2**53
-"""Largest count accepted: exported as a float64 sample, so it must be float-exact (and fits int64)."""
-MAX_SECONDS = 1e9
-"""Largest duration accepted (about 31 years): finite, and a sum of many stays finite."""
-MAX_RATIO = 1e6
-MAX_PARALLEL = 1 << 20
-"""Largest tp, pp, dp (and their product, the world) a summary may claim."""
-
-Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
-SignedCount = Annotated[int, Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
-SmallCount = Annotated[int, Meta(ge=0, le=2**31)]
-Step = Annotated[int, Meta(ge=0, lt=MAX_STEP)]
-"""A step, checkpoint step, directive id or skip count: the contract's bound (parse_directive)."""
-Index = Annotated[int, Meta(ge=0, lt=MAX_PARALLEL)]
-Parallel = Annotated[int, Meta(ge=1, le=MAX_PARALLEL)]
-Ratio = Annotated[float, Meta(ge=-MAX_RATIO, le=MAX_RATIO)]
-Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
-SignedSeconds = Annotated[float, Meta(ge=-MAX_SECONDS, le=MAX_SECONDS)]
-LedgerSeconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS * 100)]
-"""A rank's cumulative seconds in one ledger category: up to ~3,000 years."""
-Bandwidth = Annotated[float, Meta(ge=0, lt=MAX_COUNT)]
-"""Below 2**53, not up to it: an integer past it (2**53 + 1) rounds to 2**53 as a float and would pass `le`."""
-Timestamp = Annotated[float, Meta(ge=0, le=MAX_TIME, description="unix seconds")]
-RunId = Annotated[str, text(MAX_RUN_ID, min_length=1)]
-"""The same bound as an activity report's run id: a run the sidecar takes summaries of is one it can watch."""
-Host = Annotated[str, text(MAX_HOST)]
-WireFloat = float | str | None
-"""A loss as the wire carries it: a number, null, or one of the strings "nan", "inf", "-inf" (read it as
-the record's `loss` property, a float or None)."""
+# Histogram upper bounds (seconds) of a collective's latency: 10 us .. 10 s, denser near the 1-50 ms
+# range where TP all-reduces and p2p live and alert thresholds sit.
+COLLECTIVE_BUCKETS = (
+    1e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
 
 
-def _check_number(value: WireFloat, name: str) -> None:
-    """A ValueError naming the field unless `value` is a WireFloat (msgspec adds the record's path)."""
-    if isinstance(value, int) and abs(value) > MAX_COUNT:
-        raise ValueError(f"{name}: {str(value)[:20]}... is too large; send it as a float (or 'inf')")
-    try:
-        decode_float(value)
-    except ValueError as err:
-        raise ValueError(f"{name}: {err}") from None
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor for an op over n ranks (a collective's `busbw` is algbw times it)."""
+    if n <= 1:
+        return 1.0 if op in (CollectiveOp.SEND, CollectiveOp.RECV, CollectiveOp.BROADCAST) else 0.0
+    if op == CollectiveOp.ALL_REDUCE:
+        return 2 * (n - 1) / n
+    if op in (CollectiveOp.ALL_GATHER, CollectiveOp.REDUCE_SCATTER):
+        return (n - 1) / n
+    return 1.0
 
 
 class Collective(Struct, frozen=True, kw_only=True):
@@ -132,7 +143,7 @@ class Instances(Struct, frozen=True, kw_only=True):
     """Ranks of one host share its monotonic clock."""
     data_seconds: Seconds = 0.0
     """This step's data-fetch spans."""
-    groups: Annotated[dict[GroupRole, Annotated[list[Count], Meta(max_length=100_000)]], Meta(max_length=64)] = field(
+    groups: Annotated[dict[GroupRole, Annotated[list[Count], Meta(max_length=MAX_WORLD)]], Meta(max_length=64)] = field(
         default_factory=dict
     )
     """role -> the global ranks of the collective group recorded."""
@@ -144,7 +155,7 @@ class Instances(Struct, frozen=True, kw_only=True):
 class GlobalStage(Struct, frozen=True, kw_only=True):
     """One stage's figures in rank 0's view: the means over its reporting ranks."""
 
-    stage: Index
+    stage: Rank
     compute_seconds: Seconds
     idle_seconds: SignedSeconds
     other_seconds: Seconds = 0.0
@@ -155,16 +166,12 @@ class GlobalStage(Struct, frozen=True, kw_only=True):
     """Input-gradient backward (all of the backward unless the schedule splits off the weight gradient)."""
     backward_weight_seconds: Seconds = 0.0
     loss_seconds: Seconds = 0.0
-    ranks: Annotated[int, Meta(ge=1, le=MAX_PARALLEL)] = 1
+    ranks: Annotated[int, Meta(ge=1, le=MAX_WORLD)] = 1
     """The stage's ranks that reported this step (the figures are their means)."""
-    # The bubble split into its causes (when the trainer announced its pipeline order).
+    # The bubble split into its causes (BubbleCause; when the trainer announced its pipeline order).
     bubble_schedule_ratio: Ratio | None = None
     bubble_imbalance_ratio: Ratio | None = None
     bubble_wait_ratio: Ratio | None = None
-
-
-BUBBLE_CAUSES = ("schedule", "imbalance", "wait")
-"""GlobalStage.bubble_<cause>_ratio, exported as parwatch_stage_bubble_<cause>_ratio."""
 
 
 class GlobalView(Struct, frozen=True, kw_only=True):
@@ -173,20 +180,16 @@ class GlobalView(Struct, frozen=True, kw_only=True):
     step: Step
     wire_loss: WireFloat = field(default=None, name="loss")
     pipeline_skew_ratio: Ratio | None = None
-    slowest_stage: Index | None = None
+    slowest_stage: Rank | None = None
     """The stage with the most compute this step."""
-    stages: Annotated[list[GlobalStage], Meta(max_length=4096)] = field(default_factory=list)
+    stages: Annotated[list[GlobalStage], Meta(max_length=MAX_WORLD)] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_number(self.wire_loss, "loss")
+        check_number(self.wire_loss, "loss")
 
     @property
     def loss(self) -> float | None:
         return decode_float(self.wire_loss)
-
-
-RankList = Annotated[list[Index], Meta(max_length=1 << 17)]
-"""Ranks of a run (at most its world)."""
 
 
 class StepChecked(Struct, frozen=True, kw_only=True):
@@ -197,7 +200,7 @@ class StepChecked(Struct, frozen=True, kw_only=True):
     triage: Triage
     applied: bool
     """The update went in (a transient's re-run)."""
-    ranks: Annotated[list[Index], Meta(max_length=64)] = field(default_factory=list)
+    ranks: Annotated[list[Rank], Meta(max_length=64)] = field(default_factory=list)
     """The ranks that produced it (the first 64)."""
 
 
@@ -206,10 +209,10 @@ class StepSummary(Struct, frozen=True, kw_only=True):
 
     v: Literal[1]
     run_id: RunId
-    rank: Index
-    stage: Index
-    tp_rank: Index = 0
-    dp_rank: Index = 0
+    rank: Rank
+    stage: Rank
+    tp_rank: Rank = 0
+    dp_rank: Rank = 0
     tp: Parallel
     pp: Parallel
     dp: Parallel
@@ -222,7 +225,7 @@ class StepSummary(Struct, frozen=True, kw_only=True):
     """The schedule's name ("gpipe", "1f1b", "interleaved1f1b", or torch pipelining's e.g. "ZBVZeroBubble")."""
     step: Step
     """The optimizer step this summary describes (1-based)."""
-    timeline: SmallCount = 0
+    timeline: Timeline = 0
     """Rollbacks applied so far in this run: (run_id, rank, timeline, step) names one summary, so a
     replayed step is not a retry."""
     time: Timestamp
@@ -291,9 +294,9 @@ class StepSummary(Struct, frozen=True, kw_only=True):
         return decode_float(self.wire_loss)
 
     def __post_init__(self) -> None:
-        _check_number(self.wire_loss, "loss")
-        if self.world_size > MAX_PARALLEL:
-            raise ValueError(f"tp*pp*dp = {self.world_size} ranks is over the {MAX_PARALLEL} a sidecar accepts")
+        check_number(self.wire_loss, "loss")
+        if self.world_size > MAX_WORLD:
+            raise ValueError(f"tp*pp*dp = {self.world_size} ranks is over the {MAX_WORLD} a sidecar accepts")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside the world of tp*pp*dp = {self.world_size} ranks")
         if self.stage >= self.pp:
@@ -321,13 +324,13 @@ class LocalDecision(Struct, frozen=True, kw_only=True):
     """When rank 0 decided (its wall clock)."""
     after: Step = 0
     """The last directive id the ranks handled before it: the leader's later ones were never taken."""
-    checkpoints: Annotated[list[Step], Meta(max_length=1000)] = field(default_factory=list)
+    checkpoints: Annotated[list[Step], Meta(max_length=MAX_CHECKPOINTS)] = field(default_factory=list)
     """Rank 0's complete checkpoints then (a rollback target must be one)."""
     unreachable_since: Timestamp | None = None
     reason: Annotated[str, text(1000)] = ""
 
     def __post_init__(self) -> None:
-        _check_number(self.loss, "loss")
+        check_number(self.loss, "loss")
 
 
 class PassEvidence(Struct, frozen=True, kw_only=True):
@@ -343,8 +346,8 @@ class PassEvidence(Struct, frozen=True, kw_only=True):
     spiked: RankList = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_number(self.loss, "loss")
-        _check_number(self.grad_sq_sum, "grad_sq_sum")
+        check_number(self.loss, "loss")
+        check_number(self.grad_sq_sum, "grad_sq_sum")
 
 
 class CheckEvidence(Struct, frozen=True, kw_only=True):
@@ -362,7 +365,7 @@ class StepCheckRecord(Struct, frozen=True, kw_only=True):
 
     run_id: RunId
     step: Step
-    timeline: SmallCount = 0
+    timeline: Timeline = 0
     time: Timestamp
     """When rank 0 ended the step's check (its wall clock)."""
     fault: StepFault
@@ -377,7 +380,7 @@ class StepCheckRecord(Struct, frozen=True, kw_only=True):
     evidence: CheckEvidence
 
     def __post_init__(self) -> None:
-        _check_number(self.loss, "loss")
+        check_number(self.loss, "loss")
 
 
 class OutcomeRecord(Struct, frozen=True, kw_only=True):
@@ -386,17 +389,17 @@ class OutcomeRecord(Struct, frozen=True, kw_only=True):
 
     directive_id: Annotated[int, Meta(gt=0, lt=MAX_STEP)]
     run_id: RunId
-    outcome: OutcomeName
+    outcome: Outcome
     """substituted: a rollback loaded an older verified checkpoint than asked; ignored: another run's;
     mixed: the ranks differ."""
     step: Step
     loaded_step: Step | None = None
-    counts: dict[OutcomeName, SmallCount] = field(default_factory=dict)
+    counts: dict[Outcome, Ranks] = field(default_factory=dict)
     """outcome -> ranks."""
-    reasons: Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z_]{1,32}\Z")], SmallCount], Meta(max_length=16)] = field(
+    reasons: Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z_]{1,32}\Z")], Ranks], Meta(max_length=16)] = field(
         default_factory=dict
     )
-    ranks: Annotated[int, Meta(ge=1, le=2**31)]
+    ranks: Annotated[int, Meta(ge=1, le=MAX_WORLD)]
     local: LocalDecision | None = None
     """Set when rank 0 made this directive itself (its sidecar was unreachable)."""
 
@@ -418,104 +421,3 @@ class IngestResponse(Struct, frozen=True, kw_only=True):
     accepted: int
     directive: Directive | None
     """What rank 0 applies at its next step boundary (the contract's record: parse_directive reads it)."""
-
-
-class Problem(Struct, frozen=True, kw_only=True):
-    """Every 4xx answer: `detail` names the field (or header, or limit) and the fix."""
-
-    detail: str
-
-
-class ControlRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """POST /v1/control: an operator's pause, resume or rollback."""
-
-    action: Action
-    to_step: Step | None = None  # the contract's bound (parse_directive): what passes, the trainer takes
-    skip_batches: Step = 0
-    reason: Annotated[str, Meta(max_length=2000)] = ""
-    requested_by: Annotated[str, Meta(max_length=200)] = ""
-
-
-class CancelRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    requested_by: Annotated[str, Meta(max_length=200)] = ""
-
-
-AlertStatus = Literal["firing", "resolved"]
-
-
-class Alert(Struct, frozen=True, kw_only=True):
-    status: AlertStatus
-    labels: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(default_factory=dict)
-    startsAt: str = ""
-    endsAt: str = ""
-    generatorURL: str = ""
-    fingerprint: Annotated[str, Meta(max_length=128)] = ""
-
-
-class AlertmanagerPayload(Struct, frozen=True, kw_only=True):
-    """POST /v1/alerts: Alertmanager's webhook payload, version 4."""
-
-    version: Literal["4"]
-    status: AlertStatus
-    receiver: str = ""
-    groupLabels: dict[str, str] = field(default_factory=dict)
-    commonLabels: dict[str, str] = field(default_factory=dict)
-    commonAnnotations: dict[str, str] = field(default_factory=dict)
-    externalURL: str = ""
-    alerts: Annotated[list[Alert], Meta(max_length=10_000)] = field(default_factory=list)
-
-
-MAX_FORWARD_HALVES = 2000
-"""Instances per cross-node post (a node posts once a second; ~150 bytes each as JSON)."""
-MAX_FORWARD_RANK_ROWS = 4096
-"""Rank attribution rows per cross-node post."""
-MAX_NODE_RANKS = 4096
-"""Members one node may report for one instance (a node runs a few to a few dozen ranks)."""
-ForwardedMember = tuple[Index, CollectiveOp, Count, Count]
-"""[rank, op on that rank, duration microseconds, bytes]: one member's record of the instance."""
-ForwardedRankRow = tuple[Index, Count, Index, Host, Seconds, Seconds, Seconds, Seconds | None]
-"""[rank, step, stage, host, compute seconds, data seconds, step seconds, own compute seconds or null]:
-attribution figures (own compute: compute less the rank's TP collectives; null when its records were capped)."""
-
-
-class ForwardedInstance(Struct, frozen=True, kw_only=True):
-    """One node's members of a collective/p2p instance that spans nodes (sidecar/crossnode.py)."""
-
-    op: CollectiveOp
-    """The instance's op label: the collective's op, or "send" for a p2p transfer."""
-    group: GroupRole
-    seq: Count
-    link: bool
-    """true: a p2p transfer, members = [src, dst]; false: a collective, members = its group's ranks."""
-    members: Annotated[list[Index], Meta(min_length=2, max_length=100_000)]
-    step: Step
-    """The step the node first saw it in."""
-    got: Annotated[list[ForwardedMember], Meta(min_length=1, max_length=MAX_NODE_RANKS)]
-
-    def __post_init__(self) -> None:
-        if self.link and len(self.members) != 2:
-            raise ValueError(f"a p2p instance (link: true) has members [src, dst]; got {len(self.members)} ranks")
-        if len(set(self.members)) != len(self.members):
-            raise ValueError("members must be distinct ranks")
-        ranks = [m[0] for m in self.got]
-        if len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.members):
-            raise ValueError("got must hold distinct ranks, each one of members")
-
-
-class InstancesForward(Struct, frozen=True, kw_only=True):
-    """POST /v1/instances: a node sidecar hands the leader what only the leader can match."""
-
-    version: Literal[1]
-    node: Annotated[str, text(MAX_NODE, min_length=1)]
-    run_id: RunId
-    instances: Annotated[list[ForwardedInstance], Meta(max_length=MAX_FORWARD_HALVES)] = field(default_factory=list)
-    ranks: Annotated[list[ForwardedRankRow], Meta(max_length=MAX_FORWARD_RANK_ROWS)] = field(default_factory=list)
-
-
-BODIES = (IngestBody, IngestResponse, Problem, ControlRequest, CancelRequest, AlertmanagerPayload, InstancesForward)
-"""The records named in the OpenAPI document (components/schemas/<class name>)."""
-
-
-def openapi_components() -> dict[str, Any]:
-    return openapi_schemas(BODIES)
