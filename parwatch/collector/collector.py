@@ -278,7 +278,8 @@ class Collector(Observer):
         end_s = self._host_seconds(end)
         if kind == BoundaryKind.HEARTBEAT:  # paused: nothing is accounted until the resume
             self.ledger.gap(end_s, holding=True)
-            self.shipper.heartbeat_seen = True  # every rank joined it: the next poll vouches for them
+            if self.ctx.rank == 0:  # every rank joined it: rank 0's next poll vouches for them (only its may)
+                self.shipper.heartbeat_seen = True
             self._begin_period(None, info.step, sample=False)
             done += (info.start, end)
         else:

@@ -130,6 +130,9 @@ def test_heartbeats_and_resume_produce_no_summary_and_reset_the_period_origin():
     t += STEP
     for i in range(5):  # paused: heartbeats repeat step 2, each with its boundary all-reduce
         run.boundary(2, "heartbeat", t + i, t + i + 0.5)
+    # Rank 0 alone says "alive" for every rank: the sidecar refuses it from another rank's credential (403),
+    # and a shipper refused for its credential drops what it holds (rank 1's last summaries were lost so).
+    assert [r.collector.shipper.heartbeat_seen for r in run.ranks] == [True, False]
     run.ranks[0].collector.directives.put(directive(id=4, action="resume"))
     resume_end = t + 10.0
     assert run.boundary(2, "resume", t + 9.0, resume_end).id == 4
