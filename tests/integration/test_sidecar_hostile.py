@@ -128,8 +128,9 @@ def test_a_number_beyond_float_range_is_a_422_and_metrics_stay_up(sidecar):
     assert sample(metrics(sidecar), "parwatch_tokens_total") == 4096  # step 1, counted once
 
 
-def finished(sp, run_id: str, ranks) -> None:
-    """The ranks' activity reporters say they are done (as at a clean end of training)."""
+def finished(sp, run_id: str, ranks, step: int = 2) -> None:
+    """The ranks' activity reporters say they are done at `step`, their last summary's (as at a clean end of
+    training; a done rank whose last summary has not arrived holds the run's end up to 5 s)."""
     for rank in ranks:
         activity = {
             "run_id": run_id,
@@ -143,7 +144,7 @@ def finished(sp, run_id: str, ranks) -> None:
             "pp": 2,
             "dp": 1,
             "state": "done",
-            "step": 2,
+            "step": step,
             "step_seconds": 0.1,
             "kind": None,
             "op": None,
@@ -178,7 +179,7 @@ def test_cardinality_is_bounded_by_the_runs_world_and_the_limits(tmp_path):
         # Once its ranks have ended, a new run may take over; beyond --max-runs within the grace window: 429.
         finished(sp, "synthetic", (0, 1))
         assert post(sp, [syn.summary(0, 1, run_id="second")]).status_code == 200
-        finished(sp, "second", (0,))
+        finished(sp, "second", (0,), step=1)
         r = post(sp, [syn.summary(0, 1, run_id="third")])
         assert r.status_code == 429 and "--max-runs 2" in r.json()["detail"]
         text = metrics(sp)
