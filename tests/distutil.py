@@ -56,9 +56,13 @@ def _entry(fn, rank, world_size, port, queue, args, env, cwd):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        except BaseException:  # the rendezvous, before fn: run_ranks starts the ranks again on another port
+            queue.put((rank, INIT_FAILED, traceback.format_exc()))
+        else:
+            result = fn(rank, world_size, *args)
+            queue.put((rank, "ok", result))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -73,12 +77,33 @@ def _entry(fn, rank, world_size, port, queue, args, env, cwd):
     os._exit(0)
 
 
+INIT_FAILED = "init-failed"
+INIT_TRIES = 2
+"""A gloo rendezvous that fails before fn runs (its port, picked free, taken by another test worker's ranks
+in the moment between: 'connectFullMesh failed ... Connection closed by peer') is tried again on another
+port, once. Nothing of fn has run: no figure or finding is re-run."""
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run fn(rank, world_size, *args) on world_size gloo ranks; return results by rank.
 
     fn must be importable (module level). Raises AssertionError naming the failing rank
     with its traceback, or TimeoutError (after killing every rank) past `timeout` seconds.
     """
+    for attempt in range(1, INIT_TRIES + 1):
+        try:
+            return _run_ranks_once(fn, world_size, args, timeout)
+        except _RendezvousFailed as failed:
+            if attempt == INIT_TRIES:
+                raise AssertionError(f"the gloo rendezvous failed {INIT_TRIES} times:\n{failed}") from None
+    raise AssertionError("unreachable")
+
+
+class _RendezvousFailed(Exception):
+    pass
+
+
+def _run_ranks_once(fn, world_size: int, args: tuple, timeout: float) -> list:
     ctx = _forkserver()
     queue = ctx.Queue()
     port = free_port()
@@ -107,6 +132,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                         f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}"
                     ) from None
                 continue
+            if status == INIT_FAILED:
+                raise _RendezvousFailed(f"rank {rank}:\n{payload}")
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{payload}")
             results[rank] = payload
