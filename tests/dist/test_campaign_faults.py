@@ -137,6 +137,16 @@ def _blocked_at(rank: int, world_size: int, where: str, tp: int) -> dict:
         time.sleep(0.05)
     kind, attrs = now
     sent = {peer: n for (k, peer), n in contract.registry.sequence.items() if k == contract.SpanKind.SEND}
+    # No rank returns (and so closes its connections) before every rank has sampled: a rank that left first
+    # failed its peer's boundary all-reduce ("Connection closed by peer"), which then read between spans
+    # (half the runs failed so). The process group's store answers while the training threads are blocked.
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    for key in ("sampled", "done"):  # rank 0 holds the store: it leaves only once every rank read its last
+        store.add(key, 1)
+        while (key == "sampled" or rank == 0) and store.add(key, 0) < world_size and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
     return {
         "kind": None if kind is None else str(kind),
         "peer": attrs.get("peer"),

@@ -11,8 +11,6 @@ import json
 import socket
 import threading
 
-from fastapi.testclient import TestClient
-
 from parwatch.cli.control import _decision_line, _hang_line
 from parwatch.collector.activity import ActivityReporter
 from parwatch.collector.context import RunContext
@@ -21,25 +19,14 @@ from parwatch.contract import HookRegistry, Observer, SpanKind
 from parwatch.credentials import node_credential, rank_credential
 from parwatch.report.loader import load_run
 from parwatch.report.summary import _evidence_lines
-from parwatch.sidecar.app import create_control_app
-from parwatch.sidecar.config import Listen, SidecarConfig
-from parwatch.sidecar.service import build_sidecar
-from tests.unit.test_digest_api import Clock, _Bridge, report
-
-HEADERS = {"Authorization": "Bearer tok"}
+from parwatch.sidecar.hang import HangSettings
+from tests.unit.test_digest_api import _Bridge, _client, report
 
 
 def _app(tmp_path, name, **cfg):
-    clock = Clock()
-    config = SidecarConfig(
-        state_dir=tmp_path / name,
-        token="tok",
-        control_listen=Listen("127.0.0.1", 9401),
-        metrics_listen=Listen("127.0.0.1", 9400),
-        **cfg,
-    )
-    sidecar = build_sidecar(config, clock=clock)
-    return TestClient(create_control_app(sidecar), headers=HEADERS), sidecar, clock
+    """test_digest_api's control app, at the default hang bound."""
+    bound = {"hang_min_seconds": HangSettings.min_seconds, "hang_step_factor": HangSettings.step_factor}
+    return _client(tmp_path, name, **bound, **cfg)
 
 
 def _reporter(client, rank: int, registry: HookRegistry, clock) -> ActivityReporter:
