@@ -209,7 +209,9 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, **attrs: Any) -> torch.Tensor:
         if self.faults is not None and self.faults.hang_due("recv"):
-            with self.registry.span(contract.SpanKind.RECV, peer=src, op=CollectiveOp.RECV, group=GroupRole.PP, **attrs):
+            with self.registry.span(
+                contract.SpanKind.RECV, peer=src, op=CollectiveOp.RECV, group=GroupRole.PP, **attrs
+            ):
                 self.faults.hang_if("recv")  # in its receive from src, whose send is posted: the data never lands
         with self.registry.span(
             contract.SpanKind.RECV,
