@@ -107,13 +107,16 @@ def as_series(values) -> Series:
 
 def series_labels(key: str | None) -> dict:
     """ "cause=slow-link,src=0,dst=2" -> {"cause": "slow-link", "src": 0, "dst": 2}; '+'-joined
-    values become lists of ints ("ranks=0+1"); a key without '=' gives {}."""
+    values become lists of ints ("ranks=0+1"), and `ranks` is a list when it names one rank too; a key
+    without '=' gives {}."""
     out: dict = {}
     for part in (key or "").split(","):
         name, eq, value = part.partition("=")
         if not eq:
             continue
-        if value.lstrip("-").isdigit():
+        if name == "ranks" and value.isdigit():
+            out[name] = [int(value)]
+        elif value.lstrip("-").isdigit():
             out[name] = int(value)
         elif "+" in value and all(v.isdigit() for v in value.split("+")):
             out[name] = [int(v) for v in value.split("+")]

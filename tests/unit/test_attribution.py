@@ -110,6 +110,8 @@ def test_series_keys_become_evidence_naming_where():
         "stage": 1,
         "culprit": {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]},
     }
+    # One rank named against its stage peer (issue 44) is a list of one, as two are a list of two.
+    assert series_labels("cause=slow-compute,stage=0,ranks=1,rank=1")["ranks"] == [1]
     assert where("") == {} and where(None) == {}
 
 
