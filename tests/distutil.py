@@ -90,13 +90,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     fn must be importable (module level). Raises AssertionError naming the failing rank
     with its traceback, or TimeoutError (after killing every rank) past `timeout` seconds.
     """
-    for attempt in range(1, INIT_TRIES + 1):
+    failed = None
+    for _ in range(INIT_TRIES):
         try:
             return _run_ranks_once(fn, world_size, args, timeout)
-        except _RendezvousFailed as failed:
-            if attempt == INIT_TRIES:
-                raise AssertionError(f"the gloo rendezvous failed {INIT_TRIES} times:\n{failed}") from None
-    raise AssertionError("unreachable")
+        except _RendezvousFailed as err:
+            failed = err
+    raise AssertionError(f"the gloo rendezvous failed {INIT_TRIES} times:\n{failed}")
 
 
 class _RendezvousFailed(Exception):

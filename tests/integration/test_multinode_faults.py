@@ -371,12 +371,6 @@ def test_a_rollback_replaying_3x_the_hang_bound_across_nodes_completes(tmp_path)
     assert applied["action"] == "rollback" and applied["to_step"] == target and summary["steps_completed"] == steps
 
 
-@pytest.mark.xfail(
-    reason="known wrong culprit since issue 44's paired (within-stage) detector, 3 of 6 runs on 2026-12-05: rank 1 "
-    "(stage 0, rank 3's pipeline peer) is named with straggler_ratio 0.23-0.25, its own compute (less only its TP "
-    "collectives) holding its wait for rank 3's late data; open in issue 44's closing note",
-    strict=False,
-)
 def test_one_slow_rank_on_another_node_is_named(tmp_path):
     """Issue 24 item 7 across nodes: rank 3 (node 1) computes 20 ms more per microbatch; node 1 forwards its
     ranks' figures (own compute included) and the leader's straggler finding names rank 3, not stage 1 alone."""
