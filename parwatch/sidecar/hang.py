@@ -186,6 +186,11 @@ def _posted(a: Activity, rows: Mapping[int, Activity]) -> bool:
     return any(p == a.rank and n >= a.seq for p, n in peer.sent)
 
 
+def _instance(a: Activity) -> tuple:
+    """The group call a rank is in, as its members' rows tell it (the boundary has no seq: by step)."""
+    return (a.kind, a.group, a.op, a.seq if a.seq is not None else a.step)
+
+
 def _device_stuck(a: Activity) -> bool:
     """Its CUDA device stayed on one span's own work (not a collective's): whatever its host waits in,
     the rank waits for nobody."""
@@ -582,6 +587,8 @@ class HangMonitor:
         """Nodes a sidecar-lost finding named while they stay missing."""
         self._heard: dict[int, tuple[float, float]] = {}
         """rank -> (its newest sample's time, when it reached the leader): late_ranks."""
+        self._pids: dict[int, int] = {}
+        """rank -> the pid its reports last came from: another is a restarted process (observe)."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
@@ -589,6 +596,7 @@ class HangMonitor:
         self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
         self.cause = None
         self.busy, self._lost_since, self._sidecars_lost, self._heard = None, None, set(), {}
+        self._pids = {}
 
     def observe(self, a: Activity, layout: RankLayout, now: float, age: float = 0.0) -> None:
         """Every activity row as it arrives (cheap: the progress clock, and when its rank last spoke).
@@ -599,6 +607,11 @@ class HangMonitor:
         if heard is None or heard[0] != a.time:  # a new sample (a digest repeats a rank's latest one)
             self._heard[a.rank] = (a.time, now - min(max(age, 0.0), MAX_REPORT_LATENCY_SECONDS))
         if a.state == RankState.RUNNING:
+            if self._pids.get(a.rank, a.pid) != a.pid and a.step_end is None:
+                # A new process of this rank, before its first boundary (a restart under the same run id):
+                # its start-up and checkpoint load are a declared long activity, as a rollback's load is.
+                self.progress.rearm(now)
+            self._pids[a.rank] = a.pid
             if a.busy is not None:
                 self.progress.busy_seen = now
             if (
@@ -840,7 +853,7 @@ class HangMonitor:
         rank = found["culprit"]
         a = rows.get(rank)
         busy = a.busy if a is not None and a.state == RankState.RUNNING else None
-        in_span = self._in_span(a, now) if a is not None else None
+        in_span = self._still_for(rows, a, found["kind"], now) if a is not None else None
         in_span = stalled if in_span is None else in_span
         if self.hang is None and (
             busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(min(stalled, in_span))
@@ -862,6 +875,25 @@ class HangMonitor:
             self.hang = record
             records.append(record)
         return records
+
+    def _still_for(self, rows: Mapping[int, Activity], a: Activity, kind: str | None, now: float) -> float | None:
+        """How long the culprit's wait has been what it is judged as: its time in its current span; for a
+        transport stall, since the last of its parties entered (its collective's members, the other end of
+        its send or receive): until then a party was still moving (a rank stopped for a moment, then
+        catching up), and the bytes could not flow. None when unknown."""
+        in_span = self._in_span(a, now)
+        if kind != HangKind.TRANSPORT or in_span is None or self.layout is None:
+            return in_span
+        if a.kind in _GROUP_KINDS and a.group:
+            parties = [
+                r for m in group_members(self.layout, a.group, a)
+                if (r := rows.get(m)) is not None and _instance(r) == _instance(a)
+            ]  # fmt: skip
+        else:  # a send or receive: the other end, when it is in the matching receive or send
+            peer = rows.get(int(a.peer)) if a.peer is not None else None
+            parties = [peer] if peer is not None and peer.kind in _P2P and peer.peer == a.rank else []
+        ages = [x for r in parties if (x := self._in_span(r, now)) is not None]
+        return min([in_span, *ages])
 
     def _in_span(self, a: Activity, now: float) -> float | None:
         """How long a running rank has been in its current span, on the leader's clock: the span's age when

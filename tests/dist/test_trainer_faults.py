@@ -88,10 +88,12 @@ def _median_forward_ms(fault_runs, run: str, stage: int) -> float:
 
 
 def test_straggler_lengthens_only_its_stages_forward_spans(fault_runs):
+    # Each of stage 1's forwards holds the one sleep (never shorter; a loaded host wakes it a few ms late,
+    # 3.35 ms in CI on 4d1d37f), not two and not none; stage 0's forwards hold none of it.
     extra = _median_forward_ms(fault_runs, "straggler", 1) - _median_forward_ms(fault_runs, "baseline", 1)
-    assert abs(extra - STRAGGLE_MS) <= 0.1 * STRAGGLE_MS, f"stage 1 forward grew by {extra:.2f} ms"
+    assert 0.9 * STRAGGLE_MS <= extra <= 1.5 * STRAGGLE_MS, f"stage 1 forward grew by {extra:.2f} ms"
     other = _median_forward_ms(fault_runs, "straggler", 0) - _median_forward_ms(fault_runs, "baseline", 0)
-    assert abs(other) <= 0.1 * STRAGGLE_MS, f"stage 0 forward changed by {other:.2f} ms"
+    assert abs(other) <= 0.25 * STRAGGLE_MS, f"stage 0 forward changed by {other:.2f} ms"
 
 
 def test_slow_collective_delays_every_tp_all_reduce(fault_runs):

@@ -127,8 +127,11 @@ def two_nodes(base: Path):
 
 
 @contextlib.contextmanager
-def torchrun_nodes(base: Path, nodes: list[Node], steps: int, *extra: str, run_id: str = ""):
-    """Both nodes' torchrun launchers (TP2 x PP2: node 0 holds stage 0, node 1 stage 1)."""
+def torchrun_nodes(
+    base: Path, nodes: list[Node], steps: int, *extra: str, run_id: str = "", compute: tuple[str, ...] = synthetic(10, 20)
+):
+    """Both nodes' torchrun launchers (TP2 x PP2: node 0 holds stage 0, node 1 stage 1); `compute`: the
+    synthetic compute's arguments (e2e_util.synthetic)."""
     env = dict(os.environ, PARWATCH_TOKEN=TOKEN, TRAINER_THREADS="1")
     if run_id:
         env["PARWATCH_RUN_ID"] = run_id
@@ -144,7 +147,7 @@ def torchrun_nodes(base: Path, nodes: list[Node], steps: int, *extra: str, run_i
             "4",
             "--steps",
             str(steps),
-            *synthetic(10, 20),
+            *compute,
             "--pause-poll-s",
             "0.2",
             "--parwatch-endpoint",

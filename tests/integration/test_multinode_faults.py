@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
-from e2e_util import TORCHRUN, read_jsonl, wait_until
+from e2e_util import TORCHRUN, read_jsonl, synthetic, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_multinode import HEADERS, TOKEN, Node, finish, torchrun_nodes
 
@@ -373,9 +373,15 @@ def test_a_rollback_replaying_3x_the_hang_bound_across_nodes_completes(tmp_path)
 
 def test_one_slow_rank_on_another_node_is_named(tmp_path):
     """Issue 24 item 7 across nodes: rank 3 (node 1) computes 20 ms more per microbatch; node 1 forwards its
-    ranks' figures (own compute included) and the leader's straggler finding names rank 3, not stage 1 alone."""
+    ranks' figures (own compute included) and the leader's straggler finding names rank 3, not stage 1 alone.
+    serial_tp: the synthetic sleep after the TP all-reduces, as real layers' compute is. With the sleep to a
+    deadline that includes them, rank 0's compute shrank by its waits for rank 1 (whose gradients come from
+    the straggler) and rank 1 stood out from it: 3 of 6 runs named rank 1 on 9b25a72."""
+    compute = synthetic(10, 20, serial_tp=True)
     with nodes(tmp_path) as (leader, node1):
-        with torchrun_nodes(tmp_path, [leader, node1], 40, "--inject", "straggler:rank=3,ms=20") as procs:
+        with torchrun_nodes(
+            tmp_path, [leader, node1], 40, "--inject", "straggler:rank=3,ms=20", compute=compute
+        ) as procs:
             finish(tmp_path, procs)
         found = [d["evidence"].get("culprit") for d in leader.records("decision") if d["rule"] == "straggler"]
     # Its stage slow with rank 3 named in it ({"ranks": [2, 3], "rank": 3}), or rank 3 alone against its stage

@@ -753,3 +753,25 @@ def test_exits_on_different_hosts_do_not_overrule_the_waits():
     rows = {0: replace(rows[0], ended=10.0), 1: replace(rows[1], ended=10.5)}
     [record] = monitor.check(rows)
     assert record["evidence"]["culprit"]["rank"] == 1  # rank 0 waited for it
+
+
+def test_a_restarted_process_starts_up_under_the_start_up_bound_not_the_steps():
+    """CI on 4d1d37f: a rank restarted with --resume under the same run id after a crash was taken for a
+    hang (no boundary for the crash, the gap and its start-up > 3 s) before its checkpoint load said busy."""
+    monitor, clock, engine = _monitor(HangSettings())
+    lay = RankLayout(1, 2, 1)
+    for step in range(1, 9):
+        _step(monitor, clock, lay, step, seconds=0.1)
+    gone = {r: act(r, lay, "forward", step=8, state="gone", time=clock.t) for r in (0, 1)}
+    assert [r["rule"] for r in monitor.check(gone)] == ["rank-gone"]
+    clock.t += 6.0  # the gap, then the new processes' imports and rendezvous: no report says busy
+    restarted = {r: replace(act(r, lay, step=6, time=clock.t), pid=5000 + r) for r in (0, 1)}
+    for a in restarted.values():
+        monitor.observe(a, lay, clock.t)
+    for _ in range(20):  # 10 s of start-up, judged against the start-up bound (60 s)
+        clock.t += 0.5
+        assert monitor.check(restarted) == []
+    _step(monitor, clock, lay, 7, seconds=0.1)  # its first boundary: the step bound again
+    assert monitor.progress.bound() == 3.0 and not monitor.hang_detected
+    clock.t += 3.5
+    assert [r["rule"] for r in monitor.check({r: act(r, lay, step=7, time=clock.t) for r in (0, 1)})] == ["hang"]

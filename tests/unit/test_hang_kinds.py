@@ -97,6 +97,30 @@ def test_the_default_bound_names_a_hang_in_three_seconds_of_short_steps():
     assert record["reason"].startswith("hang (host blocked): ") and evidence["bundle"].startswith("evidence/")
 
 
+def test_a_transport_stall_is_timed_from_when_its_last_party_entered():
+    """The quick campaign's healthy two-node run (CI load, a CPU hog): a rank stopped 1.5 s (a host hiccup)
+    entered the TP all-reduce its peer had waited in; 2.8 s after the boundary both were in it, and the
+    leader named a transport stall though the bytes could flow only since that entry. It is held until the
+    last member has been in it for the decision line; a real transport stall is still named then."""
+    clock, engine = Clock(), FakeEngine()
+    monitor = HangMonitor(HangSettings(), engine, clock)
+    _stepping(monitor, clock, TP2)
+    boundary = clock.t
+    entered = {0: boundary + 0.1, 1: boundary + 2.5}  # rank 1 came back from its stop and caught up
+
+    def judge_at(t: float) -> list[dict]:
+        clock.t = t
+        rows = {r: act(r, TP2, "collective", "all_reduce", "tp", seq=9, since=entered[r], time=t - 0.1) for r in (0, 1)}
+        for a in rows.values():
+            monitor.observe(a, TP2, t - 0.1)
+        return monitor.check(rows)
+
+    assert judge_at(boundary + 2.8) == [] and engine.records == []
+    assert judge_at(entered[1] + 2.75 - 0.01) == []
+    [record] = judge_at(entered[1] + 2.75)
+    assert (record["rule"], record["evidence"]["kind"]) == ("hang", "transport")
+
+
 def test_a_rank_in_a_checkpoint_or_eval_is_busy_until_its_own_bound():
     clock, engine = Clock(), FakeEngine()
     monitor = HangMonitor(HangSettings(), engine, clock)
