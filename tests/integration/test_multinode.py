@@ -128,7 +128,12 @@ def two_nodes(base: Path):
 
 @contextlib.contextmanager
 def torchrun_nodes(
-    base: Path, nodes: list[Node], steps: int, *extra: str, run_id: str = "", compute: tuple[str, ...] = synthetic(10, 20)
+    base: Path,
+    nodes: list[Node],
+    steps: int,
+    *extra: str,
+    run_id: str = "",
+    compute: tuple[str, ...] = synthetic(10, 20),
 ):
     """Both nodes' torchrun launchers (TP2 x PP2: node 0 holds stage 0, node 1 stage 1); `compute`: the
     synthetic compute's arguments (e2e_util.synthetic)."""
