@@ -6,12 +6,17 @@ figure is asserted: grouped, it runs once, in the serial phase), or when it is m
 CPU-bound grid that would starve its neighbours). `mark_serial` adds the `serial` marker at
 collection, so `-m serial` / `-m "not serial"` select either phase without xdist too.
 
-Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one file's non-serial tests
-at a time (as `--dist loadfile`, integration and dist files first: they are the long ones) and holds
-every serial unit back until no other worker has a test pending; then one worker runs the serial units
-one after another while the others wait idle. So no figure is measured while another worker loads the
-CPU. The controller has no items, only node ids: each worker writes the serial ids it computed to a
-file the controller named (pytest_configure_node), and the scheduler reads it when it starts.
+Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one unit of non-serial tests
+at a time and holds every serial unit back until no other worker has a test pending; then one worker
+runs the serial units one after another while the others wait idle. So no figure is measured while
+another worker loads the CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
+integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
+Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
+test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
+worker still busy with a long unit is given the shortest one to hold behind it (a worker keeps its last
+test until it is sent more, so it always holds one). The controller has no items, only node ids: each
+worker writes the ids it classified to a file the controller named (pytest_configure_node), and the
+scheduler reads it when it starts.
 """
 
 from __future__ import annotations
@@ -23,7 +28,18 @@ import tempfile
 import pytest
 
 SERIAL_FILE = "parwatch_serial_ids"
-"""The workerinput key naming the file of serial node ids."""
+"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...]}."""
+DURATIONS = os.environ.get(
+    "PARWATCH_TEST_DURATIONS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+)
+"""{node id: seconds} of the tests that took over a second in a CI run (tests/durations.py)."""
+UNKNOWN_SECONDS = 0.2
+"""A test the durations do not list: a new one, or one that took under a second."""
+SPLIT_FILE_SECONDS = 60.0
+"""An integration or dist file longer than this is split: its tests that share no wider fixture run
+as units of their own, on whichever worker is free."""
+HOLD_BEHIND_SECONDS = 30.0
+"""A worker with more than this pending gets the shortest unit to hold, not the longest."""
 
 
 def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,10 +57,15 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in serial:
         item.add_marker(pytest.mark.serial)
     path = getattr(config, "workerinput", {}).get(SERIAL_FILE)
-    if path:  # an xdist worker: tell the controller's scheduler (every worker writes the same list)
+    if path:  # an xdist worker: tell the controller's scheduler (every worker writes the same lists)
+        alone = [
+            item.nodeid
+            for item in items
+            if "/unit/" not in item.nodeid and "serial" not in item.keywords and not _wide_fixtures(item)
+        ]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
-            json.dump([item.nodeid for item in serial], out)
+            json.dump({"serial": [item.nodeid for item in serial], "alone": alone}, out)
         os.replace(tmp, path)
 
 
@@ -81,32 +102,51 @@ def _serial_last_scheduling():
         """loadfile for the other tests, then the serial units on one worker while the others idle."""
 
         serial: frozenset[str] = frozenset()
+        alone: frozenset[str] = frozenset()
+        """Tests of long files that share no wider fixture: a unit each."""
+        seconds: dict[str, float] = {}
         _held = None
         """The node kept for the serial units until the others have nothing pending."""
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            return f"serial:{file}" if nodeid in self.serial else file
+            if nodeid in self.serial:
+                return f"serial:{file}"
+            return nodeid if nodeid in self.alone else file
 
         def schedule(self) -> None:
             if self.collection is None:
                 path = getattr(self.config, "_parwatch_serial_file", None)
                 if path and os.path.getsize(path):
                     with open(path) as f:
-                        self.serial = frozenset(json.load(f))
+                        ids = json.load(f)
+                    self.serial = frozenset(ids["serial"])
+                    self.seconds = _durations()
+                    by_file: dict[str, float] = {}
+                    for nodeid in ids["alone"]:
+                        file = nodeid.split("::", 1)[0]
+                        by_file[file] = by_file.get(file, 0.0) + self.seconds.get(nodeid, UNKNOWN_SECONDS)
+                    long = {f for f, total in by_file.items() if total > SPLIT_FILE_SECONDS}
+                    self.alone = frozenset(n for n in ids["alone"] if n.split("::", 1)[0] in long)
             super().schedule()
+
+        def _weight(self, unit: dict[str, bool]) -> float:
+            """Seconds a unit's tests not yet run are expected to take."""
+            return sum(self.seconds.get(n, UNKNOWN_SECONDS) for n, done in unit.items() if not done)
 
         def _others(self, node) -> list:
             return [n for n in self.assigned_work if n is not node]
 
         def _assign_work_unit(self, node) -> None:
-            """The next unit for `node`: a long (integration, dist) file, then any other file. Once only
+            """The next unit for `node`: the longest left, or the shortest behind a long one. Once only
             serial units are left, every node but one is shut down (it runs what it holds, then leaves);
             the one left is held (a worker keeps its last test until it is sent more or shut down) until
             the others have nothing pending, then runs the serial units one after another."""
             others = [s for s in self.workqueue if not s.startswith("serial:")]
             if others:
-                scope = next((s for s in others if "/unit/" not in s), others[0])
+                held = sum(self._weight(unit) for unit in self.assigned_work.get(node, {}).values())
+                pick = min if held > HOLD_BEHIND_SECONDS else max
+                scope = pick(others, key=lambda s: self._weight(self.workqueue[s]))
             elif any(not n.shutting_down for n in self._others(node)):
                 node.shutdown()
                 return
@@ -129,3 +169,11 @@ def _serial_last_scheduling():
                     self._assign_work_unit(held)
 
     return SerialLastScheduling
+
+
+def _durations() -> dict[str, float]:
+    try:
+        with open(DURATIONS) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}  # no record: every unit weighs the same, files go in collection order

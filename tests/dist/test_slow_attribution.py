@@ -210,10 +210,13 @@ def test_slow_data_is_not_rank_0s_compute(slow_data):
     assert median_of(trainer, 0, "compute_seconds") < stage1 + 0.5 * 4 * 0.015
 
 
+@pytest.mark.serial
 def test_the_demo_straggler_fires_no_link_or_collective_rule(tmp_path):
     """`parwatch demo --scenario straggler`'s trainer (real compute, stage 1 +80 ms per forward
     from mid-run) against the default rules: the skew and straggler decisions name stage 1;
-    nothing blames a link or a collective."""
+    nothing blames a link or a collective. Serial: real compute's stage balance is wall-clock work, and
+    a neighbour hogging a core (the quick campaign's, CI on 2f55cb2) truly unbalances it (stage skew
+    1.25 for 2 steps is the default rule): the stage named then is the one the host slowed."""
     demo = DemoConfig(scenario="straggler")
     decisions, _ = run(tmp_path, demo.steps, *demo.trainer_args(), "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert not [d for d in decisions if d["rule"] == "collective-latency-regression"], decisions

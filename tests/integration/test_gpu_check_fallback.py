@@ -14,8 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def section_result(call: str) -> dict:
-    """`gpu_check.<call>` in a fresh process (each section owns its process group); its result."""
-    program = f"import json, gpu_check\nprint('RESULT ' + json.dumps(gpu_check.{call}))\n"
+    """`gpu_check.<call>` in a fresh process (each section owns its process group); its result. The process
+    ends with os._exit once the result is out: DeepSpeed's CPU comm op (deepspeed_shm_comm_op) keeps its gloo
+    groups' threads alive in C++ after destroy_process_group (18 threads left, no Python reference), and
+    the interpreter's exit tore them down with "terminate called without an active exception" (SIGABRT)
+    in CI on 2f55cb2, after the section had returned its result."""
+    program = (
+        f"import json, os, sys, gpu_check\nprint('RESULT ' + json.dumps(gpu_check.{call}))\n"
+        "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", program],
         cwd=os.path.join(ROOT, "benchmarks"),

@@ -46,7 +46,7 @@ GRID = RECORD + "\npytestmark = pytest.mark.serial\n\ndef test_grid():\n    reco
 SERIAL = {"figure", "same_run", "grid"}
 
 
-def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: dict | None = None):
     (tmp_path / "conftest.py").write_text(
         "import pytest\n"
         "from serial_phase import mark_serial, pytest_configure_node, pytest_xdist_make_scheduler  # noqa\n\n"
@@ -55,11 +55,12 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         "    mark_serial(config, items)\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n")
-    for name, text in {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}.items():
+    files = files or {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}
+    for name, text in files.items():
         (tmp_path / name).write_text(text)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(TESTS), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=tmp_path,
@@ -93,3 +94,22 @@ def test_minus_m_serial_selects_them_without_xdist(tmp_path):
     proc = run(tmp_path, "-m", "serial")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert set(intervals(tmp_path)) == SERIAL
+
+
+def test_the_longest_units_start_first_and_a_long_files_tests_spread(tmp_path):
+    """By the recorded durations: the one-test file (40 s recorded) starts first, though xdist's own order
+    (most tests first) would start it last; the long integration file's tests (no wider fixture, 64 s
+    recorded) are units of their own, run on both workers."""
+    pytest.importorskip("xdist")
+    (tmp_path / "integration").mkdir()
+    long_file = RECORD + "".join(f"\ndef test_{i}():\n    record('long{i}')\n" for i in range(4))
+    files = {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_one.py": RECORD + "\ndef test_x():\n    record('one')\n"}
+    files["integration/test_long.py"] = long_file
+    durations = {"test_one.py::test_x": 40.0, **{f"integration/test_long.py::test_{i}": 16.0 for i in range(4)}}
+    (tmp_path / "durations.json").write_text(json.dumps(durations))
+    proc = run(tmp_path, "-n", "2", files=files, env={"PARWATCH_TEST_DURATIONS": str(tmp_path / "durations.json")})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    ran = intervals(tmp_path)
+    first = sorted(ran, key=lambda k: ran[k][0])[:2]
+    assert "one" in first and any(k.startswith("long") for k in first), sorted(ran.items(), key=lambda kv: kv[1])
+    assert len({ran[f"long{i}"][2] for i in range(4)}) == 2, ran  # spread over both workers
