@@ -92,9 +92,21 @@ class Sidecar:
                 f"127.0.0.1:{self.metrics_port}",
                 *self.args,
             )
+            logged = self.log.stat().st_size if self.log.exists() else 0
             with open(self.log, "ab") as log:
                 self.proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            wait_healthy(f"{self.url}/healthz", proc, 60)
+            try:
+                wait_healthy(f"{self.url}/healthz", proc, 60)
+            except RuntimeError as err:
+                # It exited at once. A port free a moment ago may have been taken before it bound it (other
+                # tests' servers and rendezvous share the host): try others. Anything else is no port race.
+                with open(self.log, "rb") as f:
+                    f.seek(logged)
+                    said = f.read().decode(errors="replace")
+                if "already in use" not in said:
+                    raise RuntimeError(f"{err}; its log:\n{said[-2000:]}") from None
+                self.control_port, self.metrics_port = free_port(), free_port()
+                continue
             # A port free a moment ago may be taken meanwhile (another run's sidecar, a rendezvous): what
             # answers there is then not ours, ours exits, and the run would report to another run's leader.
             wait_for(lambda p=proc: _listens(p.pid, self.control_port) or p.poll() is not None, 30, 0.1)

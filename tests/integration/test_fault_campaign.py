@@ -50,3 +50,23 @@ def test_quick_campaign_names_every_fault_kind_and_nothing_in_healthy_runs(tmp_p
             assert row["evidence_full"] == row["trials"], row  # every reachable rank's stacks kept
     # No false hang, crash, action, straggler or link finding (shape rules are reported: GOAL_RULES).
     assert all(h["findings"] == h["shape_rules"] and h["steps"] > 0 for h in run["healthy"]), run["healthy"]
+
+
+def test_a_campaign_sidecar_whose_port_was_taken_starts_on_others(tmp_path):
+    """CI on b1152ae: a campaign sidecar exited at once ("sidecar exited with 1 before answering") and the
+    quick campaign died with it; a port free a moment before may be taken by then. It tries others."""
+    import socket
+
+    from benchmarks.fault_campaign import Sidecar
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        sidecar = Sidecar(tmp_path, "node0")
+        sidecar.control_port = taken.getsockname()[1]
+        try:
+            sidecar.start()
+            assert sidecar.control_port != taken.getsockname()[1] and sidecar.proc.poll() is None
+            assert "already in use" in sidecar.log.read_text()
+        finally:
+            sidecar.stop()
