@@ -587,8 +587,8 @@ class HangMonitor:
         """Nodes a sidecar-lost finding named while they stay missing."""
         self._heard: dict[int, tuple[float, float]] = {}
         """rank -> (its newest sample's time, when it reached the leader): late_ranks."""
-        self._pids: dict[int, int] = {}
-        """rank -> the pid its reports last came from: another is a restarted process (observe)."""
+        self._ended: dict[int, int] = {}
+        """rank -> the pid of its process seen ending (gone, crashed): another pid is its restart (observe)."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
@@ -596,7 +596,7 @@ class HangMonitor:
         self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
         self.cause = None
         self.busy, self._lost_since, self._sidecars_lost, self._heard = None, None, set(), {}
-        self._pids = {}
+        self._ended = {}
 
     def observe(self, a: Activity, layout: RankLayout, now: float, age: float = 0.0) -> None:
         """Every activity row as it arrives (cheap: the progress clock, and when its rank last spoke).
@@ -606,12 +606,15 @@ class HangMonitor:
         heard = self._heard.get(a.rank)
         if heard is None or heard[0] != a.time:  # a new sample (a digest repeats a rank's latest one)
             self._heard[a.rank] = (a.time, now - min(max(age, 0.0), MAX_REPORT_LATENCY_SECONDS))
-        if a.state == RankState.RUNNING:
-            if self._pids.get(a.rank, a.pid) != a.pid and a.step_end is None:
-                # A new process of this rank, before its first boundary (a restart under the same run id):
-                # its start-up and checkpoint load are a declared long activity, as a rollback's load is.
+        if a.state in ENDED:
+            self._ended[a.rank] = a.pid
+        elif a.state == RankState.RUNNING:
+            if self._ended.get(a.rank, a.pid) != a.pid and a.step_end is None:
+                # A new process of a rank seen ending, before its first boundary (a restart under the same
+                # run id): its start-up and checkpoint load are a declared long activity, as a rollback's
+                # load is. Only after an end: a rank cannot hold the stall clock back by new pids alone.
+                del self._ended[a.rank]
                 self.progress.rearm(now)
-            self._pids[a.rank] = a.pid
             if a.busy is not None:
                 self.progress.busy_seen = now
             if (
@@ -708,7 +711,9 @@ class HangMonitor:
         self.checked_stall = self.progress.stalled_for(now)
         self.held_until = None
         records = self._judge_crashes(rows, now, coverage, heard_since)
-        crashed = any(a.state in ENDED for a in rows.values())  # a stall after a crash is the crash's
+        ended = {r: a.pid for r, a in rows.items() if a.state in ENDED}
+        self._ended.update(ended)  # their processes' restarts start up under the start-up bound (observe)
+        crashed = bool(ended)  # a stall after a crash is the crash's
         stalled, bound, past, fresh_after, stale = self._progress(rows, now, quiet=paused or crashed)
         if self.awaiting_fresh:
             return records

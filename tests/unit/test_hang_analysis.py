@@ -762,7 +762,7 @@ def test_a_restarted_process_starts_up_under_the_start_up_bound_not_the_steps():
     lay = RankLayout(1, 2, 1)
     for step in range(1, 9):
         _step(monitor, clock, lay, step, seconds=0.1)
-    gone = {r: act(r, lay, "forward", step=8, state="gone", time=clock.t) for r in (0, 1)}
+    gone = {r: act(r, lay, "forward", step=8, state="gone", time=clock.t) for r in (0, 1)}  # as its node saw
     assert [r["rule"] for r in monitor.check(gone)] == ["rank-gone"]
     clock.t += 6.0  # the gap, then the new processes' imports and rendezvous: no report says busy
     restarted = {r: replace(act(r, lay, step=6, time=clock.t), pid=5000 + r) for r in (0, 1)}
@@ -775,3 +775,18 @@ def test_a_restarted_process_starts_up_under_the_start_up_bound_not_the_steps():
     assert monitor.progress.bound() == 3.0 and not monitor.hang_detected
     clock.t += 3.5
     assert [r["rule"] for r in monitor.check({r: act(r, lay, step=7, time=clock.t) for r in (0, 1)})] == ["hang"]
+
+
+def test_new_pids_alone_do_not_hold_the_stall_clock_back():
+    """A rank's reports under ever new pids, its process never seen ending, are no restart: the hang is
+    named at the bound (a credential holder cannot blind the detector by changing the pid it reports)."""
+    monitor, clock, engine = _monitor(HangSettings())
+    lay = RankLayout(1, 2, 1)
+    for step in range(1, 9):
+        _step(monitor, clock, lay, step, seconds=0.1)
+    for k in range(15):  # 3.75 s of reports, each under another pid
+        clock.t += 0.25
+        for r in (0, 1):
+            monitor.observe(replace(act(r, lay, step=8, time=clock.t), pid=7000 + 10 * k + r), lay, clock.t)
+    rows = {r: replace(act(r, lay, step=8, time=clock.t), pid=7140 + r) for r in (0, 1)}
+    assert [r["rule"] for r in monitor.check(rows)] == ["hang"]
