@@ -30,6 +30,7 @@ from parwatch import dashboards as dash
 from parwatch import recording as rec
 from parwatch.rank_layout import RankLayout
 from parwatch.vocabulary import SelfPart
+from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import free_port, running_sidecar, stop
 
@@ -41,6 +42,8 @@ ALERTS = ROOT / "dashboards" / "alerts.yaml"
 BINARIES = {name: shutil.which(name) for name in ("prometheus", "victoria-metrics", "vmalert")}
 SUBSTITUTIONS = {"$__range_s": "300", "$__range": "5m", "$price_per_gpu_hour": "2.5", "$job": "parwatch"}
 START_TIMEOUT_S = 60
+RECORDED_LAG_S = 20
+"""How long a recorded series may lag its exported sources (vmalert evaluates every 1 s, flushes every 0.5 s)."""
 TP, PP = 2, 2
 # Rank 0's view of each stage, with the split of its bubble by cause a real run's view carries.
 STAGES = [
@@ -316,10 +319,18 @@ def test_the_sidecars_metrics_reached_victoriametrics_through_the_agent(exported
 
 @pytest.mark.parametrize("title,ref,expr", PANEL_QUERIES, ids=[f"{t}:{r}" for t, r, _ in PANEL_QUERIES])
 def test_panel_query_is_answered_by_victoriametrics(vm, exported, title, ref, expr):
-    result = query(vm, concrete(expr))["data"]["result"]
     produced = sources(expr) <= exported and not set(RECORDED.findall(expr)) & ONLY_WHEN_WRONG
     if produced:
-        assert result, f"{title} ({ref}) returned no data from VictoriaMetrics: {concrete(expr)}"
+        # A recorded series lags its sources by an evaluation and a write back (1.5 s here; more under
+        # load: CI on 7d17fbd queried the straggler ratio's before vmalert had written it).
+        wait_until(
+            lambda: query(vm, concrete(expr))["data"]["result"],
+            f"{title} ({ref}) to return data from VictoriaMetrics: {concrete(expr)}",
+            timeout=RECORDED_LAG_S,
+            interval=0.5,
+        )
+    else:
+        query(vm, concrete(expr))
 
 
 @pytest.mark.parametrize("alert", ALERT_RULES, ids=[a["alert"] for a in ALERT_RULES])
