@@ -156,7 +156,7 @@ class ActivityHub:
         """The leader's last digest reply said the run is paused: no summaries flow, its ranks are up."""
         self._run_id: object = None  # the run (and its layout) this sidecar's reports describe
         self._layout: RankLayout | None = None
-        self._ending_since: float | None = None  # when every rank here first said it ended (_note_if_ended)
+        self._ending_since: float | None = None  # when every rank here first said it ended (note_if_ended)
         self._switch_seen: float | None = None  # the engine's last_switch the hang clock was re-armed at
         self._idle_due = False
         """Due, judged, nothing decided (a crashed run, a pause): re-judged once a second, not at every ask."""
@@ -201,7 +201,7 @@ class ActivityHub:
         self._run_id, self._layout = run_id, layout
         self.monitor.run_id = run_id
         if a.state != RankState.RUNNING:
-            self._note_if_ended()
+            self.note_if_ended()
         if a.rank == 0:
             self._saw_rank0()
         if self.is_leader:
@@ -430,7 +430,7 @@ class ActivityHub:
         else:
             log.warning("hang: not signalling pid %r: no running rank of this run proved it its own here", pid)
 
-    def _note_if_ended(self) -> None:
+    def note_if_ended(self) -> None:
         """The run has ended here when every rank that reports here finished, crashed or is gone: then
         (and not before, while it posts) another run id may take over this sidecar."""
         store = self.sidecar.store
@@ -459,7 +459,7 @@ class ActivityHub:
         store = self.sidecar.store
         if not store.ranks:
             return
-        self._note_if_ended()
+        self.note_if_ended()
         if self.leader_paused:  # the run is paused on purpose (the leader says): no summaries, ranks up
             store.touch_all()
         up, series = self._liveness()

@@ -509,3 +509,24 @@ def test_the_run_ends_once_the_last_summaries_of_its_done_ranks_are_in(tmp_path)
                 store.add(parse(syn.summary(rank, 12, run_id="r1", time=991.0), StepSummary))
         sidecar.activity._feed_liveness()  # the once-a-second tick
         assert store.ended
+
+
+def test_the_next_runs_first_post_is_taken_as_soon_as_the_last_ones_final_summaries_are_in(tmp_path):
+    """CI on 3fe2cd0: ranks finishing run A and starting run B at once; A's last summaries came in, and B's
+    first, 0.2 s later and before the once-a-second tick noticed A's end, was refused 409 ("A is live
+    here"); B's check records were then refused for ever and its pause never reached the operator."""
+    client, sidecar, clock = _client(tmp_path, "handover")
+    store = sidecar.store
+    for rank in (0, 1):
+        summary = parse(syn.summary(rank, 11, run_id="r1", time=990.0), StepSummary)
+        store.admit([summary])
+        store.add(summary)
+    for rank in (0, 1):
+        assert client.post("/v1/activity", json=report(rank, step=12, state="done")).status_code == 200
+    for rank in (0, 1):  # the shipper's last post of run r1
+        store.add(parse(syn.summary(rank, 12, run_id="r1", time=991.0), StepSummary))
+    clock.t += 0.2
+    first = [syn.summary(rank, 1, run_id="r2", time=991.2) for rank in (0, 1)]
+    r = client.post("/v1/ingest", json={"version": 1, "summaries": first})
+    assert r.status_code == 200, r.text
+    assert store.run_id == "r2"
