@@ -487,6 +487,16 @@ def test_a_node_signals_only_pids_its_own_ranks_reported(tmp_path, monkeypatch):
     assert sent == [me]
 
 
+def _done_at_12_holding_11(client, store) -> None:
+    """Run r1's ranks 0 and 1: the store holds their step 11, then both say done at step 12."""
+    for rank in (0, 1):
+        summary = parse(syn.summary(rank, 11, run_id="r1", time=990.0), StepSummary)
+        store.admit([summary])
+        store.add(summary)
+    for rank in (0, 1):
+        assert client.post("/v1/activity", json=report(rank, step=12, state="done")).status_code == 200
+
+
 def test_the_run_ends_once_the_last_summaries_of_its_done_ranks_are_in(tmp_path):
     """A rank says done before its shipper flushes its last summaries (the collector closes the activity
     reporter first): the run's end (the trackers' final point, another run taking over) waits for them,
@@ -495,12 +505,7 @@ def test_the_run_ends_once_the_last_summaries_of_its_done_ranks_are_in(tmp_path)
     for lost in (False, True):
         client, sidecar, clock = _client(tmp_path, f"s{lost}")
         store = sidecar.store
-        for rank in (0, 1):
-            summary = parse(syn.summary(rank, 11, run_id="r1", time=990.0), StepSummary)
-            store.admit([summary])
-            store.add(summary)
-        for rank in (0, 1):
-            assert client.post("/v1/activity", json=report(rank, step=12, state="done")).status_code == 200
+        _done_at_12_holding_11(client, store)
         assert not store.ended  # both said done at step 12; the sidecar holds step 11
         if lost:
             clock.t += FINAL_SUMMARIES_SECONDS
@@ -517,12 +522,7 @@ def test_the_next_runs_first_post_is_taken_as_soon_as_the_last_ones_final_summar
     here"); B's check records were then refused for ever and its pause never reached the operator."""
     client, sidecar, clock = _client(tmp_path, "handover")
     store = sidecar.store
-    for rank in (0, 1):
-        summary = parse(syn.summary(rank, 11, run_id="r1", time=990.0), StepSummary)
-        store.admit([summary])
-        store.add(summary)
-    for rank in (0, 1):
-        assert client.post("/v1/activity", json=report(rank, step=12, state="done")).status_code == 200
+    _done_at_12_holding_11(client, store)
     for rank in (0, 1):  # the shipper's last post of run r1
         store.add(parse(syn.summary(rank, 12, run_id="r1", time=991.0), StepSummary))
     clock.t += 0.2
