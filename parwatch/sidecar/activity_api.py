@@ -67,7 +67,7 @@ from parwatch.sidecar.hang import (
 )
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
-from parwatch.sidecar.pid_owner import owns_connection
+from parwatch.sidecar.pid_owner import Connection, connection_of, owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.vocabulary import BuiltinRule, RankState, RuleAction, Speaker, jsonable
 from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost, NodeDigest
@@ -172,9 +172,7 @@ class ActivityHub:
         )
 
     # -- requests (event loop) --------------------------------------------------------------
-    def activity(
-        self, post: ActivityPost, client: tuple[str, int] | None = None, identity: Identity | None = None
-    ) -> dict:
+    def activity(self, post: ActivityPost, client: Connection | None = None, identity: Identity | None = None) -> dict:
         """One rank's report; `client` (host, port) is the connection it came on, which proves its pid;
         `identity` who the credential speaks for (only its own rank of its own run)."""
         report = post.activity
@@ -212,7 +210,7 @@ class ActivityHub:
         return reply
 
     def digest(
-        self, digest: NodeDigest, client: tuple[str, int] | None = None, identity: Identity | None = None
+        self, digest: NodeDigest, client: Connection | None = None, identity: Identity | None = None
     ) -> dict:
         """A node's digest (`client` is not used: its rows' pids are proven, and signalled, at that node); a
         node credential speaks for its own node's name only."""
@@ -655,9 +653,8 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
     )
     async def activity(request: Request):
         """One rank's live activity (parwatch.collector.activity); the reply may say abort."""
-        client = (request.client.host, request.client.port) if request.client else None
         raw = await request.body()
-        status, payload = await handle_activity(raw, client=client, identity=identity_of(request))
+        status, payload = await handle_activity(raw, client=connection_of(request.scope), identity=identity_of(request))
         return JSONResponse(payload, status_code=status)
 
     @router.post(

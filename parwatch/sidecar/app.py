@@ -34,6 +34,7 @@ from parwatch.sidecar import activity_api
 from parwatch.sidecar.auth import IDENTITY, WHOAMI, bearer_dependency, identity_of
 from parwatch.sidecar.bodies import body, documented, schema
 from parwatch.sidecar.gate import BodyTooLarge, RequestGate, send_json
+from parwatch.sidecar.pid_owner import Connection, connection_of
 from parwatch.sidecar.rank_gauges import exposition
 from parwatch.sidecar.service import Sidecar
 from parwatch.sidecar.store import Refused
@@ -174,7 +175,6 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
     async def ingest(request: Request):
         """Store step summaries; answer with the directive rank 0 should apply, if any."""
         raw = await request.body()
-        client = request.client
         try:
             if len(raw) <= SMALL_BODY:
                 posted = decode(raw, IngestBody, dotted=True)
@@ -183,8 +183,7 @@ def create_control_app(sidecar: Sidecar) -> FastAPI:
         except BadRecord as err:
             return JSONResponse({"detail": str(err)}, status_code=422)
         try:
-            peer = (client.host, client.port) if client else None
-            return JSONResponse(await sidecar.ingest_async(posted, identity_of(request), peer))
+            return JSONResponse(await sidecar.ingest_async(posted, identity_of(request), connection_of(request.scope)))
         except Refused as err:
             return JSONResponse({"detail": str(err)}, status_code=err.status)
 
@@ -301,7 +300,7 @@ class PostHandler(Protocol):
     """A raw-body POST handler (activity_api's `hub.posts`): answers (status, JSON payload)."""
 
     def __call__(
-        self, raw: bytes, *, client: tuple[str, int] | None, identity: Identity | None
+        self, raw: bytes, *, client: Connection | None, identity: Identity | None
     ) -> Awaitable[tuple[int, object]]: ...
 
 
@@ -328,11 +327,9 @@ class HotPosts:
                 more = message.get("more_body", False)
         except BodyTooLarge as err:
             return await send_json(send, err.status_code, {"detail": err.detail}, {})
-        client = scope.get("client")  # the connection's (host, port): proves an activity report's pid
         identity = scope.get("state", {}).get(IDENTITY)  # the gate's: who the credential speaks for
-        status, payload = await handler(
-            b"".join(chunks), client=(client[0], client[1]) if client else None, identity=identity
-        )
+        # the connection proves an activity report's pid
+        status, payload = await handler(b"".join(chunks), client=connection_of(scope), identity=identity)
         await send_json(send, status, payload, {})
 
 

@@ -13,8 +13,26 @@ from __future__ import annotations
 import ipaddress
 import os
 import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+class Connection(NamedTuple):
+    """A connection as the sidecar sees it: the client's (host, port), and this sidecar's end of it."""
+
+    host: str
+    port: int
+    server: tuple[str, int] | None = None
+
+
+def connection_of(scope: Mapping[str, Any]) -> Connection | None:
+    """The connection an ASGI request came on (its `client` and `server`), or None when it has no client."""
+    client, server = scope.get("client"), scope.get("server")
+    if not client:
+        return None
+    return Connection(client[0], client[1], (server[0], server[1]) if server else None)
 
 
 def _address(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -27,14 +45,26 @@ def _address(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return address
 
 
-def socket_inode(host: str, port: int, tables: tuple[str, ...] = TABLES) -> int | None:
-    """The inode of the TCP socket whose local address is (host, port), or None."""
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        wanted = ipaddress.ip_address(host)
+        address = ipaddress.ip_address(host)
     except ValueError:
         return None
-    if isinstance(wanted, ipaddress.IPv6Address) and wanted.ipv4_mapped is not None:
-        wanted = wanted.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def socket_inode(
+    host: str, port: int, server: tuple[str, int] | None = None, tables: tuple[str, ...] = TABLES
+) -> int | None:
+    """The inode of the TCP socket whose local address is (host, port) and, when `server` is given, whose
+    remote address is `server`; or None. The remote end matters: Linux gives one ephemeral port to several
+    connections to different destinations, so a local address alone can name another process's socket (CI:
+    a rank's own post refused as not its own)."""
+    wanted, remote = _ip(host), _ip(server[0]) if server else None
+    if wanted is None or (server is not None and remote is None):
+        return None
     for table in tables:
         try:
             with open(table) as f:
@@ -45,15 +75,20 @@ def socket_inode(host: str, port: int, tables: tuple[str, ...] = TABLES) -> int 
                     inode = int(fields[9])
                     # inode 0: a socket no process holds any more (TIME_WAIT of an earlier connection
                     # that had the same ephemeral port); the live one is listed too.
-                    if inode and int(hex_port, 16) == port and _address(hex_ip) == wanted:
-                        return inode
+                    if not inode or int(hex_port, 16) != port or _address(hex_ip) != wanted:
+                        continue
+                    if server is not None:
+                        rem_ip, _, rem_port = fields[2].partition(":")
+                        if int(rem_port, 16) != server[1] or _address(rem_ip) != remote:
+                            continue
+                    return inode
         except (OSError, ValueError, IndexError):
             continue
     return None
 
 
-def owns_connection(pid: int, client: tuple[str, int] | None) -> bool:
-    """Whether process `pid` holds the client end of the connection from `client` (host, port)."""
+def owns_connection(pid: int, client: Connection | tuple[str, int] | None) -> bool:
+    """Whether process `pid` holds the client end of the connection `client`."""
     if client is None or not isinstance(pid, int) or pid <= 1:
         return False
     inode = socket_inode(*client)
@@ -99,19 +134,20 @@ class Proofs:
     def __init__(self):
         self._kept: dict[tuple[str, int], dict[int, float | None]] = {}  # client -> {pid: its start, or None}
 
-    def started(self, pid: int | None, client: tuple[str, int] | None) -> float | None:
+    def started(self, pid: int | None, client: Connection | None) -> float | None:
         """The start time of `pid` when it holds the connection from `client`; None: not proven (no pid,
         another process's connection, or a pid this sidecar cannot see)."""
         if pid is None or client is None:
             return None
-        known = self._kept.get(client)
+        key = (client[0], client[1])  # as the listener's forget names it
+        known = self._kept.get(key)
         if known is not None and pid in known:
             return known[pid]
         start = process_started(pid) if owns_connection(pid, client) else None
         if known is None:
             if len(self._kept) >= self.MAX_KEPT:
                 self._kept.clear()
-            known = self._kept[client] = {}
+            known = self._kept[key] = {}
         known[pid] = start
         return start
 

@@ -32,7 +32,7 @@ from parwatch.sidecar.claims import Refused
 from parwatch.sidecar.config import ConfigError, SidecarConfig, ensure_token
 from parwatch.sidecar.exporter import SidecarCounters, make_registry
 from parwatch.sidecar.observations import build_observation
-from parwatch.sidecar.pid_owner import Proofs
+from parwatch.sidecar.pid_owner import Connection, Proofs
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.sidecar.refusals import Refusals
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
@@ -123,7 +123,7 @@ class Sidecar:
         self.engine.close()
 
     # -- writes -----------------------------------------------------------------------------
-    def ingest(self, body: IngestBody, identity: Identity = OPERATOR, client: tuple[str, int] | None = None) -> dict:
+    def ingest(self, body: IngestBody, identity: Identity = OPERATOR, client: Connection | None = None) -> dict:
         """Store a post's summaries and evaluate; Refused (with the HTTP status) when the store
         will not hold them. The answer's directive is read after the work."""
         pids = self._admit(body, identity, client)
@@ -133,7 +133,7 @@ class Sidecar:
         return self.ingest_reply(body)
 
     async def ingest_async(
-        self, body: IngestBody, identity: Identity = OPERATOR, client: tuple[str, int] | None = None
+        self, body: IngestBody, identity: Identity = OPERATOR, client: Connection | None = None
     ) -> dict:
         """ingest(), letting other requests in between summaries (a post may carry 10,000, each a step
         to evaluate), then persisting what the engine decided before the answer, and the delivery of the
@@ -161,7 +161,7 @@ class Sidecar:
         return {"accepted": len(body.summaries), "directive": self.engine.pending_directive(deliver=True)}
 
     def _admit(
-        self, body: IngestBody, identity: Identity = OPERATOR, client: tuple[str, int] | None = None
+        self, body: IngestBody, identity: Identity = OPERATOR, client: Connection | None = None
     ) -> list[int | None]:
         """Check the whole post (who it speaks for, then the store's admission); the pid each summary's
         connection proves (None: unproven)."""
