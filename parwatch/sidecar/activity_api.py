@@ -209,9 +209,7 @@ class ActivityHub:
             reply["evidence"] = wanted
         return reply
 
-    def digest(
-        self, digest: NodeDigest, client: Connection | None = None, identity: Identity | None = None
-    ) -> dict:
+    def digest(self, digest: NodeDigest, client: Connection | None = None, identity: Identity | None = None) -> dict:
         """A node's digest (`client` is not used: its rows' pids are proven, and signalled, at that node); a
         node credential speaks for its own node's name only."""
         if identity is not None and identity.speaker != Speaker.OPERATOR:
