@@ -38,7 +38,7 @@ def _forkserver():
     """Ranks forked from one fork server per test session, which imported PRELOAD once (a process that
     never touches a device), not fresh interpreters that each import torch at every run_ranks (the
     saving: docs/benchmarks.md). The server's environment and directory are those it started with:
-    _entry takes the caller's. The trainer's own launcher spawns: it starts its ranks once, in parallel."""
+    _entry takes the caller's. The trainer's own launcher does the same (parwatch/trainer/launch.py)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx

@@ -189,7 +189,7 @@ class Batch:
         self.full = True
 
     def run(self, run_id: str, state: dict, rules: dict, directives: list[dict]) -> None:
-        """The run's row, its rules' states and its outstanding directives (all of them: few)."""
+        """The run's row, its rules' states and its outstanding directives (all of them: few; Outstanding.saved())."""
         row = [state[k] for k in RUN_FIELDS] + [json.dumps(state[k]) for k in RUN_LISTS]
         self.add(
             f"INSERT OR REPLACE INTO runs (run_id, {', '.join(RUN_FIELDS + RUN_LISTS)}) {_values(1 + len(row))}",
@@ -397,7 +397,7 @@ class StateStore:
             if r.get("type") == RecordType.DELIVERED
         }
         made = [r for r in records if r.get("type") == RecordType.DECISION]
-        outstanding = [
+        outstanding = [  # as Outstanding.saved() makes them: the policy parses them back (from_saved)
             {
                 "id": r["directive_id"],
                 "action": r.get("action"),

@@ -24,14 +24,13 @@ from typing import Any
 from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS
 from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
-from parwatch.guardrails.directives import WIRE_KEYS, Directives
+from parwatch.guardrails.directives import Directives, Outstanding
 from parwatch.guardrails.engine_store import evidence_dir
 from parwatch.guardrails.rules import RuleSet
 from parwatch.ledger_view import same_process
 from parwatch.vocabulary import (
     Action,
     DecisionSource,
-    DirectiveState,
     Outcome,
     RecordType,
     RuleAction,
@@ -362,9 +361,9 @@ class Policy:
     def _pause_in_force(self) -> bool:
         """Whether the run is paused once the outstanding directives (oldest first) are applied."""
         paused = self.run.paused
-        for d in self.directives.outstanding:
-            if d["run_id"] == self.run_id:
-                paused = d["action"] == Action.PAUSE or (paused and d["action"] not in SWITCHES)
+        for d in (o.directive for o in self.directives.outstanding):
+            if d.run_id == self.run_id:
+                paused = d.action == Action.PAUSE or (paused and d.action not in SWITCHES)
         return paused
 
     # -- findings from outside the step rules (the hang detector) -------------------------------------
@@ -590,25 +589,25 @@ class Policy:
         deliver: it goes out to the run now (an ingest reply), after which it cannot be cancelled."""
         if not self.rules.enforce:
             return None
-        directive = self.directives.oldest(self.run_id)
-        if deliver and directive is not None and directive.get("delivered_at") is None:
-            directive["delivered_at"] = now = self._now()
-            if directive["action"] == Action.ROLLBACK:
+        pending = self.directives.oldest(self.run_id)
+        if deliver and pending is not None and pending.delivered_at is None:
+            pending.delivered_at = now = self._now()
+            if pending.directive.action == Action.ROLLBACK:
                 self.rollbacks_delivered += 1
             # Logged (not among the recent decisions): a state recovered from the log knows it went out.
             delivered = Delivered(
-                directive_id=directive["id"],
-                decision_id=directive.get("decision_id"),
+                directive_id=pending.directive.id,
+                decision_id=pending.decision_id,
                 time=now,
                 step=self.run.last_step,
             )
             self.unsaved.append(log_record(delivered))
             self.changed = True  # with its record: once delivered it cannot be cancelled, also after a power loss
-        return None if directive is None else {k: directive[k] for k in WIRE_KEYS}
+        return None if pending is None else pending.wire()
 
     def directive_states(self) -> list[dict]:
         """Every outstanding directive: {id, action, state: created | delivered, delivered_at}."""
-        return [_state_of(d) for d in self.directives.outstanding]
+        return [d.state() for d in self.directives.outstanding]
 
     def record_outcome(self, outcome: dict) -> list[dict]:
         """The run's outcome of a directive (every rank counted): write it down and act on it.
@@ -691,7 +690,7 @@ class Policy:
             self.changed = True
             return [record]
         records = [self._append(self._outcome_record(did, done, outcome, now))]
-        action = done["action"]
+        action = done.directive.action
         if result in (Outcome.APPLIED, Outcome.SUBSTITUTED):
             if action == Action.PAUSE:
                 self.run.paused = True
@@ -706,9 +705,9 @@ class Policy:
                 if loaded is not None:
                     self.run.checkpoints = {c for c in self.run.checkpoints if c <= int(loaded)}
                 self.run.last_step = None
-                self._switched(f"the rollback to step {loaded} (directive {did})", done.get("decision_id"))
+                self._switched(f"the rollback to step {loaded} (directive {did})", done.decision_id)
             elif action == Action.RESUME:
-                self._switched(f"the resume (directive {did})", done.get("decision_id"))
+                self._switched(f"the resume (directive {did})", done.decision_id)
         elif result in (Outcome.FAILED, Outcome.MIXED) and action == Action.ROLLBACK:
             why = ", ".join(f"{k} on {v} ranks" for k, v in (outcome.get("reasons") or {}).items()) or result
             reason = (
@@ -731,20 +730,21 @@ class Policy:
         self.changed = True
         return records
 
-    def _outcome_record(self, did: int, directive: dict | None, outcome: dict, now: float) -> Handled:
+    def _outcome_record(self, did: int, done: Outstanding | None, outcome: dict, now: float) -> Handled:
         ranks = int(outcome.get("ranks") or 0)
+        directive = None if done is None else done.directive
         record = HANDLED[outcome["outcome"]](
             directive_id=did,
-            action=self._action_of(did) if directive is None else directive["action"],
-            decision_id=None if directive is None else directive.get("decision_id"),
+            action=self._action_of(did) if directive is None else directive.action,
+            decision_id=None if done is None else done.decision_id,
             step=outcome.get("step"),
             time=now,
             ranks=f"0-{ranks - 1}" if ranks else "",
             rank_count=ranks,
             counts=outcome.get("counts") or {},
         )
-        if directive is not None and directive["action"] == Action.ROLLBACK:
-            record.requested_step = directive["to_step"]
+        if directive is not None and directive.action == Action.ROLLBACK:
+            record.requested_step = directive.to_step
             record.loaded_step = outcome.get("loaded_step")
             record.substituted = outcome.get("outcome") == Outcome.SUBSTITUTED
         if outcome.get("reasons"):
@@ -782,25 +782,25 @@ class Policy:
         """Withdraw a directive not yet delivered to the run; DirectiveDelivered once it has been (the
         ranks will apply it), ValueError if there is none with that id."""
         pending = self.directives.find(directive_id)
-        if pending is not None and pending.get("delivered_at") is not None:
+        if pending is not None and pending.delivered_at is not None:
             raise DirectiveDelivered(
-                f"directive {directive_id} ({pending['action']}) was delivered to the run at "
-                f"{pending['delivered_at']:.3f}: every rank applies it at its next step boundary and it can no "
+                f"directive {directive_id} ({pending.directive.action}) was delivered to the run at "
+                f"{pending.delivered_at:.3f}: every rank applies it at its next step boundary and it can no "
                 "longer be cancelled; undo it once applied (e.g. resume after a pause)",
-                _state_of(pending),
+                pending.state(),
             )
         done = self.directives.remove(directive_id)
         if done is None:
-            outstanding = [d["id"] for d in self.directives.outstanding]
+            outstanding = [d.directive.id for d in self.directives.outstanding]
             raise ValueError(
                 f"directive {directive_id} is not outstanding (outstanding: {outstanding or 'none'})"
                 "; it may already have been applied: see parwatch decisions"
             )
-        rearmed = self._rearm_after_cancel(done.get("decision_id"))
+        rearmed = self._rearm_after_cancel(done.decision_id)
         cancelled = Cancelled(
             directive_id=directive_id,
-            action=done["action"],
-            decision_id=done.get("decision_id"),
+            action=done.directive.action,
+            decision_id=done.decision_id,
             time=self._now(),
             requested_by=requested_by,
             step=self.run.last_step,
@@ -890,7 +890,8 @@ class Policy:
             "rollback_ticks": run.rollback_ticks,
             "rearmed": run.rearmed,
         }
-        return state, {name: m.to_dict(history=False) for name, m in self.monitors.items()}, self.directives.outstanding
+        rules = {name: m.to_dict(history=False) for name, m in self.monitors.items()}
+        return state, rules, [d.saved() for d in self.directives.outstanding]
 
     def baselines(self) -> dict[str, dict]:
         return {name: m.baseline_dict() for name, m in self.monitors.items()}
@@ -921,7 +922,7 @@ class Policy:
         self.rollbacks_delivered = sum(  # handed out before a restart: the run may apply them after it
             1
             for d in self.directives.outstanding
-            if d["action"] == Action.ROLLBACK and d.get("delivered_at") is not None
+            if d.directive.action == Action.ROLLBACK and d.delivered_at is not None
         )
         for table in ("rules", "baselines"):
             for name, text in saved.get(table, {}).items():
@@ -944,16 +945,6 @@ def _count_transients(counts: dict[str, int], ranks, hosts: dict[str, str]) -> N
     for rank in ranks:
         key = f"rank={rank}" + (f",host={hosts[str(rank)]}" if str(rank) in hosts else "")
         counts[key] = counts.get(key, 0) + 1
-
-
-def _state_of(directive: dict) -> dict:
-    """An outstanding directive as status and a refused cancel show it."""
-    return {
-        "id": directive["id"],
-        "action": directive["action"],
-        "state": DirectiveState.DELIVERED if directive.get("delivered_at") is not None else DirectiveState.CREATED,
-        "delivered_at": directive.get("delivered_at"),
-    }
 
 
 def _numbers(values) -> dict[str, float]:

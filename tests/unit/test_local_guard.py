@@ -115,4 +115,4 @@ def test_a_leader_directive_rank0_never_took_is_renumbered_above_the_local_one(t
     mine = engine.request("pause", "operator")["directive_id"]  # created while rank 0 could not hear it
     records = engine.record_outcome(_local_outcome(mine, after=mine - 1))  # rank 0 chose the same id
     assert records[0]["renumbered"] == {mine: mine + 1}
-    assert [d["id"] for d in engine.policy.directives.outstanding][0] == mine + 1
+    assert engine.policy.directives.outstanding[0].directive.id == mine + 1
