@@ -397,19 +397,22 @@ class StateStore:
             if r.get("type") == RecordType.DELIVERED
         }
         made = [r for r in records if r.get("type") == RecordType.DECISION]
+        now_id = _ids_after_renumbering(records)
         outstanding = [  # as Outstanding.saved() makes them: the policy parses them back (from_saved)
             {
-                "id": r["directive_id"],
+                "id": now_id.get(i, r["directive_id"]),
                 "action": r.get("action"),
                 "run_id": run_id,
                 "to_step": r.get("checkpoint"),
                 "skip_batches": r.get("skip_batches") or 0,
                 "reason": str(r.get("reason") or ""),
                 "decision_id": r.get("id"),
-                "delivered_at": delivered.get(r["directive_id"]),
+                "delivered_at": delivered.get(now_id.get(i, r["directive_id"])),
             }
-            for r in made
-            if r.get("directive_id") is not None and r["directive_id"] not in ended and r.get("run_id") == run_id
+            for i, r in enumerate(made)
+            if r.get("directive_id") is not None
+            and now_id.get(i, r["directive_id"]) not in ended
+            and r.get("run_id") == run_id
         ]
         log.warning(
             "%s: no usable database: recovered from %s: run %s, outstanding directives %s",
@@ -425,7 +428,8 @@ class StateStore:
             "directives": outstanding,
             "next_decision_id": 1 + max(ids, default=0),
             "next_directive_id": max(
-                (r["directive_id"] + 1 for r in made if type(r.get("directive_id")) is int), default=None
+                (d + 1 for d in [*(r.get("directive_id") for r in made), *now_id.values()] if type(d) is int),
+                default=None,
             ),
         }
 
@@ -568,3 +572,19 @@ def _move_aside(path: Path) -> Path | None:
     aside = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%dT%H%M%S')}")
     os.replace(path, aside)
     return aside
+
+
+def _ids_after_renumbering(records: list[dict]) -> dict[int, int]:
+    """{index among the decision records: its directive's id now} for the directives a later decision of
+    rank 0's own renumbered (its `renumbered` {old: new}: ids rank 0 never took and would now ignore).
+    Handed out again under the old id, such a directive would be ignored and its action lost."""
+    now_id: dict[int, int] = {}
+    ids: list[object] = []
+    for r in records:
+        for old, new in (r.get("renumbered") or {}).items():
+            for i, did in enumerate(ids):
+                if str(now_id.get(i, did)) == str(old) and type(new) is int:
+                    now_id[i] = new
+        if r.get("type") == RecordType.DECISION:
+            ids.append(r.get("directive_id"))
+    return now_id

@@ -116,3 +116,19 @@ def test_a_leader_directive_rank0_never_took_is_renumbered_above_the_local_one(t
     records = engine.record_outcome(_local_outcome(mine, after=mine - 1))  # rank 0 chose the same id
     assert records[0]["renumbered"] == {mine: mine + 1}
     assert engine.policy.directives.outstanding[0].directive.id == mine + 1
+
+
+def test_a_renumbered_directive_keeps_its_new_id_when_the_state_is_recovered_from_the_log(tmp_path):
+    """Recovered from decisions.jsonl alone, the directive came back under its old id, which rank 0 ignores
+    (at or below the last it handled): its pause would have been lost."""
+    engine = _engine(tmp_path)
+    mine = engine.request("pause", "operator")["directive_id"]
+    engine.record_outcome(_local_outcome(mine, after=mine - 1))  # and the rule's rollback after it
+    before = [d["id"] for d in engine.directive_states()]
+    assert before[0] == mine + 1
+    engine.close()
+    for suffix in ("", "-wal", "-shm"):  # the database is lost; decisions.jsonl is what is left
+        (tmp_path / f"parwatch.db{suffix}").unlink(missing_ok=True)
+    again = GuardrailEngine(default_rules(), tmp_path, now=lambda: 3000.0)
+    assert [d["id"] for d in again.directive_states()] == before
+    assert again.request("resume", "operator")["directive_id"] == max(before) + 1
