@@ -11,7 +11,7 @@ rank, stage, step, place and size) from the kinds below, on one of the setups th
 
 Healthy trials carry the noise real runs have, each well inside what must not alarm: checkpoint saves lasting
 5 steps, eval passes lasting 10 steps, a first step 20 steps long, an operator pause of 30 s, 1.5 s stops of one
-rank (SIGSTOP: a host hiccup), a CPU-hogging neighbour process throughout.
+rank (SIGSTOP: a host hiccup), a CPU-hogging neighbour process throughout (or, on a host already busy, its own load).
 
 Per fault kind: trials, detected, right finding kind, right culprit (rank, stage, place), right cause, latency
 from the fault to the decision (p50, p99, max; steps for stragglers), and for hangs and crashes when every
@@ -683,16 +683,25 @@ def healthy_noise(h: Healthy, rng: random.Random) -> list[str]:
 
 
 class Neighbour:
-    """One CPU-hogging process on the host while any healthy run is on (runs at once share the host)."""
+    """One CPU-hogging process on the host while any healthy run is on (runs at once share the host).
+    Where the host is busy already (less than half a core idle over two seconds: the test suite's other
+    workers, in CI), that load is the neighbour: a hog on top would only take a core from them."""
 
     def __init__(self):
         self._lock, self._users, self._proc = threading.Lock(), 0, None
+        self.what = "none"
+        """What the neighbour was: "hog", or the host's own load ("host busy: N cores idle")."""
 
     def __enter__(self):
         with self._lock:
             self._users += 1
-            if self._proc is None:
-                self._proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            if self._proc is None and self._users == 1:
+                idle = _idle_cores(2.0)
+                if idle < 0.5:
+                    self.what = f"host busy: {idle:.2f} cores idle"
+                else:
+                    self.what = "hog"
+                    self._proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         return self
 
     def __exit__(self, *exc):
@@ -705,6 +714,23 @@ class Neighbour:
 
 
 NEIGHBOUR = Neighbour()
+
+
+def _idle_cores(seconds: float) -> float:
+    """Cores idle over the next `seconds` (/proc/stat's idle and iowait ticks)."""
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])
+
+    try:
+        idle0, total0 = ticks()
+        time.sleep(seconds)
+        idle1, total1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return float(os.cpu_count() or 1)
+    return (os.cpu_count() or 1) * (idle1 - idle0) / max(1, total1 - total0)
 
 
 def run_healthy(h: Healthy, base: Path, seed: int) -> dict:
@@ -741,6 +767,7 @@ def _run_healthy(h: Healthy, base: Path, seed: int) -> dict:
             "exit_codes": codes,
             "wall_seconds": round(time.monotonic() - t0, 1),
             "paused_at_step": pause_at if paused else None,
+            "neighbour": NEIGHBOUR.what,
             "median_step_seconds": _median_step(summaries),
             "findings": [{k: f.get(k) for k in ("rule", "step", "action", "reason")} for f in findings],
             "error": None if codes and all(c == 0 for c in codes) and steps >= h.steps else run.output()[-1500:],
@@ -926,7 +953,7 @@ def campaign(
                 with lock:
                     healthy.append(r)
                     print(
-                        f"{r['name']}: {r['steps']} steps, {len(r['findings'])} findings ({r['wall_seconds']} s)",
+                        f"{r['name']}: {r['steps']} steps, {len(r['findings'])} findings ({r['wall_seconds']} s; neighbour: {r['neighbour']})",
                         flush=True,
                     )
             else:
