@@ -928,7 +928,11 @@ class HangMonitor:
         else:  # the waits point at a rank this leader has no current report of: say so, name none
             what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
         since = self.progress.since_boundary(now)
-        judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.1f} s"
+        judged = (
+            f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s"
+            if busy  # the line is one check before the bound, so that a hang is named within it
+            else f"bound {bound:.1f} s, decided from {self.decision_line():.2f} s on to be named within it"
+        )
         reason = (
             f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.1f} s "
             f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)
