@@ -47,14 +47,24 @@ def process_start(pid: int) -> float | None:
 
 
 def rank_processes(launcher_pid: int) -> list[float]:
-    """The start times of the launcher's rank processes (multiprocessing's spawned children)."""
+    """The start times of the launcher's rank processes: the children of its fork server (each a fork of
+    it, under the server's command line)."""
+
+    def cmdline(pid: int) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
     starts = []
     for pid in descendants(launcher_pid):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" not in f.read():
-                    continue
-        except OSError:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"forkserver" not in cmdline(pid) or b"forkserver" not in cmdline(parent):
             continue
         started = process_start(pid)
         if started is not None:
