@@ -193,3 +193,36 @@ def test_a_node_sidecar_writes_no_point(tmp_path):
     assert isinstance(exports, Exports)
     sidecar.close()
     assert exports.workers[0].written == 0 and not (tmp_path / "tb").exists()
+
+
+def test_a_late_summary_after_the_runs_end_opens_no_second_tracker_run(tmp_path, monkeypatch):
+    """CI: a rank's last summaries came after the run's end (past FINAL_SUMMARIES_SECONDS, under load), and the
+    point they made opened a second W&B run (offline: a second run directory)."""
+    from parwatch.sidecar.trackers import exports as exports_module
+
+    opened: list[str] = []
+
+    class Counting:
+        def open(self, run_id):
+            opened.append(run_id)
+
+        def write(self, point):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(exports_module, "make_sink", lambda spec, state_dir: Counting())
+    config = SidecarConfig(
+        state_dir=tmp_path / "state", exports=(ExportSpec(Tracker.TENSORBOARD, str(tmp_path)),), export_every_steps=1
+    )
+    sidecar = build_sidecar(config)
+    control = TestClient(create_control_app(sidecar), headers={"Authorization": f"Bearer {sidecar.config.token}"})
+    for step in (1, 2):
+        post_step(control, step)
+    sidecar.store.ended = True  # every rank done (activity_api.note_if_ended)
+    sidecar.tick()  # the final point
+    post_step(control, 3)  # late
+    sidecar.tick()
+    sidecar.close()
+    assert opened == ["synthetic"]

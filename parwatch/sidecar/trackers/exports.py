@@ -73,6 +73,10 @@ class Exports:
         store = self.sidecar.store
         if store.run_id != self._run_id:
             self._begin(store.run_id)
+        elif self._ended:
+            if store.ended:  # a late summary of the ended run: its tracker runs are finished, not opened again
+                return
+            self._ended = False  # a restarted process goes on with the run: its tracker runs open again
         reached = min((rec.summary.step for rec in store.ranks.values()), default=0)
         if reached >= self._due and self.sidecar.rules_judged_by() is None:
             self._write(reached)
@@ -83,8 +87,9 @@ class Exports:
         store = self.sidecar.store
         if self._run_id is None or store.run_id != self._run_id or self.sidecar.rules_judged_by() is not None:
             return
-        if store.ended and not self._ended:
-            self._final()
+        if store.ended:  # the run's end: its tracker runs finished once, and nothing after it opens them again
+            if not self._ended:
+                self._final()
             return
         texts = self._decision_texts()
         if texts:
