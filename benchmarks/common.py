@@ -28,15 +28,19 @@ def machine() -> dict:
     }
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(stolen, total) CPU ticks of this machine since boot, from /proc/stat's "cpu" line; (0, 0)
-    where there is none (not Linux)."""
+def cpu_ticks() -> list[int]:
+    """/proc/stat's "cpu" line since boot: user nice system idle iowait irq softirq steal [guest
+    guest_nice: already inside user/nice]; [] where there is none (not Linux)."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
+            return [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
-        return 0, 0
-    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user/nice]
+        return []
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(stolen, total) CPU ticks of this machine since boot; (0, 0) where there is none (not Linux)."""
+    fields = cpu_ticks()
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "integration")]
 
-from common import cpu_jiffies, machine, print_table, stolen_share  # noqa: E402
+from common import cpu_jiffies, cpu_ticks, machine, print_table, stolen_share  # noqa: E402
 from e2e_util import TORCHRUN, kill_group, kill_tree, launch_nodes, read_jsonl  # noqa: E402
 
 from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy  # noqa: E402
@@ -717,20 +717,14 @@ NEIGHBOUR = Neighbour()
 
 
 def _idle_cores(seconds: float) -> float:
-    """Cores idle over the next `seconds` (/proc/stat's idle and iowait ticks)."""
-
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])
-
-    try:
-        idle0, total0 = ticks()
-        time.sleep(seconds)
-        idle1, total1 = ticks()
-    except (OSError, ValueError, IndexError):
+    """Cores idle over the next `seconds` (the idle and iowait ticks); every core where none are read."""
+    before = cpu_ticks()
+    time.sleep(seconds)
+    after = cpu_ticks()
+    if len(before) < 5 or len(after) < 5:
         return float(os.cpu_count() or 1)
-    return (os.cpu_count() or 1) * (idle1 - idle0) / max(1, total1 - total0)
+    idle = after[3] + after[4] - before[3] - before[4]
+    return (os.cpu_count() or 1) * idle / max(1, sum(after[:8]) - sum(before[:8]))
 
 
 def run_healthy(h: Healthy, base: Path, seed: int) -> dict:
