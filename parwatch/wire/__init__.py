@@ -7,6 +7,7 @@ and field docs (msgspec). The sender builds and encodes the record, the receiver
 - `activity`: a rank's activity report and a node's digest (hang detection).
 - `bodies`: an operator's control, Alertmanager's webhook, another sidecar's cross-node instances.
 - `log`: the decision log (decisions.jsonl), a union tagged by `type`.
+- `findings`: a decision's evidence (a hang's, a rank-gone's, a rule's ...), typed by its rule and source.
 - `codec`: decode (a 422 naming the field), parse, encode, and the OpenAPI schemas.
 
 The directive itself is the contract's stdlib record (parwatch/contract/directives.py), so a trainer needs

@@ -8,7 +8,7 @@ ignored; mixed when they differ). A line without a `type` is a decision (the log
 
 from __future__ import annotations
 
-from typing import Annotated, Any, get_args
+from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -33,6 +33,13 @@ DecisionAction = Annotated[
     ),
 ]
 
+if TYPE_CHECKING:  # built as a finding's record (parwatch.wire.findings); read back, the object it was written as
+    from parwatch.wire.findings import Finding
+
+    Evidence = Finding | dict[str, Any]
+else:
+    Evidence = dict[str, Any]
+
 
 class LogEntry(Struct, kw_only=True, tag_field="type"):
     """A decision log record: its class's tag is its `type`."""
@@ -54,7 +61,8 @@ class Decision(LogEntry, kw_only=True, tag=RecordType.DECISION.value):
     requested_by: str = ""
     enforced: bool = False
     reason: str
-    evidence: dict[str, Any]
+    evidence: Evidence
+    """What the decision saw: a record of parwatch.wire.findings, or the dict the ranks sent (a step check's)."""
     checkpoint: int | None = None
     """A rollback's target step."""
     skip_batches: int = 0
