@@ -15,6 +15,7 @@ from parwatch.client import DEFAULT_ENDPOINT, SidecarClient, SidecarError
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.tokens import TokenError, read_token
 from parwatch.vocabulary import Action, DecisionSource, RecordType, SidecarRole
+from parwatch.wire.findings import HangEvidence, bundle_of, finding_evidence
 
 DEFAULT_TOKEN_FILE = Path("parwatch-state") / TOKEN_FILE_NAME
 """The token a `parwatch sidecar` started here with its default --state-dir generated."""
@@ -96,7 +97,7 @@ def _decision_line(d: dict) -> str:
         )
     else:
         keys = ("time", "step", "rule", "action", "source", "reason", "to_step", "skip_batches", "directive_id")
-        bundle = (d.get("evidence") or {}).get("bundle") if isinstance(d.get("evidence"), dict) else None
+        bundle = bundle_of(d)
         if bundle:  # where every reachable rank's stacks, last spans and activity are kept
             d = {**d, "evidence_in": f"STATE_DIR/{bundle}"}
             keys += ("evidence_in",)
@@ -158,15 +159,15 @@ def _hang_line(h: dict | None) -> str:
     record = h.get("hang")
     if not record:
         return f"hang: none (ranks: {states}; bound {h.get('bound_seconds', 0):.0f} s)"
-    c = record["evidence"]["culprit"]
-    if c is None:  # the waits point at a rank the leader cannot see
-        return f"HANG: {record['reason'].removeprefix('hang: ')} (ranks: {states})"
-    kind = record["evidence"].get("kind")
+    evidence = finding_evidence(record)
+    if not isinstance(evidence, HangEvidence) or evidence.culprit is None:  # an unseen rank (or an older sidecar)
+        return f"HANG: {record.get('reason', '').removeprefix('hang: ')} (ranks: {states})"
+    c = evidence.culprit
     return (
-        f"HANG{f' ({kind})' if kind else ''}: rank {c['rank']} (stage {c['stage']}, host {c['host']}) in "
-        f"{c['kind'] or 'between spans'}{' ' + c['op'] if c.get('op') and c['op'] != c['kind'] else ''}; "
-        f"{record['evidence'].get('waiting_count', 0)} ranks wait for it (ranks: {states})"
-        + (f"; evidence in STATE_DIR/{record['evidence']['bundle']}" if record["evidence"].get("bundle") else "")
+        f"HANG{f' ({evidence.kind})' if evidence.kind else ''}: rank {c.rank} (stage {c.stage}, host {c.host}) in "
+        f"{c.kind or 'between spans'}{' ' + c.op if c.op and c.op != c.kind else ''}; "
+        f"{evidence.waiting_count} ranks wait for it (ranks: {states})"
+        + (f"; evidence in STATE_DIR/{evidence.bundle}" if evidence.bundle else "")
     )
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec.structs import replace
+
 from parwatch.contract.directives import ACTIONS as DIRECTIVE_ACTIONS
 from parwatch.contract.directives import MAX_STEP
 from parwatch.guardrails.checks import NO_DATA, RuleMonitor, Series
@@ -40,6 +42,7 @@ from parwatch.vocabulary import (
     jsonable,
 )
 from parwatch.wire.bounds import MAX_CHECKPOINTS, decode_float
+from parwatch.wire.findings import Finding
 from parwatch.wire.log import HANDLED, Cancelled, Decision, Delivered, Handled, LogEntry, log_record
 
 log = logging.getLogger(__name__)
@@ -369,7 +372,7 @@ class Policy:
     # -- findings from outside the step rules (the hang detector) -------------------------------------
 
     def record_finding(
-        self, rule: str, action: str, reason: str, evidence: dict, step: int | None, bundle: str | None = None
+        self, rule: str, action: str, reason: str, evidence: Finding, step: int | None, bundle: str | None = None
     ) -> dict:
         """Record a decision made outside the rules (e.g. rule "hang" from parwatch.sidecar.hang).
 
@@ -380,7 +383,7 @@ class Policy:
         if action not in (RuleAction.ALERT, RuleAction.REQUEUE):
             raise ValueError(f"record_finding: action must be 'alert' or 'requeue', got {action!r}")
         if bundle is not None:
-            evidence = {**evidence, "bundle": evidence_dir(bundle, self.next_decision_id)}
+            evidence = replace(evidence, bundle=evidence_dir(bundle, self.next_decision_id))
         record = self._decide(
             Decision(
                 time=self._now(),

@@ -11,6 +11,7 @@ from parwatch.report.loader import RunData
 from parwatch.report.stats import bubble_table, collective_totals, cost_estimate, self_cost_shares
 from parwatch.report.steps import kept_from_weights
 from parwatch.vocabulary import Outcome, TimeCategory
+from parwatch.wire.findings import bundle_of
 
 
 @dataclass
@@ -350,7 +351,7 @@ def _evidence_lines(run) -> list[str]:
     is kept, and which ranks it holds."""
     lines = []
     for d in run.decisions:
-        bundle = (d.get("evidence") or {}).get("bundle")
+        bundle = bundle_of(d)
         if not bundle:
             continue
         folder = (run.state_dir or run.run_dir) / bundle

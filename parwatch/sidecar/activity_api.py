@@ -73,6 +73,7 @@ from parwatch.vocabulary import BuiltinRule, RankState, RuleAction, Speaker, jso
 from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost, NodeDigest
 from parwatch.wire.codec import BadRecord, decode, encode
 from parwatch.wire.evidence import EvidencePost, RankEvidence
+from parwatch.wire.findings import HangEvidence, bundle_of, finding_evidence
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
@@ -379,7 +380,7 @@ class ActivityHub:
         )
         self._idle_due = not records and not self.monitor.awaiting_fresh and self.monitor.held_until is None
         for record in records:
-            bundle = record.get("evidence", {}).get("bundle")
+            bundle = bundle_of(record)
             if bundle and isinstance(record.get("id"), int):
                 reachable = [r for r, a in rows.items() if a.state == RankState.RUNNING]
                 self.evidence.ask(self.monitor.run_id, record["id"], bundle, reachable)
@@ -484,14 +485,15 @@ class ActivityHub:
         return {**summaries, **digests, **own}, series
 
     def _act_on_hang(self, record: dict) -> None:
-        culprit = record["evidence"]["culprit"]
-        if self.settings.dump_stacks and culprit and culprit.get("pid"):
-            if culprit.get("host") == self.hostname:
-                self._signal_own(culprit["pid"])
+        evidence = finding_evidence(record)
+        culprit = evidence.culprit if isinstance(evidence, HangEvidence) else None
+        if self.settings.dump_stacks and culprit and culprit.pid:
+            if culprit.host == self.hostname:
+                self._signal_own(culprit.pid)
             else:
-                node = self._node_of.get(culprit["rank"])
+                node = self._node_of.get(culprit.rank)
                 if node:
-                    self._signals.setdefault(node, []).append(culprit["pid"])
+                    self._signals.setdefault(node, []).append(culprit.pid)
         if record.get("action") == RuleAction.REQUEUE:
             self.sidecar.requeue.take([record])  # the whole job restarts: no rank needs to be told to exit
         elif self.settings.abort:

@@ -36,6 +36,7 @@ from parwatch.vocabulary import RankState
 from parwatch.wire.activity import Activity, NodeDigest
 from parwatch.wire.bounds import MAX_STEPS_PER_SECOND, MAX_WORLD
 from parwatch.wire.codec import BadRecord
+from parwatch.wire.findings import NodeMissing
 
 
 class BadActivity(BadRecord):
@@ -349,14 +350,14 @@ class LeaderView:
         seen = self.nodes.get(node)
         return sorted(a.rank for a in seen[1]) if seen is not None else []
 
-    def missing_nodes(self) -> list[dict]:
-        """Nodes whose digests stopped: [{"node", "since": their last digest's arrival}], oldest first."""
+    def missing_nodes(self) -> list[NodeMissing]:
+        """Nodes whose digests stopped (since: their last digest's arrival), oldest first."""
         now = self.clock()
         return sorted(
             (
-                {"node": n, "since": round(seen, 3)}
+                NodeMissing(node=n, since=round(seen, 3))
                 for n, (seen, _) in self.nodes.items()
                 if now - seen > self.grace_seconds
             ),
-            key=lambda m: m["since"],
+            key=lambda m: m.since,
         )

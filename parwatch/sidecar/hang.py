@@ -38,7 +38,19 @@ from prometheus_client.registry import Collector
 from parwatch.catalog import RANK_STATES, family
 from parwatch.rank_layout import ROLES, Coords, RankLayout
 from parwatch.vocabulary import BuiltinRule, GroupRole, HangKind, RankState, RuleAction, SpanKind
-from parwatch.wire.activity import Activity
+from parwatch.wire.activity import Activity, Busy
+from parwatch.wire.findings import (
+    Coverage,
+    Culprit,
+    Finding,
+    HangEvidence,
+    Missing,
+    NodeMissing,
+    PointsAt,
+    RankGoneEvidence,
+    SidecarLostEvidence,
+    finding_evidence,
+)
 
 BUSY_STEP_FACTOR = 20.0
 """A rank busy in a declared long activity is stalled only past max(busy_seconds, this x median step)."""
@@ -208,7 +220,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     """The rank the others wait for, with who waits; None when no rank is known.
 
     Returns {"culprit": rank, "waiting": [ranks...] (transitive), "missing": what it has not joined
-    (or None), "method": "dependency" | "oldest-span", "kind": HangKind (see hang_kind), "waits_on":
+    (a Missing, or None), "method": "dependency" | "oldest-span", "kind": HangKind (see hang_kind), "waits_on":
     {rank: [the ranks it waits for directly]} for the first MAX_WAITING_LISTED of `waiting`}.
 
     One pass over the ranks, then work per wait, not per rank: the ranks in one collective instance
@@ -298,15 +310,10 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     missing = None
     if culprit in groups_waiting:  # name the collective it has not joined: the first seen waiting for it
         group, _instance, op, seq = groups_waiting[culprit][0]
-        missing = {
-            "kind": SpanKind.COLLECTIVE,
-            "op": op,
-            "group": group,
-            "seq": seq if not isinstance(seq, tuple) else None,
-        }
+        missing = Missing(kind=SpanKind.COLLECTIVE, op=op, group=group, seq=seq if not isinstance(seq, tuple) else None)
     elif culprit in ranks_waiting:
         by = ranks_waiting[culprit][-1]
-        missing = {"kind": rows[by].kind, "by": by}
+        missing = Missing(kind=SpanKind.SEND if rows[by].kind == SpanKind.SEND else SpanKind.RECV, by=by)
     waiting = sorted(reached)
 
     def direct(r: int) -> list[int]:
@@ -328,7 +335,9 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     }
 
 
-def hang_kind(a: Activity | None, rows: Mapping[int, Activity], absent: list[int] | None) -> tuple[str | None, list]:
+def hang_kind(
+    a: Activity | None, rows: Mapping[int, Activity], absent: list[int] | None
+) -> tuple[HangKind | None, list[int]]:
     """What kind of hang the culprit's row shows, and the ranks it waits on (HangKind):
     device     (CUDA) its device stayed on one span's work while its host waits (event queries);
     transport  it is in a collective every member entered, or a send or receive whose other end is in
@@ -473,49 +482,36 @@ class Progress:
 MAX_LISTED = 16
 
 
-def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[dict]) -> dict:
+def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[NodeMissing]) -> Coverage:
     """What the leader sees of the run: ranks with a current report, of the world; the nodes whose
     digests stopped; ranks never reported (first MAX_LISTED)."""
     seen = sum(1 for a in rows.values() if a.state != RankState.UNKNOWN)
     never = list(islice((r for r in range(world) if r not in rows), MAX_LISTED)) if len(rows) < world else []
-    return {"ranks_seen": seen, "world": world, "nodes_missing": missing_nodes[:MAX_LISTED], "ranks_never_seen": never}
+    return Coverage(ranks_seen=seen, world=world, nodes_missing=missing_nodes[:MAX_LISTED], ranks_never_seen=never)
 
 
-def _coverage_text(cov: dict | None) -> str:
-    if cov is None or cov["ranks_seen"] >= cov["world"]:
+def _coverage_text(cov: Coverage | None) -> str:
+    if cov is None or cov.ranks_seen >= cov.world:
         return ""
-    text = f"; sees {cov['ranks_seen']} of {cov['world']} ranks"
-    if cov["nodes_missing"]:
-        text += (
-            " (nodes missing: " + ", ".join(f"{m['node']} since {m['since']:.0f}" for m in cov["nodes_missing"]) + ")"
-        )
-    if cov["ranks_never_seen"]:
-        text += f" (never reported: ranks {cov['ranks_never_seen']})"
+    text = f"; sees {cov.ranks_seen} of {cov.world} ranks"
+    if cov.nodes_missing:
+        text += " (nodes missing: " + ", ".join(f"{m.node} since {m.since:.0f}" for m in cov.nodes_missing) + ")"
+    if cov.ranks_never_seen:
+        text += f" (never reported: ranks {cov.ranks_never_seen})"
     return text
 
 
-CULPRIT_FIELDS = (
-    "rank", "state", "stage", "tp_rank", "dp_rank", "host", "pid", "kind", "op", "group", "peer", "seq", "since",
-    "step", "ended",
-)  # fmt: skip
-
-
-def culprit_record(a: Activity) -> dict:
-    """The named rank's row as the finding's evidence shows it."""
-    return {name: getattr(a, name) for name in CULPRIT_FIELDS}
-
-
-def _describe(c: dict) -> str:
-    what = c["kind"] or "between spans"
-    if c["op"] and c["op"] != c["kind"]:
-        what += f" {c['op']}"
-    if c["group"]:
-        what += f" group={c['group']}"
-    if c["peer"] is not None:
-        what += f" peer={c['peer']}"
+def _describe(c: Culprit) -> str:
+    what = c.kind or "between spans"
+    if c.op and c.op != c.kind:
+        what += f" {c.op}"
+    if c.group:
+        what += f" group={c.group}"
+    if c.peer is not None:
+        what += f" peer={c.peer}"
     return (
-        f"rank {c['rank']} (stage {c['stage']}, tp_rank {c['tp_rank']}, dp_rank {c['dp_rank']}, "
-        f"host {c['host']}, pid {c['pid']}) in {what}"
+        f"rank {c.rank} (stage {c.stage}, tp_rank {c.tp_rank}, dp_rank {c.dp_rank}, host {c.host}, pid {c.pid}) "
+        f"in {what}"
     )
 
 
@@ -527,14 +523,14 @@ _KIND_TEXT = {
 }
 
 
-def _missing_text(missing: dict | None) -> str:
-    if not missing:
+def _missing_text(missing: Missing | None) -> str:
+    if missing is None:
         return ""
-    if missing["kind"] == SpanKind.COLLECTIVE:
-        seq = f" #{missing['seq']}" if missing["seq"] is not None else ""
-        return f"; it has not joined {missing['op']} group={missing['group']}{seq}"
-    direction = "to" if missing["kind"] == SpanKind.SEND else "from"
-    return f"; rank {missing['by']} waits in a {missing['kind']} {direction} it"
+    if missing.kind == SpanKind.COLLECTIVE:
+        seq = f" #{missing.seq}" if isinstance(missing.seq, int) else ""
+        return f"; it has not joined {missing.op} group={missing.group}{seq}"
+    direction = "to" if missing.kind == SpanKind.SEND else "from"
+    return f"; rank {missing.by} waits in a {missing.kind} {direction} it"
 
 
 class HangMonitor:
@@ -559,7 +555,7 @@ class HangMonitor:
         """The current hang episode's decision record (None while the run progresses)."""
         self.gone_reported: set[int] = set()
         """Ranks a rank-gone decision already named."""
-        self.cause: dict | None = None
+        self.cause: Culprit | None = None
         """The culprit of this run's first rank-gone record that named one: a rank that later dies of a
         peer's loss is its echo, never the culprit of a later record."""
         self._echoes_since: float | None = None
@@ -638,8 +634,8 @@ class HangMonitor:
 
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
-        named = self.hang["evidence"]["culprit"] if self.hang is not None else None
-        culprit = named["rank"] if named else None
+        named = finding_evidence(self.hang) if self.hang is not None else None
+        culprit = named.culprit.rank if isinstance(named, HangEvidence) and named.culprit else None
         running, hung = RANK_STATES[RankState.RUNNING], RANK_STATES[RankState.HUNG]
         out = {}
         for r, a in rows.items():  # a plain loop: at the leader, every rank at every scrape
@@ -701,7 +697,7 @@ class HangMonitor:
         self,
         rows: Mapping[int, Activity],
         paused: bool = False,
-        coverage: dict | None = None,
+        coverage: Coverage | None = None,
         heard_since: Callable[[float], bool] = _always_heard,
     ) -> list[dict]:
         """Judge the picture: a crash (rank-gone) or a hang. `coverage` (see coverage()): what the
@@ -726,7 +722,7 @@ class HangMonitor:
     # -- crash classification -------------------------------------------------------------------------
 
     def _judge_crashes(
-        self, rows: Mapping[int, Activity], now: float, coverage: dict | None, heard_since: Callable[[float], bool]
+        self, rows: Mapping[int, Activity], now: float, coverage: Coverage | None, heard_since: Callable[[float], bool]
     ) -> list[dict]:
         """rank-gone records for the ranks newly ended: the first failure named, echoes told apart."""
         records = []
@@ -755,7 +751,7 @@ class HangMonitor:
         rows: Mapping[int, Activity],
         gone: list[Activity],
         now: float,
-        coverage: dict | None,
+        coverage: Coverage | None,
         heard_since: Callable[[float], bool],
         records: list[dict],
     ) -> list[Activity]:
@@ -763,7 +759,7 @@ class HangMonitor:
         # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
         # one fails, so those may be echoes too until every node has spoken since the first echo.
         unseen = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
-        unseen += list((coverage or {}).get("ranks_never_seen", ()))
+        unseen += coverage.ranks_never_seen if coverage is not None else []
         self._echoes_since = self._echoes_since if self._echoes_since is not None else now
         waited = now - self._echoes_since
         if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
@@ -773,12 +769,10 @@ class HangMonitor:
             gone = []  # the rank that failed first may yet be told, or its node go missing
         return gone
 
-    def _gone_record(self, rows: Mapping[int, Activity], gone: list[Activity], coverage: dict | None) -> dict:
+    def _gone_record(self, rows: Mapping[int, Activity], gone: list[Activity], coverage: Coverage | None) -> dict:
         """rank-gone naming the first of `gone` to fail (the culprit the waits point at, where they tell)."""
         first = self._first_to_fail(rows, gone)
-        culprit = culprit_record(first)
-        if first.state == RankState.CRASHED:
-            culprit["error"] = first.error
+        culprit = Culprit.of(first, first.error) if first.state == RankState.CRASHED else Culprit.of(first)
         others = [a.rank for a in gone[1:]]
         how = f"crashed ({first.error})" if first.state == RankState.CRASHED else "ended (its process is gone)"
         reason = f"rank-gone: {_describe(culprit)} {how}, last reported step {first.step}"
@@ -788,7 +782,7 @@ class HangMonitor:
         record = self._record(
             BuiltinRule.RANK_GONE,
             reason,
-            {"culprit": culprit, "gone": [first.rank] + others, "coverage": coverage},
+            RankGoneEvidence(culprit=culprit, gone=[first.rank] + others, coverage=coverage),
             first.step,
         )
         self.gone_reported.update(a.rank for a in gone)
@@ -845,7 +839,7 @@ class HangMonitor:
         stalled: float,
         bound: float,
         stale: int,
-        coverage: dict | None,
+        coverage: Coverage | None,
     ) -> list[dict]:
         """The hang record of a stall past the decision line (once per episode), naming the rank the waits
         point at; none while that rank is busy in a declared long activity within its bound; a node lost
@@ -871,7 +865,7 @@ class HangMonitor:
                 self.held_until = now + self.decision_line() - in_span
             return records
         self.busy = None
-        lost = (coverage or {}).get("nodes_missing") or []
+        lost = coverage.nodes_missing if coverage is not None else []
         if self.hang is None and lost and (a is None or a.state == RankState.UNKNOWN):
             records.append(self._node_lost(rows, rank, lost, stalled, coverage))
             return records
@@ -913,18 +907,18 @@ class HangMonitor:
         self,
         found: dict,
         a: Activity | None,
-        busy: str | None,
+        busy: Busy | None,
         now: float,
         stalled: float,
         bound: float,
         stale: int,
-        coverage: dict | None,
+        coverage: Coverage | None,
     ) -> dict:
         rank = found["culprit"]
         waiting = found["waiting"]
-        named_culprit = culprit_record(a) if a is not None and a.state != RankState.UNKNOWN else None
+        named_culprit = Culprit.of(a) if a is not None and a.state != RankState.UNKNOWN else None
         if named_culprit is not None:
-            what = f"{_describe(named_culprit)} since {named_culprit['since']}" + _missing_text(found["missing"])
+            what = f"{_describe(named_culprit)} since {named_culprit.since}" + _missing_text(found["missing"])
         else:  # the waits point at a rank this leader has no current report of: say so, name none
             what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
         since = self.progress.since_boundary(now)
@@ -937,49 +931,56 @@ class HangMonitor:
             f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.1f} s "
             f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)
         )
-        evidence = {
-            "culprit": named_culprit,
-            "points_at": None if named_culprit else {"rank": rank, "seen": False},
-            "kind": found["kind"],
-            "kind_waits_on": found["kind_waits_on"],
-            "waiting": waiting[:MAX_WAITING_LISTED],
-            "waiting_count": len(waiting),
-            "waits_on": found["waits_on"],
-            "missing": found["missing"],
-            "method": found["method"],
-            "stalled_seconds": round(stalled, 3),
-            "since_boundary_seconds": round(since, 3),
-            "busy": busy,
-            "stalled_since": self.progress.time,
-            "bound_seconds": round(bound, 3),
-            "median_step_seconds": self.progress.median_step_seconds(),
-            "last_step": self.progress.step,
-            "stale_ranks": stale,
-            "coverage": coverage,
-        }
+        evidence = HangEvidence(
+            culprit=named_culprit,
+            points_at=None if named_culprit else PointsAt(rank=rank, seen=False),
+            kind=found["kind"],
+            kind_waits_on=found["kind_waits_on"],
+            waiting=waiting[:MAX_WAITING_LISTED],
+            waiting_count=len(waiting),
+            waits_on=found["waits_on"],
+            missing=found["missing"],
+            method=found["method"],
+            stalled_seconds=round(stalled, 3),
+            since_boundary_seconds=round(since, 3),
+            busy=busy,
+            stalled_since=self.progress.time,
+            bound_seconds=round(bound, 3),
+            median_step_seconds=self.progress.median_step_seconds(),
+            last_step=self.progress.step,
+            stale_ranks=stale,
+            coverage=coverage,
+        )
         action = RuleAction.ALERT
         if self.settings.requeue and self.requeue is not None:
             action, note = self.requeue.verdict()
             reason += note
-            evidence["requeue"] = self.requeue.evidence()
+            evidence.requeue = self.requeue.evidence()
         record = self._record(BuiltinRule.HANG, reason, evidence, self.progress.step, action)
         record["step_at"] = self.progress.step
         return record
 
-    def _echo_record(self, echoes: list[Activity], coverage: dict | None) -> dict:
+    def _echo_record(self, echoes: list[Activity], coverage: Coverage | None) -> dict:
         """rank-gone naming no culprit: ranks that ended of a peer's loss after the run's first failure."""
         cause = self.cause
         assert cause is not None  # check() asks only once a cause was named
         lost = [a.rank for a in echoes]
         reason = (
             f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} ended after losing a peer: echoes of rank "
-            f"{cause['rank']}'s failure, named before; no new culprit" + _coverage_text(coverage)
+            f"{cause.rank}'s failure, named before; no new culprit" + _coverage_text(coverage)
         )
-        evidence = {"culprit": None, "echo_of": cause["rank"], "gone": lost, "coverage": coverage}
+        evidence = RankGoneEvidence(culprit=None, echo_of=cause.rank, gone=lost, coverage=coverage)
         self.gone_reported.update(lost)
         return self._record(BuiltinRule.RANK_GONE, reason, evidence, max(a.step for a in echoes))
 
-    def _node_lost(self, rows: Mapping[int, Activity], rank: int, lost: list[dict], stalled: float, coverage) -> dict:
+    def _node_lost(
+        self,
+        rows: Mapping[int, Activity],
+        rank: int,
+        lost: list[NodeMissing],
+        stalled: float,
+        coverage: Coverage | None,
+    ) -> dict:
         """rank-gone for a stall whose waits point at ranks of nodes gone quiet (ranks and sidecar silent: a
         node lost, stopped or cut off): those ranks are gone, no hang is named (DESIGN.md, faults told truly)."""
         unknown = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
@@ -987,25 +988,25 @@ class HangMonitor:
             f"rank-gone: node lost: the run stopped {stalled:.1f} s ago waiting for rank {rank}, and the leader has "
             f"heard nothing from its node since; ranks {unknown[:MAX_WAITING_LISTED]} are gone"
         ) + _coverage_text(coverage)
-        evidence = {
-            "culprit": None,
-            "cause": "node-lost",
-            "points_at": {"rank": rank, "seen": False},
-            "gone": unknown[:MAX_WAITING_LISTED],
-            "nodes_lost": lost[:MAX_LISTED],
-            "stalled_seconds": round(stalled, 3),
-            "stalled_since": self.progress.time,
-            "coverage": coverage,
-        }
+        evidence = RankGoneEvidence(
+            culprit=None,
+            cause="node-lost",
+            points_at=PointsAt(rank=rank, seen=False),
+            gone=unknown[:MAX_WAITING_LISTED],
+            nodes_lost=lost[:MAX_LISTED],
+            stalled_seconds=round(stalled, 3),
+            stalled_since=self.progress.time,
+            coverage=coverage,
+        )
         self.gone_reported.update(unknown)
         self._lost_since = self.progress.time
         return self._record(BuiltinRule.RANK_GONE, reason, evidence, self.progress.step)
 
-    def check_nodes(self, missing: list[dict], ranks_of: Callable[[str], list[int]]) -> list[dict]:
+    def check_nodes(self, missing: list[NodeMissing], ranks_of: Callable[[str], list[int]]) -> list[dict]:
         """Once a second at the leader: a node missing (no digest for its grace) while the run crossed step
         boundaries after its last digest lost its sidecar, not its ranks (the boundary's all-reduce needs
         every rank): `sidecar-lost`, once per node until it is heard again."""
-        gone_quiet = {m["node"]: m["since"] for m in missing}
+        gone_quiet = {m.node: m.since for m in missing}
         self._sidecars_lost &= gone_quiet.keys()  # a node heard again may be lost again later
         boundary = self.progress.time
         records = []
@@ -1018,16 +1019,13 @@ class HangMonitor:
                 f"sidecar-lost: node {node} sent no digest since {since:.0f}, yet the run crossed step boundaries "
                 f"after (step {self.progress.step}): its ranks {ranks[:MAX_WAITING_LISTED]} train on, unseen"
             )
-            evidence = {
-                "node": node,
-                "silent_since": since,
-                "ranks": ranks[:MAX_WAITING_LISTED],
-                "last_step": self.progress.step,
-            }
+            evidence = SidecarLostEvidence(
+                node=node, silent_since=since, ranks=ranks[:MAX_WAITING_LISTED], last_step=self.progress.step
+            )
             records.append(self._record(BuiltinRule.SIDECAR_LOST, reason, evidence, self.progress.step))
         return records
 
-    def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: dict | None) -> dict:
+    def _unseen_cause(self, echoes: list[Activity], unseen: list[int], coverage: Coverage | None) -> dict:
         """rank-gone when the ranks that ended lost a peer (or ended without a word beside those that did)
         and some ranks are not seen (a node lost whole): the failure is among those; no culprit is named."""
         lost = [a.rank for a in echoes]
@@ -1035,21 +1033,22 @@ class HangMonitor:
             f"rank-gone: ranks {lost[:MAX_WAITING_LISTED]} ended after a peer was lost and the leader has no current report "
             f"of ranks {unseen[:MAX_WAITING_LISTED]}: the first failure is among those" + _coverage_text(coverage)
         )
-        evidence = {
-            "culprit": None,
-            "points_at": {"rank": unseen[0], "seen": False},
-            "gone": lost,
-            "unseen": unseen[:MAX_WAITING_LISTED],
-            "coverage": coverage,
-        }
+        evidence = RankGoneEvidence(
+            culprit=None,
+            points_at=PointsAt(rank=unseen[0], seen=False),
+            gone=lost,
+            unseen=unseen[:MAX_WAITING_LISTED],
+            coverage=coverage,
+        )
         self.gone_reported.update(lost)
         self.gone_reported.update(unseen)
         self._echoes_since = None
         return self._record(BuiltinRule.RANK_GONE, reason, evidence, max(a.step for a in echoes))
 
     def _record(
-        self, rule: BuiltinRule, reason: str, evidence: dict, step: int | None, action: RuleAction = RuleAction.ALERT
+        self, rule: BuiltinRule, reason: str, evidence: Finding, step: int | None, action: RuleAction = RuleAction.ALERT
     ) -> dict:
+        echo = isinstance(evidence, RankGoneEvidence) and isinstance(evidence.echo_of, int)
         record = dict(
             self.engine.record_finding(
                 rule,
@@ -1057,7 +1056,7 @@ class HangMonitor:
                 reason,
                 evidence,
                 step if step is not None and step >= 0 else None,
-                bundle=self.run_id if rule in EVIDENCE_RULES and "echo_of" not in evidence else None,
+                bundle=self.run_id if rule in EVIDENCE_RULES and not echo else None,
             )
         )
         self.findings.append(record)

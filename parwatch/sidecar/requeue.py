@@ -23,7 +23,10 @@ import subprocess
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+from msgspec.structs import asdict
+
 from parwatch.vocabulary import RecordType, RuleAction
+from parwatch.wire.findings import Finding, Requeue, RequeueNote
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ def job_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str | None, i
     return environ.get("SLURM_JOB_ID") or None, int(restarts) if restarts.isdigit() else 0
 
 
-Record = Callable[[str, str, str, dict, "int | None"], dict]
+Record = Callable[[str, str, str, Finding, "int | None"], dict]
 """engine.record_finding: (rule, action, reason, evidence, step) -> the decision record."""
 
 
@@ -94,12 +97,12 @@ class SlurmRequeue:
             f"{self.max_requeues}): it resumes from its newest verified checkpoint"
         )
 
-    def evidence(self) -> dict:
-        return {
-            "job_id": self.job.job_id if self.job else None,
-            "restarts": self.job.restarts if self.job else None,
-            "max_requeues": self.max_requeues,
-        }
+    def evidence(self) -> Requeue:
+        return Requeue(
+            job_id=self.job.job_id if self.job else None,
+            restarts=self.job.restarts if self.job else None,
+            max_requeues=self.max_requeues,
+        )
 
     def take(self, records) -> None:
         """Note the enforced requeue decisions among `records`: serve() carries them out."""
@@ -173,4 +176,4 @@ class SlurmRequeue:
 
     def _note(self, record: Record, rule: str, reason: str, did, step) -> None:
         log.error("%s", reason)
-        record(rule, RuleAction.ALERT, reason, {"requeue_decision": did, **self.evidence()}, step)
+        record(rule, RuleAction.ALERT, reason, RequeueNote(requeue_decision=did, **asdict(self.evidence())), step)

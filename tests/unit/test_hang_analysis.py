@@ -16,7 +16,9 @@ from parwatch.sidecar.hang import (
     Progress,
     find_culprit,
 )
+from parwatch.vocabulary import SpanKind
 from parwatch.wire.activity import NodeDigest
+from parwatch.wire.findings import Coverage, Missing, NodeMissing
 
 
 def act(
@@ -60,6 +62,7 @@ class FakeEngine:
         self.records = []
 
     def record_finding(self, rule, action, reason, evidence, step, bundle=None):
+        evidence = msgspec.to_builtins(evidence)  # the engine's record holds the evidence as written
         record = {"rule": rule, "action": action, "reason": reason, "evidence": evidence, "step": step}
         if bundle is not None:
             evidence["bundle"] = f"evidence/{bundle or 'run'}/decision-{len(self.records)}"
@@ -117,7 +120,7 @@ def test_tp_collective_names_the_member_that_has_not_joined():
     found = find_culprit(rows, lay)
     assert found["culprit"] == 3
     assert found["waiting"] == [0, 1, 2]
-    assert found["missing"] == {"kind": "collective", "op": "all_reduce", "group": "tp", "seq": 7}
+    assert found["missing"] == Missing(kind=SpanKind.COLLECTIVE, op="all_reduce", group="tp", seq=7)
 
 
 def test_a_member_in_an_earlier_collective_is_behind():
@@ -169,7 +172,7 @@ def test_a_gradient_sync_that_names_its_group_waits_for_it():
     assert find_culprit(rows, lay) == {
         "culprit": 3,
         "waiting": [0, 1, 2],
-        "missing": {"kind": "collective", "op": "finalize_model_grads", "group": "dp", "seq": None},
+        "missing": Missing(kind=SpanKind.COLLECTIVE, op="finalize_model_grads", group="dp", seq=None),
         "method": "dependency",
         "kind": "host",
         "kind_waits_on": [],
@@ -596,7 +599,7 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     assert {a.state for a in view.rows().values()} == {"running"} and view.missing_nodes() == []
     clock.t += 6.0
     assert {a.state for a in view.rows().values()} == {"unknown"}
-    assert view.missing_nodes() == [{"node": "pw-node1:9401", "since": 1000.0}]
+    assert view.missing_nodes() == [NodeMissing(node="pw-node1:9401", since=1000.0)]
 
 
 def test_the_leader_hears_every_node_since_a_time_unless_one_is_quiet():
@@ -639,7 +642,7 @@ def test_ranks_that_only_lost_a_peer_point_at_the_ranks_the_leader_cannot_see():
     monitor.observe(act(0, lay, step=6), lay, clock.t)
     rows = {r: replace(act(r, lay, "forward", step=6, state="crashed"), error=PEER_LOST) for r in (0, 1)}
     rows.update({r: act(r, lay, "forward", step=6, state="unknown") for r in (2, 3)})
-    coverage = {"world": 4, "ranks_seen": 2, "ranks_never_seen": [], "nodes_missing": [{"node": "n1", "since": 990.0}]}
+    coverage = Coverage(ranks_seen=2, world=4, nodes_missing=[NodeMissing(node="n1", since=990.0)], ranks_never_seen=[])
     [record] = monitor.check(rows, coverage=coverage)
     evidence = record["evidence"]
     assert record["rule"] == "rank-gone" and evidence["culprit"] is None

@@ -10,7 +10,9 @@ from msgspec.structs import replace
 from parwatch.rank_layout import RankLayout as Layout
 from parwatch.sidecar.digest import LeaderView
 from parwatch.sidecar.hang import HangMonitor, HangSettings, coverage, find_culprit
+from parwatch.vocabulary import SpanKind
 from parwatch.wire.activity import NodeDigest
+from parwatch.wire.findings import Missing
 from tests.unit.test_hang_analysis import Clock, FakeEngine, act
 
 PP2 = Layout(1, 2, 1)
@@ -50,7 +52,7 @@ def test_a_rank_in_its_own_work_is_host_blocked_and_its_waiters_are_listed():
     }
     found = find_culprit(rows, TP2)
     assert (found["culprit"], found["kind"], found["waits_on"]) == (1, "host", {0: [1]})
-    assert found["missing"] == {"kind": "collective", "op": "all_reduce", "group": "tp", "seq": 9}
+    assert found["missing"] == Missing(kind=SpanKind.COLLECTIVE, op="all_reduce", group="tp", seq=9)
 
 
 def test_a_collective_every_member_entered_is_a_transport_stall():
