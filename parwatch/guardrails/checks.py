@@ -18,13 +18,14 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+
+from msgspec import UNSET
 
 from parwatch.guardrails.attribution import median_at
 from parwatch.guardrails.rules import MIN_BASELINE_VALUES, Rule
 from parwatch.vocabulary import CheckKind, Comparison, Reduce, RuleState
+from parwatch.wire.findings import NO_DATA, REGRESSION_VALUES, RuleEvidence
 
-NO_DATA = "no-data"
 MAX_WINDOW_VALUES = 200
 """Values of one failing run kept as evidence (the newest ones)."""
 MAX_SERIES_PER_RULE = 1024
@@ -105,11 +106,11 @@ def as_series(values) -> Series:
     return values if isinstance(values, Series) else Series(values)
 
 
-def series_labels(key: str | None) -> dict:
+def series_labels(key: str | None) -> dict[str, int | str | list[int]]:
     """ "cause=slow-link,src=0,dst=2" -> {"cause": "slow-link", "src": 0, "dst": 2}; '+'-joined
     values become lists of ints ("ranks=0+1"), and `ranks` is a list when it names one rank too; a key
     without '=' gives {}."""
-    out: dict = {}
+    out: dict[str, int | str | list[int]] = {}
     for part in (key or "").split(","):
         name, eq, value = part.partition("=")
         if not eq:
@@ -122,19 +123,6 @@ def series_labels(key: str | None) -> dict:
             out[name] = [int(v) for v in value.split("+")]
         else:
             out[name] = value
-    return out
-
-
-def where(key: str | None) -> dict:
-    """Evidence naming the place a failing series points at: `stage` when its key has one, and
-    `culprit` with every label of the key (stage, rank, host, link, group, cause ...)."""
-    labels = series_labels(key)
-    out: dict = {}
-    if not labels:
-        return out
-    if isinstance(labels.get("stage"), int):
-        out["stage"] = labels["stage"]
-    out["culprit"] = labels
     return out
 
 
@@ -388,29 +376,32 @@ class RuleMonitor:
         self._clear(RuleState.FIRING, NO_DATA)
         return True
 
-    def evidence(self, step: int | None) -> dict:
-        """What a decision record shows: the failing run's values, the line they crossed, the window."""
-        rule = self.rule
-        evidence: dict[str, Any] = {
-            "metric": rule.metric,
-            "check": rule.check,
-            "series": self.last_series,
-            "reduce": rule.reduce,
-            "values": list(self.window_values),
-            "for_steps": rule.for_steps,
-            "window": [self.since_step, step],
-        }
-        evidence.update(where(self.last_series))
-        if rule.for_seconds is not None:
-            evidence["for_seconds"] = rule.for_seconds
-        if rule.check == CheckKind.THRESHOLD:
-            evidence["threshold"] = rule.above if rule.above is not None else rule.below
-            evidence["comparison"] = rule.bound()[0]
-        elif rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION):
-            evidence.update(factor=rule.factor, baseline=self.baseline, window_steps=rule.window_steps)
-            if rule.check == CheckKind.REGRESSION:
-                evidence["values_are"] = "ratios of each series to its own baseline median"
-        return evidence
+    def evidence(self, step: int | None) -> RuleEvidence:
+        """What a decision record shows: the failing run's values, the line they crossed, the window, and the
+        place its series key names (its stage, and every label as the culprit)."""
+        rule, labels = self.rule, series_labels(self.last_series)
+        stage = labels.get("stage")
+        threshold = rule.check == CheckKind.THRESHOLD
+        baseline = rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION)
+        comparison, line = rule.bound() if threshold else (UNSET, UNSET)
+        return RuleEvidence(
+            metric=rule.metric,
+            check=rule.check,
+            series=self.last_series,
+            reduce=rule.reduce,
+            values=list(self.window_values),
+            for_steps=rule.for_steps,
+            window=(self.since_step, step),
+            stage=stage if isinstance(stage, int) else UNSET,
+            culprit=labels or UNSET,
+            for_seconds=UNSET if rule.for_seconds is None else rule.for_seconds,
+            threshold=line,
+            comparison=comparison,
+            factor=rule.factor if baseline else UNSET,
+            baseline=self.baseline if baseline else UNSET,
+            window_steps=rule.window_steps if baseline else UNSET,
+            values_are=REGRESSION_VALUES if rule.check == CheckKind.REGRESSION else UNSET,
+        )
 
     def _advance(self, now: float) -> bool:
         if self.state == RuleState.FIRING:

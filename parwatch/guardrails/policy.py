@@ -42,7 +42,7 @@ from parwatch.vocabulary import (
     jsonable,
 )
 from parwatch.wire.bounds import MAX_CHECKPOINTS, decode_float
-from parwatch.wire.findings import Finding
+from parwatch.wire.findings import Finding, NoDataEvidence, RequestEvidence, RollbackFailedEvidence
 from parwatch.wire.log import HANDLED, Cancelled, Decision, Delivered, Handled, LogEntry, log_record
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,6 @@ class Policy:
             reason = f"no data for metric {rule.metric} for {rule.no_data_seconds:g} s " + (
                 "(never reported)" if seen is None else f"(last reported at {seen:.0f})"
             )
-            evidence = {"metric": rule.metric, "last_seen_time": seen, "no_data_seconds": rule.no_data_seconds}
             found = Decision(
                 time=now,
                 step=self.run.last_step,
@@ -226,7 +225,7 @@ class Policy:
                 action=RuleAction.ALERT,
                 source=DecisionSource.RULE,
                 reason=reason,
-                evidence=evidence,
+                evidence=NoDataEvidence(metric=rule.metric, last_seen_time=seen, no_data_seconds=rule.no_data_seconds),
                 finding=NO_DATA,
             )
             return [self._decide(found)]
@@ -547,7 +546,7 @@ class Policy:
             source=DecisionSource(source),
             requested_by=requested_by,
             reason=reason,
-            evidence={"to_step": to_step, "skip_batches": skip_batches},
+            evidence=RequestEvidence(to_step=to_step, skip_batches=skip_batches),
             checkpoint=to_step,
             skip_batches=skip_batches,
             escalated=escalated,
@@ -717,7 +716,9 @@ class Policy:
                 f"rollback (directive {did}) failed: {why}; the weights that failed are still loaded, "
                 "so the run is paused for an operator"
             )
-            evidence = {"directive_id": did, "outcome": result, "reasons": outcome.get("reasons") or {}}
+            evidence = RollbackFailedEvidence(
+                directive_id=did, outcome=Outcome(result), reasons=outcome.get("reasons") or {}
+            )
             for then in (Action.PAUSE, RuleAction.ALERT):
                 decided = Decision(
                     time=now,
@@ -725,7 +726,7 @@ class Policy:
                     action=then,
                     source=DecisionSource.ENGINE,
                     reason=reason,
-                    evidence=dict(evidence),
+                    evidence=evidence,
                     escalated=True,
                     failed_directive_id=did,
                 )

@@ -4,6 +4,7 @@ evidence that names where a performance rule failed (parwatch/guardrails/checks.
 from __future__ import annotations
 
 import pytest
+from msgspec import UNSET
 
 from parwatch.guardrails.attribution import (
     Finding,
@@ -14,7 +15,7 @@ from parwatch.guardrails.attribution import (
     median_without,
     paired_excess,
 )
-from parwatch.guardrails.checks import RuleMonitor, series_labels, where
+from parwatch.guardrails.checks import RuleMonitor, series_labels
 from parwatch.guardrails.rules import Rule
 
 STEP = 0.5
@@ -106,13 +107,14 @@ def test_series_keys_become_evidence_naming_where():
         "dst": 2,
         "group": "pp",
     }
-    assert where("cause=slow-compute,stage=1,ranks=2+3") == {
-        "stage": 1,
-        "culprit": {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]},
-    }
+    monitor = RuleMonitor(Rule(name="slow", metric="pipeline_skew_ratio", above=1.25, for_steps=1))
+    assert monitor.observe(7, 0.0, {"cause=slow-compute,stage=1,ranks=2+3": 1.6})
+    evidence = monitor.evidence(7)
+    assert (evidence.stage, evidence.culprit) == (1, {"cause": "slow-compute", "stage": 1, "ranks": [2, 3]})
     # One rank named against its stage peer (issue 44) is a list of one, as two are a list of two.
     assert series_labels("cause=slow-compute,stage=0,ranks=1,rank=1")["ranks"] == [1]
-    assert where("") == {} and where(None) == {}
+    monitor.observe(8, 0.0, {"": 1.6})
+    assert monitor.evidence(8).stage is UNSET and monitor.evidence(8).culprit is UNSET
 
 
 def test_a_failing_skew_rule_names_the_stage_in_reason_and_evidence():
@@ -120,7 +122,7 @@ def test_a_failing_skew_rule_names_the_stage_in_reason_and_evidence():
     assert monitor.observe(7, 0.0, {"stage=1": 1.6})
     assert "stage=1" in monitor.reason
     evidence = monitor.evidence(7)
-    assert evidence["stage"] == 1 and evidence["culprit"] == {"stage": 1}
+    assert evidence.stage == 1 and evidence.culprit == {"stage": 1}
 
 
 def test_leave_one_out_medians_equal_the_median_of_the_others():
