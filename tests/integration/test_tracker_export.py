@@ -83,6 +83,7 @@ def test_one_run_reaches_tensorboard_mlflow_and_wandb_as_metrics_shows_it(tmp_pa
             if d["type"] == "decision"
         ]
         assert stop(sidecar.proc) == 0, sidecar.log()
+        exports_told = [line for line in sidecar.log().splitlines() if "export" in line or "tracker" in line]
     assert {"pause", "resume"} <= {d["action"] for d in decisions}  # and whatever a rule decided (a loaded machine)
     want = expected(final)  # one point of series, at the last step: its window is the whole run
     for name in ("loss", "step_seconds", "mfu", "goodput/ratio", "bubble/stage_0/measured", "bubble/stage_1/schedule"):
@@ -100,5 +101,7 @@ def test_one_run_reaches_tensorboard_mlflow_and_wandb_as_metrics_shows_it(tmp_pa
         for name, value in want.items():
             assert list(scalars[name]) == [STEPS], (tracker, name, scalars[name])
             assert same(scalars[name][STEPS], value, float32), (tracker, name, scalars[name][STEPS], value)
-        got = [json.loads(text) for _, text in texts["decisions"]]
-        assert got == decisions, tracker
+        got = [json.loads(text) for _, text in texts.get("decisions", [])]
+        dropped = [line for line in final.splitlines() if line.startswith("parwatch_tracker_points_dropped_total")]
+        # Under a full -n 3 run on 5b69d57, MLflow once had none: what the sidecar told is kept for the next.
+        assert got == decisions, (tracker, got, decisions, dropped, exports_told)
