@@ -61,8 +61,10 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(TESTS), **(env or {})}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # xdist alone: the installed plugins cost each worker ~1.4 s CPU
+    plugins = ["-p", "xdist.plugin"] if "-n" in args else []
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -95,8 +95,22 @@ def run(tmp_path: Path, files: dict, *args: str) -> subprocess.CompletedProcess:
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "PARWATCH_TIMING_RERUN"}
     env.update(FLAG_DIR=str(tmp_path), PYTHONPATH=str(TESTS), PARWATCH_RERUN_LOG=str(tmp_path / "reruns.jsonl"))
+    # Only the plugins these sessions use (every installed one costs each session and its re-run ~1.4 s of
+    # CPU); the re-run inherits the environment and the -p options.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    plugins = ["-p", "pytest_timeout", *(["-p", "xdist.plugin"] if "-n" in args else [])]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={tmp_path / 'junit.xml'}", *args],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *plugins,
+            f"--junitxml={tmp_path / 'junit.xml'}",
+            *args,
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
