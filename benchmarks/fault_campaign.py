@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -126,17 +127,22 @@ class Sidecar:
         return [r for r in read_jsonl(self.state_dir / "decisions.jsonl") if r.get("type") == "decision"]
 
     def status(self) -> dict:
-        import httpx
-
         try:
-            return httpx.get(f"{self.url}/v1/status", headers=HEADERS, timeout=5).json()
+            return _http().get(f"{self.url}/v1/status", headers=HEADERS, timeout=5).json()
         except Exception:
             return {}
 
     def control(self, action: str, **body) -> None:
-        import httpx
+        _http().post(f"{self.url}/v1/control", json={"action": action, **body}, headers=HEADERS, timeout=10)
 
-        httpx.post(f"{self.url}/v1/control", json={"action": action, **body}, headers=HEADERS, timeout=10)
+
+@functools.cache
+def _http():
+    """One keep-alive client for the campaign's polls (every 0.05-0.2 s): httpx.get() builds a client, and its
+    TLS context, per call: ~24 ms of CPU each, against ~0.9 ms."""
+    import httpx
+
+    return httpx.Client(trust_env=False)
 
 
 def _ref_args(steps: int, fwd: float = FWD_MS, bwd: float = BWD_MS) -> list[str]:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from tests import one_client
 from tests.integration.e2e_util import read_jsonl
 
 STEPS = 8
@@ -137,12 +138,14 @@ class Operator:
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
             try:
-                answer = httpx.get(f"{self.url}/v1/decisions", params={"limit": 50}, headers=self.headers, timeout=5)
+                answer = one_client.get(
+                    f"{self.url}/v1/decisions", params={"limit": 50}, headers=self.headers, timeout=5
+                )
                 for d in answer.json():
                     if d.get("source") == "step_check" and d.get("action") == "pause" and d["id"] not in self.resumed:
                         self.resumed.append(d["id"])
                         time.sleep(0.3)  # the ranks hold after the step's boundary
-                        httpx.post(
+                        one_client.post(
                             f"{self.url}/v1/control",
                             json={"action": "resume", "reason": "test operator", "requested_by": "test"},
                             headers=self.headers,

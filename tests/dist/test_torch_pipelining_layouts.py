@@ -11,10 +11,10 @@ boundary (the world group by default) sees every rank of every stage.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import one_client
 from tests.distutil import run_ranks
 from tests.sidecar_process import running_sidecar
 
@@ -77,7 +77,7 @@ def _rank_states_once_all_report(endpoint: str, token: str, world: int, timeout:
 
     deadline = time.monotonic() + timeout
     while True:
-        states = httpx.get(f"{endpoint}/v1/hang", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
+        states = one_client.get(f"{endpoint}/v1/hang", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
         if states["rank_states"].get("running") == world or time.monotonic() > deadline:
             return states["rank_states"]
         time.sleep(0.1)
@@ -88,7 +88,7 @@ def test_run_context_takes_the_order_from_the_mesh_and_a_sidecar_watches_it(tmp_
         out = run_ranks(layouts_body, 4, sidecar.control_url, sidecar.token, timeout=120)
         families = {
             f.name: f
-            for f in text_string_to_metric_families(httpx.get(f"{sidecar.metrics_url}/metrics", timeout=10).text)
+            for f in text_string_to_metric_families(one_client.get(f"{sidecar.metrics_url}/metrics", timeout=10).text)
         }
     for rank, o in enumerate(out):
         assert "tp*pp*dp = 1*2*1" in o["none"] and "mesh=" in o["none"]

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.deadline import WAIT_S, DeadlineExceeded, wait_until  # noqa: F401 (the e2e tests wait with these)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,14 +325,14 @@ class Control:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def status(self) -> dict:
-        r = httpx.get(f"{self.url}/v1/status", headers=self.headers, timeout=10)
+        r = one_client.get(f"{self.url}/v1/status", headers=self.headers, timeout=10)
         assert r.status_code == 200, r.text
         return r.json()
 
 
 def metric_value(metrics_url: str, name: str) -> float | None:
     """The value of an unlabelled series on /metrics (None when absent)."""
-    text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
+    text = one_client.get(f"{metrics_url}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

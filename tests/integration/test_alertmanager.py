@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests import one_client
 from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import free_port, running_sidecar, stop
@@ -67,7 +68,7 @@ receivers:
         while True:
             assert proc.poll() is None, (tmp_path / "alertmanager.log").read_text()
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                if one_client.get(f"{url}/-/ready", timeout=2).status_code == 200:
                     break
             assert time.monotonic() - started < 60, "Alertmanager did not become ready in 60 s"
             time.sleep(0.1)
@@ -91,8 +92,8 @@ def test_firing_alert_pauses_the_run_through_the_webhook(tmp_path, record_proper
     with running_sidecar(state, token=TOKEN) as sp:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         body = {"version": 1, "summaries": [syn.summary(r, 1, global_stages=[]) for r in (0, 1)]}
-        assert httpx.post(f"{sp.control_url}/v1/ingest", json=body, headers=auth).status_code == 200
-        status = lambda: httpx.get(f"{sp.control_url}/v1/status", headers=auth).json()  # noqa: E731
+        assert one_client.post(f"{sp.control_url}/v1/ingest", json=body, headers=auth).status_code == 200
+        status = lambda: one_client.get(f"{sp.control_url}/v1/status", headers=auth).json()  # noqa: E731
         assert status()["pending_directive"] is None
 
         with alertmanager(tmp_path, f"{sp.control_url}/v1/alerts") as (am, startup_seconds):
@@ -110,7 +111,7 @@ def test_firing_alert_pauses_the_run_through_the_webhook(tmp_path, record_proper
                 "startsAt": iso(now),
             }
             posted = time.monotonic()
-            r = httpx.post(f"{am}/api/v2/alerts", json=[alert], timeout=10)
+            r = one_client.post(f"{am}/api/v2/alerts", json=[alert], timeout=10)
             assert r.status_code == 200, r.text
 
             directive = wait_for(lambda: status()["pending_directive"], 30, "the pause directive")
@@ -128,7 +129,7 @@ def test_firing_alert_pauses_the_run_through_the_webhook(tmp_path, record_proper
 
             # Resolve it: Alertmanager sends "resolved" and the sidecar forgets the fingerprint.
             alert["endsAt"] = iso(dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1))
-            assert httpx.post(f"{am}/api/v2/alerts", json=[alert], timeout=10).status_code == 200
+            assert one_client.post(f"{am}/api/v2/alerts", json=[alert], timeout=10).status_code == 200
             wait_for(lambda: acted() == 0, 30, "the resolved notification")
             decisions = [d for d in status()["last_decisions"] if d["type"] == "decision"]
             assert len(decisions) == 1  # resolution does not act

@@ -48,6 +48,7 @@ from parwatch.report.loader import load_run
 from parwatch.report.stats import bubble_table
 from parwatch.wire.codec import encode
 from parwatch.wire.steps import StepSummary
+from tests import one_client
 from tests.integration.e2e_util import wait_until
 from tests.sidecar_process import free_port, running_sidecar, stop
 
@@ -175,7 +176,7 @@ class FeedingProxy:
                 return
             self.step += 1
             summaries = step_summaries(self.step)
-            r = httpx.post(
+            r = one_client.post(
                 f"{self.sp.control_url}/v1/ingest",
                 json={"version": 1, "summaries": to_builtins(summaries)},
                 headers=self.sp.headers,
@@ -187,7 +188,7 @@ class FeedingProxy:
 
     def scrape(self, accept: str) -> tuple[bytes, str]:
         self.post_next()
-        r = httpx.get(f"{self.sp.metrics_url}/metrics", headers={"Accept": accept} if accept else {}, timeout=30)
+        r = one_client.get(f"{self.sp.metrics_url}/metrics", headers={"Accept": accept} if accept else {}, timeout=30)
         return r.content, r.headers.get("content-type", "text/plain; version=0.0.4")
 
     def __enter__(self):
@@ -232,7 +233,7 @@ def prometheus(tmp_path: Path, target: str, rule_files: list[Path]):
 
 def api(url: str, path: str, **params):
     with contextlib.suppress(httpx.HTTPError):
-        r = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=10)
+        r = one_client.get(f"{url}/api/v1/{path}", params=params, timeout=10)
         if r.status_code == 200:
             return r.json()["data"]
     return None
@@ -298,7 +299,7 @@ def test_the_five_consumers_of_the_stage_bubble_agree(tmp_path):
         recorded_excess = per_stage(api(prom, "query", query=rec.stage_bubble_excess()))
         panel = per_stage(api(prom, "query", query=panel_query("Bubble ratio per stage vs theoretical")))
         panel_excess = per_stage(api(prom, "query", query=panel_query("Bubble excess (measured - theoretical)")))
-        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()["rules"]
+        status = one_client.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()["rules"]
         posted = proxy.step
 
     def guardrail(rule: str) -> tuple[int, float]:

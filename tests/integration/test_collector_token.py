@@ -14,13 +14,13 @@ import os
 import subprocess
 import time
 
-import httpx
 import pytest
 
 from parwatch.collector import Collector, attach
 from parwatch.collector.attach import AttachError
 from parwatch.collector.shipper import Shipper
 from parwatch.contract import HookRegistry
+from tests import one_client
 from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import ROOT, running_sidecar, sidecar_command, stop, wait_healthy
@@ -51,7 +51,7 @@ def test_the_collector_takes_its_token_from_PARWATCH_TOKEN(tmp_path, monkeypatch
             rank.collector.close(timeout=WAIT_S)
         assert [r.collector.shipper.sent for r in run.ranks] == [3, 3]
         assert [r.collector.refused_total for r in run.ranks] == [0, 0]
-        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
+        status = one_client.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
         assert status["last_step"] == 3
 
 
@@ -91,7 +91,7 @@ def test_a_sidecar_that_is_not_up_yet_is_no_attach_error(tmp_path, monkeypatch):
         run_steps(run, 3, 0.1)
         for rank in run.ranks:
             rank.collector.close(timeout=WAIT_S)
-        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
+        status = one_client.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
     finally:
         stop(proc)
     assert [r.collector.shipper.sent for r in run.ranks] == [3, 3]

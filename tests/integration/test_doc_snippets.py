@@ -18,9 +18,9 @@ import re
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.distutil import ROOT, load_example, run_ranks
 from tests.sidecar_process import running_sidecar
 
@@ -214,7 +214,7 @@ def test_a_doc_snippet_runs_as_written_with_a_real_sidecar(tmp_path, where, prel
     with running_sidecar(tmp_path / "parwatch-state", "--rank-grace-seconds", "5") as sidecar:
         shutil.rmtree(tmp_path / "run", ignore_errors=True)
         run_ranks(run_block, 2, where, prelude, code, sidecar.control_url, str(tmp_path), cpu, timeout=500)
-        status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
+        status = one_client.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
     spans = [json.loads(line) for line in (tmp_path / "run" / "spans.jsonl").read_text().splitlines()]
     run_ids = {s["run_id"] for s in spans}
     assert len(run_ids) == 1 and status["run"]["run_id"] in run_ids, (run_ids, status["run"])

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from parwatch.client import SidecarClient, SidecarError
+from tests import one_client
 from tests.integration.e2e_util import (
     ROOT,
     SMALL_MODEL,
@@ -247,8 +248,7 @@ def test_a_rollback_replaying_3x_the_hang_bound_with_hang_abort_completes(tmp_pa
 
 
 def httpx_get_hang(sp) -> dict:
-    import httpx
 
-    r = httpx.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10)
+    r = one_client.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import statistics
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.integration.e2e_util import (
     SMALL_MODEL,
     applied_records,
@@ -139,7 +139,7 @@ def straggler(tmp_path_factory):
             "--inject",
             f"straggler:stage=1,ms=60,from_step={SKEW_FROM}",
         )
-        status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
+        status = one_client.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
     assert summary["steps_completed"] == SKEW_STEPS
     views = {s["global"]["step"]: s["global"] for s in run.summaries(0) if s.get("global")}
     skew = {step: view["pipeline_skew_ratio"] for step, view in sorted(views.items())}
@@ -201,7 +201,7 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     )
     assert summary["steps_completed"] == steps
 
-    status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
+    status = one_client.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers, timeout=10).json()
     excess = [
         max(st["bubble_ratio"] for st in s["global"]["stages"]) - s["bubble_theoretical_ratio"]
         for s in run.summaries(0)
@@ -219,5 +219,5 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     assert len(excess) == steps - 1 and all(is_finite_loss(x) for x in summary["losses"])
     # No hang, rank-gone or straggler finding either (the decision log above is empty), although the
     # leader watched: live activity arrived from every rank and its hang check ran.
-    hang = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
+    hang = one_client.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
     assert hang["hang"] is None and hang["last_step"] >= steps // 2  # activity once a second: it lags the end

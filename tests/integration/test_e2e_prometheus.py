@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import one_client
 from tests.integration.e2e_util import (
     SMALL_MODEL,
     is_finite_loss,
@@ -59,7 +60,7 @@ def prometheus(tmp_path: Path, target: str):
         def ready():
             assert proc.poll() is None, log_path.read_text()
             with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+                return one_client.get(f"{url}/-/ready", timeout=2).status_code == 200
             return False
 
         wait_until(ready, "Prometheus to become ready", timeout=60, interval=0.2)
@@ -69,7 +70,7 @@ def prometheus(tmp_path: Path, target: str):
 
 
 def query(url: str, promql: str) -> list:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10)
+    r = one_client.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "success", r.text
     return r.json()["data"]["result"]
 

@@ -12,9 +12,9 @@ import math
 import re
 import time
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.integration.e2e_util import wait_until
 from tests.integration.trust_util import MY_START, Elsewhere, decisions, ingest, rank_headers, summary
 from tests.sidecar_process import running_sidecar
@@ -60,7 +60,7 @@ def test_a_forged_process_start_is_refused_and_the_real_nan_is_judged(tmp_path, 
             assert refused(status), (status, text)
         steps(sp, 11, 15, nan_at=15)
         assert wait_until(lambda: judged_nan(sp, 14), "the real NaN judged", timeout=10)
-        refusals = httpx.get(f"{sp.metrics_url}/metrics").text
+        refusals = one_client.get(f"{sp.metrics_url}/metrics").text
         assert re.search(r'parwatch_posts_refused_total\{post="ingest",reason="conflict"\} [1-9]', refusals)
         assert "refused ranks' summaries (HTTP 409" in sp.log()
 
@@ -105,7 +105,7 @@ def test_forged_ledger_claims_are_refused_and_counters_never_go_back(tmp_path, e
             assert refused(status), (status, text)
 
         def metric(name: str) -> float:
-            text = httpx.get(f"{sp.metrics_url}/metrics").text
+            text = one_client.get(f"{sp.metrics_url}/metrics").text
             return sum(float(m) for m in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
         assert metric("parwatch_tokens_total") == 10 * 4096
@@ -125,7 +125,7 @@ def test_a_run_that_ended_here_is_refused_not_dropped(tmp_path):
         )
 
         def r2_silent() -> bool:  # past its grace: a new run could take over now, but r1 ended here
-            ranks = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()["ranks"]
+            ranks = one_client.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()["ranks"]
             return all(r["age_seconds"] > 1.0 for r in ranks.values())
 
         wait_until(r2_silent, "run r2 to fall silent", timeout=10)

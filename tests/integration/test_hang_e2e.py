@@ -6,9 +6,9 @@ steps without a finding: test_e2e_guardrails.py.)"""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args, wait_until
 from tests.sidecar_process import running_sidecar
 
@@ -24,7 +24,7 @@ PLACES = {  # where -> (layout flags, hung rank, its stage, what it is in)
 
 
 def hang_status(sidecar) -> dict:
-    return httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
+    return one_client.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
 
 
 def hang_check_judged(sidecar) -> float:

@@ -20,11 +20,11 @@ import json
 import os
 import subprocess
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from parwatch.integrations.megatron import action_order
+from tests import one_client
 from tests.bubble_replay import assert_near_replay, replayed_steps
 from tests.integration.e2e_util import ROOT, TORCHRUN, decision_records, kill_group, token_args, wait_until
 from tests.sidecar_process import running_sidecar
@@ -41,7 +41,9 @@ LAYOUTS = {  # name -> ((tp, pp, dp), the order kept, {rank: (tp_rank, stage, dp
 
 def _rank_series(metrics_url: str) -> tuple[set, float]:
     """({(rank, stage)} of parwatch_stage_bubble_ratio, the posts the sidecar refused so far)."""
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{metrics_url}/metrics", timeout=10).text)}
+    families = {
+        f.name: f for f in text_string_to_metric_families(one_client.get(f"{metrics_url}/metrics", timeout=10).text)
+    }
     ranks = {(int(s.labels["rank"]), int(s.labels["stage"])) for s in families["parwatch_stage_bubble_ratio"].samples}
     refused = families.get("parwatch_posts_refused")
     return ranks, sum(s.value for s in refused.samples if s.name.endswith("_total")) if refused else 0.0
@@ -84,7 +86,7 @@ def run(request, tmp_path_factory):
             output = (tmp / "out.txt").read_text(errors="replace")
             assert isinstance(finding, list), f"the run ended (code {proc.returncode}):\n{output[-4000:]}"
             series, refused = _rank_series(sidecar.metrics_url)
-            status = httpx.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
+            status = one_client.get(f"{sidecar.control_url}/v1/hang", headers=sidecar.headers, timeout=10).json()
         finally:
             kill_group(proc)
     return {

@@ -19,11 +19,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from e2e_util import ROOT, TORCHRUN, kill_group, launch_nodes, read_jsonl, synthetic, wait_nodes, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import one_client
 from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
@@ -81,12 +81,14 @@ class Node:
             stop(self.proc)
 
     def status(self) -> dict:
-        r = httpx.get(f"{self.control_url}/v1/status", headers=HEADERS, timeout=10)
+        r = one_client.get(f"{self.control_url}/v1/status", headers=HEADERS, timeout=10)
         assert r.status_code == 200, r.text
         return r.json()
 
     def control(self, action: str, **body) -> dict:
-        r = httpx.post(f"{self.control_url}/v1/control", json={"action": action, **body}, headers=HEADERS, timeout=10)
+        r = one_client.post(
+            f"{self.control_url}/v1/control", json={"action": action, **body}, headers=HEADERS, timeout=10
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -95,7 +97,7 @@ class Node:
         return [r for r in rows if kind is None or r.get("type") == kind]
 
     def metrics(self) -> str:
-        r = httpx.get(f"{self.metrics_url}/metrics", timeout=10)
+        r = one_client.get(f"{self.metrics_url}/metrics", timeout=10)
         assert r.status_code == 200
         return r.text
 

@@ -14,7 +14,6 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from click.testing import CliRunner
 from e2e_util import TORCHRUN, read_jsonl, synthetic, wait_until
@@ -23,6 +22,7 @@ from test_multinode import HEADERS, TOKEN, Node, finish, torchrun_nodes
 
 from parwatch.cli.control import status as status_command
 from parwatch.collector.fallback import LOCAL_DECISIONS_FILE
+from tests import one_client
 
 pytestmark = [
     pytest.mark.integration,
@@ -249,16 +249,16 @@ def test_a_node_without_leader_url_is_told_and_no_unseen_rank_is_named(tmp_path)
             assert ("nonfinite-loss",) in leader.samples("parwatch_guardrail_state")  # the leader judges
 
             wrong = {"Authorization": "Bearer not-the-token"}
-            r = httpx.post(f"{leader.control_url}/v1/digest", json={"version": 1}, headers=wrong, timeout=10)
+            r = one_client.post(f"{leader.control_url}/v1/digest", json={"version": 1}, headers=wrong, timeout=10)
             assert r.status_code == 401
-            r = httpx.post(f"{node1.control_url}/v1/activity", json={"version": 1}, headers=wrong, timeout=10)
+            r = one_client.post(f"{node1.control_url}/v1/activity", json={"version": 1}, headers=wrong, timeout=10)
             assert r.status_code == 401
             assert refused(leader)[("digest", "unauthorized")] == 1.0
             assert refused(node1)[("activity", "unauthorized")] == 1.0
             (told,) = node1.status()["refused"]
             assert (told["post"], told["reason"], told["count"]) == ("activity", "unauthorized", 1)
             assert "refused node sidecars' digests" in leader.log.read_text()
-            r = httpx.post(f"{leader.control_url}/v1/digest", json={"version": 7}, headers=HEADERS, timeout=10)
+            r = one_client.post(f"{leader.control_url}/v1/digest", json={"version": 7}, headers=HEADERS, timeout=10)
             assert r.status_code == 422
             assert refused(leader)[("digest", "invalid")] == 1.0
 
@@ -299,7 +299,7 @@ def test_a_whole_node_lost_is_rank_gone_naming_its_ranks_not_a_hang(tmp_path):
 
 
 def leader_hang(node: Node) -> dict:
-    return httpx.get(f"{node.control_url}/v1/hang", headers=HEADERS, timeout=10).json()
+    return one_client.get(f"{node.control_url}/v1/hang", headers=HEADERS, timeout=10).json()
 
 
 def _logged_time(path: Path, pattern: str) -> float | None:
@@ -362,7 +362,7 @@ def test_a_rollback_replaying_3x_the_hang_bound_across_nodes_completes(tmp_path)
             t0 = time.monotonic()
             finish(tmp_path, procs)
             replay_s = time.monotonic() - t0
-            hang = httpx.get(f"{leader.control_url}/v1/hang", headers=HEADERS, timeout=10).json()
+            hang = one_client.get(f"{leader.control_url}/v1/hang", headers=HEADERS, timeout=10).json()
         findings = [d for d in leader.records("decision") if d["rule"] in ("hang", "rank-gone")]
     assert not findings, [d["reason"] for d in findings]
     assert hang["bound_seconds"] <= 4 and replay_s > 3 * hang["bound_seconds"], (replay_s, hang["bound_seconds"])
@@ -444,7 +444,7 @@ def test_cancel_raced_against_delivery_across_nodes_is_always_true(tmp_path):
         return any(d["id"] == did and d["state"] == "delivered" for d in leader.status()["directives"])
 
     def cancel(did):
-        return httpx.post(
+        return one_client.post(
             f"{leader.control_url}/v1/directives/{did}/cancel",
             json={"requested_by": "race"},
             headers=HEADERS,

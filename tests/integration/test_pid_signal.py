@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests import one_client
 from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -104,7 +105,7 @@ class Poster:
 def _hang(sp) -> dict:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        hang = httpx.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10).json().get("hang")
+        hang = one_client.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10).json().get("hang")
         if hang:
             return hang
         time.sleep(0.3)

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from tests import one_client
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import free_port, running_sidecar, stop
 
@@ -42,7 +43,7 @@ def post_step(sp, step: int) -> None:
         )
         for r in (0, 1)
     ]
-    r = httpx.post(
+    r = one_client.post(
         f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers, timeout=10
     )
     assert r.status_code == 200, r.text
@@ -54,13 +55,13 @@ def sidecar(tmp_path):
         for step in (1, 2, 3):
             post_step(sp, step)
         # an action counter too
-        httpx.post(f"{sp.control_url}/v1/control", json={"action": "pause"}, headers=sp.headers)
+        one_client.post(f"{sp.control_url}/v1/control", json={"action": "pause"}, headers=sp.headers)
         yield sp
 
 
 @needs(PROMTOOL)
 def test_promtool_finds_nothing_to_lint(sidecar):
-    text = httpx.get(f"{sidecar.metrics_url}/metrics").text
+    text = one_client.get(f"{sidecar.metrics_url}/metrics").text
     assert "parwatch_step_duration_seconds_bucket" in text and "parwatch_guardrail_actions_total" in text
     lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", lint.stdout + lint.stderr
@@ -92,7 +93,7 @@ def prometheus(tmp_path, target: str):
         while True:
             assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                if one_client.get(f"{url}/-/ready", timeout=2).status_code == 200:
                     break
             assert time.monotonic() < deadline, "Prometheus did not become ready in 60 s"
             time.sleep(0.2)
@@ -103,7 +104,7 @@ def prometheus(tmp_path, target: str):
 
 
 def query(url: str, promql: str) -> list:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10)
+    r = one_client.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "success", r.text
     return r.json()["data"]["result"]
 

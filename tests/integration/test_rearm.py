@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import running_sidecar
 
@@ -28,7 +28,7 @@ def _post(sp, steps, outcomes=(), **kw) -> dict:
         for step in steps
         for r in (0, 1)
     ]
-    r = httpx.post(
+    r = one_client.post(
         f"{sp.control_url}/v1/ingest",
         headers=sp.headers,
         timeout=30,
@@ -41,7 +41,7 @@ def _post(sp, steps, outcomes=(), **kw) -> dict:
 def _rule_decisions(sp, rule="nonfinite-loss") -> list[dict]:
     return [
         d
-        for d in httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
+        for d in one_client.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
         if d.get("rule") == rule
     ]
 
@@ -72,7 +72,7 @@ def test_a_rule_failing_while_a_resume_is_on_its_way_pauses_the_run_again(tmp_pa
         pause = _post(sp, [1, 2, 3], **NAN)["directive"]
         assert pause["action"] == "pause"
         _post(sp, [], outcomes=[syn.outcome(pause["id"], step=3)])  # every rank paused
-        resume = httpx.post(
+        resume = one_client.post(
             f"{sp.control_url}/v1/control",
             headers=sp.headers,
             timeout=10,

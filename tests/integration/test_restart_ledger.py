@@ -12,9 +12,9 @@ import os
 import re
 import time
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.integration.e2e_util import (
     SMALL_MODEL,
     descendants,
@@ -76,7 +76,7 @@ def ledger_counters(metrics_url: str) -> dict[int, dict[str, float]]:
     """rank -> category -> parwatch_time_seconds_total, from the sidecar's /metrics."""
     out: dict[int, dict[str, float]] = {}
     pattern = re.compile(r'^parwatch_time_seconds_total\{category="(\w+)",rank="(\d+)",stage="\d+"\} (\S+)$')
-    for line in httpx.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
+    for line in one_client.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
         match = pattern.match(line)
         if match:
             out.setdefault(int(match.group(2)), {})[match.group(1)] = float(match.group(3))
@@ -111,7 +111,7 @@ def test_a_crash_and_restart_shows_the_gap_as_down_and_the_replayed_steps_as_was
 
         # The restarted ranks are up again, and nothing took the crash and the gap for a hang.
         assert metric_value(sp.metrics_url, "parwatch_hang_detected") == 0.0
-        assert 'parwatch_rank_up{rank="0"} 1.0' in httpx.get(f"{sp.metrics_url}/metrics", timeout=10).text
+        assert 'parwatch_rank_up{rank="0"} 1.0' in one_client.get(f"{sp.metrics_url}/metrics", timeout=10).text
         ledgers = wait_until(
             lambda: len(c := ledger_counters(sp.metrics_url)) == 2 and all(r["productive"] for r in c.values()) and c,
             "both ranks' ledgers on /metrics",

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from parwatch.credentials import node_credential
+from tests import one_client
 from tests.integration.e2e_util import wait_until
 from tests.integration.trust_util import Elsewhere, decisions, ingest, post, rank_headers, summary
 from tests.sidecar_process import running_sidecar
@@ -44,7 +45,7 @@ def activity(rank: int, step: int, run_id: str = RUN, **kw) -> dict:
 
 
 def hang_status(sp) -> dict:
-    return httpx.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10).json()
+    return one_client.get(f"{sp.control_url}/v1/hang", headers=sp.headers, timeout=10).json()
 
 
 def test_one_forged_activity_report_fakes_no_hang_and_aborts_nothing(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests import one_client
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import running_sidecar
 
@@ -22,7 +23,7 @@ def _post(sp, steps, run_id="live", **kw):
         for step in steps
         for r in (0, 1)
     ]
-    return httpx.post(
+    return one_client.post(
         f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=sp.headers, timeout=30
     )
 
@@ -34,8 +35,8 @@ def test_a_stray_summary_of_another_run_cannot_end_the_live_one(tmp_path):
         assert stray.status_code == 409 and "run 'live' is live here" in stray.json()["detail"], stray.text
         nan = _post(sp, [3, 4, 5], global_loss=float("nan"))
         assert nan.status_code == 200, nan.text
-        decisions = httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
-        status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
+        decisions = one_client.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
+        status = one_client.get(f"{sp.control_url}/v1/status", headers=sp.headers, timeout=10).json()
     assert status["run"]["run_id"] == "live"
     assert any(d.get("rule") == "nonfinite-loss" for d in decisions), decisions
 
@@ -47,7 +48,7 @@ def _forged(sp, rank: int, at_step: int, **change) -> httpx.Response:
             s["global"]["step"] = value
         else:
             s[key] = value
-    return httpx.post(
+    return one_client.post(
         f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": [s]}, headers=sp.headers, timeout=30
     )
 
@@ -71,5 +72,5 @@ def test_a_forged_step_timeline_or_view_cannot_freeze_the_live_run(tmp_path, cha
         assert forged.status_code == 422 and field in forged.json()["detail"], forged.text
         nan = _post(sp, [3, 4, 5], global_loss=float("nan"))
         assert nan.status_code == 200, nan.text
-        decisions = httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
+        decisions = one_client.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=10).json()
     assert any(d.get("rule") == "nonfinite-loss" for d in decisions), decisions

@@ -18,9 +18,9 @@ from __future__ import annotations
 import subprocess
 from xml.etree import ElementTree
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.sidecar_process import ROOT, running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -60,8 +60,8 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(tmp_path):
         ]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
         log = sp.log()
-        refused = httpx.get(f"{sp.metrics_url}/metrics", timeout=10).text
-        doc = httpx.get(f"{sp.control_url}/openapi.json", headers=sp.headers, timeout=10).json()
+        refused = one_client.get(f"{sp.metrics_url}/metrics", timeout=10).text
+        doc = one_client.get(f"{sp.control_url}/openapi.json", headers=sp.headers, timeout=10).json()
     for path, record in (("/v1/activity", "ActivityPost"), ("/v1/digest", "NodeDigest")):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{record}"} and record in doc["components"]["schemas"]

@@ -34,6 +34,7 @@ from parwatch.guardrails.rules import default_rules
 from parwatch.report.loader import load_run
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.vocabulary import Action, RuleAction, TimeCategory
+from tests import one_client
 from tests.deadline import DeadlineExceeded
 from tests.integration.e2e_util import (
     SMALL_MODEL,
@@ -188,7 +189,7 @@ def submit(cluster: Cluster, tmp: Path, script: Path, *train_args: str, nodes: i
 def _ranks_up(metrics_url: str) -> set[str]:
     """The ranks whose parwatch_rank_up is 1 on the sidecar's /metrics now (none while it does not answer)."""
     try:
-        text = httpx.get(metrics_url, timeout=2).text
+        text = one_client.get(metrics_url, timeout=2).text
     except httpx.HTTPError:
         return set()
     up = set()

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from parwatch.demo.processes import free_port
+from tests import one_client
 from tests.fixtures import synthetic as syn
 from tests.integration.trust_util import STAGES, ingest, post
 from tests.sidecar_process import ROOT, running_sidecar, sidecar_command
@@ -60,7 +61,7 @@ def test_a_second_sidecar_on_a_state_dir_refuses_to_start_naming_the_first(tmp_p
     with running_sidecar(tmp_path / "state") as first:
         error = start_fails(tmp_path / "state")
         assert f"pid {first.pid}" in error and "--state-dir" in error and "in use" in error
-        assert httpx.get(f"{first.control_url}/healthz").status_code == 200
+        assert one_client.get(f"{first.control_url}/healthz").status_code == 200
 
 
 def test_a_state_dir_that_cannot_be_written_refuses_the_start(tmp_path):
@@ -154,7 +155,7 @@ def test_a_full_disk_mid_run_decides_nothing_and_hands_out_no_directive(tmp_path
                 answers += [post(sp, "/v1/control", {"action": "pause"}) for _ in range(3)]  # retries
                 for r in answers:
                     assert r.status_code == 503 and "could not be written" in r.json()["detail"], r.text
-                status = httpx.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()
+                status = one_client.get(f"{sp.control_url}/v1/status", headers=sp.headers).json()
                 assert status["pending_directive"] is None and status["directives"] == []
                 filler.free()
                 made = post(sp, "/v1/control", {"action": "pause", "reason": f"freed {cycle}"})

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import running_sidecar
 
@@ -40,7 +40,7 @@ def _decision(did: int, directive_id: int | None, action: str = "pause", run_id:
 def _poll(sp) -> dict:
     """Rank 0's ingest of its run: the reply carries the directive outstanding for it."""
     body = {"version": 1, "summaries": [syn.summary(r, 4, run_id=RUN) for r in (0, 1)]}
-    r = httpx.post(f"{sp.control_url}/v1/ingest", json=body, headers=sp.headers, timeout=10)
+    r = one_client.post(f"{sp.control_url}/v1/ingest", json=body, headers=sp.headers, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -50,7 +50,7 @@ def test_a_line_that_is_not_a_record_is_skipped(tmp_path):
     state.mkdir()
     (state / "decisions.jsonl").write_text("[1, 2]\n" + json.dumps(_decision(1, None, "alert")) + '\n"text"\n')
     with running_sidecar(state) as sp:
-        decisions = httpx.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=5).json()
+        decisions = one_client.get(f"{sp.control_url}/v1/decisions", headers=sp.headers, timeout=5).json()
         log = sp.log()
     assert [d["id"] for d in decisions] == [1]
     assert log.count("that is not a record") == 2

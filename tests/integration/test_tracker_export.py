@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-import httpx
 import pytest
 
+from tests import one_client
 from tests.integration.e2e_util import SMALL_MODEL, Control, running_trainer, token_args, wait_until
 from tests.sidecar_process import running_sidecar, stop
 from tests.trackers_readback import (
@@ -33,7 +33,7 @@ RUN_ID = "tracker-e2e"
 
 
 def _points(metrics_url: str) -> dict[str, float]:
-    text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
+    text = one_client.get(f"{metrics_url}/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
         if line.startswith("parwatch_tracker_points_written_total{"):
@@ -67,7 +67,7 @@ def test_one_run_reaches_tensorboard_mlflow_and_wandb_as_metrics_shows_it(tmp_pa
         with running_trainer(sidecar.control_url, tmp_path / "run", STEPS, *args) as run:
             wait_until(lambda: (control.status().get("last_step") or 0) >= 2, "step 2", 150)  # launch included
             for action in ("pause", "resume"):
-                r = httpx.post(f"{control.url}/v1/control", json={"action": action}, headers=control.headers)
+                r = one_client.post(f"{control.url}/v1/control", json={"action": action}, headers=control.headers)
                 assert r.status_code == 200, r.text
             run.wait()
         # The run ended (every rank done): its last step written and each tracker run finished.
@@ -76,10 +76,12 @@ def test_one_run_reaches_tensorboard_mlflow_and_wandb_as_metrics_shows_it(tmp_pa
             f"the final points ({_points(sidecar.metrics_url)}; {control.status()})",
             60,
         )
-        final = httpx.get(f"{sidecar.metrics_url}/metrics", timeout=10).text
+        final = one_client.get(f"{sidecar.metrics_url}/metrics", timeout=10).text
         decisions = [
             d
-            for d in httpx.get(f"{control.url}/v1/decisions", params={"limit": 100}, headers=control.headers).json()
+            for d in one_client.get(
+                f"{control.url}/v1/decisions", params={"limit": 100}, headers=control.headers
+            ).json()
             if d["type"] == "decision"
         ]
         assert stop(sidecar.proc) == 0, sidecar.log()

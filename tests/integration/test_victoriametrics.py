@@ -30,6 +30,7 @@ from parwatch import dashboards as dash
 from parwatch import recording as rec
 from parwatch.rank_layout import RankLayout
 from parwatch.vocabulary import SelfPart
+from tests import one_client
 from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
 from tests.sidecar_process import free_port, running_sidecar, stop
@@ -92,10 +93,12 @@ def post_step(control_url: str, step: int, headers: dict) -> None:
     summaries[0]["model_flops_utilization_ratio"] = 0.41
     for summary in summaries:  # parwatch's own time on the rank, by part, as its collector counts it
         summary["self_seconds"] = {part.value: 0.001 * step for part in SelfPart}
-    r = httpx.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=headers, timeout=10)
+    r = one_client.post(
+        f"{control_url}/v1/ingest", json={"version": 1, "summaries": summaries}, headers=headers, timeout=10
+    )
     r.raise_for_status()
     for rank in range(TP * PP):  # and each rank's live activity, as its collector's thread posts it
-        r = httpx.post(f"{control_url}/v1/activity", json=activity(rank, step), headers=headers, timeout=10)
+        r = one_client.post(f"{control_url}/v1/activity", json=activity(rank, step), headers=headers, timeout=10)
         r.raise_for_status()
 
 
@@ -168,14 +171,14 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: Path) -> None:
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{proc.args[0]} exited early:\n{log_path.read_text()[-3000:]}"
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
+            if one_client.get(url, timeout=2).status_code == 200:
                 return
         time.sleep(0.2)
     raise AssertionError(f"{url} did not answer within {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
 
 
 def query(vm: str, promql: str) -> dict:
-    r = httpx.get(f"{vm}/api/v1/query", params={"query": promql}, timeout=30)
+    r = one_client.get(f"{vm}/api/v1/query", params={"query": promql}, timeout=30)
     body = r.json()
     assert r.status_code == 200 and body["status"] == "success", f"{promql}: {body.get('error', r.text)}"
     return body
@@ -190,7 +193,7 @@ def path(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(running_sidecar(tmp / "state"))
         errors = stack.enter_context(feeding(sidecar.control_url, sidecar.headers))
-        httpx.post(
+        one_client.post(
             f"{sidecar.control_url}/v1/control", json={"action": "pause"}, headers=sidecar.headers, timeout=10
         )  # an action counter
         # -search.latencyOffset=0s: answer with samples up to now (default: hide the newest 30 s).
@@ -297,7 +300,7 @@ def vm(path) -> str:
 @pytest.fixture(scope="module")
 def exported(vm) -> set[str]:
     """Catalogue metrics the run put into VictoriaMetrics (the collector's newer ones join at merge)."""
-    names = httpx.get(f"{vm}/api/v1/label/__name__/values", timeout=30).json()["data"]
+    names = one_client.get(f"{vm}/api/v1/label/__name__/values", timeout=30).json()["data"]
     return {catalog.SERIES[n].name for n in names if n in catalog.SERIES}
 
 
@@ -344,7 +347,7 @@ def test_alert_expression_is_answered_by_victoriametrics(vm, exported, alert):
 
 def test_run_variable_lists_the_scrape_job(vm):
     """The dashboard's job variable (label_values of a recorded series) finds the run."""
-    r = httpx.get(f"{vm}/api/v1/label/job/values", params={"match[]": "job:parwatch_train_step:max"}, timeout=30)
+    r = one_client.get(f"{vm}/api/v1/label/job/values", params={"match[]": "job:parwatch_train_step:max"}, timeout=30)
     assert r.json()["data"] == [SUBSTITUTIONS["$job"]]
 
 
@@ -395,7 +398,7 @@ def test_the_real_sidecar_stays_within_the_series_budget_per_rank(path):
     from prometheus_client.parser import text_string_to_metric_families
 
     per_rank: dict[str, int] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{path[1]}/metrics", timeout=10).text):
+    for fam in text_string_to_metric_families(one_client.get(f"{path[1]}/metrics", timeout=10).text):
         for s in fam.samples:
             if "rank" in s.labels:
                 per_rank[s.labels["rank"]] = per_rank.get(s.labels["rank"], 0) + 1

@@ -13,6 +13,7 @@ import httpx
 
 from parwatch.credentials import rank_credential
 from parwatch.sidecar.pid_owner import process_started
+from tests import one_client
 from tests.fixtures import synthetic as syn
 
 STAGES = [syn.stage_view(0, 0.5, 0.38), syn.stage_view(1, 0.5, 0.38)]
@@ -50,7 +51,7 @@ def summary(rank: int, step: int, run_id: str = "r1", *, real: bool = True, **kw
 
 
 def post(sp, path: str, body, headers=None, timeout: float = 10) -> httpx.Response:
-    return httpx.post(
+    return one_client.post(
         f"{sp.control_url}{path}", json=body, headers=sp.headers if headers is None else headers, timeout=timeout
     )
 
@@ -60,7 +61,7 @@ def ingest(sp, *summaries, headers=None, **extra) -> httpx.Response:
 
 
 def decisions(sp, rule: str | None = None) -> list[dict]:
-    got = httpx.get(f"{sp.control_url}/v1/decisions?limit=1000", headers=sp.headers, timeout=10).json()
+    got = one_client.get(f"{sp.control_url}/v1/decisions?limit=1000", headers=sp.headers, timeout=10).json()
     return [d for d in got if d.get("type") == "decision" and (rule is None or d.get("rule") == rule)]
 
 
