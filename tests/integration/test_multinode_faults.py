@@ -81,11 +81,10 @@ NAN_STEP = 24
 ACT_WITHIN_S = 15.0
 
 
-@pytest.fixture(scope="module")
-def leader_lost(tmp_path_factory) -> dict:
-    """The leader's sidecar SIGKILLed two steps before a NaN, restarted once rank 0 paused the run itself:
-    what node 1, rank 0 and the returning leader said and did (asserted by the two tests below)."""
-    base = tmp_path_factory.mktemp("leader-lost")
+def leader_lost(base: Path, returns: bool = True) -> dict:
+    """The leader's sidecar SIGKILLed two steps before a NaN; rank 0 pauses the run itself. returns: the
+    leader is then restarted and the run finished (what node 1, rank 0 and the returning leader said and
+    did); otherwise the run ends at rank 0's local pause (all the pause's figure needs)."""
     seen: dict = {}
     slow = f"straggler:stage=0,ms=250,from_step={NAN_STEP - 3}"  # ~1 s steps around the NaN: a kill lands before it
     with nodes(base) as (leader, node1):
@@ -104,22 +103,24 @@ def leader_lost(tmp_path_factory) -> dict:
             leader.kill()
             assert rank0_summary(base, NAN_STEP) is None, "killed too late: the NaN step had already run"
 
-            # Node 1 says its leader is gone: status, metric and the operator's command.
-            seen["link"] = wait_until(
-                lambda: (
-                    (node1.status()["leader_link"] or {}).get("unreachable_since") and node1.status()["leader_link"]
-                ),
-                "node 1 to say the leader is unreachable",
-                30,
-            )
-            seen["unreachable_gauge"] = gauge(node1, UNREACHABLE)
-            seen["status_text"] = cli_status(node1)
+            if returns:  # node 1 says its leader is gone: status, metric and the operator's command
+                seen["link"] = wait_until(
+                    lambda: (
+                        (node1.status()["leader_link"] or {}).get("unreachable_since") and node1.status()["leader_link"]
+                    ),
+                    "node 1 to say the leader is unreachable",
+                    30,
+                )
+                seen["unreachable_gauge"] = gauge(node1, UNREACHABLE)
+                seen["status_text"] = cli_status(node1)
 
             # Rank 0 acts on the NaN by itself: a pause every rank applies at one boundary.
             seen["local"] = wait_until(
                 lambda: read_jsonl(base / "log0" / LOCAL_DECISIONS_FILE), "rank 0's local decision", 60
             )
             seen["nan"] = rank0_summary(base, NAN_STEP)
+            if not returns:
+                return seen
             time.sleep(3.0)  # held: nobody trains past the boundary it paused at
             seen["trained_to"] = [
                 max(s["step"] for s in read_jsonl(base / f"log{k}" / "summaries.jsonl")) for k in (0, 1)
@@ -143,17 +144,18 @@ def leader_lost(tmp_path_factory) -> dict:
     return seen
 
 
-def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_once(leader_lost):
+def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_once(tmp_path):
     """Node 1 says the leader is unreachable (status, metric, `parwatch status`, which prints no rule state
     it does not judge); rank 0 pauses every rank at one boundary; the leader restarted adopts that
-    decision and rolls back exactly once."""
-    seen = leader_lost
+    decision and rolls back exactly once. Its own run, beside other tests: a decision is correctness
+    under load (the pause's wall-clock figure is the timing test's run)."""
+    seen = leader_lost(tmp_path)
+    (local,) = seen["local"]
     link, text = seen["link"], seen["status_text"]
     assert link["reachable"] is False and link["url"] == seen["leader_url"], link
     assert seen["unreachable_gauge"] == pytest.approx(link["unreachable_since"])
     assert "unreachable since" in text and "judged by the leader" in text, text
     assert "rule nonfinite-loss" not in text, text  # node 1 judges no rule: it must not print "ok"
-    (local,) = seen["local"]
     assert (local["step"], local["action"], local["rule"]) == (NAN_STEP, "pause", "nonfinite-loss"), local
     assert max(seen["trained_to"]) <= NAN_STEP + 1, f"a node trained on after the local pause: {seen['trained_to']}"
     rollbacks = [d for d in seen["decisions"] if d["action"] == "rollback"]
@@ -164,16 +166,26 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
     assert [r for r in seen["applied"] if r["directive_id"] == local["directive_id"]]
     assert seen["gauges_after"] == (0.0, 0.0)
     assert seen["node1_records"] == []  # node 1 decides nothing, then or now
+    print(
+        f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - seen['nan']['time']:.2f} s; leader "
+        f"restarted to the rollback applied: {seen['rollback_after_restart_s']:.2f} s"
+    )
+
+
+@pytest.fixture(scope="module")
+def leader_lost_pause(tmp_path_factory) -> dict:
+    """The same scenario up to rank 0's local pause (a fixture: its own checks are setup errors, never a
+    timing re-run): the leader's return and the rollback, which the figure does not read, are the test's
+    above."""
+    return leader_lost(tmp_path_factory.mktemp("leader-lost"), returns=False)
 
 
 @pytest.mark.timing
-def test_leader_lost_rank0_pauses_within_15_s_of_the_nan(leader_lost):
-    (local,) = leader_lost["local"]
-    print(
-        f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - leader_lost['nan']['time']:.2f} s; leader "
-        f"restarted to the rollback applied: {leader_lost['rollback_after_restart_s']:.2f} s"
-    )
-    assert local["time"] - leader_lost["nan"]["time"] <= ACT_WITHIN_S
+def test_leader_lost_rank0_pauses_within_15_s_of_the_nan(leader_lost_pause):
+    seen = leader_lost_pause
+    (local,) = seen["local"]
+    print(f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - seen['nan']['time']:.2f} s")
+    assert local["time"] - seen["nan"]["time"] <= ACT_WITHIN_S
 
 
 def _short_rules(base: Path, for_seconds: int) -> Path:
