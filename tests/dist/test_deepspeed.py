@@ -3,7 +3,9 @@
 Real ranks run examples/deepspeed_pipe.py's `train()` (synthetic compute: each stage sleeps
 F ms forward and B ms backward per microbatch) with the integration and the collector
 attached, writing summaries.jsonl and spans.jsonl as a user's run would. One spawn of 2 ranks
-runs every configuration in turn.
+runs every configuration whose figures timing tests assert in turn (`grid`: the serial phase runs it
+alone, tests/serial_phase.py); the quick runs no figure is read from (numerics, directives, detach)
+are a second spawn, `checks`, which no timing test uses, so it runs with the other tests.
 
 - bubble: each step's measured bubble on each rank against the replay of DeepSpeed's own
   TrainSchedule at that step's measured times (tests/bubble_replay.py, as for torch's
@@ -13,7 +15,7 @@ runs every configuration in turn.
 - directives: pause, resume, and a rollback loaded by the engine's own load_checkpoint;
 - DualPipeV (`--schedule dualpipev`, DeepSpeed's DualPipeVEngine): the bubble against the replay of
   its DualPipeVSchedule at m = 4 and 8, its spans and transfers, bitwise losses, detach;
-- four ranks (a second spawn): pp = 4 against the replay, and pp = 2 x dp = 2 (coordinates, DP sync).
+- four ranks: pp = 4 against the replay (`grid4`), and pp = 2 x dp = 2 (coordinates, DP sync: `dp2`, untimed).
 """
 
 from __future__ import annotations
@@ -112,16 +114,27 @@ def order() -> dict:
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
+    """The runs whose figures the timing tests assert (tests/serial_phase.py runs them alone)."""
     out = str(tmp_path_factory.mktemp("deepspeed"))
     runs = {
         "1f1b": run_argv(),
-        "fast-on": run_argv(ms="1,2", steps=3),
-        "fast-off": run_argv("--no-parwatch", ms="1,2", steps=3),
         "slow-stage": run_argv("--slow-stage", "1:1.5"),
         "send-delay": run_argv("--send-delay-ms", "0:15"),
-        "directives": run_argv("--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6),
         **{name: run_argv(*DPV, m=m, ms=ms) for name, (m, ms) in DPV_RUNS.items()},
         "dpv-slow-stage": run_argv(*DPV, "--slow-stage", "1:1.5"),
+    }
+    return out, run_ranks(runs_body, P, runs, out, timeout=280)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """The quick runs no figure is read from (numerics, directives, detach): no timing test uses this
+    fixture, so it runs with the other tests, not in the serial phase."""
+    out = str(tmp_path_factory.mktemp("deepspeed-checks"))
+    runs = {
+        "fast-on": run_argv(ms="1,2", steps=3),
+        "fast-off": run_argv("--no-parwatch", ms="1,2", steps=3),
+        "directives": run_argv("--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6),
         "dpv-fast-on": run_argv(*DPV, ms="1,2", steps=3),
         "dpv-directives": run_argv(*DPV, "--checkpoint-dir", os.path.join(out, "dpv-ckpt"), ms="1,2", steps=6),
         "dpv-fast-off": run_argv(*DPV, "--no-parwatch", ms="1,2", steps=3),
@@ -177,8 +190,8 @@ def test_spans_cover_every_instruction(grid):
     assert {"send", "recv", "optimizer", "dp_sync", "data", "boundary"} <= kinds
 
 
-def test_losses_are_bitwise_unchanged(grid):
-    _, losses = grid
+def test_losses_are_bitwise_unchanged(checks):
+    _, losses = checks
     last = losses[P - 1]
     assert len(last["fast-on"]) == 3
     assert last["fast-on"] == last["fast-off"]
@@ -213,8 +226,8 @@ def test_a_delayed_send_shows_as_wait(grid):
 
 
 @pytest.mark.parametrize("name", ["directives", "dpv-directives"])
-def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(grid, name):
-    _, results = grid
+def test_pause_resume_and_a_rollback_through_the_engines_checkpoint(checks, name):
+    _, results = checks
     ranks = [r[name] for r in results]
     seen = ranks[0]["seen"]
     assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
@@ -378,8 +391,8 @@ def test_dualpipev_spans_cover_every_instruction(grid):
     assert {"send", "recv", "optimizer", "dp_sync", "data", "boundary"} <= kinds
 
 
-def test_dualpipev_losses_are_bitwise_unchanged_and_detach_restores(grid):
-    _, results = grid
+def test_dualpipev_losses_are_bitwise_unchanged_and_detach_restores(checks):
+    _, results = checks
     for rank in range(P):
         assert len(results[rank]["dpv-fast-on"]) == 3
         assert results[rank]["dpv-fast-on"] == results[rank]["dpv-fast-off"]
@@ -409,11 +422,17 @@ P4, M4 = 4, 8
 
 @pytest.fixture(scope="module")
 def grid4(tmp_path_factory):
+    """pp = 4, whose bubble a timing test asserts (the serial phase runs it alone)."""
     out = str(tmp_path_factory.mktemp("deepspeed4"))
-    runs = {
-        "pp4": ["--pp", str(P4), "--microbatches", str(M4), "--synthetic-ms", "20,40", "--steps", "5"],
-        "pp2-dp2": ["--pp", "2", "--microbatches", str(M), "--synthetic-ms", "20,40", "--steps", "4"],
-    }
+    runs = {"pp4": ["--pp", str(P4), "--microbatches", str(M4), "--synthetic-ms", "20,40", "--steps", "5"]}
+    return out, run_ranks(runs_body, 4, runs, out, timeout=280)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """pp = 2 x dp = 2: coordinates and DP sync, nothing timed (it runs with the other tests)."""
+    out = str(tmp_path_factory.mktemp("deepspeed-dp2"))
+    runs = {"pp2-dp2": ["--pp", "2", "--microbatches", str(M), "--synthetic-ms", "20,40", "--steps", "4"]}
     return out, run_ranks(runs_body, 4, runs, out, timeout=280)
 
 
@@ -437,8 +456,8 @@ def test_four_stages_bubble_matches_the_replayed_schedule(grid4):
     assert_near_replay(replayed_steps(os.path.join(out, "pp4"), four_stage_order()), "deepspeed pp=4", TOLERANCE)
 
 
-def test_data_parallel_replicas_sync_and_report_their_coordinates(grid4):
-    out, losses = grid4
+def test_data_parallel_replicas_sync_and_report_their_coordinates(dp2):
+    out, losses = dp2
     rows = {}
     with open(os.path.join(out, "pp2-dp2", "summaries.jsonl")) as f:
         for line in f:

@@ -2,7 +2,10 @@
 
 Real ranks run examples/megatron_gpt.py's `train()` (each model chunk sleeps F ms forward and
 B ms backward per microbatch) with the integration and the collector attached, writing
-summaries.jsonl and spans.jsonl as any user's run would. One spawn runs every config in turn.
+summaries.jsonl and spans.jsonl as any user's run would. One spawn runs every config whose figures
+timing tests assert in turn (`grid`: the serial phase runs it alone, tests/serial_phase.py); the
+quick runs no figure is read from (numerics, evaluation, directives) are a second spawn, `checks`,
+which no timing test uses, so it runs with the other tests, as TP2's (`tp2`) does.
 
 - bubble: each rank's median step (steps 2..S) against the replay of Megatron's own order
   (parwatch.integrations.megatron.action_order) at that step's measured action times, host time
@@ -114,16 +117,26 @@ def order_of(config: str) -> dict:
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
+    """The runs whose figures the timing tests assert (tests/serial_phase.py runs them alone)."""
     out = str(tmp_path_factory.mktemp("megatron"))
     runs = {c: run_argv(c) for c in CONFIGS}
+    runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
+    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
+    losses = run_ranks(runs_body, P, runs, out, timeout=110)
+    return out, losses
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """The quick runs no figure is read from (numerics, evaluation, directives): no timing test uses
+    this fixture, so it runs with the other tests, not in the serial phase."""
+    out = str(tmp_path_factory.mktemp("megatron-checks"))
+    runs = {}
     for c in CONFIGS:  # numerics: the same training, quickly, with and without parwatch
         runs[f"{c}-fast-on"] = run_argv(c, "--eval", ms="0,0", steps=3)
         runs[f"{c}-fast-off"] = run_argv(c, "--eval", "--no-parwatch", ms="0,0", steps=3)
-    runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
-    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
     runs["directives"] = run_argv("1f1b", "--checkpoint-dir", os.path.join(out, "ckpt"), ms="0,0", steps=6)
-    losses = run_ranks(runs_body, P, runs, out, timeout=110)
-    return out, losses
+    return out, run_ranks(runs_body, P, runs, out, timeout=110)
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +221,8 @@ def test_spans_cover_every_action_with_names(grid, config):
     assert p2p == {"send": 2 * crossings, "recv": 2 * crossings}
 
 
-def test_losses_are_bitwise_unchanged(grid):
-    _, losses = grid
+def test_losses_are_bitwise_unchanged(checks):
+    _, losses = checks
     for config in CONFIGS:
         on = [r[f"{config}-fast-on"] for r in losses if r[f"{config}-fast-on"]]
         off = [r[f"{config}-fast-off"] for r in losses if r[f"{config}-fast-off"]]
@@ -218,10 +231,10 @@ def test_losses_are_bitwise_unchanged(grid):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_evaluation_is_not_observed(grid, config):
+def test_evaluation_is_not_observed(checks, config):
     """forward_only passes (an eval after every step) emit no span: each step has its training
     actions only, and no step of its own."""
-    out, _ = grid
+    out, _ = checks
     counts: dict = {}
     with open(os.path.join(out, f"{config}-fast-on", "spans.jsonl")) as f:
         for line in f:
@@ -269,8 +282,8 @@ def test_a_delayed_send_shows_as_wait(grid):
         assert abs(causes[rank].imbalance) < 0.02 and causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
 
 
-def test_pause_resume_and_rollback_reach_every_rank(grid):
-    _, results = grid
+def test_pause_resume_and_rollback_reach_every_rank(checks):
+    _, results = checks
     ranks = [r["directives"] for r in results]
     seen = ranks[0]["seen"]
     assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries
@@ -289,7 +302,7 @@ def test_pause_resume_and_rollback_reach_every_rank(grid):
     assert sorted(last["losses"]) == [1, 2, 3, 4, 5, 6]
 
 
-def test_tensor_parallel_run_is_watched(grid, tp2):
+def test_tensor_parallel_run_is_watched(checks, tp2):
     """TP2 x PP2: the layout from Megatron's parallel_state, tensor-parallel all-reduces inside the
     compute spans, and the losses of the TP1 run (the same model, its weights split)."""
     out, losses = tp2
@@ -304,7 +317,7 @@ def test_tensor_parallel_run_is_watched(grid, tp2):
                 assert span["attrs"]["group_size"] == 2 and span["attrs"]["op"] == "all_reduce"
                 tp_spans += 1
     assert tp_spans > 0
-    tp1 = next(r["1f1b-fast-on"] for r in grid[1] if r["1f1b-fast-on"])
+    tp1 = next(r["1f1b-fast-on"] for r in checks[1] if r["1f1b-fast-on"])
     last = [r["tp2"] for r in losses if r["tp2"]]
     assert len(last) == 2 and last[0] == last[1]  # both TP ranks of the last stage
     assert {s: float(v) for s, v in last[0].items()} == pytest.approx({s: float(v) for s, v in tp1.items()}, rel=1e-6)

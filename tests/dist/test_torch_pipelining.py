@@ -3,7 +3,9 @@
 Real ranks run examples/torch_pipelining.py's `train()` (synthetic compute: each virtual
 stage sleeps F ms forward and B ms backward per microbatch) with the integration and the
 collector attached, writing summaries.jsonl and spans.jsonl as any user's run would. One
-spawn of 2 ranks runs every class in turn, so the grid costs one process start.
+spawn of 2 ranks runs every class in turn, so the grid costs one process start; the quick runs
+no figure is read from (numerics, directives) are a second spawn, `checks`, which no timing test
+uses, so it runs with the other tests and not in the serial phase (tests/serial_phase.py).
 
 - bubble: each step's measured bubble on each rank against the replay of the schedule's own
   action lists at that step's measured action times and the executor's measured host time per
@@ -124,16 +126,26 @@ def order_of(schedule: str, p: int, m: int) -> dict:
 # ---------------------------------------------------------------------------------- the runs
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
+    """The runs whose figures the timing tests assert (tests/serial_phase.py runs them alone)."""
     out = str(tmp_path_factory.mktemp("torch-pipelining"))
     runs = {s: run_argv(s) for s in SCHEDULES}
+    runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
+    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
+    losses = run_ranks(runs_body, P, runs, out, timeout=280)
+    return out, losses
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """The runs no figure is read from (numerics, directives): no timing test uses this fixture, so
+    it runs with the other tests, not in the serial phase."""
+    out = str(tmp_path_factory.mktemp("torch-pipelining-checks"))
+    runs = {}
     for s in SCHEDULES:  # numerics: the same training, quickly, with and without parwatch
         runs[f"{s}-fast-on"] = run_argv(s, ms="1,2", steps=3)
         runs[f"{s}-fast-off"] = run_argv(s, "--no-parwatch", ms="1,2", steps=3)
-    runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
-    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
     runs["directives"] = run_argv("1f1b", "--checkpoint-dir", os.path.join(out, "ckpt"), ms="1,2", steps=6)
-    losses = run_ranks(runs_body, P, runs, out, timeout=280)
-    return out, losses
+    return out, run_ranks(runs_body, P, runs, out, timeout=280)
 
 
 @pytest.mark.timing
@@ -204,8 +216,8 @@ def test_spans_cover_every_action_of_the_schedule(grid, schedule):
     assert "loss" in kinds
 
 
-def test_losses_are_bitwise_unchanged(grid):
-    _, losses = grid
+def test_losses_are_bitwise_unchanged(checks):
+    _, losses = checks
     for schedule in SCHEDULES:
         on = [r[f"{schedule}-fast-on"] for r in losses if r[f"{schedule}-fast-on"]]
         off = [r[f"{schedule}-fast-off"] for r in losses if r[f"{schedule}-fast-off"]]
@@ -283,8 +295,8 @@ class Director:
         pass
 
 
-def test_pause_resume_and_rollback_reach_every_rank(grid):
-    _, results = grid
+def test_pause_resume_and_rollback_reach_every_rank(checks):
+    _, results = checks
     ranks = [r["directives"] for r in results]
     seen = ranks[0]["seen"]
     assert all(r["seen"] == seen for r in ranks)  # every rank at the same boundaries

@@ -12,6 +12,11 @@ per layout: healthy steps, then one rank blocks in its forward for good, and
   pipeline peer in a receive or a TP all-reduce, the other replica in Megatron's DP gradient sync);
 - each DP replica's measured bubble (median of steps 2-5) is within 0.02 of the replay of
   Megatron's 1F1B order at that step's measured times (tests/bubble_replay.py, as for DP = 1).
+
+The bubble is a wall-clock figure: it is measured in runs of their own (`timed`: both layouts, 5
+steps, on run_ranks' 4 gloo ranks with the collector writing its logs, no sidecar and no hang),
+which tests/serial_phase.py runs alone in the serial phase. The watched runs with the hang (`run`)
+time nothing, so they run with the other tests.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from parwatch.integrations.megatron import action_order
 from tests import one_client
 from tests.bubble_replay import assert_near_replay, replayed_steps
+from tests.distutil import load_example, run_ranks
 from tests.integration.e2e_util import ROOT, TORCHRUN, decision_records, kill_group, token_args, wait_until
 from tests.sidecar_process import running_sidecar
 
@@ -100,6 +106,30 @@ def run(request, tmp_path_factory):
     }
 
 
+def timed_body(rank: int, world_size: int, out_dir: str) -> None:
+    """Every rank: each layout's example run in turn, 5 steps (steps 2-5 replayed), no hang, no sidecar."""
+    from megatron.core import parallel_state
+
+    example = load_example("megatron_gpt")
+    try:
+        for name, ((tp, pp, _), _, _, _) in sorted(LAYOUTS.items()):
+            argv = ["--tp", str(tp), "--pp", str(pp), "--microbatches", str(M), "--synthetic-ms", "20,40"]
+            argv += ["--steps", "5", "--run-id", name, "--parwatch-log", os.path.join(out_dir, name)]
+            example.train(example.parse_args(argv))
+            parallel_state.destroy_model_parallel()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory):
+    """The runs whose bubble the timing test asserts: {layout: {"name", "dir"}} (as `run`'s)."""
+    pytest.importorskip("megatron.core", reason="pip install -e '.[test]' installs megatron-core")
+    out = tmp_path_factory.mktemp("megatron-dp-timed")
+    run_ranks(timed_body, 4, str(out), timeout=280)
+    return {name: {"name": name, "dir": out / name} for name in LAYOUTS}
+
+
 def _summaries(run) -> list[dict]:
     return [json.loads(line) for line in (run["dir"] / "summaries.jsonl").read_text().splitlines()]
 
@@ -142,7 +172,15 @@ def test_each_replica_has_every_stages_spans_of_steps_2_to_5(run):
         assert sorted(steps) == [2, 3, 4, 5], sorted(steps)  # the collector keeps steps 1-5's spans (SpanSampling)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_timed_replica_has_every_stages_spans_of_steps_2_to_5(timed, layout):
+    for steps in replica_steps(timed[layout]).values():
+        assert sorted(steps) == [2, 3, 4, 5], sorted(steps)
+
+
 @pytest.mark.timing
-def test_each_replicas_bubble_matches_the_replay_of_megatrons_order(run):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_replicas_bubble_matches_the_replay_of_megatrons_order(timed, layout):
+    run = timed[layout]
     for (tp_rank, dp_rank), steps in replica_steps(run).items():
         assert_near_replay(steps, f"{run['name']} tp_rank {tp_rank} dp_rank {dp_rank}", TOLERANCE)
