@@ -37,7 +37,11 @@ from tests.distutil import ROOT, load_example, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
-P, M, STEPS = 2, 4, 5
+# STEPS: step 1 builds the stages and warms p2p up; steps 2..STEPS are measured. 4 (3 measured steps) is
+# enough for the figures: each step's measured bubble was within 0.003 of its replay (0.02 the bar), the
+# median of 3 steps discards one disturbed step as the median of 4 did, and the causes' margins (imbalance
+# 0.22 against 0.08, extra wait 0.05-0.10 against 0.03) hold over steps 2-4 as over 2-5 (2026-12-05).
+P, M, STEPS = 2, 4, 4
 MS = "20,40"  # per model chunk and microbatch
 TOLERANCE = 0.02
 CONFIGS = {"1f1b": ["--chunks", "1"], "interleaved": ["--chunks", "2"]}
