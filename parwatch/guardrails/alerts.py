@@ -106,11 +106,13 @@ def alert_expression(
     if rule.check == CheckKind.SPIKE:
         current = f"{reduce} {per_run} ({series})"
         return f"{current} > {factor:g} * quantile_over_time(0.5, ({current})[{window}:{step}] offset {step})"
-    # regression: each series against its own median, then reduce the ratios
-    return (
-        f"{reduce} {per_run} (({series}) / quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})) "
-        f"> {factor:g}"
-    )
+    # regression: each series against its own median (a series no more than min_increase above it left
+    # out, as the sidecar's check does), then reduce the ratios
+    median = f"quantile_over_time(0.5, ({series})[{window}:{step}] offset {step})"
+    ratios = f"({series}) / {median}"
+    if rule.min_increase is not None:
+        ratios = f"({ratios}) and (({series}) - {median} > {rule.min_increase:g})"
+    return f"{reduce} {per_run} ({ratios}) > {factor:g}"
 
 
 def _summary(rule: Rule, step_seconds: float) -> str:
@@ -124,7 +126,7 @@ def _summary(rule: Rule, step_seconds: float) -> str:
         what = (
             f"{rule.reduce} {rule.metric} above {rule.factor:g}x {whose} median of the previous "
             f"{rule.window_steps} steps"
-        )
+        ) + (f" and more than {rule.min_increase:g} above it" if rule.min_increase is not None else "")
     duration = for_seconds(rule, step_seconds)
     return what + (f" for {format_duration(duration)}" if duration else "")
 

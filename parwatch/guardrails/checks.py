@@ -203,6 +203,7 @@ class RegressionCheck(ThresholdCheck):
         ratios: dict[str, float] = {}
         baselines: dict[str, float] = {}
         windows, window_steps = self.values, self.window_steps
+        floor = self.rule.min_increase  # a rise no larger than this is no regression: the series is not judged
         enough = min(MIN_BASELINE_VALUES, window_steps)
         isfinite = math.isfinite
         for key, value in sorted(series.values.items()):
@@ -218,7 +219,7 @@ class RegressionCheck(ThresholdCheck):
             if n >= enough:
                 mid = n // 2
                 baseline = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-                if baseline > 0:
+                if baseline > 0 and (floor is None or value - baseline > floor):
                     ratios[key], baselines[key] = value / baseline, baseline
             if n == window_steps:
                 del ordered[bisect_left(ordered, arrived[0])]
@@ -400,6 +401,7 @@ class RuleMonitor:
             factor=rule.factor if baseline else UNSET,
             baseline=self.baseline if baseline else UNSET,
             window_steps=rule.window_steps if baseline else UNSET,
+            min_increase=UNSET if rule.min_increase is None else rule.min_increase,
             values_are=REGRESSION_VALUES if rule.check == CheckKind.REGRESSION else UNSET,
         )
 

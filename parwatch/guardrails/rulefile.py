@@ -29,6 +29,7 @@ RULE_TYPES = {
     "below": "number",
     "factor": "number",
     "window_steps": "int",
+    "min_increase": "number",
     "reduce": "text",
     "for_steps": "int",
     "for_seconds": "number",

@@ -99,6 +99,9 @@ class Rule:
     """spike/regression: fail when the value exceeds factor x the median of the previous window_steps."""
     window_steps: int | None = None
     """spike/regression: how many previous values form the baseline (>= 2)."""
+    min_increase: float | None = None
+    """regression: a series counts only while it is more than this above its own median, in the metric's
+    unit (None = any rise past the factor counts): a tiny path twice as slow costs nothing worth a page."""
     reduce: Reduce = Reduce.MAX
     """How several series (stages, ranks, ops) become one value: max, min or mean."""
     for_steps: int = 1
@@ -201,6 +204,10 @@ def _rule_problems(r: Rule) -> list[tuple[str, str]]:
         for name in ("factor", "window_steps"):
             if getattr(r, name) is not None:
                 out.append((name, f"only spike and regression checks use '{name}'; remove it"))
+    if r.min_increase is not None and r.check != CheckKind.REGRESSION:
+        out.append(("min_increase", "only the regression check uses 'min_increase'; remove it"))
+    elif r.min_increase is not None and (not _is_number(r.min_increase) or r.min_increase < 0):
+        out.append(("min_increase", f"must be a number >= 0 in the metric's unit, got {r.min_increase!r}; e.g. 0.002"))
     if r.check == CheckKind.FINITE and r.reduce != Reduce.MAX:
         out.append(("reduce", "a finite check fails on any non-finite series, so 'reduce' has no effect; remove it"))
     if not _is_int(r.for_steps) or r.for_steps < 1:

@@ -247,6 +247,8 @@ class RuleEvidence(Struct, kw_only=True):
     """spike, regression: the median the factor multiplies."""
     window_steps: int | None | UnsetType = UNSET
     """spike, regression: the values the baseline is the median of."""
+    min_increase: float | UnsetType = UNSET
+    """regression: how far above its median a series had to be as well (the rule's min_increase)."""
     values_are: str | UnsetType = UNSET
     """regression: what `values` are (ratios to each series' own baseline)."""
 

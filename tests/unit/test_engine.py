@@ -336,6 +336,27 @@ def test_regression_judges_each_series_against_its_own_baseline(tmp_path):
     assert ev["values"] == [pytest.approx(3.0)]
 
 
+def test_a_regression_no_larger_than_min_increase_is_no_finding(tmp_path):
+    """A loopback send at 0.3 ms that CPU contention makes 1.5 ms (5x) is no degraded link under a 2 ms
+    floor; the same path 2.5 ms above its median is. Without the floor both fire."""
+    rule = Rule(
+        name="coll",
+        metric="collective_transfer_seconds",
+        check="regression",
+        factor=2.0,
+        window_steps=5,
+        min_increase=0.002,
+        action="alert",
+    )
+    run = Run(ruleset(rule), tmp_path)
+    for _ in range(5):
+        run.feed(collective_transfer_seconds={"op=send,group=pp": 0.0003})
+    assert run.feed(collective_transfer_seconds={"op=send,group=pp": 0.0015}) == []
+    (record,) = run.feed(collective_transfer_seconds={"op=send,group=pp": 0.0028})
+    assert record["evidence"]["series"] == "op=send,group=pp" and record["evidence"]["baseline"] == 0.0003
+    assert record["evidence"]["min_increase"] == 0.002
+
+
 def test_operator_requests(tmp_path):
     run = Run(ruleset(skew_rule()), tmp_path)
     with pytest.raises(ValueError, match="no checkpoint"):

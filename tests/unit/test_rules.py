@@ -205,6 +205,21 @@ def test_spike_and_regression_need_factor_and_window(check):
     assert {p.field for p in found} == {"factor", "window_steps"}
 
 
+def test_min_increase_is_the_regressions_and_not_negative():
+    p = only(
+        rules_with(
+            "- {name: a, metric: loss, check: spike, factor: 2, window_steps: 5, min_increase: 1, action: alert}\n"
+        )
+    )
+    assert p.field == "min_increase" and "only the regression check" in p.message
+    p = only(
+        rules_with(
+            "- {name: a, metric: loss, check: regression, factor: 2, window_steps: 5, min_increase: -1, action: alert}\n"
+        )
+    )
+    assert p.field == "min_increase" and ">= 0" in p.message
+
+
 def test_fields_of_other_checks_are_rejected():
     p = only(rules_with("- {name: a, metric: loss, above: 1, factor: 2, action: alert}\n"))
     assert p.field == "factor" and "spike and regression" in p.message
