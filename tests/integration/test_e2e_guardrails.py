@@ -175,10 +175,9 @@ def test_healthy_run_fires_nothing(sidecar, tmp_path):
     """100 healthy steps: no decision, no rule firing (the regression rules judge the last 40 after their
     50-step windows fill; test_slow_attribution.py's slow repeat runs 200). No finding is correctness, not a
     wall-clock figure: it runs beside other tests. Beside a CPU-hogging neighbour (one `while True` from
-    mid-run, 2 of 7 runs on 2026-12-05) collective-latency-regression fires on the PP send 0 -> 1: its
+    mid-run, 2 of 7 runs on 2026-12-05) collective-latency-regression fired on the PP send 0 -> 1: its
     0.29 ms loopback baseline at 3.4-7.7x for 10 steps, 1-2 ms of host wake-up latency in a ~300 ms step,
-    reported as a degraded link. That is the rule's (no floor on the size of a regression), not this
-    test's: it fails here until the rule stops calling host contention a slow link.
+    reported as a degraded link. The rule now has a floor (min_increase 2 ms above the median).
 
     Synthetic fwd 20 / bwd 40 ms. What idles a healthy pipeline beyond the schedule's bubble is a
     fixed time per loopback gloo hop (a wake-up and a copy), so the excess shrinks as microbatches
