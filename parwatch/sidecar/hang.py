@@ -846,6 +846,9 @@ class HangMonitor:
         (rank-gone) when the waits point at the ranks of a node gone quiet."""
         records: list[dict] = []
         assert self.layout is not None  # check() judges a hang only with a layout
+        if self.hang is not None:  # named once this episode: searching every rank again (~30 ms at 16,384
+            self.busy = None  # ranks, on the event loop every check) would change nothing but delay posts
+            return records
         found = find_culprit(rows, self.layout, fresh_after)
         if found is None:
             return records

@@ -268,6 +268,28 @@ def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
     assert not monitor.hang_detected
 
 
+def test_a_named_hang_is_not_searched_for_again_while_it_lasts(monkeypatch):
+    """The culprit search reads every rank (~30 ms at 16,384 on the leader's event loop): once the episode's
+    hang is named, the checks that follow until progress resumes do not run it again."""
+    import parwatch.sidecar.hang as hang
+
+    searches = []
+    monkeypatch.setattr(hang, "find_culprit", lambda *a: searches.append(1) or find_culprit(*a))
+    monitor, clock, engine = _monitor()
+    lay = RankLayout(1, 2, 1)
+    for step in range(1, 6):
+        clock.t += 1.0
+        monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
+    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5), 1: act(1, lay, "forward", step=5, since=1004.0)}
+    clock.t += 10.5
+    [record] = monitor.check(rows)
+    assert record["rule"] == "hang" and len(searches) == 1
+    for _ in range(8):
+        clock.t += 0.25
+        assert monitor.check(rows) == []
+    assert len(searches) == 1
+
+
 def test_crash_is_told_from_a_hang():
     monitor, clock, engine = _monitor()
     lay = RankLayout(1, 2, 1)
