@@ -246,14 +246,19 @@ def test_healthy_steps_make_no_finding():
     assert engine.records == [] and not monitor.hang_detected
 
 
-def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
-    monitor, clock, engine = _monitor()
+def _rank_1_stalls(monitor, clock) -> dict:
+    """Rank 0 reports steps 1-5 a second apart; the picture then: rank 0 waits in a recv from rank 1, which
+    has been in its forward since step 5 (rank 0's newest sample, not the ones observed: it keeps reporting)."""
     lay = RankLayout(1, 2, 1)
     for step in range(1, 6):
         clock.t += 1.0
         monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
-    # The picture: rank 0's newest sample (not the ones observed above: it keeps reporting).
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5), 1: act(1, lay, "forward", step=5, since=1004.0)}
+    return {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5), 1: act(1, lay, "forward", step=5, since=1004.0)}
+
+
+def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
+    monitor, clock, engine = _monitor()
+    rows = _rank_1_stalls(monitor, clock)
     clock.t += 9.0
     assert monitor.check(rows) == []  # 9 s < 10 s
     clock.t += 1.5
@@ -264,6 +269,7 @@ def test_hang_is_recorded_once_per_episode_and_ends_with_progress():
     assert monitor.rank_states(rows) == {0: 0, 1: 1} and monitor.hang_detected
     clock.t += 5
     assert monitor.check(rows) == []  # the same episode: recorded once
+    lay = RankLayout(1, 2, 1)
     monitor.observe(act(0, lay, "forward", step=6), lay, clock.t)
     assert not monitor.hang_detected
 
@@ -276,11 +282,7 @@ def test_a_named_hang_is_not_searched_for_again_while_it_lasts(monkeypatch):
     searches = []
     monkeypatch.setattr(hang, "find_culprit", lambda *a: searches.append(1) or find_culprit(*a))
     monitor, clock, engine = _monitor()
-    lay = RankLayout(1, 2, 1)
-    for step in range(1, 6):
-        clock.t += 1.0
-        monitor.observe(act(0, lay, "forward", step=step, time=clock.t), lay, clock.t)
-    rows = {0: act(0, lay, "recv", "recv", "pp", peer=1, step=5), 1: act(1, lay, "forward", step=5, since=1004.0)}
+    rows = _rank_1_stalls(monitor, clock)
     clock.t += 10.5
     [record] = monitor.check(rows)
     assert record["rule"] == "hang" and len(searches) == 1
