@@ -7,9 +7,10 @@ CPU-bound grid that would starve its neighbours). `mark_serial` adds the `serial
 collection, so `-m serial` / `-m "not serial"` select either phase without xdist too.
 
 Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one unit of non-serial tests
-at a time and holds every serial unit back until no other worker has a test pending; then one worker
-runs the serial units one after another while the others wait idle. So no figure is measured while
-another worker loads the CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
+at a time and holds every serial unit back until no other worker has a test pending; then SERIAL_LANES
+workers run the serial units, longest first, while the others have left. So no figure is measured while
+the non-serial tests load the CPU; a figure shares the machine only with another serial unit, which
+mostly sleeps (below). A unit is a file's tests (as `--dist loadfile`), except in a long
 integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
@@ -39,6 +40,13 @@ SPLIT_FILE_SECONDS = 60.0
 """An integration or dist file longer than this is split: its tests that share no wider fixture run
 as units of their own, on whichever worker is free."""
 HOLD_BEHIND_SECONDS = 30.0
+SERIAL_LANES = int(os.environ.get("PARWATCH_SERIAL_LANES", "2"))
+"""Workers that run serial units at once. Their ranks mostly sleep (simulated compute, waits for a bound):
+run alone, one after another, the serial units used 153 of the 453 CPU-seconds of their 227 s on 2 cores,
+and under 10% for their first 90 s (2026-12-05, docs/benchmarks.md). A worker left over when a serial
+unit starts runs at most the last test of a non-serial unit it holds (a worker keeps one until it is sent
+more) beside the first serial unit of another; the units go longest first, so that test is of the
+shortest units (unit-test files, milliseconds: tests/unit/test_serial_phase.py checks the bound)."""
 """A worker with more than this pending gets the shortest unit to hold, not the longest."""
 
 
@@ -99,14 +107,17 @@ def _serial_last_scheduling():
     from xdist.scheduler import LoadScopeScheduling
 
     class SerialLastScheduling(LoadScopeScheduling):
-        """loadfile for the other tests, then the serial units on one worker while the others idle."""
+        """loadfile for the other tests, then the serial units on SERIAL_LANES workers once the others left."""
 
         serial: frozenset[str] = frozenset()
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
         seconds: dict[str, float] = {}
-        _held = None
-        """The node kept for the serial units until the others have nothing pending."""
+
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            self._held: set = set()
+            """The nodes kept for the serial units (SERIAL_LANES) until the others have nothing pending."""
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
@@ -139,34 +150,52 @@ def _serial_last_scheduling():
 
         def _assign_work_unit(self, node) -> None:
             """The next unit for `node`: the longest left, or the shortest behind a long one. Once only
-            serial units are left, every node but one is shut down (it runs what it holds, then leaves);
-            the one left is held (a worker keeps its last test until it is sent more or shut down) until
-            the others have nothing pending, then runs the serial units one after another."""
+            serial units are left, every node but SERIAL_LANES is shut down (it runs what it holds, then
+            leaves); the ones left are held (a worker keeps its last test until it is sent more or shut
+            down) until every node has asked for more and the ones shut down have nothing pending, then
+            take the serial units, longest first, as each asks."""
             others = [s for s in self.workqueue if not s.startswith("serial:")]
             if others:
                 held = sum(self._weight(unit) for unit in self.assigned_work.get(node, {}).values())
                 pick = min if held > HOLD_BEHIND_SECONDS else max
                 scope = pick(others, key=lambda s: self._weight(self.workqueue[s]))
-            elif any(not n.shutting_down for n in self._others(node)):
+            elif sum(not n.shutting_down for n in self._others(node)) >= SERIAL_LANES:
                 node.shutdown()
                 return
-            elif any(self._pending_of(self.assigned_work[n]) for n in self._others(node)):
-                self._held = node
+            elif self._non_serial_running(node):
+                self._held.add(node)
                 return
             else:
-                scope = next(iter(self.workqueue))
+                self._held.discard(node)
+                scope = max(self.workqueue, key=lambda s: self._weight(self.workqueue[s]))
             work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(n) for n, done in work_unit.items() if not done])
 
+        def _non_serial_running(self, node) -> bool:
+            """Whether another node still runs non-serial tests: one shut down with tests left, one not held
+            that has not asked for a serial unit yet, or one held that still runs a test besides the one it
+            holds (it asks for more with two left; the held one runs when it is sent a serial unit)."""
+            return any(
+                (pending := self._pending_of(self.assigned_work[n]))
+                and (
+                    n.shutting_down
+                    or (n in self._held and pending > 1)
+                    or (n not in self._held and not self._runs_serial(n))
+                )
+                for n in self._others(node)
+            )
+
+        def _runs_serial(self, node) -> bool:
+            return any(scope.startswith("serial:") for scope in self.assigned_work.get(node, {}))
+
         def _reschedule(self, node) -> None:
             super()._reschedule(node)
-            held = self._held
-            if held is not None and held is not node and held in self.assigned_work and not held.shutting_down:
-                if not any(self._pending_of(self.assigned_work[n]) for n in self._others(held)):
-                    self._held = None
-                    self._assign_work_unit(held)
+            for held in list(self._held):
+                if held is not node and held in self.assigned_work and not held.shutting_down:
+                    if not self._non_serial_running(held) and self.workqueue:
+                        self._assign_work_unit(held)
 
     return SerialLastScheduling
 

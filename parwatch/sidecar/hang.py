@@ -13,9 +13,10 @@ apart from a hang (alive, activity still arriving, the same span open).
 Timing: the stall is timed from when the ranks ended the last step boundary (their wall clock,
 carried as `step_end` in the activity, mapped onto the leader's clock and clamped by the report's
 arrival: `Progress.boundary_time`), not from when the leader heard of it (up to ~2 s later). The
-leader asks every JUDGE_EVERY_SECONDS, and right at the decision line, whether the stall passed the
-bound (two numbers) and decides at bound - JUDGE_EVERY_SECONDS, so the hang is named at or before
-the bound after the stall began, with that much slack for a busy event loop.
+leader asks every JUDGE_EVERY_SECONDS, and right when the stall reaches the bound, whether it passed
+the bound (two numbers); it decides at the bound, never before: a stall shorter than the bound is never
+named (a false hang aborts a run under --hang-abort), and a hang is named a loop wake-up (milliseconds)
+after its bound.
 
 Pure analysis (`find_culprit`, `Progress`) is separate from the leader's state machine
 (`HangMonitor`), which records decisions through the guardrail engine and keeps the states the
@@ -67,8 +68,8 @@ MAX_REPORT_LATENCY_SECONDS = 2.0
 at its node's sidecar, then an HTTP post; 1 s of margin. It bounds how far a rank's clock can move
 a stall's start (Progress.boundary_time)."""
 JUDGE_EVERY_SECONDS = 0.25
-"""The leader tests for a stall this often (two numbers; the whole picture only when due), and
-decides once stalled >= bound - JUDGE_EVERY_SECONDS: the decision lands at or before the bound."""
+"""The leader tests for a stall this often (two numbers; the whole picture only when due), and also
+right when a stall reaches its bound (`seconds_until_due`)."""
 MAX_WAITING_LISTED = 64
 """evidence.waiting lists at most this many ranks (waiting_count has them all)."""
 
@@ -537,8 +538,8 @@ class HangMonitor:
     """The leader's hang/crash judgement: `due` asked every `every` seconds, `check` when due.
 
     engine: has record_finding(rule, action, reason, evidence, step) -> decision record.
-    every: how often the leader asks; a hang is decided at stalled >= bound - every, so that the
-    decision lands at or before the bound after the stall began.
+    every: how often the leader asks (it also asks right when a stall reaches its bound); a hang is
+    decided at stalled >= bound, never before.
     requeue: with settings.requeue, the SlurmRequeue (parwatch/sidecar/requeue.py) whose verdict makes a
     hang's action requeue or, saying why not, alert.
     """
@@ -662,11 +663,7 @@ class HangMonitor:
     def _busy_past(self, now: float) -> bool:
         """A rank seen busy lately, and the run without a boundary for (about) the busy bound."""
         p = self.progress
-        return (
-            p.busy_seen is not None
-            and p.busy_seen >= (p.time or 0.0)
-            and (p.since_boundary(now) >= p.busy_bound() - self.every)
-        )
+        return p.busy_seen is not None and p.busy_seen >= (p.time or 0.0) and (p.since_boundary(now) >= p.busy_bound())
 
     def seconds_until_due(self) -> float | None:
         """Seconds until a stall passes the decision line; 0 when it passed since the last ask (which came
@@ -684,13 +681,12 @@ class HangMonitor:
         return 0.0 if self.asked_stall < line else None
 
     def decision_line(self) -> float:
-        """The stall a hang is decided at: the bound less one ask (`every`), so it is named at or before
-        the bound; for a bound of a fraction of a second, half of it."""
-        bound = self.progress.bound()
-        return bound - min(self.every, bound / 2)
+        """The stall a hang is decided at: the bound itself. Not a check earlier (as before 2026-12-05): that
+        named stalls of bound - 0.25 s that were about to end (issue 44: a stall shorter than the bound is
+        never named); the leader's loop wakes right at the line (`seconds_until_due`), so it is not late."""
+        return self.progress.bound()
 
     def stalled_past_bound(self, stalled: float) -> bool:
-        """Past the bound by the time the next ask would come: decide now, not up to `every` late."""
         return stalled >= self.decision_line()
 
     def check(
@@ -925,11 +921,7 @@ class HangMonitor:
         else:  # the waits point at a rank this leader has no current report of: say so, name none
             what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
         since = self.progress.since_boundary(now)
-        judged = (
-            f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s"
-            if busy  # the line is one check before the bound, so that a hang is named within it
-            else f"bound {bound:.1f} s, decided from {self.decision_line():.2f} s on to be named within it"
-        )
+        judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.1f} s"
         reason = (
             f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.1f} s "
             f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)

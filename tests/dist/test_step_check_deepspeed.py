@@ -8,11 +8,15 @@ import os
 
 import pytest
 
-from tests.distutil import load_example
+from tests.distutil import installed, load_example
 from tests.step_check_proofs import STEPS, assert_proofs, example_argv, prove, run_scenarios
 
-pytest.importorskip("deepspeed", reason="pip install -e '.[test]' installs deepspeed")
-pytestmark = [pytest.mark.dist, pytest.mark.integration, pytest.mark.timeout(300)]  # ranks and a sidecar
+pytestmark = [  # ranks and a sidecar
+    pytest.mark.dist,
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not installed("deepspeed"), reason="pip install -e '.[test]' installs deepspeed"),
+]
 
 
 def _body(rank: int, world_size: int, endpoint: str, token_file: str, out_dir: str) -> dict:

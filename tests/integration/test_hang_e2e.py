@@ -1,7 +1,8 @@
 """Hangs and crashes end to end: the real trainer (gloo ranks) with its collectors' activity
 threads, against a real `parwatch sidecar`. A hang injected in compute, before a TP all-reduce
-and before a p2p send is named (rank, stage, what it is in) within the bound of the moment the rank
-blocked (the injection logs that wall time); a crash is told from a hang. (5 runs of each place: benchmarks/hang_detection.py; 200 healthy
+and before a p2p send is named (rank, stage, what it is in) at the bound after the last step boundary,
+so within the bound of the moment the rank blocked (the injection logs that wall time) but for the
+leader's wake-up (WAKE_S); a crash is told from a hang. (5 runs of each place: benchmarks/hang_detection.py; 200 healthy
 steps without a finding: test_e2e_guardrails.py.)"""
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 HANG_STEP = 5
 BOUND_S = 3.0  # the default: max(1.5 x median step, 3 s); these steps are ~20-50 ms
+WAKE_S = 0.1
+"""The leader decides at the bound after the boundary, never before, in the loop wake-up it schedules there
+(milliseconds); the block comes a part of a step after the boundary. This much over the bound is allowed."""
 PLACES = {  # where -> (layout flags, hung rank, its stage, what it is in)
     "compute": (("--pp", "2"), 1, 1, "forward"),
     "collective": (("--tp", "2", "--pp", "2"), 3, 1, "forward"),  # not in the TP all-reduce its peer waits in
@@ -82,8 +86,8 @@ def test_hang_names_the_rank_and_what_it_is_in(hang):
     if hang["where"] == "collective":
         assert evidence["missing"]["group"] == "tp" and evidence["missing"]["op"] == "all_reduce"
     assert evidence["bound_seconds"] == BOUND_S
-    # Decided at most one ask (0.25 s) before the bound of its own stall clock.
-    assert record["time"] - evidence["stalled_since"] >= BOUND_S - 0.25 - 1e-3
+    # Decided at the bound of its own stall clock, never before (the record's times are to the ms).
+    assert record["time"] - evidence["stalled_since"] >= BOUND_S - 1e-3
     status = hang["status"]
     assert status["hang"]["id"] == record["id"] and status["rank_states"] == {"running": nproc - 1, "hung": 1}
 
@@ -91,7 +95,7 @@ def test_hang_names_the_rank_and_what_it_is_in(hang):
 @pytest.mark.timing
 def test_hang_is_named_within_the_bound(hang):
     elapsed = hang["record"]["time"] - hang["blocked_at"]  # from the moment it blocked to the decision
-    assert elapsed <= BOUND_S, (elapsed, hang["record"]["evidence"])  # named within the bound, reporting delay included
+    assert elapsed <= BOUND_S + WAKE_S, (elapsed, hang["record"]["evidence"])  # reporting delay included
 
 
 @pytest.mark.timing

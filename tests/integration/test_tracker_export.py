@@ -12,6 +12,7 @@ import os
 import pytest
 
 from tests import one_client
+from tests.distutil import installed
 from tests.integration.e2e_util import SMALL_MODEL, Control, running_trainer, token_args, wait_until
 from tests.sidecar_process import running_sidecar, stop
 from tests.trackers_readback import (
@@ -23,10 +24,11 @@ from tests.trackers_readback import (
     wandb_run_dir,
 )
 
-for module in ("tensorboardX", "tensorboard", "mlflow", "wandb"):
-    pytest.importorskip(module)
-
-pytestmark = pytest.mark.integration
+TRACKERS = ("tensorboardX", "tensorboard", "mlflow", "wandb")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not all(map(installed, TRACKERS)), reason=f"needs {', '.join(TRACKERS)}: scripts/setup.sh test"),
+]
 
 STEPS = 12
 RUN_ID = "tracker-e2e"

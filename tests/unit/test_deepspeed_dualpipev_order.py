@@ -7,26 +7,32 @@ import pytest
 
 from parwatch import pipeline_sim as ps
 from parwatch.bubble import theoretical
+from parwatch.integrations._deepspeed_order import dualpipev_schedule_order
+from tests.distutil import installed
 
-ds = pytest.importorskip("deepspeed.runtime.pipe.schedule", reason="pip install -e '.[test]' installs deepspeed")
-if not hasattr(ds, "DualPipeVSchedule"):
-    pytest.skip("this deepspeed has no DualPipeVSchedule (0.19.8 has)", allow_module_level=True)
-
-from parwatch.integrations._deepspeed_order import dualpipev_schedule_order  # noqa: E402
-
+pytestmark = pytest.mark.skipif(not installed("deepspeed"), reason="pip install -e '.[test]' installs deepspeed")
 SIZES = [(2, 4), (2, 5), (2, 8), (3, 6), (3, 7), (4, 8), (4, 13)]
-COMPUTES = (ds.ForwardPass, ds.BackwardPass)
 
 
-def stream(p: int, m: int, rank: int) -> list:
+@pytest.fixture(scope="module")
+def ds():
+    """deepspeed's schedule module, imported by the worker that runs these tests only (collection does not)."""
+    from deepspeed.runtime.pipe import schedule
+
+    if not hasattr(schedule, "DualPipeVSchedule"):
+        pytest.skip("this deepspeed has no DualPipeVSchedule (0.19.8 has)")
+    return schedule
+
+
+def stream(ds, p: int, m: int, rank: int) -> list:
     return [cmd for cmds in ds.DualPipeVSchedule(micro_batches=m, stages=p, stage_id=rank).steps() for cmd in cmds]
 
 
 @pytest.mark.parametrize("p, m", SIZES)
-def test_the_order_is_the_streams_computes(p, m):
+def test_the_order_is_the_streams_computes(ds, p, m):
     order = ps.normalize(dualpipev_schedule_order(p, m))
     for rank in range(p):
-        computes = [cmd for cmd in stream(p, m, rank) if type(cmd) in COMPUTES]
+        computes = [cmd for cmd in stream(ds, p, m, rank) if type(cmd) in (ds.ForwardPass, ds.BackwardPass)]
         assert len(order[rank]) == len(computes) == 4 * m
         for action, cmd in zip(order[rank], computes):
             assert action.type == ("F" if type(cmd) is ds.ForwardPass else "B")
@@ -37,17 +43,17 @@ def test_the_order_is_the_streams_computes(p, m):
 
 
 @pytest.mark.parametrize("p, m", SIZES)
-def test_a_result_is_handed_on_at_the_commit_that_sends_it(p, m):
+def test_a_result_is_handed_on_at_the_commit_that_sends_it(ds, p, m):
     # A Send* only queues; the next CommitP2P runs it. The replay hands a block's results on when
     # the block ends, so a sent compute's block must end at the last compute before that commit.
     blocks = dualpipev_schedule_order(p, m)
     for rank in range(p):
-        cmds = stream(p, m, rank)
+        cmds = stream(ds, p, m, rank)
         block_end = {}
         for block in blocks[rank]:
             members = list(block) if isinstance(block, ps.Overlap) else [block]
             block_end.update({a: members[-1] for a in members})
-        computes = [(i, cmd) for i, cmd in enumerate(cmds) if type(cmd) in COMPUTES]
+        computes = [(i, cmd) for i, cmd in enumerate(cmds) if type(cmd) in (ds.ForwardPass, ds.BackwardPass)]
         actions = ps.normalize(blocks)[rank]
         of_buffer = {(type(cmd), cmd.buffer_id): actions[n] for n, (_, cmd) in enumerate(computes)}
         sends = {ds.SendActivation: ds.ForwardPass, ds.SendGrad: ds.BackwardPass}
@@ -62,6 +68,7 @@ def test_a_result_is_handed_on_at_the_commit_that_sends_it(p, m):
         assert checked == (4 * m if 0 < rank < p - 1 else 2 * m)  # the V turns on its end ranks
 
 
+@pytest.mark.usefixtures("ds")  # the order is built from deepspeed's own schedule
 def test_p2_m4_blocks():
     # Rank 0 runs its third phase-0 forward, commits (receiving 3F0's input), runs 3F0, and only
     # then queues both activations: 0F2's leaves with 3F0's, so the two are one block.
@@ -70,6 +77,7 @@ def test_p2_m4_blocks():
     assert order[1][0] == "(1F0;2F0)OVERLAP_F_B"  # 1F0 is not sent (the V turns on rank 1)
 
 
+@pytest.mark.usefixtures("ds")
 @pytest.mark.parametrize("p, m", SIZES)
 def test_the_replay_fills_1f1bs_bubble(p, m):
     # Uniform stages: every rank idles alike, less than 1F1B's (p-1)/(m+p-1) at the same p and m,

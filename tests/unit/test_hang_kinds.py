@@ -90,7 +90,7 @@ def test_the_default_bound_names_a_hang_in_three_seconds_of_short_steps():
     def rows():  # what the ranks report now (once a second, both alive)
         return {0: act(0, PP2, "recv", "recv", "pp", peer=1, step=5, time=clock.t), 1: act(1, PP2, "backward", step=5)}
 
-    clock.t = boundary + 3.0 - 0.25 - 0.01
+    clock.t = boundary + 3.0 - 0.01
     assert monitor.check(rows()) == []
     clock.t += 0.02
     [record] = monitor.check(rows())
@@ -118,8 +118,8 @@ def test_a_transport_stall_is_timed_from_when_its_last_party_entered():
         return monitor.check(rows)
 
     assert judge_at(boundary + 2.8) == [] and engine.records == []
-    assert judge_at(entered[1] + 2.75 - 0.01) == []
-    [record] = judge_at(entered[1] + 2.75)
+    assert judge_at(entered[1] + 3.0 - 0.01) == []
+    [record] = judge_at(entered[1] + 3.0)
     assert (record["rule"], record["evidence"]["kind"]) == ("hang", "transport")
 
 
@@ -135,7 +135,10 @@ def test_a_rank_in_a_checkpoint_or_eval_is_busy_until_its_own_bound():
             monitor.observe(replace(a, time=clock.t), PP2, clock.t)
         assert not monitor.due(gone_hint=False)  # busy time is no stall: nothing to judge
         assert monitor.check(rows) == []
-    clock.t = boundary + 60.0 - 0.25  # the busy bound (max(60 s, 20 x 0.2 s)) less one ask: a save this long
+    clock.t = boundary + 60.0 - 0.01  # just short of the busy bound (max(60 s, 20 x 0.2 s)): not yet
+    monitor.observe(replace(rows[1], time=clock.t), PP2, clock.t)
+    assert not monitor.due(gone_hint=False)
+    clock.t = boundary + 60.0  # the busy bound: a save this long
     monitor.observe(replace(rows[1], time=clock.t), PP2, clock.t)
     assert monitor.due(gone_hint=False)
     [record] = monitor.check(rows)
@@ -158,9 +161,9 @@ def test_the_stall_after_a_long_activity_counts_from_its_end():
     rows = {0: act(0, PP2, "recv", "recv", "pp", peer=1, step=5), 1: act(1, PP2, "forward", step=5)}
     clock.t = boundary + 4.0  # 4 s after the boundary, 1.5 s after the eval was last seen
     assert not monitor.due(gone_hint=False) and monitor.check(rows) == []
-    clock.t = boundary + 2.5 + 2.75  # the decision line, counted from the end of the eval
+    clock.t = boundary + 2.5 + 3.0  # the decision line (the bound), counted from the end of the eval
     [record] = monitor.check(rows)
-    assert record["evidence"]["culprit"]["rank"] == 1 and record["evidence"]["since_boundary_seconds"] == 5.25
+    assert record["evidence"]["culprit"]["rank"] == 1 and record["evidence"]["since_boundary_seconds"] == 5.5
 
 
 def test_a_rank_stuck_outside_the_long_activity_is_named_at_the_normal_bound():
@@ -203,8 +206,8 @@ def test_a_late_rank_holds_the_hang_until_it_speaks_or_its_node_goes_missing_the
         rows[0] = act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=clock.t)  # rank 0 reports on
         return monitor.check(rows, coverage=coverage(rows, lay.world, view.missing_nodes()))
 
-    clock.t = boundary + 2.75  # the decision line
-    assert judge() == [] and monitor.awaiting_fresh  # rank 1's report is 2.25 s old (> 2 s): held, not named
+    clock.t = boundary + 3.0  # the decision line
+    assert judge() == [] and monitor.awaiting_fresh  # rank 1's report is 2.5 s old (> 2 s): held, not named
     assert monitor.late_ranks(view.rows(), clock.t) == [1]
     clock.t = boundary + 6.0
     [record] = judge()  # node 1 missing (5 s): its ranks are gone, the run is not hung
@@ -224,8 +227,8 @@ def test_a_rank_that_speaks_again_lets_the_hang_be_named():
     boundary = clock.t
     stale = act(1, lay, "forward", step=5, time=boundary + 0.1)
     monitor.observe(stale, lay, boundary + 0.1)
-    rank0 = act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=boundary + 2.75)
-    clock.t = boundary + 2.75
+    rank0 = act(0, lay, "recv", "recv", "pp", peer=1, step=5, time=boundary + 3.0)
+    clock.t = boundary + 3.0
     assert monitor.check({0: rank0, 1: stale}) == [] and monitor.awaiting_fresh
     clock.t = boundary + 3.2
     fresh = act(1, lay, "forward", step=5, time=clock.t)
