@@ -29,7 +29,7 @@ import tempfile
 import pytest
 
 SERIAL_FILE = "parwatch_serial_ids"
-"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...]}."""
+"""The workerinput key naming the file of the node ids classified: {"serial", "alone", "exclusive": [...]}."""
 DURATIONS = os.environ.get(
     "PARWATCH_TEST_DURATIONS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 )
@@ -40,17 +40,27 @@ SPLIT_FILE_SECONDS = 60.0
 """An integration or dist file longer than this is split: its tests that share no wider fixture run
 as units of their own, on whichever worker is free."""
 HOLD_BEHIND_SECONDS = 30.0
+"""A worker with more than this pending gets the shortest unit to hold, not the longest."""
 SERIAL_LANES = int(os.environ.get("PARWATCH_SERIAL_LANES", "2"))
 """Workers that run serial units at once. Their ranks mostly sleep (simulated compute, waits for a bound):
 run alone, one after another, the serial units used 153 of the 453 CPU-seconds of their 227 s on 2 cores,
 and under 10% for their first 90 s (2026-12-05, docs/benchmarks.md). A worker left over when a serial
 unit starts runs at most the last test of a non-serial unit it holds (a worker keeps one until it is sent
 more) beside the first serial unit of another; the units go longest first, so that test is of the
-shortest units (unit-test files, milliseconds: tests/unit/test_serial_phase.py checks the bound)."""
-"""A worker with more than this pending gets the shortest unit to hold, not the longest."""
+shortest units (unit-test files, milliseconds: tests/unit/test_serial_phase.py checks the bound).
+A test marked `serial` itself (a CPU-bound grid: real compute whose balance a neighbour changes) runs after
+the lanes, alone: CI on 35032b4 ran the demo straggler's grid beside a serial unit, and its stage skew
+named the stage the neighbour slowed."""
+
+
+EXCLUSIVE = "exclusive:"
+"""The scope prefix of a unit of one test marked `serial` itself."""
 
 
 def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
+    exclusive = [  # marked `serial` itself (before the marks below), sharing no scenario: alone, after the lanes
+        item.nodeid for item in items if "serial" in item.keywords and not _wide_fixtures(item)
+    ]
     timed: set[tuple[str, str]] = set()  # (module file, fixture name) of the timing tests' wider fixtures
     for item in items:
         if "timing" in item.keywords:
@@ -73,7 +83,7 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
         ]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
-            json.dump({"serial": [item.nodeid for item in serial], "alone": alone}, out)
+            json.dump({"serial": [item.nodeid for item in serial], "alone": alone, "exclusive": exclusive}, out)
         os.replace(tmp, path)
 
 
@@ -112,6 +122,8 @@ def _serial_last_scheduling():
         serial: frozenset[str] = frozenset()
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
+        exclusive: frozenset[str] = frozenset()
+        """Tests marked `serial` themselves: a unit each, run after the lanes' units, alone."""
         seconds: dict[str, float] = {}
 
         def __init__(self, config, log=None) -> None:
@@ -121,6 +133,8 @@ def _serial_last_scheduling():
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
+            if nodeid in self.exclusive:
+                return f"{EXCLUSIVE}{nodeid}"
             if nodeid in self.serial:
                 return f"serial:{file}"
             return nodeid if nodeid in self.alone else file
@@ -132,6 +146,7 @@ def _serial_last_scheduling():
                     with open(path) as f:
                         ids = json.load(f)
                     self.serial = frozenset(ids["serial"])
+                    self.exclusive = frozenset(ids["exclusive"])
                     self.seconds = _durations()
                     by_file: dict[str, float] = {}
                     for nodeid in ids["alone"]:
@@ -153,13 +168,15 @@ def _serial_last_scheduling():
             serial units are left, every node but SERIAL_LANES is shut down (it runs what it holds, then
             leaves); the ones left are held (a worker keeps its last test until it is sent more or shut
             down) until every node has asked for more and the ones shut down have nothing pending, then
-            take the serial units, longest first, as each asks."""
-            others = [s for s in self.workqueue if not s.startswith("serial:")]
+            take the serial units, longest first, as each asks. The exclusive units come last the same way,
+            with one node left."""
+            others = [s for s in self.workqueue if not s.startswith(("serial:", EXCLUSIVE))]
+            lanes = SERIAL_LANES if any(s.startswith("serial:") for s in self.workqueue) else 1
             if others:
                 held = sum(self._weight(unit) for unit in self.assigned_work.get(node, {}).values())
                 pick = min if held > HOLD_BEHIND_SECONDS else max
                 scope = pick(others, key=lambda s: self._weight(self.workqueue[s]))
-            elif sum(not n.shutting_down for n in self._others(node)) >= SERIAL_LANES:
+            elif sum(not n.shutting_down for n in self._others(node)) >= lanes:
                 node.shutdown()
                 return
             elif self._non_serial_running(node):
@@ -167,7 +184,8 @@ def _serial_last_scheduling():
                 return
             else:
                 self._held.discard(node)
-                scope = max(self.workqueue, key=lambda s: self._weight(self.workqueue[s]))
+                lane_units = [s for s in self.workqueue if s.startswith("serial:")] or list(self.workqueue)
+                scope = max(lane_units, key=lambda s: self._weight(self.workqueue[s]))
             work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             collection = self.registered_collections[node]
@@ -191,11 +209,13 @@ def _serial_last_scheduling():
             return any(scope.startswith("serial:") for scope in self.assigned_work.get(node, {}))
 
         def _reschedule(self, node) -> None:
-            super()._reschedule(node)
+            # The held nodes first: an idle lane takes the next unit before a busy one (which asks with
+            # two tests left) queues it behind its own.
             for held in list(self._held):
                 if held is not node and held in self.assigned_work and not held.shutting_down:
                     if not self._non_serial_running(held) and self.workqueue:
                         self._assign_work_unit(held)
+            super()._reschedule(node)
 
     return SerialLastScheduling
 

@@ -191,7 +191,10 @@ def test_short_demo_summary_matches_the_schedule_and_writes_the_report(run_dir):
 
 
 def test_nan_scenario_rolls_back_and_completes_with_finite_losses(run_dir):
-    steps = 14
+    # The NaN comes at steps // 2 + 1 and the run must still be training when the sidecar's rollback
+    # arrives: at 14 steps (NaN at 8) CI on 35032b4 under full load decided it 0.68 s after step 8, when
+    # step 14, the last, had ended 0.02 s before; NaN to the end. 24 steps leave 11 (~1.2 s here).
+    steps = 24
     out = run_demo(run_dir, "--steps", str(steps), "--scenario", "nan")
 
     rollbacks = [d for d in decisions(run_dir) if d["action"] == "rollback"]

@@ -247,8 +247,14 @@ def test_two_nodes_roll_back_pause_resume_and_survive_a_sidecar_crash(tmp_path):
             # (b) an operator pause through the leader holds all four ranks; resume releases them
             pause = leader.control("pause", reason="multinode test")
             wait_until(lambda: leader.status()["paused"], "the pause applied on every rank", 60)
-            held = [r for r in leader.records("applied") if r["directive_id"] == pause["directive_id"]]
-            assert held and held[0]["rank_count"] == 4
+            # Its outcome record: the status turns paused as the engine takes the outcome, and the record
+            # reaches decisions.jsonl at the next write (CI on 35032b4 read it 0.1 s before it was there).
+            held = wait_until(
+                lambda: [r for r in leader.records("applied") if r["directive_id"] == pause["directive_id"]],
+                "the pause's outcome record",
+                10,
+            )
+            assert held[0]["rank_count"] == 4
             # The step every rank applied the pause at (its outcome record), against the steps of the timeline
             # after the rollback: the first one ran to 12 before it was rolled back to 8. (CI on 02e6495: with
             # faster polling the pause came at 10 of the second, and every step of both was compared.)

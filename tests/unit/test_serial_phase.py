@@ -44,7 +44,8 @@ def test_unrelated(tmp_path):  # tmp_path_factory behind it is session-wide, and
 """
 )
 GRID = RECORD + "\npytestmark = pytest.mark.serial\n\ndef test_grid():\n    record('grid')\n"
-SERIAL = {"figure", "same_run", "grid"}
+FIGURE = RECORD + "\n@pytest.mark.timing\ndef test_other_figure():\n    record('other_figure')\n"
+SERIAL = {"figure", "same_run", "other_figure", "grid"}
 
 
 def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: dict | None = None):
@@ -56,7 +57,13 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
         "    mark_serial(config, items)\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n")
-    files = files or {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}
+    files = files or {
+        "test_a.py": PLAIN,
+        "test_b.py": PLAIN,
+        "test_c.py": SCENARIO,
+        "test_d.py": GRID,
+        "test_e.py": FIGURE,
+    }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     out = tmp_path / "out"
@@ -84,13 +91,15 @@ def test_serial_tests_run_last_in_their_lanes_under_xdist(tmp_path, lanes):
     proc = run(tmp_path, "-n", "3", env={"PARWATCH_SERIAL_LANES": str(lanes)})
     assert proc.returncode == 0, proc.stdout[-3000:]
     ran = intervals(tmp_path)
-    assert len(ran) == 10, sorted(ran)
+    assert len(ran) == 11, sorted(ran)
+    grid = ran.pop("grid")  # marked serial itself (a CPU-bound grid): after everything else, alone
+    assert all(grid[0] >= end for _, end, _ in ran.values()), (grid, ran)
     serial = {k: v for k, v in ran.items() if k in SERIAL}
     others = {k: v for k, v in ran.items() if k not in SERIAL}
     assert len({worker for _, _, worker in others.values()}) >= 2  # the others did run in parallel
     first_serial = min(start for start, _, _ in serial.values())
     lane_workers = {worker for _, _, worker in serial.values()}
-    assert len(lane_workers) == lanes  # the two serial units, one a lane
+    assert len(lane_workers) == lanes  # the two lane units (the scenario's, the other figure's), one a lane
     # Only the one test a lane's worker held (xdist keeps a worker's last test until it is sent more) may
     # still run once a serial unit started on another lane; every other test ended before.
     late = [(name, worker) for name, (_, end, worker) in others.items() if end > first_serial]
