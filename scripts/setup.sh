@@ -20,10 +20,10 @@ if [ "${1:-}" = "test" ]; then
   "$PY" -m pip install --quiet -e '.[test]'
   # DeepSpeed's CPU comm op, built once into .tools/torch_extensions (the tests' TORCH_EXTENSIONS_DIR),
   # not by the first DeepSpeed test (tests/deepspeed_op.py). A compile on one core (23 s from a fresh
-  # clone): it runs while the steps below download and unpack, and setup waits for it at the end.
+  # clone): it runs while the steps below download and unpack, and setup waits for it at the end. Not
+  # killed if a step below fails: a build killed midway leaves the lock every later start waits on.
   "$PY" -m tests.deepspeed_op &
   op_build=$!
-  trap 'kill "$op_build" 2>/dev/null || true' EXIT
   # victoria-metrics brings victoria-metrics and vmalert: the agent -> VictoriaMetrics path
   # (tests/integration/test_victoriametrics.py). Its packaged service is not used.
   if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus-alertmanager >/dev/null 2>&1 \
