@@ -1,4 +1,4 @@
-"""Two phases in one pytest-xdist session: everything else on every worker, then the serial tests alone.
+"""Two phases in one pytest-xdist session: everything else on every worker, then the serial tests in two lanes.
 
 A test is serial when it is marked `timing` (its assertion is a wall-clock figure), when it shares a
 fixture wider than a function with a timing test of its module (that fixture runs the scenario whose
