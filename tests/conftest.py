@@ -23,9 +23,8 @@ repeats: `pytest -m slow`. Without `-n` everything runs in one process, in file 
 `-n auto` starts one worker more than the cores (pytest_xdist_auto_num_workers below). In parallel
 (`-n N`, pytest-xdist) the session has two phases (tests/serial_phase.py): the non-serial
 tests on every worker, a file at a time, longest first by CI's recorded durations (tests/durations.json);
-then the serial units on two workers (SERIAL_LANES) once the others have left, so a timing figure is
-never measured while the non-serial tests load the CPU, only beside another serial unit (they mostly
-sleep: 34% of 2 cores alone). Workers share no fixed
+then the serial units on one worker (SERIAL_LANES) once the others have left, so a timing figure is
+never measured while another worker loads the CPU. Workers share no fixed
 port and no state directory: servers and ranks take a port the kernel just reported free (a sidecar
 that loses it to another process is started again on others: tests/sidecar_process.py), every test
 writes under its own tmp_path (a worker's own base temp), and only the controller writes test-results/.
@@ -55,7 +54,7 @@ deepspeed_op.extensions_dir(os.environ)  # before any rank or server is spawned:
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker more than the cores. Most tests wait (servers starting, grace windows, ranks
     blocked in a collective): the suite used 107% of 2 cores at -n 3 (971 s of CPU in 899 s), so a third
-    worker fills the cores the waits leave idle (the serial phase has its own lanes)."""
+    worker fills the cores the waits leave idle (the serial phase still measures alone)."""
     return (os.cpu_count() or 1) + 1
 
 

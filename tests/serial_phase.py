@@ -1,4 +1,4 @@
-"""Two phases in one pytest-xdist session: everything else on every worker, then the serial tests in two lanes.
+"""Two phases in one pytest-xdist session: everything else on every worker, then the serial tests alone.
 
 A test is serial when it is marked `timing` (its assertion is a wall-clock figure), when it shares a
 fixture wider than a function with a timing test of its module (that fixture runs the scenario whose
@@ -41,26 +41,29 @@ SPLIT_FILE_SECONDS = 60.0
 as units of their own, on whichever worker is free."""
 HOLD_BEHIND_SECONDS = 30.0
 """A worker with more than this pending gets the shortest unit to hold, not the longest."""
-SERIAL_LANES = int(os.environ.get("PARWATCH_SERIAL_LANES", "2"))
-"""Workers that run serial units at once. Their ranks mostly sleep (simulated compute, waits for a bound):
+SERIAL_LANES = int(os.environ.get("PARWATCH_SERIAL_LANES", "1"))
+"""Workers that run serial units at once (1 unless PARWATCH_SERIAL_LANES says more). Their ranks mostly sleep:
 run alone, one after another, the serial units used 153 of the 453 CPU-seconds of their 227 s on 2 cores,
-and under 10% for their first 90 s (2026-12-05, docs/benchmarks.md). A worker left over when a serial
+and under 10% for their first 90 s (2026-12-05, docs/benchmarks.md). Two lanes took the serial phase from
+201 s to 115-152 s, but a timing figure was re-run in 4 of 5 such runs on this 2-core VM (one lane: none
+in six CIs), so one lane is the default; a machine with more cores may take two. A worker left over when a serial
 unit starts runs at most the last test of a non-serial unit it holds (a worker keeps one until it is sent
 more) beside the first serial unit of another; the units go longest first, so that test is of the
 shortest units (unit-test files, milliseconds: tests/unit/test_serial_phase.py checks the bound).
-A test marked `serial` itself (a CPU-bound grid: real compute whose balance a neighbour changes) runs after
-the lanes, alone: CI on 35032b4 ran the demo straggler's grid beside a serial unit, and its stage skew
-named the stage the neighbour slowed."""
+A file with a test marked `serial` itself (CPU-bound: real compute whose balance a neighbour changes, or
+Megatron-Core's 5.5 s import in every rank) has its serial unit run after the lanes, alone: CI on 35032b4
+ran the demo straggler's grid beside a serial unit and its stage skew named the stage the neighbour
+slowed; on e8fca7d and in a venv test_megatron's delayed send measured rank 0's imbalance at 0.024 and
+0.039 (bar 0.02) beside Megatron DP's and the framework hang runs' starts."""
 
 
 EXCLUSIVE = "exclusive:"
-"""The scope prefix of a unit of one test marked `serial` itself."""
+"""The scope prefix of a file's serial unit that runs alone (a test of it is marked `serial` itself)."""
 
 
 def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
-    exclusive = [  # marked `serial` itself (before the marks below), sharing no scenario: alone, after the lanes
-        item.nodeid for item in items if "serial" in item.keywords and not _wide_fixtures(item)
-    ]
+    # The serial tests of a file with a test marked `serial` itself (before the marks below): after the lanes, alone.
+    exclusive_files = {item.path for item in items if "serial" in item.keywords}
     timed: set[tuple[str, str]] = set()  # (module file, fixture name) of the timing tests' wider fixtures
     for item in items:
         if "timing" in item.keywords:
@@ -83,6 +86,7 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
         ]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
+            exclusive = [item.nodeid for item in serial if item.path in exclusive_files]
             json.dump({"serial": [item.nodeid for item in serial], "alone": alone, "exclusive": exclusive}, out)
         os.replace(tmp, path)
 
@@ -123,7 +127,7 @@ def _serial_last_scheduling():
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
         exclusive: frozenset[str] = frozenset()
-        """Tests marked `serial` themselves: a unit each, run after the lanes' units, alone."""
+        """The serial tests of files with a test marked `serial` itself: a unit a file, after the lanes, alone."""
         seconds: dict[str, float] = {}
 
         def __init__(self, config, log=None) -> None:
@@ -134,7 +138,7 @@ def _serial_last_scheduling():
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
             if nodeid in self.exclusive:
-                return f"{EXCLUSIVE}{nodeid}"
+                return f"{EXCLUSIVE}{file}"
             if nodeid in self.serial:
                 return f"serial:{file}"
             return nodeid if nodeid in self.alone else file
