@@ -45,8 +45,8 @@ SERIAL_LANES = int(os.environ.get("PARWATCH_SERIAL_LANES", "1"))
 """Workers that run serial units at once (1 unless PARWATCH_SERIAL_LANES says more). Their ranks mostly sleep:
 run alone, one after another, the serial units used 153 of the 453 CPU-seconds of their 227 s on 2 cores,
 and under 10% for their first 90 s (2026-12-05, docs/benchmarks.md). Two lanes took the serial phase from
-201 s to 115-152 s, but a timing figure was re-run in 4 of 5 such runs on this 2-core VM (one lane: none
-in six CIs), so one lane is the default; a machine with more cores may take two. A worker left over when a serial
+201 s to 115-152 s, but a timing figure was re-run in 5 of 8 such runs on this 2-core VM (one lane: none
+in the five CIs before), so one lane is the default; a machine with more cores may take two. A worker left over when a serial
 unit starts runs at most the last test of a non-serial unit it holds (a worker keeps one until it is sent
 more) beside the first serial unit of another; the units go longest first, so that test is of the
 shortest units (unit-test files, milliseconds: tests/unit/test_serial_phase.py checks the bound).
