@@ -7,10 +7,9 @@ CPU-bound grid that would starve its neighbours). `mark_serial` adds the `serial
 collection, so `-m serial` / `-m "not serial"` select either phase without xdist too.
 
 Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one unit of non-serial tests
-at a time and holds every serial unit back until no other worker has a test pending; then SERIAL_LANES
-workers run the serial units, longest first, while the others have left. So no figure is measured while
-the non-serial tests load the CPU; a figure shares the machine only with another serial unit, which
-mostly sleeps (below). A unit is a file's tests (as `--dist loadfile`), except in a long
+at a time and holds every serial unit back until no other worker has a test pending; then one worker
+runs the serial units one after another while the others wait idle. So no figure is measured while
+another worker loads the CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
 integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
@@ -29,7 +28,7 @@ import tempfile
 import pytest
 
 SERIAL_FILE = "parwatch_serial_ids"
-"""The workerinput key naming the file of the node ids classified: {"serial", "alone", "exclusive": [...]}."""
+"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...]}."""
 DURATIONS = os.environ.get(
     "PARWATCH_TEST_DURATIONS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 )
@@ -41,29 +40,9 @@ SPLIT_FILE_SECONDS = 60.0
 as units of their own, on whichever worker is free."""
 HOLD_BEHIND_SECONDS = 30.0
 """A worker with more than this pending gets the shortest unit to hold, not the longest."""
-SERIAL_LANES = int(os.environ.get("PARWATCH_SERIAL_LANES", "1"))
-"""Workers that run serial units at once (1 unless PARWATCH_SERIAL_LANES says more). Their ranks mostly sleep:
-run alone, one after another, the serial units used 153 of the 453 CPU-seconds of their 227 s on 2 cores,
-and under 10% for their first 90 s (2026-12-05, docs/benchmarks.md). Two lanes took the serial phase from
-201 s to 115-152 s, but a timing figure was re-run in 5 of 8 such runs on this 2-core VM (one lane: none
-in the five CIs before), so one lane is the default; a machine with more cores may take two. A worker left over when a serial
-unit starts runs at most the last test of a non-serial unit it holds (a worker keeps one until it is sent
-more) beside the first serial unit of another; the units go longest first, so that test is of the
-shortest units (unit-test files, milliseconds: tests/unit/test_serial_phase.py checks the bound).
-A file with a test marked `serial` itself (CPU-bound: real compute whose balance a neighbour changes, or
-Megatron-Core's 5.5 s import in every rank) has its serial unit run after the lanes, alone: CI on 35032b4
-ran the demo straggler's grid beside a serial unit and its stage skew named the stage the neighbour
-slowed; on e8fca7d and in a venv test_megatron's delayed send measured rank 0's imbalance at 0.024 and
-0.039 (bar 0.02) beside Megatron DP's and the framework hang runs' starts."""
-
-
-EXCLUSIVE = "exclusive:"
-"""The scope prefix of a file's serial unit that runs alone (a test of it is marked `serial` itself)."""
 
 
 def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The serial tests of a file with a test marked `serial` itself (before the marks below): after the lanes, alone.
-    exclusive_files = {item.path for item in items if "serial" in item.keywords}
     timed: set[tuple[str, str]] = set()  # (module file, fixture name) of the timing tests' wider fixtures
     for item in items:
         if "timing" in item.keywords:
@@ -86,8 +65,7 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
         ]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
-            exclusive = [item.nodeid for item in serial if item.path in exclusive_files]
-            json.dump({"serial": [item.nodeid for item in serial], "alone": alone, "exclusive": exclusive}, out)
+            json.dump({"serial": [item.nodeid for item in serial], "alone": alone}, out)
         os.replace(tmp, path)
 
 
@@ -121,24 +99,17 @@ def _serial_last_scheduling():
     from xdist.scheduler import LoadScopeScheduling
 
     class SerialLastScheduling(LoadScopeScheduling):
-        """loadfile for the other tests, then the serial units on SERIAL_LANES workers once the others left."""
+        """loadfile for the other tests, then the serial units on one worker while the others idle."""
 
         serial: frozenset[str] = frozenset()
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
-        exclusive: frozenset[str] = frozenset()
-        """The serial tests of files with a test marked `serial` itself: a unit a file, after the lanes, alone."""
         seconds: dict[str, float] = {}
-
-        def __init__(self, config, log=None) -> None:
-            super().__init__(config, log)
-            self._held: set = set()
-            """The nodes kept for the serial units (SERIAL_LANES) until the others have nothing pending."""
+        _held = None
+        """The node kept for the serial units until the others have nothing pending."""
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            if nodeid in self.exclusive:
-                return f"{EXCLUSIVE}{file}"
             if nodeid in self.serial:
                 return f"serial:{file}"
             return nodeid if nodeid in self.alone else file
@@ -150,7 +121,6 @@ def _serial_last_scheduling():
                     with open(path) as f:
                         ids = json.load(f)
                     self.serial = frozenset(ids["serial"])
-                    self.exclusive = frozenset(ids["exclusive"])
                     self.seconds = _durations()
                     by_file: dict[str, float] = {}
                     for nodeid in ids["alone"]:
@@ -169,57 +139,34 @@ def _serial_last_scheduling():
 
         def _assign_work_unit(self, node) -> None:
             """The next unit for `node`: the longest left, or the shortest behind a long one. Once only
-            serial units are left, every node but SERIAL_LANES is shut down (it runs what it holds, then
-            leaves); the ones left are held (a worker keeps its last test until it is sent more or shut
-            down) until every node has asked for more and the ones shut down have nothing pending, then
-            take the serial units, longest first, as each asks. The exclusive units come last the same way,
-            with one node left."""
-            others = [s for s in self.workqueue if not s.startswith(("serial:", EXCLUSIVE))]
-            lanes = SERIAL_LANES if any(s.startswith("serial:") for s in self.workqueue) else 1
+            serial units are left, every node but one is shut down (it runs what it holds, then leaves);
+            the one left is held (a worker keeps its last test until it is sent more or shut down) until
+            the others have nothing pending, then runs the serial units one after another."""
+            others = [s for s in self.workqueue if not s.startswith("serial:")]
             if others:
                 held = sum(self._weight(unit) for unit in self.assigned_work.get(node, {}).values())
                 pick = min if held > HOLD_BEHIND_SECONDS else max
                 scope = pick(others, key=lambda s: self._weight(self.workqueue[s]))
-            elif sum(not n.shutting_down for n in self._others(node)) >= lanes:
+            elif any(not n.shutting_down for n in self._others(node)):
                 node.shutdown()
                 return
-            elif self._non_serial_running(node):
-                self._held.add(node)
+            elif any(self._pending_of(self.assigned_work[n]) for n in self._others(node)):
+                self._held = node
                 return
             else:
-                self._held.discard(node)
-                lane_units = [s for s in self.workqueue if s.startswith("serial:")] or list(self.workqueue)
-                scope = max(lane_units, key=lambda s: self._weight(self.workqueue[s]))
+                scope = next(iter(self.workqueue))
             work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(n) for n, done in work_unit.items() if not done])
 
-        def _non_serial_running(self, node) -> bool:
-            """Whether another node still runs non-serial tests: one shut down with tests left, one not held
-            that has not asked for a serial unit yet, or one held that still runs a test besides the one it
-            holds (it asks for more with two left; the held one runs when it is sent a serial unit)."""
-            return any(
-                (pending := self._pending_of(self.assigned_work[n]))
-                and (
-                    n.shutting_down
-                    or (n in self._held and pending > 1)
-                    or (n not in self._held and not self._runs_serial(n))
-                )
-                for n in self._others(node)
-            )
-
-        def _runs_serial(self, node) -> bool:
-            return any(scope.startswith("serial:") for scope in self.assigned_work.get(node, {}))
-
         def _reschedule(self, node) -> None:
-            # The held nodes first: an idle lane takes the next unit before a busy one (which asks with
-            # two tests left) queues it behind its own.
-            for held in list(self._held):
-                if held is not node and held in self.assigned_work and not held.shutting_down:
-                    if not self._non_serial_running(held) and self.workqueue:
-                        self._assign_work_unit(held)
             super()._reschedule(node)
+            held = self._held
+            if held is not None and held is not node and held in self.assigned_work and not held.shutting_down:
+                if not any(self._pending_of(self.assigned_work[n]) for n in self._others(held)):
+                    self._held = None
+                    self._assign_work_unit(held)
 
     return SerialLastScheduling
 

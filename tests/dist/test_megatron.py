@@ -193,7 +193,6 @@ def test_every_step_but_the_first_has_every_stages_spans(grid, config):
 
 
 @pytest.mark.timing
-@pytest.mark.serial  # CPU-bound (Megatron-Core's import, 5.5 s of CPU a rank): its serial unit runs alone
 @pytest.mark.parametrize("config", CONFIGS)
 def test_bubble_matches_the_replayed_schedule(grid, config):
     out, _ = grid

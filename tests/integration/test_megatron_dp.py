@@ -179,7 +179,6 @@ def test_each_timed_replica_has_every_stages_spans_of_steps_2_to_5(timed, layout
 
 
 @pytest.mark.timing
-@pytest.mark.serial  # CPU-bound (Megatron-Core's import, 5.5 s of CPU a rank): its serial unit runs alone
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_replicas_bubble_matches_the_replay_of_megatrons_order(timed, layout):
     run = timed[layout]

@@ -1,10 +1,9 @@
 """tests/serial_phase.py on small sessions of its own: under pytest-xdist the serial tests (timing, those
-sharing a timing test's scenario fixture, `serial`) run after every other test, in at most SERIAL_LANES
-lanes, a unit's tests one after another; without xdist `-m serial` selects them."""
+sharing a timing test's scenario fixture, `serial`) run after every other test, alone; without xdist
+`-m serial` selects them."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -44,8 +43,7 @@ def test_unrelated(tmp_path):  # tmp_path_factory behind it is session-wide, and
 """
 )
 GRID = RECORD + "\npytestmark = pytest.mark.serial\n\ndef test_grid():\n    record('grid')\n"
-FIGURE = RECORD + "\n@pytest.mark.timing\ndef test_other_figure():\n    record('other_figure')\n"
-SERIAL = {"figure", "same_run", "other_figure", "grid"}
+SERIAL = {"figure", "same_run", "grid"}
 
 
 def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: dict | None = None):
@@ -57,13 +55,7 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
         "    mark_serial(config, items)\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n")
-    files = files or {
-        "test_a.py": PLAIN,
-        "test_b.py": PLAIN,
-        "test_c.py": SCENARIO,
-        "test_d.py": GRID,
-        "test_e.py": FIGURE,
-    }
+    files = files or {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     out = tmp_path / "out"
@@ -85,30 +77,19 @@ def intervals(tmp_path: Path) -> dict[str, list]:
     return {p.stem: json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_serial_tests_run_last_in_their_lanes_under_xdist(tmp_path, lanes):
+def test_serial_tests_run_last_and_alone_under_xdist(tmp_path):
     pytest.importorskip("xdist")
-    proc = run(tmp_path, "-n", "3", env={"PARWATCH_SERIAL_LANES": str(lanes)})
+    proc = run(tmp_path, "-n", "2")
     assert proc.returncode == 0, proc.stdout[-3000:]
     ran = intervals(tmp_path)
-    assert len(ran) == 11, sorted(ran)
-    grid = ran.pop("grid")  # marked serial itself (a CPU-bound grid): after everything else, alone
-    assert all(grid[0] >= end for _, end, _ in ran.values()), (grid, ran)
+    assert len(ran) == 10, sorted(ran)
     serial = {k: v for k, v in ran.items() if k in SERIAL}
     others = {k: v for k, v in ran.items() if k not in SERIAL}
-    assert len({worker for _, _, worker in others.values()}) >= 2  # the others did run in parallel
-    first_serial = min(start for start, _, _ in serial.values())
-    lane_workers = {worker for _, _, worker in serial.values()}
-    assert len(lane_workers) == lanes  # the two lane units (the scenario's, the other figure's), one a lane
-    # Only the one test a lane's worker held (xdist keeps a worker's last test until it is sent more) may
-    # still run once a serial unit started on another lane; every other test ended before.
-    late = [(name, worker) for name, (_, end, worker) in others.items() if end > first_serial]
-    assert len(late) <= lanes - 1 and all(worker in lane_workers for _, worker in late), (late, serial, others)
-    edges = sorted([(start, 1) for start, _, _ in serial.values()] + [(end, -1) for _, end, _ in serial.values()])
-    at_once = max(itertools.accumulate(step for _, step in edges))
-    assert at_once == lanes, (serial, at_once)
-    figure, same_run = serial["figure"], serial["same_run"]  # one unit (one scenario): one after another
-    assert figure[1] <= same_run[0] or same_run[1] <= figure[0], serial
+    assert len({worker for _, _, worker in ran.values()}) == 2  # the others did run in parallel
+    last_other = max(end for _, end, _ in others.values())
+    assert all(start >= last_other for start, _, _ in serial.values()), (serial, others)
+    spans = sorted((start, end) for start, end, _ in serial.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one after another
 
 
 def test_minus_m_serial_selects_them_without_xdist(tmp_path):
