@@ -6,6 +6,11 @@ a second old, so they cannot tell which process ended first; the exits can. A pi
 becomes readable when its process exits, whoever its parent is: one daemon thread waits on them all
 and stamps each exit. Where pidfds are missing, nothing is stamped and the pid check alone tells
 that a rank is gone.
+
+Under load the thread wakes late, after two exits tens of milliseconds apart are both ready: one clock
+reading for both would tie them. The kernel queues ready pidfds in the order their processes exited,
+so every stamp is taken in that order and is later than the one before. Only the lock's holder takes
+ready exits off the epoll, and `ended` takes them too, so a stamp asked for never waits on the thread.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from collections.abc import Callable
 MAX_WATCHED = 256
 """Processes watched at once (a node runs a handful of ranks); past it, the pid check alone."""
 
+STAMP_STEP = 1e-6
+"""How much later than the one before each stamp is, at least: exits seen at one reading keep their order."""
+
 
 class ProcessExits:
     def __init__(self, clock: Callable[[], float] = time.time):
@@ -27,6 +35,7 @@ class ProcessExits:
         self._fd_of: dict[int, int] = {}  # pid -> pidfd, while it runs
         self._pid_of: dict[int, int] = {}  # pidfd -> pid
         self._ended: dict[int, float] = {}  # pid -> when it ended
+        self._last_stamp = float("-inf")
         self._epoll = select.epoll() if hasattr(os, "pidfd_open") and hasattr(select, "epoll") else None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -50,6 +59,8 @@ class ProcessExits:
 
     def ended(self, pid: int) -> float | None:
         """When the process ended (the sidecar's clock), or None: running, or not watched."""
+        if pid in self._fd_of:
+            self._take_ready()
         return self._ended.get(pid)
 
     def drop(self, pid: int) -> None:
@@ -78,19 +89,31 @@ class ProcessExits:
 
     def _run(self) -> None:
         assert self._epoll is not None
+        waiter = select.poll()  # readable while an exit is ready; what is ready is taken under the lock
+        waiter.register(self._epoll.fileno(), select.POLLIN)
         while not self._closed:
             try:
-                ready = self._epoll.poll(0.5)  # the timeout only lets close() end the thread
+                if waiter.poll(500):  # the timeout only lets close() end the thread
+                    self._take_ready()
             except (OSError, ValueError):  # closed under it
                 return
+
+    def _take_ready(self) -> None:
+        """Stamp every exit that is ready, in the order the kernel queued them (the order they ended)."""
+        with self._lock:
+            if self._closed or self._epoll is None:
+                return
+            ready = self._epoll.poll(0)
+            if not ready:
+                return
             now = self._clock()
-            with self._lock:
-                for fd, _events in ready:
-                    pid = self._pid_of.pop(fd, None)
-                    if pid is not None:
-                        del self._fd_of[pid]
-                        self._ended[pid] = now
-                        self._close(fd)
+            for fd, _events in ready:
+                pid = self._pid_of.pop(fd, None)
+                if pid is not None:
+                    del self._fd_of[pid]
+                    self._last_stamp = max(now, self._last_stamp + STAMP_STEP)
+                    self._ended[pid] = self._last_stamp
+                    self._close(fd)
 
     def _close(self, fd: int) -> None:
         assert self._epoll is not None

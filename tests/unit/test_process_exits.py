@@ -1,6 +1,7 @@
 """ProcessExits on real processes: each exit stamped in the order it happened, and a node's rows carry
 the stamp (parwatch/sidecar/exits.py, digest.NodeBook)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -53,6 +54,22 @@ def test_each_exit_is_stamped_in_the_order_the_processes_ended(exits, sleepers):
     second.wait()
     wait_for(lambda: exits.ended(second.pid) is not None)
     assert exits.ended(first.pid) < before <= exits.ended(second.pid)
+
+
+def test_exits_read_at_one_clock_reading_keep_the_order_they_ended_in(sleepers):
+    """A thread woken late (the clock reads the same for both) still stamps the first to end first."""
+    exits = ProcessExits(clock=lambda: 100.0)
+    try:
+        first, second = sleepers
+        for p in sleepers:
+            exits.watch(p.pid)
+        for p in (first, second):  # each ended (a zombie, not reaped) before the next is killed
+            p.kill()
+            os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+        wait_for(lambda: exits.ended(second.pid) is not None)
+        assert 100.0 <= exits.ended(first.pid) < exits.ended(second.pid)
+    finally:
+        exits.close()
 
 
 def test_a_process_already_gone_is_not_stamped_and_drop_forgets(exits, sleepers):
