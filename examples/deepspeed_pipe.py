@@ -272,7 +272,8 @@ def train(args) -> dict:
         now.update(step=trained, data_step=trained + (watch.data_offset if watch else 0), microbatch=0)
         loss = engine.train_batch(batches)  # parwatch: checked before its optimizer step (re-run, skipped)
         losses[trained] = float(loss)
-        step = watch.step_done() if watch else trained  # parwatch: the boundary; may pause or roll back
+        # parwatch: the boundary; may pause or roll back (after the last step, once the last steps are judged)
+        step = watch.step_done(last=trained == args.steps) if watch else trained
         if step != trained:  # rolled back: the steps after the loaded one are gone
             losses = {s: v for s, v in losses.items() if s <= step}
             batches.seek(step + watch.data_offset)  # parwatch: past the batches the rollback skips

@@ -295,7 +295,8 @@ def train(args) -> dict:
         if mb_losses:
             losses[trained] = float(torch.stack([t.detach() for t in mb_losses]).mean())
             history.append((trained, losses[trained]))
-        step = watch.step_done() if watch else trained  # parwatch: the step boundary; may pause or roll back
+        # parwatch: the step boundary; may pause or roll back (after the last step, once the last steps are judged)
+        step = watch.step_done(last=trained == args.steps) if watch else trained
         if step != trained:  # rolled back: the steps after the loaded one are gone
             losses = {s: v for s, v in losses.items() if s <= step}
         elif args.checkpoint_dir:

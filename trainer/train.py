@@ -431,6 +431,8 @@ class Trainer:
         self.begin()
         while self.step < self.cfg.steps:
             self.run_step()
+            if self.step == self.cfg.steps:  # the last steps' judgement may send the run back
+                self._apply(self.steps_boundary.settle(self.step))
         return self.end()
 
     def begin(self) -> None:

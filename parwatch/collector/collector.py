@@ -242,6 +242,18 @@ class Collector(Observer):
             directive = self.guard.offer(self._checkpoints)
         return directive
 
+    def settle(self, step: int, timeout_s: float) -> None:
+        """Rank 0, after the run's last step: its summaries posted and answered, so that a directive on
+        the last steps is pending at the settling boundary; a non-finite loss of the last step itself, which
+        no view will carry to the leader, is the local guard's (a pause the leader then judges)."""
+        if self.ctx.rank != 0:
+            return
+        flushed = self.shipper.flush(timeout_s)
+        if self.guard is not None and self._previous_step == step:
+            self.guard.never_judged(step)
+        if not flushed and self.shipper.url:
+            log.warning("parwatch: the sidecar did not answer the last steps' summaries within %.1f s", timeout_s)
+
     def _on_directive(self, raw) -> None:
         """Shipper thread: the sidecar's reply's directive, for the training thread to take."""
         self.directives.put(raw)
@@ -323,6 +335,8 @@ class Collector(Observer):
         elif name == Event.RUN_END and self.ctx.rank == 0 and isinstance(attrs.get("summary"), dict):
             attrs["summary"].update(self.totals.as_dict(), time_seconds=self.ledger.snapshot())
         elif name == Event.ROLLBACK:
+            if self.guard is not None:
+                self.guard.rolled_back()
             self._previous = None
             self.timeline += 1
             self.ledger.rollback(int(attrs["to_step"]), time.monotonic())

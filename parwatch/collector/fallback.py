@@ -78,6 +78,19 @@ class LocalGuard:
         if delivery is not None and not math.isfinite(loss) and self._watch is None and self._local is None:
             self._watch = (step, loss, delivery)
 
+    def never_judged(self, step: int) -> None:
+        """The run's last step: the leader judges a step's loss in the next step's view, which will not
+        come, so a watched loss of this step counts as a summary the sidecar did not take."""
+        watch = self._watch
+        if watch is not None and watch[0] == step:
+            unsent = Delivery()
+            unsent.accepted = False
+            self._watch = (step, watch[1], unsent)
+
+    def rolled_back(self) -> None:
+        """The ranks went back: a watched loss belongs to the steps they discarded."""
+        self._watch = None
+
     def offer(self, checkpoints: list[int]) -> Directive | None:
         """At a boundary: the local pause, once the watched summary is known not to have reached the sidecar."""
         watch = self._watch

@@ -109,6 +109,7 @@ class Shipper:
         self._queue: deque = deque()
         self._outcomes: deque = deque(maxlen=64)  # rank 0: (summaries put before it, encoded outcome) not yet accepted
         self._summaries_put = 0
+        self._handled_through = 0  # the number of the last summary the thread posted or dropped
         self._checks: deque = deque(maxlen=64)  # rank 0: encoded step check records not yet accepted
         self.heartbeat_seen = False
         """Set by the collector on a completed heartbeat boundary; the next post says "alive"."""
@@ -218,6 +219,21 @@ class Shipper:
     def queued(self) -> int:
         return len(self._queue)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Training thread, after the run's last step: have every summary put so far posted (a directive
+        in the answer reaches on_directive), waiting at most `timeout_s`; True when they were."""
+        if not self.url or self._thread is None:
+            return False
+        with self._lock:
+            target = self._summaries_put
+        self._wake.set()
+        deadline = self._time() + timeout_s
+        while self._handled_through < target:
+            if self._time() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.005)
+        return True
+
     def undelivered_outcomes(self) -> int:
         """Outcome records the sidecar has not accepted yet."""
         return len(self._outcomes)
@@ -249,6 +265,7 @@ class Shipper:
                 self._queue.clear()
             if not items:
                 return
+            last = items[-1][3]
             # Encode each summary once: the same text goes to the file and into the POST body.
             summaries = [self._encode(*payload) for kind, payload, _, _ in items if kind == SUMMARY]
             deliveries = [delivery for kind, _, delivery, _ in items if kind == SUMMARY]
@@ -258,6 +275,7 @@ class Shipper:
                 self._write(SPANS, [_dumps(r) for kind, payload, _, _ in items if kind == SPANS for r in payload])
             if not self.url:
                 _settle(deliveries, False)
+                self._handled_through = last
                 continue
             with self._lock:  # a post ends where an outcome was put: what came before it goes without it
                 marks = {put for put, _ in self._outcomes}
@@ -267,6 +285,7 @@ class Shipper:
                 end = next((j for j in range(i + 1, end) if any(numbers[j - 1] <= m < numbers[j] for m in marks)), end)
                 _settle(deliveries[i:end], self._post(summaries[i:end], numbers[i]))
                 i = end
+            self._handled_through = last
 
     def _encode(self, summary: StepSummary, view: GlobalView | None) -> str:
         if self._prepare is not None:

@@ -73,6 +73,10 @@ _REASON_SLOT = {
 }
 
 
+SETTLE_SECONDS = 2.0
+"""How long rank 0 waits at the run's end for its sidecar's answer on the last steps (a post takes
+milliseconds; a sidecar away costs the run this much once)."""
+
 AllReduceSum = Callable[[list[float]], Sequence[float] | Callable[[], Sequence[float]]]
 """SUM-all-reduces a float64 vector over every rank: returns the sums, or starts the
 all-reduce and returns a zero-argument callable that waits for it and returns them."""
@@ -229,6 +233,14 @@ class StepBoundary:
             self.report(directive, Outcome.IGNORED, reason=FailReason.OTHER_RUN, step=step)
             return mean_loss, None
         return mean_loss, directive
+
+    def settle(self, step: int, timeout_s: float = SETTLE_SECONDS) -> Directive | None:
+        """After the run's last step, on every rank: rank 0 has the last steps judged (its sidecar judges a
+        step in the next step's view; at most `timeout_s`), then every rank joins one heartbeat boundary.
+        Returns a directive decided on the last steps, to apply like any other (None: the run may end)."""
+        if self.rank == 0 and self.registry.active:
+            self.registry.settle(step, timeout_s)
+        return self.exchange(BoundaryKind.HEARTBEAT, step)[1]
 
     def agree(self, ok: bool) -> bool:
         """True when every rank passes ok=True (one 1-float all-reduce; every rank must call it)."""

@@ -101,6 +101,10 @@ class Observer:
         """Rank 0 only: a directive to hand every rank, or None."""
         return None
 
+    def settle(self, step: int, timeout_s: float) -> None:
+        """Rank 0, after the run's last step (before the settling boundary): what the last steps' judgement
+        needs sent, and their directive, if any, made pending (at most `timeout_s`)."""
+
     def during_boundary(self) -> None:
         """While the boundary's all-reduce is in flight (trainers whose all-reduce is asynchronous;
         see StepBoundary): work that needs not its result, such as folding the step's spans."""
@@ -258,6 +262,12 @@ class HookRegistry:
             if d is not None:
                 return d
         return None
+
+    def settle(self, step: int, timeout_s: float) -> None:
+        for obs in self.observers:
+            settle = getattr(obs, "settle", None)  # newer than the rest: observers may lack it
+            if settle is not None:
+                settle(step, timeout_s)
 
     def during_boundary(self) -> None:
         for obs in self.observers:

@@ -145,9 +145,10 @@ class StepLoop:
         """`with watch.evaluation(): evaluate(...)`: an eval between training steps (not bubble, not a step)."""
         return registry.span(SpanKind.EVAL, stage=self.pp_rank)
 
-    def boundary_step(self, loss: float | None) -> int:
-        """The boundary after an optimizer step, on every rank, then any directive it brought.
-        Returns the step training continues from: the one just finished, or the loaded one."""
+    def boundary_step(self, loss: float | None, last: bool = False) -> int:
+        """The boundary after an optimizer step, on every rank, then any directive it brought; after the
+        `last` step, the settling boundary too (settle). Returns the step training continues from: the one
+        just finished, or the loaded one."""
         self.step += 1
         trained = self.step
         _, directive = self.boundary.exchange(BoundaryKind.STEP, self.step, loss)
@@ -161,6 +162,17 @@ class StepLoop:
             if not any(a["action"] == Action.PAUSE for a in self.applied[handled:]):
                 log.error("rank %d: step %d: %s; pausing", self.pp_rank, self.step, verdict.evidence.get("pause"))
                 self._hold()
+        if last and self.step == trained:
+            self.settle()
+        return self.step
+
+    def settle(self) -> int:
+        """After the run's last step, on every rank: the last steps judged (StepBoundary.settle) and what
+        that brings applied. Returns the step training continues from: the last (the run may end), or the
+        checkpoint a rollback loaded (train on to the last step again)."""
+        directive = self.boundary.settle(self.step)
+        if directive is not None:
+            self._apply(directive)
         return self.step
 
     def checkpoint_saved(self, step: int, checkpoints: list[int] | None = None) -> None:

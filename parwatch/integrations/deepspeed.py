@@ -485,15 +485,17 @@ class DeepSpeedWatch(StepLoop):
         }
         return self.begin(step, config, self.action_order(), data_offset=data_offset)
 
-    def step_done(self, loss: float | None = None) -> int:
+    def step_done(self, loss: float | None = None, last: bool = False) -> int:
         """Call after each `engine.train_batch`, on every rank: the step boundary, then any directive.
 
         loss: default, the batch's mean loss the engine computed (reported by the loss stage: the
         last, or DualPipeV's rank 0).
-        Returns the step training continues from: the step just finished, or the loaded one."""
+        Returns the step training continues from: the step just finished, or the loaded one.
+        last: True after the run's last step (the last steps are then judged before it ends: settle).
+        """
         if loss is None and self._reports_loss and self.engine.agg_train_loss is not None:
             loss = float(self.engine.agg_train_loss)
-        return self.boundary_step(loss)
+        return self.boundary_step(loss, last)
 
     def _load_from_dir(self, step: int | None) -> int:
         """The newest `global_step<N>` checkpoint at or before `step` (None: the newest), loaded by

@@ -309,17 +309,19 @@ class MegatronWatch(StepLoop):
             return None
         return super().optimizer_step(optimizer, *args, **kwargs)
 
-    def step_done(self, loss: float | None = None) -> int:
+    def step_done(self, loss: float | None = None, last: bool = False) -> int:
         """Call after each optimizer step, on every rank: the step boundary, then any directive.
 
         loss: this rank's loss for the step; default (last stage): the sum of the microbatch
         losses Megatron backpropagated, each divided by the microbatch count (the mean
         microbatch loss for a loss_func returning (loss, ...)). Returns the step training
-        continues from: the one just finished, or the loaded one after a rollback."""
+        continues from: the one just finished, or the loaded one after a rollback.
+        last: True after the run's last step (the last steps are then judged before it ends: settle).
+        """
         if loss is None:
             loss = mean_loss(self._hooks.losses)
         self._hooks.losses.clear()
-        return self.boundary_step(loss)
+        return self.boundary_step(loss, last)
 
 
 watch = MegatronWatch

@@ -360,16 +360,18 @@ class PipelineWatch(StepLoop):
     def _step_loss(self) -> float | None:
         return _mean_loss(self._losses) if self._losses else None
 
-    def step_done(self, loss: float | None = None) -> int:
+    def step_done(self, loss: float | None = None, last: bool = False) -> int:
         """Call after each optimizer step, on every rank: the step boundary, then any directive.
 
         loss: this rank's loss for the step; default: the mean of the microbatch losses the
         schedule computed here (last stage only). Returns the step training continues from:
-        the step just finished, or the loaded one after a rollback."""
+        the step just finished, or the loaded one after a rollback.
+        last: True after the run's last step (the last steps are then judged before it ends: settle).
+        """
         if loss is None and self._losses:
             loss = _mean_loss(self._losses)
         self._losses.clear()
-        return self.boundary_step(loss)
+        return self.boundary_step(loss, last)
 
 
 def _mean_loss(losses: list) -> float:

@@ -117,6 +117,41 @@ def test_nan_loss_rolls_every_rank_back_and_the_run_completes(sidecar, tmp_path)
         print(f"rank {rank}: {len(discarded)} steps discarded, {measured:.4f} s of compute, {ledger['time_seconds']}")
 
 
+@pytest.mark.parametrize("from_end", [1, 0], ids=["second-to-last", "last"])
+def test_a_nan_in_the_last_steps_is_rolled_back_before_the_run_ends(sidecar, tmp_path, from_end):
+    """The leader judges a step in the next step's view, so the last steps were judged after the run had
+    ended (f0d1b5e: NaN to the end, exit 0). The settling boundary after the last step: the second-to-last
+    step's NaN comes back as the leader's rollback; the last's, which no view carries, as rank 0's local
+    pause, which the leader then rolls back."""
+    steps = 6
+    nan_step = steps - from_end
+    run, summary = run_trainer(
+        sidecar.control_url,
+        tmp_path / "run",
+        steps,
+        *token_args(sidecar),
+        *SMALL_MODEL,
+        "--pp",
+        "2",
+        "--pre-step-check",
+        "off",
+        "--inject",
+        f"nan:step={nan_step}",
+        "--keep-checkpoints",
+        "0",
+        checkpoint_every=2,
+    )
+    [decision] = [
+        d for d in decision_records(tmp_path / "state") if d["rule"] == "nonfinite-loss" and d["action"] == "rollback"
+    ]
+    assert decision["step"] == nan_step and decision["checkpoint"] == 4
+    [applied] = [a for a in summary["directives_applied"] if a["action"] == "rollback"]
+    assert applied["from_step"] == steps and applied["to_step"] == 4
+    assert summary["steps_completed"] == steps
+    assert all(is_finite_loss(x) for x in summary["losses"]), summary["loss_history"]
+    assert [s for s, _ in summary["loss_history"]] == [*range(1, steps + 1), 5, 6]
+
+
 SKEW_FROM, SKEW_STEPS = 5, 9
 
 

@@ -35,6 +35,25 @@ def test_a_nonfinite_loss_the_sidecar_took_is_left_to_the_leader(tmp_path):
     assert guard.decisions == 0
 
 
+def test_the_last_steps_nonfinite_loss_is_the_guards_though_its_summary_was_taken(tmp_path):
+    """The leader judges step n in step n+1's view: after the last step none comes."""
+    guard = _guard(tmp_path)
+    delivery = Delivery()
+    guard.loss(8, float("nan"), delivery)
+    delivery.accepted = True
+    guard.never_judged(7)  # another step's: nothing changes
+    guard.never_judged(8)
+    pause = guard.offer([4, 6])
+    assert pause is not None and pause.action == "pause" and guard.decisions == 1
+
+
+def test_a_rollback_forgets_the_watched_loss_of_the_discarded_steps(tmp_path):
+    guard = _guard(tmp_path)
+    guard.loss(6, float("nan"), _dropped())
+    guard.rolled_back()
+    assert guard.offer([4]) is None and guard.decisions == 0
+
+
 def test_a_finite_loss_is_never_watched(tmp_path):
     guard = _guard(tmp_path)
     guard.loss(7, 1.5, _dropped())

@@ -122,3 +122,25 @@ def test_outcomes_a_sidecar_refuses_for_the_token_are_kept_and_sent_once_it_take
         assert poster.failures == 0
     finally:
         shipper.close()
+
+
+class SlowPoster(FlakyPoster):
+    def post(self, url, content, headers):
+        time.sleep(0.2)
+        return super().post(url, content, headers)
+
+
+def test_flush_returns_once_every_summary_put_was_answered():
+    """The run's end: rank 0 waits for the sidecar's answer on its last summaries, and no longer than asked."""
+    poster = SlowPoster(failures=0)
+    shipper = Shipper(endpoint="http://sidecar", http=poster, poll_interval_s=60).start()
+    try:
+        for step in (1, 2, 3):
+            shipper.put_summary(_summary(step))
+        assert shipper.flush(timeout_s=5.0)
+        assert [s["step"] for b in poster.bodies for s in b["summaries"]] == [1, 2, 3]
+        shipper.put_summary(_summary(4))
+        assert not shipper.flush(timeout_s=0.05)  # the post takes 0.2 s: not answered yet
+    finally:
+        shipper.close()
+    assert not Shipper(log_path=None).flush(timeout_s=1.0)  # no sidecar: nothing to wait for

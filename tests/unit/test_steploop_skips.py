@@ -64,3 +64,25 @@ def test_a_loader_that_takes_two_arguments_is_handed_skip_batches():
         steps.checkpoint_saved(steps.step)
     rollback(steps, sidecar, 1, 2, skip=4)
     assert calls == [(2, 4)] and steps.data_offset == 4
+
+
+def test_settle_after_the_last_step_applies_what_the_last_steps_brought():
+    """A rollback decided on the last steps comes at the settling boundary; training goes on from it."""
+    settled: list = []
+
+    class Settling(Sidecar):
+        def settle(self, step, timeout_s):
+            settled.append(step)
+            self.offer = Directive(1, Action.ROLLBACK, RUN, to_step=2, skip_batches=1) if len(settled) == 1 else None
+
+    registry = HookRegistry()
+    registry.register(sidecar := Settling())
+    boundary = StepBoundary(0, 1, RUN, lambda v: v, reports_loss=True, registry=registry)
+    steps = StepLoop(pp_rank=0, boundary=boundary, load_checkpoint=lambda step: step)
+    steps.begin(0, {}, {})
+    for _ in range(3):
+        steps.boundary_step(1.0)
+        steps.checkpoint_saved(steps.step)
+    assert steps.boundary_step(1.0, last=True) == 2 and steps.data_offset == 1
+    assert steps.boundary_step(1.0) == 3 and settled == [4]
+    assert steps.boundary_step(1.0, last=True) == 4 and settled == [4, 4] and sidecar.offer is None
