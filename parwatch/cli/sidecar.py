@@ -149,7 +149,7 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 @click.option(
     "--hang-min-seconds",
     type=float,
-    default=3.0,
+    default=SidecarConfig.hang_min_seconds,
     show_default=True,
     metavar="SECONDS",
     help="A hang needs at least this long without a step boundary. e.g. --hang-min-seconds 10",
@@ -157,7 +157,7 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 @click.option(
     "--hang-step-factor",
     type=float,
-    default=1.5,
+    default=SidecarConfig.hang_step_factor,
     show_default=True,
     metavar="N",
     help="... and at least N median step times. e.g. --hang-step-factor 3",

@@ -11,6 +11,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from parwatch.sidecar.hang import HangSettings
 from parwatch.sidecar.requeue import JOB_ID
 from parwatch.sidecar.trackers.spec import DEFAULT_EVERY_STEPS, ExportSpec
 from parwatch.tokens import TOKEN_ENV, read_token
@@ -71,9 +72,9 @@ class SidecarConfig:
     leader_url: str | None = None
     """The run's leader sidecar (control listener URL) this node forwards its digest to; None: this
     sidecar is the leader or alone (it becomes leader on seeing rank 0)."""
-    hang_min_seconds: float = 3.0
+    hang_min_seconds: float = HangSettings.min_seconds
     """A hang needs at least this long without a step boundary (and hang_step_factor median steps)."""
-    hang_step_factor: float = 1.5
+    hang_step_factor: float = HangSettings.step_factor
     """A hang needs at least this many median step times without a step boundary."""
     hang_busy_seconds: float = 60.0
     """A rank inside a checkpoint save, an eval pass or its first step is stalled only past this long (and
@@ -112,7 +113,8 @@ class SidecarConfig:
         if not self.hang_min_seconds > 0 or not self.hang_step_factor >= 1:
             raise ConfigError(
                 f"--hang-min-seconds must be > 0 and --hang-step-factor >= 1 (got "
-                f"{self.hang_min_seconds}, {self.hang_step_factor}); 3 and 1.5 suit most runs"
+                f"{self.hang_min_seconds}, {self.hang_step_factor}); the defaults "
+                f"({HangSettings.min_seconds:g} and {HangSettings.step_factor:g}) suit most runs"
             )
         if not self.hang_busy_seconds >= self.hang_min_seconds:
             raise ConfigError(

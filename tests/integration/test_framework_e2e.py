@@ -26,7 +26,7 @@ from tests.sidecar_process import running_sidecar
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-BOUND_S = 2.0  # --hang-min-seconds (the default 3 s is tested in test_hang_e2e.py); these steps are ~50 ms
+BOUND_S = 2.0  # --hang-min-seconds (the default is tested in test_hang_e2e.py); these steps are ~50 ms
 FRAMEWORKS = {  # name -> (the module it needs, its example, its layout flags)
     "deepspeed": ("deepspeed", "deepspeed_pipe.py", ("--pp", "2", "--microbatches", "2")),
     # DualPipeV: its first rank's commits are send-only, so a hang finding's waiters need the send edge.

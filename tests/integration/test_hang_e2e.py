@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from parwatch.sidecar.hang import HangSettings
 from tests import one_client
 from tests.integration.e2e_util import decision_records, running_trainer, synthetic, token_args, wait_until
 from tests.sidecar_process import running_sidecar
@@ -16,7 +17,7 @@ from tests.sidecar_process import running_sidecar
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 HANG_STEP = 5
-BOUND_S = 3.0  # the default: max(1.5 x median step, 3 s); these steps are ~20-50 ms
+BOUND_S = HangSettings.min_seconds  # the default: max(1.4 x median step, 2.75 s); these steps are ~20-50 ms
 WAKE_S = 0.1
 """The leader decides at the bound after the boundary, never before, in the loop wake-up it schedules there
 (milliseconds); the block comes a part of a step after the boundary. This much over the bound is allowed."""

@@ -5,6 +5,7 @@ from lost ranks, and the evidence bundle every hang or crash decision names."""
 
 from __future__ import annotations
 
+import pytest
 from msgspec.structs import replace
 
 from parwatch.rank_layout import RankLayout as Layout
@@ -81,7 +82,7 @@ def _stepping(monitor, clock, lay, steps=5, step_s=0.2):
             monitor.observe(replace(act(r, lay, "forward", step=step, time=clock.t), step_end=clock.t), lay, clock.t)
 
 
-def test_the_default_bound_names_a_hang_in_three_seconds_of_short_steps():
+def test_the_default_bound_names_a_hang_at_its_floor_under_short_steps():
     clock, engine = Clock(), FakeEngine()
     monitor = HangMonitor(HangSettings(), engine, clock)
     _stepping(monitor, clock, PP2)
@@ -90,12 +91,13 @@ def test_the_default_bound_names_a_hang_in_three_seconds_of_short_steps():
     def rows():  # what the ranks report now (once a second, both alive)
         return {0: act(0, PP2, "recv", "recv", "pp", peer=1, step=5, time=clock.t), 1: act(1, PP2, "backward", step=5)}
 
-    clock.t = boundary + 3.0 - 0.01
+    floor = HangSettings.min_seconds
+    clock.t = boundary + floor - 0.01
     assert monitor.check(rows()) == []
     clock.t += 0.02
     [record] = monitor.check(rows())
     evidence = record["evidence"]
-    assert (record["rule"], evidence["bound_seconds"], evidence["kind"]) == ("hang", 3.0, "host")
+    assert (record["rule"], evidence["bound_seconds"], evidence["kind"]) == ("hang", floor, "host")
     assert record["reason"].startswith("hang (host blocked): ") and evidence["bundle"].startswith("evidence/")
 
 
@@ -117,9 +119,9 @@ def test_a_transport_stall_is_timed_from_when_its_last_party_entered():
             monitor.observe(a, TP2, t - 0.1)
         return monitor.check(rows)
 
-    assert judge_at(boundary + 2.8) == [] and engine.records == []
-    assert judge_at(entered[1] + 3.0 - 0.01) == []
-    [record] = judge_at(entered[1] + 3.0)
+    assert judge_at(boundary + HangSettings.min_seconds + 0.05) == [] and engine.records == []
+    assert judge_at(entered[1] + HangSettings.min_seconds - 0.01) == []
+    [record] = judge_at(entered[1] + HangSettings.min_seconds)
     assert (record["rule"], record["evidence"]["kind"]) == ("hang", "transport")
 
 
@@ -147,8 +149,8 @@ def test_a_rank_in_a_checkpoint_or_eval_is_busy_until_its_own_bound():
 
 
 def test_the_stall_after_a_long_activity_counts_from_its_end():
-    """A 2 s eval and a 1 s checkpoint after the boundary, then a hang in the next forward: named 3 s after the
-    ranks were last seen busy, not 3 s after the boundary (which would be during the eval)."""
+    """A 2 s eval and a 1 s checkpoint after the boundary, then a hang in the next forward: named a bound after
+    the ranks were last seen busy, not a bound after the boundary (which would be during the eval)."""
     clock, engine = Clock(), FakeEngine()
     monitor = HangMonitor(HangSettings(), engine, clock)
     _stepping(monitor, clock, PP2)
@@ -161,9 +163,12 @@ def test_the_stall_after_a_long_activity_counts_from_its_end():
     rows = {0: act(0, PP2, "recv", "recv", "pp", peer=1, step=5), 1: act(1, PP2, "forward", step=5)}
     clock.t = boundary + 4.0  # 4 s after the boundary, 1.5 s after the eval was last seen
     assert not monitor.due(gone_hint=False) and monitor.check(rows) == []
-    clock.t = boundary + 2.5 + 3.0  # the decision line (the bound), counted from the end of the eval
+    clock.t = boundary + 2.5 + HangSettings.min_seconds - 0.01  # the bound, counted from the end of the eval
+    assert monitor.check(rows) == []
+    clock.t += 0.01
     [record] = monitor.check(rows)
-    assert record["evidence"]["culprit"]["rank"] == 1 and record["evidence"]["since_boundary_seconds"] == 5.5
+    assert record["evidence"]["culprit"]["rank"] == 1
+    assert record["evidence"]["since_boundary_seconds"] == pytest.approx(2.5 + HangSettings.min_seconds)
 
 
 def test_a_rank_stuck_outside_the_long_activity_is_named_at_the_normal_bound():
