@@ -158,7 +158,7 @@ def _hang_line(h: dict | None) -> str:
     states = ", ".join(f"{n} {k}" for k, n in sorted((h.get("rank_states") or {}).items())) or "no ranks yet"
     record = h.get("hang")
     if not record:
-        return f"hang: none (ranks: {states}; bound {h.get('bound_seconds', 0):.0f} s)"
+        return f"hang: none (ranks: {states}; bound {h.get('bound_seconds', 0):.3g} s)"
     evidence = finding_evidence(record)
     if not isinstance(evidence, HangEvidence) or evidence.culprit is None:  # an unseen rank (or an older sidecar)
         return f"HANG: {record.get('reason', '').removeprefix('hang: ')} (ranks: {states})"

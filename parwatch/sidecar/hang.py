@@ -1,6 +1,6 @@
 """Hang detection at the run's leader sidecar: who stopped the run, from every rank's live activity.
 
-A hang is no step boundary for max(step_factor x median step time, min_seconds) (3x and 10 s by
+A hang is no step boundary for max(step_factor x median step time, min_seconds) (1.4x and 2.75 s by
 default). The culprit comes from the dependency picture of the ranks' open spans
 (parwatch.collector.activity): a rank in a recv or a send waits for its peer (a send open as the rank's
 current span has not been taken: gloo's, and NCCL's past its eager size, complete only as the peer
@@ -926,7 +926,7 @@ class HangMonitor:
         else:  # the waits point at a rank this leader has no current report of: say so, name none
             what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
         since = self.progress.since_boundary(now)
-        judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.1f} s"
+        judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.3g} s"
         reason = (
             f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.1f} s "
             f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)
