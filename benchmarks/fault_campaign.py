@@ -20,6 +20,7 @@ positives per 10,000 steps). The machine's stolen CPU (/proc/stat) is recorded, 
 
     python benchmarks/fault_campaign.py --trials 10 --healthy-steps 10000 --out benchmarks/results/fault_campaign.json
     python benchmarks/fault_campaign.py --quick         # one trial per kind, short healthy runs (the test suite's)
+    python benchmarks/fault_campaign.py ... --resume    # after a stop: the trials its journal holds are not run again
 
 Exit status 1 when a kind was missed or a healthy step raised a finding (--quick's check), else 0.
 Goals (docs/benchmarks.md, "The fault campaign"): hang named median <= max(1.5 x median step, 3 s), p99 <=
@@ -61,7 +62,7 @@ STEP_S = 0.2
 LONG_FWD_MS, LONG_BWD_MS = 25.0, 50.0
 LONG_STEP_S = 0.45
 """The long-step healthy configuration's nominal step: its eval (10 steps) and checkpoint (5 steps) pauses
-outlast the 3 s floor of the hang bound, so they are told apart only by what the ranks say they do."""
+outlast the 2.75 s floor of the hang bound, so they are told apart only by what the ranks say they do."""
 TOKEN = "fault-campaign-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -927,27 +928,71 @@ HEALTHY = [
 ]
 
 
+class Journal:
+    """Every finished trial and healthy run, one JSON line each, keyed by what drew it: a campaign of hours
+    stopped midway (a reboot, a lost session) resumes where it was, with the same draws."""
+
+    def __init__(self, path: Path | None, resume: bool):
+        self.path = path
+        self.done: dict[str, dict] = {}
+        if path is not None and resume and path.exists():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    entry = json.loads(line)
+                    self.done[entry["key"]] = entry["result"]
+        elif path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def add(self, key: str, result: dict) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
+
+
 def campaign(
-    trials_per_kind: int, healthy_steps: int, seed: int, jobs: int, quick: bool, kinds: list[str], healthy_names=()
+    trials_per_kind: int,
+    healthy_steps: int,
+    seed: int,
+    jobs: int,
+    quick: bool,
+    kinds: list[str],
+    healthy_names=(),
+    journal: Journal | None = None,
 ) -> dict:
+    journal = journal or Journal(None, False)
     plan = []
     for kind in kinds:
         for i in range(trials_per_kind):
             setups = KINDS[kind]  # --quick: one trial, the kinds alternating over their setups
             # --quick: one trial, on the setup a kind needs (the one-node trainer where it has the choice:
             # its ranks fork from a preloaded server, seconds faster than two torchrun nodes)
-            plan.append(draw(kind, seed * 1000 + i, setups[0] if quick else None))
+            plan.append((f"{seed}:{kind}:{i}:{quick}", draw(kind, seed * 1000 + i, setups[0] if quick else None)))
     healthy_plan = [
-        Healthy(
-            h.name, h.setup, max(40, healthy_steps // (3 if h.long_steps else 1)), h.long_steps, 5.0 if quick else 30.0
+        (
+            f"{seed}:{h.name}:{healthy_steps}:{quick}",
+            Healthy(
+                h.name,
+                h.setup,
+                max(40, healthy_steps // (3 if h.long_steps else 1)),
+                h.long_steps,
+                5.0 if quick else 30.0,
+            ),
         )
         for h in HEALTHY
         if healthy_steps > 0 and (h.name in healthy_names if healthy_names else not quick or h.name in QUICK_HEALTHY)
     ]
     trials, healthy = [], []
     lock = threading.Lock()
+    resumed = [key for key, _ in [*plan, *healthy_plan] if key in journal.done]
+    for key, item in [*plan, *healthy_plan]:
+        if key in journal.done:
+            (healthy if isinstance(item, Healthy) else trials).append(journal.done[key])
 
-    def one(item):
+    def one(keyed):
+        key, item = keyed
+        if key in journal.done:
+            return
         keep = os.environ.get("PARWATCH_CAMPAIGN_KEEP")  # a directory: every trial's files stay there
         with (
             contextlib.nullcontext(tempfile.mkdtemp(prefix="parwatch-campaign-", dir=keep))
@@ -958,6 +1003,7 @@ def campaign(
                 r = run_healthy(item, Path(tmp), seed)
                 with lock:
                     healthy.append(r)
+                    journal.add(key, r)
                     print(
                         f"{r['name']}: {r['steps']} steps, {len(r['findings'])} findings ({r['wall_seconds']} s; neighbour: {r['neighbour']})",
                         flush=True,
@@ -966,6 +1012,7 @@ def campaign(
                 r = run_trial(item, Path(tmp))
                 with lock:
                     trials.append(r)
+                    journal.add(key, r)
                     ok = all(r[k] for k in ("detected", "right_kind", "right_culprit", "right_cause"))
                     steps = "" if r.get("latency_steps") is None else f" ({r['latency_steps']} steps)"
                     what = (r["finding"] or {}).get("reason") or r.get("error") or "no finding"
@@ -988,6 +1035,7 @@ def campaign(
         "healthy_steps": healthy_steps,
         "jobs": jobs,
         "wall_seconds": round(time.monotonic() - t0, 1),
+        "resumed_from_journal": len(resumed),
         "cpu_stolen_share": stolen_share(jiffies, cpu_jiffies()),
         "load_average": os.getloadavg(),
         "kinds": per_kind(trials),
@@ -1020,6 +1068,12 @@ def main(argv=None) -> int:
         metavar="WHAT",
         help="the host's own load is the healthy runs' neighbour (named WHAT in the JSON): start no CPU hog",
     )
+    ap.add_argument(
+        "--journal",
+        default=None,
+        help="append every finished trial and healthy run here (default: the --out path with .journal.jsonl)",
+    )
+    ap.add_argument("--resume", action="store_true", help="take the trials the journal holds, run only the rest")
     a = ap.parse_args(argv)
     NEIGHBOUR.host_load = a.neighbour_is
     if a.quick:
@@ -1028,16 +1082,16 @@ def main(argv=None) -> int:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"--kinds: unknown {sorted(unknown)}; one of {', '.join(KINDS)}")
+    out = Path(a.out or ROOT / "benchmarks" / "results" / f"fault_campaign{'_quick' if a.quick else ''}.json")
+    journal = Journal(Path(a.journal) if a.journal else out.with_suffix(".journal.jsonl"), a.resume)
     runs = []
     for r in range(a.runs):
-        result = campaign(
-            a.trials, a.healthy_steps, a.seed + r, a.jobs, a.quick, kinds, [n for n in a.healthy.split(",") if n]
-        )
+        healthy_names = [n for n in a.healthy.split(",") if n]
+        result = campaign(a.trials, a.healthy_steps, a.seed + r, a.jobs, a.quick, kinds, healthy_names, journal)
         print(f"\ncampaign run {r + 1} of {a.runs} (seed {a.seed + r}): {result['wall_seconds']} s, "
               f"stolen CPU {result['cpu_stolen_share']:.1%}")  # fmt: skip
         print_tables(result["kinds"], result["healthy"])
         runs.append(result)
-    out = Path(a.out or ROOT / "benchmarks" / "results" / f"fault_campaign{'_quick' if a.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "runs": runs}, indent=1, default=str))
     print(f"\nwrote {out}")

@@ -72,3 +72,29 @@ def test_a_campaign_sidecar_whose_port_was_taken_starts_on_others(tmp_path):
             assert "already in use" in sidecar.log.read_text()
         finally:
             sidecar.stop()
+
+
+def test_a_stopped_campaign_resumes_from_its_journal_without_running_a_trial_again(tmp_path):
+    """The full campaign runs for hours: every finished trial is journaled, and --resume takes them."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--kinds", "exception", "--trials", "1"]
+    args += ["--healthy-steps", "0", "--journal", str(tmp_path / "journal.jsonl")]
+    first = subprocess.run(
+        [*args, "--out", str(tmp_path / "first.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = subprocess.run(
+        [*args, "--resume", "--out", str(tmp_path / "second.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    (was,) = json.loads((tmp_path / "first.json").read_text())["runs"]
+    (now,) = json.loads((tmp_path / "second.json").read_text())["runs"]
+    assert was["resumed_from_journal"] == 0 and now["resumed_from_journal"] == 1
+    assert now["trials"] == json.loads(json.dumps(was["trials"]))  # the journaled trial, not a new one
+    assert len((tmp_path / "journal.jsonl").read_text().splitlines()) == 1  # no trial ran (and was journaled)
+    assert now["kinds"] == was["kinds"]
