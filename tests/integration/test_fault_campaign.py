@@ -27,18 +27,14 @@ pytestmark = [
 
 
 def test_quick_campaign_names_every_fault_kind_and_nothing_in_healthy_runs(tmp_path):
+    """...and a campaign stopped midway resumes from its journal: run again with --resume, every trial and
+    healthy run it journaled is taken, none is run again."""
     out = tmp_path / "campaign.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # Under xdist the other workers load both cores throughout: they are the healthy runs' neighbour.
     neighbour = ["--neighbour-is", "the test suite's other workers"] if os.environ.get("PYTEST_XDIST_WORKER") else []
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--quick", "--out", str(out), *neighbour],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=570,
-    )
+    args = [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--quick", *neighbour]
+    proc = subprocess.run([*args, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     (run,) = json.loads(out.read_text())["runs"]
@@ -52,6 +48,22 @@ def test_quick_campaign_names_every_fault_kind_and_nothing_in_healthy_runs(tmp_p
             assert row["evidence_full"] == row["trials"], row  # every reachable rank's stacks kept
     # No false hang, crash, action, straggler or link finding (shape rules are reported: GOAL_RULES).
     assert all(h["findings"] == h["shape_rules"] and h["steps"] > 0 for h in run["healthy"]), run["healthy"]
+
+    journal = out.with_suffix(".journal.jsonl")  # the default journal, beside --out
+    journaled = journal.read_text().splitlines()
+    assert len(journaled) == len(run["trials"]) + len(run["healthy"])
+    again = subprocess.run(
+        [*args, "--resume", "--journal", str(journal), "--out", str(tmp_path / "resumed.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    (resumed,) = json.loads((tmp_path / "resumed.json").read_text())["runs"]
+    assert resumed["resumed_from_journal"] == len(journaled) and run["resumed_from_journal"] == 0
+    assert resumed["kinds"] == run["kinds"] and len(journal.read_text().splitlines()) == len(journaled)  # none ran
 
 
 def test_a_campaign_sidecar_whose_port_was_taken_starts_on_others(tmp_path):
@@ -72,29 +84,3 @@ def test_a_campaign_sidecar_whose_port_was_taken_starts_on_others(tmp_path):
             assert "already in use" in sidecar.log.read_text()
         finally:
             sidecar.stop()
-
-
-def test_a_stopped_campaign_resumes_from_its_journal_without_running_a_trial_again(tmp_path):
-    """The full campaign runs for hours: every finished trial is journaled, and --resume takes them."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    args = [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--kinds", "exception", "--trials", "1"]
-    args += ["--healthy-steps", "0", "--journal", str(tmp_path / "journal.jsonl")]
-    first = subprocess.run(
-        [*args, "--out", str(tmp_path / "first.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    second = subprocess.run(
-        [*args, "--resume", "--out", str(tmp_path / "second.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    (was,) = json.loads((tmp_path / "first.json").read_text())["runs"]
-    (now,) = json.loads((tmp_path / "second.json").read_text())["runs"]
-    assert was["resumed_from_journal"] == 0 and now["resumed_from_journal"] == 1
-    assert now["trials"] == json.loads(json.dumps(was["trials"]))  # the journaled trial, not a new one
-    assert len((tmp_path / "journal.jsonl").read_text().splitlines()) == 1  # no trial ran (and was journaled)
-    assert now["kinds"] == was["kinds"]
