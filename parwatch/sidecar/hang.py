@@ -928,7 +928,7 @@ class HangMonitor:
         since = self.progress.since_boundary(now)
         judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.3g} s"
         reason = (
-            f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.1f} s "
+            f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.2f} s "
             f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)
         )
         evidence = HangEvidence(
