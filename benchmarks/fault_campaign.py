@@ -1001,15 +1001,18 @@ def campaign(
         ) as tmp:
             if isinstance(item, Healthy):
                 r = run_healthy(item, Path(tmp), seed)
+                r["files"] = tmp if keep else None
                 with lock:
                     healthy.append(r)
                     journal.add(key, r)
                     print(
-                        f"{r['name']}: {r['steps']} steps, {len(r['findings'])} findings ({r['wall_seconds']} s; neighbour: {r['neighbour']})",
+                        f"{r['name']}: {r['steps']} steps, {len(r['findings'])} findings ({r['wall_seconds']} s; neighbour: "
+                        f"{r['neighbour']}){'; its files: ' + tmp if keep else ''}",
                         flush=True,
                     )
             else:
                 r = run_trial(item, Path(tmp))
+                r["files"] = tmp if keep else None
                 with lock:
                     trials.append(r)
                     journal.add(key, r)

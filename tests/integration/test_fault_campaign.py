@@ -30,7 +30,10 @@ def test_quick_campaign_names_every_fault_kind_and_nothing_in_healthy_runs(tmp_p
     """...and a campaign stopped midway resumes from its journal: run again with --resume, every trial and
     healthy run it journaled is taken, none is run again."""
     out = tmp_path / "campaign.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # Every trial's and healthy run's files stay under tmp_path (pytest keeps the last 3 sessions'): CI on
+    # 5a1c468 failed on a false hang and rank-gone in healthy-2node, as on 2026-12-04, with nothing to read.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PARWATCH_CAMPAIGN_KEEP=str(tmp_path / "runs"))
+    (tmp_path / "runs").mkdir()
     # Under xdist the other workers load both cores throughout: they are the healthy runs' neighbour.
     neighbour = ["--neighbour-is", "the test suite's other workers"] if os.environ.get("PYTEST_XDIST_WORKER") else []
     args = [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--quick", *neighbour]
