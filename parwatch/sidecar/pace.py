@@ -62,6 +62,11 @@ class RunPace:
         self.run_id: str | None = None
         self.top: list[list] = []
         """Up to two [step, rank, first seen], highest first, of distinct ranks."""
+        self.refused: list[list] = []
+        """Up to two [step, rank, when], highest first, of distinct ranks: claims refused lately. Another
+        rank's own claim corroborates: without it two ranks refused against each other's last accepted
+        step (a long first step had set the pace at 1 step/s) were refused for the rest of the run, and
+        their node's picture of them stayed at step 1 (a false hang at its end; CI on 5a1c468)."""
         self._seconds: deque[float] = deque(maxlen=STEP_SECONDS_KEPT)
         self._rate: tuple[float, float] | None = None  # (rate, when computed): once a second at most
 
@@ -91,15 +96,25 @@ class RunPace:
         rate = self.rate()
         if step <= high + SLACK_STEPS + int((elapsed + REPORT_WINDOW_SECONDS) * rate):
             return None
+        near = SLACK_STEPS + int(REPORT_WINDOW_SECONDS * rate)  # what one boundary's reports may differ by
+        if any(r != rank and now - t <= FRESH_SECONDS and abs(step - s) <= near for s, r, t in self.refused):
+            return None  # another rank claims about as far: two ranks agree (a credential speaks for one rank)
+        self._keep_refused(step, rank, now)
         by = f"rank {who}'s" if who != rank else "its own"
         return (
             f"={step} is ahead of the run: the highest step is {by} {high}, first seen {elapsed:.1f} s ago, "
             f"and this run moves at most {rate:.3g} steps a second ({PACE_FACTOR:g}x its median pace)"
         )
 
+    def _keep_refused(self, step: int, rank: int, now: float) -> None:
+        kept = [e for e in self.refused if e[1] != rank and now - e[2] <= FRESH_SECONDS]
+        kept.append([step, rank, now])
+        kept.sort(key=lambda e: -e[0])
+        self.refused = kept[:2]
+
     def note(self, run_id: str, step: int, rank: int, step_seconds: float | None = None) -> None:
         if run_id != self.run_id:
-            self.run_id, self.top = run_id, []
+            self.run_id, self.top, self.refused = run_id, [], []
             self._seconds.clear()
             self._rate = None
         if step_seconds is not None and step_seconds > 0:

@@ -56,3 +56,37 @@ def test_a_silent_rank_corroborates_nothing_and_a_first_report_sets_the_start():
     assert pace.too_far("r", 5 + 40, 0) is None  # 11 s at 4 steps/s
     assert pace.too_far("r", 5 + 100, 0) is not None
     assert pace.too_far("another run", 10**6, 0) is None
+
+
+def test_two_ranks_refused_against_each_other_agree_and_are_taken():
+    """CI on 5a1c468: a 4 s first step set the pace at 1 step a second; the two ranks of a node then ran 6
+    steps a second and each one's report was refused against the other's last accepted step (1) for the
+    rest of the run: the node's picture of them stayed at step 1, and the run's end was judged a hang of it.
+    Two ranks' own claims that agree corroborate each other; one rank's claims never corroborate its own."""
+    clock = Clock()
+    pace = RunPace(clock, most_per_second=1000.0)
+    for rank in (2, 3):
+        pace.note("r", 1, rank, step_seconds=4.0)  # the long first step: 1 step a second allowed
+    taken = {2: [], 3: []}
+    for second in range(1, 31):  # then 6 steps a second; each rank reports once a second, 0.1 s apart
+        for rank, lag in ((2, 0.0), (3, 0.1)):
+            clock.t = 100.0 + second + lag
+            step = 1 + int(6 * (second + lag))
+            if pace.too_far("r", step, rank) is None:
+                pace.note("r", step, rank, step_seconds=0.2)
+                taken[rank].append(step)
+    assert taken[2] and taken[3] and max(taken[2]) > 170 and max(taken[3]) > 170, taken
+    assert pace.too_far("r", 10**6, 2) is not None  # still: nothing corroborates a step nobody else claims
+
+
+def test_a_rank_alone_or_a_far_claim_corroborates_nothing():
+    clock = Clock()
+    pace = RunPace(clock, most_per_second=1000.0)
+    for rank in (0, 1):
+        pace.note("r", 1, rank, step_seconds=4.0)
+    clock.t += 1.0
+    assert pace.too_far("r", 50, 0) is not None
+    assert pace.too_far("r", 51, 0) is not None  # its own refused claim does not carry it
+    assert pace.too_far("r", 10**9, 1) is not None
+    assert pace.too_far("r", 52, 2) is None  # rank 0's 50 and 51 were claimed: a third rank agreeing is taken
+    assert pace.too_far("r", 10**9 - 10**6, 3) is not None  # far from every claim: nothing agrees with it
