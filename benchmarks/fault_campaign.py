@@ -984,10 +984,11 @@ def campaign(
     ]
     trials, healthy = [], []
     lock = threading.Lock()
-    resumed = [key for key, _ in [*plan, *healthy_plan] if key in journal.done]
+    resumed = 0
     for key, item in [*plan, *healthy_plan]:
         if key in journal.done:
             (healthy if isinstance(item, Healthy) else trials).append(journal.done[key])
+            resumed += 1
 
     def one(keyed):
         key, item = keyed
@@ -1038,7 +1039,7 @@ def campaign(
         "healthy_steps": healthy_steps,
         "jobs": jobs,
         "wall_seconds": round(time.monotonic() - t0, 1),
-        "resumed_from_journal": len(resumed),
+        "resumed_from_journal": resumed,
         "cpu_stolen_share": stolen_share(jiffies, cpu_jiffies()),
         "load_average": os.getloadavg(),
         "kinds": per_kind(trials),

@@ -165,7 +165,7 @@ SIGTERM or Ctrl-C stops. Decisions and guardrail state survive restarts in --sta
 @click.option(
     "--hang-busy-seconds",
     type=float,
-    default=60.0,
+    default=SidecarConfig.hang_busy_seconds,
     show_default=True,
     metavar="SECONDS",
     help="A rank in a checkpoint save, an eval pass or its first step is hung only past this long "

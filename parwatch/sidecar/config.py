@@ -76,7 +76,7 @@ class SidecarConfig:
     """A hang needs at least this long without a step boundary (and hang_step_factor median steps)."""
     hang_step_factor: float = HangSettings.step_factor
     """A hang needs at least this many median step times without a step boundary."""
-    hang_busy_seconds: float = 60.0
+    hang_busy_seconds: float = HangSettings.busy_seconds
     """A rank inside a checkpoint save, an eval pass or its first step is stalled only past this long (and
     20 median steps)."""
     hang_dump_stacks: bool = False
