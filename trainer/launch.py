@@ -24,6 +24,7 @@ log = logging.getLogger("trainer")
 
 _PEER_LOST = 3  # a rank's exit code when a collective failed because a peer went away
 _CAUSE_GRACE_S = 15.0  # how long the ranks that lost a peer wait for the one that failed to be named
+_WIND_DOWN_S = 3.0  # how long the other ranks may take to end by themselves once one failed
 RANK_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "parwatch.trainer.train", "parwatch.collector.attach"]
 """What every rank imports (torch._dynamo: building the first optimizer does), once, in the fork server."""
 
@@ -214,6 +215,12 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
             print(
                 f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks", file=sys.stderr
             )
+            # They lost a peer and are ending: let their collectors post their last summaries and say how
+            # they ended (a SIGTERM now loses them: under load a rank's whole first process went unheard).
+            until = time.monotonic() + _WIND_DOWN_S
+            while alive and (left := until - time.monotonic()) > 0:
+                for sentinel in wait(list(alive), left):
+                    alive.pop(sentinel)
             break
     finally:
         for p in procs:

@@ -70,7 +70,7 @@ from parwatch.sidecar.observations import rank_key
 from parwatch.sidecar.pid_owner import Connection, connection_of, owns_connection
 from parwatch.sidecar.rank_gauges import RankGauge
 from parwatch.vocabulary import BuiltinRule, RankState, RuleAction, Speaker, jsonable
-from parwatch.wire.activity import HANG_EXIT_CODE, ActivityPost, NodeDigest
+from parwatch.wire.activity import HANG_EXIT_CODE, Activity, ActivityPost, NodeDigest
 from parwatch.wire.codec import BadRecord, decode, encode
 from parwatch.wire.evidence import EvidencePost, RankEvidence
 from parwatch.wire.findings import HangEvidence, bundle_of, finding_evidence
@@ -476,7 +476,11 @@ class ActivityHub:
         if self.is_leader and self.view.run_id == store.run_id:
             digests, series = self.view.liveness(), dict(self.view.up_series)
         own = (  # this node's own rows (checked pids) win over a digest's
-            {r: a.state == RankState.RUNNING for r, a in self.book.rows().items() if a.state != RankState.DONE}
+            {
+                r: a.state == RankState.RUNNING
+                for r, a in self.book.rows().items()
+                if a.state != RankState.DONE and not _replaced(a, store.ranks.get(r))
+            }
             if self.book.run_id == store.run_id
             else {}
         )
@@ -724,6 +728,13 @@ def _next_ask(hub: ActivityHub) -> float:
     """JUDGE_EVERY_SECONDS, or less when a stall reaches the decision line sooner (at the leader)."""
     until = hub.monitor.seconds_until_due() if hub.is_leader else None
     return JUDGE_EVERY_SECONDS if until is None else min(JUDGE_EVERY_SECONDS, until)
+
+
+def _replaced(a: Activity, rec) -> bool:
+    """Whether row `a` tells of a process that ended before its rank's current one (its summaries' record
+    `rec`) started: a restart's first summaries come before its first activity report (a second), and the
+    old process's "crashed" must not keep the new one down meanwhile."""
+    return a.state in ENDED and rec is not None and rec.started is not None and a.time < rec.started
 
 
 async def _loop(hub: ActivityHub) -> None:

@@ -366,6 +366,8 @@ class Store:
         rec.counted = Counted()
         rec.summary = _kept(s)
         self.ended = False
+        if self._published is not None and s.rank in self._published:
+            self._published[s.rank] = True  # it posts again: up now, not at the hub's next tick (a new dict each)
         if s.rank == 0:  # its checkpoint lists start again: the newest is what it sends now
             self._checkpoints_key = (-1, -1)
 

@@ -111,7 +111,9 @@ def test_a_crash_and_restart_shows_the_gap_as_down_and_the_replayed_steps_as_was
 
         # The restarted ranks are up again, and nothing took the crash and the gap for a hang.
         assert metric_value(sp.metrics_url, "parwatch_hang_detected") == 0.0
-        assert 'parwatch_rank_up{rank="0"} 1.0' in one_client.get(f"{sp.metrics_url}/metrics", timeout=10).text
+        metrics = one_client.get(f"{sp.metrics_url}/metrics", timeout=10).text
+        shown = [m for m in metrics.splitlines() if m.startswith("parwatch_rank_up")]
+        assert 'parwatch_rank_up{rank="0"} 1.0' in metrics, (shown, sp.log()[-3000:])
         ledgers = wait_until(
             lambda: len(c := ledger_counters(sp.metrics_url)) == 2 and all(r["productive"] for r in c.values()) and c,
             "both ranks' ledgers on /metrics",
@@ -124,7 +126,7 @@ def test_a_crash_and_restart_shows_the_gap_as_down_and_the_replayed_steps_as_was
             # a post, under load) before the crash.
             low, high = min(restarts) - exited, max(restarts) - crashed + 1.0
             print(f"rank {rank}: down {ledger['down']:.3f} s, expected within [{low:.3f}, {high:.3f}]")
-            assert low - 0.02 <= ledger["down"] <= high, (ledger, low, high)
+            assert low - 0.02 <= ledger["down"] <= high, (rank, ledger, low, high, sp.log()[-3000:])
             # Every second since the first process started lands in one category, across the restart.
             wall = last["time"] - first_start
             counted = sum(v for c, v in ledger.items() if c != "wasted")

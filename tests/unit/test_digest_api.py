@@ -530,3 +530,26 @@ def test_the_next_runs_first_post_is_taken_as_soon_as_the_last_ones_final_summar
     r = client.post("/v1/ingest", json={"version": 1, "summaries": first})
     assert r.status_code == 200, r.text
     assert store.run_id == "r2"
+
+
+def test_a_restarted_rank_is_up_from_its_first_summary_not_down_until_its_first_activity(tmp_path):
+    """A restart's first summaries reach the sidecar before its first activity report (a second later, or
+    only its last word when it lives less): the old process's "crashed" row kept the rank down meanwhile.
+    Seen in test_restart_ledger under load: rank_up{rank="0"} 0 across the whole resumed run."""
+    client, sidecar, clock = _client(tmp_path, "restart")
+    store = sidecar.store
+
+    def post(step: int, started: float) -> None:
+        summary = parse({**syn.summary(0, step, run_id="r1", time=clock.t), "process_start_time": started}, StepSummary)
+        store.admit([summary])
+        store.add(summary)
+
+    post(5, started=900.0)
+    assert client.post("/v1/activity", json=report(0, step=5, state="crashed")).status_code == 200
+    sidecar.activity._feed_liveness()
+    assert store.liveness()[0] is False  # its process crashed
+    clock.t = 1_030.0
+    post(4, started=1_005.0)  # the restarted process, resumed from checkpoint 3
+    assert store.liveness()[0] is True  # at once, not at the next tick
+    sidecar.activity._feed_liveness()
+    assert store.liveness()[0] is True  # the crashed row tells of the process before it
