@@ -25,8 +25,8 @@ log = logging.getLogger("trainer")
 _PEER_LOST = 3  # a rank's exit code when a collective failed because a peer went away
 _CAUSE_GRACE_S = 15.0  # how long the ranks that lost a peer wait for the one that failed to be named
 _WIND_DOWN_S = 3.0  # how long the other ranks may take to end by themselves once one failed
-RANK_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "parwatch.trainer.train", "parwatch.collector.attach"]
-"""What every rank imports (torch._dynamo: building the first optimizer does), once, in the fork server."""
+RANK_IMPORTS = ["torch", "torch.distributed", "parwatch.trainer.train", "parwatch.collector.attach"]
+"""What every rank imports, once, in the fork server (not torch._dynamo: trainer/optim.py)."""
 
 Attach = Callable[[TrainConfig, int, int, int, str], Any]
 """Builds and attaches one rank's observer: (cfg, rank, world_size, local_rank, backend) -> an object with

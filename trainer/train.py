@@ -33,6 +33,7 @@ from parwatch.contract import (
     torch_grads,
 )
 from parwatch.trainer import checkpoint as ckpt
+from parwatch.trainer import optim
 from parwatch.trainer.comm import Comm
 from parwatch.trainer.config import TrainConfig, parse_synthetic
 from parwatch.trainer.errors import CheckpointError
@@ -69,11 +70,9 @@ class Trainer:
         self.device = self._device
         self.chunks = [c.to(self.device) for c in self._build_chunks()]
         params = [p for c in self.chunks for p in c.parameters()]
-        self.optimizer: torch.optim.Optimizer
-        if cfg.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=cfg.lr)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        self.optimizer: optim.Optimizer = (
+            optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd" else optim.AdamW(params, lr=cfg.lr)
+        )
         instrs = build_schedule(cfg.schedule, self.groups.stage, cfg.pp, cfg.microbatches, cfg.chunks)
         shape = StepShape(
             cfg.microbatches,
