@@ -202,7 +202,7 @@ class ActivityHub:
         if a.state != RankState.RUNNING:
             self.note_if_ended()
         if a.rank == 0:
-            self._saw_rank0()
+            self.saw_rank0()
         if self.is_leader:
             self.monitor.observe(a, layout, self.clock())
         reply: dict = {"ok": True, "abort": HANG_EXIT_CODE} if self.abort else {"ok": True}
@@ -238,7 +238,7 @@ class ActivityHub:
         for a in rows:
             self._node_of[a.rank] = node
             if a.rank == 0:
-                self._saw_rank0()  # rank 0 lives on a node that forwards to us: we lead (without --leader-url)
+                self.saw_rank0()  # rank 0 lives on a node that forwards to us: we lead (without --leader-url)
             self.monitor.observe(a, layout, now, age=digest.time - a.time)  # the node and its ranks: one clock
         reply: dict = {"ok": True}
         if self.run_paused():
@@ -252,7 +252,7 @@ class ActivityHub:
             reply["evidence"] = wanted
         return reply
 
-    def _saw_rank0(self) -> None:
+    def saw_rank0(self) -> None:
         """Rank 0 reports here (or through a node): the leader, unless started as a node (--leader-url); a
         (re)started leader then waits one grace period before it judges anything."""
         if self.leader_url is not None:
@@ -332,7 +332,7 @@ class ActivityHub:
     async def tick(self) -> list[dict]:
         """Once a second: liveness, cross-node expiry, forwarding (not the leader) or a judgement (the leader)."""
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
-            self._saw_rank0()
+            self.saw_rank0()
         if not (self.is_leader and self.quiet()):  # a (re)started leader waits one grace period
             self._feed_liveness()
         self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped

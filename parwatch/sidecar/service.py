@@ -268,6 +268,9 @@ class Sidecar:
                 self._evaluate()
             return  # a retried post: already counted and evaluated
         self.transfer.add(s)
+        hub = getattr(self, "activity", None)
+        if s.rank == 0 and hub is not None and not hub.is_leader:
+            hub.saw_rank0()  # now, not at the next tick: a short run's points and gauges are the leader's from its start
         # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
         # global step (retries stopped above; the engine also ignores a repeated step).
         if s.global_ is not None and self.store.global_view is s.global_:

@@ -553,3 +553,16 @@ def test_a_restarted_rank_is_up_from_its_first_summary_not_down_until_its_first_
     assert store.liveness()[0] is True  # at once, not at the next tick
     sidecar.activity._feed_liveness()
     assert store.liveness()[0] is True  # the crashed row tells of the process before it
+
+
+def test_rank_0s_first_summary_makes_a_lone_sidecar_the_leader_at_once(tmp_path):
+    """Not at the next once-a-second tick: CI on 903509b wrote a short run's tracker point, at its last step,
+    before the tick had seen rank 0, so the point lacked hang_detected, which /metrics showed a moment later."""
+    client, sidecar, _ = _client(tmp_path, "lone")
+    r = client.post("/v1/ingest", json={"version": 1, "summaries": [syn.summary(0, 1, run_id="r1", time=1_000.0)]})
+    assert r.status_code == 200, r.text
+    assert sidecar.activity.is_leader
+    node, nsc, _ = _client(tmp_path, "node", leader_url="http://leader")
+    r = node.post("/v1/ingest", json={"version": 1, "summaries": [syn.summary(0, 1, run_id="r1", time=1_000.0)]})
+    assert r.status_code == 200, r.text
+    assert not nsc.activity.is_leader  # a node sidecar forwards; rank 0's summaries do not make it lead

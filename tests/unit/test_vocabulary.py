@@ -89,6 +89,7 @@ ALLOWED = {
     "parwatch/wire/steps.py: 'loss'": "a JSON key (field(name=...))",
     "trainer/tensor_parallel.py: 'max'": "torch's reduce op",
     "trainer/faults.py: 'hang'": "a fault the trainer injects",
+    "trainer/optim.py: 'step'": "torch's optimizer state key",
     # msgspec decodes no Literal of enum members: a Literal of words, which mypy checks.
     "parwatch/collector/fallback.py: 'nonfinite-loss'": "LocalDecision.rule",
 }
