@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 
 import torch.multiprocessing as mp
 
+from parwatch.demo.processes import free_port  # noqa: F401  (below the ephemeral range; run_ranks' callers)
 from tests.deadline import DeadlineExceeded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,12 +30,6 @@ def installed(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]

@@ -12,7 +12,6 @@ tests/integration/test_victoriametrics.py.
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -27,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from parwatch import dashboards as dash
 from parwatch.catalog import METRICS, STEP_BUCKETS
+from parwatch.demo.processes import free_port
 from parwatch.vocabulary import SelfPart, TimeCategory, Tracker
 from parwatch.wire.steps import COLLECTIVE_BUCKETS
 
@@ -151,12 +151,6 @@ class RealisticRun(Collector):
             "parwatch_gpu_temperature_celsius": 61.0,
             "parwatch_gpu_sm_clock_hertz": 1.98e9,
         }.get(name, 4.0e10 + i)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(base, path, **params):

@@ -232,3 +232,16 @@ def test_live_group_members_finds_this_process_and_nothing_for_an_unused_group()
     assert os.getpid() in live_group_members(os.getpgrp())
     unused = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 100_000
     assert live_group_members(unused) == []
+
+
+def test_free_ports_lie_below_the_range_outgoing_connections_draw_from():
+    import socket
+
+    from parwatch.demo.processes import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < ephemeral for p in ports), ports
+    with socket.socket() as s:  # and free
+        s.bind(("127.0.0.1", ports.pop()))
