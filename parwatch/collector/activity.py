@@ -244,12 +244,16 @@ class ActivityReporter:
         return self._http
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # The first report at once: its sidecar then knows (and watches) this rank's process from attach, and
+        # a rank that dies in its first second is named gone, not "never seen" (a short run in CI did).
+        while True:
             try:
                 self.post(self.snapshot())
             except Exception as exc:  # never let a bad sample end the thread
                 log.warning("parwatch: activity sample failed (%s)", exc)
             self.cpu_ns = time.thread_time_ns()  # parwatch's own cost; one int store, read by the collector
+            if self._stop.wait(self.interval_s):
+                return
 
     def start(self) -> ActivityReporter:
         if self._stacks_file is None and (self.stacks_path or self.url):

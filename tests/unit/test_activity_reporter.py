@@ -108,10 +108,11 @@ def test_what_the_reporter_posts_decodes_as_the_sidecar_reads_it():
     with reg.span(contract.SpanKind.RECV, op="recv", group="pp", peer=1, seq=2):
         assert rep.post(rep.snapshot())
     rep.close(error=RuntimeError("NCCL\terror:\x1b[31m boom\nsecond line"))
-    (_, first, _), (_, last, _) = http.posts
-    a = decode(json.dumps(first).encode(), ActivityPost, "").activity
+    posted = [decode(json.dumps(body).encode(), ActivityPost, "").activity for _, body, _ in http.posts]
+    assert len(posted) == 3  # the thread's first report (at once, then every 600 s), the span's, the last word
+    a = next(a for a in posted if a.kind == "recv")
     assert (a.kind, a.peer, a.seq, a.step, a.step_end, a.state) == ("recv", 1, 2, 4, 12.5, "running")
-    crashed = decode(json.dumps(last).encode(), ActivityPost, "").activity
+    crashed = posted[-1]
     assert crashed.state == "crashed" and crashed.error == "RuntimeError: NCCL error: [31m boom"
 
 
@@ -210,3 +211,15 @@ def test_straggler_by_rank():
     assert Faults([parse_fault("straggler:stage=1,ms=5")], rank=7, stage=1).straggler_ms(1) == 5.0
     with pytest.raises(ConfigError, match="missing stage"):
         parse_fault("straggler:ms=5")
+
+
+def test_the_first_report_goes_at_start_not_an_interval_later():
+    """So the sidecar knows (and watches) the rank's process from attach: a rank torchrun started that died
+    at step 6, before its first report a second in, was "never seen" in CI and no culprit was named."""
+    http = FakeHttp()
+    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", interval_s=600, http=http).start()
+    deadline = time.monotonic() + 10
+    while not http.posts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rep.close()
+    assert len(http.posts) == 2  # the first report, then the last word; none in between (600 s)
