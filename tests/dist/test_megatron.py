@@ -125,7 +125,7 @@ def grid(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("megatron"))
     runs = {c: run_argv(c) for c in CONFIGS}
     runs["slow-stage"] = run_argv("1f1b", "--slow-stage", "1:1.5")
-    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:15")
+    runs["send-delay"] = run_argv("1f1b", "--send-delay-ms", "0:30")
     losses = run_ranks(runs_body, P, runs, out, timeout=110)
     return out, losses
 
@@ -281,9 +281,14 @@ def test_a_slow_stage_shows_as_imbalance(grid):
 def test_a_delayed_send_shows_as_wait(grid):
     out, _ = grid
     causes, baseline = _causes(os.path.join(out, "send-delay")), _causes(os.path.join(out, "1f1b"))
-    # Rank 0 stalls 15 ms before each of its 4 activation sends: idle that no stage time explains.
+    # Rank 0 stalls 30 ms before each of its 4 activation sends: idle that no stage time explains, so it
+    # shows as wait (0.14-0.16 more than the healthy run's, 12 runs alone) at least 3x over any imbalance.
+    # Megatron's host work (5-6 ms of each 20 ms forward here) differs by rank and by process: the
+    # healthy run's own imbalance reached 0.023 and, with a 15 ms stall, 0.046 (2026-12-06), so a fixed
+    # bar of 0.02 failed runs that had done nothing wrong.
     for rank in range(P):
-        assert abs(causes[rank].imbalance) < 0.02 and causes[rank].wait > baseline[rank].wait + 0.03, (causes, baseline)
+        extra_wait = causes[rank].wait - baseline[rank].wait
+        assert extra_wait > 0.1 and abs(causes[rank].imbalance) < extra_wait / 3, (causes, baseline)
 
 
 def test_pause_resume_and_rollback_reach_every_rank(checks):
