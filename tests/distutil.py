@@ -8,7 +8,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from parwatch.demo.processes import free_port  # below the ephemeral range
+from parwatch.ports import free_port  # below the ephemeral range
 from tests.deadline import DeadlineExceeded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from parwatch.demo.processes import free_port, wait_healthy
+from parwatch.demo.processes import wait_healthy
+from parwatch.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

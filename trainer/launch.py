@@ -10,12 +10,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from parwatch.ports import free_port
 from parwatch.trainer.config import TrainConfig
 from parwatch.trainer.errors import ConfigError, TrainerError
 from parwatch.trainer.progress import RankProgress, describe_exit, exit_status
@@ -38,12 +38,6 @@ UNWATCHED = (
     "--parwatch on (or --parwatch-endpoint / --parwatch-log) needs parwatch's launcher, which attaches "
     "the collector: run `parwatch train ...` (under torchrun: `torchrun ... -m parwatch train ...`)"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(
@@ -172,7 +166,7 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_IMPORTS)
     here = (dict(os.environ), os.getcwd())  # the server's are those it started with: a rank takes ours
-    port = _free_port()
+    port = free_port()
     shared = RankProgress.shared_array(ctx, cfg.nproc)
     prepare = getattr(attach, "prepare", None)
     try:
@@ -280,7 +274,7 @@ def main(argv: list[str] | None = None, attach: Attach | None = None) -> int:
             return spawn(cfg, attach)
         rank = int(os.environ.get("RANK", "0"))
         if "MASTER_ADDR" not in os.environ:  # alone, without torchrun
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         _setup_logging(rank)
         run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")), attach=attach)
         return 0

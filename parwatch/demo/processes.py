@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -78,30 +76,6 @@ def live_group_members(pgid: int) -> list[int] | None:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago, below the machine's ephemeral range: a port the OS picks (bind to
-    0) comes from that range, which every outgoing connection draws its own port from, so one could take it
-    before the process bound it, or while it was down for a restart on the same address (a test's leader
-    sidecar, killed and started again, found its port held by some client in CI on 343f88b)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 32768  # Linux's default
-    low = max(1024, ephemeral - 16384)
-    for _ in range(100):
-        port = random.randrange(low, ephemeral)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # that range is full: any port the OS has
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from parwatch.client import SidecarClient, SidecarError
 from parwatch.demo.live import LiveView, SummaryTail
-from parwatch.demo.processes import Child, free_port, python_module, stop_all, wait_healthy
+from parwatch.demo.processes import Child, python_module, stop_all, wait_healthy
 from parwatch.demo.scenario import DemoConfig
 from parwatch.demo.summary import build_summary, print_summary
+from parwatch.ports import free_port
 from parwatch.sidecar.config import TOKEN_FILE_NAME
 from parwatch.tokens import read_token
 from parwatch.vocabulary import Action

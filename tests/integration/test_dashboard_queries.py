@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from parwatch import dashboards as dash
 from parwatch.catalog import METRICS, STEP_BUCKETS
-from parwatch.demo.processes import free_port
+from parwatch.ports import free_port
 from parwatch.vocabulary import SelfPart, TimeCategory, Tracker
 from parwatch.wire.steps import COLLECTIVE_BUCKETS
 

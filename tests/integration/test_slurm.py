@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from parwatch.demo.processes import free_port
 from parwatch.guardrails.engine import GuardrailEngine
 from parwatch.guardrails.rules import default_rules
+from parwatch.ports import free_port
 from parwatch.report.loader import load_run
 from parwatch.sidecar.requeue import SlurmJob, SlurmRequeue
 from parwatch.vocabulary import Action, RuleAction, TimeCategory

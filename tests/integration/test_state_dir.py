@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from parwatch.demo.processes import free_port
+from parwatch.ports import free_port
 from tests import one_client
 from tests.fixtures import synthetic as syn
 from tests.integration.trust_util import STAGES, ingest, post

@@ -5,20 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from parwatch.ports import free_port
+
 pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_ranks_train_together_under_one_run_id(tmp_path):
@@ -34,7 +29,7 @@ def test_torchrun_ranks_train_together_under_one_run_id(tmp_path):
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "parwatch",
             "train",

@@ -237,7 +237,7 @@ def test_live_group_members_finds_this_process_and_nothing_for_an_unused_group()
 def test_free_ports_lie_below_the_range_outgoing_connections_draw_from():
     import socket
 
-    from parwatch.demo.processes import free_port
+    from parwatch.ports import free_port
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral = int(f.read().split()[0])
