@@ -14,6 +14,7 @@ is not taken for one that crashed when its pid disappears.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -300,10 +301,8 @@ class ActivityReporter:
         except Exception:
             pass
         if self._own_http and self._http is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._http.close()
-            except Exception:
-                pass
 
 
 def _busy_span(span):

@@ -26,6 +26,7 @@ steps the check before the optimizer step found bad ride the same way (`checks`)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -415,10 +416,8 @@ class Shipper:
             except OSError:
                 pass
         if self._own_http and self._http is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._http.close()
-            except Exception:
-                pass
 
     def close(self, timeout: float = 2.0) -> None:
         """Write and send what is queued (best effort within `timeout`), then stop the thread."""
