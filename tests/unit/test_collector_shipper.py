@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -11,6 +10,7 @@ import pytest
 from test_collector_sim import SimRank, SimRun, ctx_for, pipeline, run_steps
 
 from parwatch.credentials import rank_credential
+from parwatch.ports import free_port
 from tests.deadline import wait_until
 
 WAIT_S = 30.0  # generous: other helpers load this 2-core machine
@@ -18,12 +18,6 @@ WAIT_S = 30.0  # generous: other helpers load this 2-core machine
 
 def wait_for(predicate, what: str):
     wait_until(predicate, what, WAIT_S, interval=0.01)
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed when the block ends: nothing listens there
 
 
 class FakeSidecar:
@@ -129,7 +123,7 @@ def test_rank_0_polls_with_empty_ingests_while_no_summaries_flow(sidecar):
 
 
 def test_sidecar_down_drops_and_counts_summaries_and_training_goes_on():
-    run = started(endpoint=f"http://127.0.0.1:{closed_port()}")
+    run = started(endpoint=f"http://127.0.0.1:{free_port()}")  # bound a moment ago, nothing listens there
     t = run_steps(run, 5, 0.1)
     rank0 = run.ranks[0].collector
     wait_for(lambda: rank0.dropped_total == 5, "5 dropped summaries")
