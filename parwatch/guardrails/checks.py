@@ -5,6 +5,12 @@ value it judged, whether that fails, and the line it was compared against. spike
 regression keep a rolling window of earlier values for their baseline. RuleMonitor adds
 the time dimension, like Prometheus' `for:`: ok -> pending (failing, not yet for_steps
 consecutive evaluations / for_seconds) -> firing, and back to ok on a passing reading.
+A threshold reduced by max or min counts for_steps per series, as Prometheus' `for:` does: it fires
+when one series has failed that many evaluations in a row, and names it. Series that take turns being
+the worst (a stage skew whose slowest stage flips in the first steps, a one-step spike of another
+finding) fire nothing: CI on 198d3d9 named a noise spike of one step over the 10% slower rank of the
+four steps before it, and on cf439b5 alerted on a skew of stage 0, then stage 1, in a run's first steps.
+Other checks count the reduced value's failing evaluations, and name the series that gave it most often.
 
 Cost per step matters (the sidecar evaluates on its event loop, with series per rank):
 a Series memoises its reductions for the rules that share a metric, reductions run in C
@@ -45,6 +51,9 @@ class Reading:
     """spike/regression: the median the factor multiplies."""
     text: str
     """One line for a person: what was seen."""
+    failing_keys: frozenset | None = None
+    """Threshold by max or min: the series failing on their own (for_steps counts per series); None: the
+    check judges the reduced value only."""
 
 
 def reduce_series(values: dict[str, float], how: Reduce) -> tuple[float, str | None]:
@@ -139,10 +148,20 @@ class ThresholdCheck:
         if math.isnan(value):
             return None
         comparison, line = self.rule.bound()
-        failing = value > line if comparison == Comparison.ABOVE else value < line
-        word = ("" if failing else "not ") + comparison
-        text = f"{self.rule.reduce} {_label(self.rule.metric, key)} = {value:.4g}, {word} {line:g}"
-        return Reading(value, failing, key, line, None, text)
+        failing = self._fails(value, comparison, line)
+        keys = None
+        if self.rule.reduce in (Reduce.MAX, Reduce.MIN) and failing:
+            keys = frozenset(k for k, v in series.values.items() if self._fails(v, comparison, line))
+        return Reading(value, failing, key, line, None, self.describe(key, value), keys)
+
+    @staticmethod
+    def _fails(value: float, comparison: Comparison, line: float) -> bool:
+        return value > line if comparison == Comparison.ABOVE else value < line
+
+    def describe(self, key: str | None, value: float) -> str:
+        comparison, line = self.rule.bound()
+        word = ("" if self._fails(value, comparison, line) else "not ") + comparison
+        return f"{self.rule.reduce} {_label(self.rule.metric, key)} = {value:.4g}, {word} {line:g}"
 
     def history(self) -> dict:
         return {}
@@ -317,6 +336,8 @@ class RuleMonitor:
         "baseline",
         "last_seen_time",
         "window_values",
+        "window_series",
+        "streaks",
         "acted_tick",
         "acted_step",
         "acted_decision",
@@ -336,6 +357,12 @@ class RuleMonitor:
         self.baseline: float | None = None
         self.last_seen_time: float | None = None
         self.window_values: list[float] = []
+        self.window_series: list[str | None] = []
+        """The series of each of window_values (their culprits)."""
+        self._texts: dict[str | None, str] = {}  # series -> its newest reading's text, this failing run
+        self.streaks: dict[str, int] | None = None
+        """Threshold by max or min: each failing series' evaluations failed in a row (ThresholdCheck's
+        failing_keys); None: for_steps counts the reduced value's (failing_steps)."""
         self.acted_tick: int | None = None
         self.acted_step: int | None = None
         self.acted_decision: int | None = None
@@ -349,7 +376,8 @@ class RuleMonitor:
         self.last_seen_time = now
         if self.reason == NO_DATA:
             self._clear(RuleState.OK, "data is back")
-        reading = self.check.read(as_series(values))
+        series = as_series(values)
+        reading = self.check.read(series)
         if reading is not None:
             self.last_value, self.last_series = reading.value, reading.series
             self.threshold, self.baseline = reading.threshold, reading.baseline
@@ -357,13 +385,41 @@ class RuleMonitor:
             self._clear(RuleState.OK, reading.text if reading else "not judged yet (no usable value or baseline)")
             return False
         if self.failing_steps == 0:
-            self.since_step, self.since_time, self.window_values = step, now, []
+            self.since_step, self.since_time, self.window_values, self.window_series = step, now, [], []
+            self._texts = {}
         self.failing_steps += 1
         self.window_values.append(reading.value)
+        self.window_series.append(reading.series)
         if len(self.window_values) > MAX_WINDOW_VALUES:
-            del self.window_values[0]
-        self.reason = reading.text
+            del self.window_values[0], self.window_series[0]
+        self._texts[reading.series] = reading.text
+        if reading.failing_keys is None:
+            self.streaks = None
+        else:
+            streaks = self.streaks or {}
+            self.streaks = {k: streaks.get(k, 0) + 1 for k in reading.failing_keys}
+        named = self.named_series()
+        if self.streaks is not None and named in series.values and isinstance(self.check, ThresholdCheck):
+            self._texts[named] = self.check.describe(named, series.values[named])
+        self.reason = self._texts.get(named, reading.text)
         return self._advance(now)
+
+    def named_series(self) -> str | None:
+        """The series the failing run names: by series (streaks), the one failing longest in a row (ties:
+        the judged one, else the first); else the one that gave the judged value most often, the newest
+        of those that tie (the last reading's when there is no failing run)."""
+        if self.streaks:
+            longest = max(self.streaks.values())
+            tied = sorted(k for k, n in self.streaks.items() if n == longest)
+            return self.last_series if self.last_series in tied else tied[0]
+        seen = self.window_series
+        if not seen or len(set(seen)) == 1:
+            return seen[-1] if seen else self.last_series
+        counts: dict[str | None, int] = {}
+        for key in seen:
+            counts[key] = counts.get(key, 0) + 1
+        most = max(counts.values())
+        return next(key for key in reversed(seen) if counts[key] == most)
 
     def tick(self, now: float) -> bool:
         """Time passed without a reading: a pending for_seconds rule may now fire."""
@@ -380,7 +436,8 @@ class RuleMonitor:
     def evidence(self, step: int | None) -> RuleEvidence:
         """What a decision record shows: the failing run's values, the line they crossed, the window, and the
         place its series key names (its stage, and every label as the culprit)."""
-        rule, labels = self.rule, series_labels(self.last_series)
+        rule, named = self.rule, self.named_series()
+        labels = series_labels(named)
         stage = labels.get("stage")
         threshold = rule.check == CheckKind.THRESHOLD
         baseline = rule.check in (CheckKind.SPIKE, CheckKind.REGRESSION)
@@ -388,9 +445,10 @@ class RuleMonitor:
         return RuleEvidence(
             metric=rule.metric,
             check=rule.check,
-            series=self.last_series,
+            series=named,
             reduce=rule.reduce,
             values=list(self.window_values),
+            values_series=list(self.window_series) if len(set(self.window_series)) > 1 else UNSET,
             for_steps=rule.for_steps,
             window=(self.since_step, step),
             stage=stage if isinstance(stage, int) else UNSET,
@@ -409,7 +467,8 @@ class RuleMonitor:
         if self.state == RuleState.FIRING:
             return False
         rule = self.rule
-        enough_steps = self.failing_steps >= rule.for_steps
+        in_a_row = self.failing_steps if self.streaks is None else max(self.streaks.values(), default=0)
+        enough_steps = in_a_row >= rule.for_steps
         long_enough = True
         if rule.for_seconds is not None:
             assert self.since_time is not None  # only failing readings lead here; the first one set it
@@ -423,6 +482,7 @@ class RuleMonitor:
     def _clear(self, state: RuleState, reason: str) -> None:
         self.state, self.reason = state, reason
         self.failing_steps, self.since_step, self.since_time, self.window_values = 0, None, None, []
+        self.window_series, self._texts, self.streaks = [], {}, None
 
     def _built_for(self) -> dict:
         """What a baseline was built for: restored only into a rule that still matches."""
@@ -444,6 +504,8 @@ class RuleMonitor:
         for key in self.SAVED:
             if key in saved:
                 setattr(self, key, saved[key])
+        if len(self.window_series) != len(self.window_values):  # saved before window_series was
+            self.window_series = [self.last_series] * len(self.window_values)
         self.state = RuleState(self.state)
         if "history" in saved:
             self.restore_baseline(saved)

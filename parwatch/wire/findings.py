@@ -227,6 +227,9 @@ class RuleEvidence(Struct, kw_only=True):
     """How the series became one value."""
     values: list[float]
     """The failing run's judged values, oldest first (the newest 200)."""
+    values_series: list[str | None] | UnsetType = UNSET
+    """The series key of each of `values`, when they were not all the same one (`series` is the one that
+    gave most of them)."""
     for_steps: int
     """Failing evaluations the rule needs to fire."""
     window: tuple[int | None, int | None]

@@ -125,6 +125,40 @@ def test_a_failing_skew_rule_names_the_stage_in_reason_and_evidence():
     assert evidence.stage == 1 and evidence.culprit == {"stage": 1}
 
 
+def test_a_threshold_counts_for_steps_per_series_and_names_the_one_that_persisted():
+    """As Prometheus' `for:`. CI on 198d3d9: a 10% slower rank 0 failed four steps, then a one-step slow-link
+    spike of the other TP group was the max on the fifth, and the decision named the spike. CI on cf439b5: a
+    run's first two steps had stage 0, then stage 1, as the slowest (skew 1.67, 1.31) and a for_steps=2
+    rule alerted."""
+    rank0, spike = "cause=slow-compute,stage=0,ranks=0,rank=0", "cause=slow-link,group=tp,ranks=2+3"
+    monitor = RuleMonitor(Rule(name="straggler", metric="straggler_ratio", above=0.02, for_steps=5))
+    for step in range(17, 21):
+        assert not monitor.observe(step, 0.0, {rank0: 0.033, spike: 0.0})
+    assert monitor.observe(21, 0.0, {rank0: 0.034, spike: 0.188})
+    evidence = monitor.evidence(21)
+    assert evidence.series == rank0 and evidence.culprit == series_labels(rank0)
+    assert "rank=0" in monitor.reason and "0.034" in monitor.reason  # its own value at the firing step
+    assert evidence.values[-1] == 0.188 and evidence.values_series == [rank0] * 4 + [spike]
+    # Series taking turns as the worst fire nothing; one that persists fires, named.
+    skew = RuleMonitor(Rule(name="stage-skew", metric="pipeline_skew_ratio", above=1.25, for_steps=2))
+    assert not skew.observe(1, 0.0, {"stage=0": 1.67})
+    assert not skew.observe(2, 0.0, {"stage=1": 1.31})
+    assert skew.observe(3, 0.0, {"stage=1": 1.30}) and skew.evidence(3).series == "stage=1"
+    single = RuleMonitor(Rule(name="straggler", metric="straggler_ratio", above=0.02, for_steps=2))
+    single.observe(1, 0.0, {rank0: 0.05})
+    assert single.observe(2, 0.0, {rank0: 0.06}) and single.evidence(2).values_series is UNSET
+    # A mean has no series to count: its reduced value's failing evaluations count, as before.
+    mean = RuleMonitor(Rule(name="m", metric="straggler_ratio", above=0.02, for_steps=2, reduce="mean"))
+    mean.observe(1, 0.0, {rank0: 0.05, spike: 0.0})
+    assert mean.observe(2, 0.0, {spike: 0.05, rank0: 0.0})
+    # A state saved before window_series existed restores with the last series for each value.
+    saved = monitor.to_dict()
+    del saved["window_series"]
+    restored = RuleMonitor(monitor.rule)
+    restored.restore(saved)
+    assert restored.window_series == [monitor.last_series] * 5 and restored.streaks == {rank0: 5, spike: 1}
+
+
 def test_leave_one_out_medians_equal_the_median_of_the_others():
     import random
     import statistics
