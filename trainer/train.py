@@ -29,6 +29,7 @@ from parwatch.contract import (
     StepBoundary,
     StepCheck,
     TorchAllReduce,
+    Unresumable,
     Verdict,
     torch_grads,
 )
@@ -36,7 +37,7 @@ from parwatch.trainer import checkpoint as ckpt
 from parwatch.trainer import optim
 from parwatch.trainer.comm import Comm
 from parwatch.trainer.config import TrainConfig, parse_synthetic
-from parwatch.trainer.errors import CheckpointError
+from parwatch.trainer.errors import CheckpointError, TrainerError
 from parwatch.trainer.executor import PipelineExecutor, StepShape
 from parwatch.trainer.faults import Faults, InjectedError, parse_fault
 from parwatch.trainer.flops import model_flops_per_step
@@ -331,7 +332,12 @@ class Trainer:
     def _pause(self) -> None:
         self.registry.emit_event(Event.PAUSED, step=self.step)
         log.warning("rank %d: paused at step %d", self.rank, self.step)
-        rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s, report=self._report)
+        try:
+            rollback = self.steps_boundary.hold(self.step, self.cfg.pause_poll_s, report=self._report)
+        except Unresumable as err:
+            raise TrainerError(
+                f"{err}: run it watched by a sidecar (--parwatch-endpoint), or --pre-step-check off"
+            ) from None
         if rollback is not None:
             self._rollback(rollback)
 

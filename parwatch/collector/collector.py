@@ -114,6 +114,9 @@ class Collector(Observer):
         self._time_fn = time_fn
         self._memory_fn = memory_fn or (peak_memory_bytes if ctx.local_gpu is not None else (lambda: None))
         self.nvml = NvmlSampler(ctx.local_gpu, nvml=nvml, interval_s=nvml_interval_s).start()
+        self.last_summary: StepSummary | None = None
+        """The most recent summary, as built on the training thread (its bubble causes are added later); set
+        before the activity reporter starts, whose first sample (at attach) reads it."""
         self.directives = DirectiveInbox()
         self.causes = CauseSplitter()
         """Rank 0: splits each global view's bubble into schedule, imbalance and wait (shipper thread)."""
@@ -209,8 +212,6 @@ class Collector(Observer):
         self._registry: HookRegistry | None = None
         self.summaries = 0
         """Summaries produced so far."""
-        self.last_summary: StepSummary | None = None
-        """The most recent summary, as built on the training thread (its bubble causes are added later)."""
         self.unresolved_spans = 0
         """Deferred spans whose marks could not be resolved (dropped from the statistics)."""
         self.errors = 0
@@ -233,6 +234,9 @@ class Collector(Observer):
             origin=origin,
         )
         self._overhead_ns += _now_ns() - t0
+
+    def directs(self) -> bool:
+        return self.shipper.url is not None
 
     def pending_directive(self):
         if self.ctx.rank != 0:
@@ -448,6 +452,8 @@ class Collector(Observer):
             self.shipper.put_spans(self._records)
         self.last_summary = summary
         self.summaries += 1
+        if step_seconds > self.activity.interval_s:
+            self.activity.report_soon()  # a long step (a stall) ended: the leader's hang clock hears of it now
         # A skipped step's loss never reached the weights: the view (what the rules judge) leaves it out.
         self._previous, self._previous_step = result, info.step
         self._previous_loss = None if skipped else info.loss

@@ -27,6 +27,7 @@ from parwatch.contract.boundary import (
     BoundaryInfo,
     OutcomeReport,
     StepBoundary,
+    Unresumable,
     new_run_id,
     run_key,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "StepPolicy",
     "StepReading",
     "TorchAllReduce",
+    "Unresumable",
     "Verdict",
     "registry",
     "new_run_id",

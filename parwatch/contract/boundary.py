@@ -145,6 +145,10 @@ class _Handled:
     reason: FailReason | None
 
 
+class Unresumable(RuntimeError):
+    """A run paused (its pre-step check's skips) with no sidecar to resume it: StepBoundary.hold stops it."""
+
+
 class StepBoundary:
     """Runs the step boundary for one rank; the trainer supplies the all-reduce.
 
@@ -289,7 +293,16 @@ class StepBoundary:
         returns None) or a rollback (returned unreported: the caller applies it).
 
         `report(directive, outcome)`: the caller's own reporting, which must end in self.report
-        (a trainer that also notes what it applied); default: self.report."""
+        (a trainer that also notes what it applied); default: self.report.
+
+        Raises Unresumable, on every rank, when rank 0 (which takes the run's directives) has nothing that
+        could bring a resume (no observer reports to a sidecar: Observer.directs): such a run would
+        otherwise wait forever."""
+        if not self.agree(self.rank != 0 or (self.registry.active and self.registry.directed())):
+            raise Unresumable(
+                f"paused at step {step}, and nothing watching this run can resume it (no parwatch sidecar: "
+                "a collector with an endpoint); stopping rather than waiting forever"
+            )
         while True:
             sleep(poll_s)
             _, directive = self.exchange(BoundaryKind.HEARTBEAT, step)

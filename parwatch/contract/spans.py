@@ -101,6 +101,11 @@ class Observer:
         """Rank 0 only: a directive to hand every rank, or None."""
         return None
 
+    def directs(self) -> bool:
+        """True when this observer can bring the run directives (it reports to a sidecar an operator
+        reaches): a pause can end. A run with none that pauses exits instead (StepBoundary.hold)."""
+        return False
+
     def settle(self, step: int, timeout_s: float) -> None:
         """Rank 0, after the run's last step (before the settling boundary): what the last steps' judgement
         needs sent, and their directive, if any, made pending (at most `timeout_s`)."""
@@ -262,6 +267,14 @@ class HookRegistry:
             if d is not None:
                 return d
         return None
+
+    def directed(self) -> bool:
+        """Some observer can bring this rank directives (Observer.directs). An observer written before
+        `directs` existed (observers are duck-typed: settle too may be missing) counts when it offers
+        directives at all: a pause it could end must not become an exit."""
+        return any(
+            obs.directs() if hasattr(obs, "directs") else hasattr(obs, "pending_directive") for obs in self.observers
+        )
 
     def settle(self, step: int, timeout_s: float) -> None:
         for obs in self.observers:

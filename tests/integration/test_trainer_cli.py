@@ -90,3 +90,15 @@ def test_loss_falls_over_forty_steps_on_one_process(tmp_path):
     first, last5 = losses[0], sum(losses[-5:]) / 5
     assert abs(first - math.log(64)) < 0.5  # starts near chance over the 64-token vocabulary
     assert last5 < 0.5 * first, f"loss went from {first:.3f} to a mean of {last5:.3f} over the last 5 steps"
+
+
+def test_a_run_its_step_check_pauses_with_no_sidecar_exits_naming_it_not_waiting_forever(tmp_path):
+    """Three bad batches (NaN every time each is computed) skip three steps, and the third skip pauses the run
+    (StepPolicy.pause_after_skips). Unwatched, nothing could ever resume it: before, every rank held at
+    that pause until killed (a default 200-step run did, at step 87, on its own loss spikes)."""
+    path = tmp_path / "summary.json"
+    faults = [arg for step in (4, 5, 6) for arg in ("--inject", f"bad-batch:step={step}")]
+    proc = _trainer("--nproc", "2", "--pp", "2", "--steps", "20", "--summary-json", str(path), *TINY, *faults)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "paused at step 6" in proc.stderr and "nothing watching this run can resume it" in proc.stderr
+    assert "--pre-step-check off" in proc.stderr and not path.exists()

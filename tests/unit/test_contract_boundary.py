@@ -22,6 +22,7 @@ from parwatch.contract import (
     Observer,
     Outcome,
     StepBoundary,
+    Unresumable,
 )
 
 
@@ -61,6 +62,9 @@ class Offer(Observer):
 
     def pending_directive(self):
         return self.queue.pop(0) if self.queue else None
+
+    def directs(self):
+        return True
 
     def on_boundary(self, info, slots):
         self.infos.append(info)
@@ -183,6 +187,46 @@ def test_hold_runs_heartbeats_until_resume_then_a_resume_boundary():
     kinds = [i.kind for i in offer.infos]
     assert kinds == ["start", "step", "heartbeat", "heartbeat", "heartbeat", "resume"]
     assert offer.infos[-1].report.directive_id == 11 and offer.infos[-1].report.complete
+
+
+def test_a_pause_nothing_can_resume_stops_every_rank_instead_of_waiting_forever():
+    """An unwatched run (or one whose collector has no sidecar) that its pre-step check pauses: rank 0 has
+    no observer that directs, so every rank raises Unresumable at once rather than holding forever."""
+
+    class Silent(Offer):
+        def directs(self):
+            return False
+
+    def body(rank, b, reg):
+        if rank == 0:
+            reg.unregister(next(o for o in reg.observers if isinstance(o, Offer)))
+            reg.register(Silent())
+        b.exchange(BoundaryKind.START, 0)
+        try:
+            b.hold(3, 0.0)
+        except Unresumable as err:
+            return str(err)
+
+    results, _, _ = run_world(2, body)
+    assert all(r is not None and "paused at step 3" in r and "no parwatch sidecar" in r for r in results)
+
+
+def test_an_observer_older_than_directs_that_offers_directives_still_directs():
+    class Older:  # duck-typed, as observers may be: no `directs`
+        def on_span(self, span):
+            pass
+
+        def pending_directive(self):
+            return None
+
+    class Spans:  # offers no directives at all
+        def on_span(self, span):
+            pass
+
+    older, spans = HookRegistry(), HookRegistry()
+    older.register(Older())
+    spans.register(Spans())
+    assert older.directed() and not spans.directed() and not HookRegistry().directed()
 
 
 def test_a_rollback_while_paused_is_returned_to_the_caller():
