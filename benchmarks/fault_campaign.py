@@ -54,7 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "integ
 from common import cpu_jiffies, cpu_ticks, machine, print_table, stolen_share  # noqa: E402
 from e2e_util import TORCHRUN, kill_group, kill_tree, launch_nodes, read_jsonl  # noqa: E402
 
-from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy  # noqa: E402
+from tests.sidecar_process import free_port, listens, sidecar_command, stop, wait_healthy  # noqa: E402
 
 FWD_MS, BWD_MS, MICROBATCHES = 10.0, 20.0, 4
 STEP_S = 0.2
@@ -111,8 +111,8 @@ class Sidecar:
                 continue
             # A port free a moment ago may be taken meanwhile (another run's sidecar, a rendezvous): what
             # answers there is then not ours, ours exits, and the run would report to another run's leader.
-            wait_for(lambda p=proc: _listens(p.pid, self.control_port) or p.poll() is not None, 30, 0.1)
-            if proc.poll() is None and _listens(proc.pid, self.control_port):
+            wait_for(lambda p=proc: listens(p.pid, self.control_port) or p.poll() is not None, 30, 0.1)
+            if proc.poll() is None and listens(proc.pid, self.control_port):
                 return self
             self.stop()
             self.control_port, self.metrics_port = free_port(), free_port()
@@ -177,6 +177,8 @@ class Run:
     procs: list
     outs: list
     framework: bool = False
+    start: str | None = None
+    """How its start went (start_state): started, port-taken, ended, or slow (not past step 2 in 120 s)."""
 
     @property
     def leader(self) -> Sidecar:
@@ -198,6 +200,16 @@ class Run:
 
     def last_step(self) -> int:
         return self.leader.status().get("last_step") or 0
+
+    def start_state(self) -> str | None:
+        """started (past step 2), port-taken (a process that bound its rendezvous port exited: not free), ended,
+        or None (not yet). Two nodes' output can say so of a launch that launch_nodes has already redone."""
+        if self.last_step() >= 2:
+            return "started"
+        exited = any(p.poll() is not None for p in self.procs)
+        if exited and "address already in use" in self.output():
+            return "port-taken"
+        return "ended" if self.ended() else None
 
     def rank_pid(self, rank: int) -> int | None:
         """The rank's process: a forked rank's own, or a torchrun worker's (its RANK)."""
@@ -225,17 +237,6 @@ class Run:
                 kill_tree(p.pid)
         for s in self.sidecars:
             s.stop()
-
-
-def _listens(pid: int, port: int) -> bool:
-    """Whether process `pid` holds the listening TCP socket on 127.0.0.1:`port` (/proc/net/tcp's inode)."""
-    try:
-        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-        inodes = {f"socket:[{r[9]}]" for r in rows if r[3] == "0A" and int(r[1].rpartition(":")[2], 16) == port}
-        fds = Path(f"/proc/{pid}/fd")
-        return any(os.readlink(fd) in inodes for fd in fds.iterdir())
-    except OSError:
-        return False
 
 
 def _children(pid: int) -> list[int]:
@@ -336,8 +337,31 @@ def _forkserver():
         return _FORKSERVER
 
 
+START_TRIES = 3
+
+
 def start_run(setup: str, base: Path, extra: list[str], steps: int = 1000, long_steps: bool = False) -> Run:
-    """Start `setup` with trainer (or example) flags `extra`; every process is stopped by Run.stop()."""
+    """`setup` started with trainer (or example) flags `extra` (CKPT: the run's checkpoint folder), once it is
+    past step 2 or has ended (`Run.start`); every process is stopped by Run.stop().
+
+    A rendezvous port picked free a moment ago can be taken by another process before torchrun or rank 0
+    binds it. CI on d94243b: megatron-hang's torchrun exited with EADDRINUSE, and the trial waited 120 s for
+    a run that had ended. Such a run is started again, on other ports, in a fresh folder."""
+    for attempt in range(1, START_TRIES + 1):
+        where = base if attempt == 1 else base / f"start{attempt}"
+        run = _launch(setup, where, [str(where / "ckpt") if a == "CKPT" else a for a in extra], steps, long_steps)
+        try:
+            run.start = wait_for(run.start_state, 120, 0.2) or "slow"
+        except BaseException:
+            run.stop()
+            raise
+        if run.start != "port-taken" or attempt == START_TRIES:
+            return run
+        run.stop()
+    raise AssertionError("unreachable")
+
+
+def _launch(setup: str, base: Path, extra: list[str], steps: int, long_steps: bool) -> Run:
     base.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PARWATCH_TOKEN=TOKEN, TRAINER_THREADS="1", PYTHONPATH=str(ROOT))
     fwd, bwd = (LONG_FWD_MS, LONG_BWD_MS) if long_steps else (FWD_MS, BWD_MS)
@@ -512,13 +536,11 @@ def run_trial(t: Trial, base: Path) -> dict:
 
 
 def _run_trial(t: Trial, base: Path) -> dict:
-    inject = [str(base / "ckpt") if a == "CKPT" else a for a in t.inject]
-    run = start_run(t.setup, base, inject)
+    run = start_run(t.setup, base, t.inject)
     fault_at: float | None = None
     try:
-        started = wait_for(lambda: run.last_step() >= 2, 120, 0.2)
-        if not started:
-            return _result(t, run, None, None, error="the run did not reach step 2 in 120 s")
+        if run.start != "started":
+            return _result(t, run, None, None, error=f"the run did not reach step 2 ({run.start})")
         if t.action is not None:
             if not wait_for(lambda: run.last_step() >= t.step, 120, 0.05):
                 return _result(t, run, None, None, error=f"the run did not reach step {t.step}")
@@ -747,11 +769,10 @@ def run_healthy(h: Healthy, base: Path, seed: int) -> dict:
 
 def _run_healthy(h: Healthy, base: Path, seed: int) -> dict:
     rng = random.Random(f"{h.name}:{seed}")
-    noise = [str(base / "ckpt") if a == "CKPT" else a for a in healthy_noise(h, rng)]
-    run = start_run(h.setup, base, noise, steps=h.steps, long_steps=h.long_steps)
+    t0 = time.monotonic()
+    run = start_run(h.setup, base, healthy_noise(h, rng), steps=h.steps, long_steps=h.long_steps)
     pause_at = rng.randint(min(30, h.steps // 3), max(min(30, h.steps // 3), h.steps // 2))
     paused = False
-    t0 = time.monotonic()
     try:
         deadline = t0 + h.steps * (LONG_STEP_S if h.long_steps else STEP_S) * 6 + h.pause_s + 180
         while time.monotonic() < deadline and any(p.poll() is None for p in run.procs):
@@ -763,7 +784,7 @@ def _run_healthy(h: Healthy, base: Path, seed: int) -> dict:
             time.sleep(0.5)
         codes = [p.poll() for p in run.procs]
         time.sleep(2.0)  # findings about the last steps
-        summaries = [s for p in base.glob("log*/summaries.jsonl") for s in read_jsonl(p) if s.get("rank") == 0]
+        summaries = [s for p in run.base.glob("log*/summaries.jsonl") for s in read_jsonl(p) if s.get("rank") == 0]
         steps = max((s["step"] for s in summaries), default=0)
         findings = _findings(run)
         return {

@@ -133,3 +133,15 @@ def running_sidecar(
         yield sp
     finally:
         stop(proc)
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a listening TCP socket on `port` (/proc/net/tcp's and tcp6's inodes: the
+    sidecar listens on 127.0.0.1, torchrun's rendezvous store on ::, dual-stack)."""
+    try:
+        rows = [line.split() for f in ("tcp", "tcp6") for line in Path(f"/proc/net/{f}").read_text().splitlines()[1:]]
+        inodes = {f"socket:[{r[9]}]" for r in rows if r[3] == "0A" and int(r[1].rpartition(":")[2], 16) == port}
+        fds = Path(f"/proc/{pid}/fd")
+        return any(os.readlink(fd) in inodes for fd in fds.iterdir())
+    except OSError:
+        return False

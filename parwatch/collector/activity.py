@@ -81,6 +81,8 @@ class ActivityReporter:
         self._seen_span = None  # the span object last sampled and the wall time it was first seen
         self._seen_since = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set by report_soon() (and close()): the thread reports now, not at its next interval."""
         self._thread: threading.Thread | None = None
         self._backoff = 0.0
         self._retry_at = 0.0
@@ -253,8 +255,17 @@ class ActivityReporter:
             except Exception as exc:  # never let a bad sample end the thread
                 log.warning("parwatch: activity sample failed (%s)", exc)
             self.cpu_ns = time.thread_time_ns()  # parwatch's own cost; one int store, read by the collector
-            if self._stop.wait(self.interval_s):
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
+
+    def report_soon(self) -> None:
+        """Report now (from the training thread, at a step boundary that ended a step longer than
+        interval_s): the leader learns the stall is over at once, not up to an interval later, when a hang's
+        line may have passed (a 1.5 s hiccup stretched to 2 s under load, its step ending 0.24 s before a
+        2.75 s bound, was named a hang in the quick campaign)."""
+        self._wake.set()
 
     def start(self) -> ActivityReporter:
         if self._stacks_file is None and (self.stacks_path or self.url):
@@ -290,6 +301,7 @@ class ActivityReporter:
         if self._thread is None:
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout)
         self._thread = None
         self._retry_at = 0.0  # the last word is worth one try even after failures

@@ -171,6 +171,10 @@ class ActivityHub:
             if self.leader_url
             else None
         )
+        self.forward_soon = asyncio.Event()
+        """Set at a node when a rank reports first or ends: the leader hears of it now, not at the next tick
+        (a rank that crashed in the run's first second was otherwise never reported when its peers' echoes
+        reached the leader)."""
 
     # -- requests (event loop) --------------------------------------------------------------
     def activity(self, post: ActivityPost, client: Connection | None = None, identity: Identity | None = None) -> dict:
@@ -191,7 +195,10 @@ class ActivityHub:
         self._check_run(run_id, "activity.run_id")
         self.pace.check(run_id, a.step, "activity", a.rank)
         new_run = self.book.run_id is not None and run_id != self.book.run_id
+        before = None if new_run else self.book.latest.get(a.rank)  # a new run's book starts empty
         self.book.add(a, layout, run_id)
+        if self.forwarder is not None and (before is None or before[0].state != a.state):
+            self.forward_soon.set()
         self.pace.note(run_id, a.step, a.rank, a.step_seconds)
         if self._proven.get(a.rank) != (a.pid, True):  # proven once per rank and pid
             self._proven[a.rank] = (a.pid, owns_connection(a.pid, client))
@@ -737,17 +744,33 @@ def _replaced(a: Activity, rec) -> bool:
     return a.state in ENDED and rec is not None and rec.started is not None and a.time < rec.started
 
 
+async def _woken_to_forward(hub: ActivityHub, seconds: float) -> bool:
+    """Sleep `seconds`; True (early) when a node has a rank's first report or its end to forward."""
+    if hub.forwarder is None:
+        await asyncio.sleep(seconds)
+        return False
+    try:
+        await asyncio.wait_for(hub.forward_soon.wait(), seconds)
+    except TimeoutError:
+        return False
+    hub.forward_soon.clear()
+    return True
+
+
 async def _loop(hub: ActivityHub) -> None:
     """tick() once a second; judge() at the asks between (the leader's hang test, JUDGE_EVERY_SECONDS)."""
     loop = asyncio.get_running_loop()
     next_tick = loop.time() + TICK_SECONDS
     while True:
-        await asyncio.sleep(_next_ask(hub))
+        woken = await _woken_to_forward(hub, _next_ask(hub))
         try:
             now = loop.time()
             if now >= next_tick - JUDGE_EVERY_SECONDS / 2:  # the half: sleep overshoot must not make it 1.25 s
+                # Due whatever woke the loop (a rank changing state at every post must not starve it); it forwards.
                 next_tick = max(next_tick + TICK_SECONDS, now + TICK_SECONDS / 2)
                 await hub.tick()
+            elif woken:
+                await hub._forward()
             else:
                 hub.judge()
                 await hub.act()

@@ -100,6 +100,11 @@ ECHO_WAIT_SECONDS = 8.0
 yet: wait at most this long (past a node's digest grace, 5 s) for it to be, or for its node to go missing."""
 
 
+FIRST_FORWARD_SECONDS = 2.0
+"""A rank the leader never heard of may be one a node has not forwarded yet (a node forwards a rank's first
+report at once, then once a second): echoes wait this long for it before the failure is put among the unseen."""
+
+
 def lost_a_peer(a: Activity) -> bool:
     """A crashed rank whose exception says a peer went away first."""
     return a.state == RankState.CRASHED and a.error is not None and any(m in a.error.lower() for m in PEER_LOST_MARKS)
@@ -759,11 +764,14 @@ class HangMonitor:
         """The ranks gone to name now ([] to wait) when echoes ended without the cause among them."""
         # Echoes, and maybe ranks gone without a word: a launcher ends a node's other workers once
         # one fails, so those may be echoes too until every node has spoken since the first echo.
-        unseen = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
-        unseen += coverage.ranks_never_seen if coverage is not None else []
+        lost = sorted(r for r, a in rows.items() if a.state == RankState.UNKNOWN)
+        never = coverage.ranks_never_seen if coverage is not None else []
+        unseen = lost + never
         self._echoes_since = self._echoes_since if self._echoes_since is not None else now
         waited = now - self._echoes_since
-        if unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
+        if never and not lost and waited < FIRST_FORWARD_SECONDS:
+            gone = []  # ranks never heard of may be on their way from their node: its report may name the cause
+        elif unseen:  # the first failure is among the ranks it cannot see: point there, name nobody
             records.append(self._unseen_cause(gone, unseen, coverage))
             gone = []
         elif waited < ECHO_WAIT_SECONDS and (all(lost_a_peer(a) for a in gone) or not heard_since(self._echoes_since)):

@@ -43,9 +43,12 @@ pytestmark = [
 # median of 3 steps discards one disturbed step as the median of 4 did, and the causes' margins (imbalance
 # 0.22 against 0.08, extra wait 0.05-0.10 against 0.03; DualPipeV's drain within 0.002 of the replay's and its
 # clipping gaps 1-2 ms, against 0.015; its slow rank's imbalance 0.24 against 0.15) hold over steps 2-4 as over
-# 2-5 (2026-12-05).
+# 2-5 (2026-12-05). MS at 20/40 ms, not 40/80 (2026-12-06, alone): each figure is against a replay of the
+# run's own times or absolute, and held its margin (replay at measured times within 0.003 of the formula,
+# imbalance 0.23 against 0.08, wait 0.085-0.15 against 0.043-0.059, DualPipeV's drain 0.0035 off against 0.015, its
+# slow rank 0.23 against 0.15); the serial phase's grid took 29.5 s, not 38.5 s.
 P, M, STEPS = 2, 4, 4
-MS = "40,80"
+MS = "20,40"
 TOLERANCE = 0.02
 DPV = ("--schedule", "dualpipev")
 DPV_RUNS = {"dpv": (M, MS), "dpv-m8": (8, "20,40")}  # run -> (microbatches, F,B ms)
@@ -318,8 +321,13 @@ def dpv_drain() -> dict:
     }
 
 
+DRAIN_TOLERANCE = 0.015
+"""Seconds a rank's measured drain may be off the replay's."""
+
+
 def test_dualpipev_rank_1_drains_while_rank_0_runs_the_last_backward():
-    assert dpv_drain()[1] > 0.07
+    """...by more than twice the tolerance, so a drain measured as none could not pass as the replay's."""
+    assert dpv_drain()[1] > 2 * DRAIN_TOLERANCE
 
 
 def dpv_optimizer_gaps(out: str) -> tuple[dict, dict]:
@@ -344,7 +352,7 @@ def test_dualpipev_the_drain_is_idle_before_the_optimizer(grid):
     # as long as the drain the schedule implies.
     waits, _ = dpv_optimizer_gaps(grid[0])
     medians = {rank: statistics.median(w) for rank, w in waits.items()}
-    assert medians == pytest.approx(dpv_drain(), abs=0.015), (waits, dpv_drain())
+    assert medians == pytest.approx(dpv_drain(), abs=DRAIN_TOLERANCE), (waits, dpv_drain())
 
 
 @pytest.mark.timing

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -188,35 +189,68 @@ def launch_nodes(
 ) -> list[subprocess.Popen]:
     """Several "nodes" of one run on this machine: a `torchrun --nnodes N --node-rank K` launcher per
     entry (static rendezvous on loopback) running `-m parwatch train` with that node's args, environment and
-    output file. Each in its own process group (kill_group)."""
-    from tests.sidecar_process import free_port
+    output file. Each in its own process group (kill_group). Returns once node 0's launcher listens on the
+    rendezvous port: a port free a moment ago can be taken before torchrun binds it (EADDRINUSE; the fault
+    campaign's torchrun in CI on d94243b), and the run is then launched again on another."""
+    from tests.sidecar_process import free_port, listens
 
-    port, procs = free_port(), []
-    for k, (out_path, args, env) in enumerate(zip(out_paths, node_args, envs)):
-        cmd = [
-            TORCHRUN,
-            "--nnodes",
-            str(len(node_args)),
-            "--node-rank",
-            str(k),
-            "--nproc-per-node",
-            str(nproc_per_node),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "-m",
-            "parwatch",
-            "train",
-            *args,
+    for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        port, said_before = free_port(), Path(out_paths[0]).stat().st_size if attempt > 1 else 0
+        procs = [
+            _launch_node(k, len(node_args), port, nproc_per_node, *node, append=attempt > 1)
+            for k, node in enumerate(zip(out_paths, node_args, envs))
         ]
-        env = dict(env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        with open(out_path, "wb") as out:
-            procs.append(
-                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-    return procs
+        wait_until(partial(_store_up_or_ended, procs[0], port), "node 0's rendezvous store", 60)
+        if listens(procs[0].pid, port) or attempt == RENDEZVOUS_TRIES:
+            return procs
+        if b"already in use" not in Path(out_paths[0]).read_bytes()[said_before:]:
+            return procs  # ended for another reason: wait_nodes tells it
+        for proc in procs:
+            kill_group(proc)
+    raise AssertionError("unreachable")
+
+
+RENDEZVOUS_TRIES = 3
+
+
+def _store_up_or_ended(launcher: subprocess.Popen, port: int) -> bool:
+    from tests.sidecar_process import listens
+
+    return listens(launcher.pid, port) or launcher.poll() is not None
+
+
+def _launch_node(
+    k: int, nnodes: int, port: int, nproc: int, out_path: Path, args: list[str], env: dict, append: bool
+) -> subprocess.Popen:
+    """One node's launcher; `append`: after an earlier launch's output (it says why it was launched again)."""
+    cmd = [TORCHRUN, "--nnodes", str(nnodes), "--node-rank", str(k), "--nproc-per-node", str(nproc)]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "parwatch", "train", *args]
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with open(out_path, "ab" if append else "wb") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextlib.contextmanager
+def rendezvous_port_taken_once(monkeypatch):
+    """launch_nodes' first port (tests.sidecar_process.free_port's next answer) is one another socket listens
+    on, then free ones as before; yields the ports it handed out."""
+    import socket
+
+    import tests.sidecar_process
+
+    picked: list[int] = []
+    real_free_port = tests.sidecar_process.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+
+        def taken_first(host: str = "127.0.0.1") -> int:
+            picked.append(taken.getsockname()[1] if not picked else real_free_port(host))
+            return picked[-1]
+
+        monkeypatch.setattr(tests.sidecar_process, "free_port", taken_first)
+        yield picked
 
 
 def wait_nodes(procs: list[subprocess.Popen], out_paths: list[Path], timeout: float = TRAINER_TIMEOUT_S) -> None:

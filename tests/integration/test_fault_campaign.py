@@ -87,3 +87,44 @@ def test_a_campaign_sidecar_whose_port_was_taken_starts_on_others(tmp_path):
             assert "already in use" in sidecar.log.read_text()
         finally:
             sidecar.stop()
+
+
+def test_a_run_whose_rendezvous_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """CI on d94243b: megatron-hang's torchrun exited at once (EADDRINUSE on its --master-port) and the trial
+    waited 120 s for a run that had ended. The run is started again, on another port, in a fresh folder."""
+    import socket
+
+    import benchmarks.fault_campaign as campaign
+
+    picked = []
+
+    def first_rendezvous_port_taken(host="127.0.0.1"):
+        picked.append(free_port(host))
+        return taken.getsockname()[1] if len(picked) == 3 else picked[-1]  # the sidecar's two, then the run's
+
+    free_port = campaign.free_port
+    monkeypatch.setattr(campaign, "free_port", first_rendezvous_port_taken)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = campaign.start_run("ref", tmp_path, [], steps=6)
+        try:
+            assert run.start == "started" and run.base == tmp_path / "start2", run.output()[-2000:]
+            assert "address already in use" in (tmp_path / "trainer.out").read_text()
+        finally:
+            run.stop()
+
+
+def test_two_nodes_launched_again_by_launch_nodes_are_not_started_a_third_time(tmp_path, monkeypatch):
+    """Two nodes' output keeps the first launch's EADDRINUSE after launch_nodes launched them again on
+    another port: the campaign takes that run as it is, started, and does not start it again."""
+    import benchmarks.fault_campaign as campaign
+    from tests.integration.e2e_util import rendezvous_port_taken_once
+
+    with rendezvous_port_taken_once(monkeypatch) as picked:  # launch_nodes' port (the sidecars' are not)
+        run = campaign.start_run("ref2", tmp_path, [], steps=6)
+        try:
+            assert run.start == "started" and run.base == tmp_path, run.output()[-2000:]
+            assert len(picked) == 2 and "address already in use" in run.output()
+        finally:
+            run.stop()

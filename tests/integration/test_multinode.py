@@ -20,7 +20,17 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_util import ROOT, TORCHRUN, kill_group, launch_nodes, read_jsonl, synthetic, wait_nodes, wait_until
+from e2e_util import (
+    ROOT,
+    TORCHRUN,
+    kill_group,
+    launch_nodes,
+    read_jsonl,
+    rendezvous_port_taken_once,
+    synthetic,
+    wait_nodes,
+    wait_until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import one_client
@@ -366,3 +376,19 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_a_second_run_starts_clean(tm
         assert not status["paused"] and leader.records("decision") == []
         archived = read_jsonl(leader.state_dir / "runs" / "run-one" / "decisions.jsonl")
         assert {r["type"] for r in archived} >= {"decision", "substituted"}
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
+def test_nodes_whose_rendezvous_port_was_taken_are_launched_again_on_another(tmp_path, monkeypatch):
+    """A port free a moment ago can be taken before node 0's torchrun binds it (EADDRINUSE: the fault
+    campaign's torchrun in CI on d94243b). launch_nodes launches the nodes again on another port."""
+    outs = [tmp_path / "node0.out", tmp_path / "node1.out"]
+    with rendezvous_port_taken_once(monkeypatch) as picked:
+        args = ["--pp", "4", "--steps", "2", *synthetic(1, 2), "--parwatch", "off", "--timeout-s", "60"]
+        procs = launch_nodes(outs, [args] * 2, [dict(os.environ, TRAINER_THREADS="1")] * 2)
+        try:
+            assert len(picked) == 2 and "already in use" in outs[0].read_text()  # the first launch's, kept
+            wait_nodes(procs, outs, timeout=120)
+        finally:
+            for proc in procs:
+                kill_group(proc)

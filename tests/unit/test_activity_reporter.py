@@ -216,10 +216,49 @@ def test_straggler_by_rank():
 def test_the_first_report_goes_at_start_not_an_interval_later():
     """So the sidecar knows (and watches) the rank's process from attach: a rank torchrun started that died
     at step 6, before its first report a second in, was "never seen" in CI and no culprit was named."""
-    http = FakeHttp()
-    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", interval_s=600, http=http).start()
-    deadline = time.monotonic() + 10
-    while not http.posts and time.monotonic() < deadline:
-        time.sleep(0.01)
+    rep, http = _reporting_every_600_s()
     rep.close()
     assert len(http.posts) == 2  # the first report, then the last word; none in between (600 s)
+
+
+def _reporting_every_600_s() -> tuple[ActivityReporter, FakeHttp]:
+    """A started reporter with a 600 s interval, once its first report went."""
+    http = FakeHttp()
+    rep = ActivityReporter(_ctx(), contract.HookRegistry(), "http://x", interval_s=600, http=http).start()
+    _wait_for_posts(http, 1)
+    return rep, http
+
+
+def _wait_for_posts(http: FakeHttp, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(http.posts) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_collectors_first_activity_sample_at_attach_does_not_fail(caplog):
+    """The reporter's first sample (at attach, on its own thread) reads the collector's last summary. It
+    was set after the reporter started, so that sample failed with an AttributeError (71 of the 72 trainer
+    logs of one suite run said "activity sample failed") and the report at attach never went."""
+    import logging
+
+    from parwatch.collector import Collector, RunContext
+    from parwatch.ports import free_port
+
+    ctx = RunContext.for_rank("r", 0, tp=1, pp=2, dp=1, schedule="1f1b", microbatches=2)
+    with caplog.at_level(logging.WARNING, logger="parwatch"):
+        collector = Collector(ctx, endpoint=f"http://127.0.0.1:{free_port()}")  # nobody listens: a refused post
+        time.sleep(0.3)  # the first sample is taken at once
+        collector.close(timeout=1.0)
+    assert "activity sample failed" not in caplog.text, caplog.text
+
+
+def test_a_long_step_ended_is_reported_at_once_not_an_interval_later():
+    """The quick campaign (a venv run, healthy-long-steps, 0.49 s steps, bound 2.75 s) named a hang: rank 1's
+    1.5 s hiccup lasted 2.03 s under load, its step ended 2.51 s after the boundary, and no report said so
+    before the 2.75 s line. A step longer than the interval now wakes the reporter at its boundary."""
+    rep, http = _reporting_every_600_s()
+    rep.report_soon()
+    _wait_for_posts(http, 2)
+    assert len(http.posts) == 2  # the first report, then the one asked for, long before 600 s
+    rep.close()
+    assert len(http.posts) == 3  # and the last word

@@ -21,17 +21,22 @@ def wait_for(predicate, what: str):
 
 
 class FakeSidecar:
-    """http.server on a free loopback port that records ingests and answers with a directive."""
+    """http.server on a free loopback port that records ingests and answers with a directive (the ranks'
+    activity reports, the first at attach, are kept apart)."""
 
     def __init__(self, directive=None) -> None:
         self.requests: list[tuple[str, dict, dict]] = []
+        self.activity: list[dict] = []
         self.directive = directive
         sidecar = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                sidecar.requests.append((self.path, dict(self.headers), body))
+                if self.path == "/v1/activity":
+                    sidecar.activity.append(body)
+                else:
+                    sidecar.requests.append((self.path, dict(self.headers), body))
                 # An ingest body without summaries (rank 0's outcome or check records alone) omits the field.
                 reply = json.dumps(
                     {"accepted": len(body.get("summaries", ())), "directive": sidecar.directive}

@@ -218,3 +218,16 @@ def test_gpipe_step_stage_0_finishes_last_after_the_whole_pipeline():
     ends = [gpipe_step(0.0, s, p=p, m=m, tf=tf, tb=tb, topt=topt)[1] for s in range(p)]
     assert max(ends) == ends[0]
     assert abs(ends[0] - ((m + p - 1) * (tf + tb) + topt)) < 1e-12
+
+
+def test_a_step_longer_than_the_activity_interval_asks_for_a_report_at_its_boundary():
+    """The leader's hang clock hears at once that a long step (a stall) ended (ActivityReporter.report_soon;
+    tests/unit/test_activity_reporter.py has why)."""
+    run = pipeline()
+    asked = []
+    for rank in run.ranks:
+        rank.collector.activity.report_soon = lambda r=rank.ctx.rank: asked.append(r)  # type: ignore[method-assign]
+    t = run_steps(run, 3, 1.0)  # steps of tens of ms
+    assert asked == []
+    run_steps(run, 1, t, first_step=4, gap=1.5)  # a step held 1.5 s (a hiccup), longer than the 1 s interval
+    assert sorted(asked) == [0, 1]

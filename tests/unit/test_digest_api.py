@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from parwatch.rank_layout import RankLayout
-from parwatch.sidecar.activity_api import FINAL_SUMMARIES_SECONDS, _next_ask
+from parwatch.sidecar.activity_api import FINAL_SUMMARIES_SECONDS, _next_ask, _woken_to_forward
 from parwatch.sidecar.app import create_control_app
 from parwatch.sidecar.config import ConfigError, Listen, SidecarConfig
 from parwatch.sidecar.hang import JUDGE_EVERY_SECONDS
@@ -251,6 +251,31 @@ def test_leader_from_rank0_names_a_hang_from_a_forwarded_digest(tmp_path):
     assert hang["evidence"]["waiting"] == [0] and status["rank_states"] == {"running": 1, "hung": 1}
     decisions = leader.get("/v1/decisions").json()
     assert any(d.get("rule") == "hang" for d in decisions)
+
+
+def test_a_node_forwards_a_ranks_first_report_and_its_end_at_once(tmp_path):
+    """Found in CI (8ffa4a6): rank 3 raised in the run's first second and its peers' echoes reached the leader
+    before node 1's first tick had forwarded anything: rank-gone named no culprit. A node's loop now wakes to
+    forward when a rank reports first or changes state, not at its next tick."""
+    leader, lsc, lclock = _client(tmp_path, "leader")
+    node, nsc, nclock = _client(tmp_path, "node", leader_url="http://leader")
+    hub = nsc.activity
+    hub._http = _Bridge(leader)
+    leader.post("/v1/activity", json=report(0, step=1, host="leader-host", time=lclock.t))
+
+    def woken() -> bool:  # the loop's wait, 5 s at most: True at once when woken
+        return asyncio.run(_woken_to_forward(hub, 5.0))
+
+    node.post("/v1/activity", json=report(1, step=1, time=nclock.t))
+    assert woken()  # its first report
+    asyncio.run(hub._forward())
+    assert 1 in lsc.activity.view.rows()
+    node.post("/v1/activity", json=report(1, step=2, time=nclock.t))
+    assert not hub.forward_soon.is_set()  # still running: the next tick forwards it
+    node.post("/v1/activity", json=report(1, step=2, state="crashed", error="InjectedError: boom", time=nclock.t))
+    assert woken()  # its end
+    asyncio.run(hub._forward())
+    assert lsc.activity.view.rows()[1].state == "crashed"
 
 
 def test_a_run_in_megatrons_order_is_checked_forwarded_and_judged_in_it(tmp_path):

@@ -8,6 +8,7 @@ from msgspec.structs import astuple, replace
 from parwatch.rank_layout import RankLayout
 from parwatch.sidecar.digest import LeaderView, NodeBook
 from parwatch.sidecar.hang import (
+    FIRST_FORWARD_SECONDS,
     JUDGE_EVERY_SECONDS,
     MAX_REPORT_LATENCY_SECONDS,
     Activity,
@@ -675,6 +676,29 @@ def test_ranks_that_only_lost_a_peer_point_at_the_ranks_the_leader_cannot_see():
     assert record["rule"] == "rank-gone" and evidence["culprit"] is None
     assert evidence["points_at"] == {"rank": 2, "seen": False} and evidence["gone"] == [0, 1]
     assert "no current report of ranks [2, 3]" in record["reason"]
+
+
+def test_echoes_wait_for_ranks_never_reported_before_pointing_at_them():
+    """Found in CI (8ffa4a6): rank 3 raised in the run's first second, before its node had forwarded any
+    report; rank 1's echo reached the leader first and rank-gone named no culprit ("never reported: ranks
+    [2, 3]"). Ranks never heard of may be on their way: the echo waits FIRST_FORWARD_SECONDS for them."""
+    monitor, clock, engine = _monitor()
+    lay = RankLayout(2, 2, 1)
+    monitor.observe(act(0, lay, step=6), lay, clock.t)
+    echo = {r: replace(act(r, lay, "forward", step=6, state="crashed"), error=PEER_LOST) for r in (0, 1)}
+    unseen = Coverage(ranks_seen=2, world=4, nodes_missing=[], ranks_never_seen=[2, 3])
+    assert monitor.check(echo, coverage=unseen) == []
+    clock.t += FIRST_FORWARD_SECONDS / 2  # node 1's first forward: rank 3 crashed of its own error
+    told = {**echo, 2: act(2, lay, "forward", step=6), 3: act(3, lay, "forward", step=6, state="crashed")}
+    told[3] = replace(told[3], error="InjectedError: boom")
+    [record] = monitor.check(told, coverage=Coverage(ranks_seen=4, world=4, nodes_missing=[], ranks_never_seen=[]))
+    assert record["evidence"]["culprit"]["rank"] == 3 and "InjectedError" in record["reason"]
+    monitor2, clock2, _ = _monitor()  # they never come: the failure is put among them, as before
+    monitor2.observe(act(0, lay, step=6), lay, clock2.t)
+    assert monitor2.check(echo, coverage=unseen) == []
+    clock2.t += FIRST_FORWARD_SECONDS
+    [record] = monitor2.check(echo, coverage=unseen)
+    assert record["evidence"]["culprit"] is None and record["evidence"]["unseen"] == [2, 3]
 
 
 def test_echoes_alone_wait_for_the_first_failure_before_one_is_named():
