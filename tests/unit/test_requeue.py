@@ -107,6 +107,29 @@ def test_a_rule_decision_past_the_budget_is_followed_by_an_alert_saying_why(tmp_
     assert alert["reason"].startswith("requeue (decision 3) not carried out: job 42 was restarted 2 time(s)")
 
 
+def test_scontrol_ended_with_the_job_it_requeues_is_no_failure(tmp_path):
+    """Slurm ends every process of a job it requeues; a late scontrol inside it ends by SIGTERM. The requeue is
+    under way: no second record saying it failed (test_slurm in a venv on 5bb7724 had one), and a refusal
+    still gets one."""
+    engine = GuardrailEngine(default_rules(), tmp_path / "state")
+    ended, refused = tmp_path / "scontrol-ended", tmp_path / "scontrol-refused"
+    ended.write_text("#!/bin/sh\nkill -TERM $$\n")
+    refused.write_text("#!/bin/sh\necho 'Requested operation is presently disabled' >&2\nexit 1\n")
+    for script in (ended, refused):
+        script.chmod(0o755)
+
+    async def persist():
+        return None
+
+    requeue = SlurmRequeue(SlurmJob("42"), scontrol=str(ended))
+    asyncio.run(requeue.carry_out({"id": 3, "rule": "hang", "step": 9}, persist, engine.record_finding))
+    assert decision_records(tmp_path / "state") == [] and requeue.requested_by == 3
+    requeue = SlurmRequeue(SlurmJob("42"), scontrol=str(refused))
+    asyncio.run(requeue.carry_out({"id": 4, "rule": "hang", "step": 9}, persist, engine.record_finding))
+    [alert] = decision_records(tmp_path / "state")
+    assert "requeue (decision 4) failed" in alert["reason"] and "presently disabled" in alert["reason"]
+
+
 def test_a_decision_that_could_not_be_written_is_never_carried_out(tmp_path):
     """A storage fault never becomes an action: scontrol is not run (a full disk, which cannot be made here)."""
     engine = GuardrailEngine(default_rules(), tmp_path / "state")
