@@ -8,8 +8,12 @@ collection, so `-m serial` / `-m "not serial"` select either phase without xdist
 
 Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one unit of non-serial tests
 at a time and holds every serial unit back until no other worker has a test pending; then one worker
-runs the serial units one after another while the others wait idle. So no figure is measured while
-another worker loads the CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
+runs the serial units one after another. So no figure is measured while another worker loads the CPU.
+The unit tests (a `unit` folder's files: no servers, no ranks, CPU only) are held back as well and run
+beside the serial units on the other workers, under SCHED_IDLE (pytest_runtest_setup): the kernel
+runs such a process only on a core nothing else wants and preempts it as soon as anything else
+wakes, so they use the cores the serial phase leaves idle (it sleeps in synthetic compute) and take
+their 40 s of CPU out of the parallel phase, which is bound by CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
 integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
@@ -27,6 +31,10 @@ import tempfile
 
 import pytest
 
+IDLE = "idle:"
+"""The scope prefix of the unit tests' files, which run beside the serial phase under SCHED_IDLE."""
+IDLE_KEY = "parwatch_idle_units"
+"""The workerinput key telling a worker its unit tests run under SCHED_IDLE."""
 SERIAL_FILE = "parwatch_serial_ids"
 """The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...]}."""
 DURATIONS = os.environ.get(
@@ -78,6 +86,26 @@ def _wide_fixtures(item: pytest.Item) -> list[str]:
     return [n for n, defs in info.name2fixturedefs.items() if defs and defs[-1].scope != "function" and defs[-1].baseid]
 
 
+def idle_class(nodeid: str) -> bool:
+    """A unit test: its file is in a folder named `unit`."""
+    return "unit" in nodeid.split("::", 1)[0].split("/")[:-1]
+
+
+_idle_now = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """An xdist worker of this scheduler, at its first unit test: SCHED_IDLE from then on (the scheduler
+    hands a worker unit tests only once it has nothing else but them; threads and processes started
+    afterwards inherit it)."""
+    global _idle_now
+    if _idle_now or not getattr(item.config, "workerinput", {}).get(IDLE_KEY) or not idle_class(item.nodeid):
+        return
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _idle_now = True
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node) -> None:
     config = node.config
@@ -88,6 +116,7 @@ def pytest_configure_node(node) -> None:
             lambda: os.path.exists(config._parwatch_serial_file) and os.remove(config._parwatch_serial_file)
         )
     node.workerinput[SERIAL_FILE] = config._parwatch_serial_file
+    node.workerinput[IDLE_KEY] = hasattr(os, "SCHED_IDLE")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -107,11 +136,16 @@ def _serial_last_scheduling():
         seconds: dict[str, float] = {}
         _held = None
         """The node kept for the serial units until the others have nothing pending."""
+        _runner = None
+        """The node that runs the serial units: the first to ask for work once only they and the unit
+        tests are left (it never ran a unit test, so it is not under SCHED_IDLE)."""
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
             if nodeid in self.serial:
                 return f"serial:{file}"
+            if idle_class(nodeid) and hasattr(os, "SCHED_IDLE"):
+                return f"{IDLE}{file}"
             return nodeid if nodeid in self.alone else file
 
         def schedule(self) -> None:
@@ -137,24 +171,42 @@ def _serial_last_scheduling():
         def _others(self, node) -> list:
             return [n for n in self.assigned_work if n is not node]
 
+        def _busy(self, node) -> bool:
+            """`node` has tests pending that are not unit tests (those run under SCHED_IDLE)."""
+            return any(
+                not done
+                for scope, unit in self.assigned_work.get(node, {}).items()
+                if not scope.startswith(IDLE)
+                for done in unit.values()
+            )
+
         def _assign_work_unit(self, node) -> None:
             """The next unit for `node`: the longest left, or the shortest behind a long one. Once only
-            serial units are left, every node but one is shut down (it runs what it holds, then leaves);
-            the one left is held (a worker keeps its last test until it is sent more or shut down) until
-            the others have nothing pending, then runs the serial units one after another."""
-            others = [s for s in self.workqueue if not s.startswith("serial:")]
+            serial and unit-test units are left, the first node to ask runs the serial units: it is held
+            (a worker keeps its last test until it is sent more or shut down) until no other node has
+            anything but unit tests pending, then runs them one after another. The other nodes take the
+            unit tests meanwhile (under SCHED_IDLE), and are shut down when none are left."""
+            queue = list(self.workqueue)
+            others = [s for s in queue if not s.startswith(("serial:", IDLE))]
+            serial = [s for s in queue if s.startswith("serial:")]
+            idle = [s for s in queue if s.startswith(IDLE)]
             if others:
                 held = sum(self._weight(unit) for unit in self.assigned_work.get(node, {}).values())
                 pick = min if held > HOLD_BEHIND_SECONDS else max
                 scope = pick(others, key=lambda s: self._weight(self.workqueue[s]))
-            elif any(not n.shutting_down for n in self._others(node)):
+            elif serial and self._runner in (None, node):
+                self._runner = node
+                if any(self._busy(n) for n in self._others(node)):
+                    self._held = node
+                    return
+                scope = serial[0]
+            elif idle:
+                scope = max(idle, key=lambda s: self._weight(self.workqueue[s]))
+            elif serial:  # nothing for this node but the runner's: it runs what it holds, then leaves
                 node.shutdown()
                 return
-            elif any(self._pending_of(self.assigned_work[n]) for n in self._others(node)):
-                self._held = node
-                return
             else:
-                scope = next(iter(self.workqueue))
+                scope = queue[0]
             work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             collection = self.registered_collections[node]
@@ -164,7 +216,7 @@ def _serial_last_scheduling():
             super()._reschedule(node)
             held = self._held
             if held is not None and held is not node and held in self.assigned_work and not held.shutting_down:
-                if not any(self._pending_of(self.assigned_work[n]) for n in self._others(held)):
+                if not any(self._busy(n) for n in self._others(held)):
                     self._held = None
                     self._assign_work_unit(held)
 

@@ -19,9 +19,11 @@ rank's busy and idle shares of the window within 2 percentage points.
 
 What the two views do not share: the ledger's compute spans hold the host's Python between the
 ops of an action (module calls, the pipelining runtime's bookkeeping, parwatch's hooks), which the
-profiler's ops do not; the profiler counts ops outside any span (the example's batch generation),
-which the ledger has as idle. The first is a fixed cost per action, so the layers are wide enough
-(1536) for the ops to dwarf it (at 1024 it came near the bar: docs/benchmarks.md).
+profiler's ops do not. That is a fixed cost per action, so the layers are wide enough (1536) for the
+ops to dwarf it (at 1024 it came near the bar: docs/benchmarks.md). The example's batch generation
+is the ledger's data wait (idle) but ops to the profiler, so the test marks it (DATA_MARK) and the
+checker leaves its ops out of busy: unmarked, it was 0.7-1.5 of the 2 points on a quiet machine, and
+CI on 198d3d9 failed at 2.4.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import pytest
 import torch
 
 from tests.distutil import load_example, run_ranks
-from tests.trace_check import MARK, ledger_busy, trace_busy
+from tests.trace_check import DATA_MARK, MARK, ledger_busy, trace_busy
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -86,6 +88,13 @@ def profiled_rank(rank: int, world_size: int, out_dir: str) -> str:
 
     PipelineWatch.step_done = marked_step_done
     example = load_example("torch_pipelining")
+    batch = example.batch
+
+    def marked_batch(*args, **kwargs):
+        with record_function(DATA_MARK):
+            return batch(*args, **kwargs)
+
+    example.batch = marked_batch
     example.SyntheticStage = ComputeStage
     args = example.parse_args(ARGV + ["--run-id", "ledger-profiler", "--parwatch-log", out_dir])
     with profile(activities=[ProfilerActivity.CPU]) as prof:

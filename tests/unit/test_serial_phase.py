@@ -21,7 +21,7 @@ def record(name):
     start = time.monotonic()
     time.sleep(0.4)
     with open(os.path.join(os.environ["OUT"], name + ".json"), "w") as f:
-        json.dump([start, time.monotonic(), os.environ.get("PYTEST_XDIST_WORKER", "")], f)
+        json.dump([start, time.monotonic(), os.environ.get("PYTEST_XDIST_WORKER", ""), os.sched_getscheduler(0)], f)
 """
 PLAIN = RECORD + "".join(f"\ndef test_{i}():\n    record(__name__ + '{i}')\n" for i in range(3))
 SCENARIO = (
@@ -46,10 +46,17 @@ GRID = RECORD + "\npytestmark = pytest.mark.serial\n\ndef test_grid():\n    reco
 SERIAL = {"figure", "same_run", "grid"}
 
 
+def normal_policy() -> None:
+    """The session under the normal policy, though this test may run under SCHED_IDLE (the suite's own unit
+    tests do, beside its serial phase)."""
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
 def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: dict | None = None):
     (tmp_path / "conftest.py").write_text(
         "import pytest\n"
-        "from serial_phase import mark_serial, pytest_configure_node, pytest_xdist_make_scheduler  # noqa\n\n"
+        "from serial_phase import mark_serial, pytest_configure_node, pytest_runtest_setup  # noqa\n"
+        "from serial_phase import pytest_xdist_make_scheduler  # noqa\n\n"
         "@pytest.hookimpl(tryfirst=True)\n"
         "def pytest_collection_modifyitems(config, items):\n"
         "    mark_serial(config, items)\n"
@@ -57,6 +64,7 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n")
     files = files or {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}
     for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     out = tmp_path / "out"
     out.mkdir()
@@ -70,6 +78,7 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=normal_policy,
     )
 
 
@@ -85,10 +94,10 @@ def test_serial_tests_run_last_and_alone_under_xdist(tmp_path):
     assert len(ran) == 10, sorted(ran)
     serial = {k: v for k, v in ran.items() if k in SERIAL}
     others = {k: v for k, v in ran.items() if k not in SERIAL}
-    assert len({worker for _, _, worker in ran.values()}) == 2  # the others did run in parallel
-    last_other = max(end for _, end, _ in others.values())
-    assert all(start >= last_other for start, _, _ in serial.values()), (serial, others)
-    spans = sorted((start, end) for start, end, _ in serial.values())
+    assert len({worker for _, _, worker, _ in ran.values()}) == 2  # the others did run in parallel
+    last_other = max(end for _, end, _, _ in others.values())
+    assert all(start >= last_other for start, _, _, _ in serial.values()), (serial, others)
+    spans = sorted((start, end) for start, end, _, _ in serial.values())
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one after another
 
 
@@ -109,4 +118,29 @@ def test_the_longest_unit_starts_first(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     ran = intervals(tmp_path)
     worker = ran["one"][2]  # handed out first: its worker ran nothing before it
-    assert all(start >= ran["one"][0] for start, _, w in ran.values() if w == worker), sorted(ran.items())
+    assert all(start >= ran["one"][0] for start, _, w, _ in ran.values() if w == worker), sorted(ran.items())
+
+
+UNIT = RECORD + "".join(f"\ndef test_{i}():\n    record('unit{i}')\n" for i in range(4))
+
+
+def test_unit_tests_run_beside_the_serial_phase_under_sched_idle(tmp_path):
+    """The unit tests wait for the other tests to be handed out, then run on the workers the serial phase
+    leaves free, under SCHED_IDLE; every other test, the serial ones included, under the normal policy."""
+    pytest.importorskip("xdist")
+    files = {"test_a.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID, "unit/test_u.py": UNIT}
+    proc = run(tmp_path, "-n", "3", files=files)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    ran = intervals(tmp_path)
+    units = {k: v for k, v in ran.items() if k.startswith("unit")}
+    serial = {k: v for k, v in ran.items() if k in SERIAL}
+    others = {k: v for k, v in ran.items() if k not in units and k not in serial}
+    assert len(units) == 4 and len(serial) == 3 and len(others) == 4, sorted(ran)
+    assert {policy for *_, policy in units.values()} == {os.SCHED_IDLE}
+    assert {policy for *_, policy in [*serial.values(), *others.values()]} == {os.SCHED_OTHER}
+    last_other = max(end for _, end, _, _ in others.values())
+    assert all(start >= last_other for start, *_ in serial.values()), (serial, others)
+    serial_workers = {worker for _, _, worker, _ in serial.values()}
+    assert len(serial_workers) == 1 and not serial_workers & {worker for _, _, worker, _ in units.values()}
+    first_serial, last_serial = min(v[0] for v in serial.values()), max(v[1] for v in serial.values())
+    assert any(start < last_serial and end > first_serial for start, end, *_ in units.values()), (units, serial)

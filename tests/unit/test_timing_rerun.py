@@ -132,6 +132,16 @@ def junit_failures(tmp_path: Path) -> int:
     return sum(int(s.get("failures")) for s in ET.parse(tmp_path / "junit.xml").iter("testsuite"))
 
 
+def test_a_figure_asserted_without_a_message_is_rerun_too(tmp_path):
+    """pytest reports a rewritten assert by its expression, not "AssertionError": the torch pipelining grid's
+    replay (0.135 against 0.111 +- 0.02, in a fresh venv on 7d8b47b) failed the session un-re-run."""
+    flaky = FLAKY.replace(
+        'assert not first, "a host that took the CPU"', "assert {0: 0.1 if first else 0.2} == pytest.approx({0: 0.2})"
+    )
+    proc = run(tmp_path, {"test_flaky.py": flaky})
+    assert proc.returncode == 0 and "timing re-run: passed" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_a_timing_test_that_passes_its_rerun_passes_everywhere(tmp_path):
     proc = run(tmp_path, {"test_flaky.py": FLAKY})
     out = proc.stdout
