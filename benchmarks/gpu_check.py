@@ -229,6 +229,8 @@ def ledger_trace_check(cuda: bool, steps: int = 14, first: int = 4) -> dict:
             step = watch.start(0)
             while step < steps:
                 train_step(True)
+                with record_function(f"{trace_check.BEFORE}{step + 1}"):
+                    pass
                 step = watch.step_done()
                 with record_function(f"{trace_check.MARK}{step}"):
                     pass
@@ -244,10 +246,12 @@ def ledger_trace_check(cuda: bool, steps: int = 14, first: int = 4) -> dict:
         rows = [json.loads(line) for line in f if line.strip()]
     trace_window, trace_busy = trace_check.trace_busy(trace, first, steps, "kernel" if cuda else "cpu_op")
     ledger_window, ledger_busy, delta = trace_check.ledger_busy(rows, 0, first, steps)
+    shortest, longest = trace_check.window_bounds(trace, first, steps)
     result = {
         "busy": "kernels" if cuda else "host ops",
         "trace_window_s": trace_window,
         "ledger_window_s": ledger_window,
+        "trace_window_bounds_s": [shortest, longest],
         "trace_busy_share": trace_busy / trace_window,
         "ledger_busy_share": ledger_busy / ledger_window,
         "gap_pp": 100 * (ledger_busy / ledger_window - trace_busy / trace_window),

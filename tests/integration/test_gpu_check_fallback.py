@@ -65,8 +65,11 @@ def test_the_megatron_section_runs_watched_and_unwatched_steps():
 
 def test_the_ledger_trace_section_reads_the_same_window_both_ways():
     result = section_result("ledger_trace_check(False, steps=8, first=3)")
-    # The window between the same two step boundaries, by the profiler's markers and by the ledger's counters.
-    assert abs(result["ledger_window_s"] - result["trace_window_s"]) <= 0.05 * result["trace_window_s"] + 0.005
+    # The ledger's window (its counters' sum) is cut inside the two step boundary calls, so it lies between
+    # the profiler's markers around them; 1 ms for the two clocks. (A fixed bar on the markers after each
+    # call failed CI at 7.5 ms when the host held the process between a cut and its marker.)
+    shortest, longest = result["trace_window_bounds_s"]
+    assert shortest - 0.001 <= result["ledger_window_s"] <= longest + 0.001, result
     assert 0 < result["trace_busy_share"] < 1 and 0 < result["ledger_busy_share"] < 1
     assert result["ledger_seconds"]["productive"] > 0
     assert result["hta"]  # its breakdown, or why there is none (not installed here; a CPU trace has no kernels)
