@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -189,6 +191,7 @@ async def simulate(
     for _ in range(connections):
         pool.put_nowait(Connection(host, int(port), token))
     latencies: list[float] = []
+    sent: list[float] = []  # when each answer came (unix seconds): the latencies before and after the hang
     scraper, scrape_log = None, Path(tempfile.mkdtemp(prefix="parwatch-scrapes-")) / "scrapes"
     if metrics_url is not None and scrape_seconds > 0:
         # Prometheus scrapes every sidecar (the chart's interval is 15 s), from its own process: here too,
@@ -264,6 +267,7 @@ async def simulate(
             if status != 200:
                 raise RuntimeError(f"digest refused: HTTP {status}")
             latencies.append(time.perf_counter() - started)
+            sent.append(time.time())
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - started)))
 
     async def steps():
@@ -320,6 +324,8 @@ async def simulate(
         "leader_ingest_seconds_p50": percentile(latencies, 50),
         "leader_ingest_seconds_p99": percentile(latencies, 99),
         "digests_sent": len(latencies),
+        "leader_ingest_seconds_p99_healthy": percentile([t for t, at in zip(latencies, sent) if at < hang_at], 99),
+        "leader_ingest_seconds_p99_hung": percentile([t for t, at in zip(latencies, sent) if at >= hang_at], 99),
         "leader_scrape_seconds_max": max((t for t, _ in scrapes), default=None),
         "leader_scrape_bytes": scrapes[-1][1] if scrapes else None,
         "leader_scrapes": len(scrapes),
@@ -398,8 +404,19 @@ def scrape_loop(url: str, every: float, out: str) -> None:
             time.sleep(every)
 
 
-def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0, tree: Path = ROOT) -> dict:
-    """One fresh leader (of source tree `tree`: a baseline checkout takes the shared token) under the load."""
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` onto `cores` (threads it starts later inherit its main thread's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cores)
+
+
+def simulation(
+    ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0, tree: Path = ROOT, pinned: bool = False
+) -> dict:
+    """One fresh leader (of source tree `tree`: a baseline checkout takes the shared token) under the load.
+    pinned: the leader on core 0 and this load generator (2,048 nodes' senders, remote in a deployment) on
+    core 1, so neither queues behind the other; else both share every core."""
     if ranks % PER_NODE:
         raise SystemExit(f"--ranks {ranks} must be a multiple of {PER_NODE} (ranks per node)")
     # The load generator's own collector pauses would read as leader latency: scale.py calls this
@@ -410,21 +427,28 @@ def simulation(ranks: int, warmup: float, connections: int, scrape_seconds: floa
     gc.freeze()
     with tempfile.TemporaryDirectory(prefix="parwatch-hang-sim-") as tmp:
         with running_sidecar(Path(tmp) / "state", root=tree) as sidecar:
-            return asyncio.run(
-                simulate(
-                    sidecar.control_url,
-                    sidecar.pid,
-                    ranks,
-                    warmup,
-                    connections,
-                    hung=ranks * 9 // 16 + 3,
-                    token=sidecar.token,
-                    state_dir=Path(tmp) / "state",
-                    metrics_url=sidecar.metrics_url,
-                    scrape_seconds=scrape_seconds,
-                    credentials=tree == ROOT,
+            cores = os.sched_getaffinity(0)
+            if pinned:
+                pin(sidecar.pid, {0})
+                pin(os.getpid(), {1})
+            try:
+                return asyncio.run(
+                    simulate(
+                        sidecar.control_url,
+                        sidecar.pid,
+                        ranks,
+                        warmup,
+                        connections,
+                        hung=ranks * 9 // 16 + 3,
+                        token=sidecar.token,
+                        state_dir=Path(tmp) / "state",
+                        metrics_url=sidecar.metrics_url,
+                        scrape_seconds=scrape_seconds,
+                        credentials=tree == ROOT,
+                    )
                 )
-            )
+            finally:
+                pin(os.getpid(), cores)
 
 
 def main(argv=None) -> int:

@@ -106,6 +106,13 @@ def rank0_boundary(a) -> dict:
 LEADER_GOALS = {"leader_ingest_seconds_p99": 0.010, "leader_rss_bytes": 250e6, "hang_named_seconds": 10.0}
 
 
+def leader_goals(runs: list[dict]) -> dict:
+    """Each goal: [its limit, met in every run]."""
+    goals = {k: [limit, all(r[k] is not None and r[k] <= limit for r in runs)] for k, limit in LEADER_GOALS.items()}
+    goals["named_right"] = [True, all(r["named_right"] for r in runs)]
+    return goals
+
+
 def leader(a) -> dict:
     """The leader at N ranks (benchmarks/hang_detection.py): a real sidecar fed one digest per node
     (8 ranks each) per second over HTTP, a rank hung mid-run, the time until it is named, --runs times;
@@ -114,17 +121,19 @@ def leader(a) -> dict:
 
     import hang_detection
 
-    runs, base = [], []
-    for tree, out in ((t, o) for _ in range(a.runs) for t, o in ((ROOT, runs), (a.baseline_tree, base)) if t):
+    runs, base, pinned = [], [], []
+    kinds = ((ROOT, runs, False), (a.baseline_tree, base, False), (ROOT if a.pinned else None, pinned, True))
+    for tree, out, pin in ((t, o, p) for _ in range(a.runs) for t, o, p in kinds if t):
         jiffies = cpu_jiffies()
-        run = hang_detection.simulation(a.ranks, a.warmup, a.connections, a.scrape_seconds, tree=tree)
+        run = hang_detection.simulation(a.ranks, a.warmup, a.connections, a.scrape_seconds, tree=tree, pinned=pin)
         run["leader_cpu_stolen_share"] = stolen_share(jiffies, cpu_jiffies())  # the host's other guests
         run["load_avg_after"] = os.getloadavg()[0]
         run.pop("ranks", None)
         out.append(run)
         print(
-            f"leader run {len(out)}/{a.runs}{' (baseline)' if out is base else ''}: ingest p99 "
-            f"{run['leader_ingest_seconds_p99'] * 1e3:.1f} ms, "
+            f"leader run {len(out)}/{a.runs}{' (baseline)' if out is base else ' (pinned)' if pin else ''}: ingest p99 "
+            f"{run['leader_ingest_seconds_p99'] * 1e3:.1f} ms (healthy {run['leader_ingest_seconds_p99_healthy'] * 1e3:.1f}, "
+            f"hung {run['leader_ingest_seconds_p99_hung'] * 1e3:.1f}), "
             f"hang named after {run['hang_named_seconds']} s (right rank: {run['named_right']}), "
             f"RSS {run['leader_rss_bytes'] / 1e6:.0f} MB, stolen CPU {run['leader_cpu_stolen_share']:.0%}, "
             f"load average {run['load_avg_after']:.1f}"
@@ -135,11 +144,15 @@ def leader(a) -> dict:
             ),
             flush=True,
         )
-    goals = {k: [limit, all(r[k] is not None and r[k] <= limit for r in runs)] for k, limit in LEADER_GOALS.items()}
-    goals["named_right"] = [True, all(r["named_right"] for r in runs)]
-    result = {"leader_runs": runs, "leader_goals": goals, **hang_detection.handler_timing(a.ranks)}
+    result = {"leader_runs": runs, "leader_goals": leader_goals(runs), **hang_detection.handler_timing(a.ranks)}
     if base:
         result["baseline"] = {"tree": str(a.baseline_tree), "leader_runs": base}
+    if pinned:
+        result["pinned"] = {
+            "cores": "leader on core 0, load generator on core 1",
+            "leader_runs": pinned,
+            "leader_goals": leader_goals(pinned),
+        }
     for key in ("leader_ingest_seconds_p99", "leader_rss_bytes", "hang_named_seconds"):
         result[f"{key}_worst"] = max(r[key] for r in runs)
     return result
@@ -165,6 +178,11 @@ def main() -> None:
         default=None,
         help="leader: a checkout without issue 43's checks; each run is followed by one on a leader of it",
     )
+    p.add_argument(
+        "--pinned",
+        action="store_true",
+        help="leader: each run followed by one with the leader on core 0 and the load generator on core 1",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     a = p.parse_args()
     if a.ranks % (a.tp * a.pp):
@@ -176,15 +194,22 @@ def main() -> None:
     rows = [
         [k, f"{v * 1e3:.3f} ms" if isinstance(v, float) and ("_seconds_p" in k or k.endswith("_max")) else v]
         for k, v in result.items()
-        if k not in ("leader_runs", "leader_goals", "baseline")
+        if k not in ("leader_runs", "leader_goals", "baseline", "pinned")
     ]
-    for name, runs in (("", result["leader_runs"]), ("baseline ", (result.get("baseline") or {}).get("leader_runs"))):
+    for name, runs in (
+        ("", result["leader_runs"]),
+        ("baseline ", (result.get("baseline") or {}).get("leader_runs")),
+        ("pinned ", (result.get("pinned") or {}).get("leader_runs")),
+    ):
         if runs:
             p99 = " | ".join(f"{r['leader_ingest_seconds_p99'] * 1e3:.1f}" for r in runs)
             rows.append([f"{name}leader ingest p99 per run (ms)", p99])
     print_table(["measure", "value"], rows)
     met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["leader_goals"].items())
     print(f"leader goals met in every run ({a.runs}): {met}")
+    if "pinned" in result:
+        met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["pinned"]["leader_goals"].items())
+        print(f"pinned (leader on its own core), met in every run: {met}")
     write_json(a.out, {"results": result})
 
 
