@@ -414,7 +414,8 @@ def pin(pid: int, cores: set[int]) -> None:
 def simulation(
     ranks: int, warmup: float, connections: int, scrape_seconds: float = 0.0, tree: Path = ROOT, pinned: bool = False
 ) -> dict:
-    """One fresh leader (of source tree `tree`: a baseline checkout takes the shared token) under the load.
+    """One fresh leader (of source tree `tree`: a baseline checkout from before node credentials takes the
+    shared token) under the load.
     pinned: the leader on core 0 and this load generator (2,048 nodes' senders, remote in a deployment) on
     core 1, so neither queues behind the other; else both share every core."""
     if ranks % PER_NODE:
@@ -444,7 +445,7 @@ def simulation(
                         state_dir=Path(tmp) / "state",
                         metrics_url=sidecar.metrics_url,
                         scrape_seconds=scrape_seconds,
-                        credentials=tree == ROOT,
+                        credentials=(tree / "parwatch" / "credentials.py").exists(),  # a tree with node credentials
                     )
                 )
             finally:
