@@ -24,7 +24,7 @@ from tests import one_client
 from tests.distutil import ROOT, load_example, run_ranks
 from tests.sidecar_process import running_sidecar
 
-pytestmark = [pytest.mark.integration, pytest.mark.beside_serial]  # what ran, not when: no clock asserted
+pytestmark = pytest.mark.integration
 
 DOCS = ("README.md", "docs/torch_pipelining.md", "docs/megatron.md", "docs/deepspeed.md")
 MARK = re.compile(r"<!-- doc-snippet: (\w+) [^>]*-->\n```python\n(.*?)\n```", re.S)

@@ -27,7 +27,6 @@ from tests.trackers_readback import (
 TRACKERS = ("tensorboardX", "tensorboard", "mlflow", "wandb")
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.beside_serial,  # its waits are 60-150 s; it asserts what was written, not when
     pytest.mark.skipif(not all(map(installed, TRACKERS)), reason=f"needs {', '.join(TRACKERS)}: scripts/setup.sh test"),
 ]
 
