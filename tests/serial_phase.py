@@ -10,14 +10,15 @@ Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one uni
 at a time and holds every serial unit back until no other worker has a test pending; then one worker
 runs the serial units one after another. So no figure is measured while another worker loads the CPU.
 The unit tests (a `unit` folder's files: no servers, no ranks, CPU only) and the tests marked
-`beside_serial` (CPU-bound ranks whose only bound is a spawn's timeout: bitwise losses, collective
-counts, the wheel) are held back as well and run beside the serial units on the other workers, under
-SCHED_IDLE (pytest_runtest_setup; ranks forked from tests/distutil's fork server, started earlier,
-take it from tests/sched_idle.py): the kernel runs such a process only on a core nothing else wants and preempts
-it as soon as anything else wakes, so they use the cores the serial phase leaves idle (it sleeps in
-synthetic compute: 0.2-1.1 of 2 cores busy over its 182 s, 2026-12-06) and take their CPU out of the
-parallel phase, which is bound by CPU (1.7-2.0 of 2 cores busy throughout). A unit is a file's tests (as `--dist loadfile`), except in a long
-integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
+`beside_serial` (CPU-bound, no clock in their assertions, only a spawn's timeout: bitwise losses,
+collective counts, the wheel) are held back as well and run beside the serial units on the other
+workers, under SCHED_IDLE (pytest_runtest_setup; ranks forked from tests/distutil's fork server,
+started earlier, take it from the environment: tests/sched_idle.py). The kernel runs such a process
+only on a core nothing else wants and preempts it as soon as anything else wakes, so they use the cores
+the serial phase leaves idle (it sleeps in synthetic compute: 0.2-1.3 of 2 cores busy over its 182 s,
+2026-12-06) and take their CPU out of the parallel phase, which is bound by CPU (1.5-2.0 busy).
+A unit is a file's tests (as `--dist loadfile`), except in a long integration or dist file
+(SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
 worker still busy with a long unit is given the shortest one to hold behind it (a worker keeps its last
@@ -37,7 +38,8 @@ import pytest
 from tests import sched_idle
 
 IDLE = "idle:"
-"""The scope prefix of the unit tests' files, which run beside the serial phase under SCHED_IDLE."""
+"""The scope prefix of the unit tests' files and the `beside_serial` ones: they run beside the serial phase
+under SCHED_IDLE."""
 IDLE_KEY = "parwatch_idle_units"
 """The workerinput key telling a worker its unit tests run under SCHED_IDLE."""
 SERIAL_FILE = "parwatch_serial_ids"
