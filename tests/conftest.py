@@ -23,9 +23,8 @@ repeats: `pytest -m slow`. Without `-n` everything runs in one process, in file 
 `-n auto` starts one worker more than the cores (pytest_xdist_auto_num_workers below). In parallel
 (`-n N`, pytest-xdist) the session has two phases (tests/serial_phase.py): the non-serial
 tests on every worker, a file at a time, longest first by CI's recorded durations (tests/durations.json);
-then the serial tests on one worker while the others run the unit tests and the `beside_serial` ones
-(CPU-bound, no clock in their assertions) under SCHED_IDLE (on the cores the serial phase leaves idle,
-preempted whenever it wants them), so a timing figure is never
+then the serial tests on one worker while the others run the unit tests under SCHED_IDLE (on the
+cores the serial phase leaves idle, preempted whenever it wants them), so a timing figure is never
 measured while another worker loads the CPU. Workers share no fixed
 port and no state directory: servers and ranks take a port the kernel just reported free (a sidecar
 that loses it to another process is started again on others: tests/sidecar_process.py), every test

@@ -9,7 +9,6 @@ import traceback
 import torch.multiprocessing as mp
 
 from parwatch.ports import free_port  # below the ephemeral range
-from tests import sched_idle
 from tests.deadline import DeadlineExceeded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +49,6 @@ def _forkserver():
 def _entry(fn, rank, world_size, port, queue, args, env, cwd):
     os.environ.clear()
     os.environ.update(env)
-    sched_idle.follow(env)  # the fork server started before the test that calls went under SCHED_IDLE
     os.chdir(cwd)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)

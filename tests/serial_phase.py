@@ -9,16 +9,12 @@ collection, so `-m serial` / `-m "not serial"` select either phase without xdist
 Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one unit of non-serial tests
 at a time and holds every serial unit back until no other worker has a test pending; then one worker
 runs the serial units one after another. So no figure is measured while another worker loads the CPU.
-The unit tests (a `unit` folder's files: no servers, no ranks, CPU only) and the tests marked
-`beside_serial` (CPU-bound, no clock in their assertions, only a spawn's timeout: bitwise losses,
-collective counts, the wheel) are held back as well and run beside the serial units on the other
-workers, under SCHED_IDLE (pytest_runtest_setup; ranks forked from tests/distutil's fork server,
-started earlier, take it from the environment: tests/sched_idle.py). The kernel runs such a process
-only on a core nothing else wants and preempts it as soon as anything else wakes, so they use the cores
-the serial phase leaves idle (it sleeps in synthetic compute: 0.2-1.3 of 2 cores busy over its 182 s,
-2026-12-06) and take their CPU out of the parallel phase, which is bound by CPU (1.5-2.0 busy).
-A unit is a file's tests (as `--dist loadfile`), except in a long integration or dist file
-(SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
+The unit tests (a `unit` folder's files: no servers, no ranks, CPU only) are held back as well and run
+beside the serial units on the other workers, under SCHED_IDLE (pytest_runtest_setup): the kernel
+runs such a process only on a core nothing else wants and preempts it as soon as anything else
+wakes, so they use the cores the serial phase leaves idle (it sleeps in synthetic compute) and take
+their 40 s of CPU out of the parallel phase, which is bound by CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
+integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
 worker still busy with a long unit is given the shortest one to hold behind it (a worker keeps its last
@@ -35,16 +31,12 @@ import tempfile
 
 import pytest
 
-from tests import sched_idle
-
 IDLE = "idle:"
-"""The scope prefix of the unit tests' files and the `beside_serial` ones: they run beside the serial phase
-under SCHED_IDLE."""
+"""The scope prefix of the unit tests' files, which run beside the serial phase under SCHED_IDLE."""
 IDLE_KEY = "parwatch_idle_units"
 """The workerinput key telling a worker its unit tests run under SCHED_IDLE."""
 SERIAL_FILE = "parwatch_serial_ids"
-"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...],
-"beside": [...]}."""
+"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...]}."""
 DURATIONS = os.environ.get(
     "PARWATCH_TEST_DURATIONS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 )
@@ -74,7 +66,6 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.serial)
     path = getattr(config, "workerinput", {}).get(SERIAL_FILE)
     if path:  # an xdist worker: tell the controller's scheduler (every worker writes the same lists)
-        beside = [item.nodeid for item in items if beside_serial(item)]
         alone = [
             item.nodeid
             for item in items
@@ -82,7 +73,7 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
         ]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
-            json.dump({"serial": [item.nodeid for item in serial], "alone": alone, "beside": beside}, out)
+            json.dump({"serial": [item.nodeid for item in serial], "alone": alone}, out)
         os.replace(tmp, path)
 
 
@@ -100,11 +91,6 @@ def idle_class(nodeid: str) -> bool:
     return "unit" in nodeid.split("::", 1)[0].split("/")[:-1]
 
 
-def beside_serial(item: pytest.Item) -> bool:
-    """Runs beside the serial phase under SCHED_IDLE: a unit test, or one marked so and not serial."""
-    return idle_class(item.nodeid) or ("beside_serial" in item.keywords and "serial" not in item.keywords)
-
-
 _idle_now = False
 
 
@@ -114,9 +100,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     hands a worker unit tests only once it has nothing else but them; threads and processes started
     afterwards inherit it)."""
     global _idle_now
-    if _idle_now or not getattr(item.config, "workerinput", {}).get(IDLE_KEY) or not beside_serial(item):
+    if _idle_now or not getattr(item.config, "workerinput", {}).get(IDLE_KEY) or not idle_class(item.nodeid):
         return
-    sched_idle.enter()
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     _idle_now = True
 
 
@@ -147,8 +133,6 @@ def _serial_last_scheduling():
         serial: frozenset[str] = frozenset()
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
-        beside: frozenset[str] = frozenset()
-        """The unit tests and the `beside_serial` ones: a file's are one unit, run under SCHED_IDLE."""
         seconds: dict[str, float] = {}
         _held = None
         """The node kept for the serial units until the others have nothing pending."""
@@ -160,7 +144,7 @@ def _serial_last_scheduling():
             file = nodeid.split("::", 1)[0]
             if nodeid in self.serial:
                 return f"serial:{file}"
-            if nodeid in self.beside and hasattr(os, "SCHED_IDLE"):
+            if idle_class(nodeid) and hasattr(os, "SCHED_IDLE"):
                 return f"{IDLE}{file}"
             return nodeid if nodeid in self.alone else file
 
@@ -171,7 +155,6 @@ def _serial_last_scheduling():
                     with open(path) as f:
                         ids = json.load(f)
                     self.serial = frozenset(ids["serial"])
-                    self.beside = frozenset(ids["beside"])
                     self.seconds = _durations()
                     by_file: dict[str, float] = {}
                     for nodeid in ids["alone"]:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.distutil import ROOT, run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.beside_serial]  # exit codes: no clock in them
+pytestmark = pytest.mark.dist
 
 WATCHED_RUN = [
     sys.executable,

@@ -34,7 +34,6 @@ from tests.distutil import installed, load_example, run_ranks
 
 pytestmark = [
     pytest.mark.dist,
-    pytest.mark.beside_serial,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not installed("deepspeed"), reason="pip install -e '.[test]' installs deepspeed"),
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-from tests import sched_idle
 from tests.distutil import run_ranks
 
 
@@ -25,20 +24,6 @@ def test_ranks_see_the_callers_environment_and_directory_at_each_call(tmp_path, 
     assert [r[:3] for r in first] == [("first", str(tmp_path), 0), ("first", str(tmp_path), 1)]
     assert [r[:3] for r in second] == [("second", str(tmp_path), 0), ("second", str(tmp_path), 1)]
     assert len({r[3] for r in first + second}) == 4  # a new process for every rank of every call
-
-
-def _policy(rank: int, world: int) -> int:
-    return os.sched_getscheduler(0)
-
-
-def test_ranks_of_a_test_under_sched_idle_run_under_it_too(monkeypatch):
-    """A test beside the serial phase runs under SCHED_IDLE (tests/serial_phase.py); the fork server,
-    started before, does not, so each rank takes the policy from the caller's environment."""
-    run_ranks(_policy, 1)  # the fork server may start here, under the normal policy
-    monkeypatch.setenv(sched_idle.ENV, "1")
-    assert run_ranks(_policy, 2) == [os.SCHED_IDLE] * 2
-    monkeypatch.delenv(sched_idle.ENV)
-    assert run_ranks(_policy, 2) == [os.sched_getscheduler(0)] * 2
 
 
 def _fails(rank: int, world: int) -> None:

@@ -3,11 +3,7 @@ buffers reused across steps and widths, observers' work while it is in flight, a
 
 from __future__ import annotations
 
-import pytest
-
 from tests.distutil import run_ranks
-
-pytestmark = [pytest.mark.dist, pytest.mark.beside_serial]
 
 
 def _ranks_reduce(rank: int, world: int) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.sidecar_process import ROOT, free_port, running_sidecar
 
-pytestmark = [pytest.mark.integration, pytest.mark.beside_serial]
+pytestmark = pytest.mark.integration
 
 
 def parwatch(*args: str, env: dict | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:

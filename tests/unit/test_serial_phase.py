@@ -61,16 +61,14 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
         "def pytest_collection_modifyitems(config, items):\n"
         "    mark_serial(config, items)\n"
     )
-    (tmp_path / "pytest.ini").write_text(
-        "[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n    beside_serial: under SCHED_IDLE\n"
-    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: wall-clock\n    serial: alone\n")
     files = files or {"test_a.py": PLAIN, "test_b.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OUT": str(out), "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), **(env or {})}
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(TESTS), **(env or {})}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # xdist alone: the installed plugins cost each worker ~1.4 s CPU
     plugins = ["-p", "xdist.plugin"] if "-n" in args else []
     return subprocess.run(
@@ -124,26 +122,20 @@ def test_the_longest_unit_starts_first(tmp_path):
 
 
 UNIT = RECORD + "".join(f"\ndef test_{i}():\n    record('unit{i}')\n" for i in range(4))
-BESIDE = (
-    RECORD
-    + "\npytestmark = pytest.mark.beside_serial\n"
-    + "".join(f"\ndef test_{i}():\n    record('unit-marked{i}')\n" for i in range(2))
-)
 
 
 def test_unit_tests_run_beside_the_serial_phase_under_sched_idle(tmp_path):
-    """The unit tests and those marked `beside_serial` wait for the other tests to be handed out, then run on
-    the workers the serial phase leaves free, under SCHED_IDLE; every other test, the serial ones included,
-    under the normal policy."""
+    """The unit tests wait for the other tests to be handed out, then run on the workers the serial phase
+    leaves free, under SCHED_IDLE; every other test, the serial ones included, under the normal policy."""
     pytest.importorskip("xdist")
-    files = {"test_a.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID, "unit/test_u.py": UNIT, "test_e.py": BESIDE}
+    files = {"test_a.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID, "unit/test_u.py": UNIT}
     proc = run(tmp_path, "-n", "3", files=files)
     assert proc.returncode == 0, proc.stdout[-3000:]
     ran = intervals(tmp_path)
     units = {k: v for k, v in ran.items() if k.startswith("unit")}
     serial = {k: v for k, v in ran.items() if k in SERIAL}
     others = {k: v for k, v in ran.items() if k not in units and k not in serial}
-    assert len(units) == 6 and len(serial) == 3 and len(others) == 4, sorted(ran)
+    assert len(units) == 4 and len(serial) == 3 and len(others) == 4, sorted(ran)
     assert {policy for *_, policy in units.values()} == {os.SCHED_IDLE}
     assert {policy for *_, policy in [*serial.values(), *others.values()]} == {os.SCHED_OTHER}
     last_other = max(end for _, end, _, _ in others.values())
