@@ -416,8 +416,8 @@ def simulation(
 ) -> dict:
     """One fresh leader (of source tree `tree`: a baseline checkout from before node credentials takes the
     shared token) under the load.
-    pinned: the leader on core 0 and this load generator (2,048 nodes' senders, remote in a deployment) on
-    core 1, so neither queues behind the other; else both share every core."""
+    pinned: the leader on one core and this load generator (2,048 nodes' senders, remote in a deployment) on
+    another, so neither queues behind the other; else both share every core."""
     if ranks % PER_NODE:
         raise SystemExit(f"--ranks {ranks} must be a multiple of {PER_NODE} (ranks per node)")
     # The load generator's own collector pauses would read as leader latency: scale.py calls this
@@ -429,9 +429,12 @@ def simulation(
     with tempfile.TemporaryDirectory(prefix="parwatch-hang-sim-") as tmp:
         with running_sidecar(Path(tmp) / "state", root=tree) as sidecar:
             cores = os.sched_getaffinity(0)
-            if pinned:
-                pin(sidecar.pid, {0})
-                pin(os.getpid(), {1})
+            if pinned:  # the first two cores this process may use (a cpuset need not hold cores 0 and 1)
+                if len(cores) < 2:
+                    raise SystemExit(f"--pinned needs 2 cores; this process may use {sorted(cores)}")
+                leader_core, generator_core = sorted(cores)[:2]
+                pin(sidecar.pid, {leader_core})
+                pin(os.getpid(), {generator_core})
             try:
                 return asyncio.run(
                     simulate(

@@ -149,7 +149,7 @@ def leader(a) -> dict:
         result["baseline"] = {"tree": str(a.baseline_tree), "leader_runs": base}
     if pinned:
         result["pinned"] = {
-            "cores": "leader on core 0, load generator on core 1",
+            "cores": "leader on one core, load generator on another",
             "leader_runs": pinned,
             "leader_goals": leader_goals(pinned),
         }
@@ -181,7 +181,7 @@ def main() -> None:
     p.add_argument(
         "--pinned",
         action="store_true",
-        help="leader: each run followed by one with the leader on core 0 and the load generator on core 1",
+        help="leader: each run followed by one with the leader on one core and the load generator on another",
     )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     a = p.parse_args()
@@ -205,11 +205,13 @@ def main() -> None:
             p99 = " | ".join(f"{r['leader_ingest_seconds_p99'] * 1e3:.1f}" for r in runs)
             rows.append([f"{name}leader ingest p99 per run (ms)", p99])
     print_table(["measure", "value"], rows)
-    met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["leader_goals"].items())
-    print(f"leader goals met in every run ({a.runs}): {met}")
+
+    def met(goals: dict) -> str:
+        return ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in goals.items())
+
+    print(f"leader goals met in every run ({a.runs}): {met(result['leader_goals'])}")
     if "pinned" in result:
-        met = ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, (_, ok) in result["pinned"]["leader_goals"].items())
-        print(f"pinned (leader on its own core), met in every run: {met}")
+        print(f"pinned (leader on its own core), met in every run: {met(result['pinned']['leader_goals'])}")
     write_json(a.out, {"results": result})
 
 
