@@ -24,6 +24,13 @@ REPORT_WINDOW_SECONDS = 2.0
 under load), so one rank's post can hold steps the other ranks ran too but have not posted yet."""
 FRESH_SECONDS = 10.0
 """Another rank's report older than this corroborates nothing (it may have stopped): the rank's own counts."""
+REPORT_AGE_SECONDS = 5.0
+"""A report counts from when its step ended, as its rank says, up to this long before it arrived: a sidecar
+busy for seconds (a tracker's import under load) takes every rank's queued post at once, and rank 0's step 1
+taken just before rank 1's backlog of steps 2-9 said the run was at step 1 "0.0 s ago" (a real batch refused,
+its steps lost: the README's test run on fa4ad6a). A rank's word on its own time widens what the other ranks
+may claim (a credential speaks for one rank) and, where no other rank is fresh, its own allowance by at most
+this long at the run's pace."""
 STEP_SECONDS_KEPT = 64
 
 
@@ -61,7 +68,7 @@ class RunPace:
         self.clock, self.most_per_second = clock, most_per_second
         self.run_id: str | None = None
         self.top: list[list] = []
-        """Up to two [step, rank, first seen], highest first, of distinct ranks."""
+        """Up to two [step, rank, when it ended (pace clock)], highest first, of distinct ranks."""
         self.refused: list[list] = []
         """Up to two [step, rank, when], highest first, of distinct ranks: claims refused lately. Another
         rank's own claim corroborates: without it two ranks refused against each other's last accepted
@@ -92,7 +99,7 @@ class RunPace:
         high, who, at = other if other is not None else self.top[0]
         if step <= high:
             return None
-        elapsed = max(0.0, now - at)
+        elapsed = max(0.0, now - at)  # since the step ended on that rank, as far as it is believed
         rate = self.rate()
         if step <= high + SLACK_STEPS + int((elapsed + REPORT_WINDOW_SECONDS) * rate):
             return None
@@ -102,7 +109,7 @@ class RunPace:
         self._keep_refused(step, rank, now)
         by = f"rank {who}'s" if who != rank else "its own"
         return (
-            f"={step} is ahead of the run: the highest step is {by} {high}, first seen {elapsed:.1f} s ago, "
+            f"={step} is ahead of the run: the highest step is {by} {high}, ended {elapsed:.1f} s ago, "
             f"and this run moves at most {rate:.3g} steps a second ({PACE_FACTOR:g}x its median pace)"
         )
 
@@ -112,7 +119,13 @@ class RunPace:
         kept.sort(key=lambda e: -e[0])
         self.refused = kept[:2]
 
-    def note(self, run_id: str, step: int, rank: int, step_seconds: float | None = None) -> None:
+    def note(
+        self, run_id: str, step: int, rank: int, step_seconds: float | None = None, ended: float | None = None
+    ) -> None:
+        """`ended`: when the step ended, as the rank says, on this pace's clock (taken at most
+        REPORT_AGE_SECONDS back, never ahead of now); None: when it arrived."""
+        now = self.clock()
+        at = now if ended is None else min(now, max(now - REPORT_AGE_SECONDS, ended))
         if run_id != self.run_id:
             self.run_id, self.top, self.refused = run_id, [], []
             self._seconds.clear()
@@ -123,11 +136,11 @@ class RunPace:
         for entry in top:
             if entry[1] == rank:
                 if step > entry[0]:
-                    entry[0], entry[2] = step, self.clock()
+                    entry[0], entry[2] = step, at
                     top.sort(key=lambda t: -t[0])
                 return
         if len(top) < 2 or step > top[-1][0]:
-            top.append([step, rank, self.clock()])
+            top.append([step, rank, at])
             top.sort(key=lambda t: -t[0])
             del top[2:]
 

@@ -341,7 +341,7 @@ class Store:
         if s.time_seconds is not None:
             rec.productive.append((s.step, s.time_seconds.get(TimeCategory.PRODUCTIVE, 0.0)))
         rec.seen = rec.last_post = self.heard = now
-        self._steps.note(s.run_id, s.step, s.rank, s.step_seconds)
+        self._steps.note(s.run_id, s.step, s.rank, s.step_seconds, ended=s.time)
         self._timelines.note(s.run_id, s.timeline)
         self._accumulate(rec, s)
         return True

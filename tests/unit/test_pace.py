@@ -3,7 +3,7 @@ observed pace, so forgeries cannot carry their own allowance forward."""
 
 from __future__ import annotations
 
-from parwatch.sidecar.pace import FRESH_SECONDS, REPORT_WINDOW_SECONDS, SLACK_STEPS, RunPace
+from parwatch.sidecar.pace import FRESH_SECONDS, REPORT_AGE_SECONDS, REPORT_WINDOW_SECONDS, SLACK_STEPS, RunPace
 
 
 class Clock:
@@ -44,6 +44,37 @@ def test_a_batch_posted_just_after_the_others_first_step_is_taken():
     pace.note("r", 1, 1, step_seconds=0.086)
     assert pace.too_far("r", 5, 1) is None
     assert pace.too_far("r", 10**6, 1) is not None
+
+
+def test_a_backlog_queued_behind_a_busy_sidecar_is_taken():
+    """The README's test run on fa4ad6a: the sidecar busy for seconds (importing its trackers under load)
+    took rank 0's step 1 (a 1.6 s first step: 2.48 steps a second allowed) and then rank 1's backlog of steps
+    2-9, both queued meanwhile. Counted from its arrival, rank 0's step 1 was "0.0 s ago" and step 9 was
+    refused (422), its batch lost. Counted from when the step ended on rank 0 (3 s before), it is taken."""
+    for ended_ago, taken in ((None, False), (0.0, False), (3.0, True)):
+        clock = Clock()
+        pace = RunPace(clock, most_per_second=1000.0)
+        ended = None if ended_ago is None else clock.t - ended_ago
+        pace.note("r", 1, 0, step_seconds=1.6, ended=ended)
+        assert (pace.too_far("r", 9, 1) is None) is taken, ended_ago
+    assert pace.too_far("r", 100, 1) is not None  # still bounded: 3 s at 2.5 steps a second
+
+
+def test_a_reports_own_time_counts_at_most_report_age_back_and_never_ahead():
+    clock = Clock()
+    pace = RunPace(clock, most_per_second=1000.0)
+    pace.note("r", 1, 0, step_seconds=1.0, ended=0.0)  # a clock far behind (or a lie): REPORT_AGE_SECONDS back
+    bound = 1 + SLACK_STEPS + int((REPORT_AGE_SECONDS + REPORT_WINDOW_SECONDS) * 4)
+    assert pace.too_far("r", bound, 1) is None
+    assert pace.too_far("r", bound + 1, 1) is not None
+    pace = RunPace(clock, most_per_second=1000.0)
+    pace.note("r", 1, 0, step_seconds=1.0, ended=clock.t + 1e6)  # a clock ahead: taken as now
+    assert pace.too_far("r", 1 + SLACK_STEPS + int(REPORT_WINDOW_SECONDS * 4) + 1, 1) is not None
+    # A rank's own time never widens its own allowance: rank 0 alone is measured against its own report.
+    pace = RunPace(clock, most_per_second=1000.0)
+    pace.note("r", 1, 1, step_seconds=1.0)
+    pace.note("r", 1, 0, step_seconds=1.0, ended=clock.t - REPORT_AGE_SECONDS)
+    assert pace.too_far("r", 1 + SLACK_STEPS + int(REPORT_WINDOW_SECONDS * 4) + 1, 0) is not None
 
 
 def test_a_silent_rank_corroborates_nothing_and_a_first_report_sets_the_start():
