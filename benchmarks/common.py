@@ -96,6 +96,14 @@ def write_json(path: str, payload: dict) -> None:
     print(f"\nwrote {path}")
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q`th percentile (q in 0-100) of `values`; NaN where there are none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
 def median_ci(values: list[float]) -> tuple[float, float, float]:
     """The median of `values` with a distribution-free 95% interval for it (order statistics
     n/2 -+ 0.98 sqrt(n)): for paired differences, whose spread says what one run can resolve."""

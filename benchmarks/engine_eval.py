@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import print_table, write_json  # noqa: E402
+from common import percentile, print_table, write_json  # noqa: E402
 
 from parwatch.guardrails.engine import GuardrailEngine, Observation  # noqa: E402
 from parwatch.guardrails.rules import Rule, RuleSet, default_rules  # noqa: E402
@@ -137,11 +137,6 @@ class FsyncCounter:
     def __call__(self, fd):
         self.count += 1
         return self._real(fd)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def run(ranks: int, steps: int, step_seconds: float, state_root: str | None) -> dict:

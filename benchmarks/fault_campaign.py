@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "integration")]
 
-from common import cpu_jiffies, cpu_ticks, machine, print_table, stolen_share  # noqa: E402
+from common import cpu_jiffies, cpu_ticks, machine, percentile, print_table, stolen_share  # noqa: E402
 from e2e_util import TORCHRUN, kill_group, kill_tree, launch_nodes, read_jsonl  # noqa: E402
 
 from tests.sidecar_process import free_port, listens, sidecar_command, stop, wait_healthy  # noqa: E402
@@ -812,13 +812,6 @@ def _median_step(summaries: list[dict]) -> float | None:
 # ------------------------------------------------------------------------------------ the table
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))]
-
-
 def per_kind(trials: list[dict]) -> list[dict]:
     rows = []
     for kind in KINDS:
@@ -836,8 +829,8 @@ def per_kind(trials: list[dict]) -> list[dict]:
                 "right_kind": sum(t["right_kind"] for t in mine),
                 "right_culprit": sum(t["right_culprit"] for t in mine),
                 "right_cause": sum(t["right_cause"] for t in mine),
-                "p50_s": percentile(lat, 0.5),
-                "p99_s": percentile(lat, 0.99),
+                "p50_s": percentile(lat, 50) if lat else None,
+                "p99_s": percentile(lat, 99) if lat else None,
                 "max_s": max(lat) if lat else None,
                 "max_steps": max(steps) if steps else None,
                 "evidence_full": sum(1 for t in ev if t["evidence_ranks"] > 0),

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import cpu_jiffies, stolen_share, write_json  # noqa: E402
+from common import cpu_jiffies, percentile, stolen_share, write_json  # noqa: E402
 
 from parwatch.credentials import rank_credential  # noqa: E402
 from parwatch.guardrails.engine import GuardrailEngine  # noqa: E402
@@ -67,13 +67,6 @@ def layout(ranks: int) -> tuple[int, int, int]:
     tp = 8 if ranks % 8 == 0 else 1
     pp = 4 if ranks % (tp * 4) == 0 else 1
     return tp, pp, ranks // (tp * pp)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def cpu_seconds(pid: int) -> float:
