@@ -133,7 +133,7 @@ class Shipper:
         self._told_refused = False
         self._refusing = False  # the last post was refused for the token
         self.dropped = 0
-        """Summaries that never reached the sidecar: queue overflow, sidecar away or refusing."""
+        """Summaries the sidecar never took: queue overflow, sidecar away or refusing (a post, or one summary)."""
         self.refused = 0
         """Of `dropped`: summaries the sidecar refused for the token (HTTP 401/403)."""
         self.sent = 0
@@ -284,7 +284,8 @@ class Shipper:
             while i < len(summaries):
                 end = min(len(summaries), i + self._batch_size)
                 end = next((j for j in range(i + 1, end) if any(numbers[j - 1] <= m < numbers[j] for m in marks)), end)
-                _settle(deliveries[i:end], self._post(summaries[i:end], numbers[i]))
+                for delivery, taken in zip(deliveries[i:end], self._post(summaries[i:end], numbers[i])):
+                    _settle([delivery], taken)
                 i = end
             self._handled_through = last
 
@@ -330,16 +331,17 @@ class Shipper:
             self._http = httpx.Client(timeout=httpx.Timeout(total, connect=connect), trust_env=False)
         return self._http
 
-    def _post(self, summaries: list, first: int | None = None) -> bool:
+    def _post(self, summaries: list, first: int | None = None) -> list[bool]:
         """POST summaries (already JSON text; `first`: the number of the first, as put), with the outcome
-        records put before it (every one without summaries), as one ingest body; True when the sidecar took them."""
+        records put before it (every one without summaries), as one ingest body; whether the sidecar took
+        each summary."""
         now = self._time()
         if now < self._retry_at:  # sidecar away or refusing: do not wait for it
             with self._lock:
                 self.dropped += len(summaries)
             if self._refusing:
                 self.refused += len(summaries)
-            return False
+            return [False] * len(summaries)
         alive, self.heartbeat_seen = self.heartbeat_seen, False
         with self._lock:
             outcomes = [text for put, text in self._outcomes if first is None or put < first]
@@ -363,7 +365,7 @@ class Shipper:
                     response.text[:200],
                 )
                 self._forget_outcomes(len(outcomes), len(checks))
-                return False
+                return []
             if response.status_code >= 400:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
             reply = response.json()
@@ -384,14 +386,29 @@ class Shipper:
                 self.unreachable_since = time.time()
             self._backoff = min(self._max_backoff_s, self._backoff * 2 if self._backoff else 0.25)
             self._retry_at = self._time() + self._backoff
-            return False
+            return [False] * len(summaries)
         if self._backoff:
             log.warning("parwatch: sidecar at %s reachable again", self.url)
         self._backoff = self._retry_at = 0.0
         self._refusing = False
         self.unreachable_since = None
         self._last_post = self._time()
-        self.sent += len(summaries)
+        taken = [True] * len(summaries)
+        held = (reply.get("refused") or []) if isinstance(reply, dict) else []
+        for entry in held if isinstance(held, list) else ():
+            index = entry.get("index") if isinstance(entry, dict) else None
+            if isinstance(index, int) and 0 <= index < len(taken):
+                taken[index] = False  # refused alone (a step ahead of the run), the post's others taken
+        if False in taken:
+            log.warning(
+                "parwatch: the sidecar refused %d of a post's %d summaries, the rest taken: %s",
+                taken.count(False),
+                len(taken),
+                str(held[0].get("reason") if isinstance(held[0], dict) else held[0])[:200],
+            )
+        with self._lock:
+            self.dropped += taken.count(False)
+        self.sent += taken.count(True)
         self._forget_outcomes(len(outcomes), len(checks))
         directive = reply.get("directive") if isinstance(reply, dict) else None
         if self._on_directive is not None:
@@ -399,7 +416,7 @@ class Shipper:
                 self._on_directive(directive)
             except Exception as exc:
                 log.warning("parwatch: ignoring directive %r (%s)", directive, exc)
-        return True
+        return taken
 
     def _forget_outcomes(self, n: int, checks: int = 0) -> None:
         with self._lock:

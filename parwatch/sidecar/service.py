@@ -126,11 +126,12 @@ class Sidecar:
     def ingest(self, body: IngestBody, identity: Identity = OPERATOR, client: Connection | None = None) -> dict:
         """Store a post's summaries and evaluate; Refused (with the HTTP status) when the store
         will not hold them. The answer's directive is read after the work."""
-        pids = self._admit(body, identity, client)
-        for s, pid in zip(body.summaries, pids):
-            self._ingest_one(s, pid)
+        pids, held = self._admit(body, identity, client)
+        for i, (s, pid) in enumerate(zip(body.summaries, pids)):
+            if i not in held:
+                self._ingest_one(s, pid)
         self._record_checks(body)
-        return self.ingest_reply(body)
+        return self.ingest_reply(body, held)
 
     async def ingest_async(
         self, body: IngestBody, identity: Identity = OPERATOR, client: Connection | None = None
@@ -140,31 +141,41 @@ class Sidecar:
         directive the answer carries (from then on it cannot be cancelled). StorageFault (503) when the
         state dir cannot be written: no directive goes out then."""
         epoch = self.engine.epoch
-        pids = self._admit(body, identity, client)
+        pids, held = self._admit(body, identity, client)
         for i, (s, pid) in enumerate(zip(body.summaries, pids)):
             if i:
                 await asyncio.sleep(0)
-            self._ingest_one(s, pid)
+            if i not in held:
+                self._ingest_one(s, pid)
         self._record_checks(body)
         try:
             await self.persist(epoch)
         except StorageFault:
             if len(self._unjudged) > MAX_UNJUDGED:
                 self._unjudged.clear()
-            self._unjudged.update((s.run_id, *s.key) for s in body.summaries if s.global_ is not None)
+            self._unjudged.update(
+                (s.run_id, *s.key) for i, s in enumerate(body.summaries) if s.global_ is not None and i not in held
+            )
             raise
-        reply = self.ingest_reply(body)
+        reply = self.ingest_reply(body, held)
         await self.persist(epoch)
         return reply
 
-    def ingest_reply(self, body: IngestBody) -> dict:
-        return {"accepted": len(body.summaries), "directive": self.engine.pending_directive(deliver=True)}
+    def ingest_reply(self, body: IngestBody, held: dict[int, str] | None = None) -> dict:
+        reply: dict = {"accepted": len(body.summaries) - len(held or ())}
+        if held:  # told, counted and logged as a refusal: the post's other summaries were taken
+            reply["refused"] = [{"index": i, "reason": why} for i, why in sorted(held.items())]
+            self.refusals.note(
+                "/v1/ingest", 422, f"{len(held)} of {len(body.summaries)}, the rest taken: {held[min(held)]}"
+            )
+        reply["directive"] = self.engine.pending_directive(deliver=True)
+        return reply
 
     def _admit(
         self, body: IngestBody, identity: Identity = OPERATOR, client: Connection | None = None
-    ) -> list[int | None]:
+    ) -> tuple[list[int | None], dict[int, str]]:
         """Check the whole post (who it speaks for, then the store's admission); the pid each summary's
-        connection proves (None: unproven)."""
+        connection proves (None: unproven), and the summaries held back ({index: why}: Store.admit)."""
         _speaks_for(identity, body)
         hub = getattr(self, "activity", None)
         if hub is not None and body.summaries and body.summaries[0].run_id != self.store.run_id:
@@ -183,7 +194,7 @@ class Sidecar:
         def prove(pid: int | None) -> float | None:
             return self.proofs.started(pid, client)
 
-        self.store.admit(body.summaries, prove=prove)
+        held = self.store.admit(body.summaries, prove=prove)
         # A check record belongs to the run whose summaries come here: this post's (its first step may be
         # the bad one) or the current one. One of a run not begun yet (its summaries refused or still to
         # come) is refused, so rank 0 sends it again; one of a run that ended here is late, and ignored.
@@ -230,7 +241,7 @@ class Sidecar:
                     outcome.directive_id,
                     _printable(outcome.run_id),
                 )
-        return pids
+        return pids, held
 
     def _record_checks(self, body: IngestBody) -> None:
         """The post's check records, after its summaries (which may begin their run)."""

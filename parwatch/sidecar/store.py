@@ -196,16 +196,20 @@ class Store:
         return quiet if quiet <= self.grace_seconds else None
 
     # -- admission ------------------------------------------------------------------------
-    def admit(self, summaries, field: str = "summaries", prove: Prove | None = None) -> None:
+    def admit(self, summaries, field: str = "summaries", prove: Prove | None = None) -> dict[int, str]:
         """Raise Refused (naming the field) unless every summary fits the run's world and the limits, and
         its claims what the sidecar knows (its clock, the other ranks, its processes: claims.py). `prove`:
         pid -> its start when it holds the post's connection.
 
-        Checks the whole post before any of it is stored, so a refused post changes nothing."""
+        Checks the whole post before any of it is stored, so a refused post changes nothing. Returns the
+        summaries held back, {index: why}: a step further ahead than the other ranks' reports allow is
+        refused alone, the rest of its post taken (a real rank's backlog refused whole lost every step in
+        it); a post whose every summary is so refused is refused (422)."""
         run_id, world = self.run_id, self.world
         now = self.clock()
         new_ranks: set[int] = set()
         tops: list[tuple[int, int]] = []  # this post's two highest (step, rank) of distinct ranks: they corroborate
+        held: dict[int, str] = {}
         for i, s in enumerate(summaries):
             where = f"{field}.{i}"
             if s.run_id != run_id:
@@ -228,7 +232,11 @@ class Store:
                 run_id, world, new_ranks = s.run_id, None, set()
             if run_id == self.run_id:
                 beside = next((t for t in tops if t[1] != s.rank), None)
-                self._admit_progress(s, where, beside)
+                why = self._steps.too_far(s.run_id, s.step, s.rank, beside)
+                if why is not None:
+                    held[i] = f"{where}.step{why}"
+                    continue
+                self._admit_progress(s, where)
                 first = self.first_seen if self.first_seen is not None else now
                 check_process(self.ranks.get(s.rank), s, where, now, first, prove)
             else:
@@ -253,15 +261,14 @@ class Store:
                     f"{where}.rank: this sidecar already serves {known} ranks of run {run_id!r}; "
                     f"more than --max-ranks {self.max_ranks} are refused (one sidecar per node)",
                 )
+        if held and len(held) == len(summaries):
+            raise Refused(422, next(iter(held.values())))
+        return held
 
-    def _admit_progress(self, s: StepSummary, where: str, beside: tuple[int, int] | None = None) -> None:
-        """Steps and timelines move only as a run can move them: a step as far as the other ranks' reports
-        and the run's pace allow, a timeline only with a rollback the engine handed out (where it steers the
-        run; elsewhere at most one a second), a global view never past its own step. A summary past that
-        would otherwise stand as the newest and freeze what follows."""
-        why = self._steps.too_far(s.run_id, s.step, s.rank, beside)
-        if why is not None:
-            raise Refused(422, f"{where}.step{why}")
+    def _admit_progress(self, s: StepSummary, where: str) -> None:
+        """Timelines move only as a run can move them (steps: admit), with a rollback the engine handed out
+        (where it steers the run; elsewhere at most one a second), and a global view never past its own step.
+        A summary past that would otherwise stand as the newest and freeze what follows."""
         rollbacks = self.rollbacks(s.run_id)
         rec = self.ranks.get(s.rank)
         if rollbacks is not None and rec is not None and s.timeline > rec.base_timeline + rollbacks:

@@ -2,7 +2,8 @@
 
 POST /v1/ingest  IngestBody: {"version": 1, "summaries": [StepSummary, ...], "outcomes": [OutcomeRecord, ...],
                  "checks": [StepCheckRecord, ...], "alive": bool}; answered with IngestResponse, whose
-                 `directive` (the contract's Directive, or null) is what rank 0 applies at its next boundary.
+                 `directive` (the contract's Directive, or null) is what rank 0 applies at its next boundary
+                 and `refused` the summaries refused alone (a step ahead of the run), the rest taken.
 
 The collector builds these records and encodes them (parwatch/collector/); the sidecar decodes a body into
 them in one call. Unknown keys are ignored, so a newer collector can add fields without breaking an older
@@ -417,7 +418,17 @@ class IngestBody(Struct, frozen=True, kw_only=True):
     """Rank 0, paused: every rank completed a heartbeat collective since its previous post."""
 
 
+class HeldSummary(Struct, frozen=True, kw_only=True):
+    index: int
+    """The summary's place in the post."""
+    reason: str
+    """Why it was refused (a step further ahead than the other ranks' reports allow)."""
+
+
 class IngestResponse(Struct, frozen=True, kw_only=True):
     accepted: int
+    """Summaries taken."""
+    refused: list[HeldSummary] = field(default_factory=list)
+    """Summaries refused alone, the rest of the post taken; absent when none was."""
     directive: Directive | None
     """What rank 0 applies at its next step boundary (the contract's record: parse_directive reads it)."""

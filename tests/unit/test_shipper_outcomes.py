@@ -144,3 +144,41 @@ def test_flush_returns_once_every_summary_put_was_answered():
     finally:
         shipper.close()
     assert not Shipper(log_path=None).flush(timeout_s=1.0)  # no sidecar: nothing to wait for
+
+
+class RefusingOne(FlakyPoster):
+    """Takes every post but refuses its summary of step `step` alone, as the sidecar refuses a step ahead of
+    the run (Store.admit): the answer's `refused` names its index."""
+
+    def __init__(self, step: int):
+        super().__init__(failures=0)
+        self.step = step
+
+    def post(self, url, content, headers):
+        body = json.loads(content)
+        self.bodies.append(body)
+        held = [i for i, s in enumerate(body["summaries"]) if s["step"] == self.step]
+        reply = Reply()
+        reply.json = lambda: {  # type: ignore[method-assign]
+            "accepted": len(body["summaries"]) - len(held),
+            "refused": [{"index": i, "reason": f"summaries.{i}.step={self.step} is ahead of the run"} for i in held],
+            "directive": None,
+        }
+        return reply
+
+
+def test_a_summary_refused_alone_is_dropped_and_the_rest_of_its_post_is_taken():
+    from parwatch.collector.shipper import Delivery
+
+    poster = RefusingOne(step=3)
+    shipper = Shipper(endpoint="http://sidecar", http=poster, poll_interval_s=60).start()
+    deliveries = {step: Delivery() for step in (1, 2, 3, 4)}
+    for step, delivery in deliveries.items():
+        shipper.put_summary(_summary(step), delivery)
+    try:
+        _wait(lambda: all(d.accepted is not None for d in deliveries.values()))
+        assert [s["step"] for b in poster.bodies for s in b["summaries"]] == [1, 2, 3, 4]
+        assert {step: d.accepted for step, d in deliveries.items()} == {1: True, 2: True, 3: False, 4: True}
+        assert (shipper.sent, shipper.dropped, shipper.refused) == (3, 1, 0)
+    finally:
+        shipper.close()

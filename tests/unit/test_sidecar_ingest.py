@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -38,6 +39,27 @@ def test_valid_summaries_are_accepted_without_a_directive(client):
     assert r.json() == {"accepted": 2, "directive": None}
     ranks = client.get("/v1/status").json()["ranks"]
     assert ranks["0"]["last_step"] == 1 and ranks["1"]["up"] is True
+
+
+def test_a_step_ahead_of_the_run_is_refused_alone_and_the_rest_of_its_post_taken(client):
+    """The README's test run on fa4ad6a: one summary ahead of the run refused a real rank's whole post (its
+    backlog of steps 2-9), and every step in it was lost."""
+    now = time.time()
+    assert (
+        client.post("/v1/ingest", json=body(syn.summary(0, 1, time=now), syn.summary(1, 1, time=now))).status_code
+        == 200
+    )
+    r = client.post("/v1/ingest", json=body(*(syn.summary(1, step, time=now) for step in (2, 3, 10**6, 4))))
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["accepted"] == 3 and [h["index"] for h in reply["refused"]] == [2] and reply["directive"] is None
+    assert reply["refused"][0]["reason"].startswith("summaries.2.step=1000000 is ahead of the run")
+    status = client.get("/v1/status").json()
+    assert status["ranks"]["1"]["last_step"] == 4
+    assert [(f["post"], f["count"]) for f in status["refused"]] == [("ingest", 1)]
+    assert "1 of 4, the rest taken" in status["refused"][0]["detail"]
+    r = client.post("/v1/ingest", json=body(syn.summary(1, 10**6 + 1, time=now)))  # nothing else in it: refused
+    assert r.status_code == 422 and "ahead of the run" in r.json()["detail"]
 
 
 @pytest.mark.parametrize("loss", ["nan", "inf", "-inf", None, 3.5])
