@@ -54,7 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "integ
 from common import cpu_jiffies, cpu_ticks, machine, percentile, print_table, stolen_share  # noqa: E402
 from e2e_util import TORCHRUN, kill_group, kill_tree, launch_nodes, read_jsonl  # noqa: E402
 
-from tests.sidecar_process import free_port, listens, sidecar_command, stop, wait_healthy  # noqa: E402
+from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy  # noqa: E402
 
 FWD_MS, BWD_MS, MICROBATCHES = 10.0, 20.0, 4
 STEP_S = 0.2
@@ -98,7 +98,8 @@ class Sidecar:
             with open(self.log, "ab") as log:
                 self.proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
-                wait_healthy(f"{self.url}/healthz", proc, 60)
+                wait_healthy(f"{self.url}/healthz", proc, 60)  # its own answer (pid), not another's on the port
+                return self
             except RuntimeError as err:
                 # It exited at once. A port free a moment ago may have been taken before it bound it (other
                 # tests' servers and rendezvous share the host): try others. Anything else is no port race.
@@ -108,14 +109,6 @@ class Sidecar:
                 if "already in use" not in said:
                     raise RuntimeError(f"{err}; its log:\n{said[-2000:]}") from None
                 self.control_port, self.metrics_port = free_port(), free_port()
-                continue
-            # A port free a moment ago may be taken meanwhile (another run's sidecar, a rendezvous): what
-            # answers there is then not ours, ours exits, and the run would report to another run's leader.
-            wait_for(lambda p=proc: listens(p.pid, self.control_port) or p.poll() is not None, 30, 0.1)
-            if proc.poll() is None and listens(proc.pid, self.control_port):
-                return self
-            self.stop()
-            self.control_port, self.metrics_port = free_port(), free_port()
         raise RuntimeError(f"{self.log.name}: the sidecar could not keep a port of its own in 3 tries")
 
     def stop(self) -> None:

@@ -79,15 +79,18 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Wait until `url` answers 200; RuntimeError if `proc` exits first, TimeoutError after `timeout`."""
+    """Wait until `url` answers 200 from `proc` itself (the body's pid); RuntimeError if `proc` exits first,
+    TimeoutError after `timeout`. Another process answering on a port taken since it was found free is
+    waited past: `proc` then fails to bind and exits, and its caller takes other ports."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"sidecar exited with {proc.returncode} before answering {url}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            answer = httpx.get(url, timeout=1.0)
+            if answer.status_code == 200 and answer.json().get("pid") == proc.pid:
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError, AttributeError):
             pass
         time.sleep(0.1)
     raise TimeoutError(f"sidecar did not answer {url} within {timeout:g} s")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Mapping
 from typing import Annotated, Any, Protocol
 
@@ -83,9 +84,11 @@ _UNAVAILABLE: Responses = {
 
 
 def _healthz(app: FastAPI) -> None:
+    # pid: a launcher waiting for its own sidecar must not take another process's answer on a port that
+    # was free a moment ago (CI on 3c6403a: a test talked to another test's sidecar and got its 401).
     @app.get("/healthz", include_in_schema=False)
     async def healthz():
-        return {"ok": True}
+        return {"ok": True, "pid": os.getpid()}
 
 
 def create_metrics_app(sidecar: Sidecar) -> FastAPI:

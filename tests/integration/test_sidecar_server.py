@@ -11,7 +11,7 @@ import pytest
 
 from tests.deadline import wait_until
 from tests.fixtures import synthetic as syn
-from tests.sidecar_process import ROOT, free_port, running_sidecar, sidecar_command
+from tests.sidecar_process import ROOT, free_port, running_sidecar, sidecar_command, stop, wait_healthy
 
 pytestmark = pytest.mark.integration
 CHILD_ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}  # and no PARWATCH_TOKEN
@@ -54,7 +54,7 @@ def wait_for(predicate, timeout=30.0, what="condition"):
 
 def test_serves_metrics_and_control_on_separate_listeners(tmp_path):
     with running_sidecar(tmp_path / "state", token="tok") as sp:
-        assert httpx.get(f"{sp.metrics_url}/healthz").json() == {"ok": True}
+        assert httpx.get(f"{sp.metrics_url}/healthz").json() == {"ok": True, "pid": sp.proc.pid}
         assert httpx.post(f"{sp.control_url}/v1/ingest", json={"version": 1, "summaries": []}).status_code == 401
         post_steps(sp.control_url, [1, 2, 3], token="tok")
         text = httpx.get(f"{sp.metrics_url}/metrics").text
@@ -112,6 +112,27 @@ def test_refuses_public_control_listener_without_token(tmp_path):
     )
     assert proc.returncode != 0 and "no token is set" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_launcher_waits_for_its_own_sidecar_not_another_on_the_port(tmp_path):
+    """CI on 3c6403a: a port free a moment before was another test's sidecar's by the time this one bound;
+    the launcher took the other's /healthz for its own and the test read the other's 401 as a status. The
+    second sidecar, on the first's port, must be told exited, never healthy."""
+    with running_sidecar(tmp_path / "first") as first:
+        listen = ["--metrics-listen", f"127.0.0.1:{free_port()}", "--control-listen", first.control_url[7:]]
+        with open(tmp_path / "second.log", "wb") as log:
+            second = subprocess.Popen(
+                sidecar_command("--state-dir", str(tmp_path / "second"), *listen),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=CHILD_ENV,
+            )
+        try:
+            with pytest.raises(RuntimeError, match="exited"):
+                wait_healthy(f"{first.control_url}/healthz", second, 60)
+        finally:
+            stop(second)
+        assert "already in use" in (tmp_path / "second.log").read_text()
 
 
 def test_sighup_reloads_rules_and_keeps_them_when_invalid(tmp_path):

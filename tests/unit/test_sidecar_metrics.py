@@ -4,6 +4,7 @@ summaries, liveness with an injected clock, OpenMetrics, and label values that n
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import pytest
@@ -274,7 +275,7 @@ def test_openmetrics_when_asked(env):
 
 def test_metrics_app_serves_nothing_else(env):
     _, _, metrics, _ = env
-    assert metrics.get("/healthz").json() == {"ok": True}
+    assert metrics.get("/healthz").json() == {"ok": True, "pid": os.getpid()}
     for path in ("/v1/status", "/openapi.json", "/docs"):
         assert metrics.get(path).status_code == 404
     assert metrics.post("/v1/ingest", json={}).status_code in (404, 405)
