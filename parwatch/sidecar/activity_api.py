@@ -235,7 +235,7 @@ class ActivityHub:
         )
         self._check_run(digest.run_id or "", "digest.run_id")
         seen_run = self.view.run_id
-        node, rows = self.view.ingest(digest)
+        node, rows, held = self.view.ingest(digest)
         if seen_run is not None and self.view.run_id != seen_run and self.view.run_id != self.book.run_id:
             self.monitor.begin_run()  # the leader's picture started over for another run (LeaderView.ingest)
         self._run_id, self._layout = self.view.run_id, self.view.layout
@@ -248,6 +248,11 @@ class ActivityHub:
                 self.saw_rank0()  # rank 0 lives on a node that forwards to us: we lead (without --leader-url)
             self.monitor.observe(a, layout, now, age=digest.time - a.time)  # the node and its ranks: one clock
         reply: dict = {"ok": True}
+        if held:  # told, counted and logged as a refusal: the digest's other rows were taken
+            reply["refused"] = [{"index": i, "reason": why} for i, why in sorted(held.items())]
+            self.sidecar.refusals.note(
+                "/v1/digest", 422, f"{len(held)} of {len(digest.rows)} rows, the rest taken: {held[min(held)]}"
+            )
         if self.run_paused():
             reply["paused"] = True  # a deliberate pause: the node keeps its ranks up
         pids = self._signals.pop(node, None)

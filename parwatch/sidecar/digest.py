@@ -243,19 +243,31 @@ class LeaderView:
         """When the newest digest of the run arrived (this clock)."""
         self._quiet: set[str] = set()  # nodes whose ranks liveness() marked down for silence
 
-    def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity]]:
-        """Store one digest; (node, its rows). BadActivity names what does not fit the run."""
+    def ingest(self, digest: NodeDigest) -> tuple[str, list[Activity], dict[int, str]]:
+        """Store one digest; (node, its rows, the rows held back: {index: why}). A row ahead of the run is held
+        alone, its rank's previous row kept: refusing the digest whole blinded the leader to the node's every
+        rank, every second that row stayed its rank's latest. BadActivity names what does not fit the run."""
         node, layout = digest.node, layout_of(digest.layout, digest.order, "digest.layout")
         rows = digest_rows(digest.rows, layout, self.clock() + CLOCK_SKEW_SECONDS)
         run_id = digest.run_id or ""
         pace = self.pace
         high = pace.high if run_id == pace.run_id else None
+        held: dict[int, str] = {}
         best = None  # the digest's furthest row: what the node tells of the run's pace
         for i, a in enumerate(rows):
-            if high is not None and a.step > high:  # a row no further than any rank reached needs no check
-                pace.check(run_id, a.step, f"digest.rows[{i}]", a.rank)
-            if best is None or a.step > best.step:
+            # A row no further than any rank reached needs no check.
+            why = pace.too_far(run_id, a.step, a.rank) if high is not None and a.step > high else None
+            if why is not None:
+                held[i] = f"digest.rows[{i}].step{why}"
+            elif best is None or a.step > best.step:
                 best = a
+        if held:
+            if len(held) == len(rows):
+                raise BadActivity(held[min(held)])
+            before = {a.rank: a for a in self.nodes.get(node, (0.0, []))[1]} if run_id == self.run_id else {}
+            rows = [
+                a if i not in held else before[a.rank] for i, a in enumerate(rows) if i not in held or a.rank in before
+            ]
         if run_id == self.run_id:
             same_layout(self.layout, layout, "digest.layout")
             self._check_owners(node, rows)
@@ -288,7 +300,7 @@ class LeaderView:
             for a in previous[1]:
                 if a.rank not in kept and owner.get(a.rank) == node:
                     self._set_up(a.rank, None)
-        return node, rows
+        return node, rows, held
 
     def _set_up(self, rank: int, up: bool | None) -> None:
         """One rank's liveness in `up` and `up_series`; None: left out (done: its summaries tell)."""

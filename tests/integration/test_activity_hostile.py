@@ -191,6 +191,19 @@ def test_a_step_far_ahead_of_the_run_is_refused(sidecar):
     _still_serving(sidecar)
 
 
+def test_a_digest_row_ahead_of_the_run_is_refused_alone(sidecar):
+    """Refused whole, one row ahead of the run blinded the leader to the digest's every other rank."""
+    assert _post(sidecar, "/v1/activity", activity(0, pp=3, step=12)).status_code == 200
+    r = _post(sidecar, "/v1/digest", digest([row(1, step=13), row(2, step=10**9)], layout=(1, 3, 1)))
+    assert r.status_code == 200, r.text
+    [refused] = r.json()["refused"]
+    assert refused["index"] == 1 and refused["reason"].startswith("digest.rows[1].step=1000000000 is ahead of the run")
+    status = httpx.get(f"{sidecar.control_url}/v1/status", headers=sidecar.headers).json()
+    [counted] = [x for x in status["refused"] if x["post"] == "digest"]
+    assert counted["count"] == 1 and "1 of 2 rows, the rest taken" in counted["detail"]
+    _still_serving(sidecar)
+
+
 def test_a_rank_is_reported_by_one_node(sidecar):
     """Issue 25 item 3: on 8fae0f2 a digest row from any node saying a rank was `gone` was taken, and hang
     detection for the run stopped. A rank's rows come from the node that reports it while that node is heard."""

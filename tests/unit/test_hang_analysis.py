@@ -6,7 +6,7 @@ import pytest
 from msgspec.structs import astuple, replace
 
 from parwatch.rank_layout import RankLayout
-from parwatch.sidecar.digest import LeaderView, NodeBook
+from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook
 from parwatch.sidecar.hang import (
     FIRST_FORWARD_SECONDS,
     JUDGE_EVERY_SECONDS,
@@ -360,7 +360,7 @@ def test_leader_names_one_hung_rank_among_16384_from_digests():
     for step in (1, 2):
         clock.t += 1
         for body in digests(step, False):
-            _, rows = view.ingest(msgspec.convert(body, NodeDigest))
+            _, rows, _ = view.ingest(msgspec.convert(body, NodeDigest))
             for a in rows:
                 monitor.observe(a, view.layout, clock.t)
     clock.t += 11
@@ -628,6 +628,38 @@ def test_a_node_whose_digests_stopped_is_missing_and_its_ranks_unknown():
     clock.t += 6.0
     assert {a.state for a in view.rows().values()} == {"unknown"}
     assert view.missing_nodes() == [NodeMissing(node="pw-node1:9401", since=1000.0)]
+
+
+def test_a_digest_row_ahead_of_the_run_is_held_alone_and_its_ranks_last_row_kept():
+    """Refused whole, one row ahead of the run (a rank's forged report a node took) blinded the leader to
+    every rank of that node, every second the row stayed its rank's latest: the node then read missing."""
+    clock = Clock()
+    view = LeaderView(clock, grace_seconds=5.0)
+    lay = RankLayout(1, 4, 1)
+    send = lambda rows: view.ingest(NodeDigest(1, "b:9401", "r", clock.t, (1, 4, 1), rows))  # noqa: E731
+    send([act(r, lay, "forward", step=12, time=clock.t) for r in (1, 2, 3)])
+    clock.t += 1.0
+    _, rows, held = send([act(1, lay, step=10**9, time=clock.t), *(act(r, lay, step=13, time=clock.t) for r in (2, 3))])
+    assert list(held) == [0] and held[0].startswith("digest.rows[0].step=1000000000 is ahead of the run")
+    assert {a.rank: a.step for a in rows} == {1: 12, 2: 13, 3: 13}  # rank 1: its last row, not the claim
+    assert {r: a.step for r, a in view.rows().items()} == {1: 12, 2: 13, 3: 13} and view.pace.high == 13
+    _, rows, held = send([act(r, lay, step=14, time=clock.t) for r in (1, 2, 3)])
+    assert held == {} and {a.step for a in rows} == {14}
+    # A rank the node never sent before is left out (a claim other than rank 1's: two ranks that agree are taken).
+    view2 = LeaderView(clock, grace_seconds=5.0, pace=view.pace)
+    _, rows, held = view2.ingest(
+        NodeDigest(
+            1,
+            "c:9401",
+            "r",
+            clock.t,
+            (1, 4, 1),
+            [act(0, lay, step=10**8, time=clock.t)] + [act(1, lay, step=14, time=clock.t)],
+        )
+    )
+    assert list(held) == [0] and [a.rank for a in rows] == [1]
+    with pytest.raises(BadActivity, match=r"digest.rows\[0\].step=1000000000 is ahead"):  # nothing else: refused
+        send([act(1, lay, step=10**9, time=clock.t)])
 
 
 def test_the_leader_hears_every_node_since_a_time_unless_one_is_quiet():
