@@ -248,11 +248,8 @@ class ActivityHub:
                 self.saw_rank0()  # rank 0 lives on a node that forwards to us: we lead (without --leader-url)
             self.monitor.observe(a, layout, now, age=digest.time - a.time)  # the node and its ranks: one clock
         reply: dict = {"ok": True}
-        if held:  # told, counted and logged as a refusal: the digest's other rows were taken
-            reply["refused"] = [{"index": i, "reason": why} for i, why in sorted(held.items())]
-            self.sidecar.refusals.note(
-                "/v1/digest", 422, f"{len(held)} of {len(digest.rows)} rows, the rest taken: {held[min(held)]}"
-            )
+        if held:
+            reply["refused"] = self.sidecar.refusals.held("/v1/digest", held, f"{len(digest.rows)} rows")
         if self.run_paused():
             reply["paused"] = True  # a deliberate pause: the node keeps its ranks up
         pids = self._signals.pop(node, None)

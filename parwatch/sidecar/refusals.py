@@ -10,7 +10,7 @@ LOG_EVERY_SECONDS for each post and reason (with how many since), and summarised
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -66,6 +66,12 @@ class Refusals(Collector):
                 text,
             )
             self._logged[key] = (now, self.counts[key])
+
+    def held(self, path: str, held: Mapping[int, str], of: str) -> list[dict]:
+        """Records refused alone, the rest of their post taken (a step ahead of the run): counted and logged
+        as one refusal of the post; the answer's `refused`, [{index, reason}]. `of`: what the post held."""
+        self.note(path, 422, f"{len(held)} of {of}, the rest taken: {held[min(held)]}")
+        return [{"index": i, "reason": why} for i, why in sorted(held.items())]
 
     def status(self) -> list[dict]:
         """[{post, reason, count, last_time, detail}], for /v1/status."""

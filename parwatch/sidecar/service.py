@@ -163,11 +163,8 @@ class Sidecar:
 
     def ingest_reply(self, body: IngestBody, held: dict[int, str] | None = None) -> dict:
         reply: dict = {"accepted": len(body.summaries) - len(held or ())}
-        if held:  # told, counted and logged as a refusal: the post's other summaries were taken
-            reply["refused"] = [{"index": i, "reason": why} for i, why in sorted(held.items())]
-            self.refusals.note(
-                "/v1/ingest", 422, f"{len(held)} of {len(body.summaries)}, the rest taken: {held[min(held)]}"
-            )
+        if held:
+            reply["refused"] = self.refusals.held("/v1/ingest", held, str(len(body.summaries)))
         reply["directive"] = self.engine.pending_directive(deliver=True)
         return reply
 
