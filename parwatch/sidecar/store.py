@@ -123,6 +123,8 @@ class RankRecord:
     """Sidecar clock when the current process last posted a summary (a restart must start after it)."""
     base_timeline: int = 0
     """This rank's timeline when this sidecar first saw it: it moves past that only with rollbacks handed out."""
+    first_step: int = 0
+    """The first step the current process reported (its warm-up starts there)."""
 
     def time_seconds(self) -> dict[str, float] | None:
         """This rank's ledger counters over the run: its earlier processes' and the current one's."""
@@ -327,6 +329,7 @@ class Store:
                 started=s.process_start_time,
                 pid=pid,
                 base_timeline=s.timeline,
+                first_step=s.step,
             )
             if self._token_rank is None or s.rank < self._token_rank:
                 # A lower rank takes over counting tokens after the last step already counted.
@@ -368,7 +371,7 @@ class Store:
             old.step,
             s.step,
         )
-        rec.started, rec.base_timeline = s.process_start_time, s.timeline
+        rec.started, rec.base_timeline, rec.first_step = s.process_start_time, s.timeline, s.step
         rec.productive = deque(maxlen=PRODUCTIVE_KEPT)
         rec.counted = Counted()
         rec.summary = _kept(s)

@@ -175,8 +175,8 @@ def wait_for_scrapes(base, n, proc):
                 and float(res["data"]["result"][0]["value"][1]) >= n
             ):
                 return
-        except OSError:
-            pass  # not listening yet
+        except (OSError, ValueError):
+            pass  # not listening yet, or "503 Service Unavailable" in plain text while it starts
         time.sleep(0.5)
     # A scrape that failed (the exporter raised) says why in the target's lastError.
     targets = api(base, "targets").get("data", {}).get("activeTargets", [])

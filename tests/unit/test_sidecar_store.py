@@ -170,6 +170,7 @@ def test_observation_carries_the_global_view_and_per_rank_series():
     slow["gpu"]["utilization_ratio"] = 0.3
     store.add(parse(slow, StepSummary))
     store.add(S(1, 8, tp=2, pp=2))
+    store.add(S(0, 6, tp=2, pp=2))  # rank 0's process started at step 6: its views of 6 and 7 were its warm-up
     clock.t += 10  # rank 1 goes silent
     store.add(S(0, 9, tp=2, pp=2, global_stages=stages, global_loss=1.5, checkpoints=[4, 8]))
     store.add(parse(slow, StepSummary))
@@ -184,6 +185,25 @@ def test_observation_carries_the_global_view_and_per_rank_series():
     assert obs.series["rank_up"] == {"rank=0": 1.0, "rank=1": 0.0, "rank=2": 1.0}
     assert obs.series["collective_seconds_mean"]["op=all_reduce,group=tp"] == pytest.approx(0.006)  # the worst rank
     assert obs.series["gpu_utilization_ratio"] == {"rank=0,gpu=0": 0.9, "rank=2,gpu=2": 0.3}  # not the silent rank
+
+
+def test_a_process_warm_up_steps_judge_the_loss_not_the_pace():
+    clock = Clock()
+    store = Store(grace_seconds=5, clock=clock)
+    stages = [syn.stage_view(0, 1.0, 0.9), syn.stage_view(1, 1.0, 0.2)]  # a skew of 1.64: stage 0's first steps
+    pace = {"bubble_ratio", "bubble_excess_ratio", "step_seconds", "pipeline_skew_ratio"}
+    seen = {}
+    for step in range(1, 6):
+        clock.t += 1
+        store.add(P(0, step, 0.5, step - 0.5, global_stages=stages, global_loss=2.0))
+        seen[store.global_view.step] = set(build_observation(store).series)
+    assert all("loss" in series for series in seen.values())
+    assert not pace & (seen[1] | seen[2]) and pace <= seen[3] and pace <= seen[4]
+    # A restart (a later process resuming at step 3) warms up again; its loss is judged from its first step.
+    clock.t += 1
+    store.add(P(0, 3, 5.5, 0.0, time=6.0, global_stages=stages, global_loss=2.0))
+    first = build_observation(store)
+    assert first.step == 2 and "loss" in first.series and not pace & set(first.series)
 
 
 def test_no_observation_before_rank_0_sends_the_global_view():
