@@ -63,7 +63,6 @@ from parwatch.sidecar.hang import (
     HangMetrics,
     HangMonitor,
     HangSettings,
-    coverage,
 )
 from parwatch.sidecar.leader_link import LeaderLink, LeaderLinkMetrics
 from parwatch.sidecar.observations import rank_key
@@ -353,13 +352,14 @@ class ActivityHub:
             await self._forward()
             return []
         records = self.monitor.check_nodes(self.view.missing_nodes(), self.view.ranks_of)
-        records += self.judge(full=True)
+        records += await self.judge(full=True)
         await self.act()
         return records
 
-    def judge(self, full: bool = False) -> list[dict]:
+    async def judge(self, full: bool = False) -> list[dict]:
         """The leader's hang and crash judgement, every JUDGE_EVERY_SECONDS (full: the once-a-second tick).
-        Nothing within the grace period after a (re)start (quiet()); a paused run is never a hang."""
+        Nothing within the grace period after a (re)start (quiet()); a paused run is never a hang. Its passes
+        over every rank are taken in slices, and the posts that arrive meanwhile are answered between them."""
         self._after_fault()
         if not self.is_leader or self.quiet():
             return []
@@ -379,13 +379,19 @@ class ActivityHub:
             return []  # a crashed run or a pause: the whole picture once a second is enough
         rows = self.view.rows()
         rows.update(local)
+        survey, run = self.monitor.survey(rows), self.monitor.run_id
+        for _ in survey.slices():
+            await asyncio.sleep(0)
+        if self.monitor.run_id != run or self.sidecar.engine.last_switch != switched:
+            return []  # another run, or a rollback, since the picture was taken: judged at the next ask
         layout = self.monitor.layout
-        cov = coverage(rows, layout.world, self.view.missing_nodes()) if layout is not None else None
+        cov = survey.coverage(layout.world, self.view.missing_nodes()) if layout is not None else None
         records = self.monitor.check(
             rows,
             paused=paused,
             coverage=cov,
             heard_since=self.view.heard_since,
+            survey=survey,
         )
         self._idle_due = not records and not self.monitor.awaiting_fresh and self.monitor.held_until is None
         for record in records:
@@ -774,7 +780,7 @@ async def _loop(hub: ActivityHub) -> None:
             elif woken:
                 await hub._forward()
             else:
-                hub.judge()
+                await hub.judge()
                 await hub.act()
         except Exception:  # one bad tick must not end hang detection
             log.exception("activity tick failed")

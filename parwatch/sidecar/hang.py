@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
@@ -239,111 +239,132 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     (transitively) waits for a rank is found by set unions. The leader runs this on its event loop at
     16,384 ranks (docs/benchmarks.md, the leader).
     """
-    if not rows:
-        return None
-    arrived: dict[tuple, set[int]] = {}  # collective instance -> the ranks in it
-    p2p: dict[int, int] = {}  # rank in a recv or an unanswered send -> its peer
-    key_of: dict[int, tuple] = {}  # rank in a collective -> its instance
-    instance_of = _INSTANCE_OF.get
-    for rank, a in rows.items():
-        kind = a.kind
-        if kind is None or a.state not in _WAITING_STATES or _device_stuck(a):
-            continue  # a rank whose device is stuck on its own work waits for nobody, whatever its host is in
-        if kind in _P2P:
-            if a.peer is not None and not _answered(a, rows) and not _posted(a, rows):
-                p2p[rank] = int(a.peer)
-        elif kind in _GROUP_KINDS and (group := a.group):
-            seq = a.seq if a.seq is not None else ("step", a.step)  # no seq (the boundary): line up by step
-            of = instance_of(group)
-            key = key_of[rank] = (group, of(a) if of is not None else (), a.op, seq)
-            present = arrived.get(key)
-            if present is None:
-                arrived[key] = {rank}
-            else:
-                present.add(rank)
-    # Reverse edges, waited-for -> who waits: a collective instance waits for its members not in it.
-    groups_waiting: dict[int, list[tuple]] = {}
-    absent: dict[tuple, list[int]] = {}  # instance -> its members not in it
-    for key, present in arrived.items():
-        members = group_members(layout, key[0], rows[next(iter(present))])
-        if len(present) < len(members):
-            absent[key] = missing_members = sorted(set(members).difference(present))
-            for m in missing_members:
-                groups_waiting.setdefault(m, []).append(key)
-    ranks_waiting: dict[int, list[int]] = {}
-    for rank, peer in p2p.items():
-        ranks_waiting.setdefault(peer, []).append(rank)
-    waited_for = groups_waiting.keys() | ranks_waiting.keys()
-    blocked = set(p2p).union(*arrived.values())
+    waits = Waits(rows)
+    waits.add(rows.items())
+    return waits.culprit(layout, fresh_after)
 
-    def waiting_for(sink: int) -> set[int]:
-        reached: set[int] = set()
-        frontier = {sink}
-        while frontier:
-            new: set[int] = set()
-            for r in frontier:
-                for key in groups_waiting.get(r, ()):
-                    new |= arrived[key]
-                new.update(ranks_waiting.get(r, ()))
-            new -= reached
-            new.discard(sink)
-            reached |= new
-            frontier = new & waited_for  # a rank nobody waits for leads no further
-        return reached
 
-    sinks = [r for r in waited_for if r not in blocked]
-    if not sinks:
-        if not blocked:  # nobody waits for anybody: everyone is stuck in its own work
-            oldest = min(rows.values(), key=lambda a: (a.since if a.since is not None else float("inf"), a.rank))
-            kind, on = hang_kind(oldest, rows, None)
-            return {
-                "culprit": oldest.rank,
-                "waiting": [],
-                "missing": None,
-                "method": "oldest-span",
-                "kind": kind,
-                "kind_waits_on": on,
-                "waits_on": {},
-            }
-        sinks = list(blocked)  # a cycle (mismatched collectives): the one open longest is the best guess
-    best = None
-    for sink in sinks:
-        reached = waiting_for(sink)
-        row = rows.get(sink)
-        since = row.since if row is not None and row.since is not None else float("inf")
-        # A sink whose activity predates the stall (fresh_after) may just be a late report: prefer fresh ones.
-        fresh = row is not None and (fresh_after is None or row.time >= fresh_after)
-        score = (fresh, len(reached), -since, -sink)
-        if best is None or score > best[0]:
-            best = (score, sink, reached)
-    assert best is not None  # sinks is never empty here
-    _, culprit, reached = best
-    missing = None
-    if culprit in groups_waiting:  # name the collective it has not joined: the first seen waiting for it
-        group, _instance, op, seq = groups_waiting[culprit][0]
-        missing = Missing(kind=SpanKind.COLLECTIVE, op=op, group=group, seq=seq if not isinstance(seq, tuple) else None)
-    elif culprit in ranks_waiting:
-        by = ranks_waiting[culprit][-1]
-        missing = Missing(kind=SpanKind.SEND if rows[by].kind == SpanKind.SEND else SpanKind.RECV, by=by)
-    waiting = sorted(reached)
+class Waits:
+    """Who waits in what, from every rank's row: find_culprit's one pass over the ranks, which the leader
+    takes in slices between posts (Survey), then the search, whose work is per wait."""
 
-    def direct(r: int) -> list[int]:
-        if r in p2p:
-            return [p2p[r]]
-        key = key_of.get(r)
-        return absent.get(key, [])[:MAX_WAITING_LISTED] if key is not None else []
+    def __init__(self, rows: Mapping[int, Activity]):
+        self.rows = rows
+        self.arrived: dict[tuple, set[int]] = {}  # collective instance -> the ranks in it
+        self.p2p: dict[int, int] = {}  # rank in a recv or an unanswered send -> its peer
+        self.key_of: dict[int, tuple] = {}  # rank in a collective -> its instance
 
-    row = rows.get(culprit)
-    kind, on = hang_kind(row, rows, absent.get(key_of.get(culprit, ())) if row is not None else None)
-    return {
-        "culprit": culprit,
-        "waiting": waiting,
-        "missing": missing,
-        "method": "dependency",
-        "kind": kind,
-        "kind_waits_on": on,
-        "waits_on": {r: direct(r) for r in waiting[:MAX_WAITING_LISTED]},
-    }
+    def add(self, items: Iterable[tuple[int, Activity]]) -> None:
+        """Some ranks' rows (each rank once over all the calls)."""
+        rows, arrived, p2p, key_of = self.rows, self.arrived, self.p2p, self.key_of
+        instance_of = _INSTANCE_OF.get
+        for rank, a in items:
+            kind = a.kind
+            if kind is None or a.state not in _WAITING_STATES or _device_stuck(a):
+                continue  # a rank whose device is stuck on its own work waits for nobody, whatever its host is in
+            if kind in _P2P:
+                if a.peer is not None and not _answered(a, rows) and not _posted(a, rows):
+                    p2p[rank] = int(a.peer)
+            elif kind in _GROUP_KINDS and (group := a.group):
+                seq = a.seq if a.seq is not None else ("step", a.step)  # no seq (the boundary): line up by step
+                of = instance_of(group)
+                key = key_of[rank] = (group, of(a) if of is not None else (), a.op, seq)
+                present = arrived.get(key)
+                if present is None:
+                    arrived[key] = {rank}
+                else:
+                    present.add(rank)
+
+    def culprit(self, layout: RankLayout, fresh_after: float | None = None) -> dict | None:
+        """find_culprit's answer, once every rank was added."""
+        rows, arrived, p2p, key_of = self.rows, self.arrived, self.p2p, self.key_of
+        if not rows:
+            return None
+        # Reverse edges, waited-for -> who waits: a collective instance waits for its members not in it.
+        groups_waiting: dict[int, list[tuple]] = {}
+        absent: dict[tuple, list[int]] = {}  # instance -> its members not in it
+        for key, present in arrived.items():
+            members = group_members(layout, key[0], rows[next(iter(present))])
+            if len(present) < len(members):
+                absent[key] = missing_members = sorted(set(members).difference(present))
+                for m in missing_members:
+                    groups_waiting.setdefault(m, []).append(key)
+        ranks_waiting: dict[int, list[int]] = {}
+        for rank, peer in p2p.items():
+            ranks_waiting.setdefault(peer, []).append(rank)
+        waited_for = groups_waiting.keys() | ranks_waiting.keys()
+        blocked = set(p2p).union(*arrived.values())
+
+        def waiting_for(sink: int) -> set[int]:
+            reached: set[int] = set()
+            frontier = {sink}
+            while frontier:
+                new: set[int] = set()
+                for r in frontier:
+                    for key in groups_waiting.get(r, ()):
+                        new |= arrived[key]
+                    new.update(ranks_waiting.get(r, ()))
+                new -= reached
+                new.discard(sink)
+                reached |= new
+                frontier = new & waited_for  # a rank nobody waits for leads no further
+            return reached
+
+        sinks = [r for r in waited_for if r not in blocked]
+        if not sinks:
+            if not blocked:  # nobody waits for anybody: everyone is stuck in its own work
+                oldest = min(rows.values(), key=lambda a: (a.since if a.since is not None else float("inf"), a.rank))
+                kind, on = hang_kind(oldest, rows, None)
+                return {
+                    "culprit": oldest.rank,
+                    "waiting": [],
+                    "missing": None,
+                    "method": "oldest-span",
+                    "kind": kind,
+                    "kind_waits_on": on,
+                    "waits_on": {},
+                }
+            sinks = list(blocked)  # a cycle (mismatched collectives): the one open longest is the best guess
+        best = None
+        for sink in sinks:
+            reached = waiting_for(sink)
+            row = rows.get(sink)
+            since = row.since if row is not None and row.since is not None else float("inf")
+            # A sink whose activity predates the stall (fresh_after) may just be a late report: prefer fresh ones.
+            fresh = row is not None and (fresh_after is None or row.time >= fresh_after)
+            score = (fresh, len(reached), -since, -sink)
+            if best is None or score > best[0]:
+                best = (score, sink, reached)
+        assert best is not None  # sinks is never empty here
+        _, culprit, reached = best
+        missing = None
+        if culprit in groups_waiting:  # name the collective it has not joined: the first seen waiting for it
+            group, _instance, op, seq = groups_waiting[culprit][0]
+            missing = Missing(
+                kind=SpanKind.COLLECTIVE, op=op, group=group, seq=seq if not isinstance(seq, tuple) else None
+            )
+        elif culprit in ranks_waiting:
+            by = ranks_waiting[culprit][-1]
+            missing = Missing(kind=SpanKind.SEND if rows[by].kind == SpanKind.SEND else SpanKind.RECV, by=by)
+        waiting = sorted(reached)
+
+        def direct(r: int) -> list[int]:
+            if r in p2p:
+                return [p2p[r]]
+            key = key_of.get(r)
+            return absent.get(key, [])[:MAX_WAITING_LISTED] if key is not None else []
+
+        row = rows.get(culprit)
+        kind, on = hang_kind(row, rows, absent.get(key_of.get(culprit, ())) if row is not None else None)
+        return {
+            "culprit": culprit,
+            "waiting": waiting,
+            "missing": missing,
+            "method": "dependency",
+            "kind": kind,
+            "kind_waits_on": on,
+            "waits_on": {r: direct(r) for r in waiting[:MAX_WAITING_LISTED]},
+        }
 
 
 def hang_kind(
@@ -493,12 +514,75 @@ class Progress:
 MAX_LISTED = 16
 
 
-def coverage(rows: Mapping[int, Activity], world: int, missing_nodes: list[NodeMissing]) -> Coverage:
-    """What the leader sees of the run: ranks with a current report, of the world; the nodes whose
-    digests stopped; ranks never reported (first MAX_LISTED)."""
-    seen = sum(1 for a in rows.values() if a.state != RankState.UNKNOWN)
+def coverage(
+    rows: Mapping[int, Activity], world: int, missing_nodes: list[NodeMissing], seen: int | None = None
+) -> Coverage:
+    """What the leader sees of the run: ranks with a current report (`seen`, when counted already), of the
+    world; the nodes whose digests stopped; ranks never reported (first MAX_LISTED)."""
+    if seen is None:
+        seen = sum(1 for a in rows.values() if a.state != RankState.UNKNOWN)
     never = list(islice((r for r in range(world) if r not in rows), MAX_LISTED)) if len(rows) < world else []
     return Coverage(ranks_seen=seen, world=world, nodes_missing=missing_nodes[:MAX_LISTED], ranks_never_seen=never)
+
+
+SURVEY_SLICE = 1024
+"""Ranks per slice of the leader's survey, between which its loop answers posts: at 16,384 ranks the passes
+over every rank took 20-60 ms at once, and every digest posted meanwhile waited for them."""
+
+
+class Survey:
+    """A judgement's passes over every rank of one picture, taken once: the ranks it sees (coverage), the
+    ranks ended, the running ranks whose reports predate the stall, the oldest arrival of a running rank's
+    current report (late reports), and who waits in what (Waits). The leader takes it in slices between
+    posts (`slices`); check() takes one whole when given none."""
+
+    def __init__(self, rows: Mapping[int, Activity], heard: Mapping[int, tuple[float, float]], fresh_after):
+        self.rows = rows
+        self.waits = Waits(rows)
+        self.fresh_after: float | None = fresh_after
+        """Reports sampled before this predate the stall (the newest boundary, less the clocks' skew)."""
+        self.seen = 0
+        self.stale = 0
+        self.ended: dict[int, int] = {}
+        """rank -> the pid of its process, for the ranks whose process ended (gone, crashed)."""
+        self.oldest_heard = math.inf
+        self._heard = heard
+
+    def take(self, items: Iterable[tuple[int, Activity]]) -> None:
+        """Some ranks' rows (each rank once over all the calls)."""
+        heard, fresh_after, ended = self._heard, self.fresh_after, self.ended
+        for rank, a in items:
+            state = a.state
+            if state == RankState.RUNNING:
+                self.seen += 1
+                if fresh_after is not None and a.time < fresh_after:
+                    self.stale += 1
+                h = heard.get(rank)
+                if h is not None and h[0] == a.time and h[1] < self.oldest_heard:
+                    self.oldest_heard = h[1]
+            elif state != RankState.UNKNOWN:
+                self.seen += 1
+                if state in ENDED:
+                    ended[rank] = a.pid
+        self.waits.add(items)
+
+    def slices(self) -> Iterator[None]:
+        """Take every rank, SURVEY_SLICE at a time, yielding between slices."""
+        items = list(self.rows.items())
+        for i in range(0, len(items), SURVEY_SLICE):
+            self.take(items[i : i + SURVEY_SLICE])
+            yield
+
+    def whole(self) -> Survey:
+        self.take(self.rows.items())
+        return self
+
+    def late(self, now: float) -> bool:
+        """A running rank's newest report reached the leader over LATE_REPORT_SECONDS ago."""
+        return now - self.oldest_heard > LATE_REPORT_SECONDS
+
+    def coverage(self, world: int, missing_nodes: list[NodeMissing]) -> Coverage:
+        return coverage(self.rows, world, missing_nodes, self.seen)
 
 
 def _coverage_text(cov: Coverage | None) -> str:
@@ -631,17 +715,10 @@ class HangMonitor:
             ):
                 self.hang = None  # boundaries again: the episode is over
 
-    def late_ranks(self, rows: Mapping[int, Activity], now: float) -> list[int]:
-        """Running ranks whose newest report reached the leader over LATE_REPORT_SECONDS ago."""
-        heard = self._heard
-        return [
-            r
-            for r, a in rows.items()
-            if a.state == RankState.RUNNING
-            and (h := heard.get(r)) is not None
-            and h[0] == a.time
-            and now - h[1] > LATE_REPORT_SECONDS
-        ]
+    def survey(self, rows: Mapping[int, Activity]) -> Survey:
+        """A survey of `rows` for check(), none of it taken yet."""
+        sampled = self.progress.sampled
+        return Survey(rows, self._heard, None if sampled is None else sampled - CLOCK_SKEW_SECONDS)
 
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
@@ -705,34 +782,37 @@ class HangMonitor:
         paused: bool = False,
         coverage: Coverage | None = None,
         heard_since: Callable[[float], bool] = _always_heard,
+        survey: Survey | None = None,
     ) -> list[dict]:
         """Judge the picture: a crash (rank-gone) or a hang. `coverage` (see coverage()): what the
         leader sees; every finding carries it, and no culprit is named among ranks it cannot see.
-        `heard_since(t)`: whether every node still heard from has sent a digest since t (the leader)."""
+        `heard_since(t)`: whether every node still heard from has sent a digest since t (the leader).
+        `survey`: of `rows`, taken (the leader takes it in slices); else taken here."""
+        survey = survey if survey is not None else self.survey(rows).whole()
         now = self.clock()
         self.checked_stall = self.progress.stalled_for(now)
         self.held_until = None
-        records = self._judge_crashes(rows, now, coverage, heard_since)
-        ended = {r: a.pid for r, a in rows.items() if a.state in ENDED}
-        self._ended.update(ended)  # their processes' restarts start up under the start-up bound (observe)
-        crashed = bool(ended)  # a stall after a crash is the crash's
-        stalled, bound, past, fresh_after, stale = self._progress(rows, now, quiet=paused or crashed)
+        records = self._judge_crashes(survey, now, coverage, heard_since)
+        self._ended.update(survey.ended)  # their processes' restarts start up under the start-up bound (observe)
+        crashed = bool(survey.ended)  # a stall after a crash is the crash's
+        stalled, bound, past, fresh_after, stale = self._progress(survey, now, quiet=paused or crashed)
         if self.awaiting_fresh:
             return records
         if self._lost_since is not None and self._lost_since == self.progress.time:
             return records  # this stall was a node lost, already recorded
         if not paused and not crashed and past and self.layout is not None and rows:
-            records += self._judge_hang(rows, now, fresh_after, stalled, bound, stale, coverage)
+            records += self._judge_hang(survey, now, fresh_after, stalled, bound, stale, coverage)
         return records
 
     # -- crash classification -------------------------------------------------------------------------
 
     def _judge_crashes(
-        self, rows: Mapping[int, Activity], now: float, coverage: Coverage | None, heard_since: Callable[[float], bool]
+        self, survey: Survey, now: float, coverage: Coverage | None, heard_since: Callable[[float], bool]
     ) -> list[dict]:
         """rank-gone records for the ranks newly ended: the first failure named, echoes told apart."""
         records = []
-        gone = self._newly_gone(rows)
+        rows = survey.rows
+        gone = self._newly_gone(survey)
         if self.cause is not None and any(lost_a_peer(a) for a in gone):
             # The run's first failure is named already: ranks that lost a peer since are its echoes.
             records.append(self._echo_record([a for a in gone if lost_a_peer(a)], coverage))
@@ -743,12 +823,12 @@ class HangMonitor:
             records.append(self._gone_record(rows, gone, coverage))
         return records
 
-    def _newly_gone(self, rows: Mapping[int, Activity]) -> list[Activity]:
+    def _newly_gone(self, survey: Survey) -> list[Activity]:
         """The ranks ended and not reported yet, the likeliest first failure first."""
         # A crash: a process ended. A rank that says it lost a peer is an echo; among the others, the
         # one the rest last waited for went first, else the earliest to end.
         return sorted(
-            (a for a in rows.values() if a.state in ENDED and a.rank not in self.gone_reported),
+            (survey.rows[r] for r in survey.ended if r not in self.gone_reported),
             key=lambda a: (lost_a_peer(a), ended_at(a), a.rank),
         )
 
@@ -816,9 +896,7 @@ class HangMonitor:
 
     # -- progress -------------------------------------------------------------------------------------
 
-    def _progress(
-        self, rows: Mapping[int, Activity], now: float, quiet: bool
-    ) -> tuple[float, float, bool, float | None, int]:
+    def _progress(self, survey: Survey, now: float, quiet: bool) -> tuple[float, float, bool, float | None, int]:
         """(stalled, bound, past the decision line (or a long activity past its own), fresh_after, stale
         ranks); sets awaiting_fresh. `quiet`: paused or crashed (no hang judged, late reports not waited on)."""
         stalled = self.progress.stalled_for(now)
@@ -831,18 +909,22 @@ class HangMonitor:
         past = self.stalled_past_bound(stalled) or busy_past
         if self.progress.sampled is not None and past:
             fresh_after = self.progress.sampled - CLOCK_SKEW_SECONDS
-            stale = sum(1 for a in rows.values() if a.state == RankState.RUNNING and a.time < fresh_after)
+            stale = (
+                survey.stale
+                if fresh_after == survey.fresh_after  # else a boundary came while the survey was taken
+                else sum(1 for a in survey.rows.values() if a.state == RankState.RUNNING and a.time < fresh_after)
+            )
         # A rank whose report is late may show it as before it stopped (a hiccup, a node stopped whole): wait
         # until it speaks again, goes silent, or its node goes missing (then its ranks read unknown).
-        late = self.late_ranks(rows, now) if past and not quiet else []
-        self.awaiting_fresh = (bool(stale) or bool(late)) and stalled < 2 * bound
+        late = past and not quiet and survey.late(now)
+        self.awaiting_fresh = (bool(stale) or late) and stalled < 2 * bound
         return stalled, bound, past, fresh_after, stale
 
     # -- hang judgement -------------------------------------------------------------------------------
 
     def _judge_hang(
         self,
-        rows: Mapping[int, Activity],
+        survey: Survey,
         now: float,
         fresh_after: float | None,
         stalled: float,
@@ -858,7 +940,8 @@ class HangMonitor:
         if self.hang is not None:  # named once this episode: searching every rank again (~30 ms at 16,384
             self.busy = None  # ranks, on the event loop every check) would change nothing but delay posts
             return records
-        found = find_culprit(rows, self.layout, fresh_after)
+        rows = survey.rows
+        found = survey.waits.culprit(self.layout, fresh_after)
         if found is None:
             return records
         rank = found["culprit"]

@@ -164,7 +164,7 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
         clock.t += 0.25  # the asks between ticks: judge(), as the loop does every JUDGE_EVERY_SECONDS
         if clock.t % 1.0 == 0.0:
             reports()
-        for record in hub.judge():
+        for record in asyncio.run(hub.judge()):
             decided = record
     assert decided is not None and decided["rule"] == "hang" and decided["evidence"]["culprit"]["rank"] == 1
     assert decided["evidence"]["culprit"]["host"] == "node-b"
@@ -188,13 +188,52 @@ def test_a_late_digest_at_the_decision_line_holds_the_hang_back_one_ask_not_a_se
     clock.t = boundary + 10.0  # the decision line: the bound
     leader.post("/v1/activity", json=report(0, step=3, time=clock.t, **rank0))
     digest("forward", sampled=boundary - 1.5)  # sampled before the boundary: a late digest
-    assert hub.judge(full=True) == []  # a stale picture: no culprit named from it
+    assert asyncio.run(hub.judge(full=True)) == []  # a stale picture: no culprit named from it
     assert _next_ask(hub) == JUDGE_EVERY_SECONDS
     clock.t += JUDGE_EVERY_SECONDS
     digest("backward", sampled=clock.t)  # rank 1 since before the boundary, sampled now
-    [record] = hub.judge()  # the next ask, between ticks
+    [record] = asyncio.run(hub.judge())  # the next ask, between ticks
     assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
     assert clock.t - boundary == 10.0 + JUDGE_EVERY_SECONDS  # one ask after the line
+
+
+def test_the_leader_answers_posts_between_the_slices_of_its_survey(tmp_path, monkeypatch):
+    """At 16,384 ranks the judgement's passes over every rank held the leader's loop for 20-60 ms at once, and
+    every digest posted meanwhile waited: the leader takes them SURVEY_SLICE ranks at a time, and the loop
+    runs other work between the slices, before the picture is judged."""
+    import parwatch.sidecar.hang as hang
+
+    monkeypatch.setattr(hang, "SURVEY_SLICE", 1)  # two ranks: two slices
+    leader, lsc, clock = _client(tmp_path, "leader")
+    hub = lsc.activity
+    boundary = clock.t
+    rank0 = dict(kind="recv", peer=1, op="recv", group="pp", host="leader-host", step_end=boundary)
+    leader.post("/v1/activity", json=report(0, step=3, time=boundary, **rank0))
+    clock.t = boundary + 10.0
+    leader.post("/v1/activity", json=report(0, step=3, time=clock.t, **rank0))
+    row = [1, "running", "backward", None, None, None, None, boundary - 0.5, 3, 0.1, 10_001, "node-b", 1, 0, 0]
+    body = {"version": 1, "node": "node-b:9401", "run_id": "r1", "time": clock.t, "layout": [1, 2, 1]}
+    assert leader.post("/v1/digest", json={**body, "rows": [[*row, clock.t, boundary]]}).json() == {"ok": True}
+    other_ran, ran_before_judged = [], []
+    check = hub.monitor.check
+    monkeypatch.setattr(
+        hub.monitor, "check", lambda *a, **kw: ran_before_judged.append(len(other_ran)) or check(*a, **kw)
+    )
+
+    async def judge_beside_other_work():
+        async def other():
+            while True:
+                other_ran.append(1)
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        records = await hub.judge()
+        task.cancel()
+        return records
+
+    [record] = asyncio.run(judge_beside_other_work())
+    assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
+    assert ran_before_judged[0] >= 2  # the other task ran between the slices (the leader's posts, in the sidecar)
 
 
 def test_the_leaders_loop_asks_right_at_the_decision_line(tmp_path):
@@ -211,10 +250,10 @@ def test_the_leaders_loop_asks_right_at_the_decision_line(tmp_path):
     assert _next_ask(hub) == pytest.approx(0.1)
     clock.t += 0.1 - 1e-4
     rank0()
-    assert hub.judge() == []  # asked 0.1 ms before the line: not due
+    assert asyncio.run(hub.judge()) == []  # asked 0.1 ms before the line: not due
     clock.t += 2e-4  # the line passed before the loop reads its next ask: ask now, not one ask late
     assert _next_ask(hub) == 0.0
-    [record] = hub.judge()  # asked past it: decided (rank 0 computes, rank 1 never reported)
+    [record] = asyncio.run(hub.judge())  # asked past it: decided (rank 0 computes, rank 1 never reported)
     assert record["rule"] == "hang"
     assert _next_ask(hub) == JUDGE_EVERY_SECONDS  # the normal cadence, no spin
 

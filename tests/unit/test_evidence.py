@@ -46,7 +46,7 @@ def _hang(client, sidecar, clock, rank0_kw=None) -> dict:
         rank0 = report(0, kind="recv", peer=1, op="recv", group="pp", time=clock.t, **(rank0_kw or {}))
         client.post("/v1/activity", json=rank0)
         client.post("/v1/activity", json=report(1, kind="forward", time=clock.t, step_end=boundary))
-    [record] = sidecar.activity.judge()
+    [record] = asyncio.run(sidecar.activity.judge())
     return record
 
 

@@ -282,7 +282,8 @@ def test_a_named_hang_is_not_searched_for_again_while_it_lasts(monkeypatch):
     import parwatch.sidecar.hang as hang
 
     searches = []
-    monkeypatch.setattr(hang, "find_culprit", lambda *a: searches.append(1) or find_culprit(*a))
+    search = hang.Waits.culprit
+    monkeypatch.setattr(hang.Waits, "culprit", lambda *a: searches.append(1) or search(*a))
     monitor, clock, engine = _monitor()
     rows = _rank_1_stalls(monitor, clock)
     clock.t += 10.5
@@ -876,3 +877,28 @@ def test_new_pids_alone_do_not_hold_the_stall_clock_back():
             monitor.observe(replace(act(r, lay, step=8, time=clock.t), pid=7000 + 10 * k + r), lay, clock.t)
     rows = {r: replace(act(r, lay, step=8, time=clock.t), pid=7140 + r) for r in (0, 1)}
     assert [r["rule"] for r in monitor.check(rows)] == ["hang"]
+
+
+def test_a_survey_taken_in_slices_is_the_survey_taken_whole(monkeypatch):
+    """The leader takes its passes over every rank in slices between posts (Survey.slices): each slice a
+    part, the picture the same as one pass: what it sees, the ended ranks, the stale count, the culprit."""
+    import parwatch.sidecar.hang as hang
+
+    monkeypatch.setattr(hang, "SURVEY_SLICE", 3)
+    monitor, clock, _ = _monitor()
+    lay = RankLayout(8, 1, 1)  # rank 5 computes; the rest of its TP group waits in the all-reduce; rank 7 ended
+    for step in range(1, 6):
+        clock.t += 1.0
+        for r in range(8):
+            monitor.observe(act(r, lay, "forward", step=step, time=clock.t), lay, clock.t)
+    rows = {r: act(r, lay, "collective", "all_reduce", "tp", seq=9, step=5, time=1002.5 + r) for r in range(8)}
+    rows[6] = act(6, lay, "collective", "all_reduce", "tp", seq=9, step=5, time=clock.t)  # its newest sample
+    rows[5] = act(5, lay, "forward", step=5, since=1004.0)
+    rows[7] = act(7, lay, "collective", "all_reduce", "tp", seq=9, step=5, state="crashed")
+    whole = monitor.survey(rows).whole()
+    sliced = monitor.survey(rows)
+    assert sum(1 for _ in sliced.slices()) == 3  # 8 ranks, 3 at a time
+    taken = lambda s: (s.seen, s.stale, s.ended, s.oldest_heard)  # noqa: E731
+    assert taken(sliced) == taken(whole) == (8, 2, {7: 1007}, clock.t)  # ranks 0 and 1 sampled before step 5
+    assert sliced.waits.culprit(lay) == whole.waits.culprit(lay) == find_culprit(rows, lay)
+    assert find_culprit(rows, lay)["culprit"] == 5

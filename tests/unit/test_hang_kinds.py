@@ -213,7 +213,7 @@ def test_a_late_rank_holds_the_hang_until_it_speaks_or_its_node_goes_missing_the
 
     clock.t = boundary + 3.0  # the decision line
     assert judge() == [] and monitor.awaiting_fresh  # rank 1's report is 2.5 s old (> 2 s): held, not named
-    assert monitor.late_ranks(view.rows(), clock.t) == [1]
+    assert monitor.survey(view.rows()).whole().late(clock.t)
     clock.t = boundary + 6.0
     [record] = judge()  # node 1 missing (5 s): its ranks are gone, the run is not hung
     assert record["rule"] == "rank-gone" and record["evidence"]["cause"] == "node-lost"
@@ -277,6 +277,6 @@ def test_a_sample_that_waited_for_its_nodes_digest_is_dated_by_its_node():
     last = act(1, PP2, "collective", "all_reduce", "tp", step=5, time=boundary + 0.05)
     monitor.observe(last, PP2, boundary + 1.05, age=1.0)  # the digest left the node 1 s after the sample
     clock.t = boundary + 2.75
-    assert monitor.late_ranks({1: last}, clock.t) == [1]
+    assert monitor.survey({1: last}).whole().late(clock.t)
     monitor.observe(replace(last, rank=0), PP2, boundary + 1.05)  # the same, dated by its arrival
-    assert monitor.late_ranks({0: replace(last, rank=0)}, clock.t) == []
+    assert not monitor.survey({0: replace(last, rank=0)}).whole().late(clock.t)
