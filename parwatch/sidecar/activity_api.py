@@ -35,7 +35,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from msgspec.structs import replace as replace_fields
 
-from parwatch.catalog import RANK_STATES
 from parwatch.credentials import Identity, Verifier, node_credential
 from parwatch.guardrails.engine_store import StorageFault
 from parwatch.host import host_identity
@@ -77,7 +76,6 @@ from parwatch.wire.findings import HangEvidence, bundle_of, finding_evidence
 log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
 """Liveness, forwarding and cross-node expiry: once a second (a digest per node per second)."""
-_STATE_NAMES = {v: k for k, v in RANK_STATES.items()}
 RawPost = Callable[..., Awaitable[tuple[int, Any]]]
 """A raw-body handler: raw bytes (and the connection's `client`, the credential's `identity`) -> (status, JSON payload)."""
 SMALL_POST = 64 * 1024
@@ -311,10 +309,7 @@ class ActivityHub:
 
     def status(self) -> dict:
         m = self.monitor
-        counts: dict[str, int] = {}
-        for value in m.rank_states(self.rows()).values():
-            name = _STATE_NAMES[value]
-            counts[name] = counts.get(name, 0) + 1
+        counts = m.state_counts(self.rows())
         return {
             "leader": self.is_leader,
             "node": self.node,

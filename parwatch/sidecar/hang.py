@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -628,6 +628,18 @@ def _missing_text(missing: Missing | None) -> str:
     return f"; rank {missing.by} waits in a {missing.kind} {direction} it"
 
 
+_STATE_OF = {v: k for k, v in RANK_STATES.items()}
+
+
+def _state_value(state: str) -> int:
+    """A rank's RANK_STATES value for a state other than running (the culprit's) or done (left out)."""
+    return (
+        RANK_STATES[RankState.GONE]
+        if state in ENDED
+        else RANK_STATES.get(RankState(state), RANK_STATES[RankState.HUNG])
+    )
+
+
 class HangMonitor:
     """The leader's hang/crash judgement: `due` asked every `every` seconds, `check` when due.
 
@@ -720,10 +732,13 @@ class HangMonitor:
         sampled = self.progress.sampled
         return Survey(rows, self._heard, None if sampled is None else sampled - CLOCK_SKEW_SECONDS)
 
+    def _culprit_rank(self) -> int | None:
+        named = finding_evidence(self.hang) if self.hang is not None else None
+        return named.culprit.rank if isinstance(named, HangEvidence) and named.culprit else None
+
     def rank_states(self, rows: Mapping[int, Activity]) -> dict[int, int]:
         """rank -> RANK_STATES value (parwatch_rank_state): gone, hung (the culprit, or a frozen rank), running."""
-        named = finding_evidence(self.hang) if self.hang is not None else None
-        culprit = named.culprit.rank if isinstance(named, HangEvidence) and named.culprit else None
+        culprit = self._culprit_rank()
         running, hung = RANK_STATES[RankState.RUNNING], RANK_STATES[RankState.HUNG]
         out = {}
         for r, a in rows.items():  # a plain loop: at the leader, every rank at every scrape
@@ -731,8 +746,21 @@ class HangMonitor:
             if state == RankState.RUNNING:
                 out[r] = hung if r == culprit else running
             elif state != RankState.DONE:
-                out[r] = RANK_STATES[RankState.GONE] if state in ENDED else RANK_STATES.get(RankState(state), hung)
+                out[r] = _state_value(state)
         return out
+
+    def state_counts(self, rows: Mapping[int, Activity]) -> dict[RankState, int]:
+        """How many ranks are in each RANK_STATES state, as rank_states() tells them (done ones left out)."""
+        counts: dict[RankState, int] = {}
+        for state, n in Counter(a.state for a in rows.values()).items():
+            if state != RankState.DONE:
+                name = RankState.RUNNING if state == RankState.RUNNING else _STATE_OF[_state_value(state)]
+                counts[name] = counts.get(name, 0) + n
+        culprit = self._culprit_rank()
+        if culprit is not None and (a := rows.get(culprit)) is not None and a.state == RankState.RUNNING:
+            counts[RankState.RUNNING] -= 1
+            counts[RankState.HUNG] = counts.get(RankState.HUNG, 0) + 1
+        return counts
 
     def due(self, paused: bool = False, gone_hint: bool = True) -> bool:
         """Whether check() has anything to judge: a rank reported gone, or a stall past the bound (or a

@@ -5,6 +5,7 @@ import msgspec
 import pytest
 from msgspec.structs import astuple, replace
 
+from parwatch.catalog import RANK_STATES
 from parwatch.rank_layout import RankLayout
 from parwatch.sidecar.digest import BadActivity, LeaderView, NodeBook
 from parwatch.sidecar.hang import (
@@ -902,3 +903,22 @@ def test_a_survey_taken_in_slices_is_the_survey_taken_whole(monkeypatch):
     assert taken(sliced) == taken(whole) == (8, 2, {7: 1007}, clock.t)  # ranks 0 and 1 sampled before step 5
     assert sliced.waits.culprit(lay) == whole.waits.culprit(lay) == find_culprit(rows, lay)
     assert find_culprit(rows, lay)["culprit"] == 5
+
+
+def test_state_counts_count_what_rank_states_tell():
+    """GET /v1/hang counts the ranks by state (at 16,384 ranks without a value per rank): the same states
+    as parwatch_rank_state's, the named culprit hung, done ranks left out."""
+    monitor, clock, _ = _monitor()
+    rows = _rank_1_stalls(monitor, clock)
+    clock.t += 10.5
+    [record] = monitor.check(rows)
+    assert record["evidence"]["culprit"]["rank"] == 1
+    lay = RankLayout(1, 2, 1)
+    states = ["running", "crashed", "gone", "unknown", "silent", "done", "running"]
+    rows = {**rows, **{r: replace(act(r % 2, lay, "forward"), rank=r, state=s) for r, s in enumerate(states, 2)}}
+    told = {}
+    for value in monitor.rank_states(rows).values():
+        told[value] = told.get(value, 0) + 1
+    counts = monitor.state_counts(rows)
+    assert {RANK_STATES[s]: n for s, n in counts.items()} == told
+    assert counts == {"running": 3, "hung": 2, "gone": 2, "unknown": 1}  # the culprit and the silent rank hung
