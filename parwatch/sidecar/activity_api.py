@@ -59,6 +59,7 @@ from parwatch.sidecar.hang import (
     ENDED,
     JUDGE_EVERY_SECONDS,
     MAX_LISTED,
+    SURVEY_PAUSE_SECONDS,
     HangMetrics,
     HangMonitor,
     HangSettings,
@@ -375,11 +376,15 @@ class ActivityHub:
         rows = self.view.rows()
         rows.update(local)
         survey, run = self.monitor.survey(rows), self.monitor.run_id
+        await asyncio.sleep(SURVEY_PAUSE_SECONDS)
         for _ in survey.slices():
-            await asyncio.sleep(0)
+            await asyncio.sleep(SURVEY_PAUSE_SECONDS)
+        layout = self.monitor.layout
+        if layout is not None and self.monitor.stalled_past_bound(self.monitor.progress.stalled_for(self.clock())):
+            survey.culprit(layout, survey.fresh_after)  # the search's per-wait part: a step of its own
+            await asyncio.sleep(SURVEY_PAUSE_SECONDS)
         if self.monitor.run_id != run or self.sidecar.engine.last_switch != switched:
             return []  # another run, or a rollback, since the picture was taken: judged at the next ask
-        layout = self.monitor.layout
         cov = survey.coverage(layout.world, self.view.missing_nodes()) if layout is not None else None
         records = self.monitor.check(
             rows,
@@ -392,8 +397,7 @@ class ActivityHub:
         for record in records:
             bundle = bundle_of(record)
             if bundle and isinstance(record.get("id"), int):
-                reachable = [r for r, a in rows.items() if a.state == RankState.RUNNING]
-                self.evidence.ask(self.monitor.run_id, record["id"], bundle, reachable)
+                self.evidence.ask(self.monitor.run_id, record["id"], bundle, survey.running)
         self._to_act += [r for r in records if r.get("rule") == BuiltinRule.HANG]
         return records
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
@@ -240,7 +240,7 @@ def find_culprit(rows: Mapping[int, Activity], layout: RankLayout, fresh_after: 
     16,384 ranks (docs/benchmarks.md, the leader).
     """
     waits = Waits(rows)
-    waits.add(rows.items())
+    waits.add(rows)
     return waits.culprit(layout, fresh_after)
 
 
@@ -254,11 +254,12 @@ class Waits:
         self.p2p: dict[int, int] = {}  # rank in a recv or an unanswered send -> its peer
         self.key_of: dict[int, tuple] = {}  # rank in a collective -> its instance
 
-    def add(self, items: Iterable[tuple[int, Activity]]) -> None:
+    def add(self, ranks: Iterable[int]) -> None:
         """Some ranks' rows (each rank once over all the calls)."""
         rows, arrived, p2p, key_of = self.rows, self.arrived, self.p2p, self.key_of
         instance_of = _INSTANCE_OF.get
-        for rank, a in items:
+        for rank in ranks:
+            a = rows[rank]
             kind = a.kind
             if kind is None or a.state not in _WAITING_STATES or _device_stuck(a):
                 continue  # a rank whose device is stuck on its own work waits for nobody, whatever its host is in
@@ -528,6 +529,10 @@ def coverage(
 SURVEY_SLICE = 1024
 """Ranks per slice of the leader's survey, between which its loop answers posts: at 16,384 ranks the passes
 over every rank took 20-60 ms at once, and every digest posted meanwhile waited for them."""
+SURVEY_PAUSE_SECONDS = 0.002
+"""The leader's pause between slices. Not a bare yield: a post takes several turns of the loop (read, decode,
+answer), and with the survey ready again at every turn each post waited a slice per turn (p99 of the hung
+phase 14-22 ms as before); a pause lets the posts that came during a slice finish before the next one."""
 
 
 class Survey:
@@ -545,16 +550,21 @@ class Survey:
         self.stale = 0
         self.ended: dict[int, int] = {}
         """rank -> the pid of its process, for the ranks whose process ended (gone, crashed)."""
+        self.running: list[int] = []
+        """The ranks running (reachable: a decision's evidence is asked of them)."""
         self.oldest_heard = math.inf
         self._heard = heard
+        self._found: dict[float | None, dict | None] = {}
 
-    def take(self, items: Iterable[tuple[int, Activity]]) -> None:
+    def take(self, ranks: Sequence[int]) -> None:
         """Some ranks' rows (each rank once over all the calls)."""
-        heard, fresh_after, ended = self._heard, self.fresh_after, self.ended
-        for rank, a in items:
+        rows, heard, fresh_after, ended, running = self.rows, self._heard, self.fresh_after, self.ended, self.running
+        for rank in ranks:
+            a = rows[rank]
             state = a.state
             if state == RankState.RUNNING:
                 self.seen += 1
+                running.append(rank)
                 if fresh_after is not None and a.time < fresh_after:
                     self.stale += 1
                 h = heard.get(rank)
@@ -564,17 +574,26 @@ class Survey:
                 self.seen += 1
                 if state in ENDED:
                     ended[rank] = a.pid
-        self.waits.add(items)
+        self.waits.add(ranks)
 
     def slices(self) -> Iterator[None]:
-        """Take every rank, SURVEY_SLICE at a time, yielding between slices."""
-        items = list(self.rows.items())
-        for i in range(0, len(items), SURVEY_SLICE):
-            self.take(items[i : i + SURVEY_SLICE])
+        """Take every rank, SURVEY_SLICE at a time, yielding between slices. By rank number, not (rank, row)
+        pairs: 16,384 tuples that live through the survey are tracked by the collector, and pushed a full
+        collection onto the leader's loop."""
+        ranks = list(self.rows)
+        for i in range(0, len(ranks), SURVEY_SLICE):
+            self.take(ranks[i : i + SURVEY_SLICE])
             yield
 
+    def culprit(self, layout: RankLayout, fresh_after: float | None) -> dict | None:
+        """find_culprit's answer for this picture (searched once per `fresh_after`: the leader searches in a
+        step of its own, before the judgement asks)."""
+        if fresh_after not in self._found:
+            self._found[fresh_after] = self.waits.culprit(layout, fresh_after)
+        return self._found[fresh_after]
+
     def whole(self) -> Survey:
-        self.take(self.rows.items())
+        self.take(list(self.rows))
         return self
 
     def late(self, now: float) -> bool:
@@ -969,7 +988,7 @@ class HangMonitor:
             self.busy = None  # ranks, on the event loop every check) would change nothing but delay posts
             return records
         rows = survey.rows
-        found = survey.waits.culprit(self.layout, fresh_after)
+        found = survey.culprit(self.layout, fresh_after)
         if found is None:
             return records
         rank = found["culprit"]
