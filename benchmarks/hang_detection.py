@@ -292,16 +292,18 @@ async def simulate(
 
     # Rank 0 reports its summaries to the leader, its node's sidecar: from then on the leader keeps every
     # rank's liveness (parwatch_rank_up, the rank-missing rule) once a second, as in a run.
-    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"}) as client:
-        first = syn.summary(0, 1, run_id="sim", tp=lay.tp, pp=lay.pp, dp=lay.dp)
-        (await client.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": [first]})).raise_for_status()
+    # One client for that and the GET /v1/hang below, made before the load: making one (its TLS context) took
+    # this loop 20-30 ms, and the posts in flight then were measured as the leader's slowest (2026-12-07).
+    client = httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"})
+    first = syn.summary(0, 1, run_id="sim", tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    (await client.post(f"{control_url}/v1/ingest", json={"version": 1, "summaries": [first]})).raise_for_status()
     tasks = [asyncio.create_task(node_loop(n)) for n in range(nodes)] + [asyncio.create_task(steps())]
     decision = await asyncio.wait_for(watch(), timeout=warmup + 120)
     named_after = decision["time"] - state["step_end"]  # from the last step boundary
-    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"}) as client:
-        t0 = time.perf_counter()
-        assert (await client.get(f"{control_url}/v1/hang")).json()["hang"]["id"] == decision["id"]
-        status_seconds = time.perf_counter() - t0
+    t0, status_at = time.perf_counter(), time.time() - hang_at
+    assert (await client.get(f"{control_url}/v1/hang")).json()["hang"]["id"] == decision["id"]
+    status_seconds = time.perf_counter() - t0
+    await client.aclose()
     state["stop"] = True
     scrapes = []
     if scraper is not None:
@@ -326,6 +328,13 @@ async def simulate(
         "digests_sent": len(latencies),
         "leader_ingest_seconds_p99_healthy": percentile([t for t, at in zip(latencies, sent) if at < hang_at], 99),
         "leader_ingest_seconds_p99_hung": percentile([t for t, at in zip(latencies, sent) if at >= hang_at], 99),
+        "decided_after_hang_seconds": round(decision["time"] - hang_at, 3),
+        "hang_status_asked_after_hang_seconds": round(status_at, 3),
+        # Where the hung phase's slowest posts fell (seconds after the hang, ms):
+        "leader_ingest_slowest_after_hang": sorted(
+            ((round(at - hang_at, 2), round(t * 1e3, 1)) for t, at in zip(latencies, sent) if at >= hang_at),
+            key=lambda x: -x[1],
+        )[:12],
         "leader_scrape_seconds_max": max((t for t, _ in scrapes), default=None),
         "leader_scrape_bytes": scrapes[-1][1] if scrapes else None,
         "leader_scrapes": len(scrapes),
