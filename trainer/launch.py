@@ -23,6 +23,8 @@ from parwatch.trainer.progress import RankProgress, describe_exit, exit_status
 log = logging.getLogger("trainer")
 
 _PEER_LOST = 3  # a rank's exit code when a collective failed because a peer went away
+_PORT_TAKEN = 4  # rank 0's exit code when the rendezvous port, free a moment before, was taken before it bound it
+_PORT_TRIES = 3
 _CAUSE_GRACE_S = 15.0  # how long the ranks that lost a peer wait for the one that failed to be named
 _WIND_DOWN_S = 3.0  # how long the other ranks may take to end by themselves once one failed
 RANK_IMPORTS = ["torch", "torch.distributed", "parwatch.trainer.train", "parwatch.collector.attach"]
@@ -144,6 +146,10 @@ def _spawned(
         print(f"error: {e}", file=sys.stderr)
         os._exit(2)
     except RuntimeError as e:  # a peer died: the launcher names the rank that failed first
+        if rank == 0 and progress.starting() and "EADDRINUSE" in str(e):
+            # Another process took the port between free_port() and the bind: nothing of the run has started.
+            print(f"rank 0: the rendezvous port {port} was taken before it bound it", file=sys.stderr)
+            os._exit(_PORT_TAKEN)
         print(f"rank {rank}: stopped: {str(e).splitlines()[0][:200]}", file=sys.stderr)
         os._exit(_PEER_LOST)
 
@@ -166,13 +172,26 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_IMPORTS)
     here = (dict(os.environ), os.getcwd())  # the server's are those it started with: a rank takes ours
-    port = free_port()
-    shared = RankProgress.shared_array(ctx, cfg.nproc)
     prepare = getattr(attach, "prepare", None)
     try:
         attaches = prepare(cfg, cfg.nproc) if prepare is not None else [attach] * cfg.nproc
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    for _ in range(_PORT_TRIES):
+        port = free_port()
+        code = _run_ranks(ctx, cfg, port, attaches, here)
+        if code != _PORT_TAKEN:
+            return code
+        # A demo or test on a busy machine (CI on f219b8e: another test's sidecar answered the ranks on it).
+        print(f"the rendezvous port {port} was taken; starting the ranks again on another", file=sys.stderr)
+    print(f"error: the rendezvous port was taken {_PORT_TRIES} times before rank 0 bound it", file=sys.stderr)
+    return _PORT_TAKEN
+
+
+def _run_ranks(ctx, cfg: TrainConfig, port: int, attaches: list, here: tuple[dict, str]) -> int:
+    """One launch of cfg.nproc ranks on `port`: their exit code (0 when every rank succeeded), _PORT_TAKEN when
+    rank 0 could not bind it (the others stopped at once: they were still waiting for the rendezvous)."""
+    shared = RankProgress.shared_array(ctx, cfg.nproc)
     procs = [
         ctx.Process(target=_spawned, args=(r, cfg.nproc, port, cfg, shared, attaches[r], here))
         for r in range(cfg.nproc)
@@ -205,6 +224,8 @@ def spawn(cfg: TrainConfig, attach: Attach | None = None) -> int:
             rank = min(failed, key=lambda r: (procs[r].exitcode == _PEER_LOST, r))
             exitcode = procs[rank].exitcode
             assert exitcode is not None  # joined above
+            if exitcode == _PORT_TAKEN:
+                return _PORT_TAKEN  # the others are stopped below: no rank got past the rendezvous
             code = exit_status(exitcode) or 1
             print(
                 f"error: {describe_exit(shared, rank, exitcode, cfg.steps)}; stopping the other ranks", file=sys.stderr

@@ -28,6 +28,9 @@ class RankProgress:
     def shared_array(ctx, nproc: int):
         return ctx.Array("q", [STARTING, 0] * nproc, lock=False)
 
+    def starting(self) -> bool:
+        return self._shared[self._base] == STARTING
+
     def training(self) -> None:
         self._shared[self._base] = TRAINING
 

@@ -102,3 +102,26 @@ def test_a_run_its_step_check_pauses_with_no_sidecar_exits_naming_it_not_waiting
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "paused at step 6" in proc.stderr and "nothing watching this run can resume it" in proc.stderr
     assert "--pre-step-check off" in proc.stderr and not path.exists()
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_left_for_another(tmp_path, monkeypatch, capsys):
+    """CI on f219b8e (the demo's NaN test): between free_port() and rank 0's bind another test's sidecar took
+    the port; rank 0 exited "while starting" and the other ranks asked that HTTP server for the rendezvous.
+    The launcher starts the ranks again on another port: nothing of the run had started."""
+    import socket
+
+    from parwatch.ports import free_port
+    from parwatch.trainer import launch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        first = [port]
+        monkeypatch.setattr(launch, "free_port", lambda: first.pop() if first else free_port())
+        path = tmp_path / "summary.json"
+        code = launch.main(["--nproc", "2", "--pp", "2", "--steps", "2", "--summary-json", str(path), *TINY])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"the rendezvous port {port} was taken; starting the ranks again on another" in err
+    assert json.loads(path.read_text())["steps_completed"] == 2
