@@ -541,10 +541,12 @@ class Survey:
     current report (late reports), and who waits in what (Waits). The leader takes it in slices between
     posts (`slices`); check() takes one whole when given none."""
 
-    def __init__(self, rows: Mapping[int, Activity], heard: Mapping[int, tuple[float, float]], fresh_after):
+    def __init__(
+        self, rows: Mapping[int, Activity], heard: Mapping[int, tuple[float, float]], fresh_after: float | None
+    ):
         self.rows = rows
         self.waits = Waits(rows)
-        self.fresh_after: float | None = fresh_after
+        self.fresh_after = fresh_after
         """Reports sampled before this predate the stall (the newest boundary, less the clocks' skew)."""
         self.seen = 0
         self.stale = 0
@@ -708,7 +710,7 @@ class HangMonitor:
         self._sidecars_lost: set[str] = set()
         """Nodes a sidecar-lost finding named while they stay missing."""
         self._heard: dict[int, tuple[float, float]] = {}
-        """rank -> (its newest sample's time, when it reached the leader): late_ranks."""
+        """rank -> (its newest sample's time, when it reached the leader): late reports (Survey.late)."""
         self._ended: dict[int, int] = {}
         """rank -> the pid of its process seen ending (gone, crashed): another pid is its restart (observe)."""
 
