@@ -659,7 +659,7 @@ class Collector(Observer):
 
     @property
     def refused_total(self) -> int:
-        """Of dropped_total: summaries the sidecar refused for the token (HTTP 401/403)."""
+        """Of dropped_total: summaries the sidecar refused, for the token (HTTP 401/403) or as invalid."""
         return self.shipper.refused
 
     def close(self, timeout: float = 2.0, error: BaseException | None = None) -> None:

@@ -135,11 +135,12 @@ class Shipper:
         self.dropped = 0
         """Summaries the sidecar never took: queue overflow, sidecar away or refusing (a post, or one summary)."""
         self.refused = 0
-        """Of `dropped`: summaries the sidecar refused for the token (HTTP 401/403)."""
+        """Of `dropped`: summaries the sidecar refused, for the token (HTTP 401/403) or as invalid (REFUSED_FOR_GOOD)."""
         self.sent = 0
         """Summaries the sidecar accepted."""
         self.unreachable_since: float | None = None
         """Wall-clock time of the first failed post of the current run of failures; None while posts succeed."""
+        self._last_refusal = ""  # the last whole-post refusal logged
         self.cpu_ns = 0
         """The shipper thread's CPU time so far (time.thread_time_ns), as of its last round."""
 
@@ -315,6 +316,18 @@ class Shipper:
             log.warning("parwatch: cannot write %s (%s); %s writing stops for this rank", path, exc, kind)
             self._paths[kind] = None
 
+    def _refused_whole(self, summaries: list, why: str) -> list[bool]:
+        """The sidecar answered and refused the whole body as invalid: its summaries are dropped as refused.
+        No back-off (the next post is another body, and a back-off would drop it unsent) and not
+        `unreachable_since`; its outcome and check records ride the next post (refused alone, given up)."""
+        with self._lock:
+            self.dropped += len(summaries)
+        self.refused += len(summaries)
+        if why != self._last_refusal:  # once per reason: a sidecar refusing every post would log every step
+            self._last_refusal = why
+            log.warning("parwatch: the sidecar refused a post of %d summaries (%s)", len(summaries), why)
+        return [False] * len(summaries)
+
     def _poll_due(self) -> bool:
         if not self.url or self.poll_interval_s is None:
             return False
@@ -366,6 +379,8 @@ class Shipper:
                 )
                 self._forget_outcomes(len(outcomes), len(checks))
                 return []
+            if response.status_code in REFUSED_FOR_GOOD:  # reachable, and these summaries refused for good
+                return self._refused_whole(summaries, f"HTTP {response.status_code}: {response.text[:200]}")
             if response.status_code >= 400:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
             reply = response.json()

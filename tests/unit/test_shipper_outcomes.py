@@ -182,3 +182,22 @@ def test_a_summary_refused_alone_is_dropped_and_the_rest_of_its_post_is_taken():
         assert (shipper.sent, shipper.dropped, shipper.refused) == (3, 1, 0)
     finally:
         shipper.close()
+
+
+def test_a_post_refused_whole_as_invalid_drops_its_summaries_and_the_next_post_goes_at_once():
+    """A 422 (or 400, 413) is the sidecar's answer about this body: it is reachable. Its summaries are
+    refused, not "unreachable": no back-off holds the next, valid ones, and rank 0 is not told the sidecar
+    is away."""
+    from parwatch.collector.shipper import Delivery
+
+    poster = FlakyPoster(failures=1, status=422)
+    shipper = Shipper(endpoint="http://sidecar", http=poster, max_backoff_s=30, poll_interval_s=60)
+    shipper._thread = object()  # no thread: post by hand
+    first, second = Delivery(), Delivery()
+    shipper.put_summary(_summary(1), first)
+    shipper._drain()
+    assert first.accepted is False and (shipper.dropped, shipper.refused) == (1, 1)
+    assert shipper.unreachable_since is None
+    shipper.put_summary(_summary(2), second)
+    shipper._drain()  # at once: a back-off would drop it unsent
+    assert second.accepted is True and [s["step"] for b in poster.bodies for s in b["summaries"]] == [2]
