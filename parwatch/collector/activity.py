@@ -31,6 +31,9 @@ from parwatch.wire.evidence import EvidencePost, RankEvidence
 
 log = logging.getLogger("parwatch.collector")
 
+BUSY_END_POLL_SECONDS = 0.05
+"""While a report said busy: how often the reporter looks whether the long activity has ended (then reports)."""
+
 
 def describe_error(error: BaseException) -> str:
     """'ExceptionType: first line of the message', at most MAX_ERROR_CHARS (what the sidecar keeps)."""
@@ -250,15 +253,31 @@ class ActivityReporter:
         # The first report at once: its sidecar then knows (and watches) this rank's process from attach, and
         # a rank that dies in its first second is named gone, not "never seen" (a short run in CI did).
         while True:
+            busy = False
             try:
-                self.post(self.snapshot())
+                report = self.snapshot()
+                busy = report.busy is not None
+                self.post(report)
             except Exception as exc:  # never let a bad sample end the thread
                 log.warning("parwatch: activity sample failed (%s)", exc)
             self.cpu_ns = time.thread_time_ns()  # parwatch's own cost; one int store, read by the collector
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+            self._wait_next(busy)
             if self._stop.is_set():
                 return
+
+    def _wait_next(self, busy: bool) -> None:
+        """An interval, or less: after a report inside a declared long activity (a checkpoint save, an eval
+        pass), its end is reported at once. The leader counts a stall from it; from the last busy report,
+        sampled up to an interval earlier, a 1.5 s hiccup right after an eval was named a hang (seed 46)."""
+        if not busy:
+            self._wake.wait(self.interval_s)
+        else:
+            deadline = time.monotonic() + self.interval_s
+            while _busy_span(self.registry.current) is not None:  # a read of one attribute a tick
+                left = deadline - time.monotonic()
+                if left <= 0 or self._wake.wait(min(left, BUSY_END_POLL_SECONDS)):
+                    break
+        self._wake.clear()
 
     def report_soon(self) -> None:
         """Report now (from the training thread, at a step boundary that ended a step longer than

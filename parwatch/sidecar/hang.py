@@ -418,7 +418,8 @@ class Progress:
         self.switching = False
         """Set by rearm() (a rollback or resume): judged with the start-up bound until the next boundary."""
         self.busy_seen: float | None = None
-        """When a report last showed a rank inside a declared long activity (the leader's clock)."""
+        """When a report last showed a rank inside a declared long activity, or first showed it out of one (the
+        leader's clock)."""
         self._seconds: deque = deque(maxlen=window)
 
     def observe(
@@ -713,6 +714,8 @@ class HangMonitor:
         """rank -> (its newest sample's time, when it reached the leader): late reports (Survey.late)."""
         self._ended: dict[int, int] = {}
         """rank -> the pid of its process seen ending (gone, crashed): another pid is its restart (observe)."""
+        self._busy_ranks: set[int] = set()
+        """Ranks whose newest report showed them in a declared long activity (observe)."""
 
     def begin_run(self) -> None:
         """Another run reports now: its stall clock starts afresh (start-up bound), nothing carried over."""
@@ -720,7 +723,7 @@ class HangMonitor:
         self.layout, self.hang, self.gone_reported, self._echoes_since = None, None, set(), None
         self.cause = None
         self.busy, self._lost_since, self._sidecars_lost, self._heard = None, None, set(), {}
-        self._ended = {}
+        self._ended, self._busy_ranks = {}, set()
 
     def observe(self, a: Activity, layout: RankLayout, now: float, age: float = 0.0) -> None:
         """Every activity row as it arrives (cheap: the progress clock, and when its rank last spoke).
@@ -732,6 +735,7 @@ class HangMonitor:
             self._heard[a.rank] = (a.time, now - min(max(age, 0.0), MAX_REPORT_LATENCY_SECONDS))
         if a.state in ENDED:
             self._ended[a.rank] = a.pid
+            self._busy_ranks.discard(a.rank)
         elif a.state == RankState.RUNNING:
             if self._ended.get(a.rank, a.pid) != a.pid and a.step_end is None:
                 # A new process of a rank seen ending, before its first boundary (a restart under the same
@@ -740,6 +744,10 @@ class HangMonitor:
                 del self._ended[a.rank]
                 self.progress.rearm(now)
             if a.busy is not None:
+                self.progress.busy_seen = now
+                self._busy_ranks.add(a.rank)
+            elif a.rank in self._busy_ranks:  # its first report out of it: the activity ended by now, not by the
+                self._busy_ranks.discard(a.rank)  # last busy report (sampled up to an interval before its end)
                 self.progress.busy_seen = now
             if (
                 self.progress.observe(a.step, a.step_seconds, now, a.time, a.step_end)

@@ -262,3 +262,22 @@ def test_a_long_step_ended_is_reported_at_once_not_an_interval_later():
     assert len(http.posts) == 2  # the first report, then the one asked for, long before 600 s
     rep.close()
     assert len(http.posts) == 3  # and the last word
+
+
+def test_the_end_of_a_long_activity_is_reported_at_once_not_an_interval_later():
+    """The leader counts a stall from a checkpoint save's or an eval pass's end: the first report out of it
+    goes when it ends (seed 46's healthy run named a 1.5 s hiccup right after an eval a hang, its last busy
+    report sampled up to a second before the eval ended)."""
+    http = FakeHttp()
+    reg = contract.HookRegistry()
+    reg.register(SimpleNamespace(on_span=lambda span: None))
+    rep = ActivityReporter(_ctx(), reg, "http://x", interval_s=600, http=http)
+    with reg.span(contract.SpanKind.EVAL):
+        rep.start()
+        _wait_for_posts(http, 1)
+        assert http.posts[0][1]["activity"]["busy"] == "eval"
+    _wait_for_posts(http, 2)  # its end: long before 600 s
+    assert len(http.posts) == 2 and http.posts[1][1]["activity"]["busy"] is None
+    time.sleep(0.2)
+    assert len(http.posts) == 2  # then an interval again, not a report a tick
+    rep.close()

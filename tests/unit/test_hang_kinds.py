@@ -171,6 +171,37 @@ def test_the_stall_after_a_long_activity_counts_from_its_end():
     assert record["evidence"]["since_boundary_seconds"] == pytest.approx(2.5 + HangSettings.min_seconds)
 
 
+def test_the_stall_after_a_long_activity_counts_from_when_its_end_was_heard():
+    """Seed 46's long-steps healthy run (2026-12-07): a checkpoint save and an eval pass, then rank 3 stopped
+    1.5 s (a host hiccup) at the start of the next step; once it ran again it reported "between spans" and was
+    named hung. The ranks' last busy reports had been sampled up to a second before the eval ended: counted
+    from them, the hiccup crossed the bound. The end is the first report that shows a rank out of it."""
+    clock, engine = Clock(), FakeEngine()
+    monitor = HangMonitor(HangSettings(), engine, clock)
+    _stepping(monitor, clock, PP2)
+    boundary = clock.t
+    for t in (0.5, 1.5, 2.5):  # busy reports during the save and the eval, once a second
+        clock.t = boundary + t
+        for r in (0, 1):
+            monitor.observe(replace(act(r, PP2, "eval", step=5, time=clock.t), busy="eval"), PP2, clock.t)
+
+    def heard_at(t):  # the eval over, rank 0 waits in a recv from rank 1, between spans (since None)
+        clock.t = boundary + t
+        rows = {
+            0: act(0, PP2, "recv", "recv", "pp", peer=1, step=5, time=clock.t),
+            1: act(1, PP2, None, step=5, since=None, time=clock.t),
+        }
+        for a in rows.values():
+            monitor.observe(a, PP2, clock.t)
+        return monitor.check(rows)
+
+    assert heard_at(3.4) == []  # the first reports out of the eval
+    assert heard_at(2.5 + HangSettings.min_seconds + 0.1) == []  # a bound after the last busy report: no hang
+    assert heard_at(3.4 + HangSettings.min_seconds - 0.01) == []
+    [record] = heard_at(3.4 + HangSettings.min_seconds + 0.01)  # a bound after the end was heard: a stall
+    assert record["evidence"]["culprit"]["rank"] == 1
+
+
 def test_a_rank_stuck_outside_the_long_activity_is_named_at_the_normal_bound():
     """Rank 1 hung in its forward while rank 0 evaluates (its span says so): the culprit is not busy."""
     clock, engine = Clock(), FakeEngine()
