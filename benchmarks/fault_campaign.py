@@ -19,7 +19,7 @@ reachable rank's evidence was kept. Per healthy configuration: steps run and eve
 positives per 10,000 steps). The machine's stolen CPU (/proc/stat) is recorded, as in the other benchmarks.
 
     python benchmarks/fault_campaign.py --trials 10 --healthy-steps 10000 --out benchmarks/results/fault_campaign.json
-    python benchmarks/fault_campaign.py --quick         # one trial per kind, short healthy runs (the test suite's)
+    python benchmarks/fault_campaign.py --quick         # one trial per kind, beside short healthy runs (the test suite's)
     python benchmarks/fault_campaign.py ... --resume    # after a stop: the trials its journal holds are not run again
 
 Exit status 1 when a kind was missed or a healthy step raised a finding (--quick's check), else 0.
@@ -523,13 +523,16 @@ def _findings(run: Run) -> list[dict]:
 
 def run_trial(t: Trial, base: Path) -> dict:
     t0 = time.monotonic()
-    result = _run_trial(t, base)
+    phases: dict[str, float] = {}
+    result = _run_trial(t, base, lambda name: phases.setdefault(name, round(time.monotonic() - t0, 2)))
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
+    result["phase_seconds"] = phases  # when each phase ended, from the trial's start: where its wall goes
     return result
 
 
-def _run_trial(t: Trial, base: Path) -> dict:
+def _run_trial(t: Trial, base: Path, phase=lambda name: None) -> dict:
     run = start_run(t.setup, base, t.inject)
+    phase("started")
     fault_at: float | None = None
     try:
         if run.start != "started":
@@ -541,14 +544,18 @@ def _run_trial(t: Trial, base: Path) -> dict:
         expected = t.expect["rule"]
         timeout = 60.0 if expected in ("straggler", "step-nonfinite", "step-spike") else 40.0
         ready = wait_for(lambda: [d for d in _findings(run) if d["rule"] == expected], timeout + 30, 0.1)
+        phase("decided")
         if ready and expected in ("hang", "rank-gone"):
             _wait_evidence(run, ready[0])
         if not ready:
             time.sleep(0.5)
         fault_at = fault_at or _fault_time(t, run)
-        return _result(t, run, fault_at, ready[0] if ready else None)
+        result = _result(t, run, fault_at, ready[0] if ready else None)
+        phase("judged")
+        return result
     finally:
         run.stop()
+        phase("stopped")
 
 
 def _apply(t: Trial, run: Run) -> float:
@@ -1035,9 +1042,12 @@ def campaign(
 
     jiffies, t0 = cpu_jiffies(), time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        if quick:  # the healthy runs apart from the fault trials: noise they add is not the noise judged
-            list(pool.map(one, plan))
-            list(pool.map(one, healthy_plan))
+        if quick:  # the short healthy runs beside the fault trials (their neighbour): its wall is the trials'
+            with ThreadPoolExecutor(max_workers=max(1, len(healthy_plan))) as beside:
+                healthy_runs = [beside.submit(one, h) for h in healthy_plan]
+                list(pool.map(one, plan))
+                for future in healthy_runs:
+                    future.result()
         else:
             list(pool.map(one, [*healthy_plan, *plan]))  # the long healthy runs first
     return {
@@ -1068,7 +1078,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
     ap.add_argument("--healthy", default="", help="comma-separated healthy configurations (default: all)")
     ap.add_argument(
-        "--quick", action="store_true", help="one trial per kind, 2 at once, then 2 short healthy runs (120 steps)"
+        "--quick",
+        action="store_true",
+        help="one trial per kind, 2 at once, beside 2 short healthy runs (120 and 40 steps)",
     )
     ap.add_argument(
         "--out", default=None, help="write the JSON here (default benchmarks/results/fault_campaign[_quick].json)"
@@ -1086,7 +1098,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--resume", action="store_true", help="take the trials the journal holds, run only the rest")
     a = ap.parse_args(argv)
-    NEIGHBOUR.host_load = a.neighbour_is
+    NEIGHBOUR.host_load = a.neighbour_is or ("the fault trials beside them" if a.quick else None)
     if a.quick:
         a.trials, a.healthy_steps, a.jobs = 1, 120, max(a.jobs, 2)
     kinds = [k for k in a.kinds.split(",") if k] or list(KINDS)

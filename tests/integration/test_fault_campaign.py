@@ -1,12 +1,12 @@
 """The fault campaign's --quick (issue 44): one trial of every fault kind, each on real gloo ranks against
 real sidecars (the reference trainer on one and on two loopback nodes, torch pipelining, Megatron-Core,
-DeepSpeed), and short healthy runs carrying every noise (checkpoint saves, eval passes, a first-step warm-up,
-an operator pause, 1.5 s stops of a rank, a CPU-hogging neighbour). It fails when a kind is missed or
-misjudged (finding, culprit, cause) or a healthy step raises a finding the goals count (a hang, a crash,
-an action, a straggler or a link: benchmarks/fault_campaign.GOAL_RULES; the pipeline-shape rules, which a
-CPU hog truly moves for a few steps, are reported). The full campaign, with its
-latency percentiles: `python benchmarks/fault_campaign.py --trials 10 --healthy-steps 10000`
-(docs/benchmarks.md, "The fault campaign")."""
+DeepSpeed), and beside them short healthy runs carrying every noise (checkpoint saves, eval passes, a
+first-step warm-up, an operator pause, 1.5 s stops of a rank; the trials and the suite's other workers
+their neighbours). It fails when a kind is missed or misjudged (finding, culprit, cause) or a healthy
+step raises a finding the goals count (a hang, a crash, an action, a straggler or a link:
+benchmarks/fault_campaign.GOAL_RULES; the pipeline-shape rules, which a CPU hog truly moves for a few steps,
+are reported). The full campaign, with its latency percentiles:
+`python benchmarks/fault_campaign.py --trials 10 --healthy-steps 10000` (docs/benchmarks.md, "The fault campaign")."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def test_quick_campaign_names_every_fault_kind_and_nothing_in_healthy_runs(tmp_p
     # 5a1c468 failed on a false hang and rank-gone in healthy-2node, as on 2026-12-04, with nothing to read.
     env = dict(os.environ, PYTHONPATH=str(ROOT), PARWATCH_CAMPAIGN_KEEP=str(tmp_path / "runs"))
     (tmp_path / "runs").mkdir()
-    # Under xdist the other workers load both cores throughout: they are the healthy runs' neighbour.
-    neighbour = ["--neighbour-is", "the test suite's other workers"] if os.environ.get("PYTEST_XDIST_WORKER") else []
+    # Under xdist the other workers load both cores throughout: they and the trials are the healthy runs' neighbour.
+    xdist = os.environ.get("PYTEST_XDIST_WORKER")
+    neighbour = ["--neighbour-is", "the fault trials and the test suite's other workers"] if xdist else []
     args = [sys.executable, str(ROOT / "benchmarks" / "fault_campaign.py"), "--quick", *neighbour]
     proc = subprocess.run([*args, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     print(proc.stdout[-6000:])
