@@ -379,6 +379,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_a_second_run_starts_clean(tm
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed next to this Python")
+@pytest.mark.slow  # test_fault_campaign.py's two nodes launched again after EADDRINUSE go through launch_nodes
 def test_nodes_whose_rendezvous_port_was_taken_are_launched_again_on_another(tmp_path, monkeypatch):
     """A port free a moment ago can be taken before node 0's torchrun binds it (EADDRINUSE: the fault
     campaign's torchrun in CI on d94243b). launch_nodes launches the nodes again on another port."""
