@@ -13,9 +13,7 @@ The unit tests (a `unit` folder's files: no servers, no ranks, CPU only) are hel
 beside the serial units on the other workers, under SCHED_IDLE (pytest_runtest_setup): the kernel
 runs such a process only on a core nothing else wants and preempts it as soon as anything else
 wakes, so they use the cores the serial phase leaves idle (it sleeps in synthetic compute) and take
-their CPU out of the parallel phase, which is bound by CPU. Tests marked `idle` join them: rank runs
-whose assertions no starving can change (losses, orders, exit codes; no sidecar judging time, no
-wall-clock figure), about 90 s of the parallel phase's CPU in CI. A unit is a file's tests (as `--dist loadfile`), except in a long
+their 40 s of CPU out of the parallel phase, which is bound by CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
 integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
@@ -73,10 +71,9 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
             for item in items
             if "/unit/" not in item.nodeid and "serial" not in item.keywords and not _wide_fixtures(item)
         ]
-        idle = [item.nodeid for item in items if _idle_item(item)]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
-            json.dump({"serial": [item.nodeid for item in serial], "alone": alone, "idle": idle}, out)
+            json.dump({"serial": [item.nodeid for item in serial], "alone": alone}, out)
         os.replace(tmp, path)
 
 
@@ -94,44 +91,18 @@ def idle_class(nodeid: str) -> bool:
     return "unit" in nodeid.split("::", 1)[0].split("/")[:-1]
 
 
-def _idle_item(item: pytest.Item) -> bool:
-    """Runs under SCHED_IDLE beside the serial phase: a unit test, or one marked `idle` (not serial)."""
-    return "serial" not in item.keywords and (idle_class(item.nodeid) or item.get_closest_marker("idle") is not None)
-
-
-def _idle_descendants() -> None:
-    """SCHED_IDLE for the processes this worker started before (a fork server, whose ranks inherit it)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    todo = list(children.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:
-            pass  # it ended meanwhile
-
-
 _idle_now = False
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """An xdist worker of this scheduler, at its first unit or `idle` test: SCHED_IDLE from then on, for it
-    and the processes it started (the scheduler hands a worker those only once it has nothing else but
-    them; threads and processes started afterwards inherit it)."""
+    """An xdist worker of this scheduler, at its first unit test: SCHED_IDLE from then on (the scheduler
+    hands a worker unit tests only once it has nothing else but them; threads and processes started
+    afterwards inherit it)."""
     global _idle_now
-    if _idle_now or not getattr(item.config, "workerinput", {}).get(IDLE_KEY) or not _idle_item(item):
+    if _idle_now or not getattr(item.config, "workerinput", {}).get(IDLE_KEY) or not idle_class(item.nodeid):
         return
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    _idle_descendants()
     _idle_now = True
 
 
@@ -160,8 +131,6 @@ def _serial_last_scheduling():
         """loadfile for the other tests, then the serial units on one worker while the others idle."""
 
         serial: frozenset[str] = frozenset()
-        idle: frozenset[str] = frozenset()
-        """Tests marked `idle` (not serial): run beside the serial phase, as the unit tests do."""
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
         seconds: dict[str, float] = {}
@@ -175,7 +144,7 @@ def _serial_last_scheduling():
             file = nodeid.split("::", 1)[0]
             if nodeid in self.serial:
                 return f"serial:{file}"
-            if (idle_class(nodeid) or nodeid in self.idle) and hasattr(os, "SCHED_IDLE"):
+            if idle_class(nodeid) and hasattr(os, "SCHED_IDLE"):
                 return f"{IDLE}{file}"
             return nodeid if nodeid in self.alone else file
 
@@ -186,7 +155,6 @@ def _serial_last_scheduling():
                     with open(path) as f:
                         ids = json.load(f)
                     self.serial = frozenset(ids["serial"])
-                    self.idle = frozenset(ids["idle"])
                     self.seconds = _durations()
                     by_file: dict[str, float] = {}
                     for nodeid in ids["alone"]:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.distutil import ROOT, run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.idle]
+pytestmark = pytest.mark.dist
 
 WATCHED_RUN = [
     sys.executable,

@@ -122,26 +122,20 @@ def test_the_longest_unit_starts_first(tmp_path):
 
 
 UNIT = RECORD + "".join(f"\ndef test_{i}():\n    record('unit{i}')\n" for i in range(4))
-MARKED_IDLE = (
-    RECORD
-    + "\npytestmark = pytest.mark.idle\n"
-    + "".join(f"\ndef test_{i}():\n    record('unitlike{i}')\n" for i in range(2))
-)
 
 
 def test_unit_tests_run_beside_the_serial_phase_under_sched_idle(tmp_path):
-    """The unit tests, and tests marked `idle`, wait for the other tests to be handed out, then run on the
-    workers the serial phase leaves free, under SCHED_IDLE; every other test, the serial ones included,
-    under the normal policy."""
+    """The unit tests wait for the other tests to be handed out, then run on the workers the serial phase
+    leaves free, under SCHED_IDLE; every other test, the serial ones included, under the normal policy."""
     pytest.importorskip("xdist")
     files = {"test_a.py": PLAIN, "test_c.py": SCENARIO, "test_d.py": GRID, "unit/test_u.py": UNIT}
-    proc = run(tmp_path, "-n", "3", files={**files, "test_i.py": MARKED_IDLE})
+    proc = run(tmp_path, "-n", "3", files=files)
     assert proc.returncode == 0, proc.stdout[-3000:]
     ran = intervals(tmp_path)
     units = {k: v for k, v in ran.items() if k.startswith("unit")}
     serial = {k: v for k, v in ran.items() if k in SERIAL}
     others = {k: v for k, v in ran.items() if k not in units and k not in serial}
-    assert len(units) == 6 and len(serial) == 3 and len(others) == 4, sorted(ran)
+    assert len(units) == 4 and len(serial) == 3 and len(others) == 4, sorted(ran)
     assert {policy for *_, policy in units.values()} == {os.SCHED_IDLE}
     assert {policy for *_, policy in [*serial.values(), *others.values()]} == {os.SCHED_OTHER}
     last_other = max(end for _, end, _, _ in others.values())
@@ -150,29 +144,3 @@ def test_unit_tests_run_beside_the_serial_phase_under_sched_idle(tmp_path):
     assert len(serial_workers) == 1 and not serial_workers & {worker for _, _, worker, _ in units.values()}
     first_serial, last_serial = min(v[0] for v in serial.values()), max(v[1] for v in serial.values())
     assert any(start < last_serial and end > first_serial for start, end, *_ in units.values()), (units, serial)
-
-
-def test_a_worker_going_idle_takes_the_processes_it_started_with_it(tmp_path):
-    """A fork server started in the parallel phase forks the ranks of a later `idle` test: it goes
-    SCHED_IDLE with its worker, or those ranks would compete with the serial phase."""
-    code = (
-        "import os, subprocess, sys\n"
-        "from serial_phase import _idle_descendants\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import subprocess, sys; "
-        'subprocess.run([sys.executable, "-c", "import time; time.sleep(30)"])\'])\n'
-        "import time; time.sleep(1.0)\n"
-        "_idle_descendants()\n"
-        "kids = [int(p) for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read()"
-        ".rpartition(')')[2].split()[1] == str(child.pid)]\n"
-        "print(os.sched_getscheduler(child.pid), [os.sched_getscheduler(k) for k in kids], os.sched_getscheduler(0))\n"
-        "child.kill()\n"
-        "for k in kids: os.kill(k, 9)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, preexec_fn=normal_policy
-    )
-    assert proc.returncode == 0, proc.stderr
-    child, grandchildren, own = proc.stdout.split(" ", 1)[0], *proc.stdout.split(" ", 1)[1].rsplit(" ", 1)
-    assert int(child) == os.SCHED_IDLE and grandchildren == f"[{os.SCHED_IDLE}]", proc.stdout
-    assert int(own) == os.SCHED_OTHER  # the caller sets its own policy (pytest_runtest_setup)
