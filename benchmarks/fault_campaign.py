@@ -640,15 +640,13 @@ def judge(t: Trial, d: dict | None) -> dict:
             e["stage"],
             e.get("place", c.get("kind")),
         )
-        if t.setup in ("pipelining", "megatron", "deepspeed"):  # PP2, blocked in a forward
+        if t.setup in ("pipelining", "megatron", "deepspeed"):  # PP2, blocked in a forward: the other stage waits
             culprit = (c.get("rank"), c.get("stage"), c.get("kind"), c.get("state")) == (
                 e["rank"],
                 e["stage"],
                 "forward",
                 "running",
-            )
-            # ...and the other stage waits for it (torch pipelining's waits are not reported: "0 ranks wait")
-            culprit = culprit and (t.setup == "pipelining" or ev.get("waiting") == [1 - e["rank"]])
+            ) and ev.get("waiting") == [1 - e["rank"]]
         cause = ev.get("kind") == e["cause"]
     elif rule == "rank-gone" and e["cause"] == "node-lost":
         culprit = set(e["ranks"]) <= set(ev.get("gone") or []) and not c

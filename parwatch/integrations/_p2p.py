@@ -6,7 +6,8 @@ as module globals at call time, so replacing them reaches every schedule class).
 methods that build the ops (`get_fwd_send_ops` ...) are public; the integration tags the ops
 they return, and these two wrappers time only tagged batches:
 
-- recv: from entering the wait to its return (the time the rank could not compute);
+- recv: from entering the wait to its return (the time the rank could not compute); while it waits it is
+  the rank's open span (`registry.current`), so the activity reporter says what the rank waits on;
 - send: from posting to the end of the first wait that finds it complete (an upper bound: a
   send is only known complete when the schedule waits for it).
 
@@ -87,11 +88,25 @@ def _wait_batch_p2p(work):
         return original(work)
     mark = reg.clock.mark
     start = mark()
-    result = original(work)
-    end = mark()
     posted = work.posted
+    spans = work.spans
+    # While it blocks, the rank's activity is this wait (its recv, else its first send): a hung peer's
+    # waiters are named by what they wait on, not read as "between spans".
+    waited = None
+    for span in spans:
+        if waited is None or span.kind is _RECV:
+            waited = span
+    if waited is not None:
+        waited.start = start if waited.kind is _RECV else posted
+        waited.parent, reg.current = reg.current, waited
+    try:
+        result = original(work)
+    finally:
+        if waited is not None:
+            reg.current, waited.parent = waited.parent, None
+    end = mark()
     sinks = reg.sinks
-    for span in work.spans:
+    for span in spans:
         span.start = start if span.kind is _RECV else posted
         span.end = end
         for on_span in sinks:

@@ -3,7 +3,7 @@ come off and go back on, and the spans the compute wrapper emits (attrs built on
 
 from __future__ import annotations
 
-from parwatch.contract import HookRegistry, Observer, SpanKind
+from parwatch.contract import HookRegistry, Observer, Span, SpanKind
 from parwatch.integrations import _stage_spans as ss
 
 
@@ -166,3 +166,33 @@ def test_p2p_ops_are_posted_before_their_spans_are_built(monkeypatch):
     _p2p._wait_batch_p2p(works)  # a second wait reports nothing twice
     assert len(recorder.spans) == 1
     assert _p2p._batch_p2p([untagged]) == ["work"]  # untagged batches pass straight through
+
+
+def test_a_rank_blocked_in_a_p2p_wait_shows_that_wait_as_its_activity(monkeypatch):
+    """torch pipelining's waits are the rank's open span while they block: the activity reporter says
+    "recv from stage 1" (the leader names the rank as waiting on its hung peer), not "between spans"."""
+    from parwatch.integrations import _p2p
+
+    registry = HookRegistry()
+    monkeypatch.setattr(_p2p, "registry", registry)
+    registry.register(Recorder())
+    seen = []
+    monkeypatch.setitem(_p2p._originals, "_batch_p2p", lambda ops, desc=None: ["send work", "recv work"])
+    monkeypatch.setitem(
+        _p2p._originals, "_wait_batch_p2p", lambda works: seen.append((registry.current, registry.current.parent))
+    )
+
+    class Tensor:
+        nbytes = 64
+
+    class Op:
+        peer, tensor = 1, Tensor()
+
+    send, recv = Op(), Op()
+    setattr(send, _p2p.TAG, (SpanKind.SEND, {"stage": 0, "op": "send"}))
+    setattr(recv, _p2p.TAG, (SpanKind.RECV, {"stage": 0, "op": "recv"}))
+    outer = registry.current = Span(SpanKind.FORWARD, registry.clock.mark())
+    _p2p._wait_batch_p2p(_p2p._batch_p2p([send, recv]))
+    ((waiting, under),) = seen
+    assert waiting.kind == SpanKind.RECV and waiting.attrs["peer"] == 1 and under is outer
+    assert registry.current is outer and waiting.parent is None  # restored; the span as it was emitted
