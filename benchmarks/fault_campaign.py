@@ -54,6 +54,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "integ
 from common import cpu_jiffies, cpu_ticks, machine, percentile, print_table, stolen_share  # noqa: E402
 from e2e_util import TORCHRUN, kill_group, kill_tree, launch_nodes, read_jsonl  # noqa: E402
 
+from parwatch.contract import SpanKind  # noqa: E402
+from parwatch.vocabulary import RankState  # noqa: E402
 from tests.sidecar_process import free_port, sidecar_command, stop, wait_healthy  # noqa: E402
 
 FWD_MS, BWD_MS, MICROBATCHES = 10.0, 20.0, 4
@@ -496,6 +498,8 @@ def draw(kind: str, seed: int, setup: str | None = None) -> Trial:
         t.inject = [flag, f"{stage}:{step}"]
         rule = "hang" if kind.endswith("hang") else "rank-gone"
         t.expect = {"rule": rule, "rank": stage, "stage": stage, "cause": "host" if rule == "hang" else "gone"}
+        if rule == "hang":  # blocked running its forward, the other stage waiting for it
+            t.expect |= {"place": SpanKind.FORWARD, "state": RankState.RUNNING, "waiting": [1 - stage]}
     return t
 
 
@@ -634,19 +638,14 @@ def judge(t: Trial, d: dict | None) -> dict:
     c = _culprit_of(d)
     rule = d["rule"]
     right_kind = rule == e["rule"]
-    if rule == "hang":
-        culprit = (c.get("rank"), c.get("stage"), c.get("kind")) == (
+    if rule == "hang":  # what a trial does not expect (its place, state, waiters) is not judged
+        culprit = (c.get("rank"), c.get("stage"), c.get("kind"), c.get("state"), ev.get("waiting")) == (
             e["rank"],
             e["stage"],
             e.get("place", c.get("kind")),
+            e.get("state", c.get("state")),
+            e.get("waiting", ev.get("waiting")),
         )
-        if t.setup in ("pipelining", "megatron", "deepspeed"):  # PP2, blocked in a forward: the other stage waits
-            culprit = (c.get("rank"), c.get("stage"), c.get("kind"), c.get("state")) == (
-                e["rank"],
-                e["stage"],
-                "forward",
-                "running",
-            ) and ev.get("waiting") == [1 - e["rank"]]
         cause = ev.get("kind") == e["cause"]
     elif rule == "rank-gone" and e["cause"] == "node-lost":
         culprit = set(e["ranks"]) <= set(ev.get("gone") or []) and not c
