@@ -81,10 +81,9 @@ NAN_STEP = 24
 ACT_WITHIN_S = 15.0
 
 
-def leader_lost(base: Path, returns: bool = True) -> dict:
-    """The leader's sidecar SIGKILLed two steps before a NaN; rank 0 pauses the run itself. returns: the
-    leader is then restarted and the run finished (what node 1, rank 0 and the returning leader said and
-    did); otherwise the run ends at rank 0's local pause (all the pause's figure needs)."""
+def leader_lost(base: Path) -> dict:
+    """The leader's sidecar SIGKILLed two steps before a NaN; rank 0 pauses the run itself; the leader is
+    then restarted and the run finished: what node 1, rank 0 and the returning leader said and did."""
     seen: dict = {}
     slow = f"straggler:stage=0,ms=250,from_step={NAN_STEP - 3}"  # ~1 s steps around the NaN: a kill lands before it
     with nodes(base) as (leader, node1):
@@ -103,24 +102,22 @@ def leader_lost(base: Path, returns: bool = True) -> dict:
             leader.kill()
             assert rank0_summary(base, NAN_STEP) is None, "killed too late: the NaN step had already run"
 
-            if returns:  # node 1 says its leader is gone: status, metric and the operator's command
-                seen["link"] = wait_until(
-                    lambda: (
-                        (node1.status()["leader_link"] or {}).get("unreachable_since") and node1.status()["leader_link"]
-                    ),
-                    "node 1 to say the leader is unreachable",
-                    30,
-                )
-                seen["unreachable_gauge"] = gauge(node1, UNREACHABLE)
-                seen["status_text"] = cli_status(node1)
+            # Node 1 says its leader is gone: status, metric and the operator's command.
+            seen["link"] = wait_until(
+                lambda: (
+                    (node1.status()["leader_link"] or {}).get("unreachable_since") and node1.status()["leader_link"]
+                ),
+                "node 1 to say the leader is unreachable",
+                30,
+            )
+            seen["unreachable_gauge"] = gauge(node1, UNREACHABLE)
+            seen["status_text"] = cli_status(node1)
 
             # Rank 0 acts on the NaN by itself: a pause every rank applies at one boundary.
             seen["local"] = wait_until(
                 lambda: read_jsonl(base / "log0" / LOCAL_DECISIONS_FILE), "rank 0's local decision", 60
             )
             seen["nan"] = rank0_summary(base, NAN_STEP)
-            if not returns:
-                return seen
             time.sleep(3.0)  # held: nobody trains past the boundary it paused at
             seen["trained_to"] = [
                 max(s["step"] for s in read_jsonl(base / f"log{k}" / "summaries.jsonl")) for k in (0, 1)
@@ -147,8 +144,10 @@ def leader_lost(base: Path, returns: bool = True) -> dict:
 def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_once(tmp_path):
     """Node 1 says the leader is unreachable (status, metric, `parwatch status`, which prints no rule state
     it does not judge); rank 0 pauses every rank at one boundary; the leader restarted adopts that
-    decision and rolls back exactly once. Its own run, beside other tests: a decision is correctness
-    under load (the pause's wall-clock figure is the timing test's run)."""
+    decision and rolls back exactly once; rank 0's pause comes within ACT_WITHIN_S of the NaN. Beside the
+    other tests, in the parallel phase: the bound is the guardrail's promise under load, and it has the margin
+    for it (1.1 s on a quiet machine against 15 s; until 2026-12-07 a run of its own in the serial phase
+    measured it, 16 s of CI's wall and 15 s of CPU for a figure 13 times under its bound)."""
     seen = leader_lost(tmp_path)
     (local,) = seen["local"]
     link, text = seen["link"], seen["status_text"]
@@ -157,6 +156,7 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
     assert "unreachable since" in text and "judged by the leader" in text, text
     assert "rule nonfinite-loss" not in text, text  # node 1 judges no rule: it must not print "ok"
     assert (local["step"], local["action"], local["rule"]) == (NAN_STEP, "pause", "nonfinite-loss"), local
+    assert local["time"] - seen["nan"]["time"] <= ACT_WITHIN_S, local["time"] - seen["nan"]["time"]
     assert max(seen["trained_to"]) <= NAN_STEP + 1, f"a node trained on after the local pause: {seen['trained_to']}"
     rollbacks = [d for d in seen["decisions"] if d["action"] == "rollback"]
     assert len(rollbacks) == 1, rollbacks  # one event, one rollback
@@ -170,22 +170,6 @@ def test_leader_lost_rank0_pauses_on_a_nan_and_the_returning_leader_rolls_back_o
         f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - seen['nan']['time']:.2f} s; leader "
         f"restarted to the rollback applied: {seen['rollback_after_restart_s']:.2f} s"
     )
-
-
-@pytest.fixture(scope="module")
-def leader_lost_pause(tmp_path_factory) -> dict:
-    """The same scenario up to rank 0's local pause (a fixture: its own checks are setup errors, never a
-    timing re-run): the leader's return and the rollback, which the figure does not read, are the test's
-    above."""
-    return leader_lost(tmp_path_factory.mktemp("leader-lost"), returns=False)
-
-
-@pytest.mark.timing
-def test_leader_lost_rank0_pauses_within_15_s_of_the_nan(leader_lost_pause):
-    seen = leader_lost_pause
-    (local,) = seen["local"]
-    print(f"NaN step {NAN_STEP} to rank 0's local pause: {local['time'] - seen['nan']['time']:.2f} s")
-    assert local["time"] - seen["nan"]["time"] <= ACT_WITHIN_S
 
 
 def _short_rules(base: Path, for_seconds: int) -> Path:
