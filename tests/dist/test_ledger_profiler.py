@@ -39,7 +39,10 @@ import torch
 from tests.distutil import load_example, run_ranks
 from tests.trace_check import DATA_MARK, MARK, ledger_busy, trace_busy
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+# serial: a rank descheduled between ops counts busy to the ledger only, so the gap grows with the host's
+# load (above). In the parallel phase beside the other workers it reached 3.6 pp against the 2-point bar
+# (rank 0, 2026-12-07; CI had passed it there only by luck). Alone it is the comparison the bar is for.
+pytestmark = [pytest.mark.dist, pytest.mark.serial, pytest.mark.timeout(120)]
 
 P, STEPS, LAYERS = 2, 14, 2
 FIRST, LAST = 4, STEPS  # the window: step FIRST's boundary to step LAST's (the first steps warm up)
