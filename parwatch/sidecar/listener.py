@@ -18,6 +18,10 @@ keeps a book of the listener's connections:
 - a request's body must have arrived whole within `body_seconds` of its head, else the connection
   is closed (an authenticated client whose body never completed held its connection, and a slot of
   the listener, for good: 100 such made every other request a 503).
+`Corked` is the transport uvicorn's protocol writes to: what it writes in one turn of the event loop
+goes out in one send. uvicorn writes an answer's head and its body separately, so a small answer cost
+two socket writes and woke its client twice; at the leader, 2,048 digests a second, those writes were
+23% of the loop's busy time (docs/benchmarks.md, "Where the leader's event loop goes").
 `Watch` (ASGI middleware) tells the book when a request reached the app (its head is in), when its
 body was read whole and when its answer went out, by the client address both sides see (the socket's
 peer name). A request answered before its body was read closes its connection: what follows is
@@ -117,13 +121,42 @@ class Book:
                 self.on_close(conn.peer)
 
 
+class Corked:
+    """A transport whose writes of one turn of the loop are joined into one write at its end (or at
+    close). Everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(data)
+
+    def flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 class Guarded:
     """asyncio.Protocol: uvicorn's protocol for one connection, admitted and timed by a Book."""
 
     def __init__(self, book: Book, inner: asyncio.Protocol):
         self.book = book
         self.inner: asyncio.Protocol | None = inner
-        self.transport: asyncio.Transport | None = None
+        self.transport: Corked | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.peer: Peer | None = None
         self.head_bytes: int | None = None
@@ -131,15 +164,15 @@ class Guarded:
         self.tail = b""  # the last 3 bytes scanned: the blank line may be split across reads
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+        self.transport = corked = Corked(transport)
         self.peer = _key(transport.get_extra_info("peername"))
         if not self.book.admit(self):
-            transport.write(BUSY)
-            transport.close()
+            corked.write(BUSY)
+            corked.close()
             self.inner = None
             return
         assert self.inner is not None  # only a refused connection drops it, above
-        self.inner.connection_made(transport)
+        self.inner.connection_made(corked)  # type: ignore[arg-type]  # a Transport in all it uses
 
     def data_received(self, data: bytes) -> None:
         if self.inner is None:
