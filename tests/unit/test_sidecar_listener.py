@@ -17,6 +17,7 @@ class Transport:
 
     def write(self, data: bytes) -> None:
         self.written += data
+        self.writes = getattr(self, "writes", 0) + 1
 
     def is_closing(self) -> bool:
         return self.closed
@@ -128,5 +129,28 @@ def test_watch_closes_a_connection_answered_before_its_body_was_read():
         scope = {"type": "http", "client": ("127.0.0.1", 7), "headers": [(b"content-length", b"8000000")]}
         await Watch(refuse, book)(scope, None, nothing)
         assert transport.closed and len(book) == 0
+
+    run(main())
+
+
+def test_an_answers_head_and_body_written_in_one_turn_go_out_in_one_write():
+    """uvicorn's protocol writes an answer's head, then its body: one send (one wake-up of the client)."""
+
+    class Keeps(Inner):
+        def connection_made(self, transport):
+            self.transport = transport
+
+    async def main():
+        conn, raw = Guarded(Book(8, 10.0, max_head_bytes=1024), Keeps()), Transport(1)
+        conn.connection_made(raw)
+        uvicorns = conn.inner.transport  # what uvicorn's protocol was given
+        uvicorns.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+        uvicorns.write(b"ok")
+        await asyncio.sleep(0)
+        assert (raw.written, raw.writes) == (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", 1)
+        uvicorns.write(b"last")
+        uvicorns.close()  # what was written before a close goes out before it
+        assert raw.written.endswith(b"oklast") and raw.writes == 2 and raw.closed
+        assert uvicorns.get_extra_info("peername") == ("127.0.0.1", 1)  # the rest is the transport's own
 
     run(main())
