@@ -5,11 +5,14 @@ value it judged, whether that fails, and the line it was compared against. spike
 regression keep a rolling window of earlier values for their baseline. RuleMonitor adds
 the time dimension, like Prometheus' `for:`: ok -> pending (failing, not yet for_steps
 consecutive evaluations / for_seconds) -> firing, and back to ok on a passing reading.
-A threshold reduced by max or min counts for_steps per series, as Prometheus' `for:` does: it fires
-when one series has failed that many evaluations in a row, and names it. Series that take turns being
+A threshold or a regression reduced by max or min counts for_steps per series, as Prometheus' `for:`
+does: it fires when one series has failed that many evaluations in a row, and names it. Series that take turns being
 the worst (a stage skew whose slowest stage flips in the first steps, a one-step spike of another
 finding) fire nothing: CI on 198d3d9 named a noise spike of one step over the 10% slower rank of the
-four steps before it, and on cf439b5 alerted on a skew of stage 0, then stage 1, in a run's first steps.
+four steps before it, and on cf439b5 alerted on a skew of stage 0, then stage 1, in a run's first steps;
+CI on 7dc4185 took a different collective path over 2x its own median in each of 10 steps of a healthy run
+on a loaded host (the PP send 2 -> 0 three times, then 3 -> 1, 0 -> 2, 1 -> 3, a TP all-reduce) for a
+degraded link.
 Other checks count the reduced value's failing evaluations, and name the series that gave it most often.
 
 Cost per step matters (the sidecar evaluates on its event loop, with series per rank):
@@ -215,6 +218,9 @@ class RegressionCheck(ThresholdCheck):
         super().__init__(rule)
         self.factor, self.window_steps = rule.baseline_terms()
         self.values: dict[str, RollingWindow] = {}
+        self.ratios: dict[str, float] = {}
+        self.baselines: dict[str, float] = {}
+        """The newest reading's judged series: their ratios and baselines."""
 
     def read(self, series: Series) -> Reading | None:
         # Once per step over every path of a node (~900 at 1,024 ranks) on the sidecar's event loop:
@@ -249,12 +255,22 @@ class RegressionCheck(ThresholdCheck):
         ratio, worst = reduce_series(ratios, self.rule.reduce)
         median = baselines.get(worst) if worst is not None else None  # None: a mean over every series
         failing = ratio > self.factor
-        text = (
-            f"{self.rule.reduce} {_label(self.rule.metric, worst)} at {ratio:.3g}x its median"
+        keys = None
+        if self.rule.reduce in (Reduce.MAX, Reduce.MIN) and failing:
+            keys = frozenset(k for k, r in ratios.items() if r > self.factor)
+        self.ratios, self.baselines = ratios, baselines
+        return Reading(ratio, failing, worst, self.factor, median, self._text(worst, ratio, median), keys)
+
+    def describe(self, key: str | None, value: float) -> str:
+        """The series' newest ratio (a failing run names the series failing longest, not this step's worst)."""
+        return self._text(key, self.ratios.get(key, math.nan) if key else math.nan, self.baselines.get(key or ""))
+
+    def _text(self, key: str | None, ratio: float, median: float | None) -> str:
+        return (
+            f"{self.rule.reduce} {_label(self.rule.metric, key)} at {ratio:.3g}x its median"
             + (f" {median:.4g}" if median is not None else "")
             + f" (factor {self.factor:g})"
         )
-        return Reading(ratio, failing, worst, self.factor, median, text)
 
     def history(self) -> dict:
         return {"values": {k: v.to_list() for k, v in self.values.items()}}
@@ -361,8 +377,8 @@ class RuleMonitor:
         """The series of each of window_values (their culprits)."""
         self._texts: dict[str | None, str] = {}  # series -> its newest reading's text, this failing run
         self.streaks: dict[str, int] | None = None
-        """Threshold by max or min: each failing series' evaluations failed in a row (ThresholdCheck's
-        failing_keys); None: for_steps counts the reduced value's (failing_steps)."""
+        """Threshold or regression by max or min: each failing series' evaluations failed in a row (the
+        check's failing_keys); None: for_steps counts the reduced value's (failing_steps)."""
         self.acted_tick: int | None = None
         self.acted_step: int | None = None
         self.acted_decision: int | None = None

@@ -159,6 +159,36 @@ def test_a_threshold_counts_for_steps_per_series_and_names_the_one_that_persiste
     assert restored.window_series == [monitor.last_series] * 5 and restored.streaks == {rank0: 5, spike: 1}
 
 
+def test_a_regression_counts_for_steps_per_series_and_collective_paths_taking_turns_fire_nothing():
+    """CI on 7dc4185: a healthy run on a loaded host had some collective path over 2x its own median in each
+    of 10 steps, a different one most steps, and collective-latency-regression alerted on a degraded link.
+    One path that stays slow fires, named, with its own ratio in the reason."""
+    rule = Rule(
+        name="collective-latency-regression",
+        metric="collective_transfer_seconds",
+        check="regression",
+        factor=2.0,
+        window_steps=50,
+        min_increase=0.002,
+        for_steps=10,
+        action="alert",
+    )
+    paths = [f"op=send,group=pp,src={src},dst={dst}" for src, dst in ((0, 2), (1, 3), (2, 0), (3, 1))]
+    turns = RuleMonitor(rule)
+    for step in range(1, 11):
+        turns.observe(step, 0.0, dict.fromkeys(paths, 0.001))  # the baselines: 1 ms each
+    for step in range(11, 41):  # each step one path (in turn) 20 ms, the others as usual
+        slow = paths[step % 4]
+        assert not turns.observe(step, 0.0, {p: 0.020 if p == slow else 0.001 for p in paths}), step
+    assert turns.state != "firing"
+    one = RuleMonitor(rule)
+    for step in range(1, 11):
+        one.observe(step, 0.0, dict.fromkeys(paths, 0.001))
+    fired = [step for step in range(11, 21) if one.observe(step, 0.0, {**dict.fromkeys(paths, 0.001), paths[2]: 0.020})]
+    assert fired == [20] and one.evidence(20).series == paths[2]
+    assert "src=2,dst=0" in one.reason and "20x its median 0.001" in one.reason, one.reason
+
+
 def test_leave_one_out_medians_equal_the_median_of_the_others():
     import random
     import statistics
