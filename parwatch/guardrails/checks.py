@@ -6,8 +6,8 @@ regression keep a rolling window of earlier values for their baseline. RuleMonit
 the time dimension, like Prometheus' `for:`: ok -> pending (failing, not yet for_steps
 consecutive evaluations / for_seconds) -> firing, and back to ok on a passing reading.
 A threshold or a regression reduced by max or min counts for_steps per series, as Prometheus' `for:`
-does: it fires when one series has failed that many evaluations in a row, and names it. Series that take turns being
-the worst (a stage skew whose slowest stage flips in the first steps, a one-step spike of another
+does: it fires when one series has failed that many evaluations in a row, and names it. Series that take
+turns being the worst (a stage skew whose slowest stage flips in the first steps, a one-step spike of another
 finding) fire nothing: CI on 198d3d9 named a noise spike of one step over the 10% slower rank of the
 four steps before it, and on cf439b5 alerted on a skew of stage 0, then stage 1, in a run's first steps;
 CI on 7dc4185 took a different collective path over 2x its own median in each of 10 steps of a healthy run
@@ -263,7 +263,7 @@ class RegressionCheck(ThresholdCheck):
 
     def describe(self, key: str | None, value: float) -> str:
         """The series' newest ratio (a failing run names the series failing longest, not this step's worst)."""
-        return self._text(key, self.ratios.get(key, math.nan) if key else math.nan, self.baselines.get(key or ""))
+        return self._text(key, self.ratios.get(key or "", math.nan), self.baselines.get(key or ""))
 
     def _text(self, key: str | None, ratio: float, median: float | None) -> str:
         return (
