@@ -23,9 +23,9 @@ repeats: `pytest -m slow`. Without `-n` everything runs in one process, in file 
 `-n auto` starts one worker more than the cores (pytest_xdist_auto_num_workers below). In parallel
 (`-n N`, pytest-xdist) the session has two phases (tests/serial_phase.py): the non-serial
 tests on every worker, a file at a time, longest first by CI's recorded durations (tests/durations.json);
-then the serial tests on one worker while the others run the unit tests under SCHED_IDLE (on the
-cores the serial phase leaves idle, preempted whenever it wants them), so a timing figure is never
-measured while another worker loads the CPU. Workers share no fixed
+then the serial tests on one worker, pinned to half the cores, while the others run the lane (the unit
+tests and the tests marked `beside_serial`) pinned to the other half, so a timing figure is never
+measured while another worker loads its cores. Workers share no fixed
 port and no state directory: servers and ranks take a port the kernel just reported free (a sidecar
 that loses it to another process is started again on others: tests/sidecar_process.py), every test
 writes under its own tmp_path (a worker's own base temp), and only the controller writes test-results/.

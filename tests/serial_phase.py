@@ -9,11 +9,14 @@ collection, so `-m serial` / `-m "not serial"` select either phase without xdist
 Under `-n N` the scheduler below (pytest_xdist_make_scheduler) hands out one unit of non-serial tests
 at a time and holds every serial unit back until no other worker has a test pending; then one worker
 runs the serial units one after another. So no figure is measured while another worker loads the CPU.
-The unit tests (a `unit` folder's files: no servers, no ranks, CPU only) are held back as well and run
-beside the serial units on the other workers, under SCHED_IDLE (pytest_runtest_setup): the kernel
-runs such a process only on a core nothing else wants and preempts it as soon as anything else
-wakes, so they use the cores the serial phase leaves idle (it sleeps in synthetic compute) and take
-their 40 s of CPU out of the parallel phase, which is bound by CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
+The lane tests are held back as well and run beside the serial units on the other workers: the unit
+tests (a `unit` folder's files: no servers, no ranks, CPU only) and the tests marked `beside_serial`
+(rank runs whose assertions nothing slow can change: losses, orders, exit codes; no sidecar judging
+time, no wall-clock figure). The cores are split while they do (pytest_runtest_setup): the serial
+worker and every process it started on the first half of this session's CPUs, the lane's workers and
+theirs on the rest, so a lane test's imports and page faults never delay a serial rank's wake-up (a
+neighbour under SCHED_IDLE did, by 4-11 ms a step: docs/benchmarks.md), and the lane takes its CPU
+out of the parallel phase, which is bound by CPU. A unit is a file's tests (as `--dist loadfile`), except in a long
 integration or dist file (SPLIT_FILE_SECONDS), whose tests that share no wider fixture are a unit each.
 Units go longest first (tests/durations.json, CI's recorded durations: `python -m tests.durations
 test-results/junit.xml` refreshes it), so the long ones do not start last and leave the others idle; a
@@ -31,12 +34,13 @@ import tempfile
 
 import pytest
 
-IDLE = "idle:"
-"""The scope prefix of the unit tests' files, which run beside the serial phase under SCHED_IDLE."""
-IDLE_KEY = "parwatch_idle_units"
-"""The workerinput key telling a worker its unit tests run under SCHED_IDLE."""
+LANE = "lane:"
+"""The scope prefix of the lane tests' files, which run beside the serial phase on cores of their own."""
+SPLIT_KEY = "parwatch_split_cores"
+"""The workerinput key telling a worker the cores are split between the serial phase and the lane."""
 SERIAL_FILE = "parwatch_serial_ids"
-"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...]}."""
+"""The workerinput key naming the file of the node ids classified: {"serial": [...], "alone": [...],
+"lane": [...]}."""
 DURATIONS = os.environ.get(
     "PARWATCH_TEST_DURATIONS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 )
@@ -71,9 +75,10 @@ def mark_serial(config: pytest.Config, items: list[pytest.Item]) -> None:
             for item in items
             if "/unit/" not in item.nodeid and "serial" not in item.keywords and not _wide_fixtures(item)
         ]
+        lane = [item.nodeid for item in items if _lane_item(item)]
         tmp = f"{path}.{config.workerinput['workerid']}"
         with open(tmp, "w") as out:
-            json.dump({"serial": [item.nodeid for item in serial], "alone": alone}, out)
+            json.dump({"serial": [item.nodeid for item in serial], "alone": alone, "lane": lane}, out)
         os.replace(tmp, path)
 
 
@@ -86,24 +91,77 @@ def _wide_fixtures(item: pytest.Item) -> list[str]:
     return [n for n, defs in info.name2fixturedefs.items() if defs and defs[-1].scope != "function" and defs[-1].baseid]
 
 
-def idle_class(nodeid: str) -> bool:
+def unit_class(nodeid: str) -> bool:
     """A unit test: its file is in a folder named `unit`."""
     return "unit" in nodeid.split("::", 1)[0].split("/")[:-1]
 
 
-_idle_now = False
+def _lane_item(item: pytest.Item) -> bool:
+    """Runs beside the serial phase: a unit test, or one marked `beside_serial` (not serial)."""
+    return "serial" not in item.keywords and (
+        unit_class(item.nodeid) or item.get_closest_marker("beside_serial") is not None
+    )
+
+
+def split_cores(cpus: set[int]) -> tuple[set[int], set[int]]:
+    """(the serial phase's cores, the lane's): the first half (rounded up) and the rest."""
+    ordered = sorted(cpus)
+    half = (len(ordered) + 1) // 2
+    return set(ordered[:half]), set(ordered[half:])
+
+
+def pin_with_descendants(cpus: set[int], pid: int = 0) -> None:
+    """`pid` (this process), every thread of it, and every process it started before (a fork server,
+    whose later ranks inherit it), onto `cpus`."""
+    root = pid or os.getpid()
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    todo = [root]
+    while todo:
+        proc = todo.pop()
+        todo += children.get(proc, [])
+        try:
+            tasks = [int(t) for t in os.listdir(f"/proc/{proc}/task")]
+        except OSError:
+            continue  # it ended meanwhile
+        for task in tasks:
+            try:
+                os.sched_setaffinity(task, cpus)
+            except OSError:
+                pass  # it ended meanwhile
+
+
+LANE_DONE = ".lane-done"
+"""Beside the serial-ids file: written when no lane test is left to hand out; the serial worker then takes
+every core again for the serial units still to come."""
+_pinned_to: str | None = None
+_CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+"""This worker's cores as it started, before it was pinned to a half."""
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """An xdist worker of this scheduler, at its first unit test: SCHED_IDLE from then on (the scheduler
-    hands a worker unit tests only once it has nothing else but them; threads and processes started
-    afterwards inherit it)."""
-    global _idle_now
-    if _idle_now or not getattr(item.config, "workerinput", {}).get(IDLE_KEY) or not idle_class(item.nodeid):
+    """An xdist worker of this scheduler, at its first serial or lane test: it and the processes it started
+    move to their half of the cores (the scheduler hands a worker those only once no other worker has
+    anything else pending; threads and processes started afterwards inherit it)."""
+    global _pinned_to
+    workerinput = getattr(item.config, "workerinput", {})
+    if not workerinput.get(SPLIT_KEY):
         return
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    _idle_now = True
+    role = "serial" if "serial" in item.keywords else "lane" if _lane_item(item) else None
+    if role == "serial" and os.path.exists(workerinput[SERIAL_FILE] + LANE_DONE):
+        role = "alone"  # nothing beside it any more
+    if role is None or role == _pinned_to:
+        return
+    serial_cpus, lane_cpus = split_cores(_CPUS)
+    pin_with_descendants({"serial": serial_cpus, "lane": lane_cpus}.get(role, _CPUS))
+    _pinned_to = role
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -112,11 +170,20 @@ def pytest_configure_node(node) -> None:
     if not hasattr(config, "_parwatch_serial_file"):
         handle, config._parwatch_serial_file = tempfile.mkstemp(prefix="parwatch-serial-", suffix=".json")
         os.close(handle)
-        config.add_cleanup(
-            lambda: os.path.exists(config._parwatch_serial_file) and os.remove(config._parwatch_serial_file)
-        )
+        config.add_cleanup(lambda: _remove(config._parwatch_serial_file, config._parwatch_serial_file + LANE_DONE))
     node.workerinput[SERIAL_FILE] = config._parwatch_serial_file
-    node.workerinput[IDLE_KEY] = hasattr(os, "SCHED_IDLE")
+    node.workerinput[SPLIT_KEY] = _can_split()
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _can_split() -> bool:
+    """Two cores or more, and a kernel that pins (Linux): else the lane runs beside the serial phase unsplit."""
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc") and len(os.sched_getaffinity(0)) >= 2
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -128,24 +195,27 @@ def _serial_last_scheduling():
     from xdist.scheduler import LoadScopeScheduling
 
     class SerialLastScheduling(LoadScopeScheduling):
-        """loadfile for the other tests, then the serial units on one worker while the others idle."""
+        """loadfile for the other tests, then the serial units on one worker while the others run the lane."""
 
         serial: frozenset[str] = frozenset()
+        lane: frozenset[str] = frozenset()
+        """Tests marked `beside_serial` (not serial): run beside the serial phase, as the unit tests do."""
         alone: frozenset[str] = frozenset()
         """Tests of long files that share no wider fixture: a unit each."""
         seconds: dict[str, float] = {}
         _held = None
+        _lane_over = False
         """The node kept for the serial units until the others have nothing pending."""
         _runner = None
-        """The node that runs the serial units: the first to ask for work once only they and the unit
-        tests are left (it never ran a unit test, so it is not under SCHED_IDLE)."""
+        """The node that runs the serial units: the first to ask for work once only they and the lane
+        tests are left (it never ran a lane test)."""
 
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
             if nodeid in self.serial:
                 return f"serial:{file}"
-            if idle_class(nodeid) and hasattr(os, "SCHED_IDLE"):
-                return f"{IDLE}{file}"
+            if (unit_class(nodeid) or nodeid in self.lane) and _can_split():
+                return f"{LANE}{file}"
             return nodeid if nodeid in self.alone else file
 
         def schedule(self) -> None:
@@ -155,6 +225,7 @@ def _serial_last_scheduling():
                     with open(path) as f:
                         ids = json.load(f)
                     self.serial = frozenset(ids["serial"])
+                    self.lane = frozenset(ids["lane"])
                     self.seconds = _durations()
                     by_file: dict[str, float] = {}
                     for nodeid in ids["alone"]:
@@ -172,24 +243,24 @@ def _serial_last_scheduling():
             return [n for n in self.assigned_work if n is not node]
 
         def _busy(self, node) -> bool:
-            """`node` has tests pending that are not unit tests (those run under SCHED_IDLE)."""
+            """`node` has tests pending that are not lane tests (those run beside the serial phase)."""
             return any(
                 not done
                 for scope, unit in self.assigned_work.get(node, {}).items()
-                if not scope.startswith(IDLE)
+                if not scope.startswith(LANE)
                 for done in unit.values()
             )
 
         def _assign_work_unit(self, node) -> None:
             """The next unit for `node`: the longest left, or the shortest behind a long one. Once only
-            serial and unit-test units are left, the first node to ask runs the serial units: it is held
+            serial and lane units are left, the first node to ask runs the serial units: it is held
             (a worker keeps its last test until it is sent more or shut down) until no other node has
-            anything but unit tests pending, then runs them one after another. The other nodes take the
-            unit tests meanwhile (under SCHED_IDLE), and are shut down when none are left."""
+            anything but lane tests pending, then runs them one after another. The other nodes take the
+            lane tests meanwhile (on the other half of the cores), and are shut down when none are left."""
             queue = list(self.workqueue)
-            others = [s for s in queue if not s.startswith(("serial:", IDLE))]
+            others = [s for s in queue if not s.startswith(("serial:", LANE))]
             serial = [s for s in queue if s.startswith("serial:")]
-            idle = [s for s in queue if s.startswith(IDLE)]
+            lane = [s for s in queue if s.startswith(LANE)]
             if others:
                 held = sum(self._weight(unit) for unit in self.assigned_work.get(node, {}).values())
                 pick = min if held > HOLD_BEHIND_SECONDS else max
@@ -199,9 +270,12 @@ def _serial_last_scheduling():
                 if any(self._busy(n) for n in self._others(node)):
                     self._held = node
                     return
+                if not self._lane_over and not self._lane_left():
+                    self._lane_over = True
+                    _lane_done(self.config)  # no lane beside it: the runner keeps every core
                 scope = serial[0]
-            elif idle:
-                scope = max(idle, key=lambda s: self._weight(self.workqueue[s]))
+            elif lane:
+                scope = max(lane, key=lambda s: self._weight(self.workqueue[s]))
             elif serial:  # nothing for this node but the runner's: it runs what it holds, then leaves
                 node.shutdown()
                 return
@@ -212,6 +286,22 @@ def _serial_last_scheduling():
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(n) for n, done in work_unit.items() if not done])
 
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            if not self._lane_over and self._runner is not None and not self._lane_left():
+                self._lane_over = True
+                _lane_done(self.config)  # the runner takes every core for the serial units still to come
+
+        def _lane_left(self) -> bool:
+            """A lane test not yet handed out, or handed out and not yet run."""
+            return any(s.startswith(LANE) for s in self.workqueue) or any(
+                not done
+                for n in self._others(self._runner)
+                for scope, unit in self.assigned_work.get(n, {}).items()
+                if scope.startswith(LANE)
+                for done in unit.values()
+            )
+
         def _reschedule(self, node) -> None:
             super()._reschedule(node)
             held = self._held
@@ -221,6 +311,13 @@ def _serial_last_scheduling():
                     self._assign_work_unit(held)
 
     return SerialLastScheduling
+
+
+def _lane_done(config) -> None:
+    path = getattr(config, "_parwatch_serial_file", None)
+    if path:
+        with open(path + LANE_DONE, "w"):
+            pass
 
 
 def _durations() -> dict[str, float]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(200)]
 
 LAYERS, HIDDEN, SEQ, BATCH, M, STEPS = 4, 32, 16, 2, 4, 2
 ACT_BYTES = BATCH * SEQ * HIDDEN * 4

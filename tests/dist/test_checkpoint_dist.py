@@ -4,7 +4,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(120)]
 
 
 def _save_then_load(rank: int, world_size: int, root: str) -> dict:

@@ -5,7 +5,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(200)]
 
 
 def _two_runs(rank: int, world_size: int, root: str, second_saves: bool) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.distutil import ROOT, run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist]
 
 WATCHED_RUN = [
     sys.executable,

@@ -33,6 +33,7 @@ from tests.dist.test_torch_pipelining import Director, action_seconds
 from tests.distutil import installed, load_example, run_ranks
 
 pytestmark = [
+    pytest.mark.beside_serial,  # no sidecar judging time, no figure: beside the serial phase (tests/serial_phase.py)
     pytest.mark.dist,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not installed("deepspeed"), reason="pip install -e '.[test]' installs deepspeed"),

@@ -13,7 +13,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(400)]
 
 STEPS = 5
 MODEL = dict(layers=4, hidden=32, heads=4, vocab=64, seq_len=16, micro_batch_size=2, steps=STEPS, seed=0)

@@ -35,7 +35,7 @@ from parwatch.bubble import closed_form
 from tests.bubble_replay import assert_near_replay, median_causes, replayed_steps
 from tests.distutil import ROOT, load_example, run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(120)]
 
 # STEPS: step 1 builds the stages and warms p2p up; steps 2..STEPS are measured. 4 (3 measured steps) is
 # enough for the figures: each step's measured bubble was within 0.003 of its replay (0.02 the bar), the

@@ -9,7 +9,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist]
 PEAK = 1e9  # a made-up peak FLOP/s, so the ratio is large enough to read
 
 

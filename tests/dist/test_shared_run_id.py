@@ -6,7 +6,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(120)]
 
 
 def ids_body(rank: int, world_size: int) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.distutil import run_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.dist, pytest.mark.timeout(200)]
 
 TOLERANCE = {"float64": 1e-12, "float32": 1e-6}
 B, S, H, VOCAB = 2, 5, 8, 16

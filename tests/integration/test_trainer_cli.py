@@ -14,7 +14,7 @@ import pytest
 
 from tests.distutil import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.integration, pytest.mark.timeout(120)]
 
 TINY = ["--layers", "2", "--hidden", "32", "--seq-len", "16"]
 
