@@ -23,7 +23,7 @@ import pytest
 from tests import one_client
 from tests.sidecar_process import ROOT, running_sidecar
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.beside_serial, pytest.mark.integration, pytest.mark.timeout(180)]  # no clock judged
 
 SCHEMATHESIS = ROOT / ".tools" / "schemathesis" / "bin" / "python"
 
