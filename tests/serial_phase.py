@@ -110,10 +110,9 @@ def split_cores(cpus: set[int]) -> tuple[set[int], set[int]]:
     return set(ordered[:half]), set(ordered[half:])
 
 
-def pin_with_descendants(cpus: set[int], pid: int = 0) -> None:
-    """`pid` (this process), every thread of it, and every process it started before (a fork server,
-    whose later ranks inherit it), onto `cpus`."""
-    root = pid or os.getpid()
+def pin_with_descendants(cpus: set[int]) -> None:
+    """This process, every thread of it, and every process it started before (a fork server, whose later
+    ranks inherit it), onto `cpus`."""
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -122,7 +121,7 @@ def pin_with_descendants(cpus: set[int], pid: int = 0) -> None:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    todo = [root]
+    todo = [os.getpid()]
     while todo:
         proc = todo.pop()
         todo += children.get(proc, [])
@@ -138,8 +137,8 @@ def pin_with_descendants(cpus: set[int], pid: int = 0) -> None:
 
 
 LANE_DONE = ".lane-done"
-"""Beside the serial-ids file: written when no lane test is left to hand out; the serial worker then takes
-every core again for the serial units still to come."""
+"""Beside the serial-ids file: written when no lane test is left to run; the serial worker then takes every
+core again for the serial units still to come."""
 _pinned_to: str | None = None
 _CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 """This worker's cores as it started, before it was pinned to a half."""
@@ -182,7 +181,7 @@ def _remove(*paths: str) -> None:
 
 
 def _can_split() -> bool:
-    """Two cores or more, and a kernel that pins (Linux): else the lane runs beside the serial phase unsplit."""
+    """Two cores or more, and a kernel that pins (Linux): else there is no lane, its tests run with the others."""
     return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc") and len(os.sched_getaffinity(0)) >= 2
 
 
@@ -204,8 +203,9 @@ def _serial_last_scheduling():
         """Tests of long files that share no wider fixture: a unit each."""
         seconds: dict[str, float] = {}
         _held = None
-        _lane_over = False
         """The node kept for the serial units until the others have nothing pending."""
+        _lane_over = False
+        """No lane test is left to run (the flag is written): the runner may take every core."""
         _runner = None
         """The node that runs the serial units: the first to ask for work once only they and the lane
         tests are left (it never ran a lane test)."""
