@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -177,6 +178,45 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: Path) -> None:
     raise AssertionError(f"{url} did not answer within {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
 
 
+@contextlib.contextmanager
+def serving(argv: Callable[[int], list[str]], log_path: Path, ready_path: str, tries: int = 3):
+    """A server `argv(port)` on a port the kernel just reported free, answering `ready_path`: its port. Started
+    again on another when that port was taken before it bound it (CI on adaffc1: vmalert's, picked when the
+    fixture began, was another process's by the time vmalert started)."""
+    for attempt in range(tries):
+        port = free_port()
+        with process(argv(port), log_path) as proc:
+            try:
+                wait_ready(f"http://127.0.0.1:{port}{ready_path}", proc, log_path)
+            except AssertionError:
+                if attempt + 1 < tries and "address already in use" in log_path.read_text().lower():
+                    continue
+                raise
+            yield port
+            return
+
+
+def test_a_server_whose_port_was_taken_starts_on_another(tmp_path, monkeypatch):
+    import socket
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picked: list[int] = []  # the taken port first, then a free one
+        real = free_port
+
+        def pick() -> int:
+            picked.append(real() if picked else taken.getsockname()[1])
+            return picked[-1]
+
+        monkeypatch.setitem(serving.__wrapped__.__globals__, "free_port", pick)  # type: ignore[attr-defined]
+        argv = lambda port: [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]  # noqa: E731
+        with serving(argv, tmp_path / "server.log", "/") as port:
+            assert picked == [taken.getsockname()[1], port], picked
+            assert one_client.get(f"http://127.0.0.1:{port}/", timeout=10).status_code == 200
+
+
 def query(vm: str, promql: str) -> dict:
     return query_at(vm, promql, None)
 
@@ -194,8 +234,6 @@ def query_at(vm: str, promql: str, at: float | None) -> dict:
 def path(tmp_path_factory):
     """(VictoriaMetrics URL, the sidecar's metrics URL) once recorded series are in VictoriaMetrics."""
     tmp = tmp_path_factory.mktemp("vm")
-    vm_port, agent_port, vmalert_port = free_port(), free_port(), free_port()
-    vm_url = f"http://127.0.0.1:{vm_port}"
     with contextlib.ExitStack() as stack:
         sidecar = stack.enter_context(running_sidecar(tmp / "state"))
         errors = stack.enter_context(feeding(sidecar.control_url, sidecar.headers))
@@ -203,21 +241,21 @@ def path(tmp_path_factory):
             f"{sidecar.control_url}/v1/control", json={"action": "pause"}, headers=sidecar.headers, timeout=10
         )  # an action counter
         # -search.latencyOffset=0s: answer with samples up to now (default: hide the newest 30 s).
-        vm_log = tmp / "victoria-metrics.log"
-        vm_proc = stack.enter_context(
-            process(
-                [
+        vm_port = stack.enter_context(
+            serving(
+                lambda port: [
                     BINARIES["victoria-metrics"],
                     f"-storageDataPath={tmp / 'vm-data'}",
-                    f"-httpListenAddr=127.0.0.1:{vm_port}",
+                    f"-httpListenAddr=127.0.0.1:{port}",
                     "-search.latencyOffset=0s",
                     "-search.disableCache",
                     "-loggerLevel=WARN",
                 ],
-                vm_log,
+                tmp / "victoria-metrics.log",
+                "/health",
             )
         )
-        wait_ready(f"{vm_url}/health", vm_proc, vm_log)
+        vm_url = f"http://127.0.0.1:{vm_port}"
         agent_config = {
             "global": {"scrape_interval": "1s"},
             "scrape_configs": [
@@ -228,37 +266,35 @@ def path(tmp_path_factory):
             ],
         }
         (tmp / "agent.yml").write_text(yaml.safe_dump(agent_config))
-        agent_log = tmp / "prometheus-agent.log"
-        agent = stack.enter_context(
-            process(
-                [
+        stack.enter_context(
+            serving(
+                lambda port: [
                     BINARIES["prometheus"],
                     "--enable-feature=agent",
                     f"--config.file={tmp / 'agent.yml'}",
                     f"--storage.agent.path={tmp / 'agent-wal'}",
-                    f"--web.listen-address=127.0.0.1:{agent_port}",
+                    f"--web.listen-address=127.0.0.1:{port}",
                 ],
-                agent_log,
+                tmp / "prometheus-agent.log",
+                "/-/ready",
             )
         )
-        wait_ready(f"http://127.0.0.1:{agent_port}/-/ready", agent, agent_log)
-        vmalert_log = tmp / "vmalert.log"
-        vmalert = stack.enter_context(
-            process(
-                [
+        stack.enter_context(
+            serving(
+                lambda port: [
                     BINARIES["vmalert"],
                     f"-rule={RECORDING_RULES}",
                     f"-datasource.url={vm_url}",
                     f"-remoteWrite.url={vm_url}",
                     "-evaluationInterval=1s",
                     "-remoteWrite.flushInterval=500ms",
-                    f"-httpListenAddr=127.0.0.1:{vmalert_port}",
+                    f"-httpListenAddr=127.0.0.1:{port}",
                     "-loggerLevel=WARN",
                 ],
-                vmalert_log,
+                tmp / "vmalert.log",
+                "/health",
             )
         )
-        wait_ready(f"http://127.0.0.1:{vmalert_port}/health", vmalert, vmalert_log)
         # Recorded rates need two scrapes in VictoriaMetrics, then a few evaluations written back; the feed's
         # first guardrail actions (its straggler and bubble-excess alerts, ~10 s in) two recorded points.
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -273,7 +309,8 @@ def path(tmp_path_factory):
                 break
             assert time.monotonic() < deadline, (
                 f"no recorded series in VictoriaMetrics after {START_TIMEOUT_S} s\n--- vmalert ---\n"
-                f"{vmalert_log.read_text()[-2000:]}\n--- agent ---\n{agent_log.read_text()[-2000:]}"
+                f"{(tmp / 'vmalert.log').read_text()[-2000:]}\n--- agent ---\n"
+                f"{(tmp / 'prometheus-agent.log').read_text()[-2000:]}"
             )
             time.sleep(0.5)
         yield vm_url, sidecar.metrics_url
