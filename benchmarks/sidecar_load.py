@@ -228,7 +228,14 @@ def scrape_loop(metrics_url: str, start: float, duration: float, every: float, r
         while t - start < duration:
             time.sleep(max(0.0, t - time.monotonic()))
             t0 = time.monotonic()
-            assert client.get(f"{metrics_url}/metrics").status_code == 200
+            try:
+                answer = client.get(f"{metrics_url}/metrics")
+            except httpx.RemoteProtocolError:
+                # The sidecar closed the kept-alive connection as this scrape reused it: uvicorn's idle timeout is
+                # 5 s, the scrape interval too. Asked again on a new connection, as Prometheus' Go client does.
+                t0 = time.monotonic()
+                answer = client.get(f"{metrics_url}/metrics")
+            assert answer.status_code == 200
             out.append((t0, time.monotonic() - t0))
             t += every
     results.put(out)
