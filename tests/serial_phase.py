@@ -113,18 +113,9 @@ def split_cores(cpus: set[int]) -> tuple[set[int], set[int]]:
 def pin_with_descendants(cpus: set[int]) -> None:
     """This process, every thread of it, and every process it started before (a fork server, whose later
     ranks inherit it), onto `cpus`."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    todo = [os.getpid()]
-    while todo:
-        proc = todo.pop()
-        todo += children.get(proc, [])
+    from tests.integration.e2e_util import descendants
+
+    for proc in [os.getpid(), *descendants(os.getpid())]:
         try:
             tasks = [int(t) for t in os.listdir(f"/proc/{proc}/task")]
         except OSError:

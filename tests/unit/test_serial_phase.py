@@ -74,7 +74,7 @@ def run(tmp_path: Path, *args: str, files: dict[str, str] | None = None, env: di
         (tmp_path / name).write_text(text)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(TESTS), **(env or {})}
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": f"{TESTS}{os.pathsep}{TESTS.parent}", **(env or {})}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # xdist alone: the installed plugins cost each worker ~1.4 s CPU
     plugins = ["-p", "xdist.plugin"] if "-n" in args else []
     return subprocess.run(
@@ -184,7 +184,7 @@ def test_a_worker_pinned_takes_the_processes_it_started_with_it(tmp_path):
         "child.kill()\n"
         "for k in kids: os.kill(k, 9)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{TESTS.parent}"}
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, preexec_fn=every_core
     )
