@@ -60,6 +60,7 @@ from parwatch.sidecar.hang import (
     JUDGE_EVERY_SECONDS,
     MAX_LISTED,
     SURVEY_PAUSE_SECONDS,
+    SURVEY_SLICE,
     HangMetrics,
     HangMonitor,
     HangSettings,
@@ -308,9 +309,10 @@ class ActivityHub:
         if run_id == self._run_id:
             same_layout(self._layout, layout, where)
 
-    def status(self) -> dict:
+    def status(self, rows: dict | None = None) -> dict:
+        """GET /v1/hang's answer; `rows`: the picture's rows when taken already (rows_between_posts())."""
         m = self.monitor
-        counts = m.state_counts(self.rows())
+        counts = m.state_counts(self.rows() if rows is None else rows)
         return {
             "leader": self.is_leader,
             "node": self.node,
@@ -333,12 +335,21 @@ class ActivityHub:
         rows.update(self.book.rows())
         return rows
 
+    async def rows_between_posts(self) -> dict:
+        """rows(), taken SURVEY_SLICE ranks at a time: the posts that arrive meanwhile are answered between."""
+        rows: dict = {}
+        for _ in self.view.fill_rows(rows, SURVEY_SLICE):
+            await asyncio.sleep(SURVEY_PAUSE_SECONDS)
+        rows.update(self.book.rows())
+        return rows
+
     async def tick(self) -> list[dict]:
         """Once a second: liveness, cross-node expiry, forwarding (not the leader) or a judgement (the leader)."""
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
             self.saw_rank0()
         if not (self.is_leader and self.quiet()):  # a (re)started leader waits one grace period
             self._feed_liveness()
+            await asyncio.sleep(SURVEY_PAUSE_SECONDS)  # the posts meanwhile first: the leader's judgement follows
         self.sidecar.transfer.tick()  # cross-node instances expire by time, also once the run stopped
         if self.is_leader and not self.sidecar.transfer.leading:
             self.sidecar.transfer.lead()  # match what the nodes forward (it may have seen rank 0's activity first)
@@ -373,9 +384,9 @@ class ActivityHub:
             return []
         if self._idle_due and not full and not gone:
             return []  # a crashed run or a pause: the whole picture once a second is enough
-        rows = self.view.rows()
-        rows.update(local)
-        survey, run = self.monitor.survey(rows), self.monitor.run_id
+        run = self.monitor.run_id
+        rows = await self.rows_between_posts()
+        survey = self.monitor.survey(rows)
         await asyncio.sleep(SURVEY_PAUSE_SECONDS)
         for _ in survey.slices():
             await asyncio.sleep(SURVEY_PAUSE_SECONDS)
@@ -709,7 +720,7 @@ def install(app: FastAPI, sidecar) -> ActivityHub:
 
     @router.get("/v1/hang", dependencies=auth)
     async def hang():
-        return JSONResponse(jsonable(hub.status()))
+        return JSONResponse(jsonable(hub.status(await hub.rows_between_posts())))
 
     app.include_router(router)
     return hub

@@ -22,7 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from msgspec.structs import replace
 
@@ -328,7 +328,15 @@ class LeaderView:
                 raise BadActivity(f"digest.rows[{i}]: rank {a.rank} is reported by node {owner!r}, not {node!r}")
 
     def rows(self) -> dict[int, Activity]:
-        now, out = self.clock(), {}
+        out: dict[int, Activity] = {}
+        for _ in self.fill_rows(out):
+            pass
+        return out
+
+    def fill_rows(self, out: dict[int, Activity], slice_ranks: int | None = None) -> Iterator[None]:
+        """rows() into `out`, yielding after every `slice_ranks` ranks or so: the leader's loop answers posts
+        between (at 16,384 ranks the whole took 5-7 ms at once). The nodes as they were at the first step."""
+        now, taken = self.clock(), 0
         for seen, rows in list(self.nodes.values()):
             stale = now - seen > self.grace_seconds
             for a in rows:
@@ -337,7 +345,10 @@ class LeaderView:
                     if stale and a.state in (RankState.RUNNING, RankState.SILENT)
                     else a
                 )
-        return out
+            taken += len(rows)
+            if slice_ranks is not None and taken >= slice_ranks:
+                taken = 0
+                yield
 
     def liveness(self) -> dict[int, bool]:
         """rank -> up, as rows() reads: running in its node's latest digest is up, any other state down,

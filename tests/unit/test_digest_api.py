@@ -236,6 +236,37 @@ def test_the_leader_answers_posts_between_the_slices_of_its_survey(tmp_path, mon
     assert ran_before_judged[0] >= 2  # the other task ran between the slices (the leader's posts, in the sidecar)
 
 
+def test_the_leader_takes_every_ranks_row_between_posts(tmp_path, monkeypatch):
+    """The judgement's and GET /v1/hang's picture of every rank (5-7 ms at once at 16,384 ranks, and the
+    slowest digests of the hung phase waited on it) is taken SURVEY_SLICE ranks at a time, other work between."""
+    import parwatch.sidecar.activity_api as activity_api
+
+    monkeypatch.setattr(activity_api, "SURVEY_SLICE", 1)
+    leader, lsc, clock = _client(tmp_path, "leader")
+    hub = lsc.activity
+    body = {"version": 1, "run_id": "r1", "time": clock.t, "layout": [1, 2, 1]}
+    for rank in (0, 1):
+        row = [rank, "running", "backward", None, None, None, None, clock.t, 3, 0.1, 10_000 + rank, f"n{rank}"]
+        digest = {**body, "node": f"n{rank}:9401", "rows": [[*row, rank, 0, 0, clock.t, clock.t]]}
+        assert leader.post("/v1/digest", json=digest).json() == {"ok": True}
+    other_ran = []
+
+    async def beside_other_work():
+        async def other():
+            while True:
+                other_ran.append(1)
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        rows = await hub.rows_between_posts()
+        task.cancel()
+        return rows
+
+    assert asyncio.run(beside_other_work()) == hub.rows() and set(hub.rows()) == {0, 1}
+    assert len(other_ran) >= 2  # one node's rows, the other's: the loop ran between
+    assert leader.get("/v1/hang").json()["rank_states"] == {"running": 2}
+
+
 def test_the_leaders_loop_asks_right_at_the_decision_line(tmp_path):
     leader, lsc, clock = _client(tmp_path, "leader")
     hub = lsc.activity
