@@ -17,6 +17,16 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 if [ "${1:-}" = "test" ]; then
+  # Schemathesis (tests/integration/test_schemathesis.py) in a venv of its own: its pins clash with ours.
+  # Made beside the steps below (11 s from a fresh clone, most of it waiting on PyPI), waited for at the end.
+  mkdir -p .tools
+  schemathesis_venv() {
+    if [ ! -x .tools/schemathesis/bin/python ] || ! .tools/schemathesis/bin/python -c "import schemathesis" 2>/dev/null; then
+      "$PY" -m venv .tools/schemathesis && .tools/schemathesis/bin/python -m pip install --quiet "schemathesis==4.32.5"
+    fi
+  }
+  schemathesis_venv > .tools/schemathesis.log 2>&1 &
+  schemathesis_pid=$!
   "$PY" -m pip install --quiet -e '.[test]'
   # DeepSpeed's CPU comm op, built once into .tools/torch_extensions (the tests' TORCH_EXTENSIONS_DIR),
   # not by the first DeepSpeed test (tests/deepspeed_op.py): 27-29 s from a fresh clone, 44 s of CPU,
@@ -24,7 +34,6 @@ if [ "${1:-}" = "test" ]; then
   # run; a DeepSpeed start meanwhile waits on the build's lock, then loads what it built. In a session
   # of its own (setsid), so neither a failing step here nor a Ctrl-C kills it midway: a build killed
   # midway leaves the lock every later start waits on (tests/conftest.py names one older than a build).
-  mkdir -p .tools
   setsid "$PY" -m tests.deepspeed_op > .tools/deepspeed_op.log 2>&1 < /dev/null &
   echo "DeepSpeed's CPU comm op: building in the background (log: .tools/deepspeed_op.log)"
   # victoria-metrics brings victoria-metrics and vmalert: the agent -> VictoriaMetrics path
@@ -40,10 +49,10 @@ if [ "${1:-}" = "test" ]; then
   # --- Slurm (tests/integration/test_slurm.py starts its own slurmctld + slurmd with scripts/slurm_local.sh) ---
   bash scripts/slurm_local.sh install
   # --- end Slurm ---
-  # Schemathesis (tests/integration/test_schemathesis.py) in a venv of its own: its pins clash with ours.
-  if [ ! -x .tools/schemathesis/bin/python ] || ! .tools/schemathesis/bin/python -c "import schemathesis" 2>/dev/null; then
-    "$PY" -m venv .tools/schemathesis
-    .tools/schemathesis/bin/python -m pip install --quiet "schemathesis==4.32.5"
+  if ! wait "$schemathesis_pid"; then
+    cat .tools/schemathesis.log >&2
+    echo "setup: the schemathesis venv (.tools/schemathesis) failed; its log is above" >&2
+    exit 1
   fi
 else
   "$PY" -m pip install --quiet -e .
