@@ -97,7 +97,7 @@ def create_metrics_app(sidecar: Sidecar) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        body, content_type = exposition(sidecar.registry, sidecar.rank_gauges, request.headers.get("accept", ""))
+        body, content_type = await exposition(sidecar.registry, sidecar.rank_gauges, request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
 
     return app

@@ -11,6 +11,7 @@ A test holds them byte-equal to prometheus_client's own rendering of the same va
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 
 from prometheus_client.exposition import choose_encoder
@@ -59,12 +60,44 @@ class RankGauge:
         return b"".join(out)
 
 
-def exposition(registry: CollectorRegistry, gauges: Mapping[str, RankGauge], accept: str) -> tuple[bytes, str]:
-    """/metrics: the registry in the format `accept` asks for, with the per-rank gauges. (body, content type)"""
+SAMPLES_PER_TURN = 200
+"""Samples /metrics renders before the loop takes its next turn: a node's 64 ranks are ~2,000 samples, and
+rendered at once (14 ms idle, 27-56 ms beside the ranks' posts) every post that arrived meanwhile waited."""
+
+
+class _Families:
+    """Some families the registry collected, as an encoder takes them (anything with collect())."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+async def exposition(
+    registry: CollectorRegistry, gauges: Mapping[str, RankGauge], accept: str, samples_per_turn: int = SAMPLES_PER_TURN
+) -> tuple[bytes, str]:
+    """/metrics: the registry in the format `accept` asks for, with the per-rank gauges. (body, content type)
+    Rendered SAMPLES_PER_TURN samples at a time, the ranks' posts answered between: the collectors read whole
+    values (sidecar/exporter.py), so a scrape may be interleaved with ingests."""
     encoder, content_type = choose_encoder(accept)
-    body = encoder(registry)
     openmetrics = content_type.startswith("application/openmetrics-text")
-    ranks = b"".join(g.render(openmetrics) for g in gauges.values())
-    if openmetrics and body.endswith(_EOF):
-        return body[: -len(_EOF)] + ranks + _EOF, content_type
-    return body + ranks, content_type
+    parts: list[bytes] = []
+    batch: list = []
+    samples = 0
+
+    def render() -> None:
+        body = encoder(_Families(batch))
+        parts.append(body[: -len(_EOF)] if openmetrics and body.endswith(_EOF) else body)
+
+    for family in registry.collect():
+        batch.append(family)
+        samples += len(family.samples)
+        if samples >= samples_per_turn:
+            render()
+            batch, samples = [], 0
+            await asyncio.sleep(0)
+    render()
+    parts += (g.render(openmetrics) for g in gauges.values())
+    return b"".join(parts) + (_EOF if openmetrics else b""), content_type

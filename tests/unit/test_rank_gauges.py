@@ -4,6 +4,8 @@ places them inside the exposition (before OpenMetrics' # EOF)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
@@ -67,14 +69,47 @@ def test_the_exposition_holds_registry_and_rank_gauges_in_either_format():
         "up": RankGauge("parwatch_rank_up", lambda: VALUES),
         "none": RankGauge("parwatch_rank_state", lambda: None),
     }
-    body, content_type = exposition(registry, gauges, "")
+    body, content_type = asyncio.run(exposition(registry, gauges, ""))
     assert content_type.startswith("text/plain; version=0.0.4")
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     assert set(families) == {"parwatch_hang_detected", "parwatch_rank_up"}
     assert {int(s.labels["rank"]): s.value for s in families["parwatch_rank_up"].samples} == {
         r: float(v) for r, v in VALUES.items()
     }
-    body, content_type = exposition(registry, gauges, "application/openmetrics-text;version=1.0.0")
+    body, content_type = asyncio.run(exposition(registry, gauges, "application/openmetrics-text;version=1.0.0"))
     assert content_type.startswith("application/openmetrics-text") and body.endswith(b"\n# EOF\n")
     families = {f.name: f for f in parse_openmetrics(body.decode())}  # the parser refuses anything after # EOF
     assert len(families["parwatch_rank_up"].samples) == len(VALUES)
+
+
+@pytest.mark.parametrize("accept", ["", "application/openmetrics-text;version=1.0.0"])
+def test_the_registry_is_rendered_a_few_samples_at_a_time_with_the_loop_running_between(accept):
+    """A node's /metrics (~2,000 samples at 64 ranks) held its loop 14-56 ms at once, and the ranks' posts
+    meanwhile waited: it is rendered SAMPLES_PER_TURN samples at a time, the same bytes as at once."""
+    registry = CollectorRegistry(auto_describe=False)
+    for name in ("parwatch_hang_detected", "parwatch_rank_up", "parwatch_rank_state"):
+        registry.register(_Reference(name, VALUES))
+    gauges = {"up": RankGauge("parwatch_rank_up", lambda: VALUES)}
+    other_ran = []
+
+    async def beside_other_work(samples_per_turn):
+        async def other():
+            while True:
+                other_ran.append(samples_per_turn)
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        ran_before = len(other_ran)
+        out = await exposition(registry, gauges, accept, samples_per_turn)
+        task.cancel()
+        return out, len(other_ran) - ran_before
+
+    (whole, content_type), turns_whole = asyncio.run(beside_other_work(10_000))
+    (sliced, _), turns_sliced = asyncio.run(beside_other_work(len(VALUES)))
+    assert sliced == whole and turns_whole == 0 and turns_sliced >= 2  # a turn after each of the first two families
+    encode = generate_openmetrics if accept else generate_latest
+    registry_alone = encode(registry).removesuffix(b"# EOF\n")
+    assert whole == registry_alone + RankGauge("parwatch_rank_up", lambda: VALUES).render(bool(accept)) + (
+        b"# EOF\n" if accept else b""
+    )
