@@ -61,8 +61,8 @@ class RankGauge:
 
 
 SAMPLES_PER_TURN = 200
-"""Samples /metrics renders before the loop takes its next turn: a node's 64 ranks are ~2,000 samples, and
-rendered at once (14 ms idle, 27-56 ms beside the ranks' posts) every post that arrived meanwhile waited."""
+"""Samples /metrics renders before the loop takes its next turn: a node's 64 ranks are ~2,000 samples, which
+rendered at once held the loop 11-17 ms, and every post that arrived meanwhile waited (docs/benchmarks.md)."""
 
 
 class _Families:
