@@ -18,6 +18,7 @@ from parwatch.wire.activity import ActivityPost
 from parwatch.wire.codec import parse
 from parwatch.wire.steps import StepSummary
 from tests.fixtures import synthetic as syn
+from tests.loop_turns import run_beside_other_work
 
 
 class Clock:
@@ -220,18 +221,7 @@ def test_the_leader_answers_posts_between_the_slices_of_its_survey(tmp_path, mon
         hub.monitor, "check", lambda *a, **kw: ran_before_judged.append(len(other_ran)) or check(*a, **kw)
     )
 
-    async def judge_beside_other_work():
-        async def other():
-            while True:
-                other_ran.append(1)
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(other())
-        records = await hub.judge()
-        task.cancel()
-        return records
-
-    [record] = asyncio.run(judge_beside_other_work())
+    [record] = run_beside_other_work(hub.judge, other_ran)
     assert record["rule"] == "hang" and record["evidence"]["culprit"]["rank"] == 1
     assert ran_before_judged[0] >= 2  # the other task ran between the slices (the leader's posts, in the sidecar)
 
@@ -249,20 +239,8 @@ def test_the_leader_takes_every_ranks_row_between_posts(tmp_path, monkeypatch):
         row = [rank, "running", "backward", None, None, None, None, clock.t, 3, 0.1, 10_000 + rank, f"n{rank}"]
         digest = {**body, "node": f"n{rank}:9401", "rows": [[*row, rank, 0, 0, clock.t, clock.t]]}
         assert leader.post("/v1/digest", json=digest).json() == {"ok": True}
-    other_ran = []
-
-    async def beside_other_work():
-        async def other():
-            while True:
-                other_ran.append(1)
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(other())
-        rows = await hub.rows_between_posts()
-        task.cancel()
-        return rows
-
-    assert asyncio.run(beside_other_work()) == hub.rows() and set(hub.rows()) == {0, 1}
+    other_ran: list = []
+    assert run_beside_other_work(hub.rows_between_posts, other_ran) == hub.rows() and set(hub.rows()) == {0, 1}
     assert len(other_ran) >= 2  # one node's rows, the other's: the loop ran between
     assert leader.get("/v1/hang").json()["rank_states"] == {"running": 2}
 

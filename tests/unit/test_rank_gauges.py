@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from parwatch.catalog import metric
 from parwatch.sidecar.rank_gauges import RankGauge, exposition
+from tests.loop_turns import run_beside_other_work
 
 VALUES = {3: 2, 0: 1.0, 1: True, 10: 0, 7: 3.0, 100_000: False}
 
@@ -90,24 +91,12 @@ def test_the_registry_is_rendered_a_few_samples_at_a_time_with_the_loop_running_
     for name in ("parwatch_hang_detected", "parwatch_rank_up", "parwatch_rank_state"):
         registry.register(_Reference(name, VALUES))
     gauges = {"up": RankGauge("parwatch_rank_up", lambda: VALUES)}
-    other_ran = []
-
-    async def beside_other_work(samples_per_turn):
-        async def other():
-            while True:
-                other_ran.append(samples_per_turn)
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        ran_before = len(other_ran)
-        out = await exposition(registry, gauges, accept, samples_per_turn)
-        task.cancel()
-        return out, len(other_ran) - ran_before
-
-    (whole, content_type), turns_whole = asyncio.run(beside_other_work(10_000))
-    (sliced, _), turns_sliced = asyncio.run(beside_other_work(len(VALUES)))
-    assert sliced == whole and turns_whole == 0 and turns_sliced >= 2  # a turn after each of the first two families
+    turns_whole: list = []
+    turns_sliced: list = []
+    whole, _ = run_beside_other_work(lambda: exposition(registry, gauges, accept, 10_000), turns_whole)
+    sliced, _ = run_beside_other_work(lambda: exposition(registry, gauges, accept, len(VALUES)), turns_sliced)
+    # No turn when rendered at once; a turn after each of the first two families when sliced.
+    assert sliced == whole and not turns_whole and len(turns_sliced) >= 2
     encode = generate_openmetrics if accept else generate_latest
     registry_alone = encode(registry).removesuffix(b"# EOF\n")
     assert whole == registry_alone + RankGauge("parwatch_rank_up", lambda: VALUES).render(bool(accept)) + (
