@@ -309,10 +309,10 @@ class ActivityHub:
         if run_id == self._run_id:
             same_layout(self._layout, layout, where)
 
-    def status(self, rows: dict | None = None) -> dict:
-        """GET /v1/hang's answer; `rows`: the picture's rows when taken already (rows_between_posts())."""
+    def status(self, rows: dict) -> dict:
+        """GET /v1/hang's answer; `rows`: every rank's row (rows_between_posts())."""
         m = self.monitor
-        counts = m.state_counts(self.rows() if rows is None else rows)
+        counts = m.state_counts(rows)
         return {
             "leader": self.is_leader,
             "node": self.node,

@@ -210,7 +210,7 @@ def test_a_server_whose_port_was_taken_starts_on_another(tmp_path, monkeypatch):
             picked.append(real() if picked else taken.getsockname()[1])
             return picked[-1]
 
-        monkeypatch.setitem(serving.__wrapped__.__globals__, "free_port", pick)  # type: ignore[attr-defined]
+        monkeypatch.setitem(globals(), "free_port", pick)  # what serving() calls
         argv = lambda port: [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]  # noqa: E731
         with serving(argv, tmp_path / "server.log", "/") as port:
             assert picked == [taken.getsockname()[1], port], picked

@@ -158,7 +158,7 @@ def test_leader_names_a_hang_within_the_bound_of_the_ranks_step_boundary(tmp_pat
         )
 
     reports()
-    assert hub.status()["stalled_seconds"] == pytest.approx(1.6)
+    assert hub.status(hub.rows())["stalled_seconds"] == pytest.approx(1.6)
     assert _next_ask(hub) == JUDGE_EVERY_SECONDS  # the line (the bound) is 8.4 s away
     decided = None
     while decided is None and clock.t < boundary + 12:
