@@ -23,6 +23,7 @@ import time
 from typing import TextIO
 
 from parwatch.collector.evidence import flight_recorder, open_chain, python_stacks, span_rows
+from parwatch.thread_names import daemon_thread
 from parwatch.vocabulary import RankState, SpanKind
 from parwatch.wire.activity import BUSY_KINDS, MAX_PEERS_SENT, ActivityPost, ActivityReport, ReportState
 from parwatch.wire.bounds import CONTROL_CHARS, MAX_ERROR_CHARS, MAX_TIME
@@ -292,7 +293,7 @@ class ActivityReporter:
             self._register_stack_dump()
         if self.url and self._thread is None:
             self._client()  # build the HTTP client (and its TLS context) now, at attach time, not mid-run
-            self._thread = threading.Thread(target=self._run, name="parwatch-activity", daemon=True)
+            self._thread = daemon_thread(self._run, "parwatch-activity")
             self._thread.start()
         return self
 

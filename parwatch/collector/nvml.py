@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Any
 
+from parwatch.thread_names import daemon_thread
 from parwatch.wire.steps import Gpu
 
 log = logging.getLogger("parwatch.collector")
@@ -67,7 +68,7 @@ class NvmlSampler:
     def start(self) -> NvmlSampler:
         """Initialise NVML and start the sampling thread; on any failure stay absent."""
         if self.open():
-            self._thread = threading.Thread(target=self._run, name="parwatch-nvml", daemon=True)
+            self._thread = daemon_thread(self._run, "parwatch-nvml")
             self._thread.start()
         return self
 

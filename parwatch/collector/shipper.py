@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from parwatch.thread_names import daemon_thread
 from parwatch.vocabulary import jsonable
 from parwatch.wire.bounds import SCHEMA_VERSION
 from parwatch.wire.steps import GlobalView, OutcomeRecord, StepCheckRecord, StepSummary
@@ -174,7 +175,7 @@ class Shipper:
             # first post, it held the GIL long enough to stretch a training step (docs/benchmarks.md).
             import httpx  # noqa: F401
         if self.enabled and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="parwatch-shipper", daemon=True)
+            self._thread = daemon_thread(self._run, "parwatch-shipper")
             self._thread.start()
         return self
 

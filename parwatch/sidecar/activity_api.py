@@ -344,7 +344,9 @@ class ActivityHub:
         return rows
 
     async def tick(self) -> list[dict]:
-        """Once a second: liveness, cross-node expiry, forwarding (not the leader) or a judgement (the leader)."""
+        """Once a second: this node's ranks' waits for a CPU, liveness, cross-node expiry, forwarding (not the
+        leader) or a judgement (the leader)."""
+        await asyncio.to_thread(self.book.cpu_waits.sample)  # /proc reads, off the loop: ~0.1 ms a rank
         if not self.is_leader and self.sidecar.store.ranks.get(0) is not None:
             self.saw_rank0()
         if not (self.is_leader and self.quiet()):  # a (re)started leader waits one grace period

@@ -28,6 +28,7 @@ from msgspec.structs import replace
 
 from parwatch.rank_layout import DEFAULT_ORDER, LayoutError, RankLayout, cached_layout
 from parwatch.sidecar.claims import CLOCK_SKEW_SECONDS
+from parwatch.sidecar.cpu_wait import CpuWaits
 from parwatch.sidecar.exits import ProcessExits
 from parwatch.sidecar.hang import ENDED
 from parwatch.sidecar.observations import rank_key
@@ -155,6 +156,7 @@ class NodeBook:
         hostname: str | None = None,
         alive: Callable[[int], bool] = pid_alive,
         exits: ProcessExits | None = None,
+        cpu_waits: CpuWaits | None = None,
     ):
         self.clock = clock
         self.silent_seconds = silent_seconds
@@ -162,6 +164,8 @@ class NodeBook:
         self._alive = alive
         self.exits = exits
         """When this node's rank processes ended (None: the pid check alone)."""
+        self.cpu_waits = cpu_waits if cpu_waits is not None else CpuWaits(clock)
+        """How long this node's ranks waited for a CPU lately (their rows' cpu_wait)."""
         self.run_id: str | None = None
         self.layout: RankLayout | None = None
         self.latest: dict[int, tuple[Activity, float]] = {}
@@ -174,6 +178,7 @@ class NodeBook:
             self.layout = None
             if self.exits is not None:
                 self.exits.forget()
+            self.cpu_waits.forget()
         same_layout(self.layout, layout, "activity [tp, pp, dp]")
         self.layout = layout
         previous = self.latest.get(a.rank)
@@ -185,7 +190,7 @@ class NodeBook:
                 self.exits.watch(a.pid)
 
     def rows(self) -> dict[int, Activity]:
-        """Every rank with its liveness judged now."""
+        """Every rank with its liveness judged now, and a running one of this host with its wait for a CPU."""
         now = self.clock()
         out = {}
         for rank, (a, seen) in list(self.latest.items()):
@@ -198,6 +203,8 @@ class NodeBook:
                     state = RankState.GONE
                 elif now - seen > self.silent_seconds:
                     state = RankState.SILENT if local else RankState.GONE  # another host's pid cannot be checked here
+                if state != RankState.GONE and local and (waited := self.cpu_waits.waited(a)) is not None:
+                    a = replace(a, cpu_wait=waited[0], span_cpu_wait=waited[1])  # alive: running, or silent (late)
             out[rank] = a if state == a.state else replace(a, state=state, ended=ended)
         return out
 

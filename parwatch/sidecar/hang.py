@@ -67,6 +67,9 @@ MAX_REPORT_LATENCY_SECONDS = 2.0
 """Longest a rank's activity sample takes to reach the leader: it waits up to one digest tick (1 s)
 at its node's sidecar, then an HTTP post; 1 s of margin. It bounds how far a rank's clock can move
 a stall's start (Progress.boundary_time)."""
+MAX_STARVED_SHARE = 0.75
+"""At most this share of a stall is put down to its culprit waiting for a CPU (Activity.cpu_wait), so a rank
+hung on a starved host, spinning, is still named: by 1 / (1 - this) = 4 times the bound at the latest."""
 JUDGE_EVERY_SECONDS = 0.25
 """The leader tests for a stall this often (two numbers; the whole picture only when due), and also
 right when a stall reaches its bound (`seconds_until_due`)."""
@@ -662,6 +665,22 @@ def _state_value(state: str) -> int:
     )
 
 
+def _starved(rows: Mapping[int, Activity], found: dict, window: float) -> float | None:
+    """The seconds of the stall judged (`window`: since the boundary, or since the culprit entered its span)
+    that the culprit, or a rank it waits on (a peer it waits for, a transport stall's other end), spent
+    waiting for a CPU, at most MAX_STARVED_SHARE of it; None where their nodes could not tell. A node counts
+    a rank's wait since its boundary and since it entered its open span (Activity.cpu_wait, span_cpu_wait):
+    the culprit's in its span (what it waited before it blocked there is no part of the window), the others'
+    since the boundary (they move from span to span while the culprit waits for them)."""
+    culprit = rows.get(found["culprit"])
+    told = [culprit.span_cpu_wait] if culprit is not None else []
+    told += [a.cpu_wait for r in found["kind_waits_on"] if (a := rows.get(r)) is not None]
+    waits = [w for w in told if w is not None]  # set by its node for a live process only
+    if not waits:
+        return None
+    return min(max(waits), MAX_STARVED_SHARE * window)
+
+
 class HangMonitor:
     """The leader's hang/crash judgement: `due` asked every `every` seconds, `check` when due.
 
@@ -1005,16 +1024,19 @@ class HangMonitor:
         a = rows.get(rank)
         busy = a.busy if a is not None and a.state == RankState.RUNNING else None
         in_span = self._still_for(rows, a, found["kind"], now) if a is not None else None
-        in_span = stalled if in_span is None else in_span
+        window = stalled if in_span is None else min(stalled, in_span)
+        cpu_wait = _starved(rows, found, window)
+        starved = cpu_wait or 0.0
         if self.hang is None and (
-            busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(min(stalled, in_span))
+            busy and not self._busy_past(now) or not busy and not self.stalled_past_bound(window - starved)
         ):
             # In a checkpoint save or an eval pass: busy, not stalled, until its own bound; or out of one a
             # moment ago, the stall counted from then; or the rank the others wait for entered its current
-            # span less than the bound ago: a slow step, still moving, not a stall.
+            # span less than the bound ago: a slow step, still moving, not a stall; or it spent enough of
+            # the stall waiting for a CPU that the rest is under the bound: a starved host, still moving.
             self.busy = {"rank": rank, "busy": busy, "since": a.busy_since} if busy and a else None
             if not busy and self.stalled_past_bound(stalled):
-                self.held_until = now + self.decision_line() - in_span
+                self.held_until = now + self.decision_line() - (window - starved)
             return records
         self.busy = None
         lost = coverage.nodes_missing if coverage is not None else []
@@ -1022,7 +1044,7 @@ class HangMonitor:
             records.append(self._node_lost(rows, rank, lost, stalled, coverage))
             return records
         if self.hang is None and (a is None or a.state not in (*ENDED, RankState.DONE)):
-            record = self._hang_record(found, a, busy, now, stalled, bound, stale, coverage)
+            record = self._hang_record(found, a, busy, now, stalled, bound, stale, coverage, cpu_wait)
             self.hang = record
             records.append(record)
         return records
@@ -1065,6 +1087,7 @@ class HangMonitor:
         bound: float,
         stale: int,
         coverage: Coverage | None,
+        cpu_wait: float | None = None,
     ) -> dict:
         rank = found["culprit"]
         waiting = found["waiting"]
@@ -1075,6 +1098,8 @@ class HangMonitor:
             what = f"the ranks it sees wait for rank {rank}, of which it has no current report"
         since = self.progress.since_boundary(now)
         judged = f"busy in {busy} past its bound {self.progress.busy_bound():.0f} s" if busy else f"bound {bound:.3g} s"
+        if cpu_wait and not busy:
+            judged += f"; {cpu_wait:.2f} s of it waiting for a CPU, not counted"
         reason = (
             f"hang ({_KIND_TEXT.get(found['kind'], 'unseen')}): no step boundary for {since:.2f} s "
             f"({judged}); {what}; {len(waiting)} ranks wait for it" + _coverage_text(coverage)
@@ -1098,6 +1123,7 @@ class HangMonitor:
             last_step=self.progress.step,
             stale_ranks=stale,
             coverage=coverage,
+            cpu_wait_seconds=None if cpu_wait is None or busy else round(cpu_wait, 3),
         )
         action = RuleAction.ALERT
         if self.settings.requeue and self.requeue is not None:

@@ -94,6 +94,8 @@ class Activity(Struct, array_like=True, frozen=True, gc=False):
         None  # CUDA: the device has not passed one piece of work since then (event queries)
     )
     device_kind: Text | None = None  # the span kind of that work
+    cpu_wait: Seconds | None = None  # how long it waited for a CPU since step_end (its node reads it: cpu_wait.py)
+    span_cpu_wait: Seconds | None = None  # ... since the later of step_end and since (when it entered its span)
 
 
 class ActivityReport(Struct, kw_only=True):

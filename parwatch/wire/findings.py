@@ -168,6 +168,9 @@ class HangEvidence(Struct, kw_only=True):
     """Running ranks whose report predates the stall (judged with what there was)."""
     coverage: Coverage | None
     """What the leader saw."""
+    cpu_wait_seconds: float | None = None
+    """Of the stall judged, the seconds the culprit waited for a CPU, not counted against the bound (None: its
+    node could not tell)."""
     requeue: Requeue | UnsetType = UNSET
     """The Slurm job's requeue budget (the leader requeues on a hang)."""
     bundle: str | UnsetType = UNSET
