@@ -10,13 +10,13 @@ a starved step's delay: docs/benchmarks.md). So the rank's threads' waits are su
 (named parwatch-*: parwatch/thread_names.py), which wake once a second in a hung rank too and wait on a
 loaded host.
 
-The sidecar's tick samples the ranks asked about once a second, in a worker thread (a torch rank has ~15
-threads: ~0.1 ms a rank, off the event loop), right before its digest; a row's wait since its boundary is
-read from those samples, since its last boundary and since it entered its open span (the window a stall
-that names it is judged over: what it waited before it blocked in a span is no part of it), each moment
-placed between the samples around it. The node puts it in its digest row (Activity.cpu_wait) and the leader judges a
-stall without it, within a cap (sidecar/hang.py). Where the files cannot be read (another pid namespace, a
-kernel without schedstats) nothing is reported, and a stall is judged in full, as before.
+The sidecar's tick samples its ranks once a second, right before its digest, in a worker thread (two small
+reads a thread: ~0.2 ms for a torch rank's ~15 threads, off the event loop). A row's waits are read from
+those samples: since the rank's last boundary (Activity.cpu_wait) and since it entered its open span
+(span_cpu_wait: what it waited before it blocked in a span is no part of a stall that names it), each
+moment placed between the samples around it. The leader judges a stall without them, within a cap
+(sidecar/hang.py). Where the files cannot be read (another pid namespace, a kernel without schedstats)
+nothing is reported, and a stall is judged in full, as before.
 """
 
 from __future__ import annotations

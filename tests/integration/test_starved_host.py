@@ -30,7 +30,7 @@ BOUND_S = HangSettings.min_seconds
 def test_a_healthy_run_on_a_starved_core_is_slow_not_hung(tmp_path):
     with on_one_core(), running_sidecar(tmp_path / "state") as sidecar:
         with running_trainer(
-            sidecar.control_url, tmp_path / "run", 60, "--tp", "2", "--pp", "2", *token_args(sidecar), nproc=4
+            sidecar.control_url, tmp_path / "run", 40, "--tp", "2", "--pp", "2", *token_args(sidecar), nproc=4
         ) as run:
             wait_until(lambda: len(run.summaries(0)) >= 10, "10 steps before the starvation", timeout=120)
             with spinning(SPINNERS):
