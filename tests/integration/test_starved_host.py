@@ -19,8 +19,10 @@ from tests.integration.e2e_util import decision_records, running_trainer, token_
 from tests.sidecar_process import running_sidecar
 from tests.starving import on_one_core, spinning
 
-# In the lane (beside_serial): it starves its own core, which the lane has to itself, on purpose.
-pytestmark = [pytest.mark.beside_serial, pytest.mark.integration, pytest.mark.timeout(300)]
+# Serial: it starves a core on purpose. In the lane, beside the serial phase on the other core, two CIs in a row
+# (b40bb8e, 7e4c289) had a serial figure off its bar (a timing re-run; the ledger against the profiler, 2.48 pp
+# against 2): the two cores of this VM are not independent enough for busy loops beside a figure.
+pytestmark = [pytest.mark.serial, pytest.mark.integration, pytest.mark.timeout(300)]
 
 SPINNERS = 25
 STARVE_S = 5.0
