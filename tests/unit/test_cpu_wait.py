@@ -89,6 +89,7 @@ def test_a_nodes_rows_carry_the_wait_of_its_own_live_ranks_only():
     assert rows[2].cpu_wait is None  # another host's pid is not this node's to read
 
 
+@pytest.mark.serial  # busy loops on a core: not beside the serial figures (tests/integration/test_starved_host.py)
 @pytest.mark.skipif(run_queue_wait(os.getpid()) is None, reason="this kernel does not count run-queue waits")
 def test_the_kernel_counts_a_starved_process_wait_and_not_a_blocked_ones():
     """On one core beside three busy loops (each in a session of its own: autogroup scheduling shares a core
