@@ -16,7 +16,9 @@ again by a later one):
                     known, its slowest rank's own compute too: not only its TP waits), or some ranks'
                     compute against the rest of their stage
   slow-link         a p2p link's or a collective group's transfer is high against the other
-                    links / groups of the same role, while its ranks' compute is normal
+                    links / groups of the same role, while its ranks' compute is normal, by more than
+                    its ranks waited for a CPU beyond the other paths' ranks (a starved rank's
+                    collectives are slow with no link slow: CI on e2beeaa named a TP group so)
 A finding is kept when its excess is above both `min_seconds` per step and `rel` (compute) or
 `rel_small` (data, transfers) x the peers' median, and costs at least `min_ratio` (10%) of the step.
 
@@ -32,6 +34,7 @@ the scheduling noise of a shared host is not.
 
 from __future__ import annotations
 
+import math
 import statistics
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -53,6 +56,9 @@ class RankFigures:
     """Compute less the rank's own TP collectives nested in it (their waits for a slow peer included): what
     it computed itself. A slow TP rank makes its whole stage slow (its peers wait inside their compute);
     this figure tells which one it is. None when its summaries carry no instance records."""
+    cpu_wait_seconds: float | None = None
+    """Seconds per step its threads waited for a CPU (runnable, not running: the node reads the kernel's count,
+    sidecar/cpu_wait.py); None where the node cannot read it."""
 
 
 @dataclass(frozen=True)
@@ -445,20 +451,27 @@ def attribute(
                 floor,
             )
 
-    # 4. links and groups: against the other paths of the same role.
+    # 4. links and groups: against the other paths of the same role, less what their ranks waited for a CPU
+    # beyond those paths' ranks (a starved member arrives and answers late: its instances are slower, no link is).
     roles: dict[tuple, list[PathFigures]] = {}
     for p in paths:
         roles.setdefault((p.group, p.kind), []).append(p)
     base_of: dict[int, float] = {}  # id(path) -> its role peers' median
+    starved_of: dict[int, float] = {}  # id(path) -> its ranks' wait for a CPU over its role peers' median
+    wait_of = {r.rank: r.cpu_wait_seconds for r in ranks}
     for role in roles.values():
         base_of.update(zip(map(id, role), leave_one_out_medians([q.transfer_seconds for q in role])))
+        waits = [sum(math.nan if (w := wait_of.get(r)) is None else w for r in q.ranks) for q in role]
+        if not any(map(math.isnan, waits)):  # every rank's wait read (none where a node cannot read its ranks')
+            starved_of.update((id(q), max(w - b, 0.0)) for q, w, b in zip(role, waits, leave_one_out_medians(waits)))
     for p in paths:
         if set(p.ranks) & explained:
             continue  # its ranks are already explained (a host or a stage)
         if len(roles[(p.group, p.kind)]) < 2:
             continue  # no peers
+        starved = starved_of.get(id(p), 0.0)
         found = _stands_out(
-            p.transfer_seconds, base_of[id(p)], th, small=True, floor=th.min_seconds_per_transfer * p.count
+            p.transfer_seconds - starved, base_of[id(p)], th, small=True, floor=th.min_seconds_per_transfer * p.count
         )
         if found:
             if p.kind == "link":
@@ -471,5 +484,7 @@ def attribute(
                     {"group": p.group, "ranks": list(p.ranks)},
                     f"{p.group} group {'+'.join(map(str, p.ranks))} transfer",
                 )
+            if starved:
+                what += f" ({starved * 1000:.1f} ms more its ranks waited for a CPU, not counted)"
             keep("slow-link", where, *found, what, set())
     return sorted(findings, key=lambda f: -f.ratio)

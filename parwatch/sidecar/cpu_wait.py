@@ -17,6 +17,10 @@ those samples: since the rank's last boundary (Activity.cpu_wait) and since it e
 moment placed between the samples around it. The leader judges a stall without them, within a cap
 (sidecar/hang.py). Where the files cannot be read (another pid namespace, a kernel without schedstats)
 nothing is reported, and a stall is judged in full, as before.
+
+The same samples give each rank's wait per second lately (per_second), which the straggler attribution sets
+against a path's transfers: a starved rank's collectives are slower without any link being slow
+(guardrails/attribution.py).
 """
 
 from __future__ import annotations
@@ -81,6 +85,18 @@ class CpuWaits:
             newest = samples[-1][1]
             span = max((t for t in (a.step_end, a.since) if t is not None), default=None)
             return max(newest - _at(samples, a.step_end), 0.0), max(newest - _at(samples, span), 0.0)
+
+    def per_second(self, pid: int, seconds: float) -> float | None:
+        """Seconds process `pid` waited for a CPU per second, over about its last `seconds` (at least the span
+        of its two newest samples); None before two samples."""
+        with self._lock:
+            self._asked.add(pid)
+            samples = self._samples.get(pid)
+            if not samples or len(samples) < 2:
+                return None
+            end, newest = samples[-1]
+            start = max(min(end - seconds, samples[-2][0]), samples[0][0])
+            return (newest - _at(samples, start)) / (end - start) if end > start else None
 
     def sample(self) -> None:
         """Read every process asked about (blocking: the hub's tick runs it in a worker thread); one that cannot

@@ -10,11 +10,14 @@ oldest of them to --leader-url:
   POST /v1/instances  {"version": 1, "node": NAME, "run_id": ID,
                        "instances": [{"op", "group", "seq", "link", "members", "step",
                                       "got": [[rank, op, dur_us, bytes], ...]}, ...],
-                       "ranks": [[rank, step, stage, host, compute_s, data_s, step_s, own_compute_s], ...]}
+                       "ranks": [[rank, step, stage, host, compute_s, data_s, step_s, own_compute_s], ...],
+                       "cpu_waits": [[rank, step, seconds], ...]}
 
 at most MAX_FORWARD_HALVES instances, MAX_FORWARD_MEMBERS members listed in all, and
 MAX_FORWARD_RANK_ROWS rank rows a post (parwatch/wire/bodies.py); the rest wait in the node's bounded outbox.
-The rank rows let the leader's straggler attribution see every rank, not only its own node's. Durations only: no clock needs to agree across nodes.
+The rank rows let the leader's straggler attribution see every rank, not only its own node's; `cpu_waits`
+(apart, so that a leader older than the field still takes the rows) how long each rank waited for a CPU in
+those steps, where the node could read it. Durations only: no clock needs to agree across nodes.
 
 The leader validates the body like any other (token, body size, bounds: 422 naming the field,
 and every rank inside the run's world), ignores another run's, and merges the members into its
@@ -68,7 +71,8 @@ def to_wire(entries: list[Pending], rows: list[tuple], node: str, run_id: str) -
         "node": node,
         "run_id": run_id,
         "instances": out,
-        "ranks": [list(r) for r in rows],
+        "ranks": [list(r[:8]) for r in rows],
+        "cpu_waits": [[r[0], r[1], r[8]] for r in rows if r[8] is not None],
     }
 
 
@@ -91,7 +95,11 @@ def from_wire(body: InstancesForward, world: int) -> tuple[list[Pending], list[t
     for i, row in enumerate(body.ranks):
         if row[0] >= world:
             _outside(("body", "ranks", i, 0), row[0], world)
-    return entries, [tuple(r) for r in body.ranks]
+    for i, row in enumerate(body.cpu_waits):
+        if row[0] >= world:
+            _outside(("body", "cpu_waits", i, 0), row[0], world)
+    waited = {(rank, step): seconds for rank, step, seconds in body.cpu_waits}
+    return entries, [(*r, waited.get((r[0], r[1]))) for r in body.ranks]
 
 
 def _outside(loc: tuple, rank: int, world: int):

@@ -275,8 +275,8 @@ class Sidecar:
                 self.store.global_view = s.global_
                 self._evaluate()
             return  # a retried post: already counted and evaluated
-        self.transfer.add(s)
         hub = getattr(self, "activity", None)
+        self.transfer.add(s, self._cpu_wait(hub, pid, s.step_seconds))
         if s.rank == 0 and hub is not None and not hub.is_leader:
             hub.saw_rank0()  # now, not at the next tick: a short run's points and gauges are the leader's from its start
         # Rank 0 sends one summary per step, so a new one carrying the fast-path view is a new
@@ -285,6 +285,13 @@ class Sidecar:
             self._evaluate()
         if self.exports is not None:
             self.exports.after_summary(s.step)
+
+    def _cpu_wait(self, hub, pid: int | None, step_seconds: float) -> float | None:
+        """Seconds a second the summary's process (proven here: a pid of this host) waited for a CPU over about
+        the attribution's window (sampled by the activity tick; None without it)."""
+        if hub is None or pid is None:
+            return None
+        return hub.book.cpu_waits.per_second(pid, self.transfer.window_steps * step_seconds)
 
     def _evaluate(self) -> None:
         obs = build_observation(self.store)

@@ -185,7 +185,8 @@ class TransferTracker:
         self.outbox: dict[tuple, Pending] = {}
         """Forwarding node: instances for the leader, oldest first (crossnode.py posts them)."""
         self.outbox_ranks: deque = deque(maxlen=MAX_OUTBOX_RANK_ROWS)
-        """Forwarding node: (rank, step, stage, host, compute, data, step seconds) rows for the leader."""
+        """Forwarding node: (rank, step, stage, host, compute, data, step, own compute, CPU wait seconds) rows for
+        the leader."""
         self.leading = False
         """This sidecar receives rank 0's summaries: it matches what the nodes forward."""
         self.local_ranks: set[int] = set()
@@ -200,7 +201,7 @@ class TransferTracker:
         """(op, group, reason) -> instances dropped unmatched."""
         self.sizes: dict[tuple[str, str], int] = {}
         self._fresh: dict[str, list] = {}  # path key -> [transfer sum, count] matched since the last observation
-        self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step_seconds)
+        self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step, own compute, CPU wait)
         self._own: dict[int, deque] = {}  # rank -> (step, own compute) of its last PAIRED_WINDOW_STEPS
         self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
         self._path_step: dict[tuple, list] = {}  # path -> [step, sum, count] being accumulated
@@ -212,12 +213,13 @@ class TransferTracker:
         self._path_order: list[tuple] = []
 
     # -- intake ---------------------------------------------------------------------------------
-    def add(self, s) -> list[Split]:
-        """Take one new summary (a parwatch.wire.steps.StepSummary); returns the instances it completed."""
+    def add(self, s, cpu_wait: float | None = None) -> list[Split]:
+        """Take one new summary (a parwatch.wire.steps.StepSummary) and its rank's wait for a CPU per second
+        lately, where its node reads it; returns the instances it completed."""
         with self._lock:  # a scrape on another thread may be building the view
-            return self._add(s)
+            return self._add(s, cpu_wait)
 
-    def _add(self, s) -> list[Split]:
+    def _add(self, s, cpu_wait: float | None) -> list[Split]:
         if s.run_id != self.run_id:
             self._reset(s.run_id)
         inst = s.instances
@@ -230,7 +232,17 @@ class TransferTracker:
         if inst is None:
             return []
         if s.step > WARMUP_STEPS:
-            row = (s.step, s.stage, inst.host, s.compute_seconds, inst.data_seconds, s.step_seconds, _own_compute(s))
+            waited = None if cpu_wait is None else cpu_wait * s.step_seconds
+            row = (
+                s.step,
+                s.stage,
+                inst.host,
+                s.compute_seconds,
+                inst.data_seconds,
+                s.step_seconds,
+                _own_compute(s),
+                waited,
+            )
             self._add_rank_row(s.rank, row)
             if self.forwarding and not self.leading:
                 self.outbox_ranks.append((s.rank, *row))
@@ -344,7 +356,7 @@ class TransferTracker:
 
     def merge(self, entries, rank_rows) -> int:
         """At the leader: another node's halves (Pending, any `first_seen`) and its ranks' attribution
-        rows ((rank, step, stage, host, compute, data, step seconds)). Returns the instances completed."""
+        rows (as outbox_ranks'). Returns the instances completed."""
         with self._lock:
             return self._merge(entries, rank_rows)
 
@@ -535,8 +547,16 @@ class TransferTracker:
             _, stage, host, *_ = row
             compute, data, period = (_median([r[k] for r in rows]) for k in (3, 4, 5))
             own = [r[6] for r in rows if r[6] is not None]
+            waited = [r[7] for r in rows if r[7] is not None]
             self._rank_figures[rank] = RankFigures(
-                rank, stage, host, compute, data, period, _median(own) if len(own) == len(rows) else None
+                rank,
+                stage,
+                host,
+                compute,
+                data,
+                period,
+                _median(own) if len(own) == len(rows) else None,
+                _median(waited) if len(waited) == len(rows) else None,
             )
 
     def _add_path_row(self, path: tuple, row: tuple) -> None:

@@ -76,6 +76,8 @@ ForwardedMember = tuple[Rank, CollectiveOp, Count, Count]
 ForwardedRankRow = tuple[Rank, Step, Rank, Host, Seconds, Seconds, Seconds, Seconds | None]
 """[rank, step, stage, host, compute seconds, data seconds, step seconds, own compute seconds or null]:
 attribution figures (own compute: compute less the rank's TP collectives; null when its records were capped)."""
+ForwardedCpuWait = tuple[Rank, Step, Seconds]
+"""[rank, step, seconds]: how long the rank's threads waited for a CPU in that step (sidecar/cpu_wait.py)."""
 
 
 class ForwardedInstance(Struct, frozen=True, kw_only=True):
@@ -110,3 +112,6 @@ class InstancesForward(Struct, frozen=True, kw_only=True):
     run_id: RunId
     instances: Annotated[list[ForwardedInstance], Meta(max_length=MAX_FORWARD_HALVES)] = field(default_factory=list)
     ranks: Annotated[list[ForwardedRankRow], Meta(max_length=MAX_FORWARD_RANK_ROWS)] = field(default_factory=list)
+    cpu_waits: Annotated[list[ForwardedCpuWait], Meta(max_length=MAX_FORWARD_RANK_ROWS)] = field(default_factory=list)
+    """The rows' ranks' waits for a CPU, where the node reads them (apart from `ranks`: an older leader still
+    takes those)."""

@@ -76,6 +76,29 @@ def test_a_slow_link_with_normal_compute():
     assert (g.cause, g.where) == ("slow-link", {"group": "tp", "ranks": [2, 3]})
 
 
+def test_a_group_slow_by_its_ranks_wait_for_a_cpu_is_no_slow_link():
+    """CI on e2beeaa: on a loaded host, a TP group's transfers were 0.23 of the step over the other group's and
+    the straggler rule named that group a slow link. What its ranks waited for a CPU beyond the run's typical rank
+    is not counted against the path; a link slow by itself (its ranks not starved) is still named."""
+    waits = {0: 0.010, 1: 0.012, 2: 0.045, 3: 0.040}  # group 2+3's ranks: 63 ms a step more than 0+1's
+
+    def starved(extra=None) -> list[RankFigures]:
+        w = {**waits, **(extra or {})}
+        return [RankFigures(r, r // 2, "h0", 0.30, 0.004, STEP, None, w[r]) for r in range(4)]
+
+    slow_group = paths(group={(2, 3): 0.06})  # +56 ms a step over the other group's 4 ms
+    assert attribute(starved(), slow_group) == []
+    (f,) = attribute(starved({2: 0.012, 3: 0.012}), slow_group)  # the same transfers, no rank starved
+    assert (f.cause, f.where) == ("slow-link", {"group": "tp", "ranks": [2, 3]})
+    (g,) = attribute(starved(), paths(group={(2, 3): 0.12}))  # slower than the waits explain: named, for the rest
+    assert g.excess_seconds == pytest.approx(0.12 - 0.063 - 0.004) and "waited for a CPU, not counted" in g.text
+    (h,) = attribute(starved(), paths(link={(2, 0): 0.081}, group={(2, 3): 0.06}))  # a slow link beside them
+    assert (h.cause, h.where) == ("slow-link", {"src": 2, "dst": 0, "group": "pp"}) and h.excess_seconds > 0.06
+    # A rank whose wait its node cannot read (another pid namespace): nothing is discounted, as before.
+    unread = [*starved()[:3], RankFigures(3, 1, "h0", 0.30, 0.004, STEP)]
+    assert causes(attribute(unread, slow_group)) == [("slow-link", {"group": "tp", "ranks": [2, 3]})]
+
+
 def test_host_contention_needs_compute_and_transfer_slow_across_the_host():
     # dp=2 over two hosts: ranks 0-3 on h0, 4-7 on h1 (stages 0,0,1,1 on each).
     hosts = {r: "h0" if r < 4 else "h1" for r in range(8)}

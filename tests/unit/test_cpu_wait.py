@@ -55,6 +55,21 @@ def test_the_wait_since_a_boundary_is_placed_between_the_samples_around_it():
     assert waits.waited(_row(step_end=102.5, since=90.0)) == pytest.approx((0.5, 0.5))  # a span open across it
 
 
+def test_the_wait_per_second_lately_is_read_over_the_asked_span_and_at_least_the_newest_two_samples():
+    reads = Reads()
+    waits = CpuWaits(reads.clock, reads.read)
+    assert waits.per_second(7, 5.0) is None  # asked: sampled from the next tick on
+    for t, waited in ((101.0, 1.0), (102.0, 1.2), (103.0, 2.2), (104.0, 3.2)):
+        reads.t, reads.waited[7] = t, waited
+        waits.sample()
+        if t == 101.0:
+            assert waits.per_second(7, 5.0) is None  # one sample: no rate yet
+    assert waits.per_second(7, 2.0) == pytest.approx(1.0)  # 102 -> 104: a second a second
+    assert waits.per_second(7, 0.5) == pytest.approx(1.0)  # shorter than the newest two: over them
+    assert waits.per_second(7, 2.5) == pytest.approx((3.2 - 1.1) / 2.5)  # from between the samples around 101.5
+    assert waits.per_second(7, 60.0) == pytest.approx(2.2 / 3.0)  # nothing older than the oldest sample: from it
+
+
 def test_a_process_that_cannot_be_read_is_no_longer_sampled_and_another_run_starts_afresh():
     reads = Reads()
     waits = CpuWaits(reads.clock, reads.read)

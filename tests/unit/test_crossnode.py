@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from test_digest_api import _Bridge  # the node-to-leader HTTP client stand-in
 from test_transfer import MS, ar, families, p2p, samples, summary
@@ -123,6 +124,35 @@ def test_a_group_spanning_nodes_completes_from_two_forwards_and_rank_rows_reach_
     figures = {r.rank: r for r in leader.rank_figures()}
     assert set(figures) == {0, 1, 2, 3} and figures[2].compute_seconds == pytest.approx(0.6)
     assert [f.key for f in leader.findings()] == ["cause=slow-compute,stage=1,ranks=2+3"]
+
+
+def test_a_node_ranks_waits_for_a_cpu_reach_the_leaders_attribution_and_an_older_nodes_rows_still_do():
+    clock = Clock()
+    node, leader = TransferTracker(clock=clock), TransferTracker(clock=clock)
+    node.forwarding = True
+    waits = {0: 0.02, 1: 0.02, 2: 0.5, 3: None}  # seconds a second; rank 3's node could not read it
+    for step in range(6, 12):
+        for rank, tracker in ((0, leader), (1, leader), (2, node), (3, node)):
+            tracker.add(summary(rank, step, [], compute=0.3), waits[rank])
+    entries, rows = node.take_outbox(100)
+    body = to_wire(entries, rows, "node1", node.run_id)
+    assert [w[0] for w in body["cpu_waits"]] == [2] * 6  # only what was read
+    leader.merge(*from_wire(parse(body, InstancesForward), world=4))
+    period = summary(0, 6, []).step_seconds
+    figures = {r.rank: r.cpu_wait_seconds for r in leader.rank_figures()}
+    assert figures == {
+        0: pytest.approx(0.02 * period),
+        1: pytest.approx(0.02 * period),
+        2: pytest.approx(0.5 * period),
+        3: None,
+    }
+    with pytest.raises(RequestValidationError) as refused:  # a rank outside the world: 422, naming the field
+        from_wire(parse({**body, "cpu_waits": [[4, 6, 0.1]]}, InstancesForward), world=4)
+    assert refused.value.errors()[0]["loc"] == ("body", "cpu_waits", 0, 0)
+    # A node older than the field sends the rows alone: taken, their waits unknown.
+    older = TransferTracker(clock=clock)
+    older.merge(*from_wire(parse({k: v for k, v in body.items() if k != "cpu_waits"}, InstancesForward), world=4))
+    assert {r.rank: r.cpu_wait_seconds for r in older.rank_figures()} == {2: None, 3: None}
 
 
 def test_the_forwarding_side_is_bounded_and_counts_what_it_could_not_send():
