@@ -95,9 +95,9 @@ def from_wire(body: InstancesForward, world: int) -> tuple[list[Pending], list[t
     for i, row in enumerate(body.ranks):
         if row[0] >= world:
             _outside(("body", "ranks", i, 0), row[0], world)
-    for i, row in enumerate(body.cpu_waits):
-        if row[0] >= world:
-            _outside(("body", "cpu_waits", i, 0), row[0], world)
+    for i, (rank, _, _) in enumerate(body.cpu_waits):
+        if rank >= world:
+            _outside(("body", "cpu_waits", i, 0), rank, world)
     waited = {(rank, step): seconds for rank, step, seconds in body.cpu_waits}
     return entries, [(*r, waited.get((r[0], r[1]))) for r in body.ranks]
 
