@@ -84,6 +84,14 @@ stage 2x the first for steps 1-7 of a healthy synthetic run on a loaded machine)
 MIN_WINDOW_STEPS = 5
 """A rank or path is judged only once it has this many steps of figures (a median of one or two
 steps is one step's noise)."""
+STARVED_FACTOR, STARVED_MIN_SHARE = 2.0, 0.05
+"""A rank is starved while it waits for a CPU more than twice its calm median share of the step and 5 points
+over it: its paths' transfers are then not judged against their own history (collective_transfer_seconds).
+Under 40 busy loops beside the campaign's ref run, collective-latency-regression called a loopback link 3.95x
+its median a degraded link (docs/benchmarks.md); its ranks' share waiting for a CPU had ~doubled."""
+WAIT_BASELINE_STEPS = 50
+"""A rank's calm wait share is its median over this many steps it was not starved (collective-latency-regression's
+window); starved this long in a row, the host's new normal is taken as calm."""
 BUSBW_INSTANCES = 256
 """Newest matched instances per (op, group) that busbw is computed over."""
 COLLECTIVE_LE = [repr(float(b)) for b in COLLECTIVE_BUCKETS]
@@ -200,7 +208,12 @@ class TransferTracker:
         self.unmatched: dict[tuple[str, str, str], int] = {}
         """(op, group, reason) -> instances dropped unmatched."""
         self.sizes: dict[tuple[str, str], int] = {}
-        self._fresh: dict[str, list] = {}  # path key -> [transfer sum, count] matched since the last observation
+        self._fresh: dict[
+            str, list
+        ] = {}  # path key -> [transfer sum, count, members] matched since the last observation
+        self._waits: dict[int, _CalmWait] = {}
+        self.starved: set[int] = set()
+        """Ranks now waiting for a CPU well beyond their calm share (STARVED_FACTOR)."""
         self._ranks: dict[int, deque] = {}  # rank -> (step, stage, host, compute, data, step, own compute, CPU wait)
         self._own: dict[int, deque] = {}  # rank -> (step, own compute) of its last PAIRED_WINDOW_STEPS
         self._paths: dict[tuple, deque] = {}  # path -> (step, transfer seconds summed over the step, instances)
@@ -447,7 +460,7 @@ class TransferTracker:
             name = self._path_names[(e.path, label)] = path_key(e.path, label, group)
         fresh = self._fresh.get(name)
         if fresh is None:
-            fresh = self._fresh[name] = [0.0, 0]
+            fresh = self._fresh[name] = [0.0, 0, e.members]
         fresh[0] += transfer  # a sum and a count: a node that never evaluates must not grow a list
         fresh[1] += 1
         step = e.first_step
@@ -509,8 +522,11 @@ class TransferTracker:
         """
         out = {}
         fresh, self._fresh = self._fresh, {}
-        if fresh:
-            out["collective_transfer_seconds"] = {k: total / n for k, (total, n) in fresh.items()}
+        if fresh:  # a starved rank's paths are slower with no link slow: not judged against their history meanwhile
+            starved = self.starved
+            out["collective_transfer_seconds"] = {
+                k: total / n for k, (total, n, members) in fresh.items() if not (starved and starved & members)
+            }
         if self._ranks:
             findings = self.findings()
             out["straggler_ratio"] = {f.key: f.ratio for f in findings} if findings else {"": 0.0}
@@ -541,6 +557,11 @@ class TransferTracker:
     def _add_rank_row(self, rank: int, row: tuple) -> None:
         rows = self._ranks.setdefault(rank, deque(maxlen=self.window_steps))
         rows.append(row)
+        waited, period = row[7], row[5]
+        if waited is not None and period > 0 and self._waits.setdefault(rank, _CalmWait()).starved(waited / period):
+            self.starved.add(rank)
+        else:
+            self.starved.discard(rank)
         if row[6] is not None:
             self._own.setdefault(rank, deque(maxlen=PAIRED_WINDOW_STEPS)).append((row[0], row[6]))
         if len(rows) >= min(MIN_WINDOW_STEPS, self.window_steps):
@@ -569,6 +590,32 @@ class TransferTracker:
                 self._path_figures[path] = PathFigures("link", "pp", (path[1], path[2]), value, count)
             else:
                 self._path_figures[path] = PathFigures("group", path[1], tuple(path[2]), value, count)
+
+
+class _CalmWait:
+    """One rank's share of the step spent waiting for a CPU: its calm median, and whether it is starved now."""
+
+    __slots__ = ("calm", "recent", "run")
+
+    def __init__(self):
+        self.calm: deque = deque(maxlen=WAIT_BASELINE_STEPS)
+        self.recent: deque = deque(maxlen=WAIT_BASELINE_STEPS)
+        self.run = 0
+
+    def starved(self, share: float) -> bool:
+        self.recent.append(share)
+        if len(self.calm) >= MIN_WINDOW_STEPS:
+            base = _median(self.calm)
+            if share > max(STARVED_FACTOR * base, base + STARVED_MIN_SHARE):
+                self.run += 1
+                if self.run < WAIT_BASELINE_STEPS:
+                    return True
+                self.calm.extend(self.recent)  # starved as long as the baseline reaches back: the new normal
+                self.run = 0
+                return False
+        self.run = 0
+        self.calm.append(share)
+        return False
 
 
 def _own_compute(s) -> float | None:

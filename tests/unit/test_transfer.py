@@ -8,7 +8,7 @@ from msgspec import to_builtins
 
 from parwatch.collector.instances import InstanceLog, InstanceSampling
 from parwatch.contract import Span
-from parwatch.sidecar.transfer import TransferTracker, transfer_families
+from parwatch.sidecar.transfer import WAIT_BASELINE_STEPS, TransferTracker, transfer_families
 from parwatch.wire.codec import parse
 from parwatch.wire.steps import COLLECTIVE_BUCKETS, Instances, StepSummary
 from tests.fixtures import synthetic as syn
@@ -151,6 +151,38 @@ def test_the_observation_series_name_each_link_and_group_once_per_new_match():
         "op=send,group=pp,src=0,dst=2": pytest.approx(1 * MS),
     }
     assert "collective_transfer_seconds" not in t.take_series()  # nothing new: the rule does not judge
+
+
+def test_a_starved_ranks_paths_are_not_judged_against_their_history_until_it_is_calm_or_this_is_its_normal():
+    """Under 40 busy loops beside the campaign's ref run, collective-latency-regression called a loopback link
+    3.95x its median a degraded link (docs/benchmarks.md): its ranks waited for a CPU, no link was slow."""
+    t = TransferTracker()
+    groups = {0: {"tp": [0, 1]}, 1: {"tp": [0, 1]}, 2: {"tp": [2, 3]}, 3: {"tp": [2, 3]}}
+    judged = []
+
+    def step(n: int, rank1_waits: float) -> None:  # seconds a second rank 1 waits for a CPU; the others 0.2
+        for rank in range(4):
+            t.add(summary(rank, n, [ar(n, 2.0)], groups[rank]), rank1_waits if rank == 1 else 0.2)
+        judged.append(sorted(t.take_series()["collective_transfer_seconds"]))
+
+    both = ["op=all_reduce,group=tp,ranks=0+1", "op=all_reduce,group=tp,ranks=2+3"]
+    for n in range(1, 16):
+        step(n, 0.2)
+    for n in range(16, 26):
+        step(n, 0.5)  # 2.5x its calm share: group 0+1 is not judged, 2+3 is
+    for n in range(26, 30):
+        step(n, 0.2)
+    assert judged[:15] == [both] * 15 and judged[15:25] == [both[1:]] * 10 and judged[25:] == [both] * 4
+    assert t.starved == set()
+    for n in range(30, 30 + WAIT_BASELINE_STEPS + 5):
+        step(n, 0.5)  # for as long as its calm share reaches back: this host's new normal
+    assert judged[29 : 29 + WAIT_BASELINE_STEPS - 1] == [both[1:]] * (WAIT_BASELINE_STEPS - 1)
+    assert judged[-5:] == [both] * 5
+    no_wait = TransferTracker()  # where the node cannot read the waits: every path judged, as before
+    for n in range(1, 20):
+        for rank in range(4):
+            no_wait.add(summary(rank, n, [ar(n, 2.0)], groups[rank]))
+        assert sorted(no_wait.take_series()["collective_transfer_seconds"]) == both
 
 
 def test_instances_with_a_member_elsewhere_are_unmatched_remote_and_lost_ones_incomplete():
