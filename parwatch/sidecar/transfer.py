@@ -208,9 +208,8 @@ class TransferTracker:
         self.unmatched: dict[tuple[str, str, str], int] = {}
         """(op, group, reason) -> instances dropped unmatched."""
         self.sizes: dict[tuple[str, str], int] = {}
-        self._fresh: dict[
-            str, list
-        ] = {}  # path key -> [transfer sum, count, members] matched since the last observation
+        # path key -> [transfer sum, count, members] matched since the last observation
+        self._fresh: dict[str, list] = {}
         self._waits: dict[int, _CalmWait] = {}
         self.starved: set[int] = set()
         """Ranks now waiting for a CPU well beyond their calm share (STARVED_FACTOR)."""
@@ -557,8 +556,12 @@ class TransferTracker:
     def _add_rank_row(self, rank: int, row: tuple) -> None:
         rows = self._ranks.setdefault(rank, deque(maxlen=self.window_steps))
         rows.append(row)
-        waited, period = row[7], row[5]
-        if waited is not None and period > 0 and self._waits.setdefault(rank, _CalmWait()).starved(waited / period):
+        cpu_wait, step_seconds = row[7], row[5]
+        if (
+            cpu_wait is not None
+            and step_seconds > 0
+            and self._waits.setdefault(rank, _CalmWait()).starved(cpu_wait / step_seconds)
+        ):
             self.starved.add(rank)
         else:
             self.starved.discard(rank)
