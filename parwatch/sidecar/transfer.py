@@ -57,6 +57,7 @@ from parwatch.guardrails.attribution import (
     median_at,
     paired_excess,
 )
+from parwatch.guardrails.checks import RollingWindow
 from parwatch.vocabulary import CollectiveOp, GroupRole
 from parwatch.wire.steps import COLLECTIVE_BUCKETS, busbw_factor
 
@@ -601,14 +602,14 @@ class _CalmWait:
     __slots__ = ("calm", "recent", "run")
 
     def __init__(self):
-        self.calm: deque = deque(maxlen=WAIT_BASELINE_STEPS)
+        self.calm = RollingWindow(WAIT_BASELINE_STEPS)  # sorted as it arrives: a median per summary is a lookup
         self.recent: deque = deque(maxlen=WAIT_BASELINE_STEPS)
         self.run = 0
 
     def starved(self, share: float) -> bool:
         self.recent.append(share)
         if len(self.calm) >= MIN_WINDOW_STEPS:
-            base = _median(self.calm)
+            base = self.calm.median()
             if share > max(STARVED_FACTOR * base, base + STARVED_MIN_SHARE):
                 self.run += 1
                 if self.run < WAIT_BASELINE_STEPS:
